@@ -1,0 +1,119 @@
+"""Engine configuration: every knob in one validated dataclass."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, asdict
+from pathlib import Path
+
+ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
+SCHEDULING_POLICIES = ("prefill_first", "balanced")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration value a user chose is not usable; the message is one line."""
+
+
+@dataclass
+class Config:
+    model: str
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 256
+    max_model_len: int = 1024
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1          # -1: derive from the memory budget
+    gpu_memory_utilization: float = 0.5
+    cpu_kv_cache_bytes: int = 1 << 30     # KV budget on CPU when num_kvcache_blocks is -1
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = True
+    device: str = "auto"                  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"                   # auto: bfloat16 on CUDA, float32 on CPU
+    attention_backend: str = "auto"
+    scheduling_policy: str = "prefill_first"
+    seed: int = 0
+    hf_config: dict = field(default_factory=dict, repr=False)
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        path = Path(self.model)
+        if not path.is_dir():
+            raise ConfigError(f"model directory not found: {self.model}")
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ConfigError(f"no config.json in model directory {self.model}")
+        try:
+            self.hf_config = json.loads(cfg_file.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read {cfg_file}: {exc}") from None
+        if self.hf_config.get("model_type") != "qwen3":
+            raise ConfigError(f"model_type must be qwen3, got {self.hf_config.get('model_type')!r} in {cfg_file}")
+        self._check_positive("max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                             "kvcache_block_size", "tensor_parallel_size", "cpu_kv_cache_bytes")
+        bs = self.kvcache_block_size
+        if bs & (bs - 1):
+            raise ConfigError(f"kvcache_block_size must be a power of two, got {bs}")
+        if self.num_kvcache_blocks != -1 and self.num_kvcache_blocks < 1:
+            raise ConfigError(f"num_kvcache_blocks must be -1 (derive) or >= 1, got {self.num_kvcache_blocks}")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ConfigError(f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        limit = int(self.hf_config.get("max_position_embeddings", self.max_model_len))
+        self.max_model_len = min(self.max_model_len, limit)
+        heads = int(self.hf_config["num_attention_heads"])
+        kv_heads = int(self.hf_config["num_key_value_heads"])
+        if heads % self.tensor_parallel_size or kv_heads % self.tensor_parallel_size:
+            raise ConfigError(f"tensor_parallel_size {self.tensor_parallel_size} must divide {heads} q heads and {kv_heads} kv heads")
+        if not self.eos_token_ids:
+            eos = self.hf_config.get("eos_token_id")
+            gen = path / "generation_config.json"
+            if gen.is_file():
+                try:
+                    eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+                except (OSError, json.JSONDecodeError):
+                    pass
+            ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+            self.eos_token_ids = tuple(int(i) for i in ids)
+
+    def _check_positive(self, *names: str) -> None:
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config["vocab_size"])
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("device cuda was asked for but CUDA is not available on this machine")
+        return self.device
+
+    def resolved_dtype(self, device: str):
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        return getattr(torch, self.dtype)
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d.pop("hf_config")
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0", "false", "False")

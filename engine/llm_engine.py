@@ -1,0 +1,201 @@
+"""LLMEngine: add_request -> step (schedule -> run -> postprocess) -> outputs."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from engine.block_manager import BlockManager
+from engine.config import Config
+from engine.model_runner import ModelRunner, StepInputs
+from engine.observe import EngineEvent, EventBus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, StepOutcome
+from engine.sequence import Sequence, SequenceCounter
+
+
+class RequestError(ValueError):
+    """A request the engine cannot accept (bad token id, too long, empty); one-line message."""
+
+
+@dataclass
+class StepOutput:
+    step: int
+    is_prefill: bool
+    seqs: list[Sequence]
+    outcome: StepOutcome
+    num_tokens: int                     # positions computed this step
+    seconds: float = 0.0
+    finished: list[Sequence] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, model: str, **kwargs):
+        init_start = time.perf_counter()
+        self.config = Config(model, **kwargs)
+        self.runner = ModelRunner(self.config)
+        self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.kvcache_block_size)
+        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.events = EventBus()
+        self.runner.on_inputs = self._emit_inputs
+        self._next_id = SequenceCounter()
+        self.num_steps = 0
+        self._tokenizer = None
+        self._closed = False
+        self.init_seconds = time.perf_counter() - init_start
+
+    # -- identity ------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model)
+        return self._tokenizer
+
+    def describe(self) -> dict:
+        return {
+            "config": self.config.summary(),
+            "device": self.runner.device,
+            "dtype": str(self.runner.dtype).replace("torch.", ""),
+            "attention_backend": self.runner.attention_backend,
+            "num_kvcache_blocks": self.runner.num_kvcache_blocks,
+            "memory": self.runner.memory,
+            "load_seconds": round(self.runner.load_seconds, 4),
+            "init_seconds": round(self.init_seconds, 4),
+        }
+
+    # -- requests ------------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        """Text as is, chat messages through the chat template, or token ids."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                                      enable_thinking=False)
+            return self.tokenizer.encode(text)
+        return list(prompt)
+
+    def validate(self, token_ids: list[int]) -> None:
+        cfg = self.config
+        if not token_ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {cfg.vocab_size})")
+        if len(token_ids) >= cfg.max_model_len:
+            raise RequestError(f"prompt has {len(token_ids)} tokens; max_model_len is {cfg.max_model_len} "
+                               f"(the prompt must leave room for at least one output token)")
+        blocks = (len(token_ids) + 1 + cfg.kvcache_block_size - 1) // cfg.kvcache_block_size
+        if blocks > self.block_manager.num_blocks:
+            raise RequestError(f"prompt needs {blocks} KV blocks but the pool has {self.block_manager.num_blocks}")
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> Sequence:
+        token_ids = self.encode(prompt)
+        self.validate(token_ids)
+        seq = Sequence(self._next_id(), token_ids, sampling_params or SamplingParams(),
+                       self.config.kvcache_block_size)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence, reason: str = "cancelled") -> list[int]:
+        """Stop a request now and free its KV blocks (call between steps)."""
+        if seq.is_finished:
+            return []
+        self.runner.forget(seq.seq_id)
+        return self.scheduler.finish(seq, reason)
+
+    # -- the loop --------------------------------------------------------------------
+    def _emit_inputs(self, inputs: StepInputs) -> None:
+        if self.events:
+            data = {"input_shape": list(inputs.input_ids.shape), "input_ids": inputs.input_ids.tolist(),
+                    "positions": inputs.positions.tolist(), **inputs.meta.summary()}
+            self.events.emit(EngineEvent("inputs", self.num_steps, "prefill" if inputs.is_prefill else "decode", data))
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        seqs, is_prefill = self.scheduler.schedule()
+        if seqs:
+            self.num_steps += 1
+            if self.events:
+                self.events.emit(EngineEvent("scheduled", self.num_steps, "prefill" if is_prefill else "decode",
+                                             {"seqs": [s.snapshot() for s in seqs]}))
+        return seqs, is_prefill
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> StepOutcome:
+        outcome = self.scheduler.postprocess(seqs, token_ids, is_prefill)
+        for seq in outcome.finished:
+            self.runner.forget(seq.seq_id)
+        if self.events:
+            self.events.emit(EngineEvent("postprocessed", self.num_steps, "prefill" if is_prefill else "decode", {
+                "accepted": {str(k): v for k, v in outcome.accepted.items()},
+                "discarded": outcome.discarded,
+                "finished": [s.seq_id for s in outcome.finished],
+                "freed_blocks": outcome.freed_blocks,
+                "seqs": [s.snapshot() for s in seqs],
+                "running": [s.seq_id for s in self.scheduler.running],
+                "waiting": [s.seq_id for s in self.scheduler.waiting],
+                "free_blocks": self.block_manager.num_free_blocks,
+            }))
+        return outcome
+
+    def step(self) -> StepOutput:
+        t0 = time.perf_counter()
+        seqs, is_prefill = self.schedule()
+        if not seqs:
+            return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
+        num_tokens = sum(s.num_scheduled_tokens for s in seqs)
+        token_ids = self.runner.run(seqs, is_prefill)
+        outcome = self.postprocess(seqs, token_ids, is_prefill)
+        return StepOutput(self.num_steps, is_prefill, seqs, outcome, num_tokens,
+                          time.perf_counter() - t0, outcome.finished)
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def generate(self, prompts: Iterable, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_progress: bool = False) -> list[dict]:
+        prompts = list(prompts)
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        progress = _progress(len(seqs)) if use_progress else None
+        try:
+            while not self.is_finished():
+                out = self.step()
+                if progress is not None and out.finished:
+                    progress.advance(len(out.finished))
+        finally:
+            if progress is not None:
+                progress.stop()
+        return [self.output(seq) for seq in seqs]
+
+    def output(self, seq: Sequence) -> dict:
+        ids = seq.completion_token_ids
+        return {"seq_id": seq.seq_id, "token_ids": ids, "text": self.tokenizer.decode(ids),
+                "finish_reason": seq.finish_reason, "num_prompt_tokens": seq.num_prompt_tokens}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        del self.runner.kv_cache
+
+    exit = close
+
+
+class _progress:
+    """A rich progress bar over finished requests (rich is imported only when asked for)."""
+
+    def __init__(self, total: int):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+        self._p = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                           TimeElapsedColumn(), transient=True)
+        self._task = self._p.add_task("generate", total=total)
+        self._p.start()
+
+    def advance(self, n: int) -> None:
+        self._p.advance(self._task, n)
+
+    def stop(self) -> None:
+        self._p.stop()

@@ -1,0 +1,42 @@
+"""Load Hugging Face safetensors into the engine's packed, shard-aware parameters."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from safetensors import safe_open
+from torch import nn
+
+from engine.layers.linear import default_weight_loader
+
+
+def load_model(model: nn.Module, path: str | Path) -> list[str]:
+    """Copy every checkpoint tensor into its parameter; returns parameters the checkpoint did not fill."""
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    mapping = getattr(model, "packed_modules_mapping", {})
+    params = dict(model.named_parameters())
+    filled: set[str] = set()
+    for file in files:
+        with safe_open(str(file), "pt", "cpu") as f:
+            for name in f.keys():
+                if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+                    continue
+                target, shard = name, None
+                for ckpt_part, (packed_part, shard_id) in mapping.items():
+                    if ckpt_part in name:
+                        target, shard = name.replace(ckpt_part, packed_part), shard_id
+                        break
+                if target not in params:
+                    raise KeyError(f"checkpoint tensor {name} has no parameter {target} in the model")
+                param = params[target]
+                loader = getattr(param, "weight_loader", None)
+                tensor = f.get_tensor(name)
+                if loader is None:
+                    default_weight_loader(param, tensor)
+                elif shard is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard)
+                filled.add(target)
+    return sorted(set(params) - filled)

@@ -1,0 +1,219 @@
+"""Turns scheduled sequences into tensors, runs the model on the paged KV cache, samples."""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.attention import AttentionMetadata, create_backend, resolve_backend_name
+from engine.config import Config
+from engine.distributed import SINGLE, ParallelContext
+from engine.layers.sampler import sample
+from engine.loader import load_model
+from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.sequence import Sequence
+
+
+@contextmanager
+def default_dtype_device(dtype: torch.dtype, device: str):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    is_prefill: bool
+
+
+class ModelRunner:
+    def __init__(self, config: Config, tp: ParallelContext = SINGLE):
+        self.config = config
+        self.tp = tp
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype(self.device)
+        self.block_size = config.kvcache_block_size
+        self.attention_backend = resolve_backend_name(config.attention_backend, self.device)
+        self.backend = create_backend(self.attention_backend, self.block_size)
+        self.on_inputs: Callable[[StepInputs], None] | None = None   # observer hook (tracing)
+        self.memory: dict = {}
+        t0 = time.perf_counter()
+        with default_dtype_device(self.dtype, self.device):
+            self.model = Qwen3ForCausalLM(config.hf_config, self.backend, tp)
+        missing = load_model(self.model, config.model)
+        missing = [m for m in missing if "rotary" not in m]
+        if missing:
+            raise ValueError(f"checkpoint in {config.model} lacks parameters: {', '.join(missing[:4])}")
+        self.model.eval()
+        self.load_seconds = time.perf_counter() - t0
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.seed)
+        self._seq_generators: dict[int, torch.Generator] = {}
+        self.num_kvcache_blocks = self.allocate_kv_cache()
+
+    # -- KV pool -------------------------------------------------------------
+    @property
+    def bytes_per_block(self) -> int:
+        cfg = self.config.hf_config
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        kv_heads = cfg["num_key_value_heads"] // self.tp.world_size
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * cfg["num_hidden_layers"] * self.block_size * kv_heads * head_dim * elem
+
+    def _blocks_from_budget(self) -> int:
+        cfg = self.config
+        blocks_per_seq = (cfg.max_model_len + self.block_size - 1) // self.block_size
+        if self.device == "cpu":
+            budget = cfg.cpu_kv_cache_bytes
+            cap = cfg.max_num_seqs * blocks_per_seq + 1
+            self.memory = {"kv_budget_bytes": budget, "source": "cpu_kv_cache_bytes"}
+            return max(1, min(budget // self.bytes_per_block, cap))
+        torch.cuda.synchronize()
+        self.warmup()
+        free, total = torch.cuda.mem_get_info()
+        used = total - free
+        peak = torch.cuda.max_memory_allocated()
+        current = torch.cuda.memory_allocated()
+        budget = int(total * cfg.gpu_memory_utilization - used - peak + current)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.memory = {"total_bytes": total, "weights_bytes": weights, "peak_work_bytes": peak - current,
+                       "used_before_kv_bytes": used, "kv_budget_bytes": budget,
+                       "gpu_memory_utilization": cfg.gpu_memory_utilization}
+        return budget // self.bytes_per_block
+
+    def allocate_kv_cache(self) -> int:
+        cfg = self.config
+        n = cfg.num_kvcache_blocks if cfg.num_kvcache_blocks > 0 else self._blocks_from_budget()
+        if n < 1:
+            raise RuntimeError(f"no memory left for the KV cache (budget {self.memory.get('kv_budget_bytes')} bytes)")
+        hf = cfg.hf_config
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+        kv_heads = hf["num_key_value_heads"] // self.tp.world_size
+        layers = self.model.attention_layers()
+        self.kv_cache = torch.zeros(2, len(layers), n, self.block_size, kv_heads, head_dim,
+                                    dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(layers):
+            layer.k_cache = self.kv_cache[0, i]
+            layer.v_cache = self.kv_cache[1, i]
+        self.memory.update({"num_blocks": n, "bytes_per_block": self.bytes_per_block,
+                            "kv_cache_bytes": n * self.bytes_per_block})
+        return n
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """One prefill at the configured token budget, before the KV pool exists, to measure peak work memory."""
+        cfg = self.config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        seq_len = min(cfg.max_num_batched_tokens, cfg.max_model_len)
+        num = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+        seqs = []
+        for _ in range(num):
+            s = Sequence(-1, [0] * seq_len, None, self.block_size)  # type: ignore[arg-type]
+            s.num_scheduled_tokens = seq_len
+            seqs.append(s)
+        inputs = self.prepare_prefill(seqs)
+        inputs.meta.slot_mapping.fill_(-1)
+        self.run_model(inputs)
+        torch.cuda.synchronize()
+
+    # -- inputs ----------------------------------------------------------------
+    def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self.device.startswith("cuda"))
+        return t.to(self.device, non_blocking=True)
+
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        return self._tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs])
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
+        input_ids, positions, slots = [], [], []
+        cu_q, cu_k, lens_q, lens_k = [0], [0], [], []
+        for seq in seqs:
+            start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            lens_q.append(end - start)
+            lens_k.append(end)
+            cu_q.append(cu_q[-1] + end - start)
+            cu_k.append(cu_k[-1] + end)
+            if seq.block_table:
+                slots += [self.slot(seq, p) for p in range(start, end)]
+            else:
+                slots += [-1] * (end - start)
+        prefix = cu_k[-1] > cu_q[-1]
+        meta = AttentionMetadata(
+            is_prefill=True,
+            slot_mapping=self._tensor(slots, torch.int64),
+            cu_seqlens_q=self._tensor(cu_q), cu_seqlens_k=self._tensor(cu_k),
+            max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
+            block_tables=self._block_tables(seqs) if prefix else None,
+            seqlens_q=lens_q, seqlens_k=lens_k)
+        return StepInputs(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, True)
+
+    def prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
+        input_ids = [s.last_token for s in seqs]
+        positions = [len(s) - 1 for s in seqs]
+        slots = [self.slot(s, len(s) - 1) for s in seqs]
+        context_lens = [len(s) for s in seqs]
+        meta = AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=self._block_tables(seqs),
+            context_lens=self._tensor(context_lens),
+            max_seqlen_q=1, max_seqlen_k=max(context_lens),
+            seqlens_q=[1] * len(seqs), seqlens_k=context_lens)
+        return StepInputs(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, False)
+
+    def prepare(self, seqs: list[Sequence], is_prefill: bool) -> StepInputs:
+        return self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+
+    # -- execution ---------------------------------------------------------------
+    @torch.inference_mode()
+    def run_model(self, inputs: StepInputs) -> torch.Tensor:
+        """Hidden states of the last position of each sequence -> logits [N, vocab]."""
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        if inputs.is_prefill:
+            hidden = hidden[inputs.meta.cu_seqlens_q[1:].long() - 1]
+        return self.model.compute_logits(hidden)
+
+    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        inputs = self.prepare(seqs, is_prefill)
+        if self.on_inputs is not None:
+            self.on_inputs(inputs)
+        return self.run_model(inputs)
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        temps, gens = [], []
+        for seq in seqs:
+            sp = seq.sampling_params
+            temps.append(sp.temperature)
+            if sp.seed is not None:
+                gen = self._seq_generators.get(seq.seq_id)
+                if gen is None:
+                    gen = torch.Generator(device=self.device)
+                    gen.manual_seed(sp.seed)
+                    self._seq_generators[seq.seq_id] = gen
+                gens.append(gen)
+            else:
+                gens.append(self.generator)
+        return sample(logits, temps, gens)
+
+    def forget(self, seq_id: int) -> None:
+        self._seq_generators.pop(seq_id, None)
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        return self.sample(seqs, self.compute_logits(seqs, is_prefill))

@@ -1,0 +1,142 @@
+"""Qwen3 decoder: GQA attention with q/k RMSNorm and RoPE, SiLU-gated MLP, tied embeddings."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.distributed import SINGLE, ParallelContext
+from engine.layers.activation import SiluAndMul
+from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.rotary import RotaryEmbedding
+
+
+def rope_theta(cfg: dict) -> float:
+    """transformers 4.x writes rope_theta at the top level, 5.x inside rope_parameters."""
+    params = cfg.get("rope_parameters") or {}
+    return float(cfg.get("rope_theta") or params.get("rope_theta") or 1e6)
+
+
+class Attention(nn.Module):
+    """Stores this layer's new K/V in its paged cache and attends through the chosen backend."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.backend = backend
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q, k, v, meta: AttentionMetadata):
+        if self.k_cache.numel():
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: dict, backend: AttentionBackend, tp: ParallelContext):
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.total_heads = cfg["num_attention_heads"]
+        self.total_kv_heads = cfg["num_key_value_heads"]
+        self.head_dim = cfg.get("head_dim") or hidden // self.total_heads
+        self.num_heads = self.total_heads // tp.world_size
+        self.num_kv_heads = self.total_kv_heads // tp.world_size
+        bias = cfg.get("attention_bias", False)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.total_heads, self.total_kv_heads, bias, tp)
+        self.o_proj = RowParallelLinear(self.total_heads * self.head_dim, hidden, bias, tp)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.get("max_position_embeddings", 40960), rope_theta(cfg))
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.q_norm = RMSNorm(self.head_dim, eps)
+        self.k_norm = RMSNorm(self.head_dim, eps)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
+
+    def forward(self, positions, x, meta):
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        o = self.attn(q, k, v, meta)
+        return self.o_proj(o.flatten(1, -1))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, cfg: dict, tp: ParallelContext):
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False, tp)
+        self.down_proj = RowParallelLinear(inter, hidden, False, tp)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, backend: AttentionBackend, tp: ParallelContext):
+        super().__init__()
+        eps = cfg.get("rms_norm_eps", 1e-6)
+        self.self_attn = Qwen3Attention(cfg, backend, tp)
+        self.mlp = Qwen3MLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+
+    def forward(self, positions, x, residual, meta):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: dict, backend: AttentionBackend, tp: ParallelContext):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg["vocab_size"], cfg["hidden_size"], tp)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, backend, tp) for _ in range(cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg.get("rms_norm_eps", 1e-6))
+
+    def forward(self, input_ids, positions, meta):
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class Qwen3ForCausalLM(nn.Module):
+    # checkpoint name fragment -> (packed parameter fragment, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: dict, backend: AttentionBackend, tp: ParallelContext = SINGLE):
+        super().__init__()
+        self.model = Qwen3Model(cfg, backend, tp)
+        self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], tp)
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, meta):
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]

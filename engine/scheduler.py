@@ -1,0 +1,141 @@
+"""Chooses each step's work: chunked prefill under a token budget, or decode with preemption."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import Config
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class StepOutcome:
+    """What postprocess did: accepted candidates, discarded chunk candidates, finished seqs, freed blocks."""
+    accepted: dict[int, int] = field(default_factory=dict)
+    discarded: list[int] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    freed_blocks: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: Config, block_manager: BlockManager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.policy = config.scheduling_policy
+        self.eos = set(config.eos_token_ids)
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self._last_phase_prefill = False
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    # -- selection -----------------------------------------------------------
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        if self.policy == "balanced" and self._last_phase_prefill and self.running:
+            order = (False, True)          # a prefill ran last: decode gets this turn
+        else:
+            order = (True, False)
+        for is_prefill in order:
+            seqs = self._schedule_prefill() if is_prefill else self._schedule_decode()
+            if seqs:
+                self._last_phase_prefill = is_prefill
+                return seqs, is_prefill
+        if self.waiting:
+            raise RuntimeError(f"cannot schedule request {self.waiting[0].seq_id}: the KV pool "
+                               f"({self.block_manager.num_blocks} blocks) cannot hold it")
+        return [], False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        while self.waiting and len(scheduled) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                remaining = seq.num_tokens - bm.num_cached_tokens_for(seq)
+                if scheduled and remaining > budget:
+                    break                  # only the first sequence of a batch may be chunked
+                if not bm.can_allocate(seq):
+                    break
+                bm.allocate(seq)
+            remaining = seq.num_tokens - seq.num_cached_tokens
+            if scheduled and remaining > budget:
+                break
+            seq.num_scheduled_tokens = min(remaining, budget)
+            budget -= seq.num_scheduled_tokens
+            scheduled.append(seq)
+            if seq.num_scheduled_tokens < remaining:
+                break                      # a chunk: it stays first in waiting for the next round
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return scheduled
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())   # the running tail gives its blocks back
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                scheduled.append(seq)
+        if self.policy == "balanced":
+            self.running.extend(scheduled)             # served requests go to the back
+        else:
+            self.running.extendleft(reversed(scheduled))
+        return scheduled
+
+    def preempt(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        seq.num_scheduled_tokens = 0
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+
+    # -- after the forward -----------------------------------------------------
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> StepOutcome:
+        out = StepOutcome()
+        for seq, token_id in zip(seqs, token_ids):
+            completes = seq.num_cached_tokens + seq.num_scheduled_tokens >= seq.num_tokens
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.hash_blocks(seq)
+            if not completes:
+                out.discarded.append(seq.seq_id)   # an intermediate chunk's candidate is not an output
+                continue
+            seq.append_token(int(token_id))
+            out.accepted[seq.seq_id] = int(token_id)
+            reason = self._finish_reason(seq, int(token_id))
+            if reason:
+                out.freed_blocks += self.finish(seq, reason)
+                out.finished.append(seq)
+        return out
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        sp = seq.sampling_params
+        if not sp.ignore_eos and token_id in self.eos:
+            return "stop"
+        if seq.num_completion_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> list[int]:
+        """Mark seq finished, take it out of the queues and free its blocks at once."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        return self.block_manager.deallocate(seq)

@@ -1,0 +1,102 @@
+"""A request's state as the scheduler and the runner see it."""
+from __future__ import annotations
+
+from copy import copy
+from enum import Enum, auto
+from itertools import count
+
+from engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
+        self.seq_id = seq_id
+        self.status = SequenceStatus.WAITING
+        self.token_ids = copy(token_ids)
+        self.num_tokens = len(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.num_cached_tokens = 0       # positions whose KV is in the cache
+        self.num_scheduled_tokens = 0    # positions this step computes
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0       # full blocks already registered in the prefix cache
+        self.last_block_hash = -1
+        self.block_size = block_size
+        self.sampling_params = sampling_params
+        self.finish_reason: str | None = None
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __getitem__(self, key):
+        return self.token_ids[key]
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, {self.status.name}, total={self.num_tokens}, "
+                f"cached={self.num_cached_tokens}, scheduled={self.num_scheduled_tokens}, blocks={self.block_table})")
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_blocks(self) -> int:
+        """Logical blocks needed to hold every known token."""
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.num_cached_tokens // self.block_size
+
+    @property
+    def prefill_done_after_step(self) -> bool:
+        return self.num_cached_tokens + self.num_scheduled_tokens >= self.num_tokens
+
+    def block(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size: (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.num_tokens += 1
+
+    def snapshot(self) -> dict:
+        return {
+            "seq_id": self.seq_id,
+            "status": self.status.name,
+            "total": self.num_tokens,
+            "cached": self.num_cached_tokens,
+            "scheduled": self.num_scheduled_tokens,
+            "completion": self.num_completion_tokens,
+            "block_table": list(self.block_table),
+        }
+
+
+class SequenceCounter:
+    """Per-engine id source: two engines in one process keep their own numbering."""
+
+    def __init__(self) -> None:
+        self._it = count()
+
+    def __call__(self) -> int:
+        return next(self._it)
