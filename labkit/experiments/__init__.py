@@ -1,0 +1,1 @@
+"""Experiments: each is a plain function that drives the engine and returns an evidence record."""

@@ -1,0 +1,184 @@
+"""Quick walk, cases A-D of handbook 5.2: follow requests step by step through the real engine.
+
+Every step is observed at three points: before the forward (scheduled), the runner's tensors (inputs)
+and after postprocess. The facts are judged by the checkpoint that matches the case and options.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine import SamplingParams
+from engine.observe import EngineEvent
+from labkit.errors import UserError
+from labkit.evidence import default_out, write_evidence
+from labkit.experiments.common import build_engine, install_env_trace, synthetic_note
+
+
+@dataclass(frozen=True)
+class Case:
+    title: str
+    prompts: tuple[tuple[int, ...], ...]
+    max_tokens: tuple[int, ...]
+    labels: tuple[str, ...]
+
+
+def _ids(start: int, n: int) -> tuple[int, ...]:
+    return tuple(range(start, start + n))
+
+
+CASES: dict[str, Case] = {
+    "A": Case("one request, three steps", (_ids(9000, 3),), (3,), ("A",)),
+    "B": Case("two requests batched, R1 leaves first", (_ids(2000, 3), _ids(3000, 4)), (2, 5), ("R1", "R2")),
+    "C": Case("crossing the 256th KV slot", (tuple(range(100, 356)),), (3,), ("A",)),
+    "D": Case("chunked prefill under a token budget", (_ids(20000, 700), _ids(40000, 32)), (2, 2), ("A", "B")),
+}
+
+
+def checkpoint_for(case: str, budget: int, max_num_seqs: int | None, block_size: int) -> str | None:
+    """The checkpoint that states the handbook's expectations for these options, if there is one."""
+    if block_size != 256:
+        return None
+    if case == "B" and max_num_seqs == 1 and budget == 512:
+        return "setup.quick-walk-b-seqs1"
+    if max_num_seqs not in (None, 2) and case == "B":
+        return None
+    if case == "D" and budget == 256:
+        return "setup.quick-walk-d-256"
+    if budget != 512:
+        return None
+    return f"setup.quick-walk-{case.lower()}"
+
+
+class StepRecorder:
+    def __init__(self, labels: dict[int, str]):
+        self.labels = labels
+        self.steps: list[dict] = []
+
+    def __call__(self, event: EngineEvent) -> None:
+        lab = self.labels
+        if event.name == "scheduled":
+            self.steps.append({"step": event.step, "phase": event.phase, "before": [
+                {"label": lab[s["seq_id"]], **{k: s[k] for k in ("seq_id", "total", "cached", "scheduled", "block_table")}}
+                for s in event.data["seqs"]]})
+        elif event.name == "inputs":
+            d = event.data
+            self.steps[-1]["inputs"] = {
+                "input_shape": d["input_shape"], "positions": d["positions"], "slot_mapping": d["slot_mapping"],
+                "context_lens": d["context_lens"], "cu_seqlens_q": d["cu_seqlens_q"],
+                "cu_seqlens_k": d["cu_seqlens_k"], "has_block_tables": d["block_tables"] is not None}
+        elif event.name == "postprocessed":
+            d = event.data
+            self.steps[-1]["after"] = {
+                "accepted": {lab[int(k)]: v for k, v in d["accepted"].items()},
+                "discarded": [lab[i] for i in d["discarded"]],
+                "finished": [lab[i] for i in d["finished"]],
+                "freed_blocks": d["freed_blocks"],
+                "seqs": [{"label": lab[s["seq_id"]], **{k: s[k] for k in ("total", "cached", "completion", "status", "block_table")}}
+                         for s in d["seqs"]],
+                "running": [lab[i] for i in d["running"]],
+                "waiting": [lab[i] for i in d["waiting"]],
+                "free_blocks": d["free_blocks"]}
+
+
+def slots_follow_formula(steps: list[dict], block_size: int) -> bool:
+    """Recompute every slot as block_table[pos // B] * B + pos % B from the scheduled block tables."""
+    for st in steps:
+        inp = st["inputs"]
+        owners = []
+        if st["phase"] == "prefill":
+            for i, s in enumerate(st["before"]):
+                owners += [s] * (inp["cu_seqlens_q"][i + 1] - inp["cu_seqlens_q"][i])
+        else:
+            owners = st["before"]
+        for pos, slot, s in zip(inp["positions"], inp["slot_mapping"], owners, strict=True):
+            if slot != s["block_table"][pos // block_size] * block_size + pos % block_size:
+                return False
+    return True
+
+
+def derive(steps: list[dict], labels: list[str], block_size: int) -> dict:
+    first = labels[0]
+    tcs = [[s["total"], s["cached"], s["scheduled"]] for st in steps for s in st["before"] if s["label"] == first]
+    finished_in_batch = {}
+    for st in steps:
+        for lab in st["after"]["finished"]:
+            finished_in_batch[lab] = {"step": st["step"], "in_batch": lab in [s["label"] for s in st["before"]]}
+    decode_ctx_ok = all(st["inputs"]["context_lens"] == [s["total"] for s in st["before"]]
+                        for st in steps if st["phase"] == "decode")
+    return {
+        "tcs_first": tcs,
+        "batch_labels": [[s["label"] for s in st["before"]] for st in steps],
+        "phases": [st["phase"] for st in steps],
+        "prefill_rounds": sum(st["phase"] == "prefill" for st in steps),
+        "slots_follow_formula": slots_follow_formula(steps, block_size),
+        "decode_context_lens_are_totals": decode_ctx_ok,
+        "finished_in_batch": finished_in_batch,
+        "accepted_total": sum(len(st["after"]["accepted"]) for st in steps),
+    }
+
+
+def run_quick_walk(case: str, out: Path | None = None, model: str | None = None, device: str = "auto",
+                   attention: str = "auto", budget: int = 512, max_num_seqs: int | None = None,
+                   block_size: int = 256, trace: bool = False, debug: bool = False) -> dict:
+    case = case.upper()
+    if case not in CASES:
+        raise UserError(f"unknown case {case!r}: choose one of {', '.join(CASES)}")
+    spec = CASES[case]
+    built = build_engine(model, device, attention, max_num_batched_tokens=budget,
+                         max_num_seqs=max_num_seqs or 256, kvcache_block_size=block_size)
+    engine = built.engine
+    install_env_trace(engine)
+    if debug:
+        _debug_prompt(engine)
+    seqs = [engine.add_request(list(p), SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+            for p, m in zip(spec.prompts, spec.max_tokens)]
+    names = spec.labels
+    recorder = StepRecorder({s.seq_id: n for s, n in zip(seqs, names)})
+    engine.events.subscribe(recorder)
+    while not engine.is_finished():
+        engine.step()
+    steps = recorder.steps
+    facts = {
+        "case": case, "title": spec.title,
+        "options": {"budget": budget, "max_num_seqs": max_num_seqs or 256, "block_size": block_size,
+                    "max_model_len": engine.config.max_model_len},
+        "requests": [{"label": n, "prompt_len": len(p), "max_tokens": m}
+                     for n, p, m in zip(names, spec.prompts, spec.max_tokens)],
+        "num_steps": len(steps),
+        "output_counts": [s.num_completion_tokens for s in seqs],
+        "final": [{"label": n, "cached": s.num_cached_tokens, "block_table": list(s.block_table),
+                   "status": s.status.name, "finish_reason": s.finish_reason} for n, s in zip(names, seqs)],
+        "free_blocks_end": engine.block_manager.num_free_blocks,
+        "num_blocks": engine.block_manager.num_blocks,
+        "derived": derive(steps, names, block_size),
+        "step_digest": [{"step": st["step"], "phase": st["phase"],
+                         "before": [[s["label"], s["total"], s["cached"], s["scheduled"], len(s["block_table"])] for s in st["before"]],
+                         "cu_seqlens_q": st["inputs"]["cu_seqlens_q"], "cu_seqlens_k": st["inputs"]["cu_seqlens_k"],
+                         "context_lens": st["inputs"]["context_lens"],
+                         "after": [[s["label"], s["total"], s["cached"], len(s["block_table"])] for s in st["after"]["seqs"]],
+                         "discarded": st["after"]["discarded"], "finished": st["after"]["finished"]}
+                        for st in steps],
+        "note": synthetic_note(built.model),
+    }
+    if trace:
+        facts["steps"] = steps
+    cp = checkpoint_for(case, budget, max_num_seqs, block_size)
+    name = cp.split(".", 1)[1] if cp else f"quick-walk-{case}-custom"
+    record = write_evidence(out or default_out(f"{name}.json"), checkpoint=cp, kind=built.kind, facts=facts,
+                            device=built.device, model=built.model, seed=engine.config.seed, engine=built.describe())
+    engine.close()
+    return record
+
+
+def _debug_prompt(engine) -> None:
+    """Handbook 5.1.7: drop into pdb after initialization, with the engine's parts in scope."""
+    import pdb
+    import sys
+
+    import engine.llm_engine as engine_module  # noqa: F401  (for `b engine_module.LLMEngine.step`)
+
+    scheduler, runner, block_manager = engine.scheduler, engine.runner, engine.block_manager  # noqa: F841
+    print("debug: engine initialized (warmup done). Try: b engine_module.LLMEngine.step, then c",
+          file=sys.stderr)
+    pdb.Pdb().set_trace()
