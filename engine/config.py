@@ -32,6 +32,7 @@ class Config:
     attention_backend: str = "auto"
     scheduling_policy: str = "prefill_first"
     seed: int = 0
+    graph_buckets: tuple[int, ...] | None = None   # None: buckets covering every batch up to max_num_seqs
     hf_config: dict = field(default_factory=dict, repr=False)
     eos_token_ids: tuple[int, ...] = ()
 
@@ -65,6 +66,10 @@ class Config:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.graph_buckets is not None:
+            self.graph_buckets = tuple(sorted(set(int(b) for b in self.graph_buckets)))
+            if not self.graph_buckets or self.graph_buckets[0] < 1:
+                raise ConfigError(f"graph buckets must be positive integers, got {self.graph_buckets}")
         limit = int(self.hf_config.get("max_position_embeddings", self.max_model_len))
         self.max_model_len = min(self.max_model_len, limit)
         heads = int(self.hf_config["num_attention_heads"])

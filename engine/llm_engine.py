@@ -60,6 +60,9 @@ class LLMEngine:
             "attention_backend": self.runner.attention_backend,
             "num_kvcache_blocks": self.runner.num_kvcache_blocks,
             "memory": self.runner.memory,
+            "graph": {"enabled": self.runner.graphs is not None,
+                      "buckets": self.runner.graphs.buckets if self.runner.graphs else [],
+                      "capture_seconds": round(self.runner.capture_seconds, 4)},
             "load_seconds": round(self.runner.load_seconds, 4),
             "init_seconds": round(self.init_seconds, 4),
         }

@@ -11,6 +11,7 @@ import torch
 from engine.attention import AttentionMetadata, create_backend, resolve_backend_name
 from engine.config import Config
 from engine.distributed import SINGLE, ParallelContext
+from engine.graph import DecodeGraphs, default_buckets
 from engine.layers.sampler import sample
 from engine.loader import load_model
 from engine.models.qwen3 import Qwen3ForCausalLM
@@ -60,6 +61,12 @@ class ModelRunner:
         self.generator.manual_seed(config.seed)
         self._seq_generators: dict[int, torch.Generator] = {}
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        self.graphs: DecodeGraphs | None = None
+        self.last_route: dict = {"backend": self.attention_backend, "route": "eager", "bucket": None}
+        if not config.enforce_eager:
+            if not self.device.startswith("cuda"):
+                raise ValueError("graph execution needs CUDA (use enforce_eager on CPU)")
+            self.capture_graphs()
 
     # -- KV pool -------------------------------------------------------------
     @property
@@ -127,6 +134,19 @@ class ModelRunner:
         self.run_model(inputs)
         torch.cuda.synchronize()
 
+    def capture_graphs(self) -> None:
+        cfg = self.config
+        buckets = list(cfg.graph_buckets) if cfg.graph_buckets else default_buckets(cfg.max_num_seqs)
+        buckets = [b for b in buckets if b <= cfg.max_num_seqs] or [min(buckets)]
+        max_blocks = (cfg.max_model_len + self.block_size - 1) // self.block_size
+        self.graphs = DecodeGraphs(self.model, buckets, max_blocks, cfg.max_model_len,
+                                   cfg.hf_config["hidden_size"], self.dtype, self.device)
+        self.graphs.capture()
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.graphs.capture_seconds if self.graphs else 0.0
+
     # -- inputs ----------------------------------------------------------------
     def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.startswith("cuda"))
@@ -185,7 +205,15 @@ class ModelRunner:
     @torch.inference_mode()
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """Hidden states of the last position of each sequence -> logits [N, vocab]."""
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        bucket = None
+        if self.graphs is not None and not inputs.is_prefill:
+            bucket = self.graphs.bucket_for(inputs.input_ids.shape[0])
+        if bucket is not None:
+            hidden = self.graphs.replay(bucket, inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        self.last_route = {"backend": self.attention_backend, "route": "graph" if bucket else "eager",
+                           "bucket": bucket}
         if inputs.is_prefill:
             hidden = hidden[inputs.meta.cu_seqlens_q[1:].long() - 1]
         return self.model.compute_logits(hidden)

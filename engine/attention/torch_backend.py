@@ -7,6 +7,11 @@ import torch.nn.functional as F
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 
+try:
+    from engine.attention.triton_kernels import store_kv as _triton_store
+except ImportError:          # no triton (CPU machines): boolean-mask writes
+    _triton_store = None
+
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` positions of one sequence from the paged cache: [length, Hk, D]."""
@@ -19,6 +24,9 @@ class TorchAttention(AttentionBackend):
     name = "torch"
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        if k_cache.is_cuda and _triton_store is not None:   # no host sync: capturable in a CUDA graph
+            _triton_store(k, v, k_cache, v_cache, slot_mapping)
+            return
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
         if slots.numel() == 0:

@@ -1,0 +1,198 @@
+"""Our Triton kernels for the paged KV cache: store, paged decode (split along the context), paged prefill.
+
+Cache layout (per layer): [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+# -- KV store --------------------------------------------------------------------------------------
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_stride, v_stride, kc_ptr, vc_ptr, slot_ptr,
+                     WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:               # padding row: never touches the cache
+        return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < WIDTH
+    k = tl.load(k_ptr + t * k_stride + offs, mask=mask)
+    v = tl.load(v_ptr + t * v_stride + offs, mask=mask)
+    tl.store(kc_ptr + slot * WIDTH + offs, k, mask=mask)
+    tl.store(vc_ptr + slot * WIDTH + offs, v, mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    t, hk, d = k.shape
+    width = hk * d
+    assert k.stride(-1) == 1 and k.stride(-2) == d and v.stride(-1) == 1 and v.stride(-2) == d
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    _store_kv_kernel[(t,)](k, v, k.stride(0), v.stride(0), k_cache, v_cache, slot_mapping,
+                           WIDTH=width, BLOCK=triton.next_power_of_2(width))
+
+
+# -- decode -------------------------------------------------------------------------------------------
+@triton.jit
+def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr,
+                         scale, split_len, num_splits, stride_qn, stride_qh, stride_bt,
+                         PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
+                         D: tl.constexpr, BLOCK_N: tl.constexpr):
+    n = tl.program_id(0)
+    kvh = tl.program_id(1)
+    s = tl.program_id(2)
+    ctx = tl.load(ctx_ptr + n)
+    start = s * split_len
+    end = tl.minimum(ctx, start + split_len)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, D)
+    gmask = offs_g < G
+    q = tl.load(q_ptr + n * stride_qn + (kvh * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+                mask=gmask[:, None], other=0.0)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, D], tl.float32)
+    for kstart in range(start, end, BLOCK_N):
+        offs_n = kstart + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        blk = tl.load(bt_ptr + n * stride_bt + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
+        slot = blk * PAGE + offs_n % PAGE
+        kv_off = slot[:, None] * (HK * D) + kvh * D + offs_d[None, :]
+        k = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    heads = kvh * G + offs_g
+    base = (n * (HK * G) + heads) * num_splits + s
+    tl.store(acc_ptr + base[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
+    tl.store(ml_ptr + base * 2, m, mask=gmask)
+    tl.store(ml_ptr + base * 2 + 1, l, mask=gmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, num_splits, stride_on, stride_oh,
+                          HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, D)
+    ctx = tl.load(ctx_ptr + n)
+    out_ptrs = out_ptr + n * stride_on + h * stride_oh + offs_d
+    if ctx == 0:               # padding row (graph bucket): a finite zero output
+        tl.store(out_ptrs, tl.zeros([D], tl.float32).to(out_ptr.dtype.element_ty))
+        return
+    offs_s = tl.arange(0, BLOCK_S)
+    smask = offs_s < num_splits
+    base = (n * HQ + h) * num_splits + offs_s
+    m = tl.load(ml_ptr + base * 2, mask=smask, other=float("-inf"))
+    l = tl.load(ml_ptr + base * 2 + 1, mask=smask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.where(smask & (l > 0), tl.exp(m - m_max), 0.0)
+    acc = tl.load(acc_ptr + base[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+    num = tl.sum(acc * w[:, None], 0)
+    den = tl.sum(l * w, 0)
+    tl.store(out_ptrs, (num / den).to(out_ptr.dtype.element_ty))
+
+
+def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_count: int) -> tuple[int, int]:
+    """Split the context so that batch * kv_heads * splits fills the GPU about twice; split_len % block_n == 0."""
+    chunks = max(1, triton.cdiv(max_len, block_n))
+    want = max(1, triton.cdiv(2 * sm_count, batch * kv_heads))
+    splits = min(want, chunks)
+    split_len = triton.cdiv(chunks, splits) * block_n
+    return triton.cdiv(max_len, split_len), split_len
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, max_len: int, sm_count: int) -> torch.Tensor:
+    """q [N, Hq, D] -> out [N, Hq, D]; reads context_lens[i] positions of seq i through its block table."""
+    n, hq, d = q.shape
+    _, page, hk, _ = k_cache.shape
+    g = hq // hk
+    block_n = 64              # positions per tile; each position finds its own page, so any page size works
+    num_splits, split_len = choose_splits(n, hk, max_len, block_n, sm_count)
+    acc = torch.empty(n, hq, num_splits, d, dtype=torch.float32, device=q.device)
+    ml = torch.empty(n, hq, num_splits, 2, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q)
+    _decode_split_kernel[(n, hk, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, split_len, num_splits,
+        q.stride(0), q.stride(1), block_tables.stride(0),
+        PAGE=page, HK=hk, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=block_n,
+        num_warps=4, num_stages=2)
+    _decode_reduce_kernel[(n, hq)](acc, ml, context_lens, out, num_splits, out.stride(0), out.stride(1),
+                                   HQ=hq, D=d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)))
+    return out
+
+
+# -- prefill through the block table (prefix hits, chunk continuations) --------------------------------
+@triton.jit
+def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, scale,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tile = tl.program_id(0)
+    n = tl.program_id(1)
+    h = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + n)
+    q_len = tl.load(cu_q_ptr + n + 1) - q_start
+    k_len = tl.load(cu_k_ptr + n + 1) - tl.load(cu_k_ptr + n)
+    if tile * BLOCK_M >= q_len:
+        return
+    prefix = k_len - q_len                     # positions already in the cache before this chunk
+    kvh = h // G
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    qmask = offs_m < q_len
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=qmask[:, None], other=0.0)
+    q_pos = prefix + offs_m
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    end = tl.minimum(k_len, prefix + (tile + 1) * BLOCK_M)
+    for kstart in range(0, end, BLOCK_N):
+        offs_n = kstart + tl.arange(0, BLOCK_N)
+        valid = offs_n < end
+        blk = tl.load(bt_ptr + n * stride_bt + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
+        slot = blk * PAGE + offs_n % PAGE
+        kv_off = slot[:, None] * (HK * D) + kvh * D + offs_d[None, :]
+        k = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
+        v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale
+        keep = valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        scores = tl.where(keep, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    out = acc / l[:, None]
+    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=qmask[:, None])
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                  scale: float) -> torch.Tensor:
+    """Causal varlen attention of q [T, Hq, D] over every sequence's cached K/V (prefix + this chunk)."""
+    t, hq, d = q.shape
+    _, page, hk, _ = k_cache.shape
+    n = cu_seqlens_q.numel() - 1
+    out = torch.empty_like(q)
+    block_m = 64
+    block_n = 64
+    grid = (triton.cdiv(max_seqlen_q, block_m), n, hq)
+    _prefill_kernel[grid](q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, out, scale,
+                          q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+                          PAGE=page, HK=hk, G=hq // hk, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+                          num_warps=4, num_stages=2)
+    return out

@@ -1,0 +1,155 @@
+"""CUDA-only: each attention backend against the torch reference on random paged inputs; graph vs eager."""
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+HQ, HK, D = 16, 8, 128
+
+
+def backends():
+    from engine.attention import available_backends
+    return [b for b in available_backends("cuda") if b != "torch"]
+
+
+def make_cache(num_blocks, page, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(num_blocks, page, HK, D, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(num_blocks, page, HK, D, device="cuda", dtype=dtype, generator=g)
+    return k, v
+
+
+def tables_for(lengths, page, num_blocks, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, i = [], 0
+    for n in lengths:
+        nb = (n + page - 1) // page
+        tables.append(perm[i:i + nb])
+        i += nb
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [-1] * (width - len(t)) for t in tables], dtype=torch.int32, device="cuda")
+
+
+def build_meta(q_lens, k_lens, tables, is_prefill):
+    from engine.attention import AttentionMetadata
+    cu_q = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(k_lens).cumsum(0).tolist()), dtype=torch.int32, device="cuda")
+    return AttentionMetadata(
+        is_prefill=is_prefill, slot_mapping=torch.full((sum(q_lens),), -1, dtype=torch.int64, device="cuda"),
+        cu_seqlens_q=cu_q if is_prefill else None, cu_seqlens_k=cu_k if is_prefill else None,
+        max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), block_tables=tables,
+        context_lens=None if is_prefill else torch.tensor(k_lens, dtype=torch.int32, device="cuda"),
+        seqlens_q=list(q_lens), seqlens_k=list(k_lens))
+
+
+def get(name):
+    from engine.attention import create_backend
+    return create_backend(name, 256)
+
+
+@pytest.mark.parametrize("page", [16, 256])
+@pytest.mark.parametrize("name", backends())
+def test_decode_matches_torch(name, page):
+    if name == "flash_attn" and page % 256:
+        pytest.skip("flash_attn needs page % 256 == 0")
+    lengths = [1, 17, 255, 256, 257, 1000, 3000]
+    kc, vc = make_cache(400 if page == 16 else 40, page)
+    tables = tables_for(lengths, page, kc.shape[0])
+    q = torch.randn(len(lengths), HQ, D, device="cuda", dtype=torch.bfloat16)
+    meta = build_meta([1] * len(lengths), lengths, tables, False)
+    ref = get("torch").forward(q, None, None, kc, vc, meta, D ** -0.5)
+    out = get(name).forward(q, None, None, kc, vc, meta, D ** -0.5)
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("page", [16, 256])
+@pytest.mark.parametrize("name", backends())
+def test_prefill_with_prefix_and_chunk_matches_torch(name, page):
+    if name == "flash_attn" and page % 256:
+        pytest.skip("flash_attn needs page % 256 == 0")
+    q_lens, k_lens = [37, 188, 300, 5], [37 + 512, 700, 300, 5 + 256]   # prefix hits, a continuation, fresh
+    kc, vc = make_cache(400 if page == 16 else 40, page)
+    tables = tables_for(k_lens, page, kc.shape[0], seed=1)
+    q = torch.randn(sum(q_lens), HQ, D, device="cuda", dtype=torch.bfloat16)
+    meta = build_meta(q_lens, k_lens, tables, True)
+    ref = get("torch").forward(q, None, None, kc, vc, meta, D ** -0.5)
+    out = get(name).forward(q, None, None, kc, vc, meta, D ** -0.5)
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("name", backends())
+def test_fresh_prefill_matches_torch(name):
+    q_lens = [1, 64, 300]
+    t = sum(q_lens)
+    q = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(t, HK, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(t, HK, D, device="cuda", dtype=torch.bfloat16)
+    kc, vc = make_cache(8, 256)
+    meta = build_meta(q_lens, q_lens, None, True)
+    ref = get("torch").forward(q, k, v, kc, vc, meta, D ** -0.5)
+    out = get(name).forward(q, k, v, kc, vc, meta, D ** -0.5)
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+
+
+def test_triton_store_skips_padding_slots():
+    from engine.attention.triton_kernels import store_kv
+    kc, vc = make_cache(4, 16)
+    before_k, before_v = kc.clone(), vc.clone()
+    k = torch.randn(3, HK, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(3, HK, D, device="cuda", dtype=torch.bfloat16)
+    slots = torch.tensor([5, -1, 40], device="cuda")
+    store_kv(k, v, kc, vc, slots)
+    flat_k, flat_v = kc.view(-1, HK, D), vc.view(-1, HK, D)
+    assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_v[40], v[2])
+    changed = (kc != before_k).flatten(2).any(-1).view(-1).nonzero().flatten().tolist()
+    assert changed == [5, 40]
+
+
+@pytest.fixture(scope="module")
+def gpu_model_dir(tmp_path_factory):
+    from labkit.model_assets import synth_model
+    return synth_model("tiny", tmp_path_factory.mktemp("tiny") / "m", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("name", ["torch"] + backends())
+def test_graph_decode_matches_eager(gpu_model_dir, name):
+    """Batches 1, 9, 16, 17, 20 (max_num_seqs 20): replayed graphs give the eager logits."""
+    from engine import LLMEngine, SamplingParams
+    from tests.test_engine_vs_hf import teacher_forced  # noqa: F401  (same driver as the CPU check)
+
+    kw = dict(device="cuda", attention_backend=name, max_num_seqs=20, kvcache_block_size=256,
+              num_kvcache_blocks=64, max_model_len=1024)
+    eager = LLMEngine(str(gpu_model_dir), enforce_eager=True, **kw)
+    graph = LLMEngine(str(gpu_model_dir), enforce_eager=False, **kw)
+    assert graph.runner.graphs.bucket_for(17) is not None
+    for batch in (1, 9, 16, 17, 20):
+        g = torch.Generator().manual_seed(batch)
+        prompts = [torch.randint(0, 150000, (int(n),), generator=g).tolist()
+                   for n in torch.randint(3, 300, (batch,), generator=g)]
+        rows = {}
+        for eng in (eager, graph):
+            seqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)) for p in prompts]
+            s, pf = eng.schedule()
+            eng.postprocess(s, eng.runner.run(s, pf), pf)
+            s, pf = eng.schedule()
+            assert not pf and len(s) == batch
+            rows[eng is graph] = eng.runner.compute_logits(s, pf).float()
+            route = eng.runner.last_route
+            assert route["route"] == ("graph" if eng is graph else "eager")
+            eng.postprocess(s, [0] * batch, pf)
+            assert eng.is_finished() and all(q.is_finished for q in seqs)
+        assert (rows[True] - rows[False]).abs().max().item() < 5e-2
+
+
+def test_uncovered_batch_falls_back_to_eager(gpu_model_dir):
+    from engine import LLMEngine, SamplingParams
+    eng = LLMEngine(str(gpu_model_dir), device="cuda", enforce_eager=False, max_num_seqs=20,
+                    graph_buckets=(1, 2, 4, 8, 16), num_kvcache_blocks=64)
+    for i in range(17):
+        eng.add_request(list(range(100 + i, 110 + i)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    routes = []
+    while not eng.is_finished():
+        eng.step()
+        routes.append(eng.runner.last_route["route"])
+    assert routes == ["eager", "eager"]      # prefill, then batch 17: no covering bucket -> eager
