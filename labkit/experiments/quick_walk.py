@@ -50,6 +50,11 @@ def checkpoint_for(case: str, budget: int, max_num_seqs: int | None, block_size:
     return f"setup.quick-walk-{case.lower()}"
 
 
+def default_out_for(case: str, budget: int, max_num_seqs: int | None, block_size: int) -> Path:
+    cp = checkpoint_for(case.upper(), budget, max_num_seqs, block_size)
+    return default_out(f"{cp.split('.', 1)[1]}.json" if cp else f"quick-walk-{case.lower()}-custom.json")
+
+
 class StepRecorder:
     def __init__(self, labels: dict[int, str]):
         self.labels = labels
@@ -154,18 +159,19 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
         "derived": derive(steps, names, block_size),
         "step_digest": [{"step": st["step"], "phase": st["phase"],
                          "before": [[s["label"], s["total"], s["cached"], s["scheduled"], len(s["block_table"])] for s in st["before"]],
+                         "input_shape": st["inputs"]["input_shape"], "positions": st["inputs"]["positions"],
                          "cu_seqlens_q": st["inputs"]["cu_seqlens_q"], "cu_seqlens_k": st["inputs"]["cu_seqlens_k"],
                          "context_lens": st["inputs"]["context_lens"],
                          "after": [[s["label"], s["total"], s["cached"], len(s["block_table"])] for s in st["after"]["seqs"]],
-                         "discarded": st["after"]["discarded"], "finished": st["after"]["finished"]}
+                         "discarded": st["after"]["discarded"], "finished": st["after"]["finished"],
+                         "freed_blocks": st["after"]["freed_blocks"]}
                         for st in steps],
         "note": synthetic_note(built.model),
     }
     if trace:
         facts["steps"] = steps
     cp = checkpoint_for(case, budget, max_num_seqs, block_size)
-    name = cp.split(".", 1)[1] if cp else f"quick-walk-{case}-custom"
-    record = write_evidence(out or default_out(f"{name}.json"), checkpoint=cp, kind=built.kind, facts=facts,
+    record = write_evidence(out or default_out_for(case, budget, max_num_seqs, block_size), checkpoint=cp, kind=built.kind, facts=facts,
                             device=built.device, model=built.model, seed=engine.config.seed, engine=built.describe())
     engine.close()
     return record

@@ -1,0 +1,513 @@
+"""Checkpoints as data, and the judge that re-reads evidence against them.
+
+A file ``checkpoints/<stage>.json`` holds ``{"stage": ..., "checkpoints": [...]}``. Each checkpoint
+names the command that produces its evidence, where that evidence lands, what the machine needs,
+which evidence kind is acceptable, and assertions over the evidence record::
+
+    {"path": "facts.steps.0.seqs.0.total", "op": "eq", "value": 3, "why": "..."}
+
+Paths are dotted keys with integer list indices; ``len(<path>)`` takes a length. A missing path is a
+failed check (actual ``"<missing>"``), never an exception. An assertion may carry
+``"on_fail": "review"`` to turn its failure into REVIEW instead of FAIL.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from labkit.errors import UserError
+from labkit.evidence import KINDS, SCHEMA_VERSION, read_json, repo_root, runs_dir
+
+STAGE_ORDER = ("setup", "guardrails", "service", "cuda", "tp")
+NEEDS = ("cpu", "cuda", "2gpu")
+NEEDS_REASON = {"cuda": "needs CUDA", "2gpu": "needs 2 GPUs"}
+MISSING_TEXT = "<missing>"
+
+_CHECKPOINT_KEYS = {
+    "required": ("id", "title", "command", "evidence", "needs", "kind", "assertions"),
+    "optional": ("takes_model", "timeout_s", "notes"),
+}
+_ASSERTION_KEYS = {"required": ("path", "op"), "optional": ("value", "why", "on_fail", "name")}
+
+
+class CheckpointError(UserError):
+    """A checkpoint file (or a requested id) is invalid."""
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class Assertion:
+    path: str
+    op: str
+    value: Any = None
+    why: str = ""
+    on_fail: str = "fail"  # "fail" | "review"
+    name: str = ""
+
+    def label(self) -> str:
+        return self.name or self.path
+
+    def expected_text(self) -> str:
+        if self.op in _NO_VALUE_OPS:
+            return self.op
+        return f"{self.op} {json.dumps(self.value, ensure_ascii=False)}"
+
+
+@dataclass
+class Checkpoint:
+    id: str
+    title: str
+    command: list[str]
+    evidence: str
+    needs: str
+    kind: list[str]
+    assertions: list[Assertion]
+    stage: str
+    takes_model: bool = True
+    timeout_s: int | None = None
+    notes: str = ""
+    source: str = field(default="", compare=False)
+
+    def evidence_path(self) -> Path:
+        """Absolute path of the evidence file (``runs/`` honours ``$LABKIT_RUNS_DIR``)."""
+        return runs_dir() / Path(self.evidence).relative_to("runs")
+
+    def pass_means(self) -> str:
+        return "; ".join(a.why for a in self.assertions if a.why)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("source")
+        return d
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def checkpoints_dir(root: str | Path | None = None) -> Path:
+    """``root`` may be the checkpoints directory itself or a repo root holding one."""
+    base = Path(root) if root is not None else repo_root()
+    return base / "checkpoints" if (base / "checkpoints").is_dir() else base
+
+
+def _fail(where: str, problem: str) -> CheckpointError:
+    return CheckpointError(f"{where}: {problem}")
+
+
+def _check_keys(where: str, obj: dict, spec: dict) -> None:
+    missing = [k for k in spec["required"] if k not in obj]
+    if missing:
+        raise _fail(where, f"missing key(s) {', '.join(missing)}")
+    allowed = set(spec["required"]) | set(spec["optional"])
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise _fail(where, f"unknown key(s) {', '.join(unknown)} (allowed: {', '.join(sorted(allowed))})")
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _validate_path(where: str, path: Any) -> None:
+    if not isinstance(path, str) or not path:
+        raise _fail(where, f"path must be a non-empty string, got {path!r}")
+    m = _LEN_RE.fullmatch(path)
+    inner = m.group(1) if m else path
+    if any(not part for part in inner.split(".")):
+        raise _fail(where, f"bad path {path!r}")
+
+
+def _parse_assertion(where: str, raw: Any) -> Assertion:
+    if not isinstance(raw, dict):
+        raise _fail(where, f"assertion must be an object, got {raw!r}")
+    _check_keys(where, raw, _ASSERTION_KEYS)
+    _validate_path(where, raw["path"])
+    op = raw["op"]
+    if op not in OPS:
+        close = difflib.get_close_matches(str(op), OPS, n=3)
+        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        raise _fail(where, f"unknown op {op!r}{hint}; ops: {', '.join(OPS)}")
+    has_value = "value" in raw
+    value = raw.get("value")
+    if op in _NO_VALUE_OPS:
+        if has_value:
+            raise _fail(where, f"op {op} takes no value (path {raw['path']})")
+    elif not has_value:
+        raise _fail(where, f"op {op} needs a value (path {raw['path']})")
+    elif op in ("gt", "ge", "lt", "le") and not _is_number(value):
+        raise _fail(where, f"op {op} needs a number, got {value!r}")
+    elif op == "in" and not isinstance(value, list):
+        raise _fail(where, f"op in needs a list, got {value!r}")
+    elif op == "len_eq" and not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise _fail(where, f"op len_eq needs a non-negative integer, got {value!r}")
+    elif op == "abs_le" and not (
+        isinstance(value, list) and len(value) == 2 and all(_is_number(v) for v in value) and value[1] >= 0
+    ):
+        raise _fail(where, f"op abs_le needs [expected, tolerance>=0], got {value!r}")
+    on_fail = raw.get("on_fail", "fail")
+    if on_fail not in ("fail", "review"):
+        raise _fail(where, f"on_fail must be 'fail' or 'review', got {on_fail!r}")
+    return Assertion(
+        path=raw["path"], op=op, value=value, why=str(raw.get("why", "")), on_fail=on_fail,
+        name=str(raw.get("name", "")),
+    )
+
+
+def _parse_checkpoint(file: Path, stage: str, index: int, raw: Any) -> Checkpoint:
+    where = f"{file.name} checkpoint #{index}"
+    if not isinstance(raw, dict):
+        raise _fail(where, "must be an object")
+    if isinstance(raw.get("id"), str):
+        where = f"{file.name} checkpoint {raw['id']!r}"
+    _check_keys(where, raw, _CHECKPOINT_KEYS)
+    cid, title, command = raw["id"], raw["title"], raw["command"]
+    if not isinstance(cid, str) or not re.fullmatch(r"[a-z0-9][a-z0-9_.\-]*", cid):
+        raise _fail(where, f"id must be a lowercase dotted name, got {cid!r}")
+    if not isinstance(title, str) or not title:
+        raise _fail(where, "title must be a non-empty string")
+    if not (isinstance(command, list) and command and all(isinstance(c, str) for c in command)):
+        raise _fail(where, f"command must be a non-empty list of strings, got {command!r}")
+    if command[0] != "labkit":
+        raise _fail(where, f"command must start with 'labkit', got {command[0]!r}")
+    evidence = raw["evidence"]
+    if not (isinstance(evidence, str) and evidence.startswith("runs/") and evidence.endswith(".json")
+            and ".." not in Path(evidence).parts):
+        raise _fail(where, f"evidence must be a runs/....json path, got {evidence!r}")
+    needs = raw["needs"]
+    if needs not in NEEDS:
+        raise _fail(where, f"needs must be one of {', '.join(NEEDS)}, got {needs!r}")
+    kind = raw["kind"]
+    kinds = [kind] if isinstance(kind, str) else kind
+    if not (isinstance(kinds, list) and kinds and all(k in KINDS for k in kinds)):
+        raise _fail(where, f"kind must be one of (or a list of) {', '.join(KINDS)}, got {kind!r}")
+    if not isinstance(raw["assertions"], list) or not raw["assertions"]:
+        raise _fail(where, "assertions must be a non-empty list")
+    assertions = [_parse_assertion(f"{where} assertion #{i}", a) for i, a in enumerate(raw["assertions"])]
+    takes_model = raw.get("takes_model", True)
+    if not isinstance(takes_model, bool):
+        raise _fail(where, f"takes_model must be true or false, got {takes_model!r}")
+    timeout_s = raw.get("timeout_s")
+    if timeout_s is not None and not (_is_number(timeout_s) and timeout_s > 0):
+        raise _fail(where, f"timeout_s must be a positive number, got {timeout_s!r}")
+    return Checkpoint(
+        id=cid, title=title, command=list(command), evidence=evidence, needs=needs, kind=list(kinds),
+        assertions=assertions, stage=stage, takes_model=takes_model, timeout_s=timeout_s,
+        notes=str(raw.get("notes", "")), source=str(file),
+    )
+
+
+def load_file(file: str | Path) -> list[Checkpoint]:
+    file = Path(file)
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise _fail(file.name, f"invalid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise _fail(file.name, "must hold an object {\"stage\": ..., \"checkpoints\": [...]}")
+    _check_keys(file.name, data, {"required": ("stage", "checkpoints"), "optional": ()})
+    stage = data["stage"]
+    if stage != file.stem:
+        raise _fail(file.name, f"stage {stage!r} does not match the file name")
+    if not isinstance(data["checkpoints"], list):
+        raise _fail(file.name, "checkpoints must be a list")
+    return [_parse_checkpoint(file, stage, i, raw) for i, raw in enumerate(data["checkpoints"])]
+
+
+def _stage_rank(stage: str) -> tuple[int, str]:
+    return (STAGE_ORDER.index(stage), "") if stage in STAGE_ORDER else (len(STAGE_ORDER), stage)
+
+
+def load_checkpoints(root: str | Path | None = None) -> list[Checkpoint]:
+    """Every checkpoint, in stage order (setup, guardrails, service, cuda, tp, others) then file order."""
+    directory = checkpoints_dir(root)
+    files = sorted(directory.glob("*.json"), key=lambda f: _stage_rank(f.stem))
+    out: list[Checkpoint] = []
+    seen: dict[str, str] = {}
+    for f in files:
+        for cp in load_file(f):
+            if cp.id in seen:
+                raise _fail(f.name, f"checkpoint {cp.id!r} is also defined in {seen[cp.id]}")
+            seen[cp.id] = f.name
+            out.append(cp)
+    return out
+
+
+def _unknown(what: str, name: str, candidates: list[str]) -> CheckpointError:
+    close = difflib.get_close_matches(name, candidates, n=4, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; known: {', '.join(candidates) or '(none)'}"
+    return CheckpointError(f"unknown {what} {name!r}{hint}")
+
+
+def get_checkpoint(cid: str, root: str | Path | None = None) -> Checkpoint:
+    cps = load_checkpoints(root)
+    for cp in cps:
+        if cp.id == cid:
+            return cp
+    raise _unknown("checkpoint", cid, [cp.id for cp in cps])
+
+
+def select(target: str | None = None, root: str | Path | None = None) -> list[Checkpoint]:
+    """All checkpoints, one stage's, one id, or every id starting with ``target``."""
+    cps = load_checkpoints(root)
+    if not target:
+        return cps
+    picked = [cp for cp in cps if cp.stage == target] or [cp for cp in cps if cp.id == target]
+    picked = picked or [cp for cp in cps if cp.id.startswith(target + ".")]
+    if not picked:
+        stages = sorted({cp.stage for cp in cps})
+        raise _unknown("stage or checkpoint", target, stages + [cp.id for cp in cps])
+    return picked
+
+
+# --------------------------------------------------------------------------- paths in records
+
+_LEN_RE = re.compile(r"len\((.+)\)")
+_INDEX_RE = re.compile(r"-?\d+")
+
+
+class _Missing(Exception):
+    def __init__(self, actual: str = MISSING_TEXT):
+        super().__init__(actual)
+        self.actual = actual
+
+
+def resolve(record: Any, path: str) -> Any:
+    """Value at a dotted path (``a.b.0.c``) or ``len(a.b)``; raises KeyError if absent."""
+    try:
+        return _resolve(record, path)
+    except _Missing as e:
+        raise KeyError(f"{path}: {e.actual}") from None
+
+
+def _resolve(record: Any, path: str) -> Any:
+    m = _LEN_RE.fullmatch(path)
+    if m:
+        value = _resolve(record, m.group(1))
+        if not isinstance(value, (list, dict, str)):
+            raise _Missing(f"<no length: {type(value).__name__}>")
+        return len(value)
+    cur = record
+    for part in path.split("."):
+        if isinstance(cur, dict):
+            if part not in cur:
+                raise _Missing()
+            cur = cur[part]
+        elif isinstance(cur, list) and _INDEX_RE.fullmatch(part):
+            i = int(part)
+            if not -len(cur) <= i < len(cur):
+                raise _Missing()
+            cur = cur[i]
+        else:
+            raise _Missing()
+    return cur
+
+
+# --------------------------------------------------------------------------- ops
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """JSON equality where true != 1 and lists/objects compare element-wise."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if _is_number(a) and _is_number(b):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
+def _num(x: Any) -> float:
+    if not _is_number(x):
+        raise TypeError(f"not a number: {x!r}")
+    return x
+
+
+def _contains(actual: Any, value: Any) -> bool:
+    if isinstance(actual, list):
+        return any(_equal(x, value) for x in actual)
+    if isinstance(actual, str):
+        return isinstance(value, str) and value in actual
+    if isinstance(actual, dict):
+        return value in actual
+    raise TypeError(f"cannot look inside {type(actual).__name__}")
+
+
+def _len(x: Any) -> int:
+    if not isinstance(x, (list, dict, str)):
+        raise TypeError(f"no length: {type(x).__name__}")
+    return len(x)
+
+
+def _abs_le(actual: Any, value: list) -> bool:
+    a = _num(actual)
+    return math.isfinite(a) and abs(a - value[0]) <= value[1]
+
+
+def _all_eq(actual: Any, value: Any) -> bool:
+    if not isinstance(actual, list):
+        raise TypeError(f"not a list: {type(actual).__name__}")
+    return bool(actual) and all(_equal(x, value) for x in actual)
+
+
+OPS: dict[str, Callable[[Any, Any], bool]] = {
+    "eq": _equal,
+    "ne": lambda a, v: not _equal(a, v),
+    "gt": lambda a, v: _num(a) > v,
+    "ge": lambda a, v: _num(a) >= v,
+    "lt": lambda a, v: _num(a) < v,
+    "le": lambda a, v: _num(a) <= v,
+    "in": lambda a, v: any(_equal(a, x) for x in v),
+    "contains": _contains,
+    "len_eq": lambda a, v: _len(a) == v,
+    "is_true": lambda a, v: a is True,
+    "is_false": lambda a, v: a is False,
+    "abs_le": _abs_le,
+    "all_eq": _all_eq,
+    "exists": lambda a, v: True,
+}
+_NO_VALUE_OPS = ("is_true", "is_false", "exists")
+
+
+# --------------------------------------------------------------------------- judging
+
+_ACTUAL_LIMIT = 400
+
+
+def _short(actual: Any) -> Any:
+    """Keep huge actual values (long lists) from bloating check tables."""
+    text = json.dumps(actual, ensure_ascii=False, default=str)
+    return actual if len(text) <= _ACTUAL_LIMIT else text[: _ACTUAL_LIMIT - 3] + "..."
+
+
+def _result(name: str, passed: bool, expected: Any, actual: Any, why: str, on_fail: str = "fail") -> dict:
+    status = "pass" if passed else on_fail
+    return {"name": name, "passed": passed, "expected": expected, "actual": actual, "why": why,
+            "status": status}
+
+
+def evaluate(a: Assertion, record: dict) -> dict:
+    """One assertion against one record; never raises for bad data."""
+    try:
+        actual = _resolve(record, a.path)
+    except _Missing as e:
+        return _result(a.label(), False, a.expected_text(), e.actual, a.why, a.on_fail)
+    try:
+        passed = bool(OPS[a.op](actual, a.value))
+        why = a.why
+    except (TypeError, ValueError) as e:
+        passed, why = False, f"{a.why} [{e}]" if a.why else str(e)
+    return _result(a.label(), passed, a.expected_text(), _short(actual), why, a.on_fail)
+
+
+def judge(cp: Checkpoint, record: dict) -> list[dict]:
+    """Re-evaluate ``cp`` against ``record``: identity, kind, schema, then every assertion."""
+    if not isinstance(record, dict):
+        return [_result("evidence", False, "a JSON object", type(record).__name__, "evidence is not an object")]
+    out = [
+        _result("checkpoint", record.get("checkpoint") == cp.id, cp.id, record.get("checkpoint", MISSING_TEXT),
+                "evidence was written for this checkpoint"),
+        _result("kind", record.get("kind") in cp.kind, cp.kind, record.get("kind", MISSING_TEXT),
+                "evidence kind is one this checkpoint accepts"),
+        _result("schema_version", record.get("schema_version") == SCHEMA_VERSION, SCHEMA_VERSION,
+                record.get("schema_version", MISSING_TEXT), "evidence schema is current"),
+    ]
+    out.extend(evaluate(a, record) for a in cp.assertions)
+    recorded = record.get("verdict")
+    if recorded == "FAIL":
+        failed = [c.get("name") for c in record.get("checks") or [] if isinstance(c, dict) and not c.get("passed")]
+        out.append(_result("recorded verdict", False, "not FAIL", "FAIL",
+                           f"the run itself failed: {', '.join(map(str, failed)) or 'see file'}"))
+    elif recorded == "REVIEW":
+        out.append(_result("recorded verdict", False, "PASS", "REVIEW", "the run asked for review", "review"))
+    return out
+
+
+def _status(c: dict) -> str:
+    return c.get("status") or ("pass" if c.get("passed") else "fail")
+
+
+def verdict(checks: list[dict]) -> str:
+    """FAIL if any check failed, else REVIEW if any needs review, else PASS (REVIEW when empty)."""
+    statuses = [_status(c) for c in checks]
+    if "fail" in statuses:
+        return "FAIL"
+    if "not-run" in statuses:
+        return "NOT-RUN"
+    if "review" in statuses or not statuses:
+        return "REVIEW"
+    return "PASS"
+
+
+def reason(verdict_: str, checks: list[dict]) -> str:
+    """One line saying why a verdict came out the way it did."""
+    if verdict_ == "PASS":
+        return f"{len(checks)} checks passed"
+    want = {"FAIL": "fail", "REVIEW": "review", "NOT-RUN": "not-run"}.get(verdict_)
+    for c in checks:
+        if _status(c) == want:
+            if c.get("name") == "evidence":
+                return str(c.get("why", ""))
+            actual = json.dumps(c.get("actual"), ensure_ascii=False, default=str)
+            text = f"{c.get('name')}: expected {c.get('expected')}, got {actual}"
+            return f"{text} ({c['why']})" if c.get("why") else text
+    return ""
+
+
+def check_evidence(cp: Checkpoint, path: str | Path | None = None) -> tuple[str, list[dict]]:
+    """Judge the evidence file of ``cp`` (default: its ``evidence`` path) from scratch."""
+    path = Path(path) if path is not None else cp.evidence_path()
+    if not path.is_file():
+        return "NOT-RUN", [_result("evidence", False, "a file", MISSING_TEXT, f"no evidence at {path}", "not-run")]
+    try:
+        record = read_json(path)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return "FAIL", [_result("evidence", False, "valid JSON", "<unreadable>", f"unreadable evidence at {path}: {e}")]
+    checks = judge(cp, record)
+    return verdict(checks), checks
+
+
+# --------------------------------------------------------------------------- CHECKPOINTS.md
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_checkpoints_md(checkpoints: list[Checkpoint] | None = None) -> str:
+    cps = load_checkpoints() if checkpoints is None else checkpoints
+    lines = [
+        "# Checkpoints",
+        "",
+        "Generated from `checkpoints/*.json` by `labkit check --write-md`; edit the JSON, not this file.",
+        "`labkit run` runs every checkpoint this machine can run, in this order; `labkit check [STAGE|ID]`",
+        "re-judges the evidence already under `runs/`. needs: `cpu` runs anywhere, `cuda` needs a GPU,",
+        "`2gpu` needs two.",
+        "",
+        "| id | stage | needs | command | evidence | what PASS means |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for cp in cps:
+        cells = [f"`{cp.id}`", cp.stage, cp.needs, f"`{' '.join(cp.command)}`", f"`{cp.evidence}`",
+                 cp.pass_means() or cp.title]
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def checkpoints_md_path() -> Path:
+    return repo_root() / "CHECKPOINTS.md"
+
+
+def write_checkpoints_md() -> Path:
+    path = checkpoints_md_path()
+    path.write_text(render_checkpoints_md(), encoding="utf-8")
+    return path

@@ -1,0 +1,367 @@
+"""The ``labkit`` command line: thin Typer shells over plain functions.
+
+Adding a command::
+
+    @app.command()
+    def smoke(out: OutOpt = None, model: ModelOpt = None, json_out: JsonOpt = False) -> None:
+        \"\"\"One line of help.\"\"\"
+        from labkit.experiments.smoke import run_smoke   # import lazily: keep `labkit --help` fast
+        path = resolve_out(out, "setup.smoke")
+        record = run_smoke(path, model=model)
+        finish(record, path, json_out=json_out)
+
+``finish`` prints the checks table, the verdict and the evidence path (or the JSON record with
+``--json``) and exits 0 on PASS/REVIEW, 1 on FAIL. Raise :class:`labkit.errors.UserError` for
+anything the user can fix: ``main`` turns it into one red line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from pathlib import Path
+from typing import Annotated, NoReturn, Optional
+
+import typer
+
+from labkit import __version__
+from labkit.console import (
+    checks_table,
+    console,
+    dict_table,
+    counts_line,
+    debug_enabled,
+    error_line,
+    kv_table,
+    note,
+    print_json,
+    rel,
+    rows_table,
+    verdict_text,
+)
+from labkit.errors import UserError
+
+app = typer.Typer(
+    name="labkit",
+    help="A checkpointed lab around the embedded LLM engine. Start with `labkit doctor`, then `labkit run`.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+    rich_markup_mode="rich",
+)
+model_app = typer.Typer(help="Model assets: synthesize, inspect, download.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+
+# --------------------------------------------------------------------------- shared options
+
+OutOpt = Annotated[
+    Optional[Path],
+    typer.Option("--out", "-o", dir_okay=False, help="Evidence file to write (default: the checkpoint's file under runs/)."),
+]
+ModelOpt = Annotated[
+    Optional[Path],
+    typer.Option("--model", help="Model directory (Hugging Face layout); default $MODEL_DIR, else a synthetic model."),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda[:N].")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
+
+#: Exit code per verdict: REVIEW asks for a human look, it is not a failure.
+EXIT_CODES = {"PASS": 0, "REVIEW": 0, "NOT-RUN": 0, "FAIL": 1}
+USER_ERROR_EXIT = 2
+
+
+def resolve_out(out: Path | None, checkpoint_id: str) -> Path:
+    """``--out`` if given, else the evidence path of ``checkpoint_id`` (under runs/)."""
+    if out is not None:
+        return out
+    from labkit.checks import get_checkpoint
+
+    return get_checkpoint(checkpoint_id).evidence_path()
+
+
+def exit_code(verdict: str) -> int:
+    return EXIT_CODES.get(verdict, 1)
+
+
+def finish(record: dict, out: Path | None = None, *, json_out: bool = False) -> NoReturn:
+    """Print the record's checks + verdict (+ evidence path), then exit with the verdict's code."""
+    if json_out:
+        print_json(record)
+    else:
+        if record.get("checks"):
+            console.print(checks_table(record["checks"]))
+        line = verdict_text(record["verdict"])
+        line.append(f"  {record.get('checkpoint') or ''}", style="bold")
+        if out is not None:
+            line.append(f"  evidence: {rel(out)}")
+        console.print(line, soft_wrap=True)
+    raise typer.Exit(exit_code(record["verdict"]))
+
+
+def finish_rows(rows: list[dict], *, json_out: bool = False, title: str | None = None) -> NoReturn:
+    """Print checkpoint rows (id/verdict/reason/...) and exit 1 if any FAILed."""
+    if json_out:
+        print_json(rows)
+    else:
+        console.print(rows_table(rows, title=title))
+        console.print(counts_line(rows))
+    raise typer.Exit(1 if any(r["verdict"] == "FAIL" for r in rows) else 0)
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"labkit {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version.")] = False,
+) -> None:
+    """A checkpointed lab around the embedded LLM engine."""
+
+
+# --------------------------------------------------------------------------- setup
+
+
+@app.command()
+def doctor(out: OutOpt = None, device: DeviceOpt = "auto", json_out: JsonOpt = False) -> None:
+    """Check packages, device and a small tensor computation; writes runs/setup-doctor.json."""
+    from labkit.doctor import CHECKPOINT, run_doctor
+
+    path = resolve_out(out, CHECKPOINT)
+    record = run_doctor(path, device)
+    if not json_out:
+        facts = record["facts"]
+        imports = {k: (v["version"] if v["ok"] else f"missing ({v['error']})") + ("" if v["required"] else "  [optional]")
+                   for k, v in facts["imports"].items()}
+        console.print(kv_table(imports, title="packages"))
+        tc = facts["tensor_check"]
+        console.print(kv_table({
+            "python": facts["python"]["executable"],
+            "device": record["device"],
+            "tensor check": f"{tc['op']} {tc['shape']} {tc['dtype']} on {tc['device']}: max abs err {tc['max_abs_err']:.2e} (tol {tc['tol']:g})",
+            "runs/": f"{facts['runs_writable']['dir']} ({'writable' if facts['runs_writable']['ok'] else facts['runs_writable']['error']})",
+            "evidence kind": record["kind"],
+        }, title="machine"))
+    finish(record, path, json_out=json_out)
+
+
+@app.command()
+def check(
+    target: Annotated[Optional[str], typer.Argument(help="A stage (setup, ...) or checkpoint id; default all.")] = None,
+    write_md: Annotated[bool, typer.Option("--write-md", help="Regenerate CHECKPOINTS.md from checkpoints/*.json.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Re-judge the evidence under runs/ against the checkpoint definitions."""
+    from labkit.checks import check_evidence, reason, select, write_checkpoints_md
+
+    if write_md:
+        path = write_checkpoints_md()
+        console.print(f"wrote {rel(path)}")
+        if target is None:
+            raise typer.Exit(0)
+    rows = []
+    for cp in select(target):
+        verdict, checks = check_evidence(cp)
+        rows.append({"id": cp.id, "verdict": verdict, "reason": reason(verdict, checks),
+                     "evidence": str(cp.evidence_path()), "checks": checks})
+    if not json_out:
+        rows = [{k: v for k, v in r.items() if k != "checks"} for r in rows]
+    finish_rows(rows, json_out=json_out, title="labkit check")
+
+
+@app.command()
+def run(
+    stage: Annotated[Optional[str], typer.Option("--stage", help="Only this stage (or checkpoint id).")] = None,
+    model: ModelOpt = None,
+    stop_on_fail: Annotated[bool, typer.Option("--stop-on-fail", help="Stop after the first FAIL.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Run every checkpoint this machine can run, in order; the rest are NOT-RUN with the reason."""
+    from labkit.evidence import runs_dir
+    from labkit.runner import run_all
+
+    if model is not None and not model.is_dir():
+        raise UserError(f"--model {model}: not a directory")
+    rows = run_all(stage=stage, model=str(model) if model else None, stop_on_fail=stop_on_fail)
+    if not json_out:
+        console.print(f"report: {rel(runs_dir() / 'report.md')}")
+    finish_rows(rows, json_out=json_out, title="labkit run")
+
+
+AttentionOpt = Annotated[str, typer.Option("--attention", help="Attention backend: auto | flash_attn | triton | torch.")]
+
+
+class CaseName(str, enum.Enum):
+    A = "A"
+    B = "B"
+    C = "C"
+    D = "D"
+
+
+@app.command()
+def smoke(out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
+          json_out: JsonOpt = False) -> None:
+    """A chat-template prompt through the engine: one result, exactly 2 output tokens, kv_blocks > 0."""
+    from labkit.experiments.smoke import run_smoke
+
+    path = resolve_out(out, "setup.smoke")
+    record = run_smoke(path, model=_model_arg(model), device=device, attention=attention)
+    if not json_out:
+        f = record["facts"]
+        console.print(kv_table({"prompt tokens": f["prompt_tokens"], "output token ids": f["output_token_ids"],
+                                "text": f["text"], "kv_blocks": f["kv_blocks"],
+                                "attention": record["engine"]["attention_backend"],
+                                "model": record["model"]["path"]}, title="smoke"))
+        if f.get("note"):
+            note(f["note"])
+    finish(record, path, json_out=json_out)
+
+
+@app.command("quick-walk")
+def quick_walk(
+    case: Annotated[CaseName, typer.Option("--case", case_sensitive=False, help="Handbook 5.2 case: A, B, C or D.")],
+    trace: Annotated[bool, typer.Option("--trace", help="Store every step (before the forward / after postprocess) in the evidence.")] = False,
+    budget: Annotated[int, typer.Option("--budget", min=1, help="Prefill token budget (max_num_batched_tokens).")] = 512,
+    max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", min=1, help="Sequences per step.")] = None,
+    block_size: Annotated[int, typer.Option("--block-size", min=1, help="KV block size (a power of two).")] = 256,
+    debug: Annotated[bool, typer.Option("--debug", help="Drop into pdb after initialization (warmup excluded).")] = False,
+    out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Follow the handbook's cases A-D step by step; LABKIT_TRACE=1 prints one event=engine_step line per step."""
+    from labkit.experiments.quick_walk import default_out_for, run_quick_walk
+
+    out = out or default_out_for(case.value, budget, max_num_seqs, block_size)
+    record = run_quick_walk(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
+                            budget=budget, max_num_seqs=max_num_seqs, block_size=block_size, trace=trace, debug=debug)
+    if not json_out:
+        f = record["facts"]
+        rows = [{"step": d["step"], "phase": d["phase"],
+                 "before (label total/cached/scheduled blocks)": "  ".join(f"{b[0]} {b[1]}/{b[2]}/{b[3]} [{b[4]}]" for b in d["before"]),
+                 "after (label total/cached blocks)": "  ".join(f"{a[0]} {a[1]}/{a[2]} [{a[3]}]" for a in d["after"]),
+                 "finished": ",".join(d["finished"])} for d in f["step_digest"]]
+        console.print(dict_table(rows, title=f"quick-walk {f['case']}: {f['title']}"))
+        console.print(f"steps={f['num_steps']} output_counts={f['output_counts']}")
+        if record["checkpoint"] is None:
+            note("no checkpoint states the expectations for these options: facts recorded, nothing asserted")
+        if f.get("note"):
+            note(f["note"])
+    finish(record, out, json_out=json_out)
+
+
+def _model_arg(model: Path | None) -> str | None:
+    return str(model) if model is not None else None
+
+
+# --------------------------------------------------------------------------- model assets
+
+
+class Preset(str, enum.Enum):
+    tiny = "tiny"
+    qwen3_0_6b = "qwen3-0.6b"
+
+
+def _model_assets():
+    try:
+        from labkit import model_assets
+    except ModuleNotFoundError as e:
+        if e.name == "labkit.model_assets":
+            raise UserError("model assets are not available in this build (labkit.model_assets is missing)") from None
+        raise
+    return model_assets
+
+
+def _show_result(result: object, title: str, json_out: bool) -> None:
+    if json_out:
+        print_json(result)
+    elif isinstance(result, dict):
+        console.print(kv_table(result, title=title))
+    elif result is not None:
+        console.print(f"{title}: {result}")
+
+
+@model_app.command("synth")
+def model_synth(
+    out: Annotated[Path, typer.Option("--out", "-o", file_okay=False, help="Directory to write the model into.")],
+    preset: Annotated[Preset, typer.Option("--preset", help="Shapes: tiny (fast, CPU) or qwen3-0.6b (Qwen3-0.6B's).")] = Preset.tiny,
+    seed: SeedOpt = 0,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Weight dtype (default: the preset's).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing directory.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write a Hugging Face Qwen3 directory with seeded random weights."""
+    ma = _model_assets()
+    path = ma.synth_model(preset.value, out, seed=seed, dtype=dtype, force=force)
+    summary = {"path": str(path), "preset": preset.value, "seed": seed, "dtype": dtype, "synthetic": True}
+    if json_out:
+        print_json(summary)
+    else:
+        console.print(f"wrote synthetic model (preset {preset.value}, seed {seed}) to {rel(path)}")
+    note("synthetic model: random weights; any text it generates is meaningless")
+
+
+@model_app.command("inspect")
+def model_inspect(
+    path: Annotated[Path, typer.Argument(help="Model directory.")],
+    json_out: JsonOpt = False,
+) -> None:
+    """Show a model directory's identity: config, hashes, synthetic or real."""
+    ma = _model_assets()
+    info = ma.inspect_model(path)
+    _show_result(info, f"model {rel(path)}", json_out)
+    if isinstance(info, dict) and info.get("synthetic") and not json_out:
+        note("synthetic model: random weights; any text it generates is meaningless")
+
+
+@model_app.command("download")
+def model_download(
+    revision: Annotated[Optional[str], typer.Option("--revision", help="Pinned revision (default: the lab's pin).")] = None,
+    weights: Annotated[bool, typer.Option("--weights", help="Also download the weights, not only config and tokenizer.")] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", file_okay=False, help="Target directory (default: <cache>/models/Qwen3-0.6B).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Download Qwen3-0.6B from the Hugging Face Hub (needs network access)."""
+    ma = _model_assets()
+    target = out if out is not None else ma.default_cache_dir() / "models" / "Qwen3-0.6B"
+    kwargs = {"revision": revision} if revision else {}
+    result = ma.download_model(target, weights=weights, **kwargs)
+    _show_result(result, "downloaded", json_out)
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    types: list[type[BaseException]] = [UserError, FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError]
+    ma = sys.modules.get("labkit.model_assets")
+    model_error = getattr(ma, "ModelError", None)
+    if isinstance(model_error, type) and issubclass(model_error, BaseException):
+        types.append(model_error)
+    return tuple(types)
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.strerror}: {e.filename}"
+    return str(e) or type(e).__name__
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console-script entry: run the app; user errors end in one red line and exit code 2."""
+    try:
+        app(args=argv, prog_name="labkit")
+    except KeyboardInterrupt:
+        error_line("interrupted")
+        sys.exit(130)
+    except Exception as e:
+        if not isinstance(e, _user_error_types()) or (debug_enabled() and not isinstance(e, UserError)):
+            raise
+        error_line(_message(e))
+        sys.exit(USER_ERROR_EXIT)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""``labkit doctor``: is this machine ready for the lab?
+
+Checks that the packages import (and which versions), which device is there, that a small seeded
+matmul on that device matches a float64 CPU reference, and that ``runs/`` is writable. Writes the
+evidence of checkpoint ``setup.doctor``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+from labkit.checks import get_checkpoint
+from labkit.errors import UserError
+from labkit.evidence import describe_device, package_version, runs_dir, write_evidence
+
+CHECKPOINT = "setup.doctor"
+REQUIRED = ("torch", "transformers", "typer", "rich", "numpy", "safetensors", "xxhash", "tokenizers",
+            "huggingface_hub")
+OPTIONAL = ("triton", "flash_attn")
+MATMUL_SIZE = 256
+MATMUL_TOL = 1e-3
+
+
+def _one_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split())[:300]
+
+
+def check_imports() -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    for name in REQUIRED + OPTIONAL:
+        entry = {"required": name in REQUIRED, "ok": False, "version": None, "error": None}
+        try:
+            mod = importlib.import_module(name)
+            entry["ok"] = True
+            entry["version"] = str(getattr(mod, "__version__", None) or package_version(name) or "")
+        except Exception as e:  # ImportError, or a broken binary raising anything
+            entry["error"] = _one_line(e)
+        out[name] = entry
+    return out
+
+
+def check_engine_import() -> dict:
+    """Whether ``import engine`` works, and from where (reported, not yet asserted)."""
+    try:
+        mod = importlib.import_module("engine")
+        return {"ok": True, "path": str(Path(mod.__file__).resolve().parent), "error": None}
+    except Exception as e:
+        return {"ok": False, "path": None, "error": _one_line(e)}
+
+
+def pick_device(requested: str = "auto"):
+    """``auto`` -> cuda if available else cpu; ``cuda`` without CUDA is a user error."""
+    import torch
+
+    req = requested.strip().lower()
+    if req == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    if req == "cpu":
+        return torch.device("cpu")
+    if req.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {requested}: CUDA is not available on this machine")
+        dev = torch.device("cuda:0" if req == "cuda" else req)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(f"--device {requested}: only {torch.cuda.device_count()} CUDA device(s)")
+        return dev
+    raise UserError(f"--device must be auto, cpu or cuda[:N], got {requested!r}")
+
+
+def device_facts(requested: str, dev) -> dict:
+    import torch
+
+    facts = {
+        "requested": requested,
+        "used": str(dev),
+        "cuda_available": bool(torch.cuda.is_available()),
+        "device_count": int(torch.cuda.device_count()) if torch.cuda.is_available() else 0,
+        "name": "cpu",
+        "capability": None,
+        "total_memory_bytes": None,
+        "cuda_version": torch.version.cuda,
+    }
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        facts.update(name=props.name, capability=[props.major, props.minor],
+                     total_memory_bytes=int(props.total_memory))
+    return facts
+
+
+def tensor_check(dev, seed: int = 0) -> dict:
+    """A seeded float32 matmul on ``dev`` against a float64 reference computed on the CPU."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    n = MATMUL_SIZE
+    a = torch.randn(n, n, generator=g, dtype=torch.float32)
+    b = torch.randn(n, n, generator=g, dtype=torch.float32)
+    ref = a.double() @ b.double()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # measure float32, not TF32
+    try:
+        got = (a.to(dev) @ b.to(dev))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        got = got.cpu().double()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    err = float((got - ref).abs().max().item())
+    return {
+        "device": str(dev),
+        "op": "matmul",
+        "dtype": "float32",
+        "shape": [n, n],
+        "seed": seed,
+        "reference": "float64 on cpu",
+        "max_abs_err": err,
+        "tol": MATMUL_TOL,
+        "ok": err <= MATMUL_TOL,
+    }
+
+
+def check_runs_writable(directory: Path | None = None) -> dict:
+    directory = directory or runs_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".doctor-", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write("ok")
+        os.unlink(tmp)
+        return {"dir": str(directory), "ok": True, "error": None}
+    except OSError as e:
+        return {"dir": str(directory), "ok": False, "error": _one_line(e)}
+
+
+def run_doctor(out: Path | None = None, device: str = "auto") -> dict:
+    """Run every doctor check and write the ``setup.doctor`` evidence; returns the record."""
+    out = Path(out) if out is not None else get_checkpoint(CHECKPOINT).evidence_path()
+    imports = check_imports()
+    if not imports["torch"]["ok"]:
+        raise UserError(f"torch does not import: {imports['torch']['error']}")
+    dev = pick_device(device)
+    tensor = tensor_check(dev)
+    facts = {
+        "python": {"executable": sys.executable, "version": sys.version.split()[0],
+                   "platform": platform.platform()},
+        "imports": imports,
+        "imports_ok": all(v["ok"] for v in imports.values() if v["required"]),
+        "missing_required": [k for k, v in imports.items() if v["required"] and not v["ok"]],
+        "engine_import": check_engine_import(),
+        "device": device_facts(device, dev),
+        "tensor_check": tensor,
+        "runs_writable": check_runs_writable(),
+    }
+    kind = "gpu-measured" if dev.type == "cuda" else "cpu-real-engine"
+    return write_evidence(out, checkpoint=CHECKPOINT, kind=kind, facts=facts, device=describe_device(dev), seed=0)

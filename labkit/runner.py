@@ -1,0 +1,206 @@
+"""``labkit run``: run every checkpoint this machine can run, in order, and judge its evidence.
+
+Each checkpoint runs as its own process (``python -m labkit <command> --out <evidence>``) from the
+repository root, with stdout/stderr captured in ``runs/logs/<id>.log``. Stale evidence is removed
+first, so a run that writes nothing cannot pass on an old file. Checkpoints this machine cannot run
+are NOT-RUN with the reason. The rows are also written to ``runs/report.json`` and ``runs/report.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from functools import lru_cache
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from labkit.checks import NEEDS_REASON, Checkpoint, check_evidence, reason, select
+from labkit.console import err_console, verdict_text
+from labkit.evidence import (
+    SCHEMA_VERSION,
+    _now,
+    command_line,
+    engine_source_hash,
+    git_head,
+    repo_root,
+    runs_dir,
+    versions,
+    write_json,
+)
+
+DEFAULT_TIMEOUT_S = 1800
+
+
+@lru_cache(maxsize=1)
+def machine() -> dict:
+    """What this machine offers: CUDA device count and names (0 without torch or CUDA)."""
+    try:
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        names = [torch.cuda.get_device_name(i) for i in range(n)]
+    except Exception:
+        n, names = 0, []
+    return {"cuda_device_count": n, "cuda_devices": names}
+
+
+def can_run(cp: Checkpoint) -> tuple[bool, str]:
+    """Whether this machine meets ``cp.needs``; the reason when it does not."""
+    have = machine()["cuda_device_count"]
+    need = {"cpu": 0, "cuda": 1, "2gpu": 2}[cp.needs]
+    return (True, "") if have >= need else (False, NEEDS_REASON[cp.needs])
+
+
+def build_command(cp: Checkpoint, evidence: Path, model: str | None = None) -> list[str]:
+    cmd = [sys.executable, "-m", "labkit", *cp.command[1:], "--out", str(evidence)]
+    if model and cp.takes_model:
+        cmd += ["--model", str(model)]
+    return cmd
+
+
+_BOX = "│╭╮╰╯─━┃┏┓┗┛┡┩┠┨╇╈┼├┤┬┴ \t"
+
+
+def _last_line(log: Path) -> str:
+    """The most telling line of a log: the last ``error:`` line, else the last line with text."""
+    try:
+        raw = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return ""
+    lines = [ln.strip(_BOX) for ln in raw]
+    lines = [ln for ln in lines if ln]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    pick = errors[-1] if errors else (lines[-1] if lines else "")
+    return pick[:200]
+
+
+def run_checkpoint(cp: Checkpoint, model: str | None = None) -> dict:
+    """Run one checkpoint's command and judge what it wrote. Returns a row."""
+    evidence = cp.evidence_path()
+    log = runs_dir() / "logs" / f"{cp.id}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    evidence.unlink(missing_ok=True)  # never judge a stale file
+    cmd = build_command(cp, evidence, model)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": os.environ.get("COLUMNS", "120")}
+    timeout = cp.timeout_s or DEFAULT_TIMEOUT_S
+    start = time.monotonic()
+    rc: int | None
+    with log.open("w", encoding="utf-8") as f:
+        f.write(f"$ {command_line(cmd)}\n\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, cwd=repo_root(), env=env, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    seconds = round(time.monotonic() - start, 2)
+    row = {"id": cp.id, "verdict": "FAIL", "reason": "", "seconds": seconds, "evidence": str(evidence),
+           "log": str(log), "exit_code": rc}
+    if rc is None:
+        row["reason"] = f"timed out after {timeout} s (log: {log})"
+        return row
+    verdict, checks = check_evidence(cp, evidence)
+    if verdict == "NOT-RUN":
+        row["reason"] = f"exit {rc}, no evidence written: {_last_line(log)}"
+    elif rc not in (0, 1):
+        row["reason"] = f"exit {rc}: {_last_line(log)}"
+    elif rc == 1 and verdict in ("PASS", "REVIEW"):
+        row["reason"] = f"exit 1 although the evidence says {verdict} (log: {log})"
+    else:
+        row["verdict"] = verdict
+        row["reason"] = reason(verdict, checks)
+    return row
+
+
+def not_run(cp: Checkpoint, why: str) -> dict:
+    return {"id": cp.id, "verdict": "NOT-RUN", "reason": why, "seconds": None, "evidence": str(cp.evidence_path()),
+            "log": None, "exit_code": None}
+
+
+def counts(rows: list[dict]) -> dict[str, int]:
+    out = {v: 0 for v in ("PASS", "FAIL", "REVIEW", "NOT-RUN")}
+    for r in rows:
+        out[r["verdict"]] = out.get(r["verdict"], 0) + 1
+    return out
+
+
+def render_report_md(report: dict) -> str:
+    c = report["counts"]
+    lines = [
+        "# labkit run",
+        "",
+        f"- created: {report['created_at']}",
+        f"- command: `{report['command']}`",
+        f"- git head: {report['git_head'] or '(none)'}",
+        f"- engine source hash: {report['engine_source_hash'] or '(none)'}",
+        f"- CUDA devices: {report['machine']['cuda_device_count']} {', '.join(report['machine']['cuda_devices'])}",
+        f"- model: {report['model'] or '(default)'}",
+        f"- totals: PASS {c['PASS']}, FAIL {c['FAIL']}, REVIEW {c['REVIEW']}, NOT-RUN {c['NOT-RUN']}",
+        "",
+        "| checkpoint | verdict | reason | seconds | evidence |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    root = repo_root()
+    for r in report["rows"]:
+        ev = Path(r["evidence"])
+        ev_text = str(ev.relative_to(root)) if ev.is_relative_to(root) else str(ev)
+        secs = "" if r["seconds"] is None else f"{r['seconds']:.1f}"
+        why = str(r["reason"]).replace("|", "\\|")
+        lines.append(f"| `{r['id']}` | {r['verdict']} | {why} | {secs} | `{ev_text}` |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(rows: list[dict], *, stage: str | None = None, model: str | None = None) -> tuple[Path, Path]:
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "created_at": _now(),
+        "command": command_line(),
+        "git_head": git_head(),
+        "engine_source_hash": engine_source_hash(),
+        "versions": versions(),
+        "machine": machine(),
+        "stage": stage,
+        "model": model,
+        "counts": counts(rows),
+        "rows": rows,
+    }
+    json_path = write_json(runs_dir() / "report.json", report)
+    md_path = runs_dir() / "report.md"
+    md_path.write_text(render_report_md(report), encoding="utf-8")
+    return json_path, md_path
+
+
+def run_all(stage: str | None = None, model: str | None = None, stop_on_fail: bool = False,
+            *, show_progress: bool = True) -> list[dict]:
+    """Run every checkpoint of ``stage`` (default: all) this machine can run; returns the rows."""
+    cps = select(stage)
+    rows: list[dict] = []
+    failed: str | None = None
+    progress = Progress(
+        SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=err_console, transient=True, disable=not show_progress,
+    )
+    with progress:
+        task = progress.add_task("labkit run", total=len(cps))
+        for cp in cps:
+            progress.update(task, description=cp.id)
+            ok, why = can_run(cp)
+            if failed is not None:
+                row = not_run(cp, f"stopped after {failed} failed")
+            elif not ok:
+                row = not_run(cp, why)
+            else:
+                row = run_checkpoint(cp, model)
+                if row["verdict"] == "FAIL" and stop_on_fail:
+                    failed = cp.id
+            rows.append(row)
+            if show_progress:
+                secs = "" if row["seconds"] is None else f" ({row['seconds']:.1f} s)"
+                progress.console.print(verdict_text(row["verdict"]), f"{cp.id}{secs}", row["reason"] or "",
+                                       soft_wrap=True)
+            progress.advance(task)
+    write_report(rows, stage=stage, model=model)
+    return rows

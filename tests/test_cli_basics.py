@@ -1,0 +1,137 @@
+"""labkit doctor / check / run / model error paths through the real CLI (CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from labkit import checks, evidence
+from labkit.cli import app
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def runs(tmp_path, monkeypatch) -> Path:
+    d = tmp_path / "runs"
+    monkeypatch.setenv(evidence.RUNS_DIR_ENV, str(d))
+    return d
+
+
+def cli(*args: str):
+    return CliRunner().invoke(app, list(args))
+
+
+def labkit_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "labkit", *args], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=300)
+
+
+def test_doctor_then_check(runs, tmp_path):
+    out = tmp_path / "doctor.json"
+    res = cli("doctor", "--out", str(out), "--device", "cpu")
+    assert res.exit_code == 0, res.output
+    rec = json.loads(out.read_text())
+    assert rec["verdict"] == "PASS" and rec["kind"] == "cpu-real-engine" and rec["device"] == "cpu"
+    assert rec["checkpoint"] == "setup.doctor"
+    assert rec["facts"]["tensor_check"]["device"] == "cpu"
+    assert "PASS" in res.output and "doctor.json" in res.output
+
+    # `labkit check` judges the checkpoint's own path under runs/
+    res = cli("check", "setup.doctor")
+    assert res.exit_code == 0 and "NOT-RUN" in res.output
+    res = cli("doctor", "--device", "cpu", "--json")
+    assert res.exit_code == 0
+    assert json.loads(res.stdout)["verdict"] == "PASS"
+    assert (runs / "setup-doctor.json").is_file()
+    res = cli("check", "setup.doctor", "--json")
+    assert res.exit_code == 0
+    rows = json.loads(res.stdout)
+    assert [(r["id"], r["verdict"]) for r in rows] == [("setup.doctor", "PASS")]
+
+    # a tampered file fails the re-judge, and `check` exits 1
+    rec = json.loads((runs / "setup-doctor.json").read_text())
+    rec["facts"]["tensor_check"]["max_abs_err"] = 0.5
+    (runs / "setup-doctor.json").write_text(json.dumps(rec))
+    res = cli("check", "setup.doctor")
+    assert res.exit_code == 1 and "FAIL" in res.output
+
+
+def test_check_with_nothing_run_is_not_a_failure(runs):
+    res = cli("check", "--json")
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)
+    assert rows and {r["verdict"] for r in rows} == {"NOT-RUN"}
+    assert all(r["reason"].startswith("no evidence at ") for r in rows)
+
+
+def _assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stdout + proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: ")
+    for f in fragments:
+        assert f in lines[0]
+
+
+def test_unknown_checkpoint_is_one_line():
+    proc = labkit_process("check", "setup.doctr")
+    _assert_one_line_error(proc, "unknown stage or checkpoint 'setup.doctr'", "setup.doctor")
+
+
+def test_doctor_on_missing_cuda_is_one_line():
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    proc = labkit_process("doctor", "--device", "cuda", "--out", os.devnull)
+    _assert_one_line_error(proc, "CUDA is not available")
+
+
+def test_model_inspect_missing_dir_is_one_line():
+    pytest.importorskip("labkit.model_assets")
+    proc = labkit_process("model", "inspect", "/nonexistent/model-dir")
+    _assert_one_line_error(proc, "/nonexistent/model-dir")
+
+
+def test_run_one_checkpoint_writes_log_and_report(runs):
+    from labkit.runner import run_all
+
+    rows = run_all(stage="setup.doctor", show_progress=False)
+    assert [(r["id"], r["verdict"], r["exit_code"]) for r in rows] == [("setup.doctor", "PASS", 0)], rows
+    assert Path(rows[0]["evidence"]) == runs / "setup-doctor.json"
+    assert "labkit doctor --out" in (runs / "logs" / "setup.doctor.log").read_text()
+    report = json.loads((runs / "report.json").read_text())
+    assert report["counts"]["PASS"] == 1 and report["rows"][0]["id"] == "setup.doctor"
+    assert "| `setup.doctor` | PASS |" in (runs / "report.md").read_text()
+
+
+def test_run_marks_unavailable_hardware_not_run(runs, monkeypatch):
+    from labkit import runner
+
+    monkeypatch.setattr(runner, "machine", lambda: {"cuda_device_count": 0, "cuda_devices": []})
+    cp = checks.Checkpoint(id="cuda.x", title="t", command=["labkit", "x"], evidence="runs/cuda-x.json",
+                           needs="cuda", kind=["gpu-measured"], assertions=[], stage="cuda")
+    assert runner.can_run(cp) == (False, "needs CUDA")
+    cp.needs = "2gpu"
+    assert runner.can_run(cp) == (False, "needs 2 GPUs")
+    monkeypatch.setattr(runner, "machine", lambda: {"cuda_device_count": 2, "cuda_devices": ["a", "b"]})
+    assert runner.can_run(cp) == (True, "")
+
+
+def test_run_command_adds_model_only_where_taken():
+    from labkit.runner import build_command
+
+    cp = checks.get_checkpoint("setup.doctor")
+    cmd = build_command(cp, Path("/tmp/e.json"), model="/m")
+    assert cmd[1:] == ["-m", "labkit", "doctor", "--out", "/tmp/e.json"]
+    cp.takes_model = True
+    assert build_command(cp, Path("/tmp/e.json"), model="/m")[-2:] == ["--model", "/m"]
