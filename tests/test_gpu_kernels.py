@@ -116,10 +116,9 @@ def gpu_model_dir(tmp_path_factory):
 def test_graph_decode_matches_eager(gpu_model_dir, name):
     """Batches 1, 9, 16, 17, 20 (max_num_seqs 20): replayed graphs give the eager logits."""
     from engine import LLMEngine, SamplingParams
-    from tests.test_engine_vs_hf import teacher_forced  # noqa: F401  (same driver as the CPU check)
 
     kw = dict(device="cuda", attention_backend=name, max_num_seqs=20, kvcache_block_size=256,
-              num_kvcache_blocks=64, max_model_len=1024)
+              num_kvcache_blocks=64, max_model_len=1024, max_num_batched_tokens=8192)
     eager = LLMEngine(str(gpu_model_dir), enforce_eager=True, **kw)
     graph = LLMEngine(str(gpu_model_dir), enforce_eager=False, **kw)
     assert graph.runner.graphs.bucket_for(17) is not None
