@@ -182,7 +182,7 @@ class LLMEngine:
         if self._closed:
             return
         self._closed = True
-        del self.runner.kv_cache
+        self.runner.close()
 
     exit = close
 

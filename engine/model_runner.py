@@ -60,9 +60,9 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self._seq_generators: dict[int, torch.Generator] = {}
-        self.num_kvcache_blocks = self.allocate_kv_cache()
         self.graphs: DecodeGraphs | None = None
         self.last_route: dict = {"backend": self.attention_backend, "route": "eager", "bucket": None}
+        self.num_kvcache_blocks = self.allocate_kv_cache()
         if not config.enforce_eager:
             if not self.device.startswith("cuda"):
                 raise ValueError("graph execution needs CUDA (use enforce_eager on CPU)")
@@ -102,7 +102,7 @@ class ModelRunner:
         cfg = self.config
         n = cfg.num_kvcache_blocks if cfg.num_kvcache_blocks > 0 else self._blocks_from_budget()
         if n < 1:
-            raise RuntimeError(f"no memory left for the KV cache (budget {self.memory.get('kv_budget_bytes')} bytes)")
+            raise RuntimeError(f"no memory left for the KV cache: {self.memory}")
         hf = cfg.hf_config
         head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         kv_heads = hf["num_key_value_heads"] // self.tp.world_size
@@ -133,6 +133,7 @@ class ModelRunner:
         inputs.meta.slot_mapping.fill_(-1)
         self.run_model(inputs)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()          # the warmup's transient memory must not count as "used"
 
     def capture_graphs(self) -> None:
         cfg = self.config
@@ -239,6 +240,17 @@ class ModelRunner:
             else:
                 gens.append(self.generator)
         return sample(logits, temps, gens)
+
+    def close(self) -> None:
+        """Drop the KV pool (and the layer views of it), the graphs and the weights so their memory can go back."""
+        for layer in self.model.attention_layers():
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        self.kv_cache = torch.empty(0)
+        self.graphs = None
+        self.model = None
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     def forget(self, seq_id: int) -> None:
         self._seq_generators.pop(seq_id, None)

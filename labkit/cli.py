@@ -252,6 +252,27 @@ def quick_walk(
     finish(record, out, json_out=json_out)
 
 
+@app.command()
+def bench(
+    workload: Annotated[str, typer.Option("--workload", help="nano-vllm | graph-vs-eager | latency.")] = "nano-vllm",
+    baseline: Annotated[Optional[str], typer.Option("--baseline", help="hf: transformers generate on a fraction of the workload, same GPU, same run.")] = None,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats (nano-vllm workload).")] = 1,
+    eager: Annotated[bool, typer.Option("--eager", help="No CUDA graphs (nano-vllm workload).")] = False,
+    out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Measure throughput / latency on a fixed workload; every repeat is kept in the evidence."""
+    from labkit.bench import run_bench
+    from labkit.evidence import default_out
+
+    path = out or default_out(f"bench-{workload}.json")
+    record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
+                       baseline=baseline, repeats=repeats, eager=eager)
+    if not json_out:
+        console.print_json(data={k: v for k, v in record["facts"].items()})
+    finish(record, path, json_out=json_out)
+
+
 def _model_arg(model: Path | None) -> str | None:
     return str(model) if model is not None else None
 

@@ -73,8 +73,12 @@ def test_prefill_with_prefix_and_chunk_matches_torch(name, page):
     tables = tables_for(k_lens, page, kc.shape[0], seed=1)
     q = torch.randn(sum(q_lens), HQ, D, device="cuda", dtype=torch.bfloat16)
     meta = build_meta(q_lens, k_lens, tables, True)
-    ref = get("torch").forward(q, None, None, kc, vc, meta, D ** -0.5)
-    out = get(name).forward(q, None, None, kc, vc, meta, D ** -0.5)
+    # this chunk's K/V, as the model would have stored them: the last q_len positions of each sequence
+    from engine.attention.torch_backend import gather_kv
+    k = torch.cat([gather_kv(kc, tables[i], kl)[kl - ql:] for i, (ql, kl) in enumerate(zip(q_lens, k_lens))])
+    v = torch.cat([gather_kv(vc, tables[i], kl)[kl - ql:] for i, (ql, kl) in enumerate(zip(q_lens, k_lens))])
+    ref = get("torch").forward(q, k, v, kc, vc, meta, D ** -0.5)
+    out = get(name).forward(q, k, v, kc, vc, meta, D ** -0.5)
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
 
 
@@ -109,7 +113,7 @@ def test_triton_store_skips_padding_slots():
 @pytest.fixture(scope="module")
 def gpu_model_dir(tmp_path_factory):
     from labkit.model_assets import synth_model
-    return synth_model("tiny", tmp_path_factory.mktemp("tiny") / "m", dtype="bfloat16")
+    return synth_model("tiny", tmp_path_factory.mktemp("tiny") / "m", dtype="float32")
 
 
 @pytest.mark.parametrize("name", ["torch"] + backends())
@@ -117,7 +121,7 @@ def test_graph_decode_matches_eager(gpu_model_dir, name):
     """Batches 1, 9, 16, 17, 20 (max_num_seqs 20): replayed graphs give the eager logits."""
     from engine import LLMEngine, SamplingParams
 
-    kw = dict(device="cuda", attention_backend=name, max_num_seqs=20, kvcache_block_size=256,
+    kw = dict(device="cuda", dtype="float32", attention_backend=name, max_num_seqs=20, kvcache_block_size=256,
               num_kvcache_blocks=64, max_model_len=1024, max_num_batched_tokens=8192)
     eager = LLMEngine(str(gpu_model_dir), enforce_eager=True, **kw)
     graph = LLMEngine(str(gpu_model_dir), enforce_eager=False, **kw)
@@ -138,7 +142,10 @@ def test_graph_decode_matches_eager(gpu_model_dir, name):
             assert route["route"] == ("graph" if eng is graph else "eager")
             eng.postprocess(s, [0] * batch, pf)
             assert eng.is_finished() and all(q.is_finished for q in seqs)
-        assert (rows[True] - rows[False]).abs().max().item() < 5e-2
+        diff = rows[True] - rows[False]
+        rel_l2 = (diff.norm(dim=-1) / rows[False].norm(dim=-1)).max().item()
+        # float32 (Triton's dots use tf32): padding and fixed-width block tables change reduction order only
+        assert diff.abs().max().item() < 0.05 and rel_l2 < 2e-3, (diff.abs().max().item(), rel_l2)
 
 
 def test_uncovered_batch_falls_back_to_eager(gpu_model_dir):

@@ -1,0 +1,242 @@
+"""`labkit bench`: offline throughput and latency of the engine on fixed workloads, with baselines in the same run.
+
+Every figure is measured on this machine in this process; evidence keeps every repeat.
+"""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from random import randint, seed
+
+from engine import LLMEngine, SamplingParams
+from labkit.errors import UserError
+from labkit.evidence import default_out, write_evidence
+
+WORKLOADS = ("nano-vllm", "graph-vs-eager", "latency")
+NANO_VLLM_TOTAL_OUTPUT = 133_966
+# nano-vllm's bench.py engine settings
+NANO_VLLM_ENGINE = dict(max_model_len=4096, max_num_batched_tokens=16384, max_num_seqs=512,
+                        gpu_memory_utilization=0.9)
+
+
+def nano_vllm_workload(num_seqs: int = 256, max_input: int = 1024, max_output: int = 1024):
+    """nano-vllm's bench.py: random.seed(0); prompts of randint(100,1024) ids in [0,10000]; max_tokens randint(100,1024)."""
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, max_input))] for _ in range(num_seqs)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output))
+              for _ in range(num_seqs)]
+    return prompts, params
+
+
+def fixed_workload(num_seqs: int, input_len: int, output_len: int, start: int = 1000):
+    prompts = [[(start + 7919 * i + j) % 150000 for j in range(input_len)] for i in range(num_seqs)]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=output_len) for _ in range(num_seqs)]
+    return prompts, params
+
+
+def _sync() -> None:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _release(engine: LLMEngine | None) -> None:
+    import torch
+    if engine is not None:
+        engine.close()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class Timed:
+    seconds: float
+    output_tokens: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def timed_generate(engine: LLMEngine, prompts, params) -> Timed:
+    _sync()
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    _sync()
+    return Timed(time.perf_counter() - t0, sum(len(o["token_ids"]) for o in outs))
+
+
+def engine_for(model_dir: str, device: str, attention: str, eager: bool, **kw) -> LLMEngine:
+    return LLMEngine(model_dir, device=device, attention_backend=attention, enforce_eager=eager, **kw)
+
+
+def engine_facts(engine: LLMEngine) -> dict:
+    d = engine.describe()
+    return {"init_seconds": d["init_seconds"], "load_seconds": d["load_seconds"],
+            "capture_seconds": d["graph"]["capture_seconds"], "graph_buckets": d["graph"]["buckets"],
+            "kv_blocks": d["num_kvcache_blocks"], "attention_backend": d["attention_backend"],
+            "memory": d["memory"]}
+
+
+# -- workloads -------------------------------------------------------------------------------------
+def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, repeats: int) -> dict:
+    prompts, params = nano_vllm_workload()
+    engine = engine_for(model_dir, device, attention, eager, **NANO_VLLM_ENGINE)
+    facts = {"engine": engine_facts(engine), "workload": {
+        "name": "nano-vllm", "num_seqs": len(prompts), "input_tokens": sum(map(len, prompts)),
+        "expected_output_tokens": sum(p.max_tokens for p in params), "temperature": 0.6, "ignore_eos": True,
+        **NANO_VLLM_ENGINE}}
+    engine.generate(["Benchmark: "], SamplingParams())          # nano-vllm's warm-up
+    runs = []
+    for _ in range(repeats):
+        t = timed_generate(engine, prompts, params)
+        runs.append({"seconds": round(t.seconds, 4), "output_tokens": t.output_tokens, "tok_s": round(t.tok_s, 1)})
+    facts["repeats"] = runs
+    facts["output_tokens"] = runs[-1]["output_tokens"]
+    facts["median_tok_s"] = statistics.median(r["tok_s"] for r in runs)
+    facts["physical_bound_tok_s"] = 35000
+    facts["share_of_bound"] = round(facts["median_tok_s"] / 35000, 3)
+    _release(engine)
+    return facts
+
+
+def _median_run(model_dir, device, attention, eager, num_seqs, input_len, output_len, max_num_seqs,
+                warmups=2, repeats=3, buckets=None) -> dict:
+    prompts, params = fixed_workload(num_seqs, input_len, output_len)
+    kw = dict(max_num_seqs=max_num_seqs, max_model_len=1024, max_num_batched_tokens=4096)
+    if buckets:
+        kw["graph_buckets"] = tuple(buckets)
+    engine = engine_for(model_dir, device, attention, eager, **kw)
+    for _ in range(warmups):
+        engine.generate(prompts, params)
+    runs = [timed_generate(engine, prompts, params) for _ in range(repeats)]
+    routes = _decode_routes(engine, prompts, params)
+    out = {"eager": eager, "engine": engine_facts(engine),
+           "repeats": [{"seconds": round(r.seconds, 5), "output_tokens": r.output_tokens, "tok_s": round(r.tok_s, 1)} for r in runs],
+           "median_tok_s": round(statistics.median(r.tok_s for r in runs), 1),
+           "output_tokens_per_repeat": sorted({r.output_tokens for r in runs}),
+           "decode_routes": routes}
+    _release(engine)
+    return out
+
+
+def _decode_routes(engine: LLMEngine, prompts, params) -> list[str]:
+    """One more untimed pass that records the route every decode step took (graph bucket or eager)."""
+    for p, sp in zip(prompts, params):
+        engine.add_request(p, sp)
+    routes = set()
+    while not engine.is_finished():
+        out = engine.step()
+        if not out.is_prefill:
+            r = engine.runner.last_route
+            routes.add(f"graph:{r['bucket']}" if r["route"] == "graph" else "eager")
+    return sorted(routes)
+
+
+def bench_graph_vs_eager(model_dir: str, device: str, attention: str) -> dict:
+    facts = {}
+    for name, (n, max_seqs) in {"b4": (16, 32), "b5": (17, 20)}.items():   # appendix B.4, B.5
+        eager = _median_run(model_dir, device, attention, True, n, 128, 32, max_seqs)
+        graph = _median_run(model_dir, device, attention, False, n, 128, 32, max_seqs)
+        facts[name] = {"num_seqs": n, "input_len": 128, "output_len": 32, "max_num_seqs": max_seqs,
+                       "eager": eager, "graph": graph,
+                       "graph_over_eager": round(graph["median_tok_s"] / eager["median_tok_s"], 3)}
+    return facts
+
+
+def bench_latency(model_dir: str, device: str, attention: str, batches=(1, 8, 64), input_len=128,
+                  output_len=128) -> dict:
+    facts = {}
+    for eager in (True, False):
+        engine = engine_for(model_dir, device, attention, eager, max_num_seqs=max(batches), max_model_len=1024,
+                            max_num_batched_tokens=8192)
+        mode = "eager" if eager else "graph"
+        facts[mode] = {"engine": engine_facts(engine)}
+        for b in batches:
+            prompts, params = fixed_workload(b, input_len, output_len)
+            engine.generate(prompts, params)                     # warm-up at this batch size
+            for p, sp in zip(prompts, params):
+                engine.add_request(p, sp)
+            step_ms = []
+            while not engine.is_finished():
+                _sync()
+                t0 = time.perf_counter()
+                out = engine.step()
+                if not out.is_prefill and len(out.seqs) == b:
+                    step_ms.append((time.perf_counter() - t0) * 1e3)
+            facts[mode][f"batch_{b}"] = {"decode_steps": len(step_ms),
+                                         "ms_per_output_token_median": round(statistics.median(step_ms), 4),
+                                         "ms_per_output_token_mean": round(statistics.fmean(step_ms), 4)}
+        _release(engine)
+    return facts
+
+
+def bench_hf_baseline(model_dir: str, device: str, attention: str, num_seqs: int = 32, output_len: int = 128) -> dict:
+    """Transformers generate vs ours on the same fraction of the nano-vllm workload (same prompts, same lengths)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompts, _ = nano_vllm_workload()
+    prompts = prompts[:num_seqs]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=output_len) for _ in prompts]
+    engine = engine_for(model_dir, device, attention, False, **NANO_VLLM_ENGINE)
+    engine.generate(prompts[:2], params[:2])
+    ours = timed_generate(engine, prompts, params)
+    _release(engine)
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    width = max(map(len, prompts))
+    pad = 151643
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    gen_kw = dict(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=True, temperature=0.6,
+                  top_k=0, top_p=1.0, pad_token_id=pad)
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:2], attention_mask=mask[:2], **{**gen_kw, "max_new_tokens": 8, "min_new_tokens": 8})
+        _sync()
+        t0 = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, **gen_kw)
+        _sync()
+        hf_s = time.perf_counter() - t0
+    hf_tokens = int((out.shape[1] - width) * out.shape[0])
+    del model
+    _release(None)
+    return {"fraction": f"first {num_seqs} of the nano-vllm workload's prompts, {output_len} output tokens each",
+            "ours": {"seconds": round(ours.seconds, 4), "output_tokens": ours.output_tokens, "tok_s": round(ours.tok_s, 1)},
+            "hf": {"seconds": round(hf_s, 4), "output_tokens": hf_tokens, "tok_s": round(hf_tokens / hf_s, 1),
+                   "settings": "transformers generate, left-padded batch, sampling at 0.6, default attention"},
+            "ours_over_hf": round(ours.tok_s / (hf_tokens / hf_s), 2)}
+
+
+def run_bench(workload: str, out: Path | None = None, model: str | None = None, device: str = "auto",
+              attention: str = "auto", baseline: str | None = None, repeats: int = 1, eager: bool = False) -> dict:
+    from labkit.experiments.common import detect_device
+    from labkit.model_assets import model_identity, resolve_model
+
+    if workload not in WORKLOADS:
+        raise UserError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
+    if baseline not in (None, "hf"):
+        raise UserError(f"unknown baseline {baseline!r}: the only baseline is hf")
+    device = detect_device(device)
+    if not device.startswith("cuda") and (workload != "nano-vllm" or not eager):
+        raise UserError(f"bench --workload {workload} needs CUDA (graphs); on CPU only `--workload nano-vllm --eager` runs")
+    ref = resolve_model(model, device)
+    model_dir = str(ref.path)
+    if workload == "nano-vllm":
+        facts = bench_nano_vllm(model_dir, device, attention, eager, repeats)
+        checkpoint = "cuda.bench-nano-vllm" if device.startswith("cuda") and not eager else None
+    elif workload == "graph-vs-eager":
+        facts, checkpoint = bench_graph_vs_eager(model_dir, device, attention), "cuda.graph-vs-eager"
+    else:
+        facts, checkpoint = bench_latency(model_dir, device, attention), "cuda.latency"
+    if baseline == "hf":
+        facts["baseline_hf"] = bench_hf_baseline(model_dir, device, attention)
+    facts["device"] = device
+    kind = "gpu-measured" if device.startswith("cuda") else "cpu-real-engine"
+    identity = dict(model_identity(ref.path))
+    return write_evidence(out or default_out(f"bench-{workload}.json"), checkpoint=checkpoint, kind=kind,
+                          facts=facts, device=device, model=identity)

@@ -1,0 +1,22 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A synthesized ``tiny`` Qwen3 model directory (seed 0), built once per test session.
+
+    Real HF layout (config.json, model.safetensors, tokenizer.json, ...) with random float32
+    weights and the real Qwen vocabulary (151936 rows). Treat it as read-only: every test in
+    the session shares it; copy it (shutil.copytree) before changing anything.
+    """
+    from labkit.model_assets import synth_model, validate_model_dir
+
+    out = tmp_path_factory.mktemp("tiny-model", numbered=True) / "tiny-seed0"
+    path = synth_model("tiny", out, seed=0)
+    return validate_model_dir(path)
