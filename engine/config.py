@@ -32,6 +32,10 @@ class Config:
     attention_backend: str = "auto"
     scheduling_policy: str = "prefill_first"
     seed: int = 0
+    dist_init: str | None = None                   # tcp://HOST:PORT of this engine's TP group (default: a free port)
+    shm_name: str | None = None                    # this engine's TP step channel (default: unique per instance)
+    tp_timeout_s: float = 120.0                    # a collective waiting longer than this fails instead of hanging
+    fused_ops: bool = True                         # Triton RMSNorm / qk-norm+RoPE / SiLU-mul on CUDA
     graph_buckets: tuple[int, ...] | None = None   # None: buckets covering every batch up to max_num_seqs
     hf_config: dict = field(default_factory=dict, repr=False)
     eos_token_ids: tuple[int, ...] = ()

@@ -159,3 +159,42 @@ def test_uncovered_batch_falls_back_to_eager(gpu_model_dir):
         eng.step()
         routes.append(eng.runner.last_route["route"])
     assert routes == ["eager", "eager"]      # prefill, then batch 17: no covering bucket -> eager
+
+
+def test_fused_ops_match_the_torch_layers():
+    from engine.layers.activation import SiluAndMul
+    from engine.layers.fused_kernels import qk_norm_rope
+    from engine.layers.layernorm import RMSNorm
+    from engine.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(0)
+    t, hidden = 37, 1024
+    with torch.device("cuda"):
+        norm = RMSNorm(hidden).to(torch.bfloat16)
+        norm.weight.data = torch.randn(hidden, dtype=torch.bfloat16) * 0.1 + 1
+        x = torch.randn(t, hidden, dtype=torch.bfloat16)
+        res = torch.randn(t, hidden, dtype=torch.bfloat16)
+        ref = norm(x), norm(x, res)
+        norm.fused = True
+        out = norm(x), norm(x, res)
+        close = dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out[0], ref[0], **close)
+        torch.testing.assert_close(out[1][0], ref[1][0], **close)
+        assert torch.equal(out[1][1], ref[1][1])                      # the residual sum itself is exact
+
+        act = SiluAndMul()
+        y = torch.randn(t, 2 * 3072, dtype=torch.bfloat16)
+        ref_act = act(y)
+        act.fused = True
+        torch.testing.assert_close(act(y), ref_act, **close)
+
+        qn, kn = RMSNorm(D).to(torch.bfloat16), RMSNorm(D).to(torch.bfloat16)
+        qn.weight.data.fill_(2.0)
+        rope = RotaryEmbedding(D, 4096, 1e6)
+        qkv = torch.randn(t, (HQ + 2 * HK) * D, dtype=torch.bfloat16)
+        pos = torch.randint(0, 4000, (t,))
+        q, k, _ = qkv.split([HQ * D, HK * D, HK * D], -1)
+        rq, rk = rope(pos, qn(q.reshape(t, HQ, D)), kn(k.reshape(t, HK, D)))
+        fq, fk = qk_norm_rope(qkv, pos, qn.weight, kn.weight, rope.cos, rope.sin, HQ, HK, D, qn.eps)
+        torch.testing.assert_close(fq, rq, **close)
+        torch.testing.assert_close(fk, rk, **close)

@@ -53,15 +53,22 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
+        self.fused = False          # q/k norm + RoPE in one Triton kernel (the runner turns it on, CUDA)
 
     def forward(self, positions, x, meta):
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.fused:
+            from engine.layers.fused_kernels import qk_norm_rope
+            q, k = qk_norm_rope(qkv, positions, self.q_norm.weight, self.k_norm.weight, self.rotary_emb.cos,
+                                self.rotary_emb.sin, self.num_heads, self.num_kv_heads, self.head_dim,
+                                self.q_norm.eps)
+        else:
+            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+            q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v, meta)
         return self.o_proj(o.flatten(1, -1))
 

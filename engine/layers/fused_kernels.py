@@ -1,0 +1,111 @@
+"""Fused Triton kernels for the small per-token ops of a decoder layer (CUDA only).
+
+Each reproduces the reference's rounding: intermediate results are rounded to the activation dtype at
+the same points as the PyTorch implementation in layernorm.py / rotary.py / activation.py, so fused and
+unfused paths agree to the last bit in most positions (tests check closeness, not identity).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, N, eps,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)        # residual stream in the model dtype
+        tl.store(res_out_ptr + row * stride_r + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (xf * rstd).to(x.dtype).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_o + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    n = shape[-1]
+    out = torch.empty_like(x2)
+    if residual is None:
+        _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), n, eps,
+                                         HAS_RES=False, BLOCK=triton.next_power_of_2(n))
+        return out.view(shape)
+    r2 = residual.reshape(-1, n)
+    res_out = torch.empty_like(r2)
+    _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0), n, eps,
+                                     HAS_RES=True, BLOCK=triton.next_power_of_2(n))
+    return out.view(shape), res_out.view(shape)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
+                         stride_qkv, eps, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)                     # 0..HQ-1: q heads, HQ..HQ+HK-1: k heads
+    half = tl.arange(0, D // 2)
+    is_q = h < HQ
+    base = qkv_ptr + t * stride_qkv + h * D  # q heads then k heads, contiguous in the packed row
+    x1 = tl.load(base + half)
+    x2 = tl.load(base + D // 2 + half)
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / D + eps)
+    if is_q:
+        w1 = tl.load(qw_ptr + half).to(tl.float32)
+        w2 = tl.load(qw_ptr + D // 2 + half).to(tl.float32)
+    else:
+        w1 = tl.load(kw_ptr + half).to(tl.float32)
+        w2 = tl.load(kw_ptr + D // 2 + half).to(tl.float32)
+    dt = x1.dtype
+    n1 = ((f1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+    n2 = ((f2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    pos = tl.load(pos_ptr + t)
+    c = tl.load(cos_ptr + pos * D + half).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + pos * D + half).to(dt).to(tl.float32)
+    o1 = ((n1 * c).to(dt).to(tl.float32) + (-n2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((n2 * c).to(dt).to(tl.float32) + (n1 * s).to(dt).to(tl.float32)).to(dt)
+    if is_q:
+        dst = q_out_ptr + (t * HQ + h) * D
+    else:
+        dst = k_out_ptr + (t * HK + h - HQ) * D
+    tl.store(dst + half, o1)
+    tl.store(dst + D // 2 + half, o2)
+
+
+def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, hq: int, hk: int, d: int, eps: float):
+    t = qkv.shape[0]
+    q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(t, hk, d, dtype=qkv.dtype, device=qkv.device)
+    _qk_norm_rope_kernel[(t, hq + hk)](qkv, positions, q_weight, k_weight, cos, sin, q, k, qkv.stride(0), eps,
+                                       HQ=hq, HK=hk, D=d)
+    return q, k
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = col < N
+    g = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
+    u = tl.load(x_ptr + row * stride_x + N + col, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
+    tl.store(out_ptr + row * N + col, (act * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * n)
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    block = 1024
+    _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), n, BLOCK=block)
+    return out.view(*x.shape[:-1], n)
