@@ -33,7 +33,18 @@ class LLMEngine:
     def __init__(self, model: str, **kwargs):
         init_start = time.perf_counter()
         self.config = Config(model, **kwargs)
-        self.runner = ModelRunner(self.config)
+        if self.config.tensor_parallel_size > 1:
+            from engine.distributed import start_rank0
+            device = self.config.resolved_device()
+            tp, workers = start_rank0(self.config, device)
+            try:
+                self.runner = ModelRunner(self.config, tp=tp, workers=workers,
+                                          device="cuda:0" if device.startswith("cuda") else device)
+            except BaseException:
+                workers.close()
+                raise
+        else:
+            self.runner = ModelRunner(self.config)
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.kvcache_block_size)
         self.scheduler = Scheduler(self.config, self.block_manager)
         self.events = EventBus()
@@ -56,8 +67,12 @@ class LLMEngine:
         return {
             "config": self.config.summary(),
             "device": self.runner.device,
+            "tensor_parallel": {"size": self.config.tensor_parallel_size,
+                                "dist_init": self.runner.workers.dist_init if self.runner.workers else None,
+                                "shm_name": self.runner.workers.shm_name if self.runner.workers else None},
             "dtype": str(self.runner.dtype).replace("torch.", ""),
             "attention_backend": self.runner.attention_backend,
+            "fused_ops": self.runner.fused_ops,
             "num_kvcache_blocks": self.runner.num_kvcache_blocks,
             "memory": self.runner.memory,
             "graph": {"enabled": self.runner.graphs is not None,

@@ -30,6 +30,19 @@ def default_dtype_device(dtype: torch.dtype, device: str):
 
 
 @dataclass
+class StepPlan:
+    """Host-side description of one forward: what rank 0 sends to the other TP ranks."""
+    is_prefill: bool
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    seqlens_q: list[int]
+    seqlens_k: list[int]
+    block_tables: list[list[int]] | None = None
+    context_lens: list[int] | None = None
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -38,10 +51,13 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, tp: ParallelContext = SINGLE):
+    def __init__(self, config: Config, tp: ParallelContext = SINGLE, workers=None, device: str | None = None):
         self.config = config
         self.tp = tp
-        self.device = config.resolved_device()
+        self.workers = workers            # rank 0 of a TP engine: the other ranks' handle
+        self.device = device or config.resolved_device()
+        if self.device.startswith("cuda:"):
+            torch.cuda.set_device(torch.device(self.device))
         self.dtype = config.resolved_dtype(self.device)
         self.block_size = config.kvcache_block_size
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device)
@@ -56,6 +72,7 @@ class ModelRunner:
         if missing:
             raise ValueError(f"checkpoint in {config.model} lacks parameters: {', '.join(missing[:4])}")
         self.model.eval()
+        self.fused_ops = self._enable_fused_ops() if config.fused_ops else False
         self.load_seconds = time.perf_counter() - t0
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
@@ -67,6 +84,18 @@ class ModelRunner:
             if not self.device.startswith("cuda"):
                 raise ValueError("graph execution needs CUDA (use enforce_eager on CPU)")
             self.capture_graphs()
+
+    def _enable_fused_ops(self) -> bool:
+        if not self.device.startswith("cuda"):
+            return False
+        try:
+            import engine.layers.fused_kernels  # noqa: F401
+        except ImportError:
+            return False
+        for module in self.model.modules():
+            if hasattr(module, "fused"):
+                module.fused = True
+        return True
 
     # -- KV pool -------------------------------------------------------------
     @property
@@ -101,6 +130,7 @@ class ModelRunner:
     def allocate_kv_cache(self) -> int:
         cfg = self.config
         n = cfg.num_kvcache_blocks if cfg.num_kvcache_blocks > 0 else self._blocks_from_budget()
+        n = self.tp.min_int(n)            # every rank holds the same pool
         if n < 1:
             raise RuntimeError(f"no memory left for the KV cache: {self.memory}")
         hf = cfg.hf_config
@@ -153,51 +183,60 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.device.startswith("cuda"))
         return t.to(self.device, non_blocking=True)
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(s.block_table) for s in seqs)
-        return self._tensor([s.block_table + [-1] * (width - len(s.block_table)) for s in seqs])
-
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
-        input_ids, positions, slots = [], [], []
-        cu_q, cu_k, lens_q, lens_k = [0], [0], [], []
+    @staticmethod
+    def _padded_tables(seqs: list[Sequence]) -> list[list[int]]:
+        width = max(len(s.block_table) for s in seqs)
+        return [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+
+    def plan_prefill(self, seqs: list[Sequence]) -> StepPlan:
+        input_ids, positions, slots, lens_q, lens_k = [], [], [], [], []
         for seq in seqs:
             start, end = seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
             lens_q.append(end - start)
             lens_k.append(end)
-            cu_q.append(cu_q[-1] + end - start)
-            cu_k.append(cu_k[-1] + end)
             if seq.block_table:
                 slots += [self.slot(seq, p) for p in range(start, end)]
             else:
                 slots += [-1] * (end - start)
-        prefix = cu_k[-1] > cu_q[-1]
+        prefix = sum(lens_k) > sum(lens_q)
+        return StepPlan(True, input_ids, positions, slots, lens_q, lens_k,
+                        block_tables=self._padded_tables(seqs) if prefix else None)
+
+    def plan_decode(self, seqs: list[Sequence]) -> StepPlan:
+        context_lens = [len(s) for s in seqs]
+        return StepPlan(False, [s.last_token for s in seqs], [n - 1 for n in context_lens],
+                        [self.slot(s, len(s) - 1) for s in seqs], [1] * len(seqs), context_lens,
+                        block_tables=self._padded_tables(seqs), context_lens=context_lens)
+
+    def to_inputs(self, plan: StepPlan) -> StepInputs:
+        def cumulative(lens):
+            out = [0]
+            for n in lens:
+                out.append(out[-1] + n)
+            return self._tensor(out)
+
         meta = AttentionMetadata(
-            is_prefill=True,
-            slot_mapping=self._tensor(slots, torch.int64),
-            cu_seqlens_q=self._tensor(cu_q), cu_seqlens_k=self._tensor(cu_k),
-            max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k),
-            block_tables=self._block_tables(seqs) if prefix else None,
-            seqlens_q=lens_q, seqlens_k=lens_k)
-        return StepInputs(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, True)
+            is_prefill=plan.is_prefill,
+            slot_mapping=self._tensor(plan.slot_mapping, torch.int64),
+            cu_seqlens_q=cumulative(plan.seqlens_q) if plan.is_prefill else None,
+            cu_seqlens_k=cumulative(plan.seqlens_k) if plan.is_prefill else None,
+            max_seqlen_q=max(plan.seqlens_q), max_seqlen_k=max(plan.seqlens_k),
+            block_tables=None if plan.block_tables is None else self._tensor(plan.block_tables),
+            context_lens=None if plan.context_lens is None else self._tensor(plan.context_lens),
+            seqlens_q=plan.seqlens_q, seqlens_k=plan.seqlens_k)
+        return StepInputs(self._tensor(plan.input_ids, torch.int64), self._tensor(plan.positions, torch.int64),
+                          meta, plan.is_prefill)
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
+        return self.to_inputs(self.plan_prefill(seqs))
 
     def prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
-        input_ids = [s.last_token for s in seqs]
-        positions = [len(s) - 1 for s in seqs]
-        slots = [self.slot(s, len(s) - 1) for s in seqs]
-        context_lens = [len(s) for s in seqs]
-        meta = AttentionMetadata(
-            is_prefill=False,
-            slot_mapping=self._tensor(slots, torch.int64),
-            block_tables=self._block_tables(seqs),
-            context_lens=self._tensor(context_lens),
-            max_seqlen_q=1, max_seqlen_k=max(context_lens),
-            seqlens_q=[1] * len(seqs), seqlens_k=context_lens)
-        return StepInputs(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta, False)
+        return self.to_inputs(self.plan_decode(seqs))
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> StepInputs:
         return self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
@@ -220,7 +259,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        inputs = self.prepare(seqs, is_prefill)
+        plan = self.plan_prefill(seqs) if is_prefill else self.plan_decode(seqs)
+        if self.workers is not None:
+            self.workers.send("run", plan)       # the other ranks replay the same forward
+        inputs = self.to_inputs(plan)
         if self.on_inputs is not None:
             self.on_inputs(inputs)
         return self.run_model(inputs)
@@ -248,6 +290,8 @@ class ModelRunner:
         self.kv_cache = torch.empty(0)
         self.graphs = None
         self.model = None
+        if self.workers is not None:
+            self.workers.close()
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
