@@ -352,6 +352,25 @@ def model_download(
     _show_result(result, "downloaded", json_out)
 
 
+# --------------------------------------------------------------------------- rooms that register their commands
+
+
+def _register_rooms() -> None:
+    from labkit.service.commands import register as register_service
+
+    register_service(app)
+    try:
+        from labkit.logits_commands import register as register_logits
+    except ModuleNotFoundError as e:          # the guardrails room is optional in partial checkouts
+        if e.name != "labkit.logits_commands":
+            raise
+    else:
+        register_logits(app)
+
+
+_register_rooms()
+
+
 # --------------------------------------------------------------------------- entry point
 
 

@@ -1,0 +1,474 @@
+"""``labkit load``: replay a fixed arrival trace against the engine and record every event.
+
+Targets
+    in process (``--model``/default model): a Worker in this process; events ``observer=engine``.
+    ``--serve-local``: that Worker behind its HTTP server on 127.0.0.1 (a free port), driven over
+    HTTP like a remote server: serve and load in one command, both observers in one log. Client,
+    HTTP loop and owner then share one Python process (and its GIL); for the cleanest client-side
+    numbers run ``labkit serve`` in its own process and ``load --endpoints``.
+    ``--endpoints a,b``: running servers (ours, or any OpenAI-compatible one with ``--api openai``);
+    requests go round-robin, or with ``--router least-work`` to the endpoint with the least
+    assigned work so far (prompt + max_tokens of the requests already sent to it: an offline,
+    reproducible decision, ties to the first endpoint).
+
+Modes
+    ``wall``: each request is sent at its planned ``arrival_ms`` after the window opens.
+    ``round`` (in process only): request k enters at scheduler round ``arrival_round`` (counted from
+    the replay's first round; idle rounds are skipped): a mechanism view, not a performance run.
+
+Warmup
+    ``--warmup-requests N`` requests per target, shaped like the trace's classes but with their
+    own prefixes, run to completion before the window opens; marked ``warmup`` and left out of
+    every number (``labkit report``).
+
+Output
+    ``--out X.jsonl``: the event log (header + events). Next to it ``X.json``: the evidence
+    (envelope, options, the report summary; judged against ``--checkpoint`` when given). ``--out
+    X.json`` works the other way round (events in ``X.jsonl``).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine import RequestError, SamplingParams
+from labkit.errors import UserError
+from labkit.evidence import envelope, write_evidence, write_json
+from labkit.service.events import EventLog
+from labkit.tracegen import read_trace, warmup_requests
+
+MODES = ("wall", "round")
+APIS = ("native", "openai")
+ROUTERS = ("round-robin", "least-work")
+
+
+@dataclass
+class LoadOptions:
+    trace: Path
+    out: Path
+    model: str | None = None
+    endpoints: list[str] = field(default_factory=list)
+    serve_local: bool = False
+    mode: str = "wall"
+    warmup_requests: int = 2
+    api: str = "native"
+    router: str = "round-robin"
+    policy: str = "prefill_first"
+    batch_tokens: int = 512
+    batch_seqs: int = 8
+    max_active: int = 8
+    queue_size: int = 64
+    max_model_len: int = 1024
+    eager: bool = True
+    attention: str = "auto"
+    device: str = "auto"
+    worker_id: str = "worker-0"
+    tp: int = 1
+    profile_dir: Path | None = None
+    openai_model: str | None = None
+    timeout_s: float = 600.0
+    checkpoint: str | None = None
+    show_progress: bool = True
+
+
+def split_out(out: str | Path) -> tuple[Path, Path]:
+    """(events JSONL, evidence JSON) from one ``--out``."""
+    out = Path(out)
+    if out.suffix == ".json":
+        return out.with_suffix(".jsonl"), out
+    return out, out.with_suffix(".json")
+
+
+def sampling(r: dict) -> SamplingParams:
+    return SamplingParams(temperature=float(r.get("temperature", 0.0)), max_tokens=int(r["max_tokens"]),
+                          ignore_eos=bool(r.get("ignore_eos", True)), seed=r.get("seed"))
+
+
+def tags_of(r: dict) -> dict:
+    return {"class": r.get("class", "all"), "trace_index": r.get("index"), "warmup": bool(r.get("warmup", False))}
+
+
+def log_header(role: str, healths: list[dict | None], extra: dict) -> dict:
+    """Header for a log written on the client side: identity as the servers report it."""
+    known = [h for h in healths if h]
+    kinds = sorted({h.get("kind") for h in known if h.get("kind")})
+    env = envelope(kind=kinds[0] if len(kinds) == 1 else "static")
+    env["kind"] = kinds[0] if len(kinds) == 1 else None
+    if len(kinds) > 1:
+        env["kinds"] = kinds
+    first = known[0] if known else {}
+    env["model"] = first.get("model")
+    env["engine"] = first.get("engine")
+    env["device"] = None
+    env["servers"] = [{k: h.get(k) for k in ("worker_id", "kind", "served_model_name", "max_model_len")} if h else None
+                      for h in healths]
+    return {**env, "role": role, **extra}
+
+
+# --------------------------------------------------------------------------- routing
+
+
+class Router:
+    def __init__(self, endpoints: list[str], policy: str = "round-robin"):
+        if policy not in ROUTERS:
+            raise UserError(f"--router must be one of {', '.join(ROUTERS)}, got {policy!r}")
+        self.endpoints = endpoints
+        self.policy = policy
+        self.assigned_work = [0] * len(endpoints)
+        self.assigned_requests = [0] * len(endpoints)
+        self._next = 0
+
+    def pick(self, r: dict) -> int:
+        if self.policy == "round-robin":
+            i = self._next % len(self.endpoints)
+            self._next += 1
+        else:
+            i = min(range(len(self.endpoints)), key=lambda k: (self.assigned_work[k], k))
+        self.assigned_work[i] += int(r.get("prompt_tokens", len(r["prompt_token_ids"]))) + int(r["max_tokens"])
+        self.assigned_requests[i] += 1
+        return i
+
+    def summary(self) -> dict:
+        return {"policy": self.policy, "endpoints": self.endpoints, "assigned_work": self.assigned_work,
+                "assigned_requests": self.assigned_requests}
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def run_load(opts: LoadOptions) -> dict:
+    """Replay the trace; returns the evidence record (also written next to the log)."""
+    _check(opts)
+    head, reqs = read_trace(opts.trace)
+    warm = warmup_requests(reqs, opts.warmup_requests)
+    events_path, evidence_path = split_out(opts.out)
+    extra = {"mode": opts.mode, "api": opts.api, "trace": str(opts.trace),
+             "trace_options": (head or {}).get("options"), "warmup_requests": opts.warmup_requests,
+             "load_options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}}
+    log = EventLog(events_path)
+    worker = server = None
+    facts: dict[str, Any] = {}
+    try:
+        if opts.endpoints:
+            router = Router(opts.endpoints, opts.router)
+            healths, _ = asyncio.run(_drive_http(opts, reqs, warm, router, log, header=("load", extra)))
+            kind = _remote_kind(healths)
+            ident: dict[str, Any] = {"model": (healths[0] or {}).get("model") if healths else None}
+        else:
+            from labkit.service.worker import Worker
+
+            worker = Worker(_worker_config(opts), sink=log.write).start()
+            kind = "profile" if opts.profile_dir else worker.built.kind
+            header = worker.header(role="load", **extra)
+            header["kind"] = kind
+            if opts.serve_local:
+                from labkit.service.server import ServerThread
+
+                server = ServerThread(worker).start()
+                header["endpoints"] = [server.url]
+                log.write_header(header)
+                router = Router([server.url], opts.router)
+                _, profile = asyncio.run(_drive_http(opts, reqs, warm, router, log, worker=worker,
+                                                     log_server_events=False))
+            else:
+                log.write_header(header)
+                router = None
+                profile = _drive_inprocess(opts, worker, reqs, warm)
+            free, total = worker.run_on_owner(lambda e: (e.block_manager.num_free_blocks, e.block_manager.num_blocks))
+            facts["kv_blocks"] = {"free_at_end": free, "total": total}
+            facts["kv_free_at_end_equals_total"] = free == total
+            facts["profile"] = profile
+            built = worker.built
+            ident = {"model": built.model, "device": built.device, "engine": built.describe(), "seed": built.engine.config.seed}
+    finally:
+        if server is not None:
+            server.close()
+        elif worker is not None:
+            worker.close()
+        log.close()
+    from labkit.report import summarize
+
+    summary = summarize(events_path)
+    facts.update(_facts(summary, reqs, opts, router))
+    facts["events"] = str(events_path)
+    if kind is None:
+        record = {**envelope(kind="static"), "kind": None, "checkpoint": opts.checkpoint, "facts": facts,
+                  "checks": [], "verdict": "REVIEW",
+                  "note": "the servers did not report an evidence kind; judge by hand"}
+        write_json(evidence_path, record)
+        return record
+    return write_evidence(evidence_path, checkpoint=opts.checkpoint, kind=kind, facts=facts,
+                          device=ident.get("device"), model=ident.get("model"), seed=ident.get("seed"),
+                          engine=ident.get("engine"), extra_checks=_sanity(facts))
+
+
+def _sanity(facts: dict) -> list[dict]:
+    """Checks every load run gets, checkpoint or not."""
+    out = []
+    for obs, terms in facts["terminations"].items():
+        out.append({"name": f"every request finished ({obs})", "passed": "unfinished" not in terms,
+                    "expected": "no unfinished request", "actual": terms,
+                    "why": "each measured request has a finished event"})
+        out.append({"name": f"no engine error ({obs})", "passed": "error" not in terms, "expected": "no error",
+                    "actual": terms.get("error", 0), "why": "no request failed"})
+    if "kv_free_at_end_equals_total" in facts:
+        out.append({"name": "KV blocks all free at the end", "passed": facts["kv_free_at_end_equals_total"],
+                    "expected": True, "actual": facts["kv_blocks"], "why": "no request leaked KV blocks"})
+    return out
+
+
+def _check(opts: LoadOptions) -> None:
+    if opts.mode not in MODES:
+        raise UserError(f"--mode must be one of {', '.join(MODES)}, got {opts.mode!r}")
+    if opts.api not in APIS:
+        raise UserError(f"--api must be one of {', '.join(APIS)}, got {opts.api!r}")
+    if opts.router not in ROUTERS:
+        raise UserError(f"--router must be one of {', '.join(ROUTERS)}, got {opts.router!r}")
+    if opts.endpoints and (opts.model or opts.serve_local):
+        raise UserError("--endpoints drives running servers; leave out --model and --serve-local")
+    if opts.mode == "round" and (opts.endpoints or opts.serve_local):
+        raise UserError("--mode round injects per scheduler round and needs the in-process engine; "
+                        "use --mode wall over HTTP")
+    if opts.profile_dir and opts.endpoints:
+        raise UserError("--profile-dir profiles the in-process engine; it cannot profile a remote server")
+    if opts.api == "openai" and not (opts.endpoints or opts.serve_local):
+        raise UserError("--api openai talks HTTP: give --endpoints or --serve-local")
+    if opts.warmup_requests < 0:
+        raise UserError(f"--warmup-requests must be >= 0, got {opts.warmup_requests}")
+    for ep in opts.endpoints:
+        if not ep.startswith(("http://", "https://")):
+            raise UserError(f"endpoint {ep!r} must start with http:// or https://")
+
+
+def _worker_config(opts: LoadOptions):
+    from labkit.service.worker import WorkerConfig
+
+    return WorkerConfig(model=opts.model, device=opts.device, attention=opts.attention, policy=opts.policy,
+                        batch_tokens=opts.batch_tokens, batch_seqs=opts.batch_seqs, max_active=opts.max_active,
+                        queue_size=opts.queue_size, max_model_len=opts.max_model_len, eager=opts.eager,
+                        worker_id=opts.worker_id, tp=opts.tp, load_tokenizer=opts.serve_local)
+
+
+def _remote_kind(healths: list[dict | None]) -> str | None:
+    kinds = {(h or {}).get("kind") for h in healths}
+    return kinds.pop() if len(kinds) == 1 and None not in kinds else None
+
+
+def _facts(summary: dict, reqs: list[dict], opts: LoadOptions, router: "Router | None") -> dict:
+    obs = summary["observers"]
+    pick = lambda o, *k: _dig(obs.get(o, {}), *k)  # noqa: E731
+    facts = {
+        "trace_requests": len(reqs),
+        "requests": max((o["requests"] for o in obs.values()), default=0),
+        "completed": {o: v["completed"] for o, v in obs.items()},
+        "rejections": {o: v["rejections"] for o, v in obs.items()},
+        "terminations": {o: v["terminations"] for o, v in obs.items()},
+        "output_tokens": {o: v["output_tokens"] for o, v in obs.items()},
+        "expected_output_tokens": sum(int(r["max_tokens"]) for r in reqs),
+        "ttft_ms": {o: {q: pick(o, "ttft_ms", q) for q in ("p50", "p90", "p99")} for o in obs},
+        "itl_ms": {o: {q: pick(o, "itl_ms", q) for q in ("p50", "p90", "p99")} for o in obs},
+        "tpot_ms": {o: {q: pick(o, "tpot_ms", q) for q in ("p50", "p90", "p99")} for o in obs},
+        "throughput_tok_s": {o: v.get("throughput_tok_s") for o, v in obs.items()},
+        "window_s": {o: _dig(v, "window", "seconds") for o, v in obs.items()},
+        "mode": opts.mode, "api": opts.api, "warmup_requests": opts.warmup_requests,
+        "router": router.summary() if router else None,
+        "summary": summary,
+    }
+    return facts
+
+
+def _dig(d: Any, *keys):
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+# --------------------------------------------------------------------------- in process
+
+
+def _submit(worker, r: dict):
+    try:
+        return worker.submit(r["prompt_token_ids"], sampling(r), request_id=r["request_id"], tags=tags_of(r),
+                             stream=False)
+    except RequestError as e:
+        raise UserError(f"trace request {r['request_id']}: {e}") from None
+
+
+def _wait_all(handles: list, timeout_s: float, progress=None) -> None:
+    deadline = time.monotonic() + timeout_s
+    for h in handles:
+        left = deadline - time.monotonic()
+        if left <= 0 or h.wait(left) is None:
+            raise UserError(f"request {h.request_id} did not finish within {timeout_s:g} s")
+        if progress is not None:
+            progress()
+
+
+def _progress(opts: LoadOptions, total: int, label: str):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from labkit.console import err_console
+
+    return Progress(f"[bold]{label}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console,
+                    transient=True, disable=not opts.show_progress)
+
+
+def _drive_inprocess(opts: LoadOptions, worker, reqs: list[dict], warm: list[dict]) -> dict | None:
+    if warm:
+        _wait_all([_submit(worker, r) for r in warm], opts.timeout_s)
+    profiler = _start_profile(opts, worker)
+    with _progress(opts, len(reqs), "load") as bar:
+        task = bar.add_task("load", total=len(reqs))
+        if opts.mode == "round":
+            handles: list = []
+            feeder = RoundFeeder(worker, reqs, handles)
+            worker.set_feeder(feeder)
+            if not feeder.done.wait(opts.timeout_s):
+                raise UserError(f"round replay did not submit every request within {opts.timeout_s:g} s")
+            if feeder.error is not None:
+                raise feeder.error
+        else:
+            handles = []
+            t0 = time.monotonic()
+            for r in reqs:
+                delay = t0 + r["arrival_ms"] / 1000.0 - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                handles.append(_submit(worker, r))
+        _wait_all(handles, opts.timeout_s, progress=lambda: bar.advance(task))
+    return _stop_profile(opts, worker, profiler)
+
+
+class RoundFeeder:
+    """Owner-thread callback: submits the requests due at this round (idle rounds are skipped)."""
+
+    def __init__(self, worker, reqs: list[dict], handles: list):
+        import threading
+
+        self.worker = worker
+        self.queue = deque(sorted(reqs, key=lambda r: r["arrival_round"]))
+        self.handles = handles
+        self.start: int | None = None
+        self.shift = 0
+        self.error: Exception | None = None
+        self.done = threading.Event()
+
+    def __call__(self, round_: int) -> None:
+        try:
+            self._feed(round_)
+        except Exception as e:          # never let a bad request kill the owner thread
+            self.error = e
+            self.queue.clear()
+        if not self.queue:
+            self.worker.set_feeder(None)
+            self.done.set()
+
+    def _feed(self, round_: int) -> None:
+        if self.start is None:
+            self.start = round_ - self.queue[0]["arrival_round"]
+        if self.queue and self.worker.idle() and self.queue[0]["arrival_round"] > round_ - self.start + self.shift:
+            self.shift = self.queue[0]["arrival_round"] - (round_ - self.start)
+        while self.queue and self.queue[0]["arrival_round"] <= round_ - self.start + self.shift:
+            self.handles.append(_submit(self.worker, self.queue.popleft()))
+
+
+def _start_profile(opts: LoadOptions, worker):
+    if not opts.profile_dir:
+        return None
+    from labkit.service.profiling import StepProfiler
+
+    prof = StepProfiler(opts.profile_dir, worker.built.device)
+    prof.prime()
+    worker.run_on_owner(lambda engine: prof.start(worker, engine))
+    return prof
+
+
+def _stop_profile(opts: LoadOptions, worker, prof) -> dict | None:
+    if prof is None:
+        return None
+    summary = worker.run_on_owner(lambda engine: prof.stop(worker, engine))
+    built = worker.built
+    ranges = summary.get("ranges", {})
+    checks = [{"name": f"range {name} recorded", "passed": ranges.get(name, {}).get("count", 0) > 0,
+               "expected": "count > 0", "actual": ranges.get(name, {}).get("count", 0),
+               "why": "the profiler saw this range on the owner thread"}
+              for name in ("step", "run_model", "prepare_decode")]
+    checks.append({"name": "Chrome trace written", "passed": Path(summary["trace"]).is_file(), "expected": True,
+                   "actual": summary["trace"], "why": "open it in chrome://tracing or Perfetto"})
+    record = write_evidence(Path(opts.profile_dir) / "profile.json", checkpoint=None, kind="profile",
+                            facts={**summary, "trace_file": str(opts.trace), "mode": opts.mode},
+                            device=built.device, model=built.model, seed=built.engine.config.seed,
+                            engine=built.describe(), extra_checks=checks)
+    summary["evidence"] = str(Path(opts.profile_dir) / "profile.json")
+    summary["verdict"] = record["verdict"]
+    return summary
+
+
+# --------------------------------------------------------------------------- over HTTP
+
+
+async def _drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], router: Router, log: EventLog,
+                      header: tuple[str, dict] | None = None, worker=None, log_server_events: bool = True):
+    from labkit.service import client
+
+    endpoints = router.endpoints
+    async with client.session(opts.timeout_s) as sess:
+        healths = [await client.fetch_health(sess, ep) for ep in endpoints]
+        if opts.api == "native":
+            missing = [ep for ep, h in zip(endpoints, healths) if h is None]
+            if missing:
+                raise UserError(f"no labkit server answers at {missing[0]}/health (use --api openai for other servers)")
+        names = [opts.openai_model or (await client.fetch_model_name(sess, ep) if opts.api == "openai" else None)
+                 for ep in endpoints]
+        if opts.api == "openai" and None in names:
+            raise UserError(f"{endpoints[names.index(None)]}/v1/models gave no model id; pass --openai-model")
+        hints = [(h or {}).get("worker_id") for h in healths]
+        if header is not None:
+            log.write_header(log_header(header[0], healths, {**header[1], "endpoints": endpoints,
+                                                            "router": router.policy}))
+
+        async def send(k: int, r: dict, routed: dict | None = None):
+            tags = {**tags_of(r), **(routed or {})}
+            if opts.api == "native":
+                body = {"request_id": r["request_id"], "prompt_token_ids": r["prompt_token_ids"],
+                        "max_tokens": r["max_tokens"], "temperature": r.get("temperature", 0.0),
+                        "ignore_eos": r.get("ignore_eos", True), "tags": tags_of(r), "detokenize": False}
+                return await client.stream_native(sess, endpoints[k], body, record=log.write,
+                                                  log_server_events=log_server_events, tags=tags,
+                                                  worker_hint=hints[k])
+            body = {"model": names[k], "prompt": r["prompt_token_ids"], "max_tokens": r["max_tokens"],
+                    "temperature": r.get("temperature", 0.0), "ignore_eos": r.get("ignore_eos", True)}
+            return await client.stream_openai(sess, endpoints[k], body, request_id=r["request_id"], record=log.write,
+                                              tags=tags, worker_hint=hints[k])
+
+        if warm:
+            jobs = []
+            for k in range(len(endpoints)):
+                for r in warm:
+                    jobs.append(send(k, {**r, "request_id": f"{r['request_id']}-e{k}"}))
+            await asyncio.gather(*jobs)
+        prof = _start_profile(opts, worker) if worker is not None else None
+        loop = asyncio.get_running_loop()
+        with _progress(opts, len(reqs), "load") as bar:
+            task = bar.add_task("load", total=len(reqs))
+            t0 = loop.time()
+            tasks = []
+            for r in reqs:
+                delay = t0 + r["arrival_ms"] / 1000.0 - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                k = router.pick(r)
+                t = asyncio.create_task(send(k, r, {"endpoint": endpoints[k], "router": router.policy}))
+                t.add_done_callback(lambda _: bar.advance(task))
+                tasks.append(t)
+            await asyncio.gather(*tasks)
+        profile = None
+        if prof is not None:
+            profile = await loop.run_in_executor(None, _stop_profile, opts, worker, prof)
+        return healths, profile

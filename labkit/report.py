@@ -1,0 +1,465 @@
+"""``labkit report``: latency and throughput from service event logs (JSONL), compared side by side.
+
+Definitions (handbook B.8.3), always within one observer and one clock:
+
+- TTFT = t(first token) - t(submitted) of a request.
+- ITL = the gaps between consecutive output tokens of a request (pooled over requests).
+- TPOT = (t_last - t_first) / (G - 1) per request with G >= 2 output tokens.
+- Throughput = output tokens of all measured requests, across every replica, divided by the common
+  window: from the first submit to the last finish of those requests (never a sum of per-replica
+  best rates).
+
+``observer=engine`` events are recorded by the owner thread (tokens at the end of the step that
+produced them); ``observer=client`` events where the stream was read. Both may describe the same
+token; they are reported side by side, never mixed. Warmup requests (``warmup: true`` on their
+submitted event) are left out of every number. Percentiles are p50/p90/p99 with linear
+interpolation. Requests are split by ``class`` (short/long in the shipped traces).
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from labkit.errors import UserError
+
+PERCENTILES = (50, 90, 99)
+MECHANISM_KINDS = ("simulated", "profile", "cpu-real-scheduler", "static")
+COMPLETED = ("stop", "length")
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass
+class Log:
+    path: Path
+    header: dict | None
+    events: list[dict]
+
+
+def read_log(path: str | Path) -> Log:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"no such log: {path}")
+    header, events = None, []
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{n}: not JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise UserError(f"{path}:{n}: not a JSON object")
+            if rec.get("event") == "header":
+                header = header or rec
+            elif "event" in rec:
+                events.append(rec)
+    if header is None and not events:
+        raise UserError(f"{path}: no events (is it a labkit service log?)")
+    return Log(path, header, events)
+
+
+@dataclass
+class Req:
+    request_id: str
+    observer: str
+    worker_id: str | None = None
+    cls: str = "all"
+    warmup: bool = False
+    submitted_ns: int | None = None
+    token_ns: list[int] = field(default_factory=list)
+    finished_ns: int | None = None
+    reason: str | None = None
+    cause: str | None = None
+    completion_tokens: int | None = None
+    admitted: bool = False
+
+    @property
+    def output_tokens(self) -> int:
+        return self.completion_tokens if self.completion_tokens is not None else len(self.token_ns)
+
+
+def requests_by_observer(events: list[dict]) -> dict[str, dict[str, Req]]:
+    """Per observer, per request id: the request's timeline."""
+    out: dict[str, dict[str, Req]] = {}
+    for ev in events:
+        name, rid, obs = ev.get("event"), ev.get("request_id"), ev.get("observer", "engine")
+        if rid is None or name not in ("submitted", "admitted", "token", "finished"):
+            continue
+        reqs = out.setdefault(obs, {})
+        r = reqs.get(rid)
+        if r is None:
+            r = reqs[rid] = Req(rid, obs)
+        t = ev.get("t_ns")
+        if ev.get("worker_id"):
+            r.worker_id = ev["worker_id"]
+        if name == "submitted":
+            r.submitted_ns = t
+            r.cls = str(ev.get("class", r.cls))
+            r.warmup = bool(ev.get("warmup", False))
+        elif name == "admitted":
+            r.admitted = True
+        elif name == "token":
+            r.token_ns.append(t)
+        elif name == "finished":
+            r.finished_ns = t
+            r.reason = ev.get("reason")
+            r.cause = ev.get("cause")
+            if isinstance(ev.get("num_completion_tokens"), int):
+                r.completion_tokens = ev["num_completion_tokens"]
+    return out
+
+
+# --------------------------------------------------------------------------- numbers
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    xs = sorted(values)
+    if not xs:
+        raise ValueError("no values")
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def dist(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    out: dict[str, Any] = {"n": len(values), "mean": round(sum(values) / len(values), 3)}
+    for q in PERCENTILES:
+        out[f"p{q}"] = round(percentile(values, q), 3)
+    out["min"], out["max"] = round(min(values), 3), round(max(values), 3)
+    return out
+
+
+def ttft_ms(r: Req) -> float | None:
+    if r.submitted_ns is None or not r.token_ns:
+        return None
+    return (r.token_ns[0] - r.submitted_ns) / 1e6
+
+
+def itl_ms(r: Req) -> list[float]:
+    return [(b - a) / 1e6 for a, b in zip(r.token_ns, r.token_ns[1:])]
+
+
+def tpot_ms(r: Req) -> float | None:
+    g = len(r.token_ns)
+    if g < 2:
+        return None
+    return (r.token_ns[-1] - r.token_ns[0]) / 1e6 / (g - 1)
+
+
+def latency(reqs: list[Req]) -> dict:
+    return {
+        "requests": len(reqs),
+        "ttft_ms": dist([v for v in map(ttft_ms, reqs) if v is not None]),
+        "itl_ms": dist([g for r in reqs for g in itl_ms(r)]),
+        "tpot_ms": dist([v for v in map(tpot_ms, reqs) if v is not None]),
+    }
+
+
+def _span(r: Req) -> tuple[int, int] | None:
+    start = r.submitted_ns if r.submitted_ns is not None else (r.token_ns[0] if r.token_ns else None)
+    end = r.finished_ns if r.finished_ns is not None else (r.token_ns[-1] if r.token_ns else None)
+    return (start, end) if start is not None and end is not None else None
+
+
+def observer_summary(reqs: list[Req]) -> dict:
+    measured = [r for r in reqs if not r.warmup]
+    terminations = Counter(r.reason or "unfinished" for r in measured)
+    causes = Counter(f"{r.reason}/{r.cause}" for r in measured if r.cause)
+    spans = [s for s in map(_span, measured) if s is not None]
+    out_tokens = sum(r.output_tokens for r in measured)
+    summary: dict[str, Any] = {
+        "requests": len(measured),
+        "warmup_requests": len(reqs) - len(measured),
+        "completed": sum(terminations.get(k, 0) for k in COMPLETED),
+        "terminations": dict(sorted(terminations.items())),
+        "causes": dict(sorted(causes.items())),
+        "rejections": terminations.get("rejected", 0),
+        "output_tokens": out_tokens,
+        **{k: v for k, v in latency(measured).items() if k != "requests"},
+    }
+    if spans:
+        start, end = min(s for s, _ in spans), max(e for _, e in spans)
+        seconds = (end - start) / 1e9
+        summary["window"] = {"start_ns": start, "end_ns": end, "seconds": round(seconds, 6)}
+        summary["throughput_tok_s"] = round(out_tokens / seconds, 3) if seconds > 0 else None
+        summary["throughput_req_s"] = round(summary["completed"] / seconds, 3) if seconds > 0 else None
+    classes = sorted({r.cls for r in measured})
+    summary["by_class"] = {c: latency([r for r in measured if r.cls == c]) for c in classes}
+    summary["workers"] = _workers(measured)
+    return summary
+
+
+def _workers(reqs: list[Req]) -> dict:
+    out: dict[str, dict] = {}
+    spans: dict[str, tuple[int, int]] = {}
+    for r in reqs:
+        w = r.worker_id or "?"
+        d = out.setdefault(w, {"requests": 0, "output_tokens": 0})
+        d["requests"] += 1
+        d["output_tokens"] += r.output_tokens
+        s = _span(r)
+        if s is not None:
+            lo, hi = spans.get(w, s)
+            spans[w] = (min(lo, s[0]), max(hi, s[1]))
+    for w, (lo, hi) in spans.items():
+        out[w]["span_s"] = round((hi - lo) / 1e9, 6)
+    if len(spans) > 1:
+        lo = max(s for s, _ in spans.values())
+        hi = min(e for _, e in spans.values())
+        overlap = max(0.0, (hi - lo) / 1e9)
+        for d in out.values():
+            d["overlap_all_s"] = round(overlap, 6)
+    return dict(sorted(out.items()))
+
+
+def summarize(path: str | Path) -> dict:
+    """One log: its evidence identity and, per observer, the numbers above."""
+    log = read_log(path)
+    return summarize_log(log)
+
+
+def summarize_log(log: Log) -> dict:
+    h = log.header or {}
+    model = h.get("model") or {}
+    by_obs = requests_by_observer(log.events)
+    steps = [e for e in log.events if e.get("event") == "step"]
+    engine = h.get("engine") or {}
+    cfg = engine.get("config") if isinstance(engine, dict) else None
+    return {
+        "path": str(log.path),
+        "kind": h.get("kind"),
+        "role": h.get("role"),
+        "mode": h.get("mode"),
+        "device": h.get("device"),
+        "model": {k: model.get(k) for k in ("path", "preset", "synthetic", "config_sha256")} if model else None,
+        "engine": {k: (cfg or {}).get(k) for k in ("scheduling_policy", "max_num_batched_tokens", "max_num_seqs",
+                                                   "max_model_len", "enforce_eager")} if cfg else None,
+        "attention_backend": engine.get("attention_backend") if isinstance(engine, dict) else None,
+        "steps": {"prefill": sum(e.get("phase") == "prefill" for e in steps),
+                  "decode": sum(e.get("phase") == "decode" for e in steps)},
+        "observers": {obs: observer_summary(list(reqs.values())) for obs, reqs in sorted(by_obs.items())},
+        "note": _note(h),
+    }
+
+
+def _note(h: dict) -> str | None:
+    kind = h.get("kind")
+    if kind in MECHANISM_KINDS:
+        return f"{kind} evidence: explains a mechanism, not a performance number"
+    if h.get("mode") == "round":
+        return "round-mode replay: arrivals follow scheduler rounds, explains a mechanism, not a performance number"
+    if kind is None:
+        return "evidence kind unknown (the server did not report one)"
+    return None
+
+
+# --------------------------------------------------------------------------- comparing
+
+
+def _primary_observer(summaries: list[dict]) -> str | None:
+    for obs in ("client", "engine"):
+        if all(obs in s["observers"] for s in summaries):
+            return obs
+    return None
+
+
+def _get(d: dict, *keys):
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+RATIO_METRICS = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("itl_ms", "p50"), ("itl_ms", "p99"),
+                 ("tpot_ms", "p50"), ("throughput_tok_s", None))
+
+
+def ratios(summaries: list[dict], observer: str) -> list[dict]:
+    base = summaries[0]["observers"][observer]
+    rows = []
+    for s in summaries[1:]:
+        cur = s["observers"][observer]
+        row = {"input": s["path"], "vs": summaries[0]["path"]}
+        for metric, q in RATIO_METRICS:
+            a = base.get(metric) if q is None else _get(base, metric, q)
+            b = cur.get(metric) if q is None else _get(cur, metric, q)
+            key = metric if q is None else f"{metric}.{q}"
+            row[key] = round(b / a, 4) if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a else None
+        rows.append(row)
+    return rows
+
+
+def compare(inputs: list[str | Path], out: str | Path, plots: bool = True) -> dict:
+    """Summarize every input, write ``out`` (JSON), the same name with .md, and PNG plots."""
+    if not inputs:
+        raise UserError("--inputs needs at least one JSONL log")
+    out = Path(out)
+    if out.suffix != ".json":
+        raise UserError(f"--out must end in .json (the Markdown goes next to it), got {out}")
+    logs = [read_log(p) for p in inputs]
+    summaries = [summarize_log(log) for log in logs]
+    primary = _primary_observer(summaries)
+    from labkit.evidence import _now, command_line, git_head
+
+    result: dict[str, Any] = {
+        "schema_version": 1, "created_at": _now(), "command": command_line(), "git_head": git_head(),
+        "definitions": {"ttft": "first token - submitted", "itl": "gap between consecutive tokens",
+                        "tpot": "(t_last - t_first) / (G - 1)", "throughput": "output tokens / common window",
+                        "percentiles": list(PERCENTILES)},
+        "inputs": summaries, "primary_observer": primary,
+        "ratios": ratios(summaries, primary) if primary and len(summaries) > 1 else [],
+    }
+    md_path = out.with_suffix(".md")
+    result["markdown"] = str(md_path)
+    result["plots"], result["plots_note"] = (_plots(logs, summaries, out) if plots else ([], "plots not asked for"))
+    from labkit.evidence import write_json
+
+    write_json(out, result)
+    md_path.write_text(render_md(result), encoding="utf-8")
+    return result
+
+
+# --------------------------------------------------------------------------- markdown
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 1000 else f"{v:.1f}"
+    return str(v)
+
+
+def _pcts(d: dict | None) -> str:
+    if not d or not d.get("n"):
+        return "–"
+    return " / ".join(_fmt(d.get(f"p{q}")) for q in PERCENTILES)
+
+
+def render_md(result: dict) -> str:
+    lines = ["# Service report", "", f"- created: {result['created_at']}", f"- command: `{result['command']}`",
+             "- TTFT = first token − submitted; ITL = gaps between tokens; TPOT = (t_last − t_first)/(G − 1); "
+             "throughput = output tokens / common window (first submit → last finish, all replicas). "
+             "Latencies in ms as p50 / p90 / p99; warmup requests excluded.", ""]
+    lines += ["## Inputs", "", "| # | input | kind | role | mode | model | policy | note |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for i, s in enumerate(result["inputs"]):
+        model = s.get("model") or {}
+        mtext = (model.get("preset") or model.get("path") or "–") + (" (synthetic)" if model.get("synthetic") else "")
+        lines.append(f"| {i} | `{s['path']}` | {s.get('kind') or 'unknown'} | {s.get('role') or '–'} | "
+                     f"{s.get('mode') or '–'} | {mtext} | {_get(s, 'engine', 'scheduling_policy') or '–'} | "
+                     f"{s.get('note') or ''} |")
+    lines += ["", "## Summary", "",
+              "| # | observer | requests | completed | rejected | output tokens | TTFT ms | ITL ms | TPOT ms | "
+              "throughput tok/s | window s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for i, s in enumerate(result["inputs"]):
+        for obs, o in s["observers"].items():
+            lines.append(f"| {i} | {obs} | {o['requests']} | {o['completed']} | {o['rejections']} | "
+                         f"{o['output_tokens']} | {_pcts(o['ttft_ms'])} | {_pcts(o['itl_ms'])} | "
+                         f"{_pcts(o['tpot_ms'])} | {_fmt(o.get('throughput_tok_s'))} | "
+                         f"{_fmt(_get(o, 'window', 'seconds'))} |")
+    if result.get("ratios"):
+        keys = [k for k in result["ratios"][0] if k not in ("input", "vs")]
+        lines += ["", f"## Ratios vs input 0 (observer {result['primary_observer']})", "",
+                  "| input | " + " | ".join(keys) + " |", "| --- | " + " | ".join("---" for _ in keys) + " |"]
+        for row in result["ratios"]:
+            lines.append(f"| `{row['input']}` | " + " | ".join(_fmt(row[k]) for k in keys) + " |")
+    lines += ["", "## By request class", "", "| # | observer | class | requests | TTFT ms | ITL ms | TPOT ms |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for i, s in enumerate(result["inputs"]):
+        for obs, o in s["observers"].items():
+            for cls, c in o["by_class"].items():
+                lines.append(f"| {i} | {obs} | {cls} | {c['requests']} | {_pcts(c['ttft_ms'])} | "
+                             f"{_pcts(c['itl_ms'])} | {_pcts(c['tpot_ms'])} |")
+    lines += ["", "## Terminations", "", "| # | observer | by reason | cancel causes |", "| --- | --- | --- | --- |"]
+    for i, s in enumerate(result["inputs"]):
+        for obs, o in s["observers"].items():
+            reasons = ", ".join(f"{k} {v}" for k, v in o["terminations"].items()) or "–"
+            causes = ", ".join(f"{k} {v}" for k, v in o["causes"].items()) or "–"
+            lines.append(f"| {i} | {obs} | {reasons} | {causes} |")
+    lines += ["", "## Workers", "", "| # | observer | worker | requests | output tokens | span s | overlap of all s |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for i, s in enumerate(result["inputs"]):
+        for obs, o in s["observers"].items():
+            for w, d in o["workers"].items():
+                lines.append(f"| {i} | {obs} | {w} | {d['requests']} | {d['output_tokens']} | "
+                             f"{_fmt(d.get('span_s'))} | {_fmt(d.get('overlap_all_s'))} |")
+    lines += ["", "## Plots", ""]
+    if result["plots"]:
+        lines += [f"![{Path(p).stem}]({Path(p).name})" for p in result["plots"]]
+    lines.append(result.get("plots_note") or "")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _plots(logs: list[Log], summaries: list[dict], out: Path) -> tuple[list[str], str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return [], "matplotlib is not importable here: no PNG plots were drawn (pip install matplotlib)."
+    stem = out.with_suffix("")
+    paths = []
+    series = []
+    for i, log in enumerate(logs):
+        for obs, reqs in requests_by_observer(log.events).items():
+            measured = [r for r in reqs.values() if not r.warmup]
+            series.append((f"{i}:{log.path.stem} ({obs})", measured))
+    for metric, fn, title in (("ttft", lambda rs: [v for v in map(ttft_ms, rs) if v is not None], "TTFT"),
+                              ("itl", lambda rs: [g for r in rs for g in itl_ms(r)], "ITL")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for label, rs in series:
+            xs = sorted(fn(rs))
+            if xs:
+                ax.step(xs, [(k + 1) / len(xs) for k in range(len(xs))], where="post", label=label)
+        ax.set_xlabel(f"{title} (ms)")
+        ax.set_ylabel("fraction of " + ("requests" if metric == "ttft" else "gaps"))
+        ax.set_title(f"{title} CDF")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        path = Path(f"{stem}-{metric}-cdf.png")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(str(path))
+    fig, axes = plt.subplots(len(series) or 1, 1, figsize=(8, 1.2 + 0.28 * max((len(r) for _, r in series), default=1)
+                                                                 * max(1, len(series))), squeeze=False)
+    for ax, (label, rs) in zip(axes[:, 0], series):
+        rs = sorted((r for r in rs if _span(r)), key=lambda r: _span(r)[0])
+        if not rs:
+            continue
+        t0 = min(_span(r)[0] for r in rs)
+        for y, r in enumerate(rs):
+            s, e = _span(r)
+            first = r.token_ns[0] if r.token_ns else e
+            color = "tab:orange" if r.cls == "long" else "tab:blue"
+            ax.plot([(s - t0) / 1e9, (first - t0) / 1e9], [y, y], color=color, lw=1, alpha=0.6)
+            ax.plot([(first - t0) / 1e9, (e - t0) / 1e9], [y, y], color=color, lw=4)
+            if r.reason not in COMPLETED:
+                ax.text((e - t0) / 1e9, y, f" {r.reason}", fontsize=6, va="center")
+        ax.set_yticks(range(len(rs)))
+        ax.set_yticklabels([r.request_id for r in rs], fontsize=6)
+        ax.set_title(f"{label}: thin = waiting for the first token, thick = streaming (orange = long prompt)",
+                     fontsize=8)
+        ax.set_xlabel("seconds since the first submit")
+        ax.grid(axis="x", alpha=0.3)
+    path = Path(f"{stem}-timeline.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(str(path))
+    return paths, ""

@@ -1,0 +1,282 @@
+"""``labkit simulate``: the whole chain on CPU, with the lifecycle cases of handbook 5.7.1.
+
+Worker (real engine, tiny synthetic model by default) → HTTP server on 127.0.0.1 (free port) →
+client (the same code as ``labkit client``/``load``) → report. Scenarios, in order:
+
+1. ``streaming``: three concurrent streams; each is submitted → admitted → token 1..N → finished.
+2. ``waiting_cancel``: a request cancelled while queued finishes cancelled and is never admitted.
+3. ``running_cancel``: ``cancel_after=3``: finished cancelled, no token after it, every KV block free.
+4. ``full_queue``: with the owner held, ``queue_size`` requests queue up, the next gets 429, the
+   accepted ones all complete.
+5. ``slow_consumer``: a stream nobody reads (in process: HTTP socket buffers would hide it) is
+   cancelled with ``cause=slow_consumer`` and its buffer stays bounded.
+6. ``disconnect``: a client that goes away after two tokens gets its request cancelled.
+7. ``engine_exception``: an injected fault inside ``engine.step()`` fails the batch's requests with
+   ``error``; the engine stays consistent and the worker keeps serving.
+8. ``shutdown``: closing the server mid-stream finishes every open request (cancelled/shutdown),
+   frees every block, is idempotent, refuses new work and releases the port.
+
+The owner is held (``Worker.pause``) where a case needs a request to stay queued, so every case is
+deterministic. The log (``--out X.jsonl``) holds the engine's and the client's events; the evidence
+(``X.json``) holds per-scenario facts judged by checkpoint ``service.simulate``.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from engine import SamplingParams
+from labkit.evidence import default_out, write_evidence
+from labkit.load import split_out
+from labkit.service import client
+from labkit.service.events import EventLog, MemorySink, fan_out
+from labkit.service.server import ServerThread, bind_socket
+from labkit.service.worker import Worker, WorkerConfig, WorkerUnavailable
+from labkit.tracegen import token_ids
+
+CHECKPOINT = "service.simulate"
+QUEUE_SIZE = 3
+MAX_ACTIVE = 2
+SLOW_BUFFER = 4
+
+
+def _ids(name: str, n: int = 24) -> list[int]:
+    return token_ids(5, name, n)
+
+
+def _body(rid: str, max_tokens: int, n: int = 24) -> dict:
+    return {"request_id": rid, "prompt_token_ids": _ids(rid, n), "max_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0.0}
+
+
+async def _until(pred, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"simulate: timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def _blocks(worker: Worker) -> dict:
+    free, total = worker.run_on_owner(lambda e: (e.block_manager.num_free_blocks, e.block_manager.num_blocks))
+    return {"free": free, "total": total, "all_free": free == total}
+
+
+def _order_ok(events: list[dict], n_tokens: int) -> bool:
+    names = [e["event"] for e in events if e["event"] in ("submitted", "admitted", "token", "finished")]
+    want = ["submitted", "admitted"] + ["token"] * n_tokens + ["finished"]
+    idx = [e.get("index") for e in events if e["event"] == "token"]
+    return names == want and idx == list(range(1, n_tokens + 1))
+
+
+def _engine_events(mem: MemorySink, rid: str) -> list[dict]:
+    return [e for e in mem.snapshot() if e.get("request_id") == rid and e.get("observer") == "engine"]
+
+
+def _tokens_after_finished(events: list[dict]) -> int:
+    seen, after = False, 0
+    for e in events:
+        if e["event"] == "finished":
+            seen = True
+        elif e["event"] == "token" and seen:
+            after += 1
+    return after
+
+
+async def _scenarios(server: ServerThread, worker: Worker, mem: MemorySink, record, facts: dict) -> None:
+    url = server.url
+    sc: dict[str, Any] = facts["scenarios"]
+    async with client.session(60.0) as sess:
+        # 1. streaming
+        rids = [f"stream-{i}" for i in range(3)]
+        per: dict[str, list[dict]] = {r: [] for r in rids}
+
+        def rec_for(rid):
+            def rec(ev: dict) -> None:
+                record(ev)
+                if ev.get("observer") == "client":
+                    per[rid].append(ev)
+            return rec
+
+        results = await asyncio.gather(*[client.stream_native(sess, url, _body(r, 6), record=rec_for(r),
+                                                              log_server_events=False) for r in rids])
+        admitted = [e.get("active_before") for r in rids for e in _engine_events(mem, r) if e["event"] == "admitted"]
+        sc["streaming"] = {
+            "requests": len(rids), "reasons": [res.reason for res in results],
+            "tokens": [res.tokens for res in results],
+            "client_order_ok": all(_order_ok(per[r], 6) for r in rids),
+            "engine_order_ok": all(_order_ok(_engine_events(mem, r), 6) for r in rids),
+            "active_before_at_admission": admitted,
+        }
+        sc["streaming"]["ok"] = (sc["streaming"]["client_order_ok"] and sc["streaming"]["engine_order_ok"]
+                                 and sc["streaming"]["tokens"] == [6, 6, 6])
+
+        # 2. waiting cancel
+        worker.pause()
+        task = asyncio.create_task(client.stream_native(sess, url, _body("wait-cancel", 16), record=record,
+                                                        log_server_events=False))
+        await _until(lambda: "wait-cancel" in worker.pending_ids(), what="wait-cancel queued")
+        status = await client.cancel(sess, url, "wait-cancel")
+        worker.resume()
+        res = await task
+        fin = [e for e in _engine_events(mem, "wait-cancel") if e["event"] == "finished"]
+        sc["waiting_cancel"] = {"cancel_status": status, "reason": res.reason, "cause": res.cause, "tokens": res.tokens,
+                                "admitted": bool(fin and fin[0].get("admitted")),
+                                "admitted_events": sum(e["event"] == "admitted" for e in _engine_events(mem, "wait-cancel"))}
+        sc["waiting_cancel"]["ok"] = (status == 200 and res.reason == "cancelled" and res.tokens == 0
+                                      and sc["waiting_cancel"]["admitted_events"] == 0)
+
+        # 3. running cancel
+        res = await client.stream_native(sess, url, _body("run-cancel", 64), record=record, log_server_events=False,
+                                         cancel_after=3)
+        ev = _engine_events(mem, "run-cancel")
+        blocks = await asyncio.get_running_loop().run_in_executor(None, _blocks, worker)
+        sc["running_cancel"] = {"reason": res.reason, "cause": res.cause, "client_tokens": res.tokens,
+                                "cancel_sent_after": res.cancel_sent_after,
+                                "client_tokens_after_finished": res.tokens_after_finished,
+                                "engine_tokens_after_finished": _tokens_after_finished(ev),
+                                "kv_blocks": blocks}
+        sc["running_cancel"]["ok"] = (res.reason == "cancelled" and res.tokens >= 3 and res.tokens < 64
+                                      and res.tokens_after_finished == 0
+                                      and sc["running_cancel"]["engine_tokens_after_finished"] == 0
+                                      and blocks["all_free"])
+
+        # 4. full queue
+        worker.pause()
+        names = [f"queued-{i}" for i in range(QUEUE_SIZE)]
+        tasks = [asyncio.create_task(client.stream_native(sess, url, _body(n, 4), record=record,
+                                                          log_server_events=False)) for n in names]
+        await _until(lambda: len(worker.pending_ids()) == QUEUE_SIZE, what="queue filled")
+        over = await client.stream_native(sess, url, _body("over-limit", 4), record=record, log_server_events=False)
+        worker.resume()
+        accepted = await asyncio.gather(*tasks)
+        sc["full_queue"] = {"queue_size": QUEUE_SIZE, "over_status": over.status, "over_reason": over.reason,
+                            "over_message": over.message, "accepted_reasons": [r.reason for r in accepted],
+                            "accepted_tokens": [r.tokens for r in accepted]}
+        sc["full_queue"]["ok"] = (over.status == 429 and all(r.reason == "length" and r.tokens == 4 for r in accepted))
+
+        # 5. slow consumer (in process: the stream is simply never read)
+        handle = worker.submit(_ids("slow"), SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
+                               request_id="slow-consumer", stream_buffer=SLOW_BUFFER)
+        fin = await asyncio.get_running_loop().run_in_executor(None, handle.wait, 30.0)
+        blocks = await asyncio.get_running_loop().run_in_executor(None, _blocks, worker)
+        sc["slow_consumer"] = {"stream_buffer": SLOW_BUFFER, "reason": (fin or {}).get("reason"),
+                               "cause": (fin or {}).get("cause"), "max_buffered": handle.max_buffered,
+                               "bound": SLOW_BUFFER + 2, "tokens_generated": (fin or {}).get("num_completion_tokens"),
+                               "kv_blocks": blocks}
+        sc["slow_consumer"]["ok"] = (sc["slow_consumer"]["reason"] == "cancelled"
+                                     and sc["slow_consumer"]["cause"] == "slow_consumer"
+                                     and handle.max_buffered <= SLOW_BUFFER + 2 and blocks["all_free"])
+
+        # 6. client disconnect
+        got = 0
+        async with sess.post(f"{url}/generate", json=_body("disconnect", 64)) as resp:
+            async for line in resp.content:
+                if b'"event":"token"' in line:
+                    got += 1
+                    if got == 2:
+                        break
+            resp.close()
+        await _until(lambda: any(e["event"] == "finished" for e in _engine_events(mem, "disconnect")),
+                     what="disconnect cancel")
+        fin = [e for e in _engine_events(mem, "disconnect") if e["event"] == "finished"][0]
+        sc["disconnect"] = {"tokens_read": got, "reason": fin.get("reason"), "cause": fin.get("cause"),
+                            "engine_tokens": fin.get("num_completion_tokens")}
+        sc["disconnect"]["ok"] = fin.get("reason") == "cancelled" and fin.get("cause") == "disconnect"
+
+        # 7. engine exception
+        worker.pause()
+        names = ["fault-a", "fault-b"]
+        tasks = [asyncio.create_task(client.stream_native(sess, url, _body(n, 8), record=record,
+                                                          log_server_events=False)) for n in names]
+        await _until(lambda: len(worker.pending_ids()) == 2, what="fault requests queued")
+        worker.inject_fault(message="injected fault (simulate)")
+        worker.resume()
+        failed = await asyncio.gather(*tasks)
+        after = await client.stream_native(sess, url, _body("after-fault", 5), record=record, log_server_events=False)
+        async with sess.get(f"{url}/health") as resp:
+            health_status = resp.status
+            health = await resp.json()
+        blocks = await asyncio.get_running_loop().run_in_executor(None, _blocks, worker)
+        err = [e for e in mem.snapshot() if e.get("event") == "worker" and e.get("what") == "engine_error"]
+        sc["engine_exception"] = {"affected_reasons": [r.reason for r in failed],
+                                  "messages": [r.message for r in failed],
+                                  "engine_consistent": bool(err and err[-1].get("consistent")),
+                                  "after_reason": after.reason, "after_tokens": after.tokens,
+                                  "health_status": health_status, "health_state": health.get("status"),
+                                  "kv_blocks": blocks,
+                                  "policy": "the failed batch ends with error; a consistent engine keeps serving"}
+        sc["engine_exception"]["ok"] = (all(r.reason == "error" for r in failed) and after.reason == "length"
+                                        and health_status == 200 and blocks["all_free"])
+
+        # 8. shutdown mid-stream
+        names = [f"shutdown-{i}" for i in range(MAX_ACTIVE + 1)]     # one of them waits in the queue
+        tasks = [asyncio.create_task(client.stream_native(sess, url, _body(n, 200), record=record,
+                                                          log_server_events=False)) for n in names]
+        await _until(lambda: any(e["event"] == "token" for e in _engine_events(mem, names[0])), what="streaming")
+        t0 = time.monotonic()
+        await asyncio.get_running_loop().run_in_executor(None, server.close)
+        close_s = time.monotonic() - t0
+        stopped = await asyncio.gather(*tasks)
+    t1 = time.monotonic()
+    server.close()
+    worker.close()
+    again_s = time.monotonic() - t1
+    try:
+        worker.submit(_ids("late"), SamplingParams(max_tokens=2))
+        refused = False
+    except WorkerUnavailable:
+        refused = True
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        bind_socket("127.0.0.1", port).close()
+        released = True
+    except Exception:
+        released = False
+    closed = [e for e in mem.snapshot() if e.get("event") == "worker" and e.get("what") == "closed"]
+    sc["shutdown"] = {"reasons": [r.reason for r in stopped], "causes": [r.cause for r in stopped],
+                      "close_seconds": round(close_s, 3), "second_close_seconds": round(again_s, 3),
+                      "new_work_refused": refused, "port_released": released,
+                      "blocks_free_after_close": closed[-1].get("free_blocks") if closed else None,
+                      "blocks_total": closed[-1].get("total_blocks") if closed else None}
+    sc["shutdown"]["ok"] = (all(r.reason == "cancelled" and r.cause == "shutdown" for r in stopped) and refused
+                            and released and closed and closed[-1].get("free_blocks") == closed[-1].get("total_blocks"))
+
+
+def run_simulate(out: str | Path | None = None, model: str | None = None) -> dict:
+    """Run every scenario; returns the evidence record (judged by ``service.simulate``)."""
+    events_path, evidence_path = split_out(out or default_out("runtime-cpu.json"))
+    mem = MemorySink()
+    log = EventLog(events_path)
+    cfg = WorkerConfig(model=model, device="cpu", max_active=MAX_ACTIVE, queue_size=QUEUE_SIZE, batch_tokens=256,
+                       batch_seqs=4, max_model_len=512, worker_id="sim-0")
+    worker = Worker(cfg, sink=fan_out(log.write, mem))
+    server = None
+    t0 = time.monotonic()
+    try:
+        worker.start()
+        log.write_header(worker.header(role="simulate", mode="scenarios"))
+        server = ServerThread(worker).start()
+        facts: dict[str, Any] = {"url": server.url, "scenarios": {}, "worker": vars(cfg)}
+        record = log.write
+        asyncio.run(_scenarios(server, worker, mem, record, facts))
+    finally:
+        if server is not None:
+            server.close()
+        worker.close()
+        log.close()
+    facts["seconds"] = round(time.monotonic() - t0, 2)
+    facts["all_ok"] = all(s.get("ok") for s in facts["scenarios"].values())
+    facts["failed_scenarios"] = [k for k, s in facts["scenarios"].items() if not s.get("ok")]
+    from labkit.report import summarize
+
+    summary = summarize(events_path)
+    facts["report"] = {obs: {k: o[k] for k in ("requests", "completed", "terminations", "causes", "rejections",
+                                                "output_tokens", "ttft_ms", "itl_ms")}
+                       for obs, o in summary["observers"].items()}
+    facts["events"] = str(events_path)
+    built = worker.built
+    return write_evidence(evidence_path, checkpoint=CHECKPOINT, kind=built.kind, facts=facts, device=built.device,
+                          model=built.model, seed=built.engine.config.seed, engine=built.describe())

@@ -1,0 +1,849 @@
+"""The Worker: one thread creates and owns the engine; everyone else only sends it messages.
+
+Threads and ownership
+    ``start()`` spawns the owner thread, which builds the engine (model load, KV pool) and reports
+    an init error back to the caller of ``start()``. Only the owner touches the engine. Other
+    threads call ``submit()``, ``cancel()``, ``run_on_owner()`` and ``close()``, all thread-safe.
+
+Admission and the queue
+    ``submit()`` validates the prompt at once (``engine.RequestError`` for an empty prompt, a token
+    id outside the vocabulary, prompt + max_tokens beyond max_model_len, a prompt the KV pool can
+    never hold) and appends the request to a bounded queue of ``queue_size``. A full queue rejects
+    the request: its stream gets ``finished(reason=rejected)`` and ``handle.rejected`` is true; no
+    request is ever dropped silently. At each step boundary the owner handles cancels first, then
+    admits queued requests in order while fewer than ``max_active`` are admitted and unfinished.
+
+Event streams and slow consumers
+    Each request has a handle with a bounded buffer (``stream_buffer`` events). The owner never
+    blocks on a consumer: when a token would leave more than ``stream_buffer`` events unread, the
+    request is cancelled at that step boundary with ``cause=slow_consumer`` and its KV blocks are
+    freed. A buffer therefore never holds more than ``stream_buffer + 2`` events (the overflowing
+    token and the finished event). ``submit(stream=False)`` keeps only the finished event (for
+    in-process load replay, where the JSONL log is the record).
+
+Cancellation
+    ``cancel(request_id)`` is recorded and handled by the owner at the next step boundary: a queued
+    request finishes ``cancelled`` without ever being admitted; an admitted one goes through
+    ``engine.abort`` (its blocks are freed at once) and gets no token after its finished event.
+
+Engine exceptions
+    If ``engine.step()`` raises, the requests of the batch that was being run (all admitted
+    requests when the batch is unknown, e.g. a failure inside the scheduler) are aborted and finish
+    with ``reason=error`` and the exception's one-line message. The owner then checks that the
+    engine is still consistent (scheduler queues match the admitted requests, every used KV block is
+    held by one of them, no stale scheduled tokens). If it is, the worker keeps serving: queued and
+    unaffected requests go on. If it is not, the worker turns unhealthy: every other request
+    finishes with ``error``, ``submit()`` raises :class:`WorkerUnavailable` (HTTP 503) and
+    ``/health`` says why; the process stays up so the evidence can be read, and a restart recovers.
+    An exception outside ``engine.step()`` (a bug in the worker or a feeder) is treated the same
+    way as an inconsistent engine: everything open finishes with ``error`` and the worker turns
+    unhealthy instead of dying silently.
+
+Shutdown
+    ``close()`` is idempotent: the owner stops at the next boundary, finishes every queued and
+    admitted request with ``cancelled``/``cause=shutdown`` (aborting them frees their blocks),
+    closes the engine and exits. The join is bounded by ``timeout``; if the owner is stuck inside a
+    step, the remaining handles are finished with ``error`` from the closing thread.
+
+Test hooks: ``pause()``/``resume()`` hold the owner at a step boundary (so a test can fill the queue
+deterministically), ``inject_fault(at_step)`` makes the model runner raise inside ``engine.step()``,
+``set_feeder(fn)`` calls ``fn(round)`` on the owner before each admission (round-mode replay).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import re
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from engine import RequestError, SamplingParams
+from labkit.errors import UserError
+from labkit.service.events import Sink, make_event, now_ns
+from labkit.service.metrics import ServiceStats
+
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}")
+RESERVED_FIELDS = frozenset({"event", "request_id", "worker_id", "round", "t_ns", "observer", "prompt_tokens",
+                             "max_tokens", "queue_depth", "index", "token_id", "reason", "cause", "message"})
+
+
+class WorkerUnavailable(RuntimeError):
+    """The worker is not accepting work (starting, unhealthy or shut down); HTTP 503."""
+
+
+class DuplicateRequest(ValueError):
+    """A live request already has this request_id."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside engine.step() by ``Worker.inject_fault`` (tests and ``labkit simulate``)."""
+
+
+@dataclass
+class WorkerConfig:
+    model: str | None = None
+    device: str = "auto"
+    attention: str = "auto"
+    policy: str = "prefill_first"
+    batch_tokens: int = 512
+    batch_seqs: int = 8
+    max_active: int = 8
+    queue_size: int = 64
+    max_model_len: int = 1024
+    eager: bool = True
+    worker_id: str = "worker-0"
+    stream_buffer: int = 512
+    num_kvcache_blocks: int | None = None   # None: from the memory budget
+    tp: int = 1                             # tensor parallel size of this one engine
+    dist_init: str | None = None            # tcp://HOST:PORT of its TP group (None: a free port)
+    shm_name: str | None = None             # its TP step channel (None: unique per instance)
+    load_tokenizer: bool = True             # text prompts and detokenized output need it
+    log_steps: bool = True                  # one "step" record per engine step in the log
+
+    def __post_init__(self) -> None:
+        for name in ("batch_tokens", "batch_seqs", "max_active", "queue_size", "max_model_len", "stream_buffer", "tp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not REQUEST_ID_RE.fullmatch(self.worker_id):
+            raise UserError(f"worker id must match {REQUEST_ID_RE.pattern}, got {self.worker_id!r}")
+
+
+# --------------------------------------------------------------------------- per-request stream
+
+
+class RequestHandle:
+    """A request's event stream: bounded, filled by the owner, read by one consumer (sync or async)."""
+
+    def __init__(self, request_id: str, limit: int, keep_tokens: bool = True):
+        self.request_id = request_id
+        self.limit = limit
+        self.keep_tokens = keep_tokens
+        self.rejected = False
+        self.result: dict | None = None          # the finished event
+        self.max_buffered = 0                    # high-water mark of unread events
+        self.done = threading.Event()
+        self._buf: deque[dict] = deque()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    # -- owner side ----------------------------------------------------------------
+    def _push(self, event: dict) -> bool:
+        """Append; False when more than ``limit`` events are now unread (slow consumer)."""
+        with self._lock:
+            self._buf.append(event)
+            n = len(self._buf)
+            self.max_buffered = max(self.max_buffered, n)
+        return n <= self.limit
+
+    def _finish(self, event: dict) -> None:
+        with self._lock:
+            self._buf.append(event)
+            self.max_buffered = max(self.max_buffered, len(self._buf))
+            self.result = event
+        self.done.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
+            waiters, self._waiters = self._waiters, []
+            self._cond.notify_all()
+        for loop, ev in waiters:
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:        # the consumer's loop is closed
+                pass
+
+    # -- consumer side -----------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.done.is_set()
+
+    @property
+    def buffered(self) -> int:
+        with self._lock:
+            return len(self._buf)
+
+    def get(self, timeout: float | None = None) -> dict | None:
+        """The next event, blocking up to ``timeout`` seconds; None on timeout or after the end."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._buf:
+                if self.result is not None:
+                    return None
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                self._cond.wait(left)
+            return self._buf.popleft()
+
+    def events(self, timeout: float = 60.0):
+        """Iterate until the finished event (inclusive); TimeoutError if a gap exceeds ``timeout``."""
+        while True:
+            ev = self.get(timeout)
+            if ev is None:
+                if self.result is not None:
+                    return
+                raise TimeoutError(f"request {self.request_id}: no event within {timeout} s")
+            yield ev
+            if ev["event"] == "finished":
+                return
+
+    def drain(self) -> list[dict]:
+        with self._lock:
+            out = list(self._buf)
+            self._buf.clear()
+            return out
+
+    async def aget(self, timeout: float | None = None) -> list[dict]:
+        """Every unread event, waiting up to ``timeout`` for the first; [] on timeout or at the end."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._buf or self.result is not None:
+                out = list(self._buf)
+                self._buf.clear()
+                return out
+            waiter = asyncio.Event()
+            self._waiters.append((loop, waiter))
+        try:
+            await asyncio.wait_for(waiter.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            with self._lock:
+                if (loop, waiter) in self._waiters:
+                    self._waiters.remove((loop, waiter))
+        return self.drain()
+
+    def wait(self, timeout: float | None = None) -> dict | None:
+        """The finished event, once there is one (None on timeout)."""
+        self.done.wait(timeout)
+        return self.result
+
+
+@dataclass
+class _Request:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    handle: RequestHandle
+    tags: dict
+    submitted_ns: int
+    seq: Any = None
+    num_tokens: int = 0
+    last_token_ns: int = 0
+
+
+@dataclass
+class _Fault:
+    at_step: int
+    message: str
+
+
+@dataclass
+class _OwnerCall:
+    fn: Callable
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig | None = None, sink: Sink | None = None):
+        self.config = config or WorkerConfig()
+        self.worker_id = self.config.worker_id
+        self.sink = sink
+        self.stats = ServiceStats(self.worker_id)
+        self.engine = None                      # owned by the owner thread once started
+        self.built = None
+        self.tokenizer = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._init_error: BaseException | None = None
+        self._lock = threading.RLock()             # re-entrant: _finish may run with it held
+        self._cv = threading.Condition(self._lock)
+        self._pending: deque[_Request] = deque()      # submitted, not admitted
+        self._live: dict[str, _Request] = {}          # pending + admitted, by request id
+        self._active: dict[str, _Request] = {}        # admitted, not finished (owner only)
+        self._by_seq: dict[int, _Request] = {}        # owner only
+        self._cancels: deque[tuple[str, str]] = deque()
+        self._calls: deque[_OwnerCall] = deque()
+        self._ids = itertools.count()
+        self._round = 0
+        self._stopping = False
+        self._closed = False
+        self._closed_done = threading.Event()
+        self._paused = False
+        self._unhealthy: str | None = None
+        self._fault: _Fault | None = None
+        self._feeder: Callable[[int], None] | None = None
+        self._last_batch: list[tuple[Any, int]] | None = None
+        self._range = None                            # profiler range factory (profiling.py)
+        self._snapshot: dict = {"state": "starting"}
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self, timeout: float | None = 900.0) -> "Worker":
+        """Start the owner thread and wait until the engine is built; re-raise its init error."""
+        if self._thread is not None:
+            raise RuntimeError("worker already started")
+        self._thread = threading.Thread(target=self._run, name=f"labkit-owner-{self.worker_id}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            self.close(timeout=1.0)
+            raise UserError(f"worker {self.worker_id}: engine not ready within {timeout} s")
+        if self._init_error is not None:
+            self._thread.join(5.0)
+            self._closed = True
+            self._closed_done.set()
+            raise self._init_error
+        return self
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the owner, finish every open request (cancelled/shutdown), close the engine. Idempotent."""
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+            self._stopping = True
+            self._cv.notify_all()
+        if not first:
+            self._closed_done.wait(timeout)
+            return
+        try:
+            thread = self._thread
+            if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout)
+                if thread.is_alive():       # stuck inside a step: finish the streams from here
+                    for req in list(self._live.values()):
+                        self._finish(req, "error", message=f"worker did not stop within {timeout} s")
+        finally:
+            self._publish(state="closed")
+            self._closed_done.set()
+
+    def __enter__(self) -> "Worker":
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def accepting(self) -> bool:
+        return self._ready.is_set() and self._init_error is None and not self._closed and self._unhealthy is None
+
+    def state(self) -> str:
+        if self._closed:
+            return "closed"
+        if not self._ready.is_set():
+            return "starting"
+        return "unhealthy" if self._unhealthy else "ok"
+
+    # -- the public, thread-safe API ---------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        """Token ids of a prompt: text, chat messages (chat template) or token ids."""
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise RequestError("this worker was started without a tokenizer: send token ids")
+        try:
+            return self.engine.encode(prompt)
+        except RequestError:
+            raise
+        except Exception as e:                      # a chat template that cannot render these messages
+            raise RequestError(f"cannot encode the prompt: {type(e).__name__}: {e}") from None
+
+    def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+               tags: dict | None = None, stream: bool = True, stream_buffer: int | None = None) -> RequestHandle:
+        """Queue a request; returns its handle at once (``handle.rejected`` when the queue is full).
+
+        Raises ``engine.RequestError`` for a prompt the engine cannot take, :class:`DuplicateRequest`
+        for a live request id, :class:`WorkerUnavailable` when not accepting work.
+        """
+        if not self.accepting:
+            raise WorkerUnavailable(self._unavailable_reason())
+        params = params or SamplingParams()
+        if request_id is not None and not REQUEST_ID_RE.fullmatch(str(request_id)):
+            raise RequestError(f"request_id must match {REQUEST_ID_RE.pattern}, got {request_id!r}")
+        token_ids = self.encode(prompt)
+        self.engine.validate(token_ids)             # reads config and the pool size only
+        limit = self.engine.config.max_model_len
+        if len(token_ids) + params.max_tokens > limit:
+            raise RequestError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                               f"exceeds max_model_len ({limit})")
+        tags = dict(tags or {})
+        clash = sorted(set(tags) & RESERVED_FIELDS)
+        if clash:
+            raise RequestError(f"tags may not use the reserved field name(s) {', '.join(clash)}")
+        with self._lock:
+            if not self.accepting:
+                raise WorkerUnavailable(self._unavailable_reason())
+            rid = str(request_id) if request_id is not None else f"{self.worker_id}-{next(self._ids)}"
+            if rid in self._live:
+                raise DuplicateRequest(f"request_id {rid!r} is already in flight")
+            handle = RequestHandle(rid, stream_buffer or self.config.stream_buffer, keep_tokens=stream)
+            req = _Request(rid, token_ids, params, handle, tags, now_ns())
+            self._emit(req, make_event("submitted", rid, self.worker_id, self._round, t_ns=req.submitted_ns,
+                                       prompt_tokens=len(token_ids), max_tokens=params.max_tokens,
+                                       queue_depth=len(self._pending), **tags))
+            if len(self._pending) >= self.config.queue_size:
+                handle.rejected = True
+                self._finish(req, "rejected", message=f"queue full ({self.config.queue_size} requests waiting)")
+                return handle
+            self._pending.append(req)
+            self._live[rid] = req
+            self._cv.notify_all()
+        return handle
+
+    def cancel(self, request_id: str, cause: str = "client") -> bool:
+        """Ask the owner to cancel at its next step boundary; False if no such live request."""
+        with self._lock:
+            if request_id not in self._live:
+                return False
+            self._cancels.append((request_id, cause))
+            self._cv.notify_all()
+        return True
+
+    def run_on_owner(self, fn: Callable[[Any], Any], timeout: float | None = 60.0) -> Any:
+        """Run ``fn(engine)`` on the owner thread at a step boundary and return its result."""
+        if threading.current_thread() is self._thread:
+            return fn(self.engine)
+        call = _OwnerCall(fn)
+        with self._lock:
+            if self._closed or self._thread is None or not self._thread.is_alive():
+                raise WorkerUnavailable(self._unavailable_reason())
+            self._calls.append(call)
+            self._cv.notify_all()
+        return call.future.result(timeout)
+
+    def snapshot(self) -> dict:
+        """The owner's last published state (queue, active, KV blocks, round, health); any thread."""
+        with self._lock:
+            snap = dict(self._snapshot)
+        snap["state"] = self.state()
+        if self._unhealthy:
+            snap["reason"] = self._unhealthy
+        return snap
+
+    def header(self, **extra) -> dict:
+        """The evidence envelope for a JSONL log written from this worker (after start)."""
+        from labkit.evidence import envelope
+
+        built = self.built
+        env = envelope(kind=built.kind, device=built.device, model=built.model, seed=built.engine.config.seed,
+                       engine=built.describe())
+        return {**env, "worker": asdict(self.config), **extra}
+
+    # -- test hooks ----------------------------------------------------------------------
+    def pause(self) -> None:
+        """Hold the owner at the next step boundary (no cancels, admissions or steps) until resume()."""
+        with self._lock:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            self._cv.notify_all()
+
+    def inject_fault(self, at_step: int | None = None, message: str = "injected fault") -> None:
+        """Make the model runner raise once, inside engine.step(), at step ``at_step`` (default: the next)."""
+        self._fault = _Fault(at_step if at_step is not None else self._round + 1, message)
+
+    def set_feeder(self, fn: Callable[[int], None] | None) -> None:
+        """``fn(round)`` runs on the owner before each admission (it may call submit)."""
+        with self._lock:
+            self._feeder = fn
+            self._cv.notify_all()
+
+    def pending_ids(self) -> list[str]:
+        """Request ids queued and not yet admitted, in order (any thread)."""
+        with self._lock:
+            return [r.request_id for r in self._pending]
+
+    def idle(self) -> bool:
+        """No request queued or admitted (meaningful on the owner thread, e.g. inside a feeder)."""
+        return not self._active and not self._pending
+
+    def wake(self) -> None:
+        with self._lock:
+            self._cv.notify_all()
+
+    # -- owner thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._build()
+        except BaseException as e:        # reported to start()'s caller
+            self._init_error = e
+            if self.engine is not None:   # built, then something after it failed
+                try:
+                    self.engine.close()
+                except Exception:
+                    pass
+            self._ready.set()
+            return
+        self._publish(state="ok")
+        self._ready.set()
+        try:
+            while True:
+                with self._lock:
+                    while not self._stopping and not self._has_work_locked():
+                        self._cv.wait(0.5)
+                    if self._stopping:
+                        break
+                    paused = self._paused
+                try:
+                    if self._calls:
+                        self._run_calls()
+                    if paused:
+                        continue
+                    self._boundary()
+                    if self._active:
+                        self._step()
+                    self._publish()
+                except Exception as exc:      # a bug outside engine.step(): stop taking work, say why
+                    self._internal_error(exc)
+        finally:
+            self._shutdown_owner()
+
+    def _build(self) -> None:
+        from labkit.experiments.common import build_engine
+
+        cfg = self.config
+        overrides = dict(max_num_batched_tokens=cfg.batch_tokens, max_num_seqs=cfg.batch_seqs,
+                         max_model_len=cfg.max_model_len, scheduling_policy=cfg.policy, enforce_eager=cfg.eager)
+        if cfg.num_kvcache_blocks:
+            overrides["num_kvcache_blocks"] = cfg.num_kvcache_blocks
+        overrides["tensor_parallel_size"] = cfg.tp
+        for name in ("dist_init", "shm_name"):
+            if getattr(cfg, name):
+                overrides[name] = getattr(cfg, name)
+        self.built = build_engine(cfg.model, cfg.device, cfg.attention, **overrides)
+        self.engine = self.built.engine
+        if cfg.load_tokenizer:
+            self.tokenizer = self.engine.tokenizer
+        self._wrap_runner(self.engine)
+
+    def _wrap_runner(self, engine) -> None:
+        """Wrap runner.run from the outside: remember the batch, raise an injected fault."""
+        original = engine.runner.run
+
+        def run(seqs, is_prefill):
+            self._last_batch = [(s, s.num_scheduled_tokens) for s in seqs]
+            fault = self._fault
+            if fault is not None and engine.num_steps >= fault.at_step:
+                self._fault = None
+                raise InjectedFault(fault.message)
+            return original(seqs, is_prefill)
+
+        engine.runner.run = run
+
+    def _has_work_locked(self) -> bool:
+        if self._calls:
+            return True
+        if self._paused:
+            return False
+        return bool(self._pending or self._cancels or self._active or self._feeder)
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._lock:
+                if not self._calls:
+                    return
+                call = self._calls.popleft()
+            if call.future.set_running_or_notify_cancel():
+                try:
+                    call.future.set_result(call.fn(self.engine))
+                except BaseException as e:
+                    call.future.set_exception(e)
+
+    def _boundary(self) -> None:
+        """Between steps: cancels, then the feeder, then admissions."""
+        with self._lock:
+            cancels = list(self._cancels)
+            self._cancels.clear()
+        for rid, cause in cancels:
+            self._cancel_now(rid, cause)
+        feeder = self._feeder
+        if feeder is not None:
+            feeder(self._round)
+        while True:
+            with self._lock:
+                if not self._pending or len(self._active) >= self.config.max_active:
+                    return
+                req = self._pending.popleft()
+            self._admit(req)
+
+    def _admit(self, req: _Request) -> None:
+        try:
+            req.seq = self.engine.add_request(req.token_ids, req.params)
+        except RequestError as e:       # validated at submit; kept for safety
+            self._finish(req, "rejected", message=str(e))
+            return
+        self._active[req.request_id] = req
+        self._by_seq[req.seq.seq_id] = req
+        with self.stats.lock:
+            self.stats.prompt_tokens += len(req.token_ids)
+        with self._lock:
+            queue = len(self._pending)
+        self._emit(req, make_event("admitted", req.request_id, self.worker_id, self._round,
+                                   active_before=len(self._active) - 1, active=len(self._active),
+                                   queue_depth=queue, seq_id=req.seq.seq_id))
+        req.handle._wake()
+
+    def _cancel_now(self, rid: str, cause: str) -> None:
+        with self._lock:
+            req = self._live.get(rid)
+            if req is None:
+                return
+            if req in self._pending:
+                self._pending.remove(req)
+        freed: list[int] = []
+        if req.seq is not None:
+            freed = self.engine.abort(req.seq, "cancelled")
+        self._finish(req, "cancelled", cause=cause, freed_blocks=len(freed))
+
+    def _step(self) -> None:
+        engine = self.engine
+        self._last_batch = None
+        t0 = now_ns()
+        try:
+            if self._range is not None:
+                with self._range("step"):
+                    out = engine.step()
+            else:
+                out = engine.step()
+        except Exception as exc:
+            self._round = engine.num_steps
+            self._on_engine_error(exc)
+            return
+        self._round = out.step
+        self._deliver(out, t0)
+
+    def _deliver(self, out, t0: int) -> None:
+        t = now_ns()
+        phase = "prefill" if out.is_prefill else "decode"
+        with self.stats.lock:
+            self.stats.steps[phase] += 1
+            self.stats.step_seconds[phase] += out.seconds
+        if self.config.log_steps and self.sink is not None:
+            batch = self._last_batch or []
+            self.sink(make_event(
+                "step", None, self.worker_id, out.step, t_ns=t, phase=phase, num_seqs=len(out.seqs),
+                num_tokens=out.num_tokens, seconds=round(out.seconds, 6), start_ns=t0,
+                batch=[[self._rid(s), n] for s, n in batch],
+                chunks=[self._rid_of(sid) for sid in out.outcome.discarded],
+                free_blocks=self.engine.block_manager.num_free_blocks))
+        slow: list[_Request] = []
+        for seq_id, token_id in out.outcome.accepted.items():
+            req = self._by_seq.get(seq_id)
+            if req is None:
+                continue
+            req.num_tokens += 1
+            ev = make_event("token", req.request_id, self.worker_id, out.step, t_ns=t, index=req.num_tokens,
+                            token_id=token_id)
+            with self.stats.lock:
+                self.stats.generation_tokens += 1
+                if req.num_tokens == 1:
+                    self.stats.ttft.observe((t - req.submitted_ns) / 1e9)
+                else:
+                    self.stats.itl.observe((t - req.last_token_ns) / 1e9)
+            req.last_token_ns = t
+            if self.sink is not None:
+                self.sink(ev)
+            if req.handle.keep_tokens and not req.handle._push(ev):
+                slow.append(req)
+        for seq in out.outcome.finished:
+            req = self._by_seq.get(seq.seq_id)
+            if req is not None:
+                self._finish(req, seq.finish_reason)
+        for req in slow:
+            if req.request_id in self._active:
+                freed = self.engine.abort(req.seq, "cancelled")
+                self._finish(req, "cancelled", cause="slow_consumer", freed_blocks=len(freed),
+                             message=f"more than {req.handle.limit} events unread")
+        for seq_id in out.outcome.accepted:
+            req = self._by_seq.get(seq_id)
+            if req is not None:
+                req.handle._wake()
+
+    def _rid(self, seq) -> str | None:
+        req = self._by_seq.get(seq.seq_id)
+        return req.request_id if req else None
+
+    def _rid_of(self, seq_id: int) -> str | None:
+        req = self._by_seq.get(seq_id)
+        return req.request_id if req else None
+
+    def _finish(self, req: _Request, reason: str, cause: str | None = None, message: str | None = None,
+                freed_blocks: int | None = None) -> None:
+        """The one place a request ends: finished event, handle closed, bookkeeping, metrics."""
+        if req.handle.finished:
+            return
+        fields: dict[str, Any] = {"reason": reason}
+        if cause is not None:
+            fields["cause"] = cause
+        if message is not None:
+            fields["message"] = message
+        fields.update(num_prompt_tokens=len(req.token_ids), num_completion_tokens=req.num_tokens,
+                      admitted=req.seq is not None)
+        if freed_blocks is not None:
+            fields["freed_blocks"] = freed_blocks
+        ev = make_event("finished", req.request_id, self.worker_id, self._round, **fields)
+        self._active.pop(req.request_id, None)
+        if req.seq is not None:
+            self._by_seq.pop(req.seq.seq_id, None)
+        with self._lock:
+            if self._live.get(req.request_id) is req:
+                del self._live[req.request_id]
+        self.stats.count_finished(reason)
+        if self.sink is not None:
+            self.sink(ev)
+        req.handle._finish(ev)
+
+    def _emit(self, req: _Request, ev: dict) -> None:
+        if self.sink is not None:
+            self.sink(ev)
+        if req.handle.keep_tokens or ev["event"] != "token":
+            req.handle._push(ev)
+
+    # -- failures ----------------------------------------------------------------------------
+    def _on_engine_error(self, exc: BaseException) -> None:
+        message = " ".join(f"{type(exc).__name__}: {exc}".split())
+        batch = self._last_batch
+        if batch is not None:
+            affected = [self._by_seq[s.seq_id] for s, _ in batch if s.seq_id in self._by_seq]
+        else:
+            affected = list(self._active.values())
+        with self.stats.lock:
+            self.stats.engine_errors += 1
+        for req in affected:
+            freed: list[int] = []
+            try:
+                freed = self.engine.abort(req.seq, "error")
+            except Exception:
+                pass
+            self._finish(req, "error", message=message, freed_blocks=len(freed))
+        ok, why = self._consistent()
+        if self.sink is not None:
+            self.sink(make_event("worker", None, self.worker_id, self._round, what="engine_error", message=message,
+                                 affected=[r.request_id for r in affected], consistent=ok, why=why))
+        if not ok:
+            self._unhealthy = f"engine inconsistent after {message}: {why}"
+            for req in list(self._live.values()):
+                with self._lock:
+                    if req in self._pending:
+                        self._pending.remove(req)
+                if req.seq is not None:
+                    try:
+                        self.engine.abort(req.seq, "error")
+                    except Exception:
+                        pass
+                self._finish(req, "error", message=self._unhealthy)
+
+    def _internal_error(self, exc: BaseException) -> None:
+        message = " ".join(f"{type(exc).__name__}: {exc}".split())
+        self._unhealthy = f"internal error in the owner loop: {message}"
+        with self._lock:
+            self._pending.clear()
+            self._feeder = None
+        for req in list(self._live.values()):
+            if req.seq is not None:
+                try:
+                    self.engine.abort(req.seq, "error")
+                except Exception:
+                    pass
+            try:
+                self._finish(req, "error", message=self._unhealthy)
+            except Exception:
+                req.handle._finish({"event": "finished", "request_id": req.request_id, "reason": "error",
+                                    "message": self._unhealthy})
+        with self._lock:
+            self._live.clear()
+        self._active.clear()
+        self._by_seq.clear()
+
+    def _consistent(self) -> tuple[bool, str]:
+        sch, bm = self.engine.scheduler, self.engine.block_manager
+        live = [*sch.waiting, *sch.running]
+        ids = {s.seq_id for s in live}
+        mine = {r.seq.seq_id for r in self._active.values()}
+        if ids != mine:
+            return False, f"scheduler holds seqs {sorted(ids)} but the worker has {sorted(mine)} admitted"
+        held = {b for s in live for b in s.block_table}
+        if held != bm.used_block_ids:
+            return False, f"{len(bm.used_block_ids - held)} used KV blocks belong to no live sequence"
+        if bm.num_free_blocks + len(bm.used_block_ids) != bm.num_blocks:
+            return False, "free + used KV blocks != pool size"
+        stale = [s.seq_id for s in live if s.num_scheduled_tokens]
+        if stale:
+            return False, f"seqs {stale} still have scheduled tokens"
+        return True, "consistent"
+
+    def _unavailable_reason(self) -> str:
+        if self._closed:
+            return f"worker {self.worker_id} is shut down"
+        if not self._ready.is_set():
+            return f"worker {self.worker_id} is starting"
+        if self._init_error is not None:
+            return f"worker {self.worker_id} failed to start: {self._init_error}"
+        return f"worker {self.worker_id} is unhealthy: {self._unhealthy}"
+
+    def _shutdown_owner(self) -> None:
+        try:
+            self._run_calls()
+            for req in list(self._live.values()):
+                with self._lock:
+                    if req in self._pending:
+                        self._pending.remove(req)
+                freed: list[int] = []
+                if req.seq is not None:
+                    try:
+                        freed = self.engine.abort(req.seq, "cancelled")
+                    except Exception:
+                        pass
+                self._finish(req, "cancelled", cause="shutdown", freed_blocks=len(freed))
+            self._publish()
+            if self.sink is not None:
+                self.sink(make_event("worker", None, self.worker_id, self._round, what="closed",
+                                     free_blocks=self._snapshot.get("kv_blocks_free"),
+                                     total_blocks=self._snapshot.get("kv_blocks_total")))
+        finally:
+            with self._lock:
+                calls, self._calls = list(self._calls), deque()
+            for call in calls:
+                call.future.cancel()
+            if self.engine is not None:
+                self.engine.close()
+
+    def _publish(self, state: str | None = None) -> None:
+        """Copy the owner's numbers into a snapshot any thread may read."""
+        snap: dict[str, Any] = {"worker_id": self.worker_id, "round": self._round}
+        engine = self.engine
+        if engine is not None and threading.current_thread() is self._thread:
+            bm = engine.block_manager
+            snap.update(engine_waiting=len(engine.scheduler.waiting), engine_running=len(engine.scheduler.running),
+                        kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
+                        kv_blocks_used=bm.num_blocks - bm.num_free_blocks)
+        with self._lock:
+            snap.update(queue_depth=len(self._pending), active=len(self._active))
+            merged = {**self._snapshot, **snap}
+            if state is not None:
+                merged["state"] = state
+            self._snapshot = merged
+
+    def gauges(self) -> dict[str, float]:
+        s = self.snapshot()
+        return {
+            "labkit_num_requests_waiting": s.get("queue_depth", 0),
+            "labkit_num_requests_running": s.get("active", 0),
+            "labkit_engine_waiting": s.get("engine_waiting", 0),
+            "labkit_engine_running": s.get("engine_running", 0),
+            "labkit_kv_blocks_total": s.get("kv_blocks_total", 0),
+            "labkit_kv_blocks_used": s.get("kv_blocks_used", 0),
+            "labkit_kv_blocks_free": s.get("kv_blocks_free", 0),
+            "labkit_round": s.get("round", 0),
+            "labkit_healthy": 1 if s["state"] == "ok" else 0,
+        }

@@ -1,0 +1,137 @@
+"""labkit report: B.8.3 definitions on hand-made logs, common window, classes, Markdown and plots."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from labkit.errors import UserError
+from labkit.report import compare, percentile, summarize
+
+MS = 1_000_000
+
+
+def ev(event, rid, t_ms, observer="engine", worker="w0", **kw) -> dict:
+    return {"event": event, "request_id": rid, "worker_id": worker, "round": 0, "t_ns": int(t_ms * MS),
+            "observer": observer, **kw}
+
+
+def request(rid, start_ms, token_ms, observer="engine", worker="w0", reason="length", **tags) -> list[dict]:
+    out = [ev("submitted", rid, start_ms, observer, worker, **tags), ev("admitted", rid, start_ms, observer, worker)]
+    out += [ev("token", rid, t, observer, worker, index=i + 1) for i, t in enumerate(token_ms)]
+    out.append(ev("finished", rid, token_ms[-1] if token_ms else start_ms, observer, worker, reason=reason,
+                  num_completion_tokens=len(token_ms)))
+    return out
+
+
+def write_log(path: Path, events: list[dict], kind: str = "cpu-real-engine", **header) -> Path:
+    with path.open("w") as f:
+        f.write(json.dumps({"event": "header", "kind": kind, **header}) + "\n")
+        for e in events:
+            f.write(json.dumps(e) + "\n")
+    return path
+
+
+def test_b83_worked_example(tmp_path):
+    # handbook B.8.3: sent at 0 s, 4 outputs at 0.12, 0.16, 0.21, 0.25 s
+    log = write_log(tmp_path / "b83.jsonl", request("r0", 0, [120, 160, 210, 250]))
+    o = summarize(log)["observers"]["engine"]
+    assert o["ttft_ms"]["p50"] == 120.0
+    assert o["itl_ms"]["n"] == 3 and sorted([o["itl_ms"]["min"], o["itl_ms"]["p50"], o["itl_ms"]["max"]]) == [40, 40, 50]
+    assert o["tpot_ms"]["p50"] == pytest.approx(43.333, abs=1e-3)
+    assert o["output_tokens"] == 4 and o["completed"] == 1
+    assert o["window"]["seconds"] == 0.25 and o["throughput_tok_s"] == 16.0
+
+
+def test_percentiles_interpolate_linearly():
+    xs = list(range(1, 101))
+    assert percentile(xs, 50) == 50.5 and percentile(xs, 99) == pytest.approx(99.01)
+    assert percentile([7.0], 99) == 7.0
+
+
+def test_common_window_across_replicas_and_warmup_excluded(tmp_path):
+    events = request("warm", -500, [-400, -300], worker="a", warmup=True)
+    events += request("r0", 0, [100, 200], worker="a")                 # replica a: 0 .. 200 ms
+    events += request("r1", 300, [500, 600, 1000], worker="b")        # replica b: 300 .. 1000 ms
+    o = summarize(write_log(tmp_path / "rep.jsonl", events))["observers"]["engine"]
+    assert o["requests"] == 2 and o["warmup_requests"] == 1
+    assert o["output_tokens"] == 5
+    assert o["window"]["seconds"] == 1.0 and o["throughput_tok_s"] == 5.0      # 5 tokens / (0 .. 1000 ms)
+    assert o["workers"]["a"]["requests"] == 1 and o["workers"]["b"]["output_tokens"] == 3
+    assert o["workers"]["a"]["overlap_all_s"] == 0.0                          # a ended before b began
+    assert o["ttft_ms"]["n"] == 2 and o["ttft_ms"]["min"] == 100.0
+
+
+def test_classes_terminations_rejections_and_observers_apart(tmp_path):
+    events = request("s0", 0, [10, 20, 30], **{"class": "short"})
+    events += request("l0", 0, [300, 310], **{"class": "long"})
+    events += request("c0", 0, [15], reason="cancelled", **{"class": "short"})
+    events[-1]["cause"] = "slow_consumer"
+    events += [ev("submitted", "x0", 5, **{"class": "short"}), ev("finished", "x0", 5, reason="rejected",
+                                                                   num_completion_tokens=0)]
+    events += request("s0", 2, [40, 60, 80], observer="client", **{"class": "short"})
+    s = summarize(write_log(tmp_path / "c.jsonl", events))
+    eng, cli = s["observers"]["engine"], s["observers"]["client"]
+    assert eng["terminations"] == {"cancelled": 1, "length": 2, "rejected": 1} and eng["rejections"] == 1
+    assert eng["causes"] == {"cancelled/slow_consumer": 1}
+    assert eng["by_class"]["long"]["ttft_ms"]["p50"] == 300.0 and eng["by_class"]["short"]["requests"] == 3
+    assert cli["requests"] == 1 and cli["ttft_ms"]["p50"] == 38.0            # client clock only
+
+
+def test_compare_writes_json_md_and_plots(tmp_path):
+    a = write_log(tmp_path / "a.jsonl", request("r0", 0, [100, 150]) + request("r1", 10, [120, 200]),
+                  mode="wall", role="load")
+    b = write_log(tmp_path / "b.jsonl", request("r0", 0, [50, 75]) + request("r1", 10, [65, 100]), kind="profile")
+    out = tmp_path / "cmp.json"
+    result = compare([a, b], out)
+    data = json.loads(out.read_text())
+    assert data["primary_observer"] == "engine" and len(data["inputs"]) == 2
+    assert data["ratios"][0]["ttft_ms.p50"] == pytest.approx(0.5, rel=0.01)
+    md = (tmp_path / "cmp.md").read_text()
+    assert "| 0 | engine | 2 | 2 | 0 | 4 |" in md and "profile evidence" in md
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert result["plots"] == [] and "matplotlib is not importable" in md
+    else:
+        names = sorted(Path(p).name for p in result["plots"])
+        assert names == ["cmp-itl-cdf.png", "cmp-timeline.png", "cmp-ttft-cdf.png"]
+        assert all(Path(p).read_bytes()[:4] == b"\x89PNG" for p in result["plots"])
+
+
+def test_without_matplotlib_the_md_says_so(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)          # import matplotlib -> ImportError
+    a = write_log(tmp_path / "a.jsonl", request("r0", 0, [100, 150]))
+    result = compare([a], tmp_path / "one.json")
+    assert result["plots"] == []
+    assert "matplotlib is not importable" in (tmp_path / "one.md").read_text()
+
+
+def test_report_errors_are_one_line(tmp_path):
+    with pytest.raises(UserError, match="no such log"):
+        compare([tmp_path / "missing.jsonl"], tmp_path / "x.json")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    with pytest.raises(UserError, match="not JSON"):
+        compare([bad], tmp_path / "x.json")
+    with pytest.raises(UserError, match=".json"):
+        compare([write_log(tmp_path / "a.jsonl", request("r0", 0, [1]))], tmp_path / "x.md")
+
+
+def test_report_cli(tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from labkit.service.commands import register
+
+    app = typer.Typer()
+    register(app)
+    a = write_log(tmp_path / "a.jsonl", request("r0", 0, [100, 150, 170]))
+    b = write_log(tmp_path / "b.jsonl", request("r0", 0, [90, 120, 170]))
+    result = CliRunner().invoke(app, ["report", "--inputs", f"{a},{b}", "--out", str(tmp_path / "r.json"),
+                                      "--no-plots"])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "r.json").is_file() and (tmp_path / "r.md").is_file()
+    assert "ratios vs input 0" in result.output

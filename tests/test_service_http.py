@@ -1,0 +1,468 @@
+"""The HTTP front over loopback (127.0.0.1): native NDJSON, cancel, overload, faults, bad input, OpenAI."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import pytest
+
+from labkit.errors import UserError
+from labkit.service import client
+from labkit.service.events import MemorySink
+from labkit.service.server import ServerThread, bind_socket
+from labkit.service.worker import Worker, WorkerConfig
+from labkit.tracegen import token_ids
+
+MAX_MODEL_LEN = 512
+
+
+def ids(name: str, n: int = 20) -> list[int]:
+    return token_ids(4, name, n)
+
+
+def body(rid: str, max_tokens: int = 5, **extra) -> dict:
+    return {"request_id": rid, "prompt_token_ids": ids(rid), "max_tokens": max_tokens, "ignore_eos": True, **extra}
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def with_session(fn):
+    async with client.session(30.0) as sess:
+        return await fn(sess)
+
+
+def wait_for(pred, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def sink():
+    return MemorySink()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, sink):
+    w = Worker(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_active=2, queue_size=3, batch_tokens=256,
+                            batch_seqs=4, max_model_len=MAX_MODEL_LEN, worker_id="http-test"), sink=sink).start()
+    srv = ServerThread(w, "127.0.0.1", 0, max_body_bytes=64 * 1024).start()
+    yield srv
+    srv.close()
+
+
+@pytest.fixture(autouse=True)
+def _idle(request):
+    yield
+    if "server" in request.fixturenames:
+        w = request.getfixturevalue("server").worker
+        w.resume()
+        wait_for(lambda: w.snapshot().get("active", 0) == 0 and not w.pending_ids())
+
+
+def kv(server) -> tuple[int, int]:
+    return server.worker.run_on_owner(lambda e: (e.block_manager.num_free_blocks, e.block_manager.num_blocks))
+
+
+def test_port_zero_prints_a_real_url(server):
+    assert server.url.startswith("http://127.0.0.1:") and not server.url.endswith(":0")
+
+
+def test_generate_streams_ndjson_in_order(server):
+    async def go(sess):
+        async with sess.post(f"{server.url}/generate", json=body("nd-1", 6)) as resp:
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("application/x-ndjson")
+            assert resp.headers["X-Worker-Id"] == "http-test"
+            return [json.loads(line) async for line in resp.content if line.strip()]
+
+    evs = run(with_session(go))
+    assert [e["event"] for e in evs] == ["submitted", "admitted"] + ["token"] * 6 + ["finished"]
+    assert [e["index"] for e in evs if e["event"] == "token"] == list(range(1, 7))
+    assert all(isinstance(e["text"], str) for e in evs if e["event"] == "token")
+    assert evs[-1]["reason"] == "length" and evs[-1]["num_completion_tokens"] == 6
+    for e in evs:
+        assert {"request_id", "worker_id", "round", "t_ns", "observer"} <= set(e) and e["observer"] == "engine"
+
+
+def test_generate_non_stream_and_text_prompt(server):
+    async def go(sess):
+        async with sess.post(f"{server.url}/generate", json={"prompt": "Hello", "max_tokens": 4, "stream": False,
+                                                             "ignore_eos": True}) as resp:
+            return resp.status, await resp.json()
+
+    status, out = run(with_session(go))
+    assert status == 200 and len(out["token_ids"]) == 4 and out["finished"]["reason"] == "length"
+
+
+def test_client_records_both_observers(server):
+    recorded: list[dict] = []
+    res = run(with_session(lambda s: client.stream_native(s, server.url, body("obs-1", 4), record=recorded.append)))
+    assert res.reason == "length" and res.tokens == 4 and res.worker_id == "http-test"
+    client_ev = [e["event"] for e in recorded if e["observer"] == "client"]
+    engine_ev = [e["event"] for e in recorded if e["observer"] == "engine"]
+    assert client_ev == ["submitted", "admitted"] + ["token"] * 4 + ["finished"]
+    assert engine_ev == ["submitted", "admitted"] + ["token"] * 4 + ["finished"]
+    tok = [e for e in recorded if e["observer"] == "client" and e["event"] == "token"]
+    assert all(e["t_ns"] >= e["server_t_ns"] for e in tok)      # one monotonic clock on one machine
+
+
+def test_cancel_after_3_no_token_after_finished_and_blocks_free(server, sink):
+    res = run(with_session(lambda s: client.stream_native(s, server.url, body("cx-3", 300), cancel_after=3)))
+    assert res.reason == "cancelled" and res.cause == "client" and res.cancel_sent_after == 3
+    assert res.tokens_after_finished == 0 and 3 <= res.tokens < 300
+    logged = [e for e in sink.snapshot() if e["request_id"] == "cx-3"]
+    names = [e["event"] for e in logged]
+    assert names[-1] == "finished" and names.count("finished") == 1
+    free, total = kv(server)
+    assert free == total
+
+    async def cancel_again(sess):
+        async with sess.post(f"{server.url}/cancel", json={"request_id": "cx-3"}) as resp:
+            return resp.status, await resp.json()
+
+    status, err = run(with_session(cancel_again))
+    assert status == 404 and err["error"]["code"] == "request_not_found"
+
+
+def test_full_queue_answers_429_and_accepted_complete(server):
+    w = server.worker
+
+    async def go(sess):
+        w.pause()
+        tasks = [asyncio.create_task(client.stream_native(sess, server.url, body(f"fq-{i}", 3))) for i in range(3)]
+        for _ in range(500):
+            if len(w.pending_ids()) == 3:
+                break
+            await asyncio.sleep(0.01)
+        async with sess.post(f"{server.url}/generate", json=body("fq-over", 3)) as resp:
+            status, err = resp.status, await resp.json()
+        w.resume()
+        return status, err, await asyncio.gather(*tasks)
+
+    status, err, accepted = run(with_session(go))
+    assert status == 429 and err["error"]["type"] == "rate_limit_error" and err["error"]["code"] == "queue_full"
+    assert [r.reason for r in accepted] == ["length"] * 3 and [r.tokens for r in accepted] == [3, 3, 3]
+
+
+def test_client_disconnect_cancels(server, sink):
+    async def go(sess):
+        async with sess.post(f"{server.url}/generate", json=body("gone", 300)) as resp:
+            n = 0
+            async for line in resp.content:
+                if b'"token"' in line:
+                    n += 1
+                    if n == 2:
+                        break
+            resp.close()
+
+    run(with_session(go))
+    wait_for(lambda: any(e["request_id"] == "gone" and e["event"] == "finished" for e in sink.snapshot()))
+    fin = [e for e in sink.snapshot() if e["request_id"] == "gone" and e["event"] == "finished"][0]
+    assert fin["reason"] == "cancelled" and fin["cause"] == "disconnect" and fin["num_completion_tokens"] < 300
+
+
+def test_engine_exception_over_http_keeps_serving(server):
+    w = server.worker
+
+    async def go(sess):
+        w.pause()
+        tasks = [asyncio.create_task(client.stream_native(sess, server.url, body(f"ex-{i}", 5))) for i in range(2)]
+        for _ in range(500):
+            if len(w.pending_ids()) == 2:
+                break
+            await asyncio.sleep(0.01)
+        w.inject_fault(message="injected in test")
+        w.resume()
+        failed = await asyncio.gather(*tasks)
+        after = await client.stream_native(sess, server.url, body("ex-after", 3))
+        async with sess.get(f"{server.url}/health") as resp:
+            return failed, after, resp.status
+
+    failed, after, health = run(with_session(go))
+    assert [r.reason for r in failed] == ["error", "error"] and all("injected in test" in r.message for r in failed)
+    assert after.reason == "length" and health == 200
+
+
+def test_health_and_metrics(server):
+    async def go(sess):
+        async with sess.get(f"{server.url}/health") as r1, sess.get(f"{server.url}/metrics") as r2:
+            return r1.status, await r1.json(), r2.status, r2.headers["Content-Type"], await r2.text()
+
+    s1, health, s2, ctype, text = run(with_session(go))
+    assert s1 == 200 and health["status"] == "ok" and health["kind"] == "cpu-real-engine"
+    assert health["kv_blocks_free"] == health["kv_blocks_total"] > 0
+    assert s2 == 200 and ctype.startswith("text/plain")
+    for name in ("labkit_num_requests_waiting", "labkit_num_requests_running", "labkit_kv_blocks_used",
+                 "labkit_kv_blocks_free", "labkit_generation_tokens_total", "labkit_time_to_first_token_seconds_bucket",
+                 "labkit_inter_token_latency_seconds_count"):
+        assert f"\n{name}{{" in text or text.startswith(f"{name}{{"), name
+    assert "# TYPE labkit_time_to_first_token_seconds histogram" in text
+
+
+# --------------------------------------------------------------------------- bad input
+
+BAD = [
+    ("/generate", b"{not json", 400, "invalid_json"),
+    ("/generate", b"[1, 2]", 400, "invalid_body"),
+    ("/generate", {"max_tokens": 3}, 400, "missing_prompt"),
+    ("/generate", {"prompt": "a", "prompt_token_ids": [1]}, 400, "invalid_value"),
+    ("/generate", {"prompt": ""}, 400, "empty_prompt"),
+    ("/generate", {"prompt": 5}, 400, "invalid_type"),
+    ("/generate", {"prompt_token_ids": []}, 400, "empty_prompt"),
+    ("/generate", {"prompt_token_ids": [1, "2"]}, 400, "invalid_type"),
+    ("/generate", {"prompt_token_ids": [1, True]}, 400, "invalid_type"),
+    ("/generate", {"prompt_token_ids": [151936]}, 400, "invalid_prompt"),
+    ("/generate", {"prompt_token_ids": [-3]}, 400, "invalid_prompt"),
+    ("/generate", {"prompt_token_ids": list(range(1000, 1000 + MAX_MODEL_LEN))}, 400, "context_length_exceeded"),
+    ("/generate", {"prompt_token_ids": [1000] * 500, "max_tokens": 100}, 400, "context_length_exceeded"),
+    ("/generate", {"prompt": "a", "max_tokens": 0}, 400, "invalid_value"),
+    ("/generate", {"prompt": "a", "max_tokens": -1}, 400, "invalid_value"),
+    ("/generate", {"prompt": "a", "max_tokens": MAX_MODEL_LEN}, 400, "invalid_value"),
+    ("/generate", {"prompt": "a", "max_tokens": "5"}, 400, "invalid_type"),
+    ("/generate", {"prompt": "a", "max_tokens": 2.5}, 400, "invalid_type"),
+    ("/generate", {"prompt": "a", "max_tokens": True}, 400, "invalid_type"),
+    ("/generate", {"prompt": "a", "temperature": -0.5}, 400, "invalid_value"),
+    ("/generate", {"prompt": "a", "temperature": "hot"}, 400, "invalid_type"),
+    ("/generate", {"prompt": "a", "ignore_eos": "yes"}, 400, "invalid_type"),
+    ("/generate", {"prompt": "a", "seed": 1.5}, 400, "invalid_type"),
+    ("/generate", {"prompt": "a", "request_id": "bad id!"}, 400, "invalid_value"),
+    ("/generate", {"prompt": "a", "tags": {"reason": 1}}, 400, "invalid_value"),
+    ("/generate", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value"),
+    ("/generate", {"messages": "hi"}, 400, "invalid_type"),
+    ("/generate", {"prompt": "x" * (70 * 1024)}, 413, "body_too_large"),
+    ("/cancel", {}, 400, "missing_request_id"),
+    ("/cancel", {"request_id": 7}, 400, "invalid_type"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 2}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "stop": ["x"]}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logprobs": 2}, 400, "unsupported_parameter"),
+    ("/v1/completions", {"model": "tiny"}, 400, "missing_prompt"),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "a"}, 404, "model_not_found"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 10 ** 9}, 400, "invalid_value"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "stream_options": {"include_usage": True}}, 400, "invalid_value"),
+    ("/v1/chat/completions", {"model": "tiny"}, 400, "missing_prompt"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "invalid_type"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, "unsupported_content"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 0}, 400, "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("path,payload,status,code", BAD, ids=[f"{p}:{c}:{i}" for i, (p, _, _, c) in enumerate(BAD)])
+def test_bad_input_gets_a_json_error_never_500(server, path, payload, status, code):
+    async def go(sess):
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        async with sess.post(f"{server.url}{path}", data=data, headers={"Content-Type": "application/json"}) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+    got, err = run(with_session(go))
+    assert got == status, err
+    assert set(err["error"]) == {"message", "type", "param", "code"} and err["error"]["code"] == code
+    assert "\n" not in err["error"]["message"]
+
+
+@pytest.mark.parametrize("method,path,status", [("GET", "/nope", 404), ("GET", "/generate", 405),
+                                                ("POST", "/health", 405)])
+def test_unknown_routes_and_methods_are_json(server, method, path, status):
+    async def go(sess):
+        async with sess.request(method, f"{server.url}{path}") as resp:
+            return resp.status, await resp.json(content_type=None)
+
+    got, err = run(with_session(go))
+    assert got == status and "message" in err["error"]
+
+
+def test_oversized_chunked_body_is_413(server):
+    async def gen():
+        for _ in range(40):
+            yield b"x" * 4096
+
+    async def go(sess):
+        async with sess.post(f"{server.url}/generate", data=gen()) as resp:
+            return resp.status, await resp.json(content_type=None)
+
+    status, err = run(with_session(go))
+    assert status == 413 and err["error"]["code"] == "body_too_large"
+
+
+# --------------------------------------------------------------------------- OpenAI-compatible
+
+
+def test_openai_client_streams_a_chat_completion(server):
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=30)
+    models = api.models.list()
+    name = models.data[0].id
+    stream = api.chat.completions.create(model=name, messages=[{"role": "user", "content": "Say hi"}],
+                                         max_tokens=6, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = [c.usage for c in chunks if c.usage]
+    assert finals == ["length"] and usage and usage[0].completion_tokens == 6
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content is not None]) >= 6
+    assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
+    assert isinstance("".join(c.choices[0].delta.content for c in content), str)
+
+
+def test_openai_client_non_stream_completion_and_chat(server):
+    openai = pytest.importorskip("openai")
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=30)
+    out = api.completions.create(model="tiny", prompt=ids("oa", 12), max_tokens=5, temperature=0,
+                                 extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5
+    assert out.usage.prompt_tokens == 12 and out.usage.total_tokens == 17
+    chat = api.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                       extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(model="tiny", prompt="a", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="gpt-4", prompt="a", max_tokens=2)
+
+
+def test_openai_completion_stream_over_raw_sse(server):
+    recorded: list[dict] = []
+    res = run(with_session(lambda s: client.stream_openai(
+        s, server.url, {"model": "tiny", "prompt": ids("sse", 10), "max_tokens": 4, "temperature": 0,
+                        "ignore_eos": True}, request_id="sse-1", record=recorded.append)))
+    assert res.reason == "length" and res.tokens == 4 and res.usage_completion_tokens == 4
+
+    async def raw(sess):
+        async with sess.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": ids("sse2", 10),
+                                                                   "max_tokens": 3, "stream": True,
+                                                                   "ignore_eos": True}) as resp:
+            return resp.headers["Content-Type"], (await resp.read()).decode()
+
+    ctype, text = run(with_session(raw))
+    assert ctype.startswith("text/event-stream")
+    frames = [f for f in text.split("\n\n") if f]
+    assert all(f.startswith("data: ") for f in frames) and frames[-1] == "data: [DONE]"
+    last = json.loads(frames[-2][6:])
+    assert last["object"] == "text_completion" and last["choices"][0]["finish_reason"] == "length"
+
+
+# --------------------------------------------------------------------------- two servers, ports, close
+
+
+def test_two_servers_on_their_own_ports(tiny_model_dir, server):
+    w2 = Worker(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_model_len=256, worker_id="second")).start()
+    with ServerThread(w2) as second:
+        assert second.url != server.url
+
+        async def go(sess):
+            return await asyncio.gather(client.stream_native(sess, server.url, body("two-a", 3)),
+                                        client.stream_native(sess, second.url, body("two-b", 3)))
+
+        a, b = run(with_session(go))
+        assert (a.worker_id, a.reason, b.worker_id, b.reason) == ("http-test", "length", "second", "length")
+
+
+def test_port_in_use_is_one_clear_error(server):
+    port = int(server.url.rsplit(":", 1)[1])
+    with pytest.raises(UserError, match=f"port {port} on 127.0.0.1 is already in use") as exc:
+        bind_socket("127.0.0.1", port)
+    assert "\n" not in str(exc.value)
+
+
+def test_serve_command_port_in_use_exits_nonzero(server):
+    import typer
+    from typer.testing import CliRunner
+
+    from labkit.service.commands import register
+
+    app = typer.Typer()
+    register(app)
+    port = server.url.rsplit(":", 1)[1]
+    result = CliRunner().invoke(app, ["serve", "--port", port, "--device", "cpu"])
+    assert result.exit_code != 0
+    assert isinstance(result.exception, UserError) and "already in use" in str(result.exception)
+
+
+def test_server_close_twice_and_releases_port(tiny_model_dir):
+    w = Worker(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_model_len=256, max_active=1,
+                            load_tokenizer=False, worker_id="closing")).start()
+    srv = ServerThread(w).start()
+    port = int(srv.url.rsplit(":", 1)[1])
+
+    async def go(sess):
+        task = asyncio.create_task(client.stream_native(sess, srv.url, body("long-run", 200)))
+        while not w.snapshot().get("active"):
+            await asyncio.sleep(0.01)
+        await asyncio.get_running_loop().run_in_executor(None, srv.close)
+        return await task
+
+    res = run(with_session(go))
+    assert res.reason == "cancelled" and res.cause == "shutdown"
+    srv.close()
+    w.close()
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+
+
+def test_serve_command_port_zero_prints_url_and_stops_on_sigint(tiny_model_dir, tmp_path):
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys, typer; from labkit.service.commands import register; app = typer.Typer(); register(app); "
+            "app(sys.argv[1:], prog_name='labkit')")
+    log = tmp_path / "server.jsonl"
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--model", str(tiny_model_dir), "--port", "0",
+                             "--device", "cpu", "--max-model-len", "256", "--worker-id", "sub", "--out", str(log)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and url is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            m = re.search(r"ready: (http://127\.0\.0\.1:\d+)", line)
+            url = m.group(1) if m else None
+        assert url and not url.endswith(":0")
+        res = run(with_session(lambda s: client.stream_native(s, url, body("sub-1", 3))))
+        assert res.reason == "length" and res.worker_id == "sub"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        assert "served" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert lines[0]["event"] == "header" and lines[0]["role"] == "server" and lines[0]["url"] == url
+    assert lines[-1]["what"] == "closed" and lines[-1]["free_blocks"] == lines[-1]["total_blocks"]
+
+
+def test_client_command_cancel_after_writes_a_log(server, tmp_path):
+    import typer
+    from typer.testing import CliRunner
+
+    from labkit.service.commands import register
+
+    app = typer.Typer()
+    register(app)
+    out = tmp_path / "client-cancel.jsonl"
+    result = CliRunner().invoke(app, ["client", "--endpoints", server.url, "--prompt", "Hello", "--max-tokens", "200",
+                                      "--ignore-eos", "--request-id", "cli-cancel", "--cancel-after", "3",
+                                      "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout[result.stdout.index("{"):])
+    assert summary["reason"] == "cancelled" and summary["tokens_after_finished"] == 0
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert lines[0]["event"] == "header" and lines[0]["kind"] == "cpu-real-engine" and lines[0]["role"] == "client"
+    assert any(e["event"] == "cancel_sent" for e in lines)
+    client_ev = [e["event"] for e in lines[1:] if e["observer"] == "client" and e["event"] != "cancel_sent"]
+    assert client_ev[0] == "submitted" and client_ev[-1] == "finished"
