@@ -7,29 +7,9 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
+from labkit.logits import teacher_forced
 
 TOLERANCE = 1e-4     # measured worst on the tiny model: ~1e-6 (see the closing note of issue 2)
-
-
-def teacher_forced(engine, prompts, continuations):
-    labels = {}
-    for i, (p, c) in enumerate(zip(prompts, continuations)):
-        seq = engine.add_request(p, SamplingParams(temperature=0, max_tokens=len(c), ignore_eos=True))
-        labels[seq.seq_id] = i
-    rows = []
-    while not engine.is_finished():
-        seqs, is_prefill = engine.schedule()
-        logits = engine.runner.compute_logits(seqs, is_prefill)
-        forced = []
-        for seq, row in zip(seqs, logits):
-            i = labels[seq.seq_id]
-            if seq.num_cached_tokens + seq.num_scheduled_tokens >= seq.num_tokens:
-                rows.append((list(seq.token_ids), row.float().clone(), "prefill" if is_prefill else "decode"))
-                forced.append(continuations[i][seq.num_completion_tokens])
-            else:
-                forced.append(-1)     # an intermediate chunk: postprocess discards it
-        engine.postprocess(seqs, forced, is_prefill)
-    return rows
 
 
 @pytest.fixture(scope="module")

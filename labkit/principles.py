@@ -1,0 +1,189 @@
+"""Principles experiments (handbook appendix B.1): cached vs uncached forward in transformers (B.1.6).
+
+Both paths walk the same token trajectory: a prompt of S seeded ids, then G-1 preset next ids.
+
+- uncached: step k feeds the whole prefix again (width S+k, ``use_cache=False``): widths S..S+G-1,
+  G*S + G*(G-1)/2 positions in all (540 for S=64, G=8).
+- cached: step 0 feeds the prompt once (prefill, width S) and keeps the KV cache; each later step
+  feeds one id with the cache: widths [S, 1, ..., 1], S + G - 1 positions (71).
+
+Step k's last-position logits of the two paths are compared (max abs, relative L2 against the
+uncached reference, same top-1). Prefill (step 0) and decode (steps 1..G-1) are timed apart; the
+count ratio is about positions processed, not a speedup measurement.
+"""
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from labkit.errors import UserError
+from labkit.evidence import default_out, write_evidence
+
+CHECKPOINT_CACHED_FORWARD = "guardrails.cached-forward"
+DEFAULT_PROMPT_LEN = 64
+DEFAULT_STEPS = 8
+
+
+def expected_counts(prompt_len: int, steps: int) -> dict:
+    """The input widths and position totals both paths must show for S=prompt_len, G=steps."""
+    s, g = prompt_len, steps
+    uncached = [s + k for k in range(g)]
+    cached = [s] + [1] * (g - 1)
+    return {"widths_uncached": uncached, "widths_cached": cached,
+            "positions_uncached": g * s + g * (g - 1) // 2, "positions_cached": s + g - 1}
+
+
+def _cache_io(model) -> tuple[str, str]:
+    """(forward keyword, output field) of the KV cache: ``cache`` in transformers >= 5.2x, else past_key_values."""
+    params = inspect.signature(model.forward).parameters
+    return ("cache", "cache") if "cache" in params else ("past_key_values", "past_key_values")
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _run_paths(model, tokens: list[int], prompt_len: int, steps: int, device: str) -> dict:
+    """One repeat of both paths: per-step logits, widths and seconds."""
+    import torch
+
+    kw, field = _cache_io(model)
+    ids = torch.tensor([tokens], dtype=torch.long, device=device)
+    out: dict[str, Any] = {"uncached": {"logits": [], "widths": [], "seconds": []},
+                           "cached": {"logits": [], "widths": [], "seconds": []}}
+    with torch.no_grad():
+        for k in range(steps):                              # no cache: the whole prefix every step
+            n = prompt_len + k
+            _sync(device)
+            t0 = time.perf_counter()
+            res = model(input_ids=ids[:, :n], position_ids=torch.arange(n, device=device)[None],
+                        use_cache=False, logits_to_keep=1)
+            _sync(device)
+            out["uncached"]["seconds"].append(time.perf_counter() - t0)
+            out["uncached"]["widths"].append(n)
+            out["uncached"]["logits"].append(res.logits[0, -1].float().cpu())
+        cache = None
+        for k in range(steps):                              # with cache: prompt once, then one id per step
+            start, end = (0, prompt_len) if k == 0 else (prompt_len + k - 1, prompt_len + k)
+            extra = {} if cache is None else {kw: cache}
+            _sync(device)
+            t0 = time.perf_counter()
+            res = model(input_ids=ids[:, start:end], position_ids=torch.arange(start, end, device=device)[None],
+                        use_cache=True, logits_to_keep=1, **extra)
+            _sync(device)
+            out["cached"]["seconds"].append(time.perf_counter() - t0)
+            out["cached"]["widths"].append(end - start)
+            out["cached"]["logits"].append(res.logits[0, -1].float().cpu())
+            cache = res.get(field)
+            if cache is None:
+                raise RuntimeError(f"transformers returned no {field} with use_cache=True")
+    return out
+
+
+def _timing(runs: list[dict], path: str) -> dict:
+    prefill = [r[path]["seconds"][0] for r in runs]
+    decode = [sum(r[path]["seconds"][1:]) for r in runs]
+    return {"prefill_s": prefill, "decode_s": decode,
+            "median_prefill_s": statistics.median(prefill), "median_decode_s": statistics.median(decode),
+            "median_step_s": [statistics.median(r[path]["seconds"][k] for r in runs)
+                              for k in range(len(runs[0][path]["seconds"]))]}
+
+
+def run_cached_forward(out: str | Path | None = None, *, model: str | None = None, device: str = "auto",
+                       prompt_len: int = DEFAULT_PROMPT_LEN, steps: int = DEFAULT_STEPS, repeats: int = 1,
+                       seed: int = 0, dtype: str = "auto") -> dict:
+    """``labkit principles cached-forward``: both paths, ``repeats`` times; errors from the first repeat."""
+    import torch
+
+    from labkit.experiments.common import detect_device, synthetic_note
+    from labkit.logits import DTYPE_CHOICES, TOKEN_HIGH, hf_dtype, load_reference_model, tokens_sha256
+    from labkit.model_assets import model_identity, resolve_model
+
+    for name, v in (("--prompt-len", prompt_len), ("--steps", steps), ("--repeats", repeats)):
+        if not isinstance(v, int) or v < 1:
+            raise UserError(f"{name} must be a positive integer, got {v!r}")
+    if dtype not in DTYPE_CHOICES:
+        raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
+    device = detect_device(device)
+    ref = resolve_model(model, device)
+    identity = dict(model_identity(ref.path))
+    identity["source"] = ref.source
+    hf = load_reference_model(ref.path, device, dtype)
+    try:
+        limit = int(getattr(hf.config, "max_position_embeddings", 0) or 0)
+        total = prompt_len + steps - 1
+        if limit and total > limit:
+            raise UserError(f"--prompt-len + --steps - 1 = {total} exceeds the model's {limit} positions")
+        vocab = int(hf.config.vocab_size)
+        rng = np.random.default_rng([seed, 1016])
+        tokens = [int(x) for x in rng.integers(0, min(TOKEN_HIGH, vocab), size=total)]
+        runs = [_run_paths(hf, tokens, prompt_len, steps, device) for _ in range(repeats)]
+    finally:
+        del hf
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    first = runs[0]
+    per_step = []
+    for k in range(steps):
+        ref_l = first["uncached"]["logits"][k].double()
+        got = first["cached"]["logits"][k].double()
+        diff = got - ref_l
+        norm = float(ref_l.norm())
+        per_step.append({
+            "step": k, "width_uncached": first["uncached"]["widths"][k], "width_cached": first["cached"]["widths"][k],
+            "max_abs": float(diff.abs().max()), "rel_l2": float(diff.norm() / norm) if norm > 0 else float(diff.norm()),
+            "top1_uncached": int(ref_l.argmax()), "top1_cached": int(got.argmax()),
+            "same_top1": int(ref_l.argmax()) == int(got.argmax())})
+    exp = expected_counts(prompt_len, steps)
+    widths_u, widths_c = first["uncached"]["widths"], first["cached"]["widths"]
+    max_abs = max(s["max_abs"] for s in per_step)
+    rel = max(s["rel_l2"] for s in per_step)
+    finite = bool(np.isfinite(max_abs) and np.isfinite(rel))
+    same = sum(s["same_top1"] for s in per_step)
+    facts = {
+        "prompt_len": prompt_len, "steps": steps, "repeats": repeats, "seed": seed,
+        "device": device, "dtype": str(hf_dtype(device, dtype)).replace("torch.", ""), "attn_implementation": "eager",
+        "trajectory_sha256": tokens_sha256(tokens), "trajectory_len": len(tokens),
+        "widths_uncached": widths_u, "widths_cached": widths_c,
+        "positions_uncached": sum(widths_u), "positions_cached": sum(widths_c),
+        "expected": exp,
+        "counts_match": (widths_u == exp["widths_uncached"] and widths_c == exp["widths_cached"]
+                         and sum(widths_u) == exp["positions_uncached"] and sum(widths_c) == exp["positions_cached"]),
+        "position_ratio": sum(widths_u) / sum(widths_c),
+        "max_abs_logit_error": max_abs, "relative_l2_logit_error": rel, "errors_finite": finite,
+        "same_top1_steps": same, "per_step": per_step,
+        "timing": {"uncached": _timing(runs, "uncached"), "cached": _timing(runs, "cached"),
+                   "note": "prefill = step 0; decode = steps 1..G-1 summed (uncached decode recomputes the whole prefix)"},
+        "note": synthetic_note(identity),
+    }
+    checks = [
+        {"name": "uncached widths and positions", "passed": widths_u == exp["widths_uncached"]
+         and sum(widths_u) == exp["positions_uncached"], "expected": f"{exp['widths_uncached'][0]}..{exp['widths_uncached'][-1]}"
+         f" = {exp['positions_uncached']}", "actual": sum(widths_u), "why": "G*S + G*(G-1)/2"},
+        {"name": "cached widths and positions", "passed": widths_c == exp["widths_cached"]
+         and sum(widths_c) == exp["positions_cached"], "expected": f"[{prompt_len}, 1 x {steps - 1}] = {exp['positions_cached']}",
+         "actual": sum(widths_c), "why": "S + G - 1"},
+        {"name": "logit errors finite", "passed": finite, "expected": "finite",
+         "actual": {"max_abs": max_abs, "rel_l2": rel}, "why": "max abs and relative L2 over all steps"},
+        {"name": "same top-1 steps", "passed": same == steps, "expected": steps, "actual": same,
+         "status": "pass" if same == steps else "review", "why": "a flip asks for a look at dtype, positions, backend"},
+    ]
+    default = prompt_len == DEFAULT_PROMPT_LEN and steps == DEFAULT_STEPS
+    cp = CHECKPOINT_CACHED_FORWARD if default else None
+    if out is None:
+        out = default_out("cached-forward.json" if default else f"cached-forward-s{prompt_len}-g{steps}.json")
+    kind = "gpu-measured" if device.startswith("cuda") else "cpu-real-engine"
+    engine_info = {"implementation": "transformers", "attn_implementation": "eager",
+                   "dtype": facts["dtype"], "device": device}
+    record = write_evidence(out, checkpoint=cp, kind=kind, facts=facts, device=device, model=identity, seed=seed,
+                            engine=engine_info, extra_checks=checks)
+    record["_paths"] = {"json": str(out)}
+    return record

@@ -1,0 +1,270 @@
+"""logits collect / compare / guard on the tiny model (CPU, float32), and their error paths.
+
+The numbers: baseline = 15 rows (A 3, B 2+5, C 3, D 1+1; the chunk candidate of D is discarded),
+graph = 126 rows (1+9+16+17+20 requests, prefill + one decode each); both implementations in float32
+agree to ~1e-6, far inside the handbook's 0.5 / 0.02 starting thresholds.
+"""
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from labkit import logits as lg
+from labkit.checks import check_evidence, get_checkpoint
+from labkit.errors import UserError
+from labkit.logits_commands import EXIT_REVIEW, register
+
+
+@pytest.fixture(scope="module")
+def app():
+    a = typer.Typer(add_completion=False)
+
+    @a.callback()
+    def _root() -> None:
+        """test app"""
+
+    register(a)
+    return a
+
+
+def run_cli(app, *args):
+    return CliRunner().invoke(app, [str(x) for x in args])
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model_dir, tmp_path_factory, app):
+    """`labkit logits guard --suite baseline`: nano eager + hf collected, then compared."""
+    d = tmp_path_factory.mktemp("baseline")
+    res = run_cli(app, "logits", "guard", "--suite", "baseline", "--model", tiny_model_dir, "--device", "cpu",
+                  "--out", d / "engine-logits-check.json")
+    assert res.exit_code == 0, res.output
+    return d
+
+
+@pytest.fixture(scope="module")
+def graph(tiny_model_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("graph")
+    nano = lg.collect("nano", "graph", d / "nano", model=str(tiny_model_dir), device="cpu", execution="eager")
+    hf = lg.collect("hf", "graph", d / "hf", model=str(tiny_model_dir), device="cpu")
+    return d, nano, hf
+
+
+def copy_collection(src, dst):
+    for ext in (".json", ".npz"):
+        shutil.copy(f"{src}{ext}", f"{dst}{ext}")
+    return dst
+
+
+def rewrite_npz(prefix, **changes):
+    path = f"{prefix}.npz"
+    with np.load(path) as z:
+        arrays = {k: z[k].copy() for k in z.files}
+    for key, fn in changes.items():
+        fn(arrays[key])
+    np.savez(path, **arrays)
+
+
+# --------------------------------------------------------------------------- suites
+
+
+def test_suites_have_the_handbook_row_counts():
+    base = lg.build_suite("baseline")
+    assert base.expected_rows == 15 and len(base.rows()) == 15
+    assert [len(g.requests) for g in base.groups] == [1, 2, 1, 2]
+    assert [r.max_tokens for g in base.groups for r in g.requests] == [3, 2, 5, 3, 1, 1]
+    assert [len(r.prompt) for r in base.groups[3].requests] == [700, 32]
+    graph = lg.build_suite("graph")
+    assert [len(g.requests) for g in graph.groups] == [1, 9, 16, 17, 20] and graph.expected_rows == 126
+    for g in graph.groups:
+        lengths = [len(r.prompt) for r in g.requests]
+        assert len(set(lengths)) == len(lengths)               # different lengths inside a batch
+    # the trajectory is a function of the seed only
+    assert lg.trajectory_sha256(lg.build_suite("graph").rows()) == lg.trajectory_sha256(graph.rows())
+    assert lg.trajectory_sha256(lg.build_suite("graph", seed=1).rows()) != lg.trajectory_sha256(graph.rows())
+
+
+def test_expected_route_picks_the_smallest_covering_bucket_else_eager():
+    b = [1, 2, 4, 8, 16]
+    assert lg.expected_route("graph", "decode", 9, b) == ("graph", 16)
+    assert lg.expected_route("graph", "decode", 17, b) == ("eager", None)
+    assert lg.expected_route("graph", "prefill", 1, b) == ("eager", None)
+    assert lg.expected_route("eager", "decode", 1, b) == ("eager", None)
+
+
+# --------------------------------------------------------------------------- baseline
+
+
+def test_baseline_guard_collects_both_sides_and_passes(baseline):
+    rec = json.loads((baseline / "engine-logits-check.json").read_text())
+    f = rec["facts"]
+    assert rec["verdict"] == "PASS" and rec["checkpoint"] == "guardrails.logits-baseline"
+    assert rec["kind"] == "cpu-real-engine"
+    assert f["num_rows"] == 15 and f["top1_agree"] == 15 and f["first_divergent_row"] is None
+    assert f["worst_max_abs"] < 1e-4 and f["worst_rel_l2"] < 1e-5
+    assert len(f["worst_rows"]) == 5
+    assert check_evidence(get_checkpoint("guardrails.logits-baseline"), baseline / "engine-logits-check.json")[0] == "PASS"
+
+    nano = json.loads((baseline / "engine-nano.json").read_text())
+    nf = nano["facts"]
+    assert nano["verdict"] == "PASS" and nf["status"] == "COLLECTED" and nf["rows_follow_trajectory"]
+    assert nano["engine_source_hash"] and nano["engine_import_path"]
+    assert nano["model"]["config_sha256"] and nano["model"]["weights_sha256"]
+    assert [r["id"] for r in nf["rows"]][:5] == ["A/A/0", "A/A/1", "A/A/2", "B/R1/0", "B/R1/1"]
+    assert [r["length"] for r in nf["rows"] if r["group"] == "C"] == [256, 257, 258]
+    # case D: the first prefill round is a chunk of A, its candidate discarded; then both complete
+    d_steps = [s for s in nf["steps"] if s["group"] == "D"]
+    assert [s["discarded"] for s in d_steps] == [["A"], []] and [s["batch"] for s in d_steps] == [1, 2]
+    assert all(s["route"] == "eager" and s["route_as_expected"] for s in nf["steps"])
+    with np.load(baseline / "engine-nano.npz") as z:
+        assert z["logits"].shape == (15, 151936) and z["logits"].dtype == np.float32
+    hf = json.loads((baseline / "engine-hf.json").read_text())
+    assert hf["facts"]["trajectory_sha256"] == nf["trajectory_sha256"]
+    assert hf["engine"]["implementation"] == "transformers" and hf["engine"]["use_cache"] is False
+
+
+def test_a_corrupted_npz_row_fails_and_is_named(baseline, tmp_path, app):
+    bad = copy_collection(baseline / "engine-nano", tmp_path / "bad")
+    rewrite_npz(bad, logits=lambda a: a.__setitem__((9, slice(100, 110)), a[9, 100:110] + 1.0))
+    res = run_cli(app, "logits", "compare", "--lhs", bad, "--rhs", baseline / "engine-hf", "--out", tmp_path / "c.json")
+    assert res.exit_code == 1, res.output
+    rec = json.loads((tmp_path / "c.json").read_text())
+    f = rec["facts"]
+    assert rec["verdict"] == "FAIL" and f["failing_rows"] == 1
+    assert f["first_divergent_row"]["index"] == 9 and f["first_divergent_row"]["id"] == "B/R2/4"
+    assert "max_abs" in f["first_divergent_row"]["failures"] and f["worst_rows"][0]["index"] == 9
+    assert "B/R2/4" in res.output
+
+
+def test_mismatched_trajectories_and_models_are_refused(baseline, tiny_model_dir, tmp_path, app):
+    other = lg.collect("hf", "baseline", tmp_path / "seed1", model=str(tiny_model_dir), device="cpu", seed=1)
+    assert other["facts"]["trajectory_sha256"] != json.loads((baseline / "engine-hf.json").read_text())["facts"]["trajectory_sha256"]
+    with pytest.raises(UserError, match=r"trajectories differ at row 1 \(lhs A/A/1"):
+        lg.compare(baseline / "engine-nano", tmp_path / "seed1", tmp_path / "x.json")
+    res = run_cli(app, "logits", "compare", "--lhs", baseline / "engine-nano", "--rhs", tmp_path / "seed1",
+                  "--out", tmp_path / "x.json")
+    assert res.exit_code == 2 and "trajectories differ" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "x.json").exists()
+
+    other_model = copy_collection(baseline / "engine-hf", tmp_path / "other-model")
+    rec = json.loads((tmp_path / "other-model.json").read_text())
+    rec["model"]["weights_sha256"] = "0" * 64
+    (tmp_path / "other-model.json").write_text(json.dumps(rec))
+    with pytest.raises(UserError, match="weights sha256 differs"):
+        lg.compare(baseline / "engine-nano", other_model, tmp_path / "y.json")
+
+
+# --------------------------------------------------------------------------- REVIEW
+
+
+def test_review_needs_a_flip_inside_the_measured_error():
+    def m(max_abs, margin, flip):
+        return {"max_abs": max_abs, "rel_l2": 1e-6, "top1_lhs": 1 if flip else 0, "top1_rhs": 0, "ref_margin": margin}
+    assert lg.judge_rows([m(1e-3, 0.5, False)], 0.5, 0.02)[0] == "PASS"
+    assert lg.judge_rows([m(1e-3, 0.5, False), m(1e-3, 5e-4, True)], 0.5, 0.02)[0] == "REVIEW"
+    assert lg.judge_rows([m(1e-3, 2e-3, True)], 0.5, 0.02)[0] == "FAIL"            # margin >= error: real flip
+    assert lg.judge_rows([m(1e-3, 5e-4, True), m(0.9, 0.5, False)], 0.5, 0.02)[0] == "FAIL"
+
+
+def test_a_near_tie_flip_gives_review_and_exit_3(baseline, tmp_path, app):
+    ref = copy_collection(baseline / "engine-hf", tmp_path / "ref")
+    got = copy_collection(baseline / "engine-nano", tmp_path / "got")
+    row = 4
+    with np.load(f"{ref}.npz") as z:
+        top = float(z["logits"][row].max())
+
+    def tie(ref_side: bool):
+        def fn(a):
+            # reference: token 7 leads token 8 by 1e-4; measured: 8 leads 7 (error 1.5e-4 > margin 1e-4)
+            a[row, 7], a[row, 8] = (top + 1.0, top + 0.9999) if ref_side else (top + 0.99995, top + 1.00005)
+        return fn
+    rewrite_npz(ref, logits=tie(True))
+    rewrite_npz(got, logits=tie(False))
+    res = run_cli(app, "logits", "compare", "--lhs", got, "--rhs", ref, "--out", tmp_path / "r.json")
+    assert res.exit_code == EXIT_REVIEW, res.output
+    f = json.loads((tmp_path / "r.json").read_text())["facts"]
+    assert f["comparison_verdict"] == "REVIEW" and f["top1_flips"] == 1 and f["unexplained_top1_flips"] == 0
+    assert f["first_divergent_row"]["index"] == row and f["first_divergent_row"]["failures"] == ["top1_flip"]
+    assert f["first_divergent_row"]["ref_margin"] < f["first_divergent_row"]["max_abs"]
+
+
+# --------------------------------------------------------------------------- graph suite (eager on CPU)
+
+
+def test_graph_suite_collects_126_rows_with_kv_checks(graph):
+    d, nano, hf = graph
+    f = nano["facts"]
+    assert nano["verdict"] == "PASS" and f["num_rows"] == 126 and hf["facts"]["num_rows"] == 126
+    assert sorted(map(int, f["decode_routes"])) == [1, 9, 16, 17, 20]
+    assert f["kv"]["history_unchanged"] and f["kv"]["padding_wrote_nothing"]
+    assert [s["batch"] for s in f["kv"]["decode_steps"]] == [1, 9, 16, 17, 20]
+    assert all(s["free_blocks_checked"] for s in f["kv"]["decode_steps"])
+    with np.load(d / "nano.npz") as z:
+        assert z["logits"].shape == (126, 151936)
+        assert z["kv_new"].shape == (63, 2, 2, 2, 16)              # decode rows, K/V, layers, kv heads, head dim
+        rows = z["kv_rows"].tolist()
+    assert [f["rows"][r]["step"] for r in rows] == [1] * 63
+    decode_row = f["rows"][rows[0]]
+    assert decode_row["phase"] == "decode"
+
+
+def test_graph_suite_nano_matches_hf(graph, tmp_path):
+    d, _, _ = graph
+    rec = lg.compare(d / "nano", d / "hf", tmp_path / "c.json")
+    assert rec["verdict"] == "PASS" and rec["facts"]["num_rows"] == 126
+    assert rec["facts"]["kv"]["compared"] is False and "only lhs" in rec["facts"]["kv"]["why_not"]
+    assert rec["facts"]["worst_max_abs"] < 1e-4
+
+
+def test_new_kv_is_compared_and_a_corrupted_kv_row_fails(graph, tmp_path):
+    d, _, _ = graph
+    same = lg.compare(d / "nano", d / "nano", tmp_path / "same.json")
+    assert same["verdict"] == "PASS" and same["facts"]["kv"]["compared"] and same["facts"]["kv"]["rows"] == 63
+    bad = copy_collection(d / "nano", tmp_path / "bad")
+    rewrite_npz(bad, kv_new=lambda a: a.__setitem__((5, 1, 0), a[5, 1, 0] + 0.5))
+    rec = lg.compare(bad, d / "nano", tmp_path / "bad.json")
+    with np.load(d / "nano.npz") as z:
+        row = int(z["kv_rows"][5])
+    first = rec["facts"]["first_divergent_row"]
+    assert rec["verdict"] == "FAIL" and first["index"] == row and first["failures"] == ["kv"]
+    assert first["kv_max_abs"] == pytest.approx(0.5)
+
+
+# --------------------------------------------------------------------------- CLI error paths
+
+
+@pytest.mark.parametrize("args,message", [
+    (["logits", "collect", "--suite", "nope"], "unknown suite 'nope'"),
+    (["logits", "collect", "--backend", "vllm"], "unknown backend 'vllm'"),
+    (["logits", "collect", "--attention", "xformers"], "unknown attention backend 'xformers'"),
+    (["logits", "collect", "--dtype", "fp8"], "unknown dtype 'fp8'"),
+    (["logits", "collect", "--execution", "graph", "--suite", "graph", "--device", "cpu"], "graph execution needs CUDA"),
+    (["logits", "guard", "--suite", "graph", "--device", "cpu"], "graph execution needs CUDA"),
+    (["logits", "collect", "--expect-uncovered", "--suite", "baseline"], "--expect-uncovered needs --suite graph"),
+    (["logits", "collect", "--graph-buckets", "1,x"], "--graph-buckets must be"),
+    (["logits", "collect", "--backend", "hf", "--execution", "graph"], "--backend hf takes no"),
+    (["logits", "compare", "--lhs", "nowhere/a"], "both --lhs PREFIX and --rhs PREFIX are required"),
+])
+def test_user_errors_end_in_one_line(app, tmp_path, args, message):
+    res = run_cli(app, *args, "--out", tmp_path / "o")
+    assert res.exit_code == 2, res.output
+    assert message in " ".join(res.output.split()) and "Traceback" not in res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+def test_compare_of_missing_files_is_a_user_error(app, tmp_path):
+    res = run_cli(app, "logits", "compare", "--lhs", tmp_path / "none", "--rhs", tmp_path / "none2")
+    assert res.exit_code == 2 and "none.json not found" in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_uncovered_batch_17_falls_back_to_eager(tmp_path):
+    rec = lg.collect("nano", "graph", tmp_path / "unc", execution="graph", expect_uncovered=True, device="cuda")
+    eu = rec["facts"]["expect_uncovered"]
+    assert rec["verdict"] == "PASS", rec["checks"]
+    assert eu["route"] == "eager" and eu["completed"] and eu["error"] is None
+    assert rec["facts"]["decode_routes"]["16"]["route"] == "graph"

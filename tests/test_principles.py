@@ -1,0 +1,68 @@
+"""principles cached-forward (handbook B.1.6) on the tiny model: counts, errors, timings, checkpoint."""
+import json
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from labkit.checks import check_evidence, get_checkpoint
+from labkit.logits_commands import register
+from labkit.principles import expected_counts, run_cached_forward
+
+
+@pytest.fixture(scope="module")
+def app():
+    a = typer.Typer(add_completion=False)
+
+    @a.callback()
+    def _root() -> None:
+        """test app"""
+
+    register(a)
+    return a
+
+
+@pytest.mark.parametrize("s,g,uncached,cached", [(64, 8, 540, 71), (128, 8, 1052, 135), (64, 1, 64, 64), (5, 3, 18, 7)])
+def test_expected_counts(s, g, uncached, cached):
+    exp = expected_counts(s, g)
+    assert exp["positions_uncached"] == uncached == sum(exp["widths_uncached"])
+    assert exp["positions_cached"] == cached == sum(exp["widths_cached"])
+    assert exp["widths_uncached"][0] == s and exp["widths_cached"][1:] == [1] * (g - 1)
+
+
+def test_default_run_is_540_vs_71_and_passes_its_checkpoint(tiny_model_dir, tmp_path, app):
+    out = tmp_path / "cached-forward.json"
+    res = CliRunner().invoke(app, ["principles", "cached-forward", "--model", str(tiny_model_dir), "--device", "cpu",
+                                   "--repeats", "2", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rec = json.loads(out.read_text())
+    f = rec["facts"]
+    assert rec["checkpoint"] == "guardrails.cached-forward" and rec["verdict"] == "PASS"
+    assert f["widths_uncached"] == list(range(64, 72)) and f["positions_uncached"] == 540
+    assert f["widths_cached"] == [64] + [1] * 7 and f["positions_cached"] == 71
+    assert f["max_abs_logit_error"] < 1e-4 and f["relative_l2_logit_error"] < 1e-5 and f["same_top1_steps"] == 8
+    tm = f["timing"]
+    assert len(tm["cached"]["prefill_s"]) == 2 and len(tm["cached"]["decode_s"]) == 2
+    assert len(tm["uncached"]["median_step_s"]) == 8
+    assert check_evidence(get_checkpoint("guardrails.cached-forward"), out)[0] == "PASS"
+
+
+def test_other_lengths_recompute_the_expected_counts(tiny_model_dir, tmp_path):
+    rec = run_cached_forward(tmp_path / "cf.json", model=str(tiny_model_dir), device="cpu", prompt_len=20, steps=4)
+    f = rec["facts"]
+    assert rec["checkpoint"] is None and rec["verdict"] == "PASS"        # the 64/8 checkpoint does not apply
+    assert f["widths_uncached"] == [20, 21, 22, 23] and f["positions_uncached"] == 86
+    assert f["widths_cached"] == [20, 1, 1, 1] and f["positions_cached"] == 23 and f["counts_match"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--prompt-len", "0"], "--prompt-len must be a positive integer"),
+    (["--steps", "0"], "--steps must be a positive integer"),
+    (["--dtype", "fp8"], "unknown dtype 'fp8'"),
+    (["--model", "/nonexistent/model"], "/nonexistent/model"),
+])
+def test_user_errors(app, tmp_path, tiny_model_dir, args, message):
+    res = CliRunner().invoke(app, ["principles", "cached-forward", "--device", "cpu", "--out", str(tmp_path / "x.json"),
+                                   *([] if "--model" in args else ["--model", str(tiny_model_dir)]), *args])
+    assert res.exit_code == 2, res.output
+    assert message in " ".join(res.output.split()) and "Traceback" not in res.output
