@@ -9,6 +9,16 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """float32 inputs: exact fp32 products when IEEE (Triton's default is tf32); other dtypes ignore it."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
 # -- KV store --------------------------------------------------------------------------------------
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_stride, v_stride, kc_ptr, vc_ptr, slot_ptr,
@@ -40,7 +50,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr,
                          scale, split_len, num_splits, stride_qn, stride_qh, stride_bt,
                          PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                         D: tl.constexpr, BLOCK_N: tl.constexpr):
+                         D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     n = tl.program_id(0)
     kvh = tl.program_id(1)
     s = tl.program_id(2)
@@ -63,13 +73,13 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         kv_off = slot[:, None] * (HK * D) + kvh * D + offs_d[None, :]
         k = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
         v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = _dot(q, tl.trans(k), IEEE) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m = m_new
     heads = kvh * G + offs_g
     base = (n * (HK * G) + heads) * num_splits + s
@@ -126,7 +136,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, split_len, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0),
         PAGE=page, HK=hk, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=block_n,
-        num_warps=4, num_stages=2)
+        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
     _decode_reduce_kernel[(n, hq)](acc, ml, context_lens, out, num_splits, out.stride(0), out.stride(1),
                                    HQ=hq, D=d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)))
     return out
@@ -137,7 +147,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     tile = tl.program_id(0)
     n = tl.program_id(1)
     h = tl.program_id(2)
@@ -166,14 +176,14 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, 
         kv_off = slot[:, None] * (HK * D) + kvh * D + offs_d[None, :]
         k = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
         v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale
+        scores = _dot(q, tl.trans(k), IEEE) * scale
         keep = valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
         scores = tl.where(keep, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m = m_new
     out = acc / l[:, None]
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -194,5 +204,5 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _prefill_kernel[grid](q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, out, scale,
                           q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
                           PAGE=page, HK=hk, G=hq // hk, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                          num_warps=4, num_stages=2)
+                          IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
     return out
