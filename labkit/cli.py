@@ -40,6 +40,7 @@ from labkit.console import (
     verdict_text,
 )
 from labkit.errors import UserError
+from labkit.options import AttentionOpt, DeviceOpt, JsonOpt, ModelOpt, OutOpt
 
 app = typer.Typer(
     name="labkit",
@@ -54,16 +55,6 @@ app.add_typer(model_app, name="model")
 
 # --------------------------------------------------------------------------- shared options
 
-OutOpt = Annotated[
-    Optional[Path],
-    typer.Option("--out", "-o", dir_okay=False, help="Evidence file to write (default: the checkpoint's file under runs/)."),
-]
-ModelOpt = Annotated[
-    Optional[Path],
-    typer.Option("--model", help="Model directory (Hugging Face layout); default $MODEL_DIR, else a synthetic model."),
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda[:N].")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 
 #: Exit code per verdict: REVIEW asks for a human look, it is not a failure.
@@ -191,7 +182,6 @@ def run(
     finish_rows(rows, json_out=json_out, title="labkit run")
 
 
-AttentionOpt = Annotated[str, typer.Option("--attention", help="Attention backend: auto | flash_attn | triton | torch.")]
 
 
 class CaseName(str, enum.Enum):

@@ -18,6 +18,7 @@ from rich.text import Text
 
 from labkit.console import checks_table, console, err_console, error_line, kv_table, note, print_json, rel, verdict_text
 from labkit.errors import UserError
+from labkit.options import DeviceOpt, ModelOpt
 
 EXIT_PASS = 0
 EXIT_FAIL = 1
@@ -26,8 +27,6 @@ EXIT_REVIEW = 0            # REVIEW asks for a look; like every labkit command, 
 EXIT_CODES = {"PASS": EXIT_PASS, "FAIL": EXIT_FAIL, "REVIEW": EXIT_REVIEW, "NOT-RUN": EXIT_FAIL}
 EXIT_HELP = "Exit codes: 0 PASS/COLLECTED/REVIEW (REVIEW: look before trusting the numbers), 1 FAIL, 2 user error."
 
-ModelOpt = Annotated[Optional[Path], typer.Option("--model", help="Model directory; default $MODEL_DIR, else a synthetic model.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda[:N].")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the evidence record as JSON on stdout.")]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the preset continuation ids (and graph-suite prompts).")]
 SuiteOpt = Annotated[str, typer.Option("--suite", help="baseline (15 rows) | graph (126 rows).")]

@@ -15,11 +15,10 @@ from typing import Annotated, NoReturn, Optional
 import typer
 
 from labkit.errors import UserError
+from labkit.options import AttentionOpt, DeviceOpt, JsonOpt, ModelOpt
 
 # --------------------------------------------------------------------------- shared options
 
-ModelOpt = Annotated[Optional[Path], typer.Option("--model", help="Model directory; default $MODEL_DIR, else a synthetic model.")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda[:N].")]
 PolicyOpt = Annotated[str, typer.Option("--policy", help="Scheduling policy: prefill_first | balanced.")]
 BatchTokensOpt = Annotated[int, typer.Option("--batch-tokens", help="Token budget of one step (max_num_batched_tokens).")]
 BatchSeqsOpt = Annotated[int, typer.Option("--batch-seqs", help="Sequences in one step (max_num_seqs).")]
@@ -27,12 +26,10 @@ MaxActiveOpt = Annotated[int, typer.Option("--max-active", help="Admitted, unfin
 QueueSizeOpt = Annotated[int, typer.Option("--queue-size", help="Queued, not yet admitted requests at most; beyond: rejected (HTTP 429).")]
 MaxModelLenOpt = Annotated[int, typer.Option("--max-model-len", help="Context length (prompt + output) at most.")]
 EagerOpt = Annotated[bool, typer.Option("--eager/--graph", help="Eager execution, or CUDA Graph where the engine supports it.")]
-AttentionOpt = Annotated[str, typer.Option("--attention", help="Attention backend: auto | flash_attn | triton | torch.")]
 WorkerIdOpt = Annotated[str, typer.Option("--worker-id", help="Name of this worker in every event.")]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor parallel size of the engine.")]
 DistInitOpt = Annotated[Optional[str], typer.Option("--dist-init", help="tcp://HOST:PORT of this engine's TP group (default: a free port).")]
 ShmNameOpt = Annotated[Optional[str], typer.Option("--shm-name", help="Shared-memory name of this engine's TP channel (default: unique).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables.")]
 
 VERDICT_EXIT = {"PASS": 0, "REVIEW": 0, "NOT-RUN": 0, "FAIL": 1}
 
