@@ -117,12 +117,14 @@ def _root(
 
 
 @app.command()
-def doctor(out: OutOpt = None, device: DeviceOpt = "auto", json_out: JsonOpt = False) -> None:
+def doctor(out: OutOpt = None, device: DeviceOpt = "auto", json_out: JsonOpt = False,
+           engine: Annotated[bool, typer.Option("--engine", help="Also build the engine and report its KV pool sizing.")] = False,
+           model: ModelOpt = None) -> None:
     """Check packages, device and a small tensor computation; writes runs/setup-doctor.json."""
     from labkit.doctor import CHECKPOINT, run_doctor
 
     path = resolve_out(out, CHECKPOINT)
-    record = run_doctor(path, device)
+    record = run_doctor(path, device, engine=engine, model=str(model) if model else None)
     if not json_out:
         facts = record["facts"]
         imports = {k: (v["version"] if v["ok"] else f"missing ({v['error']})") + ("" if v["required"] else "  [optional]")
@@ -136,6 +138,17 @@ def doctor(out: OutOpt = None, device: DeviceOpt = "auto", json_out: JsonOpt = F
             "runs/": f"{facts['runs_writable']['dir']} ({'writable' if facts['runs_writable']['ok'] else facts['runs_writable']['error']})",
             "evidence kind": record["kind"],
         }, title="machine"))
+        if "engine" in facts:
+            e = facts["engine"]
+            mem = e["memory"]
+            console.print(kv_table({
+                "attention / dtype": f"{e['attention_backend']} / {e['dtype']}",
+                "weights": mem.get("weights_bytes", "n/a (CPU budget)"),
+                "peak work memory": mem.get("peak_work_bytes", "n/a (CPU budget)"),
+                "KV budget": mem.get("kv_budget_bytes"),
+                "bytes per block": f"{e['bytes_per_block']} ({e['mib_per_block']} MiB, {e['block_size']} tokens)",
+                "blocks": f"{e['num_blocks']} ({e['tokens_in_pool']} tokens)",
+            }, title="engine KV pool (B.8.3)"))
     finish(record, path, json_out=json_out)
 
 

@@ -138,8 +138,32 @@ def check_runs_writable(directory: Path | None = None) -> dict:
         return {"dir": str(directory), "ok": False, "error": _one_line(e)}
 
 
-def run_doctor(out: Path | None = None, device: str = "auto") -> dict:
-    """Run every doctor check and write the ``setup.doctor`` evidence; returns the record."""
+def engine_memory(model: str | None, device: str) -> tuple[dict, dict, dict]:
+    """Build the lab's default engine and report its KV sizing (appendix B.8.3): weights, peak work memory,
+    KV budget, bytes per block and the number of blocks. Returns (facts, engine description, model identity)."""
+    from labkit.experiments.common import build_engine
+
+    built = build_engine(model, device)
+    try:
+        d = built.describe()
+        mem = dict(d["memory"])
+        facts = {
+            "attention_backend": d["attention_backend"], "dtype": d["dtype"],
+            "block_size": d["config"]["kvcache_block_size"], "num_blocks": d["num_kvcache_blocks"],
+            "bytes_per_block": mem.get("bytes_per_block"),
+            "mib_per_block": round(mem["bytes_per_block"] / 2**20, 3) if mem.get("bytes_per_block") else None,
+            "tokens_in_pool": d["num_kvcache_blocks"] * d["config"]["kvcache_block_size"],
+            "memory": mem, "init_seconds": d["init_seconds"],
+        }
+        return facts, d, built.model
+    finally:
+        built.engine.close()
+
+
+def run_doctor(out: Path | None = None, device: str = "auto", engine: bool = False, model: str | None = None) -> dict:
+    """Run every doctor check and write the ``setup.doctor`` evidence; returns the record.
+
+    With ``engine``, also build the default engine and report its KV pool sizing."""
     out = Path(out) if out is not None else get_checkpoint(CHECKPOINT).evidence_path()
     imports = check_imports()
     if not imports["torch"]["ok"]:
@@ -158,4 +182,8 @@ def run_doctor(out: Path | None = None, device: str = "auto") -> dict:
         "runs_writable": check_runs_writable(),
     }
     kind = "gpu-measured" if dev.type == "cuda" else "cpu-real-engine"
-    return write_evidence(out, checkpoint=CHECKPOINT, kind=kind, facts=facts, device=describe_device(dev), seed=0)
+    engine_desc = model_identity = None
+    if engine:
+        facts["engine"], engine_desc, model_identity = engine_memory(model, device)
+    return write_evidence(out, checkpoint=CHECKPOINT, kind=kind, facts=facts, device=describe_device(dev), seed=0,
+                          engine=engine_desc, model=model_identity)

@@ -135,3 +135,23 @@ def test_run_command_adds_model_only_where_taken():
     assert cmd[1:] == ["-m", "labkit", "doctor", "--out", "/tmp/e.json"]
     cp.takes_model = True
     assert build_command(cp, Path("/tmp/e.json"), model="/m")[-2:] == ["--model", "/m"]
+
+
+def test_doctor_engine_reports_kv_pool_sizing(tiny_model_dir, tmp_path):
+    from labkit.doctor import run_doctor
+
+    rec = run_doctor(tmp_path / "doc.json", "cpu", engine=True, model=str(tiny_model_dir))
+    e = rec["facts"]["engine"]
+    # tiny preset, float32: 2 (K,V) x 2 layers x 256 positions x 2 kv heads x 16 dims x 4 bytes
+    assert e["bytes_per_block"] == 2 * 2 * 256 * 2 * 16 * 4
+    assert e["num_blocks"] > 0 and e["tokens_in_pool"] == e["num_blocks"] * 256
+    assert rec["engine"]["num_kvcache_blocks"] == e["num_blocks"] and rec["verdict"] == "PASS"
+
+
+def test_qwen3_block_is_28_mib_in_bf16():
+    """Appendix B.1.5 / B.8.3: one 256-token block of Qwen3-0.6B across all layers is 28 MiB in BF16."""
+    from labkit.model_assets import PRESETS
+
+    cfg = PRESETS["qwen3-0.6b"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2
+    assert per_token == 112 * 1024 and per_token * 256 == 28 * 2**20
