@@ -256,6 +256,39 @@ def quick_walk(
 
 
 @app.command()
+def generate(
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="Prompt text (repeat for a batch).")] = None,
+    token_ids: Annotated[Optional[str], typer.Option("--token-ids", help="One prompt as comma-separated token ids.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap each --prompt as a user message through the chat template.")] = False,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Output tokens per request at most.")] = 32,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past end-of-sequence tokens.")] = False,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Per-request sampling seed.")] = None,
+    max_model_len: Annotated[int, typer.Option("--max-model-len", help="Context length (prompt + output).")] = 1024,
+    block_size: Annotated[int, typer.Option("--block-size", help="KV block size (a power of two).")] = 256,
+    eager: Annotated[bool, typer.Option("--eager/--graph", help="Eager, or CUDA graphs for decode (CUDA only).")] = True,
+    out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Offline generation through the engine (LLM.generate); outputs and evidence in runs/generate.json."""
+    from labkit.evidence import default_out
+    from labkit.experiments.generate import run_generate
+
+    path = out or default_out("generate.json")
+    record = run_generate(prompt, token_ids, chat, max_tokens, temperature, ignore_eos, seed, path,
+                          _model_arg(model), device, attention, max_model_len, block_size, eager)
+    if json_out:
+        print_json(record)
+        raise typer.Exit(0)
+    for r in record["facts"]["requests"]:
+        console.print(kv_table({"prompt tokens": r["prompt_tokens"], "output token ids": r["output_token_ids"],
+                                "text": r["text"], "finish": r["finish_reason"]}, title="output"))
+    if record["facts"].get("note"):
+        note(record["facts"]["note"])
+    console.print(f"evidence: {rel(path)}")
+
+
+@app.command()
 def bench(
     workload: Annotated[str, typer.Option("--workload", help="nano-vllm | graph-vs-eager | latency.")] = "nano-vllm",
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="hf: transformers generate on a fraction of the workload, same GPU, same run.")] = None,
