@@ -612,6 +612,14 @@ def _check_preset(preset: str) -> dict:
     return PRESETS[preset]
 
 
+def _transformers_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("transformers")
+    except Exception:  # noqa: BLE001 - metadata missing: an honest placeholder, still a parsable version
+        return "0.0.0"
+
+
 def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | None) -> None:
     from safetensors.torch import save_file
 
@@ -625,6 +633,9 @@ def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | Non
     shutil.copyfile(tok_json, directory / "tokenizer.json")
     _write_json(directory / "tokenizer_config.json", _tokenizer_config())
     _write_json(directory / "generation_config.json", _generation_config())
+    # like save_pretrained: without it, transformers 5.x (before 5.2x) takes a local tokenizer for a
+    # possibly broken Mistral one and warns about its regex on every load
+    cfg = {**cfg, "transformers_version": _transformers_version()}
     _write_json(directory / "config.json", cfg)
     weights = _make_weights(cfg, seed, cfg["dtype"])
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
