@@ -48,6 +48,7 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     is_prefill: bool
+    plan: StepPlan | None = None          # the host lists these tensors came from (what TP ranks receive)
 
 
 class ModelRunner:
@@ -230,7 +231,7 @@ class ModelRunner:
             context_lens=None if plan.context_lens is None else self._tensor(plan.context_lens),
             seqlens_q=plan.seqlens_q, seqlens_k=plan.seqlens_k)
         return StepInputs(self._tensor(plan.input_ids, torch.int64), self._tensor(plan.positions, torch.int64),
-                          meta, plan.is_prefill)
+                          meta, plan.is_prefill, plan)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
         return self.to_inputs(self.plan_prefill(seqs))
@@ -259,10 +260,9 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        plan = self.plan_prefill(seqs) if is_prefill else self.plan_decode(seqs)
+        inputs = self.prepare(seqs, is_prefill)
         if self.workers is not None:
-            self.workers.send("run", plan)       # the other ranks replay the same forward
-        inputs = self.to_inputs(plan)
+            self.workers.send("run", inputs.plan)   # the other ranks replay the same forward
         if self.on_inputs is not None:
             self.on_inputs(inputs)
         return self.run_model(inputs)

@@ -75,12 +75,10 @@ class StepProfiler:
 
 
 def _wrap_runner(runner, record_function) -> list[str]:
-    """Instance-level wrappers that open the four ranges; returns the wrapped attribute names.
+    """Instance-level wrappers that open the ranges; returns the wrapped attribute names.
 
-    The runner builds a step's inputs either in ``prepare_prefill``/``prepare_decode`` or, in two
-    parts, in ``plan_prefill``/``plan_decode`` (host lists) then ``to_inputs`` (tensors, copies to
-    the device). In the second case one ``prepare_*`` range spans plan → to_inputs.
-    """
+    ``prepare_prefill``/``prepare_decode`` cover the runner's whole input building: the host lists
+    (``plan_*``) and their tensors (``to_inputs``, copies to the device)."""
     names: list[str] = []
 
     def wrap(name: str, make):
@@ -95,42 +93,8 @@ def _wrap_runner(runner, record_function) -> list[str]:
             return wrapped
         return make
 
-    if hasattr(runner, "plan_prefill") and hasattr(runner, "to_inputs"):
-        open_range: list = []
-
-        def close_open() -> None:
-            while open_range:
-                open_range.pop().__exit__(None, None, None)
-
-        def opening(label: str):
-            def make(f):
-                def wrapped(*args, **kwargs):
-                    close_open()
-                    rf = record_function(label)
-                    rf.__enter__()
-                    open_range.append(rf)
-                    try:
-                        return f(*args, **kwargs)
-                    except BaseException:
-                        close_open()
-                        raise
-                return wrapped
-            return make
-
-        def closing(f):
-            def wrapped(*args, **kwargs):
-                try:
-                    return f(*args, **kwargs)
-                finally:
-                    close_open()
-            return wrapped
-
-        wrap("plan_prefill", opening("prepare_prefill"))
-        wrap("plan_decode", opening("prepare_decode"))
-        wrap("to_inputs", closing)
-    else:
-        wrap("prepare_prefill", ranged("prepare_prefill"))
-        wrap("prepare_decode", ranged("prepare_decode"))
+    wrap("prepare_prefill", ranged("prepare_prefill"))
+    wrap("prepare_decode", ranged("prepare_decode"))
     wrap("run_model", ranged("run_model"))
     return names
 
