@@ -61,6 +61,8 @@ DEFAULT_REL_L2 = 0.02
 DEFAULT_KV_MAX_ABS = 0.1
 
 CHECKPOINT_BASELINE = "guardrails.logits-baseline"
+CHECKPOINT_TP_CPU = "tp.logits-cpu"          # the baseline guard with --tp N on CPU (gloo)
+CHECKPOINT_TP_GPU = "tp.logits-2gpu"         # ... on GPUs (NCCL)
 CHECKPOINT_GRAPH = "guardrails.graph-vs-eager"
 CHECKPOINT_UNCOVERED = "guardrails.graph-uncovered"
 
@@ -543,6 +545,7 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
         facts: dict[str, Any] = {
             "status": "COLLECTED" if error is None else "INCOMPLETE",
             "suite": suite_name, "seed": seed, "backend": "nano", "execution": execution,
+            "tensor_parallel_size": engine.config.tensor_parallel_size,
             "attention": engine.runner.attention_backend, "dtype": str(engine.runner.dtype).replace("torch.", ""),
             "logits_dtype": "float32", "vocab_size": vocab,
             "num_rows": num_rows, "expected_rows": suite.expected_rows,
@@ -761,6 +764,7 @@ class Collection:
                "kind": r.get("kind"), "verdict": r.get("verdict"), "num_rows": f.get("num_rows"),
                "engine_source_hash": r.get("engine_source_hash")}
         if f.get("backend") == "nano":
+            out["tensor_parallel_size"] = f.get("tensor_parallel_size", 1)
             out["routes_as_expected"] = f.get("routes_as_expected")
             out["decode_routes"] = f.get("decode_routes")
         if "kv" in f:
@@ -995,10 +999,10 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
           attention: str = "auto", graph_buckets: tuple[int, ...] | None = None, seed: int = DEFAULT_SEED,
           dtype: str = "auto", max_abs: float = DEFAULT_MAX_ABS, rel_l2: float = DEFAULT_REL_L2, kv_max_abs: float = DEFAULT_KV_MAX_ABS,
           lhs_out: str | Path | None = None, rhs_out: str | Path | None = None,
-          progress: Callable[[str, int], Callable[[int], None]] | None = None) -> dict:
+          progress: Callable[[str, int], Callable[[int], None]] | None = None, tp: int = 1) -> dict:
     """Collect a suite's guardrail pair and compare it (the checkpoint's one command).
 
-    baseline: nano eager (lhs) against hf (rhs). graph: nano graph (lhs) against nano eager (rhs).
+    baseline: nano eager (lhs, ``tp`` ranks) against hf (rhs). graph: nano graph (lhs) against nano eager (rhs).
     """
     from labkit.checks import get_checkpoint
     from labkit.experiments.common import detect_device
@@ -1007,9 +1011,15 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
     device = detect_device(device)
     if suite == "graph" and not device.startswith("cuda"):
         raise UserError("graph execution needs CUDA")
+    if tp > 1 and suite != "baseline":
+        raise UserError("--tp applies to the baseline suite")
     cp = CHECKPOINT_BASELINE if suite == "baseline" else CHECKPOINT_GRAPH
+    if tp > 1:
+        cp = CHECKPOINT_TP_GPU if device.startswith("cuda") else CHECKPOINT_TP_CPU
     out_path = Path(out) if out is not None else get_checkpoint(cp).evidence_path()
     names = ("engine-nano", "engine-hf") if suite == "baseline" else ("graph-patched", "graph-eager")
+    if tp > 1:
+        names = (f"engine-nano-tp{tp}", "engine-hf")
     lhs_p = prefix_of(lhs_out) if lhs_out else out_path.parent / names[0]
     rhs_p = prefix_of(rhs_out) if rhs_out else out_path.parent / names[1]
     rows = build_suite(suite, seed).expected_rows
@@ -1019,7 +1029,7 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
 
     if suite == "baseline":
         collect_nano(suite, lhs_p, model=model, device=device, attention=attention, execution="eager", seed=seed,
-                     dtype=dtype, progress=tick("nano eager"))
+                     dtype=dtype, progress=tick("nano eager"), tp=tp)
         collect_hf(suite, rhs_p, model=model, device=device, dtype=dtype, seed=seed, progress=tick("hf"))
     else:
         collect_nano(suite, lhs_p, model=model, device=device, attention=attention, execution="graph",

@@ -243,6 +243,7 @@ def logits_guard(
     kv_max_abs: KvMaxAbsOpt = 0.1,
     lhs_out: Annotated[Optional[Path], typer.Option("--lhs-out", help="PREFIX for the measured side (default next to --out).")] = None,
     rhs_out: Annotated[Optional[Path], typer.Option("--rhs-out", help="PREFIX for the reference side (default next to --out).")] = None,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks of the engine side (baseline suite).")] = 1,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Evidence JSON (default: the checkpoint's file).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -253,7 +254,7 @@ def logits_guard(
     with _progress() as make:
         record = lg.guard(suite, out, model=str(model) if model else None, device=device, attention=attention,
                           graph_buckets=buckets, seed=seed, dtype=dtype, max_abs=max_abs, rel_l2=rel_l2, kv_max_abs=kv_max_abs,
-                          lhs_out=lhs_out, rhs_out=rhs_out, progress=make)
+                          lhs_out=lhs_out, rhs_out=rhs_out, progress=make, tp=tp)
     if not json_out:
         for t in _compare_tables(record):
             console.print(t)
