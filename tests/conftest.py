@@ -20,3 +20,21 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny-model", numbered=True) / "tiny-seed0"
     path = synth_model("tiny", out, seed=0)
     return validate_model_dir(path)
+
+
+@pytest.fixture(scope="session")
+def cli_app():
+    """The real `labkit` Typer app, every command room registered (for typer.testing.CliRunner)."""
+    from labkit.cli import app
+
+    return app
+
+
+def wait_for(pred, timeout: float = 10.0) -> None:
+    """Poll `pred` until it is true; fail the test after `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)

@@ -107,7 +107,8 @@ def test_triton_store_skips_padding_slots():
     flat_k, flat_v = kc.view(-1, HK, D), vc.view(-1, HK, D)
     assert torch.equal(flat_k[5], k[0]) and torch.equal(flat_v[40], v[2])
     changed = (kc != before_k).flatten(2).any(-1).view(-1).nonzero().flatten().tolist()
-    assert changed == [5, 40]
+    changed_v = (vc != before_v).flatten(2).any(-1).view(-1).nonzero().flatten().tolist()
+    assert changed == changed_v == [5, 40]
 
 
 @pytest.fixture(scope="module")

@@ -75,13 +75,9 @@ def test_bad_trace_is_a_user_error(tmp_path, content, match):
 
 
 def test_trace_cli_writes_the_same_bytes(tmp_path):
-    import typer
     from typer.testing import CliRunner
 
-    from labkit.service.commands import register
-
-    app = typer.Typer()
-    register(app)
+    from labkit.cli import app
     out = tmp_path / "mixed.jsonl"
     args = ["trace", "--out", str(out), "--requests", "12", "--prompt-tokens", "32", "--long-prompt-tokens", "768",
             "--long-every", "4", "--max-tokens", "64", "--interval-ms", "40", "--seed", "17", "--json"]

@@ -10,25 +10,17 @@ import shutil
 import numpy as np
 import pytest
 import torch
-import typer
 from typer.testing import CliRunner
 
 from labkit import logits as lg
 from labkit.checks import check_evidence, get_checkpoint
 from labkit.errors import UserError
-from labkit.logits_commands import EXIT_REVIEW, register
+from labkit.logits_commands import EXIT_REVIEW
 
 
 @pytest.fixture(scope="module")
-def app():
-    a = typer.Typer(add_completion=False)
-
-    @a.callback()
-    def _root() -> None:
-        """test app"""
-
-    register(a)
-    return a
+def app(cli_app):
+    return cli_app
 
 
 def run_cli(app, *args):

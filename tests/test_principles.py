@@ -2,24 +2,15 @@
 import json
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from labkit.checks import check_evidence, get_checkpoint
-from labkit.logits_commands import register
 from labkit.principles import expected_counts, run_cached_forward
 
 
 @pytest.fixture(scope="module")
-def app():
-    a = typer.Typer(add_completion=False)
-
-    @a.callback()
-    def _root() -> None:
-        """test app"""
-
-    register(a)
-    return a
+def app(cli_app):
+    return cli_app
 
 
 @pytest.mark.parametrize("s,g,uncached,cached", [(64, 8, 540, 71), (128, 8, 1052, 135), (64, 1, 64, 64), (5, 3, 18, 7)])

@@ -121,13 +121,9 @@ def test_report_errors_are_one_line(tmp_path):
 
 
 def test_report_cli(tmp_path):
-    import typer
     from typer.testing import CliRunner
 
-    from labkit.service.commands import register
-
-    app = typer.Typer()
-    register(app)
+    from labkit.cli import app
     a = write_log(tmp_path / "a.jsonl", request("r0", 0, [100, 150, 170]))
     b = write_log(tmp_path / "b.jsonl", request("r0", 0, [90, 120, 170]))
     result = CliRunner().invoke(app, ["report", "--inputs", f"{a},{b}", "--out", str(tmp_path / "r.json"),

@@ -7,6 +7,7 @@ import socket
 import time
 
 import pytest
+from conftest import wait_for
 
 from labkit.errors import UserError
 from labkit.service import client
@@ -33,13 +34,6 @@ def run(coro):
 async def with_session(fn):
     async with client.session(30.0) as sess:
         return await fn(sess)
-
-
-def wait_for(pred, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 @pytest.fixture(scope="module")
@@ -374,13 +368,9 @@ def test_port_in_use_is_one_clear_error(server):
 
 
 def test_serve_command_port_in_use_exits_nonzero(server):
-    import typer
     from typer.testing import CliRunner
 
-    from labkit.service.commands import register
-
-    app = typer.Typer()
-    register(app)
+    from labkit.cli import app
     port = server.url.rsplit(":", 1)[1]
     result = CliRunner().invoke(app, ["serve", "--port", port, "--device", "cpu"])
     assert result.exit_code != 0
@@ -415,10 +405,8 @@ def test_serve_command_port_zero_prints_url_and_stops_on_sigint(tiny_model_dir, 
     import subprocess
     import sys
 
-    code = ("import sys, typer; from labkit.service.commands import register; app = typer.Typer(); register(app); "
-            "app(sys.argv[1:], prog_name='labkit')")
     log = tmp_path / "server.jsonl"
-    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--model", str(tiny_model_dir), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "labkit", "serve", "--model", str(tiny_model_dir), "--port", "0",
                              "--device", "cpu", "--max-model-len", "256", "--worker-id", "sub", "--out", str(log)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -447,13 +435,9 @@ def test_serve_command_port_zero_prints_url_and_stops_on_sigint(tiny_model_dir, 
 
 
 def test_client_command_cancel_after_writes_a_log(server, tmp_path):
-    import typer
     from typer.testing import CliRunner
 
-    from labkit.service.commands import register
-
-    app = typer.Typer()
-    register(app)
+    from labkit.cli import app
     out = tmp_path / "client-cancel.jsonl"
     result = CliRunner().invoke(app, ["client", "--endpoints", server.url, "--prompt", "Hello", "--max-tokens", "200",
                                       "--ignore-eos", "--request-id", "cli-cancel", "--cancel-after", "3",

@@ -28,13 +28,9 @@ def test_simulate_passes_its_checkpoint(tiny_model_dir, tmp_path):
 
 
 def test_simulate_cli(tiny_model_dir, tmp_path):
-    import typer
     from typer.testing import CliRunner
 
-    from labkit.service.commands import register
-
-    app = typer.Typer()
-    register(app)
+    from labkit.cli import app
     result = CliRunner().invoke(app, ["simulate", "--out", str(tmp_path / "sim.jsonl"), "--model", str(tiny_model_dir)])
     assert result.exit_code == 0, result.output
     assert "PASS" in result.output and (tmp_path / "sim.json").is_file()

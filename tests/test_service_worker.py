@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import wait_for
 
 from engine import RequestError, SamplingParams
 from labkit.errors import UserError
@@ -22,13 +23,6 @@ def greedy(n: int) -> SamplingParams:
 
 def blocks(worker: Worker) -> tuple[int, int]:
     return worker.run_on_owner(lambda e: (e.block_manager.num_free_blocks, e.block_manager.num_blocks))
-
-
-def wait_for(pred, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 @pytest.fixture(scope="module")
