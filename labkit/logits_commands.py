@@ -16,7 +16,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from labkit.console import checks_table, console, err_console, error_line, kv_table, note, print_json, rel, verdict_text
+from labkit.console import checks_table, console, dict_table, err_console, error_line, kv_table, note, print_json, rel, verdict_text
 from labkit.errors import UserError
 from labkit.options import DeviceOpt, ModelOpt
 
@@ -308,6 +308,35 @@ def principles_cached_forward(
 
 
 @_user_errors
+def logits_calibrate(
+    suites: Annotated[str, typer.Option("--suites", help="Comma-separated: baseline,graph.")] = "baseline,graph",
+    backends: Annotated[Optional[str], typer.Option("--backends", help="Comma-separated attention backends (default: every one available here).")] = None,
+    dtypes: Annotated[str, typer.Option("--dtypes", help="Comma-separated: auto,bfloat16,float32,...")] = "auto",
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Engine collections per configuration.")] = 3,
+    model: ModelOpt = None,
+    device: DeviceOpt = "auto",
+    seed: SeedOpt = 0,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Evidence JSON (default runs/logits-calibration.json).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Error distribution of the engine against transformers per suite, dtype and backend, over repeats."""
+    from labkit import logits as lg
+
+    split = lambda text: tuple(x.strip() for x in text.split(",") if x.strip())  # noqa: E731
+    record = lg.calibrate(split(suites), split(backends) if backends else None, split(dtypes), repeats, out,
+                          model=str(model) if model else None, device=device, seed=seed)
+    if json_out:
+        print_json(record)
+        raise typer.Exit(0)
+    rows = [{"suite": r["suite"], "exec": r["execution"], "dtype": r["dtype"], "backend": r["backend"],
+             "worst max abs": f"{r['worst_max_abs']:.3g}", "median max abs": f"{r['median_max_abs']:.3g}",
+             "worst rel L2": f"{r['worst_rel_l2']:.3g}", "median rel L2": f"{r['median_rel_l2']:.3g}",
+             "top-1 (min)": f"{r['min_top1_agree']}/{r['num_rows']}",
+             "verdicts": ",".join(x["verdict"] for x in r["repeats"])} for r in record["facts"]["results"]]
+    console.print(dict_table(rows, title=f"logits calibration, {record['facts']['repeats']} repeats on {record['device']}"))
+
+
+@_user_errors
 def principles_shapes(
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel ranks.")] = 2,
     model: ModelOpt = None,
@@ -334,3 +363,4 @@ def register(app: typer.Typer) -> None:
     principles_app = _group(app, "principles", "Principles experiments (handbook appendix B.1).")
     principles_app.command("cached-forward", epilog=EXIT_HELP)(principles_cached_forward)
     principles_app.command("shapes")(principles_shapes)
+    logits_app.command("calibrate")(logits_calibrate)

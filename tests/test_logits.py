@@ -260,3 +260,15 @@ def test_cuda_uncovered_batch_17_falls_back_to_eager(tmp_path):
     assert rec["verdict"] == "PASS", rec["checks"]
     assert eu["route"] == "eager" and eu["completed"] and eu["error"] is None
     assert rec["facts"]["decode_routes"]["16"]["route"] == "graph"
+
+
+def test_calibrate_reports_a_distribution_over_repeats(tiny_model_dir, tmp_path):
+    rec = lg.calibrate(("baseline",), ("torch",), ("float32",), 2, tmp_path / "cal.json", model=str(tiny_model_dir),
+                       device="cpu", work_dir=tmp_path / "work")
+    (res,) = rec["facts"]["results"]
+    assert res["num_rows"] == 15 and len(res["repeats"]) == 2 and res["min_top1_agree"] == 15
+    assert 0 < res["median_max_abs"] <= res["worst_max_abs"] < 1e-4
+    assert res["repeat_spread_max_abs"] == 0.0          # the CPU engine is deterministic run to run
+    assert not list((tmp_path / "work").glob("nano-*.npz"))   # engine arrays are not kept
+    with pytest.raises(UserError, match="unknown suite"):
+        lg.calibrate(("nope",), ("torch",), ("float32",), 1, model=str(tiny_model_dir), device="cpu")
