@@ -96,3 +96,27 @@ def test_balanced_policy_alternates_and_rotates(make):
     s.postprocess(seqs, [0, 0], pf)
     seqs, pf = s.schedule()
     assert pf and seqs == [late]
+
+
+def test_preempted_requests_finish_with_the_same_greedy_outputs(tiny_model_dir):
+    """A pool too small for every request at once forces preemption (recompute); outputs must not change."""
+    from engine import LLMEngine
+
+    prompts = [list(range(1000 + 97 * i, 1006 + 97 * i)) for i in range(4)]
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+    def run(num_blocks):
+        eng = LLMEngine(str(tiny_model_dir), device="cpu", kvcache_block_size=4, num_kvcache_blocks=num_blocks)
+        seqs = [eng.add_request(p, sp) for p in prompts]
+        preempted = 0
+        while not eng.is_finished():
+            before = {s.seq_id for s in eng.scheduler.running}
+            eng.step()
+            preempted += len(before & {s.seq_id for s in eng.scheduler.waiting})
+        assert eng.block_manager.num_free_blocks == num_blocks
+        return [s.completion_token_ids for s in seqs], preempted
+
+    roomy, none = run(64)
+    tight, some = run(12)              # 4 requests x 4 blocks at the end > 12 blocks
+    assert none == 0 and some > 0
+    assert tight == roomy
