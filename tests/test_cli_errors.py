@@ -65,3 +65,14 @@ def test_generate_works_and_says_synthetic(tiny_model_dir, tmp_path):
                  "--model", str(tiny_model_dir), "--out", str(tmp_path / "g.json"))
     assert res.returncode == 0, res.stderr
     assert "synthetic" in res.stdout + res.stderr and (tmp_path / "g.json").is_file()
+
+
+def test_quick_walk_debug_stops_in_pdb_after_init_then_continues(tiny_model_dir, tmp_path):
+    e = dict(os.environ)
+    res = subprocess.run([sys.executable, "-m", "labkit", "quick-walk", "--case", "A", "--debug", "--model",
+                          str(tiny_model_dir), "--out", str(tmp_path / "a.json")],
+                         input="p type(engine).__name__, len(scheduler.waiting), block_manager.num_blocks\nc\n",
+                         capture_output=True, text=True, env=e, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "(Pdb)" in res.stdout and "('LLMEngine', 0," in res.stdout    # engine built, no request added yet
+    assert "PASS" in res.stdout
