@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
@@ -123,6 +122,3 @@ class Config:
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d
 
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "") not in ("", "0", "false", "False")

@@ -22,8 +22,7 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, buckets: list[int], max_blocks_per_seq: int, max_model_len: int,
-                 hidden_size: int, dtype: torch.dtype, device: str):
+    def __init__(self, model, buckets: list[int], max_blocks_per_seq: int, max_model_len: int, device: str):
         self.model = model
         self.buckets = sorted(buckets)
         self.max_model_len = max_model_len

@@ -171,8 +171,7 @@ class ModelRunner:
         buckets = list(cfg.graph_buckets) if cfg.graph_buckets else default_buckets(cfg.max_num_seqs)
         buckets = [b for b in buckets if b <= cfg.max_num_seqs] or [min(buckets)]
         max_blocks = (cfg.max_model_len + self.block_size - 1) // self.block_size
-        self.graphs = DecodeGraphs(self.model, buckets, max_blocks, cfg.max_model_len,
-                                   cfg.hf_config["hidden_size"], self.dtype, self.device)
+        self.graphs = DecodeGraphs(self.model, buckets, max_blocks, cfg.max_model_len, self.device)
         self.graphs.capture()
 
     @property

@@ -108,7 +108,7 @@ class Scheduler:
     def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> StepOutcome:
         out = StepOutcome()
         for seq, token_id in zip(seqs, token_ids):
-            completes = seq.num_cached_tokens + seq.num_scheduled_tokens >= seq.num_tokens
+            completes = seq.step_reaches_end
             seq.num_cached_tokens += seq.num_scheduled_tokens
             seq.num_scheduled_tokens = 0
             self.block_manager.hash_blocks(seq)

@@ -66,11 +66,9 @@ class Sequence:
         return (self.num_tokens + self.block_size - 1) // self.block_size
 
     @property
-    def num_cached_blocks(self) -> int:
-        return self.num_cached_tokens // self.block_size
-
-    @property
-    def prefill_done_after_step(self) -> bool:
+    def step_reaches_end(self) -> bool:
+        """This step computes up to the last known token: a decode, or the last chunk of a prefill.
+        Only then is the step's candidate an output; an intermediate chunk's candidate is discarded."""
         return self.num_cached_tokens + self.num_scheduled_tokens >= self.num_tokens
 
     def block(self, i: int) -> list[int]:

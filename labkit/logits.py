@@ -269,7 +269,7 @@ def drive_teacher_forced(engine, prompts, continuations, *, probe: StepProbe | N
         phase = "prefill" if is_prefill else "decode"
         forced, completing = [], []
         for seq, i, row in zip(seqs, requests, logits):
-            done = seq.num_cached_tokens + seq.num_scheduled_tokens >= seq.num_tokens
+            done = seq.step_reaches_end
             completing.append(done)
             if done:
                 rec = ForcedRecord(i, seq.num_completion_tokens, list(seq.token_ids),

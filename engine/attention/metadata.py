@@ -22,10 +22,6 @@ class AttentionMetadata:
     seqlens_q: list[int] = field(default_factory=list)
     seqlens_k: list[int] = field(default_factory=list)
 
-    @property
-    def has_prefix(self) -> bool:
-        return self.block_tables is not None and self.is_prefill
-
     def summary(self) -> dict:
         def lst(t):
             return None if t is None else t.tolist()
