@@ -105,11 +105,9 @@ def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, re
 
 
 def _median_run(model_dir, device, attention, eager, num_seqs, input_len, output_len, max_num_seqs,
-                warmups=2, repeats=3, buckets=None) -> dict:
+                warmups=2, repeats=3) -> dict:
     prompts, params = fixed_workload(num_seqs, input_len, output_len)
     kw = dict(max_num_seqs=max_num_seqs, max_model_len=1024, max_num_batched_tokens=4096)
-    if buckets:
-        kw["graph_buckets"] = tuple(buckets)
     engine = engine_for(model_dir, device, attention, eager, **kw)
     for _ in range(warmups):
         engine.generate(prompts, params)
