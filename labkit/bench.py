@@ -15,7 +15,7 @@ from engine import LLMEngine, SamplingParams
 from labkit.errors import UserError
 from labkit.evidence import default_out, write_evidence
 
-WORKLOADS = ("nano-vllm", "graph-vs-eager", "latency")
+WORKLOADS = ("nano-vllm", "graph-vs-eager", "latency", "attention")
 NANO_VLLM_TOTAL_OUTPUT = 133_966
 # nano-vllm's bench.py engine settings
 NANO_VLLM_ENGINE = dict(max_model_len=4096, max_num_batched_tokens=16384, max_num_seqs=512,
@@ -83,7 +83,8 @@ def engine_facts(engine: LLMEngine) -> dict:
 
 
 # -- workloads -------------------------------------------------------------------------------------
-def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, repeats: int) -> dict:
+def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, repeats: int,
+                    profile: bool = False) -> dict:
     prompts, params = nano_vllm_workload()
     engine = engine_for(model_dir, device, attention, eager, **NANO_VLLM_ENGINE)
     facts = {"engine": engine_facts(engine), "workload": {
@@ -100,6 +101,9 @@ def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, re
     facts["median_tok_s"] = statistics.median(r["tok_s"] for r in runs)
     facts["physical_bound_tok_s"] = 35000
     facts["share_of_bound"] = round(facts["median_tok_s"] / 35000, 3)
+    if profile:
+        from labkit.bench_profile import profile_run
+        facts["profile"] = profile_run(engine, prompts, params)
     _release(engine)
     return facts
 
@@ -211,7 +215,8 @@ def bench_hf_baseline(model_dir: str, device: str, attention: str, num_seqs: int
 
 
 def run_bench(workload: str, out: Path | None = None, model: str | None = None, device: str = "auto",
-              attention: str = "auto", baseline: str | None = None, repeats: int = 1, eager: bool = False) -> dict:
+              attention: str = "auto", baseline: str | None = None, repeats: int = 1, eager: bool = False,
+              profile: bool = False, sweep: bool = False) -> dict:
     from labkit.experiments.common import detect_device
     from labkit.model_assets import model_identity, resolve_model
 
@@ -219,13 +224,19 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
         raise UserError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
     if baseline not in (None, "hf"):
         raise UserError(f"unknown baseline {baseline!r}: the only baseline is hf")
+    if profile and workload != "nano-vllm":
+        raise UserError("--profile applies to --workload nano-vllm")
+    if sweep and workload != "attention":
+        raise UserError("--sweep applies to --workload attention")
     device = detect_device(device)
+    if workload == "attention":
+        return _run_attention_bench(out, device, attention, sweep)
     if not device.startswith("cuda") and (workload != "nano-vllm" or not eager):
         raise UserError(f"bench --workload {workload} needs CUDA (graphs); on CPU only `--workload nano-vllm --eager` runs")
     ref = resolve_model(model, device)
     model_dir = str(ref.path)
     if workload == "nano-vllm":
-        facts = bench_nano_vllm(model_dir, device, attention, eager, repeats)
+        facts = bench_nano_vllm(model_dir, device, attention, eager, repeats, profile)
         checkpoint = "cuda.bench-nano-vllm" if device.startswith("cuda") and not eager else None
     elif workload == "graph-vs-eager":
         facts, checkpoint = bench_graph_vs_eager(model_dir, device, attention), "cuda.graph-vs-eager"
@@ -238,3 +249,20 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
     identity = dict(model_identity(ref.path))
     return write_evidence(out or default_out(f"bench-{workload}.json"), checkpoint=checkpoint, kind=kind,
                           facts=facts, device=device, model=identity)
+
+
+def _run_attention_bench(out: Path | None, device: str, attention: str, sweep: bool) -> dict:
+    from engine.attention import available_backends
+    from labkit.bench_attention import bench_attention
+
+    if not device.startswith("cuda"):
+        raise UserError("bench --workload attention needs CUDA (it times GPU kernels)")
+    backends = available_backends(device)
+    if attention != "auto":
+        if attention not in backends:
+            raise UserError(f"attention backend {attention!r} is not available here (available: {', '.join(backends)})")
+        backends = [attention]
+    facts = bench_attention(backends, sweep=sweep)
+    facts["device"] = device
+    return write_evidence(out or default_out("bench-attention.json"), checkpoint=None, kind="gpu-measured",
+                          facts=facts, device=device)

@@ -290,10 +290,12 @@ def generate(
 
 @app.command()
 def bench(
-    workload: Annotated[str, typer.Option("--workload", help="nano-vllm | graph-vs-eager | latency.")] = "nano-vllm",
+    workload: Annotated[str, typer.Option("--workload", help="nano-vllm | graph-vs-eager | latency | attention.")] = "nano-vllm",
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="hf: transformers generate on a fraction of the workload, same GPU, same run.")] = None,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats (nano-vllm workload).")] = 1,
     eager: Annotated[bool, typer.Option("--eager", help="No CUDA graphs (nano-vllm workload).")] = False,
+    profile: Annotated[bool, typer.Option("--profile", help="nano-vllm: one more, instrumented pass: time by phase and part, top GPU kernels of a decode window.")] = False,
+    sweep: Annotated[bool, typer.Option("--sweep", help="attention: also time every knob setting of the Triton decode kernel.")] = False,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
@@ -303,7 +305,7 @@ def bench(
 
     path = out or default_out(f"bench-{workload}.json")
     record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
-                       baseline=baseline, repeats=repeats, eager=eager)
+                       baseline=baseline, repeats=repeats, eager=eager, profile=profile, sweep=sweep)
     if not json_out:
         console.print_json(data={k: v for k, v in record["facts"].items()})
     finish(record, path, json_out=json_out)

@@ -112,23 +112,28 @@ def _decode_reduce_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, num_splits, stride_
     tl.store(out_ptrs, (num / den).to(out_ptr.dtype.element_ty))
 
 
-def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_count: int) -> tuple[int, int]:
-    """Split the context so that batch * kv_heads * splits fills the GPU about twice; split_len % block_n == 0."""
+def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_count: int,
+                  waves: int = 2) -> tuple[int, int]:
+    """Split the context so that batch * kv_heads * splits fills the GPU `waves` times; split_len % block_n == 0."""
     chunks = max(1, triton.cdiv(max_len, block_n))
-    want = max(1, triton.cdiv(2 * sm_count, batch * kv_heads))
+    want = max(1, triton.cdiv(waves * sm_count, batch * kv_heads))
     splits = min(want, chunks)
     split_len = triton.cdiv(chunks, splits) * block_n
     return triton.cdiv(max_len, split_len), split_len
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, max_len: int, sm_count: int) -> torch.Tensor:
-    """q [N, Hq, D] -> out [N, Hq, D]; reads context_lens[i] positions of seq i through its block table."""
+                 context_lens: torch.Tensor, scale: float, max_len: int, sm_count: int, block_n: int = 64,
+                 num_warps: int = 4, num_stages: int = 2, waves: int = 2) -> torch.Tensor:
+    """q [N, Hq, D] -> out [N, Hq, D]; reads context_lens[i] positions of seq i through its block table.
+
+    block_n positions per tile (each position finds its own page, so any page size works); the tuning
+    knobs (block_n, num_warps, num_stages, waves) are swept by `labkit bench --workload attention`.
+    """
     n, hq, d = q.shape
     _, page, hk, _ = k_cache.shape
     g = hq // hk
-    block_n = 64              # positions per tile; each position finds its own page, so any page size works
-    num_splits, split_len = choose_splits(n, hk, max_len, block_n, sm_count)
+    num_splits, split_len = choose_splits(n, hk, max_len, block_n, sm_count, waves)
     acc = torch.empty(n, hq, num_splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(n, hq, num_splits, 2, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
@@ -136,7 +141,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, scale, split_len, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0),
         PAGE=page, HK=hk, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     _decode_reduce_kernel[(n, hq)](acc, ml, context_lens, out, num_splits, out.stride(0), out.stride(1),
                                    HQ=hq, D=d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)))
     return out

@@ -1,0 +1,138 @@
+"""`labkit bench --workload attention`: paged decode attention alone, per backend, as achieved bandwidth.
+
+Decode attention reads every cached K and V of every sequence once per step, so its floor is bytes read
+over memory bandwidth. Each shape (batch, context) is timed with CUDA events (median of the repeats) for
+every available backend, next to two baselines measured in the same run: a device-to-device copy (the
+bandwidth roof actually reachable here) and PyTorch's fused SDPA on the same K/V laid out densely (no
+paging). With `--sweep` the Triton kernel's knobs (positions per tile, warps, stages, split waves) are
+timed too, so a tuning choice comes with its evidence.
+"""
+from __future__ import annotations
+
+import itertools
+import statistics
+
+SHAPES = ((1, 1024), (1, 4096), (16, 1024), (64, 1024), (256, 1024), (256, 2048))
+SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3), "waves": (1, 2, 4)}
+SWEEP_SHAPES = ((1, 4096), (256, 1024))
+
+
+def _time_ms(fn, repeats: int = 20, warmups: int = 5) -> float:
+    import torch
+    for _ in range(warmups):
+        fn()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_roof_gbs(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second): the roof a streaming kernel can reach."""
+    import torch
+    x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = _time_ms(lambda: y.copy_(x), repeats=10, warmups=3)
+    del x, y
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+class PagedCase:
+    """Random paged K/V for `batch` sequences of `ctx` positions, pages scattered through the pool."""
+
+    def __init__(self, batch: int, ctx: int, hq: int = 16, hk: int = 8, d: int = 128, page: int = 256,
+                 dtype=None, seed: int = 0):
+        import torch
+        dtype = dtype or torch.bfloat16
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        pages = (ctx + page - 1) // page
+        num_blocks = batch * pages
+        self.k_cache = torch.randn(num_blocks, page, hk, d, dtype=dtype, device="cuda", generator=g)
+        self.v_cache = torch.randn(num_blocks, page, hk, d, dtype=dtype, device="cuda", generator=g)
+        perm = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32)
+        self.block_tables = perm.view(batch, pages)
+        self.context_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        self.q = torch.randn(batch, hq, d, dtype=dtype, device="cuda", generator=g)
+        self.batch, self.ctx, self.hq, self.hk, self.d = batch, ctx, hq, hk, d
+        self.scale = d ** -0.5
+        self.bytes = 2 * batch * ctx * hk * d * self.k_cache.element_size()    # K and V, read once
+
+    def meta(self):
+        from engine.attention import AttentionMetadata
+        return AttentionMetadata(is_prefill=False, slot_mapping=None, block_tables=self.block_tables,
+                                 context_lens=self.context_lens, max_seqlen_q=1, max_seqlen_k=self.ctx)
+
+    def dense(self):
+        """The same K/V gathered into [batch, hk, ctx, d] for the unpaged SDPA baseline."""
+        def gather(cache):
+            return cache[self.block_tables.long()].flatten(1, 2)[:, :self.ctx].transpose(1, 2).contiguous()
+        return gather(self.k_cache), gather(self.v_cache)
+
+
+def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from engine.attention import create_backend
+
+    roof = copy_roof_gbs()
+    rows = []
+    for batch, ctx in shapes:
+        case = PagedCase(batch, ctx)
+        meta = case.meta()
+        row = {"batch": batch, "context": ctx, "kv_bytes": case.bytes, "backends": {}}
+        for name in backends:
+            be = create_backend(name, case.k_cache.shape[1])
+            ms = _time_ms(lambda: be.forward(case.q, None, None, case.k_cache, case.v_cache, meta, case.scale))
+            row["backends"][name] = _figures(ms, case.bytes, roof)
+        k, v = case.dense()
+        q4 = case.q.unsqueeze(2)
+        ms = _time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=case.scale, enable_gqa=True))
+        row["sdpa_dense"] = _figures(ms, case.bytes, roof)
+        rows.append(row)
+        del case, k, v
+        torch.cuda.empty_cache()
+    facts = {"copy_roof_gb_s": round(roof, 1), "shape": "16 q heads, 8 kv heads, head_dim 128, page 256, bf16",
+             "rows": rows}
+    if sweep and "triton" in backends:
+        facts["triton_sweep"] = sweep_triton()
+    return facts
+
+
+def _figures(ms: float, nbytes: int, roof: float) -> dict:
+    gbs = nbytes / (ms * 1e-3) / 1e9
+    return {"us": round(ms * 1e3, 2), "gb_s": round(gbs, 1), "share_of_roof": round(gbs / roof, 3)}
+
+
+def sweep_triton(shapes=SWEEP_SHAPES) -> list[dict]:
+    """Every knob combination of the Triton paged decode on the sweep shapes; fastest first per shape."""
+    import torch
+    from engine.attention import triton_kernels as tk
+
+    sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    out = []
+    for batch, ctx in shapes:
+        case = PagedCase(batch, ctx)
+        results = []
+        for block_n, warps, stages, waves in itertools.product(*SWEEP.values()):
+            def run():
+                tk.paged_decode(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
+                                case.scale, ctx, sm, block_n=block_n, num_warps=warps, num_stages=stages,
+                                waves=waves)
+            try:
+                ms = _time_ms(run, repeats=10, warmups=2)
+            except Exception as e:           # a configuration the compiler refuses (e.g. shared memory)
+                results.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves,
+                                "error": str(e).splitlines()[0][:120]})
+                continue
+            results.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves,
+                            "us": round(ms * 1e3, 2), "gb_s": round(case.bytes / (ms * 1e-3) / 1e9, 1)})
+        results.sort(key=lambda r: r.get("us", float("inf")))
+        out.append({"batch": batch, "context": ctx, "best": results[:5], "tried": len(results)})
+        del case
+        torch.cuda.empty_cache()
+    return out

@@ -1,0 +1,41 @@
+"""bench: the profiled pass accounts for every step and restores the engine; options are checked."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLMEngine, SamplingParams
+from labkit.bench import fixed_workload, run_bench
+from labkit.bench_profile import PARTS, profile_run
+from labkit.errors import UserError
+
+
+def test_profile_run_accounts_for_every_step(tiny_model_dir):
+    engine = LLMEngine(str(tiny_model_dir), device="cpu", enforce_eager=True, max_num_seqs=4,
+                       max_num_batched_tokens=64, max_model_len=256)
+    prompts, params = fixed_workload(4, 40, 6)
+    facts = profile_run(engine, prompts, params, window_start=1, window_steps=2)
+    # 4 x 40 prompt tokens under a 64-token budget: only a step's first sequence may be chunked, so
+    # 4 prefill steps of 40; the first token comes from the prefill, then 5 decode steps of 4
+    assert facts["prefill"]["steps"] == 4 and facts["prefill"]["tokens"] == 160
+    assert facts["decode"]["steps"] == 5 and facts["decode"]["tokens"] == 20
+    assert set(facts["decode"]["ms_per_step_by_part"]) == set(PARTS)
+    assert facts["decode"]["by_batch"]["batch 1-15"]["steps"] == 5
+    assert abs(facts["prefill"]["share_of_time"] + facts["decode"]["share_of_time"] - 1) < 0.01
+    window = facts["kernel_window"]
+    assert window["decode_steps"] == 2 and window["first_decode_step"] == 1 and window["batch"] == 4
+    # the instance wrappers are gone: the engine runs as before and generates the same greedy tokens
+    assert "run_model" not in engine.runner.__dict__ and "schedule" not in engine.__dict__
+    again = engine.generate(prompts, params)
+    assert all(len(o["token_ids"]) == 6 for o in again)
+    engine.close()
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(workload="latency", profile=True), "--profile applies"),
+    (dict(workload="nano-vllm", sweep=True), "--sweep applies"),
+    (dict(workload="attention", device="cpu"), "needs CUDA"),
+    (dict(workload="nope"), "unknown workload"),
+])
+def test_bench_rejects_bad_combinations(kw, message, tmp_path):
+    with pytest.raises(UserError, match=message):
+        run_bench(out=tmp_path / "x.json", **kw)
