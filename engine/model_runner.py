@@ -1,6 +1,7 @@
 """Turns scheduled sequences into tensors, runs the model on the paged KV cache, samples."""
 from __future__ import annotations
 
+import itertools
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.last_route: dict = {"backend": self.attention_backend, "route": "eager", "bucket": None}
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        self.warm_paths()
         if not config.enforce_eager:
             if not self.device.startswith("cuda"):
                 raise ValueError("graph execution needs CUDA (use enforce_eager on CPU)")
@@ -166,6 +168,26 @@ class ModelRunner:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()          # the warmup's transient memory must not count as "used"
 
+    @torch.inference_mode()
+    def warm_paths(self) -> None:
+        """CUDA: meet every kernel the requests will meet before the first request, so JIT compiles and
+        first-launch costs land in init time, not in a request: a prefill reading a cached prefix through
+        the block table (chunk continuations, prefix hits) and a sampled and a greedy row. Nothing is
+        written to the cache (slots -1) and a throwaway generator keeps the engine's random stream as is."""
+        if not self.device.startswith("cuda"):
+            return
+        seqs = []
+        for _ in range(2):
+            s = Sequence(-1, [0] * 16, None, self.block_size)  # type: ignore[arg-type]
+            s.block_table = [0] * ((16 + self.block_size - 1) // self.block_size)
+            s.num_cached_tokens, s.num_scheduled_tokens = 8, 8
+            seqs.append(s)
+        inputs = self.prepare_prefill(seqs)
+        inputs.meta.slot_mapping.fill_(-1)
+        throwaway = torch.Generator(device=self.device)
+        sample(self.run_model(inputs), [1.0, 0.0], [throwaway, throwaway])
+        torch.cuda.synchronize()
+
     def capture_graphs(self) -> None:
         cfg = self.config
         buckets = list(cfg.graph_buckets) if cfg.graph_buckets else default_buckets(cfg.max_num_seqs)
@@ -208,29 +230,54 @@ class ModelRunner:
                         block_tables=self._padded_tables(seqs) if prefix else None)
 
     def plan_decode(self, seqs: list[Sequence]) -> StepPlan:
-        context_lens = [len(s) for s in seqs]
-        return StepPlan(False, [s.last_token for s in seqs], [n - 1 for n in context_lens],
-                        [self.slot(s, len(s) - 1) for s in seqs], [1] * len(seqs), context_lens,
-                        block_tables=self._padded_tables(seqs), context_lens=context_lens)
+        bs = self.block_size
+        context_lens = [s.num_tokens for s in seqs]
+        slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, context_lens)]
+        return StepPlan(False, [s.token_ids[-1] for s in seqs], [n - 1 for n in context_lens], slots,
+                        [1] * len(seqs), context_lens, block_tables=self._padded_tables(seqs),
+                        context_lens=context_lens)
 
     def to_inputs(self, plan: StepPlan) -> StepInputs:
+        """Two host-to-device copies per step: one int64 pack (ids, positions, slots), one int32 pack
+        (cumulative lengths or context lengths, then the block table rows); the tensors are views of them."""
         def cumulative(lens):
             out = [0]
             for n in lens:
                 out.append(out[-1] + n)
-            return self._tensor(out)
+            return out
 
+        t = len(plan.input_ids)
+        wide = self._tensor(plan.input_ids + plan.positions + plan.slot_mapping, torch.int64)
+        narrow: list[int] = []
+        if plan.is_prefill:
+            narrow += cumulative(plan.seqlens_q) + cumulative(plan.seqlens_k)
+        if plan.context_lens is not None:
+            narrow += plan.context_lens
+        table_at = len(narrow)
+        if plan.block_tables is not None:
+            narrow += list(itertools.chain.from_iterable(plan.block_tables))
+        packed = self._tensor(narrow) if narrow else None
+        n = len(plan.seqlens_q)
+        at = 0
+
+        def take(count: int) -> torch.Tensor:
+            nonlocal at
+            at += count
+            return packed[at - count:at]
+
+        cu_q = take(n + 1) if plan.is_prefill else None
+        cu_k = take(n + 1) if plan.is_prefill else None
+        context_lens = take(n) if plan.context_lens is not None else None
+        block_tables = None
+        if plan.block_tables is not None:
+            block_tables = packed[table_at:].view(n, -1)
         meta = AttentionMetadata(
-            is_prefill=plan.is_prefill,
-            slot_mapping=self._tensor(plan.slot_mapping, torch.int64),
-            cu_seqlens_q=cumulative(plan.seqlens_q) if plan.is_prefill else None,
-            cu_seqlens_k=cumulative(plan.seqlens_k) if plan.is_prefill else None,
+            is_prefill=plan.is_prefill, slot_mapping=wide[2 * t:],
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
             max_seqlen_q=max(plan.seqlens_q), max_seqlen_k=max(plan.seqlens_k),
-            block_tables=None if plan.block_tables is None else self._tensor(plan.block_tables),
-            context_lens=None if plan.context_lens is None else self._tensor(plan.context_lens),
+            block_tables=block_tables, context_lens=context_lens,
             seqlens_q=plan.seqlens_q, seqlens_k=plan.seqlens_k)
-        return StepInputs(self._tensor(plan.input_ids, torch.int64), self._tensor(plan.positions, torch.int64),
-                          meta, plan.is_prefill, plan)
+        return StepInputs(wide[:t], wide[t:2 * t], meta, plan.is_prefill, plan)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
         return self.to_inputs(self.plan_prefill(seqs))

@@ -212,3 +212,31 @@ def test_float32_attention_is_exact_not_tf32(name):
     ref = get("torch").forward(q, None, None, kc, vc, meta, D ** -0.5)
     out = get(name).forward(q, None, None, kc, vc, meta, D ** -0.5)
     assert (out - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_sampler_greedy_rows_are_argmax(dtype):
+    from engine.layers.sampler import sample
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = torch.randn(64, 151936, device="cuda", generator=g).to(dtype)
+    logits[3, 17] = logits[3, 99] = logits[3].max() + 1          # a tie: the first index wins, as in torch
+    assert sample(logits, [0.0] * 64, [g] * 64) == logits.argmax(-1).tolist()
+
+
+def test_fused_sampler_is_seeded_and_follows_the_distribution():
+    from engine.layers.sampler import sample
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05], device="cuda")
+    t = 0.7
+    logits = (probs.log() * t).repeat(20000, 1)                     # softmax(logits / t) == probs
+    a = sample(logits, [t] * 20000, [torch.Generator(device="cuda").manual_seed(3)] * 20000)
+    b = sample(logits, [t] * 20000, [torch.Generator(device="cuda").manual_seed(3)] * 20000)
+    assert a == b
+    freq = torch.bincount(torch.tensor(a), minlength=5).float() / 20000
+    assert torch.allclose(freq, probs.cpu(), atol=0.015), freq
+    # a request with its own generator draws the same token whatever its batch mates are
+    own = lambda: torch.Generator(device="cuda").manual_seed(99)  # noqa: E731
+    shared = torch.Generator(device="cuda").manual_seed(1)
+    flat = torch.zeros(3, 1000, device="cuda")
+    first = sample(flat, [1.0, 1.0, 0.0], [shared, own(), shared])[1]
+    again = sample(flat[:2], [1.0, 1.0], [torch.Generator(device="cuda").manual_seed(5), own()])[1]
+    assert first == again

@@ -46,7 +46,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 # -- decode -------------------------------------------------------------------------------------------
-@triton.jit
+# Arguments that change from step to step (split sizes, block-table width) are not specialized on, so
+# one compiled variant serves every step instead of a compile on the first step of each new value.
+@triton.jit(do_not_specialize=["split_len", "num_splits", "stride_bt"])
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr,
                          scale, split_len, num_splits, stride_qn, stride_qh, stride_bt,
                          PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
@@ -88,7 +90,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     tl.store(ml_ptr + base * 2 + 1, l, mask=gmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, num_splits, stride_on, stride_oh,
                           HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
     n = tl.program_id(0)
@@ -148,7 +150,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 # -- prefill through the block table (prefix hits, chunk continuations) --------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
                     PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr,

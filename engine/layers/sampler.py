@@ -1,21 +1,37 @@
-"""Greedy at temperature 0, seeded temperature sampling otherwise (exponential-race trick), on the logits' device."""
+"""Greedy at temperature 0, seeded temperature sampling otherwise, on the logits' device.
+
+CUDA: one fused Triton pass (engine/layers/sample_kernel.py, Gumbel-max keyed by per-row seeds drawn
+from each row's generator). CPU: the exponential race in torch. Both draw exactly from softmax(logits / T).
+"""
 from __future__ import annotations
 
 import torch
 
+try:
+    from engine.layers.sample_kernel import gumbel_argmax
+except ImportError:            # no triton (CPU machines)
+    gumbel_argmax = None
+
+
+def _rows_by_generator(generators: list[torch.Generator]) -> list[tuple[torch.Generator, list[int]]]:
+    """Rows sharing a generator are drawn for in one call, in row order."""
+    groups: dict[int, tuple[torch.Generator, list[int]]] = {}
+    for i, gen in enumerate(generators):
+        groups.setdefault(id(gen), (gen, []))[1].append(i)
+    return list(groups.values())
+
 
 def sample(logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator]) -> list[int]:
+    if logits.is_cuda and gumbel_argmax is not None:
+        return _sample_fused(logits, temperatures, generators)
     greedy = logits.argmax(dim=-1)
     if all(t == 0 for t in temperatures):
         return greedy.tolist()
     temps = torch.tensor([max(t, 1e-5) for t in temperatures], dtype=torch.float32).to(logits.device, non_blocking=True)
     probs = torch.softmax(logits.float() / temps.unsqueeze(1), dim=-1)
     noise = torch.empty_like(probs)
-    # one draw per generator: rows sharing the engine's generator are filled in one call
-    rows_by_gen: dict[int, tuple[torch.Generator, list[int]]] = {}
-    for i, gen in enumerate(generators):
-        rows_by_gen.setdefault(id(gen), (gen, []))[1].append(i)
-    for gen, rows in rows_by_gen.values():
+    groups = _rows_by_generator(generators)
+    for gen, rows in groups:
         if len(rows) == len(generators):
             noise.exponential_(1.0, generator=gen)
         else:
@@ -24,3 +40,21 @@ def sample(logits: torch.Tensor, temperatures: list[float], generators: list[tor
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([t == 0 for t in temperatures]).to(logits.device, non_blocking=True)
     return torch.where(is_greedy, greedy, sampled).tolist()
+
+
+def _sample_fused(logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator]) -> list[int]:
+    device = logits.device
+    n = len(temperatures)
+    temps = torch.tensor(temperatures, dtype=torch.float32, pin_memory=True).to(device, non_blocking=True)
+    if all(t == 0 for t in temperatures):
+        seeds = torch.zeros(n, dtype=torch.int64, device=device)
+    else:
+        groups = _rows_by_generator(generators)
+        draw = lambda gen, k: torch.randint(0, 2**31 - 1, (k,), generator=gen, device=device)  # noqa: E731
+        if len(groups) == 1:
+            seeds = draw(groups[0][0], n)
+        else:
+            seeds = torch.empty(n, dtype=torch.int64, device=device)
+            for gen, rows in groups:
+                seeds[torch.tensor(rows, device=device)] = draw(gen, len(rows))
+    return gumbel_argmax(logits, temps, seeds).tolist()

@@ -1,0 +1,46 @@
+"""One-pass Gumbel-max sampling on CUDA (Triton): each row's token from its logits in a single read.
+
+argmax(logits / T - log(-log U)) draws from softmax(logits / T) (the exponential race of the torch
+sampler, in log space), so the softmax, the noise tensor and the division never touch memory. U comes
+from Triton's counter-based generator keyed by a per-row seed that the caller draws from the row's
+torch.Generator: the same seeds give the same tokens. Temperature 0 rows take the plain argmax (the
+first index on ties, like torch.argmax).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, seed_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    t = tl.load(temp_ptr + row)
+    seed = tl.load(seed_ptr + row)
+    sample = t > 0
+    inv_t = 1.0 / tl.maximum(t, 1e-5)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < V
+        x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        u = tl.rand(seed, offs)
+        x = tl.where(sample, x * inv_t - tl.log(-tl.log(u)), x)
+        x = tl.where(mask, x, float("-inf"))
+        better = x > best
+        best = tl.where(better, x, best)
+        best_idx = tl.where(better, offs, best_idx)
+    top = tl.max(best, 0)
+    idx = tl.min(tl.where(best == top, best_idx, V), 0)
+    tl.store(out_ptr + row, idx)
+
+
+def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] (any float dtype, last dim contiguous), temperatures [N] float32, seeds [N] int64 -> [N] int32."""
+    n, v = logits.shape
+    assert logits.stride(1) == 1
+    out = torch.empty(n, dtype=torch.int32, device=logits.device)
+    _gumbel_argmax_kernel[(n,)](logits, logits.stride(0), temperatures, seeds, out, v, BLOCK=2048, num_warps=8)
+    return out
