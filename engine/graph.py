@@ -1,5 +1,8 @@
 """CUDA Graphs for decode: capture one graph per batch-size bucket, replay the smallest covering bucket.
 
+Each graph runs the whole decode forward including the LM head, so a replay returns logits and no
+GEMM shape changes between steps (an eager LM head would meet a new shape at every batch size).
+
 Padding rows (bucket size > batch) get slot -1 and context length 0: they write no KV and read none.
 A batch with no covering bucket runs eagerly instead of failing; the route is recorded per step.
 """
@@ -43,16 +46,19 @@ class DecodeGraphs:
                                  max_seqlen_q=1, max_seqlen_k=self.max_model_len,
                                  seqlens_q=[1] * bs, seqlens_k=[0] * bs)
 
+    def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model.compute_logits(self.model(self.input_ids[:bs], self.positions[:bs], meta))
+
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
         pool = None
         for bs in reversed(self.buckets):           # largest first: smaller graphs reuse its memory pool
             meta = self._meta(bs)
-            self.model(self.input_ids[:bs], self.positions[:bs], meta)      # warm up kernels / autotune
+            self._forward(bs, meta)                                        # warm up kernels / autotune
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.outputs[bs] = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+                self.outputs[bs] = self._forward(bs, meta)
             if pool is None:
                 pool = graph.pool()
             self.graphs[bs] = graph
@@ -66,6 +72,7 @@ class DecodeGraphs:
         return None
 
     def replay(self, bucket: int, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """Logits [n, vocab] of the n real rows."""
         n = input_ids.shape[0]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)

@@ -295,12 +295,11 @@ class ModelRunner:
         bucket = None
         if self.graphs is not None and not inputs.is_prefill:
             bucket = self.graphs.bucket_for(inputs.input_ids.shape[0])
-        if bucket is not None:
-            hidden = self.graphs.replay(bucket, inputs.input_ids, inputs.positions, inputs.meta)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         self.last_route = {"backend": self.attention_backend, "route": "graph" if bucket else "eager",
                            "bucket": bucket}
+        if bucket is not None:            # the graph includes the LM head
+            return self.graphs.replay(bucket, inputs.input_ids, inputs.positions, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.is_prefill:
             hidden = hidden[inputs.meta.cu_seqlens_q[1:].long() - 1]
         return self.model.compute_logits(hidden)

@@ -39,3 +39,17 @@ def test_profile_run_accounts_for_every_step(tiny_model_dir):
 def test_bench_rejects_bad_combinations(kw, message, tmp_path):
     with pytest.raises(UserError, match=message):
         run_bench(out=tmp_path / "x.json", **kw)
+
+
+def test_timed_generate_records_every_step(tiny_model_dir):
+    from labkit.bench import timed_generate
+
+    engine = LLMEngine(str(tiny_model_dir), device="cpu", enforce_eager=True, max_num_seqs=4,
+                       max_num_batched_tokens=64, max_model_len=256)
+    prompts, params = fixed_workload(3, 20, 5)
+    rec = timed_generate(engine, prompts, params, steps=True).record()
+    # 3 x 20 prompt tokens fit one 64-token prefill step; the first token comes from it, then 4 decode steps
+    assert rec["output_tokens"] == 15 and rec["prefill_steps"] == 1 and rec["decode_steps"] == 4
+    assert len(rec["slowest_steps"]) == 5 and {s["phase"] for s in rec["slowest_steps"]} == {"prefill", "decode"}
+    assert rec["prefill_seconds"] + rec["decode_seconds"] <= rec["seconds"]
+    engine.close()
