@@ -51,6 +51,17 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block hash (free blocks only keep their data); returns how many were dropped.
+        Refused while blocks are in use: their hashes still describe live sequences."""
+        if self.used_block_ids:
+            raise RuntimeError(f"cannot reset the prefix cache while {len(self.used_block_ids)} blocks are in use")
+        dropped = len(self.hash_to_block_id)
+        self.hash_to_block_id.clear()
+        for block in self.blocks:
+            block.hash, block.token_ids = -1, []
+        return dropped
+
     # -- prefix lookup ---------------------------------------------------
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached full-block prefix of seq.

@@ -115,6 +115,12 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def reset_prefix_cache(self) -> int:
+        """Start the next requests with a cold prefix cache (between runs, with nothing in flight)."""
+        if not self.is_finished():
+            raise RuntimeError("reset_prefix_cache needs an idle engine (requests are in flight)")
+        return self.block_manager.reset_prefix_cache()
+
     def abort(self, seq: Sequence, reason: str = "cancelled") -> list[int]:
         """Stop a request now and free its KV blocks (call between steps)."""
         if seq.is_finished:

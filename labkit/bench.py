@@ -116,7 +116,10 @@ def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, re
         "expected_output_tokens": sum(p.max_tokens for p in params), "temperature": 0.6, "ignore_eos": True,
         **NANO_VLLM_ENGINE}}
     engine.generate(["Benchmark: "], SamplingParams())          # nano-vllm's warm-up
-    runs = [timed_generate(engine, prompts, params, steps=True).record() for _ in range(repeats)]
+    runs = []
+    for _ in range(repeats):               # every repeat starts cold: identical prompts must not hit the prefix cache
+        engine.reset_prefix_cache()
+        runs.append(timed_generate(engine, prompts, params, steps=True).record())
     facts["repeats"] = runs
     facts["output_tokens"] = runs[-1]["output_tokens"]
     facts["first_repeat_tok_s"] = runs[0]["tok_s"]      # nano-vllm's own figure: the first run after its warm-up
@@ -125,6 +128,7 @@ def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, re
     facts["share_of_bound"] = round(facts["median_tok_s"] / 35000, 3)
     if profile:
         from labkit.bench_profile import profile_run
+        engine.reset_prefix_cache()
         facts["profile"] = profile_run(engine, prompts, params)
     _release(engine)
     return facts

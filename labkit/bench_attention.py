@@ -13,6 +13,9 @@ import itertools
 import statistics
 
 SHAPES = ((1, 1024), (1, 4096), (16, 1024), (64, 1024), (256, 1024), (256, 2048))
+# prefill: (sequences, cached prefix per sequence, new tokens per sequence)
+PREFILL_SHAPES = ((30, 0, 540), (16, 512, 512), (118, 512, 128))
+PREFILL_SWEEP = {"block_m": (32, 64, 128), "block_n": (32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
 SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3), "waves": (1, 2, 4)}
 SWEEP_SHAPES = ((1, 4096), (256, 1024))
 
@@ -97,10 +100,83 @@ def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES) -> 
         del case, k, v
         torch.cuda.empty_cache()
     facts = {"copy_roof_gb_s": round(roof, 1), "shape": "16 q heads, 8 kv heads, head_dim 128, page 256, bf16",
-             "rows": rows}
+             "rows": rows, "prefill_rows": [bench_prefill(backends, *shape) for shape in PREFILL_SHAPES]}
     if sweep and "triton" in backends:
         facts["triton_sweep"] = sweep_triton()
+        facts["triton_prefill_sweep"] = sweep_prefill()
     return facts
+
+
+class PrefillCase(PagedCase):
+    """`seqs` sequences with `prefix` positions already cached and `new` positions in this step."""
+
+    def __init__(self, seqs: int, prefix: int, new: int, **kw):
+        import torch
+        super().__init__(seqs, prefix + new, **kw)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        self.q = torch.randn(seqs * new, self.hq, self.d, dtype=self.k_cache.dtype, device="cuda", generator=g)
+        self.k = torch.randn(seqs * new, self.hk, self.d, dtype=self.k_cache.dtype, device="cuda", generator=g)
+        self.v = torch.randn_like(self.k)
+        self.seqs, self.prefix, self.new = seqs, prefix, new
+        self.flops = 4 * self.d * self.hq * seqs * (new * prefix + new * (new + 1) // 2)   # causal QK^T and PV
+
+    def prefill_meta(self, paged: bool):
+        import torch
+        from engine.attention import AttentionMetadata
+        cu_q = torch.arange(0, (self.seqs + 1) * self.new, self.new, dtype=torch.int32, device="cuda")
+        cu_k = torch.arange(0, (self.seqs + 1) * (self.prefix + self.new), self.prefix + self.new,
+                            dtype=torch.int32, device="cuda")
+        return AttentionMetadata(is_prefill=True, slot_mapping=None, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                 max_seqlen_q=self.new, max_seqlen_k=self.prefix + self.new,
+                                 block_tables=self.block_tables if paged else None,
+                                 seqlens_q=[self.new] * self.seqs, seqlens_k=[self.prefix + self.new] * self.seqs)
+
+
+def bench_prefill(backends: list[str], seqs: int, prefix: int, new: int) -> dict:
+    """Prefill attention of one step; without a prefix also the fresh path (new K/V only, no block table)."""
+    import torch
+    from engine.attention import create_backend
+
+    case = PrefillCase(seqs, prefix, new)
+    row = {"seqs": seqs, "prefix": prefix, "new": new, "tflop": round(case.flops / 1e12, 4), "backends": {}}
+    routes = [("paged", True)] + ([("fresh", False)] if prefix == 0 else [])
+    for name in backends:
+        be = create_backend(name, case.k_cache.shape[1])
+        for route, paged in routes:
+            meta = case.prefill_meta(paged)
+            ms = _time_ms(lambda: be.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale),
+                          repeats=10, warmups=2)
+            row["backends"][f"{name}:{route}"] = {"us": round(ms * 1e3, 1),
+                                                  "tflop_s": round(case.flops / (ms * 1e-3) / 1e12, 1)}
+    del case
+    torch.cuda.empty_cache()
+    return row
+
+
+def sweep_prefill(shape=(30, 0, 540)) -> dict:
+    """Every knob combination of the Triton paged prefill on one shape; the five fastest."""
+    import torch
+    from engine.attention import triton_kernels as tk
+
+    case = PrefillCase(*shape)
+    meta = case.prefill_meta(True)
+    results = []
+    for block_m, block_n, warps, stages in itertools.product(*PREFILL_SWEEP.values()):
+        knobs = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
+
+        def run():
+            tk.paged_prefill(case.q, case.k_cache, case.v_cache, meta.block_tables, meta.cu_seqlens_q,
+                             meta.cu_seqlens_k, meta.max_seqlen_q, case.scale, **knobs)
+        try:
+            ms = _time_ms(run, repeats=5, warmups=1)
+        except Exception as e:           # a configuration the compiler refuses (e.g. shared memory)
+            results.append(knobs | {"error": str(e).splitlines()[0][:120]})
+            continue
+        results.append(knobs | {"us": round(ms * 1e3, 1), "tflop_s": round(case.flops / (ms * 1e-3) / 1e12, 1)})
+    results.sort(key=lambda r: r.get("us", float("inf")))
+    del case
+    torch.cuda.empty_cache()
+    return {"seqs": shape[0], "prefix": shape[1], "new": shape[2], "best": results[:5], "tried": len(results)}
 
 
 def _figures(ms: float, nbytes: int, roof: float) -> dict:

@@ -1,4 +1,6 @@
 """BlockManager against the handbook: prefix hits, ref counts (B.6), growth at the block edge (5.2.3)."""
+import pytest
+
 from engine.block_manager import BlockManager
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
@@ -114,3 +116,22 @@ def test_can_allocate_counts_revived_free_blocks():
     bm.deallocate(a)
     b = seq([1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 14], 4)   # 4 blocks, 2 hits: needs 4 of 3
     assert not bm.can_allocate(b)
+
+
+def test_reset_prefix_cache_makes_the_next_identical_prompt_miss(tiny_model_dir):
+    from engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(str(tiny_model_dir), device="cpu", enforce_eager=True, kvcache_block_size=16,
+                       max_model_len=256, max_num_batched_tokens=256)
+    prompt, sp = list(range(1000, 1040)), SamplingParams(temperature=0, max_tokens=2)
+    engine.generate([prompt], sp)
+    hit = engine.add_request(prompt, sp)
+    engine.scheduler.schedule()
+    assert hit.num_cached_tokens == 32 and hit.num_scheduled_tokens == 8    # 2 full blocks from the cache
+    engine.abort(hit)
+    assert engine.reset_prefix_cache() > 0
+    cold = engine.add_request(prompt, sp)
+    engine.scheduler.schedule()
+    assert cold.num_cached_tokens == 0 and cold.num_scheduled_tokens == 40
+    with pytest.raises(RuntimeError, match="in flight"):
+        engine.reset_prefix_cache()

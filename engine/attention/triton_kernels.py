@@ -199,17 +199,18 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                  scale: float) -> torch.Tensor:
-    """Causal varlen attention of q [T, Hq, D] over every sequence's cached K/V (prefix + this chunk)."""
+                  scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
+                  num_stages: int = 2) -> torch.Tensor:
+    """Causal varlen attention of q [T, Hq, D] over every sequence's cached K/V (prefix + this chunk).
+
+    The tile sizes, warps and stages are swept by `labkit bench --workload attention --sweep`."""
     t, hq, d = q.shape
     _, page, hk, _ = k_cache.shape
     n = cu_seqlens_q.numel() - 1
     out = torch.empty_like(q)
-    block_m = 64
-    block_n = 64
     grid = (triton.cdiv(max_seqlen_q, block_m), n, hq)
     _prefill_kernel[grid](q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, out, scale,
                           q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
                           PAGE=page, HK=hk, G=hq // hk, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                          IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+                          IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
     return out
