@@ -82,13 +82,19 @@ def test_prefill_with_prefix_and_chunk_matches_torch(name, page):
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("name", backends())
-def test_fresh_prefill_matches_torch(name):
+def test_fresh_prefill_matches_torch(name, strided):
+    """Fresh prefill; strided: q, k, v are views of one fused qkv projection (row stride (HQ + 2 HK) * D)."""
     q_lens = [1, 64, 300]
     t = sum(q_lens)
-    q = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(t, HK, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(t, HK, D, device="cuda", dtype=torch.bfloat16)
+    if strided:
+        qkv = torch.randn(t, (HQ + 2 * HK) * D, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (x.view(t, -1, D) for x in qkv.split([HQ * D, HK * D, HK * D], -1))
+    else:
+        q = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(t, HK, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(t, HK, D, device="cuda", dtype=torch.bfloat16)
     kc, vc = make_cache(8, 256)
     meta = build_meta(q_lens, q_lens, None, True)
     ref = get("torch").forward(q, k, v, kc, vc, meta, D ** -0.5)

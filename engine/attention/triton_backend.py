@@ -1,12 +1,11 @@
 """Triton backend (CUDA): our paged decode and paged prefill kernels, Triton KV writes.
 
-A fresh prefill (nothing cached in the batch) attends to the new K/V directly with PyTorch's
-fused causal attention; prefix hits and chunk continuations read the cache through the block table.
+A fresh prefill (nothing cached in the batch) attends to the new K/V directly; prefix hits and chunk
+continuations read the cache through the block table. Both are the same Triton kernel.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
@@ -33,17 +32,8 @@ class TritonAttention(AttentionBackend):
 
 
 def fresh_prefill(q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Per-sequence causal attention on the new K/V (GQA heads expanded so the fused kernel applies)."""
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    out = torch.empty_like(q)
-    start = 0
-    for length in meta.seqlens_q:
-        sl = slice(start, start + length)
-        out[sl] = F.scaled_dot_product_attention(
-            q[sl].transpose(0, 1), k[sl].transpose(0, 1), v[sl].transpose(0, 1),
-            is_causal=True, scale=scale).transpose(0, 1)
-        start += length
-    return out
+    """Causal attention of every sequence on its new K/V, one Triton launch for the batch.
+
+    (A per-sequence loop over PyTorch's SDPA with the K/V heads expanded for GQA was 37x slower here:
+    10.5 ms vs 0.28 ms per layer for 30 x 540 tokens on an H200, `labkit bench --workload attention`.)"""
+    return tk.varlen_prefill(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale)

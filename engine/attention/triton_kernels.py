@@ -149,12 +149,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
-# -- prefill through the block table (prefix hits, chunk continuations) --------------------------------
+# -- prefill: through the block table (prefix hits, chunk continuations) or on the new K/V (fresh) ----
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_k, stride_v,
                     PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr):
+    """PAGED: K/V rows are cache slots found through the block table (row stride HK * D).
+    Not PAGED: K/V are this step's new rows [T, HK, D] (row strides stride_k, stride_v), nothing cached before."""
     tile = tl.program_id(0)
     n = tl.program_id(1)
     h = tl.program_id(2)
@@ -178,11 +180,14 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, 
     for kstart in range(0, end, BLOCK_N):
         offs_n = kstart + tl.arange(0, BLOCK_N)
         valid = offs_n < end
-        blk = tl.load(bt_ptr + n * stride_bt + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
-        slot = blk * PAGE + offs_n % PAGE
-        kv_off = slot[:, None] * (HK * D) + kvh * D + offs_d[None, :]
-        k = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
-        v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
+        if PAGED:
+            blk = tl.load(bt_ptr + n * stride_bt + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
+            row = blk * PAGE + offs_n % PAGE
+        else:
+            row = (q_start + offs_n).to(tl.int64)
+        head = kvh * D + offs_d[None, :]
+        k = tl.load(kc_ptr + row[:, None] * stride_k + head, mask=valid[:, None], other=0.0)
+        v = tl.load(vc_ptr + row[:, None] * stride_v + head, mask=valid[:, None], other=0.0)
         scores = _dot(q, tl.trans(k), IEEE) * scale
         keep = valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
         scores = tl.where(keep, scores, float("-inf"))
@@ -204,13 +209,32 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """Causal varlen attention of q [T, Hq, D] over every sequence's cached K/V (prefix + this chunk).
 
     The tile sizes, warps and stages are swept by `labkit bench --workload attention --sweep`."""
+    _, page, hk, d = k_cache.shape
+    return _launch_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
+                           page=page, hk=hk, strides_kv=(hk * d, hk * d), stride_bt=block_tables.stride(0), paged=True,
+                           block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                   max_seqlen_q: int, scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
+                   num_stages: int = 2) -> torch.Tensor:
+    """Causal varlen attention of q [T, Hq, D] over the new k/v [T, Hk, D] only (nothing cached before):
+    one launch for the whole batch, GQA without expanding K/V."""
+    _, hk, d = k.shape
+    assert k.stride(1) == v.stride(1) == d and k.stride(2) == v.stride(2) == 1
+    return _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, max_seqlen_q, scale,
+                           page=1, hk=hk, strides_kv=(k.stride(0), v.stride(0)), stride_bt=0, paged=False,
+                           block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def _launch_prefill(q, kv_k, kv_v, block_tables, cu_q, cu_k, max_seqlen_q, scale, *, page, hk, strides_kv,
+                    stride_bt, paged, block_m, block_n, num_warps, num_stages) -> torch.Tensor:
     t, hq, d = q.shape
-    _, page, hk, _ = k_cache.shape
-    n = cu_seqlens_q.numel() - 1
+    n = cu_q.numel() - 1
     out = torch.empty_like(q)
     grid = (triton.cdiv(max_seqlen_q, block_m), n, hq)
-    _prefill_kernel[grid](q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, out, scale,
-                          q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+    _prefill_kernel[grid](q, kv_k, kv_v, block_tables, cu_q, cu_k, out, scale,
+                          q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_bt, *strides_kv,
                           PAGE=page, HK=hk, G=hq // hk, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                          IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages)
+                          IEEE=q.dtype == torch.float32, PAGED=paged, num_warps=num_warps, num_stages=num_stages)
     return out
