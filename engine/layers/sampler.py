@@ -42,10 +42,24 @@ def sample(logits: torch.Tensor, temperatures: list[float], generators: list[tor
     return torch.where(is_greedy, greedy, sampled).tolist()
 
 
+_last_temps: tuple[tuple, torch.Tensor] | None = None
+
+
+def _device_temperatures(temperatures: list[float], device) -> torch.Tensor:
+    """The temperatures as a device tensor; the last one is reused while the list is unchanged (steady decode).
+    (Read-only: the sampling kernel does not write it.)"""
+    global _last_temps
+    key = (str(device), tuple(temperatures))
+    if _last_temps is None or _last_temps[0] != key:
+        t = torch.tensor(temperatures, dtype=torch.float32, pin_memory=True).to(device, non_blocking=True)
+        _last_temps = (key, t)
+    return _last_temps[1]
+
+
 def _sample_fused(logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator]) -> list[int]:
     device = logits.device
     n = len(temperatures)
-    temps = torch.tensor(temperatures, dtype=torch.float32, pin_memory=True).to(device, non_blocking=True)
+    temps = _device_temperatures(temperatures, device)
     if all(t == 0 for t in temperatures):
         seeds = torch.zeros(n, dtype=torch.int64, device=device)
     else:
