@@ -63,6 +63,24 @@ def test_decode_matches_torch(name, page):
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("name", [b for b in backends() if b == "triton"])
+def test_decode_single_split_writes_output_directly(name):
+    """A batch big enough for one split per program (40 x 8 kv heads) skips the reduce kernel; padding
+    rows (context 0, as in a graph bucket) come out as zeros, like the reference."""
+    from engine.attention import triton_kernels as tk
+    lengths = [0 if i % 7 == 3 else 1 + (i * 97) % 900 for i in range(40)]
+    kc, vc = make_cache(80, 256)
+    tables = tables_for([max(n, 1) for n in lengths], 256, kc.shape[0])
+    q = torch.randn(len(lengths), HQ, D, device="cuda", dtype=torch.bfloat16)
+    meta = build_meta([1] * len(lengths), lengths, tables, False)
+    sm = torch.cuda.get_device_properties(0).multi_processor_count
+    assert tk.choose_splits(len(lengths), HK, max(lengths), 64, sm, waves=1)[0] == 1      # the direct path
+    ref = get("torch").forward(q, None, None, kc, vc, meta, D ** -0.5)
+    out = tk.paged_decode(q, kc, vc, tables, meta.context_lens, D ** -0.5, max(lengths), sm, waves=1)
+    assert (out.float() - ref.float()).abs().max().item() < 2e-2
+    assert out[3].abs().max().item() == 0
+
+
 @pytest.mark.parametrize("page", [16, 256])
 @pytest.mark.parametrize("name", backends())
 def test_prefill_with_prefix_and_chunk_matches_torch(name, page):

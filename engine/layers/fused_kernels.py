@@ -47,37 +47,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
-                         stride_qkv, eps, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr):
+                         stride_qkv, eps, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
+    """One program per token: its HQ q heads and HK k heads (contiguous in the packed qkv row) as one tile."""
     t = tl.program_id(0)
-    h = tl.program_id(1)                     # 0..HQ-1: q heads, HQ..HQ+HK-1: k heads
+    h = tl.arange(0, BLOCK_H)                 # 0..HQ-1: q heads, HQ..HQ+HK-1: k heads
     half = tl.arange(0, D // 2)
+    live = h < HQ + HK
     is_q = h < HQ
-    base = qkv_ptr + t * stride_qkv + h * D  # q heads then k heads, contiguous in the packed row
-    x1 = tl.load(base + half)
-    x2 = tl.load(base + D // 2 + half)
+    base = qkv_ptr + t * stride_qkv + h[:, None] * D
+    x1 = tl.load(base + half[None, :], mask=live[:, None], other=0.0)
+    x2 = tl.load(base + D // 2 + half[None, :], mask=live[:, None], other=0.0)
     f1 = x1.to(tl.float32)
     f2 = x2.to(tl.float32)
-    rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / D + eps)
-    if is_q:
-        w1 = tl.load(qw_ptr + half).to(tl.float32)
-        w2 = tl.load(qw_ptr + D // 2 + half).to(tl.float32)
-    else:
-        w1 = tl.load(kw_ptr + half).to(tl.float32)
-        w2 = tl.load(kw_ptr + D // 2 + half).to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / D + eps)
+    w1 = tl.where(is_q[:, None], tl.load(qw_ptr + half)[None, :], tl.load(kw_ptr + half)[None, :]).to(tl.float32)
+    w2 = tl.where(is_q[:, None], tl.load(qw_ptr + D // 2 + half)[None, :],
+                  tl.load(kw_ptr + D // 2 + half)[None, :]).to(tl.float32)
     dt = x1.dtype
-    n1 = ((f1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-    n2 = ((f2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    n1 = ((f1 * rstd[:, None]).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+    n2 = ((f2 * rstd[:, None]).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
     pos = tl.load(pos_ptr + t)
-    c = tl.load(cos_ptr + pos * D + half).to(dt).to(tl.float32)
-    s = tl.load(sin_ptr + pos * D + half).to(dt).to(tl.float32)
+    c = tl.load(cos_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
     o1 = ((n1 * c).to(dt).to(tl.float32) + (-n2 * s).to(dt).to(tl.float32)).to(dt)
     o2 = ((n2 * c).to(dt).to(tl.float32) + (n1 * s).to(dt).to(tl.float32)).to(dt)
-    if is_q:
-        dst = q_out_ptr + (t * HQ + h) * D
-    else:
-        dst = k_out_ptr + (t * HK + h - HQ) * D
-    tl.store(dst + half, o1)
-    tl.store(dst + D // 2 + half, o2)
+    q_dst = q_out_ptr + (t * HQ + h)[:, None] * D
+    k_dst = k_out_ptr + (t * HK + h - HQ)[:, None] * D
+    q_mask = (is_q & live)[:, None]
+    k_mask = ((~is_q) & live)[:, None]
+    tl.store(q_dst + half[None, :], o1, mask=q_mask)
+    tl.store(q_dst + D // 2 + half[None, :], o2, mask=q_mask)
+    tl.store(k_dst + half[None, :], o1, mask=k_mask)
+    tl.store(k_dst + D // 2 + half[None, :], o2, mask=k_mask)
 
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -85,8 +87,8 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Ten
     t = qkv.shape[0]
     q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(t, hk, d, dtype=qkv.dtype, device=qkv.device)
-    _qk_norm_rope_kernel[(t, hq + hk)](qkv, positions, q_weight, k_weight, cos, sin, q, k, qkv.stride(0), eps,
-                                       HQ=hq, HK=hk, D=d)
+    _qk_norm_rope_kernel[(t,)](qkv, positions, q_weight, k_weight, cos, sin, q, k, qkv.stride(0), eps,
+                               HQ=hq, HK=hk, D=d, BLOCK_H=triton.next_power_of_2(hq + hk))
     return q, k
 
 
