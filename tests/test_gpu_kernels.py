@@ -69,8 +69,9 @@ def test_decode_single_split_writes_output_directly(name):
     rows (context 0, as in a graph bucket) come out as zeros, like the reference."""
     from engine.attention import triton_kernels as tk
     lengths = [0 if i % 7 == 3 else 1 + (i * 97) % 900 for i in range(40)]
-    kc, vc = make_cache(80, 256)
+    kc, vc = make_cache(200, 256)                    # 40 sequences of up to 900 positions: at most 160 pages
     tables = tables_for([max(n, 1) for n in lengths], 256, kc.shape[0])
+    assert (tables >= 0).sum().item() == sum((max(n, 1) + 255) // 256 for n in lengths)
     q = torch.randn(len(lengths), HQ, D, device="cuda", dtype=torch.bfloat16)
     meta = build_meta([1] * len(lengths), lengths, tables, False)
     sm = torch.cuda.get_device_properties(0).multi_processor_count

@@ -14,17 +14,22 @@ import triton.language as tl
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, seed_ptr, out_ptr, V, BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, seed_ptr, val_ptr, idx_ptr, V, CHUNK,
+                          BLOCK: tl.constexpr):
+    """Program (row, chunk): the best perturbed score of its CHUNK of the vocabulary and where it is."""
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
     t = tl.load(temp_ptr + row)
     seed = tl.load(seed_ptr + row)
     sample = t > 0
     inv_t = 1.0 / tl.maximum(t, 1e-5)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK], tl.int32)
-    for start in range(0, V, BLOCK):
+    lo = chunk * CHUNK
+    hi = tl.minimum(lo + CHUNK, V)
+    for start in range(lo, hi, BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        mask = offs < V
+        mask = offs < hi
         x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=mask, other=float("-inf")).to(tl.float32)
         u = tl.rand(seed, offs)
         x = tl.where(sample, x * inv_t - tl.log(-tl.log(u)), x)
@@ -33,14 +38,23 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, seed_ptr, out_ptr, V, BL
         best = tl.where(better, x, best)
         best_idx = tl.where(better, offs, best_idx)
     top = tl.max(best, 0)
-    idx = tl.min(tl.where(best == top, best_idx, V), 0)
-    tl.store(out_ptr + row, idx)
+    tl.store(val_ptr + row * tl.num_programs(1) + chunk, top)
+    tl.store(idx_ptr + row * tl.num_programs(1) + chunk, tl.min(tl.where(best == top, best_idx, V), 0))
+
+
+CHUNK = 8192
 
 
 def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-    """logits [N, V] (any float dtype, last dim contiguous), temperatures [N] float32, seeds [N] int64 -> [N] int32."""
+    """logits [N, V] (any float dtype, last dim contiguous), temperatures [N] float32, seeds [N] int64 -> [N].
+
+    The vocabulary is split in chunks so that every SM has rows to work on at any batch size; the
+    chunk winners are reduced with argmax over chunks (the first chunk on ties, so the first index wins)."""
     n, v = logits.shape
     assert logits.stride(1) == 1
-    out = torch.empty(n, dtype=torch.int32, device=logits.device)
-    _gumbel_argmax_kernel[(n,)](logits, logits.stride(0), temperatures, seeds, out, v, BLOCK=2048, num_warps=8)
-    return out
+    chunks = triton.cdiv(v, CHUNK)
+    vals = torch.empty(n, chunks, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(n, chunks, dtype=torch.int32, device=logits.device)
+    _gumbel_argmax_kernel[(n, chunks)](logits, logits.stride(0), temperatures, seeds, vals, idx, v, CHUNK,
+                                       BLOCK=2048, num_warps=4)
+    return idx.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)

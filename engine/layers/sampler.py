@@ -63,7 +63,8 @@ def _sample_fused(logits: torch.Tensor, temperatures: list[float], generators: l
     if all(t == 0 for t in temperatures):
         seeds = torch.zeros(n, dtype=torch.int64, device=device)
     else:
-        groups = _rows_by_generator(generators)
+        first = generators[0]
+        groups = [(first, [])] if all(g is first for g in generators) else _rows_by_generator(generators)
         draw = lambda gen, k: torch.randint(0, 2**31 - 1, (k,), generator=gen, device=device)  # noqa: E731
         if len(groups) == 1:
             seeds = draw(groups[0][0], n)
