@@ -91,6 +91,22 @@ def git_head(root: Path | None = None) -> str | None:
     return head if proc.returncode == 0 and head else None
 
 
+def git_dirty(root: Path | None = None) -> bool | None:
+    """True when tracked files differ from ``git_head`` (the evidence came from uncommitted code), None
+    when git cannot tell."""
+    try:
+        proc = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root or repo_root(),
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(proc.stdout.strip()) if proc.returncode == 0 else None
+
+
 def engine_dir() -> Path | None:
     """The directory of the ``engine`` package Python would import (without importing it)."""
     mod = sys.modules.get("engine")
@@ -182,6 +198,7 @@ def envelope(
         "command": command_line(),
         "cwd": os.getcwd(),
         "git_head": git_head(),
+        "git_dirty": git_dirty(),
         "engine_source_hash": source_hash(edir),
         "engine_import_path": str(edir) if edir is not None else None,
         "versions": versions(),

@@ -75,6 +75,23 @@ def test_source_hash_tracks_content_and_names(tmp_path):
 
 def test_git_head_outside_a_repo_is_none(tmp_path):
     assert evidence.git_head(tmp_path) is None
+    assert evidence.git_dirty(tmp_path) is None
+
+
+def test_git_dirty_says_when_tracked_files_changed(tmp_path):
+    import shutil
+    import subprocess
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    run = lambda *a: subprocess.run(["git", *a], cwd=tmp_path, check=True, capture_output=True)  # noqa: E731
+    run("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    run("add", "a.py")
+    run("-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "a")
+    (tmp_path / "untracked.txt").write_text("not part of the code\n")
+    assert evidence.git_dirty(tmp_path) is False
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert evidence.git_dirty(tmp_path) is True
 
 
 def test_default_out_creates_runs(runs):
