@@ -136,15 +136,18 @@ class BlockManager:
         return freed
 
     # -- growth during decode ---------------------------------------------
-    def blocks_needed_to_append(self, seq: Sequence) -> int:
-        return max(0, seq.num_blocks - len(seq.block_table))
+    def blocks_needed_to_append(self, seq: Sequence, ahead: int = 0) -> int:
+        """Blocks seq lacks for its tokens plus `ahead` more (a decode step launched before the previous
+        step's token is on the host computes one position further)."""
+        needed = (seq.num_tokens + ahead + self.block_size - 1) // self.block_size
+        return max(0, needed - len(seq.block_table))
 
-    def can_append(self, seq: Sequence) -> bool:
-        return self.blocks_needed_to_append(seq) <= self.num_free_blocks
+    def can_append(self, seq: Sequence, ahead: int = 0) -> bool:
+        return self.blocks_needed_to_append(seq, ahead) <= self.num_free_blocks
 
-    def may_append(self, seq: Sequence) -> None:
+    def may_append(self, seq: Sequence, ahead: int = 0) -> None:
         """Before a decode step: give seq a new block when its newest token starts one (len % B == 1)."""
-        for _ in range(self.blocks_needed_to_append(seq)):
+        for _ in range(self.blocks_needed_to_append(seq, ahead)):
             seq.block_table.append(self._take_free_block())
 
     # -- after compute -----------------------------------------------------

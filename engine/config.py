@@ -36,6 +36,7 @@ class Config:
     tp_timeout_s: float = 120.0                    # a collective waiting longer than this fails instead of hanging
     fused_ops: bool = True                         # Triton RMSNorm / qk-norm+RoPE / SiLU-mul on CUDA
     graph_buckets: tuple[int, ...] | None = None   # None: buckets covering every batch up to max_num_seqs
+    overlap: bool = False                          # decode: launch step k+1 before reading step k's tokens
     hf_config: dict = field(default_factory=dict, repr=False)
     eos_token_ids: tuple[int, ...] = ()
 
@@ -63,6 +64,8 @@ class Config:
             raise ConfigError(f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        if self.overlap and self.tensor_parallel_size > 1:
+            raise ConfigError("overlap needs tensor_parallel_size 1 (the other ranks replay host-side inputs)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         if self.dtype not in DTYPES:

@@ -5,6 +5,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
+import torch
+
 from engine.block_manager import BlockManager
 from engine.config import Config
 from engine.model_runner import ModelRunner, StepInputs
@@ -27,6 +29,21 @@ class StepOutput:
     num_tokens: int                     # positions computed this step
     seconds: float = 0.0
     finished: list[Sequence] = field(default_factory=list)
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled ids are still on the device."""
+    step: int
+    seqs: list[Sequence]
+    is_prefill: bool
+    tokens: "torch.Tensor"
+    num_tokens: int = 0
+    row_of: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.num_tokens = sum(s.num_scheduled_tokens for s in self.seqs)
+        self.row_of = {s.seq_id: i for i, s in enumerate(self.seqs)}
 
 
 class LLMEngine:
@@ -53,6 +70,7 @@ class LLMEngine:
         self.num_steps = 0
         self._tokenizer = None
         self._closed = False
+        self._inflight: _InFlight | None = None
         self.init_seconds = time.perf_counter() - init_start
 
     # -- identity ------------------------------------------------------------------
@@ -138,11 +156,14 @@ class LLMEngine:
     def schedule(self) -> tuple[list[Sequence], bool]:
         seqs, is_prefill = self.scheduler.schedule()
         if seqs:
-            self.num_steps += 1
-            if self.events:
-                self.events.emit(EngineEvent("scheduled", self.num_steps, "prefill" if is_prefill else "decode",
-                                             {"seqs": [s.snapshot() for s in seqs]}))
+            self._scheduled(seqs, is_prefill)
         return seqs, is_prefill
+
+    def _scheduled(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        self.num_steps += 1
+        if self.events:
+            self.events.emit(EngineEvent("scheduled", self.num_steps, "prefill" if is_prefill else "decode",
+                                         {"seqs": [s.snapshot() for s in seqs]}))
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> StepOutcome:
         outcome = self.scheduler.postprocess(seqs, token_ids, is_prefill)
@@ -162,6 +183,8 @@ class LLMEngine:
         return outcome
 
     def step(self) -> StepOutput:
+        if self.config.overlap:
+            return self._step_overlapped()
         t0 = time.perf_counter()
         seqs, is_prefill = self.schedule()
         if not seqs:
@@ -172,8 +195,39 @@ class LLMEngine:
         return StepOutput(self.num_steps, is_prefill, seqs, outcome, num_tokens,
                           time.perf_counter() - t0, outcome.finished)
 
+    def _step_overlapped(self) -> StepOutput:
+        """step() with decode steps overlapped: launch step k+1 (its input ids fed on the device from
+        step k's samples) before reading step k's tokens, so the host's bookkeeping for k runs while the
+        GPU computes k+1. Returns step k's output; one decode step may stay in flight between calls.
+        Prefill steps, and any step the lookahead cannot take (see Scheduler.schedule_lookahead), run
+        one by one as in step()."""
+        t0 = time.perf_counter()
+        prev = self._inflight
+        self._inflight = None
+        if prev is None:
+            seqs, is_prefill = self.schedule()
+            if not seqs:
+                return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
+            prev = _InFlight(self.num_steps, seqs, is_prefill, self.runner.launch(seqs, is_prefill))
+        if not prev.is_prefill:
+            nxt = self.scheduler.schedule_lookahead(prev.seqs)
+            if nxt:
+                self._scheduled(nxt, False)
+                rows = torch.tensor([prev.row_of[s.seq_id] for s in nxt], device=prev.tokens.device)
+                feed = prev.tokens.index_select(0, rows)
+                self._inflight = _InFlight(self.num_steps, nxt, False, self.runner.launch(nxt, False, feed))
+        token_ids = prev.tokens.tolist()
+        live = [(s, t) for s, t in zip(prev.seqs, token_ids) if not s.is_finished]   # aborted meanwhile
+        outcome = self.postprocess([s for s, _ in live], [t for _, t in live], prev.is_prefill)
+        if self._inflight is not None:
+            for s in self._inflight.seqs:
+                if not s.is_finished:
+                    s.num_scheduled_tokens = 1       # postprocess cleared it; the in-flight step computes 1
+        return StepOutput(prev.step, prev.is_prefill, prev.seqs, outcome, prev.num_tokens,
+                          time.perf_counter() - t0, outcome.finished)
+
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and self._inflight is None
 
     def generate(self, prompts: Iterable, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_progress: bool = False) -> list[dict]:

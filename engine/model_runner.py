@@ -13,7 +13,7 @@ from engine.attention import AttentionMetadata, create_backend, resolve_backend_
 from engine.config import Config
 from engine.distributed import SINGLE, ParallelContext
 from engine.graph import DecodeGraphs, default_buckets
-from engine.layers.sampler import sample
+from engine.layers.sampler import sample, sample_tensor
 from engine.loader import load_model
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.sequence import Sequence
@@ -229,11 +229,14 @@ class ModelRunner:
         return StepPlan(True, input_ids, positions, slots, lens_q, lens_k,
                         block_tables=self._padded_tables(seqs) if prefix else None)
 
-    def plan_decode(self, seqs: list[Sequence]) -> StepPlan:
+    def plan_decode(self, seqs: list[Sequence], ahead: int = 0) -> StepPlan:
+        """ahead=1: one position further than the host's token lists (the previous step is in flight;
+        its tokens are fed on the device, the input ids here are placeholders)."""
         bs = self.block_size
-        context_lens = [s.num_tokens for s in seqs]
+        context_lens = [s.num_tokens + ahead for s in seqs]
         slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, context_lens)]
-        return StepPlan(False, [s.token_ids[-1] for s in seqs], [n - 1 for n in context_lens], slots,
+        ids = [s.token_ids[-1] for s in seqs] if not ahead else [0] * len(seqs)
+        return StepPlan(False, ids, [n - 1 for n in context_lens], slots,
                         [1] * len(seqs), context_lens, block_tables=self._padded_tables(seqs),
                         context_lens=context_lens)
 
@@ -304,8 +307,14 @@ class ModelRunner:
             hidden = hidden[inputs.meta.cu_seqlens_q[1:].long() - 1]
         return self.model.compute_logits(hidden)
 
-    def compute_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        inputs = self.prepare(seqs, is_prefill)
+    def compute_logits(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None) -> torch.Tensor:
+        """feed (decode only): the input ids as a device tensor, from a step still in flight; positions
+        are then one further than the host's token lists."""
+        if feed is None:
+            inputs = self.prepare(seqs, is_prefill)
+        else:
+            inputs = self.to_inputs(self.plan_decode(seqs, ahead=1))
+            inputs.input_ids.copy_(feed)
         if self.workers is not None:
             self.workers.send("run", inputs.plan)   # the other ranks replay the same forward
         if self.on_inputs is not None:
@@ -313,6 +322,9 @@ class ModelRunner:
         return self.run_model(inputs)
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        return self.sample_tensor(seqs, logits).tolist()
+
+    def sample_tensor(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         temps, gens = [], []
         for seq in seqs:
             sp = seq.sampling_params
@@ -326,7 +338,7 @@ class ModelRunner:
                 gens.append(gen)
             else:
                 gens.append(self.generator)
-        return sample(logits, temps, gens)
+        return sample_tensor(logits, temps, gens)
 
     def close(self) -> None:
         """Drop the KV pool (and the layer views of it), the graphs and the weights so their memory can go back."""
@@ -346,3 +358,7 @@ class ModelRunner:
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         return self.sample(seqs, self.compute_logits(seqs, is_prefill))
+
+    def launch(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None) -> torch.Tensor:
+        """run() without reading the tokens back: the sampled ids stay on the device (no host sync)."""
+        return self.sample_tensor(seqs, self.compute_logits(seqs, is_prefill, feed))

@@ -98,6 +98,29 @@ class Scheduler:
             self.running.extendleft(reversed(scheduled))
         return scheduled
 
+    def schedule_lookahead(self, inflight: list[Sequence]) -> list[Sequence]:
+        """The decode step after `inflight` (a decode step whose tokens are not on the host yet).
+
+        Its sequences are the in-flight ones that will not finish by length when those tokens arrive
+        (one that stops on EOS is found out later and its extra row discarded); each gets room for one
+        position more than it holds. Empty (run the steps one by one) when anything else could need
+        the step: requests waiting, running sequences outside the batch, or too few free blocks.
+        """
+        if self.waiting or len(self.running) != len(inflight):
+            return []
+        nxt = [s for s in inflight if not s.is_finished and not self._length_ends_next(s)]
+        bm = self.block_manager
+        if sum(bm.blocks_needed_to_append(s, ahead=1) for s in nxt) > bm.num_free_blocks:
+            return []
+        for s in nxt:
+            bm.may_append(s, ahead=1)
+        return nxt
+
+    def _length_ends_next(self, seq: Sequence) -> bool:
+        """Whether the token now being computed for seq finishes it by length (see _finish_reason)."""
+        return (seq.num_completion_tokens + 1 >= seq.sampling_params.max_tokens
+                or seq.num_tokens + 1 >= self.max_model_len)
+
     def preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0

@@ -108,10 +108,10 @@ def engine_facts(engine: LLMEngine) -> dict:
 
 # -- workloads -------------------------------------------------------------------------------------
 def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, repeats: int,
-                    profile: bool = False) -> dict:
+                    profile: bool = False, overlap: bool = False) -> dict:
     prompts, params = nano_vllm_workload()
-    engine = engine_for(model_dir, device, attention, eager, **NANO_VLLM_ENGINE)
-    facts = {"engine": engine_facts(engine), "workload": {
+    engine = engine_for(model_dir, device, attention, eager, overlap=overlap, **NANO_VLLM_ENGINE)
+    facts = {"engine": engine_facts(engine), "overlap": overlap, "workload": {
         "name": "nano-vllm", "num_seqs": len(prompts), "input_tokens": sum(map(len, prompts)),
         "expected_output_tokens": sum(p.max_tokens for p in params), "temperature": 0.6, "ignore_eos": True,
         **NANO_VLLM_ENGINE}}
@@ -242,7 +242,7 @@ def bench_hf_baseline(model_dir: str, device: str, attention: str, num_seqs: int
 
 def run_bench(workload: str, out: Path | None = None, model: str | None = None, device: str = "auto",
               attention: str = "auto", baseline: str | None = None, repeats: int = 1, eager: bool = False,
-              profile: bool = False, sweep: bool = False) -> dict:
+              profile: bool = False, sweep: bool = False, overlap: bool = False) -> dict:
     from labkit.experiments.common import detect_device
     from labkit.model_assets import model_identity, resolve_model
 
@@ -254,6 +254,8 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
         raise UserError("--profile applies to --workload nano-vllm")
     if sweep and workload != "attention":
         raise UserError("--sweep applies to --workload attention")
+    if overlap and workload != "nano-vllm":
+        raise UserError("--overlap applies to --workload nano-vllm")
     device = detect_device(device)
     if workload == "attention":
         return _run_attention_bench(out, device, attention, sweep)
@@ -262,7 +264,7 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
     ref = resolve_model(model, device)
     model_dir = str(ref.path)
     if workload == "nano-vllm":
-        facts = bench_nano_vllm(model_dir, device, attention, eager, repeats, profile)
+        facts = bench_nano_vllm(model_dir, device, attention, eager, repeats, profile, overlap)
         checkpoint = "cuda.bench-nano-vllm" if device.startswith("cuda") and not eager else None
     elif workload == "graph-vs-eager":
         facts, checkpoint = bench_graph_vs_eager(model_dir, device, attention), "cuda.graph-vs-eager"

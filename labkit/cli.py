@@ -296,6 +296,7 @@ def bench(
     eager: Annotated[bool, typer.Option("--eager", help="No CUDA graphs (nano-vllm workload).")] = False,
     profile: Annotated[bool, typer.Option("--profile", help="nano-vllm: one more, instrumented pass: time by phase and part, top GPU kernels of a decode window.")] = False,
     sweep: Annotated[bool, typer.Option("--sweep", help="attention: also time every knob setting of the Triton decode kernel.")] = False,
+    overlap: Annotated[bool, typer.Option("--overlap", help="nano-vllm: launch each decode step before reading the previous one's tokens.")] = False,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
@@ -305,7 +306,8 @@ def bench(
 
     path = out or default_out(f"bench-{workload}.json")
     record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
-                       baseline=baseline, repeats=repeats, eager=eager, profile=profile, sweep=sweep)
+                       baseline=baseline, repeats=repeats, eager=eager, profile=profile, sweep=sweep,
+                       overlap=overlap)
     if not json_out:
         console.print_json(data={k: v for k, v in record["facts"].items()})
     finish(record, path, json_out=json_out)

@@ -33,6 +33,7 @@ def test_profile_run_accounts_for_every_step(tiny_model_dir):
 @pytest.mark.parametrize("kw, message", [
     (dict(workload="latency", profile=True), "--profile applies"),
     (dict(workload="nano-vllm", sweep=True), "--sweep applies"),
+    (dict(workload="latency", overlap=True), "--overlap applies"),
     (dict(workload="attention", device="cpu"), "needs CUDA"),
     (dict(workload="nope"), "unknown workload"),
 ])

@@ -265,3 +265,19 @@ def test_fused_sampler_is_seeded_and_follows_the_distribution():
     first = sample(flat, [1.0, 1.0, 0.0], [shared, own(), shared])[1]
     again = sample(flat[:2], [1.0, 1.0], [torch.Generator(device="cuda").manual_seed(5), own()])[1]
     assert first == again
+
+
+def test_overlapped_decode_with_graphs_matches_one_step_at_a_time(gpu_model_dir):
+    """Config.overlap on CUDA: the next step's ids are fed on the device into the graph's inputs."""
+    from engine import LLMEngine, SamplingParams
+
+    kw = dict(device="cuda", dtype="float32", max_num_seqs=20, kvcache_block_size=16, num_kvcache_blocks=256,
+              max_model_len=512, max_num_batched_tokens=2048, enforce_eager=False)
+    prompts = [[(1000 + 37 * i + j) % 150000 for j in range(5 + 23 * i)] for i in range(9)]
+    params = [SamplingParams(temperature=0.0, max_tokens=4 + 7 * i, ignore_eos=True) for i in range(9)]
+    outs = {}
+    for overlap in (False, True):
+        engine = LLMEngine(str(gpu_model_dir), overlap=overlap, **kw)
+        outs[overlap] = [o["token_ids"] for o in engine.generate(prompts, params)]
+        engine.close()
+    assert outs[True] == outs[False]

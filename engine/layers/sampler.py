@@ -22,11 +22,16 @@ def _rows_by_generator(generators: list[torch.Generator]) -> list[tuple[torch.Ge
 
 
 def sample(logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator]) -> list[int]:
+    return sample_tensor(logits, temperatures, generators).tolist()
+
+
+def sample_tensor(logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator]) -> torch.Tensor:
+    """The sampled ids as a tensor on the logits' device (no host sync)."""
     if logits.is_cuda and gumbel_argmax is not None:
         return _sample_fused(logits, temperatures, generators)
     greedy = logits.argmax(dim=-1)
     if all(t == 0 for t in temperatures):
-        return greedy.tolist()
+        return greedy
     temps = torch.tensor([max(t, 1e-5) for t in temperatures], dtype=torch.float32).to(logits.device, non_blocking=True)
     probs = torch.softmax(logits.float() / temps.unsqueeze(1), dim=-1)
     noise = torch.empty_like(probs)
@@ -39,7 +44,7 @@ def sample(logits: torch.Tensor, temperatures: list[float], generators: list[tor
             noise[idx] = torch.empty(len(rows), probs.shape[1], device=logits.device).exponential_(1.0, generator=gen)
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = torch.tensor([t == 0 for t in temperatures]).to(logits.device, non_blocking=True)
-    return torch.where(is_greedy, greedy, sampled).tolist()
+    return torch.where(is_greedy, greedy, sampled)
 
 
 _last_temps: tuple[tuple, torch.Tensor] | None = None
@@ -56,7 +61,7 @@ def _device_temperatures(temperatures: list[float], device) -> torch.Tensor:
     return _last_temps[1]
 
 
-def _sample_fused(logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator]) -> list[int]:
+def _sample_fused(logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator]) -> torch.Tensor:
     device = logits.device
     n = len(temperatures)
     temps = _device_temperatures(temperatures, device)
@@ -72,4 +77,4 @@ def _sample_fused(logits: torch.Tensor, temperatures: list[float], generators: l
             seeds = torch.empty(n, dtype=torch.int64, device=device)
             for gen, rows in groups:
                 seeds[torch.tensor(rows, device=device)] = draw(gen, len(rows))
-    return gumbel_argmax(logits, temps, seeds).tolist()
+    return gumbel_argmax(logits, temps, seeds)
