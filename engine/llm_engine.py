@@ -9,7 +9,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import Config
-from engine.model_runner import ModelRunner, StepInputs
+from engine.model_runner import Launched, ModelRunner, StepInputs
 from engine.observe import EngineEvent, EventBus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepOutcome
@@ -37,7 +37,7 @@ class _InFlight:
     step: int
     seqs: list[Sequence]
     is_prefill: bool
-    tokens: "torch.Tensor"
+    tokens: Launched
     num_tokens: int = 0
     row_of: dict[int, int] = field(default_factory=dict)
 
@@ -213,8 +213,9 @@ class LLMEngine:
             nxt = self.scheduler.schedule_lookahead(prev.seqs)
             if nxt:
                 self._scheduled(nxt, False)
-                rows = torch.tensor([prev.row_of[s.seq_id] for s in nxt], device=prev.tokens.device)
-                feed = prev.tokens.index_select(0, rows)
+                ids = prev.tokens.device_ids
+                rows = torch.tensor([prev.row_of[s.seq_id] for s in nxt], device=ids.device)
+                feed = ids.index_select(0, rows)
                 self._inflight = _InFlight(self.num_steps, nxt, False, self.runner.launch(nxt, False, feed))
         token_ids = prev.tokens.tolist()
         live = [(s, t) for s, t in zip(prev.seqs, token_ids) if not s.is_finished]   # aborted meanwhile

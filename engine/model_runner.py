@@ -52,6 +52,19 @@ class StepInputs:
     plan: StepPlan | None = None          # the host lists these tensors came from (what TP ranks receive)
 
 
+@dataclass
+class Launched:
+    """A launched step's sampled ids: on the device (to feed the next step) and, once `ready`, on the host."""
+    device_ids: torch.Tensor
+    host_ids: torch.Tensor
+    ready: "torch.cuda.Event | None"
+
+    def tolist(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host_ids.tolist()
+
+
 class ModelRunner:
     def __init__(self, config: Config, tp: ParallelContext = SINGLE, workers=None, device: str | None = None):
         self.config = config
@@ -359,6 +372,15 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         return self.sample(seqs, self.compute_logits(seqs, is_prefill))
 
-    def launch(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None) -> torch.Tensor:
-        """run() without reading the tokens back: the sampled ids stay on the device (no host sync)."""
-        return self.sample_tensor(seqs, self.compute_logits(seqs, is_prefill, feed))
+    def launch(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None) -> "Launched":
+        """run() without waiting: the sampled ids stay on the device, and a copy to pinned host memory is
+        queued right behind them with an event, so reading them later waits for this step only, not for
+        a step launched after it."""
+        tokens = self.sample_tensor(seqs, self.compute_logits(seqs, is_prefill, feed))
+        if not tokens.is_cuda:
+            return Launched(tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return Launched(tokens, host, ready)
