@@ -75,36 +75,26 @@ def command_line(argv: list[str] | None = None) -> str:
     return shlex.join([prog, *argv[1:]])
 
 
-def git_head(root: Path | None = None) -> str | None:
-    """The commit checked out at ``root``, or None (not a repo, no commits, no git, timeout)."""
+def _git(args: list[str], root: Path | None) -> str | None:
+    """stdout of ``git ARGS`` at ``root``, or None (not a repo, no git, an error, a timeout)."""
     try:
-        proc = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=root or repo_root(),
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
+        proc = subprocess.run(["git", *args], cwd=root or repo_root(), capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
-    head = proc.stdout.strip()
-    return head if proc.returncode == 0 and head else None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def git_head(root: Path | None = None) -> str | None:
+    """The commit checked out at ``root``, or None (not a repo, no commits, no git, timeout)."""
+    head = (_git(["rev-parse", "HEAD"], root) or "").strip()
+    return head or None
 
 
 def git_dirty(root: Path | None = None) -> bool | None:
     """True when tracked files differ from ``git_head`` (the evidence came from uncommitted code), None
     when git cannot tell."""
-    try:
-        proc = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root or repo_root(),
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return bool(proc.stdout.strip()) if proc.returncode == 0 else None
+    out = _git(["status", "--porcelain", "--untracked-files=no"], root)
+    return None if out is None else bool(out.strip())
 
 
 def engine_dir() -> Path | None:
