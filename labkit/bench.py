@@ -292,5 +292,5 @@ def _run_attention_bench(out: Path | None, device: str, attention: str, sweep: b
         backends = [attention]
     facts = bench_attention(backends, sweep=sweep)
     facts["device"] = device
-    return write_evidence(out or default_out("bench-attention.json"), checkpoint=None, kind="gpu-measured",
-                          facts=facts, device=device)
+    return write_evidence(out or default_out("bench-attention.json"), checkpoint="cuda.attention-bandwidth",
+                          kind="gpu-measured", facts=facts, device=device)

@@ -99,8 +99,14 @@ def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES) -> 
         rows.append(row)
         del case, k, v
         torch.cuda.empty_cache()
+    prefill_rows = [bench_prefill(backends, *shape) for shape in PREFILL_SHAPES]
+    big = rows[-1]                       # the largest decode shape: the one a throughput run lives in
     facts = {"copy_roof_gb_s": round(roof, 1), "shape": "16 q heads, 8 kv heads, head_dim 128, page 256, bf16",
-             "rows": rows, "prefill_rows": [bench_prefill(backends, *shape) for shape in PREFILL_SHAPES]}
+             "rows": rows, "prefill_rows": prefill_rows,
+             "summary": {"decode_shape": [big["batch"], big["context"]],
+                         "decode_share_of_roof": {b: f["share_of_roof"] for b, f in big["backends"].items()},
+                         "prefill_shape": list(PREFILL_SHAPES[0]),
+                         "prefill_tflop_s": {k: f["tflop_s"] for k, f in prefill_rows[0]["backends"].items()}}}
     if sweep and "triton" in backends:
         facts["triton_sweep"] = sweep_triton()
         facts["triton_prefill_sweep"] = sweep_prefill()
