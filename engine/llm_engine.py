@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -38,12 +38,10 @@ class _InFlight:
     seqs: list[Sequence]
     is_prefill: bool
     tokens: Launched
-    num_tokens: int = 0
-    row_of: dict[int, int] = field(default_factory=dict)
+    num_tokens: int = field(init=False)          # positions computed (read when launched)
 
     def __post_init__(self) -> None:
         self.num_tokens = sum(s.num_scheduled_tokens for s in self.seqs)
-        self.row_of = {s.seq_id: i for i, s in enumerate(self.seqs)}
 
 
 class LLMEngine:
@@ -214,7 +212,8 @@ class LLMEngine:
             if nxt:
                 self._scheduled(nxt, False)
                 ids = prev.tokens.device_ids
-                rows = torch.tensor([prev.row_of[s.seq_id] for s in nxt], device=ids.device)
+                row_of = {s.seq_id: i for i, s in enumerate(prev.seqs)}
+                rows = torch.tensor([row_of[s.seq_id] for s in nxt], device=ids.device)
                 feed = ids.index_select(0, rows)
                 self._inflight = _InFlight(self.num_steps, nxt, False, self.runner.launch(nxt, False, feed))
         token_ids = prev.tokens.tolist()
@@ -231,7 +230,8 @@ class LLMEngine:
         return self.scheduler.is_finished() and self._inflight is None
 
     def generate(self, prompts: Iterable, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_progress: bool = False) -> list[dict]:
+                 use_progress: bool = False, on_step: Callable[[StepOutput], None] | None = None) -> list[dict]:
+        """Run the prompts to the end; on_step sees every step's output (timing, phase, batch)."""
         prompts = list(prompts)
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
@@ -242,6 +242,8 @@ class LLMEngine:
         try:
             while not self.is_finished():
                 out = self.step()
+                if on_step is not None:
+                    on_step(out)
                 if progress is not None and out.finished:
                     progress.advance(len(out.finished))
         finally:

@@ -170,16 +170,24 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         seq_len = min(cfg.max_num_batched_tokens, cfg.max_model_len)
         num = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+        self.run_model(self._scratch_prefill(num, seq_len))
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()          # the warmup's transient memory must not count as "used"
+
+    def _scratch_prefill(self, num: int, length: int, cached: int = 0) -> StepInputs:
+        """Prefill inputs for `num` throwaway sequences of `length` tokens that write nothing (slots -1);
+        with `cached`, their first `cached` positions are read from the cache (block 0) as a prefix."""
         seqs = []
         for _ in range(num):
-            s = Sequence(-1, [0] * seq_len, None, self.block_size)  # type: ignore[arg-type]
-            s.num_scheduled_tokens = seq_len
+            s = Sequence(-1, [0] * length, None, self.block_size)  # type: ignore[arg-type]
+            if cached:
+                s.block_table = [0] * ((length + self.block_size - 1) // self.block_size)
+                s.num_cached_tokens = cached
+            s.num_scheduled_tokens = length - cached
             seqs.append(s)
         inputs = self.prepare_prefill(seqs)
         inputs.meta.slot_mapping.fill_(-1)
-        self.run_model(inputs)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()          # the warmup's transient memory must not count as "used"
+        return inputs
 
     @torch.inference_mode()
     def warm_paths(self) -> None:
@@ -189,16 +197,8 @@ class ModelRunner:
         written to the cache (slots -1) and a throwaway generator keeps the engine's random stream as is."""
         if not self.device.startswith("cuda"):
             return
-        seqs = []
-        for _ in range(2):
-            s = Sequence(-1, [0] * 16, None, self.block_size)  # type: ignore[arg-type]
-            s.block_table = [0] * ((16 + self.block_size - 1) // self.block_size)
-            s.num_cached_tokens, s.num_scheduled_tokens = 8, 8
-            seqs.append(s)
-        inputs = self.prepare_prefill(seqs)
-        inputs.meta.slot_mapping.fill_(-1)
         throwaway = torch.Generator(device=self.device)
-        sample(self.run_model(inputs), [1.0, 0.0], [throwaway, throwaway])
+        sample(self.run_model(self._scratch_prefill(2, 16, cached=8)), [1.0, 0.0], [throwaway, throwaway])
         torch.cuda.synchronize()
 
     def capture_graphs(self) -> None:
@@ -256,42 +256,27 @@ class ModelRunner:
     def to_inputs(self, plan: StepPlan) -> StepInputs:
         """Two host-to-device copies per step: one int64 pack (ids, positions, slots), one int32 pack
         (cumulative lengths or context lengths, then the block table rows); the tensors are views of them."""
-        def cumulative(lens):
-            out = [0]
-            for n in lens:
-                out.append(out[-1] + n)
-            return out
-
-        t = len(plan.input_ids)
+        t, n = len(plan.input_ids), len(plan.seqlens_q)
         wide = self._tensor(plan.input_ids + plan.positions + plan.slot_mapping, torch.int64)
-        narrow: list[int] = []
+        sections: dict[str, list[int]] = {}
         if plan.is_prefill:
-            narrow += cumulative(plan.seqlens_q) + cumulative(plan.seqlens_k)
+            sections["cu_q"] = [0, *itertools.accumulate(plan.seqlens_q)]
+            sections["cu_k"] = [0, *itertools.accumulate(plan.seqlens_k)]
         if plan.context_lens is not None:
-            narrow += plan.context_lens
-        table_at = len(narrow)
+            sections["context_lens"] = plan.context_lens
         if plan.block_tables is not None:
-            narrow += list(itertools.chain.from_iterable(plan.block_tables))
-        packed = self._tensor(narrow) if narrow else None
-        n = len(plan.seqlens_q)
-        at = 0
-
-        def take(count: int) -> torch.Tensor:
-            nonlocal at
-            at += count
-            return packed[at - count:at]
-
-        cu_q = take(n + 1) if plan.is_prefill else None
-        cu_k = take(n + 1) if plan.is_prefill else None
-        context_lens = take(n) if plan.context_lens is not None else None
-        block_tables = None
-        if plan.block_tables is not None:
-            block_tables = packed[table_at:].view(n, -1)
+            sections["block_tables"] = list(itertools.chain.from_iterable(plan.block_tables))
+        views: dict[str, torch.Tensor] = {}
+        if sections:
+            packed = self._tensor(list(itertools.chain.from_iterable(sections.values())))
+            views = dict(zip(sections, packed.split([len(v) for v in sections.values()])))
+        block_tables = views.get("block_tables")
         meta = AttentionMetadata(
             is_prefill=plan.is_prefill, slot_mapping=wide[2 * t:],
-            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+            cu_seqlens_q=views.get("cu_q"), cu_seqlens_k=views.get("cu_k"),
             max_seqlen_q=max(plan.seqlens_q), max_seqlen_k=max(plan.seqlens_k),
-            block_tables=block_tables, context_lens=context_lens,
+            block_tables=None if block_tables is None else block_tables.view(n, -1),
+            context_lens=views.get("context_lens"),
             seqlens_q=plan.seqlens_q, seqlens_k=plan.seqlens_k)
         return StepInputs(wide[:t], wide[t:2 * t], meta, plan.is_prefill, plan)
 

@@ -108,7 +108,7 @@ class Scheduler:
         """
         if self.waiting or len(self.running) != len(inflight):
             return []
-        nxt = [s for s in inflight if not s.is_finished and not self._length_ends_next(s)]
+        nxt = [s for s in inflight if not s.is_finished and not self._length_reached(s, ahead=1)]
         bm = self.block_manager
         if sum(bm.blocks_needed_to_append(s, ahead=1) for s in nxt) > bm.num_free_blocks:
             return []
@@ -116,10 +116,10 @@ class Scheduler:
             bm.may_append(s, ahead=1)
         return nxt
 
-    def _length_ends_next(self, seq: Sequence) -> bool:
-        """Whether the token now being computed for seq finishes it by length (see _finish_reason)."""
-        return (seq.num_completion_tokens + 1 >= seq.sampling_params.max_tokens
-                or seq.num_tokens + 1 >= self.max_model_len)
+    def _length_reached(self, seq: Sequence, ahead: int = 0) -> bool:
+        """Whether seq is at its length limit (max_tokens or max_model_len) with `ahead` more tokens."""
+        return (seq.num_completion_tokens + ahead >= seq.sampling_params.max_tokens
+                or seq.num_tokens + ahead >= self.max_model_len)
 
     def preempt(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -150,7 +150,7 @@ class Scheduler:
         sp = seq.sampling_params
         if not sp.ignore_eos and token_id in self.eos:
             return "stop"
-        if seq.num_completion_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
+        if self._length_reached(seq):
             return "length"
         return None
 

@@ -77,21 +77,14 @@ class Timed:
 
 
 def timed_generate(engine: LLMEngine, prompts, params, steps: bool = False) -> Timed:
-    """engine.generate's work (add, step to the end, outputs with text), timed; with steps, each step's time too."""
+    """engine.generate, timed; with steps, each step's time too."""
+    record: list[tuple[bool, int, float]] = []
+    on_step = (lambda out: record.append((out.is_prefill, len(out.seqs), out.seconds))) if steps else None
     _sync()
     t0 = time.perf_counter()
-    if not steps:
-        outs = engine.generate(prompts, params)
-        _sync()
-        return Timed(time.perf_counter() - t0, sum(len(o["token_ids"]) for o in outs))
-    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
-    record = []
-    while not engine.is_finished():
-        out = engine.step()
-        record.append((out.is_prefill, len(out.seqs), out.seconds))
-    outs = [engine.output(s) for s in seqs]
+    outs = engine.generate(prompts, params, on_step=on_step)
     _sync()
-    return Timed(time.perf_counter() - t0, sum(len(o["token_ids"]) for o in outs), record)
+    return Timed(time.perf_counter() - t0, sum(len(o["token_ids"]) for o in outs), record if steps else None)
 
 
 def engine_for(model_dir: str, device: str, attention: str, eager: bool, **kw) -> LLMEngine:

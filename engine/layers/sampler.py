@@ -65,16 +65,13 @@ def _sample_fused(logits: torch.Tensor, temperatures: list[float], generators: l
     device = logits.device
     n = len(temperatures)
     temps = _device_temperatures(temperatures, device)
+    draw = lambda gen, k: torch.randint(0, 2**31 - 1, (k,), generator=gen, device=device)  # noqa: E731
     if all(t == 0 for t in temperatures):
         seeds = torch.zeros(n, dtype=torch.int64, device=device)
+    elif all(g is generators[0] for g in generators):      # the common case: the engine's generator only
+        seeds = draw(generators[0], n)
     else:
-        first = generators[0]
-        groups = [(first, [])] if all(g is first for g in generators) else _rows_by_generator(generators)
-        draw = lambda gen, k: torch.randint(0, 2**31 - 1, (k,), generator=gen, device=device)  # noqa: E731
-        if len(groups) == 1:
-            seeds = draw(groups[0][0], n)
-        else:
-            seeds = torch.empty(n, dtype=torch.int64, device=device)
-            for gen, rows in groups:
-                seeds[torch.tensor(rows, device=device)] = draw(gen, len(rows))
+        seeds = torch.empty(n, dtype=torch.int64, device=device)
+        for gen, rows in _rows_by_generator(generators):
+            seeds[torch.tensor(rows, device=device)] = draw(gen, len(rows))
     return gumbel_argmax(logits, temps, seeds)
