@@ -24,7 +24,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+from labkit.errors import UserError
 
 SCHEMA_VERSION = 1
 KINDS = ("gpu-measured", "cpu-real-engine", "cpu-real-scheduler", "simulated", "static", "profile")
@@ -95,6 +97,25 @@ def git_dirty(root: Path | None = None) -> bool | None:
     when git cannot tell."""
     out = _git(["status", "--porcelain", "--untracked-files=no"], root)
     return None if out is None else bool(out.strip())
+
+
+def read_jsonl(path: str | Path, missing: str = "no such file") -> Iterator[tuple[int, dict]]:
+    """(line number, object) for every non-blank line of a JSONL file. A missing file, a line that is not
+    JSON or not an object is one UserError line: ``{missing}: PATH`` or ``PATH:N: why``."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{missing}: {path}")
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{n}: not JSON ({e.msg})") from None
+            if not isinstance(rec, dict):
+                raise UserError(f"{path}:{n}: not a JSON object")
+            yield n, rec
 
 
 def engine_dir() -> Path | None:

@@ -17,13 +17,13 @@ interpolation. Requests are split by ``class`` (short/long in the shipped traces
 """
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from labkit.errors import UserError
+from labkit.evidence import read_jsonl
 
 PERCENTILES = (50, 90, 99)
 MECHANISM_KINDS = ("simulated", "profile", "cpu-real-scheduler", "static")
@@ -42,23 +42,12 @@ class Log:
 
 def read_log(path: str | Path) -> Log:
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"no such log: {path}")
     header, events = None, []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{n}: not JSON ({e.msg})") from None
-            if not isinstance(rec, dict):
-                raise UserError(f"{path}:{n}: not a JSON object")
-            if rec.get("event") == "header":
-                header = header or rec
-            elif "event" in rec:
-                events.append(rec)
+    for _, rec in read_jsonl(path, missing="no such log"):
+        if rec.get("event") == "header":
+            header = header or rec
+        elif "event" in rec:
+            events.append(rec)
     if header is None and not events:
         raise UserError(f"{path}: no events (is it a labkit service log?)")
     return Log(path, header, events)

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from labkit.errors import UserError
+from labkit.evidence import read_jsonl
 
 TRACE_VERSION = 1
 TOKEN_LOW, TOKEN_HIGH = 1000, 150000          # ordinary BPE tokens; Qwen3 specials start at 151643
@@ -111,16 +112,8 @@ def write_trace(out: str | Path, opts: TraceOptions) -> dict:
 def read_trace(path: str | Path) -> tuple[dict | None, list[dict]]:
     """(header or None, request records sorted by arrival); one-line UserError for a bad file."""
     path = Path(path)
-    if not path.is_file():
-        raise UserError(f"trace not found: {path}")
     head, reqs = None, []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{n}: not JSON ({e.msg})") from None
+    for n, rec in read_jsonl(path, missing="trace not found"):
         if rec.get("record") == "header":
             head = rec
             continue

@@ -66,7 +66,8 @@ def test_warmup_requests_have_their_own_prefixes():
 
 
 @pytest.mark.parametrize("content,match", [("", "no requests"), ("{", "not JSON"),
-                                           ('{"request_id": "a"}\n', "prompt_token_ids")])
+                                           ('{"request_id": "a"}\n', "prompt_token_ids"),
+                                           ("[1, 2]\n", "not a JSON object")])
 def test_bad_trace_is_a_user_error(tmp_path, content, match):
     p = tmp_path / "t.jsonl"
     p.write_text(content)

@@ -23,7 +23,7 @@ import json
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from labkit.evidence import to_jsonable
 
@@ -127,16 +127,3 @@ def fan_out(*sinks: Sink | None) -> Sink | None:
             s(record)
 
     return sink
-
-
-def read_jsonl(path: str | Path) -> Iterator[dict]:
-    """Records of a JSONL file; blank lines skipped, a broken line is a one-line ValueError."""
-    with Path(path).open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e.msg})") from None
