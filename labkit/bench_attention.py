@@ -41,7 +41,6 @@ def copy_roof_gbs(nbytes: int = 1 << 30) -> float:
     x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     ms = _time_ms(lambda: y.copy_(x), repeats=10, warmups=3)
-    del x, y
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 

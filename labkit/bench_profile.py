@@ -90,7 +90,6 @@ def _kernel_table(prof, window_s: float, top: int) -> dict:
 
 def profile_run(engine, prompts, params, window_start: int = 32, window_steps: int = 16, top: int = 15) -> dict:
     """Run the workload once more, step by step, and say where the time went (see the module doc)."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     device = engine.runner.device

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLMEngine, SamplingParams
+from engine import LLMEngine
 from labkit.bench import fixed_workload, run_bench
 from labkit.bench_profile import PARTS, profile_run
 from labkit.errors import UserError
