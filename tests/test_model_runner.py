@@ -1,0 +1,48 @@
+"""ModelRunner's input building: the packed host-to-device copies and the scratch prefills of start-up."""
+from __future__ import annotations
+
+import torch
+
+from engine import LLMEngine, SamplingParams
+
+
+def engine_for(model):
+    return LLMEngine(str(model), device="cpu", enforce_eager=True, kvcache_block_size=16, max_model_len=256,
+                     max_num_batched_tokens=256)
+
+
+def test_to_inputs_views_hold_the_plan(tiny_model_dir):
+    engine = engine_for(tiny_model_dir)
+    a = engine.add_request(list(range(100, 140)), SamplingParams(max_tokens=3))
+    b = engine.add_request(list(range(200, 210)), SamplingParams(max_tokens=3))
+    engine.step()                                             # prefill both
+    runner = engine.runner
+    plan = runner.plan_decode([a, b])
+    inputs = runner.to_inputs(plan)
+    assert inputs.input_ids.tolist() == plan.input_ids and inputs.positions.tolist() == [40, 10]
+    assert inputs.meta.slot_mapping.tolist() == plan.slot_mapping
+    assert inputs.meta.context_lens.tolist() == [41, 11]
+    assert inputs.meta.block_tables.tolist() == [a.block_table, b.block_table + [-1] * 2]
+    assert inputs.meta.cu_seqlens_q is None
+    c = engine.add_request(list(range(300, 333)), SamplingParams(max_tokens=3))
+    engine.scheduler.schedule()                               # c's prefill: 33 new positions, nothing cached
+    prefill = runner.to_inputs(runner.plan_prefill([c]))
+    assert prefill.meta.cu_seqlens_q.tolist() == [0, 33] == prefill.meta.cu_seqlens_k.tolist()
+    assert prefill.meta.block_tables is None and prefill.meta.context_lens is None
+    engine.close()
+
+
+def test_scratch_prefill_writes_nothing_and_reads_a_prefix(tiny_model_dir):
+    engine = engine_for(tiny_model_dir)
+    runner = engine.runner
+    before = runner.kv_cache.clone()
+    fresh = runner._scratch_prefill(3, 20)
+    assert fresh.meta.block_tables is None and fresh.meta.cu_seqlens_q.tolist() == [0, 20, 40, 60]
+    prefix = runner._scratch_prefill(2, 16, cached=8)
+    assert prefix.meta.cu_seqlens_q.tolist() == [0, 8, 16] and prefix.meta.cu_seqlens_k.tolist() == [0, 16, 32]
+    assert prefix.meta.block_tables.tolist() == [[0], [0]]
+    for inputs in (fresh, prefix):
+        assert (inputs.meta.slot_mapping == -1).all()
+        assert runner.run_model(inputs).shape[0] == len(inputs.meta.seqlens_q)
+    assert torch.equal(runner.kv_cache, before)               # nothing was written to the cache
+    engine.close()
