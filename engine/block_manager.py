@@ -86,8 +86,9 @@ class BlockManager:
         return len(self.cached_prefix(seq)) * self.block_size
 
     # -- allocation ------------------------------------------------------
-    def can_allocate(self, seq: Sequence) -> bool:
-        hits = self.cached_prefix(seq)
+    def can_allocate(self, seq: Sequence, hits: list[int] | None = None) -> bool:
+        """Whether seq's blocks fit, given its prefix hits (looked up here when not handed in)."""
+        hits = self.cached_prefix(seq) if hits is None else hits
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return seq.num_blocks - len(hits) + revived <= self.num_free_blocks
 
@@ -107,9 +108,12 @@ class BlockManager:
             self.used_block_ids.add(block_id)
         block.ref_count += 1
 
-    def allocate(self, seq: Sequence) -> None:
-        assert not seq.block_table, f"seq {seq.seq_id} already holds blocks"
-        hits = self.cached_prefix(seq)
+    def allocate(self, seq: Sequence, hits: list[int] | None = None) -> None:
+        """Give seq its blocks: the prefix hits shared (the ones can_allocate saw, so the prefix is hashed
+        once per admission), the rest fresh."""
+        if seq.block_table:
+            raise RuntimeError(f"seq {seq.seq_id} already holds blocks")
+        hits = self.cached_prefix(seq) if hits is None else hits
         for block_id in hits:
             self._share_block(block_id)
             seq.block_table.append(block_id)

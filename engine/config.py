@@ -14,6 +14,69 @@ class ConfigError(ValueError):
     """A configuration value a user chose is not usable; the message is one line."""
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """The model's shapes, read once from a Hugging Face config (the one place head_dim is derived)."""
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelShape":
+        try:
+            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+            return cls(hidden_size=hidden, num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
+                       num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+                       head_dim=int(cfg.get("head_dim") or hidden // heads),
+                       intermediate_size=int(cfg["intermediate_size"]), vocab_size=int(cfg["vocab_size"]),
+                       max_position_embeddings=int(cfg.get("max_position_embeddings", 1 << 30)),
+                       tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks {e.args[0]!r}") from None
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"config.json has a non-integer shape: {e}") from None
+
+    def kv_bytes_per_token(self, element_size: int, tp: int = 1) -> int:
+        """K and V of one token over every layer, on one rank of a `tp`-way engine."""
+        return 2 * self.num_layers * (self.num_kv_heads // tp) * self.head_dim * element_size
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    """What the scheduler needs to know; tests build it from plain values, no model directory."""
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 1024
+    scheduling_policy: str = "prefill_first"
+    eos_token_ids: tuple[int, ...] = ()
+
+
+def read_model_dir(model: str | Path) -> dict:
+    """The one model-directory check: the directory, a readable config.json, model_type qwen3.
+    Returns the parsed config; raises ConfigError with one line otherwise."""
+    path = Path(model)
+    if not path.is_dir():
+        raise ConfigError(f"model directory not found: {model}")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"no config.json in model directory {model}")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read {cfg_file}: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{cfg_file} is not a JSON object")
+    if cfg.get("model_type") != "qwen3":
+        raise ConfigError(f"model_type must be qwen3, got {cfg.get('model_type')!r} in {cfg_file}")
+    return cfg
+
+
 @dataclass
 class Config:
     model: str
@@ -39,20 +102,12 @@ class Config:
     overlap: bool = False                          # decode: launch step k+1 before reading step k's tokens
     hf_config: dict = field(default_factory=dict, repr=False)
     eos_token_ids: tuple[int, ...] = ()
+    shape: ModelShape | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         path = Path(self.model)
-        if not path.is_dir():
-            raise ConfigError(f"model directory not found: {self.model}")
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise ConfigError(f"no config.json in model directory {self.model}")
-        try:
-            self.hf_config = json.loads(cfg_file.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot read {cfg_file}: {exc}") from None
-        if self.hf_config.get("model_type") != "qwen3":
-            raise ConfigError(f"model_type must be qwen3, got {self.hf_config.get('model_type')!r} in {cfg_file}")
+        self.hf_config = read_model_dir(path)
+        self.shape = ModelShape.from_hf(self.hf_config)
         self._check_positive("max_num_batched_tokens", "max_num_seqs", "max_model_len",
                              "kvcache_block_size", "tensor_parallel_size", "cpu_kv_cache_bytes")
         bs = self.kvcache_block_size
@@ -76,10 +131,8 @@ class Config:
             self.graph_buckets = tuple(sorted(set(int(b) for b in self.graph_buckets)))
             if not self.graph_buckets or self.graph_buckets[0] < 1:
                 raise ConfigError(f"graph buckets must be positive integers, got {self.graph_buckets}")
-        limit = int(self.hf_config.get("max_position_embeddings", self.max_model_len))
-        self.max_model_len = min(self.max_model_len, limit)
-        heads = int(self.hf_config["num_attention_heads"])
-        kv_heads = int(self.hf_config["num_key_value_heads"])
+        self.max_model_len = min(self.max_model_len, self.shape.max_position_embeddings)
+        heads, kv_heads = self.shape.num_heads, self.shape.num_kv_heads
         if heads % self.tensor_parallel_size or kv_heads % self.tensor_parallel_size:
             raise ConfigError(f"tensor_parallel_size {self.tensor_parallel_size} must divide {heads} q heads and {kv_heads} kv heads")
         if not self.eos_token_ids:
@@ -101,7 +154,11 @@ class Config:
 
     @property
     def vocab_size(self) -> int:
-        return int(self.hf_config["vocab_size"])
+        return self.shape.vocab_size
+
+    def scheduler_limits(self) -> SchedulerLimits:
+        return SchedulerLimits(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
+                               self.scheduling_policy, tuple(self.eos_token_ids))
 
     def resolved_device(self) -> str:
         import torch
@@ -122,6 +179,7 @@ class Config:
     def summary(self) -> dict:
         d = asdict(self)
         d.pop("hf_config")
+        d.pop("shape")
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d
 

@@ -9,15 +9,21 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import Config
-from engine.model_runner import Launched, ModelRunner, StepInputs
-from engine.observe import EngineEvent, EventBus
+from engine.model_runner import EAGER, Launched, ModelRunner, Route, StepInputs
+from engine.observe import EngineEvent, EventBus, HookSet, StepHooks
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepOutcome
 from engine.sequence import Sequence, SequenceCounter
 
 
 class RequestError(ValueError):
-    """A request the engine cannot accept (bad token id, too long, empty); one-line message."""
+    """A request the engine cannot accept; one-line message and a machine-readable code the service
+    maps to HTTP (every code is a client error): empty_prompt, token_out_of_vocabulary,
+    context_length_exceeded, pool_too_small, invalid_request."""
+
+    def __init__(self, message: str, code: str = "invalid_request"):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -28,7 +34,23 @@ class StepOutput:
     outcome: StepOutcome
     num_tokens: int                     # positions computed this step
     seconds: float = 0.0
-    finished: list[Sequence] = field(default_factory=list)
+    scheduled: list[tuple[int, int]] = field(default_factory=list)   # (seq_id, positions it computed)
+    route: Route = EAGER                # eager, or the decode graph bucket replayed
+
+    @property
+    def finished(self) -> list[Sequence]:
+        return self.outcome.finished
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Queue and KV pool numbers, read between steps."""
+    waiting: int
+    running: int
+    num_blocks: int
+    free_blocks: int
+    used_blocks: int
+    step: int
 
 
 @dataclass
@@ -38,10 +60,11 @@ class _InFlight:
     seqs: list[Sequence]
     is_prefill: bool
     tokens: Launched
-    num_tokens: int = field(init=False)          # positions computed (read when launched)
+    scheduled: list[tuple[int, int]]             # (seq_id, positions computed), read when launched
 
-    def __post_init__(self) -> None:
-        self.num_tokens = sum(s.num_scheduled_tokens for s in self.seqs)
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
 
 
 class LLMEngine:
@@ -49,7 +72,7 @@ class LLMEngine:
         init_start = time.perf_counter()
         self.config = Config(model, **kwargs)
         if self.config.tensor_parallel_size > 1:
-            from engine.distributed import start_rank0
+            from engine.tp_workers import start_rank0
             device = self.config.resolved_device()
             tp, workers = start_rank0(self.config, device)
             try:
@@ -60,8 +83,9 @@ class LLMEngine:
                 raise
         else:
             self.runner = ModelRunner(self.config)
-        self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.kvcache_block_size)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.hooks = HookSet()
+        self.runner.hooks = self.hooks
+        self._fresh_scheduling()
         self.events = EventBus()
         self.runner.on_inputs = self._emit_inputs
         self._next_id = SequenceCounter()
@@ -98,6 +122,64 @@ class LLMEngine:
             "init_seconds": round(self.init_seconds, 4),
         }
 
+    def add_hooks(self, hooks: StepHooks) -> Callable[[], None]:
+        """Register step hooks (see engine/observe.py); returns the function that removes them."""
+        return self.hooks.add(hooks)
+
+    # -- reading and driving the engine from outside ------------------------------------
+    def stats(self) -> EngineStats:
+        bm, sch = self.block_manager, self.scheduler
+        return EngineStats(len(sch.waiting), len(sch.running), bm.num_blocks, bm.num_free_blocks,
+                           len(bm.used_block_ids), self.num_steps)
+
+    def live_seq_ids(self) -> set[int]:
+        return {s.seq_id for s in (*self.scheduler.waiting, *self.scheduler.running)}
+
+    def check_invariants(self) -> tuple[bool, str]:
+        """Between steps: every used KV block belongs to a live sequence, free + used = pool, and no
+        sequence still holds scheduled tokens. Returns (ok, why)."""
+        sch, bm = self.scheduler, self.block_manager
+        live = [*sch.waiting, *sch.running]
+        held = {b for s in live for b in s.block_table}
+        if held != bm.used_block_ids:
+            return False, f"{len(bm.used_block_ids - held)} used KV blocks belong to no live sequence"
+        if bm.num_free_blocks + len(bm.used_block_ids) != bm.num_blocks:
+            return False, "free + used KV blocks != pool size"
+        stale = [s.seq_id for s in live if s.num_scheduled_tokens]
+        if stale:
+            return False, f"seqs {stale} still have scheduled tokens"
+        return True, "consistent"
+
+    def reset_scheduling(self) -> None:
+        """A fresh scheduler and block manager on the same model and KV pool: no queue, no prefix
+        cache, every block free (between runs, with nothing in flight)."""
+        if not self.is_finished():
+            raise RuntimeError("reset_scheduling needs an idle engine (requests are in flight)")
+        self._fresh_scheduling()
+
+    def _fresh_scheduling(self) -> None:
+        self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.kvcache_block_size)
+        self.scheduler = Scheduler(self.config.scheduler_limits(), self.block_manager)
+
+    def forward_logits(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, Route]:
+        """The logits of a scheduled batch (from schedule()) without sampling, and the route they took;
+        hand the chosen ids to postprocess() to finish the step (teacher forcing)."""
+        return self.runner.forward(seqs, is_prefill, step=self.num_steps)
+
+    def free_block_ids(self) -> list[int]:
+        return sorted(self.block_manager.free_block_ids)
+
+    def ref_counts(self, block_ids: list[int]) -> list[int]:
+        return self.block_manager.ref_counts(block_ids)
+
+    def kv_cache_view(self) -> torch.Tensor:
+        """The KV pool [2, layers, blocks, block_size, kv heads, head dim], for probes to read (never write)."""
+        return self.runner.kv_cache
+
+    def slot(self, seq: Sequence, position: int) -> int:
+        """Where position's K/V lives in the pool (block_table[p // B] * B + p % B)."""
+        return self.runner.slot(seq, position)
+
     # -- requests ------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
         """Text as is, chat messages through the chat template, or token ids."""
@@ -109,25 +191,36 @@ class LLMEngine:
             return self.tokenizer.encode(text)
         return list(prompt)
 
-    def validate(self, token_ids: list[int]) -> None:
+    def validate(self, token_ids: list[int], sampling_params: SamplingParams | None = None) -> None:
+        """The one admission rule, offline and online: a non-empty prompt of vocabulary ids that leaves
+        room for max_tokens outputs within max_model_len and fits in the KV pool."""
         cfg = self.config
         if not token_ids:
-            raise RequestError("the prompt is empty")
+            raise RequestError("the prompt is empty", "empty_prompt")
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
         if bad:
-            raise RequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {cfg.vocab_size})")
+            raise RequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {cfg.vocab_size})",
+                               "token_out_of_vocabulary")
         if len(token_ids) >= cfg.max_model_len:
             raise RequestError(f"prompt has {len(token_ids)} tokens; max_model_len is {cfg.max_model_len} "
-                               f"(the prompt must leave room for at least one output token)")
+                               f"(the prompt must leave room for at least one output token)",
+                               "context_length_exceeded")
+        if sampling_params is not None and len(token_ids) + sampling_params.max_tokens > cfg.max_model_len:
+            raise RequestError(f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling_params.max_tokens}) "
+                               f"exceeds max_model_len ({cfg.max_model_len})", "context_length_exceeded")
         blocks = (len(token_ids) + 1 + cfg.kvcache_block_size - 1) // cfg.kvcache_block_size
         if blocks > self.block_manager.num_blocks:
-            raise RequestError(f"prompt needs {blocks} KV blocks but the pool has {self.block_manager.num_blocks}")
+            raise RequestError(f"prompt needs {blocks} KV blocks but the pool has {self.block_manager.num_blocks}",
+                               "pool_too_small")
 
-    def add_request(self, prompt, sampling_params: SamplingParams | None = None) -> Sequence:
-        token_ids = self.encode(prompt)
-        self.validate(token_ids)
-        seq = Sequence(self._next_id(), token_ids, sampling_params or SamplingParams(),
-                       self.config.kvcache_block_size)
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, *,
+                    validated: bool = False) -> Sequence:
+        """Queue a request. validated=True: token ids already passed validate() with these params."""
+        sampling_params = sampling_params or SamplingParams()
+        token_ids = list(prompt) if validated else self.encode(prompt)
+        if not validated:
+            self.validate(token_ids, sampling_params)
+        seq = Sequence(self._next_id(), token_ids, sampling_params, self.config.kvcache_block_size)
         self.scheduler.add(seq)
         return seq
 
@@ -152,21 +245,28 @@ class LLMEngine:
             self.events.emit(EngineEvent("inputs", self.num_steps, "prefill" if inputs.is_prefill else "decode", data))
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        seqs, is_prefill = self.scheduler.schedule()
+        with self.hooks.phase("schedule", self.num_steps + 1):
+            seqs, is_prefill = self.scheduler.schedule()
         if seqs:
             self._scheduled(seqs, is_prefill)
         return seqs, is_prefill
 
-    def _scheduled(self, seqs: list[Sequence], is_prefill: bool) -> None:
+    def _scheduled(self, seqs: list[Sequence], is_prefill: bool) -> list[tuple[int, int]]:
         self.num_steps += 1
+        batch = [(s.seq_id, s.num_scheduled_tokens) for s in seqs]
+        if self.hooks:
+            self.hooks.scheduled(self.num_steps, is_prefill, batch)
         if self.events:
             self.events.emit(EngineEvent("scheduled", self.num_steps, "prefill" if is_prefill else "decode",
                                          {"seqs": [s.snapshot() for s in seqs]}))
+        return batch
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> StepOutcome:
-        outcome = self.scheduler.postprocess(seqs, token_ids, is_prefill)
-        for seq in outcome.finished:
-            self.runner.forget(seq.seq_id)
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool,
+                    step: int | None = None) -> StepOutcome:
+        with self.hooks.phase("postprocess", self.num_steps if step is None else step):
+            outcome = self.scheduler.postprocess(seqs, token_ids, is_prefill)
+            for seq in outcome.finished:
+                self.runner.forget(seq.seq_id)
         if self.events:
             self.events.emit(EngineEvent("postprocessed", self.num_steps, "prefill" if is_prefill else "decode", {
                 "accepted": {str(k): v for k, v in outcome.accepted.items()},
@@ -187,11 +287,16 @@ class LLMEngine:
         seqs, is_prefill = self.schedule()
         if not seqs:
             return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
-        num_tokens = sum(s.num_scheduled_tokens for s in seqs)
-        token_ids = self.runner.run(seqs, is_prefill)
+        batch = [(s.seq_id, s.num_scheduled_tokens) for s in seqs]
+        token_ids, route = self.runner.run(seqs, is_prefill, self.num_steps)
         outcome = self.postprocess(seqs, token_ids, is_prefill)
-        return StepOutput(self.num_steps, is_prefill, seqs, outcome, num_tokens,
-                          time.perf_counter() - t0, outcome.finished)
+        return StepOutput(self.num_steps, is_prefill, seqs, outcome, sum(n for _, n in batch),
+                          time.perf_counter() - t0, batch, route)
+
+    def _launch(self, seqs: list[Sequence], is_prefill: bool, batch: list[tuple[int, int]],
+                feed: torch.Tensor | None = None) -> _InFlight:
+        step = self.num_steps
+        return _InFlight(step, seqs, is_prefill, self.runner.launch(seqs, is_prefill, feed, step), batch)
 
     def _step_overlapped(self) -> StepOutput:
         """step() with decode steps overlapped: launch step k+1 (its input ids fed on the device from
@@ -206,38 +311,42 @@ class LLMEngine:
             seqs, is_prefill = self.schedule()
             if not seqs:
                 return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
-            prev = _InFlight(self.num_steps, seqs, is_prefill, self.runner.launch(seqs, is_prefill))
+            prev = self._launch(seqs, is_prefill, [(s.seq_id, s.num_scheduled_tokens) for s in seqs])
         if not prev.is_prefill:
-            nxt = self.scheduler.schedule_lookahead(prev.seqs)
+            with self.hooks.phase("schedule", self.num_steps + 1):
+                nxt = self.scheduler.schedule_lookahead(prev.seqs)
             if nxt:
-                self._scheduled(nxt, False)
+                batch = self._scheduled(nxt, False)
                 ids = prev.tokens.device_ids
                 row_of = {s.seq_id: i for i, s in enumerate(prev.seqs)}
                 rows = torch.tensor([row_of[s.seq_id] for s in nxt], device=ids.device)
-                feed = ids.index_select(0, rows)
-                self._inflight = _InFlight(self.num_steps, nxt, False, self.runner.launch(nxt, False, feed))
+                self._inflight = self._launch(nxt, False, batch, ids.index_select(0, rows))
         token_ids = prev.tokens.tolist()
         live = [(s, t) for s, t in zip(prev.seqs, token_ids) if not s.is_finished]   # aborted meanwhile
-        outcome = self.postprocess([s for s, _ in live], [t for _, t in live], prev.is_prefill)
+        outcome = self.postprocess([s for s, _ in live], [t for _, t in live], prev.is_prefill, prev.step)
         if self._inflight is not None:
             for s in self._inflight.seqs:
                 if not s.is_finished:
                     s.num_scheduled_tokens = 1       # postprocess cleared it; the in-flight step computes 1
         return StepOutput(prev.step, prev.is_prefill, prev.seqs, outcome, prev.num_tokens,
-                          time.perf_counter() - t0, outcome.finished)
+                          time.perf_counter() - t0, prev.scheduled, prev.tokens.route)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._inflight is None
 
     def generate(self, prompts: Iterable, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_progress: bool = False, on_step: Callable[[StepOutput], None] | None = None) -> list[dict]:
-        """Run the prompts to the end; on_step sees every step's output (timing, phase, batch)."""
-        prompts = list(prompts)
+        """Run the prompts to the end; on_step sees every step's output (timing, phase, batch).
+        A single text prompt may be passed as a plain string."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
-        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        token_ids = [self.encode(p) for p in prompts]
+        for ids, sp in zip(token_ids, sampling_params):     # refuse the batch before queueing any of it
+            self.validate(ids, sp or SamplingParams())
+        seqs = [self.add_request(ids, sp, validated=True) for ids, sp in zip(token_ids, sampling_params)]
         progress = _progress(len(seqs)) if use_progress else None
         try:
             while not self.is_finished():
@@ -261,8 +370,6 @@ class LLMEngine:
             return
         self._closed = True
         self.runner.close()
-
-    exit = close
 
 
 class _progress:

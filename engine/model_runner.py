@@ -15,6 +15,7 @@ from engine.distributed import SINGLE, ParallelContext
 from engine.graph import DecodeGraphs, default_buckets
 from engine.layers.sampler import sample, sample_tensor
 from engine.loader import load_model
+from engine.observe import HookSet
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.sequence import Sequence
 
@@ -52,12 +53,26 @@ class StepInputs:
     plan: StepPlan | None = None          # the host lists these tensors came from (what TP ranks receive)
 
 
+@dataclass(frozen=True)
+class Route:
+    """How a forward ran: eagerly, or by replaying the decode graph of `bucket` sequences."""
+    kind: str = "eager"                   # "eager" | "graph"
+    bucket: int | None = None
+
+    def __str__(self) -> str:
+        return f"graph:{self.bucket}" if self.kind == "graph" else "eager"
+
+
+EAGER = Route()
+
+
 @dataclass
 class Launched:
     """A launched step's sampled ids: on the device (to feed the next step) and, once `ready`, on the host."""
     device_ids: torch.Tensor
     host_ids: torch.Tensor
     ready: "torch.cuda.Event | None"
+    route: Route = EAGER
 
     def tolist(self) -> list[int]:
         if self.ready is not None:
@@ -78,6 +93,7 @@ class ModelRunner:
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device)
         self.backend = create_backend(self.attention_backend, self.block_size)
         self.on_inputs: Callable[[StepInputs], None] | None = None   # observer hook (tracing)
+        self.hooks = HookSet()            # the engine hands in its own (phases, the point before the forward)
         self.memory: dict = {}
         t0 = time.perf_counter()
         with default_dtype_device(self.dtype, self.device):
@@ -93,7 +109,7 @@ class ModelRunner:
         self.generator.manual_seed(config.seed)
         self._seq_generators: dict[int, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
-        self.last_route: dict = {"backend": self.attention_backend, "route": "eager", "bucket": None}
+        self.last_route: dict = {"backend": self.attention_backend, "route": "eager", "bucket": None}  # TODO(seam)
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.warm_paths()
         if not config.enforce_eager:
@@ -116,11 +132,8 @@ class ModelRunner:
     # -- KV pool -------------------------------------------------------------
     @property
     def bytes_per_block(self) -> int:
-        cfg = self.config.hf_config
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        kv_heads = cfg["num_key_value_heads"] // self.tp.world_size
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * cfg["num_hidden_layers"] * self.block_size * kv_heads * head_dim * elem
+        return self.block_size * self.config.shape.kv_bytes_per_token(elem, self.tp.world_size)
 
     def _blocks_from_budget(self) -> int:
         cfg = self.config
@@ -149,11 +162,10 @@ class ModelRunner:
         n = self.tp.min_int(n)            # every rank holds the same pool
         if n < 1:
             raise RuntimeError(f"no memory left for the KV cache: {self.memory}")
-        hf = cfg.hf_config
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
-        kv_heads = hf["num_key_value_heads"] // self.tp.world_size
+        shape = cfg.shape
         layers = self.model.attention_layers()
-        self.kv_cache = torch.zeros(2, len(layers), n, self.block_size, kv_heads, head_dim,
+        self.kv_cache = torch.zeros(2, len(layers), n, self.block_size, shape.num_kv_heads // self.tp.world_size,
+                                    shape.head_dim,
                                     dtype=self.dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache = self.kv_cache[0, i]
@@ -290,39 +302,59 @@ class ModelRunner:
         return self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
 
     # -- execution ---------------------------------------------------------------
-    @torch.inference_mode()
-    def run_model(self, inputs: StepInputs) -> torch.Tensor:
-        """Hidden states of the last position of each sequence -> logits [N, vocab]."""
-        bucket = None
+    def route_for(self, inputs: StepInputs) -> Route:
+        """A decode replays the smallest captured graph that covers its batch; anything else is eager."""
         if self.graphs is not None and not inputs.is_prefill:
             bucket = self.graphs.bucket_for(inputs.input_ids.shape[0])
-        self.last_route = {"backend": self.attention_backend, "route": "graph" if bucket else "eager",
-                           "bucket": bucket}
-        if bucket is not None:            # the graph includes the LM head
-            return self.graphs.replay(bucket, inputs.input_ids, inputs.positions, inputs.meta)
+            if bucket is not None:
+                return Route("graph", bucket)
+        return EAGER
+
+    @torch.inference_mode()
+    def run_model(self, inputs: StepInputs, route: Route | None = None) -> torch.Tensor:
+        """Hidden states of the last position of each sequence -> logits [N, vocab]."""
+        route = self.route_for(inputs) if route is None else route
+        self.last_route = {"backend": self.attention_backend, "route": route.kind, "bucket": route.bucket}
+        if route.kind == "graph":          # the graph includes the LM head
+            return self.graphs.replay(route.bucket, inputs.input_ids, inputs.positions, inputs.meta)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.is_prefill:
             hidden = hidden[inputs.meta.cu_seqlens_q[1:].long() - 1]
         return self.model.compute_logits(hidden)
 
+    def forward(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None,
+                step: int = 0) -> tuple[torch.Tensor, Route]:
+        """The step's logits and the route they took. feed (decode only): the input ids as a device
+        tensor, from a step still in flight; positions are then one further than the host's token lists."""
+        hooks = self.hooks
+        with hooks.phase("prepare", step):
+            if feed is None:
+                inputs = self.prepare(seqs, is_prefill)
+            else:
+                inputs = self.to_inputs(self.plan_decode(seqs, ahead=1))
+                inputs.input_ids.copy_(feed)
+            if self.workers is not None:
+                self.workers.send("run", inputs.plan)   # the other ranks replay the same forward
+            if self.on_inputs is not None:
+                self.on_inputs(inputs)
+        if hooks:
+            hooks.before_forward(step, inputs)
+        with hooks.phase("forward", step):
+            route = self.route_for(inputs)
+            return self.run_model(inputs, route), route
+
     def compute_logits(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None) -> torch.Tensor:
-        """feed (decode only): the input ids as a device tensor, from a step still in flight; positions
-        are then one further than the host's token lists."""
-        if feed is None:
-            inputs = self.prepare(seqs, is_prefill)
-        else:
-            inputs = self.to_inputs(self.plan_decode(seqs, ahead=1))
-            inputs.input_ids.copy_(feed)
-        if self.workers is not None:
-            self.workers.send("run", inputs.plan)   # the other ranks replay the same forward
-        if self.on_inputs is not None:
-            self.on_inputs(inputs)
-        return self.run_model(inputs)
+        return self.forward(seqs, is_prefill, feed)[0]   # TODO(seam): labkit moves to LLMEngine.forward_logits
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-        return self.sample_tensor(seqs, logits).tolist()
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, step: int = 0) -> list[int]:
+        with self.hooks.phase("sample", step):
+            return self._sample(seqs, logits).tolist()
 
-    def sample_tensor(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def sample_tensor(self, seqs: list[Sequence], logits: torch.Tensor, step: int = 0) -> torch.Tensor:
+        with self.hooks.phase("sample", step):
+            return self._sample(seqs, logits)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         temps, gens = [], []
         for seq in seqs:
             sp = seq.sampling_params
@@ -354,18 +386,22 @@ class ModelRunner:
     def forget(self, seq_id: int) -> None:
         self._seq_generators.pop(seq_id, None)
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        return self.sample(seqs, self.compute_logits(seqs, is_prefill))
+    def run(self, seqs: list[Sequence], is_prefill: bool, step: int = 0) -> tuple[list[int], Route]:
+        """One step, waiting for its tokens on the host."""
+        logits, route = self.forward(seqs, is_prefill, step=step)
+        return self.sample(seqs, logits, step), route
 
-    def launch(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None) -> "Launched":
+    def launch(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None,
+               step: int = 0) -> Launched:
         """run() without waiting: the sampled ids stay on the device, and a copy to pinned host memory is
         queued right behind them with an event, so reading them later waits for this step only, not for
         a step launched after it."""
-        tokens = self.sample_tensor(seqs, self.compute_logits(seqs, is_prefill, feed))
+        logits, route = self.forward(seqs, is_prefill, feed, step)
+        tokens = self.sample_tensor(seqs, logits, step)
         if not tokens.is_cuda:
-            return Launched(tokens, tokens, None)
+            return Launched(tokens, tokens, None, route)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return Launched(tokens, host, ready)
+        return Launched(tokens, host, ready, route)

@@ -5,7 +5,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
-from engine.config import Config
+from engine.config import SchedulerLimits
 from engine.sequence import Sequence, SequenceStatus
 
 
@@ -19,12 +19,12 @@ class StepOutcome:
 
 
 class Scheduler:
-    def __init__(self, config: Config, block_manager: BlockManager):
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_model_len = config.max_model_len
-        self.policy = config.scheduling_policy
-        self.eos = set(config.eos_token_ids)
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager):
+        self.max_num_seqs = limits.max_num_seqs
+        self.max_num_batched_tokens = limits.max_num_batched_tokens
+        self.max_model_len = limits.max_model_len
+        self.policy = limits.scheduling_policy
+        self.eos = set(limits.eos_token_ids)
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
@@ -59,12 +59,13 @@ class Scheduler:
         while self.waiting and len(scheduled) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             if not seq.block_table:
-                remaining = seq.num_tokens - bm.num_cached_tokens_for(seq)
+                hits = bm.cached_prefix(seq)           # one hash walk per admission
+                remaining = seq.num_tokens - len(hits) * bm.block_size
                 if scheduled and remaining > budget:
                     break                  # only the first sequence of a batch may be chunked
-                if not bm.can_allocate(seq):
+                if not bm.can_allocate(seq, hits):
                     break
-                bm.allocate(seq)
+                bm.allocate(seq, hits)
             remaining = seq.num_tokens - seq.num_cached_tokens
             if scheduled and remaining > budget:
                 break

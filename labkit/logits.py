@@ -299,7 +299,7 @@ def fresh_scheduling_state(engine) -> None:
     if not engine.is_finished():
         raise RuntimeError("fresh scheduling state asked for while requests are in flight")
     engine.block_manager = BlockManager(engine.runner.num_kvcache_blocks, engine.config.kvcache_block_size)
-    engine.scheduler = Scheduler(engine.config, engine.block_manager)
+    engine.scheduler = Scheduler(engine.config.scheduler_limits(), engine.block_manager)
 
 
 # =========================================================================== KV probe (graph suite)

@@ -13,7 +13,7 @@ def make(tiny_model_dir):
     def _make(num_blocks, block_size, **kw):
         cfg = Config(str(tiny_model_dir), kvcache_block_size=block_size, **kw)
         bm = BlockManager(num_blocks, block_size)
-        return Scheduler(cfg, bm), bm
+        return Scheduler(cfg.scheduler_limits(), bm), bm
     return _make
 
 

@@ -64,7 +64,7 @@ def test_two_tp2_engines_at_once(tiny_model_dir):
 
 
 def test_custom_dist_init_and_shm_name(tiny_model_dir):
-    from engine.distributed import free_port
+    from engine.tp_workers import free_port
     port = free_port()
     e = engine(tiny_model_dir, 2, dist_init=f"tcp://127.0.0.1:{port}", shm_name=f"labkit_test_{os.getpid()}")
     try:

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.config import ModelShape
 from engine.distributed import SINGLE, ParallelContext
 from engine.layers.activation import SiluAndMul
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
@@ -42,7 +43,7 @@ class Qwen3Attention(nn.Module):
         hidden = cfg["hidden_size"]
         self.total_heads = cfg["num_attention_heads"]
         self.total_kv_heads = cfg["num_key_value_heads"]
-        self.head_dim = cfg.get("head_dim") or hidden // self.total_heads
+        self.head_dim = ModelShape.from_hf(cfg).head_dim
         self.num_heads = self.total_heads // tp.world_size
         self.num_kv_heads = self.total_kv_heads // tp.world_size
         bias = cfg.get("attention_bias", False)

@@ -530,13 +530,13 @@ class Worker:
         """Wrap runner.run from the outside: remember the batch, raise an injected fault."""
         original = engine.runner.run
 
-        def run(seqs, is_prefill):
+        def run(seqs, is_prefill, *rest):
             self._last_batch = [(s, s.num_scheduled_tokens) for s in seqs]
             fault = self._fault
             if fault is not None and engine.num_steps >= fault.at_step:
                 self._fault = None
                 raise InjectedFault(fault.message)
-            return original(seqs, is_prefill)
+            return original(seqs, is_prefill, *rest)
 
         engine.runner.run = run
 
