@@ -151,7 +151,7 @@ def test_graph_decode_matches_eager(gpu_model_dir, name):
               num_kvcache_blocks=64, max_model_len=1024, max_num_batched_tokens=8192)
     eager = LLMEngine(str(gpu_model_dir), enforce_eager=True, **kw)
     graph = LLMEngine(str(gpu_model_dir), enforce_eager=False, **kw)
-    assert graph.runner.graphs.bucket_for(17) is not None
+    assert 17 <= max(graph.describe()["graph"]["buckets"])
     for batch in (1, 9, 16, 17, 20):
         g = torch.Generator().manual_seed(batch)
         prompts = [torch.randint(0, 150000, (int(n),), generator=g).tolist()
@@ -160,12 +160,12 @@ def test_graph_decode_matches_eager(gpu_model_dir, name):
         for eng in (eager, graph):
             seqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)) for p in prompts]
             s, pf = eng.schedule()
-            eng.postprocess(s, eng.runner.run(s, pf), pf)
+            eng.postprocess(s, [0] * len(s), pf)
             s, pf = eng.schedule()
             assert not pf and len(s) == batch
-            rows[eng is graph] = eng.runner.compute_logits(s, pf).float()
-            route = eng.runner.last_route
-            assert route["route"] == ("graph" if eng is graph else "eager")
+            logits, route = eng.forward_logits(s, pf)
+            rows[eng is graph] = logits.float()
+            assert route.kind == ("graph" if eng is graph else "eager")
             eng.postprocess(s, [0] * batch, pf)
             assert eng.is_finished() and all(q.is_finished for q in seqs)
         diff = rows[True] - rows[False]
@@ -182,8 +182,7 @@ def test_uncovered_batch_falls_back_to_eager(gpu_model_dir):
         eng.add_request(list(range(100 + i, 110 + i)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     routes = []
     while not eng.is_finished():
-        eng.step()
-        routes.append(eng.runner.last_route["route"])
+        routes.append(eng.step().route.kind)
     assert routes == ["eager", "eager"]      # prefill, then batch 17: no covering bucket -> eager
 
 
