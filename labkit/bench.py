@@ -237,7 +237,8 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
               attention: str = "auto", baseline: str | None = None, repeats: int = 1, eager: bool = False,
               profile: bool = False, sweep: bool = False, overlap: bool = False) -> dict:
     from labkit.experiments.common import detect_device
-    from labkit.model_assets import model_identity, resolve_model
+    from labkit.assets.identity import model_identity
+    from labkit.assets.resolve import resolve_model
 
     if workload not in WORKLOADS:
         raise UserError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")

@@ -659,7 +659,8 @@ def collect_hf(suite_name: str, out: str | Path | None = None, *, model: str | N
     import transformers
 
     from labkit.experiments.common import detect_device, synthetic_note
-    from labkit.model_assets import model_identity, resolve_model
+    from labkit.assets.identity import model_identity
+    from labkit.assets.resolve import resolve_model
 
     _validate_choices(suite_name, "hf", "eager", "auto", dtype)
     device = detect_device(device)
@@ -1055,7 +1056,8 @@ def calibrate(suites: tuple[str, ...] = ("baseline", "graph"), backends: tuple[s
     from engine.attention import available_backends
     from labkit.evidence import default_out, write_evidence
     from labkit.experiments.common import detect_device
-    from labkit.model_assets import model_identity, resolve_model
+    from labkit.assets.identity import model_identity
+    from labkit.assets.resolve import resolve_model
 
     if repeats < 1:
         raise UserError(f"--repeats must be >= 1, got {repeats}")

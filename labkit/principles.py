@@ -105,7 +105,8 @@ def run_cached_forward(out: str | Path | None = None, *, model: str | None = Non
 
     from labkit.experiments.common import detect_device, synthetic_note
     from labkit.logits import DTYPE_CHOICES, TOKEN_HIGH, hf_dtype, load_reference_model, tokens_sha256
-    from labkit.model_assets import model_identity, resolve_model
+    from labkit.assets.identity import model_identity
+    from labkit.assets.resolve import resolve_model
 
     for name, v in (("--prompt-len", prompt_len), ("--steps", steps), ("--repeats", repeats)):
         if not isinstance(v, int) or v < 1:

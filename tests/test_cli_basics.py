@@ -97,7 +97,7 @@ def test_doctor_on_missing_cuda_is_one_line():
 
 
 def test_model_inspect_missing_dir_is_one_line():
-    pytest.importorskip("labkit.model_assets")
+    pytest.importorskip("labkit.assets.identity")
     proc = labkit_process("model", "inspect", "/nonexistent/model-dir")
     _assert_one_line_error(proc, "/nonexistent/model-dir")
 
@@ -150,7 +150,7 @@ def test_doctor_engine_reports_kv_pool_sizing(tiny_model_dir, tmp_path):
 
 def test_qwen3_block_is_28_mib_in_bf16():
     """Appendix B.1.5 / B.8.3: one 256-token block of Qwen3-0.6B across all layers is 28 MiB in BF16."""
-    from labkit.model_assets import PRESETS
+    from labkit.assets.synth import PRESETS
 
     cfg = PRESETS["qwen3-0.6b"]
     per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2

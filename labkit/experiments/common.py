@@ -39,7 +39,8 @@ class Built:
 
 
 def build_engine(model: str | None = None, device: str = "auto", attention: str = "auto", **overrides) -> Built:
-    from labkit.model_assets import model_identity, resolve_model
+    from labkit.assets.identity import model_identity
+    from labkit.assets.resolve import resolve_model
 
     device = detect_device(device)
     ref = resolve_model(model, device)
