@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
-from labkit.logits import teacher_forced
+from labkit.guardrails.forcing import teacher_forced
 
 TOLERANCE = 1e-4     # measured worst on the tiny model: ~1e-6 (see the closing note of issue 2)
 

@@ -104,7 +104,8 @@ def run_cached_forward(out: str | Path | None = None, *, model: str | None = Non
     import torch
 
     from labkit.experiments.common import detect_device, synthetic_note
-    from labkit.logits import DTYPE_CHOICES, TOKEN_HIGH, hf_dtype, load_reference_model, tokens_sha256
+    from labkit.guardrails.collect import hf_dtype, load_reference_model
+    from labkit.guardrails.suites import DTYPE_CHOICES, TOKEN_HIGH, tokens_sha256
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model
 
