@@ -9,7 +9,8 @@ import pytest
 from labkit.checks import load_checkpoints
 from labkit.errors import UserError
 from labkit.evidence import repo_root
-from labkit.load import LoadOptions, Router, run_load, split_out
+from labkit.load import LoadOptions, Router, run_load
+from labkit.service.events import split_out
 from labkit.report import read_log
 from labkit.tracegen import TraceOptions, read_trace, render, warmup_requests, write_trace
 

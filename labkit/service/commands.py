@@ -234,7 +234,8 @@ def register(app: typer.Typer) -> None:
         """Replay an arrival trace in process or against servers; events to JSONL, evidence next to it."""
         from labkit.console import console, note, rel
         from labkit.evidence import default_out
-        from labkit.load import LoadOptions, run_load, split_out
+        from labkit.load import LoadOptions, run_load
+        from labkit.service.events import split_out
 
         out = out or default_out("load.jsonl")
         opts = LoadOptions(trace=trace, out=out, model=str(model) if model else None, endpoints=_endpoints(endpoints),
@@ -294,7 +295,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """The service chain on CPU (Worker → HTTP → client → report) through cancel, overload, faults and shutdown."""
         from labkit.console import console
-        from labkit.load import split_out
+        from labkit.service.events import split_out
         from labkit.service.simulate import run_simulate
 
         record = run_simulate(out, model=str(model) if model else None)

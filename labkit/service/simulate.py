@@ -29,9 +29,8 @@ from typing import Any
 
 from engine import SamplingParams
 from labkit.evidence import default_out, write_evidence
-from labkit.load import split_out
 from labkit.service import client
-from labkit.service.events import EventLog, MemorySink, fan_out
+from labkit.service.events import EventLog, MemorySink, fan_out, split_out
 from labkit.service.server import ServerThread, bind_socket
 from labkit.service.worker import Worker, WorkerConfig, WorkerUnavailable
 from labkit.tracegen import token_ids
