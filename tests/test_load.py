@@ -9,10 +9,10 @@ import pytest
 from labkit.checks import load_checkpoints
 from labkit.errors import UserError
 from labkit.evidence import repo_root
-from labkit.load import LoadOptions, Router, run_load
+from labkit.load.replay import LoadOptions, Router, run_load
 from labkit.service.events import split_out
-from labkit.report import read_log
-from labkit.tracegen import TraceOptions, read_trace, render, warmup_requests, write_trace
+from labkit.load.report import read_log
+from labkit.load.trace import TraceOptions, read_trace, render, warmup_requests, write_trace
 
 SHIPPED = repo_root() / "workloads" / "mixed.jsonl"
 MIXED = TraceOptions(requests=12, prompt_tokens=32, long_prompt_tokens=768, long_every=4, max_tokens=64,

@@ -14,7 +14,7 @@ from labkit.service import client
 from labkit.service.events import MemorySink
 from labkit.service.server import ServerThread, bind_socket
 from labkit.service.worker import Worker, WorkerConfig
-from labkit.tracegen import token_ids
+from labkit.load.trace import token_ids
 
 MAX_MODEL_LEN = 512
 

@@ -10,7 +10,7 @@ from engine import RequestError, SamplingParams
 from labkit.errors import UserError
 from labkit.service.events import MemorySink
 from labkit.service.worker import DuplicateRequest, Worker, WorkerConfig, WorkerUnavailable
-from labkit.tracegen import token_ids
+from labkit.load.trace import token_ids
 
 
 def ids(name: str, n: int = 20) -> list[int]:

@@ -194,7 +194,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write a fixed arrival trace (the same bytes for the same options)."""
         from labkit.console import console, kv_table, print_json
-        from labkit.tracegen import TraceOptions, write_trace
+        from labkit.load.trace import TraceOptions, write_trace
 
         summary = write_trace(out, TraceOptions(requests, prompt_tokens, long_prompt_tokens, long_every, max_tokens,
                                                 interval_ms, seed))
@@ -234,7 +234,7 @@ def register(app: typer.Typer) -> None:
         """Replay an arrival trace in process or against servers; events to JSONL, evidence next to it."""
         from labkit.console import console, note, rel
         from labkit.evidence import default_out
-        from labkit.load import LoadOptions, run_load
+        from labkit.load.replay import LoadOptions, run_load
         from labkit.service.events import split_out
 
         out = out or default_out("load.jsonl")
@@ -267,7 +267,7 @@ def register(app: typer.Typer) -> None:
         """TTFT / ITL / TPOT percentiles, throughput over the common window, terminations; JSON + Markdown + PNG."""
         from labkit.console import console, note, print_json, rel
         from labkit.evidence import default_out
-        from labkit.report import compare
+        from labkit.load.report import compare
 
         out = out or default_out("comparison.json")
         paths = [p.strip() for p in inputs.split(",") if p.strip()]
@@ -296,7 +296,7 @@ def register(app: typer.Typer) -> None:
         """The service chain on CPU (Worker → HTTP → client → report) through cancel, overload, faults and shutdown."""
         from labkit.console import console
         from labkit.service.events import split_out
-        from labkit.service.simulate import run_simulate
+        from labkit.load.simulate import run_simulate
 
         record = run_simulate(out, model=str(model) if model else None)
         if not json_out:

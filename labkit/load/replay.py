@@ -39,7 +39,7 @@ from engine import RequestError, SamplingParams
 from labkit.errors import UserError
 from labkit.evidence import envelope, write_evidence, write_json
 from labkit.service.events import EventLog, log_header, split_out
-from labkit.tracegen import read_trace, warmup_requests
+from labkit.load.trace import read_trace, warmup_requests
 
 MODES = ("wall", "round")
 APIS = ("native", "openai")
@@ -165,7 +165,7 @@ def run_load(opts: LoadOptions) -> dict:
         elif worker is not None:
             worker.close()
         log.close()
-    from labkit.report import summarize
+    from labkit.load.report import summarize
 
     summary = summarize(events_path)
     facts.update(_facts(summary, reqs, opts, router))
