@@ -185,7 +185,7 @@ def run(
 ) -> None:
     """Run every checkpoint this machine can run, in order; the rest are NOT-RUN with the reason."""
     from labkit.evidence import runs_dir
-    from labkit.runner import run_all
+    from labkit.run_all import run_all
 
     if model is not None and not model.is_dir():
         raise UserError(f"--model {model}: not a directory")
@@ -301,7 +301,7 @@ def bench(
     json_out: JsonOpt = False,
 ) -> None:
     """Measure throughput / latency on a fixed workload; every repeat is kept in the evidence."""
-    from labkit.bench import run_bench
+    from labkit.bench.run import run_bench
     from labkit.evidence import default_out
 
     path = out or default_out(f"bench-{workload}.json")

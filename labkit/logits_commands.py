@@ -346,7 +346,7 @@ def principles_shapes(
     json_out: JsonOpt = False,
 ) -> None:
     """How Qwen3's layers split over TP ranks: heads, qkv rows, column/row/vocab splits (static, handbook 5.6.2)."""
-    from labkit.shapes import run_shapes
+    from labkit.experiments.tp_shapes import run_shapes
 
     record = run_shapes(tp, str(model) if model else None, out)
     if not json_out:

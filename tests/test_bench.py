@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 
 from engine import LLMEngine
-from labkit.bench import fixed_workload, run_bench
-from labkit.bench_profile import PARTS, profile_run
+from labkit.bench.run import fixed_workload, run_bench
+from labkit.bench.profile import PARTS, profile_run
 from labkit.errors import UserError
 
 
@@ -43,7 +43,7 @@ def test_bench_rejects_bad_combinations(kw, message, tmp_path):
 
 
 def test_timed_generate_records_every_step(tiny_model_dir):
-    from labkit.bench import timed_generate
+    from labkit.bench.run import timed_generate
 
     engine = LLMEngine(str(tiny_model_dir), device="cpu", enforce_eager=True, max_num_seqs=4,
                        max_num_batched_tokens=64, max_model_len=256)

@@ -103,7 +103,7 @@ def test_model_inspect_missing_dir_is_one_line():
 
 
 def test_run_one_checkpoint_writes_log_and_report(runs):
-    from labkit.runner import run_all
+    from labkit.run_all import run_all
 
     rows = run_all(stage="setup.doctor", show_progress=False)
     assert [(r["id"], r["verdict"], r["exit_code"]) for r in rows] == [("setup.doctor", "PASS", 0)], rows
@@ -115,7 +115,7 @@ def test_run_one_checkpoint_writes_log_and_report(runs):
 
 
 def test_run_marks_unavailable_hardware_not_run(runs, monkeypatch):
-    from labkit import runner
+    import labkit.run_all as runner
 
     monkeypatch.setattr(runner, "machine", lambda: {"cuda_device_count": 0, "cuda_devices": []})
     cp = checks.Checkpoint(id="cuda.x", title="t", command=["labkit", "x"], evidence="runs/cuda-x.json",
@@ -128,7 +128,7 @@ def test_run_marks_unavailable_hardware_not_run(runs, monkeypatch):
 
 
 def test_run_command_adds_model_only_where_taken():
-    from labkit.runner import build_command
+    from labkit.run_all import build_command
 
     cp = checks.get_checkpoint("setup.doctor")
     cmd = build_command(cp, Path("/tmp/e.json"), model="/m")

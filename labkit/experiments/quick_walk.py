@@ -12,7 +12,7 @@ from engine import SamplingParams
 from engine.observe import EngineEvent
 from labkit.errors import UserError
 from labkit.evidence import default_out, write_evidence
-from labkit.experiments.common import build_engine, install_env_trace, synthetic_note
+from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
 
 
 @dataclass(frozen=True)

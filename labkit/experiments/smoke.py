@@ -5,7 +5,7 @@ from pathlib import Path
 
 from engine import SamplingParams
 from labkit.evidence import default_out, write_evidence
-from labkit.experiments.common import build_engine, install_env_trace, synthetic_note
+from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
 
 SMOKE_MESSAGES = [{"role": "user", "content": "In one sentence, what does a KV cache store?"}]
 

@@ -103,7 +103,7 @@ def run_cached_forward(out: str | Path | None = None, *, model: str | None = Non
     """``labkit principles cached-forward``: both paths, ``repeats`` times; errors from the first repeat."""
     import torch
 
-    from labkit.experiments.common import detect_device, synthetic_note
+    from labkit.lab_engine import detect_device, synthetic_note
     from labkit.guardrails.collect import hf_dtype, load_reference_model
     from labkit.guardrails.suites import DTYPE_CHOICES, TOKEN_HIGH, tokens_sha256
     from labkit.assets.identity import model_identity

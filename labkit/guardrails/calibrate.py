@@ -34,7 +34,7 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
     baseline: nano eager (lhs, ``tp`` ranks) against hf (rhs). graph: nano graph (lhs) against nano eager (rhs).
     """
     from labkit.checks import get_checkpoint
-    from labkit.experiments.common import detect_device
+    from labkit.lab_engine import detect_device
 
     _validate_choices(suite, "nano", "eager", attention, dtype)
     device = detect_device(device)
@@ -83,7 +83,7 @@ def calibrate(suites: tuple[str, ...] = ("baseline", "graph"), backends: tuple[s
 
     from engine.attention import available_backends
     from labkit.evidence import default_out, write_evidence
-    from labkit.experiments.common import detect_device
+    from labkit.lab_engine import detect_device
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model
 

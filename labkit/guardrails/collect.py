@@ -80,7 +80,7 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
                  expect_uncovered: bool = False, seed: int = DEFAULT_SEED, dtype: str = "auto",
                  progress: Callable[[int], None] | None = None, tp: int = 1) -> dict:
     """Teacher-forced logits of the embedded engine along ``suite_name``; writes PREFIX.json and PREFIX.npz."""
-    from labkit.experiments.common import build_engine, detect_device, synthetic_note
+    from labkit.lab_engine import build_engine, detect_device, synthetic_note
 
     _validate_choices(suite_name, "nano", execution, attention, dtype)
     device = detect_device(device)
@@ -268,7 +268,7 @@ def collect_hf(suite_name: str, out: str | Path | None = None, *, model: str | N
     """The reference rows: transformers recomputes each row's whole prefix. Writes PREFIX.json/.npz."""
     import transformers
 
-    from labkit.experiments.common import detect_device, synthetic_note
+    from labkit.lab_engine import detect_device, synthetic_note
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model
 

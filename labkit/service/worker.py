@@ -391,7 +391,7 @@ class Worker:
             self._shutdown_owner()
 
     def _build(self) -> None:
-        from labkit.experiments.common import build_engine
+        from labkit.lab_engine import build_engine
 
         cfg = self.config
         overrides = dict(max_num_batched_tokens=cfg.batch_tokens, max_num_seqs=cfg.batch_seqs,

@@ -120,7 +120,7 @@ def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, re
     facts["physical_bound_tok_s"] = 35000
     facts["share_of_bound"] = round(facts["median_tok_s"] / 35000, 3)
     if profile:
-        from labkit.bench_profile import profile_run
+        from labkit.bench.profile import profile_run
         engine.reset_prefix_cache()
         facts["profile"] = profile_run(engine, prompts, params)
     _release(engine)
@@ -236,7 +236,7 @@ def bench_hf_baseline(model_dir: str, device: str, attention: str, num_seqs: int
 def run_bench(workload: str, out: Path | None = None, model: str | None = None, device: str = "auto",
               attention: str = "auto", baseline: str | None = None, repeats: int = 1, eager: bool = False,
               profile: bool = False, sweep: bool = False, overlap: bool = False) -> dict:
-    from labkit.experiments.common import detect_device
+    from labkit.lab_engine import detect_device
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model
 
@@ -275,7 +275,7 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
 
 def _run_attention_bench(out: Path | None, device: str, attention: str, sweep: bool) -> dict:
     from engine.attention import available_backends
-    from labkit.bench_attention import bench_attention
+    from labkit.bench.attention import bench_attention
 
     if not device.startswith("cuda"):
         raise UserError("bench --workload attention needs CUDA (it times GPU kernels)")
