@@ -109,7 +109,6 @@ class ModelRunner:
         self.generator.manual_seed(config.seed)
         self._seq_generators: dict[int, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
-        self.last_route: dict = {"backend": self.attention_backend, "route": "eager", "bucket": None}  # TODO(seam)
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.warm_paths()
         if not config.enforce_eager:
@@ -314,7 +313,6 @@ class ModelRunner:
     def run_model(self, inputs: StepInputs, route: Route | None = None) -> torch.Tensor:
         """Hidden states of the last position of each sequence -> logits [N, vocab]."""
         route = self.route_for(inputs) if route is None else route
-        self.last_route = {"backend": self.attention_backend, "route": route.kind, "bucket": route.bucket}
         if route.kind == "graph":          # the graph includes the LM head
             return self.graphs.replay(route.bucket, inputs.input_ids, inputs.positions, inputs.meta)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
@@ -342,9 +340,6 @@ class ModelRunner:
         with hooks.phase("forward", step):
             route = self.route_for(inputs)
             return self.run_model(inputs, route), route
-
-    def compute_logits(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None) -> torch.Tensor:
-        return self.forward(seqs, is_prefill, feed)[0]   # TODO(seam): labkit moves to LLMEngine.forward_logits
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, step: int = 0) -> list[int]:
         with self.hooks.phase("sample", step):

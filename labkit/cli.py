@@ -185,7 +185,7 @@ def run(
 ) -> None:
     """Run every checkpoint this machine can run, in order; the rest are NOT-RUN with the reason."""
     from labkit.evidence import runs_dir
-    from labkit.runner import run_all
+    from labkit.run_all import run_all
 
     if model is not None and not model.is_dir():
         raise UserError(f"--model {model}: not a directory")
@@ -301,7 +301,7 @@ def bench(
     json_out: JsonOpt = False,
 ) -> None:
     """Measure throughput / latency on a fixed workload; every repeat is kept in the evidence."""
-    from labkit.bench import run_bench
+    from labkit.bench.run import run_bench
     from labkit.evidence import default_out
 
     path = out or default_out(f"bench-{workload}.json")
@@ -325,16 +325,6 @@ class Preset(str, enum.Enum):
     qwen3_0_6b = "qwen3-0.6b"
 
 
-def _model_assets():
-    try:
-        from labkit import model_assets
-    except ModuleNotFoundError as e:
-        if e.name == "labkit.model_assets":
-            raise UserError("model assets are not available in this build (labkit.model_assets is missing)") from None
-        raise
-    return model_assets
-
-
 def _show_result(result: object, title: str, json_out: bool) -> None:
     if json_out:
         print_json(result)
@@ -354,8 +344,9 @@ def model_synth(
     json_out: JsonOpt = False,
 ) -> None:
     """Write a Hugging Face Qwen3 directory with seeded random weights."""
-    ma = _model_assets()
-    path = ma.synth_model(preset.value, out, seed=seed, dtype=dtype, force=force)
+    from labkit.assets.synth import synth_model
+
+    path = synth_model(preset.value, out, seed=seed, dtype=dtype, force=force)
     summary = {"path": str(path), "preset": preset.value, "seed": seed, "dtype": dtype, "synthetic": True}
     if json_out:
         print_json(summary)
@@ -370,8 +361,9 @@ def model_inspect(
     json_out: JsonOpt = False,
 ) -> None:
     """Show a model directory's identity: config, hashes, synthetic or real."""
-    ma = _model_assets()
-    info = ma.inspect_model(path)
+    from labkit.assets.identity import inspect_model
+
+    info = inspect_model(path)
     _show_result(info, f"model {rel(path)}", json_out)
     if isinstance(info, dict) and info.get("synthetic") and not json_out:
         note("synthetic model: random weights; any text it generates is meaningless")
@@ -385,10 +377,12 @@ def model_download(
     json_out: JsonOpt = False,
 ) -> None:
     """Download Qwen3-0.6B from the Hugging Face Hub (needs network access)."""
-    ma = _model_assets()
-    target = out if out is not None else ma.default_cache_dir() / "models" / "Qwen3-0.6B"
+    from labkit.assets.download import download_model
+    from labkit.assets.files import default_cache_dir
+
+    target = out if out is not None else default_cache_dir() / "models" / "Qwen3-0.6B"
     kwargs = {"revision": revision} if revision else {}
-    result = ma.download_model(target, weights=weights, **kwargs)
+    result = download_model(target, weights=weights, **kwargs)
     _show_result(result, "downloaded", json_out)
 
 
@@ -415,12 +409,7 @@ _register_rooms()
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
-    types: list[type[BaseException]] = [UserError, FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError]
-    ma = sys.modules.get("labkit.model_assets")
-    model_error = getattr(ma, "ModelError", None)
-    if isinstance(model_error, type) and issubclass(model_error, BaseException):
-        types.append(model_error)
-    return tuple(types)
+    return (UserError, FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError)
 
 
 def _message(e: BaseException) -> str:

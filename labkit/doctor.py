@@ -141,7 +141,7 @@ def check_runs_writable(directory: Path | None = None) -> dict:
 def engine_memory(model: str | None, device: str) -> tuple[dict, dict, dict]:
     """Build the lab's default engine and report its KV sizing (appendix B.8.3): weights, peak work memory,
     KV budget, bytes per block and the number of blocks. Returns (facts, engine description, model identity)."""
-    from labkit.experiments.common import build_engine
+    from labkit.lab_engine import build_engine
 
     built = build_engine(model, device)
     try:

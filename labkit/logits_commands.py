@@ -193,12 +193,13 @@ def logits_collect(
     json_out: JsonOpt = False,
 ) -> None:
     """Teacher-forced logits along a suite's fixed trajectory: PREFIX.json (trajectory, routes, checks) + PREFIX.npz."""
-    from labkit import logits as lg
+    from labkit.guardrails.collect import collect
+    from labkit.guardrails.suites import SUITES, build_suite, parse_buckets
 
-    buckets = lg.parse_buckets(graph_buckets)
+    buckets = parse_buckets(graph_buckets)
     with _progress() as make:
-        tick = make(f"collect {backend} {suite}", lg.build_suite(suite, seed).expected_rows) if suite in lg.SUITES else None
-        record = lg.collect(backend, suite, out, model=str(model) if model else None, device=device, attention=attention,
+        tick = make(f"collect {backend} {suite}", build_suite(suite, seed).expected_rows) if suite in SUITES else None
+        record = collect(backend, suite, out, model=str(model) if model else None, device=device, attention=attention,
                             execution=execution, graph_buckets=buckets, expect_uncovered=expect_uncovered, seed=seed,
                             dtype=dtype, progress=tick, tp=tp)
     if not json_out:
@@ -218,11 +219,11 @@ def logits_compare(
     json_out: JsonOpt = False,
 ) -> None:
     """Row by row: max abs, relative L2, top-1 and the reference's top-2 margin; PASS / REVIEW / FAIL."""
-    from labkit import logits as lg
+    from labkit.guardrails.compare import compare
 
     if lhs is None or rhs is None:
         raise UserError("both --lhs PREFIX and --rhs PREFIX are required")
-    record = lg.compare(lhs, rhs, out, max_abs=max_abs, rel_l2=rel_l2, kv_max_abs=kv_max_abs)
+    record = compare(lhs, rhs, out, max_abs=max_abs, rel_l2=rel_l2, kv_max_abs=kv_max_abs)
     if not json_out:
         for t in _compare_tables(record):
             console.print(t)
@@ -248,11 +249,12 @@ def logits_guard(
     json_out: JsonOpt = False,
 ) -> None:
     """Collect a suite's guardrail pair and compare it in one go: baseline = nano eager vs hf; graph = nano graph vs nano eager."""
-    from labkit import logits as lg
+    from labkit.guardrails.calibrate import guard
+    from labkit.guardrails.suites import parse_buckets
 
-    buckets = lg.parse_buckets(graph_buckets)
+    buckets = parse_buckets(graph_buckets)
     with _progress() as make:
-        record = lg.guard(suite, out, model=str(model) if model else None, device=device, attention=attention,
+        record = guard(suite, out, model=str(model) if model else None, device=device, attention=attention,
                           graph_buckets=buckets, seed=seed, dtype=dtype, max_abs=max_abs, rel_l2=rel_l2, kv_max_abs=kv_max_abs,
                           lhs_out=lhs_out, rhs_out=rhs_out, progress=make, tp=tp)
     if not json_out:
@@ -276,7 +278,7 @@ def principles_cached_forward(
     json_out: JsonOpt = False,
 ) -> None:
     """Transformers with and without KV cache along one trajectory: widths, positions, logit errors, timings (B.1.6)."""
-    from labkit.principles import run_cached_forward
+    from labkit.guardrails.cached_forward import run_cached_forward
 
     record = run_cached_forward(out, model=str(model) if model else None, device=device, prompt_len=prompt_len,
                                 steps=steps, repeats=repeats, seed=seed, dtype=dtype)
@@ -320,10 +322,10 @@ def logits_calibrate(
     json_out: JsonOpt = False,
 ) -> None:
     """Error distribution of the engine against transformers per suite, dtype and backend, over repeats."""
-    from labkit import logits as lg
+    from labkit.guardrails.calibrate import calibrate
 
     split = lambda text: tuple(x.strip() for x in text.split(",") if x.strip())  # noqa: E731
-    record = lg.calibrate(split(suites), split(backends) if backends else None, split(dtypes), repeats, out,
+    record = calibrate(split(suites), split(backends) if backends else None, split(dtypes), repeats, out,
                           model=str(model) if model else None, device=device, seed=seed)
     if json_out:
         print_json(record)
@@ -344,7 +346,7 @@ def principles_shapes(
     json_out: JsonOpt = False,
 ) -> None:
     """How Qwen3's layers split over TP ranks: heads, qkv rows, column/row/vocab splits (static, handbook 5.6.2)."""
-    from labkit.shapes import run_shapes
+    from labkit.experiments.tp_shapes import run_shapes
 
     record = run_shapes(tp, str(model) if model else None, out)
     if not json_out:

@@ -15,7 +15,8 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     weights and the real Qwen vocabulary (151936 rows). Treat it as read-only: every test in
     the session shares it; copy it (shutil.copytree) before changing anything.
     """
-    from labkit.model_assets import synth_model, validate_model_dir
+    from labkit.assets.identity import validate_model_dir
+    from labkit.assets.synth import synth_model
 
     out = tmp_path_factory.mktemp("tiny-model", numbered=True) / "tiny-seed0"
     path = synth_model("tiny", out, seed=0)

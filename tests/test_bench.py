@@ -4,9 +4,25 @@ from __future__ import annotations
 import pytest
 
 from engine import LLMEngine
-from labkit.bench import fixed_workload, run_bench
-from labkit.bench_profile import PARTS, profile_run
+from labkit.bench.run import fixed_workload, run_bench
+from labkit.bench.profile import PARTS, profile_run
 from labkit.errors import UserError
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_profile_times_every_part_of_every_decode_step(tiny_model_dir, overlap):
+    """The parts come from the engine's step hooks, which the overlapped path calls too: every decode
+    step (including those launched ahead of the previous step's tokens) has a prepare, forward, sample
+    and postprocess time, and the step count matches the synchronous run."""
+    engine = LLMEngine(str(tiny_model_dir), device="cpu", enforce_eager=True, max_num_seqs=4,
+                       max_num_batched_tokens=256, max_model_len=256, overlap=overlap)
+    prompts, params = fixed_workload(4, 40, 8)
+    facts = profile_run(engine, prompts, params, window_start=1, window_steps=2)
+    decode = facts["decode"]
+    assert decode["steps"] == 7 and decode["tokens"] == 28
+    for part in PARTS:
+        assert decode["ms_per_step_by_part"][part] > 0, (overlap, part)
+    engine.close()
 
 
 def test_profile_run_accounts_for_every_step(tiny_model_dir):
@@ -23,8 +39,8 @@ def test_profile_run_accounts_for_every_step(tiny_model_dir):
     assert abs(facts["prefill"]["share_of_time"] + facts["decode"]["share_of_time"] - 1) < 0.01
     window = facts["kernel_window"]
     assert window["decode_steps"] == 2 and window["first_decode_step"] == 1 and window["batch"] == 4
-    # the instance wrappers are gone: the engine runs as before and generates the same greedy tokens
-    assert "run_model" not in engine.runner.__dict__ and "schedule" not in engine.__dict__
+    # the timer's hooks are removed: the engine runs as before and generates the same greedy tokens
+    assert not engine.hooks
     again = engine.generate(prompts, params)
     assert all(len(o["token_ids"]) == 6 for o in again)
     engine.close()
@@ -43,7 +59,7 @@ def test_bench_rejects_bad_combinations(kw, message, tmp_path):
 
 
 def test_timed_generate_records_every_step(tiny_model_dir):
-    from labkit.bench import timed_generate
+    from labkit.bench.run import timed_generate
 
     engine = LLMEngine(str(tiny_model_dir), device="cpu", enforce_eager=True, max_num_seqs=4,
                        max_num_batched_tokens=64, max_model_len=256)

@@ -97,13 +97,13 @@ def test_doctor_on_missing_cuda_is_one_line():
 
 
 def test_model_inspect_missing_dir_is_one_line():
-    pytest.importorskip("labkit.model_assets")
+    pytest.importorskip("labkit.assets.identity")
     proc = labkit_process("model", "inspect", "/nonexistent/model-dir")
     _assert_one_line_error(proc, "/nonexistent/model-dir")
 
 
 def test_run_one_checkpoint_writes_log_and_report(runs):
-    from labkit.runner import run_all
+    from labkit.run_all import run_all
 
     rows = run_all(stage="setup.doctor", show_progress=False)
     assert [(r["id"], r["verdict"], r["exit_code"]) for r in rows] == [("setup.doctor", "PASS", 0)], rows
@@ -115,7 +115,7 @@ def test_run_one_checkpoint_writes_log_and_report(runs):
 
 
 def test_run_marks_unavailable_hardware_not_run(runs, monkeypatch):
-    from labkit import runner
+    import labkit.run_all as runner
 
     monkeypatch.setattr(runner, "machine", lambda: {"cuda_device_count": 0, "cuda_devices": []})
     cp = checks.Checkpoint(id="cuda.x", title="t", command=["labkit", "x"], evidence="runs/cuda-x.json",
@@ -128,7 +128,7 @@ def test_run_marks_unavailable_hardware_not_run(runs, monkeypatch):
 
 
 def test_run_command_adds_model_only_where_taken():
-    from labkit.runner import build_command
+    from labkit.run_all import build_command
 
     cp = checks.get_checkpoint("setup.doctor")
     cmd = build_command(cp, Path("/tmp/e.json"), model="/m")
@@ -150,7 +150,7 @@ def test_doctor_engine_reports_kv_pool_sizing(tiny_model_dir, tmp_path):
 
 def test_qwen3_block_is_28_mib_in_bf16():
     """Appendix B.1.5 / B.8.3: one 256-token block of Qwen3-0.6B across all layers is 28 MiB in BF16."""
-    from labkit.model_assets import PRESETS
+    from labkit.assets.synth import PRESETS
 
     cfg = PRESETS["qwen3-0.6b"]
     per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * cfg["head_dim"] * 2

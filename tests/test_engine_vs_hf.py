@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
-from labkit.logits import teacher_forced
+from labkit.guardrails.forcing import teacher_forced
 
 TOLERANCE = 1e-4     # measured worst on the tiny model: ~1e-6 (see the closing note of issue 2)
 
@@ -47,7 +47,7 @@ def test_prefix_cache_hit_gives_the_same_logits(tiny_model_dir, hf_model):
     seq = engine.add_request(shared + [11, 12, 13], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     seqs, is_prefill = engine.schedule()
     assert seq.num_cached_tokens == 64 and seq.num_scheduled_tokens == 3      # 4 blocks reused
-    row = engine.runner.compute_logits(seqs, is_prefill)[0]
+    row = engine.forward_logits(seqs, is_prefill)[0][0]
     with torch.no_grad():
         ref = hf_model(torch.tensor([shared + [11, 12, 13]]), use_cache=False).logits[0, -1]
     assert (ref - row).abs().max().item() < TOLERANCE and first

@@ -138,7 +138,7 @@ def test_triton_store_skips_padding_slots():
 
 @pytest.fixture(scope="module")
 def gpu_model_dir(tmp_path_factory):
-    from labkit.model_assets import synth_model
+    from labkit.assets.synth import synth_model
     return synth_model("tiny", tmp_path_factory.mktemp("tiny") / "m", dtype="float32")
 
 

@@ -9,9 +9,10 @@ import pytest
 from labkit.checks import load_checkpoints
 from labkit.errors import UserError
 from labkit.evidence import repo_root
-from labkit.load import LoadOptions, Router, run_load, split_out
-from labkit.report import read_log
-from labkit.tracegen import TraceOptions, read_trace, render, warmup_requests, write_trace
+from labkit.load.replay import LoadOptions, Router, run_load
+from labkit.service.events import split_out
+from labkit.load.report import read_log
+from labkit.load.trace import TraceOptions, read_trace, render, warmup_requests, write_trace
 
 SHIPPED = repo_root() / "workloads" / "mixed.jsonl"
 MIXED = TraceOptions(requests=12, prompt_tokens=32, long_prompt_tokens=768, long_every=4, max_tokens=64,
@@ -196,11 +197,12 @@ def test_profile_dir_writes_trace_and_operator_table(tmp_path, tiny_model_dir):
     p = json.loads((prof / "profile.json").read_text())
     assert p["kind"] == "profile" and p["verdict"] == "PASS"
     ranges = p["facts"]["ranges"]
-    assert ranges["step"]["count"] > 0 and ranges["run_model"]["count"] == ranges["step"]["count"]
-    assert ranges["prepare_prefill"]["count"] + ranges["prepare_decode"]["count"] == ranges["step"]["count"]
+    assert ranges["step"]["count"] > 0 and ranges["forward"]["count"] == ranges["step"]["count"]
+    for phase in ("schedule", "prepare", "sample", "postprocess"):      # the engine's hooks, every step
+        assert ranges[phase]["count"] == ranges["step"]["count"], phase
     assert (prof / "trace.json").stat().st_size > 0 and "Name" in (prof / "operators.txt").read_text()
     names = {e.get("name") for e in json.loads((prof / "trace.json").read_text())["traceEvents"]}
-    assert {"step", "run_model", "prepare_decode"} <= names
+    assert {"step", "forward", "prepare", "sample"} <= names
 
 
 def test_service_checkpoints_are_valid():

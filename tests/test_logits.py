@@ -12,9 +12,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from labkit import logits as lg
 from labkit.checks import check_evidence, get_checkpoint
 from labkit.errors import UserError
+from labkit.guardrails.calibrate import calibrate
+from labkit.guardrails.collect import collect, expected_route
+from labkit.guardrails.compare import compare, judge_rows
+from labkit.guardrails.suites import build_suite, trajectory_sha256
 from labkit.logits_commands import EXIT_REVIEW
 
 
@@ -40,8 +43,8 @@ def baseline(tiny_model_dir, tmp_path_factory, app):
 @pytest.fixture(scope="module")
 def graph(tiny_model_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("graph")
-    nano = lg.collect("nano", "graph", d / "nano", model=str(tiny_model_dir), device="cpu", execution="eager")
-    hf = lg.collect("hf", "graph", d / "hf", model=str(tiny_model_dir), device="cpu")
+    nano = collect("nano", "graph", d / "nano", model=str(tiny_model_dir), device="cpu", execution="eager")
+    hf = collect("hf", "graph", d / "hf", model=str(tiny_model_dir), device="cpu")
     return d, nano, hf
 
 
@@ -64,27 +67,27 @@ def rewrite_npz(prefix, **changes):
 
 
 def test_suites_have_the_handbook_row_counts():
-    base = lg.build_suite("baseline")
+    base = build_suite("baseline")
     assert base.expected_rows == 15 and len(base.rows()) == 15
     assert [len(g.requests) for g in base.groups] == [1, 2, 1, 2]
     assert [r.max_tokens for g in base.groups for r in g.requests] == [3, 2, 5, 3, 1, 1]
     assert [len(r.prompt) for r in base.groups[3].requests] == [700, 32]
-    graph = lg.build_suite("graph")
+    graph = build_suite("graph")
     assert [len(g.requests) for g in graph.groups] == [1, 9, 16, 17, 20] and graph.expected_rows == 126
     for g in graph.groups:
         lengths = [len(r.prompt) for r in g.requests]
         assert len(set(lengths)) == len(lengths)               # different lengths inside a batch
     # the trajectory is a function of the seed only
-    assert lg.trajectory_sha256(lg.build_suite("graph").rows()) == lg.trajectory_sha256(graph.rows())
-    assert lg.trajectory_sha256(lg.build_suite("graph", seed=1).rows()) != lg.trajectory_sha256(graph.rows())
+    assert trajectory_sha256(build_suite("graph").rows()) == trajectory_sha256(graph.rows())
+    assert trajectory_sha256(build_suite("graph", seed=1).rows()) != trajectory_sha256(graph.rows())
 
 
 def test_expected_route_picks_the_smallest_covering_bucket_else_eager():
     b = [1, 2, 4, 8, 16]
-    assert lg.expected_route("graph", "decode", 9, b) == ("graph", 16)
-    assert lg.expected_route("graph", "decode", 17, b) == ("eager", None)
-    assert lg.expected_route("graph", "prefill", 1, b) == ("eager", None)
-    assert lg.expected_route("eager", "decode", 1, b) == ("eager", None)
+    assert expected_route("graph", "decode", 9, b) == ("graph", 16)
+    assert expected_route("graph", "decode", 17, b) == ("eager", None)
+    assert expected_route("graph", "prefill", 1, b) == ("eager", None)
+    assert expected_route("eager", "decode", 1, b) == ("eager", None)
 
 
 # --------------------------------------------------------------------------- baseline
@@ -132,10 +135,10 @@ def test_a_corrupted_npz_row_fails_and_is_named(baseline, tmp_path, app):
 
 
 def test_mismatched_trajectories_and_models_are_refused(baseline, tiny_model_dir, tmp_path, app):
-    other = lg.collect("hf", "baseline", tmp_path / "seed1", model=str(tiny_model_dir), device="cpu", seed=1)
+    other = collect("hf", "baseline", tmp_path / "seed1", model=str(tiny_model_dir), device="cpu", seed=1)
     assert other["facts"]["trajectory_sha256"] != json.loads((baseline / "engine-hf.json").read_text())["facts"]["trajectory_sha256"]
     with pytest.raises(UserError, match=r"trajectories differ at row 1 \(lhs A/A/1"):
-        lg.compare(baseline / "engine-nano", tmp_path / "seed1", tmp_path / "x.json")
+        compare(baseline / "engine-nano", tmp_path / "seed1", tmp_path / "x.json")
     res = run_cli(app, "logits", "compare", "--lhs", baseline / "engine-nano", "--rhs", tmp_path / "seed1",
                   "--out", tmp_path / "x.json")
     assert res.exit_code == 2 and "trajectories differ" in res.output and "Traceback" not in res.output
@@ -146,7 +149,7 @@ def test_mismatched_trajectories_and_models_are_refused(baseline, tiny_model_dir
     rec["model"]["weights_sha256"] = "0" * 64
     (tmp_path / "other-model.json").write_text(json.dumps(rec))
     with pytest.raises(UserError, match="weights sha256 differs"):
-        lg.compare(baseline / "engine-nano", other_model, tmp_path / "y.json")
+        compare(baseline / "engine-nano", other_model, tmp_path / "y.json")
 
 
 # --------------------------------------------------------------------------- REVIEW
@@ -155,10 +158,10 @@ def test_mismatched_trajectories_and_models_are_refused(baseline, tiny_model_dir
 def test_review_needs_a_flip_inside_the_measured_error():
     def m(max_abs, margin, flip):
         return {"max_abs": max_abs, "rel_l2": 1e-6, "top1_lhs": 1 if flip else 0, "top1_rhs": 0, "ref_margin": margin}
-    assert lg.judge_rows([m(1e-3, 0.5, False)], 0.5, 0.02)[0] == "PASS"
-    assert lg.judge_rows([m(1e-3, 0.5, False), m(1e-3, 5e-4, True)], 0.5, 0.02)[0] == "REVIEW"
-    assert lg.judge_rows([m(1e-3, 2e-3, True)], 0.5, 0.02)[0] == "FAIL"            # margin >= error: real flip
-    assert lg.judge_rows([m(1e-3, 5e-4, True), m(0.9, 0.5, False)], 0.5, 0.02)[0] == "FAIL"
+    assert judge_rows([m(1e-3, 0.5, False)], 0.5, 0.02)[0] == "PASS"
+    assert judge_rows([m(1e-3, 0.5, False), m(1e-3, 5e-4, True)], 0.5, 0.02)[0] == "REVIEW"
+    assert judge_rows([m(1e-3, 2e-3, True)], 0.5, 0.02)[0] == "FAIL"            # margin >= error: real flip
+    assert judge_rows([m(1e-3, 5e-4, True), m(0.9, 0.5, False)], 0.5, 0.02)[0] == "FAIL"
 
 
 def test_a_near_tie_flip_gives_review_and_exit_3(baseline, tmp_path, app):
@@ -205,7 +208,7 @@ def test_graph_suite_collects_126_rows_with_kv_checks(graph):
 
 def test_graph_suite_nano_matches_hf(graph, tmp_path):
     d, _, _ = graph
-    rec = lg.compare(d / "nano", d / "hf", tmp_path / "c.json")
+    rec = compare(d / "nano", d / "hf", tmp_path / "c.json")
     assert rec["verdict"] == "PASS" and rec["facts"]["num_rows"] == 126
     assert rec["facts"]["kv"]["compared"] is False and "only lhs" in rec["facts"]["kv"]["why_not"]
     assert rec["facts"]["worst_max_abs"] < 1e-4
@@ -213,11 +216,11 @@ def test_graph_suite_nano_matches_hf(graph, tmp_path):
 
 def test_new_kv_is_compared_and_a_corrupted_kv_row_fails(graph, tmp_path):
     d, _, _ = graph
-    same = lg.compare(d / "nano", d / "nano", tmp_path / "same.json")
+    same = compare(d / "nano", d / "nano", tmp_path / "same.json")
     assert same["verdict"] == "PASS" and same["facts"]["kv"]["compared"] and same["facts"]["kv"]["rows"] == 63
     bad = copy_collection(d / "nano", tmp_path / "bad")
     rewrite_npz(bad, kv_new=lambda a: a.__setitem__((5, 1, 0), a[5, 1, 0] + 0.5))
-    rec = lg.compare(bad, d / "nano", tmp_path / "bad.json")
+    rec = compare(bad, d / "nano", tmp_path / "bad.json")
     with np.load(d / "nano.npz") as z:
         row = int(z["kv_rows"][5])
     first = rec["facts"]["first_divergent_row"]
@@ -255,7 +258,7 @@ def test_compare_of_missing_files_is_a_user_error(app, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_uncovered_batch_17_falls_back_to_eager(tmp_path):
-    rec = lg.collect("nano", "graph", tmp_path / "unc", execution="graph", expect_uncovered=True, device="cuda")
+    rec = collect("nano", "graph", tmp_path / "unc", execution="graph", expect_uncovered=True, device="cuda")
     eu = rec["facts"]["expect_uncovered"]
     assert rec["verdict"] == "PASS", rec["checks"]
     assert eu["route"] == "eager" and eu["completed"] and eu["error"] is None
@@ -263,7 +266,7 @@ def test_cuda_uncovered_batch_17_falls_back_to_eager(tmp_path):
 
 
 def test_calibrate_reports_a_distribution_over_repeats(tiny_model_dir, tmp_path):
-    rec = lg.calibrate(("baseline",), ("torch",), ("float32",), 2, tmp_path / "cal.json", model=str(tiny_model_dir),
+    rec = calibrate(("baseline",), ("torch",), ("float32",), 2, tmp_path / "cal.json", model=str(tiny_model_dir),
                        device="cpu", work_dir=tmp_path / "work")
     (res,) = rec["facts"]["results"]
     assert res["num_rows"] == 15 and len(res["repeats"]) == 2 and res["min_top1_agree"] == 15
@@ -271,4 +274,4 @@ def test_calibrate_reports_a_distribution_over_repeats(tiny_model_dir, tmp_path)
     assert res["repeat_spread_max_abs"] == 0.0          # the CPU engine is deterministic run to run
     assert not list((tmp_path / "work").glob("nano-*.npz"))   # engine arrays are not kept
     with pytest.raises(UserError, match="unknown suite"):
-        lg.calibrate(("nope",), ("torch",), ("float32",), 1, model=str(tiny_model_dir), device="cpu")
+        calibrate(("nope",), ("torch",), ("float32",), 1, model=str(tiny_model_dir), device="cpu")

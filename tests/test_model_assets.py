@@ -1,4 +1,4 @@
-"""labkit.model_assets: synthetic Qwen3 directories, validation, download errors, resolution."""
+"""labkit.assets: synthetic Qwen3 directories, validation, download errors, resolution."""
 
 from __future__ import annotations
 
@@ -11,18 +11,13 @@ from pathlib import Path
 
 import pytest
 
-import labkit.model_assets as ma
+from labkit.assets import download, identity, synth, tokenizer
+from labkit.assets.download import download_model
+from labkit.assets.files import ModelError
+from labkit.assets.identity import inspect_model, model_identity, validate_model_dir
+from labkit.assets.resolve import ModelRef, resolve_model
+from labkit.assets.synth import synth_model
 from labkit.errors import UserError
-from labkit.model_assets import (
-    ModelError,
-    ModelRef,
-    download_model,
-    inspect_model,
-    model_identity,
-    resolve_model,
-    synth_model,
-    validate_model_dir,
-)
 
 TEXT = "The quick brown fox jumps over the lazy dog. 敏捷的棕色狐狸跳过了懒狗。 Hello, 世界!\n  code: x = 42"
 
@@ -43,7 +38,7 @@ def tok(tiny_model_dir):
 @pytest.fixture
 def isolated_cache(tmp_path, monkeypatch):
     """LABKIT_CACHE in tmp_path, pre-seeded with the converted tokenizer (saves a rebuild)."""
-    built = ma._cached_tokenizer_json()
+    built = tokenizer._cached_tokenizer_json()
     cache = tmp_path / "cache"
     (cache / "tokenizer").mkdir(parents=True)
     shutil.copyfile(built, cache / "tokenizer" / built.name)
@@ -73,12 +68,12 @@ def test_layout_and_config(tiny_model_dir):
 
 
 def test_qwen3_06b_preset_has_the_real_shapes():
-    cfg = ma.PRESETS["qwen3-0.6b"]
+    cfg = synth.PRESETS["qwen3-0.6b"]
     assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
             cfg["head_dim"], cfg["intermediate_size"], cfg["vocab_size"]) == (1024, 28, 16, 8, 128, 3072, 151936)
     assert cfg["tie_word_embeddings"] is True and cfg["rope_theta"] == 1000000
     assert cfg["max_position_embeddings"] == 40960 and cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
-    n = sum(eval("*".join(map(str, shape))) for _, shape, _, _ in ma._param_specs(cfg))
+    n = sum(eval("*".join(map(str, shape))) for _, shape, _, _ in synth._param_specs(cfg))
     assert n == 596_049_920  # Qwen3-0.6B's parameter count (tied embeddings)
 
 
@@ -131,7 +126,7 @@ def test_tokenizer_round_trip_and_special_ids(tok):
     assert tok.decode(ids) == TEXT
     assert tok.convert_tokens_to_ids("<|im_end|>") == 151645
     assert tok.convert_tokens_to_ids("<|endoftext|>") == 151643
-    for tid, content, _ in ma.SPECIAL_TOKENS:
+    for tid, content, _ in tokenizer.SPECIAL_TOKENS:
         assert tok.convert_tokens_to_ids(content) == tid
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>" and tok.bos_token is None
     assert tok.encode("Hello")[0] == 9707  # the real Qwen id of "Hello"
@@ -144,9 +139,9 @@ def test_tokenizer_round_trip_and_special_ids(tok):
 def test_tokenizer_ids_match_tiktoken(tok):
     import tiktoken
 
-    ranks = ma._load_tiktoken_ranks(ma._tiktoken_file())
+    ranks = tokenizer._load_tiktoken_ranks(tokenizer._tiktoken_file())
     assert len(ranks) == 151643 and max(ranks.values()) == 151642
-    enc = tiktoken.Encoding("qwen-test", pat_str=ma.QWEN_SPLIT_REGEX, mergeable_ranks=ranks, special_tokens={})
+    enc = tiktoken.Encoding("qwen-test", pat_str=tokenizer.QWEN_SPLIT_REGEX, mergeable_ranks=ranks, special_tokens={})
     for text in (TEXT, "人工智能正在改变世界，machine learning isn't magic! 🚀🚀 \t\n\n  def f(x):\n    return x**2"):
         assert tok.encode(text) == enc.encode_ordinary(text)
 
@@ -172,8 +167,8 @@ def test_chat_template_with_and_without_thinking(tok):
 
 
 def test_tokenizer_json_is_cached_by_tiktoken_sha(tiny_model_dir):
-    cached = ma._cached_tokenizer_json()
-    digest = hashlib.sha256(ma._tiktoken_file().read_bytes()).hexdigest()
+    cached = tokenizer._cached_tokenizer_json()
+    digest = hashlib.sha256(tokenizer._tiktoken_file().read_bytes()).hexdigest()
     assert digest[:24] in cached.name
     assert cached.read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
     merges = json.loads(cached.read_text())["model"]["merges"]
@@ -224,7 +219,7 @@ def test_interrupted_synth_leaves_no_directory(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ma, "_make_weights", boom)
+    monkeypatch.setattr(synth, "_make_weights", boom)
     with pytest.raises(KeyboardInterrupt):
         synth_model("tiny", tmp_path / "half")
     assert list(tmp_path.iterdir()) == []
@@ -258,12 +253,12 @@ def test_model_identity_caches_and_notices_changes(tiny_model_dir, tmp_path, mon
     assert ident["weights_sha256"] == model_identity(tiny_model_dir)["weights_sha256"]
     # second call: served from the cache, no hashing of the weights
     calls = []
-    real = ma._sha256_file
-    monkeypatch.setattr(ma, "_sha256_file", lambda p, h=None: (calls.append(Path(p).name), real(p, h))[1])
+    real = identity._sha256_file
+    monkeypatch.setattr(identity, "_sha256_file", lambda p, h=None: (calls.append(Path(p).name), real(p, h))[1])
     assert model_identity(d) == ident
     assert "model.safetensors" not in calls
     # the on-disk cache survives a new process (simulated by clearing the in-memory one)
-    ma._HASH_CACHE.clear()
+    identity._HASH_CACHE.clear()
     assert model_identity(d) == ident and "model.safetensors" not in calls
     # changing the weights changes the fingerprint
     with open(d / "model.safetensors", "r+b") as f:
@@ -324,7 +319,7 @@ def test_download_offline_fails_fast_with_one_line(tmp_path, monkeypatch):
     with pytest.raises(ModelError) as e:
         download_model(tmp_path / "dl")
     msg = one_line(e)
-    assert "Qwen/Qwen3-0.6B@" + ma.DEFAULT_REVISION in msg and "--model DIR" in msg
+    assert "Qwen/Qwen3-0.6B@" + download.DEFAULT_REVISION in msg and "--model DIR" in msg
     assert time.monotonic() - t0 < 5
 
 
@@ -376,7 +371,7 @@ def test_resolve_default_synthesizes_once_and_reuses(isolated_cache, monkeypatch
 
 def test_resolve_default_on_cuda_uses_the_06b_preset(isolated_cache, monkeypatch):
     # keep the test fast: the 0.6b preset is swapped for tiny shapes, only the name matters here
-    monkeypatch.setitem(ma.PRESETS, "qwen3-0.6b", ma.PRESETS["tiny"])
+    monkeypatch.setitem(synth.PRESETS, "qwen3-0.6b", synth.PRESETS["tiny"])
     ref = resolve_model(None, "cuda:0")
     assert (ref.source, ref.preset) == ("default", "qwen3-0.6b")
     assert ref.path.name == "qwen3-0.6b-seed0"

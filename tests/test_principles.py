@@ -5,7 +5,7 @@ import pytest
 from typer.testing import CliRunner
 
 from labkit.checks import check_evidence, get_checkpoint
-from labkit.principles import expected_counts, run_cached_forward
+from labkit.guardrails.cached_forward import expected_counts, run_cached_forward
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from labkit.errors import UserError
-from labkit.report import compare, percentile, summarize
+from labkit.load.report import compare, percentile, summarize
 
 MS = 1_000_000
 

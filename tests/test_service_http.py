@@ -14,7 +14,7 @@ from labkit.service import client
 from labkit.service.events import MemorySink
 from labkit.service.server import ServerThread, bind_socket
 from labkit.service.worker import Worker, WorkerConfig
-from labkit.tracegen import token_ids
+from labkit.load.trace import token_ids
 
 MAX_MODEL_LEN = 512
 
@@ -60,7 +60,7 @@ def _idle(request):
 
 
 def kv(server) -> tuple[int, int]:
-    return server.worker.run_on_owner(lambda e: (e.block_manager.num_free_blocks, e.block_manager.num_blocks))
+    return server.worker.run_on_owner(lambda e: (e.stats().free_blocks, e.stats().num_blocks))
 
 
 def test_port_zero_prints_a_real_url(server):

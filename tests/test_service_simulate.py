@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from labkit.checks import check_evidence, get_checkpoint
-from labkit.service.simulate import run_simulate
+from labkit.load.simulate import run_simulate
 
 
 def test_simulate_passes_its_checkpoint(tiny_model_dir, tmp_path):

@@ -10,7 +10,7 @@ from engine import RequestError, SamplingParams
 from labkit.errors import UserError
 from labkit.service.events import MemorySink
 from labkit.service.worker import DuplicateRequest, Worker, WorkerConfig, WorkerUnavailable
-from labkit.tracegen import token_ids
+from labkit.load.trace import token_ids
 
 
 def ids(name: str, n: int = 20) -> list[int]:
@@ -22,7 +22,7 @@ def greedy(n: int) -> SamplingParams:
 
 
 def blocks(worker: Worker) -> tuple[int, int]:
-    return worker.run_on_owner(lambda e: (e.block_manager.num_free_blocks, e.block_manager.num_blocks))
+    return worker.run_on_owner(lambda e: (e.stats().free_blocks, e.stats().num_blocks))
 
 
 @pytest.fixture(scope="module")

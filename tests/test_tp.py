@@ -12,7 +12,7 @@ TP_TOLERANCE = 1e-4      # float32; measured worst 1.7e-5 on the tiny model (iss
 
 
 def forced_rows(engine, prompts, conts):
-    from labkit.logits import teacher_forced
+    from labkit.guardrails.forcing import teacher_forced
     return teacher_forced(engine, prompts, conts)
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from engine import RequestError, SamplingParams
 from labkit.errors import UserError
 from labkit.evidence import default_out, write_evidence
-from labkit.experiments.common import build_engine, install_env_trace, synthetic_note
+from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
 
 
 def parse_token_ids(text: str) -> list[int]:

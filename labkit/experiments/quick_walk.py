@@ -12,7 +12,7 @@ from engine import SamplingParams
 from engine.observe import EngineEvent
 from labkit.errors import UserError
 from labkit.evidence import default_out, write_evidence
-from labkit.experiments.common import build_engine, install_env_trace, synthetic_note
+from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,7 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
     while not engine.is_finished():
         engine.step()
     steps = recorder.steps
+    stats = engine.stats()
     facts = {
         "case": case, "title": spec.title,
         "options": {"budget": budget, "max_num_seqs": max_num_seqs or 256, "block_size": block_size,
@@ -154,8 +155,8 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
         "output_counts": [s.num_completion_tokens for s in seqs],
         "final": [{"label": n, "cached": s.num_cached_tokens, "block_table": list(s.block_table),
                    "status": s.status.name, "finish_reason": s.finish_reason} for n, s in zip(names, seqs)],
-        "free_blocks_end": engine.block_manager.num_free_blocks,
-        "num_blocks": engine.block_manager.num_blocks,
+        "free_blocks_end": stats.free_blocks,
+        "num_blocks": stats.num_blocks,
         "derived": derive(steps, names, block_size),
         "step_digest": [{"step": st["step"], "phase": st["phase"],
                          "before": [[s["label"], s["total"], s["cached"], s["scheduled"], len(s["block_table"])] for s in st["before"]],
@@ -184,7 +185,6 @@ def _debug_prompt(engine) -> None:
 
     import engine.llm_engine as engine_module  # noqa: F401  (for `b engine_module.LLMEngine.step`)
 
-    scheduler, runner, block_manager = engine.scheduler, engine.runner, engine.block_manager  # noqa: F841
-    print("debug: engine initialized (warmup done). Try: b engine_module.LLMEngine.step, then c",
-          file=sys.stderr)
+    print("debug: engine initialized (warmup done); `engine` is in scope (its parts: engine.scheduler, "
+          "engine.runner, engine.block_manager). Try: b engine_module.LLMEngine.step, then c", file=sys.stderr)
     pdb.Pdb().set_trace()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 from engine import SamplingParams
 from labkit.evidence import default_out, write_evidence
-from labkit.experiments.common import build_engine, install_env_trace, synthetic_note
+from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
 
 SMOKE_MESSAGES = [{"role": "user", "content": "In one sentence, what does a KV cache store?"}]
 
@@ -26,7 +26,7 @@ def run_smoke(out: Path | None = None, model: str | None = None, device: str = "
         "output_token_counts": [len(r["token_ids"]) for r in results],
         "output_token_ids": [r["token_ids"] for r in results],
         "text": [r["text"] for r in results],
-        "kv_blocks": engine.runner.num_kvcache_blocks,
+        "kv_blocks": engine.stats().num_blocks,
         "steps": engine.num_steps,
         "note": synthetic_note(built.model),
     }

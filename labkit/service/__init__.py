@@ -5,14 +5,15 @@ Pieces, each one file:
 - :mod:`labkit.service.worker`: the Worker. One thread creates and owns the engine; ``submit()``
   puts a request into a bounded queue, the owner admits it at a step boundary, and every request
   gets its own bounded event stream (submitted, admitted, token i, finished).
-- :mod:`labkit.service.events`: the event records and the JSONL log they are written to.
-- :mod:`labkit.service.protocol`: request validation for the native and the OpenAI-compatible API.
+- :mod:`labkit.service.stream`: that stream (``RequestHandle``), read sync or async.
+- :mod:`labkit.service.events`: the event records, the JSONL log they are written to and its header.
+- :mod:`labkit.service.protocol`: request validation for the native and the OpenAI-compatible API
+  (and the request-id and tag rules).
 - :mod:`labkit.service.server`: the HTTP front (aiohttp): ``/generate`` (NDJSON), ``/cancel``,
   ``/health``, ``/metrics``, ``/v1/completions``, ``/v1/chat/completions`` (SSE), ``/v1/models``.
 - :mod:`labkit.service.client`: the HTTP client used by ``labkit client`` and ``labkit load``.
 - :mod:`labkit.service.metrics`: Prometheus text for ``/metrics``.
 - :mod:`labkit.service.profiling`: torch.profiler around owner-thread steps (``load --profile-dir``).
-- :mod:`labkit.service.simulate`: ``labkit simulate``: the whole chain on CPU with lifecycle faults.
 - :mod:`labkit.service.commands`: the Typer commands (serve, client, trace, load, report, simulate).
 
 Server stack: aiohttp. It is installed on the GPU image (which has no fastapi/uvicorn/starlette), it

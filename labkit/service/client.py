@@ -302,7 +302,7 @@ def run_client(endpoint: str, prompt: str | None = None, max_tokens: int = 32, r
 
 async def _client_main(endpoint, prompt, token_ids, max_tokens, request_id, cancel_after, out, api, temperature,
                        ignore_eos, timeout_s) -> dict:
-    from labkit.load import log_header
+    from labkit.service.events import log_header
 
     events: list[dict] = []
     async with session(timeout_s) as sess:

@@ -133,7 +133,7 @@ def register(app: typer.Typer) -> None:
                                     "model": built.model.get("path"), "synthetic": built.model.get("synthetic"),
                                     "policy": policy, "batch tokens / seqs": f"{batch_tokens} / {batch_seqs}",
                                     "max active / queue": f"{max_active} / {queue_size}",
-                                    "KV blocks": built.engine.block_manager.num_blocks,
+                                    "KV blocks": built.engine.stats().num_blocks,
                                     "log": str(out) if out else "(none)"}, title="labkit serve"))
             if built.model.get("synthetic"):
                 note("synthetic model: random weights; generated text is meaningless")
@@ -194,7 +194,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write a fixed arrival trace (the same bytes for the same options)."""
         from labkit.console import console, kv_table, print_json
-        from labkit.tracegen import TraceOptions, write_trace
+        from labkit.load.trace import TraceOptions, write_trace
 
         summary = write_trace(out, TraceOptions(requests, prompt_tokens, long_prompt_tokens, long_every, max_tokens,
                                                 interval_ms, seed))
@@ -234,7 +234,8 @@ def register(app: typer.Typer) -> None:
         """Replay an arrival trace in process or against servers; events to JSONL, evidence next to it."""
         from labkit.console import console, note, rel
         from labkit.evidence import default_out
-        from labkit.load import LoadOptions, run_load, split_out
+        from labkit.load.replay import LoadOptions, run_load
+        from labkit.service.events import split_out
 
         out = out or default_out("load.jsonl")
         opts = LoadOptions(trace=trace, out=out, model=str(model) if model else None, endpoints=_endpoints(endpoints),
@@ -266,7 +267,7 @@ def register(app: typer.Typer) -> None:
         """TTFT / ITL / TPOT percentiles, throughput over the common window, terminations; JSON + Markdown + PNG."""
         from labkit.console import console, note, print_json, rel
         from labkit.evidence import default_out
-        from labkit.report import compare
+        from labkit.load.report import compare
 
         out = out or default_out("comparison.json")
         paths = [p.strip() for p in inputs.split(",") if p.strip()]
@@ -294,8 +295,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """The service chain on CPU (Worker → HTTP → client → report) through cancel, overload, faults and shutdown."""
         from labkit.console import console
-        from labkit.load import split_out
-        from labkit.service.simulate import run_simulate
+        from labkit.service.events import split_out
+        from labkit.load.simulate import run_simulate
 
         record = run_simulate(out, model=str(model) if model else None)
         if not json_out:

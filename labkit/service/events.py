@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from labkit.evidence import to_jsonable
+from labkit.evidence import envelope, to_jsonable
 
 FINISH_REASONS = ("stop", "length", "cancelled", "rejected", "error")
 CANCEL_CAUSES = ("client", "disconnect", "slow_consumer", "shutdown")
@@ -127,3 +127,28 @@ def fan_out(*sinks: Sink | None) -> Sink | None:
             s(record)
 
     return sink
+
+
+def split_out(out: str | Path) -> tuple[Path, Path]:
+    """(events JSONL, evidence JSON) from one ``--out``."""
+    out = Path(out)
+    if out.suffix == ".json":
+        return out.with_suffix(".jsonl"), out
+    return out, out.with_suffix(".json")
+
+
+def log_header(role: str, healths: list[dict | None], extra: dict) -> dict:
+    """Header for a log written on the client side: identity as the servers report it."""
+    known = [h for h in healths if h]
+    kinds = sorted({h.get("kind") for h in known if h.get("kind")})
+    env = envelope(kind=kinds[0] if len(kinds) == 1 else "static")
+    env["kind"] = kinds[0] if len(kinds) == 1 else None
+    if len(kinds) > 1:
+        env["kinds"] = kinds
+    first = known[0] if known else {}
+    env["model"] = first.get("model")
+    env["engine"] = first.get("engine")
+    env["device"] = None
+    env["servers"] = [{k: h.get(k) for k in ("worker_id", "kind", "served_model_name", "max_model_len")} if h else None
+                      for h in healths]
+    return {**env, "role": role, **extra}

@@ -1,9 +1,9 @@
 """StepProfiler: torch.profiler around the owner's steps (handbook 5.5.1), started after warmup.
 
-Ranges (``record_function``): ``step`` (one ``engine.step()``), ``prepare_prefill`` /
-``prepare_decode`` (the runner's input building: host lists and their tensors), ``run_model`` (the
-forward and logits). The engine is not edited: the runner's methods are wrapped on the instance
-while profiling and restored afterwards. Start and stop run on the owner thread (``Worker.run_on_owner``), so the
+Ranges (``record_function``): ``step`` (one ``engine.step()``) and the engine's step phases from its
+hooks (engine/observe.py): ``schedule``, ``prepare`` (host lists and their tensors), ``forward`` (the
+model and the logits), ``sample``, ``postprocess``. The hooks are registered while profiling and removed
+afterwards; both step paths (one at a time, overlapped) call them. Start and stop run on the owner thread (``Worker.run_on_owner``), so the
 profiler sees the thread that does the work. Output in ``DIR``: ``trace.json`` (Chrome trace:
 chrome://tracing or Perfetto), ``operators.txt`` (the operator summary table), ``profile.json``
 (evidence kind ``profile``: range counts and times, top operators). Profiling adds overhead: its
@@ -17,7 +17,25 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-RANGES = ("step", "prepare_prefill", "prepare_decode", "run_model")
+from engine.observe import StepHooks
+
+RANGES = ("step", "schedule", "prepare", "forward", "sample", "postprocess")
+
+
+class _RangeHooks(StepHooks):
+    """Opens a profiler range for each engine phase."""
+
+    def __init__(self, record_function):
+        self._record_function = record_function
+        self._open: list = []
+
+    def phase_start(self, name: str, step: int) -> None:
+        rng = self._record_function(name)
+        rng.__enter__()
+        self._open.append(rng)
+
+    def phase_end(self, name: str, step: int, seconds: float) -> None:
+        self._open.pop().__exit__(None, None, None)
 
 
 class StepProfiler:
@@ -27,7 +45,7 @@ class StepProfiler:
         self.row_limit = row_limit
         self._prof = None
         self._worker = None
-        self._wrapped: list[str] = []
+        self._remove_hooks = None
 
     def prime(self) -> None:
         """An empty profile on the calling (main) thread first, so Kineto initialises on the thread
@@ -45,7 +63,7 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU]
         if self.device.startswith("cuda") and torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
-        self._wrapped = _wrap_runner(engine.runner, record_function)
+        self._remove_hooks = engine.add_hooks(_RangeHooks(record_function))
         worker._range = record_function
         self._worker = worker
         self._prof = profile(activities=activities, record_shapes=False)
@@ -60,8 +78,9 @@ class StepProfiler:
             torch.cuda.synchronize()
         self._prof.__exit__(None, None, None)
         worker._range = None
-        for name in self._wrapped:
-            engine.runner.__dict__.pop(name, None)        # back to the class's method
+        if self._remove_hooks is not None:
+            self._remove_hooks()
+            self._remove_hooks = None
         prof, self._prof = self._prof, None
         self.out_dir.mkdir(parents=True, exist_ok=True)
         trace = self.out_dir / "trace.json"
@@ -72,31 +91,6 @@ class StepProfiler:
         (self.out_dir / "operators.txt").write_text(table + "\n", encoding="utf-8")
         return {"trace": str(trace), "operators": str(self.out_dir / "operators.txt"),
                 "ranges": _ranges(averages), "top_operators": _top(averages, self.row_limit)}
-
-
-def _wrap_runner(runner, record_function) -> list[str]:
-    """Instance-level wrappers that open the ranges; returns the wrapped attribute names.
-
-    ``prepare_prefill``/``prepare_decode`` cover the runner's whole input building: the host lists
-    (``plan_*``) and their tensors (``to_inputs``, copies to the device)."""
-    names: list[str] = []
-
-    def wrap(name: str, make):
-        setattr(runner, name, make(getattr(runner, name)))
-        names.append(name)
-
-    def ranged(label: str):
-        def make(f):
-            def wrapped(*args, **kwargs):
-                with record_function(label):
-                    return f(*args, **kwargs)
-            return wrapped
-        return make
-
-    wrap("prepare_prefill", ranged("prepare_prefill"))
-    wrap("prepare_decode", ranged("prepare_decode"))
-    wrap("run_model", ranged("run_model"))
-    return names
 
 
 def _device_us(evt) -> float:

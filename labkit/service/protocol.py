@@ -13,6 +13,7 @@ refused with a 400 that names them.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,10 @@ from engine import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TAG_VALUE_TYPES = (str, int, float, bool, type(None))
+REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}")
+#: Event field names a request's tags may not use.
+RESERVED_FIELDS = frozenset({"event", "request_id", "worker_id", "round", "t_ns", "observer", "prompt_tokens",
+                             "max_tokens", "queue_depth", "index", "token_id", "reason", "cause", "message"})
 
 
 class ApiError(Exception):
@@ -161,8 +166,6 @@ def _request_id(body: dict) -> str | None:
         return None
     if not isinstance(rid, str) or not rid:
         raise bad("request_id must be a non-empty string", "request_id", "invalid_type")
-    from labkit.service.worker import REQUEST_ID_RE
-
     if not REQUEST_ID_RE.fullmatch(rid):
         raise bad(f"request_id must match {REQUEST_ID_RE.pattern}", "request_id")
     return rid
@@ -174,8 +177,6 @@ def _tags(body: dict) -> dict:
         return {}
     if not isinstance(tags, dict) or len(tags) > 16:
         raise bad("tags must be an object of at most 16 fields", "tags", "invalid_type")
-    from labkit.service.worker import RESERVED_FIELDS
-
     for k, v in tags.items():
         if not isinstance(k, str) or len(k) > 64 or k in RESERVED_FIELDS:
             raise bad(f"tag name {_show(k)} is not allowed", "tags")

@@ -39,7 +39,8 @@ from engine import RequestError
 from labkit.errors import UserError
 from labkit.service import protocol
 from labkit.service.protocol import ApiError, GenRequest, Limits
-from labkit.service.worker import DuplicateRequest, RequestHandle, Worker, WorkerUnavailable
+from labkit.service.stream import RequestHandle
+from labkit.service.worker import DuplicateRequest, Worker, WorkerUnavailable
 
 POLL_S = 0.5          # how often a waiting handler checks that its client is still there
 

@@ -46,29 +46,25 @@ Shutdown
     step, the remaining handles are finished with ``error`` from the closing thread.
 
 Test hooks: ``pause()``/``resume()`` hold the owner at a step boundary (so a test can fill the queue
-deterministically), ``inject_fault(at_step)`` makes the model runner raise inside ``engine.step()``,
+deterministically), ``inject_fault(at_step)`` raises inside ``engine.step()`` just before the forward (a step hook),
 ``set_feeder(fn)`` calls ``fn(round)`` on the owner before each admission (round-mode replay).
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import itertools
-import re
 import threading
-import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 from engine import RequestError, SamplingParams
+from engine.observe import StepHooks
 from labkit.errors import UserError
 from labkit.service.events import Sink, make_event, now_ns
 from labkit.service.metrics import ServiceStats
-
-REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}")
-RESERVED_FIELDS = frozenset({"event", "request_id", "worker_id", "round", "t_ns", "observer", "prompt_tokens",
-                             "max_tokens", "queue_depth", "index", "token_id", "reason", "cause", "message"})
+from labkit.service.protocol import REQUEST_ID_RE, RESERVED_FIELDS
+from labkit.service.stream import RequestHandle
 
 
 class WorkerUnavailable(RuntimeError):
@@ -81,6 +77,23 @@ class DuplicateRequest(ValueError):
 
 class InjectedFault(RuntimeError):
     """Raised inside engine.step() by ``Worker.inject_fault`` (tests and ``labkit simulate``)."""
+
+
+class _WorkerHooks(StepHooks):
+    """The worker's view of the step path: which seqs a step carries (so an engine error names the
+    requests it affects), and the point just before the forward where an injected fault is raised."""
+
+    def __init__(self, worker: "Worker"):
+        self.worker = worker
+
+    def on_scheduled(self, step: int, is_prefill: bool, batch: list[tuple[int, int]]) -> None:
+        self.worker._scheduled_ids.update(sid for sid, _ in batch)
+
+    def before_forward(self, step: int, inputs: Any) -> None:
+        fault = self.worker._fault
+        if fault is not None and step >= fault.at_step:
+            self.worker._fault = None
+            raise InjectedFault(fault.message)
 
 
 @dataclass
@@ -111,119 +124,6 @@ class WorkerConfig:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if not REQUEST_ID_RE.fullmatch(self.worker_id):
             raise UserError(f"worker id must match {REQUEST_ID_RE.pattern}, got {self.worker_id!r}")
-
-
-# --------------------------------------------------------------------------- per-request stream
-
-
-class RequestHandle:
-    """A request's event stream: bounded, filled by the owner, read by one consumer (sync or async)."""
-
-    def __init__(self, request_id: str, limit: int, keep_tokens: bool = True):
-        self.request_id = request_id
-        self.limit = limit
-        self.keep_tokens = keep_tokens
-        self.rejected = False
-        self.result: dict | None = None          # the finished event
-        self.max_buffered = 0                    # high-water mark of unread events
-        self.done = threading.Event()
-        self._buf: deque[dict] = deque()
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-
-    # -- owner side ----------------------------------------------------------------
-    def _push(self, event: dict) -> bool:
-        """Append; False when more than ``limit`` events are now unread (slow consumer)."""
-        with self._lock:
-            self._buf.append(event)
-            n = len(self._buf)
-            self.max_buffered = max(self.max_buffered, n)
-        return n <= self.limit
-
-    def _finish(self, event: dict) -> None:
-        with self._lock:
-            self._buf.append(event)
-            self.max_buffered = max(self.max_buffered, len(self._buf))
-            self.result = event
-        self.done.set()
-        self._wake()
-
-    def _wake(self) -> None:
-        with self._lock:
-            waiters, self._waiters = self._waiters, []
-            self._cond.notify_all()
-        for loop, ev in waiters:
-            try:
-                loop.call_soon_threadsafe(ev.set)
-            except RuntimeError:        # the consumer's loop is closed
-                pass
-
-    # -- consumer side -----------------------------------------------------------------
-    @property
-    def finished(self) -> bool:
-        return self.done.is_set()
-
-    @property
-    def buffered(self) -> int:
-        with self._lock:
-            return len(self._buf)
-
-    def get(self, timeout: float | None = None) -> dict | None:
-        """The next event, blocking up to ``timeout`` seconds; None on timeout or after the end."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while not self._buf:
-                if self.result is not None:
-                    return None
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return None
-                self._cond.wait(left)
-            return self._buf.popleft()
-
-    def events(self, timeout: float = 60.0):
-        """Iterate until the finished event (inclusive); TimeoutError if a gap exceeds ``timeout``."""
-        while True:
-            ev = self.get(timeout)
-            if ev is None:
-                if self.result is not None:
-                    return
-                raise TimeoutError(f"request {self.request_id}: no event within {timeout} s")
-            yield ev
-            if ev["event"] == "finished":
-                return
-
-    def drain(self) -> list[dict]:
-        with self._lock:
-            out = list(self._buf)
-            self._buf.clear()
-            return out
-
-    async def aget(self, timeout: float | None = None) -> list[dict]:
-        """Every unread event, waiting up to ``timeout`` for the first; [] on timeout or at the end."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if self._buf or self.result is not None:
-                out = list(self._buf)
-                self._buf.clear()
-                return out
-            waiter = asyncio.Event()
-            self._waiters.append((loop, waiter))
-        try:
-            await asyncio.wait_for(waiter.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            with self._lock:
-                if (loop, waiter) in self._waiters:
-                    self._waiters.remove((loop, waiter))
-        return self.drain()
-
-    def wait(self, timeout: float | None = None) -> dict | None:
-        """The finished event, once there is one (None on timeout)."""
-        self.done.wait(timeout)
-        return self.result
 
 
 @dataclass
@@ -283,7 +183,7 @@ class Worker:
         self._unhealthy: str | None = None
         self._fault: _Fault | None = None
         self._feeder: Callable[[int], None] | None = None
-        self._last_batch: list[tuple[Any, int]] | None = None
+        self._scheduled_ids: set[int] = set()           # seqs in steps scheduled and not yet delivered
         self._range = None                            # profiler range factory (profiling.py)
         self._snapshot: dict = {"state": "starting"}
 
@@ -509,7 +409,7 @@ class Worker:
             self._shutdown_owner()
 
     def _build(self) -> None:
-        from labkit.experiments.common import build_engine
+        from labkit.lab_engine import build_engine
 
         cfg = self.config
         overrides = dict(max_num_batched_tokens=cfg.batch_tokens, max_num_seqs=cfg.batch_seqs,
@@ -524,21 +424,7 @@ class Worker:
         self.engine = self.built.engine
         if cfg.load_tokenizer:
             self.tokenizer = self.engine.tokenizer
-        self._wrap_runner(self.engine)
-
-    def _wrap_runner(self, engine) -> None:
-        """Wrap runner.run from the outside: remember the batch, raise an injected fault."""
-        original = engine.runner.run
-
-        def run(seqs, is_prefill, *rest):
-            self._last_batch = [(s, s.num_scheduled_tokens) for s in seqs]
-            fault = self._fault
-            if fault is not None and engine.num_steps >= fault.at_step:
-                self._fault = None
-                raise InjectedFault(fault.message)
-            return original(seqs, is_prefill, *rest)
-
-        engine.runner.run = run
+        self.engine.add_hooks(_WorkerHooks(self))
 
     def _has_work_locked(self) -> bool:
         if self._calls:
@@ -607,7 +493,6 @@ class Worker:
 
     def _step(self) -> None:
         engine = self.engine
-        self._last_batch = None
         t0 = now_ns()
         try:
             if self._range is not None:
@@ -620,6 +505,7 @@ class Worker:
             self._on_engine_error(exc)
             return
         self._round = out.step
+        self._scheduled_ids.difference_update(sid for sid, _ in out.scheduled)
         self._deliver(out, t0)
 
     def _deliver(self, out, t0: int) -> None:
@@ -629,13 +515,12 @@ class Worker:
             self.stats.steps[phase] += 1
             self.stats.step_seconds[phase] += out.seconds
         if self.config.log_steps and self.sink is not None:
-            batch = self._last_batch or []
             self.sink(make_event(
                 "step", None, self.worker_id, out.step, t_ns=t, phase=phase, num_seqs=len(out.seqs),
                 num_tokens=out.num_tokens, seconds=round(out.seconds, 6), start_ns=t0,
-                batch=[[self._rid(s), n] for s, n in batch],
+                batch=[[self._rid_of(sid), n] for sid, n in out.scheduled],
                 chunks=[self._rid_of(sid) for sid in out.outcome.discarded],
-                free_blocks=self.engine.block_manager.num_free_blocks))
+                free_blocks=self.engine.stats().free_blocks))
         slow: list[_Request] = []
         for seq_id, token_id in out.outcome.accepted.items():
             req = self._by_seq.get(seq_id)
@@ -668,10 +553,6 @@ class Worker:
             req = self._by_seq.get(seq_id)
             if req is not None:
                 req.handle._wake()
-
-    def _rid(self, seq) -> str | None:
-        req = self._by_seq.get(seq.seq_id)
-        return req.request_id if req else None
 
     def _rid_of(self, seq_id: int) -> str | None:
         req = self._by_seq.get(seq_id)
@@ -712,11 +593,11 @@ class Worker:
     # -- failures ----------------------------------------------------------------------------
     def _on_engine_error(self, exc: BaseException) -> None:
         message = " ".join(f"{type(exc).__name__}: {exc}".split())
-        batch = self._last_batch
-        if batch is not None:
-            affected = [self._by_seq[s.seq_id] for s, _ in batch if s.seq_id in self._by_seq]
+        if self._scheduled_ids:
+            affected = [self._by_seq[sid] for sid in sorted(self._scheduled_ids) if sid in self._by_seq]
         else:
             affected = list(self._active.values())
+        self._scheduled_ids.clear()
         with self.stats.lock:
             self.stats.engine_errors += 1
         for req in affected:
@@ -766,21 +647,11 @@ class Worker:
         self._by_seq.clear()
 
     def _consistent(self) -> tuple[bool, str]:
-        sch, bm = self.engine.scheduler, self.engine.block_manager
-        live = [*sch.waiting, *sch.running]
-        ids = {s.seq_id for s in live}
+        ids = self.engine.live_seq_ids()
         mine = {r.seq.seq_id for r in self._active.values()}
         if ids != mine:
             return False, f"scheduler holds seqs {sorted(ids)} but the worker has {sorted(mine)} admitted"
-        held = {b for s in live for b in s.block_table}
-        if held != bm.used_block_ids:
-            return False, f"{len(bm.used_block_ids - held)} used KV blocks belong to no live sequence"
-        if bm.num_free_blocks + len(bm.used_block_ids) != bm.num_blocks:
-            return False, "free + used KV blocks != pool size"
-        stale = [s.seq_id for s in live if s.num_scheduled_tokens]
-        if stale:
-            return False, f"seqs {stale} still have scheduled tokens"
-        return True, "consistent"
+        return self.engine.check_invariants()
 
     def _unavailable_reason(self) -> str:
         if self._closed:
@@ -823,10 +694,9 @@ class Worker:
         snap: dict[str, Any] = {"worker_id": self.worker_id, "round": self._round}
         engine = self.engine
         if engine is not None and threading.current_thread() is self._thread:
-            bm = engine.block_manager
-            snap.update(engine_waiting=len(engine.scheduler.waiting), engine_running=len(engine.scheduler.running),
-                        kv_blocks_total=bm.num_blocks, kv_blocks_free=bm.num_free_blocks,
-                        kv_blocks_used=bm.num_blocks - bm.num_free_blocks)
+            st = engine.stats()
+            snap.update(engine_waiting=st.waiting, engine_running=st.running, kv_blocks_total=st.num_blocks,
+                        kv_blocks_free=st.free_blocks, kv_blocks_used=st.num_blocks - st.free_blocks)
         with self._lock:
             snap.update(queue_depth=len(self._pending), active=len(self._active))
             merged = {**self._snapshot, **snap}

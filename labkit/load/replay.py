@@ -38,8 +38,8 @@ from typing import Any
 from engine import RequestError, SamplingParams
 from labkit.errors import UserError
 from labkit.evidence import envelope, write_evidence, write_json
-from labkit.service.events import EventLog
-from labkit.tracegen import read_trace, warmup_requests
+from labkit.service.events import EventLog, log_header, split_out
+from labkit.load.trace import read_trace, warmup_requests
 
 MODES = ("wall", "round")
 APIS = ("native", "openai")
@@ -75,14 +75,6 @@ class LoadOptions:
     show_progress: bool = True
 
 
-def split_out(out: str | Path) -> tuple[Path, Path]:
-    """(events JSONL, evidence JSON) from one ``--out``."""
-    out = Path(out)
-    if out.suffix == ".json":
-        return out.with_suffix(".jsonl"), out
-    return out, out.with_suffix(".json")
-
-
 def sampling(r: dict) -> SamplingParams:
     return SamplingParams(temperature=float(r.get("temperature", 0.0)), max_tokens=int(r["max_tokens"]),
                           ignore_eos=bool(r.get("ignore_eos", True)), seed=r.get("seed"))
@@ -90,23 +82,6 @@ def sampling(r: dict) -> SamplingParams:
 
 def tags_of(r: dict) -> dict:
     return {"class": r.get("class", "all"), "trace_index": r.get("index"), "warmup": bool(r.get("warmup", False))}
-
-
-def log_header(role: str, healths: list[dict | None], extra: dict) -> dict:
-    """Header for a log written on the client side: identity as the servers report it."""
-    known = [h for h in healths if h]
-    kinds = sorted({h.get("kind") for h in known if h.get("kind")})
-    env = envelope(kind=kinds[0] if len(kinds) == 1 else "static")
-    env["kind"] = kinds[0] if len(kinds) == 1 else None
-    if len(kinds) > 1:
-        env["kinds"] = kinds
-    first = known[0] if known else {}
-    env["model"] = first.get("model")
-    env["engine"] = first.get("engine")
-    env["device"] = None
-    env["servers"] = [{k: h.get(k) for k in ("worker_id", "kind", "served_model_name", "max_model_len")} if h else None
-                      for h in healths]
-    return {**env, "role": role, **extra}
 
 
 # --------------------------------------------------------------------------- routing
@@ -178,7 +153,7 @@ def run_load(opts: LoadOptions) -> dict:
                 log.write_header(header)
                 router = None
                 profile = _drive_inprocess(opts, worker, reqs, warm)
-            free, total = worker.run_on_owner(lambda e: (e.block_manager.num_free_blocks, e.block_manager.num_blocks))
+            free, total = worker.run_on_owner(lambda e: (e.stats().free_blocks, e.stats().num_blocks))
             facts["kv_blocks"] = {"free_at_end": free, "total": total}
             facts["kv_free_at_end_equals_total"] = free == total
             facts["profile"] = profile
@@ -190,7 +165,7 @@ def run_load(opts: LoadOptions) -> dict:
         elif worker is not None:
             worker.close()
         log.close()
-    from labkit.report import summarize
+    from labkit.load.report import summarize
 
     summary = summarize(events_path)
     facts.update(_facts(summary, reqs, opts, router))
@@ -398,7 +373,7 @@ def _stop_profile(opts: LoadOptions, worker, prof) -> dict | None:
     checks = [{"name": f"range {name} recorded", "passed": ranges.get(name, {}).get("count", 0) > 0,
                "expected": "count > 0", "actual": ranges.get(name, {}).get("count", 0),
                "why": "the profiler saw this range on the owner thread"}
-              for name in ("step", "run_model", "prepare_decode")]
+              for name in ("step", "prepare", "forward", "sample")]
     checks.append({"name": "Chrome trace written", "passed": Path(summary["trace"]).is_file(), "expected": True,
                    "actual": summary["trace"], "why": "open it in chrome://tracing or Perfetto"})
     record = write_evidence(Path(opts.profile_dir) / "profile.json", checkpoint=None, kind="profile",

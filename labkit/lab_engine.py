@@ -1,4 +1,4 @@
-"""Shared pieces of every experiment: model resolution, engine construction, evidence identity."""
+"""The lab's engine session: model resolution, engine construction with the lab defaults, evidence identity."""
 from __future__ import annotations
 
 import os
@@ -25,7 +25,9 @@ def detect_device(device: str = "auto") -> str:
 
 
 @dataclass
-class Built:
+class LabEngine:
+    """An engine built for the lab, with the model identity and device its evidence names."""
+
     engine: LLMEngine
     model: dict          # identity for evidence
     device: str
@@ -38,8 +40,9 @@ class Built:
         return self.engine.describe()
 
 
-def build_engine(model: str | None = None, device: str = "auto", attention: str = "auto", **overrides) -> Built:
-    from labkit.model_assets import model_identity, resolve_model
+def build_engine(model: str | None = None, device: str = "auto", attention: str = "auto", **overrides) -> LabEngine:
+    from labkit.assets.identity import model_identity
+    from labkit.assets.resolve import resolve_model
 
     device = detect_device(device)
     ref = resolve_model(model, device)
@@ -50,7 +53,7 @@ def build_engine(model: str | None = None, device: str = "auto", attention: str 
         raise UserError(str(exc)) from None
     identity = dict(model_identity(ref.path))
     identity["source"] = ref.source
-    return Built(engine, identity, device)
+    return LabEngine(engine, identity, device)
 
 
 def synthetic_note(model: dict) -> str | None:

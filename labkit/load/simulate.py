@@ -29,12 +29,11 @@ from typing import Any
 
 from engine import SamplingParams
 from labkit.evidence import default_out, write_evidence
-from labkit.load import split_out
 from labkit.service import client
-from labkit.service.events import EventLog, MemorySink, fan_out
+from labkit.service.events import EventLog, MemorySink, fan_out, split_out
 from labkit.service.server import ServerThread, bind_socket
 from labkit.service.worker import Worker, WorkerConfig, WorkerUnavailable
-from labkit.tracegen import token_ids
+from labkit.load.trace import token_ids
 
 CHECKPOINT = "service.simulate"
 QUEUE_SIZE = 3
@@ -60,7 +59,7 @@ async def _until(pred, timeout: float = 10.0, what: str = "condition") -> None:
 
 
 def _blocks(worker: Worker) -> dict:
-    free, total = worker.run_on_owner(lambda e: (e.block_manager.num_free_blocks, e.block_manager.num_blocks))
+    free, total = worker.run_on_owner(lambda e: (e.stats().free_blocks, e.stats().num_blocks))
     return {"free": free, "total": total, "all_free": free == total}
 
 
@@ -270,7 +269,7 @@ def run_simulate(out: str | Path | None = None, model: str | None = None) -> dic
     facts["seconds"] = round(time.monotonic() - t0, 2)
     facts["all_ok"] = all(s.get("ok") for s in facts["scenarios"].values())
     facts["failed_scenarios"] = [k for k, s in facts["scenarios"].items() if not s.get("ok")]
-    from labkit.report import summarize
+    from labkit.load.report import summarize
 
     summary = summarize(events_path)
     facts["report"] = {obs: {k: o[k] for k in ("requests", "completed", "terminations", "causes", "rejections",

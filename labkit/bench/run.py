@@ -120,7 +120,7 @@ def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, re
     facts["physical_bound_tok_s"] = 35000
     facts["share_of_bound"] = round(facts["median_tok_s"] / 35000, 3)
     if profile:
-        from labkit.bench_profile import profile_run
+        from labkit.bench.profile import profile_run
         engine.reset_prefix_cache()
         facts["profile"] = profile_run(engine, prompts, params)
     _release(engine)
@@ -152,9 +152,8 @@ def _decode_routes(engine: LLMEngine, prompts, params) -> list[str]:
     routes = set()
     while not engine.is_finished():
         out = engine.step()
-        if not out.is_prefill:
-            r = engine.runner.last_route
-            routes.add(f"graph:{r['bucket']}" if r["route"] == "graph" else "eager")
+        if out.seqs and not out.is_prefill:
+            routes.add(str(out.route))
     return sorted(routes)
 
 
@@ -236,8 +235,9 @@ def bench_hf_baseline(model_dir: str, device: str, attention: str, num_seqs: int
 def run_bench(workload: str, out: Path | None = None, model: str | None = None, device: str = "auto",
               attention: str = "auto", baseline: str | None = None, repeats: int = 1, eager: bool = False,
               profile: bool = False, sweep: bool = False, overlap: bool = False) -> dict:
-    from labkit.experiments.common import detect_device
-    from labkit.model_assets import model_identity, resolve_model
+    from labkit.lab_engine import detect_device
+    from labkit.assets.identity import model_identity
+    from labkit.assets.resolve import resolve_model
 
     if workload not in WORKLOADS:
         raise UserError(f"unknown workload {workload!r}: choose one of {', '.join(WORKLOADS)}")
@@ -274,7 +274,7 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
 
 def _run_attention_bench(out: Path | None, device: str, attention: str, sweep: bool) -> dict:
     from engine.attention import available_backends
-    from labkit.bench_attention import bench_attention
+    from labkit.bench.attention import bench_attention
 
     if not device.startswith("cuda"):
         raise UserError("bench --workload attention needs CUDA (it times GPU kernels)")

@@ -63,7 +63,9 @@ def run_shapes(tp: int, model: str | None, out: Path | None) -> dict:
     import json
 
     from labkit.evidence import default_out, write_evidence
-    from labkit.model_assets import PRESETS, model_identity, resolve_model
+    from labkit.assets.identity import model_identity
+    from labkit.assets.resolve import resolve_model
+    from labkit.assets.synth import PRESETS
 
     if model is None:
         cfg, identity = dict(PRESETS["qwen3-0.6b"]), {"preset": "qwen3-0.6b", "synthetic": None,

@@ -103,9 +103,11 @@ def run_cached_forward(out: str | Path | None = None, *, model: str | None = Non
     """``labkit principles cached-forward``: both paths, ``repeats`` times; errors from the first repeat."""
     import torch
 
-    from labkit.experiments.common import detect_device, synthetic_note
-    from labkit.logits import DTYPE_CHOICES, TOKEN_HIGH, hf_dtype, load_reference_model, tokens_sha256
-    from labkit.model_assets import model_identity, resolve_model
+    from labkit.lab_engine import detect_device, synthetic_note
+    from labkit.guardrails.collect import hf_dtype, load_reference_model
+    from labkit.guardrails.suites import DTYPE_CHOICES, TOKEN_HIGH, tokens_sha256
+    from labkit.assets.identity import model_identity
+    from labkit.assets.resolve import resolve_model
 
     for name, v in (("--prompt-len", prompt_len), ("--steps", steps), ("--repeats", repeats)):
         if not isinstance(v, int) or v < 1:

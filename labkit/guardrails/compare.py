@@ -1,0 +1,277 @@
+"""Compare two collections row by row (lhs measured, rhs reference) and judge them."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from labkit.errors import UserError
+from labkit.evidence import default_out, read_json, write_evidence
+from labkit.guardrails.suites import (
+    CHECKPOINT_BASELINE,
+    CHECKPOINT_GRAPH,
+    DEFAULT_KV_MAX_ABS,
+    DEFAULT_MAX_ABS,
+    DEFAULT_REL_L2,
+    _check,
+    _json_of,
+    _npz_of,
+    prefix_of,
+)
+
+
+@dataclass
+class Collection:
+    prefix: Path
+    record: dict
+    logits: np.ndarray
+    kv_new: np.ndarray | None
+    kv_rows: np.ndarray | None
+
+    @property
+    def facts(self) -> dict:
+        return self.record.get("facts") or {}
+
+    def label(self) -> str:
+        f = self.facts
+        if f.get("backend") == "hf":
+            return "hf"
+        return f"nano/{f.get('execution')}/{f.get('attention')}"
+
+    def summary(self) -> dict:
+        f, r = self.facts, self.record
+        out = {"prefix": str(self.prefix), "backend": f.get("backend"), "execution": f.get("execution"),
+               "attention": f.get("attention"), "dtype": f.get("dtype"), "device": r.get("device"),
+               "kind": r.get("kind"), "verdict": r.get("verdict"), "num_rows": f.get("num_rows"),
+               "engine_source_hash": r.get("engine_source_hash")}
+        if f.get("backend") == "nano":
+            out["tensor_parallel_size"] = f.get("tensor_parallel_size", 1)
+            out["routes_as_expected"] = f.get("routes_as_expected")
+            out["decode_routes"] = f.get("decode_routes")
+        if "kv" in f:
+            out["history_unchanged"] = f["kv"].get("history_unchanged")
+            out["padding_wrote_nothing"] = f["kv"].get("padding_wrote_nothing")
+        return out
+
+
+def load_collection(path: str | Path, side: str = "") -> Collection:
+    prefix = prefix_of(path)
+    jpath, npath = _json_of(prefix), _npz_of(prefix)
+    where = f"--{side} " if side else ""
+    for p in (jpath, npath):
+        if not p.is_file():
+            raise UserError(f"{where}{prefix}: {p.name} not found (run `labkit logits collect --out {prefix}` first)")
+    try:
+        record = read_json(jpath)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{where}{jpath}: unreadable JSON ({exc})") from None
+    facts = record.get("facts") if isinstance(record, dict) else None
+    if not isinstance(facts, dict) or "trajectory_sha256" not in facts or "rows" not in facts:
+        raise UserError(f"{where}{jpath} is not a `labkit logits collect` file")
+    try:
+        with np.load(npath) as z:
+            logits = np.asarray(z["logits"], dtype=np.float32)
+            kv_new = np.asarray(z["kv_new"], dtype=np.float32) if "kv_new" in z.files else None
+            kv_rows = np.asarray(z["kv_rows"], dtype=np.int64) if "kv_rows" in z.files else None
+    except (OSError, ValueError, KeyError) as exc:
+        raise UserError(f"{where}{npath}: unreadable arrays ({' '.join(str(exc).split())[:160]})") from None
+    if logits.ndim != 2 or logits.shape[0] != len(facts["rows"]):
+        raise UserError(f"{where}{npath}: logits shape {list(logits.shape)} does not match the "
+                        f"{len(facts['rows'])} rows of {jpath.name}")
+    return Collection(prefix, record, logits, kv_new, kv_rows)
+
+
+def _refuse_mismatch(lhs: Collection, rhs: Collection) -> None:
+    lf, rf = lhs.facts, rhs.facts
+    if lf.get("suite") != rf.get("suite"):
+        raise UserError(f"refusing to compare: suites differ (lhs {lf.get('suite')}, rhs {rf.get('suite')})")
+    lm, rm = lhs.record.get("model") or {}, rhs.record.get("model") or {}
+    for key in ("config_sha256", "weights_sha256"):
+        if not lm.get(key) or lm.get(key) != rm.get(key):
+            raise UserError(f"refusing to compare: model {key.split('_')[0]} sha256 differs "
+                            f"(lhs {str(lm.get(key))[:12]}, rhs {str(rm.get(key))[:12]})")
+    lrows, rrows = lf["rows"], rf["rows"]
+    if lf["trajectory_sha256"] != rf["trajectory_sha256"] or len(lrows) != len(rrows):
+        for a, b in zip(lrows, rrows):
+            if (a.get("id"), a.get("tokens_sha256")) != (b.get("id"), b.get("tokens_sha256")):
+                raise UserError(f"refusing to compare: trajectories differ at row {a.get('index')} "
+                                f"(lhs {a.get('id')} len {a.get('length')}, rhs {b.get('id')} len {b.get('length')})")
+        raise UserError(f"refusing to compare: trajectories differ (lhs {len(lrows)} rows, rhs {len(rrows)} rows; "
+                        f"seed {lf.get('seed')} vs {rf.get('seed')})")
+    if lhs.logits.shape != rhs.logits.shape:
+        raise UserError(f"refusing to compare: logits shapes differ ({list(lhs.logits.shape)} vs {list(rhs.logits.shape)})")
+
+
+def row_metrics(a: np.ndarray, b: np.ndarray) -> dict:
+    """a measured, b reference (1-D): max abs, relative L2, top-1 of each, reference top-2 margin."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    diff = a64 - b64
+    norm_b = float(np.linalg.norm(b64))
+    top2 = np.argpartition(-b64, 1)[:2]
+    top2 = top2[np.argsort(-b64[top2])]
+    return {"max_abs": float(np.max(np.abs(diff))),
+            "rel_l2": float(np.linalg.norm(diff) / norm_b) if norm_b > 0 else float(np.linalg.norm(diff)),
+            "top1_lhs": int(np.argmax(a64)), "top1_rhs": int(top2[0]),
+            "ref_margin": float(b64[top2[0]] - b64[top2[1]])}
+
+
+def judge_rows(metrics: list[dict], max_abs: float, rel_l2: float) -> tuple[str, list[dict]]:
+    """Mark each row's failures; verdict PASS (none), REVIEW (only explained top-1 flips) or FAIL.
+
+    A top-1 flip is explained when the reference's top-2 margin is smaller than the row's measured max
+    abs error: an error of that size can reorder two candidates that close.
+    """
+    explained_only = True
+    any_fail = False
+    for m in metrics:
+        reasons = []
+        if not (m["max_abs"] <= max_abs):
+            reasons.append("max_abs")
+        if not (m["rel_l2"] <= rel_l2):
+            reasons.append("rel_l2")
+        if m.get("kv_ok") is False:
+            reasons.append("kv")
+        m["top1_same"] = m["top1_lhs"] == m["top1_rhs"]
+        m["flip_explained"] = (not m["top1_same"]) and m["ref_margin"] < m["max_abs"]
+        if not m["top1_same"]:
+            reasons.append("top1_flip" if m["flip_explained"] else "top1")
+        m["failures"] = reasons
+        if reasons:
+            any_fail = True
+            if reasons != ["top1_flip"]:
+                explained_only = False
+    if not any_fail:
+        return "PASS", metrics
+    return ("REVIEW" if explained_only else "FAIL"), metrics
+
+
+def _compare_checkpoint(lhs: Collection, rhs: Collection) -> str | None:
+    lf, rf = lhs.facts, rhs.facts
+    if lf.get("suite") == "baseline" and lf.get("backend") == "nano" and rf.get("backend") == "hf":
+        return CHECKPOINT_BASELINE
+    if (lf.get("suite") == "graph" and lf.get("backend") == "nano" and lf.get("execution") == "graph"
+            and rf.get("backend") == "nano" and rf.get("execution") == "eager"):
+        return CHECKPOINT_GRAPH
+    return None
+
+
+def default_compare_out(lhs: str | Path, rhs: str | Path) -> Path:
+    """The checkpoint's evidence path when the pair is a known guardrail, else runs/logits-compare.json."""
+    try:
+        cp = _compare_checkpoint(load_collection(lhs, "lhs"), load_collection(rhs, "rhs"))
+    except UserError:
+        cp = None
+    if cp is not None:
+        from labkit.checks import get_checkpoint
+
+        return get_checkpoint(cp).evidence_path()
+    return default_out("logits-compare.json")
+
+
+def _row_brief(spec: dict, m: dict) -> dict:
+    return {"index": spec["index"], "id": spec["id"], "phase": spec["phase"], "length": spec["length"],
+            "max_abs": m["max_abs"], "rel_l2": m["rel_l2"], "top1_lhs": m["top1_lhs"], "top1_rhs": m["top1_rhs"],
+            "ref_margin": m["ref_margin"], **({"kv_max_abs": m["kv_max_abs"], "kv_rel_l2": m["kv_rel_l2"]}
+                                              if "kv_max_abs" in m else {}),
+            "failures": m.get("failures", [])}
+
+
+def compare(lhs_path: str | Path, rhs_path: str | Path, out: str | Path | None = None, *,
+            max_abs: float = DEFAULT_MAX_ABS, rel_l2: float = DEFAULT_REL_L2,
+            kv_max_abs: float = DEFAULT_KV_MAX_ABS, checkpoint: str | None = "auto", worst: int = 5) -> dict:
+    """``labkit logits compare``: lhs is measured, rhs the reference. Writes the evidence JSON."""
+    for name, v in (("--max-abs", max_abs), ("--rel-l2", rel_l2), ("--kv-max-abs", kv_max_abs)):
+        if not (isinstance(v, (int, float)) and v >= 0 and np.isfinite(v)):
+            raise UserError(f"{name} must be a finite number >= 0, got {v!r}")
+    lhs, rhs = load_collection(lhs_path, "lhs"), load_collection(rhs_path, "rhs")
+    _refuse_mismatch(lhs, rhs)
+    specs = lhs.facts["rows"]
+    metrics = [row_metrics(lhs.logits[i], rhs.logits[i]) for i in range(len(specs))]
+    kv_compared = (lhs.kv_new is not None and rhs.kv_new is not None and lhs.kv_rows is not None
+                   and rhs.kv_rows is not None and np.array_equal(lhs.kv_rows, rhs.kv_rows)
+                   and lhs.kv_new.shape == rhs.kv_new.shape)
+    kv_summary: dict[str, Any] = {"compared": bool(kv_compared), "max_abs_threshold": kv_max_abs,
+                                  "rel_l2_threshold": rel_l2}
+    if kv_compared:
+        kv_max, kv_rel = [], []
+        for j, r in enumerate(lhs.kv_rows.tolist()):
+            a, b = lhs.kv_new[j].astype(np.float64), rhs.kv_new[j].astype(np.float64)
+            d = a - b
+            nb = float(np.linalg.norm(b))
+            m = metrics[r]
+            m["kv_max_abs"] = float(np.max(np.abs(d)))
+            m["kv_rel_l2"] = float(np.linalg.norm(d) / nb) if nb > 0 else float(np.linalg.norm(d))
+            m["kv_ok"] = m["kv_max_abs"] <= kv_max_abs and m["kv_rel_l2"] <= rel_l2
+            kv_max.append(m["kv_max_abs"])
+            kv_rel.append(m["kv_rel_l2"])
+        kv_summary.update({"rows": len(kv_max), "worst_max_abs": max(kv_max, default=0.0),
+                           "worst_rel_l2": max(kv_rel, default=0.0),
+                           "rows_within": sum(1 for r in lhs.kv_rows.tolist() if metrics[r]["kv_ok"])})
+    else:
+        have = [s for s, c in (("lhs", lhs), ("rhs", rhs)) if c.kv_new is not None]
+        kv_summary["why_not"] = ("neither side has new-KV arrays" if not have else
+                                 f"only {have[0]} has new-KV arrays" if len(have) == 1 else "new-KV rows differ")
+    verdict, metrics = judge_rows(metrics, max_abs, rel_l2)
+    failing = [i for i, m in enumerate(metrics) if m["failures"]]
+    first = _row_brief(specs[failing[0]], metrics[failing[0]]) if failing else None
+    by_abs = sorted(range(len(metrics)), key=lambda i: (-metrics[i]["max_abs"], i))[:worst]
+    max_abs_all = [m["max_abs"] for m in metrics]
+    rel_all = [m["rel_l2"] for m in metrics]
+    flips = [i for i, m in enumerate(metrics) if not m["top1_same"]]
+    unexplained = [i for i in flips if not metrics[i]["flip_explained"]]
+    facts = {
+        "suite": lhs.facts.get("suite"), "seed": lhs.facts.get("seed"),
+        "lhs": lhs.summary(), "rhs": rhs.summary(),
+        "thresholds": {"max_abs": max_abs, "rel_l2": rel_l2, "kv_max_abs": kv_max_abs},
+        "trajectory_sha256": lhs.facts["trajectory_sha256"], "trajectory_match": True, "model_match": True,
+        "num_rows": len(metrics),
+        "worst_max_abs": max(max_abs_all), "worst_rel_l2": max(rel_all),
+        "median_max_abs": float(np.median(max_abs_all)), "median_rel_l2": float(np.median(rel_all)),
+        "rows_within_max_abs": sum(1 for v in max_abs_all if v <= max_abs),
+        "rows_within_rel_l2": sum(1 for v in rel_all if v <= rel_l2),
+        "top1_agree": len(metrics) - len(flips), "top1_flips": len(flips), "unexplained_top1_flips": len(unexplained),
+        "failing_rows": len(failing),
+        "first_divergent_row": first,
+        "worst_rows": [_row_brief(specs[i], metrics[i]) for i in by_abs],
+        "kv": kv_summary,
+        "comparison_verdict": verdict,
+        "rows": [[specs[i]["id"], round(m["max_abs"], 9), round(m["rel_l2"], 9), m["top1_same"], round(m["ref_margin"], 6)]
+                 for i, m in enumerate(metrics)],
+        "rows_columns": ["id", "max_abs", "rel_l2", "top1_same", "ref_margin"],
+    }
+    flip_status = "pass" if not flips else ("review" if not unexplained else "fail")
+    checks = [
+        _check("same trajectory and model", True, "identical", "identical",
+               "both files hold the same rows, input tokens and model sha256"),
+        _check("rows within max abs", facts["rows_within_max_abs"] == len(metrics), f"<= {max_abs}",
+               facts["worst_max_abs"], f"worst row max abs error; first divergent row: {first['id'] if first else 'none'}"),
+        _check("rows within relative L2", facts["rows_within_rel_l2"] == len(metrics), f"<= {rel_l2}",
+               facts["worst_rel_l2"], "||lhs - rhs|| / ||rhs||"),
+        _check("top-1 agreement", not flips, len(metrics), facts["top1_agree"],
+               "a flip whose reference top-2 margin is below that row's max abs error asks for review",
+               status=flip_status),
+    ]
+    if kv_compared:
+        ok = kv_summary["rows_within"] == kv_summary["rows"]
+        checks.append(_check("new KV within thresholds", ok, f"max abs <= {kv_max_abs}, rel L2 <= {rel_l2}",
+                             {"worst_max_abs": kv_summary["worst_max_abs"], "worst_rel_l2": kv_summary["worst_rel_l2"]},
+                             "K/V written at each decode row's new position, every layer"))
+    for side, c in (("lhs", lhs), ("rhs", rhs)):
+        v = c.record.get("verdict")
+        checks.append(_check(f"{side} collection checks", v != "FAIL", "not FAIL", v,
+                             "rows complete, routes as expected, history KV and padding untouched"))
+    cp = _compare_checkpoint(lhs, rhs) if checkpoint == "auto" else checkpoint
+    out_path = Path(out) if out is not None else default_compare_out(lhs_path, rhs_path)
+    kind = lhs.record.get("kind") or "cpu-real-engine"
+    if not str(lhs.record.get("device") or "").startswith("cuda"):
+        kind = "cpu-real-engine"
+    record = write_evidence(out_path, checkpoint=cp, kind=kind, facts=facts, device=lhs.record.get("device"),
+                            model=lhs.record.get("model"), seed=lhs.facts.get("seed"),
+                            engine={"lhs": lhs.record.get("engine"), "rhs": rhs.record.get("engine")},
+                            extra_checks=checks)
+    record["_paths"] = {"json": str(out_path)}
+    return record
