@@ -238,3 +238,34 @@ def test_an_owner_loop_bug_turns_the_worker_unhealthy_not_dead(tiny_model_dir):
             w.submit(ids("bug2"), greedy(1))
     finally:
         w.close()
+
+
+def test_offline_and_online_admission_follow_one_rule(worker, tiny_model_dir):
+    """prompt + max_tokens beyond max_model_len: the same RequestError code from Worker.submit and from
+    LLMEngine.generate (the engine's validate is the one rule)."""
+    from engine import LLMEngine
+
+    prompt, params = ids("rule", 200), greedy(100)              # 300 > max_model_len 256
+    with pytest.raises(RequestError) as online:
+        worker.submit(prompt, params)
+    engine = LLMEngine(str(tiny_model_dir), device="cpu", max_model_len=256, max_num_batched_tokens=128)
+    try:
+        with pytest.raises(RequestError) as offline:
+            engine.generate([prompt], params)
+        assert engine.is_finished()                              # nothing of the refused batch was queued
+        assert engine.generate([prompt], greedy(56))[0]["finish_reason"] == "length"   # 256 exactly fits
+    finally:
+        engine.close()
+    assert online.value.code == offline.value.code == "context_length_exceeded"
+
+
+def test_text_prompts_from_many_threads_share_no_tokenizer(worker):
+    """Submit encodes under one lock; the HTTP front decodes with a tokenizer of its own."""
+    import concurrent.futures
+
+    assert worker.tokenizer is not None
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        encoded = list(pool.map(worker.encode, [f"hello number {i} " * 20 for i in range(32)]))
+    assert all(e == worker.encode(f"hello number {i} " * 20) for i, e in enumerate(encoded))
+    engine_tokenizer = worker.run_on_owner(lambda e: e.tokenizer)
+    assert worker.tokenizer is not engine_tokenizer

@@ -171,8 +171,8 @@ class Service:
             else:
                 handle = await asyncio.get_running_loop().run_in_executor(None, call)
         except RequestError as e:
-            code = "context_length_exceeded" if "max_model_len" in str(e) or "KV blocks" in str(e) else "invalid_prompt"
-            raise ApiError(400, str(e), code, "prompt") from None
+            param = {"invalid_request_id": "request_id", "invalid_tags": "tags"}.get(e.code, "prompt")
+            raise ApiError(400, str(e), e.code, param) from None
         except DuplicateRequest as e:
             raise ApiError(400, str(e), "duplicate_request_id", "request_id") from None
         except WorkerUnavailable as e:

@@ -52,6 +52,7 @@ deterministically), ``inject_fault(at_step)`` raises inside ``engine.step()`` ju
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import itertools
 import threading
 from collections import deque
@@ -167,6 +168,7 @@ class Worker:
         self._ready = threading.Event()
         self._init_error: BaseException | None = None
         self._lock = threading.RLock()             # re-entrant: _finish may run with it held
+        self._encode_lock = threading.Lock()        # the engine's tokenizer: one encoding thread at a time
         self._cv = threading.Condition(self._lock)
         self._pending: deque[_Request] = deque()      # submitted, not admitted
         self._live: dict[str, _Request] = {}          # pending + admitted, by request id
@@ -250,7 +252,8 @@ class Worker:
         if self.tokenizer is None:
             raise RequestError("this worker was started without a tokenizer: send token ids")
         try:
-            return self.engine.encode(prompt)
+            with self._encode_lock:                 # fast tokenizers are not safe to share between threads
+                return self.engine.encode(prompt)
         except RequestError:
             raise
         except Exception as e:                      # a chat template that cannot render these messages
@@ -267,17 +270,14 @@ class Worker:
             raise WorkerUnavailable(self._unavailable_reason())
         params = params or SamplingParams()
         if request_id is not None and not REQUEST_ID_RE.fullmatch(str(request_id)):
-            raise RequestError(f"request_id must match {REQUEST_ID_RE.pattern}, got {request_id!r}")
+            raise RequestError(f"request_id must match {REQUEST_ID_RE.pattern}, got {request_id!r}", "invalid_request_id")
         token_ids = self.encode(prompt)
-        self.engine.validate(token_ids)             # reads config and the pool size only
-        limit = self.engine.config.max_model_len
-        if len(token_ids) + params.max_tokens > limit:
-            raise RequestError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
-                               f"exceeds max_model_len ({limit})")
+        # the engine's one admission rule; it reads the config and the pool size, both fixed after start
+        self.engine.validate(token_ids, params)
         tags = dict(tags or {})
         clash = sorted(set(tags) & RESERVED_FIELDS)
         if clash:
-            raise RequestError(f"tags may not use the reserved field name(s) {', '.join(clash)}")
+            raise RequestError(f"tags may not use the reserved field name(s) {', '.join(clash)}", "invalid_tags")
         with self._lock:
             if not self.accepting:
                 raise WorkerUnavailable(self._unavailable_reason())
@@ -423,7 +423,8 @@ class Worker:
         self.built = build_engine(cfg.model, cfg.device, cfg.attention, **overrides)
         self.engine = self.built.engine
         if cfg.load_tokenizer:
-            self.tokenizer = self.engine.tokenizer
+            # the HTTP front decodes on its event loop: its own copy, never the one submit() encodes with
+            self.tokenizer = copy.deepcopy(self.engine.tokenizer)
         self.engine.add_hooks(_WorkerHooks(self))
 
     def _has_work_locked(self) -> bool:
@@ -464,8 +465,8 @@ class Worker:
 
     def _admit(self, req: _Request) -> None:
         try:
-            req.seq = self.engine.add_request(req.token_ids, req.params)
-        except RequestError as e:       # validated at submit; kept for safety
+            req.seq = self.engine.add_request(req.token_ids, req.params, validated=True)   # checked at submit
+        except RequestError as e:
             self._finish(req, "rejected", message=str(e))
             return
         self._active[req.request_id] = req
