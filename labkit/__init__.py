@@ -1,6 +1,6 @@
 """labkit: a checkpointed lab around the embedded ``engine``.
 
-Commands live in :mod:`labkit.cli`; every evidence file is written by :mod:`labkit.evidence` and
+Commands live in the :mod:`labkit.cli` package; every evidence file is written by :mod:`labkit.evidence` and
 judged by :mod:`labkit.checks` against the checkpoint definitions in ``checkpoints/``.
 """
 

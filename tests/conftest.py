@@ -25,7 +25,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def cli_app():
-    """The real `labkit` Typer app, every command room registered (for typer.testing.CliRunner)."""
+    """The real `labkit` Typer app, every command module registered (for typer.testing.CliRunner)."""
     from labkit.cli import app
 
     return app

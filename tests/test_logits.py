@@ -18,7 +18,7 @@ from labkit.guardrails.calibrate import calibrate
 from labkit.guardrails.collect import collect, expected_route
 from labkit.guardrails.compare import compare, judge_rows
 from labkit.guardrails.suites import build_suite, trajectory_sha256
-from labkit.logits_commands import EXIT_REVIEW
+from labkit.cli.guardrails import EXIT_REVIEW
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ Pieces, each one file:
 - :mod:`labkit.service.client`: the HTTP client used by ``labkit client`` and ``labkit load``.
 - :mod:`labkit.service.metrics`: Prometheus text for ``/metrics``.
 - :mod:`labkit.service.profiling`: torch.profiler around owner-thread steps (``load --profile-dir``).
-- :mod:`labkit.service.commands`: the Typer commands (serve, client, trace, load, report, simulate).
 
 Server stack: aiohttp. It is installed on the GPU image (which has no fastapi/uvicorn/starlette), it
 is one dependency for both the server and the client (load replay, ``labkit client``), it streams

@@ -22,6 +22,9 @@ Routes:
 Errors are JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad input, 404 unknown
 route/model/request, 405 wrong method, 413 body too large, 429 queue full, 503 not accepting work.
 A 500 means a bug or an engine fault, never bad input.
+
+Why one file of this length: the native and the OpenAI routes share the submit, stream and error
+paths, and keeping them together is what keeps the two APIs' answers the same.
 """
 from __future__ import annotations
 

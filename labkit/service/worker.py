@@ -48,6 +48,10 @@ Shutdown
 Test hooks: ``pause()``/``resume()`` hold the owner at a step boundary (so a test can fill the queue
 deterministically), ``inject_fault(at_step)`` raises inside ``engine.step()`` just before the forward (a step hook),
 ``set_feeder(fn)`` calls ``fn(round)`` on the owner before each admission (round-mode replay).
+
+Why one long file: everything here runs on, or hands work to, the one owner thread, and the contract
+above is only checkable with admission, stepping, delivery and shutdown side by side. It shrinks once
+the engine offers the stats, invariant check and step hooks the worker now reads from its internals.
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from labkit.console import (
     verdict_text,
 )
 from labkit.errors import UserError
-from labkit.options import AttentionOpt, DeviceOpt, JsonOpt, ModelOpt, OutOpt
+from labkit.cli.options import AttentionOpt, DeviceOpt, JsonOpt, ModelOpt, OutOpt
 
 app = typer.Typer(
     name="labkit",
@@ -50,12 +50,8 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     rich_markup_mode="rich",
 )
-model_app = typer.Typer(help="Model assets: synthesize, inspect, download.", no_args_is_help=True)
-app.add_typer(model_app, name="model")
 
 # --------------------------------------------------------------------------- shared options
-
-SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
 
 #: Exit code per verdict: REVIEW asks for a human look, it is not a failure.
 EXIT_CODES = {"PASS": 0, "REVIEW": 0, "NOT-RUN": 0, "FAIL": 1}
@@ -315,94 +311,6 @@ def bench(
 
 def _model_arg(model: Path | None) -> str | None:
     return str(model) if model is not None else None
-
-
-# --------------------------------------------------------------------------- model assets
-
-
-class Preset(str, enum.Enum):
-    tiny = "tiny"
-    qwen3_0_6b = "qwen3-0.6b"
-
-
-def _show_result(result: object, title: str, json_out: bool) -> None:
-    if json_out:
-        print_json(result)
-    elif isinstance(result, dict):
-        console.print(kv_table(result, title=title))
-    elif result is not None:
-        console.print(f"{title}: {result}")
-
-
-@model_app.command("synth")
-def model_synth(
-    out: Annotated[Path, typer.Option("--out", "-o", file_okay=False, help="Directory to write the model into.")],
-    preset: Annotated[Preset, typer.Option("--preset", help="Shapes: tiny (fast, CPU) or qwen3-0.6b (Qwen3-0.6B's).")] = Preset.tiny,
-    seed: SeedOpt = 0,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Weight dtype (default: the preset's).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing directory.")] = False,
-    json_out: JsonOpt = False,
-) -> None:
-    """Write a Hugging Face Qwen3 directory with seeded random weights."""
-    from labkit.assets.synth import synth_model
-
-    path = synth_model(preset.value, out, seed=seed, dtype=dtype, force=force)
-    summary = {"path": str(path), "preset": preset.value, "seed": seed, "dtype": dtype, "synthetic": True}
-    if json_out:
-        print_json(summary)
-    else:
-        console.print(f"wrote synthetic model (preset {preset.value}, seed {seed}) to {rel(path)}")
-    note("synthetic model: random weights; any text it generates is meaningless")
-
-
-@model_app.command("inspect")
-def model_inspect(
-    path: Annotated[Path, typer.Argument(help="Model directory.")],
-    json_out: JsonOpt = False,
-) -> None:
-    """Show a model directory's identity: config, hashes, synthetic or real."""
-    from labkit.assets.identity import inspect_model
-
-    info = inspect_model(path)
-    _show_result(info, f"model {rel(path)}", json_out)
-    if isinstance(info, dict) and info.get("synthetic") and not json_out:
-        note("synthetic model: random weights; any text it generates is meaningless")
-
-
-@model_app.command("download")
-def model_download(
-    revision: Annotated[Optional[str], typer.Option("--revision", help="Pinned revision (default: the lab's pin).")] = None,
-    weights: Annotated[bool, typer.Option("--weights", help="Also download the weights, not only config and tokenizer.")] = False,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", file_okay=False, help="Target directory (default: <cache>/models/Qwen3-0.6B).")] = None,
-    json_out: JsonOpt = False,
-) -> None:
-    """Download Qwen3-0.6B from the Hugging Face Hub (needs network access)."""
-    from labkit.assets.download import download_model
-    from labkit.assets.files import default_cache_dir
-
-    target = out if out is not None else default_cache_dir() / "models" / "Qwen3-0.6B"
-    kwargs = {"revision": revision} if revision else {}
-    result = download_model(target, weights=weights, **kwargs)
-    _show_result(result, "downloaded", json_out)
-
-
-# --------------------------------------------------------------------------- rooms that register their commands
-
-
-def _register_rooms() -> None:
-    from labkit.service.commands import register as register_service
-
-    register_service(app)
-    try:
-        from labkit.logits_commands import register as register_logits
-    except ModuleNotFoundError as e:          # the guardrails room is optional in partial checkouts
-        if e.name != "labkit.logits_commands":
-            raise
-    else:
-        register_logits(app)
-
-
-_register_rooms()
 
 
 # --------------------------------------------------------------------------- entry point

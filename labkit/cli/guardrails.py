@@ -18,7 +18,7 @@ from rich.text import Text
 
 from labkit.console import checks_table, console, dict_table, err_console, error_line, kv_table, note, print_json, rel, verdict_text
 from labkit.errors import UserError
-from labkit.options import DeviceOpt, ModelOpt
+from labkit.cli.options import DeviceOpt, ModelOpt
 
 EXIT_PASS = 0
 EXIT_FAIL = 1

@@ -15,7 +15,7 @@ from typing import Annotated, NoReturn, Optional
 import typer
 
 from labkit.errors import UserError
-from labkit.options import AttentionOpt, DeviceOpt, JsonOpt, ModelOpt
+from labkit.cli.options import AttentionOpt, DeviceOpt, JsonOpt, ModelOpt
 
 # --------------------------------------------------------------------------- shared options
 

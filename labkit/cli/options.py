@@ -1,4 +1,4 @@
-"""Typer option types shared by every command room (setup, guardrails, service)."""
+"""Typer option types shared by the command modules (setup, model, guardrails, service)."""
 from __future__ import annotations
 
 from pathlib import Path

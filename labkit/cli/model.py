@@ -1,0 +1,81 @@
+"""``labkit model synth|inspect|download``: the model directories the lab runs on."""
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from labkit.cli.options import JsonOpt
+from labkit.console import console, kv_table, note, print_json, rel
+
+model_app = typer.Typer(help="Model assets: synthesize, inspect, download.", no_args_is_help=True)
+
+SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
+
+
+class Preset(str, enum.Enum):
+    tiny = "tiny"
+    qwen3_0_6b = "qwen3-0.6b"
+
+
+def _show_result(result: object, title: str, json_out: bool) -> None:
+    if json_out:
+        print_json(result)
+    elif isinstance(result, dict):
+        console.print(kv_table(result, title=title))
+    elif result is not None:
+        console.print(f"{title}: {result}")
+
+
+@model_app.command("synth")
+def model_synth(
+    out: Annotated[Path, typer.Option("--out", "-o", file_okay=False, help="Directory to write the model into.")],
+    preset: Annotated[Preset, typer.Option("--preset", help="Shapes: tiny (fast, CPU) or qwen3-0.6b (Qwen3-0.6B's).")] = Preset.tiny,
+    seed: SeedOpt = 0,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Weight dtype (default: the preset's).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite an existing directory.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write a Hugging Face Qwen3 directory with seeded random weights."""
+    from labkit.assets.synth import synth_model
+
+    path = synth_model(preset.value, out, seed=seed, dtype=dtype, force=force)
+    summary = {"path": str(path), "preset": preset.value, "seed": seed, "dtype": dtype, "synthetic": True}
+    if json_out:
+        print_json(summary)
+    else:
+        console.print(f"wrote synthetic model (preset {preset.value}, seed {seed}) to {rel(path)}")
+    note("synthetic model: random weights; any text it generates is meaningless")
+
+
+@model_app.command("inspect")
+def model_inspect(
+    path: Annotated[Path, typer.Argument(help="Model directory.")],
+    json_out: JsonOpt = False,
+) -> None:
+    """Show a model directory's identity: config, hashes, synthetic or real."""
+    from labkit.assets.identity import inspect_model
+
+    info = inspect_model(path)
+    _show_result(info, f"model {rel(path)}", json_out)
+    if isinstance(info, dict) and info.get("synthetic") and not json_out:
+        note("synthetic model: random weights; any text it generates is meaningless")
+
+
+@model_app.command("download")
+def model_download(
+    revision: Annotated[Optional[str], typer.Option("--revision", help="Pinned revision (default: the lab's pin).")] = None,
+    weights: Annotated[bool, typer.Option("--weights", help="Also download the weights, not only config and tokenizer.")] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", file_okay=False, help="Target directory (default: <cache>/models/Qwen3-0.6B).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Download Qwen3-0.6B from the Hugging Face Hub (needs network access)."""
+    from labkit.assets.download import download_model
+    from labkit.assets.files import default_cache_dir
+
+    target = out if out is not None else default_cache_dir() / "models" / "Qwen3-0.6B"
+    kwargs = {"revision": revision} if revision else {}
+    result = download_model(target, weights=weights, **kwargs)
+    _show_result(result, "downloaded", json_out)
