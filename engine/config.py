@@ -5,13 +5,13 @@ import json
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 
+from engine.errors import ConfigError  # re-exported: engine.config.ConfigError
+
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 SCHEDULING_POLICIES = ("prefill_first", "balanced")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-class ConfigError(ValueError):
-    """A configuration value a user chose is not usable; the message is one line."""
 
 
 @dataclass(frozen=True)

@@ -9,21 +9,12 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import Config
+from engine.errors import RequestError
 from engine.model_runner import EAGER, Launched, ModelRunner, Route, StepInputs
 from engine.observe import EngineEvent, EventBus, HookSet, StepHooks
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepOutcome
 from engine.sequence import Sequence, SequenceCounter
-
-
-class RequestError(ValueError):
-    """A request the engine cannot accept; one-line message and a machine-readable code the service
-    maps to HTTP (every code is a client error): empty_prompt, token_out_of_vocabulary,
-    context_length_exceeded, pool_too_small, invalid_request."""
-
-    def __init__(self, message: str, code: str = "invalid_request"):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 
 from engine.attention import AttentionMetadata, create_backend, resolve_backend_name
-from engine.config import Config
+from engine.config import Config, ConfigError
 from engine.distributed import SINGLE, ParallelContext
 from engine.graph import DecodeGraphs, default_buckets
 from engine.layers.sampler import sample, sample_tensor
@@ -90,7 +90,7 @@ class ModelRunner:
             torch.cuda.set_device(torch.device(self.device))
         self.dtype = config.resolved_dtype(self.device)
         self.block_size = config.kvcache_block_size
-        self.attention_backend = resolve_backend_name(config.attention_backend, self.device)
+        self.attention_backend = resolve_backend_name(config.attention_backend, self.device, self.block_size)
         self.backend = create_backend(self.attention_backend, self.block_size)
         self.on_inputs: Callable[[StepInputs], None] | None = None   # observer hook (tracing)
         self.hooks = HookSet()            # the engine hands in its own (phases, the point before the forward)
@@ -101,7 +101,7 @@ class ModelRunner:
         missing = load_model(self.model, config.model)
         missing = [m for m in missing if "rotary" not in m]
         if missing:
-            raise ValueError(f"checkpoint in {config.model} lacks parameters: {', '.join(missing[:4])}")
+            raise ConfigError(f"checkpoint in {config.model} lacks parameters: {', '.join(missing[:4])}")
         self.model.eval()
         self.fused_ops = self._enable_fused_ops() if config.fused_ops else False
         self.load_seconds = time.perf_counter() - t0
@@ -113,7 +113,7 @@ class ModelRunner:
         self.warm_paths()
         if not config.enforce_eager:
             if not self.device.startswith("cuda"):
-                raise ValueError("graph execution needs CUDA (use enforce_eager on CPU)")
+                raise ConfigError("graph execution needs CUDA (use enforce_eager on CPU)")
             self.capture_graphs()
 
     def _enable_fused_ops(self) -> bool:
@@ -160,7 +160,7 @@ class ModelRunner:
         n = cfg.num_kvcache_blocks if cfg.num_kvcache_blocks > 0 else self._blocks_from_budget()
         n = self.tp.min_int(n)            # every rank holds the same pool
         if n < 1:
-            raise RuntimeError(f"no memory left for the KV cache: {self.memory}")
+            raise ConfigError(f"no memory left for the KV cache (raise gpu_memory_utilization?): {self.memory}")
         shape = cfg.shape
         layers = self.model.attention_layers()
         self.kv_cache = torch.zeros(2, len(layers), n, self.block_size, shape.num_kv_heads // self.tp.world_size,

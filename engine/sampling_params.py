@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.errors import RequestError
+
 
 @dataclass
 class SamplingParams:
@@ -12,6 +14,6 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}", "invalid_sampling_params")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "invalid_sampling_params")

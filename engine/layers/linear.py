@@ -6,11 +6,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, ParallelContext
+from engine.errors import ConfigError
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"weight shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+        raise ConfigError(f"weight shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
     param.data.copy_(loaded)
 
 
