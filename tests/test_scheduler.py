@@ -2,18 +2,18 @@
 import pytest
 
 from engine.block_manager import BlockManager
-from engine.config import Config
+from engine.config import SchedulerLimits
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
 
 @pytest.fixture
-def make(tiny_model_dir):
+def make():
+    """A scheduler from plain limits: no model directory, no engine."""
     def _make(num_blocks, block_size, **kw):
-        cfg = Config(str(tiny_model_dir), kvcache_block_size=block_size, **kw)
         bm = BlockManager(num_blocks, block_size)
-        return Scheduler(cfg.scheduler_limits(), bm), bm
+        return Scheduler(SchedulerLimits(**kw), bm), bm
     return _make
 
 
@@ -74,8 +74,8 @@ def test_finish_frees_blocks_at_once_and_discards_chunk_candidates(make):
 
 
 def test_eos_stops_unless_ignored(make):
-    s, bm = make(8, 4)
-    eos = next(iter(s.eos))
+    eos = 151645                                   # Qwen3's <|im_end|>
+    s, bm = make(8, 4, eos_token_ids=(eos,))
     stop = Sequence(1, [1, 2], SamplingParams(max_tokens=5), 4)
     keep = Sequence(2, [3, 4], SamplingParams(max_tokens=5, ignore_eos=True), 4)
     s.add(stop)
