@@ -2,18 +2,19 @@
 
 ``register(app)`` adds them as top-level commands. Each is a thin shell: options → one plain
 function (``run_serve``, ``run_client``, ``write_trace``, ``run_load``, ``compare``,
-``run_simulate``) → a rich table → an exit code (0 done / PASS / REVIEW, 1 FAIL or a failed
-request, 2 for a user error via ``labkit.cli.main``). Heavy imports happen inside the commands so
-``labkit --help`` stays fast.
+``run_simulate``) → a :mod:`labkit.console` renderer → :func:`labkit.cli.app.finish` for those that
+write judged evidence (load, simulate); ``client`` exits 1 when its request failed. Heavy imports
+happen inside the commands so ``labkit --help`` stays fast.
 """
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, Optional
 
 import typer
 
+from labkit.cli.app import finish
 from labkit.errors import UserError
 from labkit.cli.options import AttentionOpt, DeviceOpt, JsonOpt, ModelOpt
 
@@ -30,59 +31,6 @@ WorkerIdOpt = Annotated[str, typer.Option("--worker-id", help="Name of this work
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor parallel size of the engine.")]
 DistInitOpt = Annotated[Optional[str], typer.Option("--dist-init", help="tcp://HOST:PORT of this engine's TP group (default: a free port).")]
 ShmNameOpt = Annotated[Optional[str], typer.Option("--shm-name", help="Shared-memory name of this engine's TP channel (default: unique).")]
-
-VERDICT_EXIT = {"PASS": 0, "REVIEW": 0, "NOT-RUN": 0, "FAIL": 1}
-
-
-def _console():
-    from labkit.console import console
-
-    return console
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, float):
-        return f"{v:.2f}"
-    return str(v)
-
-
-def _pcts(d: dict | None, keys=("p50", "p90", "p99")) -> str:
-    if not d or not d.get("n"):
-        return "–"
-    return " / ".join(_fmt(d.get(k)) for k in keys)
-
-
-def _finish_record(record: dict, out: Path | None, json_out: bool) -> NoReturn:
-    from labkit.console import checks_table, console, print_json, rel, verdict_text
-
-    if json_out:
-        print_json(record)
-    else:
-        if record.get("checks"):
-            console.print(checks_table(record["checks"]))
-        line = verdict_text(record.get("verdict") or "REVIEW")
-        line.append(f"  {record.get('checkpoint') or ''}", style="bold")
-        if out is not None:
-            line.append(f"  evidence: {rel(out)}")
-        console.print(line, soft_wrap=True)
-    raise typer.Exit(VERDICT_EXIT.get(record.get("verdict") or "REVIEW", 1))
-
-
-def _observer_table(summary: dict, title: str):
-    from rich.table import Table
-
-    table = Table(title=title, title_justify="left", caption="latencies in ms, p50 / p99", caption_justify="left")
-    for col in ("observer", "req", "done", "rej", "out tok", "TTFT", "ITL", "TPOT", "tok/s", "window s"):
-        table.add_column(col, justify="left" if col == "observer" else "right", no_wrap=True)
-    two = ("p50", "p99")
-    for obs, o in summary["observers"].items():
-        table.add_row(obs, str(o["requests"]), str(o["completed"]), str(o["rejections"]), str(o["output_tokens"]),
-                      _pcts(o["ttft_ms"], two), _pcts(o["itl_ms"], two), _pcts(o["tpot_ms"], two),
-                      _fmt(o.get("throughput_tok_s")), _fmt((o.get("window") or {}).get("seconds")))
-    return table
-
 
 def _endpoints(text: str | None) -> list[str]:
     return [e.strip().rstrip("/") for e in (text or "").split(",") if e.strip()]
@@ -118,7 +66,7 @@ def register(app: typer.Typer) -> None:
         out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="JSONL event log (header + every event).")] = None,
     ) -> None:
         """Serve the engine over HTTP: /generate (NDJSON), /cancel, /health, /metrics, OpenAI /v1/*."""
-        from labkit.console import console, kv_table, note
+        from labkit.console import console, render_served, render_serving
         from labkit.service.server import run_serve
         from labkit.service.worker import WorkerConfig
 
@@ -128,23 +76,13 @@ def register(app: typer.Typer) -> None:
                            stream_buffer=stream_buffer, tp=tp, dist_init=dist_init, shm_name=shm_name)
 
         def ready(url: str, worker) -> None:
-            built = worker.built
-            console.print(kv_table({"worker": worker.worker_id, "kind": built.kind,
-                                    "model": built.model.get("path"), "synthetic": built.model.get("synthetic"),
-                                    "policy": policy, "batch tokens / seqs": f"{batch_tokens} / {batch_seqs}",
-                                    "max active / queue": f"{max_active} / {queue_size}",
-                                    "KV blocks": built.engine.block_manager.num_blocks,
-                                    "log": str(out) if out else "(none)"}, title="labkit serve"))
-            if built.model.get("synthetic"):
-                note("synthetic model: random weights; generated text is meaningless")
+            render_serving(worker, out)
             console.print(f"ready: {url}  (Ctrl-C stops)", soft_wrap=True)
             sys.stdout.flush()
 
         summary = run_serve(cfg, host, port, out, served_model_name=served_model_name,
                             max_body_bytes=max_body_bytes, on_ready=ready)
-        console.print(kv_table({"finished": summary["finished"], "tokens": summary["generation_tokens"],
-                                "steps": summary["steps"], "engine errors": summary["engine_errors"]},
-                               title="served"))
+        render_served(summary)
 
     @app.command()
     def client(
@@ -160,7 +98,7 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
     ) -> None:
         """Send one streamed request and record what the client observed."""
-        from labkit.console import console, kv_table, note, print_json
+        from labkit.console import print_json, render_client
         from labkit.service.client import run_client
 
         eps = _endpoints(endpoints)
@@ -171,12 +109,7 @@ def register(app: typer.Typer) -> None:
         if json_out:
             print_json(res)
         else:
-            console.print(kv_table({k: res[k] for k in ("request_id", "worker_id", "status", "reason", "cause",
-                                                        "message", "tokens", "tokens_after_finished", "ttft_ms",
-                                                        "kind", "out")}, title="labkit client"))
-            console.print(res["text"], markup=False, highlight=False)
-            if (res.get("model") or {}).get("synthetic"):
-                note("synthetic model: random weights; generated text is meaningless")
+            render_client(res)
         ok = res["reason"] in ("stop", "length") or (cancel_after is not None and res["reason"] == "cancelled")
         raise typer.Exit(0 if ok else 1)
 
@@ -232,7 +165,7 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
     ) -> None:
         """Replay an arrival trace in process or against servers; events to JSONL, evidence next to it."""
-        from labkit.console import console, note, rel
+        from labkit.console import render_load
         from labkit.evidence import default_out
         from labkit.load.replay import LoadOptions, run_load
         from labkit.service.events import split_out
@@ -247,15 +180,8 @@ def register(app: typer.Typer) -> None:
         record = run_load(opts)
         events, evidence = split_out(out)
         if not json_out:
-            summary = record["facts"]["summary"]
-            console.print(_observer_table(summary, f"labkit load ({summary.get('kind') or 'kind unknown'}, {mode})"))
-            if record["facts"].get("profile"):
-                p = record["facts"]["profile"]
-                console.print(f"profile: {rel(p['trace'])}, {rel(p['operators'])}, {rel(p['evidence'])}")
-            console.print(f"events: {rel(events)}")
-            if summary.get("note"):
-                note(summary["note"])
-        _finish_record(record, evidence, json_out)
+            render_load(record, mode, events)
+        finish(record, evidence, json_out=json_out)
 
     @app.command()
     def report(
@@ -265,7 +191,7 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
     ) -> None:
         """TTFT / ITL / TPOT percentiles, throughput over the common window, terminations; JSON + Markdown + PNG."""
-        from labkit.console import console, note, print_json, rel
+        from labkit.console import print_json, render_report
         from labkit.evidence import default_out
         from labkit.load.report import compare
 
@@ -274,18 +200,8 @@ def register(app: typer.Typer) -> None:
         result = compare(paths, out, plots=plots)
         if json_out:
             print_json(result)
-            return
-        for i, s in enumerate(result["inputs"]):
-            console.print(_observer_table(s, f"{i}: {rel(s['path'])} ({s.get('kind') or 'kind unknown'})"))
-            if s.get("note"):
-                note(s["note"])
-        for row in result["ratios"]:
-            console.print(f"ratios vs input 0 ({result['primary_observer']}): " +
-                          ", ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k not in ("input", "vs")), soft_wrap=True)
-        console.print(f"wrote {rel(out)}, {rel(result['markdown'])}" +
-                      "".join(f", {rel(p)}" for p in result["plots"]), soft_wrap=True)
-        if result.get("plots_note"):
-            note(result["plots_note"])
+        else:
+            render_report(result, out)
 
     @app.command()
     def simulate(
@@ -294,27 +210,12 @@ def register(app: typer.Typer) -> None:
         json_out: JsonOpt = False,
     ) -> None:
         """The service chain on CPU (Worker → HTTP → client → report) through cancel, overload, faults and shutdown."""
-        from labkit.console import console
-        from labkit.service.events import split_out
+        from labkit.console import render_simulate
         from labkit.load.simulate import run_simulate
+        from labkit.service.events import split_out
 
         record = run_simulate(out, model=str(model) if model else None)
         if not json_out:
-            from rich.table import Table
+            render_simulate(record)
+        finish(record, split_out(Path(record["facts"]["events"]))[1], json_out=json_out)
 
-            table = Table(title="labkit simulate", title_justify="left")
-            for col in ("scenario", "ok", "facts"):
-                table.add_column(col, overflow="fold")
-            for name, sc in record["facts"]["scenarios"].items():
-                facts = {k: v for k, v in sc.items() if k not in ("ok", "policy", "messages", "over_message")}
-                table.add_row(name, "yes" if sc.get("ok") else "NO", _short(facts))
-            console.print(table)
-            console.print(f"events: {record['facts']['events']}")
-        _finish_record(record, split_out(Path(record["facts"]["events"]))[1], json_out)
-
-
-def _short(d: dict, limit: int = 160) -> str:
-    import json
-
-    text = json.dumps(d, ensure_ascii=False, default=str)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
