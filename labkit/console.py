@@ -379,8 +379,8 @@ def render_serving(worker, out) -> None:
     cfg = worker.config
     console.print(kv_table({"worker": worker.worker_id, "kind": built.kind,
                             "model": built.model.get("path"), "synthetic": built.model.get("synthetic"),
-                            "policy": cfg.policy,
-                            "batch tokens / seqs": f"{cfg.batch_tokens} / {cfg.batch_seqs}",
+                            "scheduling policy": cfg.scheduling_policy,
+                            "max num batched tokens / seqs": f"{cfg.max_num_batched_tokens} / {cfg.max_num_seqs}",
                             "max active / queue": f"{cfg.max_active} / {cfg.queue_size}",
                             "KV blocks": built.engine.block_manager.num_blocks,
                             "log": str(out) if out else "(none)"}, title="labkit serve"))

@@ -30,7 +30,7 @@ def test_malformed_model_dir(tmp_path):
 
 
 def test_block_size_not_power_of_two(tiny_model_dir):
-    one_clear_line(labkit("quick-walk", "--case", "A", "--block-size", "3", "--model", str(tiny_model_dir)),
+    one_clear_line(labkit("quick-walk", "--case", "A", "--kv-cache-block-size", "3", "--model", str(tiny_model_dir)),
                    "power of two")
 
 

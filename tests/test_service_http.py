@@ -43,8 +43,8 @@ def sink():
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, sink):
-    w = Worker(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_active=2, queue_size=3, batch_tokens=256,
-                            batch_seqs=4, max_model_len=MAX_MODEL_LEN, worker_id="http-test"), sink=sink).start()
+    w = Worker(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_active=2, queue_size=3, max_num_batched_tokens=256,
+                            max_num_seqs=4, max_model_len=MAX_MODEL_LEN, worker_id="http-test"), sink=sink).start()
     srv = ServerThread(w, "127.0.0.1", 0, max_body_bytes=64 * 1024).start()
     yield srv
     srv.close()

@@ -254,7 +254,7 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
     if workload == "attention":
         return _run_attention_bench(out, device, attention, sweep)
     if not device.startswith("cuda") and (workload != "nano-vllm" or not eager):
-        raise UserError(f"bench --workload {workload} needs CUDA (graphs); on CPU only `--workload nano-vllm --eager` runs")
+        raise UserError(f"bench --workload {workload} needs CUDA (graphs); on CPU only `--workload nano-vllm --enforce-eager` runs")
     ref = resolve_model(model, device)
     model_dir = str(ref.path)
     if workload == "nano-vllm":

@@ -44,7 +44,19 @@ from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
 from labkit import __version__
-from labkit.cli.options import AttentionOpt, DeviceOpt, JsonOpt, ModelOpt, OutOpt
+from labkit.cli.options import (
+    AttentionOpt,
+    DeviceOpt,
+    EnforceEagerOpt,
+    JsonOpt,
+    KvCacheBlockSizeOpt,
+    MaxModelLenOpt,
+    MaxNumBatchedTokensOpt,
+    MaxNumSeqsOpt,
+    ModelOpt,
+    OutOpt,
+    SeedOpt,
+)
 from labkit.console import (
     console,
     debug_enabled,
@@ -268,9 +280,9 @@ def smoke(out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto"
 def quick_walk(
     case: Annotated[CaseName, typer.Option("--case", case_sensitive=False, help="Handbook 5.2 case: A, B, C or D.")],
     trace: Annotated[bool, typer.Option("--trace", help="Store every step (before the forward / after postprocess) in the evidence.")] = False,
-    budget: Annotated[int, typer.Option("--budget", min=1, help="Prefill token budget (max_num_batched_tokens).")] = 512,
-    max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", min=1, help="Sequences per step.")] = None,
-    block_size: Annotated[int, typer.Option("--block-size", min=1, help="KV block size (a power of two).")] = 256,
+    max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
+    max_num_seqs: MaxNumSeqsOpt = None,
+    kv_cache_block_size: KvCacheBlockSizeOpt = 256,
     debug: Annotated[bool, typer.Option("--debug", help="Drop into pdb after initialization (warmup excluded).")] = False,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
@@ -278,9 +290,10 @@ def quick_walk(
     """Follow the handbook's cases A-D step by step; LABKIT_TRACE=1 prints one event=engine_step line per step."""
     from labkit.experiments.quick_walk import default_out_for, run_quick_walk
 
-    out = out or default_out_for(case.value, budget, max_num_seqs, block_size)
+    out = out or default_out_for(case.value, max_num_batched_tokens, max_num_seqs, kv_cache_block_size)
     record = run_quick_walk(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
-                            budget=budget, max_num_seqs=max_num_seqs, block_size=block_size, trace=trace, debug=debug)
+                            budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
+                            trace=trace, debug=debug)
     if not json_out:
         render_quick_walk(record)
     finish(record, out, json_out=json_out)
@@ -294,20 +307,22 @@ def generate(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Output tokens per request at most.")] = 32,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past end-of-sequence tokens.")] = False,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Per-request sampling seed.")] = None,
-    max_model_len: Annotated[int, typer.Option("--max-model-len", help="Context length (prompt + output).")] = 1024,
-    block_size: Annotated[int, typer.Option("--block-size", help="KV block size (a power of two).")] = 256,
-    eager: Annotated[bool, typer.Option("--eager/--graph", help="Eager, or CUDA graphs for decode (CUDA only).")] = True,
+    seed: SeedOpt = None,
+    max_model_len: MaxModelLenOpt = 1024,
+    kv_cache_block_size: KvCacheBlockSizeOpt = 256,
+    enforce_eager: EnforceEagerOpt = True,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
-    """Offline generation through the engine (LLM.generate); outputs and evidence in runs/generate.json."""
+    """Offline generation through the engine (LLM.generate); outputs and evidence in runs/generate.json.
+
+    ``--seed`` seeds each request's sampling (default: unseeded)."""
     from labkit.evidence import default_out
     from labkit.experiments.generate import run_generate
 
     path = out or default_out("generate.json")
     record = run_generate(prompt, token_ids, chat, max_tokens, temperature, ignore_eos, seed, path,
-                          _model_arg(model), device, attention, max_model_len, block_size, eager)
+                          _model_arg(model), device, attention, max_model_len, kv_cache_block_size, enforce_eager)
     if json_out:
         print_json(record)
     else:
@@ -319,7 +334,7 @@ def bench(
     workload: Annotated[str, typer.Option("--workload", help="nano-vllm | graph-vs-eager | latency | attention.")] = "nano-vllm",
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="hf: transformers generate on a fraction of the workload, same GPU, same run.")] = None,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats (nano-vllm workload).")] = 1,
-    eager: Annotated[bool, typer.Option("--eager", help="No CUDA graphs (nano-vllm workload).")] = False,
+    enforce_eager: EnforceEagerOpt = False,
     profile: Annotated[bool, typer.Option("--profile", help="nano-vllm: one more, instrumented pass: time by phase and part, top GPU kernels of a decode window.")] = False,
     sweep: Annotated[bool, typer.Option("--sweep", help="attention: also time every knob setting of the Triton decode kernel.")] = False,
     overlap: Annotated[bool, typer.Option("--overlap", help="nano-vllm: launch each decode step before reading the previous one's tokens.")] = False,
@@ -332,7 +347,7 @@ def bench(
 
     path = out or default_out(f"bench-{workload}.json")
     record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
-                       baseline=baseline, repeats=repeats, eager=eager, profile=profile, sweep=sweep,
+                       baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,
                        overlap=overlap)
     if not json_out:
         render_facts_json(record)

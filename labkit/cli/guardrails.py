@@ -12,7 +12,7 @@ from typing import Annotated, Callable, Iterator, Optional
 import typer
 
 from labkit.cli.app import finish
-from labkit.cli.options import DeviceOpt, ModelOpt
+from labkit.cli.options import AttentionOpt, DeviceOpt, DtypeOpt, ModelOpt, SeedOpt, TensorParallelSizeOpt
 from labkit.console import (
     err_console,
     print_json,
@@ -27,13 +27,10 @@ from labkit.errors import UserError
 EXIT_HELP = "Exit codes: 0 PASS/COLLECTED/REVIEW (REVIEW: look before trusting the numbers), 1 FAIL, 2 user error, 70 internal error."
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the evidence record as JSON on stdout.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the preset continuation ids (and graph-suite prompts).")]
 SuiteOpt = Annotated[str, typer.Option("--suite", help="baseline (15 rows) | graph (126 rows).")]
-AttentionOpt = Annotated[str, typer.Option("--attention", help="Engine attention backend: auto | flash_attn | triton | torch.")]
 BucketsOpt = Annotated[Optional[str], typer.Option("--graph-buckets", help="Graph batch buckets, e.g. 1,2,4,8,16 (default: cover every batch).")]
 MaxAbsOpt = Annotated[float, typer.Option("--max-abs", help="Per-row max abs logit error threshold.")]
 RelL2Opt = Annotated[float, typer.Option("--rel-l2", help="Per-row relative L2 threshold (logits and new KV).")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32.")]
 KvMaxAbsOpt = Annotated[float, typer.Option("--kv-max-abs", help="New-KV max abs threshold (when both sides hold KV arrays).")]
 
 
@@ -74,7 +71,7 @@ def logits_collect(
     device: DeviceOpt = "auto",
     seed: SeedOpt = 0,
     dtype: DtypeOpt = "auto",
-    tp: Annotated[int, typer.Option("--tp", help="nano only: tensor-parallel ranks (baseline suite).")] = 1,
+    tensor_parallel_size: TensorParallelSizeOpt = 1,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="PREFIX: writes PREFIX.json and PREFIX.npz (a .json suffix is dropped).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -87,7 +84,7 @@ def logits_collect(
         tick = make(f"collect {backend} {suite}", build_suite(suite, seed).expected_rows) if suite in SUITES else None
         record = collect(backend, suite, out, model=str(model) if model else None, device=device, attention=attention,
                             execution=execution, graph_buckets=buckets, expect_uncovered=expect_uncovered, seed=seed,
-                            dtype=dtype, progress=tick, tp=tp)
+                            dtype=dtype, progress=tick, tp=tensor_parallel_size)
     if not json_out:
         render_collect(record)
     paths = record["_paths"]
@@ -127,7 +124,7 @@ def logits_guard(
     kv_max_abs: KvMaxAbsOpt = 0.1,
     lhs_out: Annotated[Optional[Path], typer.Option("--lhs-out", help="PREFIX for the measured side (default next to --out).")] = None,
     rhs_out: Annotated[Optional[Path], typer.Option("--rhs-out", help="PREFIX for the reference side (default next to --out).")] = None,
-    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel ranks of the engine side (baseline suite).")] = 1,
+    tensor_parallel_size: TensorParallelSizeOpt = 1,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Evidence JSON (default: the checkpoint's file).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -139,7 +136,7 @@ def logits_guard(
     with _progress() as make:
         record = guard(suite, out, model=str(model) if model else None, device=device, attention=attention,
                           graph_buckets=buckets, seed=seed, dtype=dtype, max_abs=max_abs, rel_l2=rel_l2, kv_max_abs=kv_max_abs,
-                          lhs_out=lhs_out, rhs_out=rhs_out, progress=make, tp=tp)
+                          lhs_out=lhs_out, rhs_out=rhs_out, progress=make, tp=tensor_parallel_size)
     if not json_out:
         render_compare(record)
     f = record["facts"]
@@ -192,7 +189,7 @@ def logits_calibrate(
 
 
 def principles_shapes(
-    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel ranks.")] = 2,
+    tensor_parallel_size: TensorParallelSizeOpt = 2,
     model: ModelOpt = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Evidence file.")] = None,
     json_out: JsonOpt = False,
@@ -200,7 +197,7 @@ def principles_shapes(
     """How Qwen3's layers split over TP ranks: heads, qkv rows, column/row/vocab splits (static, handbook 5.6.2)."""
     from labkit.experiments.tp_shapes import run_shapes
 
-    record = run_shapes(tp, str(model) if model else None, out)
+    record = run_shapes(tensor_parallel_size, str(model) if model else None, out)
     if not json_out:
         render_tp_shapes(record)
     finish(record, [out] if out else [], json_out=json_out)
@@ -214,7 +211,7 @@ def _group(app: typer.Typer, name: str, help_text: str) -> typer.Typer:
 
 def register(app: typer.Typer) -> None:
     """Add ``logits {collect,compare,guard,calibrate}`` and ``principles {cached-forward,shapes}`` to ``app``."""
-    logits_app = _group(app, "logits", "Numerical guardrails: teacher-forced logits, collected and compared (handbook 5.2.5, B.5).")
+    logits_app = _group(app, "logits", "Numerical guardrails: teacher-forced logits, collected and compared (handbook 5.2.5, B.5); --seed seeds the preset continuation ids (and the graph suite's prompts).")
     logits_app.command("collect", epilog=EXIT_HELP)(logits_collect)
     logits_app.command("compare", epilog=EXIT_HELP)(logits_compare)
     logits_app.command("guard", epilog=EXIT_HELP)(logits_guard)

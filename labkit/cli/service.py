@@ -16,19 +16,26 @@ import typer
 
 from labkit.cli.app import finish
 from labkit.errors import UserError
-from labkit.cli.options import AttentionOpt, DeviceOpt, JsonOpt, ModelOpt
+from labkit.cli.options import (
+    AttentionOpt,
+    DeviceOpt,
+    EnforceEagerOpt,
+    GpuMemoryUtilizationOpt,
+    JsonOpt,
+    MaxModelLenOpt,
+    MaxNumBatchedTokensOpt,
+    MaxNumSeqsOpt,
+    ModelOpt,
+    SchedulingPolicyOpt,
+    SeedOpt,
+    TensorParallelSizeOpt,
+)
 
 # --------------------------------------------------------------------------- shared options
 
-PolicyOpt = Annotated[str, typer.Option("--policy", help="Scheduling policy: prefill_first | balanced.")]
-BatchTokensOpt = Annotated[int, typer.Option("--batch-tokens", help="Token budget of one step (max_num_batched_tokens).")]
-BatchSeqsOpt = Annotated[int, typer.Option("--batch-seqs", help="Sequences in one step (max_num_seqs).")]
 MaxActiveOpt = Annotated[int, typer.Option("--max-active", help="Admitted, unfinished requests at most (admission limit).")]
 QueueSizeOpt = Annotated[int, typer.Option("--queue-size", help="Queued, not yet admitted requests at most; beyond: rejected (HTTP 429).")]
-MaxModelLenOpt = Annotated[int, typer.Option("--max-model-len", help="Context length (prompt + output) at most.")]
-EagerOpt = Annotated[bool, typer.Option("--eager/--graph", help="Eager execution, or CUDA Graph where the engine supports it.")]
 WorkerIdOpt = Annotated[str, typer.Option("--worker-id", help="Name of this worker in every event.")]
-TpOpt = Annotated[int, typer.Option("--tp", help="Tensor parallel size of the engine.")]
 DistInitOpt = Annotated[Optional[str], typer.Option("--dist-init", help="tcp://HOST:PORT of this engine's TP group (default: a free port).")]
 ShmNameOpt = Annotated[Optional[str], typer.Option("--shm-name", help="Shared-memory name of this engine's TP channel (default: unique).")]
 
@@ -47,17 +54,18 @@ def register(app: typer.Typer) -> None:
         model: ModelOpt = None,
         host: Annotated[str, typer.Option("--host", help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
         port: Annotated[int, typer.Option("--port", help="Port; 0 picks a free one and prints the URL.")] = 8801,
-        policy: PolicyOpt = "prefill_first",
-        batch_tokens: BatchTokensOpt = 512,
-        batch_seqs: BatchSeqsOpt = 8,
+        scheduling_policy: SchedulingPolicyOpt = "prefill_first",
+        max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
+        max_num_seqs: MaxNumSeqsOpt = 8,
         max_active: MaxActiveOpt = 8,
         queue_size: QueueSizeOpt = 64,
         max_model_len: MaxModelLenOpt = 1024,
-        eager: EagerOpt = True,
+        gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.5,
+        enforce_eager: EnforceEagerOpt = True,
         attention: AttentionOpt = "auto",
         device: DeviceOpt = "auto",
         worker_id: WorkerIdOpt = "worker-0",
-        tp: TpOpt = 1,
+        tensor_parallel_size: TensorParallelSizeOpt = 1,
         dist_init: DistInitOpt = None,
         shm_name: ShmNameOpt = None,
         stream_buffer: Annotated[int, typer.Option("--stream-buffer", help="Unread events per stream before the request is cancelled as a slow consumer.")] = 512,
@@ -70,10 +78,12 @@ def register(app: typer.Typer) -> None:
         from labkit.service.server import run_serve
         from labkit.service.worker import WorkerConfig
 
-        cfg = WorkerConfig(model=str(model) if model else None, device=device, attention=attention, policy=policy,
-                           batch_tokens=batch_tokens, batch_seqs=batch_seqs, max_active=max_active,
-                           queue_size=queue_size, max_model_len=max_model_len, eager=eager, worker_id=worker_id,
-                           stream_buffer=stream_buffer, tp=tp, dist_init=dist_init, shm_name=shm_name)
+        cfg = WorkerConfig(model=str(model) if model else None, device=device, attention=attention,
+                           scheduling_policy=scheduling_policy, max_num_batched_tokens=max_num_batched_tokens,
+                           max_num_seqs=max_num_seqs, max_active=max_active, queue_size=queue_size,
+                           max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                           enforce_eager=enforce_eager, worker_id=worker_id, stream_buffer=stream_buffer,
+                           tensor_parallel_size=tensor_parallel_size, dist_init=dist_init, shm_name=shm_name)
 
         def ready(url: str, worker) -> None:
             render_serving(worker, out)
@@ -122,10 +132,10 @@ def register(app: typer.Typer) -> None:
         long_every: Annotated[int, typer.Option("--long-every", help="Every N-th request is long (0: none).")] = 4,
         max_tokens: Annotated[int, typer.Option("--max-tokens", help="Output tokens of every request (ignore_eos).")] = 64,
         interval_ms: Annotated[float, typer.Option("--interval-ms", help="Planned gap between arrivals.")] = 40.0,
-        seed: Annotated[int, typer.Option("--seed", help="Seed of the token ids.")] = 17,
+        seed: SeedOpt = 17,
         json_out: JsonOpt = False,
     ) -> None:
-        """Write a fixed arrival trace (the same bytes for the same options)."""
+        """Write a fixed arrival trace (the same bytes for the same options); --seed seeds the token ids."""
         from labkit.console import console, kv_table, print_json
         from labkit.load.trace import TraceOptions, write_trace
 
@@ -147,17 +157,18 @@ def register(app: typer.Typer) -> None:
         warmup_requests: Annotated[int, typer.Option("--warmup-requests", help="Warmup requests per target, excluded from the window.")] = 2,
         api: Annotated[str, typer.Option("--api", help="native | openai (any OpenAI-compatible server).")] = "native",
         router: Annotated[str, typer.Option("--router", help="round-robin | least-work (least assigned prompt+max_tokens).")] = "round-robin",
-        policy: PolicyOpt = "prefill_first",
-        batch_tokens: BatchTokensOpt = 512,
-        batch_seqs: BatchSeqsOpt = 8,
+        scheduling_policy: SchedulingPolicyOpt = "prefill_first",
+        max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
+        max_num_seqs: MaxNumSeqsOpt = 8,
         max_active: MaxActiveOpt = 8,
         queue_size: QueueSizeOpt = 64,
         max_model_len: MaxModelLenOpt = 1024,
-        eager: EagerOpt = True,
+        gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.5,
+        enforce_eager: EnforceEagerOpt = True,
         attention: AttentionOpt = "auto",
         device: DeviceOpt = "auto",
         worker_id: WorkerIdOpt = "worker-0",
-        tp: TpOpt = 1,
+        tensor_parallel_size: TensorParallelSizeOpt = 1,
         profile_dir: Annotated[Optional[Path], typer.Option("--profile-dir", file_okay=False, help="torch.profiler after warmup: Chrome trace + operator table here.")] = None,
         openai_model: Annotated[Optional[str], typer.Option("--openai-model", help="Model id for --api openai (default: the server's first).")] = None,
         timeout_s: Annotated[float, typer.Option("--timeout-s", help="Give up on a request after this long.")] = 600.0,
@@ -169,14 +180,19 @@ def register(app: typer.Typer) -> None:
         from labkit.evidence import default_out
         from labkit.load.replay import LoadOptions, run_load
         from labkit.service.events import split_out
+        from labkit.service.worker import WorkerConfig
 
         out = out or default_out("load.jsonl")
-        opts = LoadOptions(trace=trace, out=out, model=str(model) if model else None, endpoints=_endpoints(endpoints),
+        worker = WorkerConfig(model=str(model) if model else None, device=device, attention=attention,
+                              scheduling_policy=scheduling_policy, max_num_batched_tokens=max_num_batched_tokens,
+                              max_num_seqs=max_num_seqs, max_active=max_active, queue_size=queue_size,
+                              max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                              enforce_eager=enforce_eager, worker_id=worker_id,
+                              tensor_parallel_size=tensor_parallel_size)
+        opts = LoadOptions(trace=trace, out=out, worker=worker, endpoints=_endpoints(endpoints),
                            serve_local=serve_local, mode=mode, warmup_requests=warmup_requests, api=api, router=router,
-                           policy=policy, batch_tokens=batch_tokens, batch_seqs=batch_seqs, max_active=max_active,
-                           queue_size=queue_size, max_model_len=max_model_len, eager=eager, attention=attention,
-                           device=device, worker_id=worker_id, tp=tp, profile_dir=profile_dir, openai_model=openai_model,
-                           timeout_s=timeout_s, checkpoint=checkpoint, show_progress=not json_out)
+                           profile_dir=profile_dir, openai_model=openai_model, timeout_s=timeout_s,
+                           checkpoint=checkpoint, show_progress=not json_out)
         record = run_load(opts)
         events, evidence = split_out(out)
         if not json_out:
