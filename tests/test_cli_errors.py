@@ -169,3 +169,9 @@ def test_finish_rows_exit_table(verdicts, code):
     with pytest.raises(typer.Exit) as e:
         finish_rows([{"id": f"c{i}", "verdict": v, "reason": ""} for i, v in enumerate(verdicts)], json_out=True)
     assert e.value.exit_code == code
+
+
+def test_attention_backend_unavailable_is_a_user_error(tiny_model_dir, tmp_path):
+    # the engine rejects it with a bare ValueError; the lab checks this user choice first
+    one_clear_line(labkit("smoke", "--attention", "flash_attn", "--device", "cpu", "--model", str(tiny_model_dir),
+                          "--out", str(tmp_path / "s.json")), "not available")
