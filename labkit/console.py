@@ -140,3 +140,299 @@ def note(message: str, style: str = "yellow") -> None:
 
 def debug_enabled() -> bool:
     return os.environ.get("LABKIT_DEBUG", "") not in ("", "0")
+
+
+def internal_error_line(message: str) -> None:
+    """A bug, in one red line on stderr, with the way to its traceback."""
+    err_console.print(Text("internal error: ", style="bold red")
+                      + Text(one_line(message) + " (set LABKIT_DEBUG=1 for the traceback)", style="red"),
+                      soft_wrap=True)
+
+
+# --------------------------------------------------------------------------- record renderers
+
+
+def render_record(record: dict, paths: list, word: str | None = None) -> None:
+    """The end of a command: checks table, verdict line (checkpoint, evidence paths) and notes."""
+    verdict = record.get("verdict") or "REVIEW"
+    if record.get("checks"):
+        console.print(checks_table(record["checks"]))
+    line = Text(word, style="bold green") if word == "COLLECTED" else verdict_text(word or verdict)
+    line.append(f"  {record.get('checkpoint') or ''}", style="bold")
+    if paths:
+        line.append("  evidence: " + " + ".join(rel(p) for p in paths))
+    console.print(line, soft_wrap=True)
+    if verdict == "REVIEW":
+        note("REVIEW: look before trusting these numbers")
+    synthetic = (record.get("facts") or {}).get("note")
+    if synthetic:
+        note(synthetic)
+
+
+def render_rows(rows: list[dict], title: str | None = None) -> None:
+    """Checkpoint rows (``labkit run``, ``labkit check``) and their counts."""
+    console.print(rows_table(rows, title=title))
+    console.print(counts_line(rows))
+
+
+def _sci(x) -> str:
+    return "-" if x is None else f"{x:.3e}"
+
+
+def _num(v) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    return str(v)
+
+
+def _pcts(d: dict | None, keys=("p50", "p90", "p99")) -> str:
+    if not d or not d.get("n"):
+        return "–"
+    return " / ".join(_num(d.get(k)) for k in keys)
+
+
+# setup
+
+
+def render_doctor(record: dict) -> None:
+    facts = record["facts"]
+    imports = {k: (v["version"] if v["ok"] else f"missing ({v['error']})") + ("" if v["required"] else "  [optional]")
+               for k, v in facts["imports"].items()}
+    console.print(kv_table(imports, title="packages"))
+    tc = facts["tensor_check"]
+    console.print(kv_table({
+        "python": facts["python"]["executable"],
+        "device": record["device"],
+        "tensor check": f"{tc['op']} {tc['shape']} {tc['dtype']} on {tc['device']}: max abs err {tc['max_abs_err']:.2e} (tol {tc['tol']:g})",
+        "runs/": f"{facts['runs_writable']['dir']} ({'writable' if facts['runs_writable']['ok'] else facts['runs_writable']['error']})",
+        "evidence kind": record["kind"],
+    }, title="machine"))
+    if "engine" in facts:
+        e = facts["engine"]
+        mem = e["memory"]
+        console.print(kv_table({
+            "attention / dtype": f"{e['attention_backend']} / {e['dtype']}",
+            "weights": mem.get("weights_bytes", "n/a (CPU budget)"),
+            "peak work memory": mem.get("peak_work_bytes", "n/a (CPU budget)"),
+            "KV budget": mem.get("kv_budget_bytes"),
+            "bytes per block": f"{e['bytes_per_block']} ({e['mib_per_block']} MiB, {e['block_size']} tokens)",
+            "blocks": f"{e['num_blocks']} ({e['tokens_in_pool']} tokens)",
+        }, title="engine KV pool (B.8.3)"))
+
+
+def render_smoke(record: dict) -> None:
+    f = record["facts"]
+    console.print(kv_table({"prompt tokens": f["prompt_tokens"], "output token ids": f["output_token_ids"],
+                            "text": f["text"], "kv_blocks": f["kv_blocks"],
+                            "attention": record["engine"]["attention_backend"],
+                            "model": record["model"]["path"]}, title="smoke"))
+
+
+def render_quick_walk(record: dict) -> None:
+    f = record["facts"]
+    rows = [{"step": d["step"], "phase": d["phase"],
+             "before (label total/cached/scheduled blocks)": "  ".join(f"{b[0]} {b[1]}/{b[2]}/{b[3]} [{b[4]}]" for b in d["before"]),
+             "after (label total/cached blocks)": "  ".join(f"{a[0]} {a[1]}/{a[2]} [{a[3]}]" for a in d["after"]),
+             "finished": ",".join(d["finished"])} for d in f["step_digest"]]
+    console.print(dict_table(rows, title=f"quick-walk {f['case']}: {f['title']}"))
+    console.print(f"steps={f['num_steps']} output_counts={f['output_counts']}")
+    if record["checkpoint"] is None:
+        note("no checkpoint states the expectations for these options: facts recorded, nothing asserted")
+
+
+def render_generate(record: dict, path) -> None:
+    for r in record["facts"]["requests"]:
+        console.print(kv_table({"prompt tokens": r["prompt_tokens"], "output token ids": r["output_token_ids"],
+                                "text": r["text"], "finish": r["finish_reason"]}, title="output"))
+    if record["facts"].get("note"):
+        note(record["facts"]["note"])
+    console.print(f"evidence: {rel(path)}")
+
+
+def render_facts_json(record: dict) -> None:
+    console.print_json(data={k: v for k, v in record["facts"].items()})
+
+
+# guardrails
+
+
+def _routes_text(facts: dict) -> str:
+    routes = facts.get("decode_routes") or {}
+    if not routes:
+        return "-"
+    parts = []
+    for batch, r in routes.items():
+        where = f"graph@{r['bucket']}" if r.get("route") == "graph" else str(r.get("route"))
+        ok = "" if (r.get("route"), r.get("bucket")) == (r.get("expected_route"), r.get("expected_bucket")) else " (unexpected)"
+        parts.append(f"{batch}:{where}{ok}")
+    return ", ".join(parts)
+
+
+def render_collect(record: dict) -> None:
+    f = record["facts"]
+    data = {
+        "suite": f"{f['suite']} (seed {f['seed']})",
+        "backend": f"{f['backend']}  execution {f['execution']}  attention {f['attention']}  dtype {f['dtype']}",
+        "device": record.get("device"),
+        "rows": f"{f['num_rows']} / {f['expected_rows']}",
+        "trajectory sha256": f["trajectory_sha256"][:16],
+    }
+    if f.get("backend") == "nano":
+        data["decode routes (batch:route)"] = _routes_text(f)
+        if f.get("graph_buckets"):
+            data["graph buckets"] = ",".join(map(str, f["graph_buckets"]))
+    if "kv" in f:
+        kv = f["kv"]
+        data["history KV unchanged"] = kv["history_unchanged"]
+        data["padding wrote nothing"] = kv["padding_wrote_nothing"]
+        data["new KV rows"] = f"{kv['new_kv_rows']} {kv['new_kv_shape']}"
+    if "expect_uncovered" in f:
+        eu = f["expect_uncovered"]
+        data["batch 17 decode"] = f"route {eu['route']}, completed {eu['completed']}" + (f", error {eu['error']}" if eu["error"] else "")
+    console.print(kv_table(data, title="logits collect"))
+
+
+def render_compare(record: dict) -> None:
+    f = record["facts"]
+    th = f["thresholds"]
+    summary = {
+        "lhs (measured)": f"{rel(f['lhs']['prefix'])}  {f['lhs']['backend']}/{f['lhs']['execution']}/{f['lhs']['attention']} {f['lhs']['dtype']} on {f['lhs']['device']}",
+        "rhs (reference)": f"{rel(f['rhs']['prefix'])}  {f['rhs']['backend']}/{f['rhs']['execution']}/{f['rhs']['attention']} {f['rhs']['dtype']} on {f['rhs']['device']}",
+        "rows": f"{f['num_rows']} ({f['suite']})",
+        "worst max abs": f"{_sci(f['worst_max_abs'])} (threshold {th['max_abs']:g}; median {_sci(f['median_max_abs'])})",
+        "worst relative L2": f"{_sci(f['worst_rel_l2'])} (threshold {th['rel_l2']:g}; median {_sci(f['median_rel_l2'])})",
+        "top-1 agreement": f"{f['top1_agree']}/{f['num_rows']} ({f['unexplained_top1_flips']} unexplained flips)",
+        "first divergent row": (f"#{f['first_divergent_row']['index']} {f['first_divergent_row']['id']} "
+                                f"({', '.join(f['first_divergent_row']['failures'])})") if f["first_divergent_row"] else "none",
+    }
+    kv = f["kv"]
+    summary["new KV"] = (f"{kv['rows']} rows, worst max abs {_sci(kv['worst_max_abs'])} (threshold {th['kv_max_abs']:g}), "
+                         f"worst rel L2 {_sci(kv['worst_rel_l2'])}") if kv["compared"] else f"not compared: {kv['why_not']}"
+    worst = Table(title=f"{len(f['worst_rows'])} worst rows (by max abs)", title_justify="left")
+    for col in ("row", "id", "phase", "len", "max abs", "rel L2", "top-1 lhs/rhs", "ref top-2 margin", "failures"):
+        worst.add_column(col, justify="right" if col in ("row", "len", "max abs", "rel L2", "ref top-2 margin") else "left")
+    for r in f["worst_rows"]:
+        worst.add_row(str(r["index"]), r["id"], r["phase"], str(r["length"]), _sci(r["max_abs"]), _sci(r["rel_l2"]),
+                      f"{r['top1_lhs']}/{r['top1_rhs']}", f"{r['ref_margin']:.4f}", ",".join(r["failures"]) or "-")
+    console.print(kv_table(summary, title="logits compare"))
+    console.print(worst)
+
+
+def render_calibration(record: dict) -> None:
+    rows = [{"suite": r["suite"], "exec": r["execution"], "dtype": r["dtype"], "backend": r["backend"],
+             "worst max abs": f"{r['worst_max_abs']:.3g}", "median max abs": f"{r['median_max_abs']:.3g}",
+             "worst rel L2": f"{r['worst_rel_l2']:.3g}", "median rel L2": f"{r['median_rel_l2']:.3g}",
+             "top-1 (min)": f"{r['min_top1_agree']}/{r['num_rows']}",
+             "verdicts": ",".join(x["verdict"] for x in r["repeats"])} for r in record["facts"]["results"]]
+    console.print(dict_table(rows, title=f"logits calibration, {record['facts']['repeats']} repeats on {record['device']}"))
+
+
+def render_cached_forward(record: dict) -> None:
+    f = record["facts"]
+    t = Table(title=f"cached vs uncached, S={f['prompt_len']} G={f['steps']} ({f['dtype']} on {f['device']})",
+              title_justify="left")
+    for col in ("step", "width uncached", "width cached", "max abs", "rel L2", "same top-1"):
+        t.add_column(col, justify="right")
+    for s in f["per_step"]:
+        t.add_row(str(s["step"]), str(s["width_uncached"]), str(s["width_cached"]), _sci(s["max_abs"]),
+                  _sci(s["rel_l2"]), "yes" if s["same_top1"] else "NO")
+    console.print(t)
+    tm = f["timing"]
+    console.print(kv_table({
+        "positions": f"uncached {f['positions_uncached']} vs cached {f['positions_cached']} "
+                     f"(expected {f['expected']['positions_uncached']} / {f['expected']['positions_cached']}; "
+                     f"ratio {f['position_ratio']:.2f})",
+        "max abs / rel L2": f"{_sci(f['max_abs_logit_error'])} / {_sci(f['relative_l2_logit_error'])}",
+        "same top-1 steps": f"{f['same_top1_steps']}/{f['steps']}",
+        "prefill s (median)": f"uncached {tm['uncached']['median_prefill_s']:.4f}  cached {tm['cached']['median_prefill_s']:.4f}",
+        "decode s (median)": f"uncached {tm['uncached']['median_decode_s']:.4f}  cached {tm['cached']['median_decode_s']:.4f}",
+        "repeats": f["repeats"],
+    }, title="cached-forward"))
+
+
+def render_tp_shapes(record: dict) -> None:
+    for r in record["facts"]["ranks"]:
+        console.print(f"rank {r['rank']}: {r['q_heads']} q heads, {r['kv_heads']} kv heads, "
+                      f"rows of the TP=1 qkv weight {r['rows_of_tp1_packed_qkv']}")
+
+
+# service and load
+
+
+def observer_table(summary: dict, title: str) -> Table:
+    table = Table(title=title, title_justify="left", caption="latencies in ms, p50 / p99", caption_justify="left")
+    for col in ("observer", "req", "done", "rej", "out tok", "TTFT", "ITL", "TPOT", "tok/s", "window s"):
+        table.add_column(col, justify="left" if col == "observer" else "right", no_wrap=True)
+    two = ("p50", "p99")
+    for obs, o in summary["observers"].items():
+        table.add_row(obs, str(o["requests"]), str(o["completed"]), str(o["rejections"]), str(o["output_tokens"]),
+                      _pcts(o["ttft_ms"], two), _pcts(o["itl_ms"], two), _pcts(o["tpot_ms"], two),
+                      _num(o.get("throughput_tok_s")), _num((o.get("window") or {}).get("seconds")))
+    return table
+
+
+def render_serving(worker, out) -> None:
+    """``labkit serve``'s banner once the worker is ready."""
+    built = worker.built
+    cfg = worker.config
+    console.print(kv_table({"worker": worker.worker_id, "kind": built.kind,
+                            "model": built.model.get("path"), "synthetic": built.model.get("synthetic"),
+                            "scheduling policy": cfg.scheduling_policy,
+                            "max num batched tokens / seqs": f"{cfg.max_num_batched_tokens} / {cfg.max_num_seqs}",
+                            "max active / queue": f"{cfg.max_active} / {cfg.queue_size}",
+                            "KV blocks": built.engine.block_manager.num_blocks,
+                            "log": str(out) if out else "(none)"}, title="labkit serve"))
+    if built.model.get("synthetic"):
+        note("synthetic model: random weights; generated text is meaningless")
+
+
+def render_served(summary: dict) -> None:
+    console.print(kv_table({"finished": summary["finished"], "tokens": summary["generation_tokens"],
+                            "steps": summary["steps"], "engine errors": summary["engine_errors"]}, title="served"))
+
+
+def render_client(res: dict) -> None:
+    console.print(kv_table({k: res[k] for k in ("request_id", "worker_id", "status", "reason", "cause",
+                                                "message", "tokens", "tokens_after_finished", "ttft_ms",
+                                                "kind", "out")}, title="labkit client"))
+    console.print(res["text"], markup=False, highlight=False)
+    if (res.get("model") or {}).get("synthetic"):
+        note("synthetic model: random weights; generated text is meaningless")
+
+
+def render_load(record: dict, mode: str, events) -> None:
+    summary = record["facts"]["summary"]
+    console.print(observer_table(summary, f"labkit load ({summary.get('kind') or 'kind unknown'}, {mode})"))
+    if record["facts"].get("profile"):
+        p = record["facts"]["profile"]
+        console.print(f"profile: {rel(p['trace'])}, {rel(p['operators'])}, {rel(p['evidence'])}")
+    console.print(f"events: {rel(events)}")
+    if summary.get("note"):
+        note(summary["note"])
+
+
+def render_report(result: dict, out) -> None:
+    for i, s in enumerate(result["inputs"]):
+        console.print(observer_table(s, f"{i}: {rel(s['path'])} ({s.get('kind') or 'kind unknown'})"))
+        if s.get("note"):
+            note(s["note"])
+    for row in result["ratios"]:
+        console.print(f"ratios vs input 0 ({result['primary_observer']}): " +
+                      ", ".join(f"{k} {_num(v)}" for k, v in row.items() if k not in ("input", "vs")), soft_wrap=True)
+    console.print(f"wrote {rel(out)}, {rel(result['markdown'])}" +
+                  "".join(f", {rel(p)}" for p in result["plots"]), soft_wrap=True)
+    if result.get("plots_note"):
+        note(result["plots_note"])
+
+
+def render_simulate(record: dict) -> None:
+    table = Table(title="labkit simulate", title_justify="left")
+    for col in ("scenario", "ok", "facts"):
+        table.add_column(col, overflow="fold")
+    for name, sc in record["facts"]["scenarios"].items():
+        facts = {k: v for k, v in sc.items() if k not in ("ok", "policy", "messages", "over_message")}
+        table.add_row(name, "yes" if sc.get("ok") else "NO", short(facts, 160))
+    console.print(table)
+    console.print(f"events: {record['facts']['events']}")

@@ -30,7 +30,7 @@ def test_malformed_model_dir(tmp_path):
 
 
 def test_block_size_not_power_of_two(tiny_model_dir):
-    one_clear_line(labkit("quick-walk", "--case", "A", "--block-size", "3", "--model", str(tiny_model_dir)),
+    one_clear_line(labkit("quick-walk", "--case", "A", "--kv-cache-block-size", "3", "--model", str(tiny_model_dir)),
                    "power of two")
 
 
@@ -76,3 +76,102 @@ def test_quick_walk_debug_stops_in_pdb_after_init_then_continues(tiny_model_dir,
     assert res.returncode == 0, res.stderr
     assert "(Pdb)" in res.stdout and "('LLMEngine', 0," in res.stdout    # engine built, no request added yet
     assert "PASS" in res.stdout
+
+
+# ------------------------------------------------------------------ the exit table and errors by type
+
+
+def _raise_in_smoke(monkeypatch, exc: BaseException):
+    """Make the smoke command's one call raise ``exc``; return the command's result through the app."""
+    from typer.testing import CliRunner
+
+    from labkit.cli import app
+    from labkit.experiments import smoke
+
+    def boom(*a, **k):
+        raise exc
+
+    monkeypatch.setattr(smoke, "run_smoke", boom)
+    return CliRunner().invoke(app, ["smoke", "--out", os.devnull])
+
+
+def _user_errors():
+    from engine.config import ConfigError
+    from engine.llm_engine import RequestError
+    from labkit.assets.files import ModelError
+    from labkit.errors import UserError
+
+    return [UserError("bad flag"), ModelError("bad model dir"), ConfigError("bad config"),
+            RequestError("bad request"), FileNotFoundError(2, "No such file or directory", "/x/missing.json")]
+
+
+@pytest.mark.parametrize("index", range(5))
+def test_user_errors_by_type_exit_2_with_one_line(monkeypatch, index):
+    monkeypatch.delenv("LABKIT_DEBUG", raising=False)
+    exc = _user_errors()[index]
+    res = _raise_in_smoke(monkeypatch, exc)
+    assert res.exit_code == 2, res.output
+    errors = [line for line in res.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "internal error" not in res.output
+
+
+@pytest.mark.parametrize("exc", [ValueError("a bug that says value"), KeyError("k"),
+                                 OSError("no file named"), RuntimeError("boom")])
+def test_any_other_exception_is_an_internal_error_not_exit_2(monkeypatch, exc):
+    monkeypatch.delenv("LABKIT_DEBUG", raising=False)
+    res = _raise_in_smoke(monkeypatch, exc)
+    assert res.exit_code == 70, res.output
+    lines = [line for line in res.output.splitlines() if line.startswith("internal error:")]
+    assert len(lines) == 1 and type(exc).__name__ in lines[0] and "LABKIT_DEBUG=1" in lines[0]
+    assert not any(line.startswith("error:") for line in res.output.splitlines())
+
+
+def test_internal_error_with_labkit_debug_keeps_the_traceback(monkeypatch):
+    monkeypatch.setenv("LABKIT_DEBUG", "1")
+    res = _raise_in_smoke(monkeypatch, ValueError("a bug"))
+    assert res.exit_code not in (0, 2, 70)
+    assert isinstance(res.exception, ValueError) and "internal error" not in res.output
+
+
+def test_internal_error_from_the_console_script_is_one_line():
+    code = ("from labkit.experiments import smoke\n"
+            "def boom(*a, **k):\n    raise ValueError('a bug')\n"
+            "smoke.run_smoke = boom\n"
+            "from labkit.cli import main\n"
+            "main(['smoke', '--out', '/dev/null'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "LABKIT_DEBUG"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 70 and "Traceback" not in res.stderr, res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("internal error: ValueError: a bug"), res.stderr
+
+
+@pytest.mark.parametrize("verdict,code", [("PASS", 0), ("REVIEW", 0), ("FAIL", 1), ("NOT-RUN", 2)])
+def test_finish_exit_table(verdict, code):
+    import typer
+
+    from labkit.cli.app import finish
+
+    record = {"verdict": verdict, "checkpoint": None, "facts": {},
+              "checks": [{"name": "x", "passed": verdict == "PASS", "status": verdict.lower(), "why": "needs CUDA"}]}
+    with pytest.raises(typer.Exit) as e:
+        finish(record, json_out=True)
+    assert e.value.exit_code == code
+
+
+@pytest.mark.parametrize("verdicts,code", [(["PASS", "NOT-RUN"], 0), (["REVIEW", "NOT-RUN"], 0),
+                                           (["PASS", "FAIL", "NOT-RUN"], 1), ([], 0)])
+def test_finish_rows_exit_table(verdicts, code):
+    import typer
+
+    from labkit.cli.app import finish_rows
+
+    with pytest.raises(typer.Exit) as e:
+        finish_rows([{"id": f"c{i}", "verdict": v, "reason": ""} for i, v in enumerate(verdicts)], json_out=True)
+    assert e.value.exit_code == code
+
+
+def test_attention_backend_unavailable_is_a_user_error(tiny_model_dir, tmp_path):
+    # the engine rejects it with a bare ValueError; the lab checks this user choice first
+    one_clear_line(labkit("smoke", "--attention", "flash_attn", "--device", "cpu", "--model", str(tiny_model_dir),
+                          "--out", str(tmp_path / "s.json")), "not available")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from labkit.errors import UserError
 from labkit.evidence import repo_root
 from labkit.load.replay import LoadOptions, Router, run_load
 from labkit.service.events import split_out
+from labkit.service.worker import WorkerConfig
 from labkit.load.report import read_log
 from labkit.load.trace import TraceOptions, read_trace, render, warmup_requests, write_trace
 
@@ -27,8 +29,9 @@ def small_trace(tmp_path: Path, n: int = 4, max_tokens: int = 4) -> Path:
 
 
 def opts(tmp_path: Path, trace: Path, model: Path, **kw) -> LoadOptions:
-    base = dict(trace=trace, out=tmp_path / "load.jsonl", model=str(model) if model else None, device="cpu",
-                max_model_len=256, batch_tokens=128, batch_seqs=4, warmup_requests=2, show_progress=False)
+    worker = WorkerConfig(model=str(model) if model else None, device="cpu", max_model_len=256,
+                          max_num_batched_tokens=128, max_num_seqs=4)
+    base = dict(trace=trace, out=tmp_path / "load.jsonl", worker=worker, warmup_requests=2, show_progress=False)
     base.update(kw)
     return LoadOptions(**base)
 
@@ -123,7 +126,10 @@ def test_split_out():
 def test_load_option_errors(tmp_path, tiny_model_dir, kw, match):
     o = opts(tmp_path, SHIPPED, tiny_model_dir)
     for k, v in kw.items():
-        setattr(o, k, v)
+        if k == "model":
+            o.worker = replace(o.worker, model=v)
+        else:
+            setattr(o, k, v)
     with pytest.raises(UserError, match=match):
         run_load(o)
 

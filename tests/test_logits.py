@@ -18,7 +18,7 @@ from labkit.guardrails.calibrate import calibrate
 from labkit.guardrails.collect import collect, expected_route
 from labkit.guardrails.compare import compare, judge_rows
 from labkit.guardrails.suites import build_suite, trajectory_sha256
-from labkit.cli.guardrails import EXIT_REVIEW
+from labkit.cli.app import EXIT_CODES
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ def test_a_near_tie_flip_gives_review_and_exit_3(baseline, tmp_path, app):
     rewrite_npz(ref, logits=tie(True))
     rewrite_npz(got, logits=tie(False))
     res = run_cli(app, "logits", "compare", "--lhs", got, "--rhs", ref, "--out", tmp_path / "r.json")
-    assert res.exit_code == EXIT_REVIEW, res.output
+    assert res.exit_code == EXIT_CODES["REVIEW"], res.output
     f = json.loads((tmp_path / "r.json").read_text())["facts"]
     assert f["comparison_verdict"] == "REVIEW" and f["top1_flips"] == 1 and f["unexplained_top1_flips"] == 0
     assert f["first_divergent_row"]["index"] == row and f["first_divergent_row"]["failures"] == ["top1_flip"]

@@ -32,8 +32,8 @@ def sink():
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir, sink):
-    w = Worker(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_active=2, queue_size=3, batch_tokens=128,
-                            batch_seqs=4, max_model_len=256, worker_id="w-test"), sink=sink).start()
+    w = Worker(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_active=2, queue_size=3, max_num_batched_tokens=128,
+                            max_num_seqs=4, max_model_len=256, worker_id="w-test"), sink=sink).start()
     yield w
     w.close()
 

@@ -22,7 +22,7 @@ pids=()
 start() {   # start GPUS PORT WORKER_ID [extra serve options]: a server in the background, its PID recorded
   local devices=$1 port=$2 id=$3; shift 3
   CUDA_VISIBLE_DEVICES=$devices $py -m labkit serve "${model_args[@]}" --port "$port" --worker-id "$id" \
-    --policy prefill_first --batch-tokens 256 --eager --out "$runs/server-$id.jsonl" "$@" > "$runs/serve-$id.log" 2>&1 &
+    --scheduling-policy prefill_first --max-num-batched-tokens 256 --enforce-eager --out "$runs/server-$id.jsonl" "$@" > "$runs/serve-$id.log" 2>&1 &
   pids+=($!)
 }
 ready() {   # ready URL WORKER_ID: wait (90 s at most) until /health is ok and names this worker
@@ -56,16 +56,16 @@ load() {    # load ENDPOINTS NAME
 }
 trap stop_all EXIT
 
-start "$(gpu 0)" 8801 single --batch-seqs 4 --max-active 8
+start "$(gpu 0)" 8801 single --max-num-seqs 4 --max-active 8
 ready http://127.0.0.1:8801 single && load http://127.0.0.1:8801 single; stop_all
 
-start "$(gpu 0)" 8801 replica-a --batch-seqs 4 --max-active 8
-start "$(gpu 1)" 8802 replica-b --batch-seqs 4 --max-active 8
+start "$(gpu 0)" 8801 replica-a --max-num-seqs 4 --max-active 8
+start "$(gpu 1)" 8802 replica-b --max-num-seqs 4 --max-active 8
 ready http://127.0.0.1:8801 replica-a && ready http://127.0.0.1:8802 replica-b && load http://127.0.0.1:8801,http://127.0.0.1:8802 replicas
 stop_all
 
 tp_devices=$([ "$gpus" -ge 2 ] && echo 0,1 || echo "")
-start "$tp_devices" 8803 tp-two --tp 2 --batch-seqs 8 --max-active 16
+start "$tp_devices" 8803 tp-two --tensor-parallel-size 2 --max-num-seqs 8 --max-active 16
 ready http://127.0.0.1:8803 tp-two && load http://127.0.0.1:8803 tp2; stop_all
 
 inputs=$(for n in single replicas tp2; do [ -s "$runs/$n.jsonl" ] && printf '%s,' "$runs/$n.jsonl"; done)

@@ -88,6 +88,9 @@ def timed_generate(engine: LLMEngine, prompts, params, steps: bool = False) -> T
 
 
 def engine_for(model_dir: str, device: str, attention: str, eager: bool, **kw) -> LLMEngine:
+    from labkit.lab_engine import check_engine_choices
+
+    check_engine_choices(device, attention, {"enforce_eager": eager, **kw})
     return LLMEngine(model_dir, device=device, attention_backend=attention, enforce_eager=eager, **kw)
 
 
@@ -253,7 +256,7 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
     if workload == "attention":
         return _run_attention_bench(out, device, attention, sweep)
     if not device.startswith("cuda") and (workload != "nano-vllm" or not eager):
-        raise UserError(f"bench --workload {workload} needs CUDA (graphs); on CPU only `--workload nano-vllm --eager` runs")
+        raise UserError(f"bench --workload {workload} needs CUDA (graphs); on CPU only `--workload nano-vllm --enforce-eager` runs")
     ref = resolve_model(model, device)
     model_dir = str(ref.path)
     if workload == "nano-vllm":

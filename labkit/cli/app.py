@@ -1,6 +1,7 @@
-"""The ``labkit`` command line: thin Typer shells over plain functions.
+"""The ``labkit`` app, its one way to end a command, and the setup commands.
 
-Adding a command::
+A command is a thin Typer function: options -> one call into a plain function -> evidence -> a
+:mod:`labkit.console` renderer -> :func:`finish`::
 
     @app.command()
     def smoke(out: OutOpt = None, model: ModelOpt = None, json_out: JsonOpt = False) -> None:
@@ -10,9 +11,25 @@ Adding a command::
         record = run_smoke(path, model=model)
         finish(record, path, json_out=json_out)
 
-``finish`` prints the checks table, the verdict and the evidence path (or the JSON record with
-``--json``) and exits 0 on PASS/REVIEW, 1 on FAIL. Raise :class:`labkit.errors.UserError` for
-anything the user can fix: ``main`` turns it into one red line and exit code 2.
+Exit codes, the same for every command:
+
+=====================  ====  ==========================================================================
+PASS                   0
+REVIEW                 0     a human should look; not a failure
+FAIL                   1
+NOT-RUN                0     a row of ``labkit run`` / ``labkit check`` (the reason is in the row)
+user error             2     one red ``error:`` line: :class:`labkit.errors.UserError` (ModelError,
+                             CheckpointError, ...), ``engine.config.ConfigError``,
+                             ``engine.llm_engine.RequestError``, an ``OSError`` naming a file, a
+                             usage error; also a single command whose checkpoint cannot run on this
+                             machine ("needs CUDA")
+internal error         70    any other exception is a bug: one ``internal error:`` line, or the
+                             traceback with ``LABKIT_DEBUG=1``
+interrupted            130   Ctrl-C outside a command
+=====================  ====  ==========================================================================
+
+Errors are mapped by type, never by message text, in the root group (:class:`LabkitGroup`), so
+``main`` and ``typer.testing.CliRunner`` see the same codes.
 """
 
 from __future__ import annotations
@@ -23,39 +40,103 @@ from pathlib import Path
 from typing import Annotated, NoReturn, Optional
 
 import typer
+from typer.core import TyperGroup
+from typer.exceptions import TyperException
 
 from labkit import __version__
+from labkit.cli.options import (
+    AttentionOpt,
+    DeviceOpt,
+    EnforceEagerOpt,
+    JsonOpt,
+    KvCacheBlockSizeOpt,
+    MaxModelLenOpt,
+    MaxNumBatchedTokensOpt,
+    MaxNumSeqsOpt,
+    ModelOpt,
+    OutOpt,
+    SeedOpt,
+)
 from labkit.console import (
-    checks_table,
     console,
-    dict_table,
-    counts_line,
     debug_enabled,
     error_line,
-    kv_table,
-    note,
+    internal_error_line,
     print_json,
     rel,
-    rows_table,
-    verdict_text,
+    render_doctor,
+    render_facts_json,
+    render_generate,
+    render_quick_walk,
+    render_record,
+    render_rows,
+    render_smoke,
 )
 from labkit.errors import UserError
-from labkit.cli.options import AttentionOpt, DeviceOpt, JsonOpt, ModelOpt, OutOpt
+
+#: Exit code per verdict: REVIEW asks for a human look, it is not a failure.
+EXIT_CODES = {"PASS": 0, "REVIEW": 0, "NOT-RUN": 0, "FAIL": 1}
+USER_ERROR_EXIT = 2
+INTERNAL_ERROR_EXIT = 70
+INTERRUPTED_EXIT = 130
+
+
+def _user_error_types() -> tuple[type[BaseException], ...]:
+    """The exception types a user can cause. The engine's are imported here, on the error path only,
+    so that ``labkit --help`` does not import torch."""
+    from engine.config import ConfigError
+    from engine.llm_engine import RequestError
+
+    return (UserError, ConfigError, RequestError)
+
+
+def is_user_error(e: BaseException) -> bool:
+    if isinstance(e, UserError):
+        return True
+    if isinstance(e, OSError):
+        return e.filename is not None
+    return isinstance(e, _user_error_types())
+
+
+def _message(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        return f"{e.strerror}: {e.filename}"
+    return str(e) or type(e).__name__
+
+
+def end_with_error(e: Exception) -> NoReturn:
+    """A user error: one red line, exit 2. Anything else is a bug: one line and exit 70, or the
+    traceback when LABKIT_DEBUG is set (then a non-UserError user error shows its traceback too)."""
+    if debug_enabled() and not isinstance(e, UserError):
+        raise e
+    if is_user_error(e):
+        error_line(_message(e))
+        raise typer.Exit(USER_ERROR_EXIT)
+    internal_error_line(f"{type(e).__name__}: {_message(e)}")
+    raise typer.Exit(INTERNAL_ERROR_EXIT)
+
+
+class LabkitGroup(TyperGroup):
+    """The root group: every command's exception ends here and is mapped by :func:`end_with_error`."""
+
+    def invoke(self, ctx: typer.Context):
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, TyperException):   # exits and usage errors: Typer's own
+            raise
+        except Exception as e:  # noqa: BLE001 - mapped by type in end_with_error
+            end_with_error(e)
+
 
 app = typer.Typer(
     name="labkit",
+    cls=LabkitGroup,
     help="A checkpointed lab around the embedded LLM engine. Start with `labkit doctor`, then `labkit run`.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
     rich_markup_mode="rich",
 )
-
-# --------------------------------------------------------------------------- shared options
-
-#: Exit code per verdict: REVIEW asks for a human look, it is not a failure.
-EXIT_CODES = {"PASS": 0, "REVIEW": 0, "NOT-RUN": 0, "FAIL": 1}
-USER_ERROR_EXIT = 2
 
 
 def resolve_out(out: Path | None, checkpoint_id: str) -> Path:
@@ -67,33 +148,39 @@ def resolve_out(out: Path | None, checkpoint_id: str) -> Path:
     return get_checkpoint(checkpoint_id).evidence_path()
 
 
-def exit_code(verdict: str) -> int:
-    return EXIT_CODES.get(verdict, 1)
+def finish(record: dict, paths: str | Path | list[str | Path] | None = None, *, json_out: bool = False,
+           word: str | None = None) -> NoReturn:
+    """The end of every command that writes evidence: print the record (checks, verdict, evidence
+    paths, notes) or, with ``--json``, the record itself; exit with the verdict's code.
 
-
-def finish(record: dict, out: Path | None = None, *, json_out: bool = False) -> NoReturn:
-    """Print the record's checks + verdict (+ evidence path), then exit with the verdict's code."""
+    ``word`` replaces the verdict in the last line (``COLLECTED`` for a collection without a checkpoint).
+    A single record that is NOT-RUN could not run on this machine: a user error (exit 2).
+    """
+    verdict = record.get("verdict") or "REVIEW"
+    if paths is None:
+        paths = []
+    elif not isinstance(paths, list):
+        paths = [paths]
     if json_out:
-        print_json(record)
+        print_json({k: v for k, v in record.items() if k != "_paths"})
     else:
-        if record.get("checks"):
-            console.print(checks_table(record["checks"]))
-        line = verdict_text(record["verdict"])
-        line.append(f"  {record.get('checkpoint') or ''}", style="bold")
-        if out is not None:
-            line.append(f"  evidence: {rel(out)}")
-        console.print(line, soft_wrap=True)
-    raise typer.Exit(exit_code(record["verdict"]))
+        render_record(record, paths, word=word)
+    if verdict == "NOT-RUN":
+        from labkit.checks import reason
+
+        error_line(reason(verdict, record.get("checks") or []) or "this checkpoint cannot run on this machine")
+        raise typer.Exit(USER_ERROR_EXIT)
+    raise typer.Exit(EXIT_CODES.get(verdict, 1))
 
 
 def finish_rows(rows: list[dict], *, json_out: bool = False, title: str | None = None) -> NoReturn:
-    """Print checkpoint rows (id/verdict/reason/...) and exit 1 if any FAILed."""
+    """The end of ``labkit run`` and ``labkit check``: print the rows; exit 1 if any FAILed
+    (NOT-RUN rows exit 0: the machine lacks what they need, the reason is in the row)."""
     if json_out:
         print_json(rows)
     else:
-        console.print(rows_table(rows, title=title))
-        console.print(counts_line(rows))
-    raise typer.Exit(1 if any(r["verdict"] == "FAIL" for r in rows) else 0)
+        render_rows(rows, title=title)
+    raise typer.Exit(max((EXIT_CODES.get(r["verdict"], 1) for r in rows), default=0))
 
 
 def _version(value: bool) -> None:
@@ -122,29 +209,7 @@ def doctor(out: OutOpt = None, device: DeviceOpt = "auto", json_out: JsonOpt = F
     path = resolve_out(out, CHECKPOINT)
     record = run_doctor(path, device, engine=engine, model=str(model) if model else None)
     if not json_out:
-        facts = record["facts"]
-        imports = {k: (v["version"] if v["ok"] else f"missing ({v['error']})") + ("" if v["required"] else "  [optional]")
-                   for k, v in facts["imports"].items()}
-        console.print(kv_table(imports, title="packages"))
-        tc = facts["tensor_check"]
-        console.print(kv_table({
-            "python": facts["python"]["executable"],
-            "device": record["device"],
-            "tensor check": f"{tc['op']} {tc['shape']} {tc['dtype']} on {tc['device']}: max abs err {tc['max_abs_err']:.2e} (tol {tc['tol']:g})",
-            "runs/": f"{facts['runs_writable']['dir']} ({'writable' if facts['runs_writable']['ok'] else facts['runs_writable']['error']})",
-            "evidence kind": record["kind"],
-        }, title="machine"))
-        if "engine" in facts:
-            e = facts["engine"]
-            mem = e["memory"]
-            console.print(kv_table({
-                "attention / dtype": f"{e['attention_backend']} / {e['dtype']}",
-                "weights": mem.get("weights_bytes", "n/a (CPU budget)"),
-                "peak work memory": mem.get("peak_work_bytes", "n/a (CPU budget)"),
-                "KV budget": mem.get("kv_budget_bytes"),
-                "bytes per block": f"{e['bytes_per_block']} ({e['mib_per_block']} MiB, {e['block_size']} tokens)",
-                "blocks": f"{e['num_blocks']} ({e['tokens_in_pool']} tokens)",
-            }, title="engine KV pool (B.8.3)"))
+        render_doctor(record)
     finish(record, path, json_out=json_out)
 
 
@@ -191,8 +256,6 @@ def run(
     finish_rows(rows, json_out=json_out, title="labkit run")
 
 
-
-
 class CaseName(str, enum.Enum):
     A = "A"
     B = "B"
@@ -209,13 +272,7 @@ def smoke(out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto"
     path = resolve_out(out, "setup.smoke")
     record = run_smoke(path, model=_model_arg(model), device=device, attention=attention)
     if not json_out:
-        f = record["facts"]
-        console.print(kv_table({"prompt tokens": f["prompt_tokens"], "output token ids": f["output_token_ids"],
-                                "text": f["text"], "kv_blocks": f["kv_blocks"],
-                                "attention": record["engine"]["attention_backend"],
-                                "model": record["model"]["path"]}, title="smoke"))
-        if f.get("note"):
-            note(f["note"])
+        render_smoke(record)
     finish(record, path, json_out=json_out)
 
 
@@ -223,9 +280,9 @@ def smoke(out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto"
 def quick_walk(
     case: Annotated[CaseName, typer.Option("--case", case_sensitive=False, help="Handbook 5.2 case: A, B, C or D.")],
     trace: Annotated[bool, typer.Option("--trace", help="Store every step (before the forward / after postprocess) in the evidence.")] = False,
-    budget: Annotated[int, typer.Option("--budget", min=1, help="Prefill token budget (max_num_batched_tokens).")] = 512,
-    max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", min=1, help="Sequences per step.")] = None,
-    block_size: Annotated[int, typer.Option("--block-size", min=1, help="KV block size (a power of two).")] = 256,
+    max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
+    max_num_seqs: MaxNumSeqsOpt = None,
+    kv_cache_block_size: KvCacheBlockSizeOpt = 256,
     debug: Annotated[bool, typer.Option("--debug", help="Drop into pdb after initialization (warmup excluded).")] = False,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
@@ -233,21 +290,12 @@ def quick_walk(
     """Follow the handbook's cases A-D step by step; LABKIT_TRACE=1 prints one event=engine_step line per step."""
     from labkit.experiments.quick_walk import default_out_for, run_quick_walk
 
-    out = out or default_out_for(case.value, budget, max_num_seqs, block_size)
+    out = out or default_out_for(case.value, max_num_batched_tokens, max_num_seqs, kv_cache_block_size)
     record = run_quick_walk(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
-                            budget=budget, max_num_seqs=max_num_seqs, block_size=block_size, trace=trace, debug=debug)
+                            budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
+                            trace=trace, debug=debug)
     if not json_out:
-        f = record["facts"]
-        rows = [{"step": d["step"], "phase": d["phase"],
-                 "before (label total/cached/scheduled blocks)": "  ".join(f"{b[0]} {b[1]}/{b[2]}/{b[3]} [{b[4]}]" for b in d["before"]),
-                 "after (label total/cached blocks)": "  ".join(f"{a[0]} {a[1]}/{a[2]} [{a[3]}]" for a in d["after"]),
-                 "finished": ",".join(d["finished"])} for d in f["step_digest"]]
-        console.print(dict_table(rows, title=f"quick-walk {f['case']}: {f['title']}"))
-        console.print(f"steps={f['num_steps']} output_counts={f['output_counts']}")
-        if record["checkpoint"] is None:
-            note("no checkpoint states the expectations for these options: facts recorded, nothing asserted")
-        if f.get("note"):
-            note(f["note"])
+        render_quick_walk(record)
     finish(record, out, json_out=json_out)
 
 
@@ -259,29 +307,26 @@ def generate(
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Output tokens per request at most.")] = 32,
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep going past end-of-sequence tokens.")] = False,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Per-request sampling seed.")] = None,
-    max_model_len: Annotated[int, typer.Option("--max-model-len", help="Context length (prompt + output).")] = 1024,
-    block_size: Annotated[int, typer.Option("--block-size", help="KV block size (a power of two).")] = 256,
-    eager: Annotated[bool, typer.Option("--eager/--graph", help="Eager, or CUDA graphs for decode (CUDA only).")] = True,
+    seed: SeedOpt = None,
+    max_model_len: MaxModelLenOpt = 1024,
+    kv_cache_block_size: KvCacheBlockSizeOpt = 256,
+    enforce_eager: EnforceEagerOpt = True,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
-    """Offline generation through the engine (LLM.generate); outputs and evidence in runs/generate.json."""
+    """Offline generation through the engine (LLM.generate); outputs and evidence in runs/generate.json.
+
+    ``--seed`` seeds each request's sampling (default: unseeded)."""
     from labkit.evidence import default_out
     from labkit.experiments.generate import run_generate
 
     path = out or default_out("generate.json")
     record = run_generate(prompt, token_ids, chat, max_tokens, temperature, ignore_eos, seed, path,
-                          _model_arg(model), device, attention, max_model_len, block_size, eager)
+                          _model_arg(model), device, attention, max_model_len, kv_cache_block_size, enforce_eager)
     if json_out:
         print_json(record)
-        raise typer.Exit(0)
-    for r in record["facts"]["requests"]:
-        console.print(kv_table({"prompt tokens": r["prompt_tokens"], "output token ids": r["output_token_ids"],
-                                "text": r["text"], "finish": r["finish_reason"]}, title="output"))
-    if record["facts"].get("note"):
-        note(record["facts"]["note"])
-    console.print(f"evidence: {rel(path)}")
+    else:
+        render_generate(record, path)
 
 
 @app.command()
@@ -289,7 +334,7 @@ def bench(
     workload: Annotated[str, typer.Option("--workload", help="nano-vllm | graph-vs-eager | latency | attention.")] = "nano-vllm",
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="hf: transformers generate on a fraction of the workload, same GPU, same run.")] = None,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats (nano-vllm workload).")] = 1,
-    eager: Annotated[bool, typer.Option("--eager", help="No CUDA graphs (nano-vllm workload).")] = False,
+    enforce_eager: EnforceEagerOpt = False,
     profile: Annotated[bool, typer.Option("--profile", help="nano-vllm: one more, instrumented pass: time by phase and part, top GPU kernels of a decode window.")] = False,
     sweep: Annotated[bool, typer.Option("--sweep", help="attention: also time every knob setting of the Triton decode kernel.")] = False,
     overlap: Annotated[bool, typer.Option("--overlap", help="nano-vllm: launch each decode step before reading the previous one's tokens.")] = False,
@@ -302,10 +347,10 @@ def bench(
 
     path = out or default_out(f"bench-{workload}.json")
     record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
-                       baseline=baseline, repeats=repeats, eager=eager, profile=profile, sweep=sweep,
+                       baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,
                        overlap=overlap)
     if not json_out:
-        console.print_json(data={k: v for k, v in record["facts"].items()})
+        render_facts_json(record)
     finish(record, path, json_out=json_out)
 
 
@@ -316,29 +361,10 @@ def _model_arg(model: Path | None) -> str | None:
 # --------------------------------------------------------------------------- entry point
 
 
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    return (UserError, FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError)
-
-
-def _message(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.filename is not None and e.strerror:
-        return f"{e.strerror}: {e.filename}"
-    return str(e) or type(e).__name__
-
-
 def main(argv: list[str] | None = None) -> None:
-    """Console-script entry: run the app; user errors end in one red line and exit code 2."""
+    """Console-script entry: run the app (errors are mapped by :class:`LabkitGroup`); Ctrl-C exits 130."""
     try:
         app(args=argv, prog_name="labkit")
     except KeyboardInterrupt:
         error_line("interrupted")
-        sys.exit(130)
-    except Exception as e:
-        if not isinstance(e, _user_error_types()) or (debug_enabled() and not isinstance(e, UserError)):
-            raise
-        error_line(_message(e))
-        sys.exit(USER_ERROR_EXIT)
-
-
-if __name__ == "__main__":
-    main()
+        sys.exit(INTERRUPTED_EXIT)

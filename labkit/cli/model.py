@@ -7,13 +7,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from labkit.cli.options import JsonOpt
+from labkit.cli.options import JsonOpt, SeedOpt
 from labkit.console import console, kv_table, note, print_json, rel
 
 model_app = typer.Typer(help="Model assets: synthesize, inspect, download.", no_args_is_help=True)
-
-SeedOpt = Annotated[int, typer.Option("--seed", help="Random seed.")]
-
 
 class Preset(str, enum.Enum):
     tiny = "tiny"

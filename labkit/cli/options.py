@@ -1,4 +1,9 @@
-"""Typer option types shared by the command modules (setup, model, guardrails, service)."""
+"""Typer option types shared by the command modules (setup, model, guardrails, service).
+
+Engine options are declared once, here, under vLLM's names (``--max-num-seqs``,
+``--max-num-batched-tokens``, ``--enforce-eager/--graph``, ``--tensor-parallel-size``, ...); each
+command that takes one reuses it with its own default.
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,5 +20,17 @@ ModelOpt = Annotated[
     typer.Option("--model", help="Model directory (Hugging Face layout); default $MODEL_DIR, else a synthetic model."),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables.")]
+
+# engine options, under the engine's (and vLLM's) names
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda[:N].")]
 AttentionOpt = Annotated[str, typer.Option("--attention", help="Attention backend: auto | flash_attn | triton | torch.")]
+DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32.")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed (what it seeds: see the command's description).")]
+MaxNumSeqsOpt = Annotated[Optional[int], typer.Option("--max-num-seqs", min=1, help="Sequences in one step at most.")]
+MaxNumBatchedTokensOpt = Annotated[int, typer.Option("--max-num-batched-tokens", min=1, help="Token budget of one step (the prefill budget).")]
+MaxModelLenOpt = Annotated[int, typer.Option("--max-model-len", help="Context length (prompt + output) at most.")]
+GpuMemoryUtilizationOpt = Annotated[float, typer.Option("--gpu-memory-utilization", min=0.0, max=1.0, help="Fraction of GPU memory the engine may use (weights, work memory, KV cache).")]
+EnforceEagerOpt = Annotated[bool, typer.Option("--enforce-eager/--graph", help="Eager execution, or CUDA graphs for decode (CUDA only).")]
+TensorParallelSizeOpt = Annotated[int, typer.Option("--tensor-parallel-size", "--tp", min=1, help="Tensor-parallel ranks of the engine.")]
+KvCacheBlockSizeOpt = Annotated[int, typer.Option("--kv-cache-block-size", min=1, help="KV block size in tokens (a power of two).")]
+SchedulingPolicyOpt = Annotated[str, typer.Option("--scheduling-policy", help="prefill_first | balanced.")]

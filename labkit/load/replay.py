@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from engine import RequestError, SamplingParams
 from labkit.errors import UserError
 from labkit.evidence import envelope, write_evidence, write_json
 from labkit.service.events import EventLog, log_header, split_out
+from labkit.service.worker import WorkerConfig
 from labkit.load.trace import read_trace, warmup_requests
 
 MODES = ("wall", "round")
@@ -50,24 +51,13 @@ ROUTERS = ("round-robin", "least-work")
 class LoadOptions:
     trace: Path
     out: Path
-    model: str | None = None
     endpoints: list[str] = field(default_factory=list)
     serve_local: bool = False
     mode: str = "wall"
     warmup_requests: int = 2
     api: str = "native"
     router: str = "round-robin"
-    policy: str = "prefill_first"
-    batch_tokens: int = 512
-    batch_seqs: int = 8
-    max_active: int = 8
-    queue_size: int = 64
-    max_model_len: int = 1024
-    eager: bool = True
-    attention: str = "auto"
-    device: str = "auto"
-    worker_id: str = "worker-0"
-    tp: int = 1
+    worker: WorkerConfig = field(default_factory=WorkerConfig)   # the in-process engine (model, knobs)
     profile_dir: Path | None = None
     openai_model: str | None = None
     timeout_s: float = 600.0
@@ -203,7 +193,7 @@ def _check(opts: LoadOptions) -> None:
         raise UserError(f"--api must be one of {', '.join(APIS)}, got {opts.api!r}")
     if opts.router not in ROUTERS:
         raise UserError(f"--router must be one of {', '.join(ROUTERS)}, got {opts.router!r}")
-    if opts.endpoints and (opts.model or opts.serve_local):
+    if opts.endpoints and (opts.worker.model or opts.serve_local):
         raise UserError("--endpoints drives running servers; leave out --model and --serve-local")
     if opts.mode == "round" and (opts.endpoints or opts.serve_local):
         raise UserError("--mode round injects per scheduler round and needs the in-process engine; "
@@ -219,13 +209,8 @@ def _check(opts: LoadOptions) -> None:
             raise UserError(f"endpoint {ep!r} must start with http:// or https://")
 
 
-def _worker_config(opts: LoadOptions):
-    from labkit.service.worker import WorkerConfig
-
-    return WorkerConfig(model=opts.model, device=opts.device, attention=opts.attention, policy=opts.policy,
-                        batch_tokens=opts.batch_tokens, batch_seqs=opts.batch_seqs, max_active=opts.max_active,
-                        queue_size=opts.queue_size, max_model_len=opts.max_model_len, eager=opts.eager,
-                        worker_id=opts.worker_id, tp=opts.tp, load_tokenizer=opts.serve_local)
+def _worker_config(opts: LoadOptions) -> WorkerConfig:
+    return replace(opts.worker, load_tokenizer=opts.serve_local)
 
 
 def _remote_kind(healths: list[dict | None]) -> str | None:

@@ -249,8 +249,8 @@ def run_simulate(out: str | Path | None = None, model: str | None = None) -> dic
     events_path, evidence_path = split_out(out or default_out("runtime-cpu.json"))
     mem = MemorySink()
     log = EventLog(events_path)
-    cfg = WorkerConfig(model=model, device="cpu", max_active=MAX_ACTIVE, queue_size=QUEUE_SIZE, batch_tokens=256,
-                       batch_seqs=4, max_model_len=512, worker_id="sim-0")
+    cfg = WorkerConfig(model=model, device="cpu", max_active=MAX_ACTIVE, queue_size=QUEUE_SIZE, max_num_batched_tokens=256,
+                       max_num_seqs=4, max_model_len=512, worker_id="sim-0")
     worker = Worker(cfg, sink=fan_out(log.write, mem))
     server = None
     t0 = time.monotonic()

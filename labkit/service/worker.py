@@ -103,27 +103,30 @@ class _WorkerHooks(StepHooks):
 
 @dataclass
 class WorkerConfig:
+    """One worker and its engine. Engine knobs carry the engine's (and vLLM's) names."""
     model: str | None = None
     device: str = "auto"
     attention: str = "auto"
-    policy: str = "prefill_first"
-    batch_tokens: int = 512
-    batch_seqs: int = 8
+    scheduling_policy: str = "prefill_first"
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 8
     max_active: int = 8
     queue_size: int = 64
     max_model_len: int = 1024
-    eager: bool = True
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
     worker_id: str = "worker-0"
     stream_buffer: int = 512
     num_kvcache_blocks: int | None = None   # None: from the memory budget
-    tp: int = 1                             # tensor parallel size of this one engine
+    tensor_parallel_size: int = 1           # of this one engine
     dist_init: str | None = None            # tcp://HOST:PORT of its TP group (None: a free port)
     shm_name: str | None = None             # its TP step channel (None: unique per instance)
     load_tokenizer: bool = True             # text prompts and detokenized output need it
     log_steps: bool = True                  # one "step" record per engine step in the log
 
     def __post_init__(self) -> None:
-        for name in ("batch_tokens", "batch_seqs", "max_active", "queue_size", "max_model_len", "stream_buffer", "tp"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_active", "queue_size", "max_model_len",
+                     "stream_buffer", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -416,11 +419,12 @@ class Worker:
         from labkit.lab_engine import build_engine
 
         cfg = self.config
-        overrides = dict(max_num_batched_tokens=cfg.batch_tokens, max_num_seqs=cfg.batch_seqs,
-                         max_model_len=cfg.max_model_len, scheduling_policy=cfg.policy, enforce_eager=cfg.eager)
+        overrides = dict(max_num_batched_tokens=cfg.max_num_batched_tokens, max_num_seqs=cfg.max_num_seqs,
+                         max_model_len=cfg.max_model_len, scheduling_policy=cfg.scheduling_policy,
+                         gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager)
         if cfg.num_kvcache_blocks:
             overrides["num_kvcache_blocks"] = cfg.num_kvcache_blocks
-        overrides["tensor_parallel_size"] = cfg.tp
+        overrides["tensor_parallel_size"] = cfg.tensor_parallel_size
         for name in ("dist_init", "shm_name"):
             if getattr(cfg, name):
                 overrides[name] = getattr(cfg, name)
