@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from labkit.errors import UserError
-from labkit.evidence import KINDS, SCHEMA_VERSION, read_json, repo_root, runs_dir
+from labkit.evidence_format import KINDS, SCHEMA_VERSION
+from labkit.paths import repo_root, runs_dir
 
 STAGE_ORDER = ("setup", "guardrails", "service", "cuda", "tp")
 NEEDS = ("cpu", "cuda", "2gpu")
@@ -469,7 +470,7 @@ def check_evidence(cp: Checkpoint, path: str | Path | None = None) -> tuple[str,
     if not path.is_file():
         return "NOT-RUN", [_result("evidence", False, "a file", MISSING_TEXT, f"no evidence at {path}", "not-run")]
     try:
-        record = read_json(path)
+        record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         return "FAIL", [_result("evidence", False, "valid JSON", "<unreadable>", f"unreadable evidence at {path}: {e}")]
     checks = judge(cp, record)

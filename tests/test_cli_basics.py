@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from labkit import checks, evidence
+from labkit import checks, evidence, paths
 from labkit.cli import app
 
 REPO = Path(__file__).resolve().parent.parent
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def runs(tmp_path, monkeypatch) -> Path:
     d = tmp_path / "runs"
-    monkeypatch.setenv(evidence.RUNS_DIR_ENV, str(d))
+    monkeypatch.setenv(paths.RUNS_DIR_ENV, str(d))
     return d
 
 

@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from labkit import checks, evidence
+from labkit import checks, evidence, evidence_format, paths
 from labkit.checks import Assertion, CheckpointError, check_evidence, evaluate, judge, verdict
 
 
 @pytest.fixture
 def runs(tmp_path, monkeypatch) -> Path:
     d = tmp_path / "runs"
-    monkeypatch.setenv(evidence.RUNS_DIR_ENV, str(d))
+    monkeypatch.setenv(paths.RUNS_DIR_ENV, str(d))
     return d
 
 
@@ -64,13 +64,13 @@ def test_source_hash_tracks_content_and_names(tmp_path):
     (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
     (tmp_path / "b.py").write_text("y = 2\n")
     (tmp_path / "notes.txt").write_text("ignored")
-    h1 = evidence.source_hash(tmp_path)
-    assert h1 == evidence.source_hash(tmp_path)
+    h1 = evidence_format.source_hash(tmp_path)
+    assert h1 == evidence_format.source_hash(tmp_path)
     (tmp_path / "notes.txt").write_text("still ignored")
-    assert evidence.source_hash(tmp_path) == h1
+    assert evidence_format.source_hash(tmp_path) == h1
     (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
-    assert evidence.source_hash(tmp_path) != h1
-    assert evidence.source_hash(tmp_path / "absent") is None
+    assert evidence_format.source_hash(tmp_path) != h1
+    assert evidence_format.source_hash(tmp_path / "absent") is None
 
 
 def test_git_head_outside_a_repo_is_none(tmp_path):
@@ -96,7 +96,7 @@ def test_git_dirty_says_when_tracked_files_changed(tmp_path):
 
 def test_default_out_creates_runs(runs):
     assert not runs.exists()
-    assert evidence.default_out("x.json") == runs / "x.json"
+    assert paths.default_out("x.json") == runs / "x.json"
     assert runs.is_dir()
 
 

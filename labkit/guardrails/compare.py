@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from labkit.errors import UserError
-from labkit.evidence import default_out, read_json, write_evidence
+from labkit.evidence import read_json, write_evidence
+from labkit.paths import default_out
 from labkit.guardrails.suites import (
     CHECKPOINT_BASELINE,
     CHECKPOINT_GRAPH,
