@@ -2,8 +2,10 @@
 
 Every evidence file is one JSON object: the same envelope everywhere (schema version, command line,
 git head, engine source hash, versions, device, model identity, seed, evidence kind, engine config),
-then the run's ``checkpoint`` id and ``facts``, then the ``checks`` judged against the checkpoint
-definition and the resulting ``verdict``.
+then the run's ``checkpoint`` id, its ``facts`` and its ``run_assertions`` (assertions over those facts,
+in the checkpoints' language), then the ``checks`` and ``verdict`` the judge gave when the file was
+written (a copy for humans: ``labkit check`` re-judges from the facts and never trusts them), and last
+the ``digest`` that seals the body, so a hand edit is seen.
 
 Nothing here imports torch or the engine: versions are read from modules already imported or from
 package metadata, so writing evidence never costs an import and never crashes on a broken install.
@@ -29,7 +31,7 @@ from typing import Any, Iterator
 from labkit import checks as _checks
 from labkit import paths
 from labkit.errors import UserError
-from labkit.evidence_format import KINDS, SCHEMA_VERSION, engine_dir, engine_source_hash
+from labkit.evidence_format import DIGEST_KEY, KINDS, SCHEMA_VERSION, digest, engine_dir, engine_source_hash
 
 _VERSIONED = ("python", "torch", "triton", "transformers", "flash_attn")
 
@@ -47,7 +49,7 @@ def command_line(argv: list[str] | None = None) -> str:
     if not argv:
         return ""
     prog = os.path.basename(argv[0]) or argv[0]
-    if prog == "__main__.py":  # python -m labkit
+    if prog == "__main__.py" and os.path.basename(os.path.dirname(argv[0])) == "labkit":  # python -m labkit
         prog = "labkit"
     return shlex.join([prog, *argv[1:]])
 
@@ -241,23 +243,36 @@ def write_evidence(
     model: dict | None = None,
     seed: int | None = None,
     engine: dict | None = None,
+    run_assertions: list[dict] | None = None,
     extra_checks: list | None = None,
 ) -> dict:
-    """Build the record, judge it against ``checkpoint`` (if any) and write it to ``out``.
+    """Build the record, judge it against ``checkpoint`` (if any) and its own ``run_assertions``, seal it
+    with a digest and write it to ``out``.
 
-    Returns the record: the envelope plus ``checkpoint``, ``facts``, ``checks`` and ``verdict``.
+    ``run_assertions`` are assertion objects (``checks.run_assertion(...)``), the language of
+    ``checkpoints/*.json``, over the record (``facts.x``); they are stored in the file and ``labkit check``
+    re-evaluates them from the facts every time. ``extra_checks`` (results judged by the caller, trusted
+    only through the digest) remain until every command states its checks as run assertions.
+
+    Returns the record: the envelope plus ``checkpoint``, ``facts``, ``run_assertions``, ``checks``,
+    ``verdict`` and ``digest``.
     """
     if not isinstance(facts, dict):
         raise TypeError(f"facts must be a dict, not {type(facts).__name__}")
+    cp = _checks.get_checkpoint(checkpoint) if checkpoint is not None else None
+    raw_assertions = list(run_assertions or [])
+    _checks.parse_run_assertions(raw_assertions)  # a malformed assertion is a bug in the command: raise now
     record = envelope(kind=kind, device=device, model=model, seed=seed, engine=engine)
     record["checkpoint"] = checkpoint
-    # Round-trip the facts through JSON so the judge sees exactly what the file will hold.
-    record["facts"] = json.loads(json.dumps(facts, default=to_jsonable))
-    results: list[dict] = []
-    if checkpoint is not None:
-        results.extend(_checks.judge(_checks.get_checkpoint(checkpoint), record))
-    results.extend(_normalize_extra(c) for c in (extra_checks or []))
+    record["facts"] = facts
+    record["run_assertions"] = raw_assertions
+    if extra_checks:
+        record[_checks.UNJUDGED_KEY] = [_normalize_extra(c) for c in extra_checks]
+    # Everything is judged and sealed in its JSON form: exactly what the file will hold and the judge read.
+    record = json.loads(json.dumps(record, default=to_jsonable))
+    results = _checks.judge(cp, record)
     record["checks"] = results
     record["verdict"] = _checks.verdict(results)
+    record[DIGEST_KEY] = digest(record)
     write_json(out, record)
     return record

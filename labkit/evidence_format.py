@@ -1,22 +1,43 @@
 """What an evidence file is, shared by its writer (``labkit.evidence``) and its judge (``labkit.checks``).
 
-The schema version, the evidence kinds, and the fingerprint of the engine source a run used. Imports
-only ``labkit.paths``: the writer imports the judge, the judge imports this, and nothing imports back.
+The schema version, the evidence kinds, the digest that seals a written file, and the fingerprint of the
+engine source a run used. Imports only ``labkit.paths``: the writer imports the judge, the judge imports
+this, and nothing imports back.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import sys
 from functools import lru_cache
 from pathlib import Path
 
 from labkit.paths import repo_root
 
-SCHEMA_VERSION = 1
-KINDS = ("gpu-measured", "cpu-real-engine", "cpu-real-scheduler", "simulated", "static", "profile")
+#: 2: a file carries ``run_assertions`` (re-judged from its facts) and a ``digest`` over its body.
+SCHEMA_VERSION = 2
+
+#: How the data was made. ``reference``: a reference implementation (transformers), not our engine, made
+#: it. ``static``: computed from source or configuration, no model ran.
+KINDS = ("gpu-measured", "cpu-real-engine", "cpu-real-scheduler", "simulated", "static", "reference", "profile")
+
+#: Kinds whose data the engine's code did not produce: engine edits do not make them stale.
+ENGINE_FREE_KINDS = ("reference",)
+
 VERDICTS = ("PASS", "FAIL", "REVIEW", "NOT-RUN")
+
+#: The key that holds the digest; the digest covers every other key of the record.
+DIGEST_KEY = "digest"
+
+
+def digest(record: dict) -> str:
+    """``sha256:<hex>`` of the canonical JSON (sorted keys, ASCII, no spaces) of ``record`` without its
+    digest. Compute it over the JSON form (what ``json.loads`` gives back), as the judge does."""
+    body = {k: v for k, v in record.items() if k != DIGEST_KEY}
+    text = json.dumps(body, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
 # --------------------------------------------------------------------------- engine source

@@ -39,3 +39,23 @@ def wait_for(pred, timeout: float = 10.0) -> None:
     while not pred():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
+
+
+@pytest.fixture
+def labkit_argv(monkeypatch):
+    """``labkit_argv("quick-walk", "--case", "B")`` sets sys.argv as the ``labkit`` console script would, so
+    evidence written in-process records that command line (the judge checks it against the checkpoint's
+    command). ``labkit_argv.checkpoint(ID, *extra)`` sets the command checkpoint ID names, plus ``extra``."""
+    import sys
+
+    def set_argv(*args: str) -> None:
+        monkeypatch.setattr(sys, "argv", ["labkit", *args])
+
+    def checkpoint(cid: str, *extra: str) -> None:
+        from labkit.checks import get_checkpoint
+
+        set_argv(*get_checkpoint(cid).command[1:], *extra)
+
+    set_argv.checkpoint = checkpoint
+    return set_argv
+
