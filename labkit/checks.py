@@ -12,7 +12,8 @@ failed check (actual ``"<missing>"``), never an exception. An assertion may carr
 
 A run states its own checks in the same language (``run_assertions`` in the evidence file, written by
 ``labkit.evidence``). The judge trusts nothing the file says about itself: ``check_evidence`` verifies
-the digest, re-evaluates the checkpoint's and the run's assertions from the facts and compares the
+the digest, re-evaluates the checkpoint's and the run's assertions from the facts, checks the envelope
+against the checkpoint (kind, device class, synthetic flag, command and options) and compares the
 engine source hash with the current tree (stale evidence is NOT-RUN).
 """
 
@@ -22,6 +23,7 @@ import difflib
 import json
 import math
 import re
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -30,6 +32,7 @@ from labkit.errors import UserError
 from labkit.evidence_format import (
     DIGEST_KEY,
     ENGINE_FREE_KINDS,
+    KIND_DEVICE,
     KINDS,
     SCHEMA_VERSION,
     digest,
@@ -44,7 +47,7 @@ MISSING_TEXT = "<missing>"
 
 _CHECKPOINT_KEYS = {
     "required": ("id", "title", "command", "evidence", "needs", "kind", "assertions"),
-    "optional": ("takes_model", "timeout_s", "notes"),
+    "optional": ("takes_model", "timeout_s", "notes", "synthetic"),
 }
 #: Where the writer keeps checks a command judged itself (``extra_checks``) until every command states
 #: them as run assertions; the judge counts them as written, trusting them only through the digest.
@@ -90,6 +93,7 @@ class Checkpoint:
     takes_model: bool = True
     timeout_s: int | None = None
     notes: str = ""
+    synthetic: bool | str = "any"
     source: str = field(default="", compare=False)
 
     def evidence_path(self) -> Path:
@@ -213,10 +217,13 @@ def _parse_checkpoint(file: Path, stage: str, index: int, raw: Any) -> Checkpoin
     timeout_s = raw.get("timeout_s")
     if timeout_s is not None and not (_is_number(timeout_s) and timeout_s > 0):
         raise _fail(where, f"timeout_s must be a positive number, got {timeout_s!r}")
+    synthetic = raw.get("synthetic", "any")
+    if not (isinstance(synthetic, bool) or synthetic == "any"):
+        raise _fail(where, f"synthetic must be true, false or \"any\", got {synthetic!r}")
     return Checkpoint(
         id=cid, title=title, command=list(command), evidence=evidence, needs=needs, kind=list(kinds),
         assertions=assertions, stage=stage, takes_model=takes_model, timeout_s=timeout_s,
-        notes=str(raw.get("notes", "")), source=str(file),
+        notes=str(raw.get("notes", "")), synthetic=synthetic, source=str(file),
     )
 
 
@@ -473,12 +480,102 @@ def _unjudged_checks(record: dict) -> list[dict]:
     return [{**c, "source": "run-unjudged"} for c in raw]
 
 
+# --------------------------------------------------------------------------- envelope vs checkpoint
+
+_OPTION_VALUE_RE = re.compile(r"-\d[\d.eE+-]*")
+
+
+def _is_option(word: str) -> bool:
+    return word.startswith("-") and len(word) > 1 and not _OPTION_VALUE_RE.fullmatch(word)
+
+
+def _parse_words(words: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """(the words before the first option, [(option, the non-option words after it), ...])."""
+    i = 0
+    while i < len(words) and not _is_option(words[i]):
+        i += 1
+    head, opts = words[:i], []
+    while i < len(words):
+        word = words[i]
+        i += 1
+        if word.startswith("--") and "=" in word:
+            name, value = word.split("=", 1)
+            opts.append((name, [value]))
+            continue
+        values = []
+        while i < len(words) and not _is_option(words[i]):
+            values.append(words[i])
+            i += 1
+        opts.append((word, values))
+    return head, opts
+
+
+def command_mismatch(expected: list[str], recorded: Any) -> str:
+    """Why the recorded command line is not ``expected`` (the checkpoint's command), or "" when it is.
+
+    The subcommand words must be the same; every option the checkpoint names must be given, with its
+    value(s), at its last occurrence (later ones win), and a flag must not be undone by ``--no-FLAG``
+    after it. Options the checkpoint does not name (``--out``, ``--model``, ``--json``) are free."""
+    if not isinstance(recorded, str) or not recorded.strip():
+        return "no command line recorded"
+    try:
+        words = shlex.split(recorded)
+    except ValueError as e:
+        return f"unparsable command line ({e})"
+    want_head, want_opts = _parse_words(list(expected))
+    head, opts = _parse_words(words)
+    if head != want_head:
+        return f"ran {' '.join(head) or '(nothing)'}, not {' '.join(want_head)}"
+    for name, values in want_opts:
+        negation = "--no-" + name[2:] if name.startswith("--") else None
+        last = [(n, v) for n, v in opts if n == name or n == negation]
+        if not last or last[-1][0] != name:
+            return f"{name} not given" if not last else f"{name} undone by {negation}"
+        got = last[-1][1][: len(values)]
+        if got != values:
+            return f"{name} {' '.join(got) or '(no value)'}, not {name} {' '.join(values)}"
+    return ""
+
+
+def _device_class(device: Any) -> str | None:
+    if not isinstance(device, str):
+        return None
+    return re.split(r"[: ]", device.strip(), maxsplit=1)[0] or None
+
+
+def _envelope_checks(cp: Checkpoint | None, record: dict) -> list[dict]:
+    """What the envelope says about how the data was made, against itself and against ``cp``."""
+    out = []
+    kind, device, model = record.get("kind"), record.get("device", MISSING_TEXT), record.get("model")
+    want = KIND_DEVICE.get(kind) if isinstance(kind, str) else None
+    if want is not None:
+        out.append(_result("device", _device_class(device) == want, f"a {want} device", device,
+                           f"{kind} evidence comes from a {want} device", source="envelope"))
+    synthetic = model.get("synthetic") if isinstance(model, dict) else None
+    if isinstance(model, dict) and isinstance(synthetic, bool) and "preset" in model:
+        made = model.get("preset") is not None
+        out.append(_result("model.synthetic", synthetic == made, f"{made} (preset {model.get('preset')!r})",
+                           synthetic, "a synthesized model names its preset; real weights name none",
+                           source="envelope"))
+    if cp is None:
+        return out
+    if cp.synthetic != "any":
+        out.append(_result("model.synthetic required", synthetic is cp.synthetic, cp.synthetic,
+                           synthetic if isinstance(model, dict) else MISSING_TEXT,
+                           "this checkpoint needs " + ("synthetic weights" if cp.synthetic else "real weights"),
+                           source="envelope"))
+    problem = command_mismatch(cp.command, record.get("command", MISSING_TEXT))
+    out.append(_result("command", not problem, " ".join(cp.command), record.get("command", MISSING_TEXT),
+                       problem or "written by the checkpoint's command with its options", source="envelope"))
+    return out
+
+
 # --------------------------------------------------------------------------- judging
 
 
 def judge(cp: Checkpoint | None, record: Any) -> list[dict]:
-    """Judge ``record`` from its own content: identity, kind and schema against ``cp``, ``cp``'s
-    assertions, then the run's own assertions.
+    """Judge ``record`` from its own content: identity, kind and schema against ``cp``, the envelope
+    (device class, synthetic flag, command), ``cp``'s assertions, then the run's own assertions.
 
     The writer stores this list (and its verdict) in the file as a copy for humans; ``check_evidence``
     calls it again and never reads that copy for the verdict."""
@@ -495,6 +592,7 @@ def judge(cp: Checkpoint | None, record: Any) -> list[dict]:
             _result("schema_version", record.get("schema_version") == SCHEMA_VERSION, SCHEMA_VERSION,
                     record.get("schema_version", MISSING_TEXT), "evidence schema is current", source="envelope"),
         ]
+    out += _envelope_checks(cp, record)
     if cp is not None:
         out.extend(evaluate(a, record) for a in cp.assertions)
     out += _run_checks(record)

@@ -26,6 +26,9 @@ KINDS = ("gpu-measured", "cpu-real-engine", "cpu-real-scheduler", "simulated", "
 #: Kinds whose data the engine's code did not produce: engine edits do not make them stale.
 ENGINE_FREE_KINDS = ("reference",)
 
+#: The device class a kind claims: gpu-measured data came from a CUDA device, cpu-* data from the CPU.
+KIND_DEVICE = {"gpu-measured": "cuda", "cpu-real-engine": "cpu", "cpu-real-scheduler": "cpu"}
+
 VERDICTS = ("PASS", "FAIL", "REVIEW", "NOT-RUN")
 
 #: The key that holds the digest; the digest covers every other key of the record.

@@ -59,3 +59,23 @@ def labkit_argv(monkeypatch):
     set_argv.checkpoint = checkpoint
     return set_argv
 
+
+@pytest.fixture(autouse=True, scope="session")
+def _cli_runner_sets_argv():
+    """CliRunner.invoke(app, ARGS) runs the app as the console script runs ``labkit ARGS``; the console script
+    also sets sys.argv, which the evidence envelope records as the command line. Make CliRunner do the same."""
+    import sys
+    from unittest import mock
+
+    from typer.testing import CliRunner
+
+    invoke = CliRunner.invoke
+
+    def invoke_as_labkit(self, app, args=None, *rest, **kw):
+        words = args.split() if isinstance(args, str) else [str(a) for a in (args or [])]
+        with mock.patch.object(sys, "argv", ["labkit", *words]):
+            return invoke(self, app, args, *rest, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CliRunner, "invoke", invoke_as_labkit)
+        yield

@@ -137,8 +137,10 @@ def test_run_command_adds_model_only_where_taken():
     assert build_command(cp, Path("/tmp/e.json"), model="/m")[-2:] == ["--model", "/m"]
 
 
-def test_doctor_engine_reports_kv_pool_sizing(tiny_model_dir, tmp_path):
+def test_doctor_engine_reports_kv_pool_sizing(tiny_model_dir, tmp_path, labkit_argv):
     from labkit.doctor import run_doctor
+
+    labkit_argv.checkpoint("setup.doctor", "--engine")
 
     rec = run_doctor(tmp_path / "doc.json", "cpu", engine=True, model=str(tiny_model_dir))
     e = rec["facts"]["engine"]

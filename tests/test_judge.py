@@ -6,6 +6,7 @@ the real writer: the bad input is judged FAIL (or NOT-RUN when stale) and the go
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -174,11 +175,99 @@ def test_digest_survives_floats_and_non_ascii(runs, custom, labkit_argv):
     assert check_evidence(cp)[0] == "PASS"
 
 
+# --------------------------------------------------------------------------- envelope vs checkpoint
+
+
+@pytest.mark.parametrize("kind,device,ok", [
+    ("gpu-measured", "cuda:0 NVIDIA H200", True),
+    ("gpu-measured", "cuda", True),
+    ("gpu-measured", "cpu", False),
+    ("gpu-measured", None, False),
+    ("cpu-real-engine", "cpu", True),
+    ("cpu-real-engine", "cuda:0 NVIDIA H200", False),
+    ("cpu-real-engine", "cudacpu", False),
+    ("reference", "cuda:0 NVIDIA H200", True),
+    ("reference", "cpu", True),
+])
+def test_kind_and_device_class_agree(runs, custom, labkit_argv, kind, device, ok):
+    cp = custom()
+    rec = write(cp, labkit_argv, kind=kind, device=device)
+    assert rec["verdict"] == ("PASS" if ok else "FAIL")
+    v, res = check_evidence(cp)
+    assert v == rec["verdict"]
+    assert failed(res) == ([] if ok else ["device"])
+
+
 def test_kind_must_be_one_the_checkpoint_accepts(runs, custom, labkit_argv):
     cp = custom(kind=["cpu-real-engine"])
     assert write(cp, labkit_argv, kind="cpu-real-engine")["verdict"] == "PASS"
     assert write(cp, labkit_argv, kind="static", device=None)["verdict"] == "FAIL"
     assert failed(check_evidence(cp)[1]) == ["kind"]
+
+
+def test_flipped_synthetic_flag_fails(runs, custom, labkit_argv):
+    cp = custom()
+    write(cp, labkit_argv)
+    assert check_evidence(cp)[0] == "PASS"
+    edit(cp, lambda r: r["model"].update(synthetic=False))
+    assert failed(check_evidence(cp)[1]) == ["digest", "stored verdict", "model.synthetic"]
+    edit(cp, lambda r: None, reseal=True)
+    assert failed(check_evidence(cp)[1]) == ["stored verdict", "model.synthetic"]
+    real = {**MODEL, "synthetic": False, "preset": None, "seed": None}
+    assert write(cp, labkit_argv, model=real)["verdict"] == "PASS"
+    assert write(cp, labkit_argv, model={**real, "synthetic": True})["verdict"] == "FAIL"
+
+
+@pytest.mark.parametrize("need,synthetic,ok", [("any", True, True), ("any", False, True), (True, True, True),
+                                               (True, False, False), (False, False, True), (False, True, False)])
+def test_checkpoint_can_require_synthetic_or_real_weights(runs, custom, labkit_argv, need, synthetic, ok):
+    cp = custom(synthetic=need)
+    assert cp.synthetic == need
+    model = MODEL if synthetic else {**MODEL, "synthetic": False, "preset": None, "seed": None}
+    write(cp, labkit_argv, model=model)
+    v, res = check_evidence(cp)
+    assert v == ("PASS" if ok else "FAIL") and failed(res) == ([] if ok else ["model.synthetic required"])
+
+
+def test_checkpoint_synthetic_key_is_validated(tmp_path):
+    d = tmp_path / "cps"
+    d.mkdir()
+    raw = {"id": "setup.x", "title": "t", "command": ["labkit", "x"], "evidence": "runs/x.json", "needs": "cpu",
+           "kind": "static", "assertions": [{"path": "facts.a", "op": "exists"}], "synthetic": "maybe"}
+    (d / "setup.json").write_text(json.dumps({"stage": "setup", "checkpoints": [raw]}))
+    with pytest.raises(CheckpointError, match='synthetic must be true, false or "any"'):
+        checks.load_checkpoints(d)
+
+
+@pytest.mark.parametrize("argv,ok", [
+    (None, True),                                                     # the checkpoint's own command
+    (["x", "--trace", "--case", "B", "--model", "m", "--json"], True),  # order and options it does not name
+    (["x", "--case=B", "--trace"], True),
+    (["x", "--case", "A", "--case", "B", "--trace"], True),           # the last occurrence wins, as in click
+    (["x", "--case", "A", "--trace"], False),
+    (["x", "--case", "B"], False),                                    # a flag it names is missing
+    (["x", "--case", "B", "--trace", "--no-trace"], False),
+    (["x", "--case", "B", "--case", "A", "--trace"], False),
+    (["y", "--case", "B", "--trace"], False),                         # another command
+    (["x", "sub", "--case", "B", "--trace"], False),
+])
+def test_command_must_be_the_checkpoints_with_its_options(runs, custom, labkit_argv, argv, ok):
+    cp = custom()
+    rec = write(cp, labkit_argv, argv=argv)
+    v, res = check_evidence(cp)
+    assert (rec["verdict"], v) == (("PASS", "PASS") if ok else ("FAIL", "FAIL"))
+    assert failed(res) == ([] if ok else ["command"])
+
+
+def test_command_mismatch_explains():
+    want = ["labkit", "quick-walk", "--case", "B", "--trace"]
+    assert checks.command_mismatch(want, "labkit quick-walk --case B --trace --out 'a b.json'") == ""
+    assert checks.command_mismatch(want, "labkit quick-walk --case A --trace") == "--case A, not --case B"
+    assert checks.command_mismatch(want, "labkit quick-walk --case B") == "--trace not given"
+    assert checks.command_mismatch(want, "pytest -q") == "ran pytest, not labkit quick-walk"
+    assert checks.command_mismatch(want, None) == "no command line recorded"
+    assert checks.command_mismatch(["labkit", "x", "--n", "-1"], "labkit x --n -1") == ""
+    assert checks.command_mismatch(["labkit", "x", "--n", "-1"], "labkit x --n 1") == "--n 1, not --n -1"
 
 
 def test_command_line_of_python_dash_m():
@@ -222,6 +311,13 @@ def test_engine_source_hash_is_computed_once(monkeypatch):
 # --------------------------------------------------------------------------- verdicts, CLI, imports
 
 
+def test_nothing_asserted_is_review_even_with_envelope_checks(runs, labkit_argv):
+    rec = evidence.write_evidence(runs / "g.json", checkpoint=None, kind="cpu-real-engine", facts={}, device="cpu")
+    assert [c["source"] for c in rec["checks"]] == ["envelope"] and rec["verdict"] == "REVIEW"
+    bad = evidence.write_evidence(runs / "g.json", checkpoint=None, kind="cpu-real-engine", facts={}, device="cuda")
+    assert bad["verdict"] == "FAIL"
+
+
 def test_labkit_check_names_the_reason(runs, labkit_argv, monkeypatch):
     from labkit.cli import app
 
@@ -255,3 +351,4 @@ def test_kinds_name_how_the_data_was_made():
     assert evidence_format.ENGINE_FREE_KINDS == ("reference",)
     with pytest.raises(ValueError, match="unknown evidence kind"):
         evidence.envelope(kind="transformers")
+    assert dataclasses.replace(checks.get_checkpoint("setup.doctor")).synthetic == "any"
