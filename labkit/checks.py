@@ -9,6 +9,12 @@ which evidence kind is acceptable, and assertions over the evidence record::
 Paths are dotted keys with integer list indices; ``len(<path>)`` takes a length. A missing path is a
 failed check (actual ``"<missing>"``), never an exception. An assertion may carry
 ``"on_fail": "review"`` to turn its failure into REVIEW instead of FAIL.
+
+A run states its own checks in the same language (``run_assertions`` in the evidence file, written by
+``labkit.evidence``). The judge trusts nothing the file says about itself: ``check_evidence`` verifies
+the digest, re-evaluates the checkpoint's and the run's assertions from the facts, checks the envelope
+against the checkpoint (kind, device class, synthetic flag, command and options) and compares the
+engine source hash with the current tree (stale evidence is NOT-RUN).
 """
 
 from __future__ import annotations
@@ -17,12 +23,22 @@ import difflib
 import json
 import math
 import re
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from labkit.errors import UserError
-from labkit.evidence import KINDS, SCHEMA_VERSION, read_json, repo_root, runs_dir
+from labkit.evidence_format import (
+    DIGEST_KEY,
+    ENGINE_FREE_KINDS,
+    KIND_DEVICE,
+    KINDS,
+    SCHEMA_VERSION,
+    digest,
+    engine_source_hash,
+)
+from labkit.paths import repo_root, runs_dir
 
 STAGE_ORDER = ("setup", "guardrails", "service", "cuda", "tp")
 NEEDS = ("cpu", "cuda", "2gpu")
@@ -31,8 +47,11 @@ MISSING_TEXT = "<missing>"
 
 _CHECKPOINT_KEYS = {
     "required": ("id", "title", "command", "evidence", "needs", "kind", "assertions"),
-    "optional": ("takes_model", "timeout_s", "notes"),
+    "optional": ("takes_model", "timeout_s", "notes", "synthetic"),
 }
+#: Where the writer keeps checks a command judged itself (``extra_checks``) until every command states
+#: them as run assertions; the judge counts them as written, trusting them only through the digest.
+UNJUDGED_KEY = "unjudged_checks"
 _ASSERTION_KEYS = {"required": ("path", "op"), "optional": ("value", "why", "on_fail", "name")}
 
 
@@ -74,6 +93,7 @@ class Checkpoint:
     takes_model: bool = True
     timeout_s: int | None = None
     notes: str = ""
+    synthetic: bool | str = "any"
     source: str = field(default="", compare=False)
 
     def evidence_path(self) -> Path:
@@ -197,10 +217,13 @@ def _parse_checkpoint(file: Path, stage: str, index: int, raw: Any) -> Checkpoin
     timeout_s = raw.get("timeout_s")
     if timeout_s is not None and not (_is_number(timeout_s) and timeout_s > 0):
         raise _fail(where, f"timeout_s must be a positive number, got {timeout_s!r}")
+    synthetic = raw.get("synthetic", "any")
+    if not (isinstance(synthetic, bool) or synthetic == "any"):
+        raise _fail(where, f"synthetic must be true, false or \"any\", got {synthetic!r}")
     return Checkpoint(
         id=cid, title=title, command=list(command), evidence=evidence, needs=needs, kind=list(kinds),
         assertions=assertions, stage=stage, takes_model=takes_model, timeout_s=timeout_s,
-        notes=str(raw.get("notes", "")), source=str(file),
+        notes=str(raw.get("notes", "")), synthetic=synthetic, source=str(file),
     )
 
 
@@ -389,46 +412,191 @@ def _short(actual: Any) -> Any:
     return actual if len(text) <= _ACTUAL_LIMIT else text[: _ACTUAL_LIMIT - 3] + "..."
 
 
-def _result(name: str, passed: bool, expected: Any, actual: Any, why: str, on_fail: str = "fail") -> dict:
+def _result(name: str, passed: bool, expected: Any, actual: Any, why: str, on_fail: str = "fail",
+            source: str = "assertion") -> dict:
     status = "pass" if passed else on_fail
     return {"name": name, "passed": passed, "expected": expected, "actual": actual, "why": why,
-            "status": status}
+            "status": status, "source": source}
 
 
-def evaluate(a: Assertion, record: dict) -> dict:
+def evaluate(a: Assertion, record: dict, source: str = "assertion") -> dict:
     """One assertion against one record; never raises for bad data."""
     try:
         actual = _resolve(record, a.path)
     except _Missing as e:
-        return _result(a.label(), False, a.expected_text(), e.actual, a.why, a.on_fail)
+        return _result(a.label(), False, a.expected_text(), e.actual, a.why, a.on_fail, source)
     try:
         passed = bool(OPS[a.op](actual, a.value))
         why = a.why
     except (TypeError, ValueError) as e:
         passed, why = False, f"{a.why} [{e}]" if a.why else str(e)
-    return _result(a.label(), passed, a.expected_text(), _short(actual), why, a.on_fail)
+    return _result(a.label(), passed, a.expected_text(), _short(actual), why, a.on_fail, source)
 
 
-def judge(cp: Checkpoint, record: dict) -> list[dict]:
-    """Re-evaluate ``cp`` against ``record``: identity, kind, schema, then every assertion."""
+# --------------------------------------------------------------------------- run assertions
+
+_NO_VALUE = object()
+
+
+def run_assertion(path: str, op: str, value: Any = _NO_VALUE, *, name: str = "", why: str = "",
+                  on_fail: str = "fail") -> dict:
+    """One assertion a command states over its own record (``facts.x``), for
+    ``write_evidence(run_assertions=[...])``: the checkpoints' language, validated now, re-judged by
+    ``labkit check`` from the facts every time."""
+    raw: dict[str, Any] = {"path": path, "op": op}
+    if value is not _NO_VALUE:
+        raw["value"] = value
+    if name:
+        raw["name"] = name
+    if why:
+        raw["why"] = why
+    if on_fail != "fail":
+        raw["on_fail"] = on_fail
+    _parse_assertion(f"run assertion {name or path!r}", raw)
+    return raw
+
+
+def parse_run_assertions(raw: Any) -> list[Assertion]:
+    """The ``run_assertions`` of a record as Assertions; CheckpointError if any is malformed."""
+    if not isinstance(raw, list):
+        raise CheckpointError(f"run_assertions must be a list, got {type(raw).__name__}")
+    return [_parse_assertion(f"run assertion #{i}", a) for i, a in enumerate(raw)]
+
+
+def _run_checks(record: dict) -> list[dict]:
+    """The run's own assertions, re-evaluated from the record's facts; a malformed list is one failure."""
+    try:
+        assertions = parse_run_assertions(record.get("run_assertions", []))
+    except CheckpointError as e:
+        return [_result("run_assertions", False, "valid assertions", MISSING_TEXT, str(e), source="run")]
+    return [evaluate(a, record, "run") for a in assertions]
+
+
+def _unjudged_checks(record: dict) -> list[dict]:
+    """Checks a command judged itself (``extra_checks``), as written; only the digest vouches for them."""
+    raw = record.get(UNJUDGED_KEY, [])
+    if not isinstance(raw, list) or not all(isinstance(c, dict) for c in raw):
+        return [_result(UNJUDGED_KEY, False, "a list of check objects", _short(raw), "malformed", source="run")]
+    return [{**c, "source": "run-unjudged"} for c in raw]
+
+
+# --------------------------------------------------------------------------- envelope vs checkpoint
+
+_OPTION_VALUE_RE = re.compile(r"-\d[\d.eE+-]*")
+
+
+def _is_option(word: str) -> bool:
+    return word.startswith("-") and len(word) > 1 and not _OPTION_VALUE_RE.fullmatch(word)
+
+
+def _parse_words(words: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """(the words before the first option, [(option, the non-option words after it), ...])."""
+    i = 0
+    while i < len(words) and not _is_option(words[i]):
+        i += 1
+    head, opts = words[:i], []
+    while i < len(words):
+        word = words[i]
+        i += 1
+        if word.startswith("--") and "=" in word:
+            name, value = word.split("=", 1)
+            opts.append((name, [value]))
+            continue
+        values = []
+        while i < len(words) and not _is_option(words[i]):
+            values.append(words[i])
+            i += 1
+        opts.append((word, values))
+    return head, opts
+
+
+def command_mismatch(expected: list[str], recorded: Any) -> str:
+    """Why the recorded command line is not ``expected`` (the checkpoint's command), or "" when it is.
+
+    The subcommand words must be the same; every option the checkpoint names must be given, with its
+    value(s), at its last occurrence (later ones win), and a flag must not be undone by ``--no-FLAG``
+    after it. Options the checkpoint does not name (``--out``, ``--model``, ``--json``) are free."""
+    if not isinstance(recorded, str) or not recorded.strip():
+        return "no command line recorded"
+    try:
+        words = shlex.split(recorded)
+    except ValueError as e:
+        return f"unparsable command line ({e})"
+    want_head, want_opts = _parse_words(list(expected))
+    head, opts = _parse_words(words)
+    if head != want_head:
+        return f"ran {' '.join(head) or '(nothing)'}, not {' '.join(want_head)}"
+    for name, values in want_opts:
+        negation = "--no-" + name[2:] if name.startswith("--") else None
+        last = [(n, v) for n, v in opts if n == name or n == negation]
+        if not last or last[-1][0] != name:
+            return f"{name} not given" if not last else f"{name} undone by {negation}"
+        got = last[-1][1][: len(values)]
+        if got != values:
+            return f"{name} {' '.join(got) or '(no value)'}, not {name} {' '.join(values)}"
+    return ""
+
+
+def _device_class(device: Any) -> str | None:
+    if not isinstance(device, str):
+        return None
+    return re.split(r"[: ]", device.strip(), maxsplit=1)[0] or None
+
+
+def _envelope_checks(cp: Checkpoint | None, record: dict) -> list[dict]:
+    """What the envelope says about how the data was made, against itself and against ``cp``."""
+    out = []
+    kind, device, model = record.get("kind"), record.get("device", MISSING_TEXT), record.get("model")
+    want = KIND_DEVICE.get(kind) if isinstance(kind, str) else None
+    if want is not None:
+        out.append(_result("device", _device_class(device) == want, f"a {want} device", device,
+                           f"{kind} evidence comes from a {want} device", source="envelope"))
+    synthetic = model.get("synthetic") if isinstance(model, dict) else None
+    if isinstance(model, dict) and isinstance(synthetic, bool) and "preset" in model:
+        made = model.get("preset") is not None
+        out.append(_result("model.synthetic", synthetic == made, f"{made} (preset {model.get('preset')!r})",
+                           synthetic, "a synthesized model names its preset; real weights name none",
+                           source="envelope"))
+    if cp is None:
+        return out
+    if cp.synthetic != "any":
+        out.append(_result("model.synthetic required", synthetic is cp.synthetic, cp.synthetic,
+                           synthetic if isinstance(model, dict) else MISSING_TEXT,
+                           "this checkpoint needs " + ("synthetic weights" if cp.synthetic else "real weights"),
+                           source="envelope"))
+    problem = command_mismatch(cp.command, record.get("command", MISSING_TEXT))
+    out.append(_result("command", not problem, " ".join(cp.command), record.get("command", MISSING_TEXT),
+                       problem or "written by the checkpoint's command with its options", source="envelope"))
+    return out
+
+
+# --------------------------------------------------------------------------- judging
+
+
+def judge(cp: Checkpoint | None, record: Any) -> list[dict]:
+    """Judge ``record`` from its own content: identity, kind and schema against ``cp``, the envelope
+    (device class, synthetic flag, command), ``cp``'s assertions, then the run's own assertions.
+
+    The writer stores this list (and its verdict) in the file as a copy for humans; ``check_evidence``
+    calls it again and never reads that copy for the verdict."""
     if not isinstance(record, dict):
-        return [_result("evidence", False, "a JSON object", type(record).__name__, "evidence is not an object")]
-    out = [
-        _result("checkpoint", record.get("checkpoint") == cp.id, cp.id, record.get("checkpoint", MISSING_TEXT),
-                "evidence was written for this checkpoint"),
-        _result("kind", record.get("kind") in cp.kind, cp.kind, record.get("kind", MISSING_TEXT),
-                "evidence kind is one this checkpoint accepts"),
-        _result("schema_version", record.get("schema_version") == SCHEMA_VERSION, SCHEMA_VERSION,
-                record.get("schema_version", MISSING_TEXT), "evidence schema is current"),
-    ]
-    out.extend(evaluate(a, record) for a in cp.assertions)
-    recorded = record.get("verdict")
-    if recorded == "FAIL":
-        failed = [c.get("name") for c in record.get("checks") or [] if isinstance(c, dict) and not c.get("passed")]
-        out.append(_result("recorded verdict", False, "not FAIL", "FAIL",
-                           f"the run itself failed: {', '.join(map(str, failed)) or 'see file'}"))
-    elif recorded == "REVIEW":
-        out.append(_result("recorded verdict", False, "PASS", "REVIEW", "the run asked for review", "review"))
+        return [_result("evidence", False, "a JSON object", type(record).__name__, "evidence is not an object",
+                        source="integrity")]
+    out = []
+    if cp is not None:
+        out += [
+            _result("checkpoint", record.get("checkpoint") == cp.id, cp.id, record.get("checkpoint", MISSING_TEXT),
+                    "evidence was written for this checkpoint", source="envelope"),
+            _result("kind", record.get("kind") in cp.kind, cp.kind, record.get("kind", MISSING_TEXT),
+                    "evidence kind is one this checkpoint accepts", source="envelope"),
+            _result("schema_version", record.get("schema_version") == SCHEMA_VERSION, SCHEMA_VERSION,
+                    record.get("schema_version", MISSING_TEXT), "evidence schema is current", source="envelope"),
+        ]
+    out += _envelope_checks(cp, record)
+    if cp is not None:
+        out.extend(evaluate(a, record) for a in cp.assertions)
+    out += _run_checks(record)
+    out += _unjudged_checks(record)
     return out
 
 
@@ -437,15 +605,21 @@ def _status(c: dict) -> str:
 
 
 def verdict(checks: list[dict]) -> str:
-    """FAIL if any check failed, else REVIEW if any needs review, else PASS (REVIEW when empty)."""
+    """FAIL if any check failed, else NOT-RUN if any could not run, else REVIEW if any needs review or
+    nothing was asserted (only envelope checks, or none), else PASS."""
     statuses = [_status(c) for c in checks]
     if "fail" in statuses:
         return "FAIL"
     if "not-run" in statuses:
         return "NOT-RUN"
-    if "review" in statuses or not statuses:
+    asserted = [c for c in checks if c.get("source") != "envelope"]
+    if "review" in statuses or not asserted:
         return "REVIEW"
     return "PASS"
+
+
+#: Checks whose ``why`` is the whole story (reason() says it alone).
+_PLAIN_SOURCES = ("integrity", "freshness")
 
 
 def reason(verdict_: str, checks: list[dict]) -> str:
@@ -455,7 +629,7 @@ def reason(verdict_: str, checks: list[dict]) -> str:
     want = {"FAIL": "fail", "REVIEW": "review", "NOT-RUN": "not-run"}.get(verdict_)
     for c in checks:
         if _status(c) == want:
-            if c.get("name") == "evidence":
+            if c.get("name") == "evidence" or c.get("source") in _PLAIN_SOURCES:
                 return str(c.get("why", ""))
             actual = json.dumps(c.get("actual"), ensure_ascii=False, default=str)
             text = f"{c.get('name')}: expected {c.get('expected')}, got {actual}"
@@ -463,17 +637,66 @@ def reason(verdict_: str, checks: list[dict]) -> str:
     return ""
 
 
+def _digest_check(record: dict) -> dict:
+    stored = record.get(DIGEST_KEY)
+    if stored is None:
+        return _result("digest", False, "a digest", MISSING_TEXT, "no digest: not written by this labkit version",
+                       source="integrity")
+    actual = digest(record)
+    return _result("digest", stored == actual, stored, actual,
+                   "edited after it was written (its body no longer matches its digest)" if stored != actual
+                   else "the body is what the writer sealed", source="integrity")
+
+
+def _stored_verdict_check(record: dict, rejudged: str) -> dict:
+    stored = record.get("verdict", MISSING_TEXT)
+    ok = stored == rejudged
+    why = ("the verdict the file states is the one its facts give" if ok else
+           f"the file says {stored}, its facts judge {rejudged}: edited after it was written, "
+           "or the checkpoint changed since (run it again)")
+    return _result("stored verdict", ok, rejudged, stored, why, source="integrity")
+
+
+def _freshness_check(record: dict) -> dict | None:
+    """NOT-RUN when the engine source changed since the evidence was written (not for reference kinds)."""
+    if record.get("kind") in ENGINE_FREE_KINDS:
+        return None
+    recorded, current = record.get("engine_source_hash"), engine_source_hash()
+    ok = recorded == current
+    why = ("the engine source is the one the evidence was written with" if ok
+           else "stale: engine changed since this evidence was written")
+    return _result("engine_source_hash", ok, current, recorded, why, "not-run", source="freshness")
+
+
 def check_evidence(cp: Checkpoint, path: str | Path | None = None) -> tuple[str, list[dict]]:
-    """Judge the evidence file of ``cp`` (default: its ``evidence`` path) from scratch."""
+    """Judge the evidence file of ``cp`` (default: its ``evidence`` path) from scratch.
+
+    FAIL: unreadable, not sealed by its digest (edited, or an old labkit), a stored verdict its facts do
+    not give, or any failed check. NOT-RUN: no file, or stale (the engine source changed since; not for
+    ``reference`` evidence, which our engine did not make). Otherwise the verdict of the re-judged checks."""
     path = Path(path) if path is not None else cp.evidence_path()
     if not path.is_file():
-        return "NOT-RUN", [_result("evidence", False, "a file", MISSING_TEXT, f"no evidence at {path}", "not-run")]
+        return "NOT-RUN", [_result("evidence", False, "a file", MISSING_TEXT, f"no evidence at {path}", "not-run",
+                                   source="integrity")]
     try:
-        record = read_json(path)
+        record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        return "FAIL", [_result("evidence", False, "valid JSON", "<unreadable>", f"unreadable evidence at {path}: {e}")]
-    checks = judge(cp, record)
-    return verdict(checks), checks
+        return "FAIL", [_result("evidence", False, "valid JSON", "<unreadable>", f"unreadable evidence at {path}: {e}",
+                                source="integrity")]
+    judged = judge(cp, record)
+    if not isinstance(record, dict):
+        return "FAIL", judged
+    rejudged = verdict(judged)
+    integrity = [_digest_check(record)]
+    if record.get("checkpoint") == cp.id:  # else the stored verdict judged another checkpoint (or none)
+        integrity.append(_stored_verdict_check(record, rejudged))
+    fresh = _freshness_check(record)
+    checks = integrity + ([fresh] if fresh else []) + judged
+    if any(_status(c) == "fail" for c in integrity):
+        return "FAIL", checks
+    if fresh is not None and _status(fresh) == "not-run":
+        return "NOT-RUN", checks
+    return rejudged, checks
 
 
 # --------------------------------------------------------------------------- CHECKPOINTS.md

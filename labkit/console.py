@@ -382,7 +382,7 @@ def render_serving(worker, out) -> None:
                             "scheduling policy": cfg.scheduling_policy,
                             "max num batched tokens / seqs": f"{cfg.max_num_batched_tokens} / {cfg.max_num_seqs}",
                             "max active / queue": f"{cfg.max_active} / {cfg.queue_size}",
-                            "KV blocks": built.engine.block_manager.num_blocks,
+                            "KV blocks": built.engine.stats().num_blocks,
                             "log": str(out) if out else "(none)"}, title="labkit serve"))
     if built.model.get("synthetic"):
         note("synthetic model: random weights; generated text is meaningless")

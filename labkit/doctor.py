@@ -16,7 +16,8 @@ from pathlib import Path
 
 from labkit.checks import get_checkpoint
 from labkit.errors import UserError
-from labkit.evidence import describe_device, package_version, runs_dir, write_evidence
+from labkit.evidence import describe_device, package_version, write_evidence
+from labkit.paths import runs_dir
 
 CHECKPOINT = "setup.doctor"
 REQUIRED = ("torch", "transformers", "typer", "rich", "numpy", "safetensors", "xxhash", "tokenizers",

@@ -2,11 +2,14 @@
 
 Every evidence file is one JSON object: the same envelope everywhere (schema version, command line,
 git head, engine source hash, versions, device, model identity, seed, evidence kind, engine config),
-then the run's ``checkpoint`` id and ``facts``, then the ``checks`` judged against the checkpoint
-definition and the resulting ``verdict``.
+then the run's ``checkpoint`` id, its ``facts`` and its ``run_assertions`` (assertions over those facts,
+in the checkpoints' language), then the ``checks`` and ``verdict`` the judge gave when the file was
+written (a copy for humans: ``labkit check`` re-judges from the facts and never trusts them), and last
+the ``digest`` that seals the body, so a hand edit is seen.
 
 Nothing here imports torch or the engine: versions are read from modules already imported or from
 package metadata, so writing evidence never costs an import and never crashes on a broken install.
+The writer imports the judge (``labkit.checks``); the judge never imports the writer.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import enum
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -26,37 +28,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+from labkit import checks as _checks
+from labkit import paths
 from labkit.errors import UserError
-
-SCHEMA_VERSION = 1
-KINDS = ("gpu-measured", "cpu-real-engine", "cpu-real-scheduler", "simulated", "static", "profile")
-VERDICTS = ("PASS", "FAIL", "REVIEW", "NOT-RUN")
-
-#: Environment variable that moves ``runs/`` elsewhere (tests, parallel runs).
-RUNS_DIR_ENV = "LABKIT_RUNS_DIR"
+from labkit.evidence_format import DIGEST_KEY, KINDS, SCHEMA_VERSION, digest, engine_dir, engine_source_hash
 
 _VERSIONED = ("python", "torch", "triton", "transformers", "flash_attn")
-
-
-# --------------------------------------------------------------------------- paths
-
-
-def repo_root() -> Path:
-    """The directory above the ``labkit`` package (the repository root in a checkout)."""
-    return Path(__file__).resolve().parent.parent
-
-
-def runs_dir() -> Path:
-    """Where evidence goes: ``$LABKIT_RUNS_DIR`` if set, else ``<repo>/runs``."""
-    override = os.environ.get(RUNS_DIR_ENV)
-    return Path(override).expanduser().resolve() if override else repo_root() / "runs"
-
-
-def default_out(name: str) -> Path:
-    """``runs/<name>``; creates ``runs/`` if needed."""
-    base = runs_dir()
-    base.mkdir(parents=True, exist_ok=True)
-    return base / name
 
 
 # --------------------------------------------------------------------------- envelope pieces
@@ -72,7 +49,7 @@ def command_line(argv: list[str] | None = None) -> str:
     if not argv:
         return ""
     prog = os.path.basename(argv[0]) or argv[0]
-    if prog == "__main__.py":  # python -m labkit
+    if prog == "__main__.py" and os.path.basename(os.path.dirname(argv[0])) == "labkit":  # python -m labkit
         prog = "labkit"
     return shlex.join([prog, *argv[1:]])
 
@@ -80,7 +57,7 @@ def command_line(argv: list[str] | None = None) -> str:
 def _git(args: list[str], root: Path | None) -> str | None:
     """stdout of ``git ARGS`` at ``root``, or None (not a repo, no git, an error, a timeout)."""
     try:
-        proc = subprocess.run(["git", *args], cwd=root or repo_root(), capture_output=True, text=True, timeout=5)
+        proc = subprocess.run(["git", *args], cwd=root or paths.repo_root(), capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
     return proc.stdout if proc.returncode == 0 else None
@@ -116,42 +93,6 @@ def read_jsonl(path: str | Path, missing: str = "no such file") -> Iterator[tupl
             if not isinstance(rec, dict):
                 raise UserError(f"{path}:{n}: not a JSON object")
             yield n, rec
-
-
-def engine_dir() -> Path | None:
-    """The directory of the ``engine`` package Python would import (without importing it)."""
-    mod = sys.modules.get("engine")
-    if mod is not None and getattr(mod, "__file__", None):
-        return Path(mod.__file__).resolve().parent
-    try:
-        spec = importlib.util.find_spec("engine")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0]).resolve()
-    local = repo_root() / "engine"
-    return local if local.is_dir() else None
-
-
-def source_hash(directory: Path | None) -> str | None:
-    """sha256 over every ``*.py`` below ``directory``: sorted relative path + bytes of each."""
-    if directory is None or not directory.is_dir():
-        return None
-    files = sorted(
-        (p for p in directory.rglob("*.py") if "__pycache__" not in p.parts),
-        key=lambda p: p.relative_to(directory).as_posix(),
-    )
-    h = hashlib.sha256()
-    for p in files:
-        h.update(p.relative_to(directory).as_posix().encode())
-        h.update(b"\0")
-        h.update(p.read_bytes())
-        h.update(b"\0")
-    return h.hexdigest()
-
-
-def engine_source_hash() -> str | None:
-    return source_hash(engine_dir())
 
 
 def package_version(name: str) -> str | None:
@@ -210,7 +151,7 @@ def envelope(
         "cwd": os.getcwd(),
         "git_head": git_head(),
         "git_dirty": git_dirty(),
-        "engine_source_hash": source_hash(edir),
+        "engine_source_hash": engine_source_hash(),
         "engine_import_path": str(edir) if edir is not None else None,
         "versions": versions(),
         "device": device,
@@ -302,25 +243,36 @@ def write_evidence(
     model: dict | None = None,
     seed: int | None = None,
     engine: dict | None = None,
+    run_assertions: list[dict] | None = None,
     extra_checks: list | None = None,
 ) -> dict:
-    """Build the record, judge it against ``checkpoint`` (if any) and write it to ``out``.
+    """Build the record, judge it against ``checkpoint`` (if any) and its own ``run_assertions``, seal it
+    with a digest and write it to ``out``.
 
-    Returns the record: the envelope plus ``checkpoint``, ``facts``, ``checks`` and ``verdict``.
+    ``run_assertions`` are assertion objects (``checks.run_assertion(...)``), the language of
+    ``checkpoints/*.json``, over the record (``facts.x``); they are stored in the file and ``labkit check``
+    re-evaluates them from the facts every time. ``extra_checks`` (results judged by the caller, trusted
+    only through the digest) remain until every command states its checks as run assertions.
+
+    Returns the record: the envelope plus ``checkpoint``, ``facts``, ``run_assertions``, ``checks``,
+    ``verdict`` and ``digest``.
     """
-    from labkit import checks as _checks  # checks imports this module
-
     if not isinstance(facts, dict):
         raise TypeError(f"facts must be a dict, not {type(facts).__name__}")
+    cp = _checks.get_checkpoint(checkpoint) if checkpoint is not None else None
+    raw_assertions = list(run_assertions or [])
+    _checks.parse_run_assertions(raw_assertions)  # a malformed assertion is a bug in the command: raise now
     record = envelope(kind=kind, device=device, model=model, seed=seed, engine=engine)
     record["checkpoint"] = checkpoint
-    # Round-trip the facts through JSON so the judge sees exactly what the file will hold.
-    record["facts"] = json.loads(json.dumps(facts, default=to_jsonable))
-    results: list[dict] = []
-    if checkpoint is not None:
-        results.extend(_checks.judge(_checks.get_checkpoint(checkpoint), record))
-    results.extend(_normalize_extra(c) for c in (extra_checks or []))
+    record["facts"] = facts
+    record["run_assertions"] = raw_assertions
+    if extra_checks:
+        record[_checks.UNJUDGED_KEY] = [_normalize_extra(c) for c in extra_checks]
+    # Everything is judged and sealed in its JSON form: exactly what the file will hold and the judge read.
+    record = json.loads(json.dumps(record, default=to_jsonable))
+    results = _checks.judge(cp, record)
     record["checks"] = results
     record["verdict"] = _checks.verdict(results)
+    record[DIGEST_KEY] = digest(record)
     write_json(out, record)
     return record

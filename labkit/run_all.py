@@ -25,11 +25,10 @@ from labkit.evidence import (
     command_line,
     engine_source_hash,
     git_head,
-    repo_root,
-    runs_dir,
     versions,
     write_json,
 )
+from labkit.paths import repo_root, runs_dir
 
 DEFAULT_TIMEOUT_S = 1800
 

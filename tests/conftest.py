@@ -39,3 +39,43 @@ def wait_for(pred, timeout: float = 10.0) -> None:
     while not pred():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.005)
+
+
+@pytest.fixture
+def labkit_argv(monkeypatch):
+    """``labkit_argv("quick-walk", "--case", "B")`` sets sys.argv as the ``labkit`` console script would, so
+    evidence written in-process records that command line (the judge checks it against the checkpoint's
+    command). ``labkit_argv.checkpoint(ID, *extra)`` sets the command checkpoint ID names, plus ``extra``."""
+    import sys
+
+    def set_argv(*args: str) -> None:
+        monkeypatch.setattr(sys, "argv", ["labkit", *args])
+
+    def checkpoint(cid: str, *extra: str) -> None:
+        from labkit.checks import get_checkpoint
+
+        set_argv(*get_checkpoint(cid).command[1:], *extra)
+
+    set_argv.checkpoint = checkpoint
+    return set_argv
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cli_runner_sets_argv():
+    """CliRunner.invoke(app, ARGS) runs the app as the console script runs ``labkit ARGS``; the console script
+    also sets sys.argv, which the evidence envelope records as the command line. Make CliRunner do the same."""
+    import sys
+    from unittest import mock
+
+    from typer.testing import CliRunner
+
+    invoke = CliRunner.invoke
+
+    def invoke_as_labkit(self, app, args=None, *rest, **kw):
+        words = args.split() if isinstance(args, str) else [str(a) for a in (args or [])]
+        with mock.patch.object(sys, "argv", ["labkit", *words]):
+            return invoke(self, app, args, *rest, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CliRunner, "invoke", invoke_as_labkit)
+        yield

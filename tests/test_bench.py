@@ -73,9 +73,11 @@ def test_timed_generate_records_every_step(tiny_model_dir):
 
 
 @pytest.mark.parametrize("share, verdict", [(0.88, "PASS"), (0.5, "REVIEW")])
-def test_attention_checkpoint_judges_the_summary(share, verdict, tmp_path):
+def test_attention_checkpoint_judges_the_summary(share, verdict, tmp_path, labkit_argv):
     """cuda.attention-bandwidth reads facts.summary (what bench_attention writes); short of 0.7 asks for review."""
     from labkit.evidence import write_evidence
+
+    labkit_argv.checkpoint("cuda.attention-bandwidth")
     facts = {"copy_roof_gb_s": 4190.0, "rows": [], "prefill_rows": [],
              "summary": {"decode_shape": [256, 2048], "decode_share_of_roof": {"triton": share, "torch": 0.3},
                          "prefill_shape": [30, 0, 540], "prefill_tflop_s": {"triton:paged": 127.0}}}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from labkit import checks, evidence
+from labkit import checks, evidence, paths
 from labkit.cli import app
 
 REPO = Path(__file__).resolve().parent.parent
@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.fixture
 def runs(tmp_path, monkeypatch) -> Path:
     d = tmp_path / "runs"
-    monkeypatch.setenv(evidence.RUNS_DIR_ENV, str(d))
+    monkeypatch.setenv(paths.RUNS_DIR_ENV, str(d))
     return d
 
 
@@ -137,8 +137,10 @@ def test_run_command_adds_model_only_where_taken():
     assert build_command(cp, Path("/tmp/e.json"), model="/m")[-2:] == ["--model", "/m"]
 
 
-def test_doctor_engine_reports_kv_pool_sizing(tiny_model_dir, tmp_path):
+def test_doctor_engine_reports_kv_pool_sizing(tiny_model_dir, tmp_path, labkit_argv):
     from labkit.doctor import run_doctor
+
+    labkit_argv.checkpoint("setup.doctor", "--engine")
 
     rec = run_doctor(tmp_path / "doc.json", "cpu", engine=True, model=str(tiny_model_dir))
     e = rec["facts"]["engine"]

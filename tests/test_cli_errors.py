@@ -69,7 +69,7 @@ def test_generate_works_and_says_synthetic(tiny_model_dir, tmp_path):
 
 def test_quick_walk_debug_stops_in_pdb_after_init_then_continues(tiny_model_dir, tmp_path):
     e = dict(os.environ)
-    res = subprocess.run([sys.executable, "-m", "labkit", "quick-walk", "--case", "A", "--debug", "--model",
+    res = subprocess.run([sys.executable, "-m", "labkit", "quick-walk", "--case", "A", "--trace", "--debug", "--model",
                           str(tiny_model_dir), "--out", str(tmp_path / "a.json")],
                          input="p type(engine).__name__, len(engine.scheduler.waiting), engine.block_manager.num_blocks\nc\n",
                          capture_output=True, text=True, env=e, timeout=120)

@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from labkit import checks, evidence
+from labkit import checks, evidence, evidence_format, paths
 from labkit.checks import Assertion, CheckpointError, check_evidence, evaluate, judge, verdict
 
 
 @pytest.fixture
 def runs(tmp_path, monkeypatch) -> Path:
     d = tmp_path / "runs"
-    monkeypatch.setenv(evidence.RUNS_DIR_ENV, str(d))
+    monkeypatch.setenv(paths.RUNS_DIR_ENV, str(d))
     return d
 
 
@@ -39,7 +39,7 @@ def test_envelope_has_every_field():
     for key in ("schema_version", "created_at", "command", "cwd", "git_head", "engine_source_hash",
                 "engine_import_path", "versions", "device", "model", "seed", "kind", "engine"):
         assert key in env, key
-    assert env["schema_version"] == evidence.SCHEMA_VERSION == 1
+    assert env["schema_version"] == evidence_format.SCHEMA_VERSION == 2
     assert env["created_at"].endswith("+00:00")
     assert set(env["versions"]) == {"python", "torch", "triton", "transformers", "flash_attn"}
     assert env["versions"]["python"].count(".") == 2
@@ -64,13 +64,13 @@ def test_source_hash_tracks_content_and_names(tmp_path):
     (tmp_path / "pkg" / "a.py").write_text("x = 1\n")
     (tmp_path / "b.py").write_text("y = 2\n")
     (tmp_path / "notes.txt").write_text("ignored")
-    h1 = evidence.source_hash(tmp_path)
-    assert h1 == evidence.source_hash(tmp_path)
+    h1 = evidence_format.source_hash(tmp_path)
+    assert h1 == evidence_format.source_hash(tmp_path)
     (tmp_path / "notes.txt").write_text("still ignored")
-    assert evidence.source_hash(tmp_path) == h1
+    assert evidence_format.source_hash(tmp_path) == h1
     (tmp_path / "pkg" / "a.py").write_text("x = 2\n")
-    assert evidence.source_hash(tmp_path) != h1
-    assert evidence.source_hash(tmp_path / "absent") is None
+    assert evidence_format.source_hash(tmp_path) != h1
+    assert evidence_format.source_hash(tmp_path / "absent") is None
 
 
 def test_git_head_outside_a_repo_is_none(tmp_path):
@@ -96,30 +96,33 @@ def test_git_dirty_says_when_tracked_files_changed(tmp_path):
 
 def test_default_out_creates_runs(runs):
     assert not runs.exists()
-    assert evidence.default_out("x.json") == runs / "x.json"
+    assert paths.default_out("x.json") == runs / "x.json"
     assert runs.is_dir()
 
 
 # --------------------------------------------------------------------------- write_evidence
 
 
-def test_write_evidence_judges_and_writes(runs):
+def test_write_evidence_judges_and_writes(runs, labkit_argv):
+    labkit_argv.checkpoint("setup.doctor")
     out = runs / "sub" / "doctor.json"
     rec = evidence.write_evidence(out, checkpoint="setup.doctor", kind="cpu-real-engine", facts=doctor_facts(),
                                   device="cpu", seed=0)
     assert rec["verdict"] == "PASS"
     on_disk = json.loads(out.read_text())
     assert on_disk == json.loads(json.dumps(rec))
-    assert list(on_disk)[-4:] == ["checkpoint", "facts", "checks", "verdict"]
+    assert list(on_disk)[-6:] == ["checkpoint", "facts", "run_assertions", "checks", "verdict", "digest"]
+    assert on_disk["digest"] == evidence_format.digest(on_disk)
     names = [c["name"] for c in on_disk["checks"]]
     assert names[:3] == ["checkpoint", "kind", "schema_version"]
     assert "facts.tensor_check.ok" in names
     assert [p.name for p in out.parent.iterdir()] == ["doctor.json"]  # no temp file left
 
 
-def test_write_evidence_fails_on_bad_facts_and_wrong_kind(runs):
+def test_write_evidence_fails_on_bad_facts_and_wrong_kind(runs, labkit_argv):
+    labkit_argv.checkpoint("setup.doctor")
     rec = evidence.write_evidence(runs / "a.json", checkpoint="setup.doctor", kind="cpu-real-engine",
-                                  facts=doctor_facts(tensor_check={"ok": False, "max_abs_err": 0.5}))
+                                  facts=doctor_facts(tensor_check={"ok": False, "max_abs_err": 0.5}), device="cpu")
     assert rec["verdict"] == "FAIL"
     failed = {c["name"] for c in rec["checks"] if not c["passed"]}
     assert failed == {"facts.tensor_check.ok", "facts.tensor_check.max_abs_err"}
@@ -273,7 +276,8 @@ def test_verdict_logic():
 # --------------------------------------------------------------------------- check_evidence
 
 
-def test_check_evidence_states(runs):
+def test_check_evidence_states(runs, labkit_argv):
+    labkit_argv.checkpoint("setup.doctor")
     cp = checks.get_checkpoint("setup.doctor")
     path = cp.evidence_path()
     assert path == runs / "setup-doctor.json"
@@ -282,7 +286,8 @@ def test_check_evidence_states(runs):
     assert v == "NOT-RUN" and res[0]["why"] == f"no evidence at {path}"
     assert checks.reason(v, res) == f"no evidence at {path}"
 
-    evidence.write_evidence(path, checkpoint="setup.doctor", kind="cpu-real-engine", facts=doctor_facts())
+    evidence.write_evidence(path, checkpoint="setup.doctor", kind="cpu-real-engine", facts=doctor_facts(),
+                            device="cpu")
     v, res = check_evidence(cp)
     assert v == "PASS" and all(c["passed"] for c in res)
 
@@ -290,26 +295,35 @@ def test_check_evidence_states(runs):
     v, res = check_evidence(cp)
     assert v == "FAIL" and "unreadable evidence" in res[0]["why"]
 
-    evidence.write_evidence(path, checkpoint=None, kind="cpu-real-engine", facts=doctor_facts())
+    evidence.write_evidence(path, checkpoint=None, kind="cpu-real-engine", facts=doctor_facts(), device="cpu")
     v, res = check_evidence(cp)
     assert v == "FAIL" and [c["name"] for c in res if c["status"] == "fail"] == ["checkpoint"]
 
 
-def test_check_evidence_rejudges_instead_of_trusting(runs):
+def test_check_evidence_rejudges_instead_of_trusting(runs, labkit_argv):
+    labkit_argv.checkpoint("setup.doctor")
     cp = checks.get_checkpoint("setup.doctor")
-    rec = evidence.write_evidence(cp.evidence_path(), checkpoint=cp.id, kind="cpu-real-engine", facts=doctor_facts())
+    rec = evidence.write_evidence(cp.evidence_path(), checkpoint=cp.id, kind="cpu-real-engine", facts=doctor_facts(),
+                                  device="cpu")
+    assert check_evidence(cp)[0] == "PASS"
     rec["facts"]["runs_writable"]["ok"] = False  # file edited by hand, still claims PASS
     evidence.write_json(cp.evidence_path(), rec)
     v, res = check_evidence(cp)
-    assert v == "FAIL" and [c["name"] for c in res if not c["passed"]] == ["facts.runs_writable.ok"]
+    assert v == "FAIL" and [c["name"] for c in res if not c["passed"]] == ["digest", "stored verdict",
+                                                                         "facts.runs_writable.ok"]
+    rec["digest"] = evidence_format.digest(rec)  # even with the digest made to match, the facts are re-judged
+    evidence.write_json(cp.evidence_path(), rec)
+    v, res = check_evidence(cp)
+    assert v == "FAIL" and [c["name"] for c in res if not c["passed"]] == ["stored verdict", "facts.runs_writable.ok"]
 
 
-def test_check_evidence_honours_recorded_fail(runs):
+def test_check_evidence_honours_unjudged_extra_checks(runs, labkit_argv):
+    labkit_argv.checkpoint("setup.doctor")
     cp = checks.get_checkpoint("setup.doctor")
     evidence.write_evidence(cp.evidence_path(), checkpoint=cp.id, kind="cpu-real-engine", facts=doctor_facts(),
-                            extra_checks=[{"name": "extra", "passed": False, "expected": 1, "actual": 2}])
+                            device="cpu", extra_checks=[{"name": "extra", "passed": False, "expected": 1, "actual": 2}])
     v, res = check_evidence(cp)
-    assert v == "FAIL" and res[-1]["name"] == "recorded verdict" and "extra" in res[-1]["why"]
+    assert v == "FAIL" and [(c["name"], c["source"]) for c in res if not c["passed"]] == [("extra", "run-unjudged")]
 
 
 def test_judge_non_object_record():

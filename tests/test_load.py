@@ -9,7 +9,7 @@ import pytest
 
 from labkit.checks import load_checkpoints
 from labkit.errors import UserError
-from labkit.evidence import repo_root
+from labkit.paths import repo_root
 from labkit.load.replay import LoadOptions, Router, run_load
 from labkit.service.events import split_out
 from labkit.service.worker import WorkerConfig

@@ -34,8 +34,8 @@ def run_cli(app, *args):
 def baseline(tiny_model_dir, tmp_path_factory, app):
     """`labkit logits guard --suite baseline`: nano eager + hf collected, then compared."""
     d = tmp_path_factory.mktemp("baseline")
-    res = run_cli(app, "logits", "guard", "--suite", "baseline", "--model", tiny_model_dir, "--device", "cpu",
-                  "--out", d / "engine-logits-check.json")
+    command = get_checkpoint("guardrails.logits-baseline").command[1:]  # the checkpoint's command and options
+    res = run_cli(app, *command, "--model", tiny_model_dir, "--device", "cpu", "--out", d / "engine-logits-check.json")
     assert res.exit_code == 0, res.output
     return d
 

@@ -23,8 +23,8 @@ def test_expected_counts(s, g, uncached, cached):
 
 def test_default_run_is_540_vs_71_and_passes_its_checkpoint(tiny_model_dir, tmp_path, app):
     out = tmp_path / "cached-forward.json"
-    res = CliRunner().invoke(app, ["principles", "cached-forward", "--model", str(tiny_model_dir), "--device", "cpu",
-                                   "--repeats", "2", "--out", str(out)])
+    command = get_checkpoint("guardrails.cached-forward").command[1:]      # the checkpoint's command and options
+    res = CliRunner().invoke(app, [*command, "--model", str(tiny_model_dir), "--device", "cpu", "--out", str(out)])
     assert res.exit_code == 0, res.output
     rec = json.loads(out.read_text())
     f = rec["facts"]
@@ -33,7 +33,7 @@ def test_default_run_is_540_vs_71_and_passes_its_checkpoint(tiny_model_dir, tmp_
     assert f["widths_cached"] == [64] + [1] * 7 and f["positions_cached"] == 71
     assert f["max_abs_logit_error"] < 1e-4 and f["relative_l2_logit_error"] < 1e-5 and f["same_top1_steps"] == 8
     tm = f["timing"]
-    assert len(tm["cached"]["prefill_s"]) == 2 and len(tm["cached"]["decode_s"]) == 2
+    assert len(tm["cached"]["prefill_s"]) == 3 and len(tm["cached"]["decode_s"]) == 3
     assert len(tm["uncached"]["median_step_s"]) == 8
     assert check_evidence(get_checkpoint("guardrails.cached-forward"), out)[0] == "PASS"
 

@@ -18,7 +18,8 @@ VARIANTS = [
 
 
 @pytest.mark.parametrize("case,options,cp", VARIANTS, ids=[v[2] for v in VARIANTS])
-def test_quick_walk_case_passes_its_checkpoint(tiny_model_dir, tmp_path, case, options, cp):
+def test_quick_walk_case_passes_its_checkpoint(tiny_model_dir, tmp_path, case, options, cp, labkit_argv):
+    labkit_argv.checkpoint(cp, "--out", str(tmp_path / f"{case}.json"))
     out = tmp_path / f"{case}.json"
     record = run_quick_walk(case, out=out, model=str(tiny_model_dir), trace=True, **options)
     failed = [c for c in record["checks"] if not c["passed"]]
@@ -42,9 +43,11 @@ def test_without_trace_the_step_log_is_left_out(tiny_model_dir, tmp_path):
     assert rec["facts"]["derived"]["tcs_first"] == [[3, 0, 3], [4, 3, 1], [5, 4, 1]]
 
 
-def test_a_tampered_evidence_file_fails_the_recheck(tiny_model_dir, tmp_path):
+def test_a_tampered_evidence_file_fails_the_recheck(tiny_model_dir, tmp_path, labkit_argv):
+    labkit_argv.checkpoint("setup.quick-walk-d")
     out = tmp_path / "d.json"
     run_quick_walk("D", out=out, model=str(tiny_model_dir), trace=True)
+    assert check_evidence(get_checkpoint("setup.quick-walk-d"), out)[0] == "PASS"
     data = json.loads(out.read_text())
     data["facts"]["step_digest"][1]["cu_seqlens_q"] = [0, 187, 220]
     out.write_text(json.dumps(data))
@@ -60,7 +63,8 @@ def test_env_trace_prints_one_line_per_step(tiny_model_dir, tmp_path, monkeypatc
     assert ":3/0/3" in lines[0] and ":4/3/1" in lines[1] and ":5/4/1" in lines[2]
 
 
-def test_smoke_two_tokens_through_the_chat_template(tiny_model_dir, tmp_path):
+def test_smoke_two_tokens_through_the_chat_template(tiny_model_dir, tmp_path, labkit_argv):
+    labkit_argv.checkpoint("setup.smoke")
     rec = run_smoke(out=tmp_path / "smoke.json", model=str(tiny_model_dir))
     assert rec["verdict"] == "PASS"
     assert rec["facts"]["output_token_counts"] == [2] and rec["facts"]["kv_blocks"] > 0

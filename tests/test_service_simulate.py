@@ -7,7 +7,8 @@ from labkit.checks import check_evidence, get_checkpoint
 from labkit.load.simulate import run_simulate
 
 
-def test_simulate_passes_its_checkpoint(tiny_model_dir, tmp_path):
+def test_simulate_passes_its_checkpoint(tiny_model_dir, tmp_path, labkit_argv):
+    labkit_argv.checkpoint("service.simulate")
     out = tmp_path / "runtime-cpu.jsonl"
     record = run_simulate(out, model=str(tiny_model_dir))
     failed = [c for c in record["checks"] if not c["passed"]]

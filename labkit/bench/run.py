@@ -13,7 +13,8 @@ from random import randint, seed
 
 from engine import LLMEngine, SamplingParams
 from labkit.errors import UserError
-from labkit.evidence import default_out, write_evidence
+from labkit.evidence import write_evidence
+from labkit.paths import default_out
 
 WORKLOADS = ("nano-vllm", "graph-vs-eager", "latency", "attention")
 NANO_VLLM_TOTAL_OUTPUT = 133_966

@@ -245,7 +245,7 @@ def run(
     json_out: JsonOpt = False,
 ) -> None:
     """Run every checkpoint this machine can run, in order; the rest are NOT-RUN with the reason."""
-    from labkit.evidence import runs_dir
+    from labkit.paths import runs_dir
     from labkit.run_all import run_all
 
     if model is not None and not model.is_dir():
@@ -317,7 +317,7 @@ def generate(
     """Offline generation through the engine (LLM.generate); outputs and evidence in runs/generate.json.
 
     ``--seed`` seeds each request's sampling (default: unseeded)."""
-    from labkit.evidence import default_out
+    from labkit.paths import default_out
     from labkit.experiments.generate import run_generate
 
     path = out or default_out("generate.json")
@@ -343,7 +343,7 @@ def bench(
 ) -> None:
     """Measure throughput / latency on a fixed workload; every repeat is kept in the evidence."""
     from labkit.bench.run import run_bench
-    from labkit.evidence import default_out
+    from labkit.paths import default_out
 
     path = out or default_out(f"bench-{workload}.json")
     record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,

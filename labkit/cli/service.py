@@ -177,7 +177,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Replay an arrival trace in process or against servers; events to JSONL, evidence next to it."""
         from labkit.console import render_load
-        from labkit.evidence import default_out
+        from labkit.paths import default_out
         from labkit.load.replay import LoadOptions, run_load
         from labkit.service.events import split_out
         from labkit.service.worker import WorkerConfig
@@ -208,7 +208,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """TTFT / ITL / TPOT percentiles, throughput over the common window, terminations; JSON + Markdown + PNG."""
         from labkit.console import print_json, render_report
-        from labkit.evidence import default_out
+        from labkit.paths import default_out
         from labkit.load.report import compare
 
         out = out or default_out("comparison.json")

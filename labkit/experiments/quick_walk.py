@@ -11,7 +11,8 @@ from pathlib import Path
 from engine import SamplingParams
 from engine.observe import EngineEvent
 from labkit.errors import UserError
-from labkit.evidence import default_out, write_evidence
+from labkit.evidence import write_evidence
+from labkit.paths import default_out
 from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine import SamplingParams
-from labkit.evidence import default_out, write_evidence
+from labkit.evidence import write_evidence
+from labkit.paths import default_out
 from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
 
 SMOKE_MESSAGES = [{"role": "user", "content": "In one sentence, what does a KV cache store?"}]

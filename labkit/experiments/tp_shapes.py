@@ -62,7 +62,8 @@ def tp_shapes(hf_config: dict, tp: int) -> dict:
 def run_shapes(tp: int, model: str | None, out: Path | None) -> dict:
     import json
 
-    from labkit.evidence import default_out, write_evidence
+    from labkit.evidence import write_evidence
+    from labkit.paths import default_out
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model
     from labkit.assets.synth import PRESETS

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from labkit.errors import UserError
-from labkit.evidence import default_out, write_evidence
+from labkit.evidence import write_evidence
+from labkit.paths import default_out
 
 CHECKPOINT_CACHED_FORWARD = "guardrails.cached-forward"
 DEFAULT_PROMPT_LEN = 64

@@ -82,7 +82,8 @@ def calibrate(suites: tuple[str, ...] = ("baseline", "graph"), backends: tuple[s
     import statistics
 
     from engine.attention import available_backends
-    from labkit.evidence import default_out, write_evidence
+    from labkit.evidence import write_evidence
+    from labkit.paths import default_out
     from labkit.lab_engine import detect_device
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model

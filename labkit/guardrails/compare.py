@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from labkit.errors import UserError
-from labkit.evidence import default_out, read_json, write_evidence
+from labkit.evidence import read_json, write_evidence
+from labkit.paths import default_out
 from labkit.guardrails.suites import (
     CHECKPOINT_BASELINE,
     CHECKPOINT_GRAPH,
@@ -182,7 +183,7 @@ def _row_brief(spec: dict, m: dict) -> dict:
 
 def compare(lhs_path: str | Path, rhs_path: str | Path, out: str | Path | None = None, *,
             max_abs: float = DEFAULT_MAX_ABS, rel_l2: float = DEFAULT_REL_L2,
-            kv_max_abs: float = DEFAULT_KV_MAX_ABS, checkpoint: str | None = "auto", worst: int = 5) -> dict:
+            kv_max_abs: float = DEFAULT_KV_MAX_ABS, checkpoint: str | None = None, worst: int = 5) -> dict:
     """``labkit logits compare``: lhs is measured, rhs the reference. Writes the evidence JSON."""
     for name, v in (("--max-abs", max_abs), ("--rel-l2", rel_l2), ("--kv-max-abs", kv_max_abs)):
         if not (isinstance(v, (int, float)) and v >= 0 and np.isfinite(v)):

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from labkit.errors import UserError
-from labkit.evidence import default_out
+from labkit.paths import default_out
 
 
 SUITES = ("baseline", "graph")

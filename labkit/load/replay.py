@@ -122,7 +122,9 @@ def run_load(opts: LoadOptions) -> dict:
             router = Router(opts.endpoints, opts.router)
             healths, _ = asyncio.run(_drive_http(opts, reqs, warm, router, log, header=("load", extra)))
             kind = _remote_kind(healths)
-            ident: dict[str, Any] = {"model": (healths[0] or {}).get("model") if healths else None}
+            devices = {(h or {}).get("device") for h in healths}
+            ident: dict[str, Any] = {"model": (healths[0] or {}).get("model") if healths else None,
+                                     "device": devices.pop() if len(devices) == 1 else None}
         else:
             from labkit.service.worker import Worker
 

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from engine import SamplingParams
-from labkit.evidence import default_out, write_evidence
+from labkit.evidence import write_evidence
+from labkit.paths import default_out
 from labkit.service import client
 from labkit.service.events import EventLog, MemorySink, fan_out, split_out
 from labkit.service.server import ServerThread, bind_socket

@@ -250,6 +250,7 @@ class Service:
         snap = self.worker.snapshot()
         built = self.worker.built
         body = {"status": snap["state"], **snap, "kind": built.kind if built else None,
+                "device": built.device if built else None,
                 "model": built.model if built else None, "served_model_name": self.limits.served_model_name,
                 "max_model_len": self.limits.max_model_len,
                 "engine": built.describe() if built else None, "worker": vars(self.worker.config)}
