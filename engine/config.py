@@ -169,6 +169,22 @@ class Config:
             raise ConfigError("device cuda was asked for but CUDA is not available on this machine")
         return self.device
 
+    def check_machine(self) -> str:
+        """Before anything is loaded: the choices this machine cannot honour (graphs without CUDA, an
+        attention backend it lacks, more TP ranks than GPUs) as one-line ConfigErrors. Returns the device."""
+        import torch
+
+        from engine.attention import resolve_backend_name
+
+        device = self.resolved_device()
+        if not self.enforce_eager and not device.startswith("cuda"):
+            raise ConfigError("graph execution needs CUDA (use enforce_eager on CPU)")
+        resolve_backend_name(self.attention_backend, device, self.kvcache_block_size)
+        if device.startswith("cuda") and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ConfigError(f"tensor_parallel_size {self.tensor_parallel_size} needs that many GPUs; "
+                              f"this machine has {torch.cuda.device_count()}")
+        return device
+
     def resolved_dtype(self, device: str):
         import torch
 

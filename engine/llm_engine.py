@@ -62,6 +62,7 @@ class LLMEngine:
     def __init__(self, model: str, **kwargs):
         init_start = time.perf_counter()
         self.config = Config(model, **kwargs)
+        self.config.check_machine()
         if self.config.tensor_parallel_size > 1:
             from engine.tp_workers import start_rank0
             device = self.config.resolved_device()

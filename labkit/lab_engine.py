@@ -40,23 +40,6 @@ class LabEngine:
         return self.engine.describe()
 
 
-def check_engine_choices(device: str, attention: str, options: dict) -> None:
-    """The choices a user makes on the command line that the engine rejects with a bare ValueError
-    (its ConfigError covers the rest): attention backend, graph execution, GPUs for tensor parallel."""
-    import torch
-
-    from engine.attention import available_backends
-
-    available = available_backends(device)
-    if attention != "auto" and attention not in available:
-        raise UserError(f"attention backend {attention!r} is not available on {device} (available: {', '.join(available)})")
-    if not options.get("enforce_eager", True) and not device.startswith("cuda"):
-        raise UserError("graph execution needs CUDA (run eager on CPU)")
-    tp = options.get("tensor_parallel_size") or 1
-    if device.startswith("cuda") and tp > torch.cuda.device_count():
-        raise UserError(f"tensor_parallel_size {tp} needs that many GPUs; this machine has {torch.cuda.device_count()}")
-
-
 def build_engine(model: str | None = None, device: str = "auto", attention: str = "auto", **overrides) -> LabEngine:
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model
@@ -64,7 +47,6 @@ def build_engine(model: str | None = None, device: str = "auto", attention: str 
     device = detect_device(device)
     ref = resolve_model(model, device)
     options = {**LAB_DEFAULTS, **{k: v for k, v in overrides.items() if v is not None}}
-    check_engine_choices(device, attention, options)
     engine = LLMEngine(str(ref.path), device=device, attention_backend=attention, **options)
     identity = dict(model_identity(ref.path))
     identity["source"] = ref.source

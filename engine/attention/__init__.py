@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
-from engine.config import ConfigError
+from engine.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -89,9 +89,6 @@ def timed_generate(engine: LLMEngine, prompts, params, steps: bool = False) -> T
 
 
 def engine_for(model_dir: str, device: str, attention: str, eager: bool, **kw) -> LLMEngine:
-    from labkit.lab_engine import check_engine_choices
-
-    check_engine_choices(device, attention, {"enforce_eager": eager, **kw})
     return LLMEngine(model_dir, device=device, attention_backend=attention, enforce_eager=eager, **kw)
 
 
