@@ -117,3 +117,24 @@ def test_a_walk_that_leaks_blocks_fails(tiny_model_dir, tmp_path, monkeypatch):
     checks = {c["name"]: c for c in rec["checks"]}
     assert rec["verdict"] == "FAIL"
     assert not checks["facts.blocks_in_use_end"]["passed"] and checks["facts.blocks_in_use_end"]["actual"] == 2
+
+
+def test_smoke_records_the_template_tokens_the_model_received(tiny_model_dir, tmp_path):
+    rec = run_smoke(out=tmp_path / "smoke.json", model=str(tiny_model_dir))
+    f = rec["facts"]
+    assert f["prompt_token_ids"][:3] == [151644, 872, 198] and f["prompt_token_ids"][-7:-5] == [151644, 77091]
+    assert f["prompt_tokens"] == len(f["prompt_token_ids"]) == 23 and f["prefill_forwards"] == 1
+    assert "chat_template" not in f                       # no literal claim: the tokens show it
+
+
+def test_smoke_fails_when_the_engine_skips_the_chat_template(tiny_model_dir, tmp_path, monkeypatch):
+    """Break the subject: an engine whose encode() of chat messages ignores the template."""
+    from engine import LLMEngine
+
+    real = LLMEngine.encode
+    monkeypatch.setattr(LLMEngine, "encode", lambda self, p: real(self, p[0]["content"])
+                        if isinstance(p, list) and p and isinstance(p[0], dict) else real(self, p))
+    rec = run_smoke(out=tmp_path / "smoke.json", model=str(tiny_model_dir))
+    failed = {c["name"] for c in rec["checks"] if not c["passed"]}
+    assert rec["verdict"] == "FAIL"
+    assert {"facts.prompt_head", "facts.prompt_tail", "facts.prompt_im_end_count"} <= failed
