@@ -66,6 +66,11 @@ def _ensure_default_model(preset: str) -> Path:
     return target.resolve()
 
 
+def default_model(preset: str) -> ModelRef:
+    """The embedded default of ``preset`` (synthesized on first use), whatever the device or $MODEL_DIR."""
+    return _ref_for(validate_model_dir(_ensure_default_model(preset)), "default")
+
+
 def _ref_for(path: Path, source: str) -> ModelRef:
     marker = _read_marker(path)
     return ModelRef(
