@@ -207,6 +207,9 @@ def render_doctor(record: dict) -> None:
         "device": record["device"],
         "tensor check": f"{tc['op']} {tc['shape']} {tc['dtype']} on {tc['device']}: max abs err {tc['max_abs_err']:.2e} (tol {tc['tol']:g})",
         "runs/": f"{facts['runs_writable']['dir']} ({'writable' if facts['runs_writable']['ok'] else facts['runs_writable']['error']})",
+        "engine": (f"{facts['engine_import']['path']}: {facts['engine_run']['output_tokens']} token in "
+                   f"{facts['engine_run']['generate_seconds']} s ({facts['engine_run']['attention_backend']})"
+                   if facts["engine_run"]["ok"] else f"{facts['engine_import']['path']}: {facts['engine_run']['error']}"),
         "evidence kind": record["kind"],
     }, title="machine"))
     if "engine" in facts:

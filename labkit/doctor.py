@@ -1,8 +1,11 @@
 """``labkit doctor``: is this machine ready for the lab?
 
 Checks that the packages import (and which versions), which device is there, that a small seeded
-matmul on that device matches a float64 CPU reference, and that ``runs/`` is writable. Writes the
-evidence of checkpoint ``setup.doctor``.
+matmul on that device matches a float64 CPU reference, that ``runs/`` is writable, and that this
+project's engine imports and runs: ``import engine`` must resolve to the ``engine/`` directory next to
+``labkit/`` (a stale install or a shadow package on PYTHONPATH fails), and that engine builds the
+default model (the synthetic one the other commands use, made on first use) and generates one greedy
+token on the chosen device. Writes the evidence of checkpoint ``setup.doctor``.
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ import os
 import platform
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from labkit.checks import get_checkpoint
 from labkit.errors import UserError
 from labkit.evidence import describe_device, package_version, write_evidence
-from labkit.paths import runs_dir
+from labkit.paths import repo_root, runs_dir
 
 CHECKPOINT = "setup.doctor"
 REQUIRED = ("torch", "transformers", "typer", "rich", "numpy", "safetensors", "xxhash", "tokenizers",
@@ -46,13 +50,57 @@ def check_imports() -> dict[str, dict]:
     return out
 
 
+def project_engine_dir() -> Path:
+    """The ``engine/`` directory of this project (next to ``labkit/``)."""
+    return (repo_root() / "engine").resolve()
+
+
 def check_engine_import() -> dict:
-    """Whether ``import engine`` works, and from where (reported, not yet asserted)."""
+    """``import engine``: whether it works, from where, and whether that is this project's engine/."""
+    expected = project_engine_dir()
     try:
         mod = importlib.import_module("engine")
-        return {"ok": True, "path": str(Path(mod.__file__).resolve().parent), "error": None}
+        path = Path(mod.__file__).resolve().parent if getattr(mod, "__file__", None) else None
     except Exception as e:
-        return {"ok": False, "path": None, "error": _one_line(e)}
+        return {"ok": False, "path": None, "expected": str(expected), "inside_project": False, "error": _one_line(e)}
+    return {"ok": True, "path": str(path) if path else None, "expected": str(expected),
+            "inside_project": path == expected, "error": None}
+
+
+DOCTOR_PROMPT = [9000, 9001, 9002]       # three token ids; the generated id is recorded, not judged
+
+
+def run_engine(model: str | None, device: str) -> tuple[dict, dict | None, dict | None, object | None]:
+    """Build the lab's engine on ``device`` (the default model unless ``model``) and generate one greedy
+    token. Returns (facts, engine description, model identity, the open LabEngine or None); facts carry
+    ``ok: False`` and the error instead of raising."""
+    facts: dict = {"ok": False, "prompt_token_ids": DOCTOR_PROMPT, "max_tokens": 1}
+    built = None
+    try:
+        import inspect
+
+        from engine import SamplingParams
+        from labkit.lab_engine import build_engine
+
+        t0 = time.perf_counter()
+        built = build_engine(model, device)
+        facts["init_seconds"] = round(time.perf_counter() - t0, 3)
+        eng = built.engine
+        facts["engine_class_file"] = str(Path(inspect.getfile(type(eng))).resolve())
+        facts["engine_class_inside_project"] = Path(facts["engine_class_file"]).parent == project_engine_dir()
+        t0 = time.perf_counter()
+        (result,) = eng.generate([DOCTOR_PROMPT], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        facts["generate_seconds"] = round(time.perf_counter() - t0, 4)
+        d = built.describe()
+        facts.update(device=built.device, attention_backend=d["attention_backend"], dtype=d["dtype"],
+                     steps=eng.num_steps, output_token_ids=result["token_ids"],
+                     output_tokens=len(result["token_ids"]), ok=True)
+        return facts, d, built.model, built
+    except Exception as e:  # a broken or shadowed engine raises anything; doctor reports it
+        facts["error"] = _one_line(e)
+        if built is not None:
+            built.engine.close()
+        return facts, None, None, None
 
 
 def pick_device(requested: str = "auto"):
@@ -139,32 +187,25 @@ def check_runs_writable(directory: Path | None = None) -> dict:
         return {"dir": str(directory), "ok": False, "error": _one_line(e)}
 
 
-def engine_memory(model: str | None, device: str) -> tuple[dict, dict, dict]:
-    """Build the lab's default engine and report its KV sizing (appendix B.8.3): weights, peak work memory,
-    KV budget, bytes per block and the number of blocks. Returns (facts, engine description, model identity)."""
-    from labkit.lab_engine import build_engine
-
-    built = build_engine(model, device)
-    try:
-        d = built.describe()
-        mem = dict(d["memory"])
-        facts = {
-            "attention_backend": d["attention_backend"], "dtype": d["dtype"],
-            "block_size": d["config"]["kvcache_block_size"], "num_blocks": d["num_kvcache_blocks"],
-            "bytes_per_block": mem.get("bytes_per_block"),
-            "mib_per_block": round(mem["bytes_per_block"] / 2**20, 3) if mem.get("bytes_per_block") else None,
-            "tokens_in_pool": d["num_kvcache_blocks"] * d["config"]["kvcache_block_size"],
-            "memory": mem, "init_seconds": d["init_seconds"],
-        }
-        return facts, d, built.model
-    finally:
-        built.engine.close()
+def engine_memory(built) -> dict:
+    """The KV sizing of an engine built for the lab (appendix B.8.3): weights, peak work memory, KV budget,
+    bytes per block and the number of blocks."""
+    d = built.describe()
+    mem = dict(d["memory"])
+    return {
+        "attention_backend": d["attention_backend"], "dtype": d["dtype"],
+        "block_size": d["config"]["kvcache_block_size"], "num_blocks": d["num_kvcache_blocks"],
+        "bytes_per_block": mem.get("bytes_per_block"),
+        "mib_per_block": round(mem["bytes_per_block"] / 2**20, 3) if mem.get("bytes_per_block") else None,
+        "tokens_in_pool": d["num_kvcache_blocks"] * d["config"]["kvcache_block_size"],
+        "memory": mem, "init_seconds": d["init_seconds"],
+    }
 
 
 def run_doctor(out: Path | None = None, device: str = "auto", engine: bool = False, model: str | None = None) -> dict:
     """Run every doctor check and write the ``setup.doctor`` evidence; returns the record.
 
-    With ``engine``, also build the default engine and report its KV pool sizing."""
+    The engine always runs (one greedy token); with ``engine``, its KV pool sizing is reported too."""
     out = Path(out) if out is not None else get_checkpoint(CHECKPOINT).evidence_path()
     imports = check_imports()
     if not imports["torch"]["ok"]:
@@ -182,9 +223,18 @@ def run_doctor(out: Path | None = None, device: str = "auto", engine: bool = Fal
         "tensor_check": tensor,
         "runs_writable": check_runs_writable(),
     }
-    kind = "gpu-measured" if dev.type == "cuda" else "cpu-real-engine"
     engine_desc = model_identity = None
-    if engine:
-        facts["engine"], engine_desc, model_identity = engine_memory(model, device)
+    if facts["engine_import"]["ok"]:
+        facts["engine_run"], engine_desc, model_identity, built = run_engine(model, str(dev))
+    else:
+        facts["engine_run"], built = {"ok": False, "error": "not run: import engine failed"}, None
+    if built is not None:
+        try:
+            if engine:
+                facts["engine"] = engine_memory(built)
+        finally:
+            built.engine.close()
+    # the engine computed on the device (or it did not run, and the evidence says so)
+    kind = ("gpu-measured" if dev.type == "cuda" else "cpu-real-engine") if facts["engine_run"]["ok"] else "static"
     return write_evidence(out, checkpoint=CHECKPOINT, kind=kind, facts=facts, device=describe_device(dev), seed=0,
                           engine=engine_desc, model=model_identity)

@@ -72,15 +72,125 @@ def test_timed_generate_records_every_step(tiny_model_dir):
     engine.close()
 
 
-@pytest.mark.parametrize("share, verdict", [(0.88, "PASS"), (0.5, "REVIEW")])
-def test_attention_checkpoint_judges_the_summary(share, verdict, tmp_path, labkit_argv):
-    """cuda.attention-bandwidth reads facts.summary (what bench_attention writes); short of 0.7 asks for review."""
+@pytest.mark.parametrize("share, err, verdict", [(0.88, 0.01, "PASS"), (0.5, 0.01, "REVIEW"), (0.3, 0.01, "FAIL"),
+                                                 (0.88, 0.5, "FAIL")])
+def test_attention_checkpoint_judges_the_summary(share, err, verdict, tmp_path, labkit_argv):
+    """cuda.attention-bandwidth reads facts.summary (what bench_attention writes): short of 0.7 asks for
+    review, short of half of it FAILs, and so does a kernel whose output is off the dense reference."""
     from labkit.evidence import write_evidence
 
     labkit_argv.checkpoint("cuda.attention-bandwidth")
     facts = {"copy_roof_gb_s": 4190.0, "rows": [], "prefill_rows": [],
              "summary": {"decode_shape": [256, 2048], "decode_share_of_roof": {"triton": share, "torch": 0.3},
+                         "decode_worst_max_abs_err": err, "prefill_worst_max_abs_err": 0.01, "kernels_checked": 12,
                          "prefill_shape": [30, 0, 540], "prefill_tflop_s": {"triton:paged": 127.0}}}
     record = write_evidence(tmp_path / "a.json", checkpoint="cuda.attention-bandwidth", kind="gpu-measured",
+                            facts=facts, device="cuda")
+    assert record["verdict"] == verdict
+
+
+def test_every_cuda_target_has_a_failing_floor():
+    """Each `on_fail: review` performance target has an assertion on the same fact that FAILs at half of it."""
+    from labkit.checks import load_checkpoints
+
+    for cp in [c for c in load_checkpoints() if c.stage == "cuda"]:
+        for target in [a for a in cp.assertions if a.on_fail == "review"]:
+            floors = [a for a in cp.assertions if a.path == target.path and a.on_fail == "fail"]
+            assert len(floors) == 1, (cp.id, target.path)
+            half = target.value / 2 if target.op == "ge" else target.value * 2
+            assert floors[0].op == target.op and floors[0].value == half, (cp.id, target.path)
+
+
+# -- attention output check (pure PyTorch, CPU) ---------------------------------------------------------
+def _small_decode(dtype=None):
+    import torch
+    from labkit.bench.attention import PagedCase
+    return PagedCase(3, 40, hq=4, hk=2, d=16, page=16, dtype=dtype or torch.float32, device="cpu")
+
+
+def test_decode_reference_agrees_with_the_engine_backend_and_catches_a_wrong_output():
+    import torch
+    from engine.attention import create_backend
+    from labkit.bench.attention import OUTPUT_TOL, max_abs_error
+
+    case = _small_decode()
+    case.context_lens = torch.tensor([40, 17, 1], dtype=torch.int32)        # ragged: the mask matters
+    ref = case.reference()
+    out = create_backend("torch", 16).forward(case.q, None, None, case.k_cache, case.v_cache, case.meta(), case.scale)
+    assert max_abs_error(out, ref) < 1e-5
+    assert max_abs_error(out.flip(0), ref) > OUTPUT_TOL                        # outputs of the wrong sequences
+    case.context_lens = torch.tensor([40, 40, 40], dtype=torch.int32)        # a kernel that ignores context_lens
+    assert max_abs_error(out, case.reference()) > OUTPUT_TOL
+    assert max_abs_error(out[:2], ref) == float("inf")                         # a missing row
+    assert max_abs_error(out * float("nan"), ref) == float("inf")
+
+
+@pytest.mark.parametrize("prefix", [0, 24])
+def test_prefill_reference_agrees_with_both_routes_and_catches_a_non_causal_kernel(prefix):
+    import torch
+    import torch.nn.functional as F
+    from engine.attention import create_backend
+    from labkit.bench.attention import OUTPUT_TOL, PrefillCase, max_abs_error
+
+    case = PrefillCase(3, prefix, 20, hq=4, hk=2, d=16, page=16, dtype=torch.float32, device="cpu")
+    ref = case.reference()
+    be = create_backend("torch", 16)
+    for paged in (True, False) if prefix == 0 else (True,):
+        out = be.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, case.prefill_meta(paged), case.scale)
+        assert max_abs_error(out, ref) < 1e-5, paged
+    q = case.q.view(3, 20, 4, 16).transpose(1, 2)
+    k = case.k.view(3, 20, 2, 16).transpose(1, 2)
+    v = case.v.view(3, 20, 2, 16).transpose(1, 2)
+    full = F.scaled_dot_product_attention(q, k, v, scale=case.scale, enable_gqa=True)   # no causal mask
+    assert max_abs_error(full.transpose(1, 2).reshape(60, 4, 16), ref) > OUTPUT_TOL
+
+
+# -- the bandwidth bound (pure, CPU) ------------------------------------------------------------------
+def test_decode_bound_from_the_model_shape_and_the_workload():
+    from engine.config import ModelShape
+    from labkit.assets.synth import PRESETS
+    from labkit.bench.bound import decode_bound, decode_weight_bytes, kv_read_bytes
+
+    shape = ModelShape.from_hf(PRESETS["qwen3-0.6b"])
+    # Qwen3-0.6B: 596,049,920 parameters with the tied embedding counted once (as the LM head)
+    assert decode_weight_bytes(shape, 2) == 2 * 596_049_920
+    assert shape.kv_bytes_per_token(2) == 2 * 28 * 8 * 128 * 2 == 114_688
+    # prompt 3, 3 outputs: output 0 from the prefill, then decode steps at contexts 4 and 5
+    assert kv_read_bytes([3], [3], 10) == (4 + 5) * 10
+    assert kv_read_bytes([3, 100], [3, 1], 10) == (4 + 5) * 10          # a one-token request never decodes
+    b = decode_bound(shape, 2, 2, [3, 5], [3, 2], copy_roof_gb_s=1000.0)
+    assert b["min_decode_steps"] == 2 and b["output_tokens"] == 5
+    assert b["bytes_moved"] == 2 * 2 * 596_049_920 + (4 + 5 + 6) * 114_688
+    assert b["bound_seconds"] == pytest.approx(b["bytes_moved"] / 1e12)
+    assert b["bound_tok_s"] == pytest.approx(5 / b["bound_seconds"], abs=0.05)
+    with pytest.raises(ValueError):
+        decode_bound(shape, 2, 2, [3], [3], copy_roof_gb_s=0.0)
+
+
+def test_the_nano_vllm_workload_bound_is_derived_not_typed_in():
+    """The old evidence said 35,000 tok/s for any model; the derived bound scales with the roof and the model."""
+    from engine.config import ModelShape
+    from labkit.assets.synth import PRESETS
+    from labkit.bench.bound import decode_bound
+    from labkit.bench.run import nano_vllm_workload
+
+    prompts, params = nano_vllm_workload()
+    outs = [p.max_tokens for p in params]
+    assert sum(outs) == 133_966
+    big, tiny = (ModelShape.from_hf(PRESETS[n]) for n in ("qwen3-0.6b", "tiny"))
+    h200 = decode_bound(big, 2, 2, [len(p) for p in prompts], outs, 4190.0)
+    assert 20_000 < h200["bound_tok_s"] < 60_000
+    half_roof = decode_bound(big, 2, 2, [len(p) for p in prompts], outs, 2095.0)
+    assert half_roof["bound_tok_s"] == pytest.approx(h200["bound_tok_s"] / 2, rel=1e-3)
+    assert decode_bound(tiny, 4, 4, [len(p) for p in prompts], outs, 4190.0)["bound_tok_s"] > 10 * h200["bound_tok_s"]
+
+
+@pytest.mark.parametrize("tok_s, share, verdict", [(21000, 0.55, "PASS"), (15000, 0.4, "REVIEW"),
+                                                   (9000, 0.24, "FAIL"), (21000, 1.5, "FAIL")])
+def test_bench_checkpoint_floor_and_bound(tok_s, share, verdict, tmp_path):
+    from labkit.evidence import write_evidence
+    facts = {"output_tokens": 133966, "workload": {"expected_output_tokens": 133966}, "median_tok_s": tok_s,
+             "engine": {"init_seconds": 12.0}, "bound": {"copy_roof_gb_s": 4190.0, "share_of_bound": share}}
+    record = write_evidence(tmp_path / "b.json", checkpoint="cuda.bench-nano-vllm", kind="gpu-measured",
                             facts=facts, device="cuda")
     assert record["verdict"] == verdict

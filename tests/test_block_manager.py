@@ -70,12 +70,11 @@ def test_hash_hit_must_match_token_ids():
     bm.allocate(a)
     computed(bm, a)
     bm.deallocate(a)
-    block = bm.blocks[a.block_table[0] if a.block_table else 0]
+    assert bm.num_cached_tokens_for(seq([1, 2, 3, 4, 5], 4)) == 4      # intact: the first block hits
     # corrupt the stored ids behind the hash: a lookup must not trust the hash alone
-    h = next(iter(bm.hash_to_block_id))
-    bm.blocks[bm.hash_to_block_id[h]].token_ids = [9, 9, 9, 9]
+    (h, block_id), = bm.hash_to_block_id.items()
+    bm.blocks[block_id].token_ids = [9, 9, 9, 9]
     assert bm.num_cached_tokens_for(seq([1, 2, 3, 4, 5], 4)) == 0
-    assert block is not None
 
 
 def test_overwritten_block_drops_its_old_hash():

@@ -63,6 +63,35 @@ def test_doctor_then_check(runs, tmp_path):
     assert res.exit_code == 1 and "FAIL" in res.output
 
 
+@pytest.mark.parametrize("shadow", [False, True], ids=["project-engine", "shadow-engine"])
+def test_doctor_fails_when_import_engine_is_not_this_projects(tmp_path, shadow):
+    """A package named `engine` ahead of ours on PYTHONPATH: doctor imports and runs the engine, so it
+    FAILs (exit 1) instead of passing on packages and a matmul alone. The same call without the shadow
+    passes, with the engine's one greedy token as evidence."""
+    fake = tmp_path / "shadow" / "engine"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    path = ([str(fake.parent)] if shadow else []) + [str(REPO)]
+    out = tmp_path / "doctor.json"
+    proc = subprocess.run([sys.executable, "-m", "labkit", "doctor", "--device", "cpu", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(path),
+                               evidence.RUNS_DIR_ENV: str(tmp_path / "runs")})
+    rec = json.loads(out.read_text())
+    facts = rec["facts"]
+    if shadow:
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert rec["verdict"] == "FAIL" and facts["engine_import"]["path"] == str(fake.resolve())
+        failed = {c["name"] for c in rec["checks"] if not c["passed"]}
+        assert {"facts.engine_import.inside_project", "facts.engine_run.output_tokens"} <= failed
+        assert not facts["engine_run"]["ok"] and "SamplingParams" in facts["engine_run"]["error"]
+    else:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert rec["verdict"] == "PASS" and rec["kind"] == "cpu-real-engine"
+        assert facts["engine_import"]["path"] == str((REPO / "engine").resolve())
+        assert facts["engine_run"]["output_tokens"] == len(facts["engine_run"]["output_token_ids"]) == 1
+
+
 def test_check_with_nothing_run_is_not_a_failure(runs):
     res = cli("check", "--json")
     assert res.exit_code == 0, res.output

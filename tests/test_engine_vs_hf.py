@@ -43,11 +43,14 @@ def test_teacher_forced_logits_match_transformers(tiny_model_dir, hf_model, bloc
 def test_prefix_cache_hit_gives_the_same_logits(tiny_model_dir, hf_model):
     engine = LLMEngine(str(tiny_model_dir), kvcache_block_size=16, device="cpu")
     shared = list(range(1000, 1064))
-    first = teacher_forced(engine, [shared + [5, 6, 7]], [[8, 9]])
+    first = teacher_forced(engine, [shared + [5, 6, 7]], [[8, 9]])      # fills the prefix cache
+    assert len(first) == 2
     seq = engine.add_request(shared + [11, 12, 13], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     seqs, is_prefill = engine.schedule()
     assert seq.num_cached_tokens == 64 and seq.num_scheduled_tokens == 3      # 4 blocks reused
     row = engine.forward_logits(seqs, is_prefill)[0][0]
     with torch.no_grad():
         ref = hf_model(torch.tensor([shared + [11, 12, 13]]), use_cache=False).logits[0, -1]
-    assert (ref - row).abs().max().item() < TOLERANCE and first
+        first_refs = [hf_model(torch.tensor([tokens]), use_cache=False).logits[0, -1] for tokens, _, _ in first]
+    assert (ref - row).abs().max().item() < TOLERANCE
+    assert all((r - got).abs().max().item() < TOLERANCE for r, (_, got, _) in zip(first_refs, first))

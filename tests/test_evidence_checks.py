@@ -25,6 +25,8 @@ def doctor_facts(**over) -> dict:
         "imports_ok": True,
         "tensor_check": {"ok": True, "max_abs_err": 2e-5},
         "runs_writable": {"ok": True},
+        "engine_import": {"ok": True, "inside_project": True},
+        "engine_run": {"ok": True, "engine_class_inside_project": True, "output_tokens": 1, "steps": 1},
     }
     facts.update(over)
     return facts

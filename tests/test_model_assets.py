@@ -13,9 +13,9 @@ import pytest
 
 from labkit.assets import download, identity, synth, tokenizer
 from labkit.assets.download import download_model
-from labkit.assets.files import ModelError
+from labkit.assets.files import SYNTH_FORMAT_VERSION, ModelError
 from labkit.assets.identity import inspect_model, model_identity, validate_model_dir
-from labkit.assets.resolve import ModelRef, resolve_model
+from labkit.assets.resolve import ModelRef, default_model_name, resolve_model
 from labkit.assets.synth import synth_model
 from labkit.errors import UserError
 
@@ -359,11 +359,11 @@ def test_resolve_flag_beats_env_beats_default(tiny_model_dir, tmp_path, isolated
 def test_resolve_default_synthesizes_once_and_reuses(isolated_cache, monkeypatch):
     ref = resolve_model(None, "cpu")
     assert ref.source == "default" and ref.synthetic and ref.preset == "tiny"
-    assert ref.path == (isolated_cache / "models" / "tiny-seed0").resolve()
+    assert ref.path == (isolated_cache / "models" / default_model_name("tiny")).resolve()
     stamp = (ref.path / "model.safetensors").stat().st_mtime_ns
     assert resolve_model("", "cpu").path == ref.path
     assert (ref.path / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rebuilt
-    assert [p.name for p in (isolated_cache / "models").iterdir()] == ["tiny-seed0"]  # no temp leftovers
+    assert [p.name for p in (isolated_cache / "models").iterdir()] == [default_model_name("tiny")]  # no temp leftovers
     # a damaged default is rebuilt
     (ref.path / "tokenizer.json").unlink()
     assert validate_model_dir(resolve_model(None, "cpu").path) == ref.path
@@ -374,4 +374,4 @@ def test_resolve_default_on_cuda_uses_the_06b_preset(isolated_cache, monkeypatch
     monkeypatch.setitem(synth.PRESETS, "qwen3-0.6b", synth.PRESETS["tiny"])
     ref = resolve_model(None, "cuda:0")
     assert (ref.source, ref.preset) == ("default", "qwen3-0.6b")
-    assert ref.path.name == "qwen3-0.6b-seed0"
+    assert ref.path.name == default_model_name("qwen3-0.6b") == f"qwen3-0.6b-seed0-v{SYNTH_FORMAT_VERSION}"

@@ -69,3 +69,76 @@ def test_smoke_two_tokens_through_the_chat_template(tiny_model_dir, tmp_path, la
     assert rec["verdict"] == "PASS"
     assert rec["facts"]["output_token_counts"] == [2] and rec["facts"]["kv_blocks"] > 0
     assert "synthetic" in rec["facts"]["note"]
+
+
+def _rejudge(record: dict, cp: str) -> dict:
+    from labkit.checks import judge
+    return {c["name"]: c for c in judge(get_checkpoint(cp), record)}
+
+
+@pytest.mark.parametrize("cp,options", [("setup.quick-walk-b", {}), ("setup.quick-walk-b-seqs1", {"max_num_seqs": 1})])
+def test_b_cases_fail_on_a_wrong_slot_or_context_len(tiny_model_dir, tmp_path, cp, options):
+    """The derived facts are recomputed from the engine's recorded slot_mapping, block tables and
+    context_lens: one wrong slot or one wrong decode context_len in what the engine recorded FAILs."""
+    from labkit.experiments.quick_walk import derive
+
+    rec = run_quick_walk("B", out=tmp_path / "b.json", model=str(tiny_model_dir), trace=True, **options)
+    derived = rec["facts"]["derived"]
+    assert rec["verdict"] == "PASS" and derived["slots_checked"] == 7 + 5 and derived["decode_steps_checked"] > 0
+    labels = [r["label"] for r in rec["facts"]["requests"]]
+
+    bad_slot = json.loads(json.dumps(rec["facts"]["steps"]))
+    bad_slot[-1]["inputs"]["slot_mapping"][0] += 1
+    rec["facts"]["derived"] = derive(bad_slot, labels, 256)
+    checks = _rejudge(rec, cp)
+    assert not checks["facts.derived.slots_follow_formula"]["passed"]
+    assert rec["facts"]["derived"]["slot_mismatches"][0]["step"] == bad_slot[-1]["step"]
+
+    bad_ctx = json.loads(json.dumps(rec["facts"]["steps"]))
+    bad_ctx[-1]["inputs"]["context_lens"][0] -= 1
+    rec["facts"]["derived"] = derive(bad_ctx, labels, 256)
+    checks = _rejudge(rec, cp)
+    assert not checks["facts.derived.decode_context_lens_are_totals"]["passed"]
+    assert checks["facts.derived.slots_follow_formula"]["passed"]
+
+
+def test_a_walk_that_leaks_blocks_fails(tiny_model_dir, tmp_path, monkeypatch):
+    """Break the subject: a block manager that forgets to return one block per finished sequence."""
+    from engine.block_manager import BlockManager
+
+    real = BlockManager.deallocate
+
+    def leaky(self, seq):
+        keep = seq.block_table[-1:]
+        freed = real(self, seq)
+        for b in keep:                       # take the last block back out of the free list
+            self.free_block_ids.remove(b)
+            self.used_block_ids.add(b)
+        return [b for b in freed if b not in keep]
+
+    monkeypatch.setattr(BlockManager, "deallocate", leaky)
+    rec = run_quick_walk("B", out=tmp_path / "b.json", model=str(tiny_model_dir))
+    checks = {c["name"]: c for c in rec["checks"]}
+    assert rec["verdict"] == "FAIL"
+    assert not checks["facts.blocks_in_use_end"]["passed"] and checks["facts.blocks_in_use_end"]["actual"] == 2
+
+
+def test_smoke_records_the_template_tokens_the_model_received(tiny_model_dir, tmp_path):
+    rec = run_smoke(out=tmp_path / "smoke.json", model=str(tiny_model_dir))
+    f = rec["facts"]
+    assert f["prompt_token_ids"][:3] == [151644, 872, 198] and f["prompt_token_ids"][-7:-5] == [151644, 77091]
+    assert f["prompt_tokens"] == len(f["prompt_token_ids"]) == 23 and f["prefill_forwards"] == 1
+    assert "chat_template" not in f                       # no literal claim: the tokens show it
+
+
+def test_smoke_fails_when_the_engine_skips_the_chat_template(tiny_model_dir, tmp_path, monkeypatch):
+    """Break the subject: an engine whose encode() of chat messages ignores the template."""
+    from engine import LLMEngine
+
+    real = LLMEngine.encode
+    monkeypatch.setattr(LLMEngine, "encode", lambda self, p: real(self, p[0]["content"])
+                        if isinstance(p, list) and p and isinstance(p[0], dict) else real(self, p))
+    rec = run_smoke(out=tmp_path / "smoke.json", model=str(tiny_model_dir))
+    failed = {c["name"] for c in rec["checks"] if not c["passed"]}
+    assert rec["verdict"] == "FAIL"
+    assert {"facts.prompt_head", "facts.prompt_tail", "facts.prompt_im_end_count"} <= failed

@@ -26,9 +26,9 @@ class ModelError(UserError):
         super().__init__(" ".join(str(message).strip().splitlines()))
 
 SYNTH_MARKER = "labkit_synth.json"
-#: Bumped whenever the synthesized layout changes; a cached default model with another
-#: version is rebuilt by resolve_model.
-SYNTH_FORMAT_VERSION = 1
+#: Bumped whenever the synthesized layout or weights change; a cached default model with another
+#: version is rebuilt by resolve_model. 2: norm weights are seeded per tensor (1 + 0.1 N(0, 1)).
+SYNTH_FORMAT_VERSION = 2
 
 
 def default_cache_dir() -> Path:

@@ -43,8 +43,14 @@ def _usable_default(path: Path, preset: str) -> bool:
     )
 
 
+def default_model_name(preset: str) -> str:
+    """``{preset}-seed0``, plus ``-v{N}`` past format 1: checkouts of different formats sharing one cache
+    each keep their own default instead of rebuilding it under each other."""
+    return f"{preset}-seed0" + (f"-v{SYNTH_FORMAT_VERSION}" if SYNTH_FORMAT_VERSION > 1 else "")
+
+
 def _ensure_default_model(preset: str) -> Path:
-    target = default_cache_dir() / "models" / f"{preset}-seed0"
+    target = default_cache_dir() / "models" / default_model_name(preset)
     if _usable_default(target, preset):
         return target.resolve()
     if target.exists():
@@ -60,6 +66,11 @@ def _ensure_default_model(preset: str) -> Path:
     return target.resolve()
 
 
+def default_model(preset: str) -> ModelRef:
+    """The embedded default of ``preset`` (synthesized on first use), whatever the device or $MODEL_DIR."""
+    return _ref_for(validate_model_dir(_ensure_default_model(preset)), "default")
+
+
 def _ref_for(path: Path, source: str) -> ModelRef:
     marker = _read_marker(path)
     return ModelRef(
@@ -73,7 +84,7 @@ def _ref_for(path: Path, source: str) -> ModelRef:
 def resolve_model(model: str | None, device: str) -> ModelRef:
     """Pick the model directory: ``model`` (--model) > ``$MODEL_DIR`` > embedded default.
 
-    The default is synthesized on first use into ``default_cache_dir()/models/{preset}-seed0``
+    The default is synthesized on first use into ``default_cache_dir()/models/{preset}-seed0-v{N}``
     (``tiny`` on CPU, ``qwen3-0.6b`` on CUDA) and reused afterwards. The chosen directory is
     validated (ModelError).
     """

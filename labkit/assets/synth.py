@@ -85,10 +85,16 @@ _DTYPES = ("float32", "bfloat16", "float16")
 SYNTH_EMBED_STD = 0.02      # embeddings; small, so the residual is dominated by the blocks
 SYNTH_LOGIT_STD = 3.0       # model.norm weight is set so that logits have about this std
 SYNTH_QK_NORM = 2.0         # q_norm/k_norm weight: attention scores with std ~4 (peaked, context-sensitive)
+# Every norm weight is its scale times (1 + SYNTH_NORM_JITTER * N(0, 1)), seeded by the tensor's name:
+# distinct per layer and per kind (q_norm, k_norm, input/post-attention layernorm, final norm), so a
+# loader that swaps two norms (q_norm for k_norm, one layer's for another's) changes the logits instead
+# of hiding behind identical constants.
+SYNTH_NORM_JITTER = 0.1
 
 
 def _param_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
-    """(name, shape, kind, value) per parameter; kind "normal" (value = std) or "const"."""
+    """(name, shape, kind, value) per parameter; kind "normal" (value = std) or "norm" (value = the scale
+    a seeded 1 + SYNTH_NORM_JITTER * N(0, 1) multiplies)."""
     h = int(cfg["hidden_size"])
     n_layers = int(cfg["num_hidden_layers"])
     n_heads = int(cfg["num_attention_heads"])
@@ -106,19 +112,19 @@ def _param_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
     for i in range(n_layers):
         p = f"model.layers.{i}."
         specs += [
-            (p + "input_layernorm.weight", (h,), "const", 1.0),
+            (p + "input_layernorm.weight", (h,), "norm", 1.0),
             (p + "self_attn.q_proj.weight", (n_heads * hd, h), "normal", h**-0.5),
             (p + "self_attn.k_proj.weight", (n_kv * hd, h), "normal", h**-0.5),
             (p + "self_attn.v_proj.weight", (n_kv * hd, h), "normal", h**-0.5),
             (p + "self_attn.o_proj.weight", (h, n_heads * hd), "normal", (n_heads * hd) ** -0.5),
-            (p + "self_attn.q_norm.weight", (hd,), "const", SYNTH_QK_NORM),
-            (p + "self_attn.k_norm.weight", (hd,), "const", SYNTH_QK_NORM),
-            (p + "post_attention_layernorm.weight", (h,), "const", 1.0),
+            (p + "self_attn.q_norm.weight", (hd,), "norm", SYNTH_QK_NORM),
+            (p + "self_attn.k_norm.weight", (hd,), "norm", SYNTH_QK_NORM),
+            (p + "post_attention_layernorm.weight", (h,), "norm", 1.0),
             (p + "mlp.gate_proj.weight", (inter, h), "normal", h**-0.5),
             (p + "mlp.up_proj.weight", (inter, h), "normal", h**-0.5),
             (p + "mlp.down_proj.weight", (h, inter), "normal", inter**-0.5),
         ]
-    specs.append(("model.norm.weight", (h,), "const", final_norm))
+    specs.append(("model.norm.weight", (h,), "norm", final_norm))
     if not cfg.get("tie_word_embeddings", True):
         specs.append(("lm_head.weight", (vocab, h), "normal", SYNTH_EMBED_STD))
     return specs
@@ -137,12 +143,13 @@ def _make_weights(cfg: dict, seed: int, dtype: str) -> dict[str, Any]:
     chunk_elems = 1 << 22
     out: dict[str, Any] = {}
     for name, shape, kind, std in _param_specs(cfg):
-        if kind == "const":
-            out[name] = torch.full(shape, std, dtype=tdtype)
-            continue
         # Every tensor has its own seed (derived from seed + name), so a tensor's values do not
         # depend on the others; rows are drawn in fixed-size float32 chunks, then cast.
         gen.manual_seed(_tensor_seed(seed, name))
+        if kind == "norm":
+            noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+            out[name] = (std * (1.0 + SYNTH_NORM_JITTER * noise)).to(tdtype)
+            continue
         t = torch.empty(shape, dtype=tdtype)
         flat = t.view(-1)
         for start in range(0, flat.numel(), chunk_elems):

@@ -6,6 +6,12 @@ every available backend, next to two baselines measured in the same run: a devic
 bandwidth roof actually reachable here) and PyTorch's fused SDPA on the same K/V laid out densely (no
 paging). With `--sweep` the Triton kernel's knobs (positions per tile, warps, stages, split waves) are
 timed too, so a tuning choice comes with its evidence.
+
+A fast wrong kernel is no result: before a kernel is timed its output is compared with dense SDPA in
+float32 on the same K/V gathered through the block table (:func:`decode_reference`,
+:func:`prefill_reference`), and the max abs error of every case is recorded; the checkpoint fails a
+kernel whose error exceeds :data:`OUTPUT_TOL`. The reference functions are plain PyTorch and run on
+the CPU too (tests).
 """
 from __future__ import annotations
 
@@ -18,6 +24,51 @@ PREFILL_SHAPES = ((30, 0, 540), (16, 512, 512), (118, 512, 128))
 PREFILL_SWEEP = {"block_m": (32, 64, 128), "block_n": (32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
 SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3), "waves": (1, 2, 4)}
 SWEEP_SHAPES = ((1, 4096), (256, 1024))
+#: Max abs error a bf16 kernel output may have against the float32 dense reference (outputs are
+#: softmax-weighted means of N(0, 1) values; bf16 rounding of the output alone is up to ~8e-3 here).
+OUTPUT_TOL = 3e-2
+
+
+def _gather(cache, block_tables, length: int):
+    """[N, length, Hk, D] float32: each sequence's first ``length`` positions read through its block table."""
+    return cache[block_tables.long()].flatten(1, 2)[:, :length].float()
+
+
+def decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale: float):
+    """Decode attention in float32 with dense SDPA on the gathered K/V: q [N, Hq, D] -> [N, Hq, D]."""
+    import torch
+    import torch.nn.functional as F
+
+    length = int(context_lens.max())
+    k, v = _gather(k_cache, block_tables, length), _gather(v_cache, block_tables, length)
+    mask = torch.arange(length, device=q.device)[None, :] < context_lens.long()[:, None]
+    out = F.scaled_dot_product_attention(q.float().unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True)
+    return out.squeeze(2)
+
+
+def prefill_reference(q, k_cache, v_cache, block_tables, seqs: int, prefix: int, new: int, scale: float):
+    """Causal prefill attention in float32, dense SDPA on the gathered K/V: ``seqs`` sequences of ``prefix``
+    cached plus ``new`` positions (all already in the cache); q [seqs*new, Hq, D] -> [seqs*new, Hq, D]."""
+    import torch
+    import torch.nn.functional as F
+
+    length = prefix + new
+    k, v = _gather(k_cache, block_tables, length), _gather(v_cache, block_tables, length)
+    qs = q.float().view(seqs, new, *q.shape[1:]).transpose(1, 2)             # [seqs, Hq, new, D]
+    q_pos = torch.arange(prefix, length, device=q.device)
+    mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]   # [new, length]
+    out = F.scaled_dot_product_attention(qs, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(seqs * new, *q.shape[1:])
+
+
+def max_abs_error(out, ref) -> float:
+    """Max abs difference of a kernel's output from the reference; inf when the shape or a value is off."""
+    if out is None or out.numel() != ref.numel():
+        return float("inf")
+    err = (out.float().reshape(ref.shape) - ref).abs().max().item()
+    return err if err == err else float("inf")      # NaN -> inf
 
 
 def _time_ms(fn, repeats: int = 20, warmups: int = 5) -> float:
@@ -48,18 +99,19 @@ class PagedCase:
     """Random paged K/V for `batch` sequences of `ctx` positions, pages scattered through the pool."""
 
     def __init__(self, batch: int, ctx: int, hq: int = 16, hk: int = 8, d: int = 128, page: int = 256,
-                 dtype=None, seed: int = 0):
+                 dtype=None, seed: int = 0, device: str = "cuda"):
         import torch
         dtype = dtype or torch.bfloat16
-        g = torch.Generator(device="cuda").manual_seed(seed)
+        g = torch.Generator(device=device).manual_seed(seed)
         pages = (ctx + page - 1) // page
         num_blocks = batch * pages
-        self.k_cache = torch.randn(num_blocks, page, hk, d, dtype=dtype, device="cuda", generator=g)
-        self.v_cache = torch.randn(num_blocks, page, hk, d, dtype=dtype, device="cuda", generator=g)
-        perm = torch.randperm(num_blocks, device="cuda", generator=g).to(torch.int32)
+        self.device = device
+        self.k_cache = torch.randn(num_blocks, page, hk, d, dtype=dtype, device=device, generator=g)
+        self.v_cache = torch.randn(num_blocks, page, hk, d, dtype=dtype, device=device, generator=g)
+        perm = torch.randperm(num_blocks, device=device, generator=g).to(torch.int32)
         self.block_tables = perm.view(batch, pages)
-        self.context_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        self.q = torch.randn(batch, hq, d, dtype=dtype, device="cuda", generator=g)
+        self.context_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        self.q = torch.randn(batch, hq, d, dtype=dtype, device=device, generator=g)
         self.batch, self.ctx, self.hq, self.hk, self.d = batch, ctx, hq, hk, d
         self.scale = d ** -0.5
         self.bytes = 2 * batch * ctx * hk * d * self.k_cache.element_size()    # K and V, read once
@@ -68,6 +120,9 @@ class PagedCase:
         from engine.attention import AttentionMetadata
         return AttentionMetadata(is_prefill=False, slot_mapping=None, block_tables=self.block_tables,
                                  context_lens=self.context_lens, max_seqlen_q=1, max_seqlen_k=self.ctx)
+
+    def reference(self):
+        return decode_reference(self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens, self.scale)
 
     def dense(self):
         """The same K/V gathered into [batch, hk, ctx, d] for the unpaged SDPA baseline."""
@@ -86,24 +141,37 @@ def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES) -> 
     for batch, ctx in shapes:
         case = PagedCase(batch, ctx)
         meta = case.meta()
+        ref = case.reference()
         row = {"batch": batch, "context": ctx, "kv_bytes": case.bytes, "backends": {}}
         for name in backends:
             be = create_backend(name, case.k_cache.shape[1])
+            err = max_abs_error(be.forward(case.q, None, None, case.k_cache, case.v_cache, meta, case.scale), ref)
             ms = _time_ms(lambda: be.forward(case.q, None, None, case.k_cache, case.v_cache, meta, case.scale))
-            row["backends"][name] = _figures(ms, case.bytes, roof)
+            row["backends"][name] = _figures(ms, case.bytes, roof) | {"max_abs_err": err}
         k, v = case.dense()
         q4 = case.q.unsqueeze(2)
+        err = max_abs_error(F.scaled_dot_product_attention(q4, k, v, scale=case.scale, enable_gqa=True), ref)
         ms = _time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=case.scale, enable_gqa=True))
-        row["sdpa_dense"] = _figures(ms, case.bytes, roof)
+        row["sdpa_dense"] = _figures(ms, case.bytes, roof) | {"max_abs_err": err}
         rows.append(row)
-        del case, k, v
+        del case, k, v, ref
         torch.cuda.empty_cache()
     prefill_rows = [bench_prefill(backends, *shape) for shape in PREFILL_SHAPES]
     big = rows[-1]                       # the largest decode shape: the one a throughput run lives in
+    decode_errs = {f"{r['batch']}x{r['context']}:{b}": f["max_abs_err"] for r in rows for b, f in r["backends"].items()}
+    prefill_errs = {f"{r['seqs']}x{r['prefix']}+{r['new']}:{b}": f["max_abs_err"]
+                    for r in prefill_rows for b, f in r["backends"].items()}
     facts = {"copy_roof_gb_s": round(roof, 1), "shape": "16 q heads, 8 kv heads, head_dim 128, page 256, bf16",
+             "output_check": {"reference": "dense SDPA in float32 on the K/V gathered through the block table",
+                              "tolerance": OUTPUT_TOL, "decode_max_abs_err": decode_errs,
+                              "prefill_max_abs_err": prefill_errs,
+                              "sdpa_dense_bf16_max_abs_err": max(r["sdpa_dense"]["max_abs_err"] for r in rows)},
              "rows": rows, "prefill_rows": prefill_rows,
              "summary": {"decode_shape": [big["batch"], big["context"]],
                          "decode_share_of_roof": {b: f["share_of_roof"] for b, f in big["backends"].items()},
+                         "decode_worst_max_abs_err": max(decode_errs.values()),
+                         "prefill_worst_max_abs_err": max(prefill_errs.values()),
+                         "kernels_checked": len(decode_errs) + len(prefill_errs),
                          "prefill_shape": list(PREFILL_SHAPES[0]),
                          "prefill_tflop_s": {k: f["tflop_s"] for k, f in prefill_rows[0]["backends"].items()}}}
     if sweep and "triton" in backends:
@@ -118,19 +186,32 @@ class PrefillCase(PagedCase):
     def __init__(self, seqs: int, prefix: int, new: int, **kw):
         import torch
         super().__init__(seqs, prefix + new, **kw)
-        g = torch.Generator(device="cuda").manual_seed(1)
-        self.q = torch.randn(seqs * new, self.hq, self.d, dtype=self.k_cache.dtype, device="cuda", generator=g)
-        self.k = torch.randn(seqs * new, self.hk, self.d, dtype=self.k_cache.dtype, device="cuda", generator=g)
-        self.v = torch.randn_like(self.k)
+        g = torch.Generator(device=self.device).manual_seed(1)
+        dev, dt = self.device, self.k_cache.dtype
+        self.q = torch.randn(seqs * new, self.hq, self.d, dtype=dt, device=dev, generator=g)
+        self.k = torch.randn(seqs * new, self.hk, self.d, dtype=dt, device=dev, generator=g)
+        self.v = torch.randn(seqs * new, self.hk, self.d, dtype=dt, device=dev, generator=g)
         self.seqs, self.prefix, self.new = seqs, prefix, new
         self.flops = 4 * self.d * self.hq * seqs * (new * prefix + new * (new + 1) // 2)   # causal QK^T and PV
+        # as in the engine, this step's K/V are stored in the cache before attention: every route (fresh
+        # on the new K/V, paged through the block table) then sees the same keys and values
+        page = self.k_cache.shape[1]
+        pos = torch.arange(prefix, prefix + new, device=dev)
+        blocks = self.block_tables[:, pos // page].long()                       # [seqs, new]
+        slots = (blocks * page + pos % page).reshape(-1)
+        self.k_cache.view(-1, self.hk, self.d)[slots] = self.k
+        self.v_cache.view(-1, self.hk, self.d)[slots] = self.v
+
+    def reference(self):
+        return prefill_reference(self.q, self.k_cache, self.v_cache, self.block_tables, self.seqs, self.prefix,
+                                 self.new, self.scale)
 
     def prefill_meta(self, paged: bool):
         import torch
         from engine.attention import AttentionMetadata
-        cu_q = torch.arange(0, (self.seqs + 1) * self.new, self.new, dtype=torch.int32, device="cuda")
+        cu_q = torch.arange(0, (self.seqs + 1) * self.new, self.new, dtype=torch.int32, device=self.device)
         cu_k = torch.arange(0, (self.seqs + 1) * (self.prefix + self.new), self.prefix + self.new,
-                            dtype=torch.int32, device="cuda")
+                            dtype=torch.int32, device=self.device)
         return AttentionMetadata(is_prefill=True, slot_mapping=None, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                  max_seqlen_q=self.new, max_seqlen_k=self.prefix + self.new,
                                  block_tables=self.block_tables if paged else None,
@@ -143,17 +224,20 @@ def bench_prefill(backends: list[str], seqs: int, prefix: int, new: int) -> dict
     from engine.attention import create_backend
 
     case = PrefillCase(seqs, prefix, new)
+    ref = case.reference()
     row = {"seqs": seqs, "prefix": prefix, "new": new, "tflop": round(case.flops / 1e12, 4), "backends": {}}
     routes = [("paged", True)] + ([("fresh", False)] if prefix == 0 else [])
     for name in backends:
         be = create_backend(name, case.k_cache.shape[1])
         for route, paged in routes:
             meta = case.prefill_meta(paged)
+            err = max_abs_error(be.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale), ref)
             ms = _time_ms(lambda: be.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale),
                           repeats=10, warmups=2)
             row["backends"][f"{name}:{route}"] = {"us": round(ms * 1e3, 1),
-                                                  "tflop_s": round(case.flops / (ms * 1e-3) / 1e12, 1)}
-    del case
+                                                  "tflop_s": round(case.flops / (ms * 1e-3) / 1e12, 1),
+                                                  "max_abs_err": err}
+    del case, ref
     torch.cuda.empty_cache()
     return row
 
@@ -165,21 +249,24 @@ def sweep_prefill(shape=(30, 0, 540)) -> dict:
 
     case = PrefillCase(*shape)
     meta = case.prefill_meta(True)
+    ref = case.reference()
     results = []
     for block_m, block_n, warps, stages in itertools.product(*PREFILL_SWEEP.values()):
         knobs = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
 
         def run():
-            tk.paged_prefill(case.q, case.k_cache, case.v_cache, meta.block_tables, meta.cu_seqlens_q,
-                             meta.cu_seqlens_k, meta.max_seqlen_q, case.scale, **knobs)
+            return tk.paged_prefill(case.q, case.k_cache, case.v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                    meta.cu_seqlens_k, meta.max_seqlen_q, case.scale, **knobs)
         try:
+            err = max_abs_error(run(), ref)
             ms = _time_ms(run, repeats=5, warmups=1)
         except Exception as e:           # a configuration the compiler refuses (e.g. shared memory)
             results.append(knobs | {"error": str(e).splitlines()[0][:120]})
             continue
-        results.append(knobs | {"us": round(ms * 1e3, 1), "tflop_s": round(case.flops / (ms * 1e-3) / 1e12, 1)})
-    results.sort(key=lambda r: r.get("us", float("inf")))
-    del case
+        results.append(knobs | {"us": round(ms * 1e3, 1), "tflop_s": round(case.flops / (ms * 1e-3) / 1e12, 1),
+                                "max_abs_err": err, "output_ok": err <= OUTPUT_TOL})
+    results.sort(key=lambda r: (not r.get("output_ok", False), r.get("us", float("inf"))))
+    del case, ref
     torch.cuda.empty_cache()
     return {"seqs": shape[0], "prefix": shape[1], "new": shape[2], "best": results[:5], "tried": len(results)}
 
@@ -198,22 +285,26 @@ def sweep_triton(shapes=SWEEP_SHAPES) -> list[dict]:
     out = []
     for batch, ctx in shapes:
         case = PagedCase(batch, ctx)
+        ref = case.reference()
         results = []
         for block_n, warps, stages, waves in itertools.product(*SWEEP.values()):
             def run():
-                tk.paged_decode(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
-                                case.scale, ctx, sm, block_n=block_n, num_warps=warps, num_stages=stages,
-                                waves=waves)
+                return tk.paged_decode(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
+                                       case.scale, ctx, sm, block_n=block_n, num_warps=warps, num_stages=stages,
+                                       waves=waves)
             try:
+                err = max_abs_error(run(), ref)
                 ms = _time_ms(run, repeats=10, warmups=2)
             except Exception as e:           # a configuration the compiler refuses (e.g. shared memory)
                 results.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves,
                                 "error": str(e).splitlines()[0][:120]})
                 continue
             results.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves,
-                            "us": round(ms * 1e3, 2), "gb_s": round(case.bytes / (ms * 1e-3) / 1e9, 1)})
-        results.sort(key=lambda r: r.get("us", float("inf")))
-        out.append({"batch": batch, "context": ctx, "best": results[:5], "tried": len(results)})
-        del case
+                            "us": round(ms * 1e3, 2), "gb_s": round(case.bytes / (ms * 1e-3) / 1e9, 1),
+                            "max_abs_err": err, "output_ok": err <= OUTPUT_TOL})
+        results.sort(key=lambda r: (not r.get("output_ok", False), r.get("us", float("inf"))))
+        out.append({"batch": batch, "context": ctx, "best": results[:5], "tried": len(results),
+                    "wrong_outputs": sum(1 for r in results if r.get("output_ok") is False)})
+        del case, ref
         torch.cuda.empty_cache()
     return out

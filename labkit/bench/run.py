@@ -17,7 +17,6 @@ from labkit.evidence import write_evidence
 from labkit.paths import default_out
 
 WORKLOADS = ("nano-vllm", "graph-vs-eager", "latency", "attention")
-NANO_VLLM_TOTAL_OUTPUT = 133_966
 # nano-vllm's bench.py engine settings
 NANO_VLLM_ENGINE = dict(max_model_len=4096, max_num_batched_tokens=16384, max_num_seqs=512,
                         gpu_memory_utilization=0.9)
@@ -58,6 +57,7 @@ class Timed:
     seconds: float
     output_tokens: int
     steps: list[tuple[bool, int, float]] | None = None     # (is_prefill, batch, seconds) per step
+    output_lens: list[int] | None = None                   # tokens each request generated, in prompt order
 
     @property
     def tok_s(self) -> float:
@@ -85,7 +85,8 @@ def timed_generate(engine: LLMEngine, prompts, params, steps: bool = False) -> T
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params, on_step=on_step)
     _sync()
-    return Timed(time.perf_counter() - t0, sum(len(o["token_ids"]) for o in outs), record if steps else None)
+    lens = [len(o["token_ids"]) for o in outs]
+    return Timed(time.perf_counter() - t0, sum(lens), record if steps else None, lens)
 
 
 def engine_for(model_dir: str, device: str, attention: str, eager: bool, **kw) -> LLMEngine:
@@ -110,22 +111,42 @@ def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, re
         "expected_output_tokens": sum(p.max_tokens for p in params), "temperature": 0.6, "ignore_eos": True,
         **NANO_VLLM_ENGINE}}
     engine.generate(["Benchmark: "], SamplingParams())          # nano-vllm's warm-up
-    runs = []
+    runs, timed = [], None
     for _ in range(repeats):               # every repeat starts cold: identical prompts must not hit the prefix cache
         engine.reset_prefix_cache()
-        runs.append(timed_generate(engine, prompts, params, steps=True).record())
+        timed = timed_generate(engine, prompts, params, steps=True)
+        runs.append(timed.record())
     facts["repeats"] = runs
     facts["output_tokens"] = runs[-1]["output_tokens"]
     facts["first_repeat_tok_s"] = runs[0]["tok_s"]      # nano-vllm's own figure: the first run after its warm-up
     facts["median_tok_s"] = statistics.median(r["tok_s"] for r in runs)
-    facts["physical_bound_tok_s"] = 35000
-    facts["share_of_bound"] = round(facts["median_tok_s"] / 35000, 3)
+    facts["bound"] = workload_bound(engine, prompts, timed.output_lens, device, facts["median_tok_s"])
     if profile:
         from labkit.bench.profile import profile_run
         engine.reset_prefix_cache()
         facts["profile"] = profile_run(engine, prompts, params)
     _release(engine)
     return facts
+
+
+def workload_bound(engine: LLMEngine, prompts, output_lens: list[int], device: str, tok_s: float) -> dict:
+    """The memory-bandwidth bound of this workload on this device (labkit.bench.bound): the model's shape,
+    the KV pool's element size, the prompts' and outputs' actual lengths, and a copy roof measured now."""
+    from labkit.bench.bound import decode_bound
+
+    if not device.startswith("cuda"):
+        return {"bound_tok_s": None, "why": "the bound needs a device copy roof (CUDA)"}
+    from labkit.bench.attention import copy_roof_gbs
+
+    import torch
+
+    weight_element = torch.empty(0, dtype=getattr(torch, engine.describe()["dtype"])).element_size()
+    kv_element = engine.kv_cache_view().element_size()
+    out = decode_bound(engine.config.shape, weight_element, kv_element, [len(p) for p in prompts], output_lens,
+                       copy_roof_gbs())
+    out["measured_tok_s"] = tok_s
+    out["share_of_bound"] = round(tok_s / out["bound_tok_s"], 3)
+    return out
 
 
 def _median_run(model_dir, device, attention, eager, num_seqs, input_len, output_len, max_num_seqs,

@@ -87,8 +87,11 @@ class StepRecorder:
                 "free_blocks": d["free_blocks"]}
 
 
-def slots_follow_formula(steps: list[dict], block_size: int) -> bool:
-    """Recompute every slot as block_table[pos // B] * B + pos % B from the scheduled block tables."""
+def slot_mismatches(steps: list[dict], block_size: int) -> tuple[int, list[dict]]:
+    """Recompute every slot the runner wrote as block_table[pos // B] * B + pos % B, from the block table
+    the scheduler handed out (the ``scheduled`` event) and the runner's positions and slot_mapping (the
+    ``inputs`` event). Returns (slots checked, the ones that disagree)."""
+    checked, bad = 0, []
     for st in steps:
         inp = st["inputs"]
         owners = []
@@ -97,10 +100,23 @@ def slots_follow_formula(steps: list[dict], block_size: int) -> bool:
                 owners += [s] * (inp["cu_seqlens_q"][i + 1] - inp["cu_seqlens_q"][i])
         else:
             owners = st["before"]
-        for pos, slot, s in zip(inp["positions"], inp["slot_mapping"], owners, strict=True):
-            if slot != s["block_table"][pos // block_size] * block_size + pos % block_size:
-                return False
-    return True
+        if not (len(owners) == len(inp["positions"]) == len(inp["slot_mapping"])):
+            bad.append({"step": st["step"], "why": "positions, slot_mapping and scheduled tokens differ in length",
+                        "lengths": [len(owners), len(inp["positions"]), len(inp["slot_mapping"])]})
+            continue
+        for pos, slot, s in zip(inp["positions"], inp["slot_mapping"], owners):
+            checked += 1
+            table = s["block_table"]
+            want = table[pos // block_size] * block_size + pos % block_size if pos // block_size < len(table) else None
+            if slot != want:
+                bad.append({"step": st["step"], "label": s["label"], "position": pos, "slot": slot, "formula": want})
+    return checked, bad
+
+
+def slots_follow_formula(steps: list[dict], block_size: int) -> bool:
+    """True when at least one slot was written and every slot follows the block table."""
+    checked, bad = slot_mismatches(steps, block_size)
+    return checked > 0 and not bad
 
 
 def derive(steps: list[dict], labels: list[str], block_size: int) -> dict:
@@ -110,15 +126,24 @@ def derive(steps: list[dict], labels: list[str], block_size: int) -> dict:
     for st in steps:
         for lab in st["after"]["finished"]:
             finished_in_batch[lab] = {"step": st["step"], "in_batch": lab in [s["label"] for s in st["before"]]}
-    decode_ctx_ok = all(st["inputs"]["context_lens"] == [s["total"] for s in st["before"]]
-                        for st in steps if st["phase"] == "decode")
+    decodes = [st for st in steps if st["phase"] == "decode"]
+    ctx_bad = [{"step": st["step"], "context_lens": st["inputs"]["context_lens"],
+                "totals": [s["total"] for s in st["before"]]}
+               for st in decodes if st["inputs"]["context_lens"] != [s["total"] for s in st["before"]]]
+    checked, slot_bad = slot_mismatches(steps, block_size)
     return {
         "tcs_first": tcs,
         "batch_labels": [[s["label"] for s in st["before"]] for st in steps],
         "phases": [st["phase"] for st in steps],
         "prefill_rounds": sum(st["phase"] == "prefill" for st in steps),
-        "slots_follow_formula": slots_follow_formula(steps, block_size),
-        "decode_context_lens_are_totals": decode_ctx_ok,
+        # the runner's slot_mapping against the scheduler's block tables, slot by slot
+        "slots_checked": checked,
+        "slot_mismatches": slot_bad,
+        "slots_follow_formula": checked > 0 and not slot_bad,
+        # each decode step's context_lens (runner) against the scheduled sequences' totals (scheduler)
+        "decode_steps_checked": len(decodes),
+        "decode_context_lens_mismatches": ctx_bad,
+        "decode_context_lens_are_totals": bool(decodes) and not ctx_bad,
         "finished_in_batch": finished_in_batch,
         "accepted_total": sum(len(st["after"]["accepted"]) for st in steps),
     }
@@ -158,6 +183,7 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
                    "status": s.status.name, "finish_reason": s.finish_reason} for n, s in zip(names, seqs)],
         "free_blocks_end": stats.free_blocks,
         "num_blocks": stats.num_blocks,
+        "blocks_in_use_end": stats.num_blocks - stats.free_blocks,     # the pool is whole again after the walk
         "derived": derive(steps, names, block_size),
         "step_digest": [{"step": st["step"], "phase": st["phase"],
                          "before": [[s["label"], s["total"], s["cached"], s["scheduled"], len(s["block_table"])] for s in st["before"]],
