@@ -212,6 +212,7 @@ def envelope(
         "git_dirty": git_dirty(),
         "engine_source_hash": source_hash(edir),
         "engine_import_path": str(edir) if edir is not None else None,
+        "engine_patches": __import__("labkit.patches", fromlist=["applied_patches"]).applied_patches(),
         "versions": versions(),
         "device": device,
         "model": model,
