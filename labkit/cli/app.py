@@ -144,7 +144,7 @@ def doctor(out: OutOpt = None, device: DeviceOpt = "auto", json_out: JsonOpt = F
                 "KV budget": mem.get("kv_budget_bytes"),
                 "bytes per block": f"{e['bytes_per_block']} ({e['mib_per_block']} MiB, {e['block_size']} tokens)",
                 "blocks": f"{e['num_blocks']} ({e['tokens_in_pool']} tokens)",
-            }, title="engine KV pool (B.8.3)"))
+            }, title="engine KV pool (docs/LAB.md §11)"))
     finish(record, path, json_out=json_out)
 
 
@@ -221,7 +221,7 @@ def smoke(out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto"
 
 @app.command("quick-walk")
 def quick_walk(
-    case: Annotated[CaseName, typer.Option("--case", case_sensitive=False, help="Handbook 5.2 case: A, B, C or D.")],
+    case: Annotated[CaseName, typer.Option("--case", case_sensitive=False, help="Quick-walk case (docs/LAB.md §3): A, B, C or D.")],
     trace: Annotated[bool, typer.Option("--trace", help="Store every step (before the forward / after postprocess) in the evidence.")] = False,
     budget: Annotated[int, typer.Option("--budget", min=1, help="Prefill token budget (max_num_batched_tokens).")] = 512,
     max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", min=1, help="Sequences per step.")] = None,
@@ -230,7 +230,7 @@ def quick_walk(
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
-    """Follow the handbook's cases A-D step by step; LABKIT_TRACE=1 prints one event=engine_step line per step."""
+    """Follow cases A-D step by step (docs/LAB.md §3); LABKIT_TRACE=1 prints one event=engine_step line per step."""
     from labkit.experiments.quick_walk import default_out_for, run_quick_walk
 
     out = out or default_out_for(case.value, budget, max_num_seqs, block_size)
