@@ -27,7 +27,7 @@
 set -uo pipefail
 
 if [[ $# -lt 1 || "$1" == "-h" || "$1" == "--help" ]]; then
-  sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,/^[^#]/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
   [[ $# -lt 1 ]] && exit 2 || exit 0
 fi
 
@@ -87,7 +87,7 @@ sys.exit(1 if any(r["verdict"] == "FAIL" for r in rows) else 0)
 EOF
   rc=$?
 fi
-cat "$OUT/logs/checkpoints.log" | grep -E '^(PASS|FAIL|REVIEW|NOT-RUN) ' >> "$OUT/summary.txt"
+grep -E '^(PASS|FAIL|REVIEW|NOT-RUN) ' "$OUT/logs/checkpoints.log" >> "$OUT/summary.txt"
 echo "checkpoints exit $rc" | tee -a "$OUT/summary.txt"; [[ $rc -ne 0 ]] && status=1
 
 step "final report"
