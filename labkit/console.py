@@ -222,7 +222,7 @@ def render_doctor(record: dict) -> None:
             "KV budget": mem.get("kv_budget_bytes"),
             "bytes per block": f"{e['bytes_per_block']} ({e['mib_per_block']} MiB, {e['block_size']} tokens)",
             "blocks": f"{e['num_blocks']} ({e['tokens_in_pool']} tokens)",
-        }, title="engine KV pool (B.8.3)"))
+        }, title="engine KV pool (docs/LAB.md §11)"))
 
 
 def render_smoke(record: dict) -> None:

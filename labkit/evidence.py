@@ -31,6 +31,7 @@ from typing import Any, Iterator
 from labkit import checks as _checks
 from labkit import paths
 from labkit.errors import UserError
+from labkit.patches import applied_patches
 from labkit.evidence_format import DIGEST_KEY, KINDS, SCHEMA_VERSION, digest, engine_dir, engine_source_hash
 
 _VERSIONED = ("python", "torch", "triton", "transformers", "flash_attn")
@@ -153,6 +154,7 @@ def envelope(
         "git_dirty": git_dirty(),
         "engine_source_hash": engine_source_hash(),
         "engine_import_path": str(edir) if edir is not None else None,
+        "engine_patches": applied_patches(),
         "versions": versions(),
         "device": device,
         "model": model,

@@ -6,11 +6,13 @@ simulate; ``options`` the option types they share. The console script is ``labki
 """
 from __future__ import annotations
 
-from labkit.cli import guardrails, model, service
+from labkit.cli import guardrails, model, notes, patch, service
 from labkit.cli.app import app, main
 
 app.add_typer(model.model_app, name="model")
 service.register(app)
 guardrails.register(app)
+patch.register(app)
+notes.register(app)
 
 __all__ = ["app", "main"]

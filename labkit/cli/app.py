@@ -278,7 +278,7 @@ def smoke(out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto"
 
 @app.command("quick-walk")
 def quick_walk(
-    case: Annotated[CaseName, typer.Option("--case", case_sensitive=False, help="Handbook 5.2 case: A, B, C or D.")],
+    case: Annotated[CaseName, typer.Option("--case", case_sensitive=False, help="Quick-walk case (docs/LAB.md §3): A, B, C or D.")],
     trace: Annotated[bool, typer.Option("--trace", help="Store every step (before the forward / after postprocess) in the evidence.")] = False,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
     max_num_seqs: MaxNumSeqsOpt = None,
@@ -287,7 +287,7 @@ def quick_walk(
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
-    """Follow the handbook's cases A-D step by step; LABKIT_TRACE=1 prints one event=engine_step line per step."""
+    """Follow cases A-D step by step (docs/LAB.md §3); LABKIT_TRACE=1 prints one event=engine_step line per step."""
     from labkit.experiments.quick_walk import default_out_for, run_quick_walk
 
     out = out or default_out_for(case.value, max_num_batched_tokens, max_num_seqs, kv_cache_block_size)

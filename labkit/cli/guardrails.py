@@ -155,7 +155,7 @@ def principles_cached_forward(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Evidence JSON (default runs/cached-forward.json).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Transformers with and without KV cache along one trajectory: widths, positions, logit errors, timings (B.1.6)."""
+    """Transformers with and without KV cache along one trajectory: widths, positions, logit errors, timings (docs/LAB.md §8)."""
     from labkit.guardrails.cached_forward import run_cached_forward
 
     record = run_cached_forward(out, model=str(model) if model else None, device=device, prompt_len=prompt_len,
@@ -194,7 +194,7 @@ def principles_shapes(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Evidence file.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """How Qwen3's layers split over TP ranks: heads, qkv rows, column/row/vocab splits (static, handbook 5.6.2)."""
+    """How Qwen3's layers split over TP ranks: heads, qkv rows, column/row/vocab splits (static, docs/LAB.md §10)."""
     from labkit.experiments.tp_shapes import run_shapes
 
     record = run_shapes(tensor_parallel_size, str(model) if model else None, out)
@@ -211,11 +211,11 @@ def _group(app: typer.Typer, name: str, help_text: str) -> typer.Typer:
 
 def register(app: typer.Typer) -> None:
     """Add ``logits {collect,compare,guard,calibrate}`` and ``principles {cached-forward,shapes}`` to ``app``."""
-    logits_app = _group(app, "logits", "Numerical guardrails: teacher-forced logits, collected and compared (handbook 5.2.5, B.5); --seed seeds the preset continuation ids (and the graph suite's prompts).")
+    logits_app = _group(app, "logits", "Numerical guardrails: teacher-forced logits, collected and compared (docs/LAB.md §7, §15); --seed seeds the preset continuation ids (and the graph suite's prompts).")
     logits_app.command("collect", epilog=EXIT_HELP)(logits_collect)
     logits_app.command("compare", epilog=EXIT_HELP)(logits_compare)
     logits_app.command("guard", epilog=EXIT_HELP)(logits_guard)
-    principles_app = _group(app, "principles", "Principles experiments (handbook appendix B.1).")
+    principles_app = _group(app, "principles", "Principles experiments (docs/LAB.md §8, §10).")
     principles_app.command("cached-forward", epilog=EXIT_HELP)(principles_cached_forward)
     principles_app.command("shapes")(principles_shapes)
     logits_app.command("calibrate")(logits_calibrate)

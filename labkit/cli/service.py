@@ -201,12 +201,16 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def report(
-        inputs: Annotated[str, typer.Option("--inputs", help="Event logs a.jsonl,b.jsonl,...")],
-        out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Comparison JSON (Markdown and PNGs next to it); default runs/comparison.json.")] = None,
+        inputs: Annotated[Optional[str], typer.Option("--inputs", help="Event logs a.jsonl,b.jsonl,... to compare; without it, the final report from runs/.")] = None,
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Comparison JSON (Markdown and PNGs next to it); default runs/comparison.json, or runs/final-report.json without --inputs.")] = None,
         plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Draw PNG plots (needs matplotlib).")] = True,
         json_out: JsonOpt = False,
     ) -> None:
-        """TTFT / ITL / TPOT percentiles, throughput over the common window, terminations; JSON + Markdown + PNG."""
+        """Without --inputs: the final evidence report (runs/final-report.md/.json). With --inputs: TTFT / ITL / TPOT, throughput, terminations compared."""
+        if inputs is None:
+            from labkit.cli.final import final_report_command
+
+            final_report_command(out, plots, json_out)
         from labkit.console import print_json, render_report
         from labkit.paths import default_out
         from labkit.load.report import compare
