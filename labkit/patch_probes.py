@@ -30,9 +30,7 @@ def _error(exc: BaseException) -> str:
 
 
 def _scheduler(policy: str, *, num_blocks: int, block_size: int, max_num_seqs: int, budget: int):
-    from engine.block_manager import BlockManager
-    from engine.config import SchedulerLimits
-    from engine.scheduler import Scheduler
+    from engine import BlockManager, Scheduler, SchedulerLimits
 
     limits = SchedulerLimits(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=4096,
                              scheduling_policy=policy)
