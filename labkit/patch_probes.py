@@ -15,7 +15,7 @@ from typing import Any, Callable
 def _engine_identity() -> dict:
     import engine
 
-    from labkit.evidence import engine_dir, source_hash
+    from labkit.evidence_format import engine_dir, source_hash
 
     edir = engine_dir()
     return {"engine_import_path": str(edir), "engine_source_hash": source_hash(edir),

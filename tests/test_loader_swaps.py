@@ -64,10 +64,11 @@ def test_swapping_q_norm_and_k_norm_in_the_checkpoint_changes_the_logits(tiny_mo
 
 @pytest.mark.parametrize("loader_swaps", [False, True], ids=["engine-loader", "loader-swaps-q-k-norm"])
 def test_a_loader_that_swaps_q_norm_and_k_norm_fails_the_baseline_guard(tiny_model_dir, tmp_path, monkeypatch,
-                                                                         loader_swaps):
+                                                                         loader_swaps, labkit_argv):
     from engine.models.qwen3 import Qwen3ForCausalLM
     from labkit.guardrails.calibrate import guard
 
+    labkit_argv.checkpoint("guardrails.logits-baseline")
     if loader_swaps:       # the loader's name mapping sends each checkpoint q_norm to k_norm and back
         mapping = {**Qwen3ForCausalLM.packed_modules_mapping, **{a: (b, None) for a, b in SWAP.items()}}
         monkeypatch.setattr(Qwen3ForCausalLM, "packed_modules_mapping", mapping)

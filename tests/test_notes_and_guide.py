@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from labkit import notes
-from labkit.evidence import repo_root
+from labkit.paths import repo_root
 
 ROOT = repo_root()
 

@@ -48,8 +48,8 @@ def test_default_run_is_540_vs_71_and_passes_its_checkpoint(tiny_model_dir, tmp_
     rec = json.loads(out.read_text())
     f = rec["facts"]
     assert rec["checkpoint"] == "guardrails.cached-forward" and rec["verdict"] == "PASS"
-    # two repeats, each 8 uncached then 8 cached forwards; the model saw exactly the reported widths
-    assert seen_widths == (list(range(64, 72)) + [64] + [1] * 7) * 2
+    # the checkpoint's repeats, each 8 uncached then 8 cached forwards; the model saw exactly the reported widths
+    assert seen_widths == (list(range(64, 72)) + [64] + [1] * 7) * int(command[command.index("--repeats") + 1])
     assert f["widths_uncached"] == seen_widths[:8] and sum(seen_widths[:8]) == f["positions_uncached"] == 540
     assert f["widths_cached"] == seen_widths[8:16] and sum(seen_widths[8:16]) == f["positions_cached"] == 71
     assert f["max_abs_logit_error"] < 1e-4 and f["relative_l2_logit_error"] < 1e-5 and f["same_top1_steps"] == 8

@@ -77,11 +77,12 @@ def _rejudge(record: dict, cp: str) -> dict:
 
 
 @pytest.mark.parametrize("cp,options", [("setup.quick-walk-b", {}), ("setup.quick-walk-b-seqs1", {"max_num_seqs": 1})])
-def test_b_cases_fail_on_a_wrong_slot_or_context_len(tiny_model_dir, tmp_path, cp, options):
+def test_b_cases_fail_on_a_wrong_slot_or_context_len(tiny_model_dir, tmp_path, cp, options, labkit_argv):
     """The derived facts are recomputed from the engine's recorded slot_mapping, block tables and
     context_lens: one wrong slot or one wrong decode context_len in what the engine recorded FAILs."""
     from labkit.experiments.quick_walk import derive
 
+    labkit_argv.checkpoint(cp)
     rec = run_quick_walk("B", out=tmp_path / "b.json", model=str(tiny_model_dir), trace=True, **options)
     derived = rec["facts"]["derived"]
     assert rec["verdict"] == "PASS" and derived["slots_checked"] == 7 + 5 and derived["decode_steps_checked"] > 0

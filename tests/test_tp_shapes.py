@@ -11,7 +11,7 @@ REASSEMBLY = [f"facts.reassembly_max_abs_diff.{n}" for n in
 
 
 def _judged(facts: dict) -> dict:
-    from labkit.evidence import SCHEMA_VERSION
+    from labkit.evidence_format import SCHEMA_VERSION
     record = {"checkpoint": "tp.shapes", "kind": "static", "schema_version": SCHEMA_VERSION, "facts": facts}
     return {c["name"]: c for c in judge(get_checkpoint("tp.shapes"), record)}
 
