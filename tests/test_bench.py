@@ -187,8 +187,10 @@ def test_the_nano_vllm_workload_bound_is_derived_not_typed_in():
 
 @pytest.mark.parametrize("tok_s, share, verdict", [(21000, 0.55, "PASS"), (15000, 0.4, "REVIEW"),
                                                    (9000, 0.24, "FAIL"), (21000, 1.5, "FAIL")])
-def test_bench_checkpoint_floor_and_bound(tok_s, share, verdict, tmp_path):
+def test_bench_checkpoint_floor_and_bound(tok_s, share, verdict, tmp_path, labkit_argv):
     from labkit.evidence import write_evidence
+
+    labkit_argv.checkpoint("cuda.bench-nano-vllm")
     facts = {"output_tokens": 133966, "workload": {"expected_output_tokens": 133966}, "median_tok_s": tok_s,
              "engine": {"init_seconds": 12.0}, "bound": {"copy_roof_gb_s": 4190.0, "share_of_bound": share}}
     record = write_evidence(tmp_path / "b.json", checkpoint="cuda.bench-nano-vllm", kind="gpu-measured",

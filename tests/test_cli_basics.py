@@ -76,7 +76,7 @@ def test_doctor_fails_when_import_engine_is_not_this_projects(tmp_path, shadow):
     proc = subprocess.run([sys.executable, "-m", "labkit", "doctor", "--device", "cpu", "--out", str(out)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(path),
-                               evidence.RUNS_DIR_ENV: str(tmp_path / "runs")})
+                               paths.RUNS_DIR_ENV: str(tmp_path / "runs")})
     rec = json.loads(out.read_text())
     facts = rec["facts"]
     if shadow:

@@ -322,7 +322,9 @@ def test_labkit_check_names_the_reason(runs, labkit_argv, monkeypatch):
     from labkit.cli import app
 
     cp = checks.get_checkpoint("setup.doctor")
-    facts = {"imports_ok": True, "tensor_check": {"ok": True, "max_abs_err": 2e-5}, "runs_writable": {"ok": True}}
+    facts = {"imports_ok": True, "tensor_check": {"ok": True, "max_abs_err": 2e-5}, "runs_writable": {"ok": True},
+             "engine_import": {"ok": True, "inside_project": True},
+             "engine_run": {"ok": True, "engine_class_inside_project": True, "output_tokens": 1, "steps": 1}}
     labkit_argv("doctor")
     evidence.write_evidence(cp.evidence_path(), checkpoint=cp.id, kind="cpu-real-engine", facts=facts, device="cpu")
 
