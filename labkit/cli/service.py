@@ -125,7 +125,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def trace(
-        out: Annotated[Path, typer.Option("--out", "-o", dir_okay=False, help="Trace file (JSONL).")] = Path("workloads/mixed.jsonl"),
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Trace file (JSONL); default runs/trace.jsonl (workloads/mixed.jsonl is the shipped trace: write it only on purpose).")] = None,
         requests: Annotated[int, typer.Option("--requests", help="Requests in the trace.")] = 12,
         prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length of a short request.")] = 32,
         long_prompt_tokens: Annotated[int, typer.Option("--long-prompt-tokens", help="Prompt length of a long request.")] = 768,
@@ -138,8 +138,9 @@ def register(app: typer.Typer) -> None:
         """Write a fixed arrival trace (the same bytes for the same options); --seed seeds the token ids."""
         from labkit.console import console, kv_table, print_json
         from labkit.load.trace import TraceOptions, write_trace
+        from labkit.paths import default_out
 
-        summary = write_trace(out, TraceOptions(requests, prompt_tokens, long_prompt_tokens, long_every, max_tokens,
+        summary = write_trace(out or default_out("trace.jsonl"), TraceOptions(requests, prompt_tokens, long_prompt_tokens, long_every, max_tokens,
                                                 interval_ms, seed))
         if json_out:
             print_json(summary)

@@ -368,6 +368,8 @@ def _basename(path: str | None) -> str | None:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A bound socket for ``host:port`` (0: a free port); a port in use is one clear UserError."""
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise UserError(f"--port must be between 0 and 65535 (0 picks a free one), got {port!r}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
