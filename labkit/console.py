@@ -2,6 +2,10 @@
 
 Human output goes to stdout through :data:`console`; progress and errors go to stderr through
 :data:`err_console`, so ``--json`` output on stdout stays machine-readable.
+
+Both consoles print strings literally: no rich markup (``[/]``, ``[the docs](url)`` and ``[optional]``
+are text, never tags), no ``:emoji:`` codes, no highlighting. Model output, paths and user input go
+through them unchanged; styling is done with :class:`rich.text.Text` objects, never with markup.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from rich.text import Text
 
 from labkit.evidence import dumps
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+console = Console(highlight=False, markup=False, emoji=False)
+err_console = Console(stderr=True, highlight=False, markup=False, emoji=False)
 
 VERDICT_STYLE = {"PASS": "bold green", "FAIL": "bold red", "REVIEW": "bold yellow", "NOT-RUN": "dim"}
 STATUS_STYLE = {"pass": "green", "fail": "red", "review": "yellow", "not-run": "dim"}

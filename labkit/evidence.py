@@ -55,17 +55,31 @@ def command_line(argv: list[str] | None = None) -> str:
     return shlex.join([prog, *argv[1:]])
 
 
-def _git(args: list[str], root: Path | None) -> str | None:
-    """stdout of ``git ARGS`` at ``root``, or None (not a repo, no git, an error, a timeout)."""
+def _run_git(args: list[str], cwd: Path) -> str | None:
     try:
-        proc = subprocess.run(["git", *args], cwd=root or paths.repo_root(), capture_output=True, text=True, timeout=5)
+        proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
     return proc.stdout if proc.returncode == 0 else None
 
 
+def _git(args: list[str], root: Path | None) -> str | None:
+    """stdout of ``git ARGS`` at ``root`` (default: the project root), or None: not a git checkout (also when
+    ``root`` merely lies inside some other repository, whose head says nothing about this code), no git, an
+    error, a timeout."""
+    root = Path(root or paths.repo_root())
+    top = (_run_git(["rev-parse", "--show-toplevel"], root) or "").strip()
+    try:
+        if not top or Path(top).resolve() != root.resolve():
+            return None
+    except OSError:
+        return None
+    return _run_git(args, root)
+
+
 def git_head(root: Path | None = None) -> str | None:
-    """The commit checked out at ``root``, or None (not a repo, no commits, no git, timeout)."""
+    """The commit checked out at ``root``, or None: not a git checkout (``root`` is not the top of a
+    repository), no commits, no git, timeout."""
     head = (_git(["rev-parse", "HEAD"], root) or "").strip()
     return head or None
 

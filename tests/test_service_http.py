@@ -115,12 +115,14 @@ def test_cancel_after_3_no_token_after_finished_and_blocks_free(server, sink):
     free, total = kv(server)
     assert free == total
 
-    async def cancel_again(sess):
-        async with sess.post(f"{server.url}/cancel", json={"request_id": "cx-3"}) as resp:
+    async def cancel_again(sess, **extra):
+        async with sess.post(f"{server.url}/cancel", json={"request_id": "cx-3", **extra}) as resp:
             return resp.status, await resp.json()
 
-    status, err = run(with_session(cancel_again))
+    status, err = run(with_session(lambda s: cancel_again(s, cancel_token="stale")))
     assert status == 404 and err["error"]["code"] == "request_not_found"
+    status, err = run(with_session(cancel_again))
+    assert status == 400 and err["error"]["code"] == "missing_cancel_token" and err["error"]["param"] == "cancel_token"
 
 
 def test_full_queue_answers_429_and_accepted_complete(server):
@@ -278,7 +280,7 @@ def test_oversized_chunked_body_is_413(server):
             yield b"x" * 4096
 
     async def go(sess):
-        async with sess.post(f"{server.url}/generate", data=gen()) as resp:
+        async with sess.post(f"{server.url}/generate", data=gen(), headers={"Content-Type": "application/json"}) as resp:
             return resp.status, await resp.json(content_type=None)
 
     status, err = run(with_session(go))

@@ -343,8 +343,12 @@ def bench(
 ) -> None:
     """Measure throughput / latency on a fixed workload; every repeat is kept in the evidence."""
     from labkit.bench.run import run_bench
+    from labkit.lab_engine import detect_device
     from labkit.paths import default_out
 
+    if not detect_device(device).startswith("cuda"):     # minutes on a CPU, with nothing to show meanwhile
+        raise UserError("bench is a GPU tool and this run would use the CPU (no CUDA here, or --device cpu); "
+                        "try the engine on CPU with `labkit generate` instead")
     path = out or default_out(f"bench-{workload}.json")
     record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
                        baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,

@@ -71,10 +71,19 @@ def register(app: typer.Typer) -> None:
         stream_buffer: Annotated[int, typer.Option("--stream-buffer", help="Unread events per stream before the request is cancelled as a slow consumer.")] = 512,
         max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Largest request body (HTTP 413 beyond).")] = 1 << 20,
         served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id for the OpenAI API (default: the preset or directory name).")] = None,
+        api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LABKIT_API_KEY", show_envvar=True, help="Require Authorization: Bearer KEY on every route but /health.")] = None,
+        allowed_origins: Annotated[str, typer.Option("--allowed-origins", help="Comma list of web origins (http://host:port) whose pages may call this server; '*' for any. Default: none.")] = "",
+        max_prompt_bytes: Annotated[Optional[int], typer.Option("--max-prompt-bytes", help="Text prompts longer than this (UTF-8 bytes) are refused before tokenizing (default 32 x max-model-len, at least 16 KiB).")] = None,
+        special_tokens_in_content: Annotated[bool, typer.Option("--special-tokens-in-content", help="Let special-token text inside chat messages become control tokens (the old, forgeable behaviour).")] = False,
+        max_connections: Annotated[int, typer.Option("--max-connections", help="Open connections at most (lowered to fit the file limit); beyond, idle ones are closed, then 503.")] = 512,
+        timeout_keep_alive: Annotated[float, typer.Option("--timeout-keep-alive", help="Seconds a connection may wait for the first byte of a request.")] = 5.0,
+        timeout_headers: Annotated[float, typer.Option("--timeout-headers", help="Seconds for a request line and headers to arrive (then 408).")] = 10.0,
+        timeout_body: Annotated[float, typer.Option("--timeout-body", help="Seconds for a request body to arrive (then 408).")] = 30.0,
         out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="JSONL event log (header + every event).")] = None,
     ) -> None:
-        """Serve the engine over HTTP: /generate (NDJSON), /cancel, /health, /metrics, OpenAI /v1/*."""
+        """Serve the engine over HTTP: /generate (NDJSON), /cancel, /health, /config, /metrics, OpenAI /v1/*."""
         from labkit.console import console, render_served, render_serving
+        from labkit.service.connections import ConnectionLimits
         from labkit.service.server import run_serve
         from labkit.service.worker import WorkerConfig
 
@@ -83,7 +92,10 @@ def register(app: typer.Typer) -> None:
                            max_num_seqs=max_num_seqs, max_active=max_active, queue_size=queue_size,
                            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                            enforce_eager=enforce_eager, worker_id=worker_id, stream_buffer=stream_buffer,
-                           tensor_parallel_size=tensor_parallel_size, dist_init=dist_init, shm_name=shm_name)
+                           tensor_parallel_size=tensor_parallel_size, dist_init=dist_init, shm_name=shm_name,
+                           max_prompt_bytes=max_prompt_bytes, special_tokens_in_content=special_tokens_in_content)
+        connections = ConnectionLimits(timeout_keep_alive=timeout_keep_alive, timeout_headers=timeout_headers,
+                                       timeout_body=timeout_body, max_connections=max_connections)
 
         def ready(url: str, worker) -> None:
             render_serving(worker, out)
@@ -91,7 +103,8 @@ def register(app: typer.Typer) -> None:
             sys.stdout.flush()
 
         summary = run_serve(cfg, host, port, out, served_model_name=served_model_name,
-                            max_body_bytes=max_body_bytes, on_ready=ready)
+                            max_body_bytes=max_body_bytes, on_ready=ready, api_key=api_key,
+                            allowed_origins=allowed_origins, connections=connections)
         render_served(summary)
 
     @app.command()
@@ -104,6 +117,7 @@ def register(app: typer.Typer) -> None:
         api: Annotated[str, typer.Option("--api", help="native (/generate) | openai (/v1/completions).")] = "native",
         temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
         ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Generate max-tokens even past EOS.")] = False,
+        api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LABKIT_API_KEY", show_envvar=True, help="The server's --api-key.")] = None,
         out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="JSONL of client (and server) events.")] = None,
         json_out: JsonOpt = False,
     ) -> None:
@@ -115,7 +129,7 @@ def register(app: typer.Typer) -> None:
         if not eps:
             raise UserError("--endpoints needs a URL")
         res = run_client(eps[0], prompt, max_tokens, request_id, cancel_after, out, api, temperature,
-                         ignore_eos=ignore_eos)
+                         ignore_eos=ignore_eos, api_key=api_key)
         if json_out:
             print_json(res)
         else:
@@ -125,7 +139,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def trace(
-        out: Annotated[Path, typer.Option("--out", "-o", dir_okay=False, help="Trace file (JSONL).")] = Path("workloads/mixed.jsonl"),
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Trace file (JSONL); default runs/trace.jsonl (workloads/mixed.jsonl is the shipped trace: write it only on purpose).")] = None,
         requests: Annotated[int, typer.Option("--requests", help="Requests in the trace.")] = 12,
         prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length of a short request.")] = 32,
         long_prompt_tokens: Annotated[int, typer.Option("--long-prompt-tokens", help="Prompt length of a long request.")] = 768,
@@ -138,8 +152,9 @@ def register(app: typer.Typer) -> None:
         """Write a fixed arrival trace (the same bytes for the same options); --seed seeds the token ids."""
         from labkit.console import console, kv_table, print_json
         from labkit.load.trace import TraceOptions, write_trace
+        from labkit.paths import default_out
 
-        summary = write_trace(out, TraceOptions(requests, prompt_tokens, long_prompt_tokens, long_every, max_tokens,
+        summary = write_trace(out or default_out("trace.jsonl"), TraceOptions(requests, prompt_tokens, long_prompt_tokens, long_every, max_tokens,
                                                 interval_ms, seed))
         if json_out:
             print_json(summary)

@@ -298,6 +298,7 @@ def compare(inputs: list[str | Path], out: str | Path, plots: bool = True) -> di
         raise UserError(f"--out must end in .json (the Markdown goes next to it), got {out}")
     logs = [read_log(p) for p in inputs]
     summaries = [summarize_log(log) for log in logs]
+    out.parent.mkdir(parents=True, exist_ok=True)
     primary = _primary_observer(summaries)
     from labkit.evidence import _now, command_line, git_head
 
@@ -393,6 +394,26 @@ def render_md(result: dict) -> str:
 # --------------------------------------------------------------------------- plots
 
 
+#: The timeline: one labelled row per request up to this many; beyond, the rows become a density.
+TIMELINE_LABELLED_ROWS = 64
+TIMELINE_MIN_IN, TIMELINE_MAX_IN, TIMELINE_MAX_TOTAL_IN = 1.2, 6.0, 24.0     # inches (x 110 dpi)
+
+
+def timeline_rows_height(n: int) -> float:
+    """Inches of one run's timeline panel: 0.28 in a labelled row, capped (and the figure in total)."""
+    return min(TIMELINE_MAX_IN, max(TIMELINE_MIN_IN, 0.6 + 0.28 * min(n, TIMELINE_LABELLED_ROWS)))
+
+
+def run_labels(paths: list[Path]) -> list[str]:
+    """Short names that tell the inputs apart: the file stem, plus as many parent folders as it takes."""
+    parts = [Path(p).with_suffix("").parts for p in paths]
+    for depth in range(1, max((len(p) for p in parts), default=1) + 1):
+        names = ["/".join(p[-depth:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return [str(p) for p in paths]
+
+
 def _plots(logs: list[Log], summaries: list[dict], out: Path) -> tuple[list[str], str]:
     try:
         import matplotlib
@@ -404,10 +425,11 @@ def _plots(logs: list[Log], summaries: list[dict], out: Path) -> tuple[list[str]
     stem = out.with_suffix("")
     paths = []
     series = []
+    names = run_labels([log.path for log in logs])
     for i, log in enumerate(logs):
         for obs, reqs in requests_by_observer(log.events).items():
             measured = [r for r in reqs.values() if not r.warmup]
-            series.append((f"{i}:{log.path.stem} ({obs})", measured))
+            series.append((f"{i}:{names[i]} ({obs})", measured))
     for metric, fn, title in (("ttft", lambda rs: [v for v in map(ttft_ms, rs) if v is not None], "TTFT"),
                               ("itl", lambda rs: [g for r in rs for g in itl_ms(r)], "ITL")):
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -425,25 +447,37 @@ def _plots(logs: list[Log], summaries: list[dict], out: Path) -> tuple[list[str]
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(str(path))
-    fig, axes = plt.subplots(len(series) or 1, 1, figsize=(8, 1.2 + 0.28 * max((len(r) for _, r in series), default=1)
-                                                                 * max(1, len(series))), squeeze=False)
+    heights = [timeline_rows_height(len(rs)) for _, rs in series] or [TIMELINE_MIN_IN]
+    scale = min(1.0, TIMELINE_MAX_TOTAL_IN / sum(heights))
+    fig, axes = plt.subplots(len(series) or 1, 1, figsize=(8, 0.6 + scale * sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
     for ax, (label, rs) in zip(axes[:, 0], series):
         rs = sorted((r for r in rs if _span(r)), key=lambda r: _span(r)[0])
         if not rs:
             continue
         t0 = min(_span(r)[0] for r in rs)
+        labelled = len(rs) <= TIMELINE_LABELLED_ROWS
+        thin, thick = (1, 4) if labelled else (0.4, 1.2)        # many rows: a density of lines, not one per tick
         for y, r in enumerate(rs):
             s, e = _span(r)
             first = r.token_ns[0] if r.token_ns else e
             color = "tab:orange" if r.cls == "long" else "tab:blue"
-            ax.plot([(s - t0) / 1e9, (first - t0) / 1e9], [y, y], color=color, lw=1, alpha=0.6)
-            ax.plot([(first - t0) / 1e9, (e - t0) / 1e9], [y, y], color=color, lw=4)
+            ax.plot([(s - t0) / 1e9, (first - t0) / 1e9], [y, y], color=color, lw=thin, alpha=0.6)
+            ax.plot([(first - t0) / 1e9, (e - t0) / 1e9], [y, y], color=color, lw=thick)
             if r.reason not in COMPLETED:
-                ax.text((e - t0) / 1e9, y, f" {r.reason}", fontsize=6, va="center")
-        ax.set_yticks(range(len(rs)))
-        ax.set_yticklabels([r.request_id for r in rs], fontsize=6)
-        ax.set_title(f"{label}: thin = waiting for the first token, thick = streaming (orange = long prompt)",
-                     fontsize=8)
+                if labelled:
+                    ax.text((e - t0) / 1e9, y, f" {r.reason}", fontsize=6, va="center")
+                else:
+                    ax.plot([(e - t0) / 1e9], [y], marker="x", color="tab:red", ms=3)
+        if labelled:
+            ax.set_yticks(range(len(rs)))
+            ax.set_yticklabels([r.request_id for r in rs], fontsize=6)
+        else:
+            ax.set_ylabel(f"{len(rs)} requests\n(by submit order)", fontsize=7)
+            ax.tick_params(axis="y", labelsize=6)
+        unfinished = sum(r.reason not in COMPLETED for r in rs)
+        ax.set_title(f"{label}: thin = waiting for the first token, thick = streaming (orange = long prompt)"
+                     + ("" if labelled or not unfinished else f"; x = not completed ({unfinished})"), fontsize=8)
         ax.set_xlabel("seconds since the first submit")
         ax.grid(axis="x", alpha=0.3)
     path = Path(f"{stem}-timeline.png")

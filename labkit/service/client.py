@@ -11,7 +11,11 @@ monotonic clock, taken when the bytes were read:
 
 For the native API every server event is also kept, unchanged, as an ``observer=engine`` record
 (``log_server_events``), with the server's own ``t_ns``; the two observers are never mixed in one
-measurement. Over the OpenAI API a streamed chunk counts as one token event (servers send one
+measurement.
+
+A server started with ``--api-key`` wants ``Authorization: Bearer KEY`` on every route but /health:
+:func:`session` sends ``$LABKIT_API_KEY`` (or its ``api_key``). A cancel must carry the request's
+``X-Cancel-Token``: :func:`stream_native` keeps it while the stream is open and :func:`cancel` finds it. Over the OpenAI API a streamed chunk counts as one token event (servers send one
 chunk per token); the usage block, when the server sends it, gives the exact output count.
 """
 from __future__ import annotations
@@ -28,6 +32,10 @@ from labkit.errors import UserError
 from labkit.service.events import EventLog, now_ns
 
 Record = Callable[[dict], None]
+API_KEY_ENV = "LABKIT_API_KEY"
+
+#: (endpoint, request id) -> the X-Cancel-Token of a stream this process has open; None until its headers arrive
+_cancel_tokens: dict[tuple[str, str], str | None] = {}
 
 
 @dataclass
@@ -85,20 +93,41 @@ def _error_message(status: int, raw: bytes) -> str:
     return raw[:200].decode("utf-8", "replace").strip() or f"HTTP {status}"
 
 
-def session(timeout_s: float = 600.0, limit: int = 1000) -> aiohttp.ClientSession:
+def session(timeout_s: float = 600.0, limit: int = 1000, api_key: str | None = None) -> aiohttp.ClientSession:
+    """A client session; ``api_key`` (default ``$LABKIT_API_KEY``) goes out as ``Authorization: Bearer``."""
+    import os
+
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=timeout_s)
-    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=limit))
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    return aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=limit), headers=headers)
 
 
-async def fetch_health(sess: aiohttp.ClientSession, endpoint: str) -> dict | None:
-    """The server's /health body (ours: kind, model, engine); None if it has none or is not JSON."""
+async def _get_json(sess: aiohttp.ClientSession, url: str) -> dict | None:
     try:
-        async with sess.get(f"{endpoint.rstrip('/')}/health", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        async with sess.get(url, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            if resp.status != 200 and not url.endswith("/health"):
+                return None
             raw = await resp.read()
             body = json.loads(raw) if raw else None
             return body if isinstance(body, dict) else None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
+
+
+async def fetch_health(sess: aiohttp.ClientSession, endpoint: str) -> dict | None:
+    """The server's /health body, completed with /config where the server shows it to us (ours: kind, device,
+    model identity, engine); None if it has none or is not JSON."""
+    base = endpoint.rstrip("/")
+    health = await _get_json(sess, f"{base}/health")
+    if health is None:
+        return None
+    config = await _get_json(sess, f"{base}/config")
+    if config is not None:
+        for key in ("model", "engine", "worker"):
+            if key in config:
+                health.setdefault(key, config[key])
+    return health
 
 
 async def fetch_model_name(sess: aiohttp.ClientSession, endpoint: str) -> str | None:
@@ -110,8 +139,22 @@ async def fetch_model_name(sess: aiohttp.ClientSession, endpoint: str) -> str | 
         return None
 
 
-async def cancel(sess: aiohttp.ClientSession, endpoint: str, request_id: str) -> int:
-    async with sess.post(f"{endpoint.rstrip('/')}/cancel", json={"request_id": request_id}) as resp:
+async def cancel(sess: aiohttp.ClientSession, endpoint: str, request_id: str, cancel_token: str | None = None,
+                 wait_s: float = 5.0) -> int:
+    """POST /cancel; without ``cancel_token``, the token of this process's open stream of that request (waiting
+    up to ``wait_s`` for its headers)."""
+    base = endpoint.rstrip("/")
+    key = (base, request_id)
+    if cancel_token is None and key in _cancel_tokens:
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while _cancel_tokens.get(key) is None and key in _cancel_tokens \
+                and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        cancel_token = _cancel_tokens.get(key)
+    body = {"request_id": request_id}
+    if cancel_token is not None:
+        body["cancel_token"] = cancel_token
+    async with sess.post(f"{base}/cancel", json=body) as resp:
         await resp.read()
         return resp.status
 
@@ -131,12 +174,15 @@ async def stream_native(sess: aiohttp.ClientSession, endpoint: str, body: dict, 
                                                          "max_tokens": body.get("max_tokens"), **tags})
     res.submitted_ns = sub["t_ns"]
     record(sub)
+    key = (endpoint.rstrip("/"), rid)
+    _cancel_tokens[key] = None
     try:
         async with sess.post(f"{endpoint.rstrip('/')}/generate", json=body) as resp:
             res.status = resp.status
             res.worker_id = resp.headers.get("X-Worker-Id")
             if resp.status != 200:
                 return _failed(res, resp.status, await resp.read(), record)
+            _cancel_tokens[key] = resp.headers.get("X-Cancel-Token")
             buf = b""
             async for chunk in resp.content.iter_any():
                 buf += chunk
@@ -145,11 +191,13 @@ async def stream_native(sess: aiohttp.ClientSession, endpoint: str, body: dict, 
                     if line.strip():
                         await _on_native_line(sess, endpoint, json.loads(line), res, record, log_server_events,
                                               cancel_after)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         if res.reason is None:
             res.reason, res.message = "error", f"{type(e).__name__}: {e}"
             record(_client_event("finished", rid, res.worker_id, None, reason="error", message=res.message,
                                  num_completion_tokens=res.tokens))
+    finally:
+        _cancel_tokens.pop(key, None)
     if res.reason is None:
         res.reason, res.message = "error", "the stream ended without a finished event"
         record(_client_event("finished", rid, res.worker_id, None, reason="error", message=res.message,
@@ -288,7 +336,7 @@ def _piece(choice: dict, chat: bool) -> tuple[str, bool]:
 def run_client(endpoint: str, prompt: str | None = None, max_tokens: int = 32, request_id: str = "demo",
                cancel_after: int | None = None, out: Path | None = None, api: str = "native",
                temperature: float = 0.0, prompt_token_ids: list[int] | None = None, ignore_eos: bool = False,
-               timeout_s: float = 600.0) -> dict:
+               timeout_s: float = 600.0, api_key: str | None = None) -> dict:
     """One request against a running server; writes a JSONL (header + events) when ``out`` is given."""
     if api not in ("native", "openai"):
         raise UserError(f"--api must be native or openai, got {api!r}")
@@ -297,15 +345,15 @@ def run_client(endpoint: str, prompt: str | None = None, max_tokens: int = 32, r
     if (prompt is None) == (prompt_token_ids is None):
         raise UserError("give a --prompt (or token ids)")
     return asyncio.run(_client_main(endpoint.rstrip("/"), prompt, prompt_token_ids, max_tokens, request_id,
-                                    cancel_after, out, api, temperature, ignore_eos, timeout_s))
+                                    cancel_after, out, api, temperature, ignore_eos, timeout_s, api_key))
 
 
 async def _client_main(endpoint, prompt, token_ids, max_tokens, request_id, cancel_after, out, api, temperature,
-                       ignore_eos, timeout_s) -> dict:
+                       ignore_eos, timeout_s, api_key=None) -> dict:
     from labkit.service.events import log_header
 
     events: list[dict] = []
-    async with session(timeout_s) as sess:
+    async with session(timeout_s, api_key=api_key) as sess:
         health = await fetch_health(sess, endpoint)
         if health is None and api == "native":
             raise UserError(f"no labkit server answers at {endpoint}/health (is `labkit serve` running there?)")

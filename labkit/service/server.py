@@ -11,17 +11,36 @@ Routes:
 ========================  ======================================================================
 ``POST /generate``        native: NDJSON event stream (submitted, admitted, token i, finished);
                           ``"stream": false`` returns the events as one JSON object
-``POST /cancel``          ``{"request_id"}`` → 200 ``{"cancelled": true}`` / 404
+``POST /cancel``          ``{"request_id", "cancel_token"}`` → 200 ``{"cancelled": true}`` / 404
 ``GET  /health``          200 with the worker's state, 503 while starting, unhealthy or closed
+``GET  /config``          model identity, engine and worker configuration (authenticated)
 ``GET  /metrics``         Prometheus text (queue depth, running, KV blocks, tokens, TTFT/ITL)
 ``POST /v1/completions``  OpenAI-compatible; stream (SSE ``data: {...}`` ... ``data: [DONE]``) or JSON
 ``POST /v1/chat/completions``  the same through the chat template
 ``GET  /v1/models``       the one served model
 ========================  ======================================================================
 
-Errors are JSON ``{"error": {"message", "type", "param", "code"}}``: 400 bad input, 404 unknown
-route/model/request, 405 wrong method, 413 body too large, 429 queue full, 503 not accepting work.
-A 500 means a bug or an engine fault, never bad input.
+Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` on every route (also for what
+aiohttp's parser refuses): 400 bad input, 401 no or wrong API key, 403 a refused Origin, 404 unknown
+route/model/request, 405 wrong method, 408 a request that did not arrive in time, 413 body too large
+(before ``100 Continue``), 414/431 request line or headers too large, 415 a body that is not
+``application/json``, 429 queue full and 503 not accepting work (both with ``Retry-After``). A 500
+means a bug or an engine fault, never bad input.
+
+Who may do what:
+
+- ``--api-key`` (vLLM's flag; also ``$LABKIT_API_KEY``): every route but ``/health`` needs
+  ``Authorization: Bearer KEY``.
+- Browsers: a request with an ``Origin`` outside ``--allowed-origins`` (default: none) is refused,
+  and POST bodies must be ``application/json``, so a web page cannot drive a local server.
+- Request ids the server makes are random; every answer to a generation carries ``X-Request-Id``
+  and ``X-Cancel-Token``, and ``/cancel`` needs both: only the client that sent a request can cancel it.
+- ``/health`` says whether the server is up, what it serves (the served model name, kind, device,
+  max_model_len) and its load; the model path and the engine and worker configuration are on
+  ``GET /config``, which needs the API key (without one: only from this machine).
+
+Connections are timed and counted by :mod:`labkit.service.connections` (timeouts per phase, a cap
+with eviction of idle clients, a quiet log).
 
 Why one file of this length: the native and the OpenAI routes share the submit, stream and error
 paths, and keeping them together is what keeps the two APIs' answers the same.
@@ -30,22 +49,60 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
+import ipaddress
 import json
+import os
+import secrets
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from engine import RequestError
 from labkit.errors import UserError
 from labkit.service import protocol
+from labkit.service.connections import Connection, ConnectionGuard, ConnectionLimits, GuardedAppRunner, QuietLog
 from labkit.service.protocol import ApiError, GenRequest, Limits
 from labkit.service.stream import RequestHandle
 from labkit.service.worker import DuplicateRequest, Worker, WorkerUnavailable
 
 POLL_S = 0.5          # how often a waiting handler checks that its client is still there
+API_KEY_ENV = "LABKIT_API_KEY"
+RETRY_AFTER_S = "1"
+LISTEN_QUEUE = 1024
+JSON_TYPES = ("application/json",)
+BODY_ENCODINGS = ("", "identity", "gzip", "deflate")
+
+
+@dataclass
+class Access:
+    """Who may use the server: an optional API key and the browser origins allowed to call it."""
+    api_key: str | None = None
+    allowed_origins: tuple[str, ...] = ()
+
+    @classmethod
+    def make(cls, api_key: str | None = None, allowed_origins=None) -> "Access":
+        key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+        if key is not None and (not key.strip() or any(c.isspace() for c in key)):
+            raise UserError("--api-key must be a non-empty string without spaces")
+        if isinstance(allowed_origins, str):
+            allowed_origins = allowed_origins.split(",")
+        origins = tuple(o.strip().rstrip("/") for o in (allowed_origins or ()) if o.strip())
+        return cls(key, origins)
+
+    def origin_allowed(self, origin: str) -> bool:
+        return "*" in self.allowed_origins or origin.rstrip("/") in self.allowed_origins
+
+    def key_ok(self, header: str | None) -> bool:
+        if self.api_key is None:
+            return True
+        scheme, _, given = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.api_key.encode())
 
 
 # --------------------------------------------------------------------------- text
@@ -87,7 +144,10 @@ class IncrementalText:
 
 
 def error_response(err: ApiError, **extra) -> web.Response:
-    return web.json_response(err.body(**extra), status=err.status)
+    resp = web.json_response(err.body(**extra), status=err.status, headers=err.headers or None)
+    if err.close:
+        resp.force_close()
+    return resp
 
 
 def _disconnected(request: web.Request) -> bool:
@@ -95,20 +155,24 @@ def _disconnected(request: web.Request) -> bool:
     return transport is None or transport.is_closing()
 
 
-async def _read_json(request: web.Request, limit: int) -> Any:
-    if request.content_length is not None and request.content_length > limit:
-        raise ApiError(413, f"request body of {request.content_length} bytes exceeds the limit of {limit} bytes",
-                       "body_too_large")
+def _conn(request: web.Request) -> Connection | None:
+    proto = request.protocol
+    return proto if isinstance(proto, Connection) else None
+
+
+def _dumps(obj: Any) -> bytes:
+    """One JSON document as UTF-8; whatever cannot be UTF-8 (it should never get here) is escaped, not a crash."""
     try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"request body exceeds the limit of {limit} bytes", "body_too_large") from None
-    if len(raw) > limit:
-        raise ApiError(413, f"request body exceeds the limit of {limit} bytes", "body_too_large")
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (UnicodeEncodeError, ValueError):
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=True, default=str).encode("ascii")
+
+
+def _is_loopback(request: web.Request) -> bool:
     try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})", "invalid_json") from None
+        return ipaddress.ip_address((request.remote or "").split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def _finish_reason_openai(finished: dict) -> str:
@@ -126,28 +190,114 @@ class ClientGone(Exception):
 class Service:
     """Routes over one Worker."""
 
-    def __init__(self, worker: Worker, served_model_name: str | None = None, max_body_bytes: int = 1 << 20):
+    def __init__(self, worker: Worker, served_model_name: str | None = None, max_body_bytes: int = 1 << 20, *,
+                 access: Access | None = None, connections: ConnectionLimits | None = None,
+                 log: QuietLog | None = None):
         self.worker = worker
         model = (worker.built.model or {}) if worker.built else {}
         name = served_model_name or model.get("preset") or _basename(model.get("path")) or "model"
         cfg = worker.engine.config
+        if not isinstance(max_body_bytes, int) or isinstance(max_body_bytes, bool) or max_body_bytes < 1024:
+            raise UserError(f"--max-body-bytes must be an integer of at least 1024, got {max_body_bytes!r}")
         self.limits = Limits(cfg.max_model_len, cfg.vocab_size, name, max_body_bytes)
+        self.access = access or Access.make()
+        self.connections = connections or ConnectionLimits()
+        self.connections.check()
+        self.log = log or QuietLog()
         self.created = int(time.time())
+        self._cancel_tokens: dict[str, str] = {}          # live HTTP requests: request id -> cancel token
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[self._errors])
-        app.router.add_post("/generate", self.generate)
-        app.router.add_post("/cancel", self.cancel)
+        expect = self._expect
+        app.router.add_post("/generate", self.generate, expect_handler=expect)
+        app.router.add_post("/cancel", self.cancel, expect_handler=expect)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/config", self.config)
         app.router.add_get("/metrics", self.metrics)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions, expect_handler=expect)
+        app.router.add_post("/v1/chat/completions", self.chat, expect_handler=expect)
         app.router.add_get("/v1/models", self.models)
         return app
 
+    # -- before any handler ----------------------------------------------------------------
+    def _precheck(self, request: web.Request) -> None:
+        """Origin, API key, and for a POST route its body's type, encoding and declared size: refused here,
+        before a byte of the body is read (and before ``100 Continue``)."""
+        origin = request.headers.get("Origin")
+        if origin is not None and not self.access.origin_allowed(origin):
+            raise ApiError(403, f"requests from the web origin {protocol._show(origin)} are not allowed "
+                                "(start the server with --allowed-origins to allow it)", "origin_not_allowed",
+                           "Origin", close=True)
+        if request.path != "/health" and not self.access.key_ok(request.headers.get("Authorization")):
+            raise ApiError(401, "this server needs an API key: send Authorization: Bearer <key>", "invalid_api_key",
+                           "Authorization", headers={"WWW-Authenticate": "Bearer"}, close=True)
+        matched = getattr(request.match_info, "http_exception", None) is None
+        if request.method != "POST" or not matched:
+            return
+        ctype = request.headers.get("Content-Type", "")
+        if ctype.split(";", 1)[0].strip().lower() not in JSON_TYPES:
+            raise ApiError(415, f"the body must be application/json, got Content-Type {protocol._show(ctype or None)}",
+                           "unsupported_media_type", "Content-Type", close=True)
+        encoding = request.headers.get("Content-Encoding", "").strip().lower()
+        if encoding not in BODY_ENCODINGS:
+            raise ApiError(415, f"Content-Encoding {protocol._show(encoding)} is not supported (send identity, gzip "
+                                "or deflate)", "unsupported_content_encoding", "Content-Encoding", close=True)
+        limit = self.limits.max_body_bytes
+        length = request.content_length
+        if length is not None and length > limit:
+            raise ApiError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes", "body_too_large",
+                           close=True)
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: the checks first; only a request that passes them is invited to send its body."""
+        conn = _conn(request)
+        if conn is not None:
+            conn.enter("busy")
+        try:
+            self._precheck(request)
+        except ApiError as e:
+            resp = self._cors(request, error_response(e))
+            resp.force_close()
+            if conn is not None:
+                conn.enter("idle")
+            return resp
+        expect = request.headers.get("Expect", "")
+        if expect.lower() != "100-continue":
+            resp = error_response(ApiError(417, f"unsupported Expect: {protocol._show(expect)}", "expectation_failed",
+                                           "Expect", close=True))
+            if conn is not None:
+                conn.enter("idle")
+            return resp
+        if request.version >= (1, 1):
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+
+    def _cors(self, request: web.Request, resp: web.StreamResponse) -> web.StreamResponse:
+        origin = request.headers.get("Origin")
+        if origin is not None and self.access.origin_allowed(origin) and not resp.prepared:
+            resp.headers["Access-Control-Allow-Origin"] = origin
+            resp.headers["Vary"] = "Origin"
+            resp.headers["Access-Control-Expose-Headers"] = "X-Request-Id, X-Cancel-Token, X-Worker-Id"
+        return resp
+
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable):
+        conn = _conn(request)
+        if conn is not None:
+            conn.enter("body" if request.method == "POST" else "busy")
         try:
+            return self._cors(request, await self._handle(request, handler))
+        finally:
+            if conn is not None:
+                conn.enter("idle")
+
+    async def _handle(self, request: web.Request, handler: Callable) -> web.StreamResponse:
+        try:
+            if request.method == "OPTIONS" and request.headers.get("Origin") and \
+                    request.headers.get("Access-Control-Request-Method"):
+                return self._preflight(request)
+            self._precheck(request)
             return await handler(request)
         except ApiError as e:
             return error_response(e)
@@ -155,13 +305,58 @@ class Service:
             return web.Response(status=499)       # nobody is listening any more
         except web.HTTPRequestEntityTooLarge:
             return error_response(ApiError(413, f"request body exceeds the limit of {self.limits.max_body_bytes} bytes",
-                                           "body_too_large"))
+                                           "body_too_large", close=True))
         except web.HTTPException as e:
             if e.status < 400:
                 raise
             code = {404: "not_found", 405: "method_not_allowed"}.get(e.status, "http_error")
-            text = f"{request.method} {request.path}: {e.reason}"
-            return error_response(ApiError(e.status, text, code))
+            text = f"{request.method} {protocol._show(request.path)}: {e.reason}"
+            return error_response(ApiError(e.status, text, code, headers={k: v for k, v in e.headers.items()
+                                                                          if k == "Allow"}))
+
+    def _preflight(self, request: web.Request) -> web.Response:
+        origin = request.headers["Origin"]
+        if not self.access.origin_allowed(origin):
+            raise ApiError(403, f"requests from the web origin {protocol._show(origin)} are not allowed "
+                                "(start the server with --allowed-origins to allow it)", "origin_not_allowed", "Origin")
+        return web.Response(status=204, headers={
+            "Access-Control-Allow-Origin": origin, "Vary": "Origin", "Access-Control-Max-Age": "600",
+            "Access-Control-Allow-Methods": "GET, POST",
+            "Access-Control-Allow-Headers": "Authorization, Content-Type"})
+
+    async def _read_json(self, request: web.Request) -> Any:
+        """The body (read under its deadline, within the size limit) as strict JSON."""
+        limit = self.limits.max_body_bytes
+        timeout = self.connections.timeout_body
+        conn = _conn(request)
+        if conn is not None:
+            conn.enter("body")
+        try:
+            raw = await asyncio.wait_for(request.read(), timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {timeout:g} s", "request_timeout",
+                           close=True) from None
+        except web.HTTPRequestEntityTooLarge:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", "body_too_large",
+                           close=True) from None
+        except HttpProcessingError as e:
+            err = protocol.parser_error(400, e, None)
+            err.close = True
+            raise err from None
+        except web.RequestPayloadError as e:          # the parser could not decode the body
+            text = " ".join(str(e).split())[:200]
+            if "content-encoding" in text.lower():
+                raise ApiError(400, f"the body does not match its Content-Encoding ({text})",
+                               "invalid_content_encoding", "Content-Encoding", close=True) from None
+            raise ApiError(400, f"the request body could not be read ({text})", "invalid_body", close=True) from None
+        except (ConnectionError, asyncio.IncompleteReadError):
+            raise ClientGone() from None
+        finally:
+            if conn is not None:
+                conn.enter("busy")
+        if len(raw) > limit:
+            raise ApiError(413, f"request body exceeds the limit of {limit} bytes", "body_too_large")
+        return protocol.loads_strict(raw)
 
     # -- submission ---------------------------------------------------------------
     async def _submit(self, req: GenRequest) -> RequestHandle:
@@ -174,16 +369,23 @@ class Service:
             else:
                 handle = await asyncio.get_running_loop().run_in_executor(None, call)
         except RequestError as e:
-            param = {"invalid_request_id": "request_id", "invalid_tags": "tags"}.get(e.code, "prompt")
+            param = {"invalid_request_id": "request_id", "invalid_tags": "tags",
+                     "invalid_sampling_params": None}.get(e.code, _prompt_param(req))
             raise ApiError(400, str(e), e.code, param) from None
         except DuplicateRequest as e:
             raise ApiError(400, str(e), "duplicate_request_id", "request_id") from None
         except WorkerUnavailable as e:
-            raise ApiError(503, str(e), "unavailable") from None
+            raise ApiError(503, str(e), "unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
         if handle.rejected:
             msg = (handle.result or {}).get("message", "queue full")
-            raise ApiError(429, f"request {handle.request_id} rejected: {msg}; retry later", "queue_full")
+            raise ApiError(429, f"request {handle.request_id} rejected: {msg}; retry later", "queue_full",
+                           headers={"Retry-After": RETRY_AFTER_S})
+        self._cancel_tokens[handle.request_id] = secrets.token_urlsafe(18)
         return handle
+
+    def _headers(self, handle: RequestHandle, **extra: str) -> dict[str, str]:
+        return {"X-Request-Id": handle.request_id, "X-Cancel-Token": self._cancel_tokens.get(handle.request_id, ""),
+                "X-Worker-Id": self.worker.worker_id, **extra}
 
     async def _events(self, handle: RequestHandle, request: web.Request):
         """The handle's events until finished; ClientGone when the client went away meanwhile."""
@@ -201,24 +403,28 @@ class Service:
                     return
 
     def _abandon(self, handle: RequestHandle | None) -> None:
-        if handle is not None and not handle.finished:
+        if handle is None:
+            return
+        self._cancel_tokens.pop(handle.request_id, None)
+        if not handle.finished:
             self.worker.cancel(handle.request_id, cause="disconnect")
 
     # -- native --------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        req = protocol.parse_native(await _read_json(request, self.limits.max_body_bytes), self.limits)
+        req = protocol.parse_native(await self._read_json(request), self.limits)
         handle = await self._submit(req)
         text = IncrementalText(self.worker.tokenizer if req.detokenize else None)
         if not req.stream:
             return await self._collect_native(handle, request, text)
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson", "Cache-Control": "no-cache",
-                                           "X-Request-Id": handle.request_id, "X-Worker-Id": self.worker.worker_id})
+        resp = web.StreamResponse(headers=self._headers(handle, **{"Content-Type": "application/x-ndjson",
+                                                                   "Cache-Control": "no-cache"}))
+        self._cors(request, resp)
         try:
             await resp.prepare(request)
             async for ev in self._events(handle, request):
                 if ev["event"] == "token" and req.detokenize:
                     ev = {**ev, "text": text.push(ev["token_id"])}
-                await resp.write(json.dumps(ev, separators=(",", ":"), ensure_ascii=False).encode() + b"\n")
+                await resp.write(_dumps(ev) + b"\n")
             await resp.write_eof()
         except (ClientGone, ConnectionError):
             pass                          # the finally below turns it into a cancel at the owner
@@ -236,25 +442,49 @@ class Service:
         finally:
             self._abandon(handle)
         fin = handle.result or {}
-        return web.json_response({"request_id": handle.request_id, "token_ids": text.ids, "text": text.text(),
-                                  "finished": fin, "events": events})
+        body = {"request_id": handle.request_id, "token_ids": text.ids, "text": text.text(), "finished": fin,
+                "events": events}
+        return web.Response(body=_dumps(body), content_type="application/json",
+                            headers={"X-Request-Id": handle.request_id, "X-Worker-Id": self.worker.worker_id})
 
     async def cancel(self, request: web.Request) -> web.Response:
-        rid = protocol.parse_cancel(await _read_json(request, self.limits.max_body_bytes))
-        if not self.worker.cancel(rid, cause="client"):
-            raise ApiError(404, f"no request {rid!r} in flight (unknown or already finished)", "request_not_found",
-                           "request_id")
+        rid, token = protocol.parse_cancel(await self._read_json(request))
+        if token is None:
+            raise ApiError(400, "cancel_token is required: send the X-Cancel-Token of the request's answer",
+                           "missing_cancel_token", "cancel_token")
+        known = self._cancel_tokens.get(rid)
+        if known is None or not hmac.compare_digest(known.encode(), token.encode()) \
+                or not self.worker.cancel(rid, cause="client"):
+            raise ApiError(404, f"no request {rid!r} in flight that this cancel token controls (unknown, finished, "
+                                "or another client's)", "request_not_found", "request_id")
         return web.json_response({"request_id": rid, "cancelled": True})
 
     async def health(self, request: web.Request) -> web.Response:
+        """Up or not, what is served and the load: nothing that names a path or the configuration."""
         snap = self.worker.snapshot()
         built = self.worker.built
-        body = {"status": snap["state"], **snap, "kind": built.kind if built else None,
-                "device": built.device if built else None,
-                "model": built.model if built else None, "served_model_name": self.limits.served_model_name,
-                "max_model_len": self.limits.max_model_len,
-                "engine": built.describe() if built else None, "worker": vars(self.worker.config)}
+        keep = ("worker_id", "round", "queue_depth", "active", "engine_waiting", "engine_running",
+                "kv_blocks_total", "kv_blocks_free", "kv_blocks_used")
+        body = {"status": snap["state"], "state": snap["state"], **{k: snap[k] for k in keep if k in snap},
+                "kind": built.kind if built else None, "device": built.device if built else None,
+                "served_model_name": self.limits.served_model_name, "max_model_len": self.limits.max_model_len}
+        if snap["state"] != "ok":
+            body["reason"] = _redact(snap.get("reason") or "", built)
         return web.json_response(body, status=200 if snap["state"] == "ok" else 503)
+
+    async def config(self, request: web.Request) -> web.Response:
+        """The model identity (with its path), engine and worker configuration: with the API key, or from this
+        machine when the server has none."""
+        if self.access.api_key is None and not _is_loopback(request):
+            raise ApiError(403, "/config is only served to this machine unless the server has an --api-key",
+                           "forbidden")
+        built = self.worker.built
+        body = {"served_model_name": self.limits.served_model_name, "max_model_len": self.limits.max_model_len,
+                "kind": built.kind if built else None, "device": built.device if built else None,
+                "model": built.model if built else None, "engine": built.describe() if built else None,
+                "worker": vars(self.worker.config), "max_body_bytes": self.limits.max_body_bytes,
+                "connections": vars(self.connections)}
+        return web.Response(body=_dumps(body), content_type="application/json")
 
     async def metrics(self, request: web.Request) -> web.Response:
         text = self.worker.stats.render(self.worker.gauges())
@@ -268,11 +498,11 @@ class Service:
 
     # -- OpenAI-compatible ---------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = protocol.parse_completion(await _read_json(request, self.limits.max_body_bytes), self.limits)
+        req = protocol.parse_completion(await self._read_json(request), self.limits)
         return await self._openai(req, request)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        req = protocol.parse_chat(await _read_json(request, self.limits.max_body_bytes), self.limits)
+        req = protocol.parse_chat(await self._read_json(request), self.limits)
         return await self._openai(req, request)
 
     async def _openai(self, req: GenRequest, request: web.Request) -> web.StreamResponse:
@@ -319,16 +549,18 @@ class Service:
                           "logprobs": None, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text.text(), "logprobs": None, "finish_reason": finish}
-            return web.json_response({"id": oid, "object": "chat.completion" if chat else "text_completion",
-                                      "created": created, "model": model, "choices": [choice], "usage": usage(fin)},
-                                     headers={"X-Request-Id": handle.request_id, "X-Worker-Id": self.worker.worker_id})
+            body = {"id": oid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                    "model": model, "choices": [choice], "usage": usage(fin)}
+            return web.Response(body=_dumps(body), content_type="application/json",
+                                headers={"X-Request-Id": handle.request_id, "X-Worker-Id": self.worker.worker_id})
 
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Request-Id": handle.request_id, "X-Worker-Id": self.worker.worker_id})
+        resp = web.StreamResponse(headers=self._headers(handle, **{"Content-Type": "text/event-stream",
+                                                                   "Cache-Control": "no-cache"}))
+        self._cors(request, resp)
 
         async def send(obj: Any) -> None:
-            data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-            await resp.write(f"data: {data}\n\n".encode())
+            data = obj.encode() if isinstance(obj, str) else _dumps(obj)
+            await resp.write(b"data: " + data + b"\n\n")
 
         try:
             await resp.prepare(request)
@@ -363,11 +595,29 @@ def _basename(path: str | None) -> str | None:
     return str(path).rstrip("/").rsplit("/", 1)[-1] or None
 
 
+def _prompt_param(req: GenRequest) -> str:
+    if req.api == "chat" or (isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], dict)):
+        return "messages"
+    if req.api == "native" and isinstance(req.prompt, list):
+        return "prompt_token_ids"
+    return "prompt"
+
+
+def _redact(text: str, built) -> str:
+    """``text`` without the model's path (an unhealthy worker's reason may quote an engine message)."""
+    path = ((built.model or {}).get("path") if built else None) or ""
+    text = text.replace(path, "<model>") if path else text
+    home = os.path.expanduser("~")
+    return text.replace(home, "~") if home and home != "/" else text
+
+
 # --------------------------------------------------------------------------- listening
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A bound socket for ``host:port`` (0: a free port); a port in use is one clear UserError."""
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
+        raise UserError(f"--port must be between 0 and 65535 (0 picks a free one), got {port!r}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -389,23 +639,43 @@ def url_of(sock: socket.socket) -> str:
 
 
 class HttpServer:
-    """The aiohttp app of a Service on a bound socket, inside the caller's event loop."""
+    """The aiohttp app of a Service on a bound socket, inside the caller's event loop.
 
-    def __init__(self, service: Service, sock: socket.socket, shutdown_timeout: float = 5.0):
+    ``stop()`` first closes every connection that is not running a request (half-sent requests, idle
+    keep-alives), so a stop never waits on a client that is not sending."""
+
+    def __init__(self, service: Service, sock: socket.socket, shutdown_timeout: float = 1.0):
         self.service = service
         self.sock = sock
         self.url = url_of(sock)
-        self._runner = web.AppRunner(service.app(), handle_signals=False, access_log=None,
-                                     handler_cancellation=True, shutdown_timeout=shutdown_timeout)
+        self.guard = ConnectionGuard(service.connections, service.log)
+        if self.guard.cap_note:
+            service.log.event("connection cap lowered", self.guard.cap_note)
+        self._runner = GuardedAppRunner(service.app(), self.guard, handle_signals=False, access_log=None,
+                                        handler_cancellation=True, shutdown_timeout=shutdown_timeout)
 
     async def start(self) -> str:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(self.service.log.loop_exception_handler)
         await self._runner.setup()
-        site = web.SockSite(self._runner, self.sock)
+        site = web.SockSite(self._runner, self.sock, backlog=self.guard.backlog)   # asyncio's accept burst
         await site.start()
+        try:
+            self.sock.listen(LISTEN_QUEUE)      # the kernel's queue may be long: waiting sockets hold no descriptor
+        except OSError:
+            pass
+        self.guard.start()
         return self.url
 
     async def stop(self) -> None:
+        self.guard.close_waiting()
+        await self.guard.stop()
         await self._runner.cleanup()
+
+
+def _service(worker: Worker, served_model_name, max_body_bytes, api_key, allowed_origins, connections) -> Service:
+    return Service(worker, served_model_name, max_body_bytes, access=Access.make(api_key, allowed_origins),
+                   connections=connections)
 
 
 class ServerThread:
@@ -416,11 +686,12 @@ class ServerThread:
     """
 
     def __init__(self, worker: Worker, host: str = "127.0.0.1", port: int = 0, *, served_model_name: str | None = None,
-                 max_body_bytes: int = 1 << 20, sock: socket.socket | None = None):
+                 max_body_bytes: int = 1 << 20, sock: socket.socket | None = None, api_key: str | None = None,
+                 allowed_origins=None, connections: ConnectionLimits | None = None):
         self.worker = worker
         self.sock = sock or bind_socket(host, port)
         self.url = url_of(self.sock)
-        self._service = Service(worker, served_model_name, max_body_bytes)
+        self._service = _service(worker, served_model_name, max_body_bytes, api_key, allowed_origins, connections)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server: HttpServer | None = None
         self._thread: threading.Thread | None = None
@@ -432,6 +703,10 @@ class ServerThread:
     @property
     def service(self) -> Service:
         return self._service
+
+    @property
+    def guard(self) -> ConnectionGuard | None:
+        return self._server.guard if self._server is not None else None
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
         self._thread = threading.Thread(target=self._run, name=f"labkit-http-{self.worker.worker_id}", daemon=True)
@@ -491,11 +766,16 @@ class ServerThread:
 
 async def serve_until_signal(worker: Worker, sock: socket.socket, *, served_model_name: str | None = None,
                              max_body_bytes: int = 1 << 20, on_ready: Callable[[str], None] | None = None,
-                             stop: asyncio.Event | None = None) -> None:
-    """``labkit serve``: run until SIGINT/SIGTERM (or ``stop``), then close the worker and the server."""
+                             stop: asyncio.Event | None = None, api_key: str | None = None, allowed_origins=None,
+                             connections: ConnectionLimits | None = None) -> None:
+    """``labkit serve``: run until SIGINT/SIGTERM (or ``stop``), then close the worker and the server.
+
+    The worker closes first (open streams end cancelled/shutdown), then every connection that is not
+    running a request is closed at once, so half-sent requests never hold up the exit."""
     import signal
 
-    server = HttpServer(Service(worker, served_model_name, max_body_bytes), sock)
+    server = HttpServer(_service(worker, served_model_name, max_body_bytes, api_key, allowed_origins, connections),
+                        sock)
     url = await server.start()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -509,16 +789,20 @@ async def serve_until_signal(worker: Worker, sock: socket.socket, *, served_mode
     try:
         await stop.wait()
     finally:
+        server.guard.close_waiting()
         await loop.run_in_executor(None, worker.close)
         await server.stop()
 
 
 def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, served_model_name: str | None = None,
-              max_body_bytes: int = 1 << 20, on_ready: Callable[[str, Worker], None] | None = None) -> dict:
+              max_body_bytes: int = 1 << 20, on_ready: Callable[[str, Worker], None] | None = None,
+              api_key: str | None = None, allowed_origins=None, connections: ConnectionLimits | None = None) -> dict:
     """``labkit serve``: bind first (a port in use fails before the model loads), start the worker,
     serve until SIGINT/SIGTERM, close. Returns what the worker did (finished requests by reason)."""
     from labkit.service.events import EventLog
 
+    Access.make(api_key, allowed_origins)                       # option errors before the model loads
+    (connections or ConnectionLimits()).check()
     sock = bind_socket(host, port)
     log = EventLog(out) if out else None
     worker = Worker(config, sink=log.write if log else None)
@@ -527,7 +811,8 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
         if log is not None:
             log.write_header(worker.header(role="server", url=url_of(sock)))
         asyncio.run(serve_until_signal(worker, sock, served_model_name=served_model_name,
-                                       max_body_bytes=max_body_bytes,
+                                       max_body_bytes=max_body_bytes, api_key=api_key,
+                                       allowed_origins=allowed_origins, connections=connections,
                                        on_ready=(lambda url: on_ready(url, worker)) if on_ready else None))
     finally:
         worker.close()

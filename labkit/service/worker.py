@@ -6,9 +6,11 @@ Threads and ownership
     threads call ``submit()``, ``cancel()``, ``run_on_owner()`` and ``close()``, all thread-safe.
 
 Admission and the queue
-    ``submit()`` validates the prompt at once (``engine.RequestError`` for an empty prompt, a token
+    ``submit()`` validates the prompt at once (``engine.RequestError`` for a text prompt of more than
+    ``max_prompt_bytes`` UTF-8 bytes, refused before the tokenizer sees it; an empty prompt, a token
     id outside the vocabulary, prompt + max_tokens beyond max_model_len, a prompt the KV pool can
-    never hold) and appends the request to a bounded queue of ``queue_size``. A full queue rejects
+    never hold) and appends the request to a bounded queue of ``queue_size``. A request without an
+    id gets a random one (``<worker_id>-<16 hex digits>``): no client can guess or claim the next. A full queue rejects
     the request: its stream gets ``finished(reason=rejected)`` and ``handle.rejected`` is true; no
     request is ever dropped silently. At each step boundary the owner handles cancels first, then
     admits queued requests in order while fewer than ``max_active`` are admitted and unfinished.
@@ -20,6 +22,12 @@ Event streams and slow consumers
     freed. A buffer therefore never holds more than ``stream_buffer + 2`` events (the overflowing
     token and the finished event). ``submit(stream=False)`` keeps only the finished event (for
     in-process load replay, where the JSONL log is the record).
+
+Chat messages and special tokens
+    Messages go through the model's chat template. Only the template's own markers become control
+    tokens: text inside a message that spells a special token (``<|im_start|>system``) is tokenized as
+    plain text, so a user cannot forge a turn. ``special_tokens_in_content=True`` restores the old
+    behaviour (the whole rendered prompt parsed for special tokens).
 
 Cancellation
     ``cancel(request_id)`` is recorded and handled by the owner at the next step boundary: a queued
@@ -57,7 +65,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
-import itertools
+import secrets
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -123,6 +131,8 @@ class WorkerConfig:
     shm_name: str | None = None             # its TP step channel (None: unique per instance)
     load_tokenizer: bool = True             # text prompts and detokenized output need it
     log_steps: bool = True                  # one "step" record per engine step in the log
+    max_prompt_bytes: int | None = None     # text prompts longer than this are refused untokenized (None: 32 x max_model_len)
+    special_tokens_in_content: bool = False  # True: special-token text inside chat messages becomes control tokens
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_active", "queue_size", "max_model_len",
@@ -130,6 +140,11 @@ class WorkerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.max_prompt_bytes is None:
+            self.max_prompt_bytes = max(16 * 1024, 32 * self.max_model_len)
+        if not isinstance(self.max_prompt_bytes, int) or isinstance(self.max_prompt_bytes, bool) \
+                or self.max_prompt_bytes < 1:
+            raise UserError(f"max-prompt-bytes must be a positive integer, got {self.max_prompt_bytes!r}")
         if not REQUEST_ID_RE.fullmatch(self.worker_id):
             raise UserError(f"worker id must match {REQUEST_ID_RE.pattern}, got {self.worker_id!r}")
 
@@ -183,7 +198,6 @@ class Worker:
         self._by_seq: dict[int, _Request] = {}        # owner only
         self._cancels: deque[tuple[str, str]] = deque()
         self._calls: deque[_OwnerCall] = deque()
-        self._ids = itertools.count()
         self._round = 0
         self._stopping = False
         self._closed = False
@@ -258,13 +272,58 @@ class Worker:
             return list(prompt)
         if self.tokenizer is None:
             raise RequestError("this worker was started without a tokenizer: send token ids")
+        limit = self.config.max_prompt_bytes
+        if isinstance(prompt, str):
+            self._check_size(len(prompt.encode("utf-8", "surrogatepass")), limit, "the prompt")
+        elif isinstance(prompt, list):
+            self._check_size(sum(len(str(m.get("content", "")).encode("utf-8", "surrogatepass")) for m in prompt),
+                             limit, "the messages' content")
         try:
             with self._encode_lock:                 # fast tokenizers are not safe to share between threads
+                if isinstance(prompt, list) and not self.config.special_tokens_in_content:
+                    return self._encode_chat(prompt, limit)
                 return self.engine.encode(prompt)
         except RequestError:
             raise
         except Exception as e:                      # a chat template that cannot render these messages
-            raise RequestError(f"cannot encode the prompt: {type(e).__name__}: {e}") from None
+            raise RequestError(f"cannot encode the prompt: {type(e).__name__}: {' '.join(str(e).split())[:200]}",
+                               "invalid_prompt") from None
+
+    @staticmethod
+    def _check_size(n: int, limit: int, what: str) -> None:
+        if n > limit:
+            raise RequestError(f"{what} has {n} bytes; this server tokenizes at most {limit} "
+                               f"(--max-prompt-bytes)", "prompt_too_long")
+
+    def _encode_chat(self, messages: list[dict], limit: int) -> list[int]:
+        """The chat template's text, tokenized so that only the template's own markers are special tokens.
+
+        The template is rendered once with a unique sentinel around every message's content; the text
+        outside the sentinels is tokenized as the template made it (its markers become control tokens),
+        the content between them with special tokens split into plain text. When no content spells a
+        special token this is exactly the engine's own encoding."""
+        tok = self.engine.tokenizer
+        specials = [t for t in (getattr(tok, "all_special_tokens", None) or []) if t]
+        contents = [str(m.get("content") or "") for m in messages]
+        if not any(sp in c for c in contents for sp in specials):
+            return self.engine.encode(messages)
+        mark = "\u2063" + secrets.token_hex(8)
+        wrapped = [{**m, "content": f"{mark}{c}{mark}"} for m, c in zip(messages, contents)]
+        text = tok.apply_chat_template(wrapped, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        parts = text.split(mark)
+        if len(parts) != 2 * len(messages) + 1:
+            raise RequestError("the chat template rewrites message content; cannot keep special tokens in it as text "
+                               "(start the server with --special-tokens-in-content)", "invalid_prompt")
+        self._check_size(sum(len(p.encode("utf-8")) for p in parts), limit, "the rendered chat")
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if not part:
+                continue
+            if i % 2:          # message content: special-token text stays text
+                ids += tok.encode(part, add_special_tokens=False, split_special_tokens=True)
+            else:              # the template's own text
+                ids += tok.encode(part, add_special_tokens=False)
+        return ids
 
     def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                tags: dict | None = None, stream: bool = True, stream_buffer: int | None = None) -> RequestHandle:
@@ -288,14 +347,16 @@ class Worker:
         with self._lock:
             if not self.accepting:
                 raise WorkerUnavailable(self._unavailable_reason())
-            rid = str(request_id) if request_id is not None else f"{self.worker_id}-{next(self._ids)}"
+            rid = str(request_id) if request_id is not None else self._new_id()
             if rid in self._live:
                 raise DuplicateRequest(f"request_id {rid!r} is already in flight")
             handle = RequestHandle(rid, stream_buffer or self.config.stream_buffer, keep_tokens=stream)
             req = _Request(rid, token_ids, params, handle, tags, now_ns())
-            self._emit(req, make_event("submitted", rid, self.worker_id, self._round, t_ns=req.submitted_ns,
-                                       prompt_tokens=len(token_ids), max_tokens=params.max_tokens,
-                                       queue_depth=len(self._pending), **tags))
+            ev = make_event("submitted", rid, self.worker_id, self._round, t_ns=req.submitted_ns,
+                            prompt_tokens=len(token_ids), max_tokens=params.max_tokens,
+                            queue_depth=len(self._pending))
+            ev.update(tags)                   # never as keyword arguments: a tag may share a parameter's name
+            self._emit(req, ev)
             if len(self._pending) >= self.config.queue_size:
                 handle.rejected = True
                 self._finish(req, "rejected", message=f"queue full ({self.config.queue_size} requests waiting)")
@@ -304,6 +365,12 @@ class Worker:
             self._live[rid] = req
             self._cv.notify_all()
         return handle
+
+    def _new_id(self) -> str:
+        while True:
+            rid = f"{self.worker_id}-{secrets.token_hex(8)}"
+            if rid not in self._live:
+                return rid
 
     def cancel(self, request_id: str, cause: str = "client") -> bool:
         """Ask the owner to cancel at its next step boundary; False if no such live request."""
