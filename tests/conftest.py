@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,19 @@ def _cli_runner_sets_argv():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(CliRunner, "invoke", invoke_as_labkit)
         yield
+
+
+@contextlib.contextmanager
+def checkpoint_command(cid: str):
+    """sys.argv set to checkpoint ``cid``'s command for the block (for module-scoped fixtures, where the
+    function-scoped ``labkit_argv`` cannot be used): the envelope records it and the judge checks it."""
+    import sys
+
+    from labkit.checks import get_checkpoint
+
+    argv = sys.argv
+    sys.argv = ["labkit", *get_checkpoint(cid).command[1:]]
+    try:
+        yield
+    finally:
+        sys.argv = argv

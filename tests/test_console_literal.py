@@ -35,12 +35,15 @@ def test_doctor_optional_label_is_shown():
                         "tensor_check": {"op": "mm", "shape": [2, 2], "dtype": "f32", "device": "cpu",
                                          "max_abs_err": 0.0, "tol": 1e-5},
                         "python": {"executable": "/x/[y]/python"},
-                        "runs_writable": {"dir": "runs", "ok": True}},
+                        "runs_writable": {"dir": "runs", "ok": True},
+                        "engine_import": {"path": "/x/[engine]"},
+                        "engine_run": {"ok": True, "output_tokens": 1, "generate_seconds": 0.1,
+                                       "attention_backend": "torch"}},
               "device": "cpu", "kind": "cpu-real-engine"}
     with con.console.capture() as cap:
         con.render_doctor(record)
     out = cap.get()
-    assert "[optional]" in out and "/x/[y]/python" in out
+    assert "[optional]" in out and "/x/[y]/python" in out and "/x/[engine]" in out
 
 
 def test_generate_command_prints_markup_in_output_literally(cli_app, monkeypatch, tmp_path):

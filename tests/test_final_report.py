@@ -31,16 +31,12 @@ def runs(tmp_path, monkeypatch) -> Path:
 @pytest.fixture(scope="module")
 def balanced_evidence(tmp_path_factory) -> Path:
     """The real before/after check of the balanced-policy patch (real scheduler, no model)."""
-    from labkit.checks import get_checkpoint
+    from conftest import checkpoint_command
     from labkit.patch_check import run_patch_check
 
     out = tmp_path_factory.mktemp("balanced") / "no-balanced-policy.json"
-    argv = sys.argv                     # the envelope records the command line; the judge checks it
-    sys.argv = ["labkit", *get_checkpoint("patches.no-balanced-policy").command[1:]]
-    try:
+    with checkpoint_command("patches.no-balanced-policy"):
         record = run_patch_check("no-balanced-policy", out)
-    finally:
-        sys.argv = argv
     assert record["verdict"] == "PASS"
     return out
 

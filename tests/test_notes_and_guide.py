@@ -31,10 +31,12 @@ def runs(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture(scope="module")
 def balanced_evidence(tmp_path_factory) -> Path:
+    from conftest import checkpoint_command
     from labkit.patch_check import run_patch_check
 
     out = tmp_path_factory.mktemp("balanced") / "no-balanced-policy.json"
-    assert run_patch_check("no-balanced-policy", out)["verdict"] == "PASS"
+    with checkpoint_command("patches.no-balanced-policy"):
+        assert run_patch_check("no-balanced-policy", out)["verdict"] == "PASS"
     return out
 
 
