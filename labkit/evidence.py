@@ -31,7 +31,7 @@ from typing import Any, Iterator
 from labkit import checks as _checks
 from labkit import paths
 from labkit.errors import UserError
-from labkit.patches import applied_patches
+from labkit.patches.store import applied_patches
 from labkit.evidence_format import DIGEST_KEY, KINDS, SCHEMA_VERSION, digest, engine_dir, engine_source_hash
 
 _VERSIONED = ("python", "torch", "triton", "transformers", "flash_attn")

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from labkit import final_report
+from labkit.writeup import report as final_report
 from labkit.paths import repo_root
 
 ROOT = repo_root()
@@ -32,7 +32,7 @@ def runs(tmp_path, monkeypatch) -> Path:
 def balanced_evidence(tmp_path_factory) -> Path:
     """The real before/after check of the balanced-policy patch (real scheduler, no model)."""
     from conftest import checkpoint_command
-    from labkit.patch_check import run_patch_check
+    from labkit.patches.check import run_patch_check
 
     out = tmp_path_factory.mktemp("balanced") / "no-balanced-policy.json"
     with checkpoint_command("patches.no-balanced-policy"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit import notes
+from labkit.writeup import notes
 from labkit.paths import repo_root
 
 ROOT = repo_root()
@@ -32,7 +32,7 @@ def runs(tmp_path, monkeypatch) -> Path:
 @pytest.fixture(scope="module")
 def balanced_evidence(tmp_path_factory) -> Path:
     from conftest import checkpoint_command
-    from labkit.patch_check import run_patch_check
+    from labkit.patches.check import run_patch_check
 
     out = tmp_path_factory.mktemp("balanced") / "no-balanced-policy.json"
     with checkpoint_command("patches.no-balanced-policy"):
@@ -67,7 +67,7 @@ def test_every_step_has_a_template_that_names_real_checkpoints_and_guide_section
 
 
 def test_patch_guides_point_at_lab_sections():
-    from labkit.patches import load_patches
+    from labkit.patches.store import load_patches
 
     anchors = lab_anchors()
     for p in load_patches():

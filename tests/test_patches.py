@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from labkit.paths import repo_root
-from labkit.patches import load_patches
+from labkit.patches.store import load_patches
 
 ROOT = repo_root()
 PATCHES = load_patches()
@@ -125,7 +125,7 @@ def test_refuses_a_patch_that_does_not_apply_without_touching_the_tree(repo):
 
 def test_unknown_patch_is_one_line():
     from labkit.errors import UserError
-    from labkit.patches import find
+    from labkit.patches.store import find
 
     with pytest.raises(UserError, match="unknown patch 'no-balanced'.*no-balanced-policy"):
         find("no-balanced")

@@ -9,7 +9,7 @@ import typer
 
 def final_report_command(out: Path | None, plots: bool, json_out: bool) -> NoReturn:
     from labkit.console import console, dict_table, note, print_json, rel, verdict_text
-    from labkit.final_report import exit_code, write_final_report
+    from labkit.writeup.report import exit_code, write_final_report
 
     report = write_final_report(out, plots=plots)
     paths = report.pop("_paths")

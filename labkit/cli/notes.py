@@ -16,7 +16,7 @@ notes_app = typer.Typer(help="Notes templates per lab step, pre-filled from runs
 def list_(json_out: JsonOpt = False) -> None:
     """Every step with a template, the checkpoints that feed it, and whether you have notes for it."""
     from labkit.console import console, dict_table, print_json
-    from labkit.notes import list_steps
+    from labkit.writeup.notes import list_steps
 
     rows = list_steps()
     if json_out:
@@ -35,7 +35,7 @@ def new(
 ) -> None:
     """Copy the step's template into notes/STEP.md with its evidence (verdicts, numbers, paths) filled in."""
     from labkit.console import console, note, print_json, rel
-    from labkit.notes import new_note
+    from labkit.writeup.notes import new_note
 
     res = new_note(step, force=force, out=out)
     if json_out:

@@ -30,7 +30,7 @@ def _rows(rows: list[dict], title: str) -> None:
 def list_(json_out: JsonOpt = False) -> None:
     """Every shipped patch: what it restores and which checkpoint judges the pair."""
     from labkit.console import console, dict_table, print_json
-    from labkit.patches import load_patches
+    from labkit.patches.store import load_patches
 
     patches = [p.to_dict() for p in load_patches()]
     if json_out:
@@ -44,7 +44,7 @@ def list_(json_out: JsonOpt = False) -> None:
 def show(name: NameArg) -> None:
     """Print a patch's README and its diff."""
     from labkit.console import console
-    from labkit.patches import find
+    from labkit.patches.store import find
 
     p = find(name)
     if p.readme().is_file():
@@ -56,7 +56,7 @@ def show(name: NameArg) -> None:
 def apply(name: NameArg, json_out: JsonOpt = False) -> None:
     """Apply a patch to engine/ (all or nothing; refuses on unexplained engine changes)."""
     from labkit.console import console, print_json
-    from labkit.patches import apply as do_apply
+    from labkit.patches.store import apply as do_apply
 
     row = do_apply(name)
     if json_out:
@@ -70,7 +70,7 @@ def apply(name: NameArg, json_out: JsonOpt = False) -> None:
 def revert(name: NameArg, json_out: JsonOpt = False) -> None:
     """Reverse an applied patch (all or nothing)."""
     from labkit.console import console, print_json
-    from labkit.patches import revert as do_revert
+    from labkit.patches.store import revert as do_revert
 
     row = do_revert(name)
     if json_out:
@@ -83,7 +83,7 @@ def revert(name: NameArg, json_out: JsonOpt = False) -> None:
 def status(json_out: JsonOpt = False) -> None:
     """Which patches are applied to the engine Python imports, and any engine change no patch explains."""
     from labkit.console import console, print_json
-    from labkit.patches import status as do_status
+    from labkit.patches.store import status as do_status
 
     st = do_status()
     if json_out:
@@ -99,8 +99,8 @@ def check(name: NameArg, out: OutOpt = None, model: ModelOpt = None, json_out: J
     """Run a patch's before/after experiment on copies of engine/ and judge the pair."""
     from labkit.cli.app import finish
     from labkit.console import console, kv_table
-    from labkit.patch_check import run_patch_check
-    from labkit.patches import find
+    from labkit.patches.check import run_patch_check
+    from labkit.patches.store import find
 
     p = find(name)
     if model is not None and not Path(model).is_dir():

@@ -175,7 +175,7 @@ def _git(args: list[str], cwd: Path) -> str | None:
 
 
 def engine_changes() -> dict:
-    from labkit.patches import applied_patches, unexplained_changes
+    from labkit.patches.store import applied_patches, unexplained_changes
 
     edir = engine_dir()
     root = edir.parent if edir is not None else repo_root()
