@@ -152,6 +152,73 @@ def test_mismatched_trajectories_and_models_are_refused(baseline, tiny_model_dir
         compare(baseline / "engine-nano", other_model, tmp_path / "y.json")
 
 
+# --------------------------------------------------------------------------- collections assert what they measured
+
+
+def failed_names(rec):
+    return sorted(c["name"] for c in rec["checks"] if c["status"] == "fail")
+
+
+def test_collections_state_run_assertions_over_measured_facts(baseline):
+    nano = json.loads((baseline / "engine-nano.json").read_text())
+    hf = json.loads((baseline / "engine-hf.json").read_text())
+    for rec in (nano, hf):
+        assert "unjudged_checks" not in rec and rec["verdict"] == "PASS"
+        assert {a["path"] for a in rec["run_assertions"]} >= {"facts.num_rows", "facts.rows_follow_trajectory",
+                                                             "facts.logits_finite"}
+        assert rec["facts"]["logits_finite"] is True and rec["facts"]["num_rows"] == 15
+    assert hf["kind"] == "reference"                   # transformers made these rows, not our engine
+    assert [s["width"] for s in hf["facts"]["steps"]] == [r["length"] for r in hf["facts"]["rows"]]
+
+
+def test_non_finite_engine_logits_fail_the_collection(tiny_model_dir, tmp_path, monkeypatch):
+    import labkit.guardrails.collect as collect_mod
+    from labkit.guardrails import forcing
+
+    real = forcing.drive_teacher_forced
+
+    def poisoned(engine, prompts, continuations, *, probe=None, on_row=None):
+        def poison(rec):
+            rec.logits[3] = float("nan")
+            on_row(rec)
+        return real(engine, prompts, continuations, probe=probe, on_row=poison)
+
+    monkeypatch.setattr(collect_mod, "drive_teacher_forced", poisoned)
+    rec = collect("nano", "baseline", tmp_path / "nan", model=str(tiny_model_dir), device="cpu")
+    assert rec["verdict"] == "FAIL" and rec["facts"]["logits_finite"] is False
+    assert failed_names(rec) == ["logits finite"]
+
+
+def test_hf_rows_that_were_fed_other_tokens_fail(tiny_model_dir, tmp_path, monkeypatch):
+    """The reference's trajectory is measured from the input ids transformers received, not assumed."""
+    import labkit.guardrails.collect as collect_mod
+
+    real = collect_mod.reference_last_logits
+    monkeypatch.setattr(collect_mod, "reference_last_logits",
+                        lambda model, tokens, device: real(model, list(tokens)[:-1] + [1], device))
+    rec = collect("hf", "baseline", tmp_path / "off", model=str(tiny_model_dir), device="cpu")
+    assert rec["verdict"] == "FAIL" and rec["facts"]["rows_follow_trajectory"] is False
+    assert failed_names(rec) == ["rows follow the preset trajectory"]
+    # called twice per row: the measured row count is 30, not the suite's 15
+    monkeypatch.setattr(collect_mod, "reference_last_logits",
+                        lambda model, tokens, device: (real(model, tokens, device), real(model, tokens, device))[1])
+    rec = collect("hf", "baseline", tmp_path / "twice", model=str(tiny_model_dir), device="cpu")
+    assert rec["facts"]["num_rows"] == 30 and "rows collected" in failed_names(rec)
+
+
+def test_a_kv_probe_that_saw_no_decode_step_fails(tiny_model_dir, tmp_path, monkeypatch):
+    """'history unchanged' over zero probed decode steps is vacuous: the collection says so and FAILs."""
+    from labkit.guardrails.forcing import KVProbe
+
+    monkeypatch.setattr(KVProbe, "before", lambda self, *a: None)
+    monkeypatch.setattr(KVProbe, "after", lambda self, *a: None)
+    rec = collect("nano", "graph", tmp_path / "blind", model=str(tiny_model_dir), device="cpu")
+    kv = rec["facts"]["kv"]
+    assert kv["history_unchanged"] is True and kv["decode_steps_probed"] == 0      # vacuously "unchanged"
+    assert rec["verdict"] == "FAIL"
+    assert failed_names(rec) == ["decode steps probed", "new KV of every decode row"]
+
+
 # --------------------------------------------------------------------------- REVIEW
 
 
@@ -195,6 +262,7 @@ def test_graph_suite_collects_126_rows_with_kv_checks(graph):
     assert nano["verdict"] == "PASS" and f["num_rows"] == 126 and hf["facts"]["num_rows"] == 126
     assert sorted(map(int, f["decode_routes"])) == [1, 9, 16, 17, 20]
     assert f["kv"]["history_unchanged"] and f["kv"]["padding_wrote_nothing"]
+    assert f["kv"]["decode_steps_probed"] == 5 and f["kv"]["new_kv_rows"] == 63 and f["logits_finite"]
     assert [s["batch"] for s in f["kv"]["decode_steps"]] == [1, 9, 16, 17, 20]
     assert all(s["free_blocks_checked"] for s in f["kv"]["decode_steps"])
     with np.load(d / "nano.npz") as z:
