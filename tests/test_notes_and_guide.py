@@ -31,10 +31,15 @@ def runs(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture(scope="module")
 def balanced_evidence(tmp_path_factory) -> Path:
+    from unittest import mock
+
+    from labkit.checks import get_checkpoint
     from labkit.patch_check import run_patch_check
 
     out = tmp_path_factory.mktemp("balanced") / "no-balanced-policy.json"
-    assert run_patch_check("no-balanced-policy", out)["verdict"] == "PASS"
+    # the envelope records the command line and the judge checks it: run as the checkpoint's command
+    with mock.patch.object(sys, "argv", ["labkit", *get_checkpoint("patches.no-balanced-policy").command[1:]]):
+        assert run_patch_check("no-balanced-policy", out)["verdict"] == "PASS"
     return out
 
 
