@@ -152,6 +152,48 @@ def test_inprocess_wall_load_excludes_warmup(tmp_path, tiny_model_dir):
     assert (tmp_path / "load.json").is_file()
 
 
+def test_a_load_that_leaks_kv_blocks_fails(tmp_path, tiny_model_dir, monkeypatch):
+    """Break the subject: a block manager that keeps one block of every finished sequence."""
+    from engine.block_manager import BlockManager
+
+    real = BlockManager.deallocate
+
+    def leaky(self, seq):
+        keep = seq.block_table[-1:]
+        freed = real(self, seq)
+        for b in keep:
+            self.free_block_ids.remove(b)
+            self.used_block_ids.add(b)
+        return [b for b in freed if b not in keep]
+
+    monkeypatch.setattr(BlockManager, "deallocate", leaky)
+    record = run_load(opts(tmp_path, small_trace(tmp_path), tiny_model_dir, warmup_requests=0))
+    assert record["facts"]["kv_free_at_end_equals_total"] is False
+    assert record["verdict"] == "FAIL"
+    assert [c["name"] for c in record["checks"] if c["status"] == "fail"] == ["KV blocks all free at the end"]
+
+
+def test_load_sanity_assertions_read_the_measured_counts(tmp_path, labkit_argv):
+    """Unfinished or failed requests, counted from the event log, fail the run."""
+    from labkit.evidence import write_evidence
+    from labkit.load.replay import _sanity
+
+    def facts(**terms):
+        return {"terminations": {"engine": {"length": 4, **terms}}, "unfinished": {"engine": terms.get("unfinished", 0)},
+                "errors": {"engine": terms.get("error", 0)}}
+
+    def verdict(f):
+        return write_evidence(tmp_path / "x.json", checkpoint=None, kind="cpu-real-engine", device="cpu", facts=f,
+                              run_assertions=_sanity(f))
+
+    assert verdict(facts())["verdict"] == "PASS"
+    for bad, name in (({"unfinished": 1}, "every request finished (engine)"), ({"error": 2}, "no engine error (engine)")):
+        rec = verdict(facts(**bad))
+        assert rec["verdict"] == "FAIL" and [c["name"] for c in rec["checks"] if c["status"] == "fail"] == [name]
+    rec = verdict({"terminations": {}, "unfinished": {}, "errors": {}})
+    assert rec["verdict"] == "FAIL"                                       # no observer: nothing was measured
+
+
 def test_round_mode_injects_per_scheduler_round(tmp_path, tiny_model_dir):
     trace = small_trace(tmp_path, n=4, max_tokens=6)
     record = run_load(opts(tmp_path, trace, tiny_model_dir, mode="round", warmup_requests=0))
@@ -201,7 +243,8 @@ def test_profile_dir_writes_trace_and_operator_table(tmp_path, tiny_model_dir):
     record = run_load(opts(tmp_path, trace, tiny_model_dir, profile_dir=prof, warmup_requests=1))
     assert record["kind"] == "profile"
     p = json.loads((prof / "profile.json").read_text())
-    assert p["kind"] == "profile" and p["verdict"] == "PASS"
+    assert p["kind"] == "profile" and p["verdict"] == "PASS" and p["facts"]["trace_written"] is True
+    assert {a["path"] for a in p["run_assertions"]} >= {"facts.ranges.step.count", "facts.trace_written"}
     ranges = p["facts"]["ranges"]
     assert ranges["step"]["count"] > 0 and ranges["forward"]["count"] == ranges["step"]["count"]
     for phase in ("schedule", "prepare", "sample", "postprocess"):      # the engine's hooks, every step
