@@ -214,6 +214,24 @@ def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
+# --------------------------------------------------------------------------- claiming a checkpoint
+
+
+def claim(checkpoint: str | None, argv: list[str] | None = None, *, also: str = "") -> tuple[str | None, dict | None]:
+    """Whether this run may write evidence for ``checkpoint``: only when its command line (``sys.argv``, or
+    ``argv``) is the checkpoint's command with its options, as the judge will check, and ``also`` (a reason
+    the caller found, e.g. threshold overrides) is empty. Returns ``(checkpoint, None)`` when it may, else
+    ``(None, {"checkpoint": ID, "command": the checkpoint's command, "why": ...})``: the run is then evidence
+    for no checkpoint (not a FAIL of one), and says so."""
+    if checkpoint is None:
+        return None, None
+    cp = _checks.get_checkpoint(checkpoint)
+    why = _checks.command_mismatch(cp.command, command_line(argv)) or also
+    if not why:
+        return checkpoint, None
+    return None, {"checkpoint": checkpoint, "command": " ".join(cp.command), "why": why}
+
+
 # --------------------------------------------------------------------------- writing evidence
 
 

@@ -60,6 +60,7 @@ from labkit.cli.options import (
 from labkit.console import (
     console,
     debug_enabled,
+    err_console,
     error_line,
     internal_error_line,
     print_json,
@@ -165,6 +166,10 @@ def finish(record: dict, paths: str | Path | list[str | Path] | None = None, *, 
         print_json({k: v for k, v in record.items() if k != "_paths"})
     else:
         render_record(record, paths, word=word)
+    unclaimed = (record.get("facts") or {}).get("checkpoint_not_claimed") if isinstance(record.get("facts"), dict) else None
+    if isinstance(unclaimed, dict):
+        err_console.print(f"note: not evidence for {unclaimed.get('checkpoint')}: {unclaimed.get('why')}; "
+                          f"its command is `{unclaimed.get('command')}`", markup=False, highlight=False)
     if verdict == "NOT-RUN":
         from labkit.checks import reason
 

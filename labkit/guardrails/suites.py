@@ -41,9 +41,8 @@ GRAPH_MAX_NUM_SEQS = 20
 UNCOVERED_BUCKETS = (1, 2, 4, 8, 16)
 UNCOVERED_BATCH = 17
 
-#: Handbook 5.2.5 / B.5 starting thresholds (to be calibrated on the GPU).
-DEFAULT_MAX_ABS = 0.5
-DEFAULT_REL_L2 = 0.02
+#: New-KV max abs threshold (handbook B.5). The logits thresholds live in one table, by device class and
+#: dtype: ``thresholds.logits`` in checkpoints/guardrails.json (``labkit.checks.threshold_entry``).
 DEFAULT_KV_MAX_ABS = 0.1
 
 CHECKPOINT_BASELINE = "guardrails.logits-baseline"
