@@ -49,8 +49,8 @@ _CHECKPOINT_KEYS = {
     "required": ("id", "title", "command", "evidence", "needs", "kind", "assertions"),
     "optional": ("takes_model", "timeout_s", "notes", "synthetic"),
 }
-#: Where the writer keeps checks a command judged itself (``extra_checks``) until every command states
-#: them as run assertions; the judge counts them as written, trusting them only through the digest.
+#: Where an older writer kept checks a command judged itself (a stored ``passed``); the judge no longer
+#: accepts them: a file that holds them FAILs (run the command again).
 UNJUDGED_KEY = "unjudged_checks"
 _ASSERTION_KEYS = {"required": ("path", "op"), "optional": ("value", "threshold", "why", "on_fail", "name")}
 #: ``"<device class>/<dtype>"``: the key of a threshold table entry (device class as the envelope gives it).
@@ -610,11 +610,13 @@ def _run_checks(record: dict) -> list[dict]:
 
 
 def _unjudged_checks(record: dict) -> list[dict]:
-    """Checks a command judged itself (``extra_checks``), as written; only the digest vouches for them."""
-    raw = record.get(UNJUDGED_KEY, [])
-    if not isinstance(raw, list) or not all(isinstance(c, dict) for c in raw):
-        return [_result(UNJUDGED_KEY, False, "a list of check objects", _short(raw), "malformed", source="run")]
-    return [{**c, "source": "run-unjudged"} for c in raw]
+    """A file with checks its command judged itself (an older writer's ``unjudged_checks``) FAILs: a stored
+    result is not evidence, the judge re-evaluates assertions over facts."""
+    if UNJUDGED_KEY not in record:
+        return []
+    return [_result(UNJUDGED_KEY, False, "none (checks are run assertions over facts)", _short(record[UNJUDGED_KEY]),
+                    "checks the command judged itself are not accepted: run it again with this labkit",
+                    source="integrity")]
 
 
 # --------------------------------------------------------------------------- envelope vs checkpoint

@@ -7,8 +7,8 @@ Suites:
   prefilled then decoded one step: 126 rows, with the new K/V of every layer per decode row and
   checks that the decode left the batch's history KV and unreferenced blocks untouched.
 
-A collection is PREFIX.json (evidence) plus PREFIX.npz (arrays); the path helpers, the check-dict
-helper and the choice validation live here so that ``collect`` and ``compare`` need not import each other.
+A collection is PREFIX.json (evidence) plus PREFIX.npz (arrays); the path helpers and the choice
+validation live here so that ``collect`` and ``compare`` need not import each other.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -216,14 +215,6 @@ def parse_buckets(text: str | None) -> tuple[int, ...] | None:
     if not values or min(values) < 1:
         raise UserError(f"--graph-buckets must be comma-separated positive integers, got {text!r}")
     return tuple(sorted(set(values)))
-
-
-def _check(name: str, passed: bool, expected: Any = None, actual: Any = None, why: str = "", status: str | None = None) -> dict:
-    c = {"name": name, "passed": bool(passed), "expected": expected, "actual": actual, "why": why}
-    if status is not None:
-        c["status"] = status
-    return c
-
 
 
 def _validate_choices(suite: str, backend: str, execution: str, attention: str, dtype: str = "auto") -> None:
