@@ -23,7 +23,7 @@ import numpy as np
 
 from labkit.checks import run_assertion
 from labkit.errors import UserError
-from labkit.evidence import write_evidence
+from labkit.evidence import claim, write_evidence
 from labkit.guardrails.forcing import ForcedRecord, KVProbe, drive_teacher_forced
 from labkit.guardrails.suites import (
     DEFAULT_SEED,
@@ -214,7 +214,9 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
             ]
         checkpoint = None
         if expect_uncovered:
-            checkpoint = CHECKPOINT_UNCOVERED
+            checkpoint, unclaimed = claim(CHECKPOINT_UNCOVERED)      # only with the checkpoint's command line
+            if unclaimed:
+                facts["checkpoint_not_claimed"] = unclaimed
             s17 = [s for s in step_log if s["phase"] == "decode" and s["batch"] == UNCOVERED_BATCH]
             g17 = f"batch-{UNCOVERED_BATCH}"
             done17 = all(got[r.index] for r in rows if r.group == g17)

@@ -147,6 +147,10 @@ def run_load(opts: LoadOptions) -> dict:
                 router = None
                 profile = _drive_inprocess(opts, worker, reqs, warm)
             free, total = worker.run_on_owner(lambda e: (e.stats().free_blocks, e.stats().num_blocks))
+            facts["engine_config"] = worker.run_on_owner(lambda e: e.describe()["config"])   # what the engine ran with
+            facts["worker_config"] = {k: v for k, v in asdict(worker.config).items()
+                                      if k in ("scheduling_policy", "max_num_batched_tokens", "max_num_seqs",
+                                               "max_active", "queue_size", "max_model_len", "worker_id")}
             facts["kv_blocks"] = {"free_at_end": free, "total": total}
             facts["kv_free_at_end_equals_total"] = free == total
             facts["profile"] = profile
@@ -163,6 +167,7 @@ def run_load(opts: LoadOptions) -> dict:
     summary = summarize(events_path)
     facts.update(_facts(summary, reqs, opts, router))
     facts["events"] = str(events_path)
+    facts["load_options"] = extra["load_options"]
     if kind is None:
         record = {**envelope(kind="static"), "kind": None, "checkpoint": opts.checkpoint, "facts": facts,
                   "checks": [], "verdict": "REVIEW",
@@ -191,6 +196,8 @@ def _sanity(facts: dict) -> list[dict]:
 
 
 def _check(opts: LoadOptions) -> None:
+    if opts.checkpoint is not None:
+        _check_claim(opts.checkpoint)
     if opts.mode not in MODES:
         raise UserError(f"--mode must be one of {', '.join(MODES)}, got {opts.mode!r}")
     if opts.api not in APIS:
@@ -211,6 +218,18 @@ def _check(opts: LoadOptions) -> None:
     for ep in opts.endpoints:
         if not ep.startswith(("http://", "https://")):
             raise UserError(f"endpoint {ep!r} must start with http:// or https://")
+
+
+def _check_claim(checkpoint: str) -> None:
+    """``--checkpoint ID`` only with ID's own command and options (the judge checks the command line too):
+    refused before anything runs, one line."""
+    from labkit.checks import command_mismatch, get_checkpoint
+    from labkit.evidence import command_line
+
+    cp = get_checkpoint(checkpoint)
+    problem = command_mismatch(cp.command, command_line())
+    if problem:
+        raise UserError(f"--checkpoint {checkpoint}: {problem}; its command is `{' '.join(cp.command)}`")
 
 
 def _worker_config(opts: LoadOptions) -> WorkerConfig:
