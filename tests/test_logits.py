@@ -324,6 +324,19 @@ def test_a_dtype_without_a_threshold_entry_fails_and_says_so(baseline, tmp_path)
     assert compare(lhs, rhs, tmp_path / "c2.json", max_abs=0.05, rel_l2=0.002)["verdict"] == "PASS"
 
 
+def test_compare_by_hand_writes_its_own_file_not_the_checkpoints(baseline, tmp_path, app, monkeypatch):
+    """`labkit logits compare` of the guardrail pair, no --out: its own file, evidence for no checkpoint (the
+    checkpoint's file is the guard's), and it PASSes instead of failing a 'checkpoint' check it never claimed."""
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(runs))
+    res = run_cli(app, "logits", "compare", "--lhs", baseline / "engine-nano", "--rhs", baseline / "engine-hf")
+    assert res.exit_code == 0, res.output
+    rec = json.loads((runs / "logits-compare.json").read_text())
+    assert rec["checkpoint"] is None and rec["verdict"] == "PASS"
+    cp = get_checkpoint("guardrails.logits-baseline")
+    assert not cp.evidence_path().exists() and check_evidence(cp)[0] == "NOT-RUN"
+
+
 # --------------------------------------------------------------------------- REVIEW
 
 

@@ -97,7 +97,7 @@ def logits_compare(
     max_abs: MaxAbsOpt = None,
     rel_l2: RelL2Opt = None,
     kv_max_abs: KvMaxAbsOpt = 0.1,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Evidence JSON (default: the guardrail checkpoint's file, else runs/logits-compare.json).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Evidence JSON (default runs/logits-compare.json; a comparison by hand is evidence for no checkpoint).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Row by row: max abs, relative L2, top-1 and the reference's top-2 margin; PASS / REVIEW / FAIL."""

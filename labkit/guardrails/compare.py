@@ -15,8 +15,6 @@ from labkit.errors import UserError
 from labkit.evidence import read_json, write_evidence
 from labkit.paths import default_out
 from labkit.guardrails.suites import (
-    CHECKPOINT_BASELINE,
-    CHECKPOINT_GRAPH,
     DEFAULT_KV_MAX_ABS,
     _json_of,
     _npz_of,
@@ -179,16 +177,6 @@ def judge_rows(metrics: list[dict], max_abs: float, rel_l2: float) -> tuple[str,
     return ("REVIEW" if explained_only else "FAIL"), metrics
 
 
-def _compare_checkpoint(lhs: Collection, rhs: Collection) -> str | None:
-    lf, rf = lhs.facts, rhs.facts
-    if lf.get("suite") == "baseline" and lf.get("backend") == "nano" and rf.get("backend") == "hf":
-        return CHECKPOINT_BASELINE
-    if (lf.get("suite") == "graph" and lf.get("backend") == "nano" and lf.get("execution") == "graph"
-            and rf.get("backend") == "nano" and rf.get("execution") == "eager"):
-        return CHECKPOINT_GRAPH
-    return None
-
-
 def compared_dtype(lhs: Collection, rhs: Collection) -> str:
     """The dtype both collections ran in (``a+b`` when they differ: no threshold entry has such a key)."""
     ld, rd = str(lhs.facts.get("dtype")), str(rhs.facts.get("dtype"))
@@ -224,16 +212,9 @@ def _threshold_assertions(th: dict, first_id: str) -> list[dict]:
     return out
 
 
-def default_compare_out(lhs: str | Path, rhs: str | Path) -> Path:
-    """The checkpoint's evidence path when the pair is a known guardrail, else runs/logits-compare.json."""
-    try:
-        cp = _compare_checkpoint(load_collection(lhs, "lhs"), load_collection(rhs, "rhs"))
-    except UserError:
-        cp = None
-    if cp is not None:
-        from labkit.checks import get_checkpoint
-
-        return get_checkpoint(cp).evidence_path()
+def default_compare_out() -> Path:
+    """``runs/logits-compare.json``: a comparison by hand is evidence for no checkpoint, so it never lands
+    on a checkpoint's file (``labkit logits guard`` writes those)."""
     return default_out("logits-compare.json")
 
 
@@ -345,8 +326,8 @@ def compare(lhs_path: str | Path, rhs_path: str | Path, out: str | Path | None =
             assertions.append(run_assertion("facts.kv.worst_rel_l2", "le", thresholds["rel_l2"],
                                             name="new KV within relative L2",
                                             why="K/V written at each decode row's new position, every layer"))
-    cp = _compare_checkpoint(lhs, rhs) if checkpoint == "auto" else checkpoint
-    out_path = Path(out) if out is not None else default_compare_out(lhs_path, rhs_path)
+    cp = checkpoint
+    out_path = Path(out) if out is not None else default_compare_out()
     kind = lhs.record.get("kind") or "cpu-real-engine"
     if not str(lhs.record.get("device") or "").startswith("cuda"):
         kind = "cpu-real-engine"
