@@ -49,10 +49,13 @@ _CHECKPOINT_KEYS = {
     "required": ("id", "title", "command", "evidence", "needs", "kind", "assertions"),
     "optional": ("takes_model", "timeout_s", "notes", "synthetic"),
 }
-#: Where the writer keeps checks a command judged itself (``extra_checks``) until every command states
-#: them as run assertions; the judge counts them as written, trusting them only through the digest.
+#: Where an older writer kept checks a command judged itself (a stored ``passed``); the judge no longer
+#: accepts them: a file that holds them FAILs (run the command again).
 UNJUDGED_KEY = "unjudged_checks"
-_ASSERTION_KEYS = {"required": ("path", "op"), "optional": ("value", "why", "on_fail", "name")}
+_ASSERTION_KEYS = {"required": ("path", "op"), "optional": ("value", "threshold", "why", "on_fail", "name")}
+#: ``"<device class>/<dtype>"``: the key of a threshold table entry (device class as the envelope gives it).
+_THRESHOLD_KEY_RE = re.compile(r"(cpu|cuda)/[a-z0-9_]+")
+_THRESHOLD_OPS = ("gt", "ge", "lt", "le")
 
 
 class CheckpointError(UserError):
@@ -63,6 +66,24 @@ class CheckpointError(UserError):
 
 
 @dataclass(frozen=True)
+class Threshold:
+    """One metric of a threshold table: its value per ``"<device class>/<dtype>"``."""
+    table: str
+    metric: str
+    values: tuple[tuple[str, float], ...]
+
+    @property
+    def ref(self) -> str:
+        return f"{self.table}.{self.metric}"
+
+    def keys(self) -> list[str]:
+        return [k for k, _ in self.values]
+
+    def lookup(self, key: str | None) -> float | None:
+        return next((v for k, v in self.values if k == key), None)
+
+
+@dataclass(frozen=True)
 class Assertion:
     path: str
     op: str
@@ -70,13 +91,16 @@ class Assertion:
     why: str = ""
     on_fail: str = "fail"  # "fail" | "review"
     name: str = ""
+    threshold: Threshold | None = None   # the value comes from a threshold table, by the record's device and dtype
 
     def label(self) -> str:
         return self.name or self.path
 
-    def expected_text(self) -> str:
+    def expected_text(self, value: Any = None) -> str:
         if self.op in _NO_VALUE_OPS:
             return self.op
+        if self.threshold is not None:
+            return f"{self.op} {self.threshold.ref}" + (f" = {json.dumps(value)}" if value is not None else "")
         return f"{self.op} {json.dumps(self.value, ensure_ascii=False)}"
 
 
@@ -145,7 +169,25 @@ def _validate_path(where: str, path: Any) -> None:
         raise _fail(where, f"bad path {path!r}")
 
 
-def _parse_assertion(where: str, raw: Any) -> Assertion:
+def _parse_threshold_ref(where: str, raw: dict, tables: dict[str, dict] | None) -> Threshold:
+    ref = raw["threshold"]
+    if "value" in raw:
+        raise _fail(where, f"give a value or a threshold, not both (path {raw['path']})")
+    if raw["op"] not in _THRESHOLD_OPS:
+        raise _fail(where, f"a threshold needs op {', '.join(_THRESHOLD_OPS)}, got {raw['op']!r}")
+    if tables is None:
+        raise _fail(where, "thresholds are for checkpoint assertions; a run states its values")
+    table, _, metric = str(ref).partition(".")
+    if table not in tables:
+        raise _fail(where, f"unknown threshold table {table!r} in {ref!r} (tables: {', '.join(sorted(tables)) or 'none'})")
+    entries = tables[table]["entries"]
+    missing = [k for k, e in entries.items() if metric not in e]
+    if not metric or missing:
+        raise _fail(where, f"threshold {ref!r}: no metric {metric!r} in table {table!r} entries {', '.join(missing or entries)}")
+    return Threshold(table, metric, tuple((k, float(e[metric])) for k, e in entries.items()))
+
+
+def _parse_assertion(where: str, raw: Any, tables: dict[str, dict] | None = None) -> Assertion:
     if not isinstance(raw, dict):
         raise _fail(where, f"assertion must be an object, got {raw!r}")
     _check_keys(where, raw, _ASSERTION_KEYS)
@@ -155,9 +197,12 @@ def _parse_assertion(where: str, raw: Any) -> Assertion:
         close = difflib.get_close_matches(str(op), OPS, n=3)
         hint = f" (did you mean {', '.join(close)}?)" if close else ""
         raise _fail(where, f"unknown op {op!r}{hint}; ops: {', '.join(OPS)}")
-    has_value = "value" in raw
+    threshold = _parse_threshold_ref(where, raw, tables) if "threshold" in raw else None
+    has_value = "value" in raw or threshold is not None
     value = raw.get("value")
-    if op in _NO_VALUE_OPS:
+    if threshold is not None:
+        pass
+    elif op in _NO_VALUE_OPS:
         if has_value:
             raise _fail(where, f"op {op} takes no value (path {raw['path']})")
     elif not has_value:
@@ -177,11 +222,11 @@ def _parse_assertion(where: str, raw: Any) -> Assertion:
         raise _fail(where, f"on_fail must be 'fail' or 'review', got {on_fail!r}")
     return Assertion(
         path=raw["path"], op=op, value=value, why=str(raw.get("why", "")), on_fail=on_fail,
-        name=str(raw.get("name", "")),
+        name=str(raw.get("name", "")), threshold=threshold,
     )
 
 
-def _parse_checkpoint(file: Path, stage: str, index: int, raw: Any) -> Checkpoint:
+def _parse_checkpoint(file: Path, stage: str, index: int, raw: Any, tables: dict[str, dict]) -> Checkpoint:
     where = f"{file.name} checkpoint #{index}"
     if not isinstance(raw, dict):
         raise _fail(where, "must be an object")
@@ -210,7 +255,7 @@ def _parse_checkpoint(file: Path, stage: str, index: int, raw: Any) -> Checkpoin
         raise _fail(where, f"kind must be one of (or a list of) {', '.join(KINDS)}, got {kind!r}")
     if not isinstance(raw["assertions"], list) or not raw["assertions"]:
         raise _fail(where, "assertions must be a non-empty list")
-    assertions = [_parse_assertion(f"{where} assertion #{i}", a) for i, a in enumerate(raw["assertions"])]
+    assertions = [_parse_assertion(f"{where} assertion #{i}", a, tables) for i, a in enumerate(raw["assertions"])]
     takes_model = raw.get("takes_model", True)
     if not isinstance(takes_model, bool):
         raise _fail(where, f"takes_model must be true or false, got {takes_model!r}")
@@ -227,40 +272,110 @@ def _parse_checkpoint(file: Path, stage: str, index: int, raw: Any) -> Checkpoin
     )
 
 
-def load_file(file: str | Path) -> list[Checkpoint]:
-    file = Path(file)
+def _read_file(file: Path) -> dict:
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise _fail(file.name, f"invalid JSON: {e}") from None
     if not isinstance(data, dict):
         raise _fail(file.name, "must hold an object {\"stage\": ..., \"checkpoints\": [...]}")
-    _check_keys(file.name, data, {"required": ("stage", "checkpoints"), "optional": ()})
-    stage = data["stage"]
-    if stage != file.stem:
-        raise _fail(file.name, f"stage {stage!r} does not match the file name")
+    _check_keys(file.name, data, {"required": ("stage", "checkpoints"), "optional": ("thresholds",)})
+    if data["stage"] != file.stem:
+        raise _fail(file.name, f"stage {data['stage']!r} does not match the file name")
     if not isinstance(data["checkpoints"], list):
         raise _fail(file.name, "checkpoints must be a list")
-    return [_parse_checkpoint(file, stage, i, raw) for i, raw in enumerate(data["checkpoints"])]
+    return data
+
+
+def _parse_tables(file: Path, raw: Any) -> dict[str, dict]:
+    """A file's ``thresholds``: ``{table: {"notes": ..., "entries": {"<device class>/<dtype>": {metric: number,
+    ..., "source": "how it was calibrated"}}}}``. Every entry of a table names the same metrics."""
+    if not isinstance(raw, dict):
+        raise _fail(file.name, "thresholds must be an object {table: {\"entries\": {...}}}")
+    out = {}
+    for table, spec in raw.items():
+        where = f"{file.name} thresholds {table!r}"
+        if not re.fullmatch(r"[a-z0-9_-]+", str(table)):
+            raise _fail(where, "a table name is a lowercase word")
+        if not isinstance(spec, dict):
+            raise _fail(where, "must be an object")
+        _check_keys(where, spec, {"required": ("entries",), "optional": ("notes",)})
+        entries = spec["entries"]
+        if not isinstance(entries, dict) or not entries:
+            raise _fail(where, "entries must be a non-empty object")
+        metrics = None
+        for key, entry in entries.items():
+            if not _THRESHOLD_KEY_RE.fullmatch(str(key)):
+                raise _fail(where, f"entry key {key!r} must be \"<cpu|cuda>/<dtype>\"")
+            if not isinstance(entry, dict):
+                raise _fail(where, f"entry {key!r} must be an object")
+            values = {k: v for k, v in entry.items() if k != "source"}
+            bad = [k for k, v in values.items() if not (_is_number(v) and v >= 0 and math.isfinite(v))]
+            if bad or not values:
+                raise _fail(where, f"entry {key!r}: thresholds must be finite numbers >= 0 ({', '.join(bad) or 'none given'})")
+            if metrics is not None and set(values) != metrics:
+                raise _fail(where, f"entry {key!r} names {sorted(values)}, the others {sorted(metrics)}")
+            metrics = set(values)
+        out[str(table)] = {"notes": str(spec.get("notes", "")), "entries": entries, "file": file.name}
+    return out
+
+
+def load_file(file: str | Path, tables: dict[str, dict] | None = None) -> list[Checkpoint]:
+    """One stage file's checkpoints; threshold references resolve in ``tables`` (default: the file's own)."""
+    file = Path(file)
+    data = _read_file(file)
+    if tables is None:
+        tables = _parse_tables(file, data.get("thresholds", {}))
+    return [_parse_checkpoint(file, data["stage"], i, raw, tables) for i, raw in enumerate(data["checkpoints"])]
 
 
 def _stage_rank(stage: str) -> tuple[int, str]:
     return (STAGE_ORDER.index(stage), "") if stage in STAGE_ORDER else (len(STAGE_ORDER), stage)
 
 
+def _stage_files(root: str | Path | None = None) -> list[Path]:
+    return sorted(checkpoints_dir(root).glob("*.json"), key=lambda f: _stage_rank(f.stem))
+
+
+def load_thresholds(root: str | Path | None = None) -> dict[str, dict]:
+    """Every threshold table of every stage file (a table is defined once)."""
+    tables: dict[str, dict] = {}
+    for f in _stage_files(root):
+        for name, table in _parse_tables(f, _read_file(f).get("thresholds", {})).items():
+            if name in tables:
+                raise _fail(f.name, f"threshold table {name!r} is also defined in {tables[name]['file']}")
+            tables[name] = table
+    return tables
+
+
 def load_checkpoints(root: str | Path | None = None) -> list[Checkpoint]:
     """Every checkpoint, in stage order (setup, guardrails, service, cuda, tp, others) then file order."""
-    directory = checkpoints_dir(root)
-    files = sorted(directory.glob("*.json"), key=lambda f: _stage_rank(f.stem))
+    tables = load_thresholds(root)
     out: list[Checkpoint] = []
     seen: dict[str, str] = {}
-    for f in files:
-        for cp in load_file(f):
+    for f in _stage_files(root):
+        for cp in load_file(f, tables):
             if cp.id in seen:
                 raise _fail(f.name, f"checkpoint {cp.id!r} is also defined in {seen[cp.id]}")
             seen[cp.id] = f.name
             out.append(cp)
     return out
+
+
+def threshold_key(device: Any, dtype: Any) -> str | None:
+    """``"<device class>/<dtype>"`` (``"cuda/bfloat16"``), or None when either is unknown."""
+    cls = _device_class(device)
+    return f"{cls}/{dtype}" if cls and isinstance(dtype, str) and dtype else None
+
+
+def threshold_entry(table: str, device: Any, dtype: Any, root: str | Path | None = None) -> tuple[str | None, dict | None]:
+    """(key, entry) of ``table`` for a device and dtype; entry None when the table has no such key.
+    The commands use this to pick the thresholds the judge will hold them to."""
+    tables = load_thresholds(root)
+    if table not in tables:
+        raise CheckpointError(f"no threshold table {table!r} in checkpoints/*.json")
+    key = threshold_key(device, dtype)
+    return key, tables[table]["entries"].get(key) if key else None
 
 
 def _unknown(what: str, name: str, candidates: list[str]) -> CheckpointError:
@@ -419,18 +534,40 @@ def _result(name: str, passed: bool, expected: Any, actual: Any, why: str, on_fa
             "status": status, "source": source}
 
 
+def _record_threshold_key(record: dict) -> str | None:
+    """The threshold key of a record: the envelope's device class and the record's ``facts.dtype``."""
+    try:
+        dtype = _resolve(record, "facts.dtype")
+    except _Missing:
+        dtype = None
+    return threshold_key(record.get("device"), dtype)
+
+
 def evaluate(a: Assertion, record: dict, source: str = "assertion") -> dict:
-    """One assertion against one record; never raises for bad data."""
+    """One assertion against one record; never raises for bad data. A threshold assertion takes its value
+    from its table's entry for the record's device class and ``facts.dtype``; no such entry is a failure."""
+    value = a.value
+    if a.threshold is not None:
+        key = _record_threshold_key(record)
+        value = a.threshold.lookup(key)
+        if value is None:
+            why = (f"no {a.threshold.table} threshold for {key or 'an unknown device class or dtype'} "
+                   f"(entries: {', '.join(a.threshold.keys())}): add one to the thresholds table")
+            return _result(a.label(), False, a.expected_text(), f"<no threshold for {key}>", why, "fail", source)
+        why_prefix = f"[{a.threshold.table} {key}] "
+    else:
+        why_prefix = ""
+    expected = a.expected_text(value)
     try:
         actual = _resolve(record, a.path)
     except _Missing as e:
-        return _result(a.label(), False, a.expected_text(), e.actual, a.why, a.on_fail, source)
+        return _result(a.label(), False, expected, e.actual, why_prefix + a.why, a.on_fail, source)
     try:
-        passed = bool(OPS[a.op](actual, a.value))
-        why = a.why
+        passed = bool(OPS[a.op](actual, value))
+        why = why_prefix + a.why
     except (TypeError, ValueError) as e:
-        passed, why = False, f"{a.why} [{e}]" if a.why else str(e)
-    return _result(a.label(), passed, a.expected_text(), _short(actual), why, a.on_fail, source)
+        passed, why = False, f"{why_prefix}{a.why} [{e}]" if a.why else f"{why_prefix}{e}"
+    return _result(a.label(), passed, expected, _short(actual), why, a.on_fail, source)
 
 
 # --------------------------------------------------------------------------- run assertions
@@ -473,11 +610,13 @@ def _run_checks(record: dict) -> list[dict]:
 
 
 def _unjudged_checks(record: dict) -> list[dict]:
-    """Checks a command judged itself (``extra_checks``), as written; only the digest vouches for them."""
-    raw = record.get(UNJUDGED_KEY, [])
-    if not isinstance(raw, list) or not all(isinstance(c, dict) for c in raw):
-        return [_result(UNJUDGED_KEY, False, "a list of check objects", _short(raw), "malformed", source="run")]
-    return [{**c, "source": "run-unjudged"} for c in raw]
+    """A file with checks its command judged itself (an older writer's ``unjudged_checks``) FAILs: a stored
+    result is not evidence, the judge re-evaluates assertions over facts."""
+    if UNJUDGED_KEY not in record:
+        return []
+    return [_result(UNJUDGED_KEY, False, "none (checks are run assertions over facts)", _short(record[UNJUDGED_KEY]),
+                    "checks the command judged itself are not accepted: run it again with this labkit",
+                    source="integrity")]
 
 
 # --------------------------------------------------------------------------- envelope vs checkpoint
@@ -674,7 +813,14 @@ def check_evidence(cp: Checkpoint, path: str | Path | None = None) -> tuple[str,
     FAIL: unreadable, not sealed by its digest (edited, or an old labkit), a stored verdict its facts do
     not give, or any failed check. NOT-RUN: no file, or stale (the engine source changed since; not for
     ``reference`` evidence, which our engine did not make). Otherwise the verdict of the re-judged checks."""
-    path = Path(path) if path is not None else cp.evidence_path()
+    return check_file(path if path is not None else cp.evidence_path(), cp)
+
+
+def check_file(path: str | Path, cp: Checkpoint | None = None) -> tuple[str, list[dict]]:
+    """Judge any evidence file from scratch, as :func:`check_evidence` does. With ``cp`` None, a file that
+    claims a checkpoint is judged against it (an unknown id FAILs) and one that claims none (a collection,
+    an experiment with custom options) by its own run assertions, digest, stored verdict and freshness."""
+    path = Path(path)
     if not path.is_file():
         return "NOT-RUN", [_result("evidence", False, "a file", MISSING_TEXT, f"no evidence at {path}", "not-run",
                                    source="integrity")]
@@ -683,12 +829,18 @@ def check_evidence(cp: Checkpoint, path: str | Path | None = None) -> tuple[str,
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         return "FAIL", [_result("evidence", False, "valid JSON", "<unreadable>", f"unreadable evidence at {path}: {e}",
                                 source="integrity")]
+    if cp is None and isinstance(record, dict) and record.get("checkpoint") is not None:
+        try:
+            cp = get_checkpoint(str(record["checkpoint"]))
+        except CheckpointError as e:
+            return "FAIL", [_result("checkpoint", False, "a known checkpoint", record["checkpoint"], str(e),
+                                    source="integrity")]
     judged = judge(cp, record)
     if not isinstance(record, dict):
         return "FAIL", judged
     rejudged = verdict(judged)
     integrity = [_digest_check(record)]
-    if record.get("checkpoint") == cp.id:  # else the stored verdict judged another checkpoint (or none)
+    if record.get("checkpoint") == (cp.id if cp is not None else None):  # else it judged another checkpoint
         integrity.append(_stored_verdict_check(record, rejudged))
     fresh = _freshness_check(record)
     checks = integrity + ([fresh] if fresh else []) + judged
@@ -706,8 +858,9 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def render_checkpoints_md(checkpoints: list[Checkpoint] | None = None) -> str:
+def render_checkpoints_md(checkpoints: list[Checkpoint] | None = None, tables: dict[str, dict] | None = None) -> str:
     cps = load_checkpoints() if checkpoints is None else checkpoints
+    tables = (load_thresholds() if checkpoints is None else {}) if tables is None else tables
     lines = [
         "# Checkpoints",
         "",
@@ -723,6 +876,14 @@ def render_checkpoints_md(checkpoints: list[Checkpoint] | None = None) -> str:
         cells = [f"`{cp.id}`", cp.stage, cp.needs, f"`{' '.join(cp.command)}`", f"`{cp.evidence}`",
                  cp.pass_means() or cp.title]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    for name, table in tables.items():
+        metrics = [k for k in next(iter(table["entries"].values())) if k != "source"]
+        lines += ["", f"## Thresholds: `{name}`", "", table["notes"], "",
+                  "| device/dtype | " + " | ".join(metrics) + " | source |",
+                  "| --- | " + " | ".join("---" for _ in metrics) + " | --- |"]
+        for key, entry in table["entries"].items():
+            cells = [f"`{key}`", *(f"{entry[m]:g}" for m in metrics), str(entry.get("source", ""))]
+            lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 

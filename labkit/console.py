@@ -308,8 +308,8 @@ def render_compare(record: dict) -> None:
         "lhs (measured)": f"{rel(f['lhs']['prefix'])}  {f['lhs']['backend']}/{f['lhs']['execution']}/{f['lhs']['attention']} {f['lhs']['dtype']} on {f['lhs']['device']}",
         "rhs (reference)": f"{rel(f['rhs']['prefix'])}  {f['rhs']['backend']}/{f['rhs']['execution']}/{f['rhs']['attention']} {f['rhs']['dtype']} on {f['rhs']['device']}",
         "rows": f"{f['num_rows']} ({f['suite']})",
-        "worst max abs": f"{_sci(f['worst_max_abs'])} (threshold {th['max_abs']:g}; median {_sci(f['median_max_abs'])})",
-        "worst relative L2": f"{_sci(f['worst_rel_l2'])} (threshold {th['rel_l2']:g}; median {_sci(f['median_rel_l2'])})",
+        "worst max abs": f"{_sci(f['worst_max_abs'])} (threshold {th['max_abs'] if th['max_abs'] is None else format(th['max_abs'], 'g')}; median {_sci(f['median_max_abs'])})",
+        "worst relative L2": f"{_sci(f['worst_rel_l2'])} (threshold {th['rel_l2'] if th['rel_l2'] is None else format(th['rel_l2'], 'g')}; median {_sci(f['median_rel_l2'])})",
         "top-1 agreement": f"{f['top1_agree']}/{f['num_rows']} ({f['unexplained_top1_flips']} unexplained flips)",
         "first divergent row": (f"#{f['first_divergent_row']['index']} {f['first_divergent_row']['id']} "
                                 f"({', '.join(f['first_divergent_row']['failures'])})") if f["first_divergent_row"] else "none",

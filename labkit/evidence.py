@@ -228,25 +228,25 @@ def read_json(path: str | Path) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
+# --------------------------------------------------------------------------- claiming a checkpoint
+
+
+def claim(checkpoint: str | None, argv: list[str] | None = None, *, also: str = "") -> tuple[str | None, dict | None]:
+    """Whether this run may write evidence for ``checkpoint``: only when its command line (``sys.argv``, or
+    ``argv``) is the checkpoint's command with its options, as the judge will check, and ``also`` (a reason
+    the caller found, e.g. threshold overrides) is empty. Returns ``(checkpoint, None)`` when it may, else
+    ``(None, {"checkpoint": ID, "command": the checkpoint's command, "why": ...})``: the run is then evidence
+    for no checkpoint (not a FAIL of one), and says so."""
+    if checkpoint is None:
+        return None, None
+    cp = _checks.get_checkpoint(checkpoint)
+    why = _checks.command_mismatch(cp.command, command_line(argv)) or also
+    if not why:
+        return checkpoint, None
+    return None, {"checkpoint": checkpoint, "command": " ".join(cp.command), "why": why}
+
+
 # --------------------------------------------------------------------------- writing evidence
-
-
-def _normalize_extra(check: dict) -> dict:
-    missing = {"name", "passed"} - set(check)
-    if missing:
-        raise ValueError(f"extra check {check!r} lacks {sorted(missing)}")
-    out = {
-        "name": str(check["name"]),
-        "passed": bool(check["passed"]) if check["passed"] is not None else None,
-        "expected": check.get("expected"),
-        "actual": check.get("actual"),
-        "why": check.get("why", ""),
-    }
-    status = check.get("status")
-    if status is None:
-        status = "pass" if out["passed"] else "fail"
-    out["status"] = status
-    return out
 
 
 def write_evidence(
@@ -260,15 +260,14 @@ def write_evidence(
     seed: int | None = None,
     engine: dict | None = None,
     run_assertions: list[dict] | None = None,
-    extra_checks: list | None = None,
 ) -> dict:
     """Build the record, judge it against ``checkpoint`` (if any) and its own ``run_assertions``, seal it
     with a digest and write it to ``out``.
 
     ``run_assertions`` are assertion objects (``checks.run_assertion(...)``), the language of
     ``checkpoints/*.json``, over the record (``facts.x``); they are stored in the file and ``labkit check``
-    re-evaluates them from the facts every time. ``extra_checks`` (results judged by the caller, trusted
-    only through the digest) remain until every command states its checks as run assertions.
+    re-evaluates them from the facts every time. A command states every check it makes this way, over facts
+    it measured: there is no way to store a check's result.
 
     Returns the record: the envelope plus ``checkpoint``, ``facts``, ``run_assertions``, ``checks``,
     ``verdict`` and ``digest``.
@@ -282,8 +281,6 @@ def write_evidence(
     record["checkpoint"] = checkpoint
     record["facts"] = facts
     record["run_assertions"] = raw_assertions
-    if extra_checks:
-        record[_checks.UNJUDGED_KEY] = [_normalize_extra(c) for c in extra_checks]
     # Everything is judged and sealed in its JSON form: exactly what the file will hold and the judge read.
     record = json.loads(json.dumps(record, default=to_jsonable))
     results = _checks.judge(cp, record)

@@ -142,18 +142,17 @@ def test_write_evidence_serializes_numpy_paths_tuples(runs):
     assert rec["checks"] == [] and rec["verdict"] == "REVIEW"  # nothing asserted: a human must look
 
 
-def test_write_evidence_extra_checks(runs):
-    good = {"name": "ratio", "passed": True, "expected": "> 1", "actual": 1.4}
-    bad = {"name": "steps", "passed": False, "expected": 3, "actual": 4}
-    review = {"name": "speedup", "passed": None, "status": "review", "expected": "~2x", "actual": 1.1}
-    ok = evidence.write_evidence(runs / "x.json", checkpoint=None, kind="simulated", facts={}, extra_checks=[good])
-    assert ok["verdict"] == "PASS"
-    assert evidence.write_evidence(runs / "x.json", checkpoint=None, kind="simulated", facts={},
-                                   extra_checks=[good, review])["verdict"] == "REVIEW"
-    assert evidence.write_evidence(runs / "x.json", checkpoint=None, kind="simulated", facts={},
-                                   extra_checks=[good, review, bad])["verdict"] == "FAIL"
-    with pytest.raises(ValueError):
-        evidence.write_evidence(runs / "x.json", checkpoint=None, kind="simulated", facts={}, extra_checks=[{"x": 1}])
+def test_write_evidence_takes_no_self_judged_checks(runs):
+    """A command states its checks as run assertions over its facts; a stored ``passed`` is not accepted."""
+    with pytest.raises(TypeError, match="extra_checks"):
+        evidence.write_evidence(runs / "x.json", checkpoint=None, kind="simulated", facts={},
+                                extra_checks=[{"name": "ratio", "passed": True}])
+    ok = evidence.write_evidence(runs / "x.json", checkpoint=None, kind="simulated", facts={"ratio": 1.4},
+                                 run_assertions=[checks.run_assertion("facts.ratio", "gt", 1)])
+    assert ok["verdict"] == "PASS" and checks.UNJUDGED_KEY not in ok
+    bad = evidence.write_evidence(runs / "x.json", checkpoint=None, kind="simulated", facts={"ratio": 0.9},
+                                  run_assertions=[checks.run_assertion("facts.ratio", "gt", 1)])
+    assert bad["verdict"] == "FAIL"
 
 
 def test_write_evidence_unknown_checkpoint(runs):
@@ -319,13 +318,20 @@ def test_check_evidence_rejudges_instead_of_trusting(runs, labkit_argv):
     assert v == "FAIL" and [c["name"] for c in res if not c["passed"]] == ["stored verdict", "facts.runs_writable.ok"]
 
 
-def test_check_evidence_honours_unjudged_extra_checks(runs, labkit_argv):
+def test_a_file_with_self_judged_checks_fails(runs, labkit_argv):
+    """An older writer's ``unjudged_checks`` (results the command judged itself) are not evidence: even
+    'passed' ones, sealed with a valid digest, FAIL the file."""
     labkit_argv.checkpoint("setup.doctor")
     cp = checks.get_checkpoint("setup.doctor")
-    evidence.write_evidence(cp.evidence_path(), checkpoint=cp.id, kind="cpu-real-engine", facts=doctor_facts(),
-                            device="cpu", extra_checks=[{"name": "extra", "passed": False, "expected": 1, "actual": 2}])
+    rec = evidence.write_evidence(cp.evidence_path(), checkpoint=cp.id, kind="cpu-real-engine", facts=doctor_facts(),
+                                  device="cpu")
+    assert check_evidence(cp)[0] == "PASS"
+    rec[checks.UNJUDGED_KEY] = [{"name": "extra", "passed": True, "expected": 1, "actual": 1}]
+    rec["digest"] = evidence_format.digest(rec)
+    evidence.write_json(cp.evidence_path(), rec)
     v, res = check_evidence(cp)
-    assert v == "FAIL" and [(c["name"], c["source"]) for c in res if not c["passed"]] == [("extra", "run-unjudged")]
+    assert v == "FAIL" and [(c["name"], c["source"]) for c in res if not c["passed"]] == [
+        ("stored verdict", "integrity"), (checks.UNJUDGED_KEY, "integrity")]
 
 
 def test_judge_non_object_record():

@@ -34,14 +34,15 @@ def custom(tmp_path, monkeypatch):
     the writer and the judge (``checks.get_checkpoint`` is looked up at call time)."""
     real = checks.get_checkpoint
 
-    def make(**over) -> checks.Checkpoint:
+    def make(thresholds: dict | None = None, **over) -> checks.Checkpoint:
         raw = {"id": "setup.x", "title": "t", "command": ["labkit", "x", "--case", "B", "--trace"],
                "evidence": "runs/x.json", "needs": "cpu", "kind": ["cpu-real-engine", "gpu-measured", "reference"],
                "assertions": [{"path": "facts.n", "op": "eq", "value": 3, "why": "n is 3"}]}
         raw.update(over)
         d = tmp_path / "custom-checkpoints"
         d.mkdir(exist_ok=True)
-        (d / "setup.json").write_text(json.dumps({"stage": "setup", "checkpoints": [raw]}))
+        data = {"stage": "setup", "checkpoints": [raw], **({"thresholds": thresholds} if thresholds else {})}
+        (d / "setup.json").write_text(json.dumps(data))
         monkeypatch.setattr(checks, "get_checkpoint", lambda cid, root=None: real(cid, root or d))
         return checks.get_checkpoint("setup.x")
 
@@ -273,6 +274,77 @@ def test_command_mismatch_explains():
 def test_command_line_of_python_dash_m():
     assert evidence.command_line(["/x/labkit/__main__.py", "check"]) == "labkit check"
     assert evidence.command_line(["/x/pytest/__main__.py", "-q"]) == "__main__.py -q"  # not labkit
+
+
+# --------------------------------------------------------------------------- thresholds by device class and dtype
+
+TABLE = {"err": {"notes": "n", "entries": {"cpu/float32": {"max": 1e-3, "source": "measured"},
+                                           "cuda/float32": {"max": 0.05, "source": "calibrated"}}}}
+ERR_LE = [{"path": "facts.e", "op": "le", "threshold": "err.max", "why": "error within the table's threshold"}]
+
+
+@pytest.mark.parametrize("kind,device,dtype,e,ok", [
+    ("cpu-real-engine", "cpu", "float32", 5e-4, True),
+    ("cpu-real-engine", "cpu", "float32", 0.01, False),        # tight on CPU
+    ("gpu-measured", "cuda:0 NVIDIA H200", "float32", 0.01, True),  # the same error is fine on CUDA
+    ("gpu-measured", "cuda:0 NVIDIA H200", "float32", 0.06, False),
+])
+def test_a_threshold_is_picked_by_the_records_device_class_and_dtype(runs, custom, labkit_argv, kind, device,
+                                                                     dtype, e, ok):
+    cp = custom(thresholds=TABLE, assertions=ERR_LE)
+    rec = write(cp, labkit_argv, kind=kind, device=device, facts={"e": e, "dtype": dtype})
+    v, res = check_evidence(cp)
+    assert (rec["verdict"], v) == (("PASS", "PASS") if ok else ("FAIL", "FAIL"))
+    (c,) = [c for c in res if c["name"] == "facts.e"]
+    key = f"{device.split(':')[0]}/{dtype}"
+    assert c["expected"] == f"le err.max = {TABLE['err']['entries'][key]['max']}" and key in c["why"]
+
+
+@pytest.mark.parametrize("device,dtype", [("cuda:0 NVIDIA H200", "bfloat16"), ("cpu", None)])
+def test_a_record_with_no_threshold_entry_fails_and_says_why(runs, custom, labkit_argv, device, dtype):
+    cp = custom(thresholds=TABLE, assertions=ERR_LE)
+    facts = {"e": 0.0, **({"dtype": dtype} if dtype else {})}
+    write(cp, labkit_argv, kind="gpu-measured" if device.startswith("cuda") else "cpu-real-engine", device=device,
+          facts=facts)
+    v, res = check_evidence(cp)
+    assert v == "FAIL" and failed(res) == ["facts.e"]
+    key = "cuda/bfloat16" if dtype else "an unknown device class or dtype"
+    assert f"no err threshold for {key} (entries: cpu/float32, cuda/float32)" in reason(v, res)
+
+
+@pytest.mark.parametrize("assertion,thresholds,message", [
+    ({"path": "facts.e", "op": "le", "threshold": "err.max", "value": 1}, TABLE, "a value or a threshold, not both"),
+    ({"path": "facts.e", "op": "eq", "threshold": "err.max"}, TABLE, "a threshold needs op gt, ge, lt, le"),
+    ({"path": "facts.e", "op": "le", "threshold": "nope.max"}, TABLE, "unknown threshold table 'nope'"),
+    ({"path": "facts.e", "op": "le", "threshold": "err.min"}, TABLE, "no metric 'min'"),
+    (ERR_LE[0], {"err": {"entries": {"gpu/float32": {"max": 1}}}}, "must be \"<cpu|cuda>/<dtype>\""),
+    (ERR_LE[0], {"err": {"entries": {"cpu/float32": {"max": -1}}}}, "finite numbers >= 0"),
+    (ERR_LE[0], {"err": {"entries": {"cpu/float32": {"max": 1}, "cuda/float32": {"top": 1}}}}, "the others"),
+])
+def test_threshold_tables_and_references_are_validated(tmp_path, assertion, thresholds, message):
+    d = tmp_path / "cps"
+    d.mkdir()
+    raw = {"id": "setup.x", "title": "t", "command": ["labkit", "x"], "evidence": "runs/x.json", "needs": "cpu",
+           "kind": "static", "assertions": [assertion]}
+    (d / "setup.json").write_text(json.dumps({"stage": "setup", "thresholds": thresholds, "checkpoints": [raw]}))
+    with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace("|", r"\|")):
+        checks.load_checkpoints(d)
+
+
+def test_a_run_cannot_state_a_threshold_reference():
+    with pytest.raises(CheckpointError, match="a run states its values"):
+        checks.parse_run_assertions([{"path": "facts.e", "op": "le", "threshold": "logits.max_abs"}])
+
+
+def test_the_logits_table_is_one_table_for_every_logits_checkpoint():
+    table = checks.load_thresholds()["logits"]["entries"]
+    assert set(table) >= {"cpu/float32", "cuda/float32", "cuda/bfloat16"}
+    assert table["cpu/float32"]["max_abs"] < table["cuda/float32"]["max_abs"] < table["cuda/bfloat16"]["max_abs"]
+    for cid in ("guardrails.logits-baseline", "guardrails.graph-vs-eager", "tp.logits-cpu", "tp.logits-2gpu"):
+        cp = checks.get_checkpoint(cid)
+        refs = {a.path: a.threshold.ref for a in cp.assertions if a.threshold is not None}
+        assert refs == {"facts.worst_max_abs": "logits.max_abs", "facts.worst_rel_l2": "logits.rel_l2"}, cid
+        assert "--max-abs" not in cp.command and "--rel-l2" not in cp.command     # no hard-coded thresholds
 
 
 # --------------------------------------------------------------------------- staleness

@@ -152,6 +152,48 @@ def test_inprocess_wall_load_excludes_warmup(tmp_path, tiny_model_dir):
     assert (tmp_path / "load.json").is_file()
 
 
+def test_a_load_that_leaks_kv_blocks_fails(tmp_path, tiny_model_dir, monkeypatch):
+    """Break the subject: a block manager that keeps one block of every finished sequence."""
+    from engine.block_manager import BlockManager
+
+    real = BlockManager.deallocate
+
+    def leaky(self, seq):
+        keep = seq.block_table[-1:]
+        freed = real(self, seq)
+        for b in keep:
+            self.free_block_ids.remove(b)
+            self.used_block_ids.add(b)
+        return [b for b in freed if b not in keep]
+
+    monkeypatch.setattr(BlockManager, "deallocate", leaky)
+    record = run_load(opts(tmp_path, small_trace(tmp_path), tiny_model_dir, warmup_requests=0))
+    assert record["facts"]["kv_free_at_end_equals_total"] is False
+    assert record["verdict"] == "FAIL"
+    assert [c["name"] for c in record["checks"] if c["status"] == "fail"] == ["KV blocks all free at the end"]
+
+
+def test_load_sanity_assertions_read_the_measured_counts(tmp_path, labkit_argv):
+    """Unfinished or failed requests, counted from the event log, fail the run."""
+    from labkit.evidence import write_evidence
+    from labkit.load.replay import _sanity
+
+    def facts(**terms):
+        return {"terminations": {"engine": {"length": 4, **terms}}, "unfinished": {"engine": terms.get("unfinished", 0)},
+                "errors": {"engine": terms.get("error", 0)}}
+
+    def verdict(f):
+        return write_evidence(tmp_path / "x.json", checkpoint=None, kind="cpu-real-engine", device="cpu", facts=f,
+                              run_assertions=_sanity(f))
+
+    assert verdict(facts())["verdict"] == "PASS"
+    for bad, name in (({"unfinished": 1}, "every request finished (engine)"), ({"error": 2}, "no engine error (engine)")):
+        rec = verdict(facts(**bad))
+        assert rec["verdict"] == "FAIL" and [c["name"] for c in rec["checks"] if c["status"] == "fail"] == [name]
+    rec = verdict({"terminations": {}, "unfinished": {}, "errors": {}})
+    assert rec["verdict"] == "FAIL"                                       # no observer: nothing was measured
+
+
 def test_round_mode_injects_per_scheduler_round(tmp_path, tiny_model_dir):
     trace = small_trace(tmp_path, n=4, max_tokens=6)
     record = run_load(opts(tmp_path, trace, tiny_model_dir, mode="round", warmup_requests=0))
@@ -201,7 +243,8 @@ def test_profile_dir_writes_trace_and_operator_table(tmp_path, tiny_model_dir):
     record = run_load(opts(tmp_path, trace, tiny_model_dir, profile_dir=prof, warmup_requests=1))
     assert record["kind"] == "profile"
     p = json.loads((prof / "profile.json").read_text())
-    assert p["kind"] == "profile" and p["verdict"] == "PASS"
+    assert p["kind"] == "profile" and p["verdict"] == "PASS" and p["facts"]["trace_written"] is True
+    assert {a["path"] for a in p["run_assertions"]} >= {"facts.ranges.step.count", "facts.trace_written"}
     ranges = p["facts"]["ranges"]
     assert ranges["step"]["count"] > 0 and ranges["forward"]["count"] == ranges["step"]["count"]
     for phase in ("schedule", "prepare", "sample", "postprocess"):      # the engine's hooks, every step
@@ -216,3 +259,49 @@ def test_service_checkpoints_are_valid():
     assert cps["service.simulate"].needs == "cpu" and cps["service.simulate"].kind == ["cpu-real-engine"]
     gpu = cps["service.mixed-gpu"]
     assert gpu.needs == "cuda" and "workloads/mixed.jsonl" in gpu.command and gpu.kind == ["gpu-measured"]
+
+
+# --------------------------------------------------------------------------- --checkpoint
+
+
+def test_checkpoint_is_refused_unless_the_command_is_the_checkpoints(tmp_path, tiny_model_dir, labkit_argv, cli_app):
+    from typer.testing import CliRunner
+
+    labkit_argv("load", "--trace", "workloads/mixed.jsonl", "--checkpoint", "service.mixed-gpu")
+    with pytest.raises(UserError, match="--checkpoint service.mixed-gpu: --serve-local not given; its command is "):
+        run_load(opts(tmp_path, SHIPPED, tiny_model_dir, checkpoint="service.mixed-gpu"))
+    assert not (tmp_path / "load.jsonl").exists()                   # refused before anything ran
+    cp = next(c for c in load_checkpoints() if c.id == "service.mixed-gpu")
+    words = [w if w != "prefill_first" else "balanced" for w in cp.command[1:]]     # another policy
+    res = CliRunner().invoke(cli_app, [*words, "--model", str(tiny_model_dir), "--device", "cpu",
+                                       "--out", str(tmp_path / "x.jsonl")])
+    assert res.exit_code == 2 and "--scheduling-policy balanced, not --scheduling-policy prefill_first" in \
+        " ".join(res.output.split()) and "Traceback" not in res.output
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_the_checkpoint_asserts_the_load_options_the_engine_ran_with(tmp_path, tiny_model_dir, labkit_argv):
+    """service.mixed-gpu's command, on CPU: every option it names is asserted from the recorded facts (only the
+    kind fails here: the checkpoint wants GPU evidence); an engine that ran other options FAILs them."""
+    from labkit.checks import check_evidence, get_checkpoint
+    from labkit.evidence_format import digest
+
+    cp = get_checkpoint("service.mixed-gpu")
+    labkit_argv(*cp.command[1:], "--model", str(tiny_model_dir), "--device", "cpu")
+    worker = WorkerConfig(model=str(tiny_model_dir), device="cpu", scheduling_policy="prefill_first",
+                          max_num_batched_tokens=256, max_num_seqs=4, max_active=8, max_model_len=1024)
+    record = run_load(LoadOptions(trace=SHIPPED, out=tmp_path / "mixed.jsonl", worker=worker, serve_local=True,
+                                  mode="wall", warmup_requests=2, checkpoint=cp.id, show_progress=False))
+    failed = [c["name"] for c in record["checks"] if c["status"] == "fail"]
+    assert record["checkpoint"] == cp.id and failed == ["kind"], failed
+    assert record["facts"]["engine_config"]["max_num_seqs"] == 4 and record["facts"]["worker_config"]["max_active"] == 8
+    path = tmp_path / "mixed.json"
+    for key, value in (("max_num_seqs", 8), ("scheduling_policy", "balanced")):
+        rec = json.loads(path.read_text())
+        rec["facts"]["engine_config"][key] = value
+        rec["digest"] = digest(rec)
+        bad = tmp_path / f"bad-{key}.json"
+        bad.write_text(json.dumps(rec))
+        v, res = check_evidence(cp, bad)
+        assert v == "FAIL" and f"facts.engine_config.{key}" in [c["name"] for c in res if c["status"] == "fail"]

@@ -73,7 +73,7 @@ def test_a_loader_that_swaps_q_norm_and_k_norm_fails_the_baseline_guard(tiny_mod
         mapping = {**Qwen3ForCausalLM.packed_modules_mapping, **{a: (b, None) for a, b in SWAP.items()}}
         monkeypatch.setattr(Qwen3ForCausalLM, "packed_modules_mapping", mapping)
     rec = guard("baseline", tmp_path / "guard.json", model=str(tiny_model_dir), device="cpu", attention="torch",
-                dtype="float32", max_abs=0.05, rel_l2=0.002)
+                dtype="float32")            # the checkpoint's thresholds: the logits table's cpu/float32 entry
     f = rec["facts"]
     assert f["num_rows"] == 15 and f["trajectory_match"]
     if loader_swaps:

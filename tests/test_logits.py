@@ -6,6 +6,7 @@ agree to ~1e-6, far inside the handbook's 0.5 / 0.02 starting thresholds.
 """
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -152,6 +153,190 @@ def test_mismatched_trajectories_and_models_are_refused(baseline, tiny_model_dir
         compare(baseline / "engine-nano", other_model, tmp_path / "y.json")
 
 
+# --------------------------------------------------------------------------- collections assert what they measured
+
+
+def failed_names(rec):
+    return sorted(c["name"] for c in rec["checks"] if c["status"] == "fail")
+
+
+def test_collections_state_run_assertions_over_measured_facts(baseline):
+    nano = json.loads((baseline / "engine-nano.json").read_text())
+    hf = json.loads((baseline / "engine-hf.json").read_text())
+    for rec in (nano, hf):
+        assert "unjudged_checks" not in rec and rec["verdict"] == "PASS"
+        assert {a["path"] for a in rec["run_assertions"]} >= {"facts.num_rows", "facts.rows_follow_trajectory",
+                                                             "facts.logits_finite"}
+        assert rec["facts"]["logits_finite"] is True and rec["facts"]["num_rows"] == 15
+    assert hf["kind"] == "reference"                   # transformers made these rows, not our engine
+    assert [s["width"] for s in hf["facts"]["steps"]] == [r["length"] for r in hf["facts"]["rows"]]
+
+
+def test_non_finite_engine_logits_fail_the_collection(tiny_model_dir, tmp_path, monkeypatch):
+    import labkit.guardrails.collect as collect_mod
+    from labkit.guardrails import forcing
+
+    real = forcing.drive_teacher_forced
+
+    def poisoned(engine, prompts, continuations, *, probe=None, on_row=None):
+        def poison(rec):
+            rec.logits[3] = float("nan")
+            on_row(rec)
+        return real(engine, prompts, continuations, probe=probe, on_row=poison)
+
+    monkeypatch.setattr(collect_mod, "drive_teacher_forced", poisoned)
+    rec = collect("nano", "baseline", tmp_path / "nan", model=str(tiny_model_dir), device="cpu")
+    assert rec["verdict"] == "FAIL" and rec["facts"]["logits_finite"] is False
+    assert failed_names(rec) == ["logits finite"]
+
+
+def test_hf_rows_that_were_fed_other_tokens_fail(tiny_model_dir, tmp_path, monkeypatch):
+    """The reference's trajectory is measured from the input ids transformers received, not assumed."""
+    import labkit.guardrails.collect as collect_mod
+
+    real = collect_mod.reference_last_logits
+    monkeypatch.setattr(collect_mod, "reference_last_logits",
+                        lambda model, tokens, device: real(model, list(tokens)[:-1] + [1], device))
+    rec = collect("hf", "baseline", tmp_path / "off", model=str(tiny_model_dir), device="cpu")
+    assert rec["verdict"] == "FAIL" and rec["facts"]["rows_follow_trajectory"] is False
+    assert failed_names(rec) == ["rows follow the preset trajectory"]
+    # called twice per row: the measured row count is 30, not the suite's 15
+    monkeypatch.setattr(collect_mod, "reference_last_logits",
+                        lambda model, tokens, device: (real(model, tokens, device), real(model, tokens, device))[1])
+    rec = collect("hf", "baseline", tmp_path / "twice", model=str(tiny_model_dir), device="cpu")
+    assert rec["facts"]["num_rows"] == 30 and "rows collected" in failed_names(rec)
+
+
+def test_a_kv_probe_that_saw_no_decode_step_fails(tiny_model_dir, tmp_path, monkeypatch):
+    """'history unchanged' over zero probed decode steps is vacuous: the collection says so and FAILs."""
+    from labkit.guardrails.forcing import KVProbe
+
+    monkeypatch.setattr(KVProbe, "before", lambda self, *a: None)
+    monkeypatch.setattr(KVProbe, "after", lambda self, *a: None)
+    rec = collect("nano", "graph", tmp_path / "blind", model=str(tiny_model_dir), device="cpu")
+    kv = rec["facts"]["kv"]
+    assert kv["history_unchanged"] is True and kv["decode_steps_probed"] == 0      # vacuously "unchanged"
+    assert rec["verdict"] == "FAIL"
+    assert failed_names(rec) == ["decode steps probed", "new KV of every decode row"]
+
+
+def reseal(prefix, change):
+    """Edit a collection's JSON by hand and recompute its digest (a forger who knows the format)."""
+    from labkit.evidence_format import digest
+
+    path = Path(f"{prefix}.json")
+    rec = json.loads(path.read_text())
+    change(rec)
+    rec["digest"] = digest(rec)
+    path.write_text(json.dumps(rec))
+
+
+def test_compare_computes_trajectory_and_model_match(baseline, tmp_path):
+    from labkit.guardrails.compare import load_collection, model_match, trajectory_match
+
+    lhs, rhs = load_collection(baseline / "engine-nano"), load_collection(baseline / "engine-hf")
+    assert trajectory_match(lhs, rhs) and model_match(lhs, rhs)
+    rhs.record["facts"]["rows"][3]["tokens_sha256"] = "0" * 64          # one row fed other tokens
+    assert not trajectory_match(lhs, rhs)
+    rhs = load_collection(baseline / "engine-hf")
+    rhs.record["facts"]["trajectory_sha256"] = "0" * 64                 # a digest its rows do not give
+    assert not trajectory_match(lhs, rhs)
+    rhs = load_collection(baseline / "engine-hf")
+    rhs.record["model"]["weights_sha256"] = "0" * 64
+    assert not model_match(lhs, rhs)
+    del lhs.record["model"]["config_sha256"]
+    assert not model_match(lhs, lhs)                                     # absent is no match
+
+
+def test_compare_rejudges_its_inputs_instead_of_trusting_them(baseline, tmp_path):
+    ok = compare(baseline / "engine-nano", baseline / "engine-hf", tmp_path / "ok.json")
+    assert ok["verdict"] == "PASS" and ok["facts"]["lhs"]["verdict"] == ok["facts"]["rhs"]["verdict"] == "PASS"
+    assert ok["facts"]["trajectory_match"] is True and ok["facts"]["model_match"] is True
+
+    # an input edited by hand (its digest no longer matches) FAILs the comparison
+    edited = copy_collection(baseline / "engine-nano", tmp_path / "edited")
+    rec = json.loads(Path(f"{edited}.json").read_text())
+    rec["facts"]["logits_finite"] = True
+    rec["facts"]["note"] = "edited"
+    Path(f"{edited}.json").write_text(json.dumps(rec))
+    bad = compare(edited, baseline / "engine-hf", tmp_path / "edited-cmp.json")
+    assert bad["verdict"] == "FAIL" and bad["facts"]["lhs"]["verdict"] == "FAIL"
+    assert [c["name"] for c in bad["checks"] if c["status"] == "fail"] == ["lhs collection re-judged"]
+    assert "edited after it was written" in bad["facts"]["lhs"]["verdict_reason"]
+
+    # a collection whose own facts fail, resealed and claiming PASS: re-judged from its facts, FAIL
+    forged = copy_collection(baseline / "engine-hf", tmp_path / "forged")
+    reseal(forged, lambda r: r["facts"].update(logits_finite=False))
+    bad = compare(baseline / "engine-nano", forged, tmp_path / "forged-cmp.json")
+    assert bad["verdict"] == "FAIL" and bad["facts"]["rhs"]["verdict"] == "FAIL"
+
+    # an engine collection from another engine tree is stale: NOT-RUN, and the comparison FAILs
+    stale = copy_collection(baseline / "engine-nano", tmp_path / "stale")
+    reseal(stale, lambda r: r.update(engine_source_hash="f" * 64))
+    bad = compare(stale, baseline / "engine-hf", tmp_path / "stale-cmp.json")
+    assert bad["verdict"] == "FAIL" and bad["facts"]["lhs"]["verdict"] == "NOT-RUN"
+    assert "stale" in bad["facts"]["lhs"]["verdict_reason"]
+
+
+# --------------------------------------------------------------------------- thresholds: one table, by device and dtype
+
+
+def test_the_guard_uses_the_threshold_table_by_default(baseline):
+    from labkit.checks import threshold_entry
+
+    rec = json.loads((baseline / "engine-logits-check.json").read_text())
+    th = rec["facts"]["thresholds"]
+    key, entry = threshold_entry("logits", rec["device"], rec["facts"]["dtype"])
+    assert key == "cpu/float32" and rec["facts"]["dtype"] == "float32"
+    assert (th["key"], th["max_abs"], th["rel_l2"]) == (key, entry["max_abs"], entry["rel_l2"])
+    assert th["source"] == "table logits cpu/float32" and th["overridden"] == []
+    assert {a["value"] for a in rec["run_assertions"] if a["path"] in ("facts.worst_max_abs", "facts.worst_rel_l2")} \
+        == {entry["max_abs"], entry["rel_l2"]}
+
+
+def test_threshold_overrides_are_recorded_and_claim_no_checkpoint(tiny_model_dir, tmp_path, app, monkeypatch):
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(runs))
+    command = get_checkpoint("guardrails.logits-baseline").command[1:]
+    res = run_cli(app, *command, "--model", tiny_model_dir, "--device", "cpu", "--max-abs", "0.05", "--rel-l2", "0.002")
+    assert res.exit_code == 0, res.output
+    rec = json.loads((runs / "logits-guard-baseline.json").read_text())   # its own file, not the checkpoint's
+    assert rec["checkpoint"] is None and not (runs / "engine-logits-check.json").exists()
+    assert not (runs / "engine-nano.json").exists()                        # nor the checkpoint's collections
+    th = rec["facts"]["thresholds"]
+    assert th["overridden"] == ["--max-abs", "--rel-l2"] and (th["max_abs"], th["rel_l2"]) == (0.05, 0.002)
+    assert th["source"] == "--max-abs and --rel-l2 given (table logits cpu/float32)"
+    assert rec["facts"]["checkpoint_not_claimed"]["checkpoint"] == "guardrails.logits-baseline"
+    assert "note: not evidence for guardrails.logits-baseline" in " ".join(res.output.split())
+
+
+def test_a_dtype_without_a_threshold_entry_fails_and_says_so(baseline, tmp_path):
+    lhs = copy_collection(baseline / "engine-nano", tmp_path / "l")
+    rhs = copy_collection(baseline / "engine-hf", tmp_path / "r")
+    for side in (lhs, rhs):
+        reseal(side, lambda r: r["facts"].update(dtype="float16"))
+    rec = compare(lhs, rhs, tmp_path / "c.json")
+    assert rec["facts"]["thresholds"]["max_abs"] is None and rec["verdict"] == "FAIL"
+    failed = [c for c in rec["checks"] if c["status"] == "fail"]
+    assert [c["name"] for c in failed] == ["a logits max_abs threshold", "a logits rel_l2 threshold"]
+    assert "no entry for cpu/float16 in the logits table" in failed[0]["why"]
+    # the same pair with explicit thresholds is judged by them
+    assert compare(lhs, rhs, tmp_path / "c2.json", max_abs=0.05, rel_l2=0.002)["verdict"] == "PASS"
+
+
+def test_compare_by_hand_writes_its_own_file_not_the_checkpoints(baseline, tmp_path, app, monkeypatch):
+    """`labkit logits compare` of the guardrail pair, no --out: its own file, evidence for no checkpoint (the
+    checkpoint's file is the guard's), and it PASSes instead of failing a 'checkpoint' check it never claimed."""
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(runs))
+    res = run_cli(app, "logits", "compare", "--lhs", baseline / "engine-nano", "--rhs", baseline / "engine-hf")
+    assert res.exit_code == 0, res.output
+    rec = json.loads((runs / "logits-compare.json").read_text())
+    assert rec["checkpoint"] is None and rec["verdict"] == "PASS"
+    cp = get_checkpoint("guardrails.logits-baseline")
+    assert not cp.evidence_path().exists() and check_evidence(cp)[0] == "NOT-RUN"
+
+
 # --------------------------------------------------------------------------- REVIEW
 
 
@@ -195,6 +380,7 @@ def test_graph_suite_collects_126_rows_with_kv_checks(graph):
     assert nano["verdict"] == "PASS" and f["num_rows"] == 126 and hf["facts"]["num_rows"] == 126
     assert sorted(map(int, f["decode_routes"])) == [1, 9, 16, 17, 20]
     assert f["kv"]["history_unchanged"] and f["kv"]["padding_wrote_nothing"]
+    assert f["kv"]["decode_steps_probed"] == 5 and f["kv"]["new_kv_rows"] == 63 and f["logits_finite"]
     assert [s["batch"] for s in f["kv"]["decode_steps"]] == [1, 9, 16, 17, 20]
     assert all(s["free_blocks_checked"] for s in f["kv"]["decode_steps"])
     with np.load(d / "nano.npz") as z:

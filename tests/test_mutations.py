@@ -36,6 +36,20 @@ MUTATIONS = {
         "        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size\n",
         "        return seq.block_table[position // self.block_size] * self.block_size + (position + 1) % self.block_size  # MUTANT\n",
         ("guardrails.logits-baseline",)),
+    # RMSNorm with eps 2e-6 instead of 1e-6: a max abs logit error of ~3e-2 on the tiny model, inside the
+    # calibrated CUDA float32 threshold (0.05): only the tight CPU float32 entry of the table sees it
+    "rmsnorm-eps-doubled": (
+        "engine/layers/layernorm.py",
+        "        self.eps = eps\n",
+        "        self.eps = eps * 2   # MUTANT: twice the config's rms_norm_eps\n",
+        ("guardrails.logits-baseline",)),
+    # the loader maps each checkpoint q_norm onto the model's k_norm and back (synthetic norms are distinct)
+    "loader-swaps-q-k-norm": (
+        "engine/loader.py",
+        "                target, shard = name, None\n",
+        "                target, shard = name, None\n"
+        "                target = target.replace('q_norm', '@').replace('k_norm', 'q_norm').replace('@', 'k_norm')  # MUTANT\n",
+        ("guardrails.logits-baseline",)),
 }
 
 
@@ -69,12 +83,19 @@ def run_checkpoint(root: Path, cid: str, model: Path, runs: Path) -> tuple[int, 
 
 
 @pytest.fixture(scope="module")
-def control(tiny_model_dir, tmp_path_factory):
-    """The unmutated copy: every checkpoint the mutants must fail PASSes here."""
+def control_run(tiny_model_dir, tmp_path_factory):
+    """The unmutated copy: (its root, the runs directory of each checkpoint, (exit code, verdict) of each)."""
     root = copy_project(tmp_path_factory.mktemp("control"))
     needed = sorted({cid for *_, cids in MUTATIONS.values() for cid in cids})
-    results = {cid: run_checkpoint(root, cid, tiny_model_dir, tmp_path_factory.mktemp("runs")) for cid in needed}
-    return results
+    runs = {cid: tmp_path_factory.mktemp("runs") for cid in needed}
+    results = {cid: run_checkpoint(root, cid, tiny_model_dir, runs[cid]) for cid in needed}
+    return root, runs, results
+
+
+@pytest.fixture(scope="module")
+def control(control_run):
+    """Every checkpoint the mutants must fail PASSes in the unmutated copy."""
+    return control_run[2]
 
 
 @pytest.mark.slow
@@ -88,3 +109,32 @@ def test_a_broken_engine_fails_its_checkpoint(name, control, tiny_model_dir, tmp
     for cid in cids:
         code, verdict = run_checkpoint(root, cid, tiny_model_dir, tmp_path / f"runs-{cid}")
         assert (code, verdict) == (1, "FAIL"), f"mutant {name}: {cid} gave exit {code}, verdict {verdict}"
+
+
+def labkit_check(root: Path, runs: Path, cid: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(root), "LABKIT_RUNS_DIR": str(runs), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "labkit", "check", cid, "--json"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_an_edited_evidence_file_fails_labkit_check(control_run):
+    """The control's PASSing evidence, a number edited by hand: `labkit check` in the copy FAILs it."""
+    root, runs, results = control_run
+    cid = "guardrails.logits-baseline"
+    assert results[cid] == (0, "PASS"), results[cid]
+    ok = labkit_check(root, runs[cid], cid)
+    assert ok.returncode == 0 and json.loads(ok.stdout)[0]["verdict"] == "PASS", ok.stdout[-2000:] + ok.stderr[-2000:]
+    spec = json.loads((root / "checkpoints" / "guardrails.json").read_text())
+    evidence = runs[cid] / Path(next(c for c in spec["checkpoints"] if c["id"] == cid)["evidence"]).name
+    text = evidence.read_text()
+    rec = json.loads(text)
+    rec["facts"]["worst_max_abs"] = rec["facts"]["worst_max_abs"] / 2       # a smaller error, still a PASS by itself
+    evidence.write_text(json.dumps(rec, indent=2))
+    try:
+        bad = labkit_check(root, runs[cid], cid)
+        row = json.loads(bad.stdout)[0]
+        assert bad.returncode == 1 and row["verdict"] == "FAIL", bad.stdout[-2000:]
+        assert "edited after it was written" in json.dumps(row)
+    finally:
+        evidence.write_text(text)

@@ -161,3 +161,17 @@ def test_cpu_before_after_checkpoint_passes_applied_and_reverted(repo, tiny_mode
         rejudged = labkit(repo, "check", f"patches.{name}", "--json")
         assert rejudged.returncode == 0 and json.loads(rejudged.stdout)[0]["verdict"] == "PASS", rejudged.stdout[-2000:]
         assert record["facts"]["before"]["engine_source_hash"] != record["facts"]["after"]["engine_source_hash"]
+
+
+def test_a_probe_that_did_not_run_fails(tmp_path, monkeypatch, labkit_argv):
+    """The 'probe ran' assertion reads the side's measured ``ok`` (its process completed and reported facts)."""
+    import labkit.patches.check as pc
+
+    monkeypatch.setattr(pc, "run_side", lambda patch, applied, model=None:
+                        {"ok": False, "error": "probe exited 1: boom"} if applied else
+                        {"ok": True, "kind": "cpu-real-scheduler", "facts": {}, "engine_source_hash": "x"})
+    labkit_argv("patch", "check", "no-balanced-policy")
+    rec = pc.run_patch_check("no-balanced-policy", tmp_path / "p.json")
+    failed = [c["name"] for c in rec["checks"] if c["status"] == "fail"]
+    assert rec["verdict"] == "FAIL" and "before probe ran" in failed and "after probe ran" not in failed
+    assert rec["facts"]["before"]["ok"] is False and "unjudged_checks" not in rec

@@ -48,6 +48,9 @@ def test_default_run_is_540_vs_71_and_passes_its_checkpoint(tiny_model_dir, tmp_
     rec = json.loads(out.read_text())
     f = rec["facts"]
     assert rec["checkpoint"] == "guardrails.cached-forward" and rec["verdict"] == "PASS"
+    assert rec["kind"] == "reference"                 # transformers made both paths, not our engine
+    assert f["thresholds"]["key"] == "cpu/float32" and f["thresholds"]["source"] == "table logits cpu/float32"
+    assert f["inputs_follow_trajectory"] and f["positions_follow"] and f["top1_flips"] == 0
     # the checkpoint's repeats, each 8 uncached then 8 cached forwards; the model saw exactly the reported widths
     assert seen_widths == (list(range(64, 72)) + [64] + [1] * 7) * int(command[command.index("--repeats") + 1])
     assert f["widths_uncached"] == seen_widths[:8] and sum(seen_widths[:8]) == f["positions_uncached"] == 540
@@ -80,3 +83,67 @@ def test_user_errors(app, tmp_path, tiny_model_dir, args, message):
                                    *([] if "--model" in args else ["--model", str(tiny_model_dir)]), *args])
     assert res.exit_code == 2, res.output
     assert message in " ".join(res.output.split()) and "Traceback" not in res.output
+
+
+@pytest.fixture
+def fault(monkeypatch):
+    """``fault(fn)``: the reference model gets a forward pre-hook (before any measuring hook) that may rewrite
+    a call's keyword arguments: a broken caller, as the model receives it."""
+    import labkit.guardrails.collect as collect
+
+    load = collect.load_reference_model
+
+    def install(fn):
+        def loading(*args, **kwargs):
+            model = load(*args, **kwargs)
+            model.register_forward_pre_hook(lambda _m, a, kw: (a, fn(dict(kw))), with_kwargs=True)
+            return model
+
+        monkeypatch.setattr(collect, "load_reference_model", loading)
+
+    return install
+
+
+def _failed(rec):
+    return {c["name"]: c["status"] for c in rec["checks"] if c["status"] != "pass"}
+
+
+def test_off_by_one_decode_positions_fail_on_the_thresholds(tiny_model_dir, tmp_path, fault):
+    def shift(kw):
+        if kw.get("use_cache") and kw["input_ids"].shape[1] == 1:
+            kw["position_ids"] = kw["position_ids"] + 1          # the classic cached-decode position bug
+        return kw
+
+    fault(shift)
+    rec = run_cached_forward(tmp_path / "cf.json", model=str(tiny_model_dir), device="cpu", dtype="float32")
+    failed = _failed(rec)
+    assert rec["verdict"] == "FAIL" and rec["facts"]["positions_follow"] is False
+    assert failed["cached vs uncached max_abs"] == "fail" and failed["cached vs uncached rel_l2"] == "fail"
+    assert rec["facts"]["max_abs_logit_error"] > rec["facts"]["thresholds"]["max_abs"]
+
+
+def test_a_top1_flip_fails_not_review(tiny_model_dir, tmp_path, fault):
+    def other_token(kw):
+        if kw.get("use_cache") and kw["input_ids"].shape[1] == 1:
+            kw["input_ids"] = (kw["input_ids"] + 1) % 1000          # the cached path is fed the wrong ids
+        return kw
+
+    fault(other_token)
+    rec = run_cached_forward(tmp_path / "cf.json", model=str(tiny_model_dir), device="cpu", dtype="float32")
+    failed = _failed(rec)
+    assert rec["verdict"] == "FAIL" and rec["facts"]["top1_flips"] > 0
+    assert failed["same top-1 on every step"] == "fail"                       # FAIL, not review
+    assert failed["inputs follow the trajectory"] == "fail"                   # measured from what the model got
+
+
+def test_other_options_are_evidence_for_no_checkpoint(tiny_model_dir, tmp_path, app, monkeypatch):
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
+    res = CliRunner().invoke(app, ["principles", "cached-forward", "--prompt-len", "64", "--steps", "8", "--repeats", "1",
+                                   "--dtype", "float32",
+                                   "--model", str(tiny_model_dir), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    rec = json.loads((tmp_path / "runs" / "cached-forward-s64-g8.json").read_text())
+    assert rec["checkpoint"] is None and rec["verdict"] == "PASS"
+    assert rec["facts"]["checkpoint_not_claimed"]["why"] == "--repeats 1, not --repeats 3"
+    assert not (tmp_path / "runs" / "cached-forward.json").exists()
+    assert "note: not evidence for guardrails.cached-forward" in " ".join(res.output.split())

@@ -29,6 +29,29 @@ def test_quick_walk_case_passes_its_checkpoint(tiny_model_dir, tmp_path, case, o
     assert verdict == "PASS"
 
 
+def test_a_plain_run_claims_no_checkpoint_and_says_so(tiny_model_dir, tmp_path, cli_app, monkeypatch):
+    """`labkit quick-walk --case A` without --trace: not the checkpoint's command, so not its evidence (and not
+    a FAIL of it); its own file, a note naming the checkpoint's command. With --trace it claims and PASSes."""
+    from typer.testing import CliRunner
+
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(runs))
+    res = CliRunner().invoke(cli_app, ["quick-walk", "--case", "A", "--model", str(tiny_model_dir), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    rec = json.loads((runs / "quick-walk-a-custom.json").read_text())
+    assert rec["checkpoint"] is None and rec["verdict"] != "FAIL"
+    assert rec["facts"]["checkpoint_not_claimed"] == {"checkpoint": "setup.quick-walk-a",
+                                                      "command": "labkit quick-walk --case A --trace",
+                                                      "why": "--trace not given"}
+    assert "note: not evidence for setup.quick-walk-a: --trace not given" in " ".join(res.output.split())
+    cp = get_checkpoint("setup.quick-walk-a")
+    assert not cp.evidence_path().exists() and check_evidence(cp)[0] == "NOT-RUN"
+    res = CliRunner().invoke(cli_app, ["quick-walk", "--case", "A", "--trace", "--model", str(tiny_model_dir),
+                                       "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(cp.evidence_path().read_text())["checkpoint"] == cp.id and check_evidence(cp)[0] == "PASS"
+
+
 def test_a_trace_records_before_and_after_each_step(tiny_model_dir, tmp_path):
     rec = run_quick_walk("A", out=tmp_path / "a.json", model=str(tiny_model_dir), trace=True)
     steps = rec["facts"]["steps"]
@@ -103,7 +126,7 @@ def test_b_cases_fail_on_a_wrong_slot_or_context_len(tiny_model_dir, tmp_path, c
     assert checks["facts.derived.slots_follow_formula"]["passed"]
 
 
-def test_a_walk_that_leaks_blocks_fails(tiny_model_dir, tmp_path, monkeypatch):
+def test_a_walk_that_leaks_blocks_fails(tiny_model_dir, tmp_path, monkeypatch, labkit_argv):
     """Break the subject: a block manager that forgets to return one block per finished sequence."""
     from engine.block_manager import BlockManager
 
@@ -118,7 +141,9 @@ def test_a_walk_that_leaks_blocks_fails(tiny_model_dir, tmp_path, monkeypatch):
         return [b for b in freed if b not in keep]
 
     monkeypatch.setattr(BlockManager, "deallocate", leaky)
-    rec = run_quick_walk("B", out=tmp_path / "b.json", model=str(tiny_model_dir))
+    labkit_argv.checkpoint("setup.quick-walk-b")
+    rec = run_quick_walk("B", out=tmp_path / "b.json", model=str(tiny_model_dir), trace=True)
+    assert rec["checkpoint"] == "setup.quick-walk-b"
     checks = {c["name"]: c for c in rec["checks"]}
     assert rec["verdict"] == "FAIL"
     assert not checks["facts.blocks_in_use_end"]["passed"] and checks["facts.blocks_in_use_end"]["actual"] == 2

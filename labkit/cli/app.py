@@ -60,6 +60,7 @@ from labkit.cli.options import (
 from labkit.console import (
     console,
     debug_enabled,
+    err_console,
     error_line,
     internal_error_line,
     print_json,
@@ -165,6 +166,10 @@ def finish(record: dict, paths: str | Path | list[str | Path] | None = None, *, 
         print_json({k: v for k, v in record.items() if k != "_paths"})
     else:
         render_record(record, paths, word=word)
+    unclaimed = (record.get("facts") or {}).get("checkpoint_not_claimed") if isinstance(record.get("facts"), dict) else None
+    if isinstance(unclaimed, dict):
+        err_console.print(f"note: not evidence for {unclaimed.get('checkpoint')}: {unclaimed.get('why')}; "
+                          f"its command is `{unclaimed.get('command')}`", markup=False, highlight=False)
     if verdict == "NOT-RUN":
         from labkit.checks import reason
 
@@ -288,15 +293,14 @@ def quick_walk(
     json_out: JsonOpt = False,
 ) -> None:
     """Follow cases A-D step by step (docs/LAB.md §3); LABKIT_TRACE=1 prints one event=engine_step line per step."""
-    from labkit.experiments.quick_walk import default_out_for, run_quick_walk
+    from labkit.experiments.quick_walk import run_quick_walk
 
-    out = out or default_out_for(case.value, max_num_batched_tokens, max_num_seqs, kv_cache_block_size)
     record = run_quick_walk(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
                             budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
                             trace=trace, debug=debug)
     if not json_out:
         render_quick_walk(record)
-    finish(record, out, json_out=json_out)
+    finish(record, record["_paths"]["json"], json_out=json_out)
 
 
 @app.command()

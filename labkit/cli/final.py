@@ -1,4 +1,4 @@
-"""``labkit report`` without ``--inputs``: print and exit on the final evidence report (labkit/final_report.py)."""
+"""``labkit report`` without ``--inputs``: print and exit on the final evidence report (labkit/writeup/report.py)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -29,8 +29,8 @@ EXIT_HELP = "Exit codes: 0 PASS/COLLECTED/REVIEW (REVIEW: look before trusting t
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the evidence record as JSON on stdout.")]
 SuiteOpt = Annotated[str, typer.Option("--suite", help="baseline (15 rows) | graph (126 rows).")]
 BucketsOpt = Annotated[Optional[str], typer.Option("--graph-buckets", help="Graph batch buckets, e.g. 1,2,4,8,16 (default: cover every batch).")]
-MaxAbsOpt = Annotated[float, typer.Option("--max-abs", help="Per-row max abs logit error threshold.")]
-RelL2Opt = Annotated[float, typer.Option("--rel-l2", help="Per-row relative L2 threshold (logits and new KV).")]
+MaxAbsOpt = Annotated[Optional[float], typer.Option("--max-abs", help="Override the per-row max abs logit threshold (default: the logits table's entry for the device and dtype, checkpoints/guardrails.json).")]
+RelL2Opt = Annotated[Optional[float], typer.Option("--rel-l2", help="Override the per-row relative L2 threshold, logits and new KV (default: the logits table's entry).")]
 KvMaxAbsOpt = Annotated[float, typer.Option("--kv-max-abs", help="New-KV max abs threshold (when both sides hold KV arrays).")]
 
 
@@ -94,10 +94,10 @@ def logits_collect(
 def logits_compare(
     lhs: Annotated[Optional[Path], typer.Option("--lhs", help="PREFIX of the measured collection.")] = None,
     rhs: Annotated[Optional[Path], typer.Option("--rhs", help="PREFIX of the reference collection.")] = None,
-    max_abs: MaxAbsOpt = 0.5,
-    rel_l2: RelL2Opt = 0.02,
+    max_abs: MaxAbsOpt = None,
+    rel_l2: RelL2Opt = None,
     kv_max_abs: KvMaxAbsOpt = 0.1,
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Evidence JSON (default: the guardrail checkpoint's file, else runs/logits-compare.json).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Evidence JSON (default runs/logits-compare.json; a comparison by hand is evidence for no checkpoint).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Row by row: max abs, relative L2, top-1 and the reference's top-2 margin; PASS / REVIEW / FAIL."""
@@ -119,8 +119,8 @@ def logits_guard(
     graph_buckets: BucketsOpt = None,
     seed: SeedOpt = 0,
     dtype: DtypeOpt = "auto",
-    max_abs: MaxAbsOpt = 0.5,
-    rel_l2: RelL2Opt = 0.02,
+    max_abs: MaxAbsOpt = None,
+    rel_l2: RelL2Opt = None,
     kv_max_abs: KvMaxAbsOpt = 0.1,
     lhs_out: Annotated[Optional[Path], typer.Option("--lhs-out", help="PREFIX for the measured side (default next to --out).")] = None,
     rhs_out: Annotated[Optional[Path], typer.Option("--rhs-out", help="PREFIX for the reference side (default next to --out).")] = None,

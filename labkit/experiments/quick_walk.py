@@ -1,7 +1,8 @@
 """Quick walk, cases A-D of handbook 5.2: follow requests step by step through the real engine.
 
 Every step is observed at three points: before the forward (scheduled), the runner's tensors (inputs)
-and after postprocess. The facts are judged by the checkpoint that matches the case and options.
+and after postprocess. The facts are judged by the checkpoint that matches the case and options, when
+the command line is that checkpoint's command (else the run claims no checkpoint and says why).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from engine import SamplingParams
 from engine.observe import EngineEvent
 from labkit.errors import UserError
-from labkit.evidence import write_evidence
+from labkit.evidence import claim, write_evidence
 from labkit.paths import default_out
 from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
 
@@ -49,11 +50,6 @@ def checkpoint_for(case: str, budget: int, max_num_seqs: int | None, block_size:
     if budget != 512:
         return None
     return f"setup.quick-walk-{case.lower()}"
-
-
-def default_out_for(case: str, budget: int, max_num_seqs: int | None, block_size: int) -> Path:
-    cp = checkpoint_for(case.upper(), budget, max_num_seqs, block_size)
-    return default_out(f"{cp.split('.', 1)[1]}.json" if cp else f"quick-walk-{case.lower()}-custom.json")
 
 
 class StepRecorder:
@@ -198,10 +194,17 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
     }
     if trace:
         facts["steps"] = steps
-    cp = checkpoint_for(case, budget, max_num_seqs, block_size)
-    record = write_evidence(out or default_out_for(case, budget, max_num_seqs, block_size), checkpoint=cp, kind=built.kind, facts=facts,
+    # the checkpoint these options call for, claimed only when the command line is that checkpoint's command
+    # (a plain run without --trace is evidence for no checkpoint, not a FAIL of one, and says so)
+    cp, unclaimed = claim(checkpoint_for(case, budget, max_num_seqs, block_size))
+    if unclaimed:
+        facts["checkpoint_not_claimed"] = unclaimed
+    path = Path(out) if out is not None else (default_out(f"{cp.split('.', 1)[1]}.json") if cp
+                                              else default_out(f"quick-walk-{case.lower()}-custom.json"))
+    record = write_evidence(path, checkpoint=cp, kind=built.kind, facts=facts,
                             device=built.device, model=built.model, seed=engine.config.seed, engine=built.describe())
     engine.close()
+    record["_paths"] = {"json": str(path)}
     return record
 
 

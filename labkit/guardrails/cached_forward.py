@@ -21,8 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from labkit.checks import run_assertion
 from labkit.errors import UserError
-from labkit.evidence import write_evidence
+from labkit.evidence import claim, write_evidence
 from labkit.paths import default_out
 
 CHECKPOINT_CACHED_FORWARD = "guardrails.cached-forward"
@@ -53,39 +54,60 @@ def _sync(device: str) -> None:
 
 
 def _run_paths(model, tokens: list[int], prompt_len: int, steps: int, device: str) -> dict:
-    """One repeat of both paths: per-step logits, widths and seconds."""
+    """One repeat of both paths: per-step logits and seconds, and per path what the model received (a
+    forward pre-hook): the input widths, whether the ids were the trajectory's and the positions followed."""
     import torch
 
     kw, field = _cache_io(model)
     ids = torch.tensor([tokens], dtype=torch.long, device=device)
-    out: dict[str, Any] = {"uncached": {"logits": [], "widths": [], "seconds": []},
-                           "cached": {"logits": [], "widths": [], "seconds": []}}
-    with torch.no_grad():
-        for k in range(steps):                              # no cache: the whole prefix every step
-            n = prompt_len + k
-            _sync(device)
-            t0 = time.perf_counter()
-            res = model(input_ids=ids[:, :n], position_ids=torch.arange(n, device=device)[None],
-                        use_cache=False, logits_to_keep=1)
-            _sync(device)
-            out["uncached"]["seconds"].append(time.perf_counter() - t0)
-            out["uncached"]["widths"].append(n)
-            out["uncached"]["logits"].append(res.logits[0, -1].float().cpu())
-        cache = None
-        for k in range(steps):                              # with cache: prompt once, then one id per step
-            start, end = (0, prompt_len) if k == 0 else (prompt_len + k - 1, prompt_len + k)
-            extra = {} if cache is None else {kw: cache}
-            _sync(device)
-            t0 = time.perf_counter()
-            res = model(input_ids=ids[:, start:end], position_ids=torch.arange(start, end, device=device)[None],
-                        use_cache=True, logits_to_keep=1, **extra)
-            _sync(device)
-            out["cached"]["seconds"].append(time.perf_counter() - t0)
-            out["cached"]["widths"].append(end - start)
-            out["cached"]["logits"].append(res.logits[0, -1].float().cpu())
-            cache = res.get(field)
-            if cache is None:
-                raise RuntimeError(f"transformers returned no {field} with use_cache=True")
+    out: dict[str, Any] = {"uncached": {"logits": [], "seconds": []}, "cached": {"logits": [], "seconds": []}}
+    calls: list[dict] = []
+
+    def seen(_module, _args, kwargs):
+        pos = kwargs.get("position_ids")
+        calls.append({"cached": bool(kwargs.get("use_cache")), "ids": kwargs["input_ids"][0].tolist(),
+                      "positions": pos[0].tolist() if pos is not None else None})
+
+    hook = model.register_forward_pre_hook(seen, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for k in range(steps):                          # no cache: the whole prefix every step
+                n = prompt_len + k
+                _sync(device)
+                t0 = time.perf_counter()
+                res = model(input_ids=ids[:, :n], position_ids=torch.arange(n, device=device)[None],
+                            use_cache=False, logits_to_keep=1)
+                _sync(device)
+                out["uncached"]["seconds"].append(time.perf_counter() - t0)
+                out["uncached"]["logits"].append(res.logits[0, -1].float().cpu())
+            cache = None
+            for k in range(steps):                          # with cache: prompt once, then one id per step
+                start, end = (0, prompt_len) if k == 0 else (prompt_len + k - 1, prompt_len + k)
+                extra = {} if cache is None else {kw: cache}
+                _sync(device)
+                t0 = time.perf_counter()
+                res = model(input_ids=ids[:, start:end], position_ids=torch.arange(start, end, device=device)[None],
+                            use_cache=True, logits_to_keep=1, **extra)
+                _sync(device)
+                out["cached"]["seconds"].append(time.perf_counter() - t0)
+                out["cached"]["logits"].append(res.logits[0, -1].float().cpu())
+                cache = res.get(field)
+                if cache is None:
+                    raise RuntimeError(f"transformers returned no {field} with use_cache=True")
+    finally:
+        hook.remove()
+    for path, cached in (("uncached", False), ("cached", True)):
+        got = [c for c in calls if c["cached"] is cached]
+        out[path]["widths"] = [len(c["ids"]) for c in got]
+        done, ids_ok, pos_ok = 0, True, True
+        for c in got:
+            start = done if cached else 0               # a cached call continues where the last one ended
+            span = list(range(start, start + len(c["ids"])))
+            ids_ok = ids_ok and c["ids"] == tokens[span[0]:span[-1] + 1] if span else False
+            pos_ok = pos_ok and c["positions"] == span
+            done = start + len(c["ids"])
+        out[path]["inputs_follow"] = bool(got) and ids_ok
+        out[path]["positions_follow"] = bool(got) and pos_ok
     return out
 
 
@@ -151,42 +173,77 @@ def run_cached_forward(out: str | Path | None = None, *, model: str | None = Non
     rel = max(s["rel_l2"] for s in per_step)
     finite = bool(np.isfinite(max_abs) and np.isfinite(rel))
     same = sum(s["same_top1"] for s in per_step)
+    dtype_name = str(hf_dtype(device, dtype)).replace("torch.", "")
+    th = _thresholds(device, dtype_name)
     facts = {
         "prompt_len": prompt_len, "steps": steps, "repeats": repeats, "seed": seed,
-        "device": device, "dtype": str(hf_dtype(device, dtype)).replace("torch.", ""), "attn_implementation": "eager",
+        "device": device, "dtype": dtype_name, "attn_implementation": "eager",
         "trajectory_sha256": tokens_sha256(tokens), "trajectory_len": len(tokens),
+        "forward_calls": len(first["uncached"]["widths"]) + len(first["cached"]["widths"]),
         "widths_uncached": widths_u, "widths_cached": widths_c,
         "positions_uncached": sum(widths_u), "positions_cached": sum(widths_c),
+        "inputs_follow_trajectory": all(r[p]["inputs_follow"] for r in runs for p in ("uncached", "cached")),
+        "positions_follow": all(r[p]["positions_follow"] for r in runs for p in ("uncached", "cached")),
         "expected": exp,
         "counts_match": (widths_u == exp["widths_uncached"] and widths_c == exp["widths_cached"]
                          and sum(widths_u) == exp["positions_uncached"] and sum(widths_c) == exp["positions_cached"]),
-        "position_ratio": sum(widths_u) / sum(widths_c),
+        "position_ratio": sum(widths_u) / sum(widths_c) if sum(widths_c) else None,
         "max_abs_logit_error": max_abs, "relative_l2_logit_error": rel, "errors_finite": finite,
-        "same_top1_steps": same, "per_step": per_step,
+        "thresholds": th,
+        "same_top1_steps": same, "top1_flips": steps - same, "per_step": per_step,
         "timing": {"uncached": _timing(runs, "uncached"), "cached": _timing(runs, "cached"),
                    "note": "prefill = step 0; decode = steps 1..G-1 summed (uncached decode recomputes the whole prefix)"},
         "note": synthetic_note(identity),
     }
-    checks = [
-        {"name": "uncached widths and positions", "passed": widths_u == exp["widths_uncached"]
-         and sum(widths_u) == exp["positions_uncached"], "expected": f"{exp['widths_uncached'][0]}..{exp['widths_uncached'][-1]}"
-         f" = {exp['positions_uncached']}", "actual": sum(widths_u), "why": "G*S + G*(G-1)/2"},
-        {"name": "cached widths and positions", "passed": widths_c == exp["widths_cached"]
-         and sum(widths_c) == exp["positions_cached"], "expected": f"[{prompt_len}, 1 x {steps - 1}] = {exp['positions_cached']}",
-         "actual": sum(widths_c), "why": "S + G - 1"},
-        {"name": "logit errors finite", "passed": finite, "expected": "finite",
-         "actual": {"max_abs": max_abs, "rel_l2": rel}, "why": "max abs and relative L2 over all steps"},
-        {"name": "same top-1 steps", "passed": same == steps, "expected": steps, "actual": same,
-         "status": "pass" if same == steps else "review", "why": "a flip asks for a look at dtype, positions, backend"},
+    assertions = [
+        run_assertion("facts.widths_uncached", "eq", exp["widths_uncached"], name="uncached widths",
+                      why="the widths the model received without cache: S..S+G-1"),
+        run_assertion("facts.positions_uncached", "eq", exp["positions_uncached"], name="uncached positions",
+                      why="G*S + G*(G-1)/2"),
+        run_assertion("facts.widths_cached", "eq", exp["widths_cached"], name="cached widths",
+                      why="the widths the model received with cache: [S, 1, ..., 1]"),
+        run_assertion("facts.positions_cached", "eq", exp["positions_cached"], name="cached positions", why="S + G - 1"),
+        run_assertion("facts.inputs_follow_trajectory", "is_true", name="inputs follow the trajectory",
+                      why="every call received the trajectory's ids for its span (every repeat)"),
+        run_assertion("facts.positions_follow", "is_true", name="positions follow",
+                      why="uncached calls received positions 0..n-1, cached calls continued where the last ended"),
+        run_assertion("facts.errors_finite", "is_true", name="logit errors finite",
+                      why="max abs and relative L2 over all steps"),
+        *_threshold_assertions(th),
+        run_assertion("facts.top1_flips", "eq", 0, name="same top-1 on every step",
+                      why="cached and uncached pick the same next token at every step"),
     ]
     default = prompt_len == DEFAULT_PROMPT_LEN and steps == DEFAULT_STEPS
-    cp = CHECKPOINT_CACHED_FORWARD if default else None
+    cp, unclaimed = claim(CHECKPOINT_CACHED_FORWARD if default else None)
+    if unclaimed:
+        facts["checkpoint_not_claimed"] = unclaimed
     if out is None:
-        out = default_out("cached-forward.json" if default else f"cached-forward-s{prompt_len}-g{steps}.json")
-    kind = "gpu-measured" if device.startswith("cuda") else "cpu-real-engine"
+        out = default_out("cached-forward.json" if cp else f"cached-forward-s{prompt_len}-g{steps}.json")
     engine_info = {"implementation": "transformers", "attn_implementation": "eager",
                    "dtype": facts["dtype"], "device": device}
-    record = write_evidence(out, checkpoint=cp, kind=kind, facts=facts, device=device, model=identity, seed=seed,
-                            engine=engine_info, extra_checks=checks)
+    # transformers made both paths' logits, not our engine: reference evidence
+    record = write_evidence(out, checkpoint=cp, kind="reference", facts=facts, device=device, model=identity, seed=seed,
+                            engine=engine_info, run_assertions=assertions)
     record["_paths"] = {"json": str(out)}
     return record
+
+
+def _thresholds(device: str, dtype: str) -> dict:
+    """The logits table's entry for this device class and dtype (the one the judge holds the checkpoint to)."""
+    from labkit.checks import threshold_entry
+
+    key, entry = threshold_entry("logits", device, dtype)
+    return {"key": key, "max_abs": (entry or {}).get("max_abs"), "rel_l2": (entry or {}).get("rel_l2"),
+            "source": f"table logits {key}" if entry else f"no entry for {key} in the logits table"}
+
+
+def _threshold_assertions(th: dict) -> list[dict]:
+    out = []
+    for metric, fact in (("max_abs", "max_abs_logit_error"), ("rel_l2", "relative_l2_logit_error")):
+        if th[metric] is None:
+            out.append(run_assertion(f"facts.thresholds.{metric}", "ge", 0, name=f"a logits {metric} threshold",
+                                     why=f"{th['source']} (checkpoints/guardrails.json)"))
+        else:
+            out.append(run_assertion(f"facts.{fact}", "le", th[metric], name=f"cached vs uncached {metric}",
+                                     why=f"worst step, cached against the uncached reference [{th['source']}]"))
+    return out

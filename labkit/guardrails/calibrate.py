@@ -15,8 +15,6 @@ from labkit.guardrails.suites import (
     CHECKPOINT_TP_CPU,
     CHECKPOINT_TP_GPU,
     DEFAULT_KV_MAX_ABS,
-    DEFAULT_MAX_ABS,
-    DEFAULT_REL_L2,
     DEFAULT_SEED,
     _validate_choices,
     build_suite,
@@ -26,15 +24,19 @@ from labkit.guardrails.suites import (
 
 def guard(suite: str, out: str | Path | None = None, *, model: str | None = None, device: str = "auto",
           attention: str = "auto", graph_buckets: tuple[int, ...] | None = None, seed: int = DEFAULT_SEED,
-          dtype: str = "auto", max_abs: float = DEFAULT_MAX_ABS, rel_l2: float = DEFAULT_REL_L2, kv_max_abs: float = DEFAULT_KV_MAX_ABS,
+          dtype: str = "auto", max_abs: float | None = None, rel_l2: float | None = None,
+          kv_max_abs: float = DEFAULT_KV_MAX_ABS,
           lhs_out: str | Path | None = None, rhs_out: str | Path | None = None,
           progress: Callable[[str, int], Callable[[int], None]] | None = None, tp: int = 1) -> dict:
     """Collect a suite's guardrail pair and compare it (the checkpoint's one command).
 
     baseline: nano eager (lhs, ``tp`` ranks) against hf (rhs). graph: nano graph (lhs) against nano eager (rhs).
+    The logits thresholds are the table's (see :func:`compare`) unless ``max_abs``/``rel_l2`` override them.
     """
     from labkit.checks import get_checkpoint
+    from labkit.evidence import claim
     from labkit.lab_engine import detect_device
+    from labkit.paths import default_out
 
     _validate_choices(suite, "nano", "eager", attention, dtype)
     device = detect_device(device)
@@ -45,10 +47,20 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
     cp = CHECKPOINT_BASELINE if suite == "baseline" else CHECKPOINT_GRAPH
     if tp > 1:
         cp = CHECKPOINT_TP_GPU if device.startswith("cuda") else CHECKPOINT_TP_CPU
-    out_path = Path(out) if out is not None else get_checkpoint(cp).evidence_path()
+    overrides = [n for n, v in (("--max-abs", max_abs), ("--rel-l2", rel_l2)) if v is not None]
+    cp, unclaimed = claim(cp, also=f"{' and '.join(overrides)} given (a checkpoint is held to the logits threshold "
+                                   "table)" if overrides else "")
+    if out is not None:
+        out_path = Path(out)
+    elif cp is not None:
+        out_path = get_checkpoint(cp).evidence_path()
+    else:                       # not the checkpoint's run: its own file, never the checkpoint's
+        out_path = default_out(f"logits-guard-{suite}" + (f"-tp{tp}" if tp > 1 else "") + ".json")
     names = ("engine-nano", "engine-hf") if suite == "baseline" else ("graph-patched", "graph-eager")
     if tp > 1:
         names = (f"engine-nano-tp{tp}", "engine-hf")
+    if cp is None:              # nor the checkpoint's collections
+        names = (f"{out_path.stem}-{names[0]}", f"{out_path.stem}-{names[1]}")
     lhs_p = prefix_of(lhs_out) if lhs_out else out_path.parent / names[0]
     rhs_p = prefix_of(rhs_out) if rhs_out else out_path.parent / names[1]
     rows = build_suite(suite, seed).expected_rows
@@ -65,7 +77,8 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
                      graph_buckets=graph_buckets, seed=seed, dtype=dtype, progress=tick("nano graph"))
         collect_nano(suite, rhs_p, model=model, device=device, attention=attention, execution="eager", seed=seed,
                      dtype=dtype, progress=tick("nano eager"))
-    return compare(lhs_p, rhs_p, out_path, max_abs=max_abs, rel_l2=rel_l2, kv_max_abs=kv_max_abs, checkpoint=cp)
+    return compare(lhs_p, rhs_p, out_path, max_abs=max_abs, rel_l2=rel_l2, kv_max_abs=kv_max_abs, checkpoint=cp,
+                   unclaimed=unclaimed)
 
 
 def calibrate(suites: tuple[str, ...] = ("baseline", "graph"), backends: tuple[str, ...] | None = None,

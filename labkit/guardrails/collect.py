@@ -21,8 +21,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from labkit.checks import run_assertion
 from labkit.errors import UserError
-from labkit.evidence import write_evidence
+from labkit.evidence import claim, write_evidence
 from labkit.guardrails.forcing import ForcedRecord, KVProbe, drive_teacher_forced
 from labkit.guardrails.suites import (
     DEFAULT_SEED,
@@ -31,7 +32,6 @@ from labkit.guardrails.suites import (
     UNCOVERED_BATCH,
     UNCOVERED_BUCKETS,
     CHECKPOINT_UNCOVERED,
-    _check,
     _json_of,
     _npz_of,
     _validate_choices,
@@ -40,6 +40,7 @@ from labkit.guardrails.suites import (
     prefix_of,
     save_npz,
     suite_requests,
+    tokens_sha256,
     trajectory,
     trajectory_sha256,
 )
@@ -52,6 +53,25 @@ def _free_torch(device: str) -> None:
 
         torch.cuda.empty_cache()
 
+
+
+def _finite(rows: np.ndarray) -> bool:
+    """Every collected logit is finite (measured over the rows actually collected)."""
+    import torch
+
+    return bool(torch.isfinite(torch.from_numpy(np.ascontiguousarray(rows))).all())
+
+
+def _row_assertions(expected_rows: int) -> list[dict]:
+    """What every collection asserts over what it measured: the row count, the inputs, finite logits."""
+    return [
+        run_assertion("facts.num_rows", "eq", expected_rows, name="rows collected",
+                      why="one row per accepted output of the suite; intermediate chunk candidates are not rows"),
+        run_assertion("facts.rows_follow_trajectory", "is_true", name="rows follow the preset trajectory",
+                      why="each row's input, as the model received it, is the prompt plus the preset ids before it"),
+        run_assertion("facts.logits_finite", "is_true", name="logits finite",
+                      why="torch.isfinite over every collected row"),
+    ]
 
 
 def expected_route(execution: str, phase: str, batch: int, buckets: list[int] | None) -> tuple[str, int | None]:
@@ -161,14 +181,10 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
             "npz": str(_npz_of(prefix)),
             "note": synthetic_note(built.model),
         }
-        checks = [
-            _check("rows collected", num_rows == suite.expected_rows, suite.expected_rows, num_rows,
-                   "one row per accepted output; intermediate chunk candidates are not rows"),
-            _check("rows follow the preset trajectory", follows, True, follows,
-                   "each row's input is the prompt plus the preset ids before it"),
-            _check("logits finite", bool(np.isfinite(logits[got]).all()), True, bool(np.isfinite(logits[got]).all())),
-            _check("routes as expected", facts["routes_as_expected"], True, facts["routes_as_expected"],
-                   "prefill eager; decode replays the smallest covering graph bucket, else eager"),
+        facts["logits_finite"] = _finite(logits[got])
+        assertions = _row_assertions(suite.expected_rows) + [
+            run_assertion("facts.routes_as_expected", "is_true", name="routes as expected",
+                          why="prefill eager; decode replays the smallest covering graph bucket, else eager"),
         ]
         if probe is not None:
             order = {row_at[key].index: key for key in probe.new_kv}
@@ -178,18 +194,29 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
             arrays["kv_rows"] = np.asarray(kv_rows, dtype=np.int64)
             hist = all(s["history_unchanged"] for s in probe.steps)
             free = all(s["free_blocks_unchanged"] for s in probe.steps)
-            facts["kv"] = {"decode_steps": probe.steps, "history_unchanged": hist, "padding_wrote_nothing": free,
+            facts["kv"] = {"decode_steps": probe.steps, "decode_steps_probed": len(probe.steps),
+                           "history_unchanged": hist, "padding_wrote_nothing": free,
                            "new_kv_rows": len(kv_rows),
                            "new_kv_shape": list(arrays["kv_new"].shape) if kv_rows else None}
-            checks += [
-                _check("history KV unchanged by decode", hist and bool(probe.steps), True, hist,
-                       "every cached position of the batch reads back bit-identical after the decode step"),
-                _check("padding rows wrote nothing", free and bool(probe.steps), True, free,
-                       "unreferenced blocks (incl. block 0 and the last block when free) are bit-identical"),
+            decode_rows = sum(1 for r in rows if r.phase == "decode")
+            if decode_rows:
+                assertions += [
+                    run_assertion("facts.kv.decode_steps_probed", "gt", 0, name="decode steps probed",
+                                  why="the KV probe saw at least one decode step (else 'unchanged' says nothing)"),
+                    run_assertion("facts.kv.new_kv_rows", "eq", decode_rows, name="new KV of every decode row",
+                                  why="the probe read the new K/V of each of the suite's decode rows"),
+                ]
+            assertions += [
+                run_assertion("facts.kv.history_unchanged", "is_true", name="history KV unchanged by decode",
+                              why="every cached position of the batch reads back bit-identical after the decode step"),
+                run_assertion("facts.kv.padding_wrote_nothing", "is_true", name="padding rows wrote nothing",
+                              why="unreferenced blocks (incl. block 0 and the last block when free) are bit-identical"),
             ]
         checkpoint = None
         if expect_uncovered:
-            checkpoint = CHECKPOINT_UNCOVERED
+            checkpoint, unclaimed = claim(CHECKPOINT_UNCOVERED)      # only with the checkpoint's command line
+            if unclaimed:
+                facts["checkpoint_not_claimed"] = unclaimed
             s17 = [s for s in step_log if s["phase"] == "decode" and s["batch"] == UNCOVERED_BATCH]
             g17 = f"batch-{UNCOVERED_BATCH}"
             done17 = all(got[r.index] for r in rows if r.group == g17)
@@ -204,7 +231,7 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
                        "capture_seconds": described["graph"]["capture_seconds"]}
         record = write_evidence(_json_of(prefix), checkpoint=checkpoint, kind=built.kind, facts=facts,
                                 device=built.device, model=built.model, seed=seed, engine=engine_info,
-                                extra_checks=checks)
+                                run_assertions=assertions)
         record["_paths"] = {"json": str(_json_of(prefix)), "npz": str(arrays_path)}
         return record
     finally:
@@ -273,33 +300,41 @@ def collect_hf(suite_name: str, out: str | Path | None = None, *, model: str | N
         suite = build_suite(suite_name, seed, vocab)
         rows = suite.rows()
         logits = np.zeros((len(rows), vocab), dtype=np.float32)
-        for r in rows:
-            logits[r.index] = reference_last_logits(hf, r.tokens, device).numpy()
-            if progress is not None:
-                progress(1)
+        received: list[list[int]] = []             # the input ids transformers was called with, row by row
+        hook = hf.register_forward_pre_hook(
+            lambda _m, _a, kw: received.append(kw["input_ids"][0].tolist()), with_kwargs=True)
+        try:
+            for r in rows:
+                logits[r.index] = reference_last_logits(hf, r.tokens, device).numpy()
+                if progress is not None:
+                    progress(1)
+        finally:
+            hook.remove()
+        traj = trajectory(rows)
+        follows = len(received) == len(traj) and all(
+            tokens_sha256(ids) == row["tokens_sha256"] for ids, row in zip(received, traj))
         dtype = str(hf_dtype(device, dtype)).replace("torch.", "")
         facts = {
             "status": "COLLECTED", "suite": suite_name, "seed": seed, "backend": "hf", "execution": "eager",
             "attention": "eager", "dtype": dtype, "logits_dtype": "float32", "vocab_size": vocab,
-            "num_rows": len(rows), "expected_rows": suite.expected_rows,
-            "trajectory_sha256": trajectory_sha256(rows), "rows": trajectory(rows),
-            "rows_follow_trajectory": True, "requests": suite_requests(suite),
+            "num_rows": len(received), "expected_rows": suite.expected_rows,
+            "trajectory_sha256": trajectory_sha256(rows), "rows": traj,
+            "rows_follow_trajectory": follows, "requests": suite_requests(suite),
             "groups": [{"name": g.name, "title": g.title, "requests": len(g.requests)} for g in suite.groups],
-            "steps": [{"row": r.id, "phase": r.phase, "width": len(r.tokens), "backend": "hf-eager", "route": "eager",
-                       "bucket": None} for r in rows],
+            "steps": [{"row": r.id, "phase": r.phase, "width": len(ids), "backend": "hf-eager", "route": "eager",
+                       "bucket": None} for r, ids in zip(rows, received)],
             "npz": str(_npz_of(prefix)), "note": synthetic_note(identity),
+            "logits_finite": _finite(logits),
         }
-        finite = bool(np.isfinite(logits).all())
-        checks = [_check("rows collected", len(rows) == suite.expected_rows, suite.expected_rows, len(rows)),
-                  _check("logits finite", finite, True, finite)]
         path = save_npz(_npz_of(prefix), {"logits": logits})
         facts["npz_arrays"] = {"logits": list(logits.shape)}
         engine_info = {"implementation": "transformers", "version": transformers.__version__,
                        "class": type(hf).__name__, "attn_implementation": "eager", "use_cache": False,
                        "position_ids": "0..n-1", "dtype": dtype, "device": device}
-        kind = "gpu-measured" if device.startswith("cuda") else "cpu-real-engine"
-        record = write_evidence(_json_of(prefix), checkpoint=None, kind=kind, facts=facts, device=device,
-                                model=identity, seed=seed, engine=engine_info, extra_checks=checks)
+        # transformers made these rows, not our engine: reference evidence (engine edits do not make it stale)
+        record = write_evidence(_json_of(prefix), checkpoint=None, kind="reference", facts=facts, device=device,
+                                model=identity, seed=seed, engine=engine_info,
+                                run_assertions=_row_assertions(suite.expected_rows))
         record["_paths"] = {"json": str(_json_of(prefix)), "npz": str(path)}
         return record
     finally:

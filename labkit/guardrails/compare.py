@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from labkit.checks import run_assertion
 from labkit.errors import UserError
 from labkit.evidence import read_json, write_evidence
 from labkit.paths import default_out
 from labkit.guardrails.suites import (
-    CHECKPOINT_BASELINE,
-    CHECKPOINT_GRAPH,
     DEFAULT_KV_MAX_ABS,
-    DEFAULT_MAX_ABS,
-    DEFAULT_REL_L2,
-    _check,
     _json_of,
     _npz_of,
     prefix_of,
+    trajectory_sha256,
 )
 
 
@@ -43,11 +41,20 @@ class Collection:
             return "hf"
         return f"nano/{f.get('execution')}/{f.get('attention')}"
 
+    def rejudge(self) -> tuple[str, str]:
+        """(verdict, reason) of this collection's file, judged from scratch (digest, stored verdict, its run
+        assertions, freshness): its stored verdict is never taken at its word."""
+        from labkit.checks import check_file, reason
+
+        verdict, checks = check_file(_json_of(self.prefix))
+        return verdict, reason(verdict, checks)
+
     def summary(self) -> dict:
         f, r = self.facts, self.record
+        verdict, why = self.rejudge()
         out = {"prefix": str(self.prefix), "backend": f.get("backend"), "execution": f.get("execution"),
                "attention": f.get("attention"), "dtype": f.get("dtype"), "device": r.get("device"),
-               "kind": r.get("kind"), "verdict": r.get("verdict"), "num_rows": f.get("num_rows"),
+               "kind": r.get("kind"), "verdict": verdict, "verdict_reason": why, "num_rows": f.get("num_rows"),
                "engine_source_hash": r.get("engine_source_hash")}
         if f.get("backend") == "nano":
             out["tensor_parallel_size"] = f.get("tensor_parallel_size", 1)
@@ -107,6 +114,26 @@ def _refuse_mismatch(lhs: Collection, rhs: Collection) -> None:
         raise UserError(f"refusing to compare: logits shapes differ ({list(lhs.logits.shape)} vs {list(rhs.logits.shape)})")
 
 
+def trajectory_match(lhs: Collection, rhs: Collection) -> bool:
+    """Both files hold the same rows (ids and input-token digests, in order), and each file's trajectory
+    digest is the one its rows give (recomputed here, not read)."""
+    lrows, rrows = lhs.facts.get("rows"), rhs.facts.get("rows")
+    if not (isinstance(lrows, list) and isinstance(rrows, list) and lrows and len(lrows) == len(rrows)):
+        return False
+    try:
+        same = all((a["id"], a["tokens_sha256"]) == (b["id"], b["tokens_sha256"]) for a, b in zip(lrows, rrows))
+        return (same and trajectory_sha256(lrows) == lhs.facts.get("trajectory_sha256")
+                and trajectory_sha256(rrows) == rhs.facts.get("trajectory_sha256"))
+    except (KeyError, TypeError):
+        return False
+
+
+def model_match(lhs: Collection, rhs: Collection) -> bool:
+    """Both sides name the same model: config and weights sha256 present and equal."""
+    lm, rm = lhs.record.get("model") or {}, rhs.record.get("model") or {}
+    return all(lm.get(k) and lm.get(k) == rm.get(k) for k in ("config_sha256", "weights_sha256"))
+
+
 def row_metrics(a: np.ndarray, b: np.ndarray) -> dict:
     """a measured, b reference (1-D): max abs, relative L2, top-1 of each, reference top-2 margin."""
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
@@ -150,26 +177,44 @@ def judge_rows(metrics: list[dict], max_abs: float, rel_l2: float) -> tuple[str,
     return ("REVIEW" if explained_only else "FAIL"), metrics
 
 
-def _compare_checkpoint(lhs: Collection, rhs: Collection) -> str | None:
-    lf, rf = lhs.facts, rhs.facts
-    if lf.get("suite") == "baseline" and lf.get("backend") == "nano" and rf.get("backend") == "hf":
-        return CHECKPOINT_BASELINE
-    if (lf.get("suite") == "graph" and lf.get("backend") == "nano" and lf.get("execution") == "graph"
-            and rf.get("backend") == "nano" and rf.get("execution") == "eager"):
-        return CHECKPOINT_GRAPH
-    return None
+def compared_dtype(lhs: Collection, rhs: Collection) -> str:
+    """The dtype both collections ran in (``a+b`` when they differ: no threshold entry has such a key)."""
+    ld, rd = str(lhs.facts.get("dtype")), str(rhs.facts.get("dtype"))
+    return ld if ld == rd else f"{ld}+{rd}"
 
 
-def default_compare_out(lhs: str | Path, rhs: str | Path) -> Path:
-    """The checkpoint's evidence path when the pair is a known guardrail, else runs/logits-compare.json."""
-    try:
-        cp = _compare_checkpoint(load_collection(lhs, "lhs"), load_collection(rhs, "rhs"))
-    except UserError:
-        cp = None
-    if cp is not None:
-        from labkit.checks import get_checkpoint
+def resolve_thresholds(device: Any, dtype: str, max_abs: float | None = None, rel_l2: float | None = None) -> dict:
+    """The logits thresholds a run uses: the table entry for (device class, dtype), each overridden by an
+    explicit value. ``source`` says which; a value is None when neither exists."""
+    from labkit.checks import threshold_entry
 
-        return get_checkpoint(cp).evidence_path()
+    key, entry = threshold_entry("logits", device, dtype)
+    overridden = [n for n, v in (("--max-abs", max_abs), ("--rel-l2", rel_l2)) if v is not None]
+    table = f"table logits {key}" if entry is not None else f"no entry for {key} in the logits table"
+    return {"key": key,
+            "max_abs": max_abs if max_abs is not None else (entry or {}).get("max_abs"),
+            "rel_l2": rel_l2 if rel_l2 is not None else (entry or {}).get("rel_l2"),
+            "source": table if not overridden else f"{' and '.join(overridden)} given ({table})",
+            "overridden": overridden}
+
+
+def _threshold_assertions(th: dict, first_id: str) -> list[dict]:
+    out = []
+    for metric, fact, name, why in (
+            ("max_abs", "worst_max_abs", "rows within max abs", f"worst row max abs error; first divergent row: {first_id}"),
+            ("rel_l2", "worst_rel_l2", "rows within relative L2", "||lhs - rhs|| / ||rhs||")):
+        if th[metric] is None:
+            out.append(run_assertion(f"facts.thresholds.{metric}", "ge", 0, name=f"a logits {metric} threshold",
+                                     why=f"{th['source']} (checkpoints/guardrails.json): add one, or give "
+                                         "--max-abs and --rel-l2"))
+        else:
+            out.append(run_assertion(f"facts.{fact}", "le", th[metric], name=name, why=f"{why} [{th['source']}]"))
+    return out
+
+
+def default_compare_out() -> Path:
+    """``runs/logits-compare.json``: a comparison by hand is evidence for no checkpoint, so it never lands
+    on a checkpoint's file (``labkit logits guard`` writes those)."""
     return default_out("logits-compare.json")
 
 
@@ -182,21 +227,31 @@ def _row_brief(spec: dict, m: dict) -> dict:
 
 
 def compare(lhs_path: str | Path, rhs_path: str | Path, out: str | Path | None = None, *,
-            max_abs: float = DEFAULT_MAX_ABS, rel_l2: float = DEFAULT_REL_L2,
-            kv_max_abs: float = DEFAULT_KV_MAX_ABS, checkpoint: str | None = None, worst: int = 5) -> dict:
-    """``labkit logits compare``: lhs is measured, rhs the reference. Writes the evidence JSON."""
+            max_abs: float | None = None, rel_l2: float | None = None,
+            kv_max_abs: float = DEFAULT_KV_MAX_ABS, checkpoint: str | None = None, worst: int = 5,
+            unclaimed: dict | None = None) -> dict:
+    """``labkit logits compare``: lhs is measured, rhs the reference. Writes the evidence JSON.
+
+    The logits thresholds are the logits table's entry for the lhs device class and the collections'
+    dtype (the entry the judge holds a checkpoint to); ``max_abs``/``rel_l2`` override it, and the
+    evidence records which it was. With no entry and no override the evidence FAILs, saying so."""
     for name, v in (("--max-abs", max_abs), ("--rel-l2", rel_l2), ("--kv-max-abs", kv_max_abs)):
-        if not (isinstance(v, (int, float)) and v >= 0 and np.isfinite(v)):
+        if v is not None and not (isinstance(v, (int, float)) and v >= 0 and np.isfinite(v)):
             raise UserError(f"{name} must be a finite number >= 0, got {v!r}")
     lhs, rhs = load_collection(lhs_path, "lhs"), load_collection(rhs_path, "rhs")
     _refuse_mismatch(lhs, rhs)
+    dtype = compared_dtype(lhs, rhs)
+    thresholds = resolve_thresholds(lhs.record.get("device"), dtype, max_abs, rel_l2)
+    thresholds["kv_max_abs"] = kv_max_abs
+    max_abs = thresholds["max_abs"] if thresholds["max_abs"] is not None else math.inf
+    rel_l2 = thresholds["rel_l2"] if thresholds["rel_l2"] is not None else math.inf
     specs = lhs.facts["rows"]
     metrics = [row_metrics(lhs.logits[i], rhs.logits[i]) for i in range(len(specs))]
     kv_compared = (lhs.kv_new is not None and rhs.kv_new is not None and lhs.kv_rows is not None
                    and rhs.kv_rows is not None and np.array_equal(lhs.kv_rows, rhs.kv_rows)
                    and lhs.kv_new.shape == rhs.kv_new.shape)
     kv_summary: dict[str, Any] = {"compared": bool(kv_compared), "max_abs_threshold": kv_max_abs,
-                                  "rel_l2_threshold": rel_l2}
+                                  "rel_l2_threshold": thresholds["rel_l2"]}
     if kv_compared:
         kv_max, kv_rel = [], []
         for j, r in enumerate(lhs.kv_rows.tolist()):
@@ -227,9 +282,10 @@ def compare(lhs_path: str | Path, rhs_path: str | Path, out: str | Path | None =
     facts = {
         "suite": lhs.facts.get("suite"), "seed": lhs.facts.get("seed"),
         "lhs": lhs.summary(), "rhs": rhs.summary(),
-        "thresholds": {"max_abs": max_abs, "rel_l2": rel_l2, "kv_max_abs": kv_max_abs},
-        "trajectory_sha256": lhs.facts["trajectory_sha256"], "trajectory_match": True, "model_match": True,
-        "num_rows": len(metrics),
+        "dtype": dtype, "thresholds": thresholds,
+        "trajectory_sha256": lhs.facts["trajectory_sha256"], "trajectory_match": trajectory_match(lhs, rhs),
+        "model_match": model_match(lhs, rhs),
+        "num_rows": len(metrics), "logits_finite": bool(np.isfinite(lhs.logits).all() and np.isfinite(rhs.logits).all()),
         "worst_max_abs": max(max_abs_all), "worst_rel_l2": max(rel_all),
         "median_max_abs": float(np.median(max_abs_all)), "median_rel_l2": float(np.median(rel_all)),
         "rows_within_max_abs": sum(1 for v in max_abs_all if v <= max_abs),
@@ -244,35 +300,40 @@ def compare(lhs_path: str | Path, rhs_path: str | Path, out: str | Path | None =
                  for i, m in enumerate(metrics)],
         "rows_columns": ["id", "max_abs", "rel_l2", "top1_same", "ref_margin"],
     }
-    flip_status = "pass" if not flips else ("review" if not unexplained else "fail")
-    checks = [
-        _check("same trajectory and model", True, "identical", "identical",
-               "both files hold the same rows, input tokens and model sha256"),
-        _check("rows within max abs", facts["rows_within_max_abs"] == len(metrics), f"<= {max_abs}",
-               facts["worst_max_abs"], f"worst row max abs error; first divergent row: {first['id'] if first else 'none'}"),
-        _check("rows within relative L2", facts["rows_within_rel_l2"] == len(metrics), f"<= {rel_l2}",
-               facts["worst_rel_l2"], "||lhs - rhs|| / ||rhs||"),
-        _check("top-1 agreement", not flips, len(metrics), facts["top1_agree"],
-               "a flip whose reference top-2 margin is below that row's max abs error asks for review",
-               status=flip_status),
+    if unclaimed:
+        facts["checkpoint_not_claimed"] = unclaimed
+    first_id = first["id"] if first else "none"
+    assertions = [
+        run_assertion("facts.trajectory_match", "is_true", name="same trajectory",
+                      why="both files hold the same rows and input tokens (digests recomputed from the rows)"),
+        run_assertion("facts.model_match", "is_true", name="same model",
+                      why="both files name the same config and weights sha256"),
+        run_assertion("facts.lhs.verdict", "eq", "PASS", name="lhs collection re-judged",
+                      why="the measured collection's file, judged from scratch (digest, its assertions, freshness)"),
+        run_assertion("facts.rhs.verdict", "eq", "PASS", name="rhs collection re-judged",
+                      why="the reference collection's file, judged from scratch"),
+        run_assertion("facts.logits_finite", "is_true", name="logits finite", why="both sides' arrays are finite"),
+        *_threshold_assertions(thresholds, first_id),
+        run_assertion("facts.unexplained_top1_flips", "eq", 0, name="no unexplained top-1 flip",
+                      why="a flip whose reference top-2 margin is at least that row's max abs error is a real flip"),
+        run_assertion("facts.top1_flips", "eq", 0, name="top-1 agreement", on_fail="review",
+                      why="a flip whose reference top-2 margin is below that row's max abs error asks for review"),
     ]
     if kv_compared:
-        ok = kv_summary["rows_within"] == kv_summary["rows"]
-        checks.append(_check("new KV within thresholds", ok, f"max abs <= {kv_max_abs}, rel L2 <= {rel_l2}",
-                             {"worst_max_abs": kv_summary["worst_max_abs"], "worst_rel_l2": kv_summary["worst_rel_l2"]},
-                             "K/V written at each decode row's new position, every layer"))
-    for side, c in (("lhs", lhs), ("rhs", rhs)):
-        v = c.record.get("verdict")
-        checks.append(_check(f"{side} collection checks", v != "FAIL", "not FAIL", v,
-                             "rows complete, routes as expected, history KV and padding untouched"))
-    cp = _compare_checkpoint(lhs, rhs) if checkpoint == "auto" else checkpoint
-    out_path = Path(out) if out is not None else default_compare_out(lhs_path, rhs_path)
+        assertions.append(run_assertion("facts.kv.worst_max_abs", "le", kv_max_abs, name="new KV within max abs",
+                                        why="K/V written at each decode row's new position, every layer"))
+        if thresholds["rel_l2"] is not None:
+            assertions.append(run_assertion("facts.kv.worst_rel_l2", "le", thresholds["rel_l2"],
+                                            name="new KV within relative L2",
+                                            why="K/V written at each decode row's new position, every layer"))
+    cp = checkpoint
+    out_path = Path(out) if out is not None else default_compare_out()
     kind = lhs.record.get("kind") or "cpu-real-engine"
     if not str(lhs.record.get("device") or "").startswith("cuda"):
         kind = "cpu-real-engine"
     record = write_evidence(out_path, checkpoint=cp, kind=kind, facts=facts, device=lhs.record.get("device"),
                             model=lhs.record.get("model"), seed=lhs.facts.get("seed"),
                             engine={"lhs": lhs.record.get("engine"), "rhs": rhs.record.get("engine")},
-                            extra_checks=checks)
+                            run_assertions=assertions)
     record["_paths"] = {"json": str(out_path)}
     return record

@@ -7,8 +7,8 @@ Suites:
   prefilled then decoded one step: 126 rows, with the new K/V of every layer per decode row and
   checks that the decode left the batch's history KV and unreferenced blocks untouched.
 
-A collection is PREFIX.json (evidence) plus PREFIX.npz (arrays); the path helpers, the check-dict
-helper and the choice validation live here so that ``collect`` and ``compare`` need not import each other.
+A collection is PREFIX.json (evidence) plus PREFIX.npz (arrays); the path helpers and the choice
+validation live here so that ``collect`` and ``compare`` need not import each other.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -41,9 +40,8 @@ GRAPH_MAX_NUM_SEQS = 20
 UNCOVERED_BUCKETS = (1, 2, 4, 8, 16)
 UNCOVERED_BATCH = 17
 
-#: Handbook 5.2.5 / B.5 starting thresholds (to be calibrated on the GPU).
-DEFAULT_MAX_ABS = 0.5
-DEFAULT_REL_L2 = 0.02
+#: New-KV max abs threshold (handbook B.5). The logits thresholds live in one table, by device class and
+#: dtype: ``thresholds.logits`` in checkpoints/guardrails.json (``labkit.checks.threshold_entry``).
 DEFAULT_KV_MAX_ABS = 0.1
 
 CHECKPOINT_BASELINE = "guardrails.logits-baseline"
@@ -217,14 +215,6 @@ def parse_buckets(text: str | None) -> tuple[int, ...] | None:
     if not values or min(values) < 1:
         raise UserError(f"--graph-buckets must be comma-separated positive integers, got {text!r}")
     return tuple(sorted(set(values)))
-
-
-def _check(name: str, passed: bool, expected: Any = None, actual: Any = None, why: str = "", status: str | None = None) -> dict:
-    c = {"name": name, "passed": bool(passed), "expected": expected, "actual": actual, "why": why}
-    if status is not None:
-        c["status"] = status
-    return c
-
 
 
 def _validate_choices(suite: str, backend: str, execution: str, attention: str, dtype: str = "auto") -> None:

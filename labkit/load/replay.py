@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import RequestError, SamplingParams
+from labkit.checks import run_assertion
 from labkit.errors import UserError
 from labkit.evidence import envelope, write_evidence, write_json
 from labkit.service.events import EventLog, log_header, split_out
@@ -146,6 +147,10 @@ def run_load(opts: LoadOptions) -> dict:
                 router = None
                 profile = _drive_inprocess(opts, worker, reqs, warm)
             free, total = worker.run_on_owner(lambda e: (e.stats().free_blocks, e.stats().num_blocks))
+            facts["engine_config"] = worker.run_on_owner(lambda e: e.describe()["config"])   # what the engine ran with
+            facts["worker_config"] = {k: v for k, v in asdict(worker.config).items()
+                                      if k in ("scheduling_policy", "max_num_batched_tokens", "max_num_seqs",
+                                               "max_active", "queue_size", "max_model_len", "worker_id")}
             facts["kv_blocks"] = {"free_at_end": free, "total": total}
             facts["kv_free_at_end_equals_total"] = free == total
             facts["profile"] = profile
@@ -162,6 +167,7 @@ def run_load(opts: LoadOptions) -> dict:
     summary = summarize(events_path)
     facts.update(_facts(summary, reqs, opts, router))
     facts["events"] = str(events_path)
+    facts["load_options"] = extra["load_options"]
     if kind is None:
         record = {**envelope(kind="static"), "kind": None, "checkpoint": opts.checkpoint, "facts": facts,
                   "checks": [], "verdict": "REVIEW",
@@ -170,25 +176,28 @@ def run_load(opts: LoadOptions) -> dict:
         return record
     return write_evidence(evidence_path, checkpoint=opts.checkpoint, kind=kind, facts=facts,
                           device=ident.get("device"), model=ident.get("model"), seed=ident.get("seed"),
-                          engine=ident.get("engine"), extra_checks=_sanity(facts))
+                          engine=ident.get("engine"), run_assertions=_sanity(facts))
 
 
 def _sanity(facts: dict) -> list[dict]:
-    """Checks every load run gets, checkpoint or not."""
-    out = []
-    for obs, terms in facts["terminations"].items():
-        out.append({"name": f"every request finished ({obs})", "passed": "unfinished" not in terms,
-                    "expected": "no unfinished request", "actual": terms,
-                    "why": "each measured request has a finished event"})
-        out.append({"name": f"no engine error ({obs})", "passed": "error" not in terms, "expected": "no error",
-                    "actual": terms.get("error", 0), "why": "no request failed"})
+    """Run assertions every load run gets, checkpoint or not, over the counts the event log gave."""
+    out = [run_assertion("len(facts.terminations)", "gt", 0, name="observers recorded",
+                         why="the event log holds at least one observer's terminations")]
+    for obs in facts["terminations"]:
+        out += [
+            run_assertion(f"facts.unfinished.{obs}", "eq", 0, name=f"every request finished ({obs})",
+                          why="each measured request has a finished event"),
+            run_assertion(f"facts.errors.{obs}", "eq", 0, name=f"no engine error ({obs})", why="no request failed"),
+        ]
     if "kv_free_at_end_equals_total" in facts:
-        out.append({"name": "KV blocks all free at the end", "passed": facts["kv_free_at_end_equals_total"],
-                    "expected": True, "actual": facts["kv_blocks"], "why": "no request leaked KV blocks"})
+        out.append(run_assertion("facts.kv_free_at_end_equals_total", "is_true", name="KV blocks all free at the end",
+                                 why="no request leaked KV blocks (free blocks counted after the run)"))
     return out
 
 
 def _check(opts: LoadOptions) -> None:
+    if opts.checkpoint is not None:
+        _check_claim(opts.checkpoint)
     if opts.mode not in MODES:
         raise UserError(f"--mode must be one of {', '.join(MODES)}, got {opts.mode!r}")
     if opts.api not in APIS:
@@ -211,6 +220,18 @@ def _check(opts: LoadOptions) -> None:
             raise UserError(f"endpoint {ep!r} must start with http:// or https://")
 
 
+def _check_claim(checkpoint: str) -> None:
+    """``--checkpoint ID`` only with ID's own command and options (the judge checks the command line too):
+    refused before anything runs, one line."""
+    from labkit.checks import command_mismatch, get_checkpoint
+    from labkit.evidence import command_line
+
+    cp = get_checkpoint(checkpoint)
+    problem = command_mismatch(cp.command, command_line())
+    if problem:
+        raise UserError(f"--checkpoint {checkpoint}: {problem}; its command is `{' '.join(cp.command)}`")
+
+
 def _worker_config(opts: LoadOptions) -> WorkerConfig:
     return replace(opts.worker, load_tokenizer=opts.serve_local)
 
@@ -229,6 +250,8 @@ def _facts(summary: dict, reqs: list[dict], opts: LoadOptions, router: "Router |
         "completed": {o: v["completed"] for o, v in obs.items()},
         "rejections": {o: v["rejections"] for o, v in obs.items()},
         "terminations": {o: v["terminations"] for o, v in obs.items()},
+        "unfinished": {o: int(v["terminations"].get("unfinished", 0)) for o, v in obs.items()},
+        "errors": {o: int(v["terminations"].get("error", 0)) for o, v in obs.items()},
         "output_tokens": {o: v["output_tokens"] for o, v in obs.items()},
         "expected_output_tokens": sum(int(r["max_tokens"]) for r in reqs),
         "ttft_ms": {o: {q: pick(o, "ttft_ms", q) for q in ("p50", "p90", "p99")} for o in obs},
@@ -357,16 +380,17 @@ def _stop_profile(opts: LoadOptions, worker, prof) -> dict | None:
     summary = worker.run_on_owner(lambda engine: prof.stop(worker, engine))
     built = worker.built
     ranges = summary.get("ranges", {})
-    checks = [{"name": f"range {name} recorded", "passed": ranges.get(name, {}).get("count", 0) > 0,
-               "expected": "count > 0", "actual": ranges.get(name, {}).get("count", 0),
-               "why": "the profiler saw this range on the owner thread"}
-              for name in ("step", "prepare", "forward", "sample")]
-    checks.append({"name": "Chrome trace written", "passed": Path(summary["trace"]).is_file(), "expected": True,
-                   "actual": summary["trace"], "why": "open it in chrome://tracing or Perfetto"})
+    trace = Path(summary["trace"])
+    summary["trace_written"] = trace.is_file() and trace.stat().st_size > 0
+    assertions = [run_assertion(f"facts.ranges.{name}.count", "gt", 0, name=f"range {name} recorded",
+                                why="the profiler saw this range on the owner thread")
+                  for name in ("step", "prepare", "forward", "sample")]
+    assertions.append(run_assertion("facts.trace_written", "is_true", name="Chrome trace written",
+                                    why="a non-empty trace file: open it in chrome://tracing or Perfetto"))
     record = write_evidence(Path(opts.profile_dir) / "profile.json", checkpoint=None, kind="profile",
                             facts={**summary, "trace_file": str(opts.trace), "mode": opts.mode},
                             device=built.device, model=built.model, seed=built.engine.config.seed,
-                            engine=built.describe(), extra_checks=checks)
+                            engine=built.describe(), run_assertions=assertions)
     summary["evidence"] = str(Path(opts.profile_dir) / "profile.json")
     summary["verdict"] = record["verdict"]
     return summary

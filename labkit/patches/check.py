@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from labkit.checks import run_assertion
 from labkit.errors import UserError
 from labkit.evidence import write_evidence
 from labkit.paths import repo_root
@@ -73,8 +74,8 @@ def run_patch_check(name: str, out: Path, model: str | None = None) -> dict:
                        "engine_source_hash": res.get("engine_source_hash"), **(res.get("facts") or {})}
     facts["after"].update(_derived(patch.name, before, after))
     kind = before.get("kind") or after.get("kind") or ("gpu-measured" if patch.name in CUDA_PATCHES else "cpu-real-engine")
-    extra = [{"name": f"{side} probe ran", "passed": bool(res.get("ok")), "expected": True,
-              "actual": res.get("error") or True, "why": f"the {side} side's experiment completed"}
-             for side, res in (("before", before), ("after", after))]
+    ran = [run_assertion(f"facts.{side}.ok", "is_true", name=f"{side} probe ran",
+                         why=f"the {side} side's probe process completed and reported its facts")
+           for side in ("before", "after")]
     return write_evidence(out, checkpoint=patch.checkpoint, kind=kind, facts=facts,
-                          device="cuda" if patch.name in CUDA_PATCHES else "cpu", extra_checks=extra)
+                          device="cuda" if patch.name in CUDA_PATCHES else "cpu", run_assertions=ran)
