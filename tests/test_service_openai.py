@@ -308,3 +308,12 @@ def test_access_log_line_per_request(api, caplog):
     assert any("status=200" in x and "prompt_tokens=12" in x and "output_tokens=2" in x and "ttft=" in x
                and "total=" in x for x in lines), lines
     assert any("status=400" in x and "top_p" in x for x in lines), lines
+
+
+def test_null_is_absent_and_metadata_fields_are_accepted(server):
+    from labkit.service.protocol import IGNORED_PARAMS
+
+    body = {"prompt": ids("null"), "max_tokens": 2, "ignore_eos": True, **{k: None for k in NOOP_PARAMS},
+            **{k: None for k in IGNORED_PARAMS}, "metadata": {"a": "b"}, "store": False, "parallel_tool_calls": True}
+    status, out = post(server, "/v1/completions", body)
+    assert status == 200 and out["usage"]["completion_tokens"] == 2, out
