@@ -317,3 +317,78 @@ def test_null_is_absent_and_metadata_fields_are_accepted(server):
             **{k: None for k in IGNORED_PARAMS}, "metadata": {"a": "b"}, "store": False, "parallel_tool_calls": True}
     status, out = post(server, "/v1/completions", body)
     assert status == 200 and out["usage"]["completion_tokens"] == 2, out
+
+
+# --------------------------------------------------------------------------- the CLI's vLLM habits
+
+
+def test_serve_positional_model_logs_access_and_stats_lines(tiny_model_dir, tmp_path):
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "labkit", "serve", str(tiny_model_dir), "--port", "0",
+                             "--device", "cpu", "--max-model-len", "128", "--log-level", "info",
+                             "--stats-interval", "0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url, seen = None, []
+        while url is None:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            m = re.search(r"ready: (http://127\.0\.0\.1:\d+)", line)
+            url = m.group(1) if m else None
+        assert url, "".join(seen)
+        cli = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        out = cli.completions.create(model=cli.models.list().data[0].id, prompt=ids("cli", 10), max_tokens=40,
+                                     temperature=0, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 40
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(seen) + rest
+    assert re.search(r"labkit\.access: completions \S+ status=200 prompt_tokens=10 output_tokens=40 ttft=[\d.]+ms "
+                     r"total=[\d.]+ms", text), text
+    assert re.search(r"labkit\.stats: prompt throughput: [\d.]+ tokens/s, generation throughput: [\d.]+ tokens/s, "
+                     r"running: \d+ reqs, waiting: \d+ reqs, KV cache usage: [\d.]+%", text), text
+
+
+def test_serve_refuses_two_different_models(cli_app, tiny_model_dir):
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(cli_app, ["serve", str(tiny_model_dir), "--model", "/elsewhere", "--port", "0"])
+    assert result.exit_code != 0 and "two models" in result.output
+
+
+def test_client_streams_text_as_it_arrives(server, cli_app):
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(cli_app, ["client", "--endpoints", server.url, "--prompt", "Hello", "--max-tokens",
+                                          "5", "--ignore-eos", "--request-id", "cli-stream"])
+    assert result.exit_code == 0, result.output
+    status, body = post(server, "/generate", {"prompt": "Hello", "max_tokens": 5, "ignore_eos": True,
+                                              "stream": False})
+    assert result.output.startswith(body["text"] + "\n")      # the text first, as it streamed, then the table
+
+
+def test_client_import_path_has_no_torch_or_engine():
+    import subprocess
+    import sys
+
+    code = ("import sys; import labkit.cli; import labkit.cli.service; import labkit.console; "
+            "import labkit.service.client; "
+            "bad = [m for m in ('torch', 'engine', 'transformers') if m in sys.modules]; print(bad); "
+            "sys.exit(1 if bad else 0)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "labkit", "client", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0
+    imported = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if "|" in line}
+    assert "torch" not in imported and "engine" not in imported

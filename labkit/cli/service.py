@@ -51,6 +51,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def serve(
+        model_arg: Annotated[Optional[str], typer.Argument(metavar="[MODEL]", show_default=False, help="The model, as vLLM's `serve MODEL` (same as --model).")] = None,
         model: ModelOpt = None,
         host: Annotated[str, typer.Option("--host", help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
         port: Annotated[int, typer.Option("--port", help="Port; 0 picks a free one and prints the URL.")] = 8801,
@@ -80,12 +81,27 @@ def register(app: typer.Typer) -> None:
         timeout_headers: Annotated[float, typer.Option("--timeout-headers", help="Seconds for a request line and headers to arrive (then 408).")] = 10.0,
         timeout_body: Annotated[float, typer.Option("--timeout-body", help="Seconds for a request body to arrive (then 408).")] = 30.0,
         out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="JSONL event log (header + every event).")] = None,
+        log_level: Annotated[str, typer.Option("--log-level", help="debug | info | warning | error: info prints an access line per request and a stats line every --stats-interval while busy.")] = "info",
+        stats_interval: Annotated[float, typer.Option("--stats-interval", help="Seconds between stats lines while busy (0: none).")] = 10.0,
     ) -> None:
         """Serve the engine over HTTP: /generate (NDJSON), /cancel, /health, /config, /metrics, OpenAI /v1/*."""
+        import logging
+
         from labkit.console import console, render_served, render_serving
         from labkit.service.connections import ConnectionLimits
         from labkit.service.server import run_serve
         from labkit.service.worker import WorkerConfig
+
+        if model_arg is not None and model is not None and str(model) != model_arg:
+            raise UserError(f"two models given: {model_arg!r} and --model {str(model)!r}; give one")
+        model = model if model is not None else model_arg
+        level = getattr(logging, log_level.upper(), None) if log_level.lower() in ("debug", "info", "warning", "error", "critical") else None
+        if level is None:
+            raise UserError(f"--log-level must be debug, info, warning, error or critical, got {log_level!r}")
+        if stats_interval < 0:
+            raise UserError(f"--stats-interval must be >= 0, got {stats_interval!r}")
+        logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+        logging.getLogger("labkit").setLevel(level)
 
         cfg = WorkerConfig(model=str(model) if model else None, device=device, attention=attention,
                            scheduling_policy=scheduling_policy, max_num_batched_tokens=max_num_batched_tokens,
@@ -104,7 +120,7 @@ def register(app: typer.Typer) -> None:
 
         summary = run_serve(cfg, host, port, out, served_model_name=served_model_name,
                             max_body_bytes=max_body_bytes, on_ready=ready, api_key=api_key,
-                            allowed_origins=allowed_origins, connections=connections)
+                            allowed_origins=allowed_origins, connections=connections, stats_interval=stats_interval)
         render_served(summary)
 
     @app.command()
@@ -121,19 +137,30 @@ def register(app: typer.Typer) -> None:
         out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="JSONL of client (and server) events.")] = None,
         json_out: JsonOpt = False,
     ) -> None:
-        """Send one streamed request and record what the client observed."""
+        """Send one streamed request, print its text as it arrives, and record what the client observed.
+
+        Its import path is the console and the HTTP client only (no torch, no engine), so it starts fast."""
         from labkit.console import print_json, render_client
         from labkit.service.client import run_client
 
         eps = _endpoints(endpoints)
         if not eps:
             raise UserError("--endpoints needs a URL")
+        streamed: list[str] = []
+
+        def show(piece: str) -> None:
+            streamed.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
         res = run_client(eps[0], prompt, max_tokens, request_id, cancel_after, out, api, temperature,
-                         ignore_eos=ignore_eos, api_key=api_key)
+                         ignore_eos=ignore_eos, api_key=api_key, on_text=None if json_out else show)
         if json_out:
             print_json(res)
         else:
-            render_client(res)
+            if streamed:
+                sys.stdout.write("\n")
+            render_client(res, text=not streamed)
         ok = res["reason"] in ("stop", "length") or (cancel_after is not None and res["reason"] == "cancelled")
         raise typer.Exit(0 if ok else 1)
 

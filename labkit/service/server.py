@@ -76,6 +76,8 @@ from labkit.service.stream import RequestHandle
 from labkit.service.worker import DuplicateRequest, Worker, WorkerUnavailable
 
 ACCESS_LOG = logging.getLogger("labkit.access")      # one line per generation request (vLLM's habit)
+STATS_LOG = logging.getLogger("labkit.stats")        # one line per interval while busy
+STATS_INTERVAL_S = 10.0
 POLL_S = 0.5          # how often a waiting handler checks that its client is still there
 API_KEY_ENV = "LABKIT_API_KEY"
 RETRY_AFTER_S = "1"
@@ -927,11 +929,52 @@ class ServerThread:
         self.close()
 
 
+class StatsLine:
+    """vLLM's periodic line: prompt and generation tok/s since the last line, running, waiting, KV usage.
+
+    Reads only the worker's counters and its published snapshot; says nothing while idle."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self._last = (time.monotonic(), *self._counts())
+
+    def _counts(self) -> tuple[int, int]:
+        st = self.worker.stats
+        with st.lock:
+            return st.prompt_tokens, st.generation_tokens
+
+    def line(self) -> str | None:
+        t, prompt, gen = time.monotonic(), *self._counts()
+        t0, prompt0, gen0 = self._last
+        self._last = (t, prompt, gen)
+        snap = self.worker.snapshot()
+        running, waiting = snap.get("active", 0), snap.get("queue_depth", 0)
+        if prompt == prompt0 and gen == gen0 and not running and not waiting:
+            return None
+        dt = max(t - t0, 1e-9)
+        total = snap.get("kv_blocks_total") or 0
+        kv = 100.0 * (snap.get("kv_blocks_used") or 0) / total if total else 0.0
+        return (f"prompt throughput: {(prompt - prompt0) / dt:.1f} tokens/s, generation throughput: "
+                f"{(gen - gen0) / dt:.1f} tokens/s, running: {running} reqs, waiting: {waiting} reqs, "
+                f"KV cache usage: {kv:.1f}%")
+
+
+async def _log_stats(worker: Worker, interval: float) -> None:
+    stats = StatsLine(worker)
+    while True:
+        await asyncio.sleep(interval)
+        text = stats.line()
+        if text is not None:
+            STATS_LOG.info("%s", text)
+
+
 async def serve_until_signal(worker: Worker, sock: socket.socket, *, served_model_name: str | None = None,
                              max_body_bytes: int = 1 << 20, on_ready: Callable[[str], None] | None = None,
                              stop: asyncio.Event | None = None, api_key: str | None = None, allowed_origins=None,
-                             connections: ConnectionLimits | None = None) -> None:
+                             connections: ConnectionLimits | None = None,
+                             stats_interval: float = STATS_INTERVAL_S) -> None:
     """``labkit serve``: run until SIGINT/SIGTERM (or ``stop``), then close the worker and the server.
+    While busy, a stats line every ``stats_interval`` seconds (0: none) on the ``labkit.stats`` logger.
 
     The worker closes first (open streams end cancelled/shutdown), then every connection that is not
     running a request is closed at once, so half-sent requests never hold up the exit."""
@@ -949,9 +992,12 @@ async def serve_until_signal(worker: Worker, sock: socket.socket, *, served_mode
             pass
     if on_ready is not None:
         on_ready(url)
+    ticker = asyncio.ensure_future(_log_stats(worker, stats_interval)) if stats_interval > 0 else None
     try:
         await stop.wait()
     finally:
+        if ticker is not None:
+            ticker.cancel()
         server.guard.close_waiting()
         await loop.run_in_executor(None, worker.close)
         await server.stop()
@@ -959,7 +1005,8 @@ async def serve_until_signal(worker: Worker, sock: socket.socket, *, served_mode
 
 def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, served_model_name: str | None = None,
               max_body_bytes: int = 1 << 20, on_ready: Callable[[str, Worker], None] | None = None,
-              api_key: str | None = None, allowed_origins=None, connections: ConnectionLimits | None = None) -> dict:
+              api_key: str | None = None, allowed_origins=None, connections: ConnectionLimits | None = None,
+              stats_interval: float = STATS_INTERVAL_S) -> dict:
     """``labkit serve``: bind first (a port in use fails before the model loads), start the worker,
     serve until SIGINT/SIGTERM, close. Returns what the worker did (finished requests by reason)."""
     from labkit.service.events import EventLog
@@ -976,7 +1023,7 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
         asyncio.run(serve_until_signal(worker, sock, served_model_name=served_model_name,
                                        max_body_bytes=max_body_bytes, api_key=api_key,
                                        allowed_origins=allowed_origins, connections=connections,
-                                       on_ready=(lambda url: on_ready(url, worker)) if on_ready else None))
+                                       stats_interval=stats_interval, on_ready=(lambda url: on_ready(url, worker)) if on_ready else None))
     finally:
         worker.close()
         if log is not None:
