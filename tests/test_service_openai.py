@@ -392,3 +392,36 @@ def test_client_import_path_has_no_torch_or_engine():
     assert res.returncode == 0
     imported = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if "|" in line}
     assert "torch" not in imported and "engine" not in imported
+
+
+# --------------------------------------------------------------------------- serve defaults
+
+
+def test_serve_defaults_per_device():
+    from labkit.service.server import serve_defaults
+
+    assert serve_defaults("cuda") == serve_defaults("cuda:1") == dict(
+        enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_active=256, max_model_len=None)
+    assert serve_defaults("cpu") == dict(enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=512, max_active=8,
+                                         max_model_len=1024)
+
+
+def test_model_context_is_capped_by_the_kv_pool(tiny_model_dir):
+    import dataclasses
+
+    from labkit.service.server import MODEL_CONTEXT, fit_context
+
+    cfg = WorkerConfig(model=str(tiny_model_dir), device="cpu", max_model_len=MODEL_CONTEXT, num_kvcache_blocks=2,
+                       worker_id="fit")
+    w = Worker(cfg).start()
+    model_len = w.engine.config.max_model_len
+    assert model_len < MODEL_CONTEXT                       # the engine took the model's own limit
+    pool = 2 * w.engine.config.kvcache_block_size
+    assert model_len > pool, "the tiny model's context must exceed a 2-block pool for this test"
+    w2, why = fit_context(w, lambda n: Worker(dataclasses.replace(cfg, max_model_len=n, max_prompt_bytes=None)).start())
+    try:
+        assert w2 is not w and w.state() == "closed"
+        assert w2.engine.config.max_model_len == pool == w2.config.max_model_len
+        assert f"capped by the KV pool ({pool} tokens); the model allows {model_len}" in why
+    finally:
+        w2.close()

@@ -56,13 +56,13 @@ def register(app: typer.Typer) -> None:
         host: Annotated[str, typer.Option("--host", help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
         port: Annotated[int, typer.Option("--port", help="Port; 0 picks a free one and prints the URL.")] = 8801,
         scheduling_policy: SchedulingPolicyOpt = "prefill_first",
-        max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
-        max_num_seqs: MaxNumSeqsOpt = 8,
-        max_active: MaxActiveOpt = 8,
+        max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", show_default=False, help="Tokens per step at most. Default: 16384 on CUDA, 512 on CPU.")] = None,
+        max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", show_default=False, help="Sequences per step at most. Default: 256 on CUDA, 8 on CPU.")] = None,
+        max_active: Annotated[Optional[int], typer.Option("--max-active", show_default=False, help="Admitted, unfinished requests at most (admission limit). Default: 256 on CUDA, 8 on CPU.")] = None,
         queue_size: QueueSizeOpt = 64,
-        max_model_len: MaxModelLenOpt = 1024,
+        max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", show_default=False, help="Context length (prompt + output) at most. Default on CUDA: the model's, capped by what the KV pool holds (printed); on CPU 1024.")] = None,
         gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.5,
-        enforce_eager: EnforceEagerOpt = True,
+        enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--graph", show_default=False, help="Eager execution, or CUDA graphs for decode. Default: graphs on CUDA, eager on CPU.")] = None,
         attention: AttentionOpt = "auto",
         device: DeviceOpt = "auto",
         worker_id: WorkerIdOpt = "worker-0",
@@ -103,6 +103,16 @@ def register(app: typer.Typer) -> None:
         logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
         logging.getLogger("labkit").setLevel(level)
 
+        from labkit.lab_engine import detect_device
+        from labkit.service.server import MODEL_CONTEXT, serve_defaults
+
+        defaults = serve_defaults(detect_device(device))
+        given = dict(enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_active=max_active,
+                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+        chosen = {k: (v if v is not None else defaults[k]) for k, v in given.items()}
+        enforce_eager, max_num_seqs, max_active = chosen["enforce_eager"], chosen["max_num_seqs"], chosen["max_active"]
+        max_num_batched_tokens = chosen["max_num_batched_tokens"]
+        max_model_len = chosen["max_model_len"] if chosen["max_model_len"] is not None else MODEL_CONTEXT
         cfg = WorkerConfig(model=str(model) if model else None, device=device, attention=attention,
                            scheduling_policy=scheduling_policy, max_num_batched_tokens=max_num_batched_tokens,
                            max_num_seqs=max_num_seqs, max_active=max_active, queue_size=queue_size,
@@ -120,7 +130,8 @@ def register(app: typer.Typer) -> None:
 
         summary = run_serve(cfg, host, port, out, served_model_name=served_model_name,
                             max_body_bytes=max_body_bytes, on_ready=ready, api_key=api_key,
-                            allowed_origins=allowed_origins, connections=connections, stats_interval=stats_interval)
+                            allowed_origins=allowed_origins, connections=connections, stats_interval=stats_interval,
+                            on_context=lambda why: console.print(why, soft_wrap=True))
         render_served(summary)
 
     @app.command()

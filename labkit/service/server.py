@@ -1003,10 +1003,45 @@ async def serve_until_signal(worker: Worker, sock: socket.socket, *, served_mode
         await server.stop()
 
 
+#: ``labkit serve`` without options: on CUDA a server that serves (vLLM's scale: CUDA graphs, 256
+#: sequences per step, a 16384-token step budget, 256 admitted requests, the model's own context
+#: length as far as the KV pool holds it); on CPU the handbook's practice settings.
+SERVE_DEFAULTS = {
+    "cuda": dict(enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_active=256,
+                 max_model_len=None),
+    "cpu": dict(enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=512, max_active=8, max_model_len=1024),
+}
+MODEL_CONTEXT = 1 << 30        # max_model_len "as long as the model allows": the engine caps it at the model's
+
+
+def serve_defaults(device: str) -> dict:
+    """The defaults of ``labkit serve`` on a resolved device (``cpu``, ``cuda``, ``cuda:N``)."""
+    return dict(SERVE_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"])
+
+
+def fit_context(worker: Worker, build: Callable[[int], Worker]) -> tuple[Worker, str | None]:
+    """A worker started with ``max_model_len=MODEL_CONTEXT``: the model's context length, capped by what
+    the KV pool holds (then rebuilt with the cap, via ``build(max_model_len)``). Returns the worker to
+    serve with and a line saying what max_model_len is and why."""
+    cfg = worker.engine.config
+    model_len = cfg.max_model_len
+    pool = worker.engine.stats().num_blocks * cfg.kvcache_block_size
+    if model_len <= pool:
+        why = f"max-model-len {model_len} (the model's context length)"
+    else:
+        worker.close()
+        worker = build(pool)
+        why = (f"max-model-len {worker.engine.config.max_model_len}: capped by the KV pool ({pool} tokens); "
+               f"the model allows {model_len}")
+    worker.config.max_model_len = worker.engine.config.max_model_len
+    worker.config.max_prompt_bytes = max(16 * 1024, 32 * worker.config.max_model_len)
+    return worker, why
+
+
 def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, served_model_name: str | None = None,
               max_body_bytes: int = 1 << 20, on_ready: Callable[[str, Worker], None] | None = None,
               api_key: str | None = None, allowed_origins=None, connections: ConnectionLimits | None = None,
-              stats_interval: float = STATS_INTERVAL_S) -> dict:
+              stats_interval: float = STATS_INTERVAL_S, on_context: Callable[[str], None] | None = None) -> dict:
     """``labkit serve``: bind first (a port in use fails before the model loads), start the worker,
     serve until SIGINT/SIGTERM, close. Returns what the worker did (finished requests by reason)."""
     from labkit.service.events import EventLog
@@ -1018,6 +1053,14 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
     worker = Worker(config, sink=log.write if log else None)
     try:
         worker.start()
+        if config.max_model_len == MODEL_CONTEXT:
+            def build(max_model_len: int) -> Worker:
+                return Worker(dataclasses.replace(config, max_model_len=max_model_len, max_prompt_bytes=None),
+                              sink=log.write if log else None).start()
+
+            worker, why = fit_context(worker, build)
+            if why and on_context is not None:
+                on_context(why)
         if log is not None:
             log.write_header(worker.header(role="server", url=url_of(sock)))
         asyncio.run(serve_until_signal(worker, sock, served_model_name=served_model_name,
