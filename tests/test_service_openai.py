@@ -346,6 +346,11 @@ def test_serve_positional_model_logs_access_and_stats_lines(tiny_model_dir, tmp_
         out = cli.completions.create(model=cli.models.list().data[0].id, prompt=ids("cli", 10), max_tokens=40,
                                      temperature=0, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 40
+        while not any("labkit.stats:" in x for x in seen):    # the next tick reports the tokens just made
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=30)
     finally:
