@@ -352,7 +352,8 @@ def test_serve_positional_model_logs_access_and_stats_lines(tiny_model_dir, tmp_
                 break
             seen.append(line)
         proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+        rest = proc.stdout.read()      # not communicate(): it reads the pipe past what readline() buffered
     finally:
         if proc.poll() is None:
             proc.kill()
