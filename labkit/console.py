@@ -400,11 +400,13 @@ def render_served(summary: dict) -> None:
                             "steps": summary["steps"], "engine errors": summary["engine_errors"]}, title="served"))
 
 
-def render_client(res: dict) -> None:
+def render_client(res: dict, text: bool = True) -> None:
+    """The client's result; ``text=False`` when the text was already streamed to the terminal."""
     console.print(kv_table({k: res[k] for k in ("request_id", "worker_id", "status", "reason", "cause",
                                                 "message", "tokens", "tokens_after_finished", "ttft_ms",
                                                 "kind", "out")}, title="labkit client"))
-    console.print(res["text"], markup=False, highlight=False)
+    if text:
+        console.print(res["text"], markup=False, highlight=False)
     if (res.get("model") or {}).get("synthetic"):
         note("synthetic model: random weights; generated text is meaningless")
 

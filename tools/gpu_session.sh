@@ -22,7 +22,7 @@ pids=()
 start() {   # start GPUS PORT WORKER_ID [extra serve options]: a server in the background, its PID recorded
   local devices=$1 port=$2 id=$3; shift 3
   CUDA_VISIBLE_DEVICES=$devices $py -m labkit serve "${model_args[@]}" --port "$port" --worker-id "$id" \
-    --scheduling-policy prefill_first --max-num-batched-tokens 256 --enforce-eager --out "$runs/server-$id.jsonl" "$@" > "$runs/serve-$id.log" 2>&1 &
+    --scheduling-policy prefill_first --max-num-batched-tokens 256 --max-model-len 1024 --enforce-eager --out "$runs/server-$id.jsonl" "$@" > "$runs/serve-$id.log" 2>&1 &
   pids+=($!)
 }
 ready() {   # ready URL WORKER_ID: wait (90 s at most) until /health is ok and names this worker

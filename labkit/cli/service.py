@@ -51,17 +51,18 @@ def register(app: typer.Typer) -> None:
 
     @app.command()
     def serve(
+        model_arg: Annotated[Optional[str], typer.Argument(metavar="[MODEL]", show_default=False, help="The model, as vLLM's `serve MODEL` (same as --model).")] = None,
         model: ModelOpt = None,
         host: Annotated[str, typer.Option("--host", help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
         port: Annotated[int, typer.Option("--port", help="Port; 0 picks a free one and prints the URL.")] = 8801,
         scheduling_policy: SchedulingPolicyOpt = "prefill_first",
-        max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
-        max_num_seqs: MaxNumSeqsOpt = 8,
-        max_active: MaxActiveOpt = 8,
+        max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", show_default=False, help="Tokens per step at most. Default: 16384 on CUDA, 512 on CPU.")] = None,
+        max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", show_default=False, help="Sequences per step at most. Default: 256 on CUDA, 8 on CPU.")] = None,
+        max_active: Annotated[Optional[int], typer.Option("--max-active", show_default=False, help="Admitted, unfinished requests at most (admission limit). Default: 256 on CUDA, 8 on CPU.")] = None,
         queue_size: QueueSizeOpt = 64,
-        max_model_len: MaxModelLenOpt = 1024,
+        max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", show_default=False, help="Context length (prompt + output) at most. Default on CUDA: the model's, capped by what the KV pool holds (printed); on CPU 1024.")] = None,
         gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.5,
-        enforce_eager: EnforceEagerOpt = True,
+        enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--graph", show_default=False, help="Eager execution, or CUDA graphs for decode. Default: graphs on CUDA, eager on CPU.")] = None,
         attention: AttentionOpt = "auto",
         device: DeviceOpt = "auto",
         worker_id: WorkerIdOpt = "worker-0",
@@ -80,13 +81,38 @@ def register(app: typer.Typer) -> None:
         timeout_headers: Annotated[float, typer.Option("--timeout-headers", help="Seconds for a request line and headers to arrive (then 408).")] = 10.0,
         timeout_body: Annotated[float, typer.Option("--timeout-body", help="Seconds for a request body to arrive (then 408).")] = 30.0,
         out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="JSONL event log (header + every event).")] = None,
+        log_level: Annotated[str, typer.Option("--log-level", help="debug | info | warning | error: info prints an access line per request and a stats line every --stats-interval while busy.")] = "info",
+        stats_interval: Annotated[float, typer.Option("--stats-interval", help="Seconds between stats lines while busy (0: none).")] = 10.0,
     ) -> None:
         """Serve the engine over HTTP: /generate (NDJSON), /cancel, /health, /config, /metrics, OpenAI /v1/*."""
+        import logging
+
         from labkit.console import console, render_served, render_serving
         from labkit.service.connections import ConnectionLimits
         from labkit.service.server import run_serve
         from labkit.service.worker import WorkerConfig
 
+        if model_arg is not None and model is not None and str(model) != model_arg:
+            raise UserError(f"two models given: {model_arg!r} and --model {str(model)!r}; give one")
+        model = model if model is not None else model_arg
+        level = getattr(logging, log_level.upper(), None) if log_level.lower() in ("debug", "info", "warning", "error", "critical") else None
+        if level is None:
+            raise UserError(f"--log-level must be debug, info, warning, error or critical, got {log_level!r}")
+        if stats_interval < 0:
+            raise UserError(f"--stats-interval must be >= 0, got {stats_interval!r}")
+        logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+        logging.getLogger("labkit").setLevel(level)
+
+        from labkit.lab_engine import detect_device
+        from labkit.service.server import MODEL_CONTEXT, serve_defaults
+
+        defaults = serve_defaults(detect_device(device))
+        given = dict(enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_active=max_active,
+                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+        chosen = {k: (v if v is not None else defaults[k]) for k, v in given.items()}
+        enforce_eager, max_num_seqs, max_active = chosen["enforce_eager"], chosen["max_num_seqs"], chosen["max_active"]
+        max_num_batched_tokens = chosen["max_num_batched_tokens"]
+        max_model_len = chosen["max_model_len"] if chosen["max_model_len"] is not None else MODEL_CONTEXT
         cfg = WorkerConfig(model=str(model) if model else None, device=device, attention=attention,
                            scheduling_policy=scheduling_policy, max_num_batched_tokens=max_num_batched_tokens,
                            max_num_seqs=max_num_seqs, max_active=max_active, queue_size=queue_size,
@@ -104,7 +130,8 @@ def register(app: typer.Typer) -> None:
 
         summary = run_serve(cfg, host, port, out, served_model_name=served_model_name,
                             max_body_bytes=max_body_bytes, on_ready=ready, api_key=api_key,
-                            allowed_origins=allowed_origins, connections=connections)
+                            allowed_origins=allowed_origins, connections=connections, stats_interval=stats_interval,
+                            on_context=lambda why: console.print(why, soft_wrap=True))
         render_served(summary)
 
     @app.command()
@@ -121,19 +148,30 @@ def register(app: typer.Typer) -> None:
         out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="JSONL of client (and server) events.")] = None,
         json_out: JsonOpt = False,
     ) -> None:
-        """Send one streamed request and record what the client observed."""
+        """Send one streamed request, print its text as it arrives, and record what the client observed.
+
+        Its import path is the console and the HTTP client only (no torch, no engine), so it starts fast."""
         from labkit.console import print_json, render_client
         from labkit.service.client import run_client
 
         eps = _endpoints(endpoints)
         if not eps:
             raise UserError("--endpoints needs a URL")
+        streamed: list[str] = []
+
+        def show(piece: str) -> None:
+            streamed.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
         res = run_client(eps[0], prompt, max_tokens, request_id, cancel_after, out, api, temperature,
-                         ignore_eos=ignore_eos, api_key=api_key)
+                         ignore_eos=ignore_eos, api_key=api_key, on_text=None if json_out else show)
         if json_out:
             print_json(res)
         else:
-            render_client(res)
+            if streamed:
+                sys.stdout.write("\n")
+            render_client(res, text=not streamed)
         ok = res["reason"] in ("stop", "length") or (cancel_after is not None and res["reason"] == "cancelled")
         raise typer.Exit(0 if ok else 1)
 

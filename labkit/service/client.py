@@ -161,8 +161,10 @@ async def cancel(sess: aiohttp.ClientSession, endpoint: str, request_id: str, ca
 
 async def stream_native(sess: aiohttp.ClientSession, endpoint: str, body: dict, *, record: Record = _noop,
                         log_server_events: bool = True, cancel_after: int | None = None,
-                        tags: dict | None = None, worker_hint: str | None = None) -> ClientResult:
-    """POST /generate and read its NDJSON stream; ``cancel_after=N`` posts /cancel after token N.
+                        tags: dict | None = None, worker_hint: str | None = None,
+                        on_text: Callable[[str], None] | None = None) -> ClientResult:
+    """POST /generate and read its NDJSON stream; ``cancel_after=N`` posts /cancel after token N;
+    ``on_text(piece)`` sees each token's text as it arrives.
 
     ``worker_hint`` (the endpoint's worker id from /health) labels the submitted event, which is
     recorded before the server has answered."""
@@ -189,8 +191,10 @@ async def stream_native(sess: aiohttp.ClientSession, endpoint: str, body: dict, 
                 while b"\n" in buf:
                     line, buf = buf.split(b"\n", 1)
                     if line.strip():
-                        await _on_native_line(sess, endpoint, json.loads(line), res, record, log_server_events,
-                                              cancel_after)
+                        ev = json.loads(line)
+                        await _on_native_line(sess, endpoint, ev, res, record, log_server_events, cancel_after)
+                        if on_text is not None and ev.get("event") == "token" and ev.get("text"):
+                            on_text(ev["text"])
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         if res.reason is None:
             res.reason, res.message = "error", f"{type(e).__name__}: {e}"
@@ -257,8 +261,9 @@ def _prompt_len(body: dict) -> int | None:
 
 async def stream_openai(sess: aiohttp.ClientSession, endpoint: str, body: dict, *, request_id: str,
                         chat: bool = False, record: Record = _noop, tags: dict | None = None,
-                        worker_hint: str | None = None) -> ClientResult:
-    """POST /v1/completions (or chat) with stream=true and read the SSE chunks.
+                        worker_hint: str | None = None, on_text: Callable[[str], None] | None = None) -> ClientResult:
+    """POST /v1/completions (or chat) with stream=true and read the SSE chunks (``on_text(piece)`` sees
+    each piece of text as it arrives).
 
     The worker id is the server's ``X-Worker-Id`` header (ours), else ``worker_hint``, else the
     endpoint URL."""
@@ -294,6 +299,8 @@ async def stream_openai(sess: aiohttp.ClientSession, endpoint: str, body: dict, 
                     res.usage_completion_tokens = chunk["usage"].get("completion_tokens")
                 for choice in chunk.get("choices") or []:
                     piece, is_token = _piece(choice, chat)
+                    if on_text is not None and piece:
+                        on_text(piece)
                     if is_token:
                         res.tokens += 1
                         res.text += piece
@@ -336,8 +343,10 @@ def _piece(choice: dict, chat: bool) -> tuple[str, bool]:
 def run_client(endpoint: str, prompt: str | None = None, max_tokens: int = 32, request_id: str = "demo",
                cancel_after: int | None = None, out: Path | None = None, api: str = "native",
                temperature: float = 0.0, prompt_token_ids: list[int] | None = None, ignore_eos: bool = False,
-               timeout_s: float = 600.0, api_key: str | None = None) -> dict:
-    """One request against a running server; writes a JSONL (header + events) when ``out`` is given."""
+               timeout_s: float = 600.0, api_key: str | None = None,
+               on_text: Callable[[str], None] | None = None) -> dict:
+    """One request against a running server; writes a JSONL (header + events) when ``out`` is given;
+    ``on_text(piece)`` sees the text as it streams in."""
     if api not in ("native", "openai"):
         raise UserError(f"--api must be native or openai, got {api!r}")
     if cancel_after is not None and api != "native":
@@ -345,11 +354,12 @@ def run_client(endpoint: str, prompt: str | None = None, max_tokens: int = 32, r
     if (prompt is None) == (prompt_token_ids is None):
         raise UserError("give a --prompt (or token ids)")
     return asyncio.run(_client_main(endpoint.rstrip("/"), prompt, prompt_token_ids, max_tokens, request_id,
-                                    cancel_after, out, api, temperature, ignore_eos, timeout_s, api_key))
+                                    cancel_after, out, api, temperature, ignore_eos, timeout_s, api_key,
+                                    on_text))
 
 
 async def _client_main(endpoint, prompt, token_ids, max_tokens, request_id, cancel_after, out, api, temperature,
-                       ignore_eos, timeout_s, api_key=None) -> dict:
+                       ignore_eos, timeout_s, api_key=None, on_text=None) -> dict:
     from labkit.service.events import log_header
 
     events: list[dict] = []
@@ -373,13 +383,13 @@ async def _client_main(endpoint, prompt, token_ids, max_tokens, request_id, canc
                                         "temperature": temperature, "ignore_eos": ignore_eos}
                 body["prompt" if prompt is not None else "prompt_token_ids"] = prompt if prompt is not None else token_ids
                 res = await stream_native(sess, endpoint, body, record=record, cancel_after=cancel_after,
-                                          worker_hint=(health or {}).get("worker_id"))
+                                          worker_hint=(health or {}).get("worker_id"), on_text=on_text)
             else:
                 model = await fetch_model_name(sess, endpoint)
                 body = {"model": model, "prompt": prompt if prompt is not None else token_ids,
                         "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": ignore_eos}
                 res = await stream_openai(sess, endpoint, body, request_id=request_id, record=record,
-                                          worker_hint=(health or {}).get("worker_id"))
+                                          worker_hint=(health or {}).get("worker_id"), on_text=on_text)
         finally:
             if log is not None:
                 log.close()

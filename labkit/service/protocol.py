@@ -6,9 +6,10 @@ never answers a bad input with 500. Checks here are the ones that need no engine
 shapes); the worker adds the ones that do (token ids vs the vocabulary, prompt length vs
 max_model_len, KV pool size) and they come back as 400 too.
 
-Unknown fields are ignored, as OpenAI-compatible servers do, except those whose meaning we would
-silently get wrong: ``n`` > 1, ``best_of`` > 1, ``logprobs``, ``echo``, ``stop``, ``tools`` are
-refused with a 400 that names them.
+OpenAI parameters the server does not implement are refused with a 400 that names them (``param``),
+unless the value given is a no-op (``top_p=1``, ``n=1``, ``logprobs=false`` ...): see
+:data:`NOOP_PARAMS` and docs/OPENAI.md. Fields no OpenAI or vLLM request has are ignored, as vLLM
+does by default.
 
 Bodies are strict JSON (:func:`loads_strict`): no ``NaN``/``Infinity``, no number that overflows a
 double, no lone surrogate in a string, no nesting deeper than :data:`MAX_DEPTH`; an integer of more
@@ -22,7 +23,7 @@ import math
 import re
 import reprlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from engine import SamplingParams
 
@@ -36,6 +37,8 @@ RESERVED_FIELDS = frozenset({"event", "request_id", "worker_id", "round", "round
 TAG_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")
 MAX_DEPTH = 32                 # JSON nesting levels in a request body
 MAX_INT_DIGITS = 40            # longer integers are HugeInt: no field takes them
+MAX_STOPS = 4                  # stop strings per request, as OpenAI
+MAX_PROMPTS = 64               # prompts in one /v1/completions request
 
 
 class ApiError(Exception):
@@ -202,6 +205,11 @@ class GenRequest:
     include_usage: bool = False
     model: str | None = None
     detokenize: bool = True               # native: add "text" to token events
+    fill_context: bool = False            # no max_tokens: generate up to max_model_len - prompt tokens
+    stop: list[str] = field(default_factory=list)           # stop strings (OpenAI APIs)
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's extension
+    include_stop_str_in_output: bool = False
+    prompts: list | None = None           # /v1/completions: every prompt (one choice each); prompt is the first
 
 
 # --------------------------------------------------------------------------- field checks
@@ -329,35 +337,195 @@ def _tags(body: dict) -> dict:
     return dict(tags)
 
 
-def _refuse_unsupported(body: dict) -> None:
-    if body.get("n", 1) not in (1, None):
-        raise bad("only n=1 is supported", "n", "unsupported_parameter")
-    if body.get("best_of", 1) not in (1, None):
-        raise bad("only best_of=1 is supported", "best_of", "unsupported_parameter")
-    for name in ("logprobs", "top_logprobs", "echo", "tools", "functions", "suffix"):
-        if body.get(name) not in (None, False, 0, [], ""):
-            raise bad(f"{name} is not supported by this server", name, "unsupported_parameter")
-    if body.get("stop") not in (None, [], ""):
-        raise bad("stop sequences are not supported by this server", "stop", "unsupported_parameter")
+# --------------------------------------------------------------------------- parameters we do not implement
 
 
-def _params(body: dict, limits: Limits, default_temperature: float, max_tokens_names=("max_tokens",)) -> SamplingParams:
+def _num_check(lo: float, hi: float, lo_open: bool = False):
+    def check(name: str, v: Any) -> None:
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise bad(f"{name} must be a number, got {_show(v)}", name, "invalid_type")
+        if not (lo < v if lo_open else lo <= v) or not v <= hi:
+            raise bad(f"{name} must be {'>' if lo_open else '>='} {lo:g} and <= {hi:g}, got {_show(v)}", name)
+    return check
+
+
+def _int_check(lo: int, hi: int = 2 ** 31):
+    def check(name: str, v: Any) -> None:
+        if not _is_int(v):
+            raise bad(f"{name} must be an integer, got {_show(v)}", name, "invalid_type")
+        if not lo <= v <= hi:
+            raise bad(f"{name} must be between {lo} and {hi}, got {_show(v)}", name)
+    return check
+
+
+def _type_check(*types: type, what: str):
+    def check(name: str, v: Any) -> None:
+        if not isinstance(v, types) or (bool not in types and isinstance(v, bool)):
+            raise bad(f"{name} must be {what}, got {_show(v)}", name, "invalid_type")
+    return check
+
+
+def _logit_bias_check(name: str, v: Any) -> None:
+    if not isinstance(v, dict):
+        raise bad(f"{name} must be an object of token id -> bias, got {_show(v)}", name, "invalid_type")
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.lstrip("-").isdigit()):
+            raise bad(f"{name} keys must be token ids, got {_show(k)}", name, "invalid_type")
+        if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100:
+            raise bad(f"{name} values must be numbers in [-100, 100], got {_show(b)}", name)
+
+
+def _response_format_check(name: str, v: Any) -> None:
+    if not isinstance(v, dict) or not isinstance(v.get("type"), str):
+        raise bad(f"{name} must be an object {{type: ...}}, got {_show(v)}", name, "invalid_type")
+    if v["type"] not in ("text", "json_object", "json_schema", "structural_tag"):
+        raise bad(f"{name}.type must be text, json_object or json_schema, got {_show(v['type'])}", name)
+
+
+_ANY = lambda name, v: None   # noqa: E731  (any value is well-formed; only the no-op ones are accepted)
+
+#: Parameters of OpenAI's and vLLM's completion requests that this server does not implement:
+#: name -> (the values that change nothing and are accepted, the well-formedness check, why refused).
+#: A value outside the no-op set is refused with 400 ``unsupported_parameter`` naming the parameter;
+#: a malformed one with 400 ``invalid_value``/``invalid_type``.
+NOOP_PARAMS: dict[str, tuple[tuple, Callable[[str, Any], None], str]] = {
+    "n": ((1,), _int_check(1, 128), "one choice per request"),
+    "best_of": ((1,), _int_check(1, 128), "one choice per request"),
+    "top_p": ((1, 1.0), _num_check(0, 1, lo_open=True), "the sampler has temperature only"),
+    "top_k": ((-1, 0), _int_check(-1), "the sampler has temperature only"),
+    "min_p": ((0, 0.0), _num_check(0, 1), "the sampler has temperature only"),
+    "presence_penalty": ((0, 0.0), _num_check(-2, 2), "no penalties in the sampler"),
+    "frequency_penalty": ((0, 0.0), _num_check(-2, 2), "no penalties in the sampler"),
+    "repetition_penalty": ((1, 1.0), _num_check(0, 2 ** 31, lo_open=True), "no penalties in the sampler"),
+    "length_penalty": ((1, 1.0), _num_check(-2 ** 31, 2 ** 31), "no beam search"),
+    "use_beam_search": ((False,), _type_check(bool, what="true or false"), "no beam search"),
+    "min_tokens": ((0,), _int_check(0), "the sampler cannot suppress EOS for a while"),
+    "logit_bias": (({},), _logit_bias_check, "the sampler has temperature only"),
+    "allowed_token_ids": (([],), _type_check(list, what="a list of token ids"), "the sampler has temperature only"),
+    "bad_words": (([],), _type_check(list, what="a list of strings"), "the sampler has temperature only"),
+    "logprobs": ((False, ), _ANY, "the sampler does not return log-probabilities"),
+    "top_logprobs": ((0,), _int_check(0, 20), "the sampler does not return log-probabilities"),
+    "prompt_logprobs": ((), _ANY, "the runner does not return prompt log-probabilities"),
+    "echo": ((False,), _type_check(bool, what="true or false"), "the prompt is not returned"),
+    "suffix": (("",), _type_check(str, what="a string"), "no insertion mode"),
+    "response_format": (({"type": "text"},), _response_format_check, "no structured output"),
+    "guided_json": ((), _ANY, "no structured output"),
+    "guided_regex": ((), _ANY, "no structured output"),
+    "guided_choice": ((), _ANY, "no structured output"),
+    "guided_grammar": ((), _ANY, "no structured output"),
+    "structured_outputs": ((), _ANY, "no structured output"),
+    "tools": (([],), _type_check(list, what="a list"), "no tool calling"),
+    "tool_choice": (("none",), _ANY, "no tool calling"),
+    "functions": (([],), _type_check(list, what="a list"), "no tool calling"),
+    "function_call": (("none",), _ANY, "no tool calling"),
+    "skip_special_tokens": ((True,), _type_check(bool, what="true or false"), "special tokens are always skipped"),
+    "spaces_between_special_tokens": ((True,), _type_check(bool, what="true or false"),
+                                      "special tokens are always skipped"),
+    "truncate_prompt_tokens": ((), _ANY, "prompts are never truncated"),
+    "chat_template": ((), _ANY, "the model's own chat template only"),
+    "chat_template_kwargs": (({},), _type_check(dict, what="an object"), "the model's own chat template only"),
+    "add_generation_prompt": ((True,), _type_check(bool, what="true or false"), "the template always adds it"),
+    "continue_final_message": ((False,), _type_check(bool, what="true or false"), "the template always adds it"),
+    "audio": ((), _ANY, "text only"),
+    "modalities": ((["text"],), _type_check(list, what="a list"), "text only"),
+    "prediction": ((), _ANY, "no predicted outputs"),
+    "web_search_options": ((), _ANY, "no web search"),
+    "return_tokens_as_token_ids": ((False,), _type_check(bool, what="true or false"), "no log-probabilities"),
+}
+#: Accepted and without effect on generation (metadata, or a choice that has no alternative here).
+IGNORED_PARAMS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
+                  "priority", "documents")
+
+
+def _is_noop(value: Any, noops: tuple) -> bool:
+    for n in noops:
+        if isinstance(n, bool) or isinstance(value, bool):
+            if value is n:
+                return True
+        elif isinstance(n, (int, float)):
+            if isinstance(value, (int, float)) and value == n:
+                return True
+        elif value == n:
+            return True
+    return False
+
+
+def _refuse_unsupported(body: dict, api: str) -> None:
+    """Each NOOP_PARAMS field: absent, null or a no-op value passes; malformed is invalid; anything else refused."""
+    for name, (noops, check, why) in NOOP_PARAMS.items():
+        if name not in body or body[name] is None:
+            continue
+        value = body[name]
+        if name == "logprobs" and api == "completions":      # an integer there: how many alternatives
+            if isinstance(value, bool) or not _is_int(value):
+                raise bad(f"logprobs must be an integer or null, got {_show(value)}", name, "invalid_type")
+            _int_check(0, 20)(name, value)
+            raise bad(f"logprobs is not supported by this server ({why}); omit it or send null", name,
+                      "unsupported_parameter")
+        if name == "logprobs":
+            _type_check(bool, what="true or false")(name, value)
+        check(name, value)
+        if _is_noop(value, noops):
+            continue
+        noop_text = " or ".join(json.dumps(n) for n in noops)
+        raise bad(f"{name}={_show(value)} is not supported by this server ({why}); "
+                  + (f"omit it or send {noop_text}" if noops else "omit it"), name, "unsupported_parameter")
+
+
+def _stops(body: dict, limits: Limits) -> tuple[list[str], list[int], bool]:
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise bad(f"stop must be a string or a list of strings, got {_show(stop)}", "stop", "invalid_type")
+    if len(stops) > MAX_STOPS:
+        raise bad(f"stop may hold at most {MAX_STOPS} strings, got {len(stops)}", "stop")
+    if any(not s for s in stops):
+        raise bad("stop strings must not be empty", "stop")
+    if any(len(s) > 256 for s in stops):
+        raise bad("stop strings may be at most 256 characters", "stop")
+    ids = body.get("stop_token_ids")
+    if ids is None:
+        ids = []
+    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
+        raise bad(f"stop_token_ids must be a list of integer token ids, got {_show(ids)}", "stop_token_ids",
+                  "invalid_type")
+    if len(ids) > 64:
+        raise bad(f"stop_token_ids may hold at most 64 ids, got {len(ids)}", "stop_token_ids")
+    out_of_vocab = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if out_of_vocab:
+        raise bad(f"stop_token_ids: {out_of_vocab[0]} is outside the vocabulary [0, {limits.vocab_size})",
+                  "stop_token_ids")
+    include = _bool(body, "include_stop_str_in_output", False)
+    return stops, list(dict.fromkeys(ids)), include
+
+
+def _params(body: dict, limits: Limits, default_temperature: float, max_tokens_names=("max_tokens",),
+            default_max_tokens: int | None = None) -> tuple[SamplingParams, bool]:
+    """The sampling parameters and whether max_tokens was given. Without it: ``default_max_tokens``, or
+    (None) the rest of the context, which the worker fills in once it knows the prompt's length."""
     hi = limits.max_model_len - 1
     max_tokens = None
     for name in max_tokens_names:
         if body.get(name) is not None:
             max_tokens = _int(body, name, None, 1, hi)
             break
+    given = max_tokens is not None
     if max_tokens is None:
-        max_tokens = min(16 if default_temperature else 64, hi)
+        max_tokens = min(default_max_tokens or hi, hi)
     temperature = _number(body, "temperature", default_temperature, 0.0, 100.0)
     seed = body.get("seed")
     if seed is not None and not (_is_int(seed) and -(2 ** 63) <= seed < 2 ** 64):
         raise bad(f"seed must be an integer in [-2^63, 2^64), got {_show(seed)}", "seed",
                   "invalid_type" if not isinstance(seed, (int, HugeInt)) or isinstance(seed, bool) else "invalid_value")
     ignore_eos = _bool(body, "ignore_eos", False)
-    return SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                          seed=None if seed is None else int(seed) % (2 ** 63))
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                            seed=None if seed is None else int(seed) % (2 ** 63))
+    return params, given or default_max_tokens is not None
 
 
 def _object(body: Any) -> dict:
@@ -399,45 +567,54 @@ def parse_native(body: Any, limits: Limits) -> GenRequest:
         prompt = _token_ids(body["prompt_token_ids"], "prompt_token_ids")
     else:
         prompt = _messages(body["messages"])
-    params = _params(body, limits, default_temperature=0.0)
+    params, _ = _params(body, limits, default_temperature=0.0, default_max_tokens=64)
     return GenRequest("native", prompt, params, stream=_bool(body, "stream", True), request_id=_request_id(body),
                       tags=_tags(body), detokenize=_bool(body, "detokenize", True))
 
 
+def _prompt_one(prompt: Any, param: str) -> Any:
+    if isinstance(prompt, str):
+        return _text(prompt, param)
+    return _token_ids(prompt, param)
+
+
 def parse_completion(body: Any, limits: Limits) -> GenRequest:
-    """``POST /v1/completions``: prompt is a string, token ids, or a one-element list of either."""
+    """``POST /v1/completions``: prompt is a string, token ids, or a list of either (one choice per prompt)."""
     body = _object(body)
     model = _check_model(body, limits)
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, "completions")
     if "prompt" not in body or body["prompt"] is None:
         raise bad("prompt is required", "prompt", "missing_prompt")
     prompt = body["prompt"]
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) != 1:
-            raise bad("only one prompt per request is supported", "prompt", "unsupported_parameter")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        prompt = _text(prompt, "prompt")
+        if len(prompt) > MAX_PROMPTS:
+            raise bad(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
+        prompts = [_prompt_one(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     else:
-        prompt = _token_ids(prompt, "prompt")
-    params = _params(body, limits, default_temperature=1.0)
+        prompts = [_prompt_one(prompt, "prompt")]
+    params, given = _params(body, limits, default_temperature=1.0)
+    stop, stop_ids, include = _stops(body, limits)
     stream = _bool(body, "stream", False)
-    return GenRequest("completions", prompt, params, stream=stream, request_id=_request_id(body),
-                      include_usage=_include_usage(body, stream), model=model)
+    return GenRequest("completions", prompts[0], params, stream=stream, request_id=_request_id(body),
+                      include_usage=_include_usage(body, stream), model=model, fill_context=not given,
+                      stop=stop, stop_token_ids=stop_ids, include_stop_str_in_output=include, prompts=prompts)
 
 
 def parse_chat(body: Any, limits: Limits) -> GenRequest:
     """``POST /v1/chat/completions``: messages through the model's chat template."""
     body = _object(body)
     model = _check_model(body, limits)
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, "chat")
     if "messages" not in body:
         raise bad("messages is required", "messages", "missing_prompt")
     messages = _messages(body["messages"])
-    params = _params(body, limits, default_temperature=1.0, max_tokens_names=("max_completion_tokens", "max_tokens"))
+    params, given = _params(body, limits, default_temperature=1.0,
+                            max_tokens_names=("max_completion_tokens", "max_tokens"))
+    stop, stop_ids, include = _stops(body, limits)
     stream = _bool(body, "stream", False)
     return GenRequest("chat", messages, params, stream=stream, request_id=_request_id(body),
-                      include_usage=_include_usage(body, stream), model=model)
+                      include_usage=_include_usage(body, stream), model=model, fill_context=not given,
+                      stop=stop, stop_token_ids=stop_ids, include_stop_str_in_output=include)
 
 
 def _include_usage(body: dict, stream: bool) -> bool:

@@ -57,6 +57,9 @@ import secrets
 import socket
 import threading
 import time
+import dataclasses
+import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -68,9 +71,13 @@ from labkit.errors import UserError
 from labkit.service import protocol
 from labkit.service.connections import Connection, ConnectionGuard, ConnectionLimits, GuardedAppRunner, QuietLog
 from labkit.service.protocol import ApiError, GenRequest, Limits
+from labkit.service.stops import StopStrings
 from labkit.service.stream import RequestHandle
 from labkit.service.worker import DuplicateRequest, Worker, WorkerUnavailable
 
+ACCESS_LOG = logging.getLogger("labkit.access")      # one line per generation request (vLLM's habit)
+STATS_LOG = logging.getLogger("labkit.stats")        # one line per interval while busy
+STATS_INTERVAL_S = 10.0
 POLL_S = 0.5          # how often a waiting handler checks that its client is still there
 API_KEY_ENV = "LABKIT_API_KEY"
 RETRY_AFTER_S = "1"
@@ -135,6 +142,15 @@ class IncrementalText:
             self.prefix, self.read = self.read, len(self.ids)
             return piece
         return ""
+
+    def flush(self) -> str:
+        """At the end of the output: what push() held back (an incomplete character decodes as U+FFFD)."""
+        if self.tokenizer is None or self.read == len(self.ids):
+            return ""
+        before = self._decode(self.ids[self.prefix:self.read])
+        after = self._decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return after[len(before):] if after.startswith(before) else after
 
     def text(self) -> str:
         return self._decode(self.ids) if self.tokenizer is not None else ""
@@ -205,6 +221,9 @@ class Service:
         self.connections.check()
         self.log = log or QuietLog()
         self.created = int(time.time())
+        ident = json.dumps([name, model, worker.built.describe() if worker.built else None], sort_keys=True,
+                           default=str)
+        self.system_fingerprint = "fp_" + hashlib.sha256(ident.encode()).hexdigest()[:12]
         self._cancel_tokens: dict[str, str] = {}          # live HTTP requests: request id -> cancel token
 
     def app(self) -> web.Application:
@@ -218,6 +237,7 @@ class Service:
         app.router.add_post("/v1/completions", self.completions, expect_handler=expect)
         app.router.add_post("/v1/chat/completions", self.chat, expect_handler=expect)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model_id:.+}", self.model)
         return app
 
     # -- before any handler ----------------------------------------------------------------
@@ -361,7 +381,8 @@ class Service:
     # -- submission ---------------------------------------------------------------
     async def _submit(self, req: GenRequest) -> RequestHandle:
         def call() -> RequestHandle:
-            return self.worker.submit(req.prompt, req.params, request_id=req.request_id, tags=req.tags)
+            return self.worker.submit(req.prompt, req.params, request_id=req.request_id, tags=req.tags,
+                                      fill_context=req.fill_context, stop_token_ids=req.stop_token_ids)
 
         try:
             if isinstance(req.prompt, list) and (not req.prompt or isinstance(req.prompt[0], int)):
@@ -491,102 +512,246 @@ class Service:
         return web.Response(text=text, content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})
 
+    def _model_card(self) -> dict:
+        return {"id": self.limits.served_model_name, "object": "model", "created": self.created,
+                "owned_by": "nano-lab", "root": self.limits.served_model_name, "parent": None,
+                "max_model_len": self.limits.max_model_len}
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.limits.served_model_name, "object": "model", "created": self.created, "owned_by": "nano-lab",
-            "max_model_len": self.limits.max_model_len}]})
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """``GET /v1/models/{id}``: the served model, or a 404 error object."""
+        model_id = request.match_info["model_id"]
+        if model_id != self.limits.served_model_name:
+            raise ApiError(404, f"the model {protocol._show(model_id)} does not exist; this server serves "
+                                f"{self.limits.served_model_name!r}", "model_not_found", "model")
+        return web.json_response(self._model_card())
+
+    def _access(self, api: str, request_id: str, status: int, choices: list, t0: float) -> None:
+        """The access log line of one generation request: id, status, tokens in and out, TTFT, total time."""
+        if not ACCESS_LOG.isEnabledFor(logging.INFO):
+            return
+        prompt = sum(c.prompt_tokens for c in choices)
+        out = sum(c.completion_tokens or c.tokens for c in choices)
+        ttfts = [c.ttft for c in choices if c.ttft is not None]
+        ttft = f"{min(ttfts) * 1e3:.1f}ms" if ttfts else "-"
+        finish = ",".join(str(c.finish or "-") for c in choices)
+        ACCESS_LOG.info("%s %s status=%d prompt_tokens=%d output_tokens=%d ttft=%s total=%.1fms finish=%s",
+                        api, request_id, status, prompt, out, ttft, (time.monotonic() - t0) * 1e3, finish)
 
     # -- OpenAI-compatible ---------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = protocol.parse_completion(await self._read_json(request), self.limits)
-        return await self._openai(req, request)
+        return await self._openai_route(request, protocol.parse_completion, "completions")
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        req = protocol.parse_chat(await self._read_json(request), self.limits)
+        return await self._openai_route(request, protocol.parse_chat, "chat")
+
+    async def _openai_route(self, request: web.Request, parse: Callable, api: str) -> web.StreamResponse:
+        t0 = time.monotonic()
+        try:
+            req = parse(await self._read_json(request), self.limits)
+        except ApiError as e:          # refused before it became a request: still one access line
+            if ACCESS_LOG.isEnabledFor(logging.INFO):
+                ACCESS_LOG.info("%s - status=%d total=%.1fms error=%s param=%s", api, e.status,
+                                (time.monotonic() - t0) * 1e3, e.code, e.param)
+            raise
         return await self._openai(req, request)
 
+    async def _submit_all(self, req: GenRequest) -> list[RequestHandle]:
+        """One worker request per prompt (a list of prompts in /v1/completions); all or none."""
+        prompts = req.prompts or [req.prompt]
+        handles: list[RequestHandle] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = req.request_id if i == 0 or req.request_id is None else f"{req.request_id}-{i}"
+                one = dataclasses.replace(req, prompt=prompt, request_id=rid, prompts=None)
+                try:
+                    handles.append(await self._submit(one))
+                except ApiError as e:
+                    if len(prompts) > 1 and e.param == "prompt":
+                        e.param = f"prompt[{i}]"
+                    raise
+        except BaseException:
+            for h in handles:
+                self._abandon(h)
+            raise
+        return handles
+
     async def _openai(self, req: GenRequest, request: web.Request) -> web.StreamResponse:
-        handle = await self._submit(req)
+        handles = await self._submit_all(req)
         chat = req.api == "chat"
-        oid = f"{'chatcmpl' if chat else 'cmpl'}-{handle.request_id}"
+        oid = f"{'chatcmpl' if chat else 'cmpl'}-{handles[0].request_id}"
         created = int(time.time())
         model = self.limits.served_model_name
-        text = IncrementalText(self.worker.tokenizer)
-        prompt_tokens = 0
+        fingerprint = self.system_fingerprint
+        choices = [_Choice(i, h, IncrementalText(self.worker.tokenizer), StopStrings(req.stop,
+                                                                                     req.include_stop_str_in_output))
+                   for i, h in enumerate(handles)]
+        t0 = time.monotonic()
 
-        def chunk(piece: str | None, finish: str | None, first: bool = False) -> dict:
+        def chunk(index: int, piece: str | None, finish: str | None, first: bool = False) -> dict:
             if chat:
                 delta: dict = {}
                 if first:
                     delta["role"] = "assistant"
                 if piece is not None:
                     delta["content"] = piece
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-                return {"id": oid, "object": "chat.completion.chunk", "created": created, "model": model,
-                        "choices": [choice]}
-            return {"id": oid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}]}
-
-        def usage(fin: dict) -> dict:
-            p, c = fin.get("num_prompt_tokens", prompt_tokens), fin.get("num_completion_tokens", len(text.ids))
-            return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-        if not req.stream:
-            try:
-                async for ev in self._events(handle, request):
-                    if ev["event"] == "token":
-                        text.push(ev["token_id"])
-            finally:
-                self._abandon(handle)
-            fin = handle.result or {}
-            if fin.get("reason") == "error":
-                raise ApiError(500, f"the engine failed on this request: {fin.get('message')}", "engine_error")
-            if fin.get("reason") == "cancelled" and fin.get("cause") == "shutdown":
-                raise ApiError(503, "the server shut down before the request finished", "shutdown")
-            finish = _finish_reason_openai(fin)
-            if chat:
-                choice = {"index": 0, "message": {"role": "assistant", "content": text.text()},
-                          "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                body = {"id": oid, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "system_fingerprint": fingerprint, "choices": [choice]}
             else:
-                choice = {"index": 0, "text": text.text(), "logprobs": None, "finish_reason": finish}
-            body = {"id": oid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                    "model": model, "choices": [choice], "usage": usage(fin)}
-            return web.Response(body=_dumps(body), content_type="application/json",
-                                headers={"X-Request-Id": handle.request_id, "X-Worker-Id": self.worker.worker_id})
+                body = {"id": oid, "object": "text_completion", "created": created, "model": model,
+                        "system_fingerprint": fingerprint,
+                        "choices": [{"index": index, "text": piece or "", "logprobs": None, "finish_reason": finish}]}
+            if req.include_usage:
+                body["usage"] = None
+            return body
 
-        resp = web.StreamResponse(headers=self._headers(handle, **{"Content-Type": "text/event-stream",
-                                                                   "Cache-Control": "no-cache"}))
-        self._cors(request, resp)
+        def usage() -> dict:
+            p = sum(c.prompt_tokens for c in choices)
+            n = sum(c.completion_tokens for c in choices)
+            return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
-        async def send(obj: Any) -> None:
-            data = obj.encode() if isinstance(obj, str) else _dumps(obj)
-            await resp.write(b"data: " + data + b"\n\n")
-
-        try:
-            await resp.prepare(request)
-            if chat:
-                await send(chunk("", None, first=True))
-            async for ev in self._events(handle, request):
-                if ev["event"] == "token":
-                    await send(chunk(text.push(ev["token_id"]), None))
-                elif ev["event"] == "finished":
+        async def consume(c: _Choice, emit: Callable | None) -> None:
+            """One choice's events: text through the stop strings to ``emit(index, text)`` (streams)."""
+            async for ev in self._events(c.handle, request):
+                kind = ev["event"]
+                if kind == "submitted":
+                    c.prompt_tokens = ev.get("prompt_tokens", 0)
+                elif kind == "token":
+                    c.tokens += 1
+                    if c.ttft is None:
+                        c.ttft = time.monotonic() - t0
+                    out = c.stops.push(c.text.push(ev["token_id"]))
+                    c.pieces.append(out)
+                    if emit is not None:            # one chunk per token (load clients time them), maybe ""
+                        await emit(c.index, out)
+                    if c.stops.matched is not None:          # the reader found the end: finish it as "stop"
+                        self.worker.cancel(c.handle.request_id, cause="stop_string", reason="stop")
+                        c.finish, c.completion_tokens = "stop", c.tokens
+                        return
+                elif kind == "finished":
+                    c.result = ev
                     if ev.get("reason") == "error":
-                        await send({"error": ApiError(500, f"the engine failed on this request: {ev.get('message')}",
-                                                      "engine_error").body()["error"]})
+                        c.error = ev.get("message") or "engine error"
+                        return
+                    c.tail = c.stops.push(c.text.flush()) + c.stops.flush()    # sent with the finish chunk
+                    c.pieces.append(c.tail)
+                    c.finish = _finish_reason_openai(ev)
+                    c.completion_tokens = ev.get("num_completion_tokens", c.tokens)
+                    c.prompt_tokens = ev.get("num_prompt_tokens", c.prompt_tokens)
+                    return
+
+        async def run_all(emit: Callable | None) -> None:
+            tasks = [asyncio.ensure_future(consume(c, emit)) for c in choices]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+
+        status = 200
+        try:
+            if not req.stream:
+                try:
+                    await run_all(None)
+                finally:
+                    for c in choices:
+                        self._abandon(c.handle)
+                for c in choices:
+                    if c.error is not None:
+                        status = 500
+                        raise ApiError(500, f"the engine failed on this request: {c.error}", "engine_error")
+                    if (c.result or {}).get("reason") == "cancelled" and (c.result or {}).get("cause") == "shutdown":
+                        status = 503
+                        raise ApiError(503, "the server shut down before the request finished", "shutdown")
+                out_choices = []
+                for c in choices:
+                    text = "".join(c.pieces)
+                    if chat:
+                        out_choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                                            "logprobs": None, "finish_reason": c.finish})
                     else:
-                        await send(chunk(None if chat else "", _finish_reason_openai(ev)))
-                        if req.include_usage:
-                            body = chunk(None, None)
-                            body["choices"] = []
-                            body["usage"] = usage(ev)
-                            await send(body)
-            await send("[DONE]")
-            await resp.write_eof()
-        except (ClientGone, ConnectionError):
-            pass
+                        out_choices.append({"index": c.index, "text": text, "logprobs": None,
+                                            "finish_reason": c.finish})
+                body = {"id": oid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                        "model": model, "system_fingerprint": fingerprint, "choices": out_choices, "usage": usage()}
+                return web.Response(body=_dumps(body), content_type="application/json",
+                                    headers={"X-Request-Id": handles[0].request_id,
+                                             "X-Worker-Id": self.worker.worker_id})
+
+            resp = web.StreamResponse(headers=self._headers(handles[0], **{"Content-Type": "text/event-stream",
+                                                                           "Cache-Control": "no-cache"}))
+            self._cors(request, resp)
+            lock = asyncio.Lock()
+
+            async def send(obj: Any) -> None:
+                data = obj.encode() if isinstance(obj, str) else _dumps(obj)
+                async with lock:
+                    await resp.write(b"data: " + data + b"\n\n")
+
+            async def emit(index: int, piece: str) -> None:
+                await send(chunk(index, piece, None))
+
+            async def consume_and_finish(c: _Choice) -> None:
+                await consume(c, emit)
+                if c.error is not None:
+                    await send({"error": ApiError(500, f"the engine failed on this request: {c.error}",
+                                                  "engine_error").body()["error"]})
+                elif c.finish is not None:
+                    await send(chunk(c.index, c.tail or (None if chat else ""), c.finish))
+
+            try:
+                await resp.prepare(request)
+                if chat:
+                    for c in choices:
+                        await send(chunk(c.index, "", None, first=True))
+                tasks = [asyncio.ensure_future(consume_and_finish(c)) for c in choices]
+                try:
+                    await asyncio.gather(*tasks)
+                finally:
+                    for t in tasks:
+                        t.cancel()
+                if req.include_usage and all(c.finish is not None for c in choices):
+                    body = chunk(0, None, None)
+                    body["choices"] = []
+                    body["usage"] = usage()
+                    await send(body)
+                await send("[DONE]")
+                await resp.write_eof()
+            except (ClientGone, ConnectionError):
+                status = 499
+            finally:
+                for c in choices:
+                    self._abandon(c.handle)
+            return resp
+        except ApiError as e:
+            status = e.status
+            raise
+        except ClientGone:
+            status = 499
+            raise
         finally:
-            self._abandon(handle)
-        return resp
+            self._access(req.api, handles[0].request_id, status, choices, t0)
+
+
+@dataclass
+class _Choice:
+    """One prompt's request inside an OpenAI answer."""
+    index: int
+    handle: RequestHandle
+    text: IncrementalText
+    stops: StopStrings
+    pieces: list = dataclasses.field(default_factory=list)
+    tokens: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish: str | None = None
+    error: str | None = None
+    result: dict | None = None
+    ttft: float | None = None
+    tail: str = ""
 
 
 def _basename(path: str | None) -> str | None:
@@ -764,11 +929,52 @@ class ServerThread:
         self.close()
 
 
+class StatsLine:
+    """vLLM's periodic line: prompt and generation tok/s since the last line, running, waiting, KV usage.
+
+    Reads only the worker's counters and its published snapshot; says nothing while idle."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self._last = (time.monotonic(), *self._counts())
+
+    def _counts(self) -> tuple[int, int]:
+        st = self.worker.stats
+        with st.lock:
+            return st.prompt_tokens, st.generation_tokens
+
+    def line(self) -> str | None:
+        t, prompt, gen = time.monotonic(), *self._counts()
+        t0, prompt0, gen0 = self._last
+        self._last = (t, prompt, gen)
+        snap = self.worker.snapshot()
+        running, waiting = snap.get("active", 0), snap.get("queue_depth", 0)
+        if prompt == prompt0 and gen == gen0 and not running and not waiting:
+            return None
+        dt = max(t - t0, 1e-9)
+        total = snap.get("kv_blocks_total") or 0
+        kv = 100.0 * (snap.get("kv_blocks_used") or 0) / total if total else 0.0
+        return (f"prompt throughput: {(prompt - prompt0) / dt:.1f} tokens/s, generation throughput: "
+                f"{(gen - gen0) / dt:.1f} tokens/s, running: {running} reqs, waiting: {waiting} reqs, "
+                f"KV cache usage: {kv:.1f}%")
+
+
+async def _log_stats(worker: Worker, interval: float) -> None:
+    stats = StatsLine(worker)
+    while True:
+        await asyncio.sleep(interval)
+        text = stats.line()
+        if text is not None:
+            STATS_LOG.info("%s", text)
+
+
 async def serve_until_signal(worker: Worker, sock: socket.socket, *, served_model_name: str | None = None,
                              max_body_bytes: int = 1 << 20, on_ready: Callable[[str], None] | None = None,
                              stop: asyncio.Event | None = None, api_key: str | None = None, allowed_origins=None,
-                             connections: ConnectionLimits | None = None) -> None:
+                             connections: ConnectionLimits | None = None,
+                             stats_interval: float = STATS_INTERVAL_S) -> None:
     """``labkit serve``: run until SIGINT/SIGTERM (or ``stop``), then close the worker and the server.
+    While busy, a stats line every ``stats_interval`` seconds (0: none) on the ``labkit.stats`` logger.
 
     The worker closes first (open streams end cancelled/shutdown), then every connection that is not
     running a request is closed at once, so half-sent requests never hold up the exit."""
@@ -786,17 +992,56 @@ async def serve_until_signal(worker: Worker, sock: socket.socket, *, served_mode
             pass
     if on_ready is not None:
         on_ready(url)
+    ticker = asyncio.ensure_future(_log_stats(worker, stats_interval)) if stats_interval > 0 else None
     try:
         await stop.wait()
     finally:
+        if ticker is not None:
+            ticker.cancel()
         server.guard.close_waiting()
         await loop.run_in_executor(None, worker.close)
         await server.stop()
 
 
+#: ``labkit serve`` without options: on CUDA a server that serves (vLLM's scale: CUDA graphs, 256
+#: sequences per step, a 16384-token step budget, 256 admitted requests, the model's own context
+#: length as far as the KV pool holds it); on CPU the handbook's practice settings.
+SERVE_DEFAULTS = {
+    "cuda": dict(enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_active=256,
+                 max_model_len=None),
+    "cpu": dict(enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=512, max_active=8, max_model_len=1024),
+}
+MODEL_CONTEXT = 1 << 30        # max_model_len "as long as the model allows": the engine caps it at the model's
+
+
+def serve_defaults(device: str) -> dict:
+    """The defaults of ``labkit serve`` on a resolved device (``cpu``, ``cuda``, ``cuda:N``)."""
+    return dict(SERVE_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"])
+
+
+def fit_context(worker: Worker, build: Callable[[int], Worker]) -> tuple[Worker, str | None]:
+    """A worker started with ``max_model_len=MODEL_CONTEXT``: the model's context length, capped by what
+    the KV pool holds (then rebuilt with the cap, via ``build(max_model_len)``). Returns the worker to
+    serve with and a line saying what max_model_len is and why."""
+    cfg = worker.engine.config
+    model_len = cfg.max_model_len
+    pool = worker.engine.stats().num_blocks * cfg.kvcache_block_size
+    if model_len <= pool:
+        why = f"max-model-len {model_len} (the model's context length)"
+    else:
+        worker.close()
+        worker = build(pool)
+        why = (f"max-model-len {worker.engine.config.max_model_len}: capped by the KV pool ({pool} tokens); "
+               f"the model allows {model_len}")
+    worker.config.max_model_len = worker.engine.config.max_model_len
+    worker.config.max_prompt_bytes = max(16 * 1024, 32 * worker.config.max_model_len)
+    return worker, why
+
+
 def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, served_model_name: str | None = None,
               max_body_bytes: int = 1 << 20, on_ready: Callable[[str, Worker], None] | None = None,
-              api_key: str | None = None, allowed_origins=None, connections: ConnectionLimits | None = None) -> dict:
+              api_key: str | None = None, allowed_origins=None, connections: ConnectionLimits | None = None,
+              stats_interval: float = STATS_INTERVAL_S, on_context: Callable[[str], None] | None = None) -> dict:
     """``labkit serve``: bind first (a port in use fails before the model loads), start the worker,
     serve until SIGINT/SIGTERM, close. Returns what the worker did (finished requests by reason)."""
     from labkit.service.events import EventLog
@@ -808,12 +1053,20 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
     worker = Worker(config, sink=log.write if log else None)
     try:
         worker.start()
+        if config.max_model_len == MODEL_CONTEXT:
+            def build(max_model_len: int) -> Worker:
+                return Worker(dataclasses.replace(config, max_model_len=max_model_len, max_prompt_bytes=None),
+                              sink=log.write if log else None).start()
+
+            worker, why = fit_context(worker, build)
+            if why and on_context is not None:
+                on_context(why)
         if log is not None:
             log.write_header(worker.header(role="server", url=url_of(sock)))
         asyncio.run(serve_until_signal(worker, sock, served_model_name=served_model_name,
                                        max_body_bytes=max_body_bytes, api_key=api_key,
                                        allowed_origins=allowed_origins, connections=connections,
-                                       on_ready=(lambda url: on_ready(url, worker)) if on_ready else None))
+                                       stats_interval=stats_interval, on_ready=(lambda url: on_ready(url, worker)) if on_ready else None))
     finally:
         worker.close()
         if log is not None:

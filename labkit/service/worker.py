@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import dataclasses
 import secrets
 import threading
 from collections import deque
@@ -160,6 +161,7 @@ class _Request:
     seq: Any = None
     num_tokens: int = 0
     last_token_ns: int = 0
+    stop_ids: frozenset = frozenset()
 
 
 @dataclass
@@ -196,7 +198,7 @@ class Worker:
         self._live: dict[str, _Request] = {}          # pending + admitted, by request id
         self._active: dict[str, _Request] = {}        # admitted, not finished (owner only)
         self._by_seq: dict[int, _Request] = {}        # owner only
-        self._cancels: deque[tuple[str, str]] = deque()
+        self._cancels: deque[tuple[str, str, str]] = deque()   # (request id, cause, reason)
         self._calls: deque[_OwnerCall] = deque()
         self._round = 0
         self._stopping = False
@@ -326,8 +328,13 @@ class Worker:
         return ids
 
     def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-               tags: dict | None = None, stream: bool = True, stream_buffer: int | None = None) -> RequestHandle:
+               tags: dict | None = None, stream: bool = True, stream_buffer: int | None = None, *,
+               fill_context: bool = False, stop_token_ids=()) -> RequestHandle:
         """Queue a request; returns its handle at once (``handle.rejected`` when the queue is full).
+
+        ``fill_context``: max_tokens becomes what the context leaves after the prompt (max_model_len -
+        prompt tokens; OpenAI's default). ``stop_token_ids``: the request finishes with reason ``stop``
+        (cause ``stop_token_id``) at the step that produces one of them; that token is its last.
 
         Raises ``engine.RequestError`` for a prompt the engine cannot take, :class:`DuplicateRequest`
         for a live request id, :class:`WorkerUnavailable` when not accepting work.
@@ -338,6 +345,8 @@ class Worker:
         if request_id is not None and not REQUEST_ID_RE.fullmatch(str(request_id)):
             raise RequestError(f"request_id must match {REQUEST_ID_RE.pattern}, got {request_id!r}", "invalid_request_id")
         token_ids = self.encode(prompt)
+        if fill_context:
+            params = dataclasses.replace(params, max_tokens=max(1, self.engine.config.max_model_len - len(token_ids)))
         # the engine's one admission rule; it reads the config and the pool size, both fixed after start
         self.engine.validate(token_ids, params)
         tags = dict(tags or {})
@@ -351,7 +360,7 @@ class Worker:
             if rid in self._live:
                 raise DuplicateRequest(f"request_id {rid!r} is already in flight")
             handle = RequestHandle(rid, stream_buffer or self.config.stream_buffer, keep_tokens=stream)
-            req = _Request(rid, token_ids, params, handle, tags, now_ns())
+            req = _Request(rid, token_ids, params, handle, tags, now_ns(), stop_ids=frozenset(stop_token_ids))
             ev = make_event("submitted", rid, self.worker_id, self._round, t_ns=req.submitted_ns,
                             prompt_tokens=len(token_ids), max_tokens=params.max_tokens,
                             queue_depth=len(self._pending))
@@ -372,12 +381,17 @@ class Worker:
             if rid not in self._live:
                 return rid
 
-    def cancel(self, request_id: str, cause: str = "client") -> bool:
-        """Ask the owner to cancel at its next step boundary; False if no such live request."""
+    def cancel(self, request_id: str, cause: str = "client", reason: str = "cancelled") -> bool:
+        """Ask the owner to cancel at its next step boundary; False if no such live request.
+
+        ``reason="stop"`` (with e.g. ``cause="stop_string"``) ends a request that its reader found complete:
+        it finishes ``stop``, not ``cancelled``."""
+        if reason not in ("cancelled", "stop"):
+            raise ValueError(f"a request can be ended as cancelled or stop, not {reason!r}")
         with self._lock:
             if request_id not in self._live:
                 return False
-            self._cancels.append((request_id, cause))
+            self._cancels.append((request_id, cause, reason))
             self._cv.notify_all()
         return True
 
@@ -526,8 +540,8 @@ class Worker:
         with self._lock:
             cancels = list(self._cancels)
             self._cancels.clear()
-        for rid, cause in cancels:
-            self._cancel_now(rid, cause)
+        for rid, cause, reason in cancels:
+            self._cancel_now(rid, cause, reason)
         feeder = self._feeder
         if feeder is not None:
             feeder(self._round)
@@ -555,7 +569,7 @@ class Worker:
                                    queue_depth=queue, seq_id=req.seq.seq_id))
         req.handle._wake()
 
-    def _cancel_now(self, rid: str, cause: str) -> None:
+    def _cancel_now(self, rid: str, cause: str, reason: str = "cancelled") -> None:
         with self._lock:
             req = self._live.get(rid)
             if req is None:
@@ -564,8 +578,8 @@ class Worker:
                 self._pending.remove(req)
         freed: list[int] = []
         if req.seq is not None:
-            freed = self.engine.abort(req.seq, "cancelled")
-        self._finish(req, "cancelled", cause=cause, freed_blocks=len(freed))
+            freed = self.engine.abort(req.seq, reason)
+        self._finish(req, reason, cause=cause, freed_blocks=len(freed))
 
     def _step(self) -> None:
         engine = self.engine
@@ -598,6 +612,7 @@ class Worker:
                 chunks=[self._rid_of(sid) for sid in out.outcome.discarded],
                 free_blocks=self.engine.stats().free_blocks))
         slow: list[_Request] = []
+        stopped: list[_Request] = []
         for seq_id, token_id in out.outcome.accepted.items():
             req = self._by_seq.get(seq_id)
             if req is None:
@@ -616,10 +631,16 @@ class Worker:
                 self.sink(ev)
             if req.handle.keep_tokens and not req.handle._push(ev):
                 slow.append(req)
+            elif token_id in req.stop_ids:
+                stopped.append(req)
         for seq in out.outcome.finished:
             req = self._by_seq.get(seq.seq_id)
             if req is not None:
                 self._finish(req, seq.finish_reason)
+        for req in stopped:
+            if req.request_id in self._active:
+                freed = self.engine.abort(req.seq, "stop")
+                self._finish(req, "stop", cause="stop_token_id", freed_blocks=len(freed))
         for req in slow:
             if req.request_id in self._active:
                 freed = self.engine.abort(req.seq, "cancelled")
