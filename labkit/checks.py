@@ -15,6 +15,11 @@ A run states its own checks in the same language (``run_assertions`` in the evid
 the digest, re-evaluates the checkpoint's and the run's assertions from the facts, checks the envelope
 against the checkpoint (kind, device class, synthetic flag, command and options) and compares the
 engine source hash with the current tree (stale evidence is NOT-RUN).
+
+Why one file of this length: the checkpoints, the runs' own assertions and the threshold tables are
+written in one assertion language, and the loader, the evaluator and the judge share its types
+(Assertion, Threshold) and its one evaluator; CHECKPOINTS.md is rendered from the same objects. A split
+along loading / judging is the next cut if it grows further.
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ Bodies are strict JSON (:func:`loads_strict`): no ``NaN``/``Infinity``, no numbe
 double, no lone surrogate in a string, no nesting deeper than :data:`MAX_DEPTH`; an integer of more
 than :data:`MAX_INT_DIGITS` digits is kept as a :class:`HugeInt`, so the field that holds it is
 named in its 400 (Python's own 4,300-digit limit never turns it into a 500).
+
+Why one file of this length: each route's body is parsed by the same strict JSON reader and the same
+field checks, and the OpenAI parameter table (supported, no-op, refused) lives next to the code that
+enforces it, so the two cannot drift apart.
 """
 from __future__ import annotations
 
