@@ -32,7 +32,7 @@ def runs(tmp_path, monkeypatch) -> Path:
 def balanced_evidence(tmp_path_factory) -> Path:
     """The real before/after check of the balanced-policy patch (real scheduler, no model)."""
     from conftest import checkpoint_command
-    from labkit.patches.check import run_patch_check
+    from labkit.experiments.patch_check import run_patch_check
 
     out = tmp_path_factory.mktemp("balanced") / "no-balanced-policy.json"
     with checkpoint_command("patches.no-balanced-policy"):

@@ -32,7 +32,7 @@ def runs(tmp_path, monkeypatch) -> Path:
 @pytest.fixture(scope="module")
 def balanced_evidence(tmp_path_factory) -> Path:
     from conftest import checkpoint_command
-    from labkit.patches.check import run_patch_check
+    from labkit.experiments.patch_check import run_patch_check
 
     out = tmp_path_factory.mktemp("balanced") / "no-balanced-policy.json"
     with checkpoint_command("patches.no-balanced-policy"):

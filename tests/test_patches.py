@@ -165,7 +165,7 @@ def test_cpu_before_after_checkpoint_passes_applied_and_reverted(repo, tiny_mode
 
 def test_a_probe_that_did_not_run_fails(tmp_path, monkeypatch, labkit_argv):
     """The 'probe ran' assertion reads the side's measured ``ok`` (its process completed and reported facts)."""
-    import labkit.patches.check as pc
+    import labkit.experiments.patch_check as pc
 
     monkeypatch.setattr(pc, "run_side", lambda patch, applied, model=None:
                         {"ok": False, "error": "probe exited 1: boom"} if applied else

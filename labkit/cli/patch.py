@@ -99,7 +99,7 @@ def check(name: NameArg, out: OutOpt = None, model: ModelOpt = None, json_out: J
     """Run a patch's before/after experiment on copies of engine/ and judge the pair."""
     from labkit.cli.app import finish
     from labkit.console import console, kv_table
-    from labkit.patches.check import run_patch_check
+    from labkit.experiments.patch_check import run_patch_check
     from labkit.patches.store import find
 
     p = find(name)

@@ -6,35 +6,15 @@ the command line is that checkpoint's command (else the run claims no checkpoint
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from engine import SamplingParams
 from engine.observe import EngineEvent
+from labkit.cases import CASES
 from labkit.errors import UserError
 from labkit.evidence import claim, write_evidence
 from labkit.paths import default_out
 from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
-
-
-@dataclass(frozen=True)
-class Case:
-    title: str
-    prompts: tuple[tuple[int, ...], ...]
-    max_tokens: tuple[int, ...]
-    labels: tuple[str, ...]
-
-
-def _ids(start: int, n: int) -> tuple[int, ...]:
-    return tuple(range(start, start + n))
-
-
-CASES: dict[str, Case] = {
-    "A": Case("one request, three steps", (_ids(9000, 3),), (3,), ("A",)),
-    "B": Case("two requests batched, R1 leaves first", (_ids(2000, 3), _ids(3000, 4)), (2, 5), ("R1", "R2")),
-    "C": Case("crossing the 256th KV slot", (tuple(range(100, 356)),), (3,), ("A",)),
-    "D": Case("chunked prefill under a token budget", (_ids(20000, 700), _ids(40000, 32)), (2, 2), ("A", "B")),
-}
 
 
 def checkpoint_for(case: str, budget: int, max_num_seqs: int | None, block_size: int) -> str | None:

@@ -124,7 +124,7 @@ def build_suite(name: str, seed: int = DEFAULT_SEED, vocab_size: int | None = No
     high = min(TOKEN_HIGH, vocab_size or TOKEN_HIGH)
     rng = np.random.default_rng([seed, SUITES.index(name)])
     if name == "baseline":
-        from labkit.experiments.quick_walk import CASES
+        from labkit.cases import CASES
 
         # outputs per request: A 3, B 2 and 5, C 3, D 1 and 1 -> 15 rows
         outputs = {"A": (3,), "B": (2, 5), "C": (3,), "D": (1, 1)}

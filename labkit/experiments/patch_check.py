@@ -1,6 +1,6 @@
 """``labkit patch check NAME``: the before/after pair of one patch, as one piece of evidence.
 
-Each side runs in its own process (``python -m labkit.patches.probes``) against a copy of ``engine/``:
+Each side runs in its own process (``python -m labkit.experiments.patch_probes``) against a copy of ``engine/``:
 the before side with the patch applied, the after side without it. The live working tree is never
 touched, so the checkpoint judges the same pair whichever state the learner's tree is in; the evidence
 says which state that is (``facts.live_state``) next to each side's engine source hash.
@@ -30,7 +30,7 @@ def run_side(patch: Patch, applied: bool, model: str | None = None) -> dict:
         root = engine_copy(Path(tmp), patch, applied)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(repo_root()),
                                                           os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        cmd = [sys.executable, "-m", "labkit.patches.probes", patch.name, model or ""]
+        cmd = [sys.executable, "-m", "labkit.experiments.patch_probes", patch.name, model or ""]
         try:
             proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
                                   stdin=subprocess.DEVNULL)

@@ -1,6 +1,6 @@
 """One side (before or after) of a patch's experiment, run against whatever ``engine`` Python imports.
 
-``labkit patch check NAME`` runs this module twice, as ``python -m labkit.patches.probes NAME`` in a
+``labkit patch check NAME`` runs this module twice, as ``python -m labkit.experiments.patch_probes NAME`` in a
 directory holding a copy of ``engine/`` with the patch applied (before) and one without (after), and
 reads the JSON facts it prints last on stdout. Each probe records what the engine did, never what it
 should have done: the checkpoint in ``checkpoints/patches.json`` holds the expectations.
