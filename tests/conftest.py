@@ -97,3 +97,26 @@ def checkpoint_command(cid: str):
         yield
     finally:
         sys.argv = argv
+
+
+def labkit_process(*args: str):
+    """``python -m labkit ARGS`` in a subprocess (wide terminal for tables), output captured."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "200"})
+
+
+@pytest.fixture(scope="session")
+def balanced_evidence(tmp_path_factory) -> Path:
+    """The real before/after check of the balanced-policy patch (real scheduler, no model), run once;
+    tests copy it into their own runs/."""
+    from labkit.experiments.patch_check import run_patch_check
+
+    out = tmp_path_factory.mktemp("balanced") / "no-balanced-policy.json"
+    with checkpoint_command("patches.no-balanced-policy"):
+        record = run_patch_check("no-balanced-policy", out)
+    assert record["verdict"] == "PASS"
+    return out

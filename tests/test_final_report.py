@@ -4,21 +4,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from labkit.writeup import report as final_report
 from labkit.paths import repo_root
+from conftest import labkit_process as labkit
 
 ROOT = repo_root()
-
-
-def labkit(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "COLUMNS": "200"})
 
 
 @pytest.fixture
@@ -26,19 +18,6 @@ def runs(tmp_path, monkeypatch) -> Path:
     d = tmp_path / "runs"
     monkeypatch.setenv("LABKIT_RUNS_DIR", str(d))
     return d
-
-
-@pytest.fixture(scope="module")
-def balanced_evidence(tmp_path_factory) -> Path:
-    """The real before/after check of the balanced-policy patch (real scheduler, no model)."""
-    from conftest import checkpoint_command
-    from labkit.experiments.patch_check import run_patch_check
-
-    out = tmp_path_factory.mktemp("balanced") / "no-balanced-policy.json"
-    with checkpoint_command("patches.no-balanced-policy"):
-        record = run_patch_check("no-balanced-policy", out)
-    assert record["verdict"] == "PASS"
-    return out
 
 
 def _cuda() -> int:

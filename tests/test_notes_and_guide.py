@@ -2,23 +2,16 @@
 help texts, the templates and the patches point at."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from labkit.writeup import notes
 from labkit.paths import repo_root
+from conftest import labkit_process as labkit
 
 ROOT = repo_root()
-
-
-def labkit(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "COLUMNS": "200"})
 
 
 @pytest.fixture
@@ -27,17 +20,6 @@ def runs(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("LABKIT_RUNS_DIR", str(d))
     monkeypatch.setenv("LABKIT_NOTES_DIR", str(tmp_path / "notes"))
     return d
-
-
-@pytest.fixture(scope="module")
-def balanced_evidence(tmp_path_factory) -> Path:
-    from conftest import checkpoint_command
-    from labkit.experiments.patch_check import run_patch_check
-
-    out = tmp_path_factory.mktemp("balanced") / "no-balanced-policy.json"
-    with checkpoint_command("patches.no-balanced-policy"):
-        assert run_patch_check("no-balanced-policy", out)["verdict"] == "PASS"
-    return out
 
 
 def _slug(heading: str) -> str:
