@@ -55,6 +55,7 @@ class SchedulerLimits:
     max_model_len: int = 1024
     scheduling_policy: str = "prefill_first"
     eos_token_ids: tuple[int, ...] = ()
+    max_consecutive_prefill: int | None = None   # None: the policy's own (balanced 1, prefill_first no limit)
 
 
 def read_model_dir(model: str | Path) -> dict:
@@ -93,6 +94,7 @@ class Config:
     dtype: str = "auto"                   # auto: bfloat16 on CUDA, float32 on CPU
     attention_backend: str = "auto"
     scheduling_policy: str = "prefill_first"
+    max_consecutive_prefill: int | None = None     # at most N prefill steps in a row while decodes wait (None: the policy's)
     seed: int = 0
     dist_init: str | None = None                   # tcp://HOST:PORT of this engine's TP group (default: a free port)
     shm_name: str | None = None                    # this engine's TP step channel (default: unique per instance)
@@ -123,6 +125,10 @@ class Config:
             raise ConfigError("overlap needs tensor_parallel_size 1 (the other ranks replay host-side inputs)")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
+        if self.max_consecutive_prefill is not None and (
+                isinstance(self.max_consecutive_prefill, bool) or not isinstance(self.max_consecutive_prefill, int)
+                or self.max_consecutive_prefill < 1):
+            raise ConfigError(f"max_consecutive_prefill must be a positive integer (or unset), got {self.max_consecutive_prefill!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
@@ -158,7 +164,7 @@ class Config:
 
     def scheduler_limits(self) -> SchedulerLimits:
         return SchedulerLimits(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                               self.scheduling_policy, tuple(self.eos_token_ids))
+                               self.scheduling_policy, tuple(self.eos_token_ids), self.max_consecutive_prefill)
 
     def resolved_device(self) -> str:
         import torch

@@ -28,7 +28,11 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
-        self._last_phase_prefill = False
+        # prefill steps in a row at most while decodes wait: the knob, else the policy's own rule
+        # (balanced alternates: 1; prefill_first runs any runnable prefill first: no limit)
+        knob = limits.max_consecutive_prefill
+        self.max_consecutive_prefill = knob if knob is not None else (1 if self.policy == "balanced" else None)
+        self._prefill_run = 0                      # prefill steps since the last decode step
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -38,14 +42,15 @@ class Scheduler:
 
     # -- selection -----------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], bool]:
-        if self.policy == "balanced" and self._last_phase_prefill and self.running:
-            order = (False, True)          # a prefill ran last: decode gets this turn
+        cap = self.max_consecutive_prefill
+        if cap is not None and self._prefill_run >= cap and self.running:
+            order = (False, True)          # enough prefills in a row: decode gets this turn
         else:
             order = (True, False)
         for is_prefill in order:
             seqs = self._schedule_prefill() if is_prefill else self._schedule_decode()
             if seqs:
-                self._last_phase_prefill = is_prefill
+                self._prefill_run = self._prefill_run + 1 if is_prefill else 0
                 return seqs, is_prefill
         if self.waiting:
             raise RuntimeError(f"cannot schedule request {self.waiting[0].seq_id}: the KV pool "
