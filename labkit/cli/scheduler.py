@@ -1,0 +1,65 @@
+"""``labkit scheduler``: the scheduler practice (handbook 5.4, B.2.2) and the before/after comparisons.
+
+``practice`` drives the real Scheduler and BlockManager with synthetic token ids (no model) through the
+handbook's cases; ``compare PAIR`` replays workloads/mixed.jsonl on both sides of one change, with
+repeats. Both are thin shells over :mod:`labkit.experiments.scheduler_practice` and
+:mod:`labkit.load.compare`; they end through :func:`labkit.cli.app.finish`.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from labkit.cli.options import JsonOpt, ModelOpt, OutOpt
+
+scheduler_app = typer.Typer(help="Scheduler practice on the real scheduler, and before/after comparisons on the mixed trace "
+                                 "(docs/LAB.md §14).", no_args_is_help=True)
+
+
+def _render_practice(record: dict) -> None:
+    from rich.table import Table
+
+    from labkit.console import console
+
+    facts = record.get("facts") or {}
+    t = Table(title="labkit scheduler practice (real scheduler, synthetic token ids)")
+    for col in ("case", "setting", "phases (P = prefill, D = decode)", "what to look at"):
+        t.add_column(col)
+    short = lambda phases: " ".join("P" if p == "prefill" else "D" for p in phases or [])  # noqa: E731
+    for pol in ("prefill_first", "balanced"):
+        f = facts.get(pol) or {}
+        i, r, k, p = (f.get(c) or {} for c in ("interference", "rotation", "kv_short", "preempt"))
+        t.add_row("interference", pol, short(i.get("phases")),
+                  f"longest prefill run {i.get('longest_prefill_run')}, shorts' longest gap {i.get('short_max_gap_rounds')} rounds")
+        t.add_row("rotation", pol, short(r.get("phases")),
+                  f"served in 3 decodes: {', '.join(r.get('served_in_3_decodes') or [])}")
+        t.add_row("kv_short", pol, short(k.get("phases")),
+                  f"decode while R2 waits for KV: rounds {k.get('decode_while_prefill_waits')}, R2 prefilled in round {k.get('r2_prefill_round')}")
+        t.add_row("preempt", pol, short([p.get("phase")] if p.get("phase") else []),
+                  f"selected {p.get('selected')}, waiting {p.get('waiting')}, C {p.get('C')}")
+    for key, s in (facts.get("knob_summary") or {}).items():
+        t.add_row("knob", key.replace("/", " --max-consecutive-prefill ").replace(" None", " unset"), short(s.get("phases")),
+                  f"longest prefill run {s.get('longest_prefill_run')}, shorts' longest gap {s.get('short_max_gap_rounds')}, "
+                  f"long's first token in round {s.get('long_first_token_round')}")
+    console.print(t)
+    same = (facts.get("prefill_first_vs_upstream") or {}).get("same_per_case")
+    if same is not None:
+        console.print(f"prefill_first vs upstream (patches/03 applied to a copy): {same}", soft_wrap=True)
+
+
+@scheduler_app.command()
+def practice(out: OutOpt = None, json_out: JsonOpt = False) -> None:
+    """The handbook's scheduler cases on the real Scheduler/BlockManager (no model); writes runs/scheduler-cpu.json."""
+    from labkit.cli.app import finish, resolve_out
+    from labkit.experiments.scheduler_practice import CHECKPOINT, run_practice
+
+    path = resolve_out(out, CHECKPOINT)
+    record = run_practice(path)
+    if not json_out:
+        _render_practice(record)
+    finish(record, path, json_out=json_out)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(scheduler_app, name="scheduler")
