@@ -50,6 +50,7 @@ from labkit.cli.options import (
     EnforceEagerOpt,
     JsonOpt,
     KvCacheBlockSizeOpt,
+    MaxConsecutivePrefillOpt,
     MaxModelLenOpt,
     MaxNumBatchedTokensOpt,
     MaxNumSeqsOpt,
@@ -315,6 +316,7 @@ def generate(
     max_model_len: MaxModelLenOpt = 1024,
     kv_cache_block_size: KvCacheBlockSizeOpt = 256,
     enforce_eager: EnforceEagerOpt = True,
+    max_consecutive_prefill: MaxConsecutivePrefillOpt = None,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
@@ -326,7 +328,8 @@ def generate(
 
     path = out or default_out("generate.json")
     record = run_generate(prompt, token_ids, chat, max_tokens, temperature, ignore_eos, seed, path,
-                          _model_arg(model), device, attention, max_model_len, kv_cache_block_size, enforce_eager)
+                          _model_arg(model), device, attention, max_model_len, kv_cache_block_size, enforce_eager,
+                          max_consecutive_prefill=max_consecutive_prefill)
     if json_out:
         print_json(record)
     else:

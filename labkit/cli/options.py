@@ -34,3 +34,4 @@ EnforceEagerOpt = Annotated[bool, typer.Option("--enforce-eager/--graph", help="
 TensorParallelSizeOpt = Annotated[int, typer.Option("--tensor-parallel-size", "--tp", min=1, help="Tensor-parallel ranks of the engine.")]
 KvCacheBlockSizeOpt = Annotated[int, typer.Option("--kv-cache-block-size", min=1, help="KV block size in tokens (a power of two).")]
 SchedulingPolicyOpt = Annotated[str, typer.Option("--scheduling-policy", help="prefill_first | balanced.")]
+MaxConsecutivePrefillOpt = Annotated[Optional[int], typer.Option("--max-consecutive-prefill", min=1, show_default=False, help="At most N prefill steps in a row while requests wait to decode (default: the policy's own: balanced 1, prefill_first no limit).")]

@@ -26,6 +26,7 @@ from labkit.cli.options import (
     MaxNumBatchedTokensOpt,
     MaxNumSeqsOpt,
     ModelOpt,
+    MaxConsecutivePrefillOpt,
     SchedulingPolicyOpt,
     SeedOpt,
     TensorParallelSizeOpt,
@@ -56,6 +57,7 @@ def register(app: typer.Typer) -> None:
         host: Annotated[str, typer.Option("--host", help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
         port: Annotated[int, typer.Option("--port", help="Port; 0 picks a free one and prints the URL.")] = 8801,
         scheduling_policy: SchedulingPolicyOpt = "prefill_first",
+        max_consecutive_prefill: MaxConsecutivePrefillOpt = None,
         max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", show_default=False, help="Tokens per step at most. Default: 16384 on CUDA, 512 on CPU.")] = None,
         max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", show_default=False, help="Sequences per step at most. Default: 256 on CUDA, 8 on CPU.")] = None,
         max_active: Annotated[Optional[int], typer.Option("--max-active", show_default=False, help="Admitted, unfinished requests at most (admission limit). Default: 256 on CUDA, 8 on CPU.")] = None,
@@ -114,7 +116,8 @@ def register(app: typer.Typer) -> None:
         max_num_batched_tokens = chosen["max_num_batched_tokens"]
         max_model_len = chosen["max_model_len"] if chosen["max_model_len"] is not None else MODEL_CONTEXT
         cfg = WorkerConfig(model=str(model) if model else None, device=device, attention=attention,
-                           scheduling_policy=scheduling_policy, max_num_batched_tokens=max_num_batched_tokens,
+                           scheduling_policy=scheduling_policy, max_consecutive_prefill=max_consecutive_prefill,
+                           max_num_batched_tokens=max_num_batched_tokens,
                            max_num_seqs=max_num_seqs, max_active=max_active, queue_size=queue_size,
                            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                            enforce_eager=enforce_eager, worker_id=worker_id, stream_buffer=stream_buffer,
@@ -211,6 +214,7 @@ def register(app: typer.Typer) -> None:
         api: Annotated[str, typer.Option("--api", help="native | openai (any OpenAI-compatible server).")] = "native",
         router: Annotated[str, typer.Option("--router", help="round-robin | least-work (least assigned prompt+max_tokens).")] = "round-robin",
         scheduling_policy: SchedulingPolicyOpt = "prefill_first",
+        max_consecutive_prefill: MaxConsecutivePrefillOpt = None,
         max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
         max_num_seqs: MaxNumSeqsOpt = 8,
         max_active: MaxActiveOpt = 8,
@@ -237,7 +241,8 @@ def register(app: typer.Typer) -> None:
 
         out = out or default_out("load.jsonl")
         worker = WorkerConfig(model=str(model) if model else None, device=device, attention=attention,
-                              scheduling_policy=scheduling_policy, max_num_batched_tokens=max_num_batched_tokens,
+                              scheduling_policy=scheduling_policy, max_consecutive_prefill=max_consecutive_prefill,
+                           max_num_batched_tokens=max_num_batched_tokens,
                               max_num_seqs=max_num_seqs, max_active=max_active, queue_size=queue_size,
                               max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                               enforce_eager=enforce_eager, worker_id=worker_id,

@@ -117,6 +117,7 @@ class WorkerConfig:
     device: str = "auto"
     attention: str = "auto"
     scheduling_policy: str = "prefill_first"
+    max_consecutive_prefill: int | None = None   # None: the policy's own rule
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 8
     max_active: int = 8
@@ -505,6 +506,8 @@ class Worker:
                          gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager)
         if cfg.num_kvcache_blocks:
             overrides["num_kvcache_blocks"] = cfg.num_kvcache_blocks
+        if cfg.max_consecutive_prefill is not None:
+            overrides["max_consecutive_prefill"] = cfg.max_consecutive_prefill
         overrides["tensor_parallel_size"] = cfg.tensor_parallel_size
         for name in ("dist_init", "shm_name"):
             if getattr(cfg, name):
