@@ -7,7 +7,7 @@ repeats. Both are thin shells over :mod:`labkit.experiments.scheduler_practice` 
 """
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -58,6 +58,56 @@ def practice(out: OutOpt = None, json_out: JsonOpt = False) -> None:
     record = run_practice(path)
     if not json_out:
         _render_practice(record)
+    finish(record, path, json_out=json_out)
+
+
+def _render_compare(record: dict) -> None:
+    from rich.table import Table
+
+    from labkit.console import console
+
+    f = record.get("facts") or {}
+    t = Table(title=f"labkit scheduler compare {f.get('pair')}: {f.get('what')} ({f.get('repeats')} repeats, "
+                    f"{record.get('kind')})")
+    for col in ("side", "short ITL p99 ms", "long TTFT p50 ms", "throughput tok/s",
+                "longest prefill run while decoding", "completed / output tokens"):
+        t.add_column(col)
+    fmt = lambda xs: " / ".join("–" if x is None else (f"{x:.1f}" if isinstance(x, float) else str(x)) for x in xs)  # noqa: E731
+    for name in f.get("side_order") or []:
+        s = f["sides"][name]
+        t.add_row(name, f"{fmt(s['short_itl_p99_ms'])} (median {s['median_short_itl_p99_ms']})",
+                  f"{fmt(s['long_ttft_p50_ms'])} (median {s['median_long_ttft_p50_ms']})",
+                  f"{fmt(s['throughput_tok_s'])}", fmt(s["longest_prefill_run_while_decoding"]),
+                  f"{fmt(s['completed'])} / {fmt(s['output_tokens'])}")
+    console.print(t)
+    console.print(f"same request sets: {f.get('same_request_sets')}; same output tokens per request: "
+                  f"{f.get('same_token_counts')}; event logs in {f.get('logs')}", soft_wrap=True)
+
+
+@scheduler_app.command()
+def compare(
+    pair: Annotated[str, typer.Argument(help="policy | prefill-knob | execution (CUDA) | deployments (2 GPUs).")],
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs per side (sides alternate: A1 B1 A2 B2 ...).")] = 3,
+    out: OutOpt = None, model: ModelOpt = None,
+    device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda[:N] (in-process pairs).")] = "auto",
+    attention: Annotated[str, typer.Option("--attention", help="Attention backend: auto | flash_attn | triton | torch.")] = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Replay workloads/mixed.jsonl on both sides of one change, with repeats; judged on equal work first."""
+    from labkit.cli.app import finish, resolve_out
+    from labkit.console import err_console
+    from labkit.load.compare import PAIRS, run_compare
+
+    if pair not in PAIRS:
+        from labkit.errors import UserError
+
+        raise UserError(f"unknown pair {pair!r}: choose one of {', '.join(PAIRS)}")
+    path = resolve_out(out, PAIRS[pair].checkpoint)
+    progress = None if json_out else (lambda side, k: err_console.print(f"run {k + 1}/{repeats}: {side}", highlight=False))
+    record = run_compare(pair, path, repeats=repeats, model=str(model) if model else None, device=device,
+                         attention=attention, on_run=progress)
+    if not json_out:
+        _render_compare(record)
     finish(record, path, json_out=json_out)
 
 
