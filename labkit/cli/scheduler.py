@@ -1,4 +1,4 @@
-"""``labkit scheduler``: the scheduler practice (handbook 5.4, B.2.2) and the before/after comparisons.
+"""``labkit scheduler``: the scheduler practice and the before/after comparisons.
 
 ``practice`` drives the real Scheduler and BlockManager with synthetic token ids (no model) through the
 handbook's cases; ``compare PAIR`` replays workloads/mixed.jsonl on both sides of one change, with

@@ -44,7 +44,8 @@ def _scheduler(policy: str, *, num_blocks: int, block_size: int, max_num_seqs: i
                               scheduling_policy=policy)
     if knob is not None:
         kw["max_consecutive_prefill"] = knob
-    return Scheduler(SchedulerLimits(**kw), BlockManager(num_blocks, block_size))
+    bm = BlockManager(num_blocks, block_size)
+    return Scheduler(SchedulerLimits(**kw), bm), bm
 
 
 def _seq(sid: int, n: int, max_tokens: int, block_size: int):
@@ -58,8 +59,8 @@ def _seq(sid: int, n: int, max_tokens: int, block_size: int):
 class Driver:
     """Rounds of schedule + postprocess; one record per round, sequences named by ``names``."""
 
-    def __init__(self, s, names: dict[int, str]):
-        self.s, self.names, self.rounds = s, names, []
+    def __init__(self, s, bm, names: dict[int, str]):
+        self.s, self.bm, self.names, self.rounds = s, bm, names, []
         self.tokens: dict[str, list[int]] = {}          # name -> round index of each accepted token
 
     def name(self, seq) -> str:
@@ -74,14 +75,14 @@ class Driver:
         rec = {"round": len(self.rounds), "phase": "prefill" if is_prefill else "decode",
                "seqs": [self.name(q) for q in seqs], "scheduled": [q.num_scheduled_tokens for q in seqs],
                "waiting_before": waiting_before, "waiting": [self.name(q) for q in s.waiting],
-               "free_blocks": s.block_manager.num_free_blocks}
+               "free_blocks": self.bm.num_free_blocks}
         out = s.postprocess(seqs, [TOKEN] * len(seqs), is_prefill)
         rec["accepted"] = [self.name(q) for q in seqs if q.seq_id in out.accepted]
         rec["discarded"] = [self.names.get(i, str(i)) for i in out.discarded]
         rec["finished"] = [self.name(q) for q in out.finished]
         rec["totals"] = [q.num_tokens for q in seqs]
         rec["cached"] = [q.num_cached_tokens for q in seqs]
-        rec["free_blocks_after"] = s.block_manager.num_free_blocks
+        rec["free_blocks_after"] = self.bm.num_free_blocks
         for n in rec["accepted"]:
             self.tokens.setdefault(n, []).append(rec["round"])
         self.rounds.append(rec)
@@ -113,8 +114,8 @@ def longest_run(phases: list[str], what: str = "prefill") -> int:
 
 def case_interference(policy: str, knob: int | None = None) -> dict:
     """Two 32-token requests are decoding when a 768-token prompt arrives; budget 256 chunks it in three."""
-    s = _scheduler(policy, num_blocks=64, block_size=16, max_num_seqs=4, budget=256, knob=knob)
-    d = Driver(s, {1: "S1", 2: "S2", 3: "L"})
+    s, bm = _scheduler(policy, num_blocks=64, block_size=16, max_num_seqs=4, budget=256, knob=knob)
+    d = Driver(s, bm, {1: "S1", 2: "S2", 3: "L"})
     for sid in (1, 2):
         s.add(_seq(sid, 32, 16, 16))
     warmup = d.run(2)                            # the shorts' prefill and their first decode
@@ -132,9 +133,9 @@ def case_interference(policy: str, knob: int | None = None) -> dict:
 
 def case_rotation(policy: str) -> dict:
     """Six decode-ready requests, two per batch: rotation reaches all six in three decode rounds."""
-    s = _scheduler(policy, num_blocks=64, block_size=16, max_num_seqs=2, budget=512)
+    s, bm = _scheduler(policy, num_blocks=64, block_size=16, max_num_seqs=2, budget=512)
     names = {i: f"R{i}" for i in range(1, 7)}
-    d = Driver(s, names)
+    d = Driver(s, bm, names)
     for sid in names:
         s.add(_seq(sid, 8, 16, 16))
     warmup: list[dict] = []
@@ -149,8 +150,8 @@ def case_rotation(policy: str) -> dict:
 
 def case_chunk(policy: str) -> dict:
     """Quick-walk D on the scheduler alone: 700 + 32 tokens under budget 512, block size 256."""
-    s = _scheduler(policy, num_blocks=16, block_size=256, max_num_seqs=8, budget=512)
-    d = Driver(s, {1: "A", 2: "B"})
+    s, bm = _scheduler(policy, num_blocks=16, block_size=256, max_num_seqs=8, budget=512)
+    d = Driver(s, bm, {1: "A", 2: "B"})
     s.add(_seq(1, 700, 4, 256))
     s.add(_seq(2, 32, 4, 256))
     rounds = d.run(3)
@@ -163,8 +164,8 @@ def case_kv_short(policy: str) -> dict:
     """Block size 4, 4 blocks. R1 (8 tokens, 3 outputs) runs; R2 (12 tokens: 3 blocks) arrives when only
     2 are free. The waiting prefill cannot be placed, so decode runs (for ``balanced`` right after a decode,
     the phase it would not prefer); when R1 finishes its blocks come back and R2 is prefilled."""
-    s = _scheduler(policy, num_blocks=4, block_size=4, max_num_seqs=4, budget=64)
-    d = Driver(s, {1: "R1", 2: "R2"})
+    s, bm = _scheduler(policy, num_blocks=4, block_size=4, max_num_seqs=4, budget=64)
+    d = Driver(s, bm, {1: "R1", 2: "R2"})
     s.add(_seq(1, 8, 3, 4))
     d.run(1)
     r2 = _seq(2, 12, 1, 4)
@@ -189,16 +190,16 @@ def case_kv_short(policy: str) -> dict:
             "r2_blocks_while_waiting": r2_blocks_while_waiting,
             "r1_finished_round": r1_finished, "r2_prefill_round": r2_prefill,
             "r2_admitted_after_r1_freed": r1_finished is not None and r2_prefill is not None and r2_prefill > r1_finished,
-            "free_blocks_at_end": s.block_manager.num_free_blocks, "num_blocks": s.block_manager.num_blocks,
+            "free_blocks_at_end": bm.num_free_blocks, "num_blocks": bm.num_blocks,
             "finished": s.is_finished()}
 
 
 def case_preempt(policy: str) -> dict:
     """B.2.2: block size 4, 4 blocks, A/B/C of 4 tokens each; every prefill samples one token (totals 5),
     so each next decode needs a new block: A takes the last one, B needs one, the running tail C yields."""
-    s = _scheduler(policy, num_blocks=4, block_size=4, max_num_seqs=8, budget=512)
+    s, bm = _scheduler(policy, num_blocks=4, block_size=4, max_num_seqs=8, budget=512)
     names = {1: "A", 2: "B", 3: "C"}
-    d = Driver(s, names)
+    d = Driver(s, bm, names)
     seqs = {n: _seq(sid, 4, 4, 4) for sid, n in names.items()}
     for q in seqs.values():
         s.add(q)
@@ -210,7 +211,7 @@ def case_preempt(policy: str) -> dict:
             "waiting": [names[q.seq_id] for q in s.waiting], "running": [names[q.seq_id] for q in s.running],
             "C": {"status": c.status.name, "cached": c.num_cached_tokens, "blocks": list(c.block_table),
                   "total": c.num_tokens},
-            "free_blocks": s.block_manager.num_free_blocks}
+            "free_blocks": bm.num_free_blocks}
 
 
 def side(policies: list[str], knob: bool = True) -> dict:
