@@ -10,6 +10,8 @@ from engine.errors import ConfigError  # re-exported: engine.config.ConfigError
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 SCHEDULING_POLICIES = ("prefill_first", "balanced")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
 ROPE_TYPES = ("default", "linear", "yarn")
 DEFAULT_ROPE_THETA = 10000.0   # transformers' default when a config names no rope_theta
 
