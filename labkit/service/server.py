@@ -14,7 +14,8 @@ Routes:
 ``POST /cancel``          ``{"request_id", "cancel_token"}`` → 200 ``{"cancelled": true}`` / 404
 ``GET  /health``          200 with the worker's state, 503 while starting, unhealthy or closed
 ``GET  /config``          model identity, engine and worker configuration (authenticated)
-``GET  /metrics``         Prometheus text (queue depth, running, KV blocks, tokens, TTFT/ITL)
+``GET  /metrics``         Prometheus exposition via prometheus_client (queue depth, running, KV usage, tokens,
+                          requests by finish reason, TTFT/ITL/e2e histograms; docs/METRICS.md)
 ``POST /v1/completions``  OpenAI-compatible; stream (SSE ``data: {...}`` ... ``data: [DONE]``) or JSON
 ``POST /v1/chat/completions``  the same through the chat template
 ``GET  /v1/models``       the one served model
@@ -508,9 +509,8 @@ class Service:
         return web.Response(body=_dumps(body), content_type="application/json")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        text = self.worker.stats.render(self.worker.gauges())
-        return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                            headers={"X-Prometheus-Format": "0.0.4"})
+        body, content_type = self.worker.stats.render(self.worker.gauges(), request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     def _model_card(self) -> dict:
         return {"id": self.limits.served_model_name, "object": "model", "created": self.created,
