@@ -1041,26 +1041,39 @@ def fit_context(worker: Worker, build: Callable[[int], Worker]) -> tuple[Worker,
 def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, served_model_name: str | None = None,
               max_body_bytes: int = 1 << 20, on_ready: Callable[[str, Worker], None] | None = None,
               api_key: str | None = None, allowed_origins=None, connections: ConnectionLimits | None = None,
-              stats_interval: float = STATS_INTERVAL_S, on_context: Callable[[str], None] | None = None) -> dict:
+              stats_interval: float = STATS_INTERVAL_S, on_context: Callable[[str], None] | None = None,
+              log_plan=None) -> dict:
     """``labkit serve``: bind first (a port in use fails before the model loads), start the worker,
-    serve until SIGINT/SIGTERM, close. Returns what the worker did (finished requests by reason)."""
-    from labkit.service.events import EventLog
+    serve until SIGINT/SIGTERM, close. Returns what the worker did (finished requests by reason).
+    The event log: ``log_plan`` (:func:`labkit.service.events.plan_serve_log`: path, size cap, rotation),
+    else ``out`` uncapped, else none."""
+    from labkit.service.events import LogPlan
 
     Access.make(api_key, allowed_origins)                       # option errors before the model loads
     (connections or ConnectionLimits()).check()
+    if log_plan is None:
+        log_plan = LogPlan(out if out else None)
+    out = log_plan.path
     sock = bind_socket(host, port)
-    log = EventLog(out) if out else None
-    worker = Worker(config, sink=log.write if log else None)
+    log = None                  # opened once the model is up: a failed start leaves the previous log alone
+
+    def write(record: dict) -> None:
+        if log is not None:
+            log.write(record)
+
+    sink = write if out is not None else None
+    worker = Worker(config, sink=sink)
     try:
         worker.start()
         if config.max_model_len == MODEL_CONTEXT:
             def build(max_model_len: int) -> Worker:
                 return Worker(dataclasses.replace(config, max_model_len=max_model_len, max_prompt_bytes=None),
-                              sink=log.write if log else None).start()
+                              sink=sink).start()
 
             worker, why = fit_context(worker, build)
             if why and on_context is not None:
                 on_context(why)
+        log = log_plan.open()
         if log is not None:
             log.write_header(worker.header(role="server", url=url_of(sock)))
         asyncio.run(serve_until_signal(worker, sock, served_model_name=served_model_name,
