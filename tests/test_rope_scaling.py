@@ -173,3 +173,31 @@ def test_the_scaling_moves_the_logits_far_beyond_the_threshold(rope_guards, tiny
     threshold = load_thresholds()["logits"]["entries"]["cpu/float32"]["max_abs"]
     worst = float(np.max(np.abs(a - b)))
     assert worst > 1000 * threshold, (kind, worst, threshold)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_cuda_kernel_reads_the_same_scaled_tables(dtype):
+    """The fused q/k-norm + RoPE kernel against the torch path, both on yarn tables (attention factor baked in)."""
+    from engine.layers.fused_kernels import qk_norm_rope
+    from engine.layers.layernorm import RMSNorm
+
+    hq, hk, d, t = 16, 8, 128, 37
+    cfg = {**BASE, "head_dim": d, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 10240}}
+    rope = RopeScaling.from_hf(cfg)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        table = RotaryEmbedding(d, 40960, rope.theta, rope)
+        assert table.attention_scaling > 1
+        qn, kn = RMSNorm(d).to(dtype), RMSNorm(d).to(dtype)
+        qn.weight.data.fill_(2.0)
+        qkv = torch.randn(t, (hq + 2 * hk) * d, dtype=dtype)
+        pos = torch.randint(0, 40000, (t,))
+        q, k, _ = qkv.split([hq * d, hk * d, hk * d], -1)
+        rq, rk = table(pos, qn(q.reshape(t, hq, d)), kn(k.reshape(t, hk, d)))
+        fq, fk = qk_norm_rope(qkv, pos, qn.weight, kn.weight, table.cos, table.sin, hq, hk, d, qn.eps)
+    close = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fq, rq, **close)
+    torch.testing.assert_close(fk, rk, **close)
