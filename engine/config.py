@@ -12,6 +12,77 @@ SCHEDULING_POLICIES = ("prefill_first", "balanced")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+ROPE_TYPES = ("default", "linear", "yarn")
+DEFAULT_ROPE_THETA = 10000.0   # transformers' default when a config names no rope_theta
+
+
+def _number(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"config.json rope scaling: {what} must be a number, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE as config.json asks for it: ``rope_scaling`` (transformers 4.x, Qwen3's model cards) or
+    ``rope_parameters`` (transformers 5.x), type ``default``, ``linear`` or ``yarn``. Every default is
+    transformers' (modeling_rope_utils): beta_fast 32, beta_slow 1, truncate true, the attention factor
+    from ``factor`` (and ``mscale``/``mscale_all_dim`` when both are given), yarn's
+    ``original_max_position_embeddings`` from the top level first, then the block, then
+    ``max_position_embeddings``. Any other type is refused with one line before weights load."""
+    rope_type: str = "default"
+    theta: float = DEFAULT_ROPE_THETA
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "RopeScaling":
+        block = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        if not isinstance(block, dict):
+            raise ConfigError(f"config.json rope scaling must be a JSON object, got {block!r}")
+        if any(isinstance(v, dict) for v in block.values()):
+            raise ConfigError("config.json rope scaling per layer type is not supported (one block for every layer)")
+        rope_type = block.get("rope_type", block.get("type", "default"))
+        if rope_type not in ROPE_TYPES:
+            raise ConfigError(f"rope scaling type {rope_type!r} in config.json is not supported "
+                              f"(supported: {', '.join(ROPE_TYPES)})")
+        partial = block.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise ConfigError(f"config.json partial_rotary_factor {partial!r} is not supported (Qwen3 rotates the whole head)")
+        theta = block.get("rope_theta") or cfg.get("rope_theta") or DEFAULT_ROPE_THETA
+        out = {"rope_type": rope_type, "theta": _number(theta, "rope_theta")}
+        if rope_type == "linear":
+            if block.get("factor") is None:
+                raise ConfigError("config.json rope scaling linear needs a factor")
+            out["factor"] = _number(block["factor"], "factor")
+        elif rope_type == "yarn":
+            orig = cfg.get("original_max_position_embeddings") or block.get("original_max_position_embeddings") \
+                or cfg.get("max_position_embeddings")
+            if orig is None:
+                raise ConfigError("config.json rope scaling yarn needs original_max_position_embeddings")
+            orig = int(_number(orig, "original_max_position_embeddings"))
+            factor = block.get("factor")
+            if factor is None:
+                factor = int(cfg.get("max_position_embeddings", orig)) / orig
+            out.update(factor=_number(factor, "factor"), original_max_position_embeddings=orig,
+                       beta_fast=_number(block.get("beta_fast") or 32, "beta_fast"),
+                       beta_slow=_number(block.get("beta_slow") or 1, "beta_slow"),
+                       truncate=bool(block.get("truncate", True)))
+            for key in ("attention_factor", "mscale", "mscale_all_dim"):
+                if block.get(key) is not None:
+                    out[key] = _number(block[key], key)
+        if out.get("factor", 1.0) <= 0:
+            raise ConfigError(f"config.json rope scaling factor must be > 0, got {out['factor']}")
+        return cls(**out)
+
+    def summary(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -75,6 +146,7 @@ def read_model_dir(model: str | Path) -> dict:
         raise ConfigError(f"{cfg_file} is not a JSON object")
     if cfg.get("model_type") != "qwen3":
         raise ConfigError(f"model_type must be qwen3, got {cfg.get('model_type')!r} in {cfg_file}")
+    RopeScaling.from_hf(cfg)        # an unsupported rope scaling fails here, before any weights load
     return cfg
 
 
@@ -105,11 +177,13 @@ class Config:
     hf_config: dict = field(default_factory=dict, repr=False)
     eos_token_ids: tuple[int, ...] = ()
     shape: ModelShape | None = field(default=None, init=False, repr=False)
+    rope: RopeScaling | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         path = Path(self.model)
         self.hf_config = read_model_dir(path)
         self.shape = ModelShape.from_hf(self.hf_config)
+        self.rope = RopeScaling.from_hf(self.hf_config)
         self._check_positive("max_num_batched_tokens", "max_num_seqs", "max_model_len",
                              "kvcache_block_size", "tensor_parallel_size", "cpu_kv_cache_bytes")
         bs = self.kvcache_block_size
@@ -202,6 +276,7 @@ class Config:
         d = asdict(self)
         d.pop("hf_config")
         d.pop("shape")
+        d["rope"] = self.rope.summary()
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d
 

@@ -50,6 +50,18 @@ MUTATIONS = {
         "                target, shard = name, None\n"
         "                target = target.replace('q_norm', '@').replace('k_norm', 'q_norm').replace('@', 'k_norm')  # MUTANT\n",
         ("guardrails.logits-baseline",)),
+    # issue 14 item 4: an engine that reads rope_scaling but builds plain RoPE tables
+    "rope-scaling-ignored": (
+        "engine/models/qwen3.py",
+        "        rope = RopeScaling.from_hf(cfg)\n",
+        "        rope = RopeScaling(theta=RopeScaling.from_hf(cfg).theta)   # MUTANT: rope scaling ignored\n",
+        ("models.rope-yarn", "models.rope-linear")),
+    # yarn's frequencies right, its attention factor (cos/sin scaling) dropped
+    "yarn-attention-factor-dropped": (
+        "engine/layers/rotary.py",
+        "        if self.attention_scaling != 1.0:\n",
+        "        if False:   # MUTANT: yarn's attention factor dropped\n",
+        ("models.rope-yarn",)),
 }
 
 

@@ -5,19 +5,13 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
-from engine.config import ModelShape
+from engine.config import ModelShape, RopeScaling
 from engine.distributed import SINGLE, ParallelContext
 from engine.layers.activation import SiluAndMul
 from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.rotary import RotaryEmbedding
-
-
-def rope_theta(cfg: dict) -> float:
-    """transformers 4.x writes rope_theta at the top level, 5.x inside rope_parameters."""
-    params = cfg.get("rope_parameters") or {}
-    return float(cfg.get("rope_theta") or params.get("rope_theta") or 1e6)
 
 
 class Attention(nn.Module):
@@ -49,7 +43,8 @@ class Qwen3Attention(nn.Module):
         bias = cfg.get("attention_bias", False)
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.total_heads, self.total_kv_heads, bias, tp)
         self.o_proj = RowParallelLinear(self.total_heads * self.head_dim, hidden, bias, tp)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.get("max_position_embeddings", 40960), rope_theta(cfg))
+        rope = RopeScaling.from_hf(cfg)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.get("max_position_embeddings", 40960), rope.theta, rope)
         eps = cfg.get("rms_norm_eps", 1e-6)
         self.q_norm = RMSNorm(self.head_dim, eps)
         self.k_norm = RMSNorm(self.head_dim, eps)

@@ -180,10 +180,15 @@ def _transformers_version() -> str:
         return "0.0.0"
 
 
-def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | None) -> None:
+def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | None,
+                       rope_scaling: str | None = None) -> None:
     from safetensors.torch import save_file
 
     cfg = dict(_check_preset(preset))
+    if rope_scaling is not None:
+        from labkit.assets.rope import apply_rope_scaling
+
+        cfg = apply_rope_scaling(cfg, rope_scaling)
     if dtype is not None:
         if dtype not in _DTYPES:
             raise ModelError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
@@ -210,6 +215,7 @@ def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | Non
             "generator": "labkit model synth",
             "format_version": SYNTH_FORMAT_VERSION,
             "note": "random weights: generated text is meaningless",
+            **({"rope_scaling": rope_scaling} if rope_scaling is not None else {}),
         },
     )
 
@@ -220,15 +226,21 @@ def synth_model(
     seed: int = 0,
     dtype: str | None = None,
     force: bool = False,
+    rope_scaling: str | None = None,
 ) -> Path:
     """Write a loadable Hugging Face Qwen3 model directory with seeded random weights.
 
     The files are written into a temporary sibling directory first and moved into place at the
     end, so an interrupted run never leaves a directory that looks complete. A non-empty ``out``
     is refused unless ``force``; with ``force`` the model files in it are replaced (other files
-    are left alone, stale ``*.safetensors`` shards are removed). Returns the resolved path.
+    are left alone, stale ``*.safetensors`` shards are removed). ``rope_scaling`` (``yarn:4``, ``linear:2``,
+    see :mod:`labkit.assets.rope`) writes a rope scaling block into config.json. Returns the resolved path.
     """
     _check_preset(preset)
+    if rope_scaling is not None:
+        from labkit.assets.rope import parse_rope_spec
+
+        parse_rope_spec(rope_scaling)
     if dtype is not None and dtype not in _DTYPES:
         raise ModelError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -245,7 +257,7 @@ def synth_model(
     except OSError as exc:
         raise ModelError(f"cannot create model directory {out}: {exc.strerror or exc}") from None
     try:
-        _write_synth_files(tmp, preset, seed, dtype)
+        _write_synth_files(tmp, preset, seed, dtype, rope_scaling)
         _apply_umask(tmp)
         if not out.exists():
             os.rename(tmp, out)

@@ -125,6 +125,10 @@ def logits_guard(
     lhs_out: Annotated[Optional[Path], typer.Option("--lhs-out", help="PREFIX for the measured side (default next to --out).")] = None,
     rhs_out: Annotated[Optional[Path], typer.Option("--rhs-out", help="PREFIX for the reference side (default next to --out).")] = None,
     tensor_parallel_size: TensorParallelSizeOpt = 1,
+    rope_scaling: Annotated[Optional[str], typer.Option(
+        "--rope-scaling", metavar="TYPE:FACTOR",
+        help="Baseline suite on a copy of the model whose config.json carries this rope scaling "
+             "(yarn:4, linear:2); both sides read it (checkpoints models.rope-yarn / models.rope-linear).")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Evidence JSON (default: the checkpoint's file).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -136,7 +140,8 @@ def logits_guard(
     with _progress() as make:
         record = guard(suite, out, model=str(model) if model else None, device=device, attention=attention,
                           graph_buckets=buckets, seed=seed, dtype=dtype, max_abs=max_abs, rel_l2=rel_l2, kv_max_abs=kv_max_abs,
-                          lhs_out=lhs_out, rhs_out=rhs_out, progress=make, tp=tensor_parallel_size)
+                          lhs_out=lhs_out, rhs_out=rhs_out, progress=make, tp=tensor_parallel_size,
+                          rope_scaling=rope_scaling)
     if not json_out:
         render_compare(record)
     f = record["facts"]

@@ -33,13 +33,19 @@ def model_synth(
     seed: SeedOpt = 0,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Weight dtype (default: the preset's).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing directory.")] = False,
+    rope_scaling: Annotated[Optional[str], typer.Option(
+        "--rope-scaling", metavar="TYPE:FACTOR",
+        help="Write a rope_scaling block into config.json: yarn:F (original_max_position_embeddings = "
+             "max_position_embeddings / F), linear:F, or dynamic:F (a type the engine refuses).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Write a Hugging Face Qwen3 directory with seeded random weights."""
     from labkit.assets.synth import synth_model
 
-    path = synth_model(preset.value, out, seed=seed, dtype=dtype, force=force)
+    path = synth_model(preset.value, out, seed=seed, dtype=dtype, force=force, rope_scaling=rope_scaling)
     summary = {"path": str(path), "preset": preset.value, "seed": seed, "dtype": dtype, "synthetic": True}
+    if rope_scaling is not None:
+        summary["rope_scaling"] = rope_scaling
     if json_out:
         print_json(summary)
     else:

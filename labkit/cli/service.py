@@ -82,15 +82,22 @@ def register(app: typer.Typer) -> None:
         timeout_keep_alive: Annotated[float, typer.Option("--timeout-keep-alive", help="Seconds a connection may wait for the first byte of a request.")] = 5.0,
         timeout_headers: Annotated[float, typer.Option("--timeout-headers", help="Seconds for a request line and headers to arrive (then 408).")] = 10.0,
         timeout_body: Annotated[float, typer.Option("--timeout-body", help="Seconds for a request body to arrive (then 408).")] = 30.0,
-        out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="JSONL event log (header + every event).")] = None,
+        out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="JSONL event log (header + every event). Default: runs/serve-<worker-id>.jsonl (see --event-log).")] = None,
+        event_log: Annotated[bool, typer.Option("--event-log/--no-event-log", help="Without --out, keep the event log in runs/serve-<worker-id>.jsonl (the previous run's moves to .jsonl.1), capped by --event-log-max-mb.")] = True,
+        event_log_max_mb: Annotated[Optional[float], typer.Option("--event-log-max-mb", show_default=False, help="Rotate the event log at this size (MB, 10^6 bytes): it moves to .jsonl.1, older ones shift up, and a new file starts with the header. Default: 256 for the log under runs/, no cap with --out.")] = None,
+        event_log_backups: Annotated[int, typer.Option("--event-log-backups", help="Rotated event log files kept (.jsonl.1 newest ... .jsonl.N oldest); 0 keeps none.")] = 3,
         log_level: Annotated[str, typer.Option("--log-level", help="debug | info | warning | error: info prints an access line per request and a stats line every --stats-interval while busy.")] = "info",
         stats_interval: Annotated[float, typer.Option("--stats-interval", help="Seconds between stats lines while busy (0: none).")] = 10.0,
     ) -> None:
-        """Serve the engine over HTTP: /generate (NDJSON), /cancel, /health, /config, /metrics, OpenAI /v1/*."""
+        """Serve the engine over HTTP: /generate (NDJSON), /cancel, /health, /config, /metrics, OpenAI /v1/*.
+
+        Every event goes to a JSONL log: --out, or by default runs/serve-<worker-id>.jsonl, rotated at
+        --event-log-max-mb (256 by default) with --event-log-backups old files; --no-event-log for none."""
         import logging
 
         from labkit.console import console, render_served, render_serving
         from labkit.service.connections import ConnectionLimits
+        from labkit.service.events import plan_serve_log
         from labkit.service.server import run_serve
         from labkit.service.worker import WorkerConfig
 
@@ -102,6 +109,8 @@ def register(app: typer.Typer) -> None:
             raise UserError(f"--log-level must be debug, info, warning, error or critical, got {log_level!r}")
         if stats_interval < 0:
             raise UserError(f"--stats-interval must be >= 0, got {stats_interval!r}")
+        log_plan = plan_serve_log(out, worker_id, event_log, event_log_max_mb, event_log_backups)
+        out = log_plan.path
         logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
         logging.getLogger("labkit").setLevel(level)
 
@@ -134,7 +143,7 @@ def register(app: typer.Typer) -> None:
         summary = run_serve(cfg, host, port, out, served_model_name=served_model_name,
                             max_body_bytes=max_body_bytes, on_ready=ready, api_key=api_key,
                             allowed_origins=allowed_origins, connections=connections, stats_interval=stats_interval,
-                            on_context=lambda why: console.print(why, soft_wrap=True))
+                            on_context=lambda why: console.print(why, soft_wrap=True), log_plan=log_plan)
         render_served(summary)
 
     @app.command()

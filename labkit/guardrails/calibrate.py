@@ -12,6 +12,7 @@ from labkit.guardrails.compare import compare
 from labkit.guardrails.suites import (
     CHECKPOINT_BASELINE,
     CHECKPOINT_GRAPH,
+    CHECKPOINT_ROPE,
     CHECKPOINT_TP_CPU,
     CHECKPOINT_TP_GPU,
     DEFAULT_KV_MAX_ABS,
@@ -27,11 +28,14 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
           dtype: str = "auto", max_abs: float | None = None, rel_l2: float | None = None,
           kv_max_abs: float = DEFAULT_KV_MAX_ABS,
           lhs_out: str | Path | None = None, rhs_out: str | Path | None = None,
-          progress: Callable[[str, int], Callable[[int], None]] | None = None, tp: int = 1) -> dict:
+          progress: Callable[[str, int], Callable[[int], None]] | None = None, tp: int = 1,
+          rope_scaling: str | None = None) -> dict:
     """Collect a suite's guardrail pair and compare it (the checkpoint's one command).
 
     baseline: nano eager (lhs, ``tp`` ranks) against hf (rhs). graph: nano graph (lhs) against nano eager (rhs).
     The logits thresholds are the table's (see :func:`compare`) unless ``max_abs``/``rel_l2`` override them.
+    ``rope_scaling`` (``yarn:4``, baseline suite only): both sides run a copy of the model whose config.json
+    carries that rope scaling (:func:`labkit.assets.rope.with_rope_scaling`); its own checkpoint and files.
     """
     from labkit.checks import get_checkpoint
     from labkit.evidence import claim
@@ -47,6 +51,15 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
     cp = CHECKPOINT_BASELINE if suite == "baseline" else CHECKPOINT_GRAPH
     if tp > 1:
         cp = CHECKPOINT_TP_GPU if device.startswith("cuda") else CHECKPOINT_TP_CPU
+    if rope_scaling is not None:
+        from labkit.assets.resolve import resolve_model
+        from labkit.assets.rope import parse_rope_spec, spec_name, with_rope_scaling
+
+        if suite != "baseline":
+            raise UserError("--rope-scaling applies to the baseline suite")
+        kind, _ = parse_rope_spec(rope_scaling)
+        model = str(with_rope_scaling(resolve_model(model, device).path, rope_scaling))
+        cp = CHECKPOINT_ROPE.get(kind) if tp == 1 else None
     overrides = [n for n, v in (("--max-abs", max_abs), ("--rel-l2", rel_l2)) if v is not None]
     cp, unclaimed = claim(cp, also=f"{' and '.join(overrides)} given (a checkpoint is held to the logits threshold "
                                    "table)" if overrides else "")
@@ -55,11 +68,12 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
     elif cp is not None:
         out_path = get_checkpoint(cp).evidence_path()
     else:                       # not the checkpoint's run: its own file, never the checkpoint's
-        out_path = default_out(f"logits-guard-{suite}" + (f"-tp{tp}" if tp > 1 else "") + ".json")
+        rope_tag = f"-{spec_name(rope_scaling)}" if rope_scaling is not None else ""
+        out_path = default_out(f"logits-guard-{suite}" + (f"-tp{tp}" if tp > 1 else "") + rope_tag + ".json")
     names = ("engine-nano", "engine-hf") if suite == "baseline" else ("graph-patched", "graph-eager")
     if tp > 1:
         names = (f"engine-nano-tp{tp}", "engine-hf")
-    if cp is None:              # nor the checkpoint's collections
+    if cp is None or rope_scaling is not None:              # nor the checkpoint's collections
         names = (f"{out_path.stem}-{names[0]}", f"{out_path.stem}-{names[1]}")
     lhs_p = prefix_of(lhs_out) if lhs_out else out_path.parent / names[0]
     rhs_p = prefix_of(rhs_out) if rhs_out else out_path.parent / names[1]

@@ -168,6 +168,7 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
             "suite": suite_name, "seed": seed, "backend": "nano", "execution": execution,
             "tensor_parallel_size": engine.config.tensor_parallel_size,
             "attention": described["attention_backend"], "dtype": described["dtype"],
+            "rope": described["config"].get("rope"),
             "logits_dtype": "float32", "vocab_size": vocab,
             "num_rows": num_rows, "expected_rows": suite.expected_rows,
             "trajectory_sha256": trajectory_sha256(rows), "rows": trajectory(rows),
@@ -279,6 +280,17 @@ def reference_last_logits(model, tokens, device: str):
     return out.logits[0, -1].float().cpu()
 
 
+def _hf_rope(hf) -> dict | None:
+    """What transformers built for RoPE: its type, the cos/sin scaling and the config's block."""
+    rot = getattr(getattr(hf, "model", None), "rotary_emb", None)
+    if rot is None:
+        return None
+    params = getattr(hf.config, "rope_parameters", None) or {}
+    return {"rope_type": str(getattr(rot, "rope_type", "default")),
+            "attention_scaling": float(getattr(rot, "attention_scaling", 1.0)),
+            "parameters": {k: v for k, v in params.items() if isinstance(v, (int, float, str, bool))}}
+
+
 def collect_hf(suite_name: str, out: str | Path | None = None, *, model: str | None = None, device: str = "auto",
                dtype: str = "auto", seed: int = DEFAULT_SEED, progress: Callable[[int], None] | None = None) -> dict:
     """The reference rows: transformers recomputes each row's whole prefix. Writes PREFIX.json/.npz."""
@@ -317,6 +329,7 @@ def collect_hf(suite_name: str, out: str | Path | None = None, *, model: str | N
         facts = {
             "status": "COLLECTED", "suite": suite_name, "seed": seed, "backend": "hf", "execution": "eager",
             "attention": "eager", "dtype": dtype, "logits_dtype": "float32", "vocab_size": vocab,
+            "rope": _hf_rope(hf),
             "num_rows": len(received), "expected_rows": suite.expected_rows,
             "trajectory_sha256": trajectory_sha256(rows), "rows": traj,
             "rows_follow_trajectory": follows, "requests": suite_requests(suite),

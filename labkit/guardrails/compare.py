@@ -285,6 +285,7 @@ def compare(lhs_path: str | Path, rhs_path: str | Path, out: str | Path | None =
         "dtype": dtype, "thresholds": thresholds,
         "trajectory_sha256": lhs.facts["trajectory_sha256"], "trajectory_match": trajectory_match(lhs, rhs),
         "model_match": model_match(lhs, rhs),
+        "rope": {"lhs": lhs.facts.get("rope"), "rhs": rhs.facts.get("rope")},
         "num_rows": len(metrics), "logits_finite": bool(np.isfinite(lhs.logits).all() and np.isfinite(rhs.logits).all()),
         "worst_max_abs": max(max_abs_all), "worst_rel_l2": max(rel_all),
         "median_max_abs": float(np.median(max_abs_all)), "median_rel_l2": float(np.median(rel_all)),

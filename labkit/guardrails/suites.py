@@ -49,6 +49,7 @@ CHECKPOINT_TP_CPU = "tp.logits-cpu"          # the baseline guard with --tp N on
 CHECKPOINT_TP_GPU = "tp.logits-2gpu"         # ... on GPUs (NCCL)
 CHECKPOINT_GRAPH = "guardrails.graph-vs-eager"
 CHECKPOINT_UNCOVERED = "guardrails.graph-uncovered"
+CHECKPOINT_ROPE = {"yarn": "models.rope-yarn", "linear": "models.rope-linear"}   # the baseline guard, --rope-scaling
 
 
 @dataclass(frozen=True)

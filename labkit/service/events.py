@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -55,18 +56,55 @@ class EventLog:
 
     Lines are buffered and flushed every ``flush_every`` records and on ``flush``/``close``, so the
     owner thread pays for a buffered write, not a syscall, per token.
+
+    ``max_bytes`` caps the file: once it holds that many bytes it is closed and rotated to ``PATH.1``
+    (``PATH.1`` to ``PATH.2``, ..., the oldest beyond ``backups`` deleted; no backups: the file starts
+    over), and a new ``PATH`` begins with the header again (``"rotation": n``), so each file reads on its
+    own. ``rotate_existing`` moves a file already at ``path`` to ``PATH.1`` first instead of overwriting it.
     """
 
-    def __init__(self, path: str | Path, flush_every: int = 64):
+    def __init__(self, path: str | Path, flush_every: int = 64, *, max_bytes: int | None = None,
+                 backups: int = 0, rotate_existing: bool = False):
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        if backups < 0:
+            raise ValueError(f"backups must be >= 0, got {backups}")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.max_bytes, self.backups = max_bytes, backups
+        if rotate_existing and self.path.is_file() and self.path.stat().st_size:
+            self._shift()
         self._f = self.path.open("w", encoding="utf-8")
         self._lock = threading.Lock()
         self._pending = 0
         self._flush_every = flush_every
+        self._bytes = 0
+        self._header: dict | None = None
         self.count = 0
+        self.rotations = 0
+
+    def backup_path(self, i: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{i}")
+
+    def _shift(self) -> None:
+        """PATH -> PATH.1 -> ... -> PATH.<backups>; what falls off the end is deleted."""
+        if self.backups == 0:
+            self.path.unlink(missing_ok=True)
+            return
+        self.backup_path(self.backups).unlink(missing_ok=True)
+        for i in range(self.backups - 1, 0, -1):
+            if self.backup_path(i).exists():
+                self.backup_path(i).rename(self.backup_path(i + 1))
+        self.path.rename(self.backup_path(1))
+
+    def _write_locked(self, line: str) -> None:
+        self._f.write(line)
+        self._bytes += len(line.encode("utf-8"))
+        self.count += 1
+        self._pending += 1
 
     def write_header(self, header: dict) -> None:
+        self._header = dict(header)
         self.write({"event": "header", **header})
 
     def write(self, record: dict) -> None:
@@ -74,12 +112,21 @@ class EventLog:
         with self._lock:
             if self._f.closed:
                 return
-            self._f.write(line)
-            self.count += 1
-            self._pending += 1
-            if self._pending >= self._flush_every:
+            self._write_locked(line)
+            if self.max_bytes is not None and self._bytes >= self.max_bytes:
+                self._rotate_locked()
+            elif self._pending >= self._flush_every:
                 self._f.flush()
                 self._pending = 0
+
+    def _rotate_locked(self) -> None:
+        self._f.close()
+        self._shift()
+        self._f = self.path.open("w", encoding="utf-8")
+        self._bytes = self._pending = 0
+        self.rotations += 1
+        if self._header is not None:
+            self._write_locked(dumps_line({"event": "header", **self._header, "rotation": self.rotations}))
 
     def flush(self) -> None:
         with self._lock:
@@ -97,6 +144,52 @@ class EventLog:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+DEFAULT_SERVE_LOG_MAX_MB = 256.0
+DEFAULT_SERVE_LOG_BACKUPS = 3
+
+
+@dataclass(frozen=True)
+class LogPlan:
+    """Where a server's event log goes and how it is capped (``path`` None: no log)."""
+    path: Path | None
+    max_bytes: int | None = None
+    backups: int = 0
+    rotate_existing: bool = False
+
+    def open(self) -> "EventLog | None":
+        if self.path is None:
+            return None
+        return EventLog(self.path, max_bytes=self.max_bytes, backups=self.backups,
+                        rotate_existing=self.rotate_existing)
+
+
+def plan_serve_log(out: str | Path | None, worker_id: str, enabled: bool = True, max_mb: float | None = None,
+                   backups: int = DEFAULT_SERVE_LOG_BACKUPS) -> LogPlan:
+    """``labkit serve``'s event log: ``--out`` as given (no cap unless ``max_mb``), else, unless disabled,
+    :func:`default_serve_log` capped at ``max_mb`` (default 256 MB) with ``backups`` old files, the previous
+    run's log kept as the first of them. UserError (one line) for a bad cap or count."""
+    from labkit.errors import UserError
+
+    if max_mb is not None and not (max_mb > 0 and max_mb != float("inf")):
+        raise UserError(f"--event-log-max-mb must be a positive number, got {max_mb!r}")
+    if backups < 0:
+        raise UserError(f"--event-log-backups must be >= 0, got {backups!r}")
+    if out is not None:
+        return LogPlan(Path(out), int(max_mb * 1e6) if max_mb else None, backups)
+    if not enabled:
+        return LogPlan(None)
+    mb = max_mb if max_mb is not None else DEFAULT_SERVE_LOG_MAX_MB
+    return LogPlan(default_serve_log(worker_id), max(1, int(mb * 1e6)), backups, rotate_existing=True)
+
+
+def default_serve_log(worker_id: str) -> Path:
+    """Where ``labkit serve`` keeps its event log without ``--out``: ``runs/serve-<worker_id>.jsonl``."""
+    from labkit.paths import default_out
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in worker_id) or "worker"
+    return default_out(f"serve-{safe}.jsonl")
 
 
 class MemorySink:

@@ -14,7 +14,8 @@ Routes:
 ``POST /cancel``          ``{"request_id", "cancel_token"}`` → 200 ``{"cancelled": true}`` / 404
 ``GET  /health``          200 with the worker's state, 503 while starting, unhealthy or closed
 ``GET  /config``          model identity, engine and worker configuration (authenticated)
-``GET  /metrics``         Prometheus text (queue depth, running, KV blocks, tokens, TTFT/ITL)
+``GET  /metrics``         Prometheus exposition via prometheus_client (queue depth, running, KV usage, tokens,
+                          requests by finish reason, TTFT/ITL/e2e histograms; docs/METRICS.md)
 ``POST /v1/completions``  OpenAI-compatible; stream (SSE ``data: {...}`` ... ``data: [DONE]``) or JSON
 ``POST /v1/chat/completions``  the same through the chat template
 ``GET  /v1/models``       the one served model
@@ -508,9 +509,8 @@ class Service:
         return web.Response(body=_dumps(body), content_type="application/json")
 
     async def metrics(self, request: web.Request) -> web.Response:
-        text = self.worker.stats.render(self.worker.gauges())
-        return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                            headers={"X-Prometheus-Format": "0.0.4"})
+        body, content_type = self.worker.stats.render(self.worker.gauges(), request.headers.get("Accept"))
+        return web.Response(body=body, headers={"Content-Type": content_type})
 
     def _model_card(self) -> dict:
         return {"id": self.limits.served_model_name, "object": "model", "created": self.created,
@@ -1041,26 +1041,39 @@ def fit_context(worker: Worker, build: Callable[[int], Worker]) -> tuple[Worker,
 def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, served_model_name: str | None = None,
               max_body_bytes: int = 1 << 20, on_ready: Callable[[str, Worker], None] | None = None,
               api_key: str | None = None, allowed_origins=None, connections: ConnectionLimits | None = None,
-              stats_interval: float = STATS_INTERVAL_S, on_context: Callable[[str], None] | None = None) -> dict:
+              stats_interval: float = STATS_INTERVAL_S, on_context: Callable[[str], None] | None = None,
+              log_plan=None) -> dict:
     """``labkit serve``: bind first (a port in use fails before the model loads), start the worker,
-    serve until SIGINT/SIGTERM, close. Returns what the worker did (finished requests by reason)."""
-    from labkit.service.events import EventLog
+    serve until SIGINT/SIGTERM, close. Returns what the worker did (finished requests by reason).
+    The event log: ``log_plan`` (:func:`labkit.service.events.plan_serve_log`: path, size cap, rotation),
+    else ``out`` uncapped, else none."""
+    from labkit.service.events import LogPlan
 
     Access.make(api_key, allowed_origins)                       # option errors before the model loads
     (connections or ConnectionLimits()).check()
+    if log_plan is None:
+        log_plan = LogPlan(out if out else None)
+    out = log_plan.path
     sock = bind_socket(host, port)
-    log = EventLog(out) if out else None
-    worker = Worker(config, sink=log.write if log else None)
+    log = None                  # opened once the model is up: a failed start leaves the previous log alone
+
+    def write(record: dict) -> None:
+        if log is not None:
+            log.write(record)
+
+    sink = write if out is not None else None
+    worker = Worker(config, sink=sink)
     try:
         worker.start()
         if config.max_model_len == MODEL_CONTEXT:
             def build(max_model_len: int) -> Worker:
                 return Worker(dataclasses.replace(config, max_model_len=max_model_len, max_prompt_bytes=None),
-                              sink=log.write if log else None).start()
+                              sink=sink).start()
 
             worker, why = fit_context(worker, build)
             if why and on_context is not None:
                 on_context(why)
+        log = log_plan.open()
         if log is not None:
             log.write_header(worker.header(role="server", url=url_of(sock)))
         asyncio.run(serve_until_signal(worker, sock, served_model_name=served_model_name,

@@ -563,8 +563,7 @@ class Worker:
             return
         self._active[req.request_id] = req
         self._by_seq[req.seq.seq_id] = req
-        with self.stats.lock:
-            self.stats.prompt_tokens += len(req.token_ids)
+        self.stats.count_prompt(len(req.token_ids))
         with self._lock:
             queue = len(self._pending)
         self._emit(req, make_event("admitted", req.request_id, self.worker_id, self._round,
@@ -604,9 +603,7 @@ class Worker:
     def _deliver(self, out, t0: int) -> None:
         t = now_ns()
         phase = "prefill" if out.is_prefill else "decode"
-        with self.stats.lock:
-            self.stats.steps[phase] += 1
-            self.stats.step_seconds[phase] += out.seconds
+        self.stats.count_step(phase, out.seconds)
         if self.config.log_steps and self.sink is not None:
             self.sink(make_event(
                 "step", None, self.worker_id, out.step, t_ns=t, phase=phase, num_seqs=len(out.seqs),
@@ -624,7 +621,7 @@ class Worker:
             ev = make_event("token", req.request_id, self.worker_id, out.step, t_ns=t, index=req.num_tokens,
                             token_id=token_id)
             with self.stats.lock:
-                self.stats.generation_tokens += 1
+                self.stats.count_generation(1)
                 if req.num_tokens == 1:
                     self.stats.ttft.observe((t - req.submitted_ns) / 1e9)
                 else:
@@ -679,7 +676,7 @@ class Worker:
         with self._lock:
             if self._live.get(req.request_id) is req:
                 del self._live[req.request_id]
-        self.stats.count_finished(reason)
+        self.stats.count_finished(reason, (now_ns() - req.submitted_ns) / 1e9 if req.seq is not None else None)
         if self.sink is not None:
             self.sink(ev)
         req.handle._finish(ev)
@@ -698,8 +695,7 @@ class Worker:
         else:
             affected = list(self._active.values())
         self._scheduled_ids.clear()
-        with self.stats.lock:
-            self.stats.engine_errors += 1
+        self.stats.count_engine_error()
         for req in affected:
             freed: list[int] = []
             try:

@@ -1,0 +1,130 @@
+"""The service event log (issue 14 item 5, its event-log part): `labkit serve` keeps one under runs/ without
+--out, capped in size and rotated (PATH.1 newest ... PATH.N oldest), each file starting with the header."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from labkit.errors import UserError
+from labkit.service.events import EventLog, plan_serve_log
+
+
+def lines(path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def fill(log: EventLog, n: int) -> None:
+    log.write_header({"role": "test"})
+    for i in range(n):
+        log.write({"event": "token", "seq": i, "pad": "x" * 40})
+    log.close()
+
+
+def test_a_tiny_cap_rotates_and_keeps_the_newest_files(tmp_path):
+    path = tmp_path / "ev.jsonl"
+    log = EventLog(path, max_bytes=1000, backups=2)
+    fill(log, 200)
+    files = [path.with_name("ev.jsonl.2"), path.with_name("ev.jsonl.1"), path]      # oldest first
+    assert all(f.is_file() for f in files) and not path.with_name("ev.jsonl.3").exists()
+    assert log.rotations > 2                                                         # older parts were dropped
+    seqs = []
+    for f in files:
+        recs = lines(f)
+        assert recs[0]["event"] == "header" and recs[0]["role"] == "test"
+        longest = max(len(x) + 1 for x in f.read_text().splitlines())
+        assert f.stat().st_size < 1000 + longest
+        seqs += [r["seq"] for r in recs[1:]]
+    assert seqs == list(range(seqs[0], 200)) and seqs[0] > 0                         # contiguous, newest kept
+    assert [lines(f)[0].get("rotation") for f in files] == [log.rotations - 2, log.rotations - 1, log.rotations]
+
+
+def test_no_backups_starts_the_file_over(tmp_path):
+    path = tmp_path / "ev.jsonl"
+    log = EventLog(path, max_bytes=1000, backups=0)
+    fill(log, 200)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ev.jsonl"]
+    recs = lines(path)
+    assert recs[0]["event"] == "header" and recs[-1]["seq"] == 199 and path.stat().st_size < 1100
+
+
+def test_without_a_cap_nothing_rotates(tmp_path):
+    path = tmp_path / "ev.jsonl"
+    fill(EventLog(path), 200)
+    assert len(lines(path)) == 201 and sorted(p.name for p in tmp_path.iterdir()) == ["ev.jsonl"]
+
+
+def test_the_previous_run_moves_to_the_first_backup(tmp_path):
+    path = tmp_path / "ev.jsonl"
+    fill(EventLog(path), 3)
+    fill(EventLog(path, max_bytes=10_000, backups=2, rotate_existing=True), 5)
+    assert len(lines(path.with_name("ev.jsonl.1"))) == 4 and len(lines(path)) == 6
+
+
+def test_the_plan(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
+    plan = plan_serve_log(None, "worker-0")
+    assert plan.path == tmp_path / "runs" / "serve-worker-0.jsonl"
+    assert plan.max_bytes == 256_000_000 and plan.backups == 3 and plan.rotate_existing
+    assert plan_serve_log(None, "w", enabled=False).path is None
+    given = plan_serve_log(tmp_path / "mine.jsonl", "w")
+    assert given.max_bytes is None and not given.rotate_existing                   # --out: as before, no cap
+    assert plan_serve_log(tmp_path / "mine.jsonl", "w", max_mb=1).max_bytes == 1_000_000
+    for bad in ({"max_mb": 0}, {"max_mb": -1}, {"backups": -1}):
+        with pytest.raises(UserError):
+            plan_serve_log(None, "w", **bad)
+
+
+def test_serve_help_documents_the_log(cli_app):
+    from typer.testing import CliRunner
+
+    text = " ".join(CliRunner().invoke(cli_app, ["serve", "--help"], env={"COLUMNS": "200"}).output.split())
+    for option in ("--event-log-max-mb", "--event-log-backups", "--no-event-log", "runs/serve-<worker-id>.jsonl"):
+        assert option in text, option
+
+
+def test_serve_without_out_keeps_a_rotated_log_under_runs(tiny_model_dir, tmp_path):
+    runs = tmp_path / "runs"
+    env = {**os.environ, "LABKIT_RUNS_DIR": str(runs)}
+    proc = subprocess.Popen([sys.executable, "-m", "labkit", "serve", str(tiny_model_dir), "--port", "0",
+                             "--device", "cpu", "--max-model-len", "256", "--worker-id", "evlog",
+                             "--event-log-max-mb", "0.004", "--event-log-backups", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url, seen = None, []
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            m = re.search(r"ready: (http://127\.0\.0\.1:\d+)", line)
+            url = m.group(1) if m else None
+        assert url, "".join(seen)
+        import urllib.request
+
+        body = json.dumps({"prompt_token_ids": list(range(100, 120)), "max_tokens": 120, "ignore_eos": True,
+                           "stream": False}).encode()
+        req = urllib.request.Request(f"{url}/generate", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert resp.status == 200
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = runs / "serve-evlog.jsonl"
+    names = sorted(p.name for p in runs.iterdir() if p.name.startswith("serve-evlog"))
+    assert names == ["serve-evlog.jsonl", "serve-evlog.jsonl.1", "serve-evlog.jsonl.2"], names
+    for f in (log, log.with_name("serve-evlog.jsonl.1"), log.with_name("serve-evlog.jsonl.2")):
+        recs = lines(f)
+        assert recs[0]["event"] == "header" and recs[0]["role"] == "server" and recs[0]["url"] == url
+        assert f.stat().st_size < 4000 + 2000
+    assert lines(log)[-1]["what"] == "closed"
