@@ -111,6 +111,8 @@ class LLMEngine:
             "graph": {"enabled": self.runner.graphs is not None,
                       "buckets": self.runner.graphs.buckets if self.runner.graphs else [],
                       "capture_seconds": round(self.runner.capture_seconds, 4)},
+            "warmup": {"seconds": round(self.runner.warm_seconds, 4), "shapes": len(self.runner.warmed),
+                       "paths": _count_paths(self.runner.warmed)},
             "load_seconds": round(self.runner.load_seconds, 4),
             "init_seconds": round(self.init_seconds, 4),
         }
@@ -367,6 +369,13 @@ class LLMEngine:
             return
         self._closed = True
         self.runner.close()
+
+
+def _count_paths(warmed: list[dict]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for w in warmed:
+        counts[w["path"]] = counts.get(w["path"], 0) + 1
+    return counts
 
 
 class _progress:
