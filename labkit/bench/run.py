@@ -98,7 +98,7 @@ def engine_facts(engine: LLMEngine) -> dict:
     return {"init_seconds": d["init_seconds"], "load_seconds": d["load_seconds"],
             "capture_seconds": d["graph"]["capture_seconds"], "graph_buckets": d["graph"]["buckets"],
             "kv_blocks": d["num_kvcache_blocks"], "attention_backend": d["attention_backend"],
-            "memory": d["memory"]}
+            "memory": d["memory"], "warmup": d["warmup"]}
 
 
 # -- workloads -------------------------------------------------------------------------------------
