@@ -16,10 +16,10 @@ SMALL = TraceOptions(requests=8, prompt_tokens=32, long_prompt_tokens=64, long_e
 
 @pytest.fixture(scope="module")
 def serve_record(tiny_model_dir, tmp_path_factory):
-    from labkit.bench.run import run_bench
+    from labkit.bench.serve import run_serve_bench
 
     out = tmp_path_factory.mktemp("bench-serve") / "bench-serve.json"
-    return run_bench("serve", out, model=str(tiny_model_dir), device="cpu", attention="torch", trace=SMALL)
+    return run_serve_bench(out, model=str(tiny_model_dir), device="cpu", attention="torch", trace=SMALL)
 
 
 def test_serve_bench_runs_the_trace_offline_and_served_on_cpu(serve_record):
@@ -99,11 +99,11 @@ def test_percentiles_and_wide_batch():
 
 
 def test_serve_bench_refuses_a_trace_longer_than_its_context(tiny_model_dir, tmp_path):
-    from labkit.bench.run import run_bench
+    from labkit.bench.serve import run_serve_bench
     from labkit.errors import UserError
 
     with pytest.raises(UserError, match="exceeds max-model-len"):
-        run_bench("serve", tmp_path / "x.json", model=str(tiny_model_dir), device="cpu", attention="torch",
+        run_serve_bench(tmp_path / "x.json", model=str(tiny_model_dir), device="cpu", attention="torch",
                   trace=TraceOptions(requests=2, prompt_tokens=1000, long_prompt_tokens=1000, max_tokens=100,
                                      interval_ms=0.0))
 
@@ -113,3 +113,18 @@ def test_trace_options_need_the_serve_workload(cli_app):
 
     result = CliRunner().invoke(cli_app, ["bench", "--workload", "latency", "--requests", "8"])
     assert result.exit_code == 2 and "apply to --workload serve" in result.output
+
+
+def test_step_bound_is_weights_plus_kv_at_the_roof():
+    from engine.config import ModelShape
+    from labkit.assets.synth import PRESETS
+    from labkit.bench.bound import decode_weight_bytes, step_bound
+
+    shape = ModelShape.from_hf(PRESETS["qwen3-8b"])
+    one = step_bound(shape, 2, 2, 1, 0, 1000.0)
+    assert one["bound_ms_per_step"] == pytest.approx(decode_weight_bytes(shape, 2) / 1e12 * 1e3, rel=1e-3)
+    wide = step_bound(shape, 2, 2, 64, 192, 1000.0)
+    assert wide["kv_read_bytes"] == 64 * 192 * shape.kv_bytes_per_token(2)
+    assert wide["bound_ms_per_step"] > one["bound_ms_per_step"]
+    with pytest.raises(ValueError):
+        step_bound(shape, 2, 2, 1, 0, 0.0)

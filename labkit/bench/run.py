@@ -16,7 +16,7 @@ from labkit.errors import UserError
 from labkit.evidence import write_evidence
 from labkit.paths import default_out
 
-WORKLOADS = ("nano-vllm", "graph-vs-eager", "latency", "attention", "serve")
+WORKLOADS = ("nano-vllm", "graph-vs-eager", "latency", "attention")
 # nano-vllm's bench.py engine settings
 NANO_VLLM_ENGINE = dict(max_model_len=4096, max_num_batched_tokens=16384, max_num_seqs=512,
                         gpu_memory_utilization=0.9)
@@ -274,8 +274,7 @@ def bench_hf_baseline(model_dir: str, device: str, attention: str, num_seqs: int
 
 def run_bench(workload: str, out: Path | None = None, model: str | None = None, device: str = "auto",
               attention: str = "auto", baseline: str | None = None, repeats: int = 1, eager: bool = False,
-              profile: bool = False, sweep: bool = False, overlap: bool = False, trace=None,
-              show_progress: bool = False) -> dict:
+              profile: bool = False, sweep: bool = False, overlap: bool = False) -> dict:
     from labkit.lab_engine import detect_device
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model
@@ -290,13 +289,9 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
         raise UserError("--sweep applies to --workload attention")
     if overlap and workload != "nano-vllm":
         raise UserError("--overlap applies to --workload nano-vllm")
-    if trace is not None and workload != "serve":
-        raise UserError("the trace options (--requests, --prompt-tokens, ...) apply to --workload serve")
     device = detect_device(device)
     if workload == "attention":
         return _run_attention_bench(out, device, attention, sweep)
-    if workload == "serve":
-        return _run_serve_bench(out, model, device, attention, trace, show_progress)
     if not device.startswith("cuda") and (workload != "nano-vllm" or not eager):
         raise UserError(f"bench --workload {workload} needs CUDA (graphs); on CPU only `--workload nano-vllm --enforce-eager` runs")
     ref = resolve_model(model, device)
@@ -332,24 +327,3 @@ def _run_attention_bench(out: Path | None, device: str, attention: str, sweep: b
     facts["device"] = device
     return write_evidence(out or default_out("bench-attention.json"), checkpoint="cuda.attention-bandwidth",
                           kind="gpu-measured", facts=facts, device=device)
-
-
-def _run_serve_bench(out: Path | None, model: str | None, device: str, attention: str, trace,
-                     show_progress: bool) -> dict:
-    """The serve workload (labkit/bench/serve.py): runs on CPU too (tiny model, a small trace), where it
-    is evidence of the mechanism (cpu-real-engine) for no checkpoint."""
-    from labkit.assets.identity import model_identity
-    from labkit.assets.resolve import resolve_model
-    from labkit.bench.serve import ISSUE_TRACE, bench_serve, run_assertions
-
-    trace = trace or ISSUE_TRACE
-    trace.check()
-    ref = resolve_model(model, device)
-    path = out or default_out("bench-serve.json")
-    facts = bench_serve(str(ref.path), device, attention, trace, path.with_suffix(""), show_progress)
-    facts["device"] = device
-    cuda = device.startswith("cuda")
-    checkpoint = "cuda.bench-serve" if cuda and trace == ISSUE_TRACE else None
-    return write_evidence(path, checkpoint=checkpoint, kind="gpu-measured" if cuda else "cpu-real-engine",
-                          facts=facts, device=device, model=dict(model_identity(ref.path)),
-                          run_assertions=run_assertions(facts))

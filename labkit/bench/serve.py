@@ -362,3 +362,28 @@ def run_assertions(facts: dict) -> list[dict]:
     out.append(run_assertion("facts.server.exit_code", "eq", 0, name="server stopped cleanly",
                              why="labkit serve exited 0 on SIGINT after the replays"))
     return out
+
+
+def run_serve_bench(out: Path | None = None, model: str | None = None, device: str = "auto", attention: str = "auto",
+                    trace: TraceOptions | None = None, show_progress: bool = False) -> dict:
+    """`labkit bench --workload serve`: the evidence (runs/bench-serve.json, logs in runs/bench-serve/). On
+    CUDA with issue 13's trace it is judged as cuda.bench-serve; on a CPU (tiny model, a small trace) it is
+    evidence of the mechanism (cpu-real-engine) for no checkpoint, judged by its run assertions."""
+    from labkit.assets.identity import model_identity
+    from labkit.assets.resolve import resolve_model
+    from labkit.evidence import write_evidence
+    from labkit.lab_engine import detect_device
+    from labkit.paths import default_out
+
+    trace = trace or ISSUE_TRACE
+    trace.check()
+    device = detect_device(device)
+    ref = resolve_model(model, device)
+    path = out or default_out("bench-serve.json")
+    facts = bench_serve(str(ref.path), device, attention, trace, path.with_suffix(""), show_progress)
+    facts["device"] = device
+    cuda = device.startswith("cuda")
+    checkpoint = "cuda.bench-serve" if cuda and trace == ISSUE_TRACE else None
+    return write_evidence(path, checkpoint=checkpoint, kind="gpu-measured" if cuda else "cpu-real-engine",
+                          facts=facts, device=device, model=dict(model_identity(ref.path)),
+                          run_assertions=run_assertions(facts))

@@ -372,9 +372,17 @@ def bench(
         raise UserError("bench is a GPU tool and this run would use the CPU (no CUDA here, or --device cpu); "
                         "try the engine on CPU with `labkit generate` instead (or `--workload serve` with a small trace)")
     path = out or default_out(f"bench-{workload}.json")
-    record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
-                       baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,
-                       overlap=overlap, trace=trace, show_progress=not json_out)
+    if workload == "serve":
+        from labkit.bench.serve import run_serve_bench
+
+        if baseline or profile or sweep or overlap or enforce_eager or repeats != 1:
+            raise UserError("--workload serve takes the trace options, --model, --device, --attention and --out only")
+        record = run_serve_bench(path, model=_model_arg(model), device=device, attention=attention, trace=trace,
+                                 show_progress=not json_out)
+    else:
+        record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
+                           baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,
+                           overlap=overlap)
     if not json_out:
         render_facts_json(record)
     finish(record, path, json_out=json_out)
