@@ -85,6 +85,7 @@ class LLMEngine:
         self._tokenizer = None
         self._closed = False
         self._inflight: _InFlight | None = None
+        self._batch: list[tuple[int, int]] = []       # the last schedule()'s (seq_id, positions) list
         self.init_seconds = time.perf_counter() - init_start
 
     # -- identity ------------------------------------------------------------------
@@ -110,6 +111,8 @@ class LLMEngine:
             "graph": {"enabled": self.runner.graphs is not None,
                       "buckets": self.runner.graphs.buckets if self.runner.graphs else [],
                       "capture_seconds": round(self.runner.capture_seconds, 4)},
+            "warmup": {"seconds": round(self.runner.warm_seconds, 4), "shapes": len(self.runner.warmed),
+                       "paths": _count_paths(self.runner.warmed)},
             "load_seconds": round(self.runner.load_seconds, 4),
             "init_seconds": round(self.init_seconds, 4),
         }
@@ -239,9 +242,14 @@ class LLMEngine:
     def schedule(self) -> tuple[list[Sequence], bool]:
         with self.hooks.phase("schedule", self.num_steps + 1):
             seqs, is_prefill = self.scheduler.schedule()
-        if seqs:
-            self._scheduled(seqs, is_prefill)
+        # the step's (seq_id, positions computed) list, built once: the hooks, the events, the
+        # StepOutput and the first overlapped launch all take this one (see _schedule)
+        self._batch = self._scheduled(seqs, is_prefill) if seqs else []
         return seqs, is_prefill
+
+    def _schedule(self) -> tuple[list[Sequence], bool, list[tuple[int, int]]]:
+        seqs, is_prefill = self.schedule()
+        return seqs, is_prefill, self._batch
 
     def _scheduled(self, seqs: list[Sequence], is_prefill: bool) -> list[tuple[int, int]]:
         self.num_steps += 1
@@ -276,10 +284,9 @@ class LLMEngine:
         if self.config.overlap:
             return self._step_overlapped()
         t0 = time.perf_counter()
-        seqs, is_prefill = self.schedule()
+        seqs, is_prefill, batch = self._schedule()
         if not seqs:
             return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
-        batch = [(s.seq_id, s.num_scheduled_tokens) for s in seqs]
         token_ids, route = self.runner.run(seqs, is_prefill, self.num_steps)
         outcome = self.postprocess(seqs, token_ids, is_prefill)
         return StepOutput(self.num_steps, is_prefill, seqs, outcome, sum(n for _, n in batch),
@@ -300,10 +307,10 @@ class LLMEngine:
         prev = self._inflight
         self._inflight = None
         if prev is None:
-            seqs, is_prefill = self.schedule()
+            seqs, is_prefill, batch = self._schedule()
             if not seqs:
                 return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
-            prev = self._launch(seqs, is_prefill, [(s.seq_id, s.num_scheduled_tokens) for s in seqs])
+            prev = self._launch(seqs, is_prefill, batch)
         if not prev.is_prefill:
             with self.hooks.phase("schedule", self.num_steps + 1):
                 nxt = self.scheduler.schedule_lookahead(prev.seqs)
@@ -362,6 +369,13 @@ class LLMEngine:
             return
         self._closed = True
         self.runner.close()
+
+
+def _count_paths(warmed: list[dict]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for w in warmed:
+        counts[w["path"]] = counts.get(w["path"], 0) + 1
+    return counts
 
 
 class _progress:

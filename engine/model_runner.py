@@ -12,12 +12,13 @@ import torch
 from engine.attention import AttentionMetadata, create_backend, resolve_backend_name
 from engine.config import Config, ConfigError
 from engine.distributed import SINGLE, ParallelContext
-from engine.graph import DecodeGraphs, default_buckets
+from engine.graph import DecodeGraphs
 from engine.layers.sampler import sample, sample_tensor
 from engine.loader import load_model
 from engine.observe import HookSet
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.sequence import Sequence
+from engine.warmup import graph_buckets, warmup_plan
 
 
 @contextmanager
@@ -29,6 +30,10 @@ def default_dtype_device(dtype: torch.dtype, device: str):
             yield
     finally:
         torch.set_default_dtype(old)
+
+
+def _aligned(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 @dataclass
@@ -110,6 +115,8 @@ class ModelRunner:
         self._seq_generators: dict[int, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        self.warmed: list[dict] = []      # the shapes start-up ran (engine/warmup.py), for describe()
+        self.warm_seconds = 0.0
         self.warm_paths()
         if not config.enforce_eager:
             if not self.device.startswith("cuda"):
@@ -202,23 +209,70 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_paths(self) -> None:
-        """CUDA: meet every kernel the requests will meet before the first request, so JIT compiles and
-        first-launch costs land in init time, not in a request: a prefill reading a cached prefix through
-        the block table (chunk continuations, prefix hits) and a sampled and a greedy row. Nothing is
-        written to the cache (slots -1) and a throwaway generator keeps the engine's random stream as is."""
+        """CUDA: meet every shape a wide batch will use before the first request (engine/warmup.py lists
+        them: prefill token counts up to the step budget, prefills reading a cached prefix, eager decode
+        batch classes and Triton decode variants where eager decode can happen, the sampler's paths), so
+        JIT compiles and first-launch costs land in init time, not in a request. Nothing is written to
+        the cache (slots -1) and a throwaway generator keeps the engine's random stream as is. What ran
+        is kept in `warmed` (decode-graph rows are run by capture_graphs)."""
         if not self.device.startswith("cuda"):
             return
+        self.run_warmup(self.warmup_plan())
+
+    def warmup_plan(self) -> list:
+        sm = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.startswith("cuda") else 0
+        return warmup_plan(self.config, self.attention_backend, sm, self.tp.world_size)
+
+    @torch.inference_mode()
+    def run_warmup(self, plan: list) -> list[dict]:
+        """Run every warm shape of `plan` except decode-graph (capture warms those); returns and keeps
+        the records of what ran. Usable on any device (tests run it on CPU)."""
+        t0 = time.perf_counter()
         throwaway = torch.Generator(device=self.device)
-        sample(self.run_model(self._scratch_prefill(2, 16, cached=8)), [1.0, 0.0], [throwaway, throwaway])
-        torch.cuda.synchronize()
+        seeded = torch.Generator(device=self.device)
+        ran = []
+        for shape in plan:
+            if shape.path == "prefill":
+                self.run_model(self._scratch_prefill(shape.seqs, shape.tokens), EAGER)
+            elif shape.path == "prefill-paged":
+                self.run_model(self._scratch_prefill(shape.seqs, shape.tokens + shape.cached, cached=shape.cached), EAGER)
+            elif shape.path == "decode-eager":
+                self.run_model(self._scratch_decode(shape.seqs, shape.tokens), EAGER)
+            elif shape.path == "sample":
+                logits = self.run_model(self._scratch_decode(shape.seqs, 1), EAGER)
+                temps = {"greedy": [0.0] * shape.seqs, "sampled": [1.0] * shape.seqs,
+                         "mixed": [1.0, 0.0] * (shape.seqs // 2) + [1.0] * (shape.seqs % 2),
+                         "seeded": [1.0] * shape.seqs}[shape.mode]
+                gens = [throwaway] * shape.seqs if shape.mode != "seeded" else [seeded] + [throwaway] * (shape.seqs - 1)
+                sample(logits, temps, gens)
+            else:
+                continue
+            ran.append(shape.record())
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        self.warm_seconds += time.perf_counter() - t0
+        self.warmed += ran
+        return ran
+
+    def _scratch_decode(self, num: int, context: int) -> StepInputs:
+        """Decode inputs for `num` throwaway sequences of `context` positions that read block 0 for every
+        position and write nothing (slots -1)."""
+        seqs = []
+        for _ in range(num):
+            s = Sequence(-1, [0] * context, None, self.block_size)  # type: ignore[arg-type]
+            s.block_table = [0] * ((context + self.block_size - 1) // self.block_size)
+            seqs.append(s)
+        inputs = self.prepare_decode(seqs)
+        inputs.meta.slot_mapping.fill_(-1)
+        return inputs
 
     def capture_graphs(self) -> None:
         cfg = self.config
-        buckets = list(cfg.graph_buckets) if cfg.graph_buckets else default_buckets(cfg.max_num_seqs)
-        buckets = [b for b in buckets if b <= cfg.max_num_seqs] or [min(buckets)]
+        buckets = graph_buckets(cfg)
         max_blocks = (cfg.max_model_len + self.block_size - 1) // self.block_size
         self.graphs = DecodeGraphs(self.model, buckets, max_blocks, cfg.max_model_len, self.device)
         self.graphs.capture()
+        self.warmed += [{"path": "decode-graph", "seqs": b, "tokens": cfg.max_model_len} for b in self.graphs.buckets]
 
     @property
     def capture_seconds(self) -> float:
@@ -266,9 +320,16 @@ class ModelRunner:
 
     def to_inputs(self, plan: StepPlan) -> StepInputs:
         """Two host-to-device copies per step: one int64 pack (ids, positions, slots), one int32 pack
-        (cumulative lengths or context lengths, then the block table rows); the tensors are views of them."""
+        (cumulative lengths or context lengths, then the block table rows); the tensors are views of them.
+
+        Every view starts on a 16-byte boundary (sections are padded to 2 int64 / 4 int32 entries):
+        Triton specializes a kernel on whether each pointer is 16-byte aligned, so a view whose offset
+        followed the batch size (positions after t ids, a block table after n + 1 offsets) compiled a new
+        variant of the kernel for the first step of each alignment, in the middle of serving."""
         t, n = len(plan.input_ids), len(plan.seqlens_q)
-        wide = self._tensor(plan.input_ids + plan.positions + plan.slot_mapping, torch.int64)
+        t_pad = _aligned(t, 2)
+        pad64 = [0] * (t_pad - t)
+        wide = self._tensor(plan.input_ids + pad64 + plan.positions + pad64 + plan.slot_mapping, torch.int64)
         sections: dict[str, list[int]] = {}
         if plan.is_prefill:
             sections["cu_q"] = [0, *itertools.accumulate(plan.seqlens_q)]
@@ -279,17 +340,23 @@ class ModelRunner:
             sections["block_tables"] = list(itertools.chain.from_iterable(plan.block_tables))
         views: dict[str, torch.Tensor] = {}
         if sections:
-            packed = self._tensor(list(itertools.chain.from_iterable(sections.values())))
-            views = dict(zip(sections, packed.split([len(v) for v in sections.values()])))
+            flat: list[int] = []
+            starts: dict[str, int] = {}
+            for name, values in sections.items():
+                starts[name] = len(flat)
+                flat += values
+                flat += [0] * (_aligned(len(flat), 4) - len(flat))
+            packed = self._tensor(flat)
+            views = {name: packed[starts[name]:starts[name] + len(v)] for name, v in sections.items()}
         block_tables = views.get("block_tables")
         meta = AttentionMetadata(
-            is_prefill=plan.is_prefill, slot_mapping=wide[2 * t:],
+            is_prefill=plan.is_prefill, slot_mapping=wide[2 * t_pad:2 * t_pad + t],
             cu_seqlens_q=views.get("cu_q"), cu_seqlens_k=views.get("cu_k"),
             max_seqlen_q=max(plan.seqlens_q), max_seqlen_k=max(plan.seqlens_k),
             block_tables=None if block_tables is None else block_tables.view(n, -1),
             context_lens=views.get("context_lens"),
             seqlens_q=plan.seqlens_q, seqlens_k=plan.seqlens_k)
-        return StepInputs(wide[:t], wide[t:2 * t], meta, plan.is_prefill, plan)
+        return StepInputs(wide[:t], wide[t_pad:t_pad + t], meta, plan.is_prefill, plan)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
         return self.to_inputs(self.plan_prefill(seqs))

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.attention.splits import DECODE_BLOCK_N, DECODE_WAVES, choose_splits  # noqa: F401 (tests use tk.choose_splits)
+
 
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
@@ -121,19 +123,9 @@ def _decode_reduce_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, num_splits, stride_
     tl.store(out_ptrs, (num / den).to(out_ptr.dtype.element_ty))
 
 
-def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_count: int,
-                  waves: int = 2) -> tuple[int, int]:
-    """Split the context so that batch * kv_heads * splits fills the GPU `waves` times; split_len % block_n == 0."""
-    chunks = max(1, triton.cdiv(max_len, block_n))
-    want = max(1, triton.cdiv(waves * sm_count, batch * kv_heads))
-    splits = min(want, chunks)
-    split_len = triton.cdiv(chunks, splits) * block_n
-    return triton.cdiv(max_len, split_len), split_len
-
-
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, max_len: int, sm_count: int, block_n: int = 64,
-                 num_warps: int = 4, num_stages: int = 3, waves: int = 4) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, max_len: int, sm_count: int, block_n: int = DECODE_BLOCK_N,
+                 num_warps: int = 4, num_stages: int = 3, waves: int = DECODE_WAVES) -> torch.Tensor:
     """q [N, Hq, D] -> out [N, Hq, D]; reads context_lens[i] positions of seq i through its block table.
 
     block_n positions per tile (each position finds its own page, so any page size works); the tuning

@@ -76,7 +76,55 @@ PRESETS: dict[str, dict] = {
     ),
 }
 
+# Larger members of the Qwen3 family, so scale can be measured (issue 13). The values are those of the
+# published Hugging Face configs of Qwen/Qwen3-1.7B, Qwen/Qwen3-4B and Qwen/Qwen3-8B as we know them
+# (hidden / intermediate / layers / q heads / kv heads / head_dim / tied embeddings; all three: vocab
+# 151936, max_position_embeddings 40960, rope_theta 1e6, rms_norm_eps 1e-6, bf16), written here from
+# that knowledge, not downloaded: check them against the real config.json before citing them as exact.
+PRESETS.update({
+    "qwen3-1.7b": _preset(
+        "bfloat16",
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-4b": _preset(
+        "bfloat16",
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    ),
+    "qwen3-8b": _preset(
+        "bfloat16",
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,          # the 8B model has its own lm_head
+    ),
+})
+
+#: One line per preset for help texts and the synth marker.
+PRESET_NOTES: dict[str, str] = {
+    "tiny": "tiny shapes, fast on a CPU",
+    "qwen3-0.6b": "Qwen3-0.6B's shapes",
+    "qwen3-1.7b": "Qwen3-1.7B's shapes (published config values, from knowledge)",
+    "qwen3-4b": "Qwen3-4B's shapes (published config values, from knowledge)",
+    "qwen3-8b": "Qwen3-8B's shapes (published config values, from knowledge; untied lm_head)",
+}
+
 _DTYPES = ("float32", "bfloat16", "float16")
+SYNTH_DEVICES = ("cpu", "cuda")
 
 
 # Synthetic weight scales (chosen by measuring greedy continuations of random prompts on both
@@ -135,29 +183,32 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _make_weights(cfg: dict, seed: int, dtype: str) -> dict[str, Any]:
+def _make_weights(cfg: dict, seed: int, dtype: str, device: str = "cpu") -> dict[str, Any]:
+    """Every tensor from its own seeded generator on `device`. CPU (the default) gives the bytes every
+    earlier directory of this seed has; CUDA draws from the GPU's generator (other values, same
+    distribution, seconds instead of minutes for 8B shapes) and the marker records which device drew."""
     import torch
 
     tdtype = getattr(torch, dtype)
-    gen = torch.Generator(device="cpu")
-    chunk_elems = 1 << 22
+    gen = torch.Generator(device=device)
+    chunk_elems = 1 << 22 if device == "cpu" else 1 << 28
     out: dict[str, Any] = {}
     for name, shape, kind, std in _param_specs(cfg):
         # Every tensor has its own seed (derived from seed + name), so a tensor's values do not
         # depend on the others; rows are drawn in fixed-size float32 chunks, then cast.
         gen.manual_seed(_tensor_seed(seed, name))
         if kind == "norm":
-            noise = torch.randn(shape, generator=gen, dtype=torch.float32)
-            out[name] = (std * (1.0 + SYNTH_NORM_JITTER * noise)).to(tdtype)
+            noise = torch.randn(shape, generator=gen, dtype=torch.float32, device=device)
+            out[name] = (std * (1.0 + SYNTH_NORM_JITTER * noise)).to(tdtype).cpu()
             continue
-        t = torch.empty(shape, dtype=tdtype)
+        t = torch.empty(shape, dtype=tdtype, device=device)
         flat = t.view(-1)
         for start in range(0, flat.numel(), chunk_elems):
             stop = min(start + chunk_elems, flat.numel())
-            buf = torch.randn(stop - start, generator=gen, dtype=torch.float32)
+            buf = torch.randn(stop - start, generator=gen, dtype=torch.float32, device=device)
             buf.mul_(std)
             flat[start:stop].copy_(buf)
-        out[name] = t
+        out[name] = t.cpu()
     return out
 
 
@@ -181,7 +232,7 @@ def _transformers_version() -> str:
 
 
 def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | None,
-                       rope_scaling: str | None = None) -> None:
+                       rope_scaling: str | None = None, device: str = "cpu") -> None:
     from safetensors.torch import save_file
 
     cfg = dict(_check_preset(preset))
@@ -202,7 +253,7 @@ def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | Non
     # possibly broken Mistral one and warns about its regex on every load
     cfg = {**cfg, "transformers_version": _transformers_version()}
     _write_json(directory / "config.json", cfg)
-    weights = _make_weights(cfg, seed, cfg["dtype"])
+    weights = _make_weights(cfg, seed, cfg["dtype"], device)
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     del weights
     _write_json(
@@ -216,6 +267,7 @@ def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | Non
             "format_version": SYNTH_FORMAT_VERSION,
             "note": "random weights: generated text is meaningless",
             **({"rope_scaling": rope_scaling} if rope_scaling is not None else {}),
+            **({"weights_device": device} if device != "cpu" else {}),
         },
     )
 
@@ -227,6 +279,7 @@ def synth_model(
     dtype: str | None = None,
     force: bool = False,
     rope_scaling: str | None = None,
+    device: str = "cpu",
 ) -> Path:
     """Write a loadable Hugging Face Qwen3 model directory with seeded random weights.
 
@@ -234,7 +287,8 @@ def synth_model(
     end, so an interrupted run never leaves a directory that looks complete. A non-empty ``out``
     is refused unless ``force``; with ``force`` the model files in it are replaced (other files
     are left alone, stale ``*.safetensors`` shards are removed). ``rope_scaling`` (``yarn:4``, ``linear:2``,
-    see :mod:`labkit.assets.rope`) writes a rope scaling block into config.json. Returns the resolved path.
+    see :mod:`labkit.assets.rope`) writes a rope scaling block into config.json; ``device="cuda"`` draws
+    the weights on the GPU (see _make_weights). Returns the resolved path.
     """
     _check_preset(preset)
     if rope_scaling is not None:
@@ -245,6 +299,13 @@ def synth_model(
         raise ModelError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise ModelError(f"seed must be an integer, got {seed!r}")
+    if device not in SYNTH_DEVICES:
+        raise ModelError(f"--device must be one of {', '.join(SYNTH_DEVICES)}, got {device!r}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ModelError("--device cuda: CUDA is not available on this machine")
     out = Path(out).expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise ModelError(f"cannot write model to {out}: it exists and is not a directory")
@@ -257,7 +318,7 @@ def synth_model(
     except OSError as exc:
         raise ModelError(f"cannot create model directory {out}: {exc.strerror or exc}") from None
     try:
-        _write_synth_files(tmp, preset, seed, dtype, rope_scaling)
+        _write_synth_files(tmp, preset, seed, dtype, rope_scaling, device)
         _apply_umask(tmp)
         if not out.exists():
             os.rename(tmp, out)

@@ -72,3 +72,18 @@ def decode_bound(shape, weight_element_size: int, kv_element_size: int, prompt_l
         "bound_tok_s": round(outputs / seconds, 1) if seconds > 0 else None,
         "formula": "(weight_bytes_per_decode_step * min_decode_steps + kv_read_bytes) / copy roof",
     }
+
+
+def step_bound(shape, weight_element_size: int, kv_element_size: int, batch: int, context: float,
+               copy_roof_gb_s: float) -> dict:
+    """The memory-bandwidth bound of one decode step of `batch` sequences at mean context `context`: the
+    step reads every decode weight once and each sequence's K/V; at batch 1 this is the weight-read
+    bound on the time per output token."""
+    if copy_roof_gb_s <= 0:
+        raise ValueError(f"copy roof must be positive, got {copy_roof_gb_s}")
+    weights = decode_weight_bytes(shape, weight_element_size)
+    kv = int(batch * context * shape.kv_bytes_per_token(kv_element_size))
+    ms = (weights + kv) / (copy_roof_gb_s * 1e9) * 1e3
+    return {"batch": batch, "mean_context": context, "weight_bytes": weights, "kv_read_bytes": kv,
+            "copy_roof_gb_s": round(copy_roof_gb_s, 1), "bound_ms_per_step": round(ms, 4),
+            "formula": "(weight_bytes_per_decode_step + batch x mean context x kv_bytes_per_token) / copy roof"}

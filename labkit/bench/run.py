@@ -98,7 +98,7 @@ def engine_facts(engine: LLMEngine) -> dict:
     return {"init_seconds": d["init_seconds"], "load_seconds": d["load_seconds"],
             "capture_seconds": d["graph"]["capture_seconds"], "graph_buckets": d["graph"]["buckets"],
             "kv_blocks": d["num_kvcache_blocks"], "attention_backend": d["attention_backend"],
-            "memory": d["memory"]}
+            "memory": d["memory"], "warmup": d["warmup"]}
 
 
 # -- workloads -------------------------------------------------------------------------------------
@@ -213,8 +213,26 @@ def bench_latency(model_dir: str, device: str, attention: str, batches=(1, 8, 64
             facts[mode][f"batch_{b}"] = {"decode_steps": len(step_ms),
                                          "ms_per_output_token_median": round(statistics.median(step_ms), 4),
                                          "ms_per_output_token_mean": round(statistics.fmean(step_ms), 4)}
+            bound = latency_bound(engine, device, b, input_len + output_len / 2)
+            if bound is not None:
+                bound["measured_over_bound"] = round(statistics.median(step_ms) / bound["bound_ms_per_step"], 3)
+                facts[mode][f"batch_{b}"]["bound"] = bound
         _release(engine)
     return facts
+
+
+def latency_bound(engine: LLMEngine, device: str, batch: int, context: float) -> dict | None:
+    """The decode step's weight + K/V read time at the copy roof measured now (labkit.bench.bound.step_bound)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    from labkit.bench.attention import copy_roof_gbs
+    from labkit.bench.bound import step_bound
+
+    weight_element = torch.empty(0, dtype=getattr(torch, engine.describe()["dtype"])).element_size()
+    return step_bound(engine.config.shape, weight_element, engine.kv_cache_view().element_size(), batch, context,
+                      copy_roof_gbs())
 
 
 def bench_hf_baseline(model_dir: str, device: str, attention: str, num_seqs: int = 32, output_len: int = 128) -> dict:

@@ -338,28 +338,54 @@ def generate(
 
 @app.command()
 def bench(
-    workload: Annotated[str, typer.Option("--workload", help="nano-vllm | graph-vs-eager | latency | attention.")] = "nano-vllm",
+    workload: Annotated[str, typer.Option("--workload", help="nano-vllm | graph-vs-eager | latency | attention | serve.")] = "nano-vllm",
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="hf: transformers generate on a fraction of the workload, same GPU, same run.")] = None,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats (nano-vllm workload).")] = 1,
     enforce_eager: EnforceEagerOpt = False,
     profile: Annotated[bool, typer.Option("--profile", help="nano-vllm: one more, instrumented pass: time by phase and part, top GPU kernels of a decode window.")] = False,
     sweep: Annotated[bool, typer.Option("--sweep", help="attention: also time every knob setting of the Triton decode kernel.")] = False,
     overlap: Annotated[bool, typer.Option("--overlap", help="nano-vllm: launch each decode step before reading the previous one's tokens.")] = False,
+    requests: Annotated[Optional[int], typer.Option("--requests", help="serve: trace requests (default 256, issue 13's trace).")] = None,
+    prompt_tokens: Annotated[Optional[int], typer.Option("--prompt-tokens", help="serve: short prompt tokens (default 512).")] = None,
+    long_prompt_tokens: Annotated[Optional[int], typer.Option("--long-prompt-tokens", help="serve: long prompt tokens (default 1024).")] = None,
+    long_every: Annotated[Optional[int], typer.Option("--long-every", help="serve: every Nth request is long (default 2).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="serve: output tokens per request (default 512).")] = None,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
-    """Measure throughput / latency on a fixed workload; every repeat is kept in the evidence."""
+    """Measure throughput / latency on a fixed workload; every repeat is kept in the evidence.
+
+    ``--workload serve`` runs one trace offline (cold, then warm) and through a `labkit serve` process
+    (native and OpenAI APIs); on CPU it runs with a small trace (``--requests 8 --prompt-tokens 32 ...``)."""
     from labkit.bench.run import run_bench
     from labkit.lab_engine import detect_device
     from labkit.paths import default_out
 
-    if not detect_device(device).startswith("cuda"):     # minutes on a CPU, with nothing to show meanwhile
+    trace_opts = dict(requests=requests, prompt_tokens=prompt_tokens, long_prompt_tokens=long_prompt_tokens,
+                      long_every=long_every, max_tokens=max_tokens)
+    trace = None
+    if any(v is not None for v in trace_opts.values()):
+        if workload != "serve":
+            raise UserError("the trace options (--requests, --prompt-tokens, ...) apply to --workload serve")
+        from dataclasses import replace
+
+        from labkit.bench.serve import ISSUE_TRACE
+        trace = replace(ISSUE_TRACE, **{k: v for k, v in trace_opts.items() if v is not None})
+    if workload != "serve" and not detect_device(device).startswith("cuda"):   # minutes on a CPU, nothing to show
         raise UserError("bench is a GPU tool and this run would use the CPU (no CUDA here, or --device cpu); "
-                        "try the engine on CPU with `labkit generate` instead")
+                        "try the engine on CPU with `labkit generate` instead (or `--workload serve` with a small trace)")
     path = out or default_out(f"bench-{workload}.json")
-    record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
-                       baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,
-                       overlap=overlap)
+    if workload == "serve":
+        from labkit.bench.serve import run_serve_bench
+
+        if baseline or profile or sweep or overlap or enforce_eager or repeats != 1:
+            raise UserError("--workload serve takes the trace options, --model, --device, --attention and --out only")
+        record = run_serve_bench(path, model=_model_arg(model), device=device, attention=attention, trace=trace,
+                                 show_progress=not json_out)
+    else:
+        record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
+                           baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,
+                           overlap=overlap)
     if not json_out:
         render_facts_json(record)
     finish(record, path, json_out=json_out)

@@ -15,6 +15,9 @@ model_app = typer.Typer(help="Model assets: synthesize, inspect, download.", no_
 class Preset(str, enum.Enum):
     tiny = "tiny"
     qwen3_0_6b = "qwen3-0.6b"
+    qwen3_1_7b = "qwen3-1.7b"
+    qwen3_4b = "qwen3-4b"
+    qwen3_8b = "qwen3-8b"
 
 
 def _show_result(result: object, title: str, json_out: bool) -> None:
@@ -29,7 +32,7 @@ def _show_result(result: object, title: str, json_out: bool) -> None:
 @model_app.command("synth")
 def model_synth(
     out: Annotated[Path, typer.Option("--out", "-o", file_okay=False, help="Directory to write the model into.")],
-    preset: Annotated[Preset, typer.Option("--preset", help="Shapes: tiny (fast, CPU) or qwen3-0.6b (Qwen3-0.6B's).")] = Preset.tiny,
+    preset: Annotated[Preset, typer.Option("--preset", help="Shapes: tiny (fast, CPU), qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b (the Qwen3 models' shapes).")] = Preset.tiny,
     seed: SeedOpt = 0,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Weight dtype (default: the preset's).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing directory.")] = False,
@@ -37,13 +40,16 @@ def model_synth(
         "--rope-scaling", metavar="TYPE:FACTOR",
         help="Write a rope_scaling block into config.json: yarn:F (original_max_position_embeddings = "
              "max_position_embeddings / F), linear:F, or dynamic:F (a type the engine refuses).")] = None,
+    device: Annotated[str, typer.Option("--device", help="Where the random weights are drawn: cpu (the same bytes as before for a seed) or cuda (fast for the large presets; other values).")] = "cpu",
     json_out: JsonOpt = False,
 ) -> None:
     """Write a Hugging Face Qwen3 directory with seeded random weights."""
     from labkit.assets.synth import synth_model
 
-    path = synth_model(preset.value, out, seed=seed, dtype=dtype, force=force, rope_scaling=rope_scaling)
-    summary = {"path": str(path), "preset": preset.value, "seed": seed, "dtype": dtype, "synthetic": True}
+    path = synth_model(preset.value, out, seed=seed, dtype=dtype, force=force, rope_scaling=rope_scaling,
+                       device=device)
+    summary = {"path": str(path), "preset": preset.value, "seed": seed, "dtype": dtype, "synthetic": True,
+               "weights_device": device}
     if rope_scaling is not None:
         summary["rope_scaling"] = rope_scaling
     if json_out:

@@ -1,0 +1,54 @@
+"""How the Triton paged decode splits a context (pure Python: no triton import, so the warmup plan and
+the tests can reason about the kernel's compiled variants on any machine).
+
+The decode kernel is compiled once per value of its constexprs. Two of them follow the split count:
+``DIRECT`` (a single split writes the output itself) and the reduce kernel's ``BLOCK_S`` (the split
+count rounded up to a power of two). :func:`decode_variant` names the variant a call compiles.
+"""
+from __future__ import annotations
+
+DECODE_BLOCK_N = 64          # positions per tile (paged_decode's default)
+DECODE_WAVES = 4             # split so that batch x kv heads x splits fills the GPU this many times
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_count: int,
+                  waves: int = 2) -> tuple[int, int]:
+    """Split the context so that batch * kv_heads * splits fills the GPU `waves` times; split_len % block_n == 0.
+    Returns (num_splits, split_len)."""
+    chunks = max(1, cdiv(max_len, block_n))
+    want = max(1, cdiv(waves * sm_count, batch * kv_heads))
+    splits = min(want, chunks)
+    split_len = cdiv(chunks, splits) * block_n
+    return cdiv(max_len, split_len), split_len
+
+
+def decode_variant(batch: int, kv_heads: int, max_len: int, sm_count: int, block_n: int = DECODE_BLOCK_N,
+                   waves: int = DECODE_WAVES) -> tuple[bool, int]:
+    """(DIRECT, BLOCK_S) of the decode call at this batch and longest context: its compiled variant."""
+    num_splits, _ = choose_splits(batch, kv_heads, max_len, block_n, sm_count, waves)
+    return num_splits == 1, max(2, next_power_of_2(num_splits))
+
+
+def decode_variants(max_batch: int, kv_heads: int, max_model_len: int, sm_count: int,
+                    block_n: int = DECODE_BLOCK_N, waves: int = DECODE_WAVES) -> dict[tuple[bool, int], tuple[int, int]]:
+    """Every decode variant a batch of 1..max_batch sequences with contexts up to max_model_len can meet,
+    each with one (batch, max_len) that meets it (the smallest batch, then the shortest context)."""
+    out: dict[tuple[bool, int], tuple[int, int]] = {}
+    max_chunks = max(1, cdiv(max_model_len, block_n))
+    by_want: dict[int, int] = {}                         # the split count a batch wants -> its first batch
+    for batch in range(1, max_batch + 1):
+        by_want.setdefault(max(1, cdiv(waves * sm_count, batch * kv_heads)), batch)
+    for want, batch in sorted(by_want.items(), key=lambda kv: kv[1]):
+        for chunks in range(1, max_chunks + 1):
+            max_len = min(chunks * block_n, max_model_len)
+            key = decode_variant(batch, kv_heads, max_len, sm_count, block_n, waves)
+            out.setdefault(key, (batch, max_len))
+    return out

@@ -1,0 +1,389 @@
+"""`labkit bench --workload serve`: one trace, offline and served, in one run (issue 13).
+
+(a) Offline: the trace's requests through ``LLMEngine.generate`` (what ``LLM.generate`` runs) on a freshly
+    built engine: a first (cold) pass right after start-up, then, with the prefix cache reset, a warm pass.
+    first_over_warm says how much first-use work start-up's warmup left for the first burst; the Triton
+    kernels compiled during each pass are listed (``compiled``) where Triton lets us watch.
+(b) Served: the same engine settings in a real ``labkit serve`` process on 127.0.0.1 (its own process,
+    its own GIL), driven by the ``labkit load --mode wall`` machinery over the native NDJSON API and then
+    the OpenAI API. The server's event log has one ``step`` record per engine step (start and end on the
+    machine's monotonic clock, the batch size), from which, inside each API's measured window: the
+    engine's busy fraction (time inside ``engine.step()`` / window), and at wide batches (>= wide_batch
+    sequences) the step time and the gap between one step's end and the next one's start.
+
+The bound is labkit.bench.bound's decode bound for the trace's actual prompt and output lengths, the
+model's shape and a device copy timed in the same run (CUDA only). The evidence says every input.
+
+Every run also states what must hold whatever the hardware (run_assertions): the four runs carry the
+same requests and the same output token counts.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from labkit.errors import UserError
+from labkit.load.trace import TraceOptions, make_trace, write_trace
+
+#: The trace of issue 13: 256 requests at once, half 512 and half 1024 prompt tokens, 512 outputs each.
+ISSUE_TRACE = TraceOptions(requests=256, prompt_tokens=512, long_prompt_tokens=1024, long_every=2, max_tokens=512,
+                           interval_ms=0.0)
+#: Engine settings, the same offline and served: `labkit serve`'s CUDA defaults with the issue's context;
+#: on CPU the practice settings.
+CUDA_SETTINGS = dict(enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_model_len=4096,
+                     gpu_memory_utilization=0.5)
+CPU_SETTINGS = dict(enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024,
+                    gpu_memory_utilization=0.5)
+WIDE_BATCH = 200                       # issue 13's "decode phase (batch >= 200)" at 256 sequences
+LOAD_WARMUP_REQUESTS = 2               # `labkit load`'s default
+SERVER_START_S = 600.0
+
+
+def settings_for(device: str) -> dict:
+    return dict(CUDA_SETTINGS if device.startswith("cuda") else CPU_SETTINGS)
+
+
+def wide_batch_for(settings: dict, requests: int) -> int:
+    """200 at 256 sequences per step; proportionally fewer (at least 1) when fewer can run at once."""
+    width = min(settings["max_num_seqs"], requests)
+    return max(1, min(WIDE_BATCH, (width * WIDE_BATCH) // 256 or 1))
+
+
+# --------------------------------------------------------------------------- Triton compiles
+
+
+@contextmanager
+def watch_compiles():
+    """Yields a list that collects one entry per Triton kernel specialization compiled (an in-memory cache
+    miss) inside the block, or ``None`` when Triton is absent or offers no hook."""
+    try:
+        import triton
+    except ImportError:
+        yield None
+        return
+    seen: list[str] = []
+
+    def hook(*args, **kwargs):
+        fn = kwargs.get("fn")
+        name = getattr(fn, "name", None) or getattr(getattr(fn, "fn", None), "__name__", None) or "?"
+        seen.append(str(kwargs.get("repr") or name)[:300])
+        return False                   # never skip the compile
+
+    knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if knobs is not None and hasattr(knobs, "jit_cache_hook"):
+        old = knobs.jit_cache_hook
+        knobs.jit_cache_hook = hook
+        try:
+            yield seen
+        finally:
+            knobs.jit_cache_hook = old
+        return
+    from triton.runtime.jit import JITFunction
+
+    if not hasattr(JITFunction, "cache_hook"):
+        yield None
+        return
+    old = JITFunction.cache_hook
+    JITFunction.cache_hook = hook
+    try:
+        yield seen
+    finally:
+        JITFunction.cache_hook = old
+
+
+def _kernel_names(compiled: list[str] | None) -> dict[str, int] | None:
+    if compiled is None:
+        return None
+    out: dict[str, int] = {}
+    for entry in compiled:
+        name = entry.split("[", 1)[0].split("(", 1)[0]
+        out[name] = out.get(name, 0) + 1
+    return dict(sorted(out.items()))
+
+
+# --------------------------------------------------------------------------- (a) offline
+
+
+def _pass_record(timed, compiled: list[str] | None, wide: int) -> dict:
+    rec = timed.record()
+    rec["requests"] = len(timed.output_lens or [])
+    rec["compiled_kernels"] = _kernel_names(compiled)
+    rec["compiled"] = None if compiled is None else compiled[:40]
+    decode_wide = [s * 1e3 for p, b, s in (timed.steps or []) if not p and b >= wide]
+    rec["wide_decode_step_ms"] = percentiles(decode_wide)
+    return rec
+
+
+def run_offline(model_dir: str, device: str, attention: str, settings: dict, reqs: list[dict], wide: int) -> dict:
+    from engine import SamplingParams
+    from labkit.bench.run import _release, engine_facts, engine_for, timed_generate
+
+    prompts = [r["prompt_token_ids"] for r in reqs]
+    params = [SamplingParams(temperature=float(r["temperature"]), max_tokens=int(r["max_tokens"]),
+                             ignore_eos=bool(r["ignore_eos"])) for r in reqs]
+    kw = {k: v for k, v in settings.items() if k != "enforce_eager"}
+    engine = engine_for(model_dir, device, attention, settings["enforce_eager"], **kw)
+    try:
+        engine.tokenizer                       # loaded before the clock starts (the server loads its own at start)
+        facts = {"engine": engine_facts(engine), "warmup": engine.describe()["warmup"]}
+        with watch_compiles() as compiled:
+            cold = timed_generate(engine, prompts, params, steps=True)
+        engine.reset_prefix_cache()            # the warm pass must not reuse the cold pass's prefixes
+        with watch_compiles() as compiled_warm:
+            warm = timed_generate(engine, prompts, params, steps=True)
+        facts["cold"] = _pass_record(cold, compiled, wide)
+        facts["warm"] = _pass_record(warm, compiled_warm, wide)
+        facts["first_over_warm"] = round(cold.seconds / warm.seconds, 3) if warm.seconds > 0 else None
+        facts["bound"] = _bound(engine, device, prompts, warm.output_lens)
+    finally:
+        _release(engine)
+    return facts
+
+
+def _bound(engine, device: str, prompts, output_lens) -> dict:
+    from labkit.bench.bound import decode_bound
+
+    if not device.startswith("cuda"):
+        return {"bound_tok_s": None, "why": "the bound needs a device copy roof (CUDA)"}
+    import torch
+
+    from labkit.bench.attention import copy_roof_gbs
+
+    weight_element = torch.empty(0, dtype=getattr(torch, engine.describe()["dtype"])).element_size()
+    return decode_bound(engine.config.shape, weight_element, engine.kv_cache_view().element_size(),
+                        [len(p) for p in prompts], output_lens, copy_roof_gbs())
+
+
+# --------------------------------------------------------------------------- (b) served
+
+
+@dataclass
+class ServerProcess:
+    """A `labkit serve` subprocess on 127.0.0.1 (port 0: it picks a free one and prints the URL)."""
+    proc: subprocess.Popen
+    url: str
+    log: Path
+    output: Path
+
+    @classmethod
+    def start(cls, model_dir: str, device: str, attention: str, settings: dict, log: Path, output: Path,
+              timeout_s: float = SERVER_START_S) -> "ServerProcess":
+        args = [sys.executable, "-m", "labkit", "serve", "--model", model_dir, "--port", "0", "--device", device,
+                "--attention", attention, "--max-num-seqs", str(settings["max_num_seqs"]),
+                "--max-active", str(settings["max_num_seqs"]), "--queue-size", "1024",
+                "--max-num-batched-tokens", str(settings["max_num_batched_tokens"]),
+                "--max-model-len", str(settings["max_model_len"]),
+                "--gpu-memory-utilization", str(settings["gpu_memory_utilization"]),
+                "--enforce-eager" if settings["enforce_eager"] else "--graph",
+                "--out", str(log), "--log-level", "warning", "--stats-interval", "0"]
+        output.parent.mkdir(parents=True, exist_ok=True)
+        sink = output.open("w")
+        proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "COLUMNS": "200"})
+        sink.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = re.search(r"ready: (http://127\.0\.0\.1:\d+)", output.read_text(errors="replace"))
+            if m:
+                return cls(proc, m.group(1), log, output)
+            if proc.poll() is not None:
+                raise UserError(f"labkit serve exited with code {proc.returncode} before it was ready: "
+                                f"{_last_line(output)}")
+            time.sleep(0.2)
+        proc.kill()
+        proc.wait()
+        raise UserError(f"labkit serve was not ready within {timeout_s:g} s (its output: {output})")
+
+    def stop(self, timeout_s: float = 120.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _last_line(path: Path) -> str:
+    lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def run_served(model_dir: str, device: str, attention: str, settings: dict, trace_path: Path, out_dir: Path,
+               show_progress: bool = False) -> tuple[dict, dict, Path, dict]:
+    """Native then OpenAI replay against one server; returns (native record, openai record, server log,
+    server facts)."""
+    from labkit.load.replay import LoadOptions, run_load
+
+    log = out_dir / "serve-server.jsonl"
+    server = ServerProcess.start(model_dir, device, attention, settings, log, out_dir / "serve-server.out")
+    records = {}
+    try:
+        for api in ("native", "openai"):
+            records[api] = run_load(LoadOptions(trace=trace_path, out=out_dir / f"serve-{api}.jsonl",
+                                                endpoints=[server.url], mode="wall", api=api,
+                                                warmup_requests=LOAD_WARMUP_REQUESTS, timeout_s=1800.0,
+                                                show_progress=show_progress))
+    finally:
+        code = server.stop()
+    return records["native"], records["openai"], log, {"url": server.url, "exit_code": code,
+                                                        "log": str(log), "output": str(server.output)}
+
+
+# --------------------------------------------------------------------------- the server's steps
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0, "p50": None, "p90": None, "p99": None, "max": None}
+    s = sorted(values)
+
+    def q(p: float) -> float:
+        return round(s[min(len(s) - 1, int(p * (len(s) - 1) + 0.5))], 4)
+
+    return {"n": len(s), "p50": round(statistics.median(s), 4), "p90": q(0.9), "p99": q(0.99), "max": round(s[-1], 4)}
+
+
+def read_steps(log: Path) -> list[dict]:
+    from labkit.evidence import read_jsonl
+
+    return [rec for _, rec in read_jsonl(log, missing="server event log not found")
+            if rec.get("event") == "step" and "start_ns" in rec]
+
+
+def step_stats(steps: list[dict], start_ns: int, end_ns: int, wide: int) -> dict:
+    """Inside [start_ns, end_ns]: busy fraction, and at batch >= wide the step times and inter-step gaps (ms)."""
+    span = end_ns - start_ns
+    inside = sorted((s for s in steps if s["t_ns"] > start_ns and s["start_ns"] < end_ns), key=lambda s: s["start_ns"])
+    busy = sum(min(s["t_ns"], end_ns) - max(s["start_ns"], start_ns) for s in inside)
+    wide_steps = [s for s in inside if s["num_seqs"] >= wide]
+    gaps = [(b["start_ns"] - a["t_ns"]) / 1e6 for a, b in zip(inside, inside[1:])
+            if a["num_seqs"] >= wide and b["num_seqs"] >= wide]
+    return {"window_s": round(span / 1e9, 6), "steps": len(inside),
+            "busy_s": round(busy / 1e9, 6), "engine_busy_fraction": round(busy / span, 4) if span > 0 else None,
+            "wide_batch": wide, "wide_steps": len(wide_steps),
+            "wide_step_ms": percentiles([(s["t_ns"] - s["start_ns"]) / 1e6 for s in wide_steps]),
+            "wide_gap_ms": percentiles(gaps)}
+
+
+def received_tokens(events: Path, request_ids: set[str]) -> int:
+    """Token events the client itself read for the trace's requests (not the server's own count)."""
+    from labkit.evidence import read_jsonl
+
+    return sum(1 for _, e in read_jsonl(events) if e.get("event") == "token" and e.get("observer") == "client"
+               and e.get("request_id") in request_ids)
+
+
+def served_facts(record: dict, steps: list[dict], wide: int, request_ids: set[str]) -> dict:
+    f = record["facts"]
+    client = f["summary"]["observers"].get("client", {})
+    window = client.get("window") or {}
+    out = {"tok_s": client.get("throughput_tok_s"), "requests": client.get("requests"),
+           "completed": client.get("completed"), "output_tokens": received_tokens(Path(f["events"]), request_ids),
+           "server_reported_output_tokens": client.get("output_tokens"),
+           "ttft_ms": f["ttft_ms"].get("client"), "tpot_ms": f["tpot_ms"].get("client"),
+           "verdict": record["verdict"], "events": f["events"]}
+    if window:
+        out |= step_stats(steps, window["start_ns"], window["end_ns"], wide)
+    return out
+
+
+# --------------------------------------------------------------------------- the workload
+
+
+def bench_serve(model_dir: str, device: str, attention: str, trace: TraceOptions, out_dir: Path,
+                show_progress: bool = False) -> dict:
+    settings = settings_for(device)
+    reqs = make_trace(trace)
+    longest = max(r["prompt_tokens"] + r["max_tokens"] for r in reqs)
+    if longest > settings["max_model_len"]:
+        raise UserError(f"the trace's longest request ({longest} tokens) exceeds max-model-len "
+                        f"{settings['max_model_len']} of the serve bench")
+    wide = wide_batch_for(settings, len(reqs))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trace_path = out_dir / "serve-trace.jsonl"
+    trace_summary = write_trace(trace_path, trace)
+    facts: dict = {"trace": {"options": asdict(trace), "path": str(trace_path), "sha256": trace_summary["sha256"],
+                             "requests": len(reqs), "prompt_tokens": sum(r["prompt_tokens"] for r in reqs),
+                             "expected_output_tokens": sum(r["max_tokens"] for r in reqs)},
+                   "settings": settings, "wide_batch": wide}
+    facts["offline"] = run_offline(model_dir, device, attention, settings, reqs, wide)
+    native, openai, log, server = run_served(model_dir, device, attention, settings, trace_path, out_dir,
+                                             show_progress)
+    steps = read_steps(log)
+    facts["server"] = {**server, "steps_logged": len(steps)}
+    ids = {r["request_id"] for r in reqs}
+    facts["native"] = served_facts(native, steps, wide, ids)
+    facts["openai"] = served_facts(openai, steps, wide, ids)
+    off = facts["offline"]
+    warm_tok_s = off["warm"]["tok_s"]
+    ratio = lambda a: round(a / warm_tok_s, 3) if a and warm_tok_s else None  # noqa: E731
+    facts["ratios"] = {"native_over_offline": ratio(facts["native"]["tok_s"]),
+                       "openai_over_offline": ratio(facts["openai"]["tok_s"]),
+                       "first_over_warm": off["first_over_warm"]}
+    runs = {"offline_cold": off["cold"], "offline_warm": off["warm"], "native": facts["native"], "openai": facts["openai"]}
+    facts["requests_per_run"] = {k: v.get("completed", v.get("requests")) for k, v in runs.items()}
+    facts["output_tokens_per_run"] = {k: v["output_tokens"] for k, v in runs.items()}
+    facts["runs_agree"] = (len(set(facts["requests_per_run"].values())) == 1
+                           and len(set(facts["output_tokens_per_run"].values())) == 1)
+    bound = off["bound"]
+    if bound.get("bound_tok_s"):
+        bound = {**bound, "share_of_bound": {k: (round(v["tok_s"] / bound["bound_tok_s"], 3) if v.get("tok_s") else None)
+                                             for k, v in (("offline_warm", off["warm"]), ("native", facts["native"]),
+                                                          ("openai", facts["openai"]))}}
+        bound["share_of_bound_max"] = max(x for x in bound["share_of_bound"].values() if x is not None)
+    facts["bound"] = bound
+    return facts
+
+
+def run_assertions(facts: dict) -> list[dict]:
+    """What every serve bench run must show, on any device: the same work in all four runs, all of it."""
+    from labkit.checks import run_assertion
+
+    expected = facts["trace"]["expected_output_tokens"]
+    out = [run_assertion("facts.runs_agree", "is_true", name="same requests and output tokens in all four runs",
+                         why="offline cold, offline warm, native and OpenAI served the same requests and tokens")]
+    for run in ("offline_cold", "offline_warm", "native", "openai"):
+        out.append(run_assertion(f"facts.output_tokens_per_run.{run}", "eq", expected, name=f"{run}: every output token",
+                                 why="the trace's requests x max_tokens (ignore_eos) were generated"))
+        out.append(run_assertion(f"facts.requests_per_run.{run}", "eq", facts["trace"]["requests"],
+                                 name=f"{run}: every request", why="every request of the trace completed"))
+    out.append(run_assertion("facts.native.wide_steps", "gt", 0, name="wide steps seen",
+                             why="the server's log has steps at the wide batch inside the native window"))
+    out.append(run_assertion("facts.server.exit_code", "eq", 0, name="server stopped cleanly",
+                             why="labkit serve exited 0 on SIGINT after the replays"))
+    return out
+
+
+def run_serve_bench(out: Path | None = None, model: str | None = None, device: str = "auto", attention: str = "auto",
+                    trace: TraceOptions | None = None, show_progress: bool = False) -> dict:
+    """`labkit bench --workload serve`: the evidence (runs/bench-serve.json, logs in runs/bench-serve/). On
+    CUDA with issue 13's trace it is judged as cuda.bench-serve; on a CPU (tiny model, a small trace) it is
+    evidence of the mechanism (cpu-real-engine) for no checkpoint, judged by its run assertions."""
+    from labkit.assets.identity import model_identity
+    from labkit.assets.resolve import resolve_model
+    from labkit.evidence import write_evidence
+    from labkit.lab_engine import detect_device
+    from labkit.paths import default_out
+
+    trace = trace or ISSUE_TRACE
+    trace.check()
+    device = detect_device(device)
+    ref = resolve_model(model, device)
+    path = out or default_out("bench-serve.json")
+    facts = bench_serve(str(ref.path), device, attention, trace, path.with_suffix(""), show_progress)
+    facts["device"] = device
+    cuda = device.startswith("cuda")
+    checkpoint = "cuda.bench-serve" if cuda and trace == ISSUE_TRACE else None
+    return write_evidence(path, checkpoint=checkpoint, kind="gpu-measured" if cuda else "cpu-real-engine",
+                          facts=facts, device=device, model=dict(model_identity(ref.path)),
+                          run_assertions=run_assertions(facts))

@@ -1,0 +1,130 @@
+"""`labkit bench --workload serve` on CPU: the whole mechanism (offline cold + warm, a real `labkit serve`
+subprocess replayed over the native and the OpenAI API, the server's step log) with the tiny model and a
+small trace; the step arithmetic; the checkpoint's data against the facts the bench writes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from labkit.bench.serve import ISSUE_TRACE, percentiles, step_stats, wide_batch_for
+from labkit.load.trace import TraceOptions
+
+SMALL = TraceOptions(requests=8, prompt_tokens=32, long_prompt_tokens=64, long_every=2, max_tokens=8, interval_ms=0.0)
+
+
+@pytest.fixture(scope="module")
+def serve_record(tiny_model_dir, tmp_path_factory):
+    from labkit.bench.serve import run_serve_bench
+
+    out = tmp_path_factory.mktemp("bench-serve") / "bench-serve.json"
+    return run_serve_bench(out, model=str(tiny_model_dir), device="cpu", attention="torch", trace=SMALL)
+
+
+def test_serve_bench_runs_the_trace_offline_and_served_on_cpu(serve_record):
+    r = serve_record
+    f = r["facts"]
+    assert r["kind"] == "cpu-real-engine" and r["checkpoint"] is None and r["verdict"] == "PASS", r["checks"]
+    expected = SMALL.requests * SMALL.max_tokens
+    assert f["trace"]["expected_output_tokens"] == expected
+    assert f["output_tokens_per_run"] == dict.fromkeys(("offline_cold", "offline_warm", "native", "openai"), expected)
+    assert set(f["requests_per_run"].values()) == {SMALL.requests}
+    assert f["runs_agree"] is True
+    for api in ("native", "openai"):
+        a = f[api]
+        assert a["tok_s"] > 0 and 0 < a["engine_busy_fraction"] <= 1
+        assert a["wide_steps"] > 0 and a["wide_step_ms"]["n"] == a["wide_steps"]
+        assert a["wide_gap_ms"]["n"] >= 1 and a["wide_gap_ms"]["p50"] >= 0
+        assert a["verdict"] == "PASS" and Path(a["events"]).is_file()
+    assert f["ratios"]["native_over_offline"] == pytest.approx(f["native"]["tok_s"] / f["offline"]["warm"]["tok_s"], rel=1e-2)
+    assert f["ratios"]["first_over_warm"] == pytest.approx(f["offline"]["cold"]["seconds"] / f["offline"]["warm"]["seconds"], rel=1e-2)
+    assert f["server"]["exit_code"] == 0 and f["server"]["steps_logged"] > 0
+    assert f["wide_batch"] == wide_batch_for(f["settings"], SMALL.requests) == 6
+    assert f["bound"]["bound_tok_s"] is None            # no copy roof on a CPU: said, not invented
+
+
+def test_server_log_is_the_real_server_and_the_trace_is_the_generators(serve_record):
+    f = serve_record["facts"]
+    log = [json.loads(x) for x in Path(f["server"]["log"]).read_text().splitlines()]
+    assert log[0]["event"] == "header" and log[0]["role"] == "server" and log[0]["url"] == f["server"]["url"]
+    steps = [e for e in log if e["event"] == "step"]
+    assert len(steps) == f["server"]["steps_logged"]
+    # both replays' requests and their warmups went through that one server (the OpenAI API's get server ids)
+    from labkit.bench.serve import LOAD_WARMUP_REQUESTS
+
+    admitted = {e["request_id"] for e in log if e["event"] == "admitted"}
+    assert len(admitted) == 2 * (SMALL.requests + LOAD_WARMUP_REQUESTS)
+    assert {f"r{i:03d}" for i in range(SMALL.requests)} <= admitted
+    from labkit.load.trace import render
+
+    assert Path(f["trace"]["path"]).read_text() == render(SMALL)
+
+
+def test_checkpoint_paths_exist_in_the_bench_facts(serve_record):
+    """Every path cuda.bench-serve judges is a fact the bench writes (the CPU run has the same layout)."""
+    from labkit.checks import _resolve, get_checkpoint
+
+    cp = get_checkpoint("cuda.bench-serve")
+    record = {**serve_record, "facts": {**serve_record["facts"], "bound": {"copy_roof_gb_s": 1.0, "share_of_bound_max": 0.5}}}
+    for a in cp.assertions:
+        _resolve(record, a.path)                     # raises on a path the facts do not have
+    assert cp.command == ["labkit", "bench", "--workload", "serve"]
+    assert ISSUE_TRACE.requests * ISSUE_TRACE.max_tokens == 131072
+
+
+def test_step_stats_busy_fraction_and_gaps():
+    ms = 1_000_000
+    steps = [{"start_ns": 0, "t_ns": 10 * ms, "num_seqs": 250},
+             {"start_ns": 12 * ms, "t_ns": 22 * ms, "num_seqs": 250},
+             {"start_ns": 25 * ms, "t_ns": 35 * ms, "num_seqs": 100},
+             {"start_ns": 36 * ms, "t_ns": 46 * ms, "num_seqs": 210},
+             {"start_ns": 90 * ms, "t_ns": 99 * ms, "num_seqs": 250}]          # outside the window
+    s = step_stats(steps, 0, 50 * ms, 200)
+    assert s["steps"] == 4 and s["busy_s"] == pytest.approx(0.040)
+    assert s["engine_busy_fraction"] == pytest.approx(0.8)
+    assert s["wide_steps"] == 3 and s["wide_step_ms"]["p50"] == pytest.approx(10.0)
+    assert s["wide_gap_ms"]["n"] == 1 and s["wide_gap_ms"]["p50"] == pytest.approx(2.0)   # only 250 -> 250 pairs
+    clipped = step_stats(steps, 5 * ms, 50 * ms, 200)                                     # a step cut by the window
+    assert clipped["busy_s"] == pytest.approx(0.035)
+
+
+def test_percentiles_and_wide_batch():
+    assert percentiles([]) == {"n": 0, "p50": None, "p90": None, "p99": None, "max": None}
+    p = percentiles([float(x) for x in range(1, 101)])
+    assert p["p50"] == 50.5 and p["max"] == 100.0 and p["p90"] == 90.0
+    assert wide_batch_for({"max_num_seqs": 256}, 256) == 200
+    assert wide_batch_for({"max_num_seqs": 256}, 8) == 6
+    assert wide_batch_for({"max_num_seqs": 1}, 8) == 1
+
+
+def test_serve_bench_refuses_a_trace_longer_than_its_context(tiny_model_dir, tmp_path):
+    from labkit.bench.serve import run_serve_bench
+    from labkit.errors import UserError
+
+    with pytest.raises(UserError, match="exceeds max-model-len"):
+        run_serve_bench(tmp_path / "x.json", model=str(tiny_model_dir), device="cpu", attention="torch",
+                  trace=TraceOptions(requests=2, prompt_tokens=1000, long_prompt_tokens=1000, max_tokens=100,
+                                     interval_ms=0.0))
+
+
+def test_trace_options_need_the_serve_workload(cli_app):
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(cli_app, ["bench", "--workload", "latency", "--requests", "8"])
+    assert result.exit_code == 2 and "apply to --workload serve" in result.output
+
+
+def test_step_bound_is_weights_plus_kv_at_the_roof():
+    from engine.config import ModelShape
+    from labkit.assets.synth import PRESETS
+    from labkit.bench.bound import decode_weight_bytes, step_bound
+
+    shape = ModelShape.from_hf(PRESETS["qwen3-8b"])
+    one = step_bound(shape, 2, 2, 1, 0, 1000.0)
+    assert one["bound_ms_per_step"] == pytest.approx(decode_weight_bytes(shape, 2) / 1e12 * 1e3, rel=1e-3)
+    wide = step_bound(shape, 2, 2, 64, 192, 1000.0)
+    assert wide["kv_read_bytes"] == 64 * 192 * shape.kv_bytes_per_token(2)
+    assert wide["bound_ms_per_step"] > one["bound_ms_per_step"]
+    with pytest.raises(ValueError):
+        step_bound(shape, 2, 2, 1, 0, 0.0)

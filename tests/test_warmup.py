@@ -1,0 +1,158 @@
+"""Warm means warm: what start-up runs (engine/warmup.py), the aligned step inputs that keep Triton from
+compiling per batch size, running the plan on CPU, and the step's batch list built once."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from engine import LLMEngine, SamplingParams
+from engine.attention.splits import choose_splits, decode_variant, decode_variants, next_power_of_2
+from engine.config import Config
+from engine.graph import default_buckets
+from engine.observe import StepHooks
+from engine.warmup import SAMPLER_MODES, prefill_token_counts, warmup_plan
+
+SM = 132          # an H200's SM count: the plan is pure arithmetic, so any machine can check it
+
+
+def serve_config(model, **kw) -> Config:
+    """The serving settings of `labkit serve` on CUDA (graphs, 256 seqs, 16k tokens) on the tiny model's config."""
+    base = dict(enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_model_len=4096)
+    return Config(str(model), **{**base, **kw})
+
+
+def test_plan_covers_every_decode_bucket_prefill_size_and_sampler_path(tiny_model_dir):
+    cfg = serve_config(tiny_model_dir)
+    plan = warmup_plan(cfg, "triton", SM)
+    graph_rows = {w.seqs for w in plan if w.path == "decode-graph"}
+    assert graph_rows == set(default_buckets(256))                  # every bucket the capture makes
+    prefill = {w.seqs * w.tokens for w in plan if w.path == "prefill"}
+    for t in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192):
+        assert t in prefill or any(t - 4 <= p <= t for p in prefill), t
+    assert max(prefill) >= 16384 - 4                                 # up to the step budget (4 x 4095)
+    assert any(p % 2 for p in prefill)                               # an odd token count
+    assert {w.mode for w in plan if w.path == "sample"} == set(SAMPLER_MODES)
+    assert {w.seqs for w in plan if w.path == "prefill-paged"} == {1, 3}
+    assert not [w for w in plan if w.path == "decode-eager"]        # graphs cover every decode batch
+
+
+def test_eager_plan_meets_every_decode_kernel_variant(tiny_model_dir):
+    """Brute force over batch and context: every (DIRECT, BLOCK_S) the decode kernel can compile is warmed."""
+    cfg = serve_config(tiny_model_dir, enforce_eager=True, max_model_len=2048, max_num_seqs=64)
+    kv_heads = cfg.shape.num_kv_heads
+    plan = warmup_plan(cfg, "triton", SM)
+    warmed = {decode_variant(w.seqs, kv_heads, w.tokens, SM) for w in plan if w.path == "decode-eager"}
+    reachable = {decode_variant(b, kv_heads, n, SM) for b in range(1, 65) for n in range(1, 2049, 7)}
+    assert reachable and reachable <= warmed
+    assert {w.seqs for w in plan if w.path == "decode-eager" and not w.mode} == set(default_buckets(64))
+    assert not [w for w in plan if w.path == "decode-graph"]
+
+
+def test_plan_is_rank_independent_and_follows_kv_heads_per_rank(tiny_model_dir):
+    cfg = serve_config(tiny_model_dir, enforce_eager=True, max_num_seqs=32, max_model_len=1024)
+    one, two = warmup_plan(cfg, "triton", SM, 1), warmup_plan(cfg, "triton", SM, 2)
+    assert warmup_plan(cfg, "triton", SM, 2) == two                   # deterministic: every rank runs the same
+    two_kv = {decode_variant(w.seqs, cfg.shape.num_kv_heads // 2, w.tokens, SM) for w in two if w.mode}
+    reach = {decode_variant(b, cfg.shape.num_kv_heads // 2, n, SM) for b in range(1, 33) for n in range(1, 1025, 5)}
+    assert reach <= two_kv
+    assert {w.seqs for w in one if w.path == "decode-graph"} == {w.seqs for w in two if w.path == "decode-graph"}
+
+
+def test_decode_variant_matches_the_kernel_arithmetic():
+    for b, hk, n in itertools.product((1, 3, 64, 256), (1, 4, 8), (1, 63, 64, 65, 1000, 4096, 40960)):
+        splits, split_len = choose_splits(b, hk, n, 64, SM, 4)
+        assert split_len % 64 == 0 and splits * split_len >= n > (splits - 1) * split_len
+        assert decode_variant(b, hk, n, SM) == (splits == 1, max(2, next_power_of_2(splits)))
+    assert len(decode_variants(256, 8, 4096, SM)) > 2
+
+
+def test_prefill_token_counts():
+    assert prefill_token_counts(16384) == [16, 17, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+    assert prefill_token_counts(512)[-1] == 512
+
+
+# -- the step inputs: every view 16-byte aligned, whatever the batch -------------------------------------
+def engine_for(model, **kw):
+    return LLMEngine(str(model), device="cpu", enforce_eager=True, kvcache_block_size=16, max_model_len=256,
+                     max_num_batched_tokens=256, max_num_seqs=8, **kw)
+
+
+def test_step_input_views_are_16_byte_aligned_for_any_batch(tiny_model_dir):
+    from engine.sequence import Sequence
+
+    eng = engine_for(tiny_model_dir)
+    runner = eng.runner
+    try:
+        for n, length, cached in itertools.product((1, 2, 3, 4, 5), (3, 17, 18), (0, 16)):
+            seqs = []
+            for i in range(n):
+                s = Sequence(i, list(range(1, length + cached + 1)), SamplingParams(), 16)
+                s.block_table = list(range(i * 4, i * 4 + (length + cached + 15) // 16))
+                s.num_cached_tokens = cached
+                s.num_scheduled_tokens = length
+                seqs.append(s)
+            for inputs in (runner.prepare_prefill(seqs), runner.prepare_decode(seqs)):
+                m = inputs.meta
+                views = [inputs.input_ids, inputs.positions, m.slot_mapping, m.cu_seqlens_q, m.cu_seqlens_k,
+                         m.block_tables, m.context_lens]
+                for v in (v for v in views if v is not None):
+                    assert v.data_ptr() % 16 == 0, (n, length, cached, inputs.is_prefill)
+                plan = inputs.plan                         # the views still hold exactly the plan
+                assert inputs.input_ids.tolist() == plan.input_ids
+                assert inputs.positions.tolist() == plan.positions
+                assert m.slot_mapping.tolist() == plan.slot_mapping
+    finally:
+        eng.close()
+
+
+# -- running the plan (CPU): it writes nothing and leaves the random stream alone ------------------------
+def test_run_warmup_on_cpu_writes_nothing_and_keeps_the_generator(tiny_model_dir):
+    eng = engine_for(tiny_model_dir)
+    runner = eng.runner
+    try:
+        cfg = Config(str(tiny_model_dir), enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=256,
+                     max_model_len=256)
+        plan = warmup_plan(cfg, "triton", SM)          # the CUDA plan's shapes, run on the CPU backend
+        runner.kv_cache.normal_()
+        before = runner.kv_cache.clone()
+        state = runner.generator.get_state()
+        ran = runner.run_warmup(plan)
+        assert torch.equal(runner.kv_cache, before)
+        assert torch.equal(runner.generator.get_state(), state)
+        assert {r["path"] for r in ran} == {"prefill", "prefill-paged", "decode-eager", "sample"}
+        assert len(ran) == len([w for w in plan if w.path != "decode-graph"])
+        assert eng.describe()["warmup"]["shapes"] == len(ran)
+    finally:
+        eng.close()
+
+
+# -- the step's (seq_id, positions) list: built once -------------------------------------------------------
+class _Keep(StepHooks):
+    def __init__(self):
+        self.batches = []
+
+    def on_scheduled(self, step, is_prefill, batch):
+        self.batches.append(batch)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_step_hands_one_batch_list_to_hooks_and_output(tiny_model_dir, overlap):
+    eng = engine_for(tiny_model_dir, overlap=overlap)
+    keep = _Keep()
+    eng.add_hooks(keep)
+    try:
+        for i in range(3):
+            eng.add_request([100 + i, 5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+        outs = []
+        while not eng.is_finished():
+            out = eng.step()
+            if out.seqs:
+                outs.append(out)
+        assert len(outs) == len(keep.batches)
+        for out, batch in zip(outs, keep.batches):
+            assert out.scheduled is batch                  # the same list object, not a rebuilt copy
+            assert out.num_tokens == sum(n for _, n in batch)
+    finally:
+        eng.close()
