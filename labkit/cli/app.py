@@ -342,6 +342,7 @@ def bench(
     profile: Annotated[bool, typer.Option("--profile", help="nano-vllm: one more, instrumented pass: time by phase and part, top GPU kernels of a decode window.")] = False,
     sweep: Annotated[bool, typer.Option("--sweep", help="attention: also time every knob setting of the Triton decode kernel.")] = False,
     overlap: Annotated[bool, typer.Option("--overlap", help="nano-vllm: launch each decode step before reading the previous one's tokens.")] = False,
+    sampling: Annotated[str, typer.Option("--sampling", help="nano-vllm: plain (temperature only) | heavy (top_p 0.9, top_k 50, repetition_penalty 1.1 on every request).")] = "plain",
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
@@ -356,7 +357,7 @@ def bench(
     path = out or default_out(f"bench-{workload}.json")
     record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
                        baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,
-                       overlap=overlap)
+                       overlap=overlap, sampling=sampling)
     if not json_out:
         render_facts_json(record)
     finish(record, path, json_out=json_out)
