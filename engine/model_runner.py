@@ -13,7 +13,7 @@ from engine.attention import AttentionMetadata, create_backend, resolve_backend_
 from engine.config import Config, ConfigError
 from engine.distributed import SINGLE, ParallelContext
 from engine.graph import DecodeGraphs, default_buckets
-from engine.layers.logits_process import RowInputs
+from engine.layers.logits_process import RowInputs, TokenHistory
 from engine.layers.sampler import SampledLogprobs, TokenLogprob, logprobs_of, sample, sample_processed, sample_tensor
 from engine.loader import load_model
 from engine.observe import HookSet
@@ -114,6 +114,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self._seq_generators: dict[int, torch.Generator] = {}
+        self._history: TokenHistory | None = None     # penalty rows' token counts (made on first use)
         self.graphs: DecodeGraphs | None = None
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.warm_paths()
@@ -408,10 +409,12 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             sp = seq.sampling_params
             if sp.needs_processing(seq.num_completion_tokens):
-                rows[i] = RowInputs(sp, seq.prompt_token_ids, seq.completion_token_ids, self.config.eos_token_ids)
+                rows[i] = RowInputs(sp, seq.token_ids, seq.num_prompt_tokens, self.config.eos_token_ids, seq.seq_id)
         if not rows:
             return sample_tensor(logits, temps, gens), None
-        return sample_processed(logits, temps, gens, rows, self.config.logprobs_mode)
+        if self._history is None and any(r.params.has_penalties for r in rows.values()):
+            self._history = TokenHistory(logits.shape[1], logits.device)
+        return sample_processed(logits, temps, gens, rows, self.config.logprobs_mode, self._history)
 
     def close(self) -> None:
         """Drop the KV pool (and the layer views of it), the graphs and the weights so their memory can go back."""
@@ -428,6 +431,8 @@ class ModelRunner:
 
     def forget(self, seq_id: int) -> None:
         self._seq_generators.pop(seq_id, None)
+        if self._history is not None:
+            self._history.forget(seq_id)
 
     def run(self, seqs: list[Sequence], is_prefill: bool, step: int = 0) -> tuple[list[int], Route]:
         """One step, waiting for its tokens on the host."""

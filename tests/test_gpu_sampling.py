@@ -21,7 +21,7 @@ def rows(params=PARAMS):
     g = torch.Generator().manual_seed(1)
     hist = [(torch.randint(0, V, (50,), generator=g).tolist(), torch.randint(0, V, (8,), generator=g).tolist())
             for _ in params]
-    return [lp.RowInputs(sp, p, o, (151645,)) for sp, (p, o) in zip(params, hist)]
+    return [lp.RowInputs.of(sp, p, o, (151645,)) for sp, (p, o) in zip(params, hist)]
 
 
 def test_cuda_processing_matches_the_cpu_reference():
@@ -57,7 +57,7 @@ def test_fused_draw_follows_the_processed_distribution():
     probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
     x = probs.log().repeat(20000, 1)
     sp = SamplingParams(temperature=1.0, top_k=3)
-    r = {i: lp.RowInputs(sp, [9], [], ()) for i in range(20000)}
+    r = {i: lp.RowInputs.of(sp, [9], [], ()) for i in range(20000)}
     ids, _ = sample_processed(x.cuda(), [1.0] * 20000, [torch.Generator(device="cuda").manual_seed(3)] * 20000, r)
     freq = torch.bincount(ids.cpu(), minlength=5).float() / 20000
     want = torch.tensor([0.4, 0.3, 0.15, 0, 0]) / 0.85

@@ -22,7 +22,7 @@ def logits(rows: int = 4, seed: int = 0) -> torch.Tensor:
 
 
 def row(sp: SamplingParams, prompt=(1, 2, 3), output=(), eos=(0,)) -> lp.RowInputs:
-    return lp.RowInputs(sp, list(prompt), list(output), tuple(eos))
+    return lp.RowInputs.of(sp, list(prompt), list(output), tuple(eos))
 
 
 def finite_set(x: torch.Tensor) -> list[set[int]]:
@@ -207,3 +207,27 @@ def test_out_of_range_values_raise_a_request_error_naming_the_parameter(name, va
 def test_edge_values_are_accepted():
     SamplingParams(top_p=1, top_k=0, min_p=0, min_tokens=64, max_tokens=64, logprobs=0, prompt_logprobs=20,
                    repetition_penalty=1e-3, presence_penalty=-2, frequency_penalty=2, best_of=1)
+
+
+def test_token_history_keeps_counts_across_steps_like_a_rebuild():
+    """The runner's TokenHistory (one scatter of new tokens per step, slots reused after forget) gives
+    the same penalized logits as building the counts from the lists every step."""
+    hist = lp.TokenHistory(V, "cpu")
+    hist.GROW = 2                                       # force growth and slot reuse in a short test
+    sp = SamplingParams(repetition_penalty=1.4, presence_penalty=0.3, frequency_penalty=0.2)
+    seqs = {k: [k, k + 1, 2 * k] for k in range(4)}
+    g = torch.Generator().manual_seed(3)
+    for step in range(6):
+        live = [k for k in seqs if not (step >= 3 and k == 1)]
+        if step == 3:
+            hist.forget(1)
+            seqs[9] = [9, 9, 40]                         # a new sequence takes the freed slot
+            live.append(9)
+        rows = [lp.RowInputs(sp, seqs[k], 3, (), k) for k in live]
+        x = logits(len(rows), seed=step)
+        kept, rebuilt = x.clone(), x.clone()
+        lp.apply_penalties(kept, rows, hist)
+        lp.apply_penalties(rebuilt, [lp.RowInputs.of(sp, r.prompt_ids, r.output_ids) for r in rows])
+        torch.testing.assert_close(kept, rebuilt)
+        for k in live:
+            seqs[k].append(int(torch.randint(0, 8, (1,), generator=g)))

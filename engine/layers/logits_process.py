@@ -19,11 +19,85 @@ from engine.sampling_params import SamplingParams
 
 @dataclass
 class RowInputs:
-    """What the processors need of one row: its settings and its token history."""
+    """What the processors need of one row: its settings and its token history (the sequence's own
+    list, not copied: token_ids[:num_prompt] is the prompt, the rest the output so far)."""
     params: SamplingParams
-    prompt_ids: list[int]
-    output_ids: list[int]
+    token_ids: list[int]
+    num_prompt: int
     eos_ids: tuple[int, ...] = ()
+    key: int | None = None            # the sequence's id: its counts are kept in a TokenHistory
+
+    @classmethod
+    def of(cls, params: SamplingParams, prompt_ids, output_ids=(), eos_ids=()) -> "RowInputs":
+        return cls(params, [*prompt_ids, *output_ids], len(prompt_ids), tuple(eos_ids))
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+
+class TokenHistory:
+    """Penalty rows' token counts kept on the device across steps, so that a row costs one scatter of its
+    new tokens per step instead of rebuilding its whole history: one slot per sequence in two buffers,
+    prompt tokens seen [slots, V] bool and output token counts [slots, V] int32, grown 64 slots at a time
+    (about 39 MB per 64 slots at Qwen3's vocabulary). forget() frees a finished sequence's slot."""
+
+    GROW = 64
+
+    def __init__(self, vocab: int, device):
+        self.vocab, self.device = vocab, device
+        self.slots: dict[int, tuple[int, int]] = {}      # key -> (slot, outputs counted)
+        self.free: list[int] = []
+        self.seen = torch.zeros(0, vocab, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)
+
+    def _grow(self) -> None:
+        n = self.seen.shape[0]
+        self.seen = torch.cat([self.seen, torch.zeros(self.GROW, self.vocab, dtype=torch.bool, device=self.device)])
+        self.counts = torch.cat([self.counts, torch.zeros(self.GROW, self.vocab, dtype=torch.int32, device=self.device)])
+        self.free.extend(range(n + self.GROW - 1, n - 1, -1))
+
+    def gather(self, rows: list[RowInputs]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt tokens seen [R, V] bool, output counts [R, V] int32) of the rows, brought up to date."""
+        slots, p_slot, p_tok, o_slot, o_tok = [], [], [], [], []
+        for row in rows:
+            slot, done = self.slots.get(row.key, (None, 0))
+            if slot is None or done > row.num_outputs:
+                if slot is None:
+                    if not self.free:
+                        self._grow()
+                    slot = self.free.pop()
+                self.seen[slot].zero_()
+                self.counts[slot].zero_()
+                p_slot += [slot] * row.num_prompt
+                p_tok += row.prompt_ids
+                done = 0
+            new = row.token_ids[row.num_prompt + done:]
+            o_slot += [slot] * len(new)
+            o_tok += new
+            self.slots[row.key] = (slot, row.num_outputs)
+            slots.append(slot)
+        dev = self.device
+        if p_slot:
+            self.seen[torch.tensor(p_slot, device=dev), torch.tensor(p_tok, device=dev)] = True
+        if o_slot:
+            self.counts.index_put_((torch.tensor(o_slot, device=dev), torch.tensor(o_tok, device=dev)),
+                                   torch.ones(len(o_slot), dtype=torch.int32, device=dev), accumulate=True)
+        idx = torch.tensor(slots, device=dev)
+        return self.seen.index_select(0, idx), self.counts.index_select(0, idx)
+
+    def forget(self, key: int) -> None:
+        entry = self.slots.pop(key, None)
+        if entry is not None:
+            self.free.append(entry[0])
 
 
 def _padded(lists: list[list[int]], pad: int, device) -> torch.Tensor:
@@ -45,7 +119,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[RowInputs]) -> None:
     vocab = logits.shape[1]
     for i, row in enumerate(rows):
         sp = row.params
-        if len(row.output_ids) < sp.min_tokens:
+        if row.num_outputs < sp.min_tokens:
             stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(row.eos_ids))
             for t in stops:
                 if t < vocab:
@@ -68,10 +142,10 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[RowInputs]) -> None:
                           torch.tensor(bias, dtype=logits.dtype, device=dev), accumulate=True)
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[RowInputs]) -> None:
+def apply_penalties(logits: torch.Tensor, rows: list[RowInputs], history: TokenHistory | None = None) -> None:
     """repetition: a seen token's logit is divided by the penalty if positive, multiplied if not (seen =
     in the prompt or the output); frequency: minus penalty x output count; presence: minus penalty if
-    the token occurs in the output."""
+    the token occurs in the output. history: counts kept across steps (else built from the lists)."""
     which = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if not which:
         return
@@ -79,10 +153,15 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowInputs]) -> None:
     sub = [rows[i] for i in which]
     idx = torch.tensor(which, device=dev)
     x = logits.index_select(0, idx)
-    out_counts = token_counts([r.output_ids for r in sub], vocab, dev)
+    if history is not None:
+        in_prompt, out_counts = history.gather(sub)
+    else:
+        in_prompt, out_counts = None, token_counts([r.output_ids for r in sub], vocab, dev)
     rep = torch.tensor([r.params.repetition_penalty for r in sub], dtype=x.dtype, device=dev).unsqueeze(1)
     if any(r.params.repetition_penalty != 1 for r in sub):
-        seen = (token_counts([r.prompt_ids for r in sub], vocab, dev) > 0) | (out_counts > 0)
+        if in_prompt is None:
+            in_prompt = token_counts([r.prompt_ids for r in sub], vocab, dev) > 0
+        seen = in_prompt | (out_counts > 0)
         penalized = torch.where(x > 0, x / rep, x * rep)
         x = torch.where(seen, penalized, x)
     freq = torch.tensor([r.params.frequency_penalty for r in sub], dtype=x.dtype, device=dev).unsqueeze(1)
@@ -130,13 +209,13 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     return torch.empty_like(srt).scatter_(1, order, srt)
 
 
-def process(logits: torch.Tensor, rows: list[RowInputs]) -> torch.Tensor:
+def process(logits: torch.Tensor, rows: list[RowInputs], history: TokenHistory | None = None) -> torch.Tensor:
     """The rows' logits (float32 copy) with every processor applied: what the draw reads. Sampled rows
     come out divided by their temperature (draw them at temperature 1); greedy rows without it."""
     x = logits.float().clone()
     apply_min_tokens(x, rows)
     apply_logit_bias(x, rows)
-    apply_penalties(x, rows)
+    apply_penalties(x, rows, history)
     temps = [r.params.temperature for r in rows]
     if all(t == 0 for t in temps):
         return x

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.logits_process import RowInputs, process
+from engine.layers.logits_process import RowInputs, TokenHistory, process
 
 try:
     from engine.layers.sample_kernel import gumbel_argmax
@@ -131,8 +131,8 @@ def logprobs_of(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> tuple:
 
 
 def sample_processed(logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator],
-                     rows: dict[int, RowInputs], logprobs_mode: str = "raw_logprobs"
-                     ) -> tuple[torch.Tensor, SampledLogprobs | None]:
+                     rows: dict[int, RowInputs], logprobs_mode: str = "raw_logprobs",
+                     history: TokenHistory | None = None) -> tuple[torch.Tensor, SampledLogprobs | None]:
     """Sample a batch in which `rows` (batch row -> its inputs) need processing; the others take the
     plain path. Returns the ids on the logits' device and the log-probs of the rows that asked for them."""
     dev = logits.device
@@ -148,7 +148,7 @@ def sample_processed(logits: torch.Tensor, temperatures: list[float], generators
     idx = torch.tensor(proc, device=dev)
     raw = logits.index_select(0, idx)
     inputs = [rows[i] for i in proc]
-    processed = process(raw, inputs)
+    processed = process(raw, inputs, history)
     ids = sample_tensor(processed, [1.0 if temperatures[i] > 0 else 0.0 for i in proc],
                         [generators[i] for i in proc]).long()
     out.index_copy_(0, idx, ids)
