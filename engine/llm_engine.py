@@ -346,7 +346,7 @@ class LLMEngine:
             if not seqs:
                 return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
             prev = self._launch(seqs, is_prefill, [(s.seq_id, s.num_scheduled_tokens) for s in seqs])
-        if not prev.is_prefill and not any(s.sampling_params.needs_history(s.num_completion_tokens + 1)
+        if not prev.is_prefill and not any(s.sampling_params.needs_history(s.num_completion_tokens)
                                              for s in prev.seqs):
             # (penalties and min_tokens read the token still in flight: those batches run one by one)
             with self.hooks.phase("schedule", self.num_steps + 1):

@@ -191,3 +191,16 @@ def test_overlapped_loop_gives_the_same_processed_tokens(tiny_model_dir, engine)
     assert [o["token_ids"] for o in got] == want
     assert [r.logprob for r in got[0]["logprobs"]] == pytest.approx(
         [r.logprob for r in engine.generate([PROMPT], HEAVY)[0]["logprobs"]], abs=2e-4)
+
+
+def test_overlapped_loop_counts_the_in_flight_token_for_min_tokens(tiny_model_dir, engine):
+    """min_tokens without penalties: a lookahead step must not read a token count that lags by one."""
+    eos = engine.config.eos_token_ids[0]
+    sp = SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100.0}, min_tokens=3)
+    want = engine.generate([PROMPT], sp)[0]["token_ids"]
+    over = LLMEngine(str(tiny_model_dir), overlap=True, **KW)
+    try:
+        got = over.generate([PROMPT], sp)[0]["token_ids"]
+    finally:
+        over.close()
+    assert got == want and len(want) == 4 and want[-1] == eos
