@@ -174,6 +174,7 @@ class Config:
     fused_ops: bool = True                         # Triton RMSNorm / qk-norm+RoPE / SiLU-mul on CUDA
     graph_buckets: tuple[int, ...] | None = None   # None: buckets covering every batch up to max_num_seqs
     overlap: bool = False                          # decode: launch step k+1 before reading step k's tokens
+    logprobs_mode: str = "raw_logprobs"            # vLLM's: raw_logprobs (the model's) | processed_logprobs
     hf_config: dict = field(default_factory=dict, repr=False)
     eos_token_ids: tuple[int, ...] = ()
     shape: ModelShape | None = field(default=None, init=False, repr=False)
@@ -197,6 +198,8 @@ class Config:
             raise ConfigError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if self.overlap and self.tensor_parallel_size > 1:
             raise ConfigError("overlap needs tensor_parallel_size 1 (the other ranks replay host-side inputs)")
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ConfigError(f"logprobs_mode must be raw_logprobs or processed_logprobs, got {self.logprobs_mode!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         if self.max_consecutive_prefill is not None and (

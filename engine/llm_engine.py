@@ -1,6 +1,7 @@
 """LLMEngine: add_request -> step (schedule -> run -> postprocess) -> outputs."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -27,6 +28,7 @@ class StepOutput:
     seconds: float = 0.0
     scheduled: list[tuple[int, int]] = field(default_factory=list)   # (seq_id, positions it computed)
     route: Route = EAGER                # eager, or the decode graph bucket replayed
+    logprobs: dict = field(default_factory=dict)   # seq_id -> TokenLogprob of its accepted token (if asked)
 
     @property
     def finished(self) -> list[Sequence]:
@@ -203,21 +205,50 @@ class LLMEngine:
         if sampling_params is not None and len(token_ids) + sampling_params.max_tokens > cfg.max_model_len:
             raise RequestError(f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling_params.max_tokens}) "
                                f"exceeds max_model_len ({cfg.max_model_len})", "context_length_exceeded")
+        if sampling_params is not None:
+            self._validate_vocab_ids(sampling_params)
         blocks = (len(token_ids) + 1 + cfg.kvcache_block_size - 1) // cfg.kvcache_block_size
         if blocks > self.block_manager.num_blocks:
             raise RequestError(f"prompt needs {blocks} KV blocks but the pool has {self.block_manager.num_blocks}",
                                "pool_too_small")
 
+    def _validate_vocab_ids(self, sp: SamplingParams) -> None:
+        """Token ids inside sampling parameters must be in the vocabulary; prompt log-probs need one rank."""
+        vocab = self.config.vocab_size
+        for name, ids in (("logit_bias", list(sp.logit_bias or ())), ("stop_token_ids", sp.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                                   f"invalid_{name}")
+        if sp.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+            raise RequestError("prompt_logprobs needs tensor_parallel_size 1 (the prompt's logits are computed "
+                               "on rank 0 only)", "invalid_prompt_logprobs")
+
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, *,
-                    validated: bool = False) -> Sequence:
-        """Queue a request. validated=True: token ids already passed validate() with these params."""
+                    validated: bool = False, prefill_after: Sequence | None = None) -> Sequence:
+        """Queue a request. validated=True: token ids already passed validate() with these params.
+        prefill_after: a sibling with the same prompt (n > 1) whose prefill this one waits for, so that
+        it reuses the prompt's full KV blocks through the prefix cache instead of computing them again."""
         sampling_params = sampling_params or SamplingParams()
         token_ids = list(prompt) if validated else self.encode(prompt)
         if not validated:
             self.validate(token_ids, sampling_params)
         seq = Sequence(self._next_id(), token_ids, sampling_params, self.config.kvcache_block_size)
+        seq.prefill_after = prefill_after
         self.scheduler.add(seq)
         return seq
+
+    def add_samples(self, token_ids: list[int], sampling_params: SamplingParams) -> list[Sequence]:
+        """n = sampling_params.n sequences of one (validated) prompt: the first prefills it, the others
+        wait for that and share its full KV blocks; with a seed, sample i uses seed + i. Prompt log-probs
+        (the same for every sample) are computed by the first only."""
+        seqs: list[Sequence] = []
+        for i in range(sampling_params.n):
+            sp = dataclasses.replace(sampling_params, n=1, best_of=None,
+                                     seed=None if sampling_params.seed is None else sampling_params.seed + i,
+                                     prompt_logprobs=sampling_params.prompt_logprobs if i == 0 else None)
+            seqs.append(self.add_request(token_ids, sp, validated=True, prefill_after=seqs[0] if seqs else None))
+        return seqs
 
     def reset_prefix_cache(self) -> int:
         """Start the next requests with a cold prefix cache (between runs, with nothing in flight)."""
@@ -287,10 +318,21 @@ class LLMEngine:
         seqs, is_prefill, batch = self._schedule()
         if not seqs:
             return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
-        token_ids, route = self.runner.run(seqs, is_prefill, self.num_steps)
+        token_ids, route, row_logprobs = self.runner.run_step(seqs, is_prefill, self.num_steps)
         outcome = self.postprocess(seqs, token_ids, is_prefill)
         return StepOutput(self.num_steps, is_prefill, seqs, outcome, sum(n for _, n in batch),
-                          time.perf_counter() - t0, batch, route)
+                          time.perf_counter() - t0, batch, route, self._keep_logprobs(seqs, row_logprobs, outcome))
+
+    @staticmethod
+    def _keep_logprobs(seqs: list[Sequence], row_logprobs: dict, outcome: StepOutcome) -> dict:
+        """The accepted tokens' log-probs, appended to their sequences; seq_id -> TokenLogprob."""
+        kept = {}
+        for row, lp in row_logprobs.items():
+            seq = seqs[row]
+            if seq.seq_id in outcome.accepted:
+                seq.output_logprobs.append(lp)
+                kept[seq.seq_id] = lp
+        return kept
 
     def _launch(self, seqs: list[Sequence], is_prefill: bool, batch: list[tuple[int, int]],
                 feed: torch.Tensor | None = None) -> _InFlight:
@@ -311,7 +353,9 @@ class LLMEngine:
             if not seqs:
                 return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
             prev = self._launch(seqs, is_prefill, batch)
-        if not prev.is_prefill:
+        if not prev.is_prefill and not any(s.sampling_params.needs_history(s.num_completion_tokens)
+                                             for s in prev.seqs):
+            # (penalties and min_tokens read the token still in flight: those batches run one by one)
             with self.hooks.phase("schedule", self.num_steps + 1):
                 nxt = self.scheduler.schedule_lookahead(prev.seqs)
             if nxt:
@@ -321,14 +365,16 @@ class LLMEngine:
                 rows = torch.tensor([row_of[s.seq_id] for s in nxt], device=ids.device)
                 self._inflight = self._launch(nxt, False, batch, ids.index_select(0, rows))
         token_ids = prev.tokens.tolist()
+        row_logprobs = prev.tokens.host_logprobs(token_ids)
         live = [(s, t) for s, t in zip(prev.seqs, token_ids) if not s.is_finished]   # aborted meanwhile
         outcome = self.postprocess([s for s, _ in live], [t for _, t in live], prev.is_prefill, prev.step)
+        kept = self._keep_logprobs(prev.seqs, row_logprobs, outcome)
         if self._inflight is not None:
             for s in self._inflight.seqs:
                 if not s.is_finished:
                     s.num_scheduled_tokens = 1       # postprocess cleared it; the in-flight step computes 1
         return StepOutput(prev.step, prev.is_prefill, prev.seqs, outcome, prev.num_tokens,
-                          time.perf_counter() - t0, prev.scheduled, prev.tokens.route)
+                          time.perf_counter() - t0, prev.scheduled, prev.tokens.route, kept)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._inflight is None
@@ -345,7 +391,8 @@ class LLMEngine:
         token_ids = [self.encode(p) for p in prompts]
         for ids, sp in zip(token_ids, sampling_params):     # refuse the batch before queueing any of it
             self.validate(ids, sp or SamplingParams())
-        seqs = [self.add_request(ids, sp, validated=True) for ids, sp in zip(token_ids, sampling_params)]
+        groups = [self.add_samples(ids, sp or SamplingParams()) for ids, sp in zip(token_ids, sampling_params)]
+        seqs = [s for g in groups for s in g]
         progress = _progress(len(seqs)) if use_progress else None
         try:
             while not self.is_finished():
@@ -357,12 +404,20 @@ class LLMEngine:
         finally:
             if progress is not None:
                 progress.stop()
-        return [self.output(seq) for seq in seqs]
+        return [self.output(g[0]) if len(g) == 1 else {**self.output(g[0]), "outputs": [self.output(s) for s in g]}
+                for g in groups]
 
     def output(self, seq: Sequence) -> dict:
+        """One sequence's result; with n > 1, generate() returns the first sample's fields plus "outputs"
+        (every sample). "logprobs" / "prompt_logprobs" (lists of TokenLogprob) only when asked for."""
         ids = seq.completion_token_ids
-        return {"seq_id": seq.seq_id, "token_ids": ids, "text": self.tokenizer.decode(ids),
-                "finish_reason": seq.finish_reason, "num_prompt_tokens": seq.num_prompt_tokens}
+        out = {"seq_id": seq.seq_id, "token_ids": ids, "text": self.tokenizer.decode(ids),
+               "finish_reason": seq.finish_reason, "num_prompt_tokens": seq.num_prompt_tokens}
+        if seq.sampling_params.logprobs is not None:
+            out["logprobs"] = list(seq.output_logprobs)
+        if seq.prompt_logprobs is not None:
+            out["prompt_logprobs"] = list(seq.prompt_logprobs)
+        return out
 
     def close(self) -> None:
         if self._closed:

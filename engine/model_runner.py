@@ -13,7 +13,8 @@ from engine.attention import AttentionMetadata, create_backend, resolve_backend_
 from engine.config import Config, ConfigError
 from engine.distributed import SINGLE, ParallelContext
 from engine.graph import DecodeGraphs
-from engine.layers.sampler import sample, sample_tensor
+from engine.layers.logits_process import RowInputs, TokenHistory
+from engine.layers.sampler import SampledLogprobs, TokenLogprob, logprobs_of, sample, sample_processed, sample_tensor
 from engine.loader import load_model
 from engine.observe import HookSet
 from engine.models.qwen3 import Qwen3ForCausalLM
@@ -78,11 +79,16 @@ class Launched:
     host_ids: torch.Tensor
     ready: "torch.cuda.Event | None"
     route: Route = EAGER
+    logprobs: SampledLogprobs | None = None    # rows that asked for log-probs (read after tolist())
 
     def tolist(self) -> list[int]:
         if self.ready is not None:
             self.ready.synchronize()
         return self.host_ids.tolist()
+
+    def host_logprobs(self, token_ids: list[int]) -> dict[int, TokenLogprob]:
+        """Batch row -> the drawn token's log-prob and alternatives (rows that asked only)."""
+        return self.logprobs.to_host(token_ids) if self.logprobs is not None else {}
 
 
 class ModelRunner:
@@ -113,6 +119,7 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self._seq_generators: dict[int, torch.Generator] = {}
+        self._history: TokenHistory | None = None     # penalty rows' token counts (made on first use)
         self.graphs: DecodeGraphs | None = None
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.warmed: list[dict] = []      # the shapes start-up ran (engine/warmup.py), for describe()
@@ -405,8 +412,38 @@ class ModelRunner:
         if hooks:
             hooks.before_forward(step, inputs)
         with hooks.phase("forward", step):
+            if is_prefill and not all(s.prompt_logprobs_done for s in seqs):
+                return self._prefill_with_prompt_logprobs(seqs, inputs), EAGER
             route = self.route_for(inputs)
             return self.run_model(inputs, route), route
+
+    @torch.inference_mode()
+    def _prefill_with_prompt_logprobs(self, seqs: list[Sequence], inputs: StepInputs) -> torch.Tensor:
+        """An eager prefill that also computes, for the sequences asking for prompt log-probs, the
+        log-softmax of the raw logits at every position of their chunk and appends the next prompt
+        token's log-prob (with its top alternatives) to seq.prompt_logprobs. Positions already recorded
+        (a recompute after preemption) are skipped. Returns the last positions' logits, as run_model."""
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        offset = 0
+        for seq, n in zip(seqs, inputs.meta.seqlens_q):
+            if not seq.prompt_logprobs_done:
+                start = seq.num_cached_tokens
+                done = len(seq.prompt_logprobs)            # positions whose next token is recorded, + 1
+                first = max(start, done - 1)
+                last = min(start + n, seq.num_prompt_tokens - 1)   # position p predicts token p + 1
+                if last > first:
+                    rows = hidden[offset + first - start: offset + last - start]
+                    lp = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+                    targets = torch.tensor(seq.token_ids[first + 1: last + 1], device=lp.device)
+                    k = seq.sampling_params.prompt_logprobs
+                    chosen, ranks, top_ids, top_lps = logprobs_of(lp, targets, k)
+                    ids = top_ids.tolist() if top_ids is not None else None
+                    lps = top_lps.tolist() if top_lps is not None else None
+                    for j, (t, c, r) in enumerate(zip(targets.tolist(), chosen.tolist(), ranks.tolist())):
+                        top = list(zip(ids[j], lps[j])) if ids is not None else []
+                        seq.prompt_logprobs.append(TokenLogprob(t, c, int(r), top))
+            offset += n
+        return self.model.compute_logits(hidden[inputs.meta.cu_seqlens_q[1:].long() - 1])
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor, step: int = 0) -> list[int]:
         with self.hooks.phase("sample", step):
@@ -417,6 +454,11 @@ class ModelRunner:
             return self._sample(seqs, logits)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        return self._draw(seqs, logits)[0]
+
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        """The step's ids on the device, and the log-probs of the rows that asked for them. A batch in
+        which no row needs processing takes exactly the plain path (sample_tensor)."""
         temps, gens = [], []
         for seq in seqs:
             sp = seq.sampling_params
@@ -430,7 +472,16 @@ class ModelRunner:
                 gens.append(gen)
             else:
                 gens.append(self.generator)
-        return sample_tensor(logits, temps, gens)
+        rows = {}
+        for i, seq in enumerate(seqs):
+            sp = seq.sampling_params
+            if sp.needs_processing(seq.num_completion_tokens):
+                rows[i] = RowInputs(sp, seq.token_ids, seq.num_prompt_tokens, self.config.eos_token_ids, seq.seq_id)
+        if not rows:
+            return sample_tensor(logits, temps, gens), None
+        if self._history is None and any(r.params.has_penalties for r in rows.values()):
+            self._history = TokenHistory(logits.shape[1], logits.device)
+        return sample_processed(logits, temps, gens, rows, self.config.logprobs_mode, self._history)
 
     def close(self) -> None:
         """Drop the KV pool (and the layer views of it), the graphs and the weights so their memory can go back."""
@@ -447,11 +498,22 @@ class ModelRunner:
 
     def forget(self, seq_id: int) -> None:
         self._seq_generators.pop(seq_id, None)
+        if self._history is not None:
+            self._history.forget(seq_id)
 
     def run(self, seqs: list[Sequence], is_prefill: bool, step: int = 0) -> tuple[list[int], Route]:
         """One step, waiting for its tokens on the host."""
+        ids, route, _ = self.run_step(seqs, is_prefill, step)
+        return ids, route
+
+    def run_step(self, seqs: list[Sequence], is_prefill: bool, step: int = 0
+                 ) -> tuple[list[int], Route, dict[int, TokenLogprob]]:
+        """run(), plus batch row -> log-prob of its token for the rows whose requests asked for them."""
         logits, route = self.forward(seqs, is_prefill, step=step)
-        return self.sample(seqs, logits, step), route
+        with self.hooks.phase("sample", step):
+            tokens, logprobs = self._draw(seqs, logits)
+            ids = tokens.tolist()
+        return ids, route, (logprobs.to_host(ids) if logprobs is not None else {})
 
     def launch(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None,
                step: int = 0) -> Launched:
@@ -459,11 +521,12 @@ class ModelRunner:
         queued right behind them with an event, so reading them later waits for this step only, not for
         a step launched after it."""
         logits, route = self.forward(seqs, is_prefill, feed, step)
-        tokens = self.sample_tensor(seqs, logits, step)
+        with self.hooks.phase("sample", step):
+            tokens, logprobs = self._draw(seqs, logits)
         if not tokens.is_cuda:
-            return Launched(tokens, tokens, None, route)
+            return Launched(tokens, tokens, None, route, logprobs)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return Launched(tokens, host, ready, route)
+        return Launched(tokens, host, ready, route, logprobs)

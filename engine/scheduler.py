@@ -63,8 +63,11 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and len(scheduled) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
+            if seq.waits_for_sibling:
+                break                      # n > 1: its sibling's prefill fills the prefix cache first
             if not seq.block_table:
-                hits = bm.cached_prefix(seq)           # one hash walk per admission
+                # prompt log-probs need every prompt position computed: no prefix-cache hits for them
+                hits = [] if not seq.prompt_logprobs_done else bm.cached_prefix(seq)   # one hash walk per admission
                 remaining = seq.num_tokens - len(hits) * bm.block_size
                 if scheduled and remaining > budget:
                     break                  # only the first sequence of a batch may be chunked
@@ -155,6 +158,8 @@ class Scheduler:
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         sp = seq.sampling_params
         if not sp.ignore_eos and token_id in self.eos:
+            return "stop"
+        if token_id in sp.stop_token_ids:
             return "stop"
         if self._length_reached(seq):
             return "length"

@@ -29,6 +29,10 @@ class Sequence:
         self.block_size = block_size
         self.sampling_params = sampling_params
         self.finish_reason: str | None = None
+        self.output_logprobs: list = []      # one TokenLogprob per output token when params.logprobs is set
+        # params.prompt_logprobs: None for position 0, then one TokenLogprob per prompt position
+        self.prompt_logprobs: list | None = [None] if sampling_params and sampling_params.prompt_logprobs is not None else None
+        self.prefill_after: "Sequence | None" = None   # n > 1: wait for this sibling's prefill (shared prompt KV)
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -55,6 +59,17 @@ class Sequence:
     @property
     def completion_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_logprobs_done(self) -> bool:
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) >= self.num_prompt_tokens
+
+    @property
+    def waits_for_sibling(self) -> bool:
+        """n > 1: this sample's prompt is being prefilled by a sibling whose full blocks it will reuse
+        through the prefix cache; it is not admitted until that prefill has completed."""
+        lead = self.prefill_after
+        return lead is not None and not lead.is_finished and lead.num_cached_tokens < lead.num_prompt_tokens
 
     @property
     def last_token(self) -> int:

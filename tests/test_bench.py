@@ -50,6 +50,8 @@ def test_profile_run_accounts_for_every_step(tiny_model_dir):
     (dict(workload="latency", profile=True), "--profile applies"),
     (dict(workload="nano-vllm", sweep=True), "--sweep applies"),
     (dict(workload="latency", overlap=True), "--overlap applies"),
+    (dict(workload="latency", sampling="heavy"), "--sampling applies"),
+    (dict(workload="nano-vllm", sampling="spicy"), "unknown sampling"),
     (dict(workload="attention", device="cpu"), "needs CUDA"),
     (dict(workload="nope"), "unknown workload"),
 ])
@@ -196,3 +198,13 @@ def test_bench_checkpoint_floor_and_bound(tok_s, share, verdict, tmp_path, labki
     record = write_evidence(tmp_path / "b.json", checkpoint="cuda.bench-nano-vllm", kind="gpu-measured",
                             facts=facts, device="cuda")
     assert record["verdict"] == verdict
+
+
+def test_heavy_sampling_workload_is_nano_vllm_plus_the_processors():
+    from labkit.bench.run import nano_vllm_workload
+
+    plain_prompts, plain = nano_vllm_workload(num_seqs=8)
+    prompts, heavy = nano_vllm_workload(num_seqs=8, sampling="heavy")
+    assert prompts == plain_prompts and [p.max_tokens for p in heavy] == [p.max_tokens for p in plain]
+    assert all((p.top_p, p.top_k, p.repetition_penalty) == (0.9, 50, 1.1) for p in heavy)
+    assert all(p.needs_processing(0) for p in heavy) and not any(p.needs_processing(0) for p in plain)

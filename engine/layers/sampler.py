@@ -2,10 +2,19 @@
 
 CUDA: one fused Triton pass (engine/layers/sample_kernel.py, Gumbel-max keyed by per-row seeds drawn
 from each row's generator). CPU: the exponential race in torch. Both draw exactly from softmax(logits / T).
+
+Rows whose requests ask for more (top_p/top_k/min_p, penalties, logit_bias, min_tokens, logprobs) go
+through :func:`sample_processed`: their logits pass the processors of engine/layers/logits_process.py
+and are then drawn by the same code at temperature 1 (the processors applied the temperature), each
+with its own generator; the other rows of the batch take the plain path unchanged.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from engine.layers.logits_process import RowInputs, TokenHistory, process
 
 try:
     from engine.layers.sample_kernel import gumbel_argmax
@@ -75,3 +84,80 @@ def _sample_fused(logits: torch.Tensor, temperatures: list[float], generators: l
         for gen, rows in _rows_by_generator(generators):
             seeds[torch.tensor(rows, device=device)] = draw(gen, len(rows))
     return gumbel_argmax(logits, temps, seeds)
+
+
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+@dataclass
+class TokenLogprob:
+    """A chosen (or prompt) token's log-probability, its rank in the vocabulary (1 = most likely) and
+    the top alternatives [(token id, log-prob)], most likely first."""
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class SampledLogprobs:
+    """Device tensors for the batch rows that asked for logprobs; to_host() reads them once."""
+    rows: list[int]
+    counts: list[int]                 # alternatives each row asked for
+    chosen: torch.Tensor              # [R] log-prob of the drawn token
+    ranks: torch.Tensor               # [R]
+    top_ids: torch.Tensor | None      # [R, K]
+    top_lps: torch.Tensor | None
+
+    def to_host(self, tokens: list[int]) -> dict[int, TokenLogprob]:
+        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
+        ids = self.top_ids.tolist() if self.top_ids is not None else None
+        lps = self.top_lps.tolist() if self.top_lps is not None else None
+        out = {}
+        for j, (row, k) in enumerate(zip(self.rows, self.counts)):
+            top = list(zip(ids[j][:k], lps[j][:k])) if k and ids is not None else []
+            out[row] = TokenLogprob(int(tokens[row]), chosen[j], int(ranks[j]), top)
+        return out
+
+
+def logprobs_of(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> tuple:
+    """(target log-probs, ranks, top-k ids, top-k log-probs) of log-prob rows [R, V]."""
+    chosen = logprobs.gather(1, targets.long().unsqueeze(1)).squeeze(1)
+    ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
+    if k > 0:
+        top_lps, top_ids = logprobs.topk(k, dim=-1)
+        return chosen, ranks, top_ids, top_lps
+    return chosen, ranks, None, None
+
+
+def sample_processed(logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator],
+                     rows: dict[int, RowInputs], logprobs_mode: str = "raw_logprobs",
+                     history: TokenHistory | None = None) -> tuple[torch.Tensor, SampledLogprobs | None]:
+    """Sample a batch in which `rows` (batch row -> its inputs) need processing; the others take the
+    plain path. Returns the ids on the logits' device and the log-probs of the rows that asked for them."""
+    dev = logits.device
+    n = logits.shape[0]
+    proc = sorted(rows)
+    plain = [i for i in range(n) if i not in rows]
+    out = torch.empty(n, dtype=torch.int64, device=dev)
+    if plain:
+        idx = torch.tensor(plain, device=dev)
+        ids = sample_tensor(logits.index_select(0, idx), [temperatures[i] for i in plain],
+                            [generators[i] for i in plain])
+        out.index_copy_(0, idx, ids.long())
+    idx = torch.tensor(proc, device=dev)
+    raw = logits.index_select(0, idx)
+    inputs = [rows[i] for i in proc]
+    processed = process(raw, inputs, history)
+    ids = sample_tensor(processed, [1.0 if temperatures[i] > 0 else 0.0 for i in proc],
+                        [generators[i] for i in proc]).long()
+    out.index_copy_(0, idx, ids)
+    want = [j for j, r in enumerate(inputs) if r.params.logprobs is not None]
+    if not want:
+        return out, None
+    sel = torch.tensor(want, device=dev)
+    src = processed if logprobs_mode == "processed_logprobs" else raw.float()
+    lp = torch.log_softmax(src.index_select(0, sel), dim=-1)
+    counts = [inputs[j].params.logprobs for j in want]
+    chosen, ranks, top_ids, top_lps = logprobs_of(lp, ids.index_select(0, sel), max(counts))
+    return out, SampledLogprobs([proc[j] for j in want], counts, chosen, ranks, top_ids, top_lps)

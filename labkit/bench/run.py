@@ -22,11 +22,16 @@ NANO_VLLM_ENGINE = dict(max_model_len=4096, max_num_batched_tokens=16384, max_nu
                         gpu_memory_utilization=0.9)
 
 
-def nano_vllm_workload(num_seqs: int = 256, max_input: int = 1024, max_output: int = 1024):
+#: --sampling: "plain" is nano-vllm's (temperature only); "heavy" adds the processors on every request
+#: (engine/layers/logits_process.py), so their cost shows next to the plain figure.
+SAMPLING = {"plain": {}, "heavy": dict(top_p=0.9, top_k=50, repetition_penalty=1.1)}
+
+
+def nano_vllm_workload(num_seqs: int = 256, max_input: int = 1024, max_output: int = 1024, sampling: str = "plain"):
     """nano-vllm's bench.py: random.seed(0); prompts of randint(100,1024) ids in [0,10000]; max_tokens randint(100,1024)."""
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(100, max_input))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output))
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output), **SAMPLING[sampling])
               for _ in range(num_seqs)]
     return prompts, params
 
@@ -103,13 +108,13 @@ def engine_facts(engine: LLMEngine) -> dict:
 
 # -- workloads -------------------------------------------------------------------------------------
 def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, repeats: int,
-                    profile: bool = False, overlap: bool = False) -> dict:
-    prompts, params = nano_vllm_workload()
+                    profile: bool = False, overlap: bool = False, sampling: str = "plain") -> dict:
+    prompts, params = nano_vllm_workload(sampling=sampling)
     engine = engine_for(model_dir, device, attention, eager, overlap=overlap, **NANO_VLLM_ENGINE)
     facts = {"engine": engine_facts(engine), "overlap": overlap, "workload": {
         "name": "nano-vllm", "num_seqs": len(prompts), "input_tokens": sum(map(len, prompts)),
         "expected_output_tokens": sum(p.max_tokens for p in params), "temperature": 0.6, "ignore_eos": True,
-        **NANO_VLLM_ENGINE}}
+        "sampling": sampling, **SAMPLING[sampling], **NANO_VLLM_ENGINE}}
     engine.generate(["Benchmark: "], SamplingParams())          # nano-vllm's warm-up
     runs, timed = [], None
     for _ in range(repeats):               # every repeat starts cold: identical prompts must not hit the prefix cache
@@ -274,7 +279,7 @@ def bench_hf_baseline(model_dir: str, device: str, attention: str, num_seqs: int
 
 def run_bench(workload: str, out: Path | None = None, model: str | None = None, device: str = "auto",
               attention: str = "auto", baseline: str | None = None, repeats: int = 1, eager: bool = False,
-              profile: bool = False, sweep: bool = False, overlap: bool = False) -> dict:
+              profile: bool = False, sweep: bool = False, overlap: bool = False, sampling: str = "plain") -> dict:
     from labkit.lab_engine import detect_device
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model
@@ -289,6 +294,10 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
         raise UserError("--sweep applies to --workload attention")
     if overlap and workload != "nano-vllm":
         raise UserError("--overlap applies to --workload nano-vllm")
+    if sampling not in SAMPLING:
+        raise UserError(f"unknown sampling {sampling!r}: choose one of {', '.join(SAMPLING)}")
+    if sampling != "plain" and workload != "nano-vllm":
+        raise UserError("--sampling applies to --workload nano-vllm")
     device = detect_device(device)
     if workload == "attention":
         return _run_attention_bench(out, device, attention, sweep)
@@ -297,8 +306,9 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
     ref = resolve_model(model, device)
     model_dir = str(ref.path)
     if workload == "nano-vllm":
-        facts = bench_nano_vllm(model_dir, device, attention, eager, repeats, profile, overlap)
-        checkpoint = "cuda.bench-nano-vllm" if device.startswith("cuda") and not eager else None
+        facts = bench_nano_vllm(model_dir, device, attention, eager, repeats, profile, overlap, sampling)
+        # the checkpoint's figure is nano-vllm's workload as it is (plain sampling)
+        checkpoint = "cuda.bench-nano-vllm" if device.startswith("cuda") and not eager and sampling == "plain" else None
     elif workload == "graph-vs-eager":
         facts, checkpoint = bench_graph_vs_eager(model_dir, device, attention), "cuda.graph-vs-eager"
     else:

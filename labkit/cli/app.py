@@ -350,6 +350,7 @@ def bench(
     long_prompt_tokens: Annotated[Optional[int], typer.Option("--long-prompt-tokens", help="serve: long prompt tokens (default 1024).")] = None,
     long_every: Annotated[Optional[int], typer.Option("--long-every", help="serve: every Nth request is long (default 2).")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="serve: output tokens per request (default 512).")] = None,
+    sampling: Annotated[str, typer.Option("--sampling", help="nano-vllm: plain (temperature only) | heavy (top_p 0.9, top_k 50, repetition_penalty 1.1 on every request).")] = "plain",
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
@@ -378,14 +379,14 @@ def bench(
     if workload == "serve":
         from labkit.bench.serve import run_serve_bench
 
-        if baseline or profile or sweep or overlap or enforce_eager or repeats != 1:
+        if baseline or profile or sweep or overlap or enforce_eager or repeats != 1 or sampling != "plain":
             raise UserError("--workload serve takes the trace options, --model, --device, --attention and --out only")
         record = run_serve_bench(path, model=_model_arg(model), device=device, attention=attention, trace=trace,
                                  show_progress=not json_out)
     else:
         record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
                            baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,
-                           overlap=overlap)
+                           overlap=overlap, sampling=sampling)
     if not json_out:
         render_facts_json(record)
     finish(record, path, json_out=json_out)

@@ -7,8 +7,9 @@ shapes); the worker adds the ones that do (token ids vs the vocabulary, prompt l
 max_model_len, KV pool size) and they come back as 400 too.
 
 OpenAI parameters the server does not implement are refused with a 400 that names them (``param``),
-unless the value given is a no-op (``top_p=1``, ``n=1``, ``logprobs=false`` ...): see
-:data:`NOOP_PARAMS` and docs/OPENAI.md. Fields no OpenAI or vLLM request has are ignored, as vLLM
+unless the value given is a no-op (``suffix=""``, ``tools=[]`` ...): see :data:`NOOP_PARAMS` and
+docs/OPENAI.md. The sampling parameters (:data:`SAMPLING_CHECKS`), ``n``, ``logprobs`` /
+``top_logprobs`` and ``echo`` (completions) map onto :class:`engine.SamplingParams`. Fields no OpenAI or vLLM request has are ignored, as vLLM
 does by default.
 
 Bodies are strict JSON (:func:`loads_strict`): no ``NaN``/``Infinity``, no number that overflows a
@@ -29,7 +30,7 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from engine import SamplingParams
+from engine import RequestError, SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TAG_VALUE_TYPES = (str, int, float, bool, type(None))
@@ -37,12 +38,13 @@ REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}")
 #: Event field names a request's tags may not use.
 RESERVED_FIELDS = frozenset({"event", "request_id", "worker_id", "round", "round_", "t_ns", "observer",
                              "prompt_tokens", "max_tokens", "queue_depth", "index", "token_id", "reason", "cause",
-                             "message"})
+                             "message", "logprob", "prompt_logprobs"})
 TAG_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")
 MAX_DEPTH = 32                 # JSON nesting levels in a request body
 MAX_INT_DIGITS = 40            # longer integers are HugeInt: no field takes them
 MAX_STOPS = 4                  # stop strings per request, as OpenAI
 MAX_PROMPTS = 64               # prompts in one /v1/completions request
+MAX_CHOICES = 128              # prompts x n in one request
 
 
 class ApiError(Exception):
@@ -214,6 +216,9 @@ class GenRequest:
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's extension
     include_stop_str_in_output: bool = False
     prompts: list | None = None           # /v1/completions: every prompt (one choice each); prompt is the first
+    n: int = 1                            # choices per prompt (sample i: seed + i when a seed is given)
+    logprobs: int | None = None           # alternatives per token in the answer's logprobs objects (None: no logprobs)
+    echo: bool = False                    # completions: the prompt (and its log-probs) before the output
 
 
 # --------------------------------------------------------------------------- field checks
@@ -393,24 +398,13 @@ _ANY = lambda name, v: None   # noqa: E731  (any value is well-formed; only the 
 #: A value outside the no-op set is refused with 400 ``unsupported_parameter`` naming the parameter;
 #: a malformed one with 400 ``invalid_value``/``invalid_type``.
 NOOP_PARAMS: dict[str, tuple[tuple, Callable[[str, Any], None], str]] = {
-    "n": ((1,), _int_check(1, 128), "one choice per request"),
-    "best_of": ((1,), _int_check(1, 128), "one choice per request"),
-    "top_p": ((1, 1.0), _num_check(0, 1, lo_open=True), "the sampler has temperature only"),
-    "top_k": ((-1, 0), _int_check(-1), "the sampler has temperature only"),
-    "min_p": ((0, 0.0), _num_check(0, 1), "the sampler has temperature only"),
-    "presence_penalty": ((0, 0.0), _num_check(-2, 2), "no penalties in the sampler"),
-    "frequency_penalty": ((0, 0.0), _num_check(-2, 2), "no penalties in the sampler"),
-    "repetition_penalty": ((1, 1.0), _num_check(0, 2 ** 31, lo_open=True), "no penalties in the sampler"),
     "length_penalty": ((1, 1.0), _num_check(-2 ** 31, 2 ** 31), "no beam search"),
     "use_beam_search": ((False,), _type_check(bool, what="true or false"), "no beam search"),
-    "min_tokens": ((0,), _int_check(0), "the sampler cannot suppress EOS for a while"),
-    "logit_bias": (({},), _logit_bias_check, "the sampler has temperature only"),
     "allowed_token_ids": (([],), _type_check(list, what="a list of token ids"), "the sampler has temperature only"),
     "bad_words": (([],), _type_check(list, what="a list of strings"), "the sampler has temperature only"),
-    "logprobs": ((False, ), _ANY, "the sampler does not return log-probabilities"),
-    "top_logprobs": ((0,), _int_check(0, 20), "the sampler does not return log-probabilities"),
-    "prompt_logprobs": ((), _ANY, "the runner does not return prompt log-probabilities"),
-    "echo": ((False,), _type_check(bool, what="true or false"), "the prompt is not returned"),
+    "top_logprobs": ((0,), _int_check(0, 20), "completions take the count in logprobs"),
+    "prompt_logprobs": ((), _ANY, "prompt log-probabilities are returned through echo with logprobs"),
+    "echo": ((False,), _type_check(bool, what="true or false"), "chat does not echo the prompt"),
     "suffix": (("",), _type_check(str, what="a string"), "no insertion mode"),
     "response_format": (({"type": "text"},), _response_format_check, "no structured output"),
     "guided_json": ((), _ANY, "no structured output"),
@@ -434,7 +428,8 @@ NOOP_PARAMS: dict[str, tuple[tuple, Callable[[str, Any], None], str]] = {
     "modalities": ((["text"],), _type_check(list, what="a list"), "text only"),
     "prediction": ((), _ANY, "no predicted outputs"),
     "web_search_options": ((), _ANY, "no web search"),
-    "return_tokens_as_token_ids": ((False,), _type_check(bool, what="true or false"), "no log-probabilities"),
+    "return_tokens_as_token_ids": ((False,), _type_check(bool, what="true or false"),
+                                   "log-prob tokens are returned as text"),
 }
 #: Accepted and without effect on generation (metadata, or a choice that has no alternative here).
 IGNORED_PARAMS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
@@ -454,20 +449,16 @@ def _is_noop(value: Any, noops: tuple) -> bool:
     return False
 
 
+#: Per route, the NOOP_PARAMS entries that the route implements (parsed by _params / _logprobs).
+SUPPORTED_HERE = {"completions": {"echo"}, "chat": {"top_logprobs"}}
+
+
 def _refuse_unsupported(body: dict, api: str) -> None:
     """Each NOOP_PARAMS field: absent, null or a no-op value passes; malformed is invalid; anything else refused."""
     for name, (noops, check, why) in NOOP_PARAMS.items():
-        if name not in body or body[name] is None:
+        if name not in body or body[name] is None or name in SUPPORTED_HERE.get(api, ()):
             continue
         value = body[name]
-        if name == "logprobs" and api == "completions":      # an integer there: how many alternatives
-            if isinstance(value, bool) or not _is_int(value):
-                raise bad(f"logprobs must be an integer or null, got {_show(value)}", name, "invalid_type")
-            _int_check(0, 20)(name, value)
-            raise bad(f"logprobs is not supported by this server ({why}); omit it or send null", name,
-                      "unsupported_parameter")
-        if name == "logprobs":
-            _type_check(bool, what="true or false")(name, value)
         check(name, value)
         if _is_noop(value, noops):
             continue
@@ -508,8 +499,66 @@ def _stops(body: dict, limits: Limits) -> tuple[list[str], list[int], bool]:
     return stops, list(dict.fromkeys(ids)), include
 
 
+#: The sampling parameters of OpenAI / vLLM requests that map onto SamplingParams, with their checks.
+SAMPLING_CHECKS: dict[str, Callable[[str, Any], None]] = {
+    "top_p": _num_check(0, 1, lo_open=True),
+    "top_k": _int_check(-1),
+    "min_p": _num_check(0, 1),
+    "presence_penalty": _num_check(-2, 2),
+    "frequency_penalty": _num_check(-2, 2),
+    "repetition_penalty": _num_check(0, 2 ** 31, lo_open=True),
+    "min_tokens": _int_check(0),
+    "logit_bias": _logit_bias_check,
+}
+
+
+def _sampling(body: dict) -> dict:
+    """SamplingParams keyword arguments from the body's sampling parameters (null = absent)."""
+    kw: dict[str, Any] = {}
+    for name, check in SAMPLING_CHECKS.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        check(name, value)
+        kw[name] = {int(k): float(b) for k, b in value.items()} if name == "logit_bias" else value
+    return kw
+
+
+def _choices_per_prompt(body: dict) -> int:
+    n = _int(body, "n", 1, 1, MAX_CHOICES)
+    best_of = body.get("best_of")
+    if best_of is not None:
+        _int_check(1, MAX_CHOICES)("best_of", best_of)
+        if best_of != n:
+            raise bad(f"best_of must equal n ({n}): there is no ranking of extra samples, got {best_of}", "best_of",
+                      "unsupported_parameter")
+    return n
+
+
+def _logprobs(body: dict, api: str) -> int | None:
+    """How many alternatives per token the answer's logprobs carry; None: no logprobs."""
+    value = body.get("logprobs")
+    if api == "completions":
+        if value is None:
+            return None
+        if not _is_int(value):
+            raise bad(f"logprobs must be an integer or null, got {_show(value)}", "logprobs", "invalid_type")
+        _int_check(0, 20)("logprobs", value)
+        return value
+    if value is not None:
+        _type_check(bool, what="true or false")("logprobs", value)
+    top = body.get("top_logprobs")
+    if top is not None:
+        _int_check(0, 20)("top_logprobs", top)
+    if not value:
+        if top:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+        return None
+    return top or 0
+
+
 def _params(body: dict, limits: Limits, default_temperature: float, max_tokens_names=("max_tokens",),
-            default_max_tokens: int | None = None) -> tuple[SamplingParams, bool]:
+            default_max_tokens: int | None = None, api: str = "native") -> tuple[SamplingParams, bool]:
     """The sampling parameters and whether max_tokens was given. Without it: ``default_max_tokens``, or
     (None) the rest of the context, which the worker fills in once it knows the prompt's length."""
     hi = limits.max_model_len - 1
@@ -527,9 +576,27 @@ def _params(body: dict, limits: Limits, default_temperature: float, max_tokens_n
         raise bad(f"seed must be an integer in [-2^63, 2^64), got {_show(seed)}", "seed",
                   "invalid_type" if not isinstance(seed, (int, HugeInt)) or isinstance(seed, bool) else "invalid_value")
     ignore_eos = _bool(body, "ignore_eos", False)
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                            seed=None if seed is None else int(seed) % (2 ** 63))
+    extra: dict[str, Any] = {}
+    if api != "native":
+        extra = _sampling(body)
+        logprobs = _logprobs(body, api)
+        if logprobs is not None:
+            extra["logprobs"] = logprobs
+            if api == "completions" and _bool(body, "echo", False):
+                extra["prompt_logprobs"] = logprobs
+    try:
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                seed=None if seed is None else int(seed) % (2 ** 63), **extra)
+    except RequestError as e:        # a combination the ranges alone do not catch (min_tokens > max_tokens)
+        raise bad(str(e), param_of(e.code)) from None
     return params, given or default_max_tokens is not None
+
+
+def param_of(code: str) -> str | None:
+    """The request parameter an engine RequestError code (``invalid_<param>``) names, if any."""
+    name = code[len("invalid_"):] if code.startswith("invalid_") else ""
+    return name if name in SAMPLING_CHECKS or name in ("logit_bias", "stop_token_ids", "logprobs", "seed",
+                                                      "prompt_logprobs") else None
 
 
 def _object(body: Any) -> dict:
@@ -596,12 +663,25 @@ def parse_completion(body: Any, limits: Limits) -> GenRequest:
         prompts = [_prompt_one(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     else:
         prompts = [_prompt_one(prompt, "prompt")]
-    params, given = _params(body, limits, default_temperature=1.0)
+    n = _choices_per_prompt(body)
+    if n * len(prompts) > MAX_CHOICES:
+        raise bad(f"prompts x n may be at most {MAX_CHOICES}, got {len(prompts)} x {n}", "n")
+    params, given = _params(body, limits, default_temperature=1.0, api="completions")
     stop, stop_ids, include = _stops(body, limits)
+    params = _with_stop_ids(params, stop_ids)
     stream = _bool(body, "stream", False)
     return GenRequest("completions", prompts[0], params, stream=stream, request_id=_request_id(body),
                       include_usage=_include_usage(body, stream), model=model, fill_context=not given,
-                      stop=stop, stop_token_ids=stop_ids, include_stop_str_in_output=include, prompts=prompts)
+                      stop=stop, stop_token_ids=stop_ids, include_stop_str_in_output=include, prompts=prompts,
+                      n=n, logprobs=params.logprobs, echo=_bool(body, "echo", False))
+
+
+def _with_stop_ids(params: SamplingParams, stop_ids: list[int]) -> SamplingParams:
+    """stop_token_ids go to the engine too, so that min_tokens holds them back like EOS."""
+    if not stop_ids:
+        return params
+    import dataclasses
+    return dataclasses.replace(params, stop_token_ids=list(stop_ids))
 
 
 def parse_chat(body: Any, limits: Limits) -> GenRequest:
@@ -612,13 +692,16 @@ def parse_chat(body: Any, limits: Limits) -> GenRequest:
     if "messages" not in body:
         raise bad("messages is required", "messages", "missing_prompt")
     messages = _messages(body["messages"])
+    n = _choices_per_prompt(body)
     params, given = _params(body, limits, default_temperature=1.0,
-                            max_tokens_names=("max_completion_tokens", "max_tokens"))
+                            max_tokens_names=("max_completion_tokens", "max_tokens"), api="chat")
     stop, stop_ids, include = _stops(body, limits)
+    params = _with_stop_ids(params, stop_ids)
     stream = _bool(body, "stream", False)
     return GenRequest("chat", messages, params, stream=stream, request_id=_request_id(body),
                       include_usage=_include_usage(body, stream), model=model, fill_context=not given,
-                      stop=stop, stop_token_ids=stop_ids, include_stop_str_in_output=include)
+                      stop=stop, stop_token_ids=stop_ids, include_stop_str_in_output=include, n=n,
+                      logprobs=params.logprobs)
 
 
 def _include_usage(body: dict, stream: bool) -> bool:

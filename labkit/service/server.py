@@ -380,10 +380,11 @@ class Service:
         return protocol.loads_strict(raw)
 
     # -- submission ---------------------------------------------------------------
-    async def _submit(self, req: GenRequest) -> RequestHandle:
+    async def _submit(self, req: GenRequest, prefill_after: str | None = None) -> RequestHandle:
         def call() -> RequestHandle:
             return self.worker.submit(req.prompt, req.params, request_id=req.request_id, tags=req.tags,
-                                      fill_context=req.fill_context, stop_token_ids=req.stop_token_ids)
+                                      fill_context=req.fill_context, stop_token_ids=req.stop_token_ids,
+                                      prefill_after=prefill_after)
 
         try:
             if isinstance(req.prompt, list) and (not req.prompt or isinstance(req.prompt[0], int)):
@@ -392,7 +393,7 @@ class Service:
                 handle = await asyncio.get_running_loop().run_in_executor(None, call)
         except RequestError as e:
             param = {"invalid_request_id": "request_id", "invalid_tags": "tags",
-                     "invalid_sampling_params": None}.get(e.code, _prompt_param(req))
+                     "invalid_sampling_params": None}.get(e.code, protocol.param_of(e.code) or _prompt_param(req))
             raise ApiError(400, str(e), e.code, param) from None
         except DuplicateRequest as e:
             raise ApiError(400, str(e), "duplicate_request_id", "request_id") from None
@@ -559,24 +560,44 @@ class Service:
         return await self._openai(req, request)
 
     async def _submit_all(self, req: GenRequest) -> list[RequestHandle]:
-        """One worker request per prompt (a list of prompts in /v1/completions); all or none."""
+        """One worker request per prompt (a list of prompts in /v1/completions) and sample (n); all or none.
+        Choice prompt_i * n + j is prompt i's sample j: seed + j when a seed is given, and it waits for
+        sample 0's prefill so that it reuses the prompt's full KV blocks through the prefix cache."""
         prompts = req.prompts or [req.prompt]
         handles: list[RequestHandle] = []
         try:
             for i, prompt in enumerate(prompts):
-                rid = req.request_id if i == 0 or req.request_id is None else f"{req.request_id}-{i}"
-                one = dataclasses.replace(req, prompt=prompt, request_id=rid, prompts=None)
-                try:
-                    handles.append(await self._submit(one))
-                except ApiError as e:
-                    if len(prompts) > 1 and e.param == "prompt":
-                        e.param = f"prompt[{i}]"
-                    raise
+                for j in range(req.n):
+                    k = i * req.n + j
+                    rid = req.request_id if k == 0 or req.request_id is None else f"{req.request_id}-{k}"
+                    params = req.params
+                    if j:
+                        params = dataclasses.replace(params, prompt_logprobs=None,
+                                                     seed=None if params.seed is None else params.seed + j)
+                    one = dataclasses.replace(req, prompt=prompt, request_id=rid, prompts=None, params=params)
+                    try:
+                        handles.append(await self._submit(one, handles[-1].request_id if j else None))
+                    except ApiError as e:
+                        if len(prompts) > 1 and e.param == "prompt":
+                            e.param = f"prompt[{i}]"
+                        raise
         except BaseException:
             for h in handles:
                 self._abandon(h)
             raise
         return handles
+
+    def _echo(self, prompt: Any, prompt_logprobs: list | None, fmt: "LogprobsFormat | None",
+              c: "_Choice") -> tuple[str, list]:
+        """completions echo: the prompt's text, and with logprobs its tokens (the first has no log-prob)."""
+        tok = self.worker.tokenizer
+        text = prompt if isinstance(prompt, str) else tok.decode(prompt, skip_special_tokens=True)
+        if fmt is None or prompt_logprobs is None:
+            c.text_offset += len(text)
+            return text, []
+        ids = self.worker.encode(prompt)
+        items = [fmt.item(entry, c, token_id=t) for t, entry in zip(ids, prompt_logprobs)]
+        return text, items
 
     async def _openai(self, req: GenRequest, request: web.Request) -> web.StreamResponse:
         handles = await self._submit_all(req)
@@ -588,28 +609,44 @@ class Service:
         choices = [_Choice(i, h, IncrementalText(self.worker.tokenizer), StopStrings(req.stop,
                                                                                      req.include_stop_str_in_output))
                    for i, h in enumerate(handles)]
+        fmt = LogprobsFormat(self.worker.tokenizer, chat) if req.logprobs is not None else None
+        prompts = req.prompts or [req.prompt]
+        # echo with logprobs: sample 0 of each prompt carries the prompt's log-probs; its siblings wait for them
+        prompt_lps: dict[int, list | None] = {}
+        prompt_lps_ready = {i: asyncio.Event() for i in range(len(prompts))}
         t0 = time.monotonic()
 
-        def chunk(index: int, piece: str | None, finish: str | None, first: bool = False) -> dict:
+        async def echo_logprobs(c: _Choice, ev: dict | None) -> list | None:
+            i, j = divmod(c.index, req.n)
+            if j == 0:
+                prompt_lps[i] = (ev or {}).get("prompt_logprobs")
+                prompt_lps_ready[i].set()
+            else:
+                await prompt_lps_ready[i].wait()
+            return prompt_lps.get(i)
+
+        def chunk(index: int, piece: str | None, finish: str | None, first: bool = False,
+                  logprobs: list | None = None) -> dict:
+            lp = fmt.obj(logprobs) if fmt is not None and logprobs else None
             if chat:
                 delta: dict = {}
                 if first:
                     delta["role"] = "assistant"
                 if piece is not None:
                     delta["content"] = piece
-                choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
                 body = {"id": oid, "object": "chat.completion.chunk", "created": created, "model": model,
                         "system_fingerprint": fingerprint, "choices": [choice]}
             else:
                 body = {"id": oid, "object": "text_completion", "created": created, "model": model,
                         "system_fingerprint": fingerprint,
-                        "choices": [{"index": index, "text": piece or "", "logprobs": None, "finish_reason": finish}]}
+                        "choices": [{"index": index, "text": piece or "", "logprobs": lp, "finish_reason": finish}]}
             if req.include_usage:
                 body["usage"] = None
             return body
 
         def usage() -> dict:
-            p = sum(c.prompt_tokens for c in choices)
+            p = sum(c.prompt_tokens for c in choices if c.index % req.n == 0)     # a prompt counts once (n > 1)
             n = sum(c.completion_tokens for c in choices)
             return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
@@ -623,15 +660,25 @@ class Service:
                     c.tokens += 1
                     if c.ttft is None:
                         c.ttft = time.monotonic() - t0
+                        if req.echo:                # the prompt (and its log-probs) before the first token
+                            text, items = self._echo(prompts[c.index // req.n], await echo_logprobs(c, ev), fmt, c)
+                            c.pieces.append(text)
+                            c.lp_items += items
+                            if emit is not None:
+                                await emit(c.index, text, items)
                     out = c.stops.push(c.text.push(ev["token_id"]))
                     c.pieces.append(out)
+                    items = [fmt.item(ev["logprob"], c)] if fmt is not None and "logprob" in ev else []
+                    c.lp_items += items
                     if emit is not None:            # one chunk per token (load clients time them), maybe ""
-                        await emit(c.index, out)
+                        await emit(c.index, out, items)
                     if c.stops.matched is not None:          # the reader found the end: finish it as "stop"
                         self.worker.cancel(c.handle.request_id, cause="stop_string", reason="stop")
                         c.finish, c.completion_tokens = "stop", c.tokens
                         return
                 elif kind == "finished":
+                    if req.echo and c.index % req.n == 0:
+                        prompt_lps_ready[c.index // req.n].set()       # no token came: siblings stop waiting
                     c.result = ev
                     if ev.get("reason") == "error":
                         c.error = ev.get("message") or "engine error"
@@ -669,11 +716,12 @@ class Service:
                 out_choices = []
                 for c in choices:
                     text = "".join(c.pieces)
+                    lp = fmt.obj(c.lp_items) if fmt is not None else None
                     if chat:
                         out_choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                                            "logprobs": None, "finish_reason": c.finish})
+                                            "logprobs": lp, "finish_reason": c.finish})
                     else:
-                        out_choices.append({"index": c.index, "text": text, "logprobs": None,
+                        out_choices.append({"index": c.index, "text": text, "logprobs": lp,
                                             "finish_reason": c.finish})
                 body = {"id": oid, "object": "chat.completion" if chat else "text_completion", "created": created,
                         "model": model, "system_fingerprint": fingerprint, "choices": out_choices, "usage": usage()}
@@ -691,8 +739,8 @@ class Service:
                 async with lock:
                     await resp.write(b"data: " + data + b"\n\n")
 
-            async def emit(index: int, piece: str) -> None:
-                await send(chunk(index, piece, None))
+            async def emit(index: int, piece: str, logprobs: list | None = None) -> None:
+                await send(chunk(index, piece, None, logprobs=logprobs))
 
             async def consume_and_finish(c: _Choice) -> None:
                 await consume(c, emit)
@@ -752,6 +800,49 @@ class _Choice:
     result: dict | None = None
     ttft: float | None = None
     tail: str = ""
+    lp_items: list = dataclasses.field(default_factory=list)   # per-token log-prob items (LogprobsFormat.item)
+    text_offset: int = 0                                       # completions: where the next token's text starts
+
+
+class LogprobsFormat:
+    """Token log-probs (the worker's ``[id, log-prob, rank, [[id, log-prob], ...]]``) in OpenAI's shapes:
+    completions ``{tokens, token_logprobs, top_logprobs, text_offset}`` (top_logprobs maps token text to
+    log-prob, the chosen token included, as vLLM), chat ``{content: [{token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}]}]}``. A token's text is its own decode; -inf (a token a
+    processor removed, processed_logprobs only) is sent as -9999.0, as vLLM does."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer = tokenizer
+        self.chat = chat
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    @staticmethod
+    def _num(v: float | None) -> float | None:
+        return None if v is None else max(float(v), -9999.0)
+
+    def item(self, entry: list | None, c: "_Choice", token_id: int | None = None):
+        """One token's item; entry None (the first prompt token) has no log-prob."""
+        tid = entry[0] if entry is not None else token_id
+        text = self._text(tid)
+        if self.chat:
+            return {"token": text, "logprob": self._num(entry[1]), "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [{"token": (t := self._text(i)), "logprob": self._num(v),
+                                      "bytes": list(t.encode("utf-8"))} for i, v in entry[3]]}
+        offset = c.text_offset
+        c.text_offset += len(text)
+        if entry is None:
+            return (text, None, None, offset)
+        top = {self._text(i): self._num(v) for i, v in entry[3]}
+        top.setdefault(text, self._num(entry[1]))
+        return (text, self._num(entry[1]), top, offset)
+
+    def obj(self, items: list) -> dict:
+        if self.chat:
+            return {"content": list(items), "refusal": None}
+        return {"tokens": [i[0] for i in items], "token_logprobs": [i[1] for i in items],
+                "top_logprobs": [i[2] for i in items], "text_offset": [i[3] for i in items]}
 
 
 def _basename(path: str | None) -> str | None:

@@ -163,6 +163,12 @@ class _Request:
     num_tokens: int = 0
     last_token_ns: int = 0
     stop_ids: frozenset = frozenset()
+    prefill_after: str | None = None      # n > 1: the sibling request whose prompt KV this one reuses
+
+
+def _lp_entry(rec) -> list:
+    """A TokenLogprob as event JSON: [token id, log-prob, rank, [[id, log-prob], ...]]."""
+    return [rec.token_id, rec.logprob, rec.rank, [[t, v] for t, v in rec.top]]
 
 
 @dataclass
@@ -330,12 +336,16 @@ class Worker:
 
     def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                tags: dict | None = None, stream: bool = True, stream_buffer: int | None = None, *,
-               fill_context: bool = False, stop_token_ids=()) -> RequestHandle:
+               fill_context: bool = False, stop_token_ids=(), prefill_after: str | None = None) -> RequestHandle:
         """Queue a request; returns its handle at once (``handle.rejected`` when the queue is full).
 
         ``fill_context``: max_tokens becomes what the context leaves after the prompt (max_model_len -
         prompt tokens; OpenAI's default). ``stop_token_ids``: the request finishes with reason ``stop``
         (cause ``stop_token_id``) at the step that produces one of them; that token is its last.
+        ``prefill_after``: the id of a request with the same prompt submitted just before (a sibling of
+        ``n > 1``); this one waits for that one's prefill and reuses its full KV blocks (prefix cache).
+        Token events carry ``logprob`` (``[id, log-prob, rank, [[id, log-prob], ...]]``) when
+        ``params.logprobs`` is set; the first carries ``prompt_logprobs`` when ``params.prompt_logprobs`` is.
 
         Raises ``engine.RequestError`` for a prompt the engine cannot take, :class:`DuplicateRequest`
         for a live request id, :class:`WorkerUnavailable` when not accepting work.
@@ -361,7 +371,8 @@ class Worker:
             if rid in self._live:
                 raise DuplicateRequest(f"request_id {rid!r} is already in flight")
             handle = RequestHandle(rid, stream_buffer or self.config.stream_buffer, keep_tokens=stream)
-            req = _Request(rid, token_ids, params, handle, tags, now_ns(), stop_ids=frozenset(stop_token_ids))
+            req = _Request(rid, token_ids, params, handle, tags, now_ns(), stop_ids=frozenset(stop_token_ids),
+                           prefill_after=prefill_after)
             ev = make_event("submitted", rid, self.worker_id, self._round, t_ns=req.submitted_ns,
                             prompt_tokens=len(token_ids), max_tokens=params.max_tokens,
                             queue_depth=len(self._pending))
@@ -557,7 +568,9 @@ class Worker:
 
     def _admit(self, req: _Request) -> None:
         try:
-            req.seq = self.engine.add_request(req.token_ids, req.params, validated=True)   # checked at submit
+            lead = self._active.get(req.prefill_after) if req.prefill_after else None
+            req.seq = self.engine.add_request(req.token_ids, req.params, validated=True,   # checked at submit
+                                              prefill_after=lead.seq if lead is not None else None)
         except RequestError as e:
             self._finish(req, "rejected", message=str(e))
             return
@@ -620,6 +633,11 @@ class Worker:
             req.num_tokens += 1
             ev = make_event("token", req.request_id, self.worker_id, out.step, t_ns=t, index=req.num_tokens,
                             token_id=token_id)
+            rec = out.logprobs.get(seq_id)
+            if rec is not None:
+                ev["logprob"] = _lp_entry(rec)
+            if req.num_tokens == 1 and req.seq.prompt_logprobs is not None:
+                ev["prompt_logprobs"] = [None if r is None else _lp_entry(r) for r in req.seq.prompt_logprobs]
             with self.stats.lock:
                 self.stats.count_generation(1)
                 if req.num_tokens == 1:
@@ -636,7 +654,8 @@ class Worker:
         for seq in out.outcome.finished:
             req = self._by_seq.get(seq.seq_id)
             if req is not None:
-                self._finish(req, seq.finish_reason)
+                by_id = seq.finish_reason == "stop" and seq.token_ids[-1] in req.stop_ids
+                self._finish(req, seq.finish_reason, cause="stop_token_id" if by_id else None)
         for req in stopped:
             if req.request_id in self._active:
                 freed = self.engine.abort(req.seq, "stop")

@@ -1,0 +1,226 @@
+"""Per-request logits processors, vectorized over the rows that need them, on the logits' device.
+
+Only rows whose SamplingParams ask for something beyond temperature come here (see
+SamplingParams.needs_processing); a batch with none of them never touches this module.
+
+Order, as vLLM's v1 sampler: min_tokens mask and logit_bias, penalties (repetition over prompt and
+output tokens, frequency / presence over output tokens), then, for sampled rows, temperature, min_p,
+top_k, top_p. Greedy rows (temperature 0) stop after the penalties: their argmax is taken there.
+Removed tokens are -inf, so softmax gives them probability 0 and a Gumbel/exponential draw never picks them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class RowInputs:
+    """What the processors need of one row: its settings and its token history (the sequence's own
+    list, not copied: token_ids[:num_prompt] is the prompt, the rest the output so far)."""
+    params: SamplingParams
+    token_ids: list[int]
+    num_prompt: int
+    eos_ids: tuple[int, ...] = ()
+    key: int | None = None            # the sequence's id: its counts are kept in a TokenHistory
+
+    @classmethod
+    def of(cls, params: SamplingParams, prompt_ids, output_ids=(), eos_ids=()) -> "RowInputs":
+        return cls(params, [*prompt_ids, *output_ids], len(prompt_ids), tuple(eos_ids))
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt:]
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+
+class TokenHistory:
+    """Penalty rows' token counts kept on the device across steps, so that a row costs one scatter of its
+    new tokens per step instead of rebuilding its whole history: one slot per sequence in two buffers,
+    prompt tokens seen [slots, V] bool and output token counts [slots, V] int32, grown 64 slots at a time
+    (about 39 MB per 64 slots at Qwen3's vocabulary). forget() frees a finished sequence's slot."""
+
+    GROW = 64
+
+    def __init__(self, vocab: int, device):
+        self.vocab, self.device = vocab, device
+        self.slots: dict[int, tuple[int, int]] = {}      # key -> (slot, outputs counted)
+        self.free: list[int] = []
+        self.seen = torch.zeros(0, vocab, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)
+
+    def _grow(self) -> None:
+        n = self.seen.shape[0]
+        self.seen = torch.cat([self.seen, torch.zeros(self.GROW, self.vocab, dtype=torch.bool, device=self.device)])
+        self.counts = torch.cat([self.counts, torch.zeros(self.GROW, self.vocab, dtype=torch.int32, device=self.device)])
+        self.free.extend(range(n + self.GROW - 1, n - 1, -1))
+
+    def gather(self, rows: list[RowInputs]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt tokens seen [R, V] bool, output counts [R, V] int32) of the rows, brought up to date."""
+        slots, p_slot, p_tok, o_slot, o_tok = [], [], [], [], []
+        for row in rows:
+            slot, done = self.slots.get(row.key, (None, 0))
+            if slot is None or done > row.num_outputs:
+                if slot is None:
+                    if not self.free:
+                        self._grow()
+                    slot = self.free.pop()
+                self.seen[slot].zero_()
+                self.counts[slot].zero_()
+                p_slot += [slot] * row.num_prompt
+                p_tok += row.prompt_ids
+                done = 0
+            new = row.token_ids[row.num_prompt + done:]
+            o_slot += [slot] * len(new)
+            o_tok += new
+            self.slots[row.key] = (slot, row.num_outputs)
+            slots.append(slot)
+        dev = self.device
+        if p_slot:
+            self.seen[torch.tensor(p_slot, device=dev), torch.tensor(p_tok, device=dev)] = True
+        if o_slot:
+            self.counts.index_put_((torch.tensor(o_slot, device=dev), torch.tensor(o_tok, device=dev)),
+                                   torch.ones(len(o_slot), dtype=torch.int32, device=dev), accumulate=True)
+        idx = torch.tensor(slots, device=dev)
+        return self.seen.index_select(0, idx), self.counts.index_select(0, idx)
+
+    def forget(self, key: int) -> None:
+        entry = self.slots.pop(key, None)
+        if entry is not None:
+            self.free.append(entry[0])
+
+
+def _padded(lists: list[list[int]], pad: int, device) -> torch.Tensor:
+    width = max(1, max(len(x) for x in lists))
+    return torch.tensor([x + [pad] * (width - len(x)) for x in lists], dtype=torch.int64).to(device)
+
+
+def token_counts(lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[R, V] int32: how often each token occurs in each row's list (the pad id `vocab` is dropped)."""
+    ids = _padded(lists, vocab, device)
+    counts = torch.zeros(len(lists), vocab + 1, dtype=torch.int32, device=device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
+    return counts[:, :vocab]
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[RowInputs]) -> None:
+    """Rows short of min_tokens: EOS (unless ignore_eos) and stop_token_ids can not be drawn yet."""
+    r_idx, t_idx = [], []
+    vocab = logits.shape[1]
+    for i, row in enumerate(rows):
+        sp = row.params
+        if row.num_outputs < sp.min_tokens:
+            stops = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(row.eos_ids))
+            for t in stops:
+                if t < vocab:
+                    r_idx.append(i)
+                    t_idx.append(t)
+    if r_idx:
+        logits[torch.tensor(r_idx, device=logits.device), torch.tensor(t_idx, device=logits.device)] = float("-inf")
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[RowInputs]) -> None:
+    r_idx, t_idx, bias = [], [], []
+    for i, row in enumerate(rows):
+        for t, b in (row.params.logit_bias or {}).items():
+            r_idx.append(i)
+            t_idx.append(t)
+            bias.append(b)
+    if r_idx:
+        dev = logits.device
+        logits.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
+                          torch.tensor(bias, dtype=logits.dtype, device=dev), accumulate=True)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[RowInputs], history: TokenHistory | None = None) -> None:
+    """repetition: a seen token's logit is divided by the penalty if positive, multiplied if not (seen =
+    in the prompt or the output); frequency: minus penalty x output count; presence: minus penalty if
+    the token occurs in the output. history: counts kept across steps (else built from the lists)."""
+    which = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not which:
+        return
+    dev, vocab = logits.device, logits.shape[1]
+    sub = [rows[i] for i in which]
+    idx = torch.tensor(which, device=dev)
+    x = logits.index_select(0, idx)
+    if history is not None:
+        in_prompt, out_counts = history.gather(sub)
+    else:
+        in_prompt, out_counts = None, token_counts([r.output_ids for r in sub], vocab, dev)
+    rep = torch.tensor([r.params.repetition_penalty for r in sub], dtype=x.dtype, device=dev).unsqueeze(1)
+    if any(r.params.repetition_penalty != 1 for r in sub):
+        if in_prompt is None:
+            in_prompt = token_counts([r.prompt_ids for r in sub], vocab, dev) > 0
+        seen = in_prompt | (out_counts > 0)
+        penalized = torch.where(x > 0, x / rep, x * rep)
+        x = torch.where(seen, penalized, x)
+    freq = torch.tensor([r.params.frequency_penalty for r in sub], dtype=x.dtype, device=dev).unsqueeze(1)
+    pres = torch.tensor([r.params.presence_penalty for r in sub], dtype=x.dtype, device=dev).unsqueeze(1)
+    x = x - freq * out_counts.to(x.dtype) - pres * (out_counts > 0).to(x.dtype)
+    logits.index_copy_(0, idx, x)
+
+
+def apply_temperature(logits: torch.Tensor, temperatures: list[float]) -> None:
+    """Sampled rows divided by their temperature; temperature 0 rows are left as they are."""
+    t = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=logits.dtype, device=logits.device)
+    logits.div_(t.unsqueeze(1))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> None:
+    """Tokens whose probability is below min_p x the top token's probability are removed."""
+    if not any(p > 0 for p in min_p):
+        return
+    mp = torch.tensor(min_p, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * mp
+    logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """One ascending sort of the rows: top_k keeps the tokens at least as large as the k-th largest
+    (ties with it stay); top_p removes the smallest tokens whose cumulative probability stays <= 1 - p,
+    always keeping the top one. top_k <= 0 and top_p == 1 are off for their row."""
+    use_k = any(k > 0 for k in top_k)
+    use_p = any(p < 1 for p in top_p)
+    if not use_k and not use_p:
+        return logits
+    vocab = logits.shape[1]
+    srt, order = logits.sort(dim=-1, descending=False)
+    if use_k:
+        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
+        kth = srt.gather(1, (vocab - k).unsqueeze(1))
+        srt = srt.masked_fill(srt < kth, float("-inf"))
+    if use_p:
+        p = torch.tensor(top_p, dtype=srt.dtype, device=logits.device).unsqueeze(1)
+        cum = torch.softmax(srt, dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - p
+        drop[:, -1] = False
+        srt = srt.masked_fill(drop, float("-inf"))
+    return torch.empty_like(srt).scatter_(1, order, srt)
+
+
+def process(logits: torch.Tensor, rows: list[RowInputs], history: TokenHistory | None = None) -> torch.Tensor:
+    """The rows' logits (float32 copy) with every processor applied: what the draw reads. Sampled rows
+    come out divided by their temperature (draw them at temperature 1); greedy rows without it."""
+    x = logits.float().clone()
+    apply_min_tokens(x, rows)
+    apply_logit_bias(x, rows)
+    apply_penalties(x, rows, history)
+    temps = [r.params.temperature for r in rows]
+    if all(t == 0 for t in temps):
+        return x
+    apply_temperature(x, temps)
+    sampled = [t > 0 for t in temps]
+    apply_min_p(x, [r.params.min_p if s else 0.0 for r, s in zip(rows, sampled)])
+    return apply_top_k_top_p(x, [r.params.top_k if s else -1 for r, s in zip(rows, sampled)],
+                             [r.params.top_p if s else 1.0 for r, s in zip(rows, sampled)])
