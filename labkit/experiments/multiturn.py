@@ -83,7 +83,7 @@ def run_multiturn(out: Path | None = None, model: str | None = None, device: str
         fresh = _first_schedule(fresh_built.engine, ids2)
     finally:
         fresh_built.engine.close()
-    tok = fresh_built.engine.tokenizer
+    tok = engine.tokenizer                               # loaded by turn 1 (the fresh engine's is the same files)
     show = lambda ids: tok.decode(ids)  # noqa: E731
     same["scheduled_is_rest"] = same.get("scheduled") == len(ids2) - same.get("cached", -1)
     facts = {
