@@ -285,7 +285,7 @@ def smoke(out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto"
 
 @app.command("quick-walk")
 def quick_walk(
-    case: Annotated[CaseName, typer.Option("--case", case_sensitive=False, help="Quick-walk case (docs/LAB.md §3): A, B, C or D; lifecycle (B.2.1/B.3, 64+96 tokens) or prefix (B.6, a 512-token prefix hit).")],
+    case: Annotated[CaseName, typer.Option("--case", case_sensitive=False, help="Quick-walk case (docs/LAB.md §3): A, B, C or D; lifecycle (docs/LAB.md §4: 64+96 tokens) or prefix (§18: a 512-token prefix hit).")],
     trace: Annotated[bool, typer.Option("--trace", help="Store every step (before the forward / after postprocess) in the evidence.")] = False,
     shapes: Annotated[bool, typer.Option("--shapes", help="Case lifecycle: record layer 0's tensor shapes and the rows the LM head reads (forward hooks).")] = False,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
@@ -295,7 +295,7 @@ def quick_walk(
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
-    """Follow cases A-D step by step (docs/LAB.md §3), or the appendix walks lifecycle (B.2.1/B.3) and prefix (B.6); LABKIT_TRACE=1 prints one event=engine_step line per step."""
+    """Follow cases A-D step by step (docs/LAB.md §3), or the walks lifecycle (§4) and prefix (§18); LABKIT_TRACE=1 prints one event=engine_step line per step."""
     from labkit.experiments.quick_walk import run_quick_walk
 
     if case in (CaseName.LIFECYCLE, CaseName.PREFIX) or shapes:

@@ -1,5 +1,5 @@
-"""``labkit principles tokenizer|softmax|attention|memory|slots|timing`` (handbook B.1, B.2.3) and
-``labkit multiturn`` (B.7). Thin shells over labkit/experiments/principles.py and multiturn.py; every
+"""``labkit principles tokenizer|softmax|attention|memory|slots|timing`` (docs/LAB.md §2, §6, §8, §11)
+and ``labkit multiturn`` (§18). Thin shells over labkit/experiments/principles.py and multiturn.py; every
 command ends through :func:`labkit.cli.app.finish`.
 
 ``register_principles(group)`` adds the principle commands to the ``principles`` group (made in
@@ -32,7 +32,7 @@ def _show(record: dict, rows: dict, title: str, json_out: bool) -> None:
 
 
 def principles_tokenizer(model: ModelOpt = None, out: OutOpt = None, json_out: JsonOpt = False) -> None:
-    """Encode/decode a fixed Chinese/English text with the model's tokenizer; pieces; chat template (B.1.1)."""
+    """Encode/decode a fixed Chinese/English text with the model's tokenizer; pieces; chat template (docs/LAB.md §2)."""
     from labkit.experiments.principles import run_tokenizer
 
     r = run_tokenizer(out, _model(model))
@@ -47,7 +47,7 @@ def principles_softmax(
     seed: int = typer.Option(0, "--seed", help="Seed of the sampler's generator."),
     out: OutOpt = None, json_out: JsonOpt = False,
 ) -> None:
-    """softmax([2,1,0]), the greedy pick and sampled frequencies from the engine's sampler (B.1.1)."""
+    """softmax([2,1,0]), the greedy pick and sampled frequencies from the engine's sampler (docs/LAB.md §2)."""
     from labkit.experiments.principles import run_softmax
 
     r = run_softmax(out, samples, seed)
@@ -58,7 +58,7 @@ def principles_softmax(
 
 
 def principles_attention(out: OutOpt = None, json_out: JsonOpt = False) -> None:
-    """Causal attention by hand on Q=K=V=X through the engine's torch backend; mask and cache checks (B.1.2)."""
+    """Causal attention by hand on Q=K=V=X through the engine's torch backend; mask and cache checks (docs/LAB.md §8)."""
     from labkit.experiments.principles import run_attention
 
     r = run_attention(out)
@@ -75,7 +75,7 @@ def principles_attention(out: OutOpt = None, json_out: JsonOpt = False) -> None:
 
 
 def principles_memory(model: ModelOpt = None, out: OutOpt = None, json_out: JsonOpt = False) -> None:
-    """KV bytes per token, per request, per block; the static pool budget (B.1.5, B.8.3)."""
+    """KV bytes per token, per request, per block; the static pool budget (docs/LAB.md §11)."""
     from labkit.experiments.principles import run_memory
 
     r = run_memory(out, _model(model))
@@ -91,7 +91,7 @@ def principles_memory(model: ModelOpt = None, out: OutOpt = None, json_out: Json
 
 
 def principles_slots(model: ModelOpt = None, out: OutOpt = None, json_out: JsonOpt = False) -> None:
-    """Logical position -> physical KV slot: the teaching example and a real walk at block size 4 (B.2.3)."""
+    """Logical position -> physical KV slot: the teaching example and a real walk at block size 4 (docs/LAB.md §6)."""
     from labkit.experiments.principles import run_slots
 
     r = run_slots(out, _model(model))
@@ -105,7 +105,7 @@ def principles_slots(model: ModelOpt = None, out: OutOpt = None, json_out: JsonO
 
 
 def principles_timing(out: OutOpt = None, json_out: JsonOpt = False) -> None:
-    """TTFT, ITL, TPOT and throughput of the handbook's example through the report's functions (B.1.5)."""
+    """TTFT, ITL, TPOT and throughput of the guide's worked example through the report's functions (docs/LAB.md §11)."""
     from labkit.experiments.principles import run_timing
 
     r = run_timing(out)
@@ -116,7 +116,7 @@ def principles_timing(out: OutOpt = None, json_out: JsonOpt = False) -> None:
 
 def multiturn(model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
               out: OutOpt = None, json_out: JsonOpt = False) -> None:
-    """Two chat turns through the template: the common token prefix and turn 2's prefix-cache hit (B.7)."""
+    """Two chat turns through the template: the common token prefix and turn 2's prefix-cache hit (docs/LAB.md §18)."""
     from labkit.experiments.multiturn import run_multiturn
 
     r = run_multiturn(out, _model(model), device, attention)

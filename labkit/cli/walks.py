@@ -1,4 +1,4 @@
-"""``labkit quick-walk --case lifecycle|prefix``: the appendix walks (B.2.1/B.3 and B.6), beside cases A-D.
+"""``labkit quick-walk --case lifecycle|prefix``: the walks of docs/LAB.md §4 and §18, beside cases A-D.
 
 Called by the ``quick-walk`` command in labkit/cli/app.py (which ends it through ``finish``); the walks
 themselves are plain functions in labkit/experiments/lifecycle.py and prefix_walk.py.

@@ -221,9 +221,10 @@ def attention_facts() -> dict:
     y = x + [list(ATTENTION_APPEND)]
     full_last = _causal(y, y, y)[-1]
     layer = _attention_layer(d, block_size=4, num_blocks=1)
-    t = torch.tensor(x, dtype=torch.float32)[:, None, :]
+    layer.k_cache, layer.v_cache = layer.k_cache.double(), layer.v_cache.double()
+    t = torch.tensor(x, dtype=torch.float64)[:, None, :]
     layer(t, t, t, _prefill_meta(len(x), list(range(len(x)))))
-    q4 = torch.tensor([list(ATTENTION_APPEND)], dtype=torch.float32)[:, None, :]
+    q4 = torch.tensor([list(ATTENTION_APPEND)], dtype=torch.float64)[:, None, :]
     cached_last = layer(q4, q4, q4, _decode_meta(1, len(y), [len(x)], [0]))[0, 0].tolist()
     v2 = [list(r) for r in ATTENTION_V2]
     return {
