@@ -173,6 +173,10 @@ class LLMEngine:
         """The KV pool [2, layers, blocks, block_size, kv heads, head dim], for probes to read (never write)."""
         return self.runner.kv_cache
 
+    def named_modules(self):
+        """The model's modules by name (rank 0), for read-only forward hooks (shape probes); never modify them."""
+        return self.runner.model.named_modules()
+
     def slot(self, seq: Sequence, position: int) -> int:
         """Where position's K/V lives in the pool (block_table[p // B] * B + p % B)."""
         return self.runner.slot(seq, position)

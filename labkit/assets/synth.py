@@ -74,6 +74,17 @@ PRESETS: dict[str, dict] = {
         head_dim=128,
         intermediate_size=3072,
     ),
+    # Qwen3-0.6B's widths (hidden, heads, head_dim, intermediate, vocab) with 2 of its 28 layers: the
+    # lifecycle walk's layer-0 shapes and logits width on a CPU, where 28 layers are slow.
+    "qwen3-0.6b-2l": _preset(
+        "bfloat16",
+        hidden_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=3072,
+    ),
 }
 
 # Larger members of the Qwen3 family, so scale can be measured (issue 13). The values are those of the

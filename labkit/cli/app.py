@@ -267,6 +267,8 @@ class CaseName(str, enum.Enum):
     B = "B"
     C = "C"
     D = "D"
+    LIFECYCLE = "lifecycle"
+    PREFIX = "prefix"
 
 
 @app.command()
@@ -284,8 +286,9 @@ def smoke(out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto"
 
 @app.command("quick-walk")
 def quick_walk(
-    case: Annotated[CaseName, typer.Option("--case", case_sensitive=False, help="Quick-walk case (docs/LAB.md §3): A, B, C or D.")],
+    case: Annotated[CaseName, typer.Option("--case", case_sensitive=False, help="Quick-walk case (docs/LAB.md §3): A, B, C or D; lifecycle (docs/LAB.md §4: 64+96 tokens) or prefix (§18: a 512-token prefix hit).")],
     trace: Annotated[bool, typer.Option("--trace", help="Store every step (before the forward / after postprocess) in the evidence.")] = False,
+    shapes: Annotated[bool, typer.Option("--shapes", help="Case lifecycle: record layer 0's tensor shapes and the rows the LM head reads (forward hooks).")] = False,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
     max_num_seqs: MaxNumSeqsOpt = None,
     kv_cache_block_size: KvCacheBlockSizeOpt = 256,
@@ -293,9 +296,16 @@ def quick_walk(
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
-    """Follow cases A-D step by step (docs/LAB.md §3); LABKIT_TRACE=1 prints one event=engine_step line per step."""
+    """Follow cases A-D step by step (docs/LAB.md §3), or the walks lifecycle (§4) and prefix (§18); LABKIT_TRACE=1 prints one event=engine_step line per step."""
     from labkit.experiments.quick_walk import run_quick_walk
 
+    if case in (CaseName.LIFECYCLE, CaseName.PREFIX) or shapes:
+        from labkit.cli.walks import walk_case
+
+        record = walk_case(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
+                           budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
+                           trace=trace, debug=debug, shapes=shapes, json_out=json_out)
+        finish(record, record["_paths"]["json"], json_out=json_out)
     record = run_quick_walk(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
                             budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
                             trace=trace, debug=debug)

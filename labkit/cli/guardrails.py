@@ -223,4 +223,7 @@ def register(app: typer.Typer) -> None:
     principles_app = _group(app, "principles", "Principles experiments (docs/LAB.md §8, §10).")
     principles_app.command("cached-forward", epilog=EXIT_HELP)(principles_cached_forward)
     principles_app.command("shapes")(principles_shapes)
+    from labkit.cli.principles import register_principles
+
+    register_principles(principles_app)
     logits_app.command("calibrate")(logits_calibrate)

@@ -1,0 +1,144 @@
+"""``labkit principles tokenizer|softmax|attention|memory|slots|timing`` (docs/LAB.md §2, §6, §8, §11)
+and ``labkit multiturn`` (§18). Thin shells over labkit/experiments/principles.py and multiturn.py; every
+command ends through :func:`labkit.cli.app.finish`.
+
+``register_principles(group)`` adds the principle commands to the ``principles`` group (made in
+labkit/cli/guardrails.py); ``register(app)`` adds ``multiturn``.
+"""
+from __future__ import annotations
+
+import json
+
+import typer
+
+from labkit.cli.app import finish
+from labkit.cli.options import AttentionOpt, DeviceOpt, JsonOpt, ModelOpt, OutOpt
+from labkit.console import console, dict_table, kv_table, note
+
+EXIT_HELP = "Exit codes: 0 PASS/REVIEW, 1 FAIL, 2 user error."
+
+
+def _model(model) -> str | None:
+    return str(model) if model else None
+
+
+def _show(record: dict, rows: dict, title: str, json_out: bool) -> None:
+    if not json_out:
+        console.print(kv_table({k: v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) for k, v in rows.items()},
+                               title=title))
+        if (record.get("facts") or {}).get("note"):
+            note(record["facts"]["note"])
+    finish(record, record["_paths"]["json"], json_out=json_out)
+
+
+def principles_tokenizer(model: ModelOpt = None, out: OutOpt = None, json_out: JsonOpt = False) -> None:
+    """Encode/decode a fixed Chinese/English text with the model's tokenizer; pieces; chat template (docs/LAB.md §2)."""
+    from labkit.experiments.principles import run_tokenizer
+
+    r = run_tokenizer(out, _model(model))
+    f = r["facts"]
+    _show(r, {"text": f["text"], "ids": f["ids"], "token_pieces": f["token_pieces"], "decoded": f["decoded"],
+              "round trip equal": f["roundtrip_equal"], "chat template (thinking off)": f["chat_template_text"]},
+          "tokenizer", json_out)
+
+
+def principles_softmax(
+    samples: int = typer.Option(20000, "--samples", min=1, help="Draws at temperature 1."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sampler's generator."),
+    out: OutOpt = None, json_out: JsonOpt = False,
+) -> None:
+    """softmax([2,1,0]), the greedy pick and sampled frequencies from the engine's sampler (docs/LAB.md §2)."""
+    from labkit.experiments.principles import run_softmax
+
+    r = run_softmax(out, samples, seed)
+    f = r["facts"]
+    _show(r, {"scores": f["scores"], "probabilities": [round(p, 5) for p in f["probabilities"]],
+              "greedy index": f["greedy_index"], f"frequencies ({f['samples']} draws)": f["sampled_frequencies"]},
+          "softmax and sampling", json_out)
+
+
+def principles_attention(out: OutOpt = None, json_out: JsonOpt = False) -> None:
+    """Causal attention by hand on Q=K=V=X through the engine's torch backend; mask and cache checks (docs/LAB.md §8)."""
+    from labkit.experiments.principles import run_attention
+
+    r = run_attention(out)
+    f = r["facts"]
+    rnd = lambda xs: [round(x, 4) for x in xs]  # noqa: E731
+    _show(r, {"weights": [rnd(w) for w in f["weights"]], "last output": rnd(f["last_output"]),
+              "masked earlier delta": f["masked_earlier_delta"],
+              "unmasked earlier delta": round(f["unmasked_earlier_delta"], 5),
+              "cached last output": rnd(f["cache"]["cached_last_output"]),
+              "cache max error": f["cache"]["max_error"],
+              "query positions (full, cached) / KV": f"{f['cache']['query_positions']} / {f['cache']['kv_positions']}",
+              "V != Q/K: last output": [round(x, 6) for x in f["v_differs"]["last_output"]]},
+          "causal attention", json_out)
+
+
+def principles_memory(model: ModelOpt = None, out: OutOpt = None, json_out: JsonOpt = False) -> None:
+    """KV bytes per token, per request, per block; the static pool budget (docs/LAB.md §11)."""
+    from labkit.experiments.principles import run_memory
+
+    r = run_memory(out, _model(model))
+    f = r["facts"]
+    b = f["static_budget"]
+    _show(r, {"KV per token": f"{f['kv_bytes_per_token']} B = {f['kv_kib_per_token']:g} KiB",
+              f"{f['positions']} positions": f"{f['kv_mib_per_request']:g} MiB",
+              f"{f['requests']} requests": f"{f['kv_gib_for_requests']:g} GiB",
+              f"one {f['block_size']}-token block": f"{f['kv_mib_per_block']:g} MiB",
+              "static budget": f"{b['budget_gib']:g} GiB - {b['weights_gib']} GiB weights - {b['reserve_gib']:g} GiB = "
+                               f"{b['kv_gib']} GiB -> {b['pool_blocks']} blocks -> {b['requests_that_fit']} requests"},
+          "KV memory", json_out)
+
+
+def principles_slots(model: ModelOpt = None, out: OutOpt = None, json_out: JsonOpt = False) -> None:
+    """Logical position -> physical KV slot: the teaching example and a real walk at block size 4 (docs/LAB.md §6)."""
+    from labkit.experiments.principles import run_slots
+
+    r = run_slots(out, _model(model))
+    f = r["facts"]
+    _show(r, {"block size": f["block_size"], "block_table": f["teaching"]["block_table"],
+              "positions -> slots": f"{f['teaching']['positions']} -> {f['teaching']['slots']}",
+              "runtime slots checked": f["runtime"]["slots_checked"],
+              "runtime follows formula": f["runtime"]["slots_follow_formula"],
+              "blocks at B=256 for 255/256/257": f["logical_blocks_at_256"]["blocks"]},
+          "KV slots", json_out)
+
+
+def principles_timing(out: OutOpt = None, json_out: JsonOpt = False) -> None:
+    """TTFT, ITL, TPOT and throughput of the guide's worked example through the report's functions (docs/LAB.md §11)."""
+    from labkit.experiments.principles import run_timing
+
+    r = run_timing(out)
+    f = r["facts"]
+    _show(r, {"tokens at (s)": f["tokens_s"], "TTFT ms": f["ttft_ms"], "ITL ms": f["itl_ms"],
+              "TPOT ms": round(f["tpot_ms"], 2), "throughput tok/s": f["throughput_tok_s"]}, "timing", json_out)
+
+
+def multiturn(model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
+              out: OutOpt = None, json_out: JsonOpt = False) -> None:
+    """Two chat turns through the template: the common token prefix and turn 2's prefix-cache hit (docs/LAB.md §18)."""
+    from labkit.experiments.multiturn import run_multiturn
+
+    r = run_multiturn(out, _model(model), device, attention)
+    f = r["facts"]
+    if not json_out:
+        console.print(dict_table([
+            {"engine": "same", **{k: f["turn2_same_engine"].get(k) for k in ("total", "cached", "scheduled", "block_table")}},
+            {"engine": "fresh", **{k: f["turn2_fresh_engine"].get(k) for k in ("total", "cached", "scheduled", "block_table")}},
+        ], title="turn 2's first schedule"))
+    _show(r, {"turn 1 tokens (with answer)": f["turn1"]["tokens_with_answer"], "turn 2 tokens": f["turn2"]["prompt_tokens"],
+              "common prefix": f["common_prefix_tokens"], "turn 1 continues": f["after_common"]["turn1"],
+              "turn 2 continues": f["after_common"]["turn2"], "expected cached": f["expected_cached"]},
+          "multi-turn prefix", json_out)
+
+
+def register_principles(group: typer.Typer) -> None:
+    for name, fn in (("tokenizer", principles_tokenizer), ("softmax", principles_softmax),
+                     ("attention", principles_attention), ("memory", principles_memory),
+                     ("slots", principles_slots), ("timing", principles_timing)):
+        group.command(name, epilog=EXIT_HELP)(fn)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("multiturn", epilog=EXIT_HELP)(multiturn)
+

@@ -1,0 +1,51 @@
+"""``labkit quick-walk --case lifecycle|prefix``: the walks of docs/LAB.md §4 and §18, beside cases A-D.
+
+Called by the ``quick-walk`` command in labkit/cli/app.py (which ends it through ``finish``); the walks
+themselves are plain functions in labkit/experiments/lifecycle.py and prefix_walk.py.
+"""
+from __future__ import annotations
+
+from labkit.console import console, kv_table, note, render_quick_walk
+from labkit.errors import UserError
+
+
+def walk_case(case: str, *, out, model, device: str, attention: str, budget: int, max_num_seqs, block_size: int,
+              trace: bool, debug: bool, shapes: bool, json_out: bool) -> dict:
+    """Run the walk and print its tables (unless json_out); returns the record."""
+    case = case.lower()
+    if debug:
+        raise UserError("--debug is for cases A-D")
+    if shapes and case != "lifecycle":
+        raise UserError("--shapes is for case lifecycle")
+    if case == "lifecycle":
+        from labkit.experiments.lifecycle import run_lifecycle
+
+        record = run_lifecycle(out, model, device, attention, budget, max_num_seqs, block_size, shapes=shapes, trace=trace)
+        if not json_out:
+            render_quick_walk(record)
+            if record["facts"].get("model_note"):
+                note(record["facts"]["model_note"])
+    else:
+        from labkit.experiments.prefix_walk import run_prefix
+
+        record = run_prefix(out, model, device, attention, budget, max_num_seqs, block_size, trace=trace)
+        if not json_out:
+            render_prefix(record)
+    return record
+
+
+def render_prefix(record: dict) -> None:
+    """B's first schedule, the runner's tensors, the ref-count trace."""
+    f = record["facts"]
+    b, i = f["b_first"], f["b_inputs"]
+    console.print(kv_table({
+        "A": f"{f['a']['total']} tokens, blocks {f['a']['block_table']}",
+        "B first schedule (total/cached/scheduled)": f"{b['total']}/{b['cached']}/{b['scheduled']}, blocks {b['block_table']}",
+        "cu_seqlens_q / cu_seqlens_k": f"{i['cu_seqlens_q']} / {i['cu_seqlens_k']}",
+        "positions": f"{i['first_position']}..{i['last_position']}",
+        "block_tables given": str(i["has_block_tables"]),
+        f"ref counts of blocks {f['watched_blocks']}": " -> ".join(str(c) for c in f["ref_count_trace"]),
+        "exactly 512 tokens (total/cached/scheduled)": f"{f['exact_512']['total']}/{f['exact_512']['cached']}/{f['exact_512']['scheduled']}",
+    }, title=f"quick-walk prefix: {f['title']}"))
+    if record["checkpoint"] is None:
+        note("no checkpoint states the expectations for these options: facts recorded, nothing asserted")

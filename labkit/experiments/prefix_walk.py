@@ -1,0 +1,121 @@
+"""Quick-walk case ``prefix`` (handbook B.6): a 512-token prefix hit and the shared blocks' ref counts.
+
+Through the real engine (block size 256, prefill budget 512):
+
+1. A (620 tokens: 512 shared + 108 of its own) runs to the end. Its full blocks are hashed; when it
+   finishes they go back to the free list with ref count 0, their hashes kept.
+2. B (the same 512 + 108 others) is submitted after A finished. Its first schedule (the ``scheduled``
+   event) and the runner's tensors (the ``inputs`` event) show the hit: cached=512, scheduled=108,
+   cu_seqlens_q [0,108], cu_seqlens_k [0,620], positions from 512, block_tables given.
+3. C (the same 512 + 108 others) joins while B runs; B finishes first, then C.
+   The ref counts of A's first two blocks (``LLMEngine.ref_counts``), read after every step and kept
+   when they change: [0,0] -> [1,1] -> [2,2] -> [1,1] -> [0,0].
+4. D is exactly the 512 shared tokens: only num_blocks - 1 = 1 block is looked up, so cached=256.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine import SamplingParams
+from labkit.evidence import claim, write_evidence
+from labkit.experiments.quick_walk import StepRecorder, slot_mismatches
+from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
+from labkit.paths import default_out
+
+SHARED = tuple(range(1000, 1512))                       # 512 tokens = 2 full blocks of 256
+TAILS = {"A": range(5000, 5108), "B": range(6000, 6108), "C": range(7000, 7108)}
+MAX_TOKENS = {"A": 2, "B": 3, "C": 5, "D": 1}
+
+
+def _first(steps: list[dict], label: str) -> tuple[dict, dict]:
+    """The first step that scheduled ``label``: its snapshot and the step."""
+    for st in steps:
+        for s in st["before"]:
+            if s["label"] == label:
+                return s, st
+    raise RuntimeError(f"{label} was never scheduled")
+
+
+def run_prefix(out: Path | None = None, model: str | None = None, device: str = "auto", attention: str = "auto",
+               budget: int = 512, max_num_seqs: int | None = None, block_size: int = 256, trace: bool = False) -> dict:
+    built = build_engine(model, device, attention, max_num_batched_tokens=budget,
+                         max_num_seqs=max_num_seqs or 256, kvcache_block_size=block_size)
+    engine = built.engine
+    install_env_trace(engine)
+    labels: dict[int, str] = {}
+    recorder = StepRecorder(labels)
+    engine.events.subscribe(recorder)
+    seqs: dict[str, object] = {}
+
+    def add(label: str, ids: list[int]):
+        seq = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS[label], ignore_eos=True))
+        labels[seq.seq_id] = label
+        seqs[label] = seq
+        return seq
+
+    trace_counts: list[list[int]] = []
+    watched: list[int] = []
+
+    def step_and_read() -> None:
+        engine.step()
+        counts = engine.ref_counts(watched)
+        if not trace_counts or trace_counts[-1] != counts:
+            trace_counts.append(counts)
+
+    add("A", [*SHARED, *TAILS["A"]])
+    while not engine.is_finished():
+        engine.step()
+    a_first, _ = _first(recorder.steps, "A")
+    a_blocks = [s for st in recorder.steps for s in st["before"] if s["label"] == "A"][-1]["block_table"]
+    watched[:] = a_blocks[:len(SHARED) // block_size]
+    trace_counts.append(engine.ref_counts(watched))
+    add("B", [*SHARED, *TAILS["B"]])
+    step_and_read()                                    # B's prefill (the hit)
+    add("C", [*SHARED, *TAILS["C"]])
+    while not engine.is_finished():
+        step_and_read()
+    add("D", list(SHARED))
+    while not engine.is_finished():
+        engine.step()
+    steps = recorder.steps
+    b_first, b_step = _first(steps, "B")
+    d_first, _ = _first(steps, "D")
+    inp = b_step["inputs"]
+    checked, bad = slot_mismatches(steps, block_size)
+    facts = {
+        "case": "prefix", "title": "a 620-token prompt after a cached 512-token prefix; ref counts (B.6)",
+        "options": {"budget": budget, "max_num_seqs": max_num_seqs or 256, "block_size": block_size,
+                    "max_model_len": engine.config.max_model_len},
+        "requests": [{"label": k, "prompt_len": s.num_prompt_tokens,
+                      "max_tokens": MAX_TOKENS[k]} for k, s in seqs.items()],
+        "shared_prefix_tokens": len(SHARED),
+        "a": {"total": a_first["total"], "cached": a_first["cached"], "block_table": a_blocks},
+        "b_first": {k: b_first[k] for k in ("total", "cached", "scheduled", "block_table")},
+        "b_inputs": {"input_shape": inp["input_shape"], "cu_seqlens_q": inp["cu_seqlens_q"],
+                     "cu_seqlens_k": inp["cu_seqlens_k"], "first_position": inp["positions"][0],
+                     "last_position": inp["positions"][-1], "has_block_tables": inp["has_block_tables"],
+                     "batch": [s["label"] for s in b_step["before"]]},
+        "b_shares_a_blocks": b_first["block_table"][:len(watched)] == watched and bool(watched),
+        "watched_blocks": watched,
+        "ref_count_trace": trace_counts,
+        "exact_512": {k: d_first[k] for k in ("total", "cached", "scheduled")},
+        "finished_order": [lab for st in steps for lab in st["after"]["finished"]],
+        "slots_checked": checked,
+        "slot_mismatches": bad,
+        "derived_slots_follow_formula": checked > 0 and not bad,
+        "free_blocks_end": engine.stats().free_blocks,
+        "num_blocks": engine.stats().num_blocks,
+        "note": synthetic_note(built.model),
+    }
+    if trace:
+        facts["steps"] = steps
+    default_opts = budget == 512 and block_size == 256 and max_num_seqs is None
+    cp, unclaimed = claim("principles.prefix-cache" if default_opts else None)
+    if unclaimed:
+        facts["checkpoint_not_claimed"] = unclaimed
+    path = Path(out) if out is not None else default_out("prefix-cache-check.json" if cp else "quick-walk-prefix-custom.json")
+    record = write_evidence(path, checkpoint=cp, kind=built.kind, facts=facts, device=built.device,
+                            model=built.model, seed=engine.config.seed, engine=built.describe())
+    engine.close()
+    record["_paths"] = {"json": str(path)}
+    return record

@@ -1,0 +1,204 @@
+"""The principles checkpoints (checkpoints/principles.json): each PASSes when run the way `labkit run` runs it
+(its command, --out, and --model where it takes one), and FAILs on a deliberately broken engine or input."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from labkit.checks import check_evidence, get_checkpoint, load_checkpoints
+
+
+@pytest.fixture(scope="session")
+def qwen_shape_model_dir(tmp_path_factory):
+    """Qwen3-0.6B's widths and vocabulary with 2 layers (the lifecycle walk's handbook shapes on a CPU)."""
+    from labkit.assets.synth import synth_model
+
+    return synth_model("qwen3-0.6b-2l", tmp_path_factory.mktemp("qwen-2l") / "qwen3-0.6b-2l", seed=0)
+
+
+def _model_for(cp, tiny, qwen_shape) -> str:
+    return str(qwen_shape if cp.id == "principles.lifecycle" else tiny)
+
+
+PRINCIPLES = [cp.id for cp in load_checkpoints() if cp.stage == "principles"]
+
+
+def test_the_stage_has_the_nine_checkpoints():
+    assert PRINCIPLES == ["principles.tokenizer", "principles.softmax", "principles.attention", "principles.memory",
+                          "principles.slots", "principles.timing", "principles.lifecycle", "principles.prefix-cache",
+                          "principles.multiturn"]
+    assert all(get_checkpoint(c).needs == "cpu" for c in PRINCIPLES)
+
+
+@pytest.mark.parametrize("cid", PRINCIPLES)
+def test_checkpoint_passes_as_labkit_run_runs_it(cid, cli_app, tiny_model_dir, qwen_shape_model_dir, tmp_path, monkeypatch):
+    """run_all.build_command's arguments, through the real CLI in process; then `labkit check` re-judges."""
+    from typer.testing import CliRunner
+
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
+    cp = get_checkpoint(cid)
+    out = cp.evidence_path()
+    args = [*cp.command[1:], "--out", str(out)]
+    if cp.takes_model:
+        args += ["--model", _model_for(cp, tiny_model_dir, qwen_shape_model_dir)]
+    res = CliRunner().invoke(cli_app, args)
+    assert res.exit_code == 0, res.output
+    rec = json.loads(out.read_text())
+    assert rec["checkpoint"] == cid and rec["verdict"] == "PASS"
+    verdict, checks = check_evidence(cp)
+    assert verdict == "PASS", [c for c in checks if not c.get("passed")]
+
+
+# --------------------------------------------------------------------------- deliberate breaks
+
+
+def _failed(record: dict) -> list[str]:
+    assert record["checkpoint"] is not None, record["facts"].get("checkpoint_not_claimed")
+    return [c["name"] for c in record["checks"] if c.get("status", "pass" if c.get("passed") else "fail") == "fail"]
+
+
+def test_tokenizer_fails_when_decode_loses_a_token(tiny_model_dir, tmp_path, labkit_argv, monkeypatch):
+    from transformers import PreTrainedTokenizerBase
+
+    from labkit.experiments.principles import run_tokenizer
+
+    decode = PreTrainedTokenizerBase.decode
+    monkeypatch.setattr(PreTrainedTokenizerBase, "decode", lambda self, ids, **kw: decode(self, list(ids)[:-1], **kw))
+    labkit_argv.checkpoint("principles.tokenizer")
+    rec = run_tokenizer(tmp_path / "t.json", str(tiny_model_dir))
+    assert rec["verdict"] == "FAIL" and {"facts.roundtrip_equal", "facts.decoded"} <= set(_failed(rec))
+
+
+def test_softmax_fails_when_the_sampler_ignores_the_temperature(tmp_path, labkit_argv, monkeypatch):
+    import engine.layers.sampler as sampler
+
+    from labkit.experiments.principles import run_softmax
+
+    real = sampler.sample_tensor
+    monkeypatch.setattr(sampler, "sample_tensor", lambda logits, temps, gens: real(logits, [t * 2 for t in temps], gens))
+    labkit_argv.checkpoint("principles.softmax")
+    rec = run_softmax(tmp_path / "s.json")
+    assert rec["verdict"] == "FAIL" and "facts.sampled_frequencies.0" in _failed(rec)
+
+
+def test_attention_fails_without_the_causal_mask(tmp_path, labkit_argv, monkeypatch):
+    from engine.attention.torch_backend import TorchAttention
+    from labkit.experiments.principles import run_attention
+
+    attend = TorchAttention._attend
+    monkeypatch.setattr(TorchAttention, "_attend", staticmethod(lambda q, k, v, mask, scale, causal: attend(q, k, v, mask, scale, False)))
+    labkit_argv.checkpoint("principles.attention")
+    rec = run_attention(tmp_path / "a.json")
+    failed = _failed(rec)
+    # the last row reads every position either way; the earlier rows now read the future
+    assert rec["verdict"] == "FAIL" and {"facts.masked_earlier_delta", "facts.upper_triangle_max"} <= set(failed)
+
+
+def test_memory_fails_when_counting_q_heads(tmp_path, labkit_argv, monkeypatch):
+    """The handbook's own pitfall: 16 Q heads instead of 8 KV heads."""
+    from engine.config import ModelShape
+    from labkit.experiments.principles import run_memory
+
+    monkeypatch.setattr(ModelShape, "kv_bytes_per_token",
+                        lambda self, elem, tp=1: 2 * self.num_layers * self.num_heads * self.head_dim * elem)
+    labkit_argv.checkpoint("principles.memory")
+    rec = run_memory(tmp_path / "m.json")
+    assert rec["verdict"] == "FAIL" and {"facts.kv_bytes_per_token", "facts.kv_mib_per_block"} <= set(_failed(rec))
+
+
+def test_slots_fail_with_a_wrong_block_size(tiny_model_dir, tmp_path, labkit_argv):
+    from labkit.experiments.principles import run_slots
+
+    labkit_argv.checkpoint("principles.slots")
+    rec = run_slots(tmp_path / "k.json", str(tiny_model_dir), block_size=8)
+    assert rec["facts"]["teaching"]["slots"] == [136, 142, 40]
+    assert rec["verdict"] == "FAIL" and {"facts.block_size", "facts.teaching.slots"} <= set(_failed(rec))
+
+
+def test_slots_fail_when_the_runner_ignores_the_block_table(tiny_model_dir, tmp_path, labkit_argv, monkeypatch):
+    from engine.model_runner import ModelRunner
+    from labkit.experiments.principles import run_slots
+
+    monkeypatch.setattr(ModelRunner, "slot", lambda self, seq, position: position)
+    labkit_argv.checkpoint("principles.slots")
+    rec = run_slots(tmp_path / "k.json", str(tiny_model_dir))
+    assert rec["verdict"] == "FAIL" and "facts.teaching.slots" in _failed(rec)
+
+
+def test_timing_fails_with_an_off_by_one_tpot(tmp_path, labkit_argv, monkeypatch):
+    import labkit.load.report as report
+    from labkit.experiments.principles import run_timing
+
+    monkeypatch.setattr(report, "tpot_ms", lambda r: (r.token_ns[-1] - r.token_ns[0]) / 1e6 / len(r.token_ns))
+    labkit_argv.checkpoint("principles.timing")
+    rec = run_timing(tmp_path / "t.json")
+    assert rec["verdict"] == "FAIL" and _failed(rec) == ["facts.tpot_ms"]
+
+
+def test_lifecycle_fails_when_the_runner_reads_the_wrong_rows(qwen_shape_model_dir, tmp_path, labkit_argv, monkeypatch):
+    """A runner that hands the LM head each sequence's first row instead of its last: the measured rows
+    are [0,64], not [63,159]."""
+    import torch
+
+    from engine.model_runner import ModelRunner
+    from labkit.experiments.lifecycle import run_lifecycle
+
+    def first_rows(self, inputs, route=None):
+        with torch.inference_mode():
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
+            if inputs.is_prefill:
+                hidden = hidden[inputs.meta.cu_seqlens_q[:-1].long()]
+            return self.model.compute_logits(hidden)
+
+    monkeypatch.setattr(ModelRunner, "run_model", first_rows)
+    labkit_argv.checkpoint("principles.lifecycle")
+    rec = run_lifecycle(tmp_path / "l.json", str(qwen_shape_model_dir), "cpu", "torch", shapes=True)
+    assert rec["facts"]["shapes"]["prefill_last_rows"] == [0, 64]
+    assert rec["verdict"] == "FAIL" and set(_failed(rec)) == {"facts.shapes.prefill_last_rows",
+                                                              "facts.shapes.last_rows_are_cu_seqlens_q_minus_1"}
+
+
+def test_lifecycle_fails_on_a_model_of_another_shape(tiny_model_dir, tmp_path, labkit_argv):
+    from labkit.experiments.lifecycle import run_lifecycle
+
+    labkit_argv.checkpoint("principles.lifecycle")
+    rec = run_lifecycle(tmp_path / "l.json", str(tiny_model_dir), "cpu", "torch", shapes=True)
+    failed = _failed(rec)
+    assert rec["verdict"] == "FAIL" and "facts.shapes.prefill.qkv_proj" in failed
+    assert "facts.prefill.cu_seqlens_q" not in failed          # the runner metadata does not depend on the model
+
+
+@pytest.fixture
+def no_prefix_hashes(monkeypatch):
+    """An engine that never registers its full blocks' hashes: nothing can hit the prefix cache."""
+    from engine.block_manager import BlockManager
+
+    monkeypatch.setattr(BlockManager, "hash_blocks", lambda self, seq: None)
+
+
+def test_prefix_walk_fails_without_prefix_hashes(no_prefix_hashes, tiny_model_dir, tmp_path, labkit_argv):
+    from labkit.experiments.prefix_walk import run_prefix
+
+    labkit_argv.checkpoint("principles.prefix-cache")
+    rec = run_prefix(tmp_path / "p.json", str(tiny_model_dir), "cpu", "torch")
+    assert rec["facts"]["b_first"]["cached"] == 0
+    assert rec["verdict"] == "FAIL" and {"facts.b_first.cached", "facts.ref_count_trace",
+                                         "facts.exact_512.cached"} <= set(_failed(rec))
+
+
+def test_multiturn_fails_without_prefix_hashes(no_prefix_hashes, tiny_model_dir, tmp_path, labkit_argv):
+    from labkit.experiments.multiturn import run_multiturn
+
+    labkit_argv.checkpoint("principles.multiturn")
+    rec = run_multiturn(tmp_path / "m.json", str(tiny_model_dir), "cpu", "torch")
+    assert rec["facts"]["turn2_same_engine"]["cached"] == 0 and rec["facts"]["expected_cached"] == 512
+    assert rec["verdict"] == "FAIL" and {"facts.turn2_same_engine.cached",
+                                         "facts.cached_is_block_aligned_common_prefix"} <= set(_failed(rec))
+
+
+def test_shapes_is_refused_for_other_cases(cli_app, tiny_model_dir):
+    from typer.testing import CliRunner
+
+    res = CliRunner().invoke(cli_app, ["quick-walk", "--case", "prefix", "--shapes", "--model", str(tiny_model_dir)])
+    assert res.exit_code == 2 and "--shapes is for case lifecycle" in res.output
