@@ -17,6 +17,11 @@ class Preset(str, enum.Enum):
     qwen3_0_6b = "qwen3-0.6b"
 
 
+class Init(str, enum.Enum):
+    random = "random"
+    tame = "tame"
+
+
 def _show_result(result: object, title: str, json_out: bool) -> None:
     if json_out:
         print_json(result)
@@ -33,18 +38,21 @@ def model_synth(
     seed: SeedOpt = 0,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Weight dtype (default: the preset's).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing directory.")] = False,
+    init: Annotated[Optional[Init], typer.Option("--init", help="Weights: random (i.i.d.) or tame (a seeded bigram language, numerically tame in BF16). Default: the preset's (tiny random, qwen3-0.6b tame).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Write a Hugging Face Qwen3 directory with seeded random weights."""
-    from labkit.assets.synth import synth_model
+    """Write a Hugging Face Qwen3 directory with seeded synthetic weights."""
+    from labkit.assets.synth import default_init, synth_model
 
-    path = synth_model(preset.value, out, seed=seed, dtype=dtype, force=force)
-    summary = {"path": str(path), "preset": preset.value, "seed": seed, "dtype": dtype, "synthetic": True}
+    chosen = init.value if init is not None else default_init(preset.value)
+    path = synth_model(preset.value, out, seed=seed, dtype=dtype, force=force, init=chosen)
+    summary = {"path": str(path), "preset": preset.value, "seed": seed, "init": chosen, "dtype": dtype,
+               "synthetic": True}
     if json_out:
         print_json(summary)
     else:
-        console.print(f"wrote synthetic model (preset {preset.value}, seed {seed}) to {rel(path)}")
-    note("synthetic model: random weights; any text it generates is meaningless")
+        console.print(f"wrote synthetic model (preset {preset.value}, {chosen} init, seed {seed}) to {rel(path)}")
+    note(f"synthetic model: {chosen} weights; any text it generates is meaningless")
 
 
 @model_app.command("inspect")
