@@ -55,7 +55,8 @@ def build_engine(model: str | None = None, device: str = "auto", attention: str 
 
 def synthetic_note(model: dict) -> str | None:
     if model.get("synthetic"):
-        return f"synthetic model ({model.get('preset')}, random weights): generated text is meaningless"
+        return (f"synthetic model ({model.get('preset')}, {model.get('init') or 'random'} weights): "
+                "generated text is meaningless")
     return None
 
 

@@ -248,8 +248,8 @@ def test_model_identity_caches_and_notices_changes(tiny_model_dir, tmp_path, mon
     shutil.copytree(tiny_model_dir, d)
     monkeypatch.setenv("LABKIT_CACHE", str(tmp_path / "cache"))
     ident = model_identity(d)
-    assert set(ident) == {"path", "config_sha256", "weights_sha256", "synthetic", "preset", "seed"}
-    assert (ident["synthetic"], ident["preset"], ident["seed"]) == (True, "tiny", 0)
+    assert set(ident) == {"path", "config_sha256", "weights_sha256", "synthetic", "preset", "seed", "init"}
+    assert (ident["synthetic"], ident["preset"], ident["seed"], ident["init"]) == (True, "tiny", 0, "random")
     assert ident["weights_sha256"] == model_identity(tiny_model_dir)["weights_sha256"]
     # second call: served from the cache, no hashing of the weights
     calls = []

@@ -28,7 +28,8 @@ class ModelError(UserError):
 SYNTH_MARKER = "labkit_synth.json"
 #: Bumped whenever the synthesized layout or weights change; a cached default model with another
 #: version is rebuilt by resolve_model. 2: norm weights are seeded per tensor (1 + 0.1 N(0, 1)).
-SYNTH_FORMAT_VERSION = 2
+#: 3: the marker names its init; qwen3-0.6b defaults to the BF16-tame init (labkit/assets/synth_tame.py).
+SYNTH_FORMAT_VERSION = 3
 
 
 def default_cache_dir() -> Path:

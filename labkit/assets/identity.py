@@ -136,6 +136,7 @@ def inspect_model(path: str | Path) -> dict:
         "synthetic": marker is not None,
         "preset": (marker or {}).get("preset"),
         "seed": (marker or {}).get("seed"),
+        "init": (marker or {}).get("init", "random") if marker is not None else None,
         "config_sha256": _sha256_file(p / "config.json").hexdigest(),
         "weights_sha256": _weights_sha256(p),
     }
@@ -199,4 +200,5 @@ def model_identity(path: str | Path) -> dict:
         "synthetic": marker is not None,
         "preset": (marker or {}).get("preset"),
         "seed": (marker or {}).get("seed"),
+        "init": (marker or {}).get("init", "random") if marker is not None else None,
     }

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from labkit.assets.files import SYNTH_FORMAT_VERSION, ModelError, _read_marker, default_cache_dir
 from labkit.assets.identity import validate_model_dir
-from labkit.assets.synth import synth_model
+from labkit.assets.synth import default_init, synth_model
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ def _usable_default(path: Path, preset: str) -> bool:
         and marker.get("preset") == preset
         and marker.get("seed") == 0
         and marker.get("format_version") == SYNTH_FORMAT_VERSION
+        and marker.get("init") == default_init(preset)
     )
 
 

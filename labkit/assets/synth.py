@@ -1,4 +1,8 @@
-"""Synthetic Qwen3 model directories: presets, seeded random weights, :func:`synth_model`.
+"""Synthetic Qwen3 model directories: presets, seeded weights, :func:`synth_model`.
+
+Two inits (``INITS``): ``random`` (i.i.d. weights, below) and ``tame`` (:mod:`labkit.assets.synth_tame`: a
+seeded bigram language whose forward pass is numerically tame in BF16). Each preset has a default
+(``PRESET_INIT``); the other stays reachable with ``init=`` / ``labkit model synth --init``.
 
 A directory made here loads with ``transformers`` exactly like the real Qwen/Qwen3-0.6B and holds
 ``labkit_synth.json`` (written last), which marks it synthetic.
@@ -137,6 +141,15 @@ PRESET_NOTES: dict[str, str] = {
 _DTYPES = ("float32", "bfloat16", "float16")
 SYNTH_DEVICES = ("cpu", "cuda")
 
+#: Weight inits: ``random`` (i.i.d., the tests' tiny model) and ``tame`` (BF16-tame; see synth_tame).
+INITS = ("random", "tame")
+#: The init a preset gets when none is asked for: qwen3-0.6b is what the BF16 guard runs on, on CUDA.
+PRESET_INIT: dict[str, str] = {"tiny": "random", "qwen3-0.6b": "tame"}
+
+
+def default_init(preset: str) -> str:
+    return PRESET_INIT.get(preset, "random")
+
 
 # Synthetic weight scales (chosen by measuring greedy continuations of random prompts on both
 # presets: with all-ones norms and N(0, 1/hidden) embeddings the tied lm_head strongly favours
@@ -194,11 +207,17 @@ def _tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _make_weights(cfg: dict, seed: int, dtype: str, device: str = "cpu") -> dict[str, Any]:
+def _make_weights(cfg: dict, seed: int, dtype: str, init: str = "random", device: str = "cpu") -> dict[str, Any]:
     """Every tensor from its own seeded generator on `device`. CPU (the default) gives the bytes every
     earlier directory of this seed has; CUDA draws from the GPU's generator (other values, same
-    distribution, seconds instead of minutes for 8B shapes) and the marker records which device drew."""
+    distribution, seconds instead of minutes for 8B shapes) and the marker records which device drew.
+    The tame init is always drawn on the CPU (its structure is cheap at 0.6B)."""
     import torch
+
+    if init == "tame":
+        from labkit.assets.synth_tame import make_tame_weights
+
+        return make_tame_weights(cfg, seed, dtype, _param_specs(cfg), _tensor_seed)
 
     tdtype = getattr(torch, dtype)
     gen = torch.Generator(device=device)
@@ -242,8 +261,20 @@ def _transformers_version() -> str:
         return "0.0.0"
 
 
+def _check_init(init: str) -> str:
+    if init not in INITS:
+        raise ModelError(f"unknown init {init!r}; choose one of: {', '.join(INITS)}")
+    return init
+
+
+_INIT_NOTES = {
+    "random": "random weights: generated text is meaningless",
+    "tame": "tame synthetic weights (a seeded bigram language, BF16-tame): generated text is meaningless",
+}
+
+
 def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | None,
-                       rope_scaling: str | None = None, device: str = "cpu") -> None:
+                       rope_scaling: str | None = None, device: str = "cpu", init: str = "random") -> None:
     from safetensors.torch import save_file
 
     cfg = dict(_check_preset(preset))
@@ -264,7 +295,7 @@ def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | Non
     # possibly broken Mistral one and warns about its regex on every load
     cfg = {**cfg, "transformers_version": _transformers_version()}
     _write_json(directory / "config.json", cfg)
-    weights = _make_weights(cfg, seed, cfg["dtype"], device)
+    weights = _make_weights(cfg, seed, cfg["dtype"], init, device if init == "random" else "cpu")
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     del weights
     _write_json(
@@ -273,12 +304,13 @@ def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | Non
             "synthetic": True,
             "preset": preset,
             "seed": seed,
+            "init": init,
             "dtype": cfg["dtype"],
             "generator": "labkit model synth",
             "format_version": SYNTH_FORMAT_VERSION,
-            "note": "random weights: generated text is meaningless",
+            "note": _INIT_NOTES[init],
             **({"rope_scaling": rope_scaling} if rope_scaling is not None else {}),
-            **({"weights_device": device} if device != "cpu" else {}),
+            **({"weights_device": device} if device != "cpu" and init == "random" else {}),
         },
     )
 
@@ -291,8 +323,10 @@ def synth_model(
     force: bool = False,
     rope_scaling: str | None = None,
     device: str = "cpu",
+    init: str | None = None,
 ) -> Path:
-    """Write a loadable Hugging Face Qwen3 model directory with seeded random weights.
+    """Write a loadable Hugging Face Qwen3 model directory with seeded weights (``init``: ``random`` or
+    ``tame``; None: the preset's default, :data:`PRESET_INIT`).
 
     The files are written into a temporary sibling directory first and moved into place at the
     end, so an interrupted run never leaves a directory that looks complete. A non-empty ``out``
@@ -306,6 +340,7 @@ def synth_model(
         from labkit.assets.rope import parse_rope_spec
 
         parse_rope_spec(rope_scaling)
+    init = _check_init(default_init(preset) if init is None else init)
     if dtype is not None and dtype not in _DTYPES:
         raise ModelError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
     if not isinstance(seed, int) or isinstance(seed, bool):
@@ -329,7 +364,7 @@ def synth_model(
     except OSError as exc:
         raise ModelError(f"cannot create model directory {out}: {exc.strerror or exc}") from None
     try:
-        _write_synth_files(tmp, preset, seed, dtype, rope_scaling, device)
+        _write_synth_files(tmp, preset, seed, dtype, rope_scaling, device, init)
         _apply_umask(tmp)
         if not out.exists():
             os.rename(tmp, out)

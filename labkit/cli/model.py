@@ -20,6 +20,11 @@ class Preset(str, enum.Enum):
     qwen3_8b = "qwen3-8b"
 
 
+class Init(str, enum.Enum):
+    random = "random"
+    tame = "tame"
+
+
 def _show_result(result: object, title: str, json_out: bool) -> None:
     if json_out:
         print_json(result)
@@ -41,22 +46,24 @@ def model_synth(
         help="Write a rope_scaling block into config.json: yarn:F (original_max_position_embeddings = "
              "max_position_embeddings / F), linear:F, or dynamic:F (a type the engine refuses).")] = None,
     device: Annotated[str, typer.Option("--device", help="Where the random weights are drawn: cpu (the same bytes as before for a seed) or cuda (fast for the large presets; other values).")] = "cpu",
+    init: Annotated[Optional[Init], typer.Option("--init", help="Weights: random (i.i.d.) or tame (a seeded bigram language, numerically tame in BF16). Default: the preset's (tiny random, qwen3-0.6b tame).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Write a Hugging Face Qwen3 directory with seeded random weights."""
-    from labkit.assets.synth import synth_model
+    """Write a Hugging Face Qwen3 directory with seeded synthetic weights."""
+    from labkit.assets.synth import default_init, synth_model
 
+    chosen = init.value if init is not None else default_init(preset.value)
     path = synth_model(preset.value, out, seed=seed, dtype=dtype, force=force, rope_scaling=rope_scaling,
-                       device=device)
-    summary = {"path": str(path), "preset": preset.value, "seed": seed, "dtype": dtype, "synthetic": True,
-               "weights_device": device}
+                       device=device, init=chosen)
+    summary = {"path": str(path), "preset": preset.value, "seed": seed, "init": chosen, "dtype": dtype,
+               "synthetic": True, "weights_device": device if chosen == "random" else "cpu"}
     if rope_scaling is not None:
         summary["rope_scaling"] = rope_scaling
     if json_out:
         print_json(summary)
     else:
-        console.print(f"wrote synthetic model (preset {preset.value}, seed {seed}) to {rel(path)}")
-    note("synthetic model: random weights; any text it generates is meaningless")
+        console.print(f"wrote synthetic model (preset {preset.value}, {chosen} init, seed {seed}) to {rel(path)}")
+    note(f"synthetic model: {chosen} weights; any text it generates is meaningless")
 
 
 @model_app.command("inspect")

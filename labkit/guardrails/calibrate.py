@@ -11,6 +11,7 @@ from labkit.guardrails.collect import collect_hf, collect_nano
 from labkit.guardrails.compare import compare
 from labkit.guardrails.suites import (
     CHECKPOINT_BASELINE,
+    CHECKPOINT_BF16_GPU,
     CHECKPOINT_GRAPH,
     CHECKPOINT_ROPE,
     CHECKPOINT_TP_CPU,
@@ -49,6 +50,9 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
     if tp > 1 and suite != "baseline":
         raise UserError("--tp applies to the baseline suite")
     cp = CHECKPOINT_BASELINE if suite == "baseline" else CHECKPOINT_GRAPH
+    bf16 = suite == "baseline" and dtype == "bfloat16" and tp == 1
+    if bf16 and device.startswith("cuda"):      # the BF16 guard: its own checkpoint (thresholds cuda/bfloat16)
+        cp = CHECKPOINT_BF16_GPU
     if tp > 1:
         cp = CHECKPOINT_TP_GPU if device.startswith("cuda") else CHECKPOINT_TP_CPU
     if rope_scaling is not None:
@@ -71,6 +75,8 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
         rope_tag = f"-{spec_name(rope_scaling)}" if rope_scaling is not None else ""
         out_path = default_out(f"logits-guard-{suite}" + (f"-tp{tp}" if tp > 1 else "") + rope_tag + ".json")
     names = ("engine-nano", "engine-hf") if suite == "baseline" else ("graph-patched", "graph-eager")
+    if bf16:                    # its own collections: the float32 checkpoint's stay as they are
+        names = (f"{names[0]}-bf16", f"{names[1]}-bf16")
     if tp > 1:
         names = (f"engine-nano-tp{tp}", "engine-hf")
     if cp is None or rope_scaling is not None:              # nor the checkpoint's collections

@@ -45,6 +45,8 @@ UNCOVERED_BATCH = 17
 DEFAULT_KV_MAX_ABS = 0.1
 
 CHECKPOINT_BASELINE = "guardrails.logits-baseline"
+CHECKPOINT_BF16_GPU = "guardrails.logits-bf16"       # the baseline guard in bfloat16 on CUDA (no CPU twin: the
+                                                     # CPU default model, tiny with random weights, is chaotic in bf16)
 CHECKPOINT_TP_CPU = "tp.logits-cpu"          # the baseline guard with --tp N on CPU (gloo)
 CHECKPOINT_TP_GPU = "tp.logits-2gpu"         # ... on GPUs (NCCL)
 CHECKPOINT_GRAPH = "guardrails.graph-vs-eager"
