@@ -231,3 +231,30 @@ def test_token_history_keeps_counts_across_steps_like_a_rebuild():
         torch.testing.assert_close(kept, rebuilt)
         for k in live:
             seqs[k].append(int(torch.randint(0, 8, (1,), generator=g)))
+
+
+def test_top_k_first_path_keeps_what_the_full_sort_keeps():
+    """Every row with a top_k takes the top-k selection instead of the full sort: same kept sets (no ties)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 4096, generator=g) * 2
+    ks = [1, 2, 7, 50, 50, 200, 1000, 1024]
+    ps = [0.9, 1.0, 0.5, 0.9, 0.05, 0.95, 0.999, 1.0]
+    assert all(0 < k <= lp.TOP_K_FIRST_MAX for k in ks)
+    fast = lp._top_k_first(x.clone(), ks, ps)
+    full = torch.cat([lp.apply_top_k_top_p(torch.cat([x[i:i + 1], x[i:i + 1]]), [k, -1], [p, 1.0])[:1]
+                      for i, (k, p) in enumerate(zip(ks, ps))])
+    assert finite_set(fast) == finite_set(full)
+    assert torch.equal(lp.apply_top_k_top_p(x.clone(), ks, ps), fast)       # the dispatcher takes it
+
+
+def test_top_k_first_path_keeps_ties_at_the_kth_value_as_transformers_does():
+    x = (torch.randn(4, 512, generator=torch.Generator().manual_seed(4)) * 2).to(torch.bfloat16).float()
+    for k in (5, 50, 300):
+        ours = lp.apply_top_k_top_p(x.clone(), [k] * 4, [1.0] * 4)
+        ref = tf.TopKLogitsWarper(top_k=k)(None, x.clone())
+        assert finite_set(ours) == finite_set(ref)
+        for p in (0.5, 0.9):
+            both = lp.apply_top_k_top_p(x.clone(), [k] * 4, [p] * 4)
+            ref_p = tf.TopPLogitsWarper(top_p=p)(None, tf.TopKLogitsWarper(top_k=k)(None, x.clone()))
+            for a, b in zip(finite_set(both), finite_set(ref_p)):
+                assert b <= a and len(a - b) <= 8    # at most the ties at the cut differ

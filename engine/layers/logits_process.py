@@ -195,6 +195,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     if not use_k and not use_p:
         return logits
     vocab = logits.shape[1]
+    if all(k > 0 for k in top_k) and max(top_k) <= min(TOP_K_FIRST_MAX, vocab - 1):
+        return _top_k_first(logits, top_k, top_p)
     srt, order = logits.sort(dim=-1, descending=False)
     if use_k:
         k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
@@ -207,6 +209,28 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
         drop[:, -1] = False
         srt = srt.masked_fill(drop, float("-inf"))
     return torch.empty_like(srt).scatter_(1, order, srt)
+
+
+#: When every row has a top_k up to this, the rows are cut with one top-k selection instead of a sort of
+#: the whole vocabulary (the sampling-heavy case: top_k 50 with top_p on every request).
+TOP_K_FIRST_MAX = 1024
+
+
+def _top_k_first(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """apply_top_k_top_p when every row has a top_k: only the k largest of each row are sorted (topk), top_p
+    is taken within them (its softmax over the row's top_k values), and the row is cut at the smallest value
+    kept. Tokens equal to that value all stay (the full sort keeps an arbitrary part of such ties)."""
+    kmax = max(top_k)
+    vals = logits.topk(kmax, dim=-1).values                                   # descending
+    last = torch.tensor([k - 1 for k in top_k], device=logits.device).unsqueeze(1)
+    if any(p < 1 for p in top_p):
+        ranks = torch.arange(kmax, device=logits.device).unsqueeze(0)
+        probs = torch.softmax(vals.masked_fill(ranks > last, float("-inf")), dim=-1)
+        larger = probs.cumsum(dim=-1) - probs                                  # mass of the tokens above each
+        p = torch.tensor(top_p, dtype=probs.dtype, device=logits.device).unsqueeze(1)
+        kept = ((larger < p) & (ranks <= last)).sum(dim=1, keepdim=True)       # the top one always stays
+        last = torch.minimum(last, kept - 1)
+    return logits.masked_fill(logits < vals.gather(1, last), float("-inf"))
 
 
 def process(logits: torch.Tensor, rows: list[RowInputs], history: TokenHistory | None = None) -> torch.Tensor:
