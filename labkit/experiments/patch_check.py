@@ -24,24 +24,33 @@ PROBE_TIMEOUT_S = 900
 CUDA_PATCHES = {"no-graph-fallback"}
 
 
-def run_side(patch: Patch, applied: bool, model: str | None = None) -> dict:
-    """One side's probe facts: ``{"ok", "kind", "facts", "engine_source_hash", ...}``."""
+def run_on_engine_copy(patch: Patch, applied: bool, args: list[str], timeout_s: float,
+                       what: str) -> tuple[dict | None, str | None]:
+    """``python -m ARGS`` against a copy of engine/ with the patch applied or not (the live tree untouched).
+    Returns (the JSON of its last stdout line, None), or (None, one line saying why there is none)."""
     with tempfile.TemporaryDirectory(prefix=f"labkit-{patch.name}-") as tmp:
         root = engine_copy(Path(tmp), patch, applied)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(repo_root()),
                                                           os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        cmd = [sys.executable, "-m", "labkit.experiments.patch_probes", patch.name, model or ""]
         try:
-            proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S,
-                                  stdin=subprocess.DEVNULL)
+            proc = subprocess.run([sys.executable, "-m", *args], cwd=root, env=env, capture_output=True, text=True,
+                                  timeout=timeout_s, stdin=subprocess.DEVNULL)
         except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"probe timed out after {PROBE_TIMEOUT_S} s"}
+            return None, f"{what} timed out after {timeout_s:g} s"
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     try:
-        out = json.loads(lines[-1])
+        return json.loads(lines[-1]), None
     except (IndexError, json.JSONDecodeError):
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"ok": False, "error": f"probe exited {proc.returncode}: {tail}"}
+        return None, f"{what} exited {proc.returncode}: {tail}"
+
+
+def run_side(patch: Patch, applied: bool, model: str | None = None) -> dict:
+    """One side's probe facts: ``{"ok", "kind", "facts", "engine_source_hash", ...}``."""
+    out, error = run_on_engine_copy(patch, applied, ["labkit.experiments.patch_probes", patch.name, model or ""],
+                                    PROBE_TIMEOUT_S, "probe")
+    if out is None:
+        return {"ok": False, "error": error}
     out["engine_import_path"] = "copy of engine/ " + ("with" if applied else "without") + f" {patch.file}"
     return out
 

@@ -20,10 +20,7 @@ can say whether today's ``prefill_first`` is upstream's scheduler round by round
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -231,26 +228,14 @@ def side(policies: list[str], knob: bool = True) -> dict:
 
 def run_upstream() -> dict:
     """The prefill_first cases against a copy of engine/ with patches/03 applied (upstream's scheduler)."""
-    from labkit.patches.store import engine_copy, find
-    from labkit.paths import repo_root
+    from labkit.experiments.patch_check import run_on_engine_copy
+    from labkit.patches.store import find
 
     patch = find(UPSTREAM_PATCH)
-    with tempfile.TemporaryDirectory(prefix="labkit-sched-upstream-") as tmp:
-        root = engine_copy(Path(tmp), patch, applied=True)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(repo_root()),
-                                                          os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        cmd = [sys.executable, "-m", "labkit.experiments.scheduler_practice", "--upstream-side"]
-        try:
-            proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=SIDE_TIMEOUT_S,
-                                  stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            return {"ok": False, "error": f"upstream side timed out after {SIDE_TIMEOUT_S} s"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    try:
-        out = json.loads(lines[-1])
-    except (IndexError, json.JSONDecodeError):
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"ok": False, "error": f"upstream side exited {proc.returncode}: {tail}"}
+    out, error = run_on_engine_copy(patch, True, ["labkit.experiments.scheduler_practice", "--upstream-side"],
+                                    SIDE_TIMEOUT_S, "upstream side")
+    if out is None:
+        return {"ok": False, "error": error}
     out["patch"] = patch.file
     return out
 
