@@ -650,6 +650,8 @@ class Worker:
                 free_blocks=self.engine.stats().free_blocks))
         slow: list[_Request] = []
         stopped: list[_Request] = []
+        ttfts: list[float] = []
+        itls: list[float] = []
         for seq_id, token_id in out.outcome.accepted.items():
             req = self._by_seq.get(seq_id)
             if req is None:
@@ -662,12 +664,10 @@ class Worker:
                 ev["logprob"] = _lp_entry(rec)
             if req.num_tokens == 1 and req.seq.prompt_logprobs is not None:
                 ev["prompt_logprobs"] = [None if r is None else _lp_entry(r) for r in req.seq.prompt_logprobs]
-            with self.stats.lock:
-                self.stats.count_generation(1)
-                if req.num_tokens == 1:
-                    self.stats.ttft.observe((t - req.submitted_ns) / 1e9)
-                else:
-                    self.stats.itl.observe((t - req.last_token_ns) / 1e9)
+            if req.num_tokens == 1:
+                ttfts.append((t - req.submitted_ns) / 1e9)
+            else:
+                itls.append((t - req.last_token_ns) / 1e9)
             req.last_token_ns = t
             if self.sink is not None:
                 self.sink(ev)
@@ -675,6 +675,13 @@ class Worker:
                 slow.append(req)
             elif token_id in req.stop_ids:
                 stopped.append(req)
+        if ttfts or itls:
+            with self.stats.lock:       # the step's metrics in one go, not a lock per token
+                self.stats.count_generation(len(ttfts) + len(itls))
+                for v in ttfts:
+                    self.stats.ttft.observe(v)
+                for v in itls:
+                    self.stats.itl.observe(v)
         for seq in out.outcome.finished:
             req = self._by_seq.get(seq.seq_id)
             if req is not None:
