@@ -128,3 +128,21 @@ def test_step_bound_is_weights_plus_kv_at_the_roof():
     assert wide["bound_ms_per_step"] > one["bound_ms_per_step"]
     with pytest.raises(ValueError):
         step_bound(shape, 2, 2, 1, 0, 0.0)
+
+
+def test_token_count_check_compares_the_client_with_the_server(serve_record):
+    """The client's count (token events, or OpenAI token chunks) must equal the server's own count
+    (num_completion_tokens / usage.completion_tokens): a client that counts a chunk of held-back text as
+    a token (131,075 for 131,072) FAILs the run."""
+    import copy
+
+    from labkit.bench.serve import run_assertions
+    from labkit.checks import _run_checks
+
+    name = "openai: client token count equals the server's"
+    good = _run_checks(serve_record)
+    assert [c["passed"] for c in good if c["name"] == name] == [True]
+    bad = copy.deepcopy(serve_record)
+    bad["facts"]["openai"]["server_reported_output_tokens"] += 3       # the two sides disagree
+    bad["run_assertions"] = run_assertions(bad["facts"])
+    assert [c["passed"] for c in _run_checks(bad) if c["name"] == name] == [False]

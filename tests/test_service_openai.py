@@ -404,9 +404,10 @@ def test_serve_defaults_per_device():
     from labkit.service.server import serve_defaults
 
     assert serve_defaults("cuda") == serve_defaults("cuda:1") == dict(
-        enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_active=256, max_model_len=None)
+        enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_active=256, max_model_len=None,
+        overlap=True)
     assert serve_defaults("cpu") == dict(enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=512, max_active=8,
-                                         max_model_len=1024)
+                                         max_model_len=1024, overlap=False)
 
 
 def test_model_context_is_capped_by_the_kv_pool(tiny_model_dir):

@@ -279,7 +279,7 @@ def bench_hf_baseline(model_dir: str, device: str, attention: str, num_seqs: int
 
 def run_bench(workload: str, out: Path | None = None, model: str | None = None, device: str = "auto",
               attention: str = "auto", baseline: str | None = None, repeats: int = 1, eager: bool = False,
-              profile: bool = False, sweep: bool = False, overlap: bool = False, sampling: str = "plain") -> dict:
+              profile: bool = False, sweep: bool = False, overlap: bool | None = None, sampling: str = "plain") -> dict:
     from labkit.lab_engine import detect_device
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model
@@ -299,6 +299,8 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
     if sampling != "plain" and workload != "nano-vllm":
         raise UserError("--sampling applies to --workload nano-vllm")
     device = detect_device(device)
+    if overlap is None:     # nano-vllm: overlapped decode by default on CUDA (--no-overlap for the sync path)
+        overlap = workload == "nano-vllm" and device.startswith("cuda")
     if workload == "attention":
         return _run_attention_bench(out, device, attention, sweep)
     if not device.startswith("cuda") and (workload != "nano-vllm" or not eager):

@@ -39,9 +39,9 @@ ISSUE_TRACE = TraceOptions(requests=256, prompt_tokens=512, long_prompt_tokens=1
 #: Engine settings, the same offline and served: `labkit serve`'s CUDA defaults with the issue's context;
 #: on CPU the practice settings.
 CUDA_SETTINGS = dict(enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_model_len=4096,
-                     gpu_memory_utilization=0.5)
+                     gpu_memory_utilization=0.5, overlap=True)
 CPU_SETTINGS = dict(enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024,
-                    gpu_memory_utilization=0.5)
+                    gpu_memory_utilization=0.5, overlap=False)
 WIDE_BATCH = 200                       # issue 13's "decode phase (batch >= 200)" at 256 sequences
 LOAD_WARMUP_REQUESTS = 2               # `labkit load`'s default
 SERVER_START_S = 600.0
@@ -183,6 +183,7 @@ class ServerProcess:
                 "--max-model-len", str(settings["max_model_len"]),
                 "--gpu-memory-utilization", str(settings["gpu_memory_utilization"]),
                 "--enforce-eager" if settings["enforce_eager"] else "--graph",
+                "--overlap" if settings.get("overlap") else "--no-overlap",
                 "--out", str(log), "--log-level", "warning", "--stats-interval", "0"]
         output.parent.mkdir(parents=True, exist_ok=True)
         sink = output.open("w")
@@ -301,8 +302,10 @@ def served_facts(record: dict, steps: list[dict], wide: int, request_ids: set[st
 
 
 def bench_serve(model_dir: str, device: str, attention: str, trace: TraceOptions, out_dir: Path,
-                show_progress: bool = False) -> dict:
+                show_progress: bool = False, overlap: bool | None = None) -> dict:
     settings = settings_for(device)
+    if overlap is not None:
+        settings["overlap"] = overlap
     reqs = make_trace(trace)
     longest = max(r["prompt_tokens"] + r["max_tokens"] for r in reqs)
     if longest > settings["max_model_len"]:
@@ -357,6 +360,12 @@ def run_assertions(facts: dict) -> list[dict]:
                                  why="the trace's requests x max_tokens (ignore_eos) were generated"))
         out.append(run_assertion(f"facts.requests_per_run.{run}", "eq", facts["trace"]["requests"],
                                  name=f"{run}: every request", why="every request of the trace completed"))
+    for run in ("native", "openai"):        # tokens the client read == tokens the server says it streamed
+        out.append(run_assertion(f"facts.{run}.output_tokens", "eq", facts[run].get("server_reported_output_tokens"),
+                                 name=f"{run}: client token count equals the server's",
+                                 why="token events (native) or token chunks (OpenAI, the finish chunk's held-back "
+                                     "text is no token) counted by the client equal the server's count "
+                                     "(finished.num_completion_tokens / usage.completion_tokens)"))
     out.append(run_assertion("facts.native.wide_steps", "gt", 0, name="wide steps seen",
                              why="the server's log has steps at the wide batch inside the native window"))
     out.append(run_assertion("facts.server.exit_code", "eq", 0, name="server stopped cleanly",
@@ -365,7 +374,8 @@ def run_assertions(facts: dict) -> list[dict]:
 
 
 def run_serve_bench(out: Path | None = None, model: str | None = None, device: str = "auto", attention: str = "auto",
-                    trace: TraceOptions | None = None, show_progress: bool = False) -> dict:
+                    trace: TraceOptions | None = None, show_progress: bool = False,
+                    overlap: bool | None = None) -> dict:
     """`labkit bench --workload serve`: the evidence (runs/bench-serve.json, logs in runs/bench-serve/). On
     CUDA with issue 13's trace it is judged as cuda.bench-serve; on a CPU (tiny model, a small trace) it is
     evidence of the mechanism (cpu-real-engine) for no checkpoint, judged by its run assertions."""
@@ -380,7 +390,7 @@ def run_serve_bench(out: Path | None = None, model: str | None = None, device: s
     device = detect_device(device)
     ref = resolve_model(model, device)
     path = out or default_out("bench-serve.json")
-    facts = bench_serve(str(ref.path), device, attention, trace, path.with_suffix(""), show_progress)
+    facts = bench_serve(str(ref.path), device, attention, trace, path.with_suffix(""), show_progress, overlap)
     facts["device"] = device
     cuda = device.startswith("cuda")
     checkpoint = "cuda.bench-serve" if cuda and trace == ISSUE_TRACE else None

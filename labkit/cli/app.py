@@ -354,7 +354,7 @@ def bench(
     enforce_eager: EnforceEagerOpt = False,
     profile: Annotated[bool, typer.Option("--profile", help="nano-vllm: one more, instrumented pass: time by phase and part, top GPU kernels of a decode window.")] = False,
     sweep: Annotated[bool, typer.Option("--sweep", help="attention: also time every knob setting of the Triton decode kernel.")] = False,
-    overlap: Annotated[bool, typer.Option("--overlap", help="nano-vllm: launch each decode step before reading the previous one's tokens.")] = False,
+    overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", show_default=False, help="nano-vllm, serve: launch each decode step before reading the previous one's tokens. Default: on on CUDA, off on CPU.")] = None,
     requests: Annotated[Optional[int], typer.Option("--requests", help="serve: trace requests (default 256, issue 13's trace).")] = None,
     prompt_tokens: Annotated[Optional[int], typer.Option("--prompt-tokens", help="serve: short prompt tokens (default 512).")] = None,
     long_prompt_tokens: Annotated[Optional[int], typer.Option("--long-prompt-tokens", help="serve: long prompt tokens (default 1024).")] = None,
@@ -389,10 +389,11 @@ def bench(
     if workload == "serve":
         from labkit.bench.serve import run_serve_bench
 
-        if baseline or profile or sweep or overlap or enforce_eager or repeats != 1 or sampling != "plain":
-            raise UserError("--workload serve takes the trace options, --model, --device, --attention and --out only")
+        if baseline or profile or sweep or enforce_eager or repeats != 1 or sampling != "plain":
+            raise UserError("--workload serve takes the trace options, --overlap/--no-overlap, --model, --device, "
+                            "--attention and --out only")
         record = run_serve_bench(path, model=_model_arg(model), device=device, attention=attention, trace=trace,
-                                 show_progress=not json_out)
+                                 show_progress=not json_out, overlap=overlap)
     else:
         record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
                            baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,

@@ -65,6 +65,7 @@ def register(app: typer.Typer) -> None:
         max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", show_default=False, help="Context length (prompt + output) at most. Default on CUDA: the model's, capped by what the KV pool holds (printed); on CPU 1024.")] = None,
         gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.5,
         enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--graph", show_default=False, help="Eager execution, or CUDA graphs for decode. Default: graphs on CUDA, eager on CPU.")] = None,
+        overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", show_default=False, help="Overlapped decode: launch step k+1 before reading step k's tokens, so the host's per-step work hides behind the GPU. Default: on on CUDA (tensor-parallel-size 1), off on CPU.")] = None,
         attention: AttentionOpt = "auto",
         device: DeviceOpt = "auto",
         worker_id: WorkerIdOpt = "worker-0",
@@ -123,6 +124,8 @@ def register(app: typer.Typer) -> None:
         chosen = {k: (v if v is not None else defaults[k]) for k, v in given.items()}
         enforce_eager, max_num_seqs, max_active = chosen["enforce_eager"], chosen["max_num_seqs"], chosen["max_active"]
         max_num_batched_tokens = chosen["max_num_batched_tokens"]
+        if overlap is None:             # the engine refuses overlap with tensor parallel: the default leaves it off there
+            overlap = defaults["overlap"] and tensor_parallel_size == 1
         max_model_len = chosen["max_model_len"] if chosen["max_model_len"] is not None else MODEL_CONTEXT
         cfg = WorkerConfig(model=str(model) if model else None, device=device, attention=attention,
                            scheduling_policy=scheduling_policy, max_consecutive_prefill=max_consecutive_prefill,
@@ -131,7 +134,8 @@ def register(app: typer.Typer) -> None:
                            max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                            enforce_eager=enforce_eager, worker_id=worker_id, stream_buffer=stream_buffer,
                            tensor_parallel_size=tensor_parallel_size, dist_init=dist_init, shm_name=shm_name,
-                           max_prompt_bytes=max_prompt_bytes, special_tokens_in_content=special_tokens_in_content)
+                           max_prompt_bytes=max_prompt_bytes, special_tokens_in_content=special_tokens_in_content,
+                           overlap=overlap)
         connections = ConnectionLimits(timeout_keep_alive=timeout_keep_alive, timeout_headers=timeout_headers,
                                        timeout_body=timeout_body, max_connections=max_connections)
 

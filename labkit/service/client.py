@@ -301,9 +301,9 @@ async def stream_openai(sess: aiohttp.ClientSession, endpoint: str, body: dict, 
                     piece, is_token = _piece(choice, chat)
                     if on_text is not None and piece:
                         on_text(piece)
+                    res.text += piece
                     if is_token:
                         res.tokens += 1
-                        res.text += piece
                         if res.first_token_ns is None:
                             res.first_token_ns = t
                         record({"event": "token", "request_id": request_id, "worker_id": res.worker_id,
@@ -324,7 +324,16 @@ async def stream_openai(sess: aiohttp.ClientSession, endpoint: str, body: dict, 
 
 
 def _piece(choice: dict, chat: bool) -> tuple[str, bool]:
-    """(text, whether this chunk carries an output token)."""
+    """(text, whether this chunk carries an output token).
+
+    Our server sends one chunk per output token (its text maybe "") and then a separate finish chunk
+    whose text is only what the detokenizer or the stop strings held back (an incomplete UTF-8
+    character, a possible stop-string prefix): text, but no token. So a chunk with a finish_reason
+    never counts as a token; the exact count is the stream's final ``usage.completion_tokens``."""
+    if choice.get("finish_reason"):
+        if chat:
+            return (choice.get("delta") or {}).get("content") or "", False
+        return choice.get("text") or "", False
     if chat:
         delta = choice.get("delta") or {}
         if "content" not in delta or delta.get("content") is None:
@@ -332,8 +341,6 @@ def _piece(choice: dict, chat: bool) -> tuple[str, bool]:
         if "role" in delta and delta.get("content") == "":
             return "", False
         return delta["content"], True
-    if choice.get("finish_reason") and not choice.get("text"):
-        return "", False
     return choice.get("text") or "", True
 
 

@@ -1099,8 +1099,9 @@ async def serve_until_signal(worker: Worker, sock: socket.socket, *, served_mode
 #: length as far as the KV pool holds it); on CPU the handbook's practice settings.
 SERVE_DEFAULTS = {
     "cuda": dict(enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_active=256,
-                 max_model_len=None),
-    "cpu": dict(enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=512, max_active=8, max_model_len=1024),
+                 max_model_len=None, overlap=True),
+    "cpu": dict(enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=512, max_active=8, max_model_len=1024,
+                overlap=False),
 }
 MODEL_CONTEXT = 1 << 30        # max_model_len "as long as the model allows": the engine caps it at the model's
 

@@ -37,23 +37,24 @@ class RequestHandle:
             self.max_buffered = max(self.max_buffered, n)
         return n <= self.limit
 
-    def _finish(self, event: dict) -> None:
+    def _finish(self, event: dict, wake: bool = True) -> None:
         with self._lock:
             self._buf.append(event)
             self.max_buffered = max(self.max_buffered, len(self._buf))
             self.result = event
         self.done.set()
-        self._wake()
+        if wake:
+            self._wake()
 
-    def _wake(self) -> None:
+    def _take_waiters(self) -> list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]:
+        """Wake the sync readers; return (and forget) the async ones for the caller to set."""
         with self._lock:
             waiters, self._waiters = self._waiters, []
             self._cond.notify_all()
-        for loop, ev in waiters:
-            try:
-                loop.call_soon_threadsafe(ev.set)
-            except RuntimeError:        # the consumer's loop is closed
-                pass
+        return waiters
+
+    def _wake(self) -> None:
+        wake_all((self,))
 
     # -- consumer side -----------------------------------------------------------------
     @property
@@ -120,3 +121,22 @@ class RequestHandle:
         """The finished event, once there is one (None on timeout)."""
         self.done.wait(timeout)
         return self.result
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for ev in events:
+        ev.set()
+
+
+def wake_all(handles) -> None:
+    """Wake the readers of many handles with one ``call_soon_threadsafe`` per event loop (not one per
+    handle): the owner thread hands a whole step's wake-ups to the HTTP loop in one call."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+    for h in handles:
+        for loop, ev in h._take_waiters():
+            by_loop.setdefault(loop, []).append(ev)
+    for loop, evs in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_set_all, evs)
+        except RuntimeError:        # the consumer's loop is closed
+            pass

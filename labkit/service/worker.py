@@ -78,7 +78,7 @@ from labkit.errors import UserError
 from labkit.service.events import Sink, make_event, now_ns
 from labkit.service.metrics import ServiceStats
 from labkit.service.protocol import REQUEST_ID_RE, RESERVED_FIELDS
-from labkit.service.stream import RequestHandle
+from labkit.service.stream import RequestHandle, wake_all
 
 
 class WorkerUnavailable(RuntimeError):
@@ -135,6 +135,8 @@ class WorkerConfig:
     log_steps: bool = True                  # one "step" record per engine step in the log
     max_prompt_bytes: int | None = None     # text prompts longer than this are refused untokenized (None: 32 x max_model_len)
     special_tokens_in_content: bool = False  # True: special-token text inside chat messages becomes control tokens
+    overlap: bool = False                   # the engine's overlapped decode (Config.overlap): step k+1 launched
+                                            # before step k's tokens are read, so their delivery hides behind it
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_active", "queue_size", "max_model_len",
@@ -218,6 +220,7 @@ class Worker:
         self._scheduled_ids: set[int] = set()           # seqs in steps scheduled and not yet delivered
         self._range = None                            # profiler range factory (profiling.py)
         self._snapshot: dict = {"state": "starting"}
+        self._wakes: list[RequestHandle] | None = None    # owner: handles to wake at the end of a boundary/step
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self, timeout: float | None = 900.0) -> "Worker":
@@ -499,14 +502,33 @@ class Worker:
                         self._run_calls()
                     if paused:
                         continue
+                    self._wakes = []
                     self._boundary()
+                    self._flush_wakes()         # admitted/cancelled streams hear it before the step runs
                     if self._active:
                         self._step()
+                        self._flush_wakes()     # the whole step's tokens: one wake-up hand-off per event loop
                     self._publish()
                 except Exception as exc:      # a bug outside engine.step(): stop taking work, say why
                     self._internal_error(exc)
+                finally:
+                    self._flush_wakes()
+                    self._wakes = None
         finally:
             self._shutdown_owner()
+
+    def _flush_wakes(self) -> None:
+        wakes = self._wakes
+        if wakes:
+            self._wakes = []
+            wake_all(dict.fromkeys(wakes))     # each handle once, in order
+
+    def _wake(self, handle: RequestHandle) -> None:
+        """Wake a handle's readers now, or with the step's batch when the owner is collecting one."""
+        if self._wakes is not None and threading.current_thread() is self._thread:
+            self._wakes.append(handle)
+        else:
+            handle._wake()
 
     def _build(self) -> None:
         from labkit.lab_engine import build_engine
@@ -520,6 +542,8 @@ class Worker:
         if cfg.max_consecutive_prefill is not None:
             overrides["max_consecutive_prefill"] = cfg.max_consecutive_prefill
         overrides["tensor_parallel_size"] = cfg.tensor_parallel_size
+        if cfg.overlap:
+            overrides["overlap"] = True
         for name in ("dist_init", "shm_name"):
             if getattr(cfg, name):
                 overrides[name] = getattr(cfg, name)
@@ -582,7 +606,7 @@ class Worker:
         self._emit(req, make_event("admitted", req.request_id, self.worker_id, self._round,
                                    active_before=len(self._active) - 1, active=len(self._active),
                                    queue_depth=queue, seq_id=req.seq.seq_id))
-        req.handle._wake()
+        self._wake(req.handle)
 
     def _cancel_now(self, rid: str, cause: str, reason: str = "cancelled") -> None:
         with self._lock:
@@ -626,6 +650,8 @@ class Worker:
                 free_blocks=self.engine.stats().free_blocks))
         slow: list[_Request] = []
         stopped: list[_Request] = []
+        ttfts: list[float] = []
+        itls: list[float] = []
         for seq_id, token_id in out.outcome.accepted.items():
             req = self._by_seq.get(seq_id)
             if req is None:
@@ -638,12 +664,10 @@ class Worker:
                 ev["logprob"] = _lp_entry(rec)
             if req.num_tokens == 1 and req.seq.prompt_logprobs is not None:
                 ev["prompt_logprobs"] = [None if r is None else _lp_entry(r) for r in req.seq.prompt_logprobs]
-            with self.stats.lock:
-                self.stats.count_generation(1)
-                if req.num_tokens == 1:
-                    self.stats.ttft.observe((t - req.submitted_ns) / 1e9)
-                else:
-                    self.stats.itl.observe((t - req.last_token_ns) / 1e9)
+            if req.num_tokens == 1:
+                ttfts.append((t - req.submitted_ns) / 1e9)
+            else:
+                itls.append((t - req.last_token_ns) / 1e9)
             req.last_token_ns = t
             if self.sink is not None:
                 self.sink(ev)
@@ -651,6 +675,13 @@ class Worker:
                 slow.append(req)
             elif token_id in req.stop_ids:
                 stopped.append(req)
+        if ttfts or itls:
+            with self.stats.lock:       # the step's metrics in one go, not a lock per token
+                self.stats.count_generation(len(ttfts) + len(itls))
+                for v in ttfts:
+                    self.stats.ttft.observe(v)
+                for v in itls:
+                    self.stats.itl.observe(v)
         for seq in out.outcome.finished:
             req = self._by_seq.get(seq.seq_id)
             if req is not None:
@@ -665,10 +696,13 @@ class Worker:
                 freed = self.engine.abort(req.seq, "cancelled")
                 self._finish(req, "cancelled", cause="slow_consumer", freed_blocks=len(freed),
                              message=f"more than {req.handle.limit} events unread")
+        wakes = self._wakes if self._wakes is not None else []
         for seq_id in out.outcome.accepted:
             req = self._by_seq.get(seq_id)
             if req is not None:
-                req.handle._wake()
+                wakes.append(req.handle)
+        if self._wakes is None:
+            wake_all(dict.fromkeys(wakes))
 
     def _rid_of(self, seq_id: int) -> str | None:
         req = self._by_seq.get(seq_id)
@@ -698,7 +732,8 @@ class Worker:
         self.stats.count_finished(reason, (now_ns() - req.submitted_ns) / 1e9 if req.seq is not None else None)
         if self.sink is not None:
             self.sink(ev)
-        req.handle._finish(ev)
+        req.handle._finish(ev, wake=False)
+        self._wake(req.handle)
 
     def _emit(self, req: _Request, ev: dict) -> None:
         if self.sink is not None:
