@@ -43,6 +43,13 @@ def wait_for(pred, timeout: float = 10.0) -> None:
         time.sleep(0.005)
 
 
+def settle(worker) -> None:
+    """After a service test: let a paused worker go on and wait until nothing is active or pending, so the
+    next test of the module starts on an idle worker (the module-scoped worker/server fixtures)."""
+    worker.resume()
+    wait_for(lambda: worker.snapshot().get("active", 0) == 0 and not worker.pending_ids())
+
+
 @pytest.fixture
 def labkit_argv(monkeypatch):
     """``labkit_argv("quick-walk", "--case", "B")`` sets sys.argv as the ``labkit`` console script would, so

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from conftest import wait_for
+from conftest import settle, wait_for
 
 from labkit.paths import repo_root
 from labkit.service import client
@@ -58,9 +58,7 @@ def server(worker):
 def _idle(request):
     yield
     if "server" in request.fixturenames:
-        w = request.getfixturevalue("worker")
-        w.resume()
-        wait_for(lambda: w.snapshot().get("active", 0) == 0 and not w.pending_ids())
+        settle(request.getfixturevalue("worker"))
 
 
 def hp(url: str) -> tuple[str, int]:

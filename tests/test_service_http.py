@@ -7,7 +7,7 @@ import socket
 import time
 
 import pytest
-from conftest import wait_for
+from conftest import settle, wait_for
 
 from labkit.errors import UserError
 from labkit.service import client
@@ -54,9 +54,7 @@ def server(tiny_model_dir, sink):
 def _idle(request):
     yield
     if "server" in request.fixturenames:
-        w = request.getfixturevalue("server").worker
-        w.resume()
-        wait_for(lambda: w.snapshot().get("active", 0) == 0 and not w.pending_ids())
+        settle(request.getfixturevalue("server").worker)
 
 
 def kv(server) -> tuple[int, int]:

@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 
 import pytest
-from conftest import wait_for
+from conftest import settle, wait_for
 
 from labkit.load.trace import token_ids
 from labkit.service.protocol import NOOP_PARAMS
@@ -39,8 +39,7 @@ def server(tiny_model_dir):
 def _idle(request):
     yield
     if "server" in request.fixturenames:
-        w = request.getfixturevalue("server").worker
-        wait_for(lambda: w.snapshot().get("active", 0) == 0 and not w.pending_ids())
+        settle(request.getfixturevalue("server").worker)
 
 
 @pytest.fixture(scope="module")

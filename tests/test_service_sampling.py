@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 import torch
-from conftest import wait_for
+from conftest import settle
 
 from engine import LLMEngine
 from labkit.load.trace import token_ids
@@ -37,8 +37,7 @@ def server(tiny_model_dir):
 def _idle(request):
     yield
     if "server" in request.fixturenames:
-        w = request.getfixturevalue("server").worker
-        wait_for(lambda: w.snapshot().get("active", 0) == 0 and not w.pending_ids())
+        settle(request.getfixturevalue("server").worker)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import wait_for
+from conftest import settle, wait_for
 
 from engine import RequestError, SamplingParams
 from labkit.errors import UserError
@@ -42,9 +42,7 @@ def worker(tiny_model_dir, sink):
 def _idle(request):
     yield
     if "worker" in request.fixturenames:
-        w = request.getfixturevalue("worker")
-        w.resume()
-        wait_for(lambda: w.snapshot().get("active", 0) == 0 and not w.pending_ids())
+        settle(request.getfixturevalue("worker"))
 
 
 def test_stream_order_counts_and_common_fields(worker):
