@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -114,7 +115,7 @@ class LLMEngine:
                       "buckets": self.runner.graphs.buckets if self.runner.graphs else [],
                       "capture_seconds": round(self.runner.capture_seconds, 4)},
             "warmup": {"seconds": round(self.runner.warm_seconds, 4), "shapes": len(self.runner.warmed),
-                       "paths": _count_paths(self.runner.warmed)},
+                       "paths": dict(Counter(w["path"] for w in self.runner.warmed))},
             "load_seconds": round(self.runner.load_seconds, 4),
             "init_seconds": round(self.init_seconds, 4),
         }
@@ -428,13 +429,6 @@ class LLMEngine:
             return
         self._closed = True
         self.runner.close()
-
-
-def _count_paths(warmed: list[dict]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for w in warmed:
-        counts[w["path"]] = counts.get(w["path"], 0) + 1
-    return counts
 
 
 class _progress:
