@@ -289,3 +289,18 @@ def write_evidence(
     record[DIGEST_KEY] = digest(record)
     write_json(out, record)
     return record
+
+
+def write_claimed(checkpoint: str | None, out: str | Path | None, name: str, *, kind: str, facts: dict,
+                  unclaimed_name: str | None = None, **envelope) -> dict:
+    """An experiment's usual end: claim(checkpoint) (a checkpoint the command line does not claim is recorded
+    as facts.checkpoint_not_claimed), write the evidence to `out`, or to runs/<name> (runs/<unclaimed_name>,
+    when given, if the run claims no checkpoint), and return the record with its path under "_paths"."""
+    cp, unclaimed = claim(checkpoint)
+    if unclaimed:
+        facts["checkpoint_not_claimed"] = unclaimed
+    default = name if cp or unclaimed_name is None else unclaimed_name
+    path = Path(out) if out is not None else paths.default_out(default)
+    record = write_evidence(path, checkpoint=cp, kind=kind, facts=facts, **envelope)
+    record["_paths"] = {"json": str(path)}
+    return record

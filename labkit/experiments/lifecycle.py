@@ -18,10 +18,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine import SamplingParams
-from labkit.evidence import claim, write_evidence
+from labkit.evidence import write_claimed
 from labkit.experiments.quick_walk import StepRecorder, derive
 from labkit.lab_engine import build_engine, detect_device, install_env_trace, synthetic_note
-from labkit.paths import default_out
 
 PROMPT_LENS = (64, 96)
 MAX_TOKENS = (2, 3)
@@ -169,12 +168,8 @@ def run_lifecycle(out: Path | None = None, model: str | None = None, device: str
     if trace:
         facts["steps"] = steps
     default_opts = budget == 512 and block_size == 256 and max_num_seqs is None
-    cp, unclaimed = claim("principles.lifecycle" if default_opts else None)
-    if unclaimed:
-        facts["checkpoint_not_claimed"] = unclaimed
-    path = Path(out) if out is not None else default_out("lifecycle.json" if cp else "quick-walk-lifecycle-custom.json")
-    record = write_evidence(path, checkpoint=cp, kind=built.kind, facts=facts, device=built.device,
-                            model=built.model, seed=engine.config.seed, engine=built.describe())
+    record = write_claimed("principles.lifecycle" if default_opts else None, out, "lifecycle.json", unclaimed_name="quick-walk-lifecycle-custom.json",
+                           kind=built.kind, facts=facts, device=built.device, model=built.model,
+                           seed=engine.config.seed, engine=built.describe())
     engine.close()
-    record["_paths"] = {"json": str(path)}
     return record

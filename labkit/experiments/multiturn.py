@@ -15,9 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine import SamplingParams
-from labkit.evidence import claim, write_evidence
+from labkit.evidence import write_claimed
 from labkit.lab_engine import build_engine
-from labkit.paths import default_out
 
 #: A long first question, so that turn 1 spans more than one 256-token block.
 FIRST_QUESTION = " ".join(
@@ -105,11 +104,5 @@ def run_multiturn(out: Path | None = None, model: str | None = None, device: str
         "note": "synthetic model: the answer is random tokens; the template and the cache behave as with real weights"
         if built.model.get("synthetic") else None,
     }
-    cp, unclaimed = claim("principles.multiturn")
-    if unclaimed:
-        facts["checkpoint_not_claimed"] = unclaimed
-    path = Path(out) if out is not None else default_out("multiturn.json")
-    record = write_evidence(path, checkpoint=cp, kind=built.kind, facts=facts, device=built.device,
-                            model=built.model, seed=built.engine.config.seed, engine=described)
-    record["_paths"] = {"json": str(path)}
-    return record
+    return write_claimed("principles.multiturn", out, "multiturn.json", kind=built.kind, facts=facts,
+                         device=built.device, model=built.model, seed=built.engine.config.seed, engine=described)

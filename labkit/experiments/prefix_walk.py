@@ -17,10 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from engine import SamplingParams
-from labkit.evidence import claim, write_evidence
+from labkit.evidence import write_claimed
 from labkit.experiments.quick_walk import StepRecorder, slot_mismatches
 from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
-from labkit.paths import default_out
 
 SHARED = tuple(range(1000, 1512))                       # 512 tokens = 2 full blocks of 256
 TAILS = {"A": range(5000, 5108), "B": range(6000, 6108), "C": range(7000, 7108)}
@@ -110,12 +109,8 @@ def run_prefix(out: Path | None = None, model: str | None = None, device: str = 
     if trace:
         facts["steps"] = steps
     default_opts = budget == 512 and block_size == 256 and max_num_seqs is None
-    cp, unclaimed = claim("principles.prefix-cache" if default_opts else None)
-    if unclaimed:
-        facts["checkpoint_not_claimed"] = unclaimed
-    path = Path(out) if out is not None else default_out("prefix-cache-check.json" if cp else "quick-walk-prefix-custom.json")
-    record = write_evidence(path, checkpoint=cp, kind=built.kind, facts=facts, device=built.device,
-                            model=built.model, seed=engine.config.seed, engine=built.describe())
+    record = write_claimed("principles.prefix-cache" if default_opts else None, out, "prefix-cache-check.json", unclaimed_name="quick-walk-prefix-custom.json",
+                           kind=built.kind, facts=facts, device=built.device, model=built.model,
+                           seed=engine.config.seed, engine=built.describe())
     engine.close()
-    record["_paths"] = {"json": str(path)}
     return record

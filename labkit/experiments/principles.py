@@ -13,8 +13,7 @@ import json
 import math
 from pathlib import Path
 
-from labkit.evidence import claim, write_evidence
-from labkit.paths import default_out
+from labkit.evidence import write_claimed
 
 #: B.1.1: a fixed Chinese/English text (handbook: "一个 token 一定是一个汉字吗").
 TOKENIZER_TEXT = "大模型推理：一个 token 不一定是一个汉字。Hello, nano-vLLM! 缓存让解码更快。"
@@ -40,13 +39,7 @@ GIB, MIB, KIB = 1 << 30, 1 << 20, 1 << 10
 
 
 def _write(cid: str, name: str, out: Path | None, kind: str, facts: dict, **envelope) -> dict:
-    cp, unclaimed = claim(cid)
-    if unclaimed:
-        facts["checkpoint_not_claimed"] = unclaimed
-    path = Path(out) if out is not None else default_out(name)
-    record = write_evidence(path, checkpoint=cp, kind=kind, facts=facts, **envelope)
-    record["_paths"] = {"json": str(path)}
-    return record
+    return write_claimed(cid, out, name, kind=kind, facts=facts, **envelope)
 
 
 def _model_ref(model: str | None, preset: str | None = None):

@@ -12,8 +12,7 @@ from engine import SamplingParams
 from engine.observe import EngineEvent
 from labkit.cases import CASES
 from labkit.errors import UserError
-from labkit.evidence import claim, write_evidence
-from labkit.paths import default_out
+from labkit.evidence import write_claimed
 from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
 
 
@@ -176,15 +175,12 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
         facts["steps"] = steps
     # the checkpoint these options call for, claimed only when the command line is that checkpoint's command
     # (a plain run without --trace is evidence for no checkpoint, not a FAIL of one, and says so)
-    cp, unclaimed = claim(checkpoint_for(case, budget, max_num_seqs, block_size))
-    if unclaimed:
-        facts["checkpoint_not_claimed"] = unclaimed
-    path = Path(out) if out is not None else (default_out(f"{cp.split('.', 1)[1]}.json") if cp
-                                              else default_out(f"quick-walk-{case.lower()}-custom.json"))
-    record = write_evidence(path, checkpoint=cp, kind=built.kind, facts=facts,
-                            device=built.device, model=built.model, seed=engine.config.seed, engine=built.describe())
+    checkpoint = checkpoint_for(case, budget, max_num_seqs, block_size)
+    custom = f"quick-walk-{case.lower()}-custom.json"
+    record = write_claimed(checkpoint, out, f"{checkpoint.split('.', 1)[1]}.json" if checkpoint else custom,
+                           unclaimed_name=custom, kind=built.kind, facts=facts, device=built.device,
+                           model=built.model, seed=engine.config.seed, engine=built.describe())
     engine.close()
-    record["_paths"] = {"json": str(path)}
     return record
 
 
