@@ -91,11 +91,13 @@ PRESETS: dict[str, dict] = {
     ),
 }
 
-# Larger members of the Qwen3 family, so scale can be measured (issue 13). The values are those of the
-# published Hugging Face configs of Qwen/Qwen3-1.7B, Qwen/Qwen3-4B and Qwen/Qwen3-8B as we know them
-# (hidden / intermediate / layers / q heads / kv heads / head_dim / tied embeddings; all three: vocab
-# 151936, max_position_embeddings 40960, rope_theta 1e6, rms_norm_eps 1e-6, bf16), written here from
-# that knowledge, not downloaded: check them against the real config.json before citing them as exact.
+# Larger members of the Qwen3 family, so scale can be measured (issue 13). The shape values (hidden /
+# intermediate / layers / q heads / kv heads / head_dim / tied embeddings) are those of the published
+# Hugging Face configs of Qwen/Qwen3-1.7B, Qwen/Qwen3-4B and Qwen/Qwen3-8B. No machine here reaches the
+# hub; they were checked against copies of those config.json files quoted in public repositories (4B:
+# a model card's full config.json; 1.7B and 8B: test fixtures naming the model), all agreeing with the
+# values below (that 4B card is the 2507 release, whose rope_theta and context differ; shapes are the
+# same). All three here: vocab 151936, rope_theta 1e6, rms_norm_eps 1e-6, bf16, as in the first release.
 PRESETS.update({
     "qwen3-1.7b": _preset(
         "bfloat16",
@@ -133,9 +135,9 @@ PRESETS.update({
 PRESET_NOTES: dict[str, str] = {
     "tiny": "tiny shapes, fast on a CPU",
     "qwen3-0.6b": "Qwen3-0.6B's shapes",
-    "qwen3-1.7b": "Qwen3-1.7B's shapes (published config values, from knowledge)",
-    "qwen3-4b": "Qwen3-4B's shapes (published config values, from knowledge)",
-    "qwen3-8b": "Qwen3-8B's shapes (published config values, from knowledge; untied lm_head)",
+    "qwen3-1.7b": "Qwen3-1.7B's shapes (published config values)",
+    "qwen3-4b": "Qwen3-4B's shapes (published config values)",
+    "qwen3-8b": "Qwen3-8B's shapes (published config values; untied lm_head)",
 }
 
 _DTYPES = ("float32", "bfloat16", "float16")
