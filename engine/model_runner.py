@@ -459,8 +459,8 @@ class ModelRunner:
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, SampledLogprobs | None]:
         """The step's ids on the device, and the log-probs of the rows that asked for them. A batch in
         which no row needs processing takes exactly the plain path (sample_tensor)."""
-        temps, gens = [], []
-        for seq in seqs:
+        temps, gens, rows = [], [], {}
+        for i, seq in enumerate(seqs):          # one walk over the batch: temperature, generator, processing
             sp = seq.sampling_params
             temps.append(sp.temperature)
             if sp.seed is not None:
@@ -472,9 +472,6 @@ class ModelRunner:
                 gens.append(gen)
             else:
                 gens.append(self.generator)
-        rows = {}
-        for i, seq in enumerate(seqs):
-            sp = seq.sampling_params
             if sp.needs_processing(seq.num_completion_tokens):
                 rows[i] = RowInputs(sp, seq.token_ids, seq.num_prompt_tokens, self.config.eos_token_ids, seq.seq_id)
         if not rows:

@@ -90,6 +90,7 @@ class SamplingParams:
             raise _bad("best_of", f"must equal n ({self.n}) or be null (no ranking of extra samples), got {self.best_of!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise _bad("seed", f"must be an integer, got {self.seed!r}")
+        self._penalties = self.has_penalties     # read per row per step (needs_history): computed once
         self._plain = not (self.has_penalties or self.logit_bias is not None or self.logprobs is not None
                            or (self.temperature > 0 and self.has_truncation) or self.min_tokens > 0)
 
@@ -112,4 +113,4 @@ class SamplingParams:
 
     def needs_history(self, num_outputs: int) -> bool:
         """Whether this step's processing reads the tokens generated so far (penalties, min_tokens)."""
-        return self.has_penalties or num_outputs < self.min_tokens
+        return self._penalties or num_outputs < self.min_tokens
