@@ -174,6 +174,7 @@ class Config:
     fused_ops: bool = True                         # Triton RMSNorm / qk-norm+RoPE / SiLU-mul on CUDA
     graph_buckets: tuple[int, ...] | None = None   # None: buckets covering every batch up to max_num_seqs
     overlap: bool = False                          # decode: launch step k+1 before reading step k's tokens
+    prefill_graphs: bool = True                    # with graphs (TP 1, triton): small fresh prefills replay a graph too
     logprobs_mode: str = "raw_logprobs"            # vLLM's: raw_logprobs (the model's) | processed_logprobs
     hf_config: dict = field(default_factory=dict, repr=False)
     eos_token_ids: tuple[int, ...] = ()

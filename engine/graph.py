@@ -1,10 +1,19 @@
-"""CUDA Graphs for decode: capture one graph per batch-size bucket, replay the smallest covering bucket.
+"""CUDA Graphs: decode by batch-size bucket, and small fresh prefills by token-count bucket.
+
+Decode: capture one graph per batch-size bucket, replay the smallest covering bucket.
 
 Each graph runs the whole decode forward including the LM head, so a replay returns logits and no
 GEMM shape changes between steps (an eager LM head would meet a new shape at every batch size).
 
 Padding rows (bucket size > batch) get slot -1 and context length 0: they write no KV and read none.
 A batch with no covering bucket runs eagerly instead of failing; the route is recorded per step.
+
+Prefill (PrefillGraphs): a short prompt's prefill is bound by launches, not by the GPU (a 32-token
+prefill of the 0.6B model on an H200: 322 kernels, 1.1 ms of GPU work, 14.7 ms of eager step), so a
+prefill of at most PREFILL_GRAPH_SEQS fresh sequences (nothing read from the cache) and at most the
+largest token bucket replays the graph of the smallest covering bucket. Padding sequences have length 0
+(the attention kernel's programs return at once), padding tokens belong to no sequence and write no KV
+(slot -1); only each real sequence's last row reaches the LM head.
 """
 from __future__ import annotations
 
@@ -82,5 +91,76 @@ class DecodeGraphs:
         self.context_lens[:n].copy_(meta.context_lens)
         width = meta.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(meta.block_tables)
+        self.graphs[bucket].replay()
+        return self.outputs[bucket][:n]
+
+
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
+PREFILL_GRAPH_SEQS = 16
+
+
+def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
+    """The prefill token buckets a step budget can use (a step never holds more tokens than the budget)."""
+    return [t for t in PREFILL_GRAPH_TOKENS if t <= max_num_batched_tokens] or [PREFILL_GRAPH_TOKENS[0]]
+
+
+class PrefillGraphs:
+    def __init__(self, model, buckets: list[int], max_seqs: int, device: str):
+        self.model = model
+        self.buckets = sorted(buckets)
+        self.max_seqs = max_seqs
+        t = self.buckets[-1]
+        with torch.device(device):
+            self.input_ids = torch.zeros(t, dtype=torch.int64)
+            self.positions = torch.zeros(t, dtype=torch.int64)
+            self.slot_mapping = torch.full((t,), -1, dtype=torch.int64)
+            self.cu_seqlens = torch.zeros(max_seqs + 1, dtype=torch.int32)   # padding sequences: length 0
+            self.last = torch.zeros(max_seqs, dtype=torch.int64)             # each sequence's last row
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+
+    def _meta(self, t: int) -> AttentionMetadata:
+        return AttentionMetadata(is_prefill=True, slot_mapping=self.slot_mapping[:t], cu_seqlens_q=self.cu_seqlens,
+                                 cu_seqlens_k=self.cu_seqlens, max_seqlen_q=t, max_seqlen_k=t)
+
+    def _forward(self, t: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:t], self.positions[:t], self._meta(t))
+        return self.model.compute_logits(hidden[self.last])
+
+    @torch.inference_mode()
+    def capture(self, pool=None) -> None:
+        t0 = time.perf_counter()
+        for t in reversed(self.buckets):            # largest first: smaller graphs reuse its memory pool
+            self._forward(t)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.outputs[t] = self._forward(t)
+            if pool is None:
+                pool = graph.pool()
+            self.graphs[t] = graph
+            torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - t0
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
+        if num_seqs > self.max_seqs:
+            return None
+        for t in self.buckets:
+            if t >= num_tokens and t in self.graphs:
+                return t
+        return None
+
+    def replay(self, bucket: int, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """Logits [n, vocab] of the last position of each of the n sequences."""
+        t = input_ids.shape[0]
+        n = meta.cu_seqlens_q.shape[0] - 1
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slot_mapping.fill_(-1)
+        self.slot_mapping[:t].copy_(meta.slot_mapping)
+        self.cu_seqlens.fill_(t)
+        self.cu_seqlens[:n + 1].copy_(meta.cu_seqlens_q)
+        self.last.zero_()
+        torch.sub(meta.cu_seqlens_q[1:], 1, out=self.last[:n])
         self.graphs[bucket].replay()
         return self.outputs[bucket][:n]

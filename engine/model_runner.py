@@ -12,7 +12,7 @@ import torch
 from engine.attention import AttentionMetadata, create_backend, resolve_backend_name
 from engine.config import Config, ConfigError
 from engine.distributed import SINGLE, ParallelContext
-from engine.graph import DecodeGraphs
+from engine.graph import PREFILL_GRAPH_SEQS, DecodeGraphs, PrefillGraphs, prefill_buckets
 from engine.layers.logits_process import RowInputs, TokenHistory
 from engine.layers.sampler import SampledLogprobs, TokenLogprob, logprobs_of, sample, sample_processed, sample_tensor
 from engine.loader import load_model
@@ -61,12 +61,13 @@ class StepInputs:
 
 @dataclass(frozen=True)
 class Route:
-    """How a forward ran: eagerly, or by replaying the decode graph of `bucket` sequences."""
-    kind: str = "eager"                   # "eager" | "graph"
+    """How a forward ran: eagerly, by replaying the decode graph of `bucket` sequences, or the prefill
+    graph of `bucket` tokens."""
+    kind: str = "eager"                   # "eager" | "graph" | "prefill-graph"
     bucket: int | None = None
 
     def __str__(self) -> str:
-        return f"graph:{self.bucket}" if self.kind == "graph" else "eager"
+        return "eager" if self.kind == "eager" else f"{self.kind}:{self.bucket}"
 
 
 EAGER = Route()
@@ -121,6 +122,7 @@ class ModelRunner:
         self._seq_generators: dict[int, torch.Generator] = {}
         self._history: TokenHistory | None = None     # penalty rows' token counts (made on first use)
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.warmed: list[dict] = []      # the shapes start-up ran (engine/warmup.py), for describe()
         self.warm_seconds = 0.0
@@ -280,10 +282,18 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, buckets, max_blocks, cfg.max_model_len, self.device)
         self.graphs.capture()
         self.warmed += [{"path": "decode-graph", "seqs": b, "tokens": cfg.max_model_len} for b in self.graphs.buckets]
+        # prefill graphs: the triton backend's fresh prefill reads only device tensors (the grid follows the
+        # bucket); one rank only, since the other ranks route their replayed inputs on their own
+        if cfg.prefill_graphs and self.attention_backend == "triton" and self.tp.world_size == 1:
+            seqs = min(PREFILL_GRAPH_SEQS, cfg.max_num_seqs)
+            self.prefill_graphs = PrefillGraphs(self.model, prefill_buckets(cfg.max_num_batched_tokens), seqs,
+                                                self.device)
+            self.prefill_graphs.capture()
+            self.warmed += [{"path": "prefill-graph", "seqs": seqs, "tokens": t} for t in self.prefill_graphs.buckets]
 
     @property
     def capture_seconds(self) -> float:
-        return self.graphs.capture_seconds if self.graphs else 0.0
+        return sum(g.capture_seconds for g in (self.graphs, self.prefill_graphs) if g is not None)
 
     # -- inputs ----------------------------------------------------------------
     def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
@@ -376,11 +386,17 @@ class ModelRunner:
 
     # -- execution ---------------------------------------------------------------
     def route_for(self, inputs: StepInputs) -> Route:
-        """A decode replays the smallest captured graph that covers its batch; anything else is eager."""
+        """A decode replays the smallest captured graph that covers its batch; a fresh prefill (nothing
+        read from the cache) the smallest prefill graph that covers its tokens and sequences; anything
+        else is eager."""
         if self.graphs is not None and not inputs.is_prefill:
             bucket = self.graphs.bucket_for(inputs.input_ids.shape[0])
             if bucket is not None:
                 return Route("graph", bucket)
+        if self.prefill_graphs is not None and inputs.is_prefill and inputs.meta.block_tables is None:
+            bucket = self.prefill_graphs.bucket_for(inputs.input_ids.shape[0], len(inputs.meta.seqlens_q))
+            if bucket is not None:
+                return Route("prefill-graph", bucket)
         return EAGER
 
     @torch.inference_mode()
@@ -389,6 +405,8 @@ class ModelRunner:
         route = self.route_for(inputs) if route is None else route
         if route.kind == "graph":          # the graph includes the LM head
             return self.graphs.replay(route.bucket, inputs.input_ids, inputs.positions, inputs.meta)
+        if route.kind == "prefill-graph":
+            return self.prefill_graphs.replay(route.bucket, inputs.input_ids, inputs.positions, inputs.meta)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.is_prefill:
             hidden = hidden[inputs.meta.cu_seqlens_q[1:].long() - 1]
@@ -485,7 +503,7 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = torch.empty(0)
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         self.model = None
         if self.workers is not None:
             self.workers.close()

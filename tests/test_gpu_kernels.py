@@ -174,6 +174,56 @@ def test_graph_decode_matches_eager(gpu_model_dir, name):
         assert diff.abs().max().item() < 0.05 and rel_l2 < 2e-3, (diff.abs().max().item(), rel_l2)
 
 
+@pytest.mark.parametrize("name", backends())
+def test_prefill_graph_matches_eager(gpu_model_dir, name):
+    """Fresh prefills of 1, 3 and 16 ragged prompts replay a prefill graph and give the eager logits; a prefill
+    that reads a cached prefix, or that has more sequences than a prefill graph takes, runs eagerly."""
+    from engine import LLMEngine, SamplingParams
+    from engine.graph import PREFILL_GRAPH_SEQS
+
+    kw = dict(device="cuda", dtype="float32", attention_backend=name, max_num_seqs=20, kvcache_block_size=16,
+              num_kvcache_blocks=512, max_model_len=1024, max_num_batched_tokens=2048)
+    eager = LLMEngine(str(gpu_model_dir), enforce_eager=True, **kw)
+    graph = LLMEngine(str(gpu_model_dir), enforce_eager=False, **kw)
+    if name != "triton":
+        assert graph.describe()["graph"]["prefill_buckets"] == []
+        return
+    assert graph.describe()["graph"]["prefill_buckets"][-1] == 1024
+    sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    for batch, expect in ((1, "prefill-graph"), (3, "prefill-graph"), (PREFILL_GRAPH_SEQS, "prefill-graph"),
+                          (PREFILL_GRAPH_SEQS + 1, "eager")):
+        g = torch.Generator().manual_seed(batch)
+        prompts = [torch.randint(0, 150000, (int(n),), generator=g).tolist()
+                   for n in torch.randint(1, 60, (batch,), generator=g)]
+        rows = {}
+        for eng in (eager, graph):
+            eng.reset_prefix_cache()
+            for p in prompts:
+                eng.add_request(p, sp)
+            s, pf = eng.schedule()
+            assert pf and len(s) == batch
+            logits, route = eng.forward_logits(s, pf)
+            rows[eng is graph] = logits.float()
+            assert route.kind == (expect if eng is graph else "eager"), (batch, route)
+            eng.postprocess(s, [0] * len(s), pf)
+            while not eng.is_finished():
+                eng.step()
+        diff = rows[True] - rows[False]
+        rel_l2 = (diff.norm(dim=-1) / rows[False].norm(dim=-1)).max().item()
+        assert diff.abs().max().item() < 0.05 and rel_l2 < 2e-3, (batch, diff.abs().max().item(), rel_l2)
+    # a prompt whose first block is cached: a prefix-reading prefill, eager
+    prompt = list(range(1000, 1040))
+    for _ in range(2):
+        graph.add_request(prompt, sp)
+        s, pf = graph.schedule()
+        cached = s[0].num_cached_tokens
+        logits, route = graph.forward_logits(s, pf)
+        graph.postprocess(s, [0] * len(s), pf)
+        while not graph.is_finished():
+            graph.step()
+    assert cached > 0 and route.kind == "eager", (cached, route)
+
+
 def test_uncovered_batch_falls_back_to_eager(gpu_model_dir):
     from engine import LLMEngine, SamplingParams
     eng = LLMEngine(str(gpu_model_dir), device="cuda", enforce_eager=False, max_num_seqs=20,

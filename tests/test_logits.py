@@ -89,6 +89,14 @@ def test_expected_route_picks_the_smallest_covering_bucket_else_eager():
     assert expected_route("graph", "decode", 17, b) == ("eager", None)
     assert expected_route("graph", "prefill", 1, b) == ("eager", None)
     assert expected_route("eager", "decode", 1, b) == ("eager", None)
+    # prefill graphs: a fresh prefill of at most prefill_seqs sequences takes the smallest covering token bucket
+    pg = dict(prefill_buckets=[16, 32, 64], prefill_seqs=4)
+    assert expected_route("graph", "prefill", 2, b, tokens=40, fresh=True, **pg) == ("prefill-graph", 64)
+    assert expected_route("graph", "prefill", 1, b, tokens=16, fresh=True, **pg) == ("prefill-graph", 16)
+    assert expected_route("graph", "prefill", 2, b, tokens=40, fresh=False, **pg) == ("eager", None)   # reads a prefix
+    assert expected_route("graph", "prefill", 5, b, tokens=40, fresh=True, **pg) == ("eager", None)    # too many seqs
+    assert expected_route("graph", "prefill", 1, b, tokens=65, fresh=True, **pg) == ("eager", None)    # too many tokens
+    assert expected_route("eager", "prefill", 1, b, tokens=16, fresh=True, **pg) == ("eager", None)
 
 
 # --------------------------------------------------------------------------- baseline

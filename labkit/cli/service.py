@@ -64,7 +64,7 @@ def register(app: typer.Typer) -> None:
         queue_size: QueueSizeOpt = 64,
         max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", show_default=False, help="Context length (prompt + output) at most. Default on CUDA: the model's, capped by what the KV pool holds (printed); on CPU 1024.")] = None,
         gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.5,
-        enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--graph", show_default=False, help="Eager execution, or CUDA graphs for decode. Default: graphs on CUDA, eager on CPU.")] = None,
+        enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--graph", show_default=False, help="Eager execution, or CUDA graphs (decode, and small fresh prefills on the triton backend). Default: graphs on CUDA, eager on CPU.")] = None,
         overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", show_default=False, help="Overlapped decode: launch step k+1 before reading step k's tokens, so the host's per-step work hides behind the GPU. Default: on on CUDA (tensor-parallel-size 1), off on CPU.")] = None,
         attention: AttentionOpt = "auto",
         device: DeviceOpt = "auto",

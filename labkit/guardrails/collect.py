@@ -74,11 +74,17 @@ def _row_assertions(expected_rows: int) -> list[dict]:
     ]
 
 
-def expected_route(execution: str, phase: str, batch: int, buckets: list[int] | None) -> tuple[str, int | None]:
-    """Prefill and eager execution run eagerly; a decode under graph execution replays the smallest
-    covering bucket, or runs eagerly when no bucket covers the batch."""
-    if execution != "graph" or phase == "prefill":
+def expected_route(execution: str, phase: str, batch: int, buckets: list[int] | None, tokens: int = 0,
+                   fresh: bool = False, prefill_buckets: list[int] | None = None,
+                   prefill_seqs: int = 0) -> tuple[str, int | None]:
+    """Eager execution runs eagerly. Under graph execution a decode replays the smallest covering batch
+    bucket, a fresh prefill (nothing cached) of at most ``prefill_seqs`` sequences the smallest covering
+    token bucket; anything uncovered runs eagerly."""
+    if execution != "graph":
         return "eager", None
+    if phase == "prefill":
+        covering = [t for t in (prefill_buckets or []) if t >= tokens] if fresh and batch <= prefill_seqs else []
+        return ("prefill-graph", min(covering)) if covering else ("eager", None)
     covering = [b for b in (buckets or []) if b >= batch]
     return ("graph", min(covering)) if covering else ("eager", None)
 
@@ -128,6 +134,8 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
         probe = KVProbe() if suite_name == "graph" else None
         described = engine.describe()
         buckets = sorted(described["graph"]["buckets"]) if execution == "graph" else None
+        prefill_graphs = dict(prefill_buckets=sorted(described["graph"].get("prefill_buckets", [])),
+                              prefill_seqs=described["graph"].get("prefill_seqs", 0))
         step_log: list[dict] = []
         error: str | None = None
         failed_group: str | None = None
@@ -155,7 +163,8 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
                 break
             for st in steps:
                 batch = len(st.requests)
-                exp_route, exp_bucket = expected_route(execution, st.phase, batch, buckets)
+                exp_route, exp_bucket = expected_route(execution, st.phase, batch, buckets, st.route["tokens"],
+                                                       st.route["fresh"], **prefill_graphs)
                 step_log.append({"group": group.name, "engine_step": st.engine_step, "phase": st.phase,
                                  "batch": batch, "requests": [group.requests[i].label for i in st.requests],
                                  "discarded": [group.requests[i].label for i, c in zip(st.requests, st.completing) if not c],

@@ -76,8 +76,9 @@ def drive_teacher_forced(engine, prompts, continuations, *, probe: StepProbe | N
         requests = [index[s.seq_id] for s in seqs]
         if probe is not None:
             probe.before(engine, seqs, is_prefill, requests)
+        tokens, fresh = sum(s.num_scheduled_tokens for s in seqs), all(s.num_cached_tokens == 0 for s in seqs)
         logits, taken = engine.forward_logits(seqs, is_prefill)
-        route = {"backend": backend, "route": taken.kind, "bucket": taken.bucket}
+        route = {"backend": backend, "route": taken.kind, "bucket": taken.bucket, "tokens": tokens, "fresh": fresh}
         if probe is not None:
             probe.after(engine, seqs, is_prefill, requests, logits)
         phase = "prefill" if is_prefill else "decode"
