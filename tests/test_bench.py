@@ -208,3 +208,30 @@ def test_heavy_sampling_workload_is_nano_vllm_plus_the_processors():
     assert prompts == plain_prompts and [p.max_tokens for p in heavy] == [p.max_tokens for p in plain]
     assert all((p.top_p, p.top_k, p.repetition_penalty) == (0.9, 50, 1.1) for p in heavy)
     assert all(p.needs_processing(0) for p in heavy) and not any(p.needs_processing(0) for p in plain)
+
+
+def test_the_roofline_bound_adds_compute_and_prefill_terms():
+    """With a matmul peak, each phase is at least max(bytes / roof, FLOPs / peak): a wide decode of a large
+    model turns compute-bound; a slow peak can only lengthen the bound, never shorten it."""
+    from engine.config import ModelShape
+    from labkit.assets.synth import PRESETS
+    from labkit.bench.bound import attention_flops_per_position, decode_bound, matmul_params
+
+    shape = ModelShape.from_hf(PRESETS["qwen3-8b"])
+    layers, head = matmul_params(shape)
+    assert layers == 36 * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * 12288) and head == 151936 * 4096
+    assert attention_flops_per_position(shape) == 4 * 32 * 128 * 36
+    prompts, outputs = [512] * 256, [256] * 256
+    bw = decode_bound(shape, 2, 2, prompts, outputs, copy_roof_gb_s=4000.0)
+    rf = decode_bound(shape, 2, 2, prompts, outputs, copy_roof_gb_s=4000.0, matmul_tflops=700.0)
+    terms = rf["roofline"]["terms"]
+    assert terms["decode_gemm"]["flops"] == 2 * (layers + head) * 255 * 256
+    assert terms["decode_gemm"]["bound_by"] == "compute"            # 256 rows of an 8B model per step
+    assert terms["decode_attention"]["bound_by"] == "memory"
+    assert terms["prefill"]["bound_by"] == "compute"
+    assert rf["bound_seconds"] == pytest.approx(sum(t["seconds"] for t in terms.values()))
+    assert rf["bound_seconds"] > bw["bound_seconds"]                  # compute and prefill only add time
+    slow = decode_bound(shape, 2, 2, prompts, outputs, copy_roof_gb_s=4000.0, matmul_tflops=70.0)
+    assert slow["bound_seconds"] > rf["bound_seconds"]
+    with pytest.raises(ValueError):
+        decode_bound(shape, 2, 2, prompts, outputs, copy_roof_gb_s=4000.0, matmul_tflops=0.0)

@@ -13,7 +13,18 @@ so no run of the workload outputs faster than ``output_tokens / bound_seconds``.
 sampling and every launch are left out (they only add time), so the bound is optimistic: a measured
 throughput above it means the bound's inputs or the measurement are wrong.
 
-Pure Python: unit-testable on CPU; the bench supplies the measured roof.
+With a matmul peak measured in the same run (``matmul_tflops``) the bound is a roofline per phase, each
+phase at least the larger of its bytes over the copy roof and its FLOPs over the matmul peak, the phases
+one after another as this engine runs them (a step is all-prefill or all-decode, its kernels in order)::
+
+    decode GEMMs      max(weight_bytes_per_step * d_max,  2 * matmul_params * decode_tokens / peak)
+    decode attention  max(kv_read_bytes / roof,           4 * q_heads * head_dim * layers * positions / peak)
+    prefill           max(weight_bytes + KV written / roof, (2 * layer_params * prompt tokens
+                          + 2 * lm_head_params * requests + causal attention FLOPs) / peak)
+
+At large models and wide batches the GEMMs are compute-bound, which the bandwidth-only form misses.
+
+Pure Python: unit-testable on CPU; the bench supplies the measured roofs.
 """
 from __future__ import annotations
 
@@ -31,6 +42,19 @@ def decode_weight_bytes(shape, element_size: int) -> int:
     return params * element_size
 
 
+def matmul_params(shape) -> tuple[int, int]:
+    """(weights one token multiplies in the decoder layers' projections, in the LM head)."""
+    h, hd = shape.hidden_size, shape.head_dim
+    q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
+    per_layer = h * (q + 2 * kv) + q * h + 2 * h * shape.intermediate_size + shape.intermediate_size * h
+    return shape.num_layers * per_layer, shape.vocab_size * h
+
+
+def attention_flops_per_position(shape) -> int:
+    """FLOPs one query token spends on one attended position over all layers: q.k and p.v per q head."""
+    return 4 * shape.num_heads * shape.head_dim * shape.num_layers
+
+
 def kv_read_bytes(prompt_lens: Sequence[int], output_lens: Sequence[int], kv_bytes_per_token: int) -> int:
     """K/V bytes the decode steps read: the token that yields output k (k >= 1; output 0 comes from the
     prefill) attends to ``prompt + k`` positions."""
@@ -42,8 +66,9 @@ def kv_read_bytes(prompt_lens: Sequence[int], output_lens: Sequence[int], kv_byt
 
 
 def decode_bound(shape, weight_element_size: int, kv_element_size: int, prompt_lens: Sequence[int],
-                 output_lens: Sequence[int], copy_roof_gb_s: float) -> dict:
-    """The bound and every input of its derivation (for the evidence)."""
+                 output_lens: Sequence[int], copy_roof_gb_s: float, matmul_tflops: float | None = None) -> dict:
+    """The bound and every input of its derivation (for the evidence); with ``matmul_tflops`` the per-phase
+    roofline (module docstring), else the decode bytes over the copy roof."""
     if copy_roof_gb_s <= 0:
         raise ValueError(f"copy roof must be positive, got {copy_roof_gb_s}")
     weights = decode_weight_bytes(shape, weight_element_size)
@@ -53,6 +78,11 @@ def decode_bound(shape, weight_element_size: int, kv_element_size: int, prompt_l
     total = weights * min_steps + kv
     seconds = total / (copy_roof_gb_s * 1e9)
     outputs = sum(output_lens)
+    roofline = None
+    if matmul_tflops is not None:
+        roofline = _roofline(shape, weights, kv, kv_token, prompt_lens, output_lens, min_steps, copy_roof_gb_s,
+                             matmul_tflops)
+        seconds = roofline["seconds"]
     return {
         "model_shape": {"hidden": shape.hidden_size, "layers": shape.num_layers, "q_heads": shape.num_heads,
                         "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
@@ -70,8 +100,36 @@ def decode_bound(shape, weight_element_size: int, kv_element_size: int, prompt_l
         "copy_roof_gb_s": round(copy_roof_gb_s, 1),
         "bound_seconds": seconds,
         "bound_tok_s": round(outputs / seconds, 1) if seconds > 0 else None,
-        "formula": "(weight_bytes_per_decode_step * min_decode_steps + kv_read_bytes) / copy roof",
+        "formula": ("(weight_bytes_per_decode_step * min_decode_steps + kv_read_bytes) / copy roof" if roofline is None
+                    else "roofline per phase: decode GEMMs + decode attention + prefill, each max(bytes / copy roof, "
+                         "FLOPs / matmul peak)"),
+        **({"roofline": roofline} if roofline is not None else {}),
     }
+
+
+def _roofline(shape, weights: int, kv: int, kv_token: int, prompt_lens: Sequence[int], output_lens: Sequence[int],
+              min_steps: int, copy_roof_gb_s: float, matmul_tflops: float) -> dict:
+    if matmul_tflops <= 0:
+        raise ValueError(f"matmul peak must be positive, got {matmul_tflops}")
+    bw, peak = copy_roof_gb_s * 1e9, matmul_tflops * 1e12
+    layer_params, head_params = matmul_params(shape)
+    per_position = attention_flops_per_position(shape)
+    decode_tokens = sum(max(n - 1, 0) for n in output_lens)
+    positions = kv // kv_token if kv_token else 0
+    prompt_tokens = sum(prompt_lens)
+    terms = {
+        "decode_gemm": {"bytes": weights * min_steps, "flops": 2 * (layer_params + head_params) * decode_tokens},
+        "decode_attention": {"bytes": kv, "flops": per_position * positions},
+        "prefill": {"bytes": weights + prompt_tokens * kv_token,
+                    "flops": 2 * layer_params * prompt_tokens + 2 * head_params * len(prompt_lens)
+                    + per_position * sum(p * (p + 1) // 2 for p in prompt_lens)},
+    }
+    for t in terms.values():
+        t["memory_s"], t["compute_s"] = t["bytes"] / bw, t["flops"] / peak
+        t["seconds"] = max(t["memory_s"], t["compute_s"])
+        t["bound_by"] = "compute" if t["compute_s"] > t["memory_s"] else "memory"
+    return {"matmul_peak_tflops": round(matmul_tflops, 1), "decode_tokens": decode_tokens,
+            "attended_positions": positions, "terms": terms, "seconds": sum(t["seconds"] for t in terms.values())}
 
 
 def step_bound(shape, weight_element_size: int, kv_element_size: int, batch: int, context: float,

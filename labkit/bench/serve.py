@@ -124,7 +124,7 @@ def _pass_record(timed, compiled: list[str] | None, wide: int) -> dict:
 
 def run_offline(model_dir: str, device: str, attention: str, settings: dict, reqs: list[dict], wide: int) -> dict:
     from engine import SamplingParams
-    from labkit.bench.run import _release, engine_facts, engine_for, timed_generate
+    from labkit.bench.run import _release, engine_facts, engine_for, timed_generate, workload_bound
 
     prompts = [r["prompt_token_ids"] for r in reqs]
     params = [SamplingParams(temperature=float(r["temperature"]), max_tokens=int(r["max_tokens"]),
@@ -142,24 +142,10 @@ def run_offline(model_dir: str, device: str, attention: str, settings: dict, req
         facts["cold"] = _pass_record(cold, compiled, wide)
         facts["warm"] = _pass_record(warm, compiled_warm, wide)
         facts["first_over_warm"] = round(cold.seconds / warm.seconds, 3) if warm.seconds > 0 else None
-        facts["bound"] = _bound(engine, device, prompts, warm.output_lens)
+        facts["bound"] = workload_bound(engine, prompts, warm.output_lens, device)
     finally:
         _release(engine)
     return facts
-
-
-def _bound(engine, device: str, prompts, output_lens) -> dict:
-    from labkit.bench.bound import decode_bound
-
-    if not device.startswith("cuda"):
-        return {"bound_tok_s": None, "why": "the bound needs a device copy roof (CUDA)"}
-    import torch
-
-    from labkit.bench.attention import copy_roof_gbs
-
-    weight_element = torch.empty(0, dtype=getattr(torch, engine.describe()["dtype"])).element_size()
-    return decode_bound(engine.config.shape, weight_element, engine.kv_cache_view().element_size(),
-                        [len(p) for p in prompts], output_lens, copy_roof_gbs())
 
 
 # --------------------------------------------------------------------------- (b) served
