@@ -33,7 +33,7 @@ def test_budget_record_passes_and_names_its_kind(budget):
     assert budget["verdict"] == "PASS", [c for c in budget["checks"] if c["status"] != "pass"]
     f = budget["facts"]
     assert f["workload"]["batch"] == SPEC["batch"] and f["passes"]["eager"]["profiled"]["steps"] == SPEC["steps"]
-    assert f["passes"]["eager"]["timed"]["route"] == "eager"
+    assert f["passes"]["eager"]["timed"]["routes"] == ["eager"]
     # the profiled steps decode at the prompt length plus the decode steps run before them
     assert f["passes"]["eager"]["timed"]["mean_context"] > SPEC["context"]
 
@@ -83,7 +83,7 @@ def test_hooks_are_removed_after_the_profiled_pass(tiny_model_dir):
         model = built.engine.runner.model
         before = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
         remove = sb.install_module_ranges(built.engine, sb._Ranges())
-        assert sum(len(m._forward_pre_hooks) for m in model.modules()) == len(sb.module_categories(model))
+        assert sum(len(m._forward_pre_hooks) for m in model.modules()) == len(sb.module_categories(dict(model.named_modules())))
         assert "store_kv" in vars(built.engine.runner.backend)
         remove()
         assert sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()) == before
@@ -138,3 +138,73 @@ def test_cli_refuses_options_of_other_workloads(cli_app):
     assert r.exit_code == 2 and "--profile" in r.output
     r = CliRunner().invoke(cli_app, ["bench", "--workload", "latency", "--batch", "4", "--device", "cpu"])
     assert r.exit_code == 2 and "step-budget" in r.output
+
+
+def test_cuda_trace_items_follow_their_launch_to_the_module_range():
+    """The CUDA path on a trace in kineto's layout: a kernel takes the range around the host call that
+    launched it (correlation id), a memcpy is a copy, a graph replay's kernels are marked as such."""
+    def x(cat, name, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 1, "pid": 1, "args": args}
+
+    events = [x("user_annotation", sb.STEP_RANGE, 0, 100), x("user_annotation", "budget.phase:forward", 5, 60),
+              x("user_annotation", "budget:gemm.o", 10, 5), x("cuda_runtime", "cudaLaunchKernel", 11, 1, correlation=1),
+              x("user_annotation", "budget:attention", 20, 10), x("cuda_driver", "cuLaunchKernel", 21, 1, correlation=2),
+              x("cuda_runtime", "cudaGraphLaunch", 40, 2, correlation=3),
+              x("user_annotation", "budget.phase:sample", 70, 20), x("cuda_runtime", "cudaLaunchKernel", 71, 1, correlation=4),
+              x("cuda_runtime", "cudaMemcpyAsync", 80, 1, correlation=5),
+              x("kernel", "sm90_gemm", 30, 4, correlation=1), x("kernel", "_decode_split_kernel", 35, 6, correlation=2),
+              x("kernel", "_rms_norm_kernel", 45, 2, correlation=3), x("kernel", "sm90_gemm", 48, 3, correlation=3),
+              x("kernel", "_gumbel_argmax_kernel", 75, 2, correlation=4), x("gpu_memcpy", "Memcpy DtoH", 82, 1, correlation=5),
+              x("kernel", "stray", 200, 1, correlation=99)]
+    items, spans = sb.trace_items(events, device_is_cuda=True)
+    by_name = [(it.name, it.category, sb.is_graph_launch(it)) for it in sorted(items, key=lambda it: it.start)]
+    assert by_name == [("sm90_gemm", "gemm.o", False), ("_decode_split_kernel", "attention", False),
+                       ("_rms_norm_kernel", "other", True), ("sm90_gemm", "other", True),
+                       ("_gumbel_argmax_kernel", "sampler", False), ("Memcpy DtoH", "copies", False)]
+    (step,) = sb.split_steps(items, spans)
+    assert step["device_us"] == 18 and step["busy_us"] == 18
+    assert step["host_outside_total_us"] == 100 - 18
+    assert step["host_outside_us"]["forward"] == 60 - (4 + 6 + 2 + 3) and step["host_outside_us"]["sample"] == 20 - 3
+
+
+def test_eager_decode_sets_the_graphs_aside_and_brings_them_back(tiny_model_dir):
+    from labkit.lab_engine import build_engine
+
+    built = build_engine(str(tiny_model_dir), "cpu", "torch")
+    engine = built.engine
+    try:
+        captured = object()                 # stands for the captured graphs (none on CPU)
+        engine.runner.graphs = captured
+        with engine.eager_decode():
+            assert engine.runner.graphs is None and not engine.describe()["graph"]["enabled"]
+        assert engine.runner.graphs is captured
+        with pytest.raises(RuntimeError), engine.eager_decode():
+            raise RuntimeError("a failing pass")
+        assert engine.runner.graphs is captured
+    finally:
+        engine.runner.graphs = None
+        engine.close()
+
+
+def test_budget_rows_carry_each_categorys_bound(budget, tiny_model_dir, monkeypatch):
+    """The CUDA branch of the table on this run's passes, with the roofs given: bound = max(bytes / roof,
+    FLOPs / peak), share of bound = bound / measured."""
+    import labkit.bench.attention as attention
+    from labkit.lab_engine import build_engine
+
+    monkeypatch.setattr(attention, "copy_roof_gbs", lambda: 100.0)
+    monkeypatch.setattr(sb, "matmul_peak_tflops", lambda: 0.05)
+    built = build_engine(str(tiny_model_dir), "cpu", "torch", max_num_seqs=SPEC["batch"])
+    try:
+        table = sb.budget_table(budget["facts"]["passes"], "eager", "eager", built.engine, "cuda")
+    finally:
+        built.engine.close()
+    rows = {r["category"]: r for r in table["rows"]}
+    assert table["roofs"] == {"copy_roof_gb_s": 100.0, "matmul_peak_tflops": 0.05}
+    lm = rows["gemm.lm_head"]
+    shape = built.engine.config.shape
+    flops = 2 * SPEC["batch"] * shape.hidden_size * shape.vocab_size
+    nbytes = 4 * (shape.vocab_size * shape.hidden_size + SPEC["batch"] * (shape.hidden_size + shape.vocab_size))
+    assert lm["bound_ms"] == pytest.approx(max(flops / 0.05e12, nbytes / 100e9) * 1e3, rel=1e-3)
+    assert lm["achieved_share_of_bound"] == pytest.approx(lm["bound_ms"] / lm["ms_per_step"], rel=1e-3)
+    assert {"attention", "kv_store", "sampler", "rotary"} <= {c for c, r in rows.items() if "bound_ms" in r}

@@ -35,6 +35,7 @@ do at this batch and these contexts, at the copy roof and the matmul peak measur
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import gzip
 import json
@@ -64,9 +65,9 @@ PHASE_CATEGORY = {"sample": "sampler", "prepare": "copies"}
 
 
 # -- instrumentation -------------------------------------------------------------------------------
-def module_categories(model) -> dict[str, str]:
-    """Module name -> category for every leaf module the budget ranges cover."""
-    return {name: MODULE_CATEGORY[name.rsplit(".", 1)[-1]] for name, _ in model.named_modules()
+def module_categories(modules: dict) -> dict[str, str]:
+    """Module name -> category for every leaf module the budget ranges cover (modules: name -> module)."""
+    return {name: MODULE_CATEGORY[name.rsplit(".", 1)[-1]] for name in modules
             if name and name.rsplit(".", 1)[-1] in MODULE_CATEGORY}
 
 
@@ -110,14 +111,14 @@ class _PhaseClock(StepHooks):
 def install_module_ranges(engine, ranges: _Ranges) -> "callable":
     """Forward pre/post hooks on every leaf module of MODULE_CATEGORY and a wrapper on the attention
     backend's store_kv; returns the function that removes them all."""
-    runner = engine.runner
     handles = []
-    modules = dict(runner.model.named_modules())
-    for name, category in module_categories(runner.model).items():
+    modules = dict(engine.named_modules())
+    for name, category in module_categories(modules).items():
         mod = modules[name]
         handles.append(mod.register_forward_pre_hook(lambda m, a, c=category: ranges.enter(RANGE + c)))
         handles.append(mod.register_forward_hook(lambda m, a, o: ranges.exit()))
-    backend = runner.backend
+    # the attention layers share one backend; its store_kv is wrapped on the instance and unwrapped after
+    backend = next(m.backend for n, m in modules.items() if n.rsplit(".", 1)[-1] == "attn")
     had_own = "store_kv" in vars(backend)
     original = backend.store_kv
 
@@ -329,7 +330,7 @@ class _Driver:
     def timed(self, n: int, device: str) -> dict:
         clock = _PhaseClock()
         remove = self.engine.add_hooks(clock)
-        walls = []
+        walls, routes = [], set()
         first = len(self.contexts)
         try:
             for _ in range(n):
@@ -337,10 +338,12 @@ class _Driver:
                 t0 = time.perf_counter()
                 out = self.step()
                 walls.append(time.perf_counter() - t0)
+                routes.add(str(out.route))
         finally:
             remove()
         ms = [w * 1e3 for w in walls]
-        return {"steps": n, "route": str(out.route), "wall_ms_median": round(statistics.median(ms), 4),
+        return {"steps": n, "routes": sorted(routes), "route_kinds": sorted({r.split(":")[0] for r in routes}),
+                "wall_ms_median": round(statistics.median(ms), 4),
                 "wall_ms_mean": round(statistics.fmean(ms), 4), "wall_ms_min": round(min(ms), 4),
                 "wall_ms_max": round(max(ms), 4),
                 "phase_ms_mean": {p: round(s / n * 1e3, 4) for p, s in clock.seconds.items()},
@@ -367,9 +370,13 @@ class _Driver:
             remove_modules()
             remove_phases()
         prof.export_chrome_trace(str(trace_path))
-        items, spans = trace_items(load_trace(trace_path), cuda)
+        events = load_trace(trace_path)
+        items, spans = trace_items(events, cuda)
         steps = split_steps(items, spans)
+        device_events = sum(1 for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
         return {"steps": len(steps), "routes": sorted(routes), "trace": str(trace_path),
+                "device_events_in_trace": device_events,
+                "device_events_without_launch": device_events - len(items) if cuda else 0,
                 "mean_context": round(statistics.fmean(self.contexts[first:]) / self.batch, 2)}, steps
 
 
@@ -451,20 +458,14 @@ def step_budget(spec: BudgetSpec, out_dir: Path, model: str | None = None, devic
         out_dir.mkdir(parents=True, exist_ok=True)
         passes: dict[str, dict] = {}
         steps_of: dict[str, list[dict]] = {}
-        runner = engine.runner
-        modes = ("graph", "eager") if runner.graphs is not None else ("eager",)
+        modes = ("graph", "eager") if engine.describe()["graph"]["enabled"] else ("eager",)
         for mode in modes:
-            graphs = runner.graphs
-            if mode == "eager":
-                runner.graphs = None        # the runner's eager route (route_for finds no graph)
-            try:
+            with engine.eager_decode() if mode == "eager" else contextlib.nullcontext():
                 for _ in range(spec.warm):
                     drive.step()
                 timed = drive.timed(spec.steps, device)
                 prof, steps = drive.profiled(spec.steps, device, out_dir / f"trace-{mode}.json.gz",
                                              modules=mode == "eager")
-            finally:
-                runner.graphs = graphs
             passes[mode] = {"timed": timed, "profiled": prof}
             steps_of[mode] = steps
         attribution = _attribute(passes, steps_of)
@@ -539,7 +540,7 @@ def budget_table(passes: dict, primary: str, split_from: str, engine, device: st
 
         from labkit.bench.attention import copy_roof_gbs
 
-        roofs = {"copy_roof_gb_s": round(copy_roof_gbs(), 1), "matmul_peak_tflops": round(matmul_peak_tflops(), 1)}
+        roofs = {"copy_roof_gb_s": round(copy_roof_gbs(), 3), "matmul_peak_tflops": round(matmul_peak_tflops(), 3)}
         weight_element = torch.empty(0, dtype=getattr(torch, engine.describe()["dtype"])).element_size()
         batch = engine.config.max_num_seqs
         bounds = category_bounds(engine.config.shape, weight_element, engine.kv_cache_view().element_size(), batch,
@@ -601,15 +602,20 @@ def run_step_budget(out: Path, spec: BudgetSpec, model: str | None = None, devic
     finally:
         built.engine.close()
     assertions = [
-        run_assertion("facts.budget.categories_sum_over_device", "ge", 0.999, name="categories cover the device time",
-                      why="every profiled device item of the steps is in one category (sum / device time >= 0.999)"),
-        run_assertion("facts.budget.categories_sum_over_device", "le", 1.001, name="no device item counted twice",
-                      why="sum of the categories / device time <= 1.001"),
-        run_assertion("facts.budget.busy_plus_host_over_wall", "ge", 0.999, name="busy + host outside = step wall",
+        run_assertion("facts.budget.categories_sum_over_device", "abs_le", [1.0, 0.001],
+                      name="categories sum to the device time",
+                      why="every profiled device item of the steps is in exactly one category"),
+        run_assertion("facts.budget.busy_plus_host_over_wall", "abs_le", [1.0, 0.001], name="busy + host outside = step wall",
                       why="the device-busy time and the host time outside it add up to the profiled step"),
         *[run_assertion(f"facts.budget.gemm_roles_ms.{r}", "gt", 0, name=f"GEMM role {r} attributed",
                         why="its module's range saw its kernels") for r in GEMM_ROLES],
+        run_assertion("facts.passes.eager.timed.route_kinds", "all_eq", "eager", name="eager pass ran eagerly",
+                      why="every step of the eager pass took the eager route"),
     ]
+    if "graph" in facts["passes"]:
+        assertions.append(run_assertion("facts.passes.graph.timed.route_kinds", "all_eq", "graph",
+                                        name="graph pass replayed graphs",
+                                        why="every step of the graph pass replayed a captured decode graph"))
     return write_evidence(out, checkpoint=None, kind=built.kind, facts=facts, device=built.device,
                           model=built.model, seed=built.engine.config.seed, engine=describe,
                           run_assertions=assertions)
