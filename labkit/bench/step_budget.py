@@ -44,7 +44,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from engine.observe import PHASES, StepHooks
+
+if TYPE_CHECKING:
+    from labkit.lab_engine import LabEngine
 
 GEMM_ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
 CATEGORIES = ("attention", "kv_store", *(f"gemm.{r}" for r in GEMM_ROLES), "norm", "qk_norm_rope", "rotary",
@@ -322,8 +327,10 @@ class _Driver:
     def step(self):
         out = self.engine.step()
         if out.is_prefill or len(out.seqs) != self.batch:
-            raise RuntimeError(f"step-budget: expected a decode step of {self.batch} sequences, got "
-                               f"{'prefill' if out.is_prefill else 'decode'} of {len(out.seqs)}")
+            from labkit.errors import UserError
+            raise UserError(f"step-budget: expected a decode step of {self.batch} sequences, got a "
+                            f"{'prefill' if out.is_prefill else 'decode'} of {len(out.seqs)} (a KV pool too small "
+                            f"for --batch x --context preempts sequences: lower one of them)")
         self.contexts.append(sum(s.num_tokens - 1 for s in out.seqs))
         return out
 
@@ -411,7 +418,7 @@ class BudgetSpec:
 
     def decode_steps(self, graphs: bool) -> int:
         passes = 2 if graphs else 1
-        return passes * (self.warm + 2 * self.steps) + 2
+        return passes * (self.warm + 2 * self.steps) + 4     # + the first decode step, and a margin
 
     def check(self) -> None:
         from labkit.errors import UserError
@@ -423,9 +430,10 @@ class BudgetSpec:
 
 
 def step_budget(spec: BudgetSpec, out_dir: Path, model: str | None = None, device: str = "auto",
-                attention: str = "auto") -> dict:
+                attention: str = "auto") -> tuple[dict, "LabEngine"]:
     """Build the engine, reach a decode batch of spec.batch at spec.context, run the passes of the module
-    doc and return the facts (the trace files are written to out_dir)."""
+    doc; returns the facts and the engine (still open: the caller describes and closes it). The trace
+    files are written to out_dir."""
     from engine import SamplingParams
     from labkit.bench.run import engine_facts, fixed_workload
     from labkit.lab_engine import build_engine, detect_device
@@ -447,14 +455,14 @@ def step_budget(spec: BudgetSpec, out_dir: Path, model: str | None = None, devic
             engine.add_request(p, params)
         prefill_steps = 0
         t0 = time.perf_counter()
-        while engine.stats().waiting or prefill_steps == 0 or last.is_prefill:
+        while True:                      # prefill every prompt; stop after the first decode step
             last = engine.step()
             prefill_steps += last.is_prefill
+            if not last.is_prefill and not engine.stats().waiting:
+                break
         _sync(device)
         prefill_s = time.perf_counter() - t0
         drive = _Driver(engine, spec.batch)
-        if not last.is_prefill:          # the first decode step ran in the loop above
-            drive.contexts.append(sum(s.num_tokens - 1 for s in last.seqs))
         out_dir.mkdir(parents=True, exist_ok=True)
         passes: dict[str, dict] = {}
         steps_of: dict[str, list[dict]] = {}
