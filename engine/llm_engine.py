@@ -4,8 +4,9 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -125,6 +126,16 @@ class LLMEngine:
     def add_hooks(self, hooks: StepHooks) -> Callable[[], None]:
         """Register step hooks (see engine/observe.py); returns the function that removes them."""
         return self.hooks.add(hooks)
+
+    @contextmanager
+    def eager_decode(self) -> Iterator[None]:
+        """Inside the block every step runs eagerly: the captured decode graphs are set aside (kept, not
+        freed) and come back after, e.g. so that a profiler's module ranges see each decode kernel."""
+        graphs, self.runner.graphs = self.runner.graphs, None
+        try:
+            yield
+        finally:
+            self.runner.graphs = graphs
 
     # -- reading and driving the engine from outside ------------------------------------
     def stats(self) -> EngineStats:

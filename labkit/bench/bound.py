@@ -145,3 +145,54 @@ def step_bound(shape, weight_element_size: int, kv_element_size: int, batch: int
     return {"batch": batch, "mean_context": context, "weight_bytes": weights, "kv_read_bytes": kv,
             "copy_roof_gb_s": round(copy_roof_gb_s, 1), "bound_ms_per_step": round(ms, 4),
             "formula": "(weight_bytes_per_decode_step + batch x mean context x kv_bytes_per_token) / copy roof"}
+
+
+def category_bytes_flops(shape, weight_element_size: int, kv_element_size: int, batch: int, mean_context: float,
+                         fused_qk_norm_rope: bool) -> dict[str, tuple[int, int]]:
+    """Per category of a decode step of `batch` sequences at mean context `mean_context` (the step budget's,
+    labkit.bench.step_budget): (bytes it must read and write at least, FLOPs it must do). Weights are read
+    once, activations read and written once, each sequence reads the K/V of its whole context; the q/k norm
+    is counted in ``qk_norm_rope`` when the fused kernel runs it, else in ``norm`` (and RoPE in ``rotary``)."""
+    e, ekv, b, n = weight_element_size, kv_element_size, batch, shape.num_layers
+    h, hd, inter, vocab = shape.hidden_size, shape.head_dim, shape.intermediate_size, shape.vocab_size
+    q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
+
+    def gemm(k: int, m: int, layers: int = n) -> tuple[int, int]:     # [b, k] @ [k, m]
+        return layers * (k * m + b * k + b * m) * e, layers * 2 * b * k * m
+
+    qk_io = n * 2 * b * (q + kv) * e                  # read q and k, write them back
+    norm = n * (2 * h * e + 8 * b * h * e) - 2 * b * h * e + (h * e + 4 * b * h * e)   # layer 0: no residual in
+    if not fused_qk_norm_rope:
+        norm += qk_io + n * 2 * hd * e
+    context = b * mean_context
+    out = {
+        "gemm.qkv": gemm(h, q + 2 * kv), "gemm.o": gemm(q, h), "gemm.gate_up": gemm(h, 2 * inter),
+        "gemm.down": gemm(inter, h), "gemm.lm_head": gemm(h, vocab, layers=1),
+        "attention": (int(n * (context * 2 * kv * ekv + 2 * b * q * e)), int(n * 4 * context * q)),
+        "kv_store": (n * b * 2 * kv * (e + ekv), 0),
+        "norm": (norm, 0),
+        "activation": (n * b * 3 * inter * e, 0),
+        "embedding": (2 * b * h * e, 0),
+        "sampler": (b * vocab * e, 0),
+    }
+    if fused_qk_norm_rope:
+        out["qk_norm_rope"] = (qk_io + n * 2 * hd * e, 0)
+    else:
+        out["rotary"] = (qk_io, 0)
+    return out
+
+
+def category_bounds(shape, weight_element_size: int, kv_element_size: int, batch: int, mean_context: float,
+                    fused_qk_norm_rope: bool, copy_roof_gb_s: float, matmul_tflops: float) -> dict[str, dict]:
+    """Each category's bound: the larger of its bytes at the copy roof and its FLOPs at the matmul peak
+    (both measured in the same run), and which of the two binds."""
+    if copy_roof_gb_s <= 0 or matmul_tflops <= 0:
+        raise ValueError(f"roofs must be positive, got {copy_roof_gb_s} GB/s, {matmul_tflops} TFLOP/s")
+    out = {}
+    for cat, (nbytes, flops) in category_bytes_flops(shape, weight_element_size, kv_element_size, batch,
+                                                      mean_context, fused_qk_norm_rope).items():
+        mem_ms = nbytes / (copy_roof_gb_s * 1e9) * 1e3
+        flop_ms = flops / (matmul_tflops * 1e12) * 1e3
+        out[cat] = {"bytes": nbytes, "flops": flops, "memory_ms": round(mem_ms, 5), "compute_ms": round(flop_ms, 5),
+                    "bound_ms": round(max(mem_ms, flop_ms), 5), "bound_by": "compute" if flop_ms > mem_ms else "memory"}
+    return out

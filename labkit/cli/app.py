@@ -348,7 +348,7 @@ def generate(
 
 @app.command()
 def bench(
-    workload: Annotated[str, typer.Option("--workload", help="nano-vllm | graph-vs-eager | latency | attention | serve.")] = "nano-vllm",
+    workload: Annotated[str, typer.Option("--workload", help="nano-vllm | graph-vs-eager | latency | attention | serve | step-budget.")] = "nano-vllm",
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="hf: transformers generate on a fraction of the workload, same GPU, same run.")] = None,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats (nano-vllm workload).")] = 1,
     enforce_eager: EnforceEagerOpt = False,
@@ -361,13 +361,19 @@ def bench(
     long_every: Annotated[Optional[int], typer.Option("--long-every", help="serve: every Nth request is long (default 2).")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="serve: output tokens per request (default 512).")] = None,
     sampling: Annotated[str, typer.Option("--sampling", help="nano-vllm: plain (temperature only) | heavy (top_p 0.9, top_k 50, repetition_penalty 1.1 on every request).")] = "plain",
+    batch: Annotated[Optional[int], typer.Option("--batch", help="step-budget: sequences decoding together (default 256).")] = None,
+    context: Annotated[Optional[int], typer.Option("--context", help="step-budget: prompt tokens of each sequence (default 1024).")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="step-budget: decode steps timed and profiled per pass (default 20).")] = None,
+    warm_steps: Annotated[Optional[int], typer.Option("--warm-steps", help="step-budget: decode steps run before each pass (default 5).")] = None,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
     """Measure throughput / latency on a fixed workload; every repeat is kept in the evidence.
 
     ``--workload serve`` runs one trace offline (cold, then warm) and through a `labkit serve` process
-    (native and OpenAI APIs); on CPU it runs with a small trace (``--requests 8 --prompt-tokens 32 ...``)."""
+    (native and OpenAI APIs); on CPU it runs with a small trace (``--requests 8 --prompt-tokens 32 ...``).
+    ``--workload step-budget`` says what each ms of a decode step at ``--batch`` x ``--context`` goes to
+    (per kernel category, with bounds; on CPU with small sizes: ``--batch 4 --context 32 --steps 3``)."""
     from labkit.bench.run import run_bench
     from labkit.lab_engine import detect_device
     from labkit.paths import default_out
@@ -382,6 +388,18 @@ def bench(
 
         from labkit.bench.serve import ISSUE_TRACE
         trace = replace(ISSUE_TRACE, **{k: v for k, v in trace_opts.items() if v is not None})
+    if workload == "step-budget":
+        from labkit.bench.step_budget import step_budget_command
+
+        record = step_budget_command(out, model=_model_arg(model), device=device, attention=attention,
+                                     sizes=dict(batch=batch, context=context, steps=steps, warm=warm_steps),
+                                     others={"--baseline": baseline, "--profile": profile, "--sweep": sweep,
+                                             "--overlap/--no-overlap": overlap, "--enforce-eager": enforce_eager,
+                                             "--repeats": repeats != 1, "--sampling": sampling != "plain"},
+                                     show=not json_out)
+        finish(record, record["_paths"], json_out=json_out)
+    if any(v is not None for v in (batch, context, steps, warm_steps)):
+        raise UserError("--batch, --context, --steps and --warm-steps apply to --workload step-budget")
     if workload != "serve" and not detect_device(device).startswith("cuda"):   # minutes on a CPU, nothing to show
         raise UserError("bench is a GPU tool and this run would use the CPU (no CUDA here, or --device cpu); "
                         "try the engine on CPU with `labkit generate` instead (or `--workload serve` with a small trace)")

@@ -1,0 +1,690 @@
+"""`labkit bench --workload step-budget`: what each ms of one decode step is spent on.
+
+B sequences (default 256) are prefilled at C prompt tokens (default 1024) and then decode; only decode
+steps are timed. The engine runs its synchronous step (schedule -> prepare -> forward -> sample with
+the token readback -> postprocess), so one step's wall time is the time between two tokens of a request.
+
+Passes over the same running batch, each after W warm steps:
+
+- ``graph`` (CUDA only: the engine's default route on CUDA): N steps timed by the host clock with no
+  profiler (the true step time), then N steps under torch.profiler (CUDA activities) with a range per
+  step and per engine phase (engine/observe.py StepHooks).
+- ``eager``: the same with the graphs set aside (the runner's eager route), N steps timed, then N
+  steps profiled with one ``torch.profiler.record_function`` range per leaf module (forward pre/post
+  hooks on the embedding, each GEMM, each norm, the rotary, the activation, the attention; the
+  backend's KV store wrapped) and per phase. The hooks exist only while this pass runs.
+
+Attribution. Each device item (kernel, memcpy, memset) is mapped to the host call that launched it
+(the trace's correlation id), and that call to the innermost ``budget:`` range around it: the module
+that launched the kernel. Memcpy and memset are ``copies``; a kernel outside every module range is
+named by its kernel name (qk_norm_rope, copies) or ``other``. On CPU the items are the top-level aten
+ops and the "device time" is their host time.
+
+Kernels inside a CUDA graph replay have no module ranges around them (they all launch from one
+cudaGraphLaunch). If the profiler sees them, each replay's kernel sequence is aligned with an eager
+step's (same model code, same kernels in the same order; difflib on the names) and every matched
+kernel takes its eager twin's category; the unmatched ones are named by kernel name. If it does not
+see them, the graph step's GPU split is not measured and the eager split is shown next to the graph
+step's time (``attribution`` says which).
+
+Host time outside the device: for each phase range, the part of it during which no device item ran;
+what is left of the step (outside every phase) is ``between``.
+
+Bounds (labkit.bench.bound.category_bounds): per category, the bytes it must move and the FLOPs it must
+do at this batch and these contexts, at the copy roof and the matmul peak measured in the same run.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import gzip
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+from engine.observe import PHASES, StepHooks
+
+if TYPE_CHECKING:
+    from labkit.lab_engine import LabEngine
+
+GEMM_ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
+CATEGORIES = ("attention", "kv_store", *(f"gemm.{r}" for r in GEMM_ROLES), "norm", "qk_norm_rope", "rotary",
+              "activation", "embedding", "sampler", "copies", "other")
+HOST_PARTS = (*PHASES, "between")
+RANGE = "budget:"              # module / backend ranges: budget:<category>
+PHASE_RANGE = "budget.phase:"  # engine phase ranges
+STEP_RANGE = "budget.step"
+
+#: leaf module attribute name -> category (Qwen3ForCausalLM's modules, engine/models/qwen3.py)
+MODULE_CATEGORY = {"embed_tokens": "embedding", "qkv_proj": "gemm.qkv", "o_proj": "gemm.o",
+                   "gate_up_proj": "gemm.gate_up", "down_proj": "gemm.down", "lm_head": "gemm.lm_head",
+                   "input_layernorm": "norm", "post_attention_layernorm": "norm", "q_norm": "norm",
+                   "k_norm": "norm", "norm": "norm", "rotary_emb": "rotary", "act_fn": "activation",
+                   "attn": "attention"}
+#: phases whose own device items have a category (the rest are named by kernel name)
+PHASE_CATEGORY = {"sample": "sampler", "prepare": "copies"}
+
+
+# -- instrumentation -------------------------------------------------------------------------------
+def module_categories(modules: dict) -> dict[str, str]:
+    """Module name -> category for every leaf module the budget ranges cover (modules: name -> module)."""
+    return {name: MODULE_CATEGORY[name.rsplit(".", 1)[-1]] for name in modules
+            if name and name.rsplit(".", 1)[-1] in MODULE_CATEGORY}
+
+
+class _Ranges:
+    """record_function ranges opened and closed by hooks (always in nested order on the engine's thread)."""
+
+    def __init__(self):
+        self.open: list = []
+
+    def enter(self, name: str) -> None:
+        import torch
+        rf = torch.profiler.record_function(name)
+        rf.__enter__()
+        self.open.append(rf)
+
+    def exit(self) -> None:
+        self.open.pop().__exit__(None, None, None)
+
+
+class _PhaseRanges(StepHooks):
+    def __init__(self, ranges: _Ranges):
+        self.ranges = ranges
+
+    def phase_start(self, name: str, step: int) -> None:
+        self.ranges.enter(PHASE_RANGE + name)
+
+    def phase_end(self, name: str, step: int, seconds: float) -> None:
+        self.ranges.exit()
+
+
+class _PhaseClock(StepHooks):
+    """Host seconds per phase of each step (no sync: the timed passes stay as the engine runs)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {p: 0.0 for p in PHASES}
+
+    def phase_end(self, name: str, step: int, seconds: float) -> None:
+        self.seconds[name] += seconds
+
+
+def install_module_ranges(engine, ranges: _Ranges) -> "callable":
+    """Forward pre/post hooks on every leaf module of MODULE_CATEGORY and a wrapper on the attention
+    backend's store_kv; returns the function that removes them all."""
+    handles = []
+    modules = dict(engine.named_modules())
+    for name, category in module_categories(modules).items():
+        mod = modules[name]
+        handles.append(mod.register_forward_pre_hook(lambda m, a, c=category: ranges.enter(RANGE + c)))
+        handles.append(mod.register_forward_hook(lambda m, a, o: ranges.exit()))
+    # the attention layers share one backend; its store_kv is wrapped on the instance and unwrapped after
+    backend = next(m.backend for n, m in modules.items() if n.rsplit(".", 1)[-1] == "attn")
+    had_own = "store_kv" in vars(backend)
+    original = backend.store_kv
+
+    def store_kv(*args, **kwargs):
+        ranges.enter(RANGE + "kv_store")
+        try:
+            return original(*args, **kwargs)
+        finally:
+            ranges.exit()
+
+    backend.store_kv = store_kv
+
+    def remove() -> None:
+        for h in handles:
+            h.remove()
+        if had_own:
+            backend.store_kv = original
+        else:
+            del backend.store_kv
+    return remove
+
+
+# -- the trace -------------------------------------------------------------------------------------
+@dataclass
+class Item:
+    """One device item (CUDA) or top-level op (CPU): where it ran, where it was launched from, its category."""
+    name: str
+    start: float          # us, on the device (CUDA) or the host (CPU)
+    dur: float
+    launch: float         # us, host time of the launching call
+    launch_name: str = ""
+    cat: str = ""         # trace category: kernel | gpu_memcpy | gpu_memset | cpu_op
+    category: str = ""
+    ranges: list = field(default_factory=list)   # enclosing budget ranges, outermost first
+
+
+def load_trace(path: Path) -> list[dict]:
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def name_category(name: str, cat: str) -> str:
+    """A device item's category from its name alone (no module range around it)."""
+    low = name.lower()
+    if cat in ("gpu_memcpy", "gpu_memset") or low.startswith(("memcpy", "memset")):
+        return "copies"
+    if "qk_norm_rope" in low:
+        return "qk_norm_rope"
+    if any(k in low for k in ("copy", "fill", "zero_")):
+        return "copies"
+    return "other"
+
+
+def _innermost(spans: list[tuple[float, float, str]], points: list[float]) -> list[list[str]]:
+    """For each point, the names of the (properly nested) spans containing it, outermost first."""
+    order = sorted(range(len(points)), key=lambda i: points[i])
+    spans = sorted(spans, key=lambda s: (s[0], -s[1]))
+    out: list[list[str]] = [[] for _ in points]
+    stack: list[tuple[float, float, str]] = []
+    j = 0
+    for i in order:
+        t = points[i]
+        while j < len(spans) and spans[j][0] <= t:
+            while stack and stack[-1][0] + stack[-1][1] < spans[j][0]:
+                stack.pop()
+            stack.append(spans[j])
+            j += 1
+        while stack and stack[-1][0] + stack[-1][1] < t:
+            stack.pop()
+        out[i] = [s[2] for s in stack if s[0] <= t <= s[0] + s[1]]
+    return out
+
+
+def trace_items(events: list[dict], device_is_cuda: bool) -> tuple[list[Item], list[tuple[float, float, str]]]:
+    """The device items (or top-level CPU ops) of a trace, each with its enclosing budget ranges, and
+    the budget spans themselves (start, dur, name)."""
+    spans = [(e["ts"], e["dur"], e["name"]) for e in events
+             if e.get("ph") == "X" and e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("budget")]
+    items: list[Item] = []
+    if device_is_cuda:
+        launches = {}
+        for e in events:
+            if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver"):
+                corr = (e.get("args") or {}).get("correlation")
+                if corr is not None:
+                    launches[corr] = e
+        for e in events:
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+                corr = (e.get("args") or {}).get("correlation")
+                host = launches.get(corr)
+                if host is None:
+                    continue          # launched outside the profiled window
+                items.append(Item(e["name"], e["ts"], e["dur"], host["ts"], host["name"], e["cat"]))
+    else:
+        ops = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"),
+                     key=lambda e: (e["tid"], e["ts"], -e["dur"]))
+        end: dict = {}
+        for e in ops:                   # top level: not inside another op of its thread
+            if e["ts"] >= end.get(e["tid"], float("-inf")):
+                items.append(Item(e["name"], e["ts"], e["dur"], e["ts"], e["name"], "cpu_op"))
+                end[e["tid"]] = e["ts"] + e["dur"]
+    enclosing = _innermost(spans, [it.launch for it in items])
+    for it, names in zip(items, enclosing):
+        it.ranges = names
+        it.category = range_category(it)
+    return items, spans
+
+
+def range_category(it: Item) -> str:
+    """The innermost module range's category; else the phase's (sample, prepare); else by name."""
+    if it.cat in ("gpu_memcpy", "gpu_memset"):
+        return "copies"
+    for name in reversed(it.ranges):
+        if name.startswith(RANGE):
+            return name[len(RANGE):]
+        if name.startswith(PHASE_RANGE):
+            phase = name[len(PHASE_RANGE):]
+            if phase in PHASE_CATEGORY:
+                return PHASE_CATEGORY[phase]
+            break
+    return name_category(it.name, it.cat)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _overlap(busy: list[tuple[float, float]], a: float, b: float) -> float:
+    return sum(max(0.0, min(e, b) - max(s, a)) for s, e in busy if e > a and s < b)
+
+
+def split_steps(items: list[Item], spans) -> list[dict]:
+    """Per step range: its wall, the device time of its items by category, the device busy time and
+    the host time outside the device by phase (all in us)."""
+    steps = sorted((s for s in spans if s[2] == STEP_RANGE), key=lambda s: s[0])
+    phases = sorted((s for s in spans if s[2].startswith(PHASE_RANGE)), key=lambda s: s[0])
+    out = []
+    for t0, dur, _ in steps:
+        t1 = t0 + dur
+        mine = [it for it in items if t0 <= it.launch <= t1]
+        by_cat = {c: 0.0 for c in CATEGORIES}
+        for it in mine:
+            by_cat[it.category] = by_cat.get(it.category, 0.0) + it.dur
+        busy = _union([(it.start, it.start + it.dur) for it in mine])
+        host = {p: 0.0 for p in HOST_PARTS}
+        for a, d, name in phases:
+            if t0 <= a <= t1:
+                host[name[len(PHASE_RANGE):]] += d - _overlap(busy, a, a + d)
+        outside = dur - _overlap(busy, t0, t1)
+        host["between"] = outside - sum(host[p] for p in PHASES)
+        out.append({"wall_us": dur, "device_us": sum(it.dur for it in mine), "busy_us": _overlap(busy, t0, t1),
+                    "items": len(mine), "by_category_us": by_cat, "host_outside_us": host,
+                    "host_outside_total_us": outside, "_items": mine})
+    return out
+
+
+# -- graph replays ---------------------------------------------------------------------------------
+def is_graph_launch(it: Item) -> bool:
+    return "graphlaunch" in it.launch_name.lower()
+
+
+def align_graph_step(graph_items: list[Item], eager_forward: list[Item]) -> float:
+    """Give each kernel of a graph replay its eager twin's category (difflib alignment of the two kernel
+    name sequences, in device order); unmatched kernels keep their name category. Returns the share of
+    the replay's device time matched."""
+    g = sorted(graph_items, key=lambda it: it.start)
+    e = sorted(eager_forward, key=lambda it: it.start)
+    sm = difflib.SequenceMatcher(None, [it.name for it in e], [it.name for it in g], autojunk=False)
+    matched = 0.0
+    for block in sm.get_matching_blocks():
+        for k in range(block.size):
+            twin, it = e[block.a + k], g[block.b + k]
+            it.category = twin.category
+            matched += it.dur
+    total = sum(it.dur for it in g)
+    return matched / total if total else 0.0
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize()
+
+
+class _Driver:
+    """Steps the engine's running batch one decode step at a time and checks it stays whole."""
+
+    def __init__(self, engine, batch: int):
+        self.engine = engine
+        self.batch = batch
+        self.contexts: list[int] = []
+
+    def step(self):
+        out = self.engine.step()
+        if out.is_prefill or len(out.seqs) != self.batch:
+            from labkit.errors import UserError
+            raise UserError(f"step-budget: expected a decode step of {self.batch} sequences, got a "
+                            f"{'prefill' if out.is_prefill else 'decode'} of {len(out.seqs)} (a KV pool too small "
+                            f"for --batch x --context preempts sequences: lower one of them)")
+        self.contexts.append(sum(s.num_tokens - 1 for s in out.seqs))
+        return out
+
+    def timed(self, n: int, device: str) -> dict:
+        clock = _PhaseClock()
+        remove = self.engine.add_hooks(clock)
+        walls, routes = [], set()
+        first = len(self.contexts)
+        try:
+            for _ in range(n):
+                _sync(device)
+                t0 = time.perf_counter()
+                out = self.step()
+                walls.append(time.perf_counter() - t0)
+                routes.add(str(out.route))
+        finally:
+            remove()
+        ms = [w * 1e3 for w in walls]
+        return {"steps": n, "routes": sorted(routes), "route_kinds": sorted({r.split(":")[0] for r in routes}),
+                "wall_ms_median": round(statistics.median(ms), 4),
+                "wall_ms_mean": round(statistics.fmean(ms), 4), "wall_ms_min": round(min(ms), 4),
+                "wall_ms_max": round(max(ms), 4),
+                "phase_ms_mean": {p: round(s / n * 1e3, 4) for p, s in clock.seconds.items()},
+                "mean_context": round(statistics.fmean(self.contexts[first:]) / self.batch, 2)}
+
+    def profiled(self, n: int, device: str, trace_path: Path, modules: bool) -> tuple[dict, list[dict]]:
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        cuda = device.startswith("cuda")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        ranges = _Ranges()
+        remove_phases = self.engine.add_hooks(_PhaseRanges(ranges))
+        remove_modules = install_module_ranges(self.engine, ranges) if modules else (lambda: None)
+        first = len(self.contexts)
+        routes = set()
+        try:
+            _sync(device)
+            with profile(activities=activities) as prof:
+                for _ in range(n):
+                    with record_function(STEP_RANGE):
+                        routes.add(str(self.step().route))
+                _sync(device)
+        finally:
+            remove_modules()
+            remove_phases()
+        prof.export_chrome_trace(str(trace_path))
+        events = load_trace(trace_path)
+        items, spans = trace_items(events, cuda)
+        steps = split_steps(items, spans)
+        device_events = sum(1 for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+        return {"steps": len(steps), "routes": sorted(routes), "trace": str(trace_path),
+                "device_events_in_trace": device_events,
+                "device_events_without_launch": device_events - len(items) if cuda else 0,
+                "mean_context": round(statistics.fmean(self.contexts[first:]) / self.batch, 2)}, steps
+
+
+def _mean_steps(steps: list[dict]) -> dict:
+    n = len(steps) or 1
+    ms = lambda f: round(sum(f(s) for s in steps) / n / 1e3, 4)  # noqa: E731
+    return {"wall_ms": ms(lambda s: s["wall_us"]), "device_ms": ms(lambda s: s["device_us"]),
+            "device_busy_ms": ms(lambda s: s["busy_us"]), "items_per_step": round(sum(s["items"] for s in steps) / n, 1),
+            "by_category_ms": {c: ms(lambda s, c=c: s["by_category_us"].get(c, 0.0)) for c in CATEGORIES},
+            "host_outside_ms": {p: ms(lambda s, p=p: s["host_outside_us"][p]) for p in HOST_PARTS},
+            "host_outside_total_ms": ms(lambda s: s["host_outside_total_us"])}
+
+
+def _top_kernels(steps: list[dict], top: int = 12) -> list[dict]:
+    agg: dict[tuple[str, str], list[float]] = {}
+    for s in steps:
+        for it in s["_items"]:
+            agg.setdefault((it.name, it.category), []).append(it.dur)
+    n = len(steps) or 1
+    rows = sorted(agg.items(), key=lambda kv: sum(kv[1]), reverse=True)[:top]
+    return [{"name": k[0][:120], "category": k[1], "per_step": round(len(v) / n, 2),
+             "ms_per_step": round(sum(v) / n / 1e3, 4)} for k, v in rows]
+
+
+@dataclass
+class BudgetSpec:
+    batch: int = 256
+    context: int = 1024
+    warm: int = 5
+    steps: int = 20
+    temperature: float = 0.6
+
+    def decode_steps(self, graphs: bool) -> int:
+        passes = 2 if graphs else 1
+        return passes * (self.warm + 2 * self.steps) + 4     # + the first decode step, and a margin
+
+    def check(self) -> None:
+        from labkit.errors import UserError
+        for name in ("batch", "context", "steps"):
+            if getattr(self, name) < 1:
+                raise UserError(f"step-budget: {name} must be at least 1, got {getattr(self, name)}")
+        if self.warm < 0:
+            raise UserError(f"step-budget: warm must be at least 0, got {self.warm}")
+
+
+def step_budget(spec: BudgetSpec, out_dir: Path, model: str | None = None, device: str = "auto",
+                attention: str = "auto") -> tuple[dict, "LabEngine"]:
+    """Build the engine, reach a decode batch of spec.batch at spec.context, run the passes of the module
+    doc; returns the facts and the engine (still open: the caller describes and closes it). The trace
+    files are written to out_dir."""
+    from engine import SamplingParams
+    from labkit.bench.run import engine_facts, fixed_workload
+    from labkit.lab_engine import build_engine, detect_device
+
+    spec.check()
+    device = detect_device(device)
+    cuda = device.startswith("cuda")
+    decode = spec.decode_steps(cuda)
+    block = 256                          # the lab's KV block
+    max_len = -(-(spec.context + decode + 1) // block) * block
+    built = build_engine(model, device, attention, max_num_seqs=spec.batch, max_model_len=max_len,
+                         max_num_batched_tokens=max(16384, max_len), kvcache_block_size=block,
+                         enforce_eager=not cuda, gpu_memory_utilization=0.9 if cuda else None)
+    engine = built.engine
+    try:
+        prompts, _ = fixed_workload(spec.batch, spec.context, decode)
+        params = SamplingParams(temperature=spec.temperature, ignore_eos=True, max_tokens=decode)
+        for p in prompts:
+            engine.add_request(p, params)
+        prefill_steps = 0
+        t0 = time.perf_counter()
+        while True:                      # prefill every prompt; stop after the first decode step
+            last = engine.step()
+            prefill_steps += last.is_prefill
+            if not last.is_prefill and not engine.stats().waiting:
+                break
+        _sync(device)
+        prefill_s = time.perf_counter() - t0
+        drive = _Driver(engine, spec.batch)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        passes: dict[str, dict] = {}
+        steps_of: dict[str, list[dict]] = {}
+        modes = ("graph", "eager") if engine.describe()["graph"]["enabled"] else ("eager",)
+        for mode in modes:
+            with engine.eager_decode() if mode == "eager" else contextlib.nullcontext():
+                for _ in range(spec.warm):
+                    drive.step()
+                timed = drive.timed(spec.steps, device)
+                prof, steps = drive.profiled(spec.steps, device, out_dir / f"trace-{mode}.json.gz",
+                                             modules=mode == "eager")
+            passes[mode] = {"timed": timed, "profiled": prof}
+            steps_of[mode] = steps
+        attribution = _attribute(passes, steps_of)
+        for mode, steps in steps_of.items():
+            passes[mode]["profiled"] |= _mean_steps(steps)
+            passes[mode]["profiled"]["top_items"] = _top_kernels(steps)
+        facts = {"workload": {"name": "step-budget", "batch": spec.batch, "prompt_tokens": spec.context,
+                              "warm_steps": spec.warm, "profiled_steps": spec.steps, "temperature": spec.temperature,
+                              "ignore_eos": True, "step_path": "synchronous (engine overlap off): each step reads its tokens back",
+                              "max_model_len": max_len},
+                 "engine": engine_facts(engine), "prefill": {"steps": prefill_steps, "seconds": round(prefill_s, 3)},
+                 "passes": passes, "attribution": attribution, "categories": list(CATEGORIES),
+                 "torch": _torch_version(), "device": device}
+        primary = "graph" if "graph" in passes else "eager"
+        split_from = attribution["split_from"]
+        facts["budget"] = budget_table(passes, primary, split_from, engine, device)
+        return facts, built
+    except BaseException:
+        engine.close()
+        raise
+
+
+def _torch_version() -> str:
+    import torch
+    return torch.__version__
+
+
+def _attribute(passes: dict, steps_of: dict) -> dict:
+    """Graph steps: align each replay's kernels with an eager step's forward kernels (module doc)."""
+    eager_steps = steps_of["eager"]
+    out = {"eager": "module ranges (forward pre/post hooks) and phase ranges"}
+    if "graph" not in steps_of:
+        out["split_from"] = "eager"
+        return out
+    ref = eager_steps[len(eager_steps) // 2]["_items"] if eager_steps else []
+    ref_forward = [it for it in ref if any(r == PHASE_RANGE + "forward" for r in it.ranges)
+                   and it.cat == "kernel"]
+    seen, shares = 0, []
+    for s in steps_of["graph"]:
+        replay = [it for it in s["_items"] if is_graph_launch(it)]
+        seen += len(replay)
+        if replay:
+            shares.append(align_graph_step(replay, ref_forward))
+            s["by_category_us"] = {c: 0.0 for c in CATEGORIES}
+            for it in s["_items"]:
+                s["by_category_us"][it.category] += it.dur
+    n = len(steps_of["graph"]) or 1
+    out["graph_kernels_seen_per_step"] = round(seen / n, 1)
+    out["eager_forward_kernels_per_step"] = len(ref_forward)
+    out["kineto_sees_graph_kernels"] = seen > 0
+    if seen:
+        out["graph"] = ("kernels inside each graph replay aligned with an eager step's forward kernels by name "
+                        "(difflib); matched kernels take the eager kernel's module category")
+        out["graph_matched_share_of_replay_time"] = round(statistics.fmean(shares), 4)
+        out["split_from"] = "graph"
+    else:
+        out["graph"] = "the profiler saw no kernels inside graph replays: the split shown is the eager pass's"
+        out["split_from"] = "eager"
+    return out
+
+
+def budget_table(passes: dict, primary: str, split_from: str, engine, device: str) -> dict:
+    """Rows category | ms/step | share of step | bound ms | bound/ms, plus host rows and totals."""
+    from labkit.bench.bound import category_bounds
+
+    prof = passes[split_from]["profiled"]
+    wall = prof["wall_ms"]
+    bounds = None
+    roofs: dict = {"why": "bounds need a device copy roof and matmul peak (CUDA)"}
+    if device.startswith("cuda"):
+        import torch
+
+        from labkit.bench.attention import copy_roof_gbs
+
+        roofs = {"copy_roof_gb_s": round(copy_roof_gbs(), 3), "matmul_peak_tflops": round(matmul_peak_tflops(), 3)}
+        weight_element = torch.empty(0, dtype=getattr(torch, engine.describe()["dtype"])).element_size()
+        batch = engine.config.max_num_seqs
+        bounds = category_bounds(engine.config.shape, weight_element, engine.kv_cache_view().element_size(), batch,
+                                 prof["mean_context"], bool(engine.describe()["fused_ops"]), roofs["copy_roof_gb_s"],
+                                 roofs["matmul_peak_tflops"])
+    rows = []
+    for c in CATEGORIES:
+        ms = prof["by_category_ms"][c]
+        b = (bounds or {}).get(c)
+        if ms == 0 and not b:
+            continue
+        row = {"category": c, "ms_per_step": ms, "share_of_step": round(ms / wall, 4) if wall else None}
+        if "eager" in passes and split_from != "eager":
+            row["eager_ms_per_step"] = passes["eager"]["profiled"]["by_category_ms"][c]
+        if b:
+            row["bound_ms"] = b["bound_ms"]
+            row["bound_by"] = b["bound_by"]
+            row["achieved_share_of_bound"] = round(b["bound_ms"] / ms, 4) if ms > 0 else None
+        rows.append(row)
+    host = [{"part": p, "ms_per_step": prof["host_outside_ms"][p],
+             "share_of_step": round(prof["host_outside_ms"][p] / wall, 4) if wall else None} for p in HOST_PARTS]
+    device_sum = round(sum(prof["by_category_ms"].values()), 4)
+    return {"pass": split_from, "primary_route": primary,
+            "step_ms_timed": passes[primary]["timed"]["wall_ms_mean"],
+            "step_ms_profiled": wall, "device_ms": prof["device_ms"], "device_busy_ms": prof["device_busy_ms"],
+            "categories_sum_ms": device_sum,
+            "categories_sum_over_device": round(device_sum / prof["device_ms"], 6) if prof["device_ms"] else None,
+            "host_outside_ms": prof["host_outside_total_ms"],
+            "busy_plus_host_over_wall": round((prof["device_busy_ms"] + prof["host_outside_total_ms"]) / wall, 6) if wall else None,
+            "gemm_roles_ms": {r: prof["by_category_ms"][f"gemm.{r}"] for r in GEMM_ROLES},
+            "rows": rows, "host_rows": host, "roofs": roofs,
+            "note": (f"ms/step and shares are the {split_from} pass's profiled steps; the step's true time is "
+                     f"step_ms_timed ({primary} route, no profiler)")}
+
+
+def matmul_peak_tflops(n: int = 8192, dtype: str = "bfloat16") -> float:
+    """The dense matmul rate reachable here: an n x n x n product in the model's dtype, median of repeats."""
+    import torch
+
+    from labkit.bench.attention import _time_ms
+
+    a = torch.randn(n, n, dtype=getattr(torch, dtype), device="cuda")
+    b = torch.randn(n, n, dtype=getattr(torch, dtype), device="cuda")
+    ms = _time_ms(lambda: a @ b, repeats=10, warmups=3)
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
+# -- evidence and table ----------------------------------------------------------------------------
+def run_step_budget(out: Path, spec: BudgetSpec, model: str | None = None, device: str = "auto",
+                    attention: str = "auto") -> dict:
+    """The step budget as evidence at `out`, its Chrome traces next to it (<stem>.trace-<pass>.json.gz)."""
+    from labkit.checks import run_assertion
+    from labkit.evidence import write_evidence
+
+    out = Path(out)
+    facts, built = step_budget(spec, out.parent / f"{out.stem}.traces", model, device, attention)
+    try:
+        describe = built.describe()
+    finally:
+        built.engine.close()
+    assertions = [
+        run_assertion("facts.budget.categories_sum_over_device", "abs_le", [1.0, 0.001],
+                      name="categories sum to the device time",
+                      why="every profiled device item of the steps is in exactly one category"),
+        run_assertion("facts.budget.busy_plus_host_over_wall", "abs_le", [1.0, 0.001], name="busy + host outside = step wall",
+                      why="the device-busy time and the host time outside it add up to the profiled step"),
+        *[run_assertion(f"facts.budget.gemm_roles_ms.{r}", "gt", 0, name=f"GEMM role {r} attributed",
+                        why="its module's range saw its kernels") for r in GEMM_ROLES],
+        run_assertion("facts.passes.eager.timed.route_kinds", "all_eq", "eager", name="eager pass ran eagerly",
+                      why="every step of the eager pass took the eager route"),
+    ]
+    if "graph" in facts["passes"]:
+        assertions.append(run_assertion("facts.passes.graph.timed.route_kinds", "all_eq", "graph",
+                                        name="graph pass replayed graphs",
+                                        why="every step of the graph pass replayed a captured decode graph"))
+    return write_evidence(out, checkpoint=None, kind=built.kind, facts=facts, device=built.device,
+                          model=built.model, seed=built.engine.config.seed, engine=describe,
+                          run_assertions=assertions)
+
+
+def render_budget(record: dict) -> None:
+    from rich.table import Table
+
+    from labkit.console import console
+
+    f = record["facts"]
+    b = f["budget"]
+    w = f["workload"]
+    eager_col = any("eager_ms_per_step" in r for r in b["rows"])
+    t = Table(title=f"decode step budget: batch {w['batch']} x {w['prompt_tokens']} prompt tokens "
+                    f"({b['pass']} pass profiled; {b['primary_route']} step {b['step_ms_timed']:.3f} ms timed)")
+    t.add_column("category")
+    t.add_column("ms/step", justify="right")
+    if eager_col:
+        t.add_column("eager ms/step", justify="right")
+    t.add_column("share of step", justify="right")
+    t.add_column("bound ms", justify="right")
+    t.add_column("share of bound", justify="right")
+
+    def pct(x):
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    for r in b["rows"]:
+        cells = [r["category"], f"{r['ms_per_step']:.4f}"]
+        if eager_col:
+            cells.append(f"{r.get('eager_ms_per_step', 0.0):.4f}")
+        bound = f"{r['bound_ms']:.4f} ({r['bound_by'][0]})" if "bound_ms" in r else "-"
+        cells += [pct(r["share_of_step"]), bound, pct(r.get("achieved_share_of_bound"))]
+        t.add_row(*cells)
+    blank = [""] * (1 if eager_col else 0)
+    t.add_row("device busy", f"{b['device_busy_ms']:.4f}", *blank, pct(b["device_busy_ms"] / b["step_ms_profiled"]), "", "",
+              end_section=True)
+    for r in b["host_rows"]:
+        t.add_row(f"host: {r['part']}", f"{r['ms_per_step']:.4f}", *blank, pct(r["share_of_step"]), "", "")
+    t.add_row("step (profiled)", f"{b['step_ms_profiled']:.4f}", *blank, "100.0%", "", "", end_section=True)
+    console.print(t)
+    console.print(f"roofs: {b['roofs']}; attribution: {f['attribution'].get('graph') or f['attribution']['eager']}",
+                  markup=False, highlight=False)
+    console.print(b["note"], markup=False, highlight=False)
+
+
+def step_budget_command(out: Path | None, model: str | None, device: str, attention: str, sizes: dict,
+                        others: dict, show: bool = True) -> dict:
+    """`labkit bench --workload step-budget`: the options checked, the evidence written, the table shown.
+    The record's ``_paths`` lists the evidence file, then the traces."""
+    from labkit.errors import UserError
+    from labkit.paths import default_out
+
+    given = [name for name, v in others.items() if v not in (None, False)]
+    if given:
+        raise UserError(f"--workload step-budget takes --batch, --context, --steps, --warm-steps, --model, --device, "
+                        f"--attention and --out only (not {', '.join(given)})")
+    spec = BudgetSpec(**{k: v for k, v in sizes.items() if v is not None})
+    path = Path(out) if out is not None else default_out("bench-step-budget.json")
+    record = run_step_budget(path, spec, model=model, device=device, attention=attention)
+    if show:
+        render_budget(record)
+    record["_paths"] = [path, *(p["profiled"]["trace"] for p in record["facts"]["passes"].values())]
+    return record
