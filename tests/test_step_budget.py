@@ -193,7 +193,7 @@ def test_budget_rows_carry_each_categorys_bound(budget, tiny_model_dir, monkeypa
     from labkit.lab_engine import build_engine
 
     monkeypatch.setattr(attention, "copy_roof_gbs", lambda: 100.0)
-    monkeypatch.setattr(sb, "matmul_peak_tflops", lambda: 0.05)
+    monkeypatch.setattr(attention, "matmul_peak_tflops", lambda dtype="bfloat16": 0.05)
     built = build_engine(str(tiny_model_dir), "cpu", "torch", max_num_seqs=SPEC["batch"])
     try:
         table = sb.budget_table(budget["facts"]["passes"], "eager", "eager", built.engine, "cuda")

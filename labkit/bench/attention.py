@@ -95,6 +95,16 @@ def copy_roof_gbs(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
+def matmul_peak_tflops(n: int = 8192, dtype: str = "bfloat16") -> float:
+    """The dense matmul rate reachable here (TFLOP/s): an n x n x n product in the model's dtype, median of
+    repeats; the compute roof of the bounds, measured in the same run as the copy roof."""
+    import torch
+    a = torch.randn(n, n, dtype=getattr(torch, dtype), device="cuda")
+    b = torch.randn(n, n, dtype=getattr(torch, dtype), device="cuda")
+    ms = _time_ms(lambda: a @ b, repeats=10, warmups=3)
+    return 2 * n ** 3 / (ms * 1e-3) / 1e12
+
+
 class PagedCase:
     """Random paged K/V for `batch` sequences of `ctx` positions, pages scattered through the pool."""
 

@@ -134,24 +134,6 @@ def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, re
     return facts
 
 
-def matmul_peak_tflops(dtype, n: int = 8192, repeats: int = 10) -> float:
-    """The device's matmul throughput in TFLOP/s: an n x n x n GEMM in the engine's dtype, timed now (the
-    compute roof of the bound, measured in the same run as the copy roof)."""
-    import torch
-
-    a = torch.randn(n, n, device="cuda", dtype=dtype)
-    b = torch.randn(n, n, device="cuda", dtype=dtype)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        a @ b
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * n ** 3 * repeats / (start.elapsed_time(end) / 1e3) / 1e12
-
-
 def workload_bound(engine: LLMEngine, prompts, output_lens: list[int], device: str, tok_s: float | None = None) -> dict:
     """The bound of this workload on this device (labkit.bench.bound's roofline per phase): the model's
     shape, the KV pool's element size, the prompts' and outputs' actual lengths, and the copy roof and
@@ -160,12 +142,12 @@ def workload_bound(engine: LLMEngine, prompts, output_lens: list[int], device: s
 
     if not device.startswith("cuda"):
         return {"bound_tok_s": None, "why": "the bound needs a device copy roof and matmul peak (CUDA)"}
-    from labkit.bench.attention import copy_roof_gbs
+    from labkit.bench.attention import copy_roof_gbs, matmul_peak_tflops
 
     import torch
 
-    dtype = getattr(torch, engine.describe()["dtype"])
-    weight_element = torch.empty(0, dtype=dtype).element_size()
+    dtype = engine.describe()["dtype"]
+    weight_element = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     kv_element = engine.kv_cache_view().element_size()
     out = decode_bound(engine.config.shape, weight_element, kv_element, [len(p) for p in prompts], output_lens,
                        copy_roof_gbs(), matmul_tflops=matmul_peak_tflops(dtype))

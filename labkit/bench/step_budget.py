@@ -546,9 +546,10 @@ def budget_table(passes: dict, primary: str, split_from: str, engine, device: st
     if device.startswith("cuda"):
         import torch
 
-        from labkit.bench.attention import copy_roof_gbs
+        from labkit.bench.attention import copy_roof_gbs, matmul_peak_tflops
 
-        roofs = {"copy_roof_gb_s": round(copy_roof_gbs(), 3), "matmul_peak_tflops": round(matmul_peak_tflops(), 3)}
+        roofs = {"copy_roof_gb_s": round(copy_roof_gbs(), 3),
+                 "matmul_peak_tflops": round(matmul_peak_tflops(dtype=engine.describe()["dtype"]), 3)}
         weight_element = torch.empty(0, dtype=getattr(torch, engine.describe()["dtype"])).element_size()
         batch = engine.config.max_num_seqs
         bounds = category_bounds(engine.config.shape, weight_element, engine.kv_cache_view().element_size(), batch,
@@ -582,18 +583,6 @@ def budget_table(passes: dict, primary: str, split_from: str, engine, device: st
             "rows": rows, "host_rows": host, "roofs": roofs,
             "note": (f"ms/step and shares are the {split_from} pass's profiled steps; the step's true time is "
                      f"step_ms_timed ({primary} route, no profiler)")}
-
-
-def matmul_peak_tflops(n: int = 8192, dtype: str = "bfloat16") -> float:
-    """The dense matmul rate reachable here: an n x n x n product in the model's dtype, median of repeats."""
-    import torch
-
-    from labkit.bench.attention import _time_ms
-
-    a = torch.randn(n, n, dtype=getattr(torch, dtype), device="cuda")
-    b = torch.randn(n, n, dtype=getattr(torch, dtype), device="cuda")
-    ms = _time_ms(lambda: a @ b, repeats=10, warmups=3)
-    return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
 # -- evidence and table ----------------------------------------------------------------------------
