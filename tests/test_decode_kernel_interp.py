@@ -131,6 +131,45 @@ def test_kv_per_prog_follows_the_kv_heads(results):
         check(results[((3, True, 16), 256, g, dtype, sm)], dtype)        # 3 -> 2 kv heads per program here
 
 
+# -- the sweep's ranking (pure Python) --------------------------------------------------------------------
+def _result(share, ok=True, **knobs):
+    base = {"kv_per_prog": 1, "page_tile": False, "block_n": 64, "num_warps": 4, "num_stages": 3, "waves": 4}
+    return base | knobs | {"share_of_roof": share, "output_ok": ok}
+
+
+def test_sweep_ranks_the_setting_robust_across_shapes_and_never_a_wrong_output():
+    from labkit.bench.attention import default_decode_setting, kernel_sweep_settings, rank_kernel_sweep
+
+    assert default_decode_setting() in kernel_sweep_settings()          # today's kernel is always timed
+    fast_wrong = _result(0.99, ok=False, kv_per_prog=4)
+    peaky = _result(0.95, kv_per_prog=2)                                 # best on one shape, poor on the other
+    steady = _result(0.88, page_tile=True)
+    shapes = [{"batch": 256, "context": 1024, "results": [fast_wrong, peaky, steady]},
+              {"batch": 1, "context": 4096, "results": [fast_wrong | {"share_of_roof": 0.9},
+                                                        peaky | {"share_of_roof": 0.3},
+                                                        steady | {"share_of_roof": 0.5}]}]
+    robust = rank_kernel_sweep(shapes)["robust"]
+    assert (robust["page_tile"], robust["kv_per_prog"]) == (True, 1)
+    assert robust["share_of_roof"] == {"256x1024": 0.88, "1x4096": 0.5}
+    assert robust["worst_share_of_best"] == round(0.88 / 0.95, 3)
+
+
+def test_warmup_variants_follow_kv_per_prog():
+    """With several kv heads per program the split count follows the programs per sequence; the warmup
+    plan's variants (decode_variants) must then be the ones the kernel compiles."""
+    from engine.attention.splits import (choose_splits, decode_variant, decode_variants, kv_per_program,
+                                         next_power_of_2)
+    sm = 132
+    for hpp in (1, 2, 4):
+        reach = {decode_variant(b, 8, n, sm, kv_per_prog=hpp) for b in range(1, 129) for n in range(1, 4097, 61)}
+        assert reach <= set(decode_variants(128, 8, 4096, sm, kv_per_prog=hpp))
+        for b, n in ((1, 4096), (32, 512), (64, 1024), (256, 1024)):     # as paged_decode splits
+            splits, _ = choose_splits(b, 8 // kv_per_program(8, hpp), n, 64, sm, 4)
+            assert decode_variant(b, 8, n, sm, kv_per_prog=hpp) == (splits == 1, max(2, next_power_of_2(splits)))
+    assert decode_variant(256, 8, 1024, sm, waves=16, kv_per_prog=1) != decode_variant(256, 8, 1024, sm, waves=16,
+                                                                                        kv_per_prog=4)
+
+
 def main() -> None:
     """The interpreter process: run the cases read from stdin, print {"results": [...]} (or {"skip": why})."""
     import triton.runtime.interpreter as interp

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 DECODE_BLOCK_N = 64          # positions per tile (paged_decode's default)
 DECODE_WAVES = 4             # split so that batch x kv heads x splits fills the GPU this many times
-# The two knobs of issue 13 (`labkit bench --workload attention --kernel-sweep` ranks them); the defaults
-# keep today's kernel. Switching the default is a change of these two lines: the kernel, the backend and
-# the warmup plan (decode_variants) all read them.
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3
+# The two knobs of issue 13 (`labkit bench --workload attention --sweep` ranks them with the four above,
+# labkit.bench.attention.sweep_kernel); the defaults keep today's kernel. Switching to the sweep's winner
+# is a change of these six lines: the kernel, the backend and the warmup plan (decode_variants) read them.
 DECODE_KV_PER_PROG = 1       # kv heads per decode program (kv_per_program: the largest divisor not above it)
 DECODE_PAGE_TILE = False     # one block-table load per tile where block_n divides the page size
 

@@ -8,8 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG, DECODE_PAGE_TILE, DECODE_WAVES,  # noqa: F401
-                                     choose_splits, kv_per_program)                       # (tests use tk.choose_splits)
+from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG, DECODE_NUM_STAGES, DECODE_NUM_WARPS,  # noqa: F401
+                                     DECODE_PAGE_TILE, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
+                                     kv_per_program)
 
 
 @triton.jit
@@ -145,7 +146,7 @@ def _decode_reduce_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, num_splits, stride_
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, max_len: int, sm_count: int, block_n: int = DECODE_BLOCK_N,
-                 num_warps: int = 4, num_stages: int = 3, waves: int = DECODE_WAVES,
+                 num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES, waves: int = DECODE_WAVES,
                  kv_per_prog: int = DECODE_KV_PER_PROG, page_tile: bool = DECODE_PAGE_TILE) -> torch.Tensor:
     """q [N, Hq, D] -> out [N, Hq, D]; reads context_lens[i] positions of seq i through its block table.
 
@@ -155,7 +156,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     batch 256 x 1024 on an H200. kv_per_prog: kv heads per program (the largest divisor of the kv heads
     not above it, :func:`engine.attention.splits.kv_per_program`); page_tile: one block-table load per
     tile where block_n divides the page size (else the per-position path). Both are swept by
-    `labkit bench --workload attention --kernel-sweep`.
+    `labkit bench --workload attention --sweep` (every default lives in engine/attention/splits.py).
     """
     n, hq, d = q.shape
     _, page, hk, _ = k_cache.shape
