@@ -9,6 +9,13 @@ from __future__ import annotations
 
 DECODE_BLOCK_N = 64          # positions per tile (paged_decode's default)
 DECODE_WAVES = 4             # split so that batch x kv heads x splits fills the GPU this many times
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 3
+# The two knobs of issue 13 (`labkit bench --workload attention --sweep` ranks them with the four above,
+# labkit.bench.attention.sweep_kernel); the defaults keep today's kernel. Switching to the sweep's winner
+# is a change of these six lines: the kernel, the backend and the warmup plan (decode_variants) read them.
+DECODE_KV_PER_PROG = 1       # kv heads per decode program (kv_per_program: the largest divisor not above it)
+DECODE_PAGE_TILE = False     # one block-table load per tile where block_n divides the page size
 
 
 def cdiv(a: int, b: int) -> int:
@@ -17,6 +24,12 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def kv_per_program(kv_heads: int, want: int) -> int:
+    """The kv heads one decode program reads: the largest divisor of kv_heads not above `want` (so any
+    tensor-parallel share of the heads works)."""
+    return max(h for h in range(1, max(1, min(want, kv_heads)) + 1) if kv_heads % h == 0)
 
 
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_count: int,
@@ -31,24 +44,28 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_coun
 
 
 def decode_variant(batch: int, kv_heads: int, max_len: int, sm_count: int, block_n: int = DECODE_BLOCK_N,
-                   waves: int = DECODE_WAVES) -> tuple[bool, int]:
-    """(DIRECT, BLOCK_S) of the decode call at this batch and longest context: its compiled variant."""
-    num_splits, _ = choose_splits(batch, kv_heads, max_len, block_n, sm_count, waves)
+                   waves: int = DECODE_WAVES, kv_per_prog: int = DECODE_KV_PER_PROG) -> tuple[bool, int]:
+    """(DIRECT, BLOCK_S) of the decode call at this batch and longest context: its compiled variant.
+    (Its other constexprs, HPP and PAGE_TILE, follow the engine's fixed shapes and the defaults.)"""
+    programs = kv_heads // kv_per_program(kv_heads, kv_per_prog)       # programs per sequence and split
+    num_splits, _ = choose_splits(batch, programs, max_len, block_n, sm_count, waves)
     return num_splits == 1, max(2, next_power_of_2(num_splits))
 
 
 def decode_variants(max_batch: int, kv_heads: int, max_model_len: int, sm_count: int,
-                    block_n: int = DECODE_BLOCK_N, waves: int = DECODE_WAVES) -> dict[tuple[bool, int], tuple[int, int]]:
+                    block_n: int = DECODE_BLOCK_N, waves: int = DECODE_WAVES,
+                    kv_per_prog: int = DECODE_KV_PER_PROG) -> dict[tuple[bool, int], tuple[int, int]]:
     """Every decode variant a batch of 1..max_batch sequences with contexts up to max_model_len can meet,
     each with one (batch, max_len) that meets it (the smallest batch, then the shortest context)."""
     out: dict[tuple[bool, int], tuple[int, int]] = {}
     max_chunks = max(1, cdiv(max_model_len, block_n))
+    programs = kv_heads // kv_per_program(kv_heads, kv_per_prog)
     by_want: dict[int, int] = {}                         # the split count a batch wants -> its first batch
     for batch in range(1, max_batch + 1):
-        by_want.setdefault(max(1, cdiv(waves * sm_count, batch * kv_heads)), batch)
+        by_want.setdefault(max(1, cdiv(waves * sm_count, batch * programs)), batch)
     for want, batch in sorted(by_want.items(), key=lambda kv: kv[1]):
         for chunks in range(1, max_chunks + 1):
             max_len = min(chunks * block_n, max_model_len)
-            key = decode_variant(batch, kv_heads, max_len, sm_count, block_n, waves)
+            key = decode_variant(batch, kv_heads, max_len, sm_count, block_n, waves, kv_per_prog)
             out.setdefault(key, (batch, max_len))
     return out

@@ -8,7 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention.splits import DECODE_BLOCK_N, DECODE_WAVES, choose_splits  # noqa: F401 (tests use tk.choose_splits)
+from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG, DECODE_NUM_STAGES, DECODE_NUM_WARPS,  # noqa: F401
+                                     DECODE_PAGE_TILE, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
+                                     kv_per_program)
 
 
 @triton.jit
@@ -54,40 +56,59 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr, out_ptr,
                          scale, split_len, num_splits, stride_qn, stride_qh, stride_bt, stride_on, stride_oh,
                          PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
-                         D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr):
-    """One (sequence, kv head, split) program. DIRECT (a single split): write the normalized output
-    itself (zeros for a padding row), so no reduce kernel runs."""
+                         D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
+                         HPP: tl.constexpr = 1, PAGE_TILE: tl.constexpr = False):
+    """One (sequence, group of HPP kv heads, split) program. DIRECT (a single split): write the normalized
+    output itself (zeros for a padding row), so no reduce kernel runs.
+
+    HPP kv heads per program: a tile holds BLOCK_N positions x HPP heads as HPP * BLOCK_N rows (position
+    major, so one position's heads are one contiguous HPP * D run); the HPP * G query rows share one dot
+    and each row keeps only the columns of its own kv head. PAGE_TILE (BLOCK_N divides PAGE; tiles start
+    at multiples of BLOCK_N): a tile lies inside one page, so one scalar block-table load per tile
+    replaces the per-position gather."""
+    ROWS: tl.constexpr = HPP * BLOCK_N
     n = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh0 = tl.program_id(1) * HPP
     s = tl.program_id(2)
     ctx = tl.load(ctx_ptr + n)
     start = s * split_len
     end = tl.minimum(ctx, start + split_len)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
-    gmask = offs_g < G
-    q = tl.load(q_ptr + n * stride_qn + (kvh * G + offs_g)[:, None] * stride_qh + offs_d[None, :],
+    gmask = offs_g < HPP * G
+    heads = kvh0 * G + offs_g
+    q = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=gmask[:, None], other=0.0)
+    offs_r = tl.arange(0, ROWS)
+    r_pos = offs_r // HPP                       # the tile's position of each row
+    r_head = offs_r % HPP                       # its kv head within the program's group
+    g_head = tl.minimum(offs_g // G, HPP - 1)   # each query row's kv head (padding rows: the last one)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     for kstart in range(start, end, BLOCK_N):
-        offs_n = kstart + tl.arange(0, BLOCK_N)
-        valid = offs_n < end
-        blk = tl.load(bt_ptr + n * stride_bt + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
-        slot = blk * PAGE + offs_n % PAGE
-        kv_off = slot[:, None] * (HK * D) + kvh * D + offs_d[None, :]
+        pos = kstart + r_pos
+        valid = pos < end
+        if PAGE_TILE:
+            blk = tl.load(bt_ptr + n * stride_bt + kstart // PAGE).to(tl.int64)
+            slot = blk * PAGE + kstart % PAGE + r_pos
+        else:
+            blk = tl.load(bt_ptr + n * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
+            slot = blk * PAGE + pos % PAGE
+        kv_off = slot[:, None] * (HK * D) + (kvh0 + r_head)[:, None] * D + offs_d[None, :]
         k = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
         v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
         scores = _dot(q, tl.trans(k), IEEE) * scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
+        keep = valid[None, :]
+        if HPP > 1:
+            keep = keep & (g_head[:, None] == r_head[None, :])
+        scores = tl.where(keep, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m = m_new
-    heads = kvh * G + offs_g
     if DIRECT:
         o = tl.where(l[:, None] > 0, acc / tl.maximum(l, 1e-30)[:, None], 0.0)
         tl.store(out_ptr + n * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
@@ -125,27 +146,33 @@ def _decode_reduce_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, num_splits, stride_
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, max_len: int, sm_count: int, block_n: int = DECODE_BLOCK_N,
-                 num_warps: int = 4, num_stages: int = 3, waves: int = DECODE_WAVES) -> torch.Tensor:
+                 num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES, waves: int = DECODE_WAVES,
+                 kv_per_prog: int = DECODE_KV_PER_PROG, page_tile: bool = DECODE_PAGE_TILE) -> torch.Tensor:
     """q [N, Hq, D] -> out [N, Hq, D]; reads context_lens[i] positions of seq i through its block table.
 
     block_n positions per tile (each position finds its own page, so any page size works); the tuning
     knobs (block_n, num_warps, num_stages, waves) are swept by `labkit bench --workload attention --sweep`:
     the defaults (64, 4, 3, 4) were among the five fastest of 54 settings at both batch 1 x 4096 and
-    batch 256 x 1024 on an H200.
+    batch 256 x 1024 on an H200. kv_per_prog: kv heads per program (the largest divisor of the kv heads
+    not above it, :func:`engine.attention.splits.kv_per_program`); page_tile: one block-table load per
+    tile where block_n divides the page size (else the per-position path). Both are swept by
+    `labkit bench --workload attention --sweep` (every default lives in engine/attention/splits.py).
     """
     n, hq, d = q.shape
     _, page, hk, _ = k_cache.shape
     g = hq // hk
-    num_splits, split_len = choose_splits(n, hk, max_len, block_n, sm_count, waves)
+    hpp = kv_per_program(hk, kv_per_prog)
+    num_splits, split_len = choose_splits(n, hk // hpp, max_len, block_n, sm_count, waves)
     direct = num_splits == 1
     acc = torch.empty(0 if direct else n * hq * num_splits * d, dtype=torch.float32, device=q.device)
     ml = torch.empty(0 if direct else n * hq * num_splits * 2, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    _decode_split_kernel[(n, hk, num_splits)](
+    _decode_split_kernel[(n, hk // hpp, num_splits)](
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, out, scale, split_len, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        PAGE=page, HK=hk, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, BLOCK_N=block_n,
-        IEEE=q.dtype == torch.float32, DIRECT=direct, num_warps=num_warps, num_stages=num_stages)
+        PAGE=page, HK=hk, G=g, BLOCK_G=max(16, triton.next_power_of_2(hpp * g)), D=d, BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32, DIRECT=direct, HPP=hpp, PAGE_TILE=page_tile and page % block_n == 0,
+        num_warps=num_warps, num_stages=num_stages)
     if direct:
         return out
     _decode_reduce_kernel[(n, hq)](acc, ml, context_lens, out, num_splits, out.stride(0), out.stride(1),

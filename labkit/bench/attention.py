@@ -5,7 +5,8 @@ over memory bandwidth. Each shape (batch, context) is timed with CUDA events (me
 every available backend, next to two baselines measured in the same run: a device-to-device copy (the
 bandwidth roof actually reachable here) and PyTorch's fused SDPA on the same K/V laid out densely (no
 paging). With `--sweep` the Triton kernel's knobs (positions per tile, warps, stages, split waves) are
-timed too, so a tuning choice comes with its evidence.
+timed too, so a tuning choice comes with its evidence; :func:`sweep_kernel` adds issue 13's decode
+variants (kv heads per program, one block-table load per tile) on five shapes with the share of roof.
 
 A fast wrong kernel is no result: before a kernel is timed its output is compared with dense SDPA in
 float32 on the same K/V gathered through the block table (:func:`decode_reference`,
@@ -24,6 +25,13 @@ PREFILL_SHAPES = ((30, 0, 540), (16, 512, 512), (118, 512, 128))
 PREFILL_SWEEP = {"block_m": (32, 64, 128), "block_n": (32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
 SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3), "waves": (1, 2, 4)}
 SWEEP_SHAPES = ((1, 4096), (256, 1024))
+# issue 13's sweep (sweep_kernel): the decode variants (kv heads per program, one block-table load per
+# tile) with the tile / warps / stages / waves knobs, on the shapes the issue names
+KERNEL_SWEEP_SHAPES = ((256, 1024), (256, 2048), (1, 4096), (64, 1024), (32, 512))
+# (kv_per_prog, page_tile, block_n): the tile is kv_per_prog * block_n rows of head_dim
+KERNEL_SWEEP_TILES = ((1, False, 64), (1, False, 32), (1, True, 32), (1, True, 64), (1, True, 128),
+                      (2, True, 32), (2, True, 64), (2, False, 32), (4, True, 16), (4, True, 32))
+KERNEL_SWEEP = {"num_warps": (4, 8), "num_stages": (2, 3, 4), "waves": (2, 4, 16)}
 #: Max abs error a bf16 kernel output may have against the float32 dense reference (outputs are
 #: softmax-weighted means of N(0, 1) values; bf16 rounding of the output alone is up to ~8e-3 here).
 OUTPUT_TOL = 3e-2
@@ -187,6 +195,7 @@ def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES) -> 
     if sweep and "triton" in backends:
         facts["triton_sweep"] = sweep_triton()
         facts["triton_prefill_sweep"] = sweep_prefill()
+        facts["triton_kernel_sweep"] = sweep_kernel()
     return facts
 
 
@@ -318,3 +327,101 @@ def sweep_triton(shapes=SWEEP_SHAPES) -> list[dict]:
         del case, ref
         torch.cuda.empty_cache()
     return out
+
+
+def kernel_sweep_settings() -> list[dict]:
+    """Every setting sweep_kernel times: the tiles of KERNEL_SWEEP_TILES x warps x stages x waves."""
+    return [{"kv_per_prog": hpp, "page_tile": tile, "block_n": bn, "num_warps": w, "num_stages": st, "waves": wv}
+            for (hpp, tile, bn), w, st, wv in itertools.product(KERNEL_SWEEP_TILES, *KERNEL_SWEEP.values())]
+
+
+def default_decode_setting() -> dict:
+    """paged_decode's defaults (engine/attention/splits.py), as a sweep setting."""
+    from engine.attention import splits
+    return {"kv_per_prog": splits.DECODE_KV_PER_PROG, "page_tile": splits.DECODE_PAGE_TILE,
+            "block_n": splits.DECODE_BLOCK_N, "num_warps": splits.DECODE_NUM_WARPS,
+            "num_stages": splits.DECODE_NUM_STAGES, "waves": splits.DECODE_WAVES}
+
+
+def compile_kernel_sweep(part: int = 0, parts: int = 1) -> int:
+    """Compile (by running once on a small case) every `parts`-th decode setting from `part`, one split and
+    several: run in parallel processes before sweep_kernel, so its timing loop loads compiled kernels from
+    Triton's cache instead of compiling 120 variants one after another. Returns the number run."""
+    import torch
+    from engine.attention import triton_kernels as tk
+
+    sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    case = PagedCase(2, 512)
+    done = 0
+    for i, knobs in enumerate(kernel_sweep_settings()):
+        if i % parts != part or knobs["waves"] != KERNEL_SWEEP["waves"][0]:
+            continue
+        for fake_sm in (1, sm):                  # 1: a single split (DIRECT); sm: several and the reduce
+            try:
+                tk.paged_decode(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
+                                case.scale, case.ctx, fake_sm, **knobs)
+            except Exception:                    # noqa: BLE001 (the sweep records the error itself)
+                pass
+        done += 1
+    torch.cuda.synchronize()
+    return done
+
+
+def rank_kernel_sweep(shapes: list[dict]) -> dict:
+    """The setting whose worst share of each shape's best is highest (robust across shapes), and the
+    default's share of roof per shape, from sweep_kernel's per-shape results."""
+    def key(r):
+        return tuple(r[k] for k in ("kv_per_prog", "page_tile", "block_n", "num_warps", "num_stages", "waves"))
+    best = {}
+    for sh in shapes:
+        ok = [r for r in sh["results"] if r.get("output_ok")]
+        top = max((r["share_of_roof"] for r in ok), default=0.0)
+        for r in ok:
+            best.setdefault(key(r), {})[f"{sh['batch']}x{sh['context']}"] = r["share_of_roof"] / top if top else 0.0
+    complete = {k: v for k, v in best.items() if len(v) == len(shapes)}
+    if not complete:
+        return {"robust": None}
+    k, ratios = max(complete.items(), key=lambda kv: min(kv[1].values()))
+    names = ("kv_per_prog", "page_tile", "block_n", "num_warps", "num_stages", "waves")
+    robust = dict(zip(names, k)) | {"worst_share_of_best": round(min(ratios.values()), 3),
+                                    "share_of_roof": {f"{sh['batch']}x{sh['context']}": r["share_of_roof"]
+                                                      for sh in shapes for r in sh["results"] if key(r) == k}}
+    return {"robust": robust}
+
+
+def sweep_kernel(shapes=KERNEL_SWEEP_SHAPES, settings: list[dict] | None = None, repeats: int = 10) -> dict:
+    """Issue 13's sweep: every decode setting on every shape, each as a share of the copy roof measured in
+    this run and with its max abs error against the float32 reference (a wrong output never ranks)."""
+    import torch
+    from engine.attention import triton_kernels as tk
+
+    sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    settings = settings or kernel_sweep_settings()
+    default = default_decode_setting()
+    roof = copy_roof_gbs()
+    out = []
+    for batch, ctx in shapes:
+        case = PagedCase(batch, ctx)
+        ref = case.reference()
+        results = []
+        for knobs in settings:
+            def run():
+                return tk.paged_decode(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
+                                       case.scale, ctx, sm, **knobs)
+            try:
+                err = max_abs_error(run(), ref)
+                ms = _time_ms(run, repeats=repeats, warmups=2)
+            except Exception as e:           # a configuration the compiler refuses (e.g. shared memory)
+                results.append(knobs | {"error": str(e).splitlines()[0][:120]})
+                continue
+            results.append(knobs | _figures(ms, case.bytes, roof) | {"max_abs_err": err, "output_ok": err <= OUTPUT_TOL})
+        results.sort(key=lambda r: (not r.get("output_ok", False), r.get("us", float("inf"))))
+        at_default = [r for r in results if all(r.get(k) == v for k, v in default.items())]
+        out.append({"batch": batch, "context": ctx, "kv_bytes": case.bytes, "best": results[:5],
+                    "default": at_default[0] if at_default else None, "tried": len(results),
+                    "wrong_outputs": sum(1 for r in results if r.get("output_ok") is False),
+                    "errors": sum(1 for r in results if "error" in r), "results": results})
+        del case, ref
+        torch.cuda.empty_cache()
+    return {"copy_roof_gb_s": round(roof, 1), "default": default, "settings": len(settings),
+            "shape": "16 q heads, 8 kv heads, head_dim 128, page 256, bf16", "shapes": out} | rank_kernel_sweep(out)
