@@ -23,10 +23,9 @@ import threading
 import time
 from pathlib import Path
 
-from labkit.bench.serve import percentiles
+from labkit.bench.serve import GAP_PARTS, percentiles
 
 WIDE_SHARE = 200 / 256           # a wide step carries at least this share of the streams (issue 13: 200 of 256)
-GAP_PARTS = ("deliver", "wakes", "publish", "boundary", "other")
 
 
 def thread_cpu_s(thread: threading.Thread) -> float:
@@ -104,7 +103,7 @@ def run_host_bench(model_dir: str, api: str = "native", streams: int = 256, max_
     if switch_interval is not None:
         sys.setswitchinterval(switch_interval)
     sink = EventLog(log_path)
-    worker = Worker(cfg, sink=sink.write).start()
+    worker = Worker(cfg, sink=sink).start()
     try:
         if instant:
             worker.run_on_owner(instant_forward)

@@ -75,7 +75,7 @@ from typing import Any, Callable
 from engine import RequestError, SamplingParams
 from engine.observe import StepHooks
 from labkit.errors import UserError
-from labkit.service.events import Sink, make_event, now_ns
+from labkit.service.events import Sink, make_event, now_ns, sink_many
 from labkit.service.metrics import ServiceStats
 from labkit.service.protocol import REQUEST_ID_RE, RESERVED_FIELDS
 from labkit.service.stream import RequestHandle, wake_all
@@ -693,13 +693,16 @@ class Worker:
         stopped: list[_Request] = []
         ttfts: list[float] = []
         itls: list[float] = []
+        logged: list[dict] = []             # the step's token events, to the log in one hand-off
+        wid, step = self.worker_id, out.step
         for seq_id, token_id in out.outcome.accepted.items():
             req = self._by_seq.get(seq_id)
             if req is None:
                 continue
             req.num_tokens += 1
-            ev = make_event("token", req.request_id, self.worker_id, out.step, t_ns=t, index=req.num_tokens,
-                            token_id=token_id)
+            # make_event's fields in its order, as a literal (one per token: the hot path)
+            ev = {"event": "token", "request_id": req.request_id, "worker_id": wid, "round": step, "t_ns": t,
+                  "observer": "engine", "index": req.num_tokens, "token_id": token_id}
             rec = out.logprobs.get(seq_id)
             if rec is not None:
                 ev["logprob"] = _lp_entry(rec)
@@ -710,8 +713,7 @@ class Worker:
             else:
                 itls.append((t - req.last_token_ns) / 1e9)
             req.last_token_ns = t
-            if self.sink is not None:
-                self.sink(ev)
+            logged.append(ev)
             if req.handle.keep_tokens and not req.handle._push(ev):
                 slow.append(req)
             elif token_id in req.stop_ids:
@@ -723,6 +725,7 @@ class Worker:
                     self.stats.ttft.observe(v)
                 for v in itls:
                     self.stats.itl.observe(v)
+        sink_many(self.sink, logged)
         for seq in out.outcome.finished:
             req = self._by_seq.get(seq.seq_id)
             if req is not None:
