@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import hmac
 import ipaddress
 import json
@@ -57,6 +58,7 @@ import os
 from json.encoder import encode_basestring
 import secrets
 import socket
+import sys
 import threading
 import time
 import dataclasses
@@ -117,6 +119,35 @@ class Access:
 # --------------------------------------------------------------------------- text
 
 
+@functools.lru_cache(maxsize=8)
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True)`` as a function. For a fast tokenizer without space
+    clean-up that is its Rust tokenizer's decode under a Python layer that costs about twice the decode;
+    that decode is used directly once it gave the same text on a probe set (every special id, ids across
+    the vocabulary, split multi-byte characters), else the tokenizer's own."""
+    def full(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode") or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return full
+
+    def fast(ids: list[int]) -> str:
+        return backend.decode(ids, skip_special_tokens=True)
+
+    size = len(tokenizer)
+    specials = list(getattr(tokenizer, "all_special_ids", []) or [])
+    spread = [(i * 7919 + 13) % size for i in range(256)]
+    probes = [[t] for t in specials + spread] + [spread[i:i + 5] for i in range(0, 256, 5)] \
+        + [specials + spread[:8], tokenizer.encode("héllo wörld ✓ 你好 🙂 \n\t x")]
+    probes += [p[:k] for p in probes[-1:] for k in range(1, len(p))]
+    try:
+        same = all(fast(p) == full(p) for p in probes)
+    except Exception:
+        same = False
+    return fast if same else full
+
+
 class IncrementalText:
     """Turns a growing list of token ids into text pieces without splitting a UTF-8 character.
 
@@ -135,9 +166,10 @@ class IncrementalText:
         self.prefix = 0          # ids[:prefix] are settled text
         self.read = 0            # ids[:read] have been emitted
         self._seen = ""          # the text of ids[prefix:read]
+        self._decoder = text_decoder(tokenizer) if tokenizer is not None else None
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return self._decoder(ids) if ids else ""
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -1197,6 +1229,24 @@ def fit_context(worker: Worker, build: Callable[[int], Worker]) -> tuple[Worker,
     return worker, why
 
 
+SWITCH_INTERVAL_ENV = "LABKIT_SWITCH_INTERVAL_MS"
+
+
+def _switch_interval_from_env() -> None:
+    """An experiment, off by default: ``LABKIT_SWITCH_INTERVAL_MS`` sets the serve process's GIL switch interval
+    (Python's default is 5 ms: a thread back from a GPU wait may wait that long for the front end's GIL)."""
+    raw = os.environ.get(SWITCH_INTERVAL_ENV)
+    if not raw:
+        return
+    try:
+        ms = float(raw)
+        if not 0 < ms <= 1000:
+            raise ValueError
+    except ValueError:
+        raise UserError(f"{SWITCH_INTERVAL_ENV} must be a number of milliseconds in (0, 1000], got {raw!r}") from None
+    sys.setswitchinterval(ms / 1e3)
+
+
 def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, served_model_name: str | None = None,
               max_body_bytes: int = 1 << 20, on_ready: Callable[[str, Worker], None] | None = None,
               api_key: str | None = None, allowed_origins=None, connections: ConnectionLimits | None = None,
@@ -1210,6 +1260,7 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
 
     Access.make(api_key, allowed_origins)                       # option errors before the model loads
     (connections or ConnectionLimits()).check()
+    _switch_interval_from_env()
     if log_plan is None:
         log_plan = LogPlan(out if out else None)
     out = log_plan.path
