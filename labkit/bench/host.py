@@ -5,9 +5,9 @@
 as ``labkit serve`` does, and drives them over loopback from a client in another process (its own GIL):
 ``streams`` concurrent streamed requests of ``max_tokens`` tokens each.
 
-With ``instant`` (the default) the model's forward is replaced by an instant token source (each step's ids
-are ready at once): on a CPU the tiny model's forward of 256 rows takes ~2 s and would hide every host
-cost; without it the run is the real engine. Either way it reports, per generated token, the CPU time
+With ``instant`` (the default) the engine's step makes its ids at once instead of running the model
+(schedule and postprocess stay the engine's own): on a CPU the tiny model's forward of 256 rows takes
+~2 s and would hide every host cost; without it the run is the real engine. Either way it reports, per generated token, the CPU time
 of the owner thread (the engine's) and of the front-end thread (the HTTP event loop), read from each
 thread's own CPU clock, and from the server's step records (wide steps only): the step time, the gap
 between steps and the owner's time in that gap by part (deliver, wakes, publish, boundary, other).
@@ -34,17 +34,21 @@ def thread_cpu_s(thread: threading.Thread) -> float:
 
 
 def instant_forward(engine) -> None:
-    """Replace the engine's forward + sampling with ids that are ready at once (varied ordinary text tokens,
-    so that the front end's detokenizer does real work); everything around the forward stays real."""
-    from engine.model_runner import EAGER
+    """Make the engine's step produce its ids at once (varied ordinary text tokens, so that the front end's
+    detokenizer does real work) instead of running the model; the step is otherwise the engine's own, through
+    its public API: schedule() (hooks included), then postprocess() with those ids."""
+    from engine.llm_engine import StepOutput
 
-    runner = engine.runner
+    def step() -> StepOutput:
+        t0 = time.perf_counter()
+        seqs, is_prefill = engine.schedule()
+        batch = [(s.seq_id, s.num_scheduled_tokens) for s in seqs]
+        ids = [1000 + (s.seq_id * 7919 + s.num_tokens * 31) % 20000 for s in seqs]
+        outcome = engine.postprocess(seqs, ids, is_prefill)
+        return StepOutput(engine.num_steps, is_prefill, seqs, outcome, sum(n for _, n in batch),
+                          time.perf_counter() - t0, batch)
 
-    def run_step(seqs, is_prefill, step=0):
-        runner.last_wait_s = 0.0
-        return [1000 + (s.seq_id * 7919 + s.num_tokens * 31) % 20000 for s in seqs], EAGER, {}
-
-    runner.run_step = run_step
+    engine.step = step
 
 
 def _client_main(url: str, api: str, streams: int, max_tokens: int, prompt_tokens: int) -> None:
