@@ -31,6 +31,8 @@ class StepOutput:
     scheduled: list[tuple[int, int]] = field(default_factory=list)   # (seq_id, positions it computed)
     route: Route = EAGER                # eager, or the decode graph bucket replayed
     logprobs: dict = field(default_factory=dict)   # seq_id -> TokenLogprob of its accepted token (if asked)
+    wait_s: float = 0.0                 # host time blocked reading the step's sampled ids (their tolist());
+                                        # overlapped: the GPU's slack (near 0: the GPU waited on the host)
 
     @property
     def finished(self) -> list[Sequence]:
@@ -339,7 +341,8 @@ class LLMEngine:
         token_ids, route, row_logprobs = self.runner.run_step(seqs, is_prefill, self.num_steps)
         outcome = self.postprocess(seqs, token_ids, is_prefill)
         return StepOutput(self.num_steps, is_prefill, seqs, outcome, sum(n for _, n in batch),
-                          time.perf_counter() - t0, batch, route, self._keep_logprobs(seqs, row_logprobs, outcome))
+                          time.perf_counter() - t0, batch, route, self._keep_logprobs(seqs, row_logprobs, outcome),
+                          self.runner.last_wait_s)
 
     @staticmethod
     def _keep_logprobs(seqs: list[Sequence], row_logprobs: dict, outcome: StepOutcome) -> dict:
@@ -382,7 +385,9 @@ class LLMEngine:
                 row_of = {s.seq_id: i for i, s in enumerate(prev.seqs)}
                 rows = torch.tensor([row_of[s.seq_id] for s in nxt], device=ids.device)
                 self._inflight = self._launch(nxt, False, batch, ids.index_select(0, rows))
+        t_wait = time.perf_counter()
         token_ids = prev.tokens.tolist()
+        wait_s = time.perf_counter() - t_wait
         row_logprobs = prev.tokens.host_logprobs(token_ids)
         live = [(s, t) for s, t in zip(prev.seqs, token_ids) if not s.is_finished]   # aborted meanwhile
         outcome = self.postprocess([s for s, _ in live], [t for _, t in live], prev.is_prefill, prev.step)
@@ -392,7 +397,7 @@ class LLMEngine:
                 if not s.is_finished:
                     s.num_scheduled_tokens = 1       # postprocess cleared it; the in-flight step computes 1
         return StepOutput(prev.step, prev.is_prefill, prev.seqs, outcome, prev.num_tokens,
-                          time.perf_counter() - t0, prev.scheduled, prev.tokens.route, kept)
+                          time.perf_counter() - t0, prev.scheduled, prev.tokens.route, kept, wait_s)
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._inflight is None

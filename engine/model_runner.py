@@ -105,6 +105,7 @@ class ModelRunner:
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device, self.block_size)
         self.backend = create_backend(self.attention_backend, self.block_size)
         self.on_inputs: Callable[[StepInputs], None] | None = None   # observer hook (tracing)
+        self.last_wait_s = 0.0            # run_step: host time blocked reading the sampled ids
         self.hooks = HookSet()            # the engine hands in its own (phases, the point before the forward)
         self.memory: dict = {}
         t0 = time.perf_counter()
@@ -527,7 +528,9 @@ class ModelRunner:
         logits, route = self.forward(seqs, is_prefill, step=step)
         with self.hooks.phase("sample", step):
             tokens, logprobs = self._draw(seqs, logits)
+            t_wait = time.perf_counter()
             ids = tokens.tolist()
+            self.last_wait_s = time.perf_counter() - t_wait    # host blocked on the device (StepOutput.wait_s)
         return ids, route, (logprobs.to_host(ids) if logprobs is not None else {})
 
     def launch(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None,

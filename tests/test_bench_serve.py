@@ -146,3 +146,21 @@ def test_token_count_check_compares_the_client_with_the_server(serve_record):
     bad["facts"]["openai"]["server_reported_output_tokens"] += 3       # the two sides disagree
     bad["run_assertions"] = run_assertions(bad["facts"])
     assert [c["passed"] for c in _run_checks(bad) if c["name"] == name] == [False]
+
+
+def test_serve_bench_reports_wait_and_the_gap_by_part(serve_record):
+    """Offline and served: the wide steps' wait for their sampled ids, and the served gaps split by the owner's
+    parts (deliver, wakes, publish, boundary, other), one sample per gap."""
+    from labkit.bench.serve import GAP_PARTS
+
+    f = serve_record["facts"]
+    warm = f["offline"]["warm"]
+    assert warm["wide_decode_wait_ms"]["n"] == warm["wide_decode_step_ms"]["n"] > 0
+    assert warm["wide_decode_wait_ms"]["max"] <= warm["wide_decode_step_ms"]["max"]
+    for api in ("native", "openai"):
+        a = f[api]
+        assert a["wide_wait_ms"]["n"] == a["wide_steps"] and a["wide_wait_ms"]["max"] <= a["wide_step_ms"]["max"]
+        parts = a["wide_gap_parts_ms"]
+        assert set(parts) == set(GAP_PARTS)
+        assert all(p["n"] == a["wide_gap_ms"]["n"] for p in parts.values())
+        assert parts["deliver"]["p50"] > 0

@@ -82,10 +82,13 @@ class Timed:
         return out
 
 
-def timed_generate(engine: LLMEngine, prompts, params, steps: bool = False) -> Timed:
-    """engine.generate, timed; with steps, each step's time too."""
+def timed_generate(engine: LLMEngine, prompts, params, steps: bool = False, also=None) -> Timed:
+    """engine.generate, timed; with steps, each step's time too; ``also(out)`` sees every StepOutput."""
     record: list[tuple[bool, int, float]] = []
     on_step = (lambda out: record.append((out.is_prefill, len(out.seqs), out.seconds))) if steps else None
+    if also is not None:
+        on_step = (lambda out: (record.append((out.is_prefill, len(out.seqs), out.seconds)), also(out))) if steps \
+            else also
     _sync()
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params, on_step=on_step)

@@ -122,6 +122,17 @@ def _pass_record(timed, compiled: list[str] | None, wide: int) -> dict:
     return rec
 
 
+class _Waits:
+    """on_step for LLMEngine.generate: the wide decode steps' wait for their sampled ids (StepOutput.wait_s)."""
+
+    def __init__(self, wide: int):
+        self.wide, self.ms = wide, []
+
+    def __call__(self, out) -> None:
+        if not out.is_prefill and len(out.seqs) >= self.wide:
+            self.ms.append(out.wait_s * 1e3)
+
+
 def run_offline(model_dir: str, device: str, attention: str, settings: dict, reqs: list[dict], wide: int) -> dict:
     from engine import SamplingParams
     from labkit.bench.run import _release, engine_facts, engine_for, timed_generate, workload_bound
@@ -137,10 +148,12 @@ def run_offline(model_dir: str, device: str, attention: str, settings: dict, req
         with watch_compiles() as compiled:
             cold = timed_generate(engine, prompts, params, steps=True)
         engine.reset_prefix_cache()            # the warm pass must not reuse the cold pass's prefixes
+        waits = _Waits(wide)
         with watch_compiles() as compiled_warm:
-            warm = timed_generate(engine, prompts, params, steps=True)
+            warm = timed_generate(engine, prompts, params, steps=True, also=waits)
         facts["cold"] = _pass_record(cold, compiled, wide)
         facts["warm"] = _pass_record(warm, compiled_warm, wide)
+        facts["warm"]["wide_decode_wait_ms"] = percentiles(waits.ms)
         facts["first_over_warm"] = round(cold.seconds / warm.seconds, 3) if warm.seconds > 0 else None
         facts["bound"] = workload_bound(engine, prompts, warm.output_lens, device)
     finally:
@@ -253,13 +266,24 @@ def step_stats(steps: list[dict], start_ns: int, end_ns: int, wide: int) -> dict
     inside = sorted((s for s in steps if s["t_ns"] > start_ns and s["start_ns"] < end_ns), key=lambda s: s["start_ns"])
     busy = sum(min(s["t_ns"], end_ns) - max(s["start_ns"], start_ns) for s in inside)
     wide_steps = [s for s in inside if s["num_seqs"] >= wide]
-    gaps = [(b["start_ns"] - a["t_ns"]) / 1e6 for a, b in zip(inside, inside[1:])
-            if a["num_seqs"] >= wide and b["num_seqs"] >= wide]
+    pairs = [(a, b) for a, b in zip(inside, inside[1:]) if a["num_seqs"] >= wide and b["num_seqs"] >= wide]
     return {"window_s": round(span / 1e9, 6), "steps": len(inside),
             "busy_s": round(busy / 1e9, 6), "engine_busy_fraction": round(busy / span, 4) if span > 0 else None,
             "wide_batch": wide, "wide_steps": len(wide_steps),
             "wide_step_ms": percentiles([(s["t_ns"] - s["start_ns"]) / 1e6 for s in wide_steps]),
-            "wide_gap_ms": percentiles(gaps)}
+            "wide_wait_ms": percentiles([s["wait_s"] * 1e3 for s in wide_steps if "wait_s" in s]),
+            "wide_gap_ms": percentiles([(b["start_ns"] - a["t_ns"]) / 1e6 for a, b in pairs]),
+            "wide_gap_parts_ms": gap_parts(pairs)}
+
+
+#: the owner's time between two steps, by part, as the worker's step record names them ("before")
+GAP_PARTS = ("deliver", "wakes", "publish", "boundary", "other")
+
+
+def gap_parts(pairs: list[tuple[dict, dict]]) -> dict:
+    """Percentiles (ms) of each part of the gaps between consecutive wide steps (the later step's "before")."""
+    return {part: percentiles([b["before"][part + "_us"] / 1e3 for _, b in pairs if part + "_us" in b.get("before", {})])
+            for part in GAP_PARTS}
 
 
 def received_tokens(events: Path, request_ids: set[str]) -> int:

@@ -50,12 +50,15 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import functools
 import hmac
 import ipaddress
 import json
 import os
+from json.encoder import encode_basestring
 import secrets
 import socket
+import sys
 import threading
 import time
 import dataclasses
@@ -116,31 +119,71 @@ class Access:
 # --------------------------------------------------------------------------- text
 
 
+@functools.lru_cache(maxsize=8)
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=True)`` as a function. For a fast tokenizer without space
+    clean-up that is its Rust tokenizer's decode under a Python layer that costs about twice the decode;
+    that decode is used directly once it gave the same text on a probe set (every special id, ids across
+    the vocabulary, split multi-byte characters), else the tokenizer's own."""
+    def full(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "decode") or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return full
+
+    def fast(ids: list[int]) -> str:
+        return backend.decode(ids, skip_special_tokens=True)
+
+    size = len(tokenizer)
+    specials = list(getattr(tokenizer, "all_special_ids", []) or [])
+    spread = [(i * 7919 + 13) % size for i in range(256)]
+    probes = [[t] for t in specials + spread] + [spread[i:i + 5] for i in range(0, 256, 5)] \
+        + [specials + spread[:8], tokenizer.encode("héllo wörld ✓ 你好 🙂 \n\t x")]
+    probes += [p[:k] for p in probes[-1:] for k in range(1, len(p))]
+    try:
+        same = all(fast(p) == full(p) for p in probes)
+    except Exception:
+        same = False
+    return fast if same else full
+
+
 class IncrementalText:
     """Turns a growing list of token ids into text pieces without splitting a UTF-8 character.
 
-    Only the tail after the last clean boundary is decoded each time; a piece that ends in the
-    replacement character (an incomplete multi-byte sequence) is held back until the next token.
+    The window ids[prefix:] after a clean boundary is decoded once per token and compared with the text
+    it had when last emitted (kept, not decoded again); a piece that ends in the replacement character
+    (an incomplete multi-byte sequence) is held back until the next token. Once the window is longer
+    than ``WINDOW`` ids it restarts at the previous emit boundary (one more decode then), so a decode
+    never covers more than about WINDOW ids and always keeps one emitted piece of left context.
     """
+
+    WINDOW = 8
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.prefix = 0          # ids[:prefix] are settled text
         self.read = 0            # ids[:read] have been emitted
+        self._seen = ""          # the text of ids[prefix:read]
+        self._decoder = text_decoder(tokenizer) if tokenizer is not None else None
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return self._decoder(ids) if ids else ""
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
         if self.tokenizer is None:
             return ""
-        before = self._decode(self.ids[self.prefix:self.read])
         after = self._decode(self.ids[self.prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            piece = after[len(before):]
-            self.prefix, self.read = self.read, len(self.ids)
+        if len(after) > len(self._seen) and not after.endswith("\ufffd"):
+            piece = after[len(self._seen):]
+            last, self.read = self.read, len(self.ids)
+            if self.read - self.prefix > self.WINDOW:
+                self.prefix = last
+                self._seen = self._decode(self.ids[last:self.read])
+            else:
+                self._seen = after
             return piece
         return ""
 
@@ -148,9 +191,10 @@ class IncrementalText:
         """At the end of the output: what push() held back (an incomplete character decodes as U+FFFD)."""
         if self.tokenizer is None or self.read == len(self.ids):
             return ""
-        before = self._decode(self.ids[self.prefix:self.read])
+        before = self._seen
         after = self._decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
+        self._seen = ""
         return after[len(before):] if after.startswith(before) else after
 
     def text(self) -> str:
@@ -177,12 +221,19 @@ def _conn(request: web.Request) -> Connection | None:
     return proto if isinstance(proto, Connection) else None
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)   # built once, not per event
+
+
 def _dumps(obj: Any) -> bytes:
     """One JSON document as UTF-8; whatever cannot be UTF-8 (it should never get here) is escaped, not a crash."""
     try:
-        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+        return _JSON.encode(obj).encode("utf-8")
     except (UnicodeEncodeError, ValueError):
         return json.dumps(obj, separators=(",", ":"), ensure_ascii=True, default=str).encode("ascii")
+
+
+_SENTINEL = "\x00"                       # a piece no token text is: its JSON marks where a chunk's text goes
+_SENTINEL_JSON = _dumps(_SENTINEL)
 
 
 def _is_loopback(request: web.Request) -> bool:
@@ -410,8 +461,9 @@ class Service:
         return {"X-Request-Id": handle.request_id, "X-Cancel-Token": self._cancel_tokens.get(handle.request_id, ""),
                 "X-Worker-Id": self.worker.worker_id, **extra}
 
-    async def _events(self, handle: RequestHandle, request: web.Request):
-        """The handle's events until finished; ClientGone when the client went away meanwhile."""
+    async def _batches(self, handle: RequestHandle, request: web.Request):
+        """The handle's events until finished, as the lists one wake-up brings (the last ends with the
+        finished event); ClientGone when the client went away meanwhile."""
         while True:
             batch = await handle.aget(POLL_S)
             if not batch:
@@ -420,10 +472,17 @@ class Service:
                 if _disconnected(request):
                     raise ClientGone()
                 continue
+            for i, ev in enumerate(batch):
+                if ev["event"] == "finished":
+                    yield batch[:i + 1]
+                    return
+            yield batch
+
+    async def _events(self, handle: RequestHandle, request: web.Request):
+        """The handle's events until finished, one by one."""
+        async for batch in self._batches(handle, request):
             for ev in batch:
                 yield ev
-                if ev["event"] == "finished":
-                    return
 
     def _abandon(self, handle: RequestHandle | None) -> None:
         if handle is None:
@@ -444,10 +503,14 @@ class Service:
         self._cors(request, resp)
         try:
             await resp.prepare(request)
-            async for ev in self._events(handle, request):
-                if ev["event"] == "token" and req.detokenize:
-                    ev = {**ev, "text": text.push(ev["token_id"])}
-                await resp.write(_dumps(ev) + b"\n")
+            async for batch in self._batches(handle, request):
+                lines = []
+                for ev in batch:
+                    if ev["event"] == "token" and req.detokenize:
+                        ev = {**ev, "text": text.push(ev["token_id"])}
+                    lines.append(_dumps(ev))
+                lines.append(b"")
+                await resp.write(b"\n".join(lines))      # one write per wake-up, not one per event
             await resp.write_eof()
         except (ClientGone, ConnectionError):
             pass                          # the finally below turns it into a cancel at the owner
@@ -645,14 +708,40 @@ class Service:
                 body["usage"] = None
             return body
 
+        heads: dict[int, tuple[bytes, bytes] | None] = {}
+
+        def token_chunk(index: int, piece: str, logprobs: list | None) -> bytes:
+            """chunk(index, piece, None) as _dumps writes it; without log-probs from a per-choice template
+            (the JSON around the piece, made once), the piece's JSON string set in."""
+            if not (fmt is not None and logprobs):
+                if index not in heads:
+                    parts = _dumps(chunk(index, _SENTINEL, None)).split(_SENTINEL_JSON)
+                    heads[index] = (parts[0], parts[1]) if len(parts) == 2 else None
+                head = heads[index]
+                if head is not None:
+                    try:
+                        return head[0] + encode_basestring(piece).encode("utf-8") + head[1]
+                    except UnicodeEncodeError:
+                        pass
+            return _dumps(chunk(index, piece, None, logprobs=logprobs))
+
         def usage() -> dict:
             p = sum(c.prompt_tokens for c in choices if c.index % req.n == 0)     # a prompt counts once (n > 1)
             n = sum(c.completion_tokens for c in choices)
             return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
-        async def consume(c: _Choice, emit: Callable | None) -> None:
-            """One choice's events: text through the stop strings to ``emit(index, text)`` (streams)."""
-            async for ev in self._events(c.handle, request):
+        async def consume(c: _Choice, emit: Callable | None, flush: Callable | None = None) -> None:
+            """One choice's events: text through the stop strings to ``emit(index, text)`` (streams), and
+            ``flush()`` after each wake-up's batch (one write for the batch's chunks)."""
+            async for batch in self._batches(c.handle, request):
+                if await consume_batch(c, batch, emit):
+                    return
+                if flush is not None:
+                    await flush()
+
+        async def consume_batch(c: _Choice, batch: list[dict], emit: Callable | None) -> bool:
+            """True once the choice is done (finished, error, or a stop string matched)."""
+            for ev in batch:
                 kind = ev["event"]
                 if kind == "submitted":
                     c.prompt_tokens = ev.get("prompt_tokens", 0)
@@ -665,30 +754,31 @@ class Service:
                             c.pieces.append(text)
                             c.lp_items += items
                             if emit is not None:
-                                await emit(c.index, text, items)
+                                emit(c.index, text, items)
                     out = c.stops.push(c.text.push(ev["token_id"]))
                     c.pieces.append(out)
                     items = [fmt.item(ev["logprob"], c)] if fmt is not None and "logprob" in ev else []
                     c.lp_items += items
                     if emit is not None:            # one chunk per token (load clients time them), maybe ""
-                        await emit(c.index, out, items)
+                        emit(c.index, out, items)
                     if c.stops.matched is not None:          # the reader found the end: finish it as "stop"
                         self.worker.cancel(c.handle.request_id, cause="stop_string", reason="stop")
                         c.finish, c.completion_tokens = "stop", c.tokens
-                        return
+                        return True
                 elif kind == "finished":
                     if req.echo and c.index % req.n == 0:
                         prompt_lps_ready[c.index // req.n].set()       # no token came: siblings stop waiting
                     c.result = ev
                     if ev.get("reason") == "error":
                         c.error = ev.get("message") or "engine error"
-                        return
+                        return True
                     c.tail = c.stops.push(c.text.flush()) + c.stops.flush()    # sent with the finish chunk
                     c.pieces.append(c.tail)
                     c.finish = _finish_reason_openai(ev)
                     c.completion_tokens = ev.get("num_completion_tokens", c.tokens)
                     c.prompt_tokens = ev.get("num_prompt_tokens", c.prompt_tokens)
-                    return
+                    return True
+            return False
 
         async def run_all(emit: Callable | None) -> None:
             tasks = [asyncio.ensure_future(consume(c, emit)) for c in choices]
@@ -733,17 +823,26 @@ class Service:
                                                                            "Cache-Control": "no-cache"}))
             self._cors(request, resp)
             lock = asyncio.Lock()
+            pending: list[bytes] = []           # SSE events not yet written, in order
+
+            async def flush() -> None:
+                async with lock:
+                    if pending:
+                        data = b"".join(pending)
+                        pending.clear()
+                        await resp.write(data)
 
             async def send(obj: Any) -> None:
                 data = obj.encode() if isinstance(obj, str) else _dumps(obj)
-                async with lock:
-                    await resp.write(b"data: " + data + b"\n\n")
+                pending.append(b"data: " + data + b"\n\n")
+                await flush()
 
-            async def emit(index: int, piece: str, logprobs: list | None = None) -> None:
-                await send(chunk(index, piece, None, logprobs=logprobs))
+            def emit(index: int, piece: str, logprobs: list | None = None) -> None:
+                pending.append(b"data: " + token_chunk(index, piece, logprobs) + b"\n\n")
 
             async def consume_and_finish(c: _Choice) -> None:
-                await consume(c, emit)
+                await consume(c, emit, flush)
+                await flush()
                 if c.error is not None:
                     await send({"error": ApiError(500, f"the engine failed on this request: {c.error}",
                                                   "engine_error").body()["error"]})
@@ -1130,6 +1229,24 @@ def fit_context(worker: Worker, build: Callable[[int], Worker]) -> tuple[Worker,
     return worker, why
 
 
+SWITCH_INTERVAL_ENV = "LABKIT_SWITCH_INTERVAL_MS"
+
+
+def _switch_interval_from_env() -> None:
+    """An experiment, off by default: ``LABKIT_SWITCH_INTERVAL_MS`` sets the serve process's GIL switch interval
+    (Python's default is 5 ms: a thread back from a GPU wait may wait that long for the front end's GIL)."""
+    raw = os.environ.get(SWITCH_INTERVAL_ENV)
+    if not raw:
+        return
+    try:
+        ms = float(raw)
+        if not 0 < ms <= 1000:
+            raise ValueError
+    except ValueError:
+        raise UserError(f"{SWITCH_INTERVAL_ENV} must be a number of milliseconds in (0, 1000], got {raw!r}") from None
+    sys.setswitchinterval(ms / 1e3)
+
+
 def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, served_model_name: str | None = None,
               max_body_bytes: int = 1 << 20, on_ready: Callable[[str, Worker], None] | None = None,
               api_key: str | None = None, allowed_origins=None, connections: ConnectionLimits | None = None,
@@ -1143,6 +1260,7 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
 
     Access.make(api_key, allowed_origins)                       # option errors before the model loads
     (connections or ConnectionLimits()).check()
+    _switch_interval_from_env()
     if log_plan is None:
         log_plan = LogPlan(out if out else None)
     out = log_plan.path
@@ -1153,6 +1271,11 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
         if log is not None:
             log.write(record)
 
+    def write_many(records: list[dict]) -> None:       # a step's token events in one hand-off
+        if log is not None:
+            log.write_many(records)
+
+    write.many = write_many
     sink = write if out is not None else None
     worker = Worker(config, sink=sink)
     try:

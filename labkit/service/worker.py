@@ -75,7 +75,7 @@ from typing import Any, Callable
 from engine import RequestError, SamplingParams
 from engine.observe import StepHooks
 from labkit.errors import UserError
-from labkit.service.events import Sink, make_event, now_ns
+from labkit.service.events import Sink, make_event, now_ns, sink_many
 from labkit.service.metrics import ServiceStats
 from labkit.service.protocol import REQUEST_ID_RE, RESERVED_FIELDS
 from labkit.service.stream import RequestHandle, wake_all
@@ -174,6 +174,31 @@ def _lp_entry(rec) -> list:
 
 
 @dataclass
+class _HostTime:
+    """The owner's time between one step's end (its tokens in hand) and the next step's start, by part (ns):
+    deliver (the step's events built, logged and pushed, finishes), wakes (the readers' wake-ups handed to
+    their event loops), publish (the snapshot), boundary (cancels, feeder, admissions); the rest of the gap
+    (the owner's lock, owner calls, waiting for the GIL between stamps) is ``other`` in the step record."""
+    end_ns: int = 0            # when the last step's tokens were in hand (its record's t_ns); 0: no step yet
+    deliver: int = 0
+    wakes: int = 0
+    publish: int = 0
+    boundary: int = 0
+
+    def record(self, start_ns: int) -> dict:
+        """The parts of the gap that ended at ``start_ns`` (µs), for the step that starts then."""
+        if not self.end_ns:
+            return {}
+        gap = start_ns - self.end_ns
+        parts = {"deliver": self.deliver, "wakes": self.wakes, "publish": self.publish, "boundary": self.boundary}
+        parts["other"] = gap - sum(parts.values())
+        return {k + "_us": round(v / 1e3, 1) for k, v in parts.items()}
+
+    def restart(self, end_ns: int) -> None:
+        self.end_ns, self.deliver, self.wakes, self.publish, self.boundary = end_ns, 0, 0, 0, 0
+
+
+@dataclass
 class _Fault:
     at_step: int
     message: str
@@ -221,6 +246,8 @@ class Worker:
         self._range = None                            # profiler range factory (profiling.py)
         self._snapshot: dict = {"state": "starting"}
         self._wakes: list[RequestHandle] | None = None    # owner: handles to wake at the end of a boundary/step
+        # owner: where its time went since the last step's end (ns), written into the next step record
+        self._host = _HostTime()
 
     # -- lifecycle ---------------------------------------------------------------------
     def start(self, timeout: float | None = 900.0) -> "Worker":
@@ -503,12 +530,22 @@ class Worker:
                     if paused:
                         continue
                     self._wakes = []
+                    host = self._host
+                    t = now_ns()
                     self._boundary()
+                    t1 = now_ns()
                     self._flush_wakes()         # admitted/cancelled streams hear it before the step runs
+                    t2 = now_ns()
+                    host.boundary += t1 - t
+                    host.wakes += t2 - t1
                     if self._active:
                         self._step()
+                        t = now_ns()
                         self._flush_wakes()     # the whole step's tokens: one wake-up hand-off per event loop
+                        host.wakes += now_ns() - t
+                    t = now_ns()
                     self._publish()
+                    host.publish += now_ns() - t
                 except Exception as exc:      # a bug outside engine.step(): stop taking work, say why
                     self._internal_error(exc)
                 finally:
@@ -636,15 +673,19 @@ class Worker:
         self._round = out.step
         self._scheduled_ids.difference_update(sid for sid, _ in out.scheduled)
         self._deliver(out, t0)
+        self._host.deliver += now_ns() - self._host.end_ns
 
     def _deliver(self, out, t0: int) -> None:
         t = now_ns()
         phase = "prefill" if out.is_prefill else "decode"
         self.stats.count_step(phase, out.seconds)
+        before = self._host.record(t0)          # the owner's time since the previous step ended
+        self._host.restart(t)
         if self.config.log_steps and self.sink is not None:
             self.sink(make_event(
                 "step", None, self.worker_id, out.step, t_ns=t, phase=phase, num_seqs=len(out.seqs),
                 num_tokens=out.num_tokens, seconds=round(out.seconds, 6), start_ns=t0,
+                wait_s=round(getattr(out, "wait_s", 0.0), 6), before=before,
                 batch=[[self._rid_of(sid), n] for sid, n in out.scheduled],
                 chunks=[self._rid_of(sid) for sid in out.outcome.discarded],
                 free_blocks=self.engine.stats().free_blocks))
@@ -652,13 +693,16 @@ class Worker:
         stopped: list[_Request] = []
         ttfts: list[float] = []
         itls: list[float] = []
+        logged: list[dict] = []             # the step's token events, to the log in one hand-off
+        wid, step = self.worker_id, out.step
         for seq_id, token_id in out.outcome.accepted.items():
             req = self._by_seq.get(seq_id)
             if req is None:
                 continue
             req.num_tokens += 1
-            ev = make_event("token", req.request_id, self.worker_id, out.step, t_ns=t, index=req.num_tokens,
-                            token_id=token_id)
+            # make_event's fields in its order, as a literal (one per token: the hot path)
+            ev = {"event": "token", "request_id": req.request_id, "worker_id": wid, "round": step, "t_ns": t,
+                  "observer": "engine", "index": req.num_tokens, "token_id": token_id}
             rec = out.logprobs.get(seq_id)
             if rec is not None:
                 ev["logprob"] = _lp_entry(rec)
@@ -669,8 +713,7 @@ class Worker:
             else:
                 itls.append((t - req.last_token_ns) / 1e9)
             req.last_token_ns = t
-            if self.sink is not None:
-                self.sink(ev)
+            logged.append(ev)
             if req.handle.keep_tokens and not req.handle._push(ev):
                 slow.append(req)
             elif token_id in req.stop_ids:
@@ -682,6 +725,7 @@ class Worker:
                     self.stats.ttft.observe(v)
                 for v in itls:
                     self.stats.itl.observe(v)
+        sink_many(self.sink, logged)
         for seq in out.outcome.finished:
             req = self._by_seq.get(seq.seq_id)
             if req is not None:
