@@ -348,3 +348,46 @@ def test_serve_command_with_engine_process(tiny_model_dir, tmp_path):
     assert [e["event"] for e in lines if e.get("request_id") == "sub-1"] == \
         ["submitted", "admitted", "token", "token", "token", "finished"]
     assert lines[-1]["what"] == "closed" and lines[-1]["free_blocks"] == lines[-1]["total_blocks"]
+
+
+# --------------------------------------------------------------------------- the serve bench, A/B in one run
+
+
+def test_serve_bench_runs_both_modes_after_one_offline_pass(tiny_model_dir, tmp_path):
+    from labkit.bench.serve import run_assertions, run_serve_bench
+    from labkit.checks import evaluate, parse_run_assertions
+    from labkit.load.trace import TraceOptions
+
+    trace = TraceOptions(requests=4, prompt_tokens=16, long_prompt_tokens=32, long_every=2, max_tokens=4,
+                         interval_ms=0.0)
+    rec = run_serve_bench(tmp_path / "bench-serve.json", model=str(tiny_model_dir), device="cpu", attention="torch",
+                          trace=trace, modes=[False, True])
+    f = rec["facts"]
+    assert rec["verdict"] == "PASS", [c for c in rec["checks"] if c["status"] != "pass"]
+    assert [r["mode"] for r in f["ab"]] == ["in-process", "engine-process"] and f["engine_process"] is False
+    assert [r["server"]["engine_process"] for r in f["ab"]] == [False, True]
+    assert f["output_tokens_per_run"]["native@2"] == f["output_tokens_per_run"]["openai@2"] == 16
+    assert set(f["ab_summary"]) == {"in-process", "engine-process"}
+    header = json.loads(open(f["ab"][1]["server"]["log"]).readline())
+    assert header["engine_process"]["pid"] and "engine_process" not in json.loads(open(f["server"]["log"]).readline())
+    # a second served run that lost tokens fails its run assertions
+    f["ab"][1]["native"]["output_tokens"] -= 1
+    f["output_tokens_per_run"]["native@2"] -= 1
+    judged = [evaluate(a, rec) for a in parse_run_assertions(run_assertions(f))]
+    failed = {c["name"] for c in judged if c["status"] != "pass"}
+    assert "native@2: every output token" in failed
+    assert any(n.startswith("native@2 (engine-process)") for n in failed)
+
+
+def test_bench_serve_modes_option_is_checked(cli_app):
+    from typer.testing import CliRunner
+
+    from labkit.bench.serve import parse_serve_modes
+
+    assert parse_serve_modes("in-process,engine-process,in-process") == [False, True, False]
+    assert parse_serve_modes(None, True) == [True]
+    result = CliRunner().invoke(cli_app, ["bench", "--workload", "serve", "--serve-modes", "in-process,fast",
+                                          "--device", "cpu"])
+    assert result.exit_code == 2 and "--serve-modes takes" in result.output
+    result = CliRunner().invoke(cli_app, ["bench", "--workload", "latency", "--engine-process"])
+    assert result.exit_code == 2 and "apply to --workload serve" in result.output
