@@ -128,6 +128,35 @@ class _ChildWorker(Worker):
             self.sender.ship(self.snapshot())
 
 
+class _Unobserved:
+    def observe(self, value: float) -> None:
+        pass
+
+
+class _Uncounted:
+    """The child Worker's stats: nothing. The parent counts the same from the events, so the engine's process
+    pays no Prometheus counter or histogram per token (about 1 us each)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ttft = self.itl = self.e2e = _Unobserved()
+
+    def count_prompt(self, tokens: int) -> None:
+        pass
+
+    def count_generation(self, tokens: int = 1) -> None:
+        pass
+
+    def count_step(self, phase: str, seconds: float) -> None:
+        pass
+
+    def count_engine_error(self) -> None:
+        pass
+
+    def count_finished(self, reason: str, e2e_seconds: float | None = None) -> None:
+        pass
+
+
 def _portable(exc: BaseException) -> BaseException:
     """An exception the parent can unpickle with its type and one-line message (else a UserError)."""
     import pickle
@@ -145,6 +174,7 @@ def _child_main(config: WorkerConfig, commands, events) -> None:
     sender = _Sender(events)
     worker = _ChildWorker(dataclasses.replace(config, load_tokenizer=False, log_steps=True), sink=sender.sink)
     worker.sender, sender.worker = sender, worker
+    worker.stats = _Uncounted()
     try:
         worker.start(READY_TIMEOUT_S)
     except BaseException as e:
@@ -218,27 +248,23 @@ class _EngineView:
     """What the front end reads of the engine: its config, the admission rule over the limits the child
     reported, the tokenizer (loaded here), and the pool's numbers from the last snapshot."""
 
-    encode = LLMEngine.encode                    # the engine's own encoding and admission rule, over this view
-    validate = LLMEngine.validate
-    _validate_vocab_ids = LLMEngine._validate_vocab_ids
+    encode = LLMEngine.encode                    # the engine's own prompt encoding (it reads .tokenizer only)
 
     def __init__(self, config, num_blocks: int, worker: "RemoteWorker"):
         self.config = config
-        self.block_manager = _Pool(num_blocks)
+        self.num_blocks = num_blocks
         self.tokenizer = None
         self._worker = worker
 
+    def validate(self, token_ids: list[int], params: SamplingParams | None = None) -> None:
+        LLMEngine.check_request(self.config, self.num_blocks, token_ids, params)
+
     def stats(self) -> EngineStats:
         s = self._worker.snapshot()
-        total = s.get("kv_blocks_total", self.block_manager.num_blocks)
+        total = s.get("kv_blocks_total", self.num_blocks)
         free = s.get("kv_blocks_free", total)
         return EngineStats(s.get("engine_waiting", 0), s.get("engine_running", 0), total, free, total - free,
                            s.get("round", 0))
-
-
-@dataclass
-class _Pool:
-    num_blocks: int
 
 
 @dataclass
@@ -489,9 +515,14 @@ class RemoteWorker:
             if len(self._pending) >= self.config.queue_size:
                 self._reject_here(handle, token_ids, params, tags)
                 return handle
-            self._live[rid] = _Remote(handle, len(token_ids), now_ns())
+            self._live[rid] = _Remote(handle, len(token_ids), now_ns())   # before the child can answer
             self._pending[rid] = None
-            self._commands.send(("submit", rid, token_ids, params, tags, tuple(stop_token_ids), prefill_after))
+            try:
+                self._commands.send(("submit", rid, token_ids, params, tags, tuple(stop_token_ids), prefill_after))
+            except (OSError, ValueError):            # the child is gone; the reader says why in a moment
+                del self._live[rid]
+                self._pending.pop(rid, None)
+                raise WorkerUnavailable(f"worker {self.worker_id}: the engine process is not reachable") from None
         return handle
 
     def _reject_here(self, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict) -> None:
