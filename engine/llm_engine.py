@@ -211,7 +211,13 @@ class LLMEngine:
     def validate(self, token_ids: list[int], sampling_params: SamplingParams | None = None) -> None:
         """The one admission rule, offline and online: a non-empty prompt of vocabulary ids that leaves
         room for max_tokens outputs within max_model_len and fits in the KV pool."""
-        cfg = self.config
+        self.check_request(self.config, self.block_manager.num_blocks, token_ids, sampling_params)
+
+    @staticmethod
+    def check_request(cfg: Config, num_blocks: int, token_ids: list[int],
+                      sampling_params: SamplingParams | None = None) -> None:
+        """validate()'s rule over an engine's config and KV pool size alone, for a front end in another
+        process that checks requests with the limits its engine reported (labkit serve --engine-process)."""
         if not token_ids:
             raise RequestError("the prompt is empty", "empty_prompt")
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
@@ -226,21 +232,22 @@ class LLMEngine:
             raise RequestError(f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling_params.max_tokens}) "
                                f"exceeds max_model_len ({cfg.max_model_len})", "context_length_exceeded")
         if sampling_params is not None:
-            self._validate_vocab_ids(sampling_params)
+            LLMEngine._validate_vocab_ids(cfg, sampling_params)
         blocks = (len(token_ids) + 1 + cfg.kvcache_block_size - 1) // cfg.kvcache_block_size
-        if blocks > self.block_manager.num_blocks:
-            raise RequestError(f"prompt needs {blocks} KV blocks but the pool has {self.block_manager.num_blocks}",
+        if blocks > num_blocks:
+            raise RequestError(f"prompt needs {blocks} KV blocks but the pool has {num_blocks}",
                                "pool_too_small")
 
-    def _validate_vocab_ids(self, sp: SamplingParams) -> None:
+    @staticmethod
+    def _validate_vocab_ids(cfg: Config, sp: SamplingParams) -> None:
         """Token ids inside sampling parameters must be in the vocabulary; prompt log-probs need one rank."""
-        vocab = self.config.vocab_size
+        vocab = cfg.vocab_size
         for name, ids in (("logit_bias", list(sp.logit_bias or ())), ("stop_token_ids", sp.stop_token_ids)):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise RequestError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})",
                                    f"invalid_{name}")
-        if sp.prompt_logprobs is not None and self.config.tensor_parallel_size > 1:
+        if sp.prompt_logprobs is not None and cfg.tensor_parallel_size > 1:
             raise RequestError("prompt_logprobs needs tensor_parallel_size 1 (the prompt's logits are computed "
                                "on rank 0 only)", "invalid_prompt_logprobs")
 

@@ -174,7 +174,7 @@ class ServerProcess:
 
     @classmethod
     def start(cls, model_dir: str, device: str, attention: str, settings: dict, log: Path, output: Path,
-              timeout_s: float = SERVER_START_S) -> "ServerProcess":
+              timeout_s: float = SERVER_START_S, engine_process: bool = False) -> "ServerProcess":
         args = [sys.executable, "-m", "labkit", "serve", "--model", model_dir, "--port", "0", "--device", device,
                 "--attention", attention, "--max-num-seqs", str(settings["max_num_seqs"]),
                 "--max-active", str(settings["max_num_seqs"]), "--queue-size", "1024",
@@ -183,7 +183,8 @@ class ServerProcess:
                 "--gpu-memory-utilization", str(settings["gpu_memory_utilization"]),
                 "--enforce-eager" if settings["enforce_eager"] else "--graph",
                 "--overlap" if settings.get("overlap") else "--no-overlap",
-                "--out", str(log), "--log-level", "warning", "--stats-interval", "0"]
+                "--out", str(log), "--log-level", "warning", "--stats-interval", "0",
+                "--engine-process" if engine_process else "--no-engine-process"]
         output.parent.mkdir(parents=True, exist_ok=True)
         sink = output.open("w")
         proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, text=True,
@@ -219,24 +220,25 @@ def _last_line(path: Path) -> str:
 
 
 def run_served(model_dir: str, device: str, attention: str, settings: dict, trace_path: Path, out_dir: Path,
-               show_progress: bool = False) -> tuple[dict, dict, Path, dict]:
-    """Native then OpenAI replay against one server; returns (native record, openai record, server log,
-    server facts)."""
+               show_progress: bool = False, engine_process: bool = False, tag: str = "") -> tuple[dict, dict, Path, dict]:
+    """Native then OpenAI replay against one server (``engine_process``: its engine in a process of its own);
+    returns (native record, openai record, server log, server facts). ``tag`` names this run's files."""
     from labkit.load.replay import LoadOptions, run_load
 
-    log = out_dir / "serve-server.jsonl"
-    server = ServerProcess.start(model_dir, device, attention, settings, log, out_dir / "serve-server.out")
+    log = out_dir / f"serve-server{tag}.jsonl"
+    server = ServerProcess.start(model_dir, device, attention, settings, log, out_dir / f"serve-server{tag}.out",
+                                 engine_process=engine_process)
     records = {}
     try:
         for api in ("native", "openai"):
-            records[api] = run_load(LoadOptions(trace=trace_path, out=out_dir / f"serve-{api}.jsonl",
+            records[api] = run_load(LoadOptions(trace=trace_path, out=out_dir / f"serve-{api}{tag}.jsonl",
                                                 endpoints=[server.url], mode="wall", api=api,
                                                 warmup_requests=LOAD_WARMUP_REQUESTS, timeout_s=1800.0,
                                                 show_progress=show_progress))
     finally:
         code = server.stop()
-    return records["native"], records["openai"], log, {"url": server.url, "exit_code": code,
-                                                        "log": str(log), "output": str(server.output)}
+    return records["native"], records["openai"], log, {"url": server.url, "exit_code": code, "log": str(log),
+                                                        "output": str(server.output), "engine_process": engine_process}
 
 
 # --------------------------------------------------------------------------- the server's steps
@@ -311,8 +313,31 @@ def served_facts(record: dict, steps: list[dict], wide: int, request_ids: set[st
 # --------------------------------------------------------------------------- the workload
 
 
+SERVE_MODES = {"in-process": False, "engine-process": True}
+
+
+def parse_serve_modes(text: str | None, engine_process: bool = False) -> list[bool]:
+    """``--serve-modes in-process,engine-process,...`` (served runs in that order, one server each) as
+    engine_process flags; without it the one mode ``--engine-process/--no-engine-process`` names."""
+    if text is None:
+        return [engine_process]
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in SERVE_MODES]
+    if not names or bad:
+        raise UserError(f"--serve-modes takes a comma list of {' / '.join(SERVE_MODES)}, got {text!r}")
+    return [SERVE_MODES[n] for n in names]
+
+
+def mode_name(engine_process: bool) -> str:
+    return "engine-process" if engine_process else "in-process"
+
+
 def bench_serve(model_dir: str, device: str, attention: str, trace: TraceOptions, out_dir: Path,
-                show_progress: bool = False, overlap: bool | None = None) -> dict:
+                show_progress: bool = False, overlap: bool | None = None, modes: list[bool] | None = None) -> dict:
+    """Offline once, then one served run (native and OpenAI) per entry of ``modes`` (engine_process flags;
+    default one in-process run). The first served run fills ``native``/``openai``/``server`` as always; with
+    more than one, ``ab`` lists every served run and ``ab_summary`` their tok/s by mode."""
+    modes = modes or [False]
     settings = settings_for(device)
     if overlap is not None:
         settings["overlap"] = overlap
@@ -330,20 +355,31 @@ def bench_serve(model_dir: str, device: str, attention: str, trace: TraceOptions
                              "expected_output_tokens": sum(r["max_tokens"] for r in reqs)},
                    "settings": settings, "wide_batch": wide}
     facts["offline"] = run_offline(model_dir, device, attention, settings, reqs, wide)
-    native, openai, log, server = run_served(model_dir, device, attention, settings, trace_path, out_dir,
-                                             show_progress)
-    steps = read_steps(log)
-    facts["server"] = {**server, "steps_logged": len(steps)}
-    ids = {r["request_id"] for r in reqs}
-    facts["native"] = served_facts(native, steps, wide, ids)
-    facts["openai"] = served_facts(openai, steps, wide, ids)
     off = facts["offline"]
     warm_tok_s = off["warm"]["tok_s"]
     ratio = lambda a: round(a / warm_tok_s, 3) if a and warm_tok_s else None  # noqa: E731
-    facts["ratios"] = {"native_over_offline": ratio(facts["native"]["tok_s"]),
-                       "openai_over_offline": ratio(facts["openai"]["tok_s"]),
-                       "first_over_warm": off["first_over_warm"]}
+    ids = {r["request_id"] for r in reqs}
+    served = []
+    for i, engine_process in enumerate(modes):
+        tag = "" if i == 0 else f"-{i + 1}-{mode_name(engine_process)}"
+        native, openai, log, server = run_served(model_dir, device, attention, settings, trace_path, out_dir,
+                                                 show_progress, engine_process, tag)
+        steps = read_steps(log)
+        run = {"mode": mode_name(engine_process), "server": {**server, "steps_logged": len(steps)},
+               "native": served_facts(native, steps, wide, ids), "openai": served_facts(openai, steps, wide, ids)}
+        run["ratios"] = {"native_over_offline": ratio(run["native"]["tok_s"]),
+                         "openai_over_offline": ratio(run["openai"]["tok_s"])}
+        served.append(run)
+    first = served[0]
+    facts["engine_process"] = modes[0]
+    facts["server"], facts["native"], facts["openai"] = first["server"], first["native"], first["openai"]
+    facts["ratios"] = {**first["ratios"], "first_over_warm": off["first_over_warm"]}
     runs = {"offline_cold": off["cold"], "offline_warm": off["warm"], "native": facts["native"], "openai": facts["openai"]}
+    if len(served) > 1:
+        facts["ab"] = served
+        facts["ab_summary"] = ab_summary(served)
+        for i, run in enumerate(served[1:], start=2):
+            runs[f"native@{i}"], runs[f"openai@{i}"] = run["native"], run["openai"]
     facts["requests_per_run"] = {k: v.get("completed", v.get("requests")) for k, v in runs.items()}
     facts["output_tokens_per_run"] = {k: v["output_tokens"] for k, v in runs.items()}
     facts["runs_agree"] = (len(set(facts["requests_per_run"].values())) == 1
@@ -358,6 +394,22 @@ def bench_serve(model_dir: str, device: str, attention: str, trace: TraceOptions
     return facts
 
 
+def ab_summary(served: list[dict]) -> dict:
+    """Per mode: every run's native and OpenAI tok/s, ratio to offline, busy fraction and wide gap p50."""
+    out: dict[str, dict] = {}
+    for run in served:
+        m = out.setdefault(run["mode"], {"runs": 0, "native_tok_s": [], "openai_tok_s": [], "native_over_offline": [],
+                                         "openai_over_offline": [], "native_busy": [], "native_wide_gap_p50_ms": []})
+        m["runs"] += 1
+        m["native_tok_s"].append(run["native"].get("tok_s"))
+        m["openai_tok_s"].append(run["openai"].get("tok_s"))
+        m["native_over_offline"].append(run["ratios"]["native_over_offline"])
+        m["openai_over_offline"].append(run["ratios"]["openai_over_offline"])
+        m["native_busy"].append(run["native"].get("engine_busy_fraction"))
+        m["native_wide_gap_p50_ms"].append((run["native"].get("wide_gap_ms") or {}).get("p50"))
+    return out
+
+
 def run_assertions(facts: dict) -> list[dict]:
     """What every serve bench run must show, on any device: the same work in all four runs, all of it."""
     from labkit.checks import run_assertion
@@ -365,7 +417,7 @@ def run_assertions(facts: dict) -> list[dict]:
     expected = facts["trace"]["expected_output_tokens"]
     out = [run_assertion("facts.runs_agree", "is_true", name="same requests and output tokens in all four runs",
                          why="offline cold, offline warm, native and OpenAI served the same requests and tokens")]
-    for run in ("offline_cold", "offline_warm", "native", "openai"):
+    for run in facts["output_tokens_per_run"]:
         out.append(run_assertion(f"facts.output_tokens_per_run.{run}", "eq", expected, name=f"{run}: every output token",
                                  why="the trace's requests x max_tokens (ignore_eos) were generated"))
         out.append(run_assertion(f"facts.requests_per_run.{run}", "eq", facts["trace"]["requests"],
@@ -380,12 +432,20 @@ def run_assertions(facts: dict) -> list[dict]:
                              why="the server's log has steps at the wide batch inside the native window"))
     out.append(run_assertion("facts.server.exit_code", "eq", 0, name="server stopped cleanly",
                              why="labkit serve exited 0 on SIGINT after the replays"))
+    for i, run in enumerate(facts.get("ab", [])[1:], start=1):     # further served runs (--serve-modes)
+        for api in ("native", "openai"):
+            out.append(run_assertion(f"facts.ab.{i}.{api}.output_tokens", "eq",
+                                     facts["ab"][i][api].get("server_reported_output_tokens"),
+                                     name=f"{api}@{i + 1} ({run['mode']}): client token count equals the server's",
+                                     why="as for the first served run"))
+        out.append(run_assertion(f"facts.ab.{i}.server.exit_code", "eq", 0, name=f"server @{i + 1} stopped cleanly",
+                                 why="labkit serve exited 0 on SIGINT after the replays"))
     return out
 
 
 def run_serve_bench(out: Path | None = None, model: str | None = None, device: str = "auto", attention: str = "auto",
                     trace: TraceOptions | None = None, show_progress: bool = False,
-                    overlap: bool | None = None) -> dict:
+                    overlap: bool | None = None, modes: list[bool] | None = None) -> dict:
     """`labkit bench --workload serve`: the evidence (runs/bench-serve.json, logs in runs/bench-serve/). On
     CUDA with issue 13's trace it is judged as cuda.bench-serve; on a CPU (tiny model, a small trace) it is
     evidence of the mechanism (cpu-real-engine) for no checkpoint, judged by its run assertions."""
@@ -400,7 +460,7 @@ def run_serve_bench(out: Path | None = None, model: str | None = None, device: s
     device = detect_device(device)
     ref = resolve_model(model, device)
     path = out or default_out("bench-serve.json")
-    facts = bench_serve(str(ref.path), device, attention, trace, path.with_suffix(""), show_progress, overlap)
+    facts = bench_serve(str(ref.path), device, attention, trace, path.with_suffix(""), show_progress, overlap, modes)
     facts["device"] = device
     cuda = device.startswith("cuda")
     checkpoint = "cuda.bench-serve" if cuda and trace == ISSUE_TRACE else None

@@ -365,6 +365,8 @@ def bench(
     context: Annotated[Optional[int], typer.Option("--context", help="step-budget: prompt tokens of each sequence (default 1024).")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="step-budget: decode steps timed and profiled per pass (default 20).")] = None,
     warm_steps: Annotated[Optional[int], typer.Option("--warm-steps", help="step-budget: decode steps run before each pass (default 5).")] = None,
+    engine_process: Annotated[bool, typer.Option("--engine-process/--no-engine-process", help="serve: the server's engine in a process of its own (labkit serve --engine-process).")] = False,
+    serve_modes: Annotated[Optional[str], typer.Option("--serve-modes", help="serve: served runs in this order after the one offline pass, e.g. in-process,engine-process,in-process,engine-process (A/B in one run).")] = None,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
@@ -388,6 +390,8 @@ def bench(
 
         from labkit.bench.serve import ISSUE_TRACE
         trace = replace(ISSUE_TRACE, **{k: v for k, v in trace_opts.items() if v is not None})
+    if workload != "serve" and (engine_process or serve_modes is not None):
+        raise UserError("--engine-process and --serve-modes apply to --workload serve")
     if workload == "step-budget":
         from labkit.bench.step_budget import step_budget_command
 
@@ -405,13 +409,16 @@ def bench(
                         "try the engine on CPU with `labkit generate` instead (or `--workload serve` with a small trace)")
     path = out or default_out(f"bench-{workload}.json")
     if workload == "serve":
-        from labkit.bench.serve import run_serve_bench
+        from labkit.bench.serve import parse_serve_modes, run_serve_bench
 
         if baseline or profile or sweep or enforce_eager or repeats != 1 or sampling != "plain":
-            raise UserError("--workload serve takes the trace options, --overlap/--no-overlap, --model, --device, "
-                            "--attention and --out only")
+            raise UserError("--workload serve takes the trace options, --overlap/--no-overlap, --engine-process, "
+                            "--serve-modes, --model, --device, --attention and --out only")
+        if engine_process and serve_modes is not None:
+            raise UserError("give --engine-process or --serve-modes, not both")
         record = run_serve_bench(path, model=_model_arg(model), device=device, attention=attention, trace=trace,
-                                 show_progress=not json_out, overlap=overlap)
+                                 show_progress=not json_out, overlap=overlap,
+                                 modes=parse_serve_modes(serve_modes, engine_process))
     else:
         record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
                            baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,

@@ -89,6 +89,7 @@ def register(app: typer.Typer) -> None:
         event_log_backups: Annotated[int, typer.Option("--event-log-backups", help="Rotated event log files kept (.jsonl.1 newest ... .jsonl.N oldest); 0 keeps none.")] = 3,
         log_level: Annotated[str, typer.Option("--log-level", help="debug | info | warning | error: info prints an access line per request and a stats line every --stats-interval while busy.")] = "info",
         stats_interval: Annotated[float, typer.Option("--stats-interval", help="Seconds between stats lines while busy (0: none).")] = 10.0,
+        engine_process: Annotated[bool, typer.Option("--engine-process/--no-engine-process", help="Run the engine and its owner thread in a process of their own; this one keeps the HTTP front end, detokenization and the event log.")] = False,
     ) -> None:
         """Serve the engine over HTTP: /generate (NDJSON), /cancel, /health, /config, /metrics, OpenAI /v1/*.
 
@@ -147,7 +148,8 @@ def register(app: typer.Typer) -> None:
         summary = run_serve(cfg, host, port, out, served_model_name=served_model_name,
                             max_body_bytes=max_body_bytes, on_ready=ready, api_key=api_key,
                             allowed_origins=allowed_origins, connections=connections, stats_interval=stats_interval,
-                            on_context=lambda why: console.print(why, soft_wrap=True), log_plan=log_plan)
+                            on_context=lambda why: console.print(why, soft_wrap=True), log_plan=log_plan,
+                            engine_process=engine_process)
         render_served(summary)
 
     @app.command()

@@ -1251,11 +1251,13 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
               max_body_bytes: int = 1 << 20, on_ready: Callable[[str, Worker], None] | None = None,
               api_key: str | None = None, allowed_origins=None, connections: ConnectionLimits | None = None,
               stats_interval: float = STATS_INTERVAL_S, on_context: Callable[[str], None] | None = None,
-              log_plan=None) -> dict:
+              log_plan=None, engine_process: bool = False) -> dict:
     """``labkit serve``: bind first (a port in use fails before the model loads), start the worker,
     serve until SIGINT/SIGTERM, close. Returns what the worker did (finished requests by reason).
     The event log: ``log_plan`` (:func:`labkit.service.events.plan_serve_log`: path, size cap, rotation),
-    else ``out`` uncapped, else none."""
+    else ``out`` uncapped, else none. ``engine_process``: the engine and its owner thread in a process of
+    their own (:mod:`labkit.service.engine_process`), this one keeps the HTTP front end."""
+    from labkit.service.engine_process import worker_class
     from labkit.service.events import LogPlan
 
     Access.make(api_key, allowed_origins)                       # option errors before the model loads
@@ -1277,13 +1279,14 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
 
     write.many = write_many
     sink = write if out is not None else None
-    worker = Worker(config, sink=sink)
+    make = worker_class(engine_process)
+    worker = make(config, sink=sink)
     try:
         worker.start()
         if config.max_model_len == MODEL_CONTEXT:
             def build(max_model_len: int) -> Worker:
-                return Worker(dataclasses.replace(config, max_model_len=max_model_len, max_prompt_bytes=None),
-                              sink=sink).start()
+                return make(dataclasses.replace(config, max_model_len=max_model_len, max_prompt_bytes=None),
+                            sink=sink).start()
 
             worker, why = fit_context(worker, build)
             if why and on_context is not None:

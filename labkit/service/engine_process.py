@@ -1,0 +1,741 @@
+"""The engine in its own process (``labkit serve --engine-process``): vLLM's split, engine loop in one
+process, HTTP front end and detokenization in another.
+
+Why: in one process the owner thread (engine steps, one event dict per token, JSON for the event log) and
+the HTTP loop (detokenize, format, write a chunk per token) share one GIL; at 256 sequences per step the
+front end's per-token work lands between engine steps. Here the owner has a process (and a GIL) of its
+own and the front end's work runs beside it.
+
+Processes and channels
+    :class:`RemoteWorker` (the parent, where the HTTP server runs) has the public surface the server,
+    ``run_serve`` and the tests use from :class:`labkit.service.worker.Worker`. ``start()`` spawns a child
+    (``multiprocessing`` "spawn": nothing of the parent, CUDA included, is inherited) that runs the existing
+    Worker unchanged, with ``stream=False`` handles (nobody reads them there) and a sink that collects the
+    owner's events. Two one-way pipes: commands parent -> child (submit, cancel, test-hook calls, close),
+    events child -> parent. The owner already hands a whole step's wake-ups over once per step
+    (``_flush_wakes``); the child hooks there and sends the step's events as ONE message (a pickled list);
+    after each loop round it sends the owner's published snapshot (queue, active, KV blocks, round, state).
+    Events made outside the owner thread (``submitted`` at submit) go out at once, under the same lock.
+
+The parent
+    A reader thread demultiplexes each message into the local :class:`RequestHandle`s (one ``wake_all``
+    per message: one hand-off per event loop per step), writes the event log (the JSON encoding is off the
+    engine's process), and keeps the Prometheus :class:`ServiceStats` from the events: TTFT and ITL from
+    the ``t_ns`` the engine stamped (submitted and token events), step counts and seconds from ``step``
+    records, so /metrics shows the engine's figures as in one process.
+
+Submission
+    Tokenization and chat templating run in the parent (its own copy of the model's tokenizer, loaded
+    from the directory the child reports). ``submit()`` answers synchronously and without a round trip:
+    the parent checks the prompt with the engine's own admission rule (``LLMEngine.validate`` over the
+    limits the child reports at start: max_model_len, vocabulary, KV pool), the request id, duplicates
+    (its own table of live requests) and the queue (requests it sent and has not yet seen admitted or
+    finished: never fewer than the child's queue, so the child never rejects one the parent accepted).
+    Token ids go child-ward; the child's Worker checks them again. A request the child still refuses
+    finishes ``rejected`` with its message.
+
+Failures
+    A child init error: ``start()`` raises it (UserError/ConfigError keep their type and one-line message).
+    A child that dies mid-serve: every open handle finishes ``error`` with one line saying so, the worker
+    turns unhealthy (``/health`` 503, ``submit()`` raises :class:`WorkerUnavailable`). ``close()`` asks
+    the child to close its Worker (open requests end cancelled/shutdown, as in one process), joins it
+    within ``timeout``, then terminates it. A parent that dies closes the command pipe: the child closes
+    and exits. A slow consumer (more than ``stream_buffer`` unread events in the parent) is cancelled at
+    the owner with ``cause=slow_consumer``.
+
+Test hooks ``pause``, ``resume``, ``inject_fault``, ``run_on_owner`` (a picklable function) are calls into
+the child, answered on the event pipe (so every event sent before the answer has been handled);
+``set_feeder`` stays with the in-process Worker.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import multiprocessing
+import signal
+import sys
+import threading
+import time
+import types
+from contextlib import contextmanager
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from engine import LLMEngine, RequestError, SamplingParams
+from engine.llm_engine import EngineStats
+from labkit.errors import UserError
+from labkit.service.events import Sink, make_event, now_ns
+from labkit.service.metrics import ServiceStats
+from labkit.service.protocol import REQUEST_ID_RE, RESERVED_FIELDS
+from labkit.service.stream import RequestHandle, wake_all
+from labkit.service.worker import DuplicateRequest, Worker, WorkerConfig, WorkerUnavailable
+
+#: The Worker methods a child may be asked to run (test hooks and snapshots), nothing else.
+CHILD_CALLS = ("pause", "resume", "inject_fault", "run_on_owner", "snapshot")
+READY_TIMEOUT_S = 900.0
+
+
+# --------------------------------------------------------------------------- the child
+
+
+class _Sender:
+    """The child's end of the event pipe: the owner's events batched per step, others sent at once."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.batch: list[dict] = []
+        self.worker: Worker | None = None
+
+    def sink(self, ev: dict) -> None:
+        if threading.current_thread() is self.worker._thread:
+            self.batch.append(ev)
+        else:
+            self.send(("events", [ev], None))
+
+    def ship(self, snapshot: dict | None = None) -> None:
+        batch, self.batch = self.batch, []
+        if batch or snapshot is not None:
+            self.send(("events", batch, snapshot))
+
+    def send(self, msg) -> None:
+        with self.lock:
+            self.conn.send(msg)
+
+
+class _ChildWorker(Worker):
+    """The Worker, unchanged but for where its step's events go: at each wake-up flush (once per step
+    and once per boundary) they leave for the parent as one message, with the snapshot after each round."""
+
+    sender: _Sender
+
+    def _flush_wakes(self) -> None:
+        super()._flush_wakes()
+        if threading.current_thread() is self._thread:
+            self.sender.ship()
+
+    def _publish(self, state: str | None = None) -> None:
+        super()._publish(state)
+        if threading.current_thread() is self._thread:
+            self.sender.ship(self.snapshot())
+
+    def _shutdown_owner(self) -> None:
+        try:
+            super()._shutdown_owner()
+        finally:
+            self.sender.ship(self.snapshot())
+
+
+class _Unobserved:
+    def observe(self, value: float) -> None:
+        pass
+
+
+class _Uncounted:
+    """The child Worker's stats: nothing. The parent counts the same from the events, so the engine's process
+    pays no Prometheus counter or histogram per token (about 1 us each)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ttft = self.itl = self.e2e = _Unobserved()
+
+    def count_prompt(self, tokens: int) -> None:
+        pass
+
+    def count_generation(self, tokens: int = 1) -> None:
+        pass
+
+    def count_step(self, phase: str, seconds: float) -> None:
+        pass
+
+    def count_engine_error(self) -> None:
+        pass
+
+    def count_finished(self, reason: str, e2e_seconds: float | None = None) -> None:
+        pass
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """An exception the parent can unpickle with its type and one-line message (else a UserError)."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return UserError(" ".join(f"{type(exc).__name__}: {exc}".split()))
+
+
+def _child_main(config: WorkerConfig, commands, events) -> None:
+    """The engine process: build the Worker, report ready (or the init error), then serve commands."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C goes to the parent, which closes us in order
+    sender = _Sender(events)
+    worker = _ChildWorker(dataclasses.replace(config, load_tokenizer=False, log_steps=True), sink=sender.sink)
+    worker.sender, sender.worker = sender, worker
+    worker.stats = _Uncounted()
+    try:
+        worker.start(READY_TIMEOUT_S)
+    except BaseException as e:
+        sender.send(("init_error", _portable(e)))
+        return
+    engine = worker.engine
+    built = worker.built
+    sender.send(("ready", {"config": engine.config, "num_blocks": engine.stats().num_blocks,
+                           "kind": built.kind, "device": built.device, "model": built.model,
+                           "describe": built.describe(), "snapshot": worker.snapshot()}))
+    close_timeout = 30.0
+    try:
+        while True:
+            try:
+                msg = commands.recv()
+            except (EOFError, OSError):           # the parent is gone
+                break
+            kind = msg[0]
+            if kind == "submit":
+                _child_submit(worker, sender, *msg[1:])
+            elif kind == "cancel":
+                worker.cancel(*msg[1:])
+            elif kind == "call":
+                call_id, name, args = msg[1:]
+                try:
+                    if name not in CHILD_CALLS:
+                        raise ValueError(f"{name} is not a call the engine process takes")
+                    sender.send(("reply", call_id, True, getattr(worker, name)(*args)))
+                except BaseException as e:
+                    sender.send(("reply", call_id, False, _portable(e)))
+            elif kind == "close":
+                close_timeout = msg[1]
+                break
+    finally:
+        worker.close(timeout=close_timeout)
+        try:
+            sender.send(("closed",))
+        except OSError:
+            pass
+
+
+def _child_submit(worker: Worker, sender: _Sender, rid: str, token_ids: list[int], params: SamplingParams,
+                  tags: dict, stop_token_ids, prefill_after: str | None) -> None:
+    try:
+        worker.submit(token_ids, params, request_id=rid, tags=tags, stream=False, stop_token_ids=stop_token_ids,
+                      prefill_after=prefill_after)
+    except (RequestError, DuplicateRequest, WorkerUnavailable) as e:     # the parent's checks let it through
+        sender.send(("events", [make_event("finished", rid, worker.worker_id, worker._round, reason="rejected",
+                                           message=" ".join(str(e).split()), num_prompt_tokens=len(token_ids),
+                                           num_completion_tokens=0, admitted=False)], None))
+
+
+@contextmanager
+def _bare_main():
+    """While a child is spawned, ``__main__`` is an empty module: the child needs nothing of the parent's
+    main script (its target lives in this module), so it never re-runs a script without a ``__main__``
+    guard, nor pytest's or the console script's entry."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+# --------------------------------------------------------------------------- the parent's views
+
+
+class _EngineView:
+    """What the front end reads of the engine: its config, the admission rule over the limits the child
+    reported, the tokenizer (loaded here), and the pool's numbers from the last snapshot."""
+
+    encode = LLMEngine.encode                    # the engine's own prompt encoding (it reads .tokenizer only)
+
+    def __init__(self, config, num_blocks: int, worker: "RemoteWorker"):
+        self.config = config
+        self.num_blocks = num_blocks
+        self.tokenizer = None
+        self._worker = worker
+
+    def validate(self, token_ids: list[int], params: SamplingParams | None = None) -> None:
+        LLMEngine.check_request(self.config, self.num_blocks, token_ids, params)
+
+    def stats(self) -> EngineStats:
+        s = self._worker.snapshot()
+        total = s.get("kv_blocks_total", self.num_blocks)
+        free = s.get("kv_blocks_free", total)
+        return EngineStats(s.get("engine_waiting", 0), s.get("engine_running", 0), total, free, total - free,
+                           s.get("round", 0))
+
+
+@dataclass
+class _BuiltView:
+    """``Worker.built`` as the child reported it (kind, device, model identity, engine description)."""
+    engine: _EngineView
+    model: dict
+    device: str
+    kind: str
+    description: dict
+
+    def describe(self) -> dict:
+        return self.description
+
+
+@dataclass
+class _Remote:
+    handle: RequestHandle
+    prompt_tokens: int
+    submitted_ns: int = 0
+    last_token_ns: int = 0
+    num_tokens: int = 0
+    admitted: bool = False
+    slow: bool = False
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+class RemoteWorker:
+    """A Worker whose engine and owner thread live in a child process; see the module docstring."""
+
+    # the in-process Worker's own code where the answer is the same here
+    encode = Worker.encode
+    _encode_chat = Worker._encode_chat
+    _check_size = staticmethod(Worker._check_size)
+    gauges = Worker.gauges
+    _new_id = Worker._new_id
+
+    def __init__(self, config: WorkerConfig | None = None, sink: Sink | None = None):
+        self.config = config or WorkerConfig()
+        self.worker_id = self.config.worker_id
+        self.sink = sink
+        self.stats = ServiceStats(self.worker_id)
+        self.engine: _EngineView | None = None
+        self.built: _BuiltView | None = None
+        self.tokenizer = None
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self._lock = threading.RLock()
+        self._encode_lock = threading.Lock()
+        self._live: dict[str, _Remote] = {}
+        self._pending: dict[str, None] = {}          # sent, not yet seen admitted or finished (ordered)
+        self._snapshot: dict = {"state": "starting"}
+        self._ready = False
+        self._closed = False
+        self._closed_done = threading.Event()
+        self._unhealthy: str | None = None
+        self._commands = None
+        self._events = None
+        self._reader: threading.Thread | None = None
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self, timeout: float | None = READY_TIMEOUT_S) -> "RemoteWorker":
+        """Spawn the engine process and wait until its Worker is built; re-raise its init error."""
+        if self.process is not None:
+            raise RuntimeError("worker already started")
+        ctx = multiprocessing.get_context("spawn")
+        events_r, events_w = ctx.Pipe(duplex=False)
+        commands_r, commands_w = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_child_main, args=(self.config, commands_r, events_w),
+                                   name=f"labkit-engine-{self.worker_id}")
+        with _bare_main():
+            self.process.start()
+        events_w.close()                 # the child's ends: ours closed, so a dead child reads as EOF here
+        commands_r.close()
+        self._commands, self._events = commands_w, events_r
+        try:
+            msg = self._first_message(timeout)
+        except BaseException:
+            self._abandon_child()
+            raise
+        if msg[0] == "init_error":
+            self._abandon_child()
+            raise msg[1]
+        facts = msg[1]
+        view = _EngineView(facts["config"], facts["num_blocks"], self)
+        self.engine = view
+        self.built = _BuiltView(view, facts["model"], facts["device"], facts["kind"], facts["describe"])
+        self._snapshot = facts["snapshot"]
+        if self.config.load_tokenizer:
+            try:
+                from transformers import AutoTokenizer
+
+                view.tokenizer = AutoTokenizer.from_pretrained(view.config.model)
+            except Exception as e:
+                self._abandon_child()
+                raise UserError(f"cannot load the tokenizer of {view.config.model}: {' '.join(str(e).split())}") \
+                    from None
+            self.tokenizer = copy.deepcopy(view.tokenizer)    # the HTTP front decodes with its own copy
+        self._ready = True
+        self._reader = threading.Thread(target=self._read, name=f"labkit-engine-reader-{self.worker_id}",
+                                        daemon=True)
+        self._reader.start()
+        return self
+
+    def _first_message(self, timeout: float | None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while deadline is None or time.monotonic() < deadline:
+            if self._events.poll(0.2):
+                try:
+                    msg = self._events.recv()
+                    if msg[0] in ("ready", "init_error"):
+                        return msg
+                    continue                        # the owner's first snapshot: "ready" carries a newer one
+                except (EOFError, OSError):         # the child closed its end: it is exiting
+                    self.process.join(10.0)
+                    raise UserError(f"worker {self.worker_id}: the engine process exited with code "
+                                    f"{self.process.exitcode} before it was ready") from None
+            if not self.process.is_alive() and not self._events.poll(0.05):
+                raise UserError(f"worker {self.worker_id}: the engine process exited with code "
+                                f"{self.process.exitcode} before it was ready")
+        raise UserError(f"worker {self.worker_id}: engine not ready within {timeout} s")
+
+    def _abandon_child(self) -> None:
+        self._closed = True
+        for conn in (self._commands, self._events):
+            try:
+                conn.close()
+            except Exception:
+                pass
+        self._end_process(5.0)
+        self._closed_done.set()
+
+    def _end_process(self, timeout: float) -> None:
+        proc = self.process
+        if proc is None:
+            return
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Close the child's Worker (open requests end cancelled/shutdown), then the child; bounded, idempotent."""
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+        if not first:
+            self._closed_done.wait(timeout)
+            return
+        try:
+            try:
+                with self._lock:
+                    self._commands.send(("close", timeout))
+            except (OSError, ValueError, AttributeError):
+                pass
+            if self._reader is not None:
+                self._reader.join(timeout + 5.0)
+            self._end_process(5.0)
+            self._fail_open(f"worker {self.worker_id}: the engine process did not finish this request before it "
+                            "closed")
+        finally:
+            for conn in (self._commands, self._events):
+                try:
+                    conn.close()
+                except Exception:
+                    pass
+            self._closed_done.set()
+
+    def __enter__(self) -> "RemoteWorker":
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- state -----------------------------------------------------------------------------
+    def _unhealthy_reason(self) -> str | None:
+        if self._unhealthy:
+            return self._unhealthy
+        if self._snapshot.get("state") == "unhealthy":
+            return self._snapshot.get("reason") or "the engine process's worker is unhealthy"
+        return None
+
+    @property
+    def accepting(self) -> bool:
+        return self._ready and not self._closed and self._unhealthy_reason() is None
+
+    def state(self) -> str:
+        if self._closed:
+            return "closed"
+        if not self._ready:
+            return "starting"
+        return "unhealthy" if self._unhealthy_reason() else "ok"
+
+    def snapshot(self) -> dict:
+        """The child's last published state (queue, active, KV blocks, round), with this side's health."""
+        with self._lock:
+            snap = dict(self._snapshot)
+        snap.pop("reason", None)
+        snap["state"] = self.state()
+        reason = self._unhealthy_reason()
+        if reason:
+            snap["reason"] = reason
+        return snap
+
+    def _unavailable_reason(self) -> str:
+        if self._closed:
+            return f"worker {self.worker_id} is shut down"
+        if not self._ready:
+            return f"worker {self.worker_id} is starting"
+        return f"worker {self.worker_id} is unhealthy: {self._unhealthy_reason()}"
+
+    def header(self, **extra) -> dict:
+        """The evidence envelope for a JSONL log written from this worker (after start)."""
+        return Worker.header(self, engine_process={"pid": self.process.pid if self.process else None}, **extra)
+
+    # -- requests -------------------------------------------------------------------------
+    def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+               tags: dict | None = None, stream: bool = True, stream_buffer: int | None = None, *,
+               fill_context: bool = False, stop_token_ids=(), prefill_after: str | None = None) -> RequestHandle:
+        """As :meth:`Worker.submit`, answered here: RequestError, DuplicateRequest, WorkerUnavailable, or
+        a handle (``rejected`` when the queue is full); the token ids go to the engine process."""
+        if not self.accepting:
+            raise WorkerUnavailable(self._unavailable_reason())
+        params = params or SamplingParams()
+        if request_id is not None and not REQUEST_ID_RE.fullmatch(str(request_id)):
+            raise RequestError(f"request_id must match {REQUEST_ID_RE.pattern}, got {request_id!r}", "invalid_request_id")
+        token_ids = self.encode(prompt)
+        if fill_context:
+            params = dataclasses.replace(params, max_tokens=max(1, self.engine.config.max_model_len - len(token_ids)))
+        self.engine.validate(token_ids, params)
+        tags = dict(tags or {})
+        clash = sorted(set(tags) & RESERVED_FIELDS)
+        if clash:
+            raise RequestError(f"tags may not use the reserved field name(s) {', '.join(clash)}", "invalid_tags")
+        with self._lock:
+            if not self.accepting:
+                raise WorkerUnavailable(self._unavailable_reason())
+            rid = str(request_id) if request_id is not None else self._new_id()
+            if rid in self._live:
+                raise DuplicateRequest(f"request_id {rid!r} is already in flight")
+            handle = RequestHandle(rid, stream_buffer or self.config.stream_buffer, keep_tokens=stream)
+            if len(self._pending) >= self.config.queue_size:
+                self._reject_here(handle, token_ids, params, tags)
+                return handle
+            self._live[rid] = _Remote(handle, len(token_ids), now_ns())   # before the child can answer
+            self._pending[rid] = None
+            try:
+                self._commands.send(("submit", rid, token_ids, params, tags, tuple(stop_token_ids), prefill_after))
+            except (OSError, ValueError):            # the child is gone; the reader says why in a moment
+                del self._live[rid]
+                self._pending.pop(rid, None)
+                raise WorkerUnavailable(f"worker {self.worker_id}: the engine process is not reachable") from None
+        return handle
+
+    def _reject_here(self, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict) -> None:
+        """Queue full: the submitted and finished(rejected) events the Worker would have made."""
+        rid, rnd = handle.request_id, self._snapshot.get("round", 0)
+        sub = make_event("submitted", rid, self.worker_id, rnd, prompt_tokens=len(token_ids),
+                         max_tokens=params.max_tokens, queue_depth=len(self._pending))
+        sub.update(tags)
+        fin = make_event("finished", rid, self.worker_id, rnd, reason="rejected",
+                         message=f"queue full ({self.config.queue_size} requests waiting)",
+                         num_prompt_tokens=len(token_ids), num_completion_tokens=0, admitted=False)
+        if self.sink is not None:
+            self.sink(sub)
+            self.sink(fin)
+        handle.rejected = True
+        handle._push(sub)
+        handle._finish(fin)
+        self.stats.count_finished("rejected")
+
+    def cancel(self, request_id: str, cause: str = "client", reason: str = "cancelled") -> bool:
+        """Ask the owner to cancel at its next step boundary; False if no such live request."""
+        if reason not in ("cancelled", "stop"):
+            raise ValueError(f"a request can be ended as cancelled or stop, not {reason!r}")
+        with self._lock:
+            if request_id not in self._live or self._closed:
+                return False
+            try:
+                self._commands.send(("cancel", request_id, cause, reason))
+            except (OSError, ValueError):
+                return False
+        return True
+
+    def pending_ids(self) -> list[str]:
+        """Request ids sent to the engine process and not yet seen admitted (or finished), in order."""
+        with self._lock:
+            return list(self._pending)
+
+    # -- test hooks (calls into the child) -------------------------------------------------
+    def _call(self, name: str, *args, timeout: float | None = 60.0) -> Any:
+        fut: Future = Future()
+        with self._lock:
+            if not self._ready or self._closed or self._unhealthy:
+                raise WorkerUnavailable(self._unavailable_reason())
+            call_id = next(self._call_ids)
+            self._calls[call_id] = fut
+            self._commands.send(("call", call_id, name, args))
+        return fut.result(timeout)
+
+    def pause(self) -> None:
+        self._call("pause")
+
+    def resume(self) -> None:
+        if self.accepting:
+            self._call("resume")
+
+    def inject_fault(self, at_step: int | None = None, message: str = "injected fault") -> None:
+        self._call("inject_fault", at_step, message)
+
+    def run_on_owner(self, fn: Callable[[Any], Any], timeout: float | None = 60.0) -> Any:
+        """``fn(engine)`` on the child's owner thread; ``fn`` must be picklable (a module-level function)."""
+        return self._call("run_on_owner", fn, timeout, timeout=None if timeout is None else timeout + 5.0)
+
+    def set_feeder(self, fn) -> None:
+        raise NotImplementedError("a feeder runs on the owner thread: use the in-process Worker")
+
+    # -- the reader thread -------------------------------------------------------------------
+    def _read(self) -> None:
+        clean = False
+        try:
+            while True:
+                try:
+                    msg = self._events.recv()
+                except (EOFError, OSError):
+                    break
+                kind = msg[0]
+                if kind == "events":
+                    self._deliver(msg[1], msg[2])
+                elif kind == "reply":
+                    fut = self._calls.pop(msg[1], None)
+                    if fut is not None:
+                        fut.set_result(msg[3]) if msg[2] else fut.set_exception(msg[3])
+                elif kind == "closed":
+                    clean = True
+                    break
+        except Exception as e:           # a bug here must not leave streams hanging
+            self._gone(f"the engine process's event reader failed: {type(e).__name__}: {' '.join(str(e).split())}")
+            return
+        if not clean:
+            self._gone(None)
+
+    def _gone(self, why: str | None) -> None:
+        """The child is gone (or unreadable): unless we closed it, every open stream finishes with error."""
+        if why is None:
+            if self._closed:
+                why = "the engine process closed"
+            else:
+                proc = self.process
+                proc.join(2.0)
+                code = proc.exitcode
+                how = (f"signal {signal.Signals(-code).name}" if code is not None and code < 0
+                       else f"exit code {code}")
+                why = f"the engine process exited unexpectedly ({how})"
+        if not self._closed:
+            self._unhealthy = why
+            with self._lock:             # nothing runs any more
+                self._snapshot = {**self._snapshot, "active": 0, "queue_depth": 0, "engine_running": 0,
+                                  "engine_waiting": 0}
+        self._fail_open(f"worker {self.worker_id}: {why}")
+        for fut in list(self._calls.values()):
+            if not fut.done():
+                fut.set_exception(WorkerUnavailable(why))
+        self._calls.clear()
+
+    def _fail_open(self, message: str) -> None:
+        with self._lock:
+            open_ = list(self._live.items())
+            self._live.clear()
+            self._pending.clear()
+        handles = []
+        for rid, r in open_:
+            ev = make_event("finished", rid, self.worker_id, self._snapshot.get("round", 0), reason="error",
+                            message=message, num_prompt_tokens=r.prompt_tokens, num_completion_tokens=r.num_tokens,
+                            admitted=r.admitted)
+            if self.sink is not None:
+                self.sink(ev)
+            self.stats.count_finished("error", None)
+            r.handle._finish(ev, wake=False)
+            handles.append(r.handle)
+        wake_all(handles)
+
+    def _deliver(self, batch: list[dict], snapshot: dict | None) -> None:
+        """One message of the child: log, count and hand every event to its stream; one wake-up per loop."""
+        sink, stats, live = self.sink, self.stats, self._live
+        log_steps = self.config.log_steps
+        wakes: list[RequestHandle] = []
+        ttfts: list[float] = []
+        itls: list[float] = []
+        slow: list[str] = []
+        for ev in batch:
+            kind = ev["event"]
+            if kind == "token":
+                if sink is not None:
+                    sink(ev)
+                r = live.get(ev["request_id"])
+                if r is None:
+                    continue
+                r.num_tokens += 1
+                t = ev["t_ns"]
+                if r.num_tokens == 1:
+                    ttfts.append((t - r.submitted_ns) / 1e9)
+                else:
+                    itls.append((t - r.last_token_ns) / 1e9)
+                r.last_token_ns = t
+                if r.handle.keep_tokens and not r.handle._push(ev) and not r.slow:
+                    r.slow = True
+                    slow.append(ev["request_id"])
+                wakes.append(r.handle)
+                continue
+            if kind == "step":
+                stats.count_step(ev["phase"], ev["seconds"])
+                if log_steps and sink is not None:
+                    sink(ev)
+                continue
+            if sink is not None:
+                sink(ev)
+            rid = ev["request_id"]
+            if kind == "worker":
+                if ev.get("what") == "engine_error":
+                    stats.count_engine_error()
+                continue
+            with self._lock:
+                r = live.get(rid)
+                if r is None:
+                    continue
+                if kind == "submitted":
+                    r.submitted_ns = ev["t_ns"]          # the engine's own stamp, as TTFT's start
+                elif kind == "admitted":
+                    r.admitted = True
+                    self._pending.pop(rid, None)
+                elif kind == "finished":
+                    del live[rid]
+                    self._pending.pop(rid, None)
+            if kind == "admitted":
+                stats.count_prompt(r.prompt_tokens)
+            if kind == "finished":
+                stats.count_finished(ev["reason"], (ev["t_ns"] - r.submitted_ns) / 1e9 if r.admitted else None)
+                r.handle._finish(ev, wake=False)
+            else:
+                r.handle._push(ev)
+            wakes.append(r.handle)
+        if ttfts or itls:
+            with stats.lock:
+                stats.count_generation(len(ttfts) + len(itls))
+                for v in ttfts:
+                    stats.ttft.observe(v)
+                for v in itls:
+                    stats.itl.observe(v)
+        if snapshot is not None:
+            with self._lock:
+                self._snapshot = snapshot
+        wake_all(dict.fromkeys(wakes))
+        for rid in slow:
+            with self._lock:
+                r = live.get(rid)
+                if r is not None:
+                    try:
+                        self._commands.send(("cancel", rid, "slow_consumer", "cancelled"))
+                    except (OSError, ValueError):
+                        pass
+
+
+def worker_class(engine_process: bool) -> type:
+    """The Worker ``labkit serve`` runs: in this process, or in an engine process of its own."""
+    return RemoteWorker if engine_process else Worker
+
+
