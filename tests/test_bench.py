@@ -235,3 +235,31 @@ def test_the_roofline_bound_adds_compute_and_prefill_terms():
     assert slow["bound_seconds"] > rf["bound_seconds"]
     with pytest.raises(ValueError):
         decode_bound(shape, 2, 2, prompts, outputs, copy_roof_gb_s=4000.0, matmul_tflops=0.0)
+
+
+def test_workload_bound_calls_the_roofs_as_the_bench_does_on_cuda(tiny_model_dir, monkeypatch):
+    """The CUDA branch of workload_bound on a CPU engine, with the two measured roofs stubbed by functions of the
+    real ones' signatures (a positional dtype once went to the matrix size and only failed on the H200)."""
+    import inspect
+
+    import labkit.bench.attention as attention
+    from labkit.bench.run import workload_bound
+    from labkit.lab_engine import build_engine
+
+    real = inspect.signature(attention.matmul_peak_tflops)
+
+    def peak(*args, **kwargs):
+        bound = real.bind(*args, **kwargs)
+        bound.apply_defaults()
+        assert isinstance(bound.arguments["n"], int) and isinstance(bound.arguments["dtype"], str)
+        return 500.0
+
+    monkeypatch.setattr(attention, "copy_roof_gbs", lambda: 1000.0)
+    monkeypatch.setattr(attention, "matmul_peak_tflops", peak)
+    built = build_engine(str(tiny_model_dir), "cpu", "torch")
+    try:
+        out = workload_bound(built.engine, [[1, 2, 3]] * 2, [4, 4], "cuda", tok_s=10.0)
+    finally:
+        built.engine.close()
+    assert out["roofline"]["matmul_peak_tflops"] == 500.0 and out["copy_roof_gb_s"] == 1000.0
+    assert out["share_of_bound"] == round(10.0 / out["bound_tok_s"], 3)

@@ -8,7 +8,8 @@ count rounded up to a power of two). :func:`decode_variant` names the variant a 
 from __future__ import annotations
 
 DECODE_BLOCK_N = 64          # positions per tile (paged_decode's default)
-DECODE_WAVES = 4             # split so that batch x kv heads x splits fills the GPU this many times
+DECODE_WAVES = 2             # split so that batch x kv heads x splits fills the GPU this many times (2: at 64 x 1024
+                             # one split, 10-11% faster than 4 in two H200 sweeps, neutral on the other shapes)
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 # The two knobs of issue 13 (`labkit bench --workload attention --sweep` ranks them with the four above,

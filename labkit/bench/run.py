@@ -153,7 +153,7 @@ def workload_bound(engine: LLMEngine, prompts, output_lens: list[int], device: s
     weight_element = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     kv_element = engine.kv_cache_view().element_size()
     out = decode_bound(engine.config.shape, weight_element, kv_element, [len(p) for p in prompts], output_lens,
-                       copy_roof_gbs(), matmul_tflops=matmul_peak_tflops(dtype))
+                       copy_roof_gbs(), matmul_tflops=matmul_peak_tflops(dtype=dtype))
     if tok_s is not None:
         out["measured_tok_s"] = tok_s
         out["share_of_bound"] = round(tok_s / out["bound_tok_s"], 3)
