@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from engine import LLMEngine, SamplingParams
-from engine.attention.splits import choose_splits, decode_variant, decode_variants, next_power_of_2
+from engine.attention.splits import (DECODE_BLOCK_N, DECODE_WAVES, choose_splits, decode_variant, decode_variants,
+                                     next_power_of_2)
 from engine.config import Config
 from engine.graph import default_buckets
 from engine.observe import StepHooks
@@ -62,7 +63,7 @@ def test_plan_is_rank_independent_and_follows_kv_heads_per_rank(tiny_model_dir):
 
 def test_decode_variant_matches_the_kernel_arithmetic():
     for b, hk, n in itertools.product((1, 3, 64, 256), (1, 4, 8), (1, 63, 64, 65, 1000, 4096, 40960)):
-        splits, split_len = choose_splits(b, hk, n, 64, SM, 4)
+        splits, split_len = choose_splits(b, hk, n, DECODE_BLOCK_N, SM, DECODE_WAVES)
         assert split_len % 64 == 0 and splits * split_len >= n > (splits - 1) * split_len
         assert decode_variant(b, hk, n, SM) == (splits == 1, max(2, next_power_of_2(splits)))
     assert len(decode_variants(256, 8, 4096, SM)) > 2
