@@ -157,14 +157,14 @@ def test_sweep_ranks_the_setting_robust_across_shapes_and_never_a_wrong_output()
 def test_warmup_variants_follow_kv_per_prog():
     """With several kv heads per program the split count follows the programs per sequence; the warmup
     plan's variants (decode_variants) must then be the ones the kernel compiles."""
-    from engine.attention.splits import (choose_splits, decode_variant, decode_variants, kv_per_program,
+    from engine.attention.splits import (DECODE_WAVES, choose_splits, decode_variant, decode_variants, kv_per_program,
                                          next_power_of_2)
     sm = 132
     for hpp in (1, 2, 4):
         reach = {decode_variant(b, 8, n, sm, kv_per_prog=hpp) for b in range(1, 129) for n in range(1, 4097, 61)}
         assert reach <= set(decode_variants(128, 8, 4096, sm, kv_per_prog=hpp))
         for b, n in ((1, 4096), (32, 512), (64, 1024), (256, 1024)):     # as paged_decode splits
-            splits, _ = choose_splits(b, 8 // kv_per_program(8, hpp), n, 64, sm, 4)
+            splits, _ = choose_splits(b, 8 // kv_per_program(8, hpp), n, 64, sm, DECODE_WAVES)
             assert decode_variant(b, 8, n, sm, kv_per_prog=hpp) == (splits == 1, max(2, next_power_of_2(splits)))
     assert decode_variant(256, 8, 1024, sm, waves=16, kv_per_prog=1) != decode_variant(256, 8, 1024, sm, waves=16,
                                                                                         kv_per_prog=4)
