@@ -404,9 +404,9 @@ def test_serve_defaults_per_device():
 
     assert serve_defaults("cuda") == serve_defaults("cuda:1") == dict(
         enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_active=256, max_model_len=None,
-        overlap=True)
+        overlap=True, engine_process=True)
     assert serve_defaults("cpu") == dict(enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=512, max_active=8,
-                                         max_model_len=1024, overlap=False)
+                                         max_model_len=1024, overlap=False, engine_process=False)
 
 
 def test_model_context_is_capped_by_the_kv_pool(tiny_model_dir):

@@ -365,7 +365,7 @@ def bench(
     context: Annotated[Optional[int], typer.Option("--context", help="step-budget: prompt tokens of each sequence (default 1024).")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="step-budget: decode steps timed and profiled per pass (default 20).")] = None,
     warm_steps: Annotated[Optional[int], typer.Option("--warm-steps", help="step-budget: decode steps run before each pass (default 5).")] = None,
-    engine_process: Annotated[bool, typer.Option("--engine-process/--no-engine-process", help="serve: the server's engine in a process of its own (labkit serve --engine-process).")] = False,
+    engine_process: Annotated[Optional[bool], typer.Option("--engine-process/--no-engine-process", show_default=False, help="serve: the server's engine in a process of its own (labkit serve --engine-process). Default: as labkit serve's (on on CUDA, off on CPU).")] = None,
     serve_modes: Annotated[Optional[str], typer.Option("--serve-modes", help="serve: served runs in this order after the one offline pass, e.g. in-process,engine-process,in-process,engine-process (A/B in one run).")] = None,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
@@ -390,7 +390,7 @@ def bench(
 
         from labkit.bench.serve import ISSUE_TRACE
         trace = replace(ISSUE_TRACE, **{k: v for k, v in trace_opts.items() if v is not None})
-    if workload != "serve" and (engine_process or serve_modes is not None):
+    if workload != "serve" and (engine_process is not None or serve_modes is not None):
         raise UserError("--engine-process and --serve-modes apply to --workload serve")
     if workload == "step-budget":
         from labkit.bench.step_budget import step_budget_command
@@ -414,8 +414,12 @@ def bench(
         if baseline or profile or sweep or enforce_eager or repeats != 1 or sampling != "plain":
             raise UserError("--workload serve takes the trace options, --overlap/--no-overlap, --engine-process, "
                             "--serve-modes, --model, --device, --attention and --out only")
-        if engine_process and serve_modes is not None:
+        if engine_process is not None and serve_modes is not None:
             raise UserError("give --engine-process or --serve-modes, not both")
+        if engine_process is None:
+            from labkit.service.server import serve_defaults
+
+            engine_process = serve_defaults(detect_device(device))["engine_process"]
         record = run_serve_bench(path, model=_model_arg(model), device=device, attention=attention, trace=trace,
                                  show_progress=not json_out, overlap=overlap,
                                  modes=parse_serve_modes(serve_modes, engine_process))

@@ -89,7 +89,7 @@ def register(app: typer.Typer) -> None:
         event_log_backups: Annotated[int, typer.Option("--event-log-backups", help="Rotated event log files kept (.jsonl.1 newest ... .jsonl.N oldest); 0 keeps none.")] = 3,
         log_level: Annotated[str, typer.Option("--log-level", help="debug | info | warning | error: info prints an access line per request and a stats line every --stats-interval while busy.")] = "info",
         stats_interval: Annotated[float, typer.Option("--stats-interval", help="Seconds between stats lines while busy (0: none).")] = 10.0,
-        engine_process: Annotated[bool, typer.Option("--engine-process/--no-engine-process", help="Run the engine and its owner thread in a process of their own; this one keeps the HTTP front end, detokenization and the event log.")] = False,
+        engine_process: Annotated[Optional[bool], typer.Option("--engine-process/--no-engine-process", show_default=False, help="Run the engine and its owner thread in a process of their own; this one keeps the HTTP front end, detokenization and the event log. Default: on on CUDA (tensor-parallel-size 1), off on CPU.")] = None,
     ) -> None:
         """Serve the engine over HTTP: /generate (NDJSON), /cancel, /health, /config, /metrics, OpenAI /v1/*.
 
@@ -127,6 +127,8 @@ def register(app: typer.Typer) -> None:
         max_num_batched_tokens = chosen["max_num_batched_tokens"]
         if overlap is None:             # the engine refuses overlap with tensor parallel: the default leaves it off there
             overlap = defaults["overlap"] and tensor_parallel_size == 1
+        if engine_process is None:      # measured with one GPU only: tensor parallel keeps the engine in this process
+            engine_process = defaults["engine_process"] and tensor_parallel_size == 1
         max_model_len = chosen["max_model_len"] if chosen["max_model_len"] is not None else MODEL_CONTEXT
         cfg = WorkerConfig(model=str(model) if model else None, device=device, attention=attention,
                            scheduling_policy=scheduling_policy, max_consecutive_prefill=max_consecutive_prefill,
