@@ -68,9 +68,8 @@ from engine.llm_engine import EngineStats
 from labkit.errors import UserError
 from labkit.service.events import Sink, make_event, now_ns
 from labkit.service.metrics import ServiceStats
-from labkit.service.protocol import REQUEST_ID_RE, RESERVED_FIELDS
 from labkit.service.stream import RequestHandle, wake_all
-from labkit.service.worker import DuplicateRequest, Worker, WorkerConfig, WorkerUnavailable
+from labkit.service.worker import DuplicateRequest, Worker, WorkerConfig, WorkerUnavailable, checked_submission
 
 #: The Worker methods a child may be asked to run (test hooks and snapshots), nothing else.
 CHILD_CALLS = ("pause", "resume", "inject_fault", "run_on_owner", "snapshot")
@@ -492,19 +491,7 @@ class RemoteWorker:
                fill_context: bool = False, stop_token_ids=(), prefill_after: str | None = None) -> RequestHandle:
         """As :meth:`Worker.submit`, answered here: RequestError, DuplicateRequest, WorkerUnavailable, or
         a handle (``rejected`` when the queue is full); the token ids go to the engine process."""
-        if not self.accepting:
-            raise WorkerUnavailable(self._unavailable_reason())
-        params = params or SamplingParams()
-        if request_id is not None and not REQUEST_ID_RE.fullmatch(str(request_id)):
-            raise RequestError(f"request_id must match {REQUEST_ID_RE.pattern}, got {request_id!r}", "invalid_request_id")
-        token_ids = self.encode(prompt)
-        if fill_context:
-            params = dataclasses.replace(params, max_tokens=max(1, self.engine.config.max_model_len - len(token_ids)))
-        self.engine.validate(token_ids, params)
-        tags = dict(tags or {})
-        clash = sorted(set(tags) & RESERVED_FIELDS)
-        if clash:
-            raise RequestError(f"tags may not use the reserved field name(s) {', '.join(clash)}", "invalid_tags")
+        token_ids, params, tags = checked_submission(self, prompt, params, request_id, tags, fill_context)
         with self._lock:
             if not self.accepting:
                 raise WorkerUnavailable(self._unavailable_reason())

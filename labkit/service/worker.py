@@ -153,6 +153,27 @@ class WorkerConfig:
             raise UserError(f"worker id must match {REQUEST_ID_RE.pattern}, got {self.worker_id!r}")
 
 
+def checked_submission(worker, prompt, params: SamplingParams | None, request_id, tags: dict | None,
+                       fill_context: bool) -> tuple[list[int], SamplingParams, dict]:
+    """What submit() checks before it takes the lock, for a Worker and for the engine-process front end
+    alike: accepting, the request id's form, the prompt's tokens, the engine's one admission rule (it reads
+    the config and the pool size, both fixed after start), the tags. Returns (token ids, params, tags)."""
+    if not worker.accepting:
+        raise WorkerUnavailable(worker._unavailable_reason())
+    params = params or SamplingParams()
+    if request_id is not None and not REQUEST_ID_RE.fullmatch(str(request_id)):
+        raise RequestError(f"request_id must match {REQUEST_ID_RE.pattern}, got {request_id!r}", "invalid_request_id")
+    token_ids = worker.encode(prompt)
+    if fill_context:
+        params = dataclasses.replace(params, max_tokens=max(1, worker.engine.config.max_model_len - len(token_ids)))
+    worker.engine.validate(token_ids, params)
+    tags = dict(tags or {})
+    clash = sorted(set(tags) & RESERVED_FIELDS)
+    if clash:
+        raise RequestError(f"tags may not use the reserved field name(s) {', '.join(clash)}", "invalid_tags")
+    return token_ids, params, tags
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -380,20 +401,7 @@ class Worker:
         Raises ``engine.RequestError`` for a prompt the engine cannot take, :class:`DuplicateRequest`
         for a live request id, :class:`WorkerUnavailable` when not accepting work.
         """
-        if not self.accepting:
-            raise WorkerUnavailable(self._unavailable_reason())
-        params = params or SamplingParams()
-        if request_id is not None and not REQUEST_ID_RE.fullmatch(str(request_id)):
-            raise RequestError(f"request_id must match {REQUEST_ID_RE.pattern}, got {request_id!r}", "invalid_request_id")
-        token_ids = self.encode(prompt)
-        if fill_context:
-            params = dataclasses.replace(params, max_tokens=max(1, self.engine.config.max_model_len - len(token_ids)))
-        # the engine's one admission rule; it reads the config and the pool size, both fixed after start
-        self.engine.validate(token_ids, params)
-        tags = dict(tags or {})
-        clash = sorted(set(tags) & RESERVED_FIELDS)
-        if clash:
-            raise RequestError(f"tags may not use the reserved field name(s) {', '.join(clash)}", "invalid_tags")
+        token_ids, params, tags = checked_submission(self, prompt, params, request_id, tags, fill_context)
         with self._lock:
             if not self.accepting:
                 raise WorkerUnavailable(self._unavailable_reason())
