@@ -127,23 +127,17 @@ class _ChildWorker(Worker):
             self.sender.ship(self.snapshot())
 
 
-class _Unobserved:
-    def observe(self, value: float) -> None:
-        pass
-
-
 class _Uncounted:
     """The child Worker's stats: nothing. The parent counts the same from the events, so the engine's process
     pays no Prometheus counter or histogram per token (about 1 us each)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.ttft = self.itl = self.e2e = _Unobserved()
 
     def count_prompt(self, tokens: int) -> None:
         pass
 
     def count_generation(self, tokens: int = 1) -> None:
+        pass
+
+    def count_tokens(self, ttfts: list[float], itls: list[float]) -> None:
         pass
 
     def count_step(self, phase: str, seconds: float) -> None:
@@ -700,13 +694,7 @@ class RemoteWorker:
             else:
                 r.handle._push(ev)
             wakes.append(r.handle)
-        if ttfts or itls:
-            with stats.lock:
-                stats.count_generation(len(ttfts) + len(itls))
-                for v in ttfts:
-                    stats.ttft.observe(v)
-                for v in itls:
-                    stats.itl.observe(v)
+        stats.count_tokens(ttfts, itls)
         if snapshot is not None:
             with self._lock:
                 self._snapshot = snapshot

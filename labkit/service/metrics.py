@@ -79,6 +79,17 @@ class ServiceStats:
     def count_generation(self, tokens: int = 1) -> None:
         self._generation.inc(tokens)
 
+    def count_tokens(self, ttfts: list[float], itls: list[float]) -> None:
+        """A step's output tokens in one go, under one lock: first tokens' TTFTs, later tokens' ITLs (seconds)."""
+        if not ttfts and not itls:
+            return
+        with self.lock:
+            self._generation.inc(len(ttfts) + len(itls))
+            for v in ttfts:
+                self.ttft.observe(v)
+            for v in itls:
+                self.itl.observe(v)
+
     def count_step(self, phase: str, seconds: float) -> None:
         self._steps[phase].inc()
         self._step_seconds[phase].inc(seconds)

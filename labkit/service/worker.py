@@ -726,13 +726,7 @@ class Worker:
                 slow.append(req)
             elif token_id in req.stop_ids:
                 stopped.append(req)
-        if ttfts or itls:
-            with self.stats.lock:       # the step's metrics in one go, not a lock per token
-                self.stats.count_generation(len(ttfts) + len(itls))
-                for v in ttfts:
-                    self.stats.ttft.observe(v)
-                for v in itls:
-                    self.stats.itl.observe(v)
+        self.stats.count_tokens(ttfts, itls)     # the step's metrics in one go, not a lock per token
         sink_many(self.sink, logged)
         for seq in out.outcome.finished:
             req = self._by_seq.get(seq.seq_id)
