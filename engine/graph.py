@@ -32,6 +32,25 @@ def default_buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(buckets))
 
 
+@torch.inference_mode()
+def capture_buckets(buckets: list[int], forward, graphs: dict, outputs: dict) -> float:
+    """One graph per bucket of ``forward(bucket)`` into ``graphs``/``outputs``, largest first so the smaller
+    ones reuse its memory pool; each runs once eagerly before its capture (compiles, autotuning). Returns
+    the seconds it took."""
+    t0 = time.perf_counter()
+    pool = None
+    for b in reversed(buckets):
+        forward(b)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool):
+            outputs[b] = forward(b)
+        if pool is None:
+            pool = graph.pool()
+        graphs[b] = graph
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 class DecodeGraphs:
     def __init__(self, model, buckets: list[int], max_blocks_per_seq: int, max_model_len: int, device: str):
         self.model = model
@@ -57,21 +76,9 @@ class DecodeGraphs:
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
         return self.model.compute_logits(self.model(self.input_ids[:bs], self.positions[:bs], meta))
 
-    @torch.inference_mode()
     def capture(self) -> None:
-        t0 = time.perf_counter()
-        pool = None
-        for bs in reversed(self.buckets):           # largest first: smaller graphs reuse its memory pool
-            meta = self._meta(bs)
-            self._forward(bs, meta)                                        # warm up kernels / autotune
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.outputs[bs] = self._forward(bs, meta)
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[bs] = graph
-            torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - t0
+        self.capture_seconds = capture_buckets(self.buckets, lambda bs: self._forward(bs, self._meta(bs)),
+                                               self.graphs, self.outputs)
 
     def bucket_for(self, batch: int) -> int | None:
         for bs in self.buckets:
@@ -127,19 +134,8 @@ class PrefillGraphs:
         hidden = self.model(self.input_ids[:t], self.positions[:t], self._meta(t))
         return self.model.compute_logits(hidden[self.last])
 
-    @torch.inference_mode()
-    def capture(self, pool=None) -> None:
-        t0 = time.perf_counter()
-        for t in reversed(self.buckets):            # largest first: smaller graphs reuse its memory pool
-            self._forward(t)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
-                self.outputs[t] = self._forward(t)
-            if pool is None:
-                pool = graph.pool()
-            self.graphs[t] = graph
-            torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - t0
+    def capture(self) -> None:
+        self.capture_seconds = capture_buckets(self.buckets, self._forward, self.graphs, self.outputs)
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
         if num_seqs > self.max_seqs:
