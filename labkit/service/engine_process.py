@@ -134,9 +134,6 @@ class _Uncounted:
     def count_prompt(self, tokens: int) -> None:
         pass
 
-    def count_generation(self, tokens: int = 1) -> None:
-        pass
-
     def count_tokens(self, ttfts: list[float], itls: list[float]) -> None:
         pass
 

@@ -76,9 +76,6 @@ class ServiceStats:
     def count_prompt(self, tokens: int) -> None:
         self._prompt.inc(tokens)
 
-    def count_generation(self, tokens: int = 1) -> None:
-        self._generation.inc(tokens)
-
     def count_tokens(self, ttfts: list[float], itls: list[float]) -> None:
         """A step's output tokens in one go, under one lock: first tokens' TTFTs, later tokens' ITLs (seconds)."""
         if not ttfts and not itls:
