@@ -12,6 +12,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import Config
+from engine.layers.logits_process import to_device
 from engine.errors import RequestError
 from engine.model_runner import EAGER, Launched, ModelRunner, Route, StepInputs
 from engine.observe import EngineEvent, EventBus, HookSet, StepHooks
@@ -33,6 +34,8 @@ class StepOutput:
     logprobs: dict = field(default_factory=dict)   # seq_id -> TokenLogprob of its accepted token (if asked)
     wait_s: float = 0.0                 # host time blocked reading the step's sampled ids (their tolist());
                                         # overlapped: the GPU's slack (near 0: the GPU waited on the host)
+    device_span: tuple[int, int] | None = None   # CUDA: when the GPU began and ended the step (monotonic ns,
+                                                 # engine/device_clock.py); None elsewhere
 
     @property
     def finished(self) -> list[Sequence]:
@@ -349,7 +352,7 @@ class LLMEngine:
         outcome = self.postprocess(seqs, token_ids, is_prefill)
         return StepOutput(self.num_steps, is_prefill, seqs, outcome, sum(n for _, n in batch),
                           time.perf_counter() - t0, batch, route, self._keep_logprobs(seqs, row_logprobs, outcome),
-                          self.runner.last_wait_s)
+                          self.runner.last_wait_s, self.runner.last_device_span)
 
     @staticmethod
     def _keep_logprobs(seqs: list[Sequence], row_logprobs: dict, outcome: StepOutcome) -> dict:
@@ -388,10 +391,7 @@ class LLMEngine:
                 nxt = self.scheduler.schedule_lookahead(prev.seqs)
             if nxt:
                 batch = self._scheduled(nxt, False)
-                ids = prev.tokens.device_ids
-                row_of = {s.seq_id: i for i, s in enumerate(prev.seqs)}
-                rows = torch.tensor([row_of[s.seq_id] for s in nxt], device=ids.device)
-                self._inflight = self._launch(nxt, False, batch, ids.index_select(0, rows))
+                self._inflight = self._launch(nxt, False, batch, self._feed(prev, nxt))
         t_wait = time.perf_counter()
         token_ids = prev.tokens.tolist()
         wait_s = time.perf_counter() - t_wait
@@ -404,7 +404,18 @@ class LLMEngine:
                 if not s.is_finished:
                     s.num_scheduled_tokens = 1       # postprocess cleared it; the in-flight step computes 1
         return StepOutput(prev.step, prev.is_prefill, prev.seqs, outcome, prev.num_tokens,
-                          time.perf_counter() - t0, prev.scheduled, prev.tokens.route, kept, wait_s)
+                          time.perf_counter() - t0, prev.scheduled, prev.tokens.route, kept, wait_s,
+                          prev.tokens.device_span(self.runner.clock))
+
+    @staticmethod
+    def _feed(prev: _InFlight, nxt: list[Sequence]) -> torch.Tensor:
+        """The next step's input ids on the device: prev's sampled ids, in nxt's order, without a blocking
+        copy (one would wait for the step in flight and leave the GPU idle while the host prepares the next)."""
+        ids = prev.tokens.device_ids
+        if len(nxt) == len(prev.seqs) and all(a is b for a, b in zip(nxt, prev.seqs)):
+            return ids                                   # the steady decode: same batch, same order
+        row_of = {s.seq_id: i for i, s in enumerate(prev.seqs)}
+        return ids.index_select(0, to_device([row_of[s.seq_id] for s in nxt], ids.device))
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._inflight is None

@@ -11,6 +11,7 @@ import torch
 
 from engine.attention import AttentionMetadata, create_backend, resolve_backend_name
 from engine.config import Config, ConfigError
+from engine.device_clock import DeviceClock
 from engine.distributed import SINGLE, ParallelContext
 from engine.graph import PREFILL_GRAPH_SEQS, DecodeGraphs, PrefillGraphs, prefill_buckets
 from engine.layers.logits_process import RowInputs, TokenHistory
@@ -81,6 +82,7 @@ class Launched:
     ready: "torch.cuda.Event | None"
     route: Route = EAGER
     logprobs: SampledLogprobs | None = None    # rows that asked for log-probs (read after tolist())
+    started: "torch.cuda.Event | None" = None  # reached when the GPU began the step (engine/device_clock.py)
 
     def tolist(self) -> list[int]:
         if self.ready is not None:
@@ -90,6 +92,12 @@ class Launched:
     def host_logprobs(self, token_ids: list[int]) -> dict[int, TokenLogprob]:
         """Batch row -> the drawn token's log-prob and alternatives (rows that asked only)."""
         return self.logprobs.to_host(token_ids) if self.logprobs is not None else {}
+
+    def device_span(self, clock: DeviceClock | None) -> tuple[int, int] | None:
+        """The step's start and end on the GPU (monotonic ns), after tolist()."""
+        if clock is None or self.started is None or self.ready is None:
+            return None
+        return clock.span(self.started, self.ready)
 
 
 class ModelRunner:
@@ -106,6 +114,9 @@ class ModelRunner:
         self.backend = create_backend(self.attention_backend, self.block_size)
         self.on_inputs: Callable[[StepInputs], None] | None = None   # observer hook (tracing)
         self.last_wait_s = 0.0            # run_step: host time blocked reading the sampled ids
+        self.clock: DeviceClock | None = None           # CUDA: each step's span on the GPU (set up last)
+        self._started: "torch.cuda.Event | None" = None  # the step being prepared: where the GPU begins it
+        self.last_device_span: tuple[int, int] | None = None   # run_step: the step's span on the GPU
         self.hooks = HookSet()            # the engine hands in its own (phases, the point before the forward)
         self.memory: dict = {}
         t0 = time.perf_counter()
@@ -132,6 +143,8 @@ class ModelRunner:
             if not self.device.startswith("cuda"):
                 raise ConfigError("graph execution needs CUDA (use enforce_eager on CPU)")
             self.capture_graphs()
+        if self.device.startswith("cuda"):
+            self.clock = DeviceClock()
 
     def _enable_fused_ops(self) -> bool:
         if not self.device.startswith("cuda"):
@@ -297,9 +310,9 @@ class ModelRunner:
         return sum(g.capture_seconds for g in (self.graphs, self.prefill_graphs) if g is not None)
 
     # -- inputs ----------------------------------------------------------------
-    def _tensor(self, data, dtype=torch.int32) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype, pin_memory=self.device.startswith("cuda"))
-        return t.to(self.device, non_blocking=True)
+    def _host_tensor(self, data, dtype=torch.int32) -> torch.Tensor:
+        """A step input on the host, in pinned memory on CUDA (so that its copy to the device is async)."""
+        return torch.tensor(data, dtype=dtype, pin_memory=self.device.startswith("cuda"))
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
@@ -347,7 +360,7 @@ class ModelRunner:
         t, n = len(plan.input_ids), len(plan.seqlens_q)
         t_pad = _aligned(t, 2)
         pad64 = [0] * (t_pad - t)
-        wide = self._tensor(plan.input_ids + pad64 + plan.positions + pad64 + plan.slot_mapping, torch.int64)
+        wide = self._host_tensor(plan.input_ids + pad64 + plan.positions + pad64 + plan.slot_mapping, torch.int64)
         sections: dict[str, list[int]] = {}
         if plan.is_prefill:
             sections["cu_q"] = [0, *itertools.accumulate(plan.seqlens_q)]
@@ -364,7 +377,13 @@ class ModelRunner:
                 starts[name] = len(flat)
                 flat += values
                 flat += [0] * (_aligned(len(flat), 4) - len(flat))
-            packed = self._tensor(flat)
+            packed = self._host_tensor(flat)
+        if self.clock is not None:
+            # the step's first GPU work: the span starts here, after the host built its inputs (DeviceClock)
+            self._started = self.clock.mark()
+        wide = wide.to(self.device, non_blocking=True)
+        if sections:
+            packed = packed.to(self.device, non_blocking=True)
             views = {name: packed[starts[name]:starts[name] + len(v)] for name, v in sections.items()}
         block_tables = views.get("block_tables")
         meta = AttentionMetadata(
@@ -528,9 +547,11 @@ class ModelRunner:
         logits, route = self.forward(seqs, is_prefill, step=step)
         with self.hooks.phase("sample", step):
             tokens, logprobs = self._draw(seqs, logits)
+            ended = self.clock.mark() if self.clock is not None else None
             t_wait = time.perf_counter()
             ids = tokens.tolist()
             self.last_wait_s = time.perf_counter() - t_wait    # host blocked on the device (StepOutput.wait_s)
+        self.last_device_span = self.clock.span(self._started, ended) if ended is not None else None
         return ids, route, (logprobs.to_host(ids) if logprobs is not None else {})
 
     def launch(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None,
@@ -545,6 +566,6 @@ class ModelRunner:
             return Launched(tokens, tokens, None, route, logprobs)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event(enable_timing=True)
         ready.record()
-        return Launched(tokens, host, ready, route, logprobs)
+        return Launched(tokens, host, ready, route, logprobs, self._started)

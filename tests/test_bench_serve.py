@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.bench.serve import ISSUE_TRACE, percentiles, step_stats, wide_batch_for
+from labkit.bench.serve import ISSUE_TRACE, device_stats, percentiles, step_stats, wide_batch_for
 from labkit.load.trace import TraceOptions
 
 SMALL = TraceOptions(requests=8, prompt_tokens=32, long_prompt_tokens=64, long_every=2, max_tokens=8, interval_ms=0.0)
@@ -87,6 +87,27 @@ def test_step_stats_busy_fraction_and_gaps():
     assert s["wide_gap_ms"]["n"] == 1 and s["wide_gap_ms"]["p50"] == pytest.approx(2.0)   # only 250 -> 250 pairs
     clipped = step_stats(steps, 5 * ms, 50 * ms, 200)                                     # a step cut by the window
     assert clipped["busy_s"] == pytest.approx(0.035)
+
+
+def test_device_stats_gpu_busy_and_gaps():
+    ms = 1_000_000
+    # the GPU's spans: back to back (the overlapped decode), then a 3 ms wait for the host, then overlapping
+    # spans (never counted twice), a narrow step, and one outside the window
+    spans = [(0, 10 * ms, 256), (10 * ms, 20 * ms, 256), (23 * ms, 33 * ms, 256), (32 * ms, 40 * ms, 256),
+             (40 * ms, 45 * ms, 50), (45 * ms, 50 * ms, 256), (90 * ms, 99 * ms, 256)]
+    s = device_stats(spans, 0, 50 * ms, 200)
+    assert s["gpu_busy_fraction"] == pytest.approx(47 / 50)
+    assert s["wide_gpu_gap_ms"]["n"] == 3                        # 256 -> 256 pairs only
+    assert s["wide_gpu_gap_ms"]["p50"] == pytest.approx(0.0) and s["wide_gpu_gap_ms"]["max"] == pytest.approx(3.0)
+    assert s["wide_gpu_step_ms"]["n"] == 5
+    assert device_stats(spans[:2], None, None, 200)["gpu_busy_fraction"] == pytest.approx(1.0)   # own window
+    assert device_stats([], 0, 1, 200)["gpu_busy_fraction"] is None      # CPU: no spans, the GPU figures unmeasured
+    # the server's step records carry the spans; step_stats reports the GPU's figures beside the host's
+    steps = [{"start_ns": a, "t_ns": b + ms, "num_seqs": n, "gpu_start_ns": a, "gpu_end_ns": b} for a, b, n in spans[:3]]
+    st = step_stats(steps, 0, 50 * ms, 200)
+    assert st["gpu_busy_fraction"] == pytest.approx(30 / 50) and st["wide_gpu_gap_ms"]["max"] == pytest.approx(3.0)
+    assert step_stats([{k: v for k, v in r.items() if not k.startswith("gpu")} for r in steps],
+                      0, 50 * ms, 200)["wide_gpu_gap_ms"]["n"] == 0
 
 
 def test_percentiles_and_wide_batch():

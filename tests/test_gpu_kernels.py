@@ -330,3 +330,34 @@ def test_overlapped_decode_with_graphs_matches_one_step_at_a_time(gpu_model_dir)
         outs[overlap] = [o["token_ids"] for o in engine.generate(prompts, params)]
         engine.close()
     assert outs[True] == outs[False]
+
+
+@pytest.mark.parametrize("sampling", ["plain", "processed"])
+def test_overlapped_decode_never_waits_on_the_stream(gpu_model_dir, sampling):
+    """The overlapped decode launches step k+1 before it reads step k: nothing in between may synchronize
+    the stream (a torch.tensor(list, device=cuda) does: it waited for the step in flight and left the GPU
+    idle while the host prepared the next one). CUDA's sync debug mode raises on any such call; the steps
+    below include batches that shrink (index_select of the fed ids) and, processed, top-k/top-p rows."""
+    from engine import LLMEngine, SamplingParams
+
+    extra = dict(top_p=0.9, top_k=20, logprobs=2) if sampling == "processed" else {}
+    engine = LLMEngine(str(gpu_model_dir), device="cuda", dtype="float32", max_num_seqs=20, kvcache_block_size=16,
+                       num_kvcache_blocks=256, max_model_len=512, max_num_batched_tokens=2048, enforce_eager=False,
+                       overlap=True)
+    for i in range(9):
+        engine.add_request([(1000 + 37 * i + j) % 150000 for j in range(5 + 11 * i)],
+                           SamplingParams(temperature=0.7, max_tokens=12 + 3 * i, ignore_eos=True, **extra))
+    decoded = 0
+    while decoded < 3:                          # prefill, then a few decode steps (first-use compiles)
+        decoded += not engine.step().is_prefill
+    spans = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while not engine.is_finished():
+            out = engine.step()
+            spans.append(out.device_span)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        engine.close()
+    assert len(spans) > 20 and all(s is not None and s[0] <= s[1] for s in spans)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))     # one stream: each step after the one before

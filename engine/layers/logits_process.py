@@ -17,6 +17,16 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
+def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host list as a tensor on ``device`` without waiting: on CUDA through pinned memory and an async
+    copy. (torch.tensor(data, device=cuda) copies from pageable memory and then synchronizes the stream,
+    i.e. waits for every step in flight: it would undo the overlapped decode.)"""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(data, dtype=dtype, device=device)
+    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 @dataclass
 class RowInputs:
     """What the processors need of one row: its settings and its token history (the sequence's own
@@ -87,11 +97,11 @@ class TokenHistory:
             slots.append(slot)
         dev = self.device
         if p_slot:
-            self.seen[torch.tensor(p_slot, device=dev), torch.tensor(p_tok, device=dev)] = True
+            self.seen[to_device(p_slot, dev), to_device(p_tok, dev)] = True
         if o_slot:
-            self.counts.index_put_((torch.tensor(o_slot, device=dev), torch.tensor(o_tok, device=dev)),
+            self.counts.index_put_((to_device(o_slot, dev), to_device(o_tok, dev)),
                                    torch.ones(len(o_slot), dtype=torch.int32, device=dev), accumulate=True)
-        idx = torch.tensor(slots, device=dev)
+        idx = to_device(slots, dev)
         return self.seen.index_select(0, idx), self.counts.index_select(0, idx)
 
     def forget(self, key: int) -> None:
@@ -102,7 +112,7 @@ class TokenHistory:
 
 def _padded(lists: list[list[int]], pad: int, device) -> torch.Tensor:
     width = max(1, max(len(x) for x in lists))
-    return torch.tensor([x + [pad] * (width - len(x)) for x in lists], dtype=torch.int64).to(device)
+    return to_device([x + [pad] * (width - len(x)) for x in lists], device, torch.int64)
 
 
 def token_counts(lists: list[list[int]], vocab: int, device) -> torch.Tensor:
@@ -126,7 +136,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[RowInputs]) -> None:
                     r_idx.append(i)
                     t_idx.append(t)
     if r_idx:
-        logits[torch.tensor(r_idx, device=logits.device), torch.tensor(t_idx, device=logits.device)] = float("-inf")
+        logits[to_device(r_idx, logits.device), to_device(t_idx, logits.device)] = float("-inf")
 
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[RowInputs]) -> None:
@@ -138,8 +148,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[RowInputs]) -> None:
             bias.append(b)
     if r_idx:
         dev = logits.device
-        logits.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
-                          torch.tensor(bias, dtype=logits.dtype, device=dev), accumulate=True)
+        logits.index_put_((to_device(r_idx, dev), to_device(t_idx, dev)), to_device(bias, dev, logits.dtype),
+                          accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[RowInputs], history: TokenHistory | None = None) -> None:
@@ -151,28 +161,28 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowInputs], history: TokenH
         return
     dev, vocab = logits.device, logits.shape[1]
     sub = [rows[i] for i in which]
-    idx = torch.tensor(which, device=dev)
+    idx = to_device(which, dev)
     x = logits.index_select(0, idx)
     if history is not None:
         in_prompt, out_counts = history.gather(sub)
     else:
         in_prompt, out_counts = None, token_counts([r.output_ids for r in sub], vocab, dev)
-    rep = torch.tensor([r.params.repetition_penalty for r in sub], dtype=x.dtype, device=dev).unsqueeze(1)
+    rep = to_device([r.params.repetition_penalty for r in sub], dev, x.dtype).unsqueeze(1)
     if any(r.params.repetition_penalty != 1 for r in sub):
         if in_prompt is None:
             in_prompt = token_counts([r.prompt_ids for r in sub], vocab, dev) > 0
         seen = in_prompt | (out_counts > 0)
         penalized = torch.where(x > 0, x / rep, x * rep)
         x = torch.where(seen, penalized, x)
-    freq = torch.tensor([r.params.frequency_penalty for r in sub], dtype=x.dtype, device=dev).unsqueeze(1)
-    pres = torch.tensor([r.params.presence_penalty for r in sub], dtype=x.dtype, device=dev).unsqueeze(1)
+    freq = to_device([r.params.frequency_penalty for r in sub], dev, x.dtype).unsqueeze(1)
+    pres = to_device([r.params.presence_penalty for r in sub], dev, x.dtype).unsqueeze(1)
     x = x - freq * out_counts.to(x.dtype) - pres * (out_counts > 0).to(x.dtype)
     logits.index_copy_(0, idx, x)
 
 
 def apply_temperature(logits: torch.Tensor, temperatures: list[float]) -> None:
     """Sampled rows divided by their temperature; temperature 0 rows are left as they are."""
-    t = torch.tensor([t if t > 0 else 1.0 for t in temperatures], dtype=logits.dtype, device=logits.device)
+    t = to_device([t if t > 0 else 1.0 for t in temperatures], logits.device, logits.dtype)
     logits.div_(t.unsqueeze(1))
 
 
@@ -180,7 +190,7 @@ def apply_min_p(logits: torch.Tensor, min_p: list[float]) -> None:
     """Tokens whose probability is below min_p x the top token's probability are removed."""
     if not any(p > 0 for p in min_p):
         return
-    mp = torch.tensor(min_p, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+    mp = to_device(min_p, logits.device, logits.dtype).unsqueeze(1)
     probs = torch.softmax(logits, dim=-1)
     threshold = probs.max(dim=-1, keepdim=True).values * mp
     logits.masked_fill_(probs < threshold, float("-inf"))
@@ -199,11 +209,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
         return _top_k_first(logits, top_k, top_p)
     srt, order = logits.sort(dim=-1, descending=False)
     if use_k:
-        k = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
+        k = to_device([min(k, vocab) if k > 0 else vocab for k in top_k], logits.device)
         kth = srt.gather(1, (vocab - k).unsqueeze(1))
         srt = srt.masked_fill(srt < kth, float("-inf"))
     if use_p:
-        p = torch.tensor(top_p, dtype=srt.dtype, device=logits.device).unsqueeze(1)
+        p = to_device(top_p, logits.device, srt.dtype).unsqueeze(1)
         cum = torch.softmax(srt, dim=-1).cumsum(dim=-1)
         drop = cum <= 1 - p
         drop[:, -1] = False
@@ -222,12 +232,12 @@ def _top_k_first(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     kept. Tokens equal to that value all stay (the full sort keeps an arbitrary part of such ties)."""
     kmax = max(top_k)
     vals = logits.topk(kmax, dim=-1).values                                   # descending
-    last = torch.tensor([k - 1 for k in top_k], device=logits.device).unsqueeze(1)
+    last = to_device([k - 1 for k in top_k], logits.device).unsqueeze(1)
     if any(p < 1 for p in top_p):
         ranks = torch.arange(kmax, device=logits.device).unsqueeze(0)
         probs = torch.softmax(vals.masked_fill(ranks > last, float("-inf")), dim=-1)
         larger = probs.cumsum(dim=-1) - probs                                  # mass of the tokens above each
-        p = torch.tensor(top_p, dtype=probs.dtype, device=logits.device).unsqueeze(1)
+        p = to_device(top_p, logits.device, probs.dtype).unsqueeze(1)
         kept = ((larger < p) & (ranks <= last)).sum(dim=1, keepdim=True)       # the top one always stays
         last = torch.minimum(last, kept - 1)
     return logits.masked_fill(logits < vals.gather(1, last), float("-inf"))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.logits_process import RowInputs, TokenHistory, process
+from engine.layers.logits_process import RowInputs, TokenHistory, process, to_device
 
 try:
     from engine.layers.sample_kernel import gumbel_argmax
@@ -41,7 +41,7 @@ def sample_tensor(logits: torch.Tensor, temperatures: list[float], generators: l
     greedy = logits.argmax(dim=-1)
     if all(t == 0 for t in temperatures):
         return greedy
-    temps = torch.tensor([max(t, 1e-5) for t in temperatures], dtype=torch.float32).to(logits.device, non_blocking=True)
+    temps = to_device([max(t, 1e-5) for t in temperatures], logits.device, torch.float32)
     probs = torch.softmax(logits.float() / temps.unsqueeze(1), dim=-1)
     noise = torch.empty_like(probs)
     groups = _rows_by_generator(generators)
@@ -49,10 +49,10 @@ def sample_tensor(logits: torch.Tensor, temperatures: list[float], generators: l
         if len(rows) == len(generators):
             noise.exponential_(1.0, generator=gen)
         else:
-            idx = torch.tensor(rows, device=logits.device)
+            idx = to_device(rows, logits.device)
             noise[idx] = torch.empty(len(rows), probs.shape[1], device=logits.device).exponential_(1.0, generator=gen)
     sampled = (probs / noise).argmax(dim=-1)
-    is_greedy = torch.tensor([t == 0 for t in temperatures]).to(logits.device, non_blocking=True)
+    is_greedy = to_device([t == 0 for t in temperatures], logits.device)
     return torch.where(is_greedy, greedy, sampled)
 
 
@@ -65,7 +65,7 @@ def _device_temperatures(temperatures: list[float], device) -> torch.Tensor:
     global _last_temps
     key = (str(device), tuple(temperatures))
     if _last_temps is None or _last_temps[0] != key:
-        t = torch.tensor(temperatures, dtype=torch.float32, pin_memory=True).to(device, non_blocking=True)
+        t = to_device(temperatures, device, torch.float32)
         _last_temps = (key, t)
     return _last_temps[1]
 
@@ -82,7 +82,7 @@ def _sample_fused(logits: torch.Tensor, temperatures: list[float], generators: l
     else:
         seeds = torch.empty(n, dtype=torch.int64, device=device)
         for gen, rows in _rows_by_generator(generators):
-            seeds[torch.tensor(rows, device=device)] = draw(gen, len(rows))
+            seeds[to_device(rows, device)] = draw(gen, len(rows))
     return gumbel_argmax(logits, temps, seeds)
 
 
@@ -141,11 +141,11 @@ def sample_processed(logits: torch.Tensor, temperatures: list[float], generators
     plain = [i for i in range(n) if i not in rows]
     out = torch.empty(n, dtype=torch.int64, device=dev)
     if plain:
-        idx = torch.tensor(plain, device=dev)
+        idx = to_device(plain, dev)
         ids = sample_tensor(logits.index_select(0, idx), [temperatures[i] for i in plain],
                             [generators[i] for i in plain])
         out.index_copy_(0, idx, ids.long())
-    idx = torch.tensor(proc, device=dev)
+    idx = to_device(proc, dev)
     raw = logits.index_select(0, idx)
     inputs = [rows[i] for i in proc]
     processed = process(raw, inputs, history)
@@ -155,7 +155,7 @@ def sample_processed(logits: torch.Tensor, temperatures: list[float], generators
     want = [j for j, r in enumerate(inputs) if r.params.logprobs is not None]
     if not want:
         return out, None
-    sel = torch.tensor(want, device=dev)
+    sel = to_device(want, dev)
     src = processed if logprobs_mode == "processed_logprobs" else raw.float()
     lp = torch.log_softmax(src.index_select(0, sel), dim=-1)
     counts = [inputs[j].params.logprobs for j in want]

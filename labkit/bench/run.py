@@ -203,11 +203,17 @@ def bench_graph_vs_eager(model_dir: str, device: str, attention: str) -> dict:
 
 def bench_latency(model_dir: str, device: str, attention: str, batches=(1, 8, 64), input_len=128,
                   output_len=128) -> dict:
+    """Time per output token at each batch: eager and graph one step at a time (each step timed alone, from
+    a synchronized start), and on CUDA graph_overlap, the overlapped decode `labkit serve` runs by default:
+    there a step's tokens arrive while the next step computes, so the time per token is the interval
+    between two consecutive steps' outputs (no synchronization between them)."""
     facts = {}
-    for eager in (True, False):
+    modes = [("eager", True, False), ("graph", False, False)]
+    if device.startswith("cuda"):
+        modes.append(("graph_overlap", False, True))
+    for mode, eager, overlap in modes:
         engine = engine_for(model_dir, device, attention, eager, max_num_seqs=max(batches), max_model_len=1024,
-                            max_num_batched_tokens=8192)
-        mode = "eager" if eager else "graph"
+                            max_num_batched_tokens=8192, overlap=overlap)
         facts[mode] = {"engine": engine_facts(engine)}
         for b in batches:
             prompts, params = fixed_workload(b, input_len, output_len)
@@ -215,12 +221,16 @@ def bench_latency(model_dir: str, device: str, attention: str, batches=(1, 8, 64
             for p, sp in zip(prompts, params):
                 engine.add_request(p, sp)
             step_ms = []
+            last = None
             while not engine.is_finished():
-                _sync()
+                if not overlap:
+                    _sync()
                 t0 = time.perf_counter()
                 out = engine.step()
-                if not out.is_prefill and len(out.seqs) == b:
-                    step_ms.append((time.perf_counter() - t0) * 1e3)
+                now = time.perf_counter()
+                if not out.is_prefill and len(out.seqs) == b and (not overlap or last is not None):
+                    step_ms.append((now - (last if overlap else t0)) * 1e3)
+                last = now if not out.is_prefill and len(out.seqs) == b else None
             facts[mode][f"batch_{b}"] = {"decode_steps": len(step_ms),
                                          "ms_per_output_token_median": round(statistics.median(step_ms), 4),
                                          "ms_per_output_token_mean": round(statistics.fmean(step_ms), 4)}

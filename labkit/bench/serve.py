@@ -123,14 +123,17 @@ def _pass_record(timed, compiled: list[str] | None, wide: int) -> dict:
 
 
 class _Waits:
-    """on_step for LLMEngine.generate: the wide decode steps' wait for their sampled ids (StepOutput.wait_s)."""
+    """on_step for LLMEngine.generate: the wide decode steps' wait for their sampled ids (StepOutput.wait_s),
+    and every step's span on the GPU (CUDA)."""
 
     def __init__(self, wide: int):
-        self.wide, self.ms = wide, []
+        self.wide, self.ms, self.spans = wide, [], []
 
     def __call__(self, out) -> None:
         if not out.is_prefill and len(out.seqs) >= self.wide:
             self.ms.append(out.wait_s * 1e3)
+        if out.device_span is not None:
+            self.spans.append((*out.device_span, len(out.seqs)))
 
 
 def run_offline(model_dir: str, device: str, attention: str, settings: dict, reqs: list[dict], wide: int) -> dict:
@@ -154,6 +157,7 @@ def run_offline(model_dir: str, device: str, attention: str, settings: dict, req
         facts["cold"] = _pass_record(cold, compiled, wide)
         facts["warm"] = _pass_record(warm, compiled_warm, wide)
         facts["warm"]["wide_decode_wait_ms"] = percentiles(waits.ms)
+        facts["warm"] |= device_stats(waits.spans, None, None, wide)
         facts["first_over_warm"] = round(cold.seconds / warm.seconds, 3) if warm.seconds > 0 else None
         facts["bound"] = workload_bound(engine, prompts, warm.output_lens, device)
     finally:
@@ -275,7 +279,33 @@ def step_stats(steps: list[dict], start_ns: int, end_ns: int, wide: int) -> dict
             "wide_step_ms": percentiles([(s["t_ns"] - s["start_ns"]) / 1e6 for s in wide_steps]),
             "wide_wait_ms": percentiles([s["wait_s"] * 1e3 for s in wide_steps if "wait_s" in s]),
             "wide_gap_ms": percentiles([(b["start_ns"] - a["t_ns"]) / 1e6 for a, b in pairs]),
-            "wide_gap_parts_ms": gap_parts(pairs)}
+            "wide_gap_parts_ms": gap_parts(pairs),
+            **device_stats([(s["gpu_start_ns"], s["gpu_end_ns"], s["num_seqs"]) for s in inside if "gpu_start_ns" in s],
+                           start_ns, end_ns, wide)}
+
+
+def device_stats(spans: list[tuple[int, int, int]], start_ns: int | None, end_ns: int | None, wide: int) -> dict:
+    """What the GPU did, from the steps' device spans (engine/device_clock.py): (start_ns, end_ns, num_seqs)
+    in step order. Its busy fraction of [start_ns, end_ns] (None: from the first step's start to the last
+    one's end), and at batch >= wide its step times and the gaps between consecutive steps: time it had
+    nothing of the engine's to run, i.e. the engine waited for the host. Without spans (CPU) the same
+    fields, unmeasured (None / n 0)."""
+    if not spans:
+        return {"gpu_busy_fraction": None, "wide_gpu_step_ms": percentiles([]), "wide_gpu_gap_ms": percentiles([])}
+    start_ns = spans[0][0] if start_ns is None else start_ns
+    end_ns = spans[-1][1] if end_ns is None else end_ns
+    inside = [s for s in spans if s[1] > start_ns and s[0] < end_ns]
+    busy, reach = 0, start_ns
+    for a, b, _ in sorted(inside):
+        a, b = max(a, reach), min(b, end_ns)
+        if b > a:
+            busy += b - a
+            reach = b
+    wide_pairs = [(x, y) for x, y in zip(inside, inside[1:]) if x[2] >= wide and y[2] >= wide]
+    span = end_ns - start_ns
+    return {"gpu_busy_fraction": round(busy / span, 4) if span > 0 else None,
+            "wide_gpu_step_ms": percentiles([(b - a) / 1e6 for a, b, n in inside if n >= wide]),
+            "wide_gpu_gap_ms": percentiles([max(0, y[0] - x[1]) / 1e6 for x, y in wide_pairs])}
 
 
 #: the owner's time between two steps, by part, as the worker's step record names them ("before")
@@ -399,7 +429,8 @@ def ab_summary(served: list[dict]) -> dict:
     out: dict[str, dict] = {}
     for run in served:
         m = out.setdefault(run["mode"], {"runs": 0, "native_tok_s": [], "openai_tok_s": [], "native_over_offline": [],
-                                         "openai_over_offline": [], "native_busy": [], "native_wide_gap_p50_ms": []})
+                                         "openai_over_offline": [], "native_busy": [], "native_wide_gap_p50_ms": [],
+                                         "native_gpu_busy": [], "native_wide_gpu_gap_p50_ms": []})
         m["runs"] += 1
         m["native_tok_s"].append(run["native"].get("tok_s"))
         m["openai_tok_s"].append(run["openai"].get("tok_s"))
@@ -407,6 +438,8 @@ def ab_summary(served: list[dict]) -> dict:
         m["openai_over_offline"].append(run["ratios"]["openai_over_offline"])
         m["native_busy"].append(run["native"].get("engine_busy_fraction"))
         m["native_wide_gap_p50_ms"].append((run["native"].get("wide_gap_ms") or {}).get("p50"))
+        m["native_gpu_busy"].append(run["native"].get("gpu_busy_fraction"))
+        m["native_wide_gpu_gap_p50_ms"].append((run["native"].get("wide_gpu_gap_ms") or {}).get("p50"))
     return out
 
 

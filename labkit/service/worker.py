@@ -189,6 +189,12 @@ class _Request:
     prefill_after: str | None = None      # n > 1: the sibling request whose prompt KV this one reuses
 
 
+def _device_fields(out) -> dict:
+    """The step's span on the GPU (CUDA; engine/device_clock.py), for the step record."""
+    span = getattr(out, "device_span", None)
+    return {} if span is None else {"gpu_start_ns": span[0], "gpu_end_ns": span[1]}
+
+
 def _lp_entry(rec) -> list:
     """A TokenLogprob as event JSON: [token id, log-prob, rank, [[id, log-prob], ...]]."""
     return [rec.token_id, rec.logprob, rec.rank, [[t, v] for t, v in rec.top]]
@@ -696,7 +702,7 @@ class Worker:
                 wait_s=round(getattr(out, "wait_s", 0.0), 6), before=before,
                 batch=[[self._rid_of(sid), n] for sid, n in out.scheduled],
                 chunks=[self._rid_of(sid) for sid in out.outcome.discarded],
-                free_blocks=self.engine.stats().free_blocks))
+                free_blocks=self.engine.stats().free_blocks, **_device_fields(out)))
         slow: list[_Request] = []
         stopped: list[_Request] = []
         ttfts: list[float] = []
