@@ -566,6 +566,8 @@ class ModelRunner:
             return Launched(tokens, tokens, None, route, logprobs)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
+        if logprobs is not None:
+            logprobs.stage()                     # read after `ready`, like the ids
         ready = torch.cuda.Event(enable_timing=True)
         ready.record()
         return Launched(tokens, host, ready, route, logprobs, self._started)

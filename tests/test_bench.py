@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLMEngine
-from labkit.bench.run import fixed_workload, run_bench
+from labkit.bench.run import fixed_workload, judged_checkpoint, run_bench
 from labkit.bench.profile import PARTS, profile_run
 from labkit.errors import UserError
 
@@ -263,3 +263,13 @@ def test_workload_bound_calls_the_roofs_as_the_bench_does_on_cuda(tiny_model_dir
         built.engine.close()
     assert out["roofline"]["matmul_peak_tflops"] == 500.0 and out["copy_roof_gb_s"] == 1000.0
     assert out["share_of_bound"] == round(10.0 / out["bound_tok_s"], 3)
+
+
+def test_a_larger_preset_is_judged_by_no_checkpoint():
+    """The bench checkpoints' floors are the 0.6B's: an 8B-shaped run is evidence that says why it is not judged."""
+    facts = {}
+    assert judged_checkpoint("cuda.latency", {"synthetic": True, "preset": "qwen3-8b"}, facts) is None
+    assert "qwen3-8b" in facts["not_judged"]
+    for identity in ({"synthetic": True, "preset": "qwen3-0.6b"}, {"synthetic": False, "preset": None}):
+        facts = {}
+        assert judged_checkpoint("cuda.latency", identity, facts) == "cuda.latency" and not facts

@@ -109,6 +109,17 @@ class SampledLogprobs:
     top_ids: torch.Tensor | None      # [R, K]
     top_lps: torch.Tensor | None
 
+    def stage(self) -> None:
+        """Queue the copies to pinned host memory now (CUDA, the overlapped decode): the caller records an event
+        after them, and to_host() then reads host memory instead of waiting on the stream, where the next step
+        may already be running."""
+        for name in ("chosen", "ranks", "top_ids", "top_lps"):
+            t = getattr(self, name)
+            if t is not None and t.is_cuda:
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                setattr(self, name, host)
+
     def to_host(self, tokens: list[int]) -> dict[int, TokenLogprob]:
         chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
         ids = self.top_ids.tolist() if self.top_ids is not None else None

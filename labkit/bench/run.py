@@ -16,6 +16,8 @@ from labkit.errors import UserError
 from labkit.evidence import write_evidence
 from labkit.paths import default_out
 
+#: the model the bench checkpoints' figures are for (a synthetic run of another preset is judged by none)
+CHECKPOINT_PRESET = "qwen3-0.6b"
 WORKLOADS = ("nano-vllm", "graph-vs-eager", "latency", "attention")
 # nano-vllm's bench.py engine settings
 NANO_VLLM_ENGINE = dict(max_model_len=4096, max_num_batched_tokens=16384, max_num_seqs=512,
@@ -336,8 +338,18 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
     facts["device"] = device
     kind = "gpu-measured" if device.startswith("cuda") else "cpu-real-engine"
     identity = dict(model_identity(ref.path))
+    checkpoint = judged_checkpoint(checkpoint, identity, facts)
     return write_evidence(out or default_out(f"bench-{workload}.json"), checkpoint=checkpoint, kind=kind,
                           facts=facts, device=device, model=identity)
+
+
+def judged_checkpoint(checkpoint: str | None, identity: dict, facts: dict) -> str | None:
+    """The checkpoints' figures are the 0.6B's: a run on another synthetic preset (1.7B .. 8B shapes) is
+    evidence judged by no checkpoint, and its facts say why."""
+    if checkpoint is not None and identity.get("synthetic") and identity.get("preset") not in (None, CHECKPOINT_PRESET):
+        facts["not_judged"] = f"model preset {identity['preset']}: {checkpoint}'s figures are {CHECKPOINT_PRESET}'s"
+        return None
+    return checkpoint
 
 
 def _run_attention_bench(out: Path | None, device: str, attention: str, sweep: bool) -> dict:
