@@ -361,3 +361,24 @@ def test_overlapped_decode_never_waits_on_the_stream(gpu_model_dir, sampling):
         engine.close()
     assert len(spans) > 20 and all(s is not None and s[0] <= s[1] for s in spans)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))     # one stream: each step after the one before
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_matches_cublas_on_qwen3_shapes(dtype):
+    """The one-token GEMV (engine/layers/gemv.py) on the 0.6B's and the 8B's projection shapes, with and without
+    the SiLU-and-mul prologue, against F.linear (and the fused SiLU kernel) on the GPU."""
+    import torch.nn.functional as F
+
+    from engine.layers.fused_kernels import silu_and_mul
+    from engine.layers.gemv import gemv
+
+    shapes = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (4096, 12288)]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in shapes:
+        w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(dtype)
+        x = torch.randn(1, k, device="cuda", generator=g).to(dtype)
+        gate_up = torch.randn(1, 2 * k, device="cuda", generator=g).to(dtype)
+        for got, want in ((gemv(x, w), F.linear(x, w)), (gemv(gate_up, w, silu_mul=True), F.linear(silu_and_mul(gate_up), w))):
+            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            assert got.shape == want.shape and got.dtype == dtype
+            assert err <= (1e-5 if dtype == torch.float32 else 1e-2), (n, k, err)

@@ -15,7 +15,14 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
+def one_row(x: torch.Tensor) -> bool:
+    """A single token's activations: the GEMV's case (engine/layers/gemv.py)."""
+    return x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
+
+
 class LinearBase(nn.Module):
+    fused = False               # the runner turns on the Triton GEMV for one-token inputs on CUDA
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelContext):
         super().__init__()
         self.tp = tp
@@ -30,8 +37,14 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and self.bias is None and one_row(x):
+            from engine.layers.gemv import gemv
+            return gemv(x, self.weight)
         return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -92,6 +105,12 @@ class RowParallelLinear(LinearBase):
         size = param.shape[1]
         default_weight_loader(param, loaded.narrow(1, self.tp.rank * size, size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
-        return self.tp.all_reduce(y)
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """silu_mul (one token, see takes_silu_mul): x is gate_up and the GEMV reads SiluAndMul()(x)."""
+        if silu_mul:
+            from engine.layers.gemv import gemv
+            return self.tp.all_reduce(gemv(x, self.weight, silu_mul=True))
+        return self.tp.all_reduce(self.matmul(x))
+
+    def takes_silu_mul(self, gate_up: torch.Tensor) -> bool:
+        return self.fused and self.bias is None and one_row(gate_up)

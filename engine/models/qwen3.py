@@ -78,7 +78,10 @@ class Qwen3MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x):
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.down_proj.takes_silu_mul(gate_up):          # one token: the GEMV applies the activation
+            return self.down_proj(gate_up, silu_mul=True)
+        return self.down_proj(self.act_fn(gate_up))
 
 
 class Qwen3DecoderLayer(nn.Module):
