@@ -10,12 +10,10 @@ Processes and channels
     :class:`RemoteWorker` (the parent, where the HTTP server runs) has the public surface the server,
     ``run_serve`` and the tests use from :class:`labkit.service.worker.Worker`. ``start()`` spawns a child
     (``multiprocessing`` "spawn": nothing of the parent, CUDA included, is inherited) that runs the existing
-    Worker unchanged, with ``stream=False`` handles (nobody reads them there) and a sink that collects the
-    owner's events. Two one-way pipes: commands parent -> child (submit, cancel, test-hook calls, close),
-    events child -> parent. The owner already hands a whole step's wake-ups over once per step
-    (``_flush_wakes``); the child hooks there and sends the step's events as ONE message (a pickled list);
-    after each loop round it sends the owner's published snapshot (queue, active, KV blocks, round, state).
-    Events made outside the owner thread (``submitted`` at submit) go out at once, under the same lock.
+    Worker unchanged (:mod:`labkit.service.engine_child`). Two one-way pipes: commands parent -> child
+    (submit, cancel, test-hook calls, close), events child -> parent: a step's events as ONE message (a
+    pickled list), the owner's published snapshot after each loop round (queue, active, KV blocks, round,
+    state), events made outside the owner thread at once.
 
 The parent
     A reader thread demultiplexes each message into the local :class:`RequestHandle`s (one ``wake_all``
@@ -50,185 +48,23 @@ the child, answered on the event pipe (so every event sent before the answer has
 from __future__ import annotations
 
 import copy
-import dataclasses
 import itertools
 import multiprocessing
 import signal
-import sys
 import threading
 import time
-import types
-from contextlib import contextmanager
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine import LLMEngine, RequestError, SamplingParams
+from engine import LLMEngine, SamplingParams
 from engine.llm_engine import EngineStats
 from labkit.errors import UserError
+from labkit.service.engine_child import CHILD_CALLS, READY_TIMEOUT_S, _bare_main, _child_main  # noqa: F401
 from labkit.service.events import Sink, make_event, now_ns
 from labkit.service.metrics import ServiceStats
 from labkit.service.stream import RequestHandle, wake_all
 from labkit.service.worker import DuplicateRequest, Worker, WorkerConfig, WorkerUnavailable, checked_submission
-
-#: The Worker methods a child may be asked to run (test hooks and snapshots), nothing else.
-CHILD_CALLS = ("pause", "resume", "inject_fault", "run_on_owner", "snapshot")
-READY_TIMEOUT_S = 900.0
-
-
-# --------------------------------------------------------------------------- the child
-
-
-class _Sender:
-    """The child's end of the event pipe: the owner's events batched per step, others sent at once."""
-
-    def __init__(self, conn):
-        self.conn = conn
-        self.lock = threading.Lock()
-        self.batch: list[dict] = []
-        self.worker: Worker | None = None
-
-    def sink(self, ev: dict) -> None:
-        if threading.current_thread() is self.worker._thread:
-            self.batch.append(ev)
-        else:
-            self.send(("events", [ev], None))
-
-    def ship(self, snapshot: dict | None = None) -> None:
-        batch, self.batch = self.batch, []
-        if batch or snapshot is not None:
-            self.send(("events", batch, snapshot))
-
-    def send(self, msg) -> None:
-        with self.lock:
-            self.conn.send(msg)
-
-
-class _ChildWorker(Worker):
-    """The Worker, unchanged but for where its step's events go: at each wake-up flush (once per step
-    and once per boundary) they leave for the parent as one message, with the snapshot after each round."""
-
-    sender: _Sender
-
-    def _flush_wakes(self) -> None:
-        super()._flush_wakes()
-        if threading.current_thread() is self._thread:
-            self.sender.ship()
-
-    def _publish(self, state: str | None = None) -> None:
-        super()._publish(state)
-        if threading.current_thread() is self._thread:
-            self.sender.ship(self.snapshot())
-
-    def _shutdown_owner(self) -> None:
-        try:
-            super()._shutdown_owner()
-        finally:
-            self.sender.ship(self.snapshot())
-
-
-class _Uncounted:
-    """The child Worker's stats: nothing. The parent counts the same from the events, so the engine's process
-    pays no Prometheus counter or histogram per token (about 1 us each)."""
-
-    def count_prompt(self, tokens: int) -> None:
-        pass
-
-    def count_tokens(self, ttfts: list[float], itls: list[float]) -> None:
-        pass
-
-    def count_step(self, phase: str, seconds: float) -> None:
-        pass
-
-    def count_engine_error(self) -> None:
-        pass
-
-    def count_finished(self, reason: str, e2e_seconds: float | None = None) -> None:
-        pass
-
-
-def _portable(exc: BaseException) -> BaseException:
-    """An exception the parent can unpickle with its type and one-line message (else a UserError)."""
-    import pickle
-
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:
-        return UserError(" ".join(f"{type(exc).__name__}: {exc}".split()))
-
-
-def _child_main(config: WorkerConfig, commands, events) -> None:
-    """The engine process: build the Worker, report ready (or the init error), then serve commands."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C goes to the parent, which closes us in order
-    sender = _Sender(events)
-    worker = _ChildWorker(dataclasses.replace(config, load_tokenizer=False, log_steps=True), sink=sender.sink)
-    worker.sender, sender.worker = sender, worker
-    worker.stats = _Uncounted()
-    try:
-        worker.start(READY_TIMEOUT_S)
-    except BaseException as e:
-        sender.send(("init_error", _portable(e)))
-        return
-    engine = worker.engine
-    built = worker.built
-    sender.send(("ready", {"config": engine.config, "num_blocks": engine.stats().num_blocks,
-                           "kind": built.kind, "device": built.device, "model": built.model,
-                           "describe": built.describe(), "snapshot": worker.snapshot()}))
-    close_timeout = 30.0
-    try:
-        while True:
-            try:
-                msg = commands.recv()
-            except (EOFError, OSError):           # the parent is gone
-                break
-            kind = msg[0]
-            if kind == "submit":
-                _child_submit(worker, sender, *msg[1:])
-            elif kind == "cancel":
-                worker.cancel(*msg[1:])
-            elif kind == "call":
-                call_id, name, args = msg[1:]
-                try:
-                    if name not in CHILD_CALLS:
-                        raise ValueError(f"{name} is not a call the engine process takes")
-                    sender.send(("reply", call_id, True, getattr(worker, name)(*args)))
-                except BaseException as e:
-                    sender.send(("reply", call_id, False, _portable(e)))
-            elif kind == "close":
-                close_timeout = msg[1]
-                break
-    finally:
-        worker.close(timeout=close_timeout)
-        try:
-            sender.send(("closed",))
-        except OSError:
-            pass
-
-
-def _child_submit(worker: Worker, sender: _Sender, rid: str, token_ids: list[int], params: SamplingParams,
-                  tags: dict, stop_token_ids, prefill_after: str | None) -> None:
-    try:
-        worker.submit(token_ids, params, request_id=rid, tags=tags, stream=False, stop_token_ids=stop_token_ids,
-                      prefill_after=prefill_after)
-    except (RequestError, DuplicateRequest, WorkerUnavailable) as e:     # the parent's checks let it through
-        sender.send(("events", [make_event("finished", rid, worker.worker_id, worker._round, reason="rejected",
-                                           message=" ".join(str(e).split()), num_prompt_tokens=len(token_ids),
-                                           num_completion_tokens=0, admitted=False)], None))
-
-
-@contextmanager
-def _bare_main():
-    """While a child is spawned, ``__main__`` is an empty module: the child needs nothing of the parent's
-    main script (its target lives in this module), so it never re-runs a script without a ``__main__``
-    guard, nor pytest's or the console script's entry."""
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        if main is not None:
-            sys.modules["__main__"] = main
 
 
 # --------------------------------------------------------------------------- the parent's views
@@ -709,5 +545,4 @@ class RemoteWorker:
 def worker_class(engine_process: bool) -> type:
     """The Worker ``labkit serve`` runs: in this process, or in an engine process of its own."""
     return RemoteWorker if engine_process else Worker
-
 
