@@ -12,8 +12,8 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import Config
-from engine.layers.logits_process import to_device
 from engine.errors import RequestError
+from engine.layers.logits_process import to_device
 from engine.model_runner import EAGER, Launched, ModelRunner, Route, StepInputs
 from engine.observe import EngineEvent, EventBus, HookSet, StepHooks
 from engine.sampling_params import SamplingParams
