@@ -1,8 +1,9 @@
 """`labkit serve --engine-process`: the HTTP contract is the same with the engine in a process of its own.
 
-The shared tests run once per mode (``served`` is a module fixture over ``in-process`` and
-``engine-process``: one spawn and model load per mode, not per test); the crash, init-error and close
-tests need an engine process of their own.
+The service contract checks that hold in both modes live here, once, and run once per mode (``served``
+is a module fixture over ``in-process`` and ``engine-process``: one spawn and model load per mode, not per
+test); test_service_http.py keeps the checks of the HTTP front alone (routes, body parsing, OpenAI client,
+ports). The crash, init-error and close tests need an engine process of their own.
 """
 from __future__ import annotations
 
@@ -14,60 +15,33 @@ import signal
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
 import pytest
 from conftest import settle, wait_for
+from service_fixtures import MODES, body, ids, kv, queued, ready_url, run, serving, settle_after, with_session, \
+    worker_config
 
 from labkit.errors import UserError
-from labkit.load.trace import token_ids
 from labkit.service import client
-from labkit.service.engine_process import RemoteWorker, worker_class
+from labkit.service.engine_process import RemoteWorker
 from labkit.service.events import MemorySink
 from labkit.service.server import ServerThread
-from labkit.service.worker import Worker, WorkerConfig
+from labkit.service.worker import Worker
 
 MAX_MODEL_LEN = 512
-MODES = ("in-process", "engine-process")
 
 
-def ids(name: str, n: int = 20) -> list[int]:
-    return token_ids(4, name, n)
-
-
-def body(rid: str, max_tokens: int = 5, **extra) -> dict:
-    return {"request_id": rid, "prompt_token_ids": ids(rid), "max_tokens": max_tokens, "ignore_eos": True, **extra}
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-async def with_session(fn):
-    async with client.session(30.0) as sess:
-        return await fn(sess)
-
-
-def config(model, **kw) -> WorkerConfig:
-    base = dict(model=str(model), device="cpu", attention="torch", max_active=2, queue_size=3,
-                max_num_batched_tokens=256, max_num_seqs=4, max_model_len=MAX_MODEL_LEN, worker_id="proc-test")
-    return WorkerConfig(**{**base, **kw})
+def config(model, **kw):
+    return worker_config(model, **{"attention": "torch", "worker_id": "proc-test", **kw})
 
 
 @pytest.fixture(scope="module", params=MODES)
 def served(request, tiny_model_dir):
-    sink = MemorySink()
-    w = worker_class(request.param == "engine-process")(config(tiny_model_dir), sink=sink).start()
-    srv = ServerThread(w, "127.0.0.1", 0, max_body_bytes=64 * 1024).start()
-    yield SimpleNamespace(url=srv.url, worker=w, sink=sink, mode=request.param)
-    srv.close()
+    yield from serving(tiny_model_dir, request.param, attention="torch", worker_id="proc-test",
+                       server_kw={"max_body_bytes": 64 * 1024})
 
 
-@pytest.fixture(autouse=True)
-def _idle(request):
-    yield
-    if "served" in request.fixturenames:
-        settle(request.getfixturevalue("served").worker)
+_idle = settle_after("served")
 
 
 def test_the_engine_runs_where_the_mode_says(served):
@@ -80,7 +54,8 @@ def test_the_engine_runs_where_the_mode_says(served):
 def test_native_stream_in_order_with_text(served):
     async def go(sess):
         async with sess.post(f"{served.url}/generate", json=body("nd-1", 6)) as resp:
-            assert resp.status == 200 and resp.headers["X-Worker-Id"] == "proc-test"
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith("application/x-ndjson")
+            assert resp.headers["X-Worker-Id"] == "proc-test"
             return [json.loads(line) async for line in resp.content if line.strip()]
 
     evs = run(with_session(go))
@@ -88,7 +63,9 @@ def test_native_stream_in_order_with_text(served):
     assert [e["index"] for e in evs if e["event"] == "token"] == list(range(1, 7))
     assert all(isinstance(e["text"], str) for e in evs if e["event"] == "token")
     assert evs[-1]["reason"] == "length" and evs[-1]["num_completion_tokens"] == 6
-    assert all(e["observer"] == "engine" and e["worker_id"] == "proc-test" for e in evs)
+    for e in evs:
+        assert {"request_id", "worker_id", "round", "t_ns", "observer"} <= set(e)
+        assert e["observer"] == "engine" and e["worker_id"] == "proc-test"
 
 
 def test_both_modes_generate_the_same_greedy_tokens(served, tiny_model_dir):
@@ -106,12 +83,27 @@ def _params(n: int):
     return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
 
 
-def test_openai_completion_stream_and_text_chat(served):
+def test_openai_completion_stream_over_raw_sse(served):
     res = run(with_session(lambda s: client.stream_openai(
         s, served.url, {"model": "tiny", "prompt": ids("sse", 10), "max_tokens": 4, "temperature": 0,
                         "ignore_eos": True}, request_id="sse-1")))
     assert res.reason == "length" and res.tokens == 4 and res.usage_completion_tokens == 4
 
+    async def raw(sess):
+        async with sess.post(f"{served.url}/v1/completions", json={"model": "tiny", "prompt": ids("sse2", 10),
+                                                                   "max_tokens": 3, "stream": True,
+                                                                   "ignore_eos": True}) as resp:
+            return resp.headers["Content-Type"], (await resp.read()).decode()
+
+    ctype, text = run(with_session(raw))
+    assert ctype.startswith("text/event-stream")
+    frames = [f for f in text.split("\n\n") if f]
+    assert all(f.startswith("data: ") for f in frames) and frames[-1] == "data: [DONE]"
+    last = json.loads(frames[-2][6:])
+    assert last["object"] == "text_completion" and last["choices"][0]["finish_reason"] == "length"
+
+
+def test_openai_text_chat_is_templated_in_the_parent(served):
     async def raw(sess):
         async with sess.post(f"{served.url}/v1/chat/completions", json={
                 "model": "tiny", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 3,
@@ -133,6 +125,8 @@ def test_openai_completion_stream_and_text_chat(served):
 
 @pytest.mark.parametrize("payload,code", [
     ({"prompt_token_ids": [151936]}, "token_out_of_vocabulary"),
+    ({"prompt_token_ids": [-3]}, "token_out_of_vocabulary"),
+    ({"prompt_token_ids": list(range(1000, 1000 + MAX_MODEL_LEN))}, "context_length_exceeded"),
     ({"prompt_token_ids": [1000] * 500, "max_tokens": 100}, "context_length_exceeded"),
     ({"prompt": "a", "request_id": "bad id!"}, "invalid_value"),
     ({"prompt": "x" * 20000, "max_tokens": 2}, "prompt_too_long"),
@@ -144,18 +138,14 @@ def test_bad_requests_are_400(served, payload, code):
 
     status, err = run(with_session(go))
     assert status == 400 and err["error"]["code"] == code, err
+    assert set(err["error"]) == {"message", "type", "param", "code"} and "\n" not in err["error"]["message"]
 
 
 def test_full_queue_is_429_duplicate_is_400_and_accepted_complete(served):
     w = served.worker
 
     async def go(sess):
-        w.pause()
-        tasks = [asyncio.create_task(client.stream_native(sess, served.url, body(f"fq-{i}", 3))) for i in range(3)]
-        for _ in range(500):
-            if len(w.pending_ids()) == 3:
-                break
-            await asyncio.sleep(0.01)
+        tasks = await queued(sess, served.url, w, [body(f"fq-{i}", 3) for i in range(3)])
         async with sess.post(f"{served.url}/generate", json=body("fq-0", 3)) as resp:
             dup = resp.status, await resp.json()
         async with sess.post(f"{served.url}/generate", json=body("fq-over", 3)) as resp:
@@ -166,6 +156,7 @@ def test_full_queue_is_429_duplicate_is_400_and_accepted_complete(served):
     dup, over, accepted = run(with_session(go))
     assert dup[0] == 400 and dup[1]["error"]["code"] == "duplicate_request_id"
     assert over[0] == 429 and over[1]["error"]["code"] == "queue_full" and over[2] == "1"
+    assert over[1]["error"]["type"] == "rate_limit_error"
     assert [r.reason for r in accepted] == ["length"] * 3 and [r.tokens for r in accepted] == [3, 3, 3]
     rejected = [e for e in served.sink.snapshot() if e["request_id"] == "fq-over"]
     assert [e["event"] for e in rejected] == ["submitted", "finished"] and rejected[-1]["reason"] == "rejected"
@@ -173,11 +164,24 @@ def test_full_queue_is_429_duplicate_is_400_and_accepted_complete(served):
 
 def test_cancel_frees_blocks_and_sends_nothing_after_finished(served):
     res = run(with_session(lambda s: client.stream_native(s, served.url, body("cx-3", 300), cancel_after=3)))
-    assert res.reason == "cancelled" and res.cause == "client" and res.tokens_after_finished == 0
-    assert 3 <= res.tokens < 300
+    assert res.reason == "cancelled" and res.cause == "client" and res.cancel_sent_after == 3
+    assert res.tokens_after_finished == 0 and 3 <= res.tokens < 300
+    names = [e["event"] for e in served.sink.snapshot() if e["request_id"] == "cx-3"]
+    assert names[-1] == "finished" and names.count("finished") == 1
+    free, total = kv(served.worker)                 # the engine's own count, as the stream ended
+    assert free == total > 0
     settle(served.worker)
     snap = served.worker.snapshot()
     assert snap["kv_blocks_free"] == snap["kv_blocks_total"] > 0
+
+    async def cancel_again(sess, **extra):
+        async with sess.post(f"{served.url}/cancel", json={"request_id": "cx-3", **extra}) as resp:
+            return resp.status, await resp.json()
+
+    status, err = run(with_session(lambda s: cancel_again(s, cancel_token="stale")))
+    assert status == 404 and err["error"]["code"] == "request_not_found"
+    status, err = run(with_session(cancel_again))
+    assert status == 400 and err["error"]["code"] == "missing_cancel_token" and err["error"]["param"] == "cancel_token"
 
 
 def test_client_disconnect_cancels_at_the_owner(served):
@@ -201,12 +205,7 @@ def test_engine_error_finishes_the_batch_with_error_and_keeps_serving(served):
     w = served.worker
 
     async def go(sess):
-        w.pause()
-        tasks = [asyncio.create_task(client.stream_native(sess, served.url, body(f"ex-{i}", 5))) for i in range(2)]
-        for _ in range(500):
-            if len(w.pending_ids()) == 2:
-                break
-            await asyncio.sleep(0.01)
+        tasks = await queued(sess, served.url, w, [body(f"ex-{i}", 5) for i in range(2)])
         w.inject_fault(message="injected in test")
         w.resume()
         failed = await asyncio.gather(*tasks)
@@ -257,14 +256,20 @@ def test_metrics_count_what_the_requests_did_from_the_engine_stamps(served):
     assert steps and counted == len(steps)
 
 
-def test_health_says_ok_with_the_pool(served):
+def test_health_says_ok_with_the_pool_and_metrics_name_the_series(served):
     async def go(sess):
-        async with sess.get(f"{served.url}/health") as resp:
-            return resp.status, await resp.json()
+        async with sess.get(f"{served.url}/health") as r1, sess.get(f"{served.url}/metrics") as r2:
+            return r1.status, await r1.json(), r2.status, r2.headers["Content-Type"], await r2.text()
 
-    status, health = run(with_session(go))
+    status, health, s2, ctype, text = run(with_session(go))
     assert status == 200 and health["status"] == "ok" and health["kind"] == "cpu-real-engine"
     assert health["kv_blocks_free"] == health["kv_blocks_total"] > 0 and health["max_model_len"] == MAX_MODEL_LEN
+    assert s2 == 200 and ctype.startswith("text/plain")
+    for name in ("labkit_num_requests_waiting", "labkit_num_requests_running", "labkit_kv_blocks_used",
+                 "labkit_kv_blocks_free", "labkit_generation_tokens_total", "labkit_time_to_first_token_seconds_bucket",
+                 "labkit_inter_token_latency_seconds_count"):
+        assert f"\n{name}{{" in text or text.startswith(f"{name}{{"), name
+    assert "# TYPE labkit_time_to_first_token_seconds histogram" in text
 
 
 # --------------------------------------------------------------------------- an engine process of its own
@@ -325,14 +330,7 @@ def test_serve_command_with_engine_process(tiny_model_dir, tmp_path):
                              "--engine-process", "--out", str(log), "--stats-interval", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        url = None
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and url is None:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            m = re.search(r"ready: (http://127\.0\.0\.1:\d+)", line)
-            url = m.group(1) if m else None
+        url = ready_url(proc, 90)
         assert url
         res = run(with_session(lambda s: client.stream_native(s, url, body("sub-1", 3))))
         assert res.reason == "length" and res.worker_id == "sub"

@@ -15,7 +15,8 @@ import sys
 import time
 
 import pytest
-from conftest import settle, wait_for
+from conftest import wait_for
+from service_fixtures import ready_url, settle_after, start_worker
 
 from labkit.paths import repo_root
 from labkit.service import client
@@ -40,9 +41,7 @@ fuzz = _fuzz_module()
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir):
-    w = Worker(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_active=2, queue_size=3,
-                            max_num_batched_tokens=256, max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
-                            max_prompt_bytes=4096, worker_id="hard")).start()
+    w = start_worker(tiny_model_dir, max_model_len=MAX_MODEL_LEN, max_prompt_bytes=4096, worker_id="hard")
     yield w
     w.close()
 
@@ -54,11 +53,7 @@ def server(worker):
     srv.close()
 
 
-@pytest.fixture(autouse=True)
-def _idle(request):
-    yield
-    if "server" in request.fixturenames:
-        settle(request.getfixturevalue("worker"))
+_idle = settle_after("server")
 
 
 def hp(url: str) -> tuple[str, int]:
@@ -157,6 +152,7 @@ def test_stream_never_cut_and_numbers_stay_strict_json(server):
 
 
 # --------------------------------------------------------------------------- item 7: parser errors, 100-continue, 429
+# (a full queue's 429 with Retry-After: test_service_engine_process.py, over both modes)
 
 
 @pytest.mark.parametrize("raw,status", [
@@ -193,29 +189,6 @@ def test_expect_100_continue_for_a_good_request(server):
         while chunk := s.recv(65536):
             data += chunk
     assert data.startswith(b"HTTP/1.1 200")
-
-
-def test_queue_full_429_has_retry_after(server, worker):
-    async def go(sess):
-        worker.pause()
-        tasks = [asyncio.create_task(client.stream_native(sess, server.url, {
-            "request_id": f"ra-{i}", "prompt_token_ids": [1000 + i] * 4, "max_tokens": 2})) for i in range(3)]
-        for _ in range(500):
-            if len(worker.pending_ids()) == 3:
-                break
-            await asyncio.sleep(0.01)
-        async with sess.post(f"{server.url}/generate", json={"prompt_token_ids": [5], "max_tokens": 2}) as resp:
-            out = resp.status, resp.headers.get("Retry-After"), await resp.json()
-        worker.resume()
-        await asyncio.gather(*tasks)
-        return out
-
-    async def main():
-        async with client.session(30) as sess:
-            return await go(sess)
-
-    status, retry, err = asyncio.run(main())
-    assert status == 429 and retry == "1" and err["error"]["code"] == "queue_full"
 
 
 # --------------------------------------------------------------------------- item 1: unfinished requests time out
@@ -522,14 +495,7 @@ def limited_server(tiny_model_dir):
                              "--device", "cpu", "--max-model-len", "256", "--timeout-headers", "30",
                              "--timeout-keep-alive", "30"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and url is None:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        m = re.search(r"ready: (http://127\.0\.0\.1:\d+)", line)
-        url = m.group(1) if m else None
+    url = ready_url(proc, 120)
     assert url, proc.stderr.read() if proc.poll() is not None else "no ready line"
     yield proc, url
     if proc.poll() is None:

@@ -1,84 +1,34 @@
-"""The HTTP front over loopback (127.0.0.1): native NDJSON, cancel, overload, faults, bad input, OpenAI."""
+"""The HTTP front over loopback (127.0.0.1): bad input, routes, OpenAI client, ports, close, the serve and
+client commands. The contract checks that hold with the engine in-process and in an engine process alike
+(NDJSON stream, cancel, overload, faults, health, metrics, raw SSE) run over both modes in
+test_service_engine_process.py."""
 from __future__ import annotations
 
 import asyncio
 import json
 import socket
-import time
 
 import pytest
-from conftest import settle, wait_for
+from service_fixtures import body, ids, ready_url, run, serving, settle_after, with_session
 
 from labkit.errors import UserError
 from labkit.service import client
-from labkit.service.events import MemorySink
 from labkit.service.server import ServerThread, bind_socket
 from labkit.service.worker import Worker, WorkerConfig
-from labkit.load.trace import token_ids
 
 MAX_MODEL_LEN = 512
 
 
-def ids(name: str, n: int = 20) -> list[int]:
-    return token_ids(4, name, n)
-
-
-def body(rid: str, max_tokens: int = 5, **extra) -> dict:
-    return {"request_id": rid, "prompt_token_ids": ids(rid), "max_tokens": max_tokens, "ignore_eos": True, **extra}
-
-
-def run(coro):
-    return asyncio.run(coro)
-
-
-async def with_session(fn):
-    async with client.session(30.0) as sess:
-        return await fn(sess)
-
-
 @pytest.fixture(scope="module")
-def sink():
-    return MemorySink()
+def server(tiny_model_dir):
+    yield from serving(tiny_model_dir, worker_id="http-test", server_kw={"max_body_bytes": 64 * 1024})
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir, sink):
-    w = Worker(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_active=2, queue_size=3, max_num_batched_tokens=256,
-                            max_num_seqs=4, max_model_len=MAX_MODEL_LEN, worker_id="http-test"), sink=sink).start()
-    srv = ServerThread(w, "127.0.0.1", 0, max_body_bytes=64 * 1024).start()
-    yield srv
-    srv.close()
-
-
-@pytest.fixture(autouse=True)
-def _idle(request):
-    yield
-    if "server" in request.fixturenames:
-        settle(request.getfixturevalue("server").worker)
-
-
-def kv(server) -> tuple[int, int]:
-    return server.worker.run_on_owner(lambda e: (e.stats().free_blocks, e.stats().num_blocks))
+_idle = settle_after("server")
 
 
 def test_port_zero_prints_a_real_url(server):
     assert server.url.startswith("http://127.0.0.1:") and not server.url.endswith(":0")
-
-
-def test_generate_streams_ndjson_in_order(server):
-    async def go(sess):
-        async with sess.post(f"{server.url}/generate", json=body("nd-1", 6)) as resp:
-            assert resp.status == 200 and resp.headers["Content-Type"].startswith("application/x-ndjson")
-            assert resp.headers["X-Worker-Id"] == "http-test"
-            return [json.loads(line) async for line in resp.content if line.strip()]
-
-    evs = run(with_session(go))
-    assert [e["event"] for e in evs] == ["submitted", "admitted"] + ["token"] * 6 + ["finished"]
-    assert [e["index"] for e in evs if e["event"] == "token"] == list(range(1, 7))
-    assert all(isinstance(e["text"], str) for e in evs if e["event"] == "token")
-    assert evs[-1]["reason"] == "length" and evs[-1]["num_completion_tokens"] == 6
-    for e in evs:
-        assert {"request_id", "worker_id", "round", "t_ns", "observer"} <= set(e) and e["observer"] == "engine"
 
 
 def test_generate_non_stream_and_text_prompt(server):
@@ -103,103 +53,10 @@ def test_client_records_both_observers(server):
     assert all(e["t_ns"] >= e["server_t_ns"] for e in tok)      # one monotonic clock on one machine
 
 
-def test_cancel_after_3_no_token_after_finished_and_blocks_free(server, sink):
-    res = run(with_session(lambda s: client.stream_native(s, server.url, body("cx-3", 300), cancel_after=3)))
-    assert res.reason == "cancelled" and res.cause == "client" and res.cancel_sent_after == 3
-    assert res.tokens_after_finished == 0 and 3 <= res.tokens < 300
-    logged = [e for e in sink.snapshot() if e["request_id"] == "cx-3"]
-    names = [e["event"] for e in logged]
-    assert names[-1] == "finished" and names.count("finished") == 1
-    free, total = kv(server)
-    assert free == total
-
-    async def cancel_again(sess, **extra):
-        async with sess.post(f"{server.url}/cancel", json={"request_id": "cx-3", **extra}) as resp:
-            return resp.status, await resp.json()
-
-    status, err = run(with_session(lambda s: cancel_again(s, cancel_token="stale")))
-    assert status == 404 and err["error"]["code"] == "request_not_found"
-    status, err = run(with_session(cancel_again))
-    assert status == 400 and err["error"]["code"] == "missing_cancel_token" and err["error"]["param"] == "cancel_token"
-
-
-def test_full_queue_answers_429_and_accepted_complete(server):
-    w = server.worker
-
-    async def go(sess):
-        w.pause()
-        tasks = [asyncio.create_task(client.stream_native(sess, server.url, body(f"fq-{i}", 3))) for i in range(3)]
-        for _ in range(500):
-            if len(w.pending_ids()) == 3:
-                break
-            await asyncio.sleep(0.01)
-        async with sess.post(f"{server.url}/generate", json=body("fq-over", 3)) as resp:
-            status, err = resp.status, await resp.json()
-        w.resume()
-        return status, err, await asyncio.gather(*tasks)
-
-    status, err, accepted = run(with_session(go))
-    assert status == 429 and err["error"]["type"] == "rate_limit_error" and err["error"]["code"] == "queue_full"
-    assert [r.reason for r in accepted] == ["length"] * 3 and [r.tokens for r in accepted] == [3, 3, 3]
-
-
-def test_client_disconnect_cancels(server, sink):
-    async def go(sess):
-        async with sess.post(f"{server.url}/generate", json=body("gone", 300)) as resp:
-            n = 0
-            async for line in resp.content:
-                if b'"token"' in line:
-                    n += 1
-                    if n == 2:
-                        break
-            resp.close()
-
-    run(with_session(go))
-    wait_for(lambda: any(e["request_id"] == "gone" and e["event"] == "finished" for e in sink.snapshot()))
-    fin = [e for e in sink.snapshot() if e["request_id"] == "gone" and e["event"] == "finished"][0]
-    assert fin["reason"] == "cancelled" and fin["cause"] == "disconnect" and fin["num_completion_tokens"] < 300
-
-
-def test_engine_exception_over_http_keeps_serving(server):
-    w = server.worker
-
-    async def go(sess):
-        w.pause()
-        tasks = [asyncio.create_task(client.stream_native(sess, server.url, body(f"ex-{i}", 5))) for i in range(2)]
-        for _ in range(500):
-            if len(w.pending_ids()) == 2:
-                break
-            await asyncio.sleep(0.01)
-        w.inject_fault(message="injected in test")
-        w.resume()
-        failed = await asyncio.gather(*tasks)
-        after = await client.stream_native(sess, server.url, body("ex-after", 3))
-        async with sess.get(f"{server.url}/health") as resp:
-            return failed, after, resp.status
-
-    failed, after, health = run(with_session(go))
-    assert [r.reason for r in failed] == ["error", "error"] and all("injected in test" in r.message for r in failed)
-    assert after.reason == "length" and health == 200
-
-
-def test_health_and_metrics(server):
-    async def go(sess):
-        async with sess.get(f"{server.url}/health") as r1, sess.get(f"{server.url}/metrics") as r2:
-            return r1.status, await r1.json(), r2.status, r2.headers["Content-Type"], await r2.text()
-
-    s1, health, s2, ctype, text = run(with_session(go))
-    assert s1 == 200 and health["status"] == "ok" and health["kind"] == "cpu-real-engine"
-    assert health["kv_blocks_free"] == health["kv_blocks_total"] > 0
-    assert s2 == 200 and ctype.startswith("text/plain")
-    for name in ("labkit_num_requests_waiting", "labkit_num_requests_running", "labkit_kv_blocks_used",
-                 "labkit_kv_blocks_free", "labkit_generation_tokens_total", "labkit_time_to_first_token_seconds_bucket",
-                 "labkit_inter_token_latency_seconds_count"):
-        assert f"\n{name}{{" in text or text.startswith(f"{name}{{"), name
-    assert "# TYPE labkit_time_to_first_token_seconds histogram" in text
-
-
 # --------------------------------------------------------------------------- bad input
 
+# the engine-side refusals (vocabulary, context length, request id, prompt size) are in
+# test_service_engine_process.py's test_bad_requests_are_400, over both modes
 BAD = [
     ("/generate", b"{not json", 400, "invalid_json"),
     ("/generate", b"[1, 2]", 400, "invalid_body"),
@@ -210,10 +67,6 @@ BAD = [
     ("/generate", {"prompt_token_ids": []}, 400, "empty_prompt"),
     ("/generate", {"prompt_token_ids": [1, "2"]}, 400, "invalid_type"),
     ("/generate", {"prompt_token_ids": [1, True]}, 400, "invalid_type"),
-    ("/generate", {"prompt_token_ids": [151936]}, 400, "token_out_of_vocabulary"),
-    ("/generate", {"prompt_token_ids": [-3]}, 400, "token_out_of_vocabulary"),
-    ("/generate", {"prompt_token_ids": list(range(1000, 1000 + MAX_MODEL_LEN))}, 400, "context_length_exceeded"),
-    ("/generate", {"prompt_token_ids": [1000] * 500, "max_tokens": 100}, 400, "context_length_exceeded"),
     ("/generate", {"prompt": "a", "max_tokens": 0}, 400, "invalid_value"),
     ("/generate", {"prompt": "a", "max_tokens": -1}, 400, "invalid_value"),
     ("/generate", {"prompt": "a", "max_tokens": MAX_MODEL_LEN}, 400, "invalid_value"),
@@ -224,7 +77,6 @@ BAD = [
     ("/generate", {"prompt": "a", "temperature": "hot"}, 400, "invalid_type"),
     ("/generate", {"prompt": "a", "ignore_eos": "yes"}, 400, "invalid_type"),
     ("/generate", {"prompt": "a", "seed": 1.5}, 400, "invalid_type"),
-    ("/generate", {"prompt": "a", "request_id": "bad id!"}, 400, "invalid_value"),
     ("/generate", {"prompt": "a", "tags": {"reason": 1}}, 400, "invalid_value"),
     ("/generate", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value"),
     ("/generate", {"messages": "hi"}, 400, "invalid_type"),
@@ -324,27 +176,6 @@ def test_openai_client_non_stream_completion_and_chat(server):
         api.completions.create(model="gpt-4", prompt="a", max_tokens=2)
 
 
-def test_openai_completion_stream_over_raw_sse(server):
-    recorded: list[dict] = []
-    res = run(with_session(lambda s: client.stream_openai(
-        s, server.url, {"model": "tiny", "prompt": ids("sse", 10), "max_tokens": 4, "temperature": 0,
-                        "ignore_eos": True}, request_id="sse-1", record=recorded.append)))
-    assert res.reason == "length" and res.tokens == 4 and res.usage_completion_tokens == 4
-
-    async def raw(sess):
-        async with sess.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": ids("sse2", 10),
-                                                                   "max_tokens": 3, "stream": True,
-                                                                   "ignore_eos": True}) as resp:
-            return resp.headers["Content-Type"], (await resp.read()).decode()
-
-    ctype, text = run(with_session(raw))
-    assert ctype.startswith("text/event-stream")
-    frames = [f for f in text.split("\n\n") if f]
-    assert all(f.startswith("data: ") for f in frames) and frames[-1] == "data: [DONE]"
-    last = json.loads(frames[-2][6:])
-    assert last["object"] == "text_completion" and last["choices"][0]["finish_reason"] == "length"
-
-
 # --------------------------------------------------------------------------- two servers, ports, close
 
 
@@ -402,7 +233,6 @@ def test_server_close_twice_and_releases_port(tiny_model_dir):
 
 
 def test_serve_command_port_zero_prints_url_and_stops_on_sigint(tiny_model_dir, tmp_path):
-    import re
     import signal
     import subprocess
     import sys
@@ -412,14 +242,7 @@ def test_serve_command_port_zero_prints_url_and_stops_on_sigint(tiny_model_dir, 
                              "--device", "cpu", "--max-model-len", "256", "--worker-id", "sub", "--out", str(log)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        url = None
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and url is None:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            m = re.search(r"ready: (http://127\.0\.0\.1:\d+)", line)
-            url = m.group(1) if m else None
+        url = ready_url(proc, 60)
         assert url and not url.endswith(":0")
         res = run(with_session(lambda s: client.stream_native(s, url, body("sub-1", 3))))
         assert res.reason == "length" and res.worker_id == "sub"

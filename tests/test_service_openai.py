@@ -3,17 +3,14 @@ parameters refused or accepted as no-ops (docs/OPENAI.md), defaults, stop string
 ids, several prompts, usage, /v1/models/{id}."""
 from __future__ import annotations
 
-import json
 import random
-import urllib.error
-import urllib.request
 
 import pytest
-from conftest import settle, wait_for
+from conftest import wait_for
+from service_fixtures import post, ready_url, serving, settle_after
 
 from labkit.load.trace import token_ids
 from labkit.service.protocol import NOOP_PARAMS
-from labkit.service.server import ServerThread
 from labkit.service.stops import StopStrings
 from labkit.service.worker import Worker, WorkerConfig
 
@@ -27,34 +24,16 @@ def ids(name: str, n: int = 12) -> list[int]:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    w = Worker(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_active=4, queue_size=16,
-                            max_num_batched_tokens=256, max_num_seqs=4, max_model_len=MAX_MODEL_LEN,
-                            worker_id="oai-test")).start()
-    srv = ServerThread(w, "127.0.0.1", 0).start()
-    yield srv
-    srv.close()
+    yield from serving(tiny_model_dir, record=False, max_active=4, queue_size=16, max_model_len=MAX_MODEL_LEN,
+                       worker_id="oai-test")
 
 
-@pytest.fixture(autouse=True)
-def _idle(request):
-    yield
-    if "server" in request.fixturenames:
-        settle(request.getfixturevalue("server").worker)
+_idle = settle_after("server")
 
 
 @pytest.fixture(scope="module")
 def api(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
-
-
-def post(server, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"{server.url}{path}", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -329,14 +308,8 @@ def test_serve_positional_model_logs_access_and_stats_lines(tiny_model_dir, tmp_
                              "--stats-interval", "0.2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        url, seen = None, []
-        while url is None:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            seen.append(line)
-            m = re.search(r"ready: (http://127\.0\.0\.1:\d+)", line)
-            url = m.group(1) if m else None
+        seen = []
+        url = ready_url(proc, seen=seen)
         assert url, "".join(seen)
         cli = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
         out = cli.completions.create(model=cli.models.list().data[0].id, prompt=ids("cli", 10), max_tokens=40,

@@ -5,18 +5,13 @@ out-of-range value a 400 naming its parameter."""
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
-from conftest import settle
+from service_fixtures import post, serving, settle_after
 
 from engine import LLMEngine
 from labkit.load.trace import token_ids
-from labkit.service.server import ServerThread
-from labkit.service.worker import Worker, WorkerConfig
 
 openai = pytest.importorskip("openai")
 MAX_MODEL_LEN = 64
@@ -25,19 +20,11 @@ PROMPT = token_ids(4, "sampling", 12)
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    w = Worker(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_active=8, queue_size=32,
-                            max_num_batched_tokens=256, max_num_seqs=8, max_model_len=MAX_MODEL_LEN,
-                            worker_id="samp-test")).start()
-    srv = ServerThread(w, "127.0.0.1", 0).start()
-    yield srv
-    srv.close()
+    yield from serving(tiny_model_dir, record=False, max_active=8, queue_size=32, max_num_seqs=8,
+                       max_model_len=MAX_MODEL_LEN, worker_id="samp-test")
 
 
-@pytest.fixture(autouse=True)
-def _idle(request):
-    yield
-    if "server" in request.fixturenames:
-        settle(request.getfixturevalue("server").worker)
+_idle = settle_after("server")
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +43,6 @@ def reference(tiny_model_dir):
 def forced_logprobs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
     from test_sampling_engine import forced_logits
     return torch.log_softmax(forced_logits(engine, ids), dim=-1)
-
-
-def post(server, path: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(f"{server.url}{path}", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def tok_ids(tokenizer, texts: list[str]) -> list[int]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import settle, wait_for
+from conftest import wait_for
+from service_fixtures import settle_after, start_worker
 
 from engine import RequestError, SamplingParams
 from labkit.errors import UserError
@@ -32,17 +33,12 @@ def sink():
 
 @pytest.fixture(scope="module")
 def worker(tiny_model_dir, sink):
-    w = Worker(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_active=2, queue_size=3, max_num_batched_tokens=128,
-                            max_num_seqs=4, max_model_len=256, worker_id="w-test"), sink=sink).start()
+    w = start_worker(tiny_model_dir, sink=sink, max_num_batched_tokens=128, max_model_len=256, worker_id="w-test")
     yield w
     w.close()
 
 
-@pytest.fixture(autouse=True)
-def _idle(request):
-    yield
-    if "worker" in request.fixturenames:
-        settle(request.getfixturevalue("worker"))
+_idle = settle_after("worker")
 
 
 def test_stream_order_counts_and_common_fields(worker):
