@@ -143,7 +143,7 @@ class ModelRunner:
             if not self.device.startswith("cuda"):
                 raise ConfigError("graph execution needs CUDA (use enforce_eager on CPU)")
             self.capture_graphs()
-        if self.device.startswith("cuda"):
+        if self.device.startswith("cuda") and self.tp.rank == 0:   # the other TP ranks' steps are nobody's to read
             self.clock = DeviceClock()
 
     def _enable_fused_ops(self) -> bool:
