@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# (N, K): K a multiple of the GEMV's tile and not; N a multiple of the band and not
-SHAPES = [(24, 64), (37, 80), (16, 1024), (9, 640)]
+# (N, K): K a multiple of the GEMV's tile and not; N a multiple of the band and not; one band (a single program)
+SHAPES = [(24, 64), (37, 80), (16, 1024), (9, 640), (8, 64)]
 DTYPES = ("float32", "bfloat16")
 # (HQ, HK, D): heads that fill their power-of-two tile and not (v row 3 * 32 wide)
 HEADS = [(4, 2, 32), (6, 3, 32)]
@@ -73,14 +73,16 @@ def test_one_token_forward_with_both_fusions_gives_the_plain_logits(results):
     # every layer's qkv and gate_up took the normed GEMV (the first layer's qkv without a residual), and the
     # q/k norm kernel stored the token's k and v
     assert r["normed_calls"] == 2 * r["layers"] and r["normed_no_residual"] == 1, r
-    assert r["store_calls"] == r["layers"], r
+    assert r["store_calls"] == r["layers"] and r["store_kv_calls"] == 0, r     # and the attention stored no more
+    assert r["plain_store_kv_calls"] == r["layers"], r
     assert r["max_abs_err"] <= 1e-4, r                      # the GEMV model case's tolerance
     assert r["kv_max_abs_err"] <= 1e-4, r                    # the slot, cleared before the fused run
 
 
 def test_prefill_with_the_storing_kernel_gives_the_plain_logits_and_cache(results):
     r = results["model"]["prefill"]
-    assert r["normed_calls"] == 0 and r["store_calls"] == r["layers"], r     # several rows: no normed GEMV
+    assert r["normed_calls"] == 0, r                                           # several rows: no normed GEMV
+    assert r["store_calls"] == r["layers"] and r["store_kv_calls"] == 0, r
     assert r["max_abs_err"] <= 1e-4 and r["kv_max_abs_err"] <= 1e-4, r
 
 
@@ -155,7 +157,7 @@ def _model(model_dir: str) -> dict:
                        num_kvcache_blocks=8, kvcache_block_size=16, max_num_batched_tokens=64)
     runner = engine.runner
     layers = len(runner.model.model.layers)
-    calls = {"normed": 0, "normed_no_residual": 0, "store": 0}
+    calls = {"normed": 0, "normed_no_residual": 0, "store": 0, "store_kv": 0}
     real_normed, real_qk = gemv_mod.normed_gemv, fk.qk_norm_rope
 
     def normed(x, w, nw, eps, residual=None):
@@ -168,12 +170,22 @@ def _model(model_dir: str) -> dict:
         return real_qk(*args, **kw)
 
     gemv_mod.normed_gemv, fk.qk_norm_rope = normed, qk
+    backend = runner.model.attention_layers()[0].backend
+    real_store_kv = backend.store_kv
+
+    def store_kv(*args):
+        calls["store_kv"] += 1
+        return real_store_kv(*args)
+
+    backend.store_kv = store_kv
     switches = [m for m in runner.model.modules() if hasattr(m, "fused")]
 
     def compare(inputs) -> dict:
         for m in switches:
             m.fused = False
+        calls["store_kv"] = 0
         plain = runner.run_model(inputs).float()
+        plain_store_kv = calls["store_kv"]
         kv_plain = runner.kv_cache.clone()
         slots = inputs.meta.slot_mapping
         runner.kv_cache.view(2, layers, -1, runner.kv_cache.shape[-2] * runner.kv_cache.shape[-1])[:, :, slots] = 0
@@ -186,7 +198,8 @@ def _model(model_dir: str) -> dict:
             m.fused = False
         ok = torch.isfinite(fused).all()
         return {"layers": layers, "normed_calls": calls["normed"], "normed_no_residual": calls["normed_no_residual"],
-                "store_calls": calls["store"],
+                "store_calls": calls["store"], "store_kv_calls": calls["store_kv"],
+                "plain_store_kv_calls": plain_store_kv,
                 "max_abs_err": (fused - plain).abs().max().item() if ok else float("inf"),
                 "kv_max_abs_err": (runner.kv_cache - kv_plain).abs().max().item()}
 
