@@ -382,3 +382,111 @@ def test_gemv_matches_cublas_on_qwen3_shapes(dtype):
             err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
             assert got.shape == want.shape and got.dtype == dtype
             assert err <= (1e-5 if dtype == torch.float32 else 1e-2), (n, k, err)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_normed_gemv_is_rms_norm_then_gemv_bit_for_bit_on_qwen3_shapes(residual):
+    """The RMSNorm prologue of the one-token GEMV (gemv.py::normed_gemv) against the fused rms_norm kernel then
+    the GEMV, torch.equal, on the 8B's qkv and gate_up shapes (K 4096) and the 0.6B's (K 1024), bfloat16,
+    several random rows each (the row's float32 sum of squares must reduce in the same order)."""
+    from engine.layers.fused_kernels import rms_norm
+    from engine.layers.gemv import gemv, normed_gemv
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for n, k in [(6144, 4096), (24576, 4096), (4096, 1024), (6144, 1024)]:
+        w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+        nw = (1 + 0.2 * torch.randn(k, device="cuda", generator=g)).to(torch.bfloat16)
+        for _ in range(8):
+            x = (4 * torch.randn(1, k, device="cuda", generator=g)).to(torch.bfloat16)
+            r = torch.randn(1, k, device="cuda", generator=g).to(torch.bfloat16) if residual else None
+            y, h = normed_gemv(x, w, nw, 1e-6, r)
+            if residual:
+                normed, h_ref = rms_norm(x, nw, 1e-6, r)
+                assert torch.equal(h, h_ref), (n, k)
+                assert torch.equal(h, x + r), (n, k)            # x + r rounded once to bfloat16
+            else:
+                normed = rms_norm(x, nw, 1e-6)
+                assert h is None
+            want = gemv(normed, w)
+            assert torch.equal(y, want), (n, k, (y.float() - want.float()).abs().max().item())
+
+
+def test_qk_norm_rope_store_writes_what_store_kv_writes():
+    """The KV store inside the q/k-norm + RoPE kernel, on the 8B's heads (32 q, 8 kv, D 128) in bfloat16:
+    the whole cache equals the kernel without the store followed by store_kv; padding slots untouched."""
+    from engine.attention.triton_kernels import store_kv
+    from engine.layers.fused_kernels import qk_norm_rope
+    from engine.layers.rotary import RotaryEmbedding
+
+    hq, hk, d, t = 32, 8, 128, 7
+    g = torch.Generator(device="cuda").manual_seed(2)
+    qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", generator=g).to(torch.bfloat16)
+    pos = torch.randint(0, 4096, (t,), device="cuda", generator=g)
+    qw = (1 + 0.2 * torch.randn(d, device="cuda", generator=g)).to(torch.bfloat16)
+    kw = (1 + 0.2 * torch.randn(d, device="cuda", generator=g)).to(torch.bfloat16)
+    with torch.device("cuda"):
+        rope = RotaryEmbedding(d, 4096, 1e6)
+    kc0 = torch.randn(8, 16, hk, d, device="cuda", generator=g).to(torch.bfloat16)
+    vc0 = torch.randn(8, 16, hk, d, device="cuda", generator=g).to(torch.bfloat16)
+    slots = torch.tensor([5, -1, 40, 0, 127, -1, 77], device="cuda")
+    q_ref, k_ref = qk_norm_rope(qkv, pos, qw, kw, rope.cos, rope.sin, hq, hk, d, 1e-6)
+    kc_ref, vc_ref = kc0.clone(), vc0.clone()
+    store_kv(k_ref, qkv[:, (hq + hk) * d:].view(t, hk, d), kc_ref, vc_ref, slots)
+    kc, vc = kc0.clone(), vc0.clone()
+    q, k = qk_norm_rope(qkv, pos, qw, kw, rope.cos, rope.sin, hq, hk, d, 1e-6, k_cache=kc, v_cache=vc,
+                        slot_mapping=slots)
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    changed = ((kc != kc0).flatten(2).any(-1) | (vc != vc0).flatten(2).any(-1)).view(-1).nonzero().flatten().tolist()
+    assert changed == sorted(s for s in slots.tolist() if s >= 0)
+
+
+def test_batch1_decode_takes_both_fusions_and_matches_unfused(gpu_model_dir):
+    """Fused ops on: a batch-1 decode step runs the normed GEMV in every layer (qkv and gate_up) and the q/k
+    kernel stores k/v (the backend's store_kv is not called); its logits match fused ops off."""
+    import engine.layers.fused_kernels as fk
+    import engine.layers.gemv as gemv_mod
+    from engine import LLMEngine, SamplingParams
+
+    calls = {"normed": 0, "store": 0, "store_kv": 0}
+    real_normed, real_qk = gemv_mod.normed_gemv, fk.qk_norm_rope
+
+    def normed(*a, **kw):
+        calls["normed"] += 1
+        return real_normed(*a, **kw)
+
+    def qk(*a, **kw):
+        calls["store"] += "k_cache" in kw
+        return real_qk(*a, **kw)
+
+    def counting(store_kv):
+        def store(*a):
+            calls["store_kv"] += 1
+            return store_kv(*a)
+        return store
+
+    rows = {}
+    try:
+        gemv_mod.normed_gemv, fk.qk_norm_rope = normed, qk
+        for fused in (False, True):
+            eng = LLMEngine(str(gpu_model_dir), device="cuda", dtype="float32", enforce_eager=True, fused_ops=fused,
+                            attention_backend="triton", max_num_seqs=1, num_kvcache_blocks=16, max_model_len=256)
+            backend = eng.runner.model.attention_layers()[0].backend
+            backend.store_kv = counting(backend.store_kv)
+            layers = len(eng.runner.model.model.layers)
+            eng.add_request(list(range(100, 140)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+            s, pf = eng.schedule()
+            eng.postprocess(s, [0], pf)
+            s, pf = eng.schedule()
+            for key in calls:
+                calls[key] = 0
+            logits, _ = eng.forward_logits(s, pf)
+            rows[fused] = (logits.float(), dict(calls))
+            eng.close()
+    finally:
+        gemv_mod.normed_gemv, fk.qk_norm_rope = real_normed, real_qk
+    assert rows[False][1] == {"normed": 0, "store": 0, "store_kv": layers}, rows[False][1]
+    assert rows[True][1] == {"normed": 2 * layers, "store": layers, "store_kv": 0}, rows[True][1]
+    diff = rows[True][0] - rows[False][0]
+    rel_l2 = (diff.norm(dim=-1) / rows[False][0].norm(dim=-1)).max().item()
+    assert diff.abs().max().item() < 0.05 and rel_l2 < 2e-3, (diff.abs().max().item(), rel_l2)

@@ -10,6 +10,10 @@ import torch
 import triton
 import triton.language as tl
 
+# rms_norm's warp count; the normed GEMV (gemv.py) reduces its row's sum of squares at the same count, since
+# Triton's reduction order (and so the float32 sum) follows the layout
+NORM_WARPS = 4
+
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, N, eps,
@@ -36,20 +40,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty_like(x2)
     if residual is None:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), n, eps,
-                                         HAS_RES=False, BLOCK=triton.next_power_of_2(n))
+                                         HAS_RES=False, BLOCK=triton.next_power_of_2(n), num_warps=NORM_WARPS)
         return out.view(shape)
     r2 = residual.reshape(-1, n)
     res_out = torch.empty_like(r2)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0), n, eps,
-                                     HAS_RES=True, BLOCK=triton.next_power_of_2(n))
+                                     HAS_RES=True, BLOCK=triton.next_power_of_2(n), num_warps=NORM_WARPS)
     return out.view(shape), res_out.view(shape)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
-                         stride_qkv, eps, HQ: tl.constexpr, HK: tl.constexpr, D: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
-    """One program per token: its HQ q heads and HK k heads (contiguous in the packed qkv row) as one tile."""
+                         stride_qkv, eps, kc_ptr, vc_ptr, slot_ptr, HQ: tl.constexpr, HK: tl.constexpr,
+                         D: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One program per token: its HQ q heads and HK k heads (contiguous in the packed qkv row) as one tile.
+    STORE: the token's roped k heads and its v heads (the qkv row's columns after q and k) also go to the
+    paged cache ([blocks, block_size, HK, D], contiguous) at row slot_mapping[t], as _store_kv_kernel
+    writes them; a padding token (slot < 0) writes nothing there."""
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)                 # 0..HQ-1: q heads, HQ..HQ+HK-1: k heads
     half = tl.arange(0, D // 2)
@@ -80,15 +87,35 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_o
     tl.store(q_dst + D // 2 + half[None, :], o2, mask=q_mask)
     tl.store(k_dst + half[None, :], o1, mask=k_mask)
     tl.store(k_dst + D // 2 + half[None, :], o2, mask=k_mask)
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        keep = slot >= 0
+        kc_dst = kc_ptr + slot * (HK * D) + (h - HQ)[:, None] * D
+        tl.store(kc_dst + half[None, :], o1, mask=k_mask & keep)
+        tl.store(kc_dst + D // 2 + half[None, :], o2, mask=k_mask & keep)
+        offs = tl.arange(0, BLOCK_V)
+        vmask = (offs < HK * D) & keep
+        v = tl.load(qkv_ptr + t * stride_qkv + (HQ + HK) * D + offs, mask=vmask)
+        tl.store(vc_ptr + slot * (HK * D) + offs, v, mask=vmask)
 
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor, hq: int, hk: int, d: int, eps: float):
+                 cos: torch.Tensor, sin: torch.Tensor, hq: int, hk: int, d: int, eps: float,
+                 k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+                 slot_mapping: torch.Tensor | None = None):
+    """-> q [T, hq, d], k [T, hk, d]. With k_cache, v_cache and slot_mapping, also stores each token's k and v
+    in the paged cache (what backend.store_kv would write; slot -1 skipped), so no store kernel runs."""
     t = qkv.shape[0]
     q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(t, hk, d, dtype=qkv.dtype, device=qkv.device)
+    store = k_cache is not None
+    if store:
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2:] == (hk, d)
+        assert qkv.stride(-1) == 1 and qkv.shape[-1] == (hq + 2 * hk) * d and slot_mapping.shape == (t,)
     _qk_norm_rope_kernel[(t,)](qkv, positions, q_weight, k_weight, cos, sin, q, k, qkv.stride(0), eps,
-                               HQ=hq, HK=hk, D=d, BLOCK_H=triton.next_power_of_2(hq + hk))
+                               k_cache if store else k, v_cache if store else k, slot_mapping if store else positions,
+                               HQ=hq, HK=hk, D=d, BLOCK_H=triton.next_power_of_2(hq + hk), STORE=store,
+                               BLOCK_V=triton.next_power_of_2(hk * d))
     return q, k
 
 

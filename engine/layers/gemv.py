@@ -7,6 +7,14 @@ band of BLOCK_N output features over the whole K, products and sums in float32, 
 
 ``silu_mul``: the input is the gate_up output [1, 2K] (gate then up) and the kernel reads silu(gate) * up,
 rounded to the activation dtype as SiluAndMul does, so the down projection needs no activation kernel.
+
+``normed_gemv``: the input is the residual stream before its RMSNorm (input_layernorm before qkv,
+post_attention_layernorm before gate_up) and every program first reads the whole row for its rstd, then
+normalizes each x chunk as it streams its band: the same float32 sums and roundings at the same points as
+``fused_kernels._rms_norm_kernel``, so the result is bit-identical to ``rms_norm`` then ``gemv``. The
+row's sum of squares is reduced in the same layout as that kernel's, which needs its warp count
+(``NORM_WARPS``: Triton's reduction order follows the layout): the normed launch keeps the plain tile's
+per-thread share at that warp count.
 """
 from __future__ import annotations
 
@@ -14,12 +22,24 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.layers.fused_kernels import NORM_WARPS
+
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+                 EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, res_ptr=None, nw_ptr=None, h_ptr=None, eps=0.0,
+                 NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, BLOCK_ROW: tl.constexpr = 1):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
+    if NORM:        # rstd of the whole row (h = x + residual, rounded), as _rms_norm_kernel computes it
+        offs = tl.arange(0, BLOCK_ROW)
+        rmask = offs < K
+        row = tl.load(x_ptr + offs, mask=rmask, other=0.0)
+        if HAS_RES:
+            row = (row.to(tl.float32) + tl.load(res_ptr + offs, mask=rmask, other=0.0).to(tl.float32)).to(row.dtype)
+        rf = row.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, 0) / K + eps)
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -28,6 +48,20 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
             x = tl.load(x_ptr + rk)
         else:
             x = tl.load(x_ptr + rk, mask=kmask, other=0.0)
+        if NORM:
+            if HAS_RES:
+                if EVEN_K:
+                    r = tl.load(res_ptr + rk)
+                else:
+                    r = tl.load(res_ptr + rk, mask=kmask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)      # h, the new residual
+                if pid == 0:                                                # one writer; never in place
+                    tl.store(h_ptr + rk, x, mask=kmask)
+            if EVEN_K:
+                nw = tl.load(nw_ptr + rk)
+            else:
+                nw = tl.load(nw_ptr + rk, mask=kmask, other=0.0)
+            x = ((x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
         if SILU_MUL:
             if EVEN_K:
                 up = tl.load(x_ptr + K + rk)
@@ -64,3 +98,25 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch
                                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul,
                                              num_warps=warps)
     return y
+
+
+def normed_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm(x [+ residual]) [1, K] @ weight[N, K].T -> ([1, N], the new residual h = x + residual or None);
+    bit-identical to ``rms_norm(x, norm_weight, eps, residual)`` then ``gemv``."""
+    n, k = weight.shape
+    assert x.shape == (1, k) and x.is_contiguous() and weight.stride(1) == 1 and norm_weight.shape == (k,)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    h = None
+    if residual is not None:
+        assert residual.shape == (1, k) and residual.is_contiguous() and residual.dtype == x.dtype
+        h = torch.empty_like(x)
+    block_n, block_k, warps = gemv_config(n, k)
+    block_n = max(1, block_n * NORM_WARPS // warps)       # the same elements per thread at NORM_WARPS
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n,
+                                             BLOCK_K=block_k, EVEN_K=k % block_k == 0, SILU_MUL=False,
+                                             res_ptr=x if residual is None else residual, nw_ptr=norm_weight,
+                                             h_ptr=y if h is None else h, eps=eps, NORM=True,
+                                             HAS_RES=residual is not None, BLOCK_ROW=triton.next_power_of_2(k),
+                                             num_warps=NORM_WARPS)
+    return y, h

@@ -57,6 +57,17 @@ class ColumnParallelLinear(LinearBase):
         size = param.shape[0]
         default_weight_loader(param, loaded.narrow(0, self.tp.rank * size, size))
 
+    def takes_rms_norm(self, x: torch.Tensor) -> bool:
+        """One token on the GEMV path: the RMSNorm before this projection can run inside it (``normed``)."""
+        return self.fused and self.bias is None and one_row(x)
+
+    def normed(self, x: torch.Tensor, norm, residual: torch.Tensor | None = None):
+        """self(norm(x, residual)) in one GEMV (engine/layers/gemv.py::normed_gemv): the norm as the fused
+        rms_norm kernel computes it. -> (y, the new residual x + residual, or None without a residual).
+        Every rank holds the whole row x (a column layer): no communication."""
+        from engine.layers.gemv import normed_gemv
+        return normed_gemv(x, self.weight, norm.weight, norm.eps, residual)
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs packed in one matmul (gate and up)."""

@@ -25,8 +25,9 @@ class Attention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q, k, v, meta: AttentionMetadata):
-        if self.k_cache.numel():
+    def forward(self, q, k, v, meta: AttentionMetadata, stored: bool = False):
+        """stored: the q/k-norm + RoPE kernel already wrote k and v to the cache."""
+        if self.k_cache.numel() and not stored:
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
 
@@ -51,21 +52,29 @@ class Qwen3Attention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
         self.fused = False          # q/k norm + RoPE in one Triton kernel (the runner turns it on, CUDA)
 
-    def forward(self, positions, x, meta):
-        qkv = self.qkv_proj(x)
+    def forward(self, positions, x, meta, qkv=None):
+        """qkv: the packed projection already made (the decoder layer's normed GEMV; x is then unused),
+        else qkv_proj(x)."""
+        if qkv is None:
+            qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        stored = False
         if self.fused:
             from engine.layers.fused_kernels import qk_norm_rope
+            cache = {}
+            if self.attn.k_cache.numel():       # the kernel also stores k and v in the paged cache
+                cache = dict(k_cache=self.attn.k_cache, v_cache=self.attn.v_cache, slot_mapping=meta.slot_mapping)
+                stored = True
             q, k = qk_norm_rope(qkv, positions, self.q_norm.weight, self.k_norm.weight, self.rotary_emb.cos,
                                 self.rotary_emb.sin, self.num_heads, self.num_kv_heads, self.head_dim,
-                                self.q_norm.eps)
+                                self.q_norm.eps, **cache)
         else:
             q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
             q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v, meta)
+        o = self.attn(q, k, v, meta, stored=stored)
         return self.o_proj(o.flatten(1, -1))
 
 
@@ -77,8 +86,11 @@ class Qwen3MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, hidden, False, tp)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x):
-        gate_up = self.gate_up_proj(x)
+    def forward(self, x, gate_up=None):
+        """gate_up: the projection already made (the decoder layer's normed GEMV; x is then unused),
+        else gate_up_proj(x)."""
+        if gate_up is None:
+            gate_up = self.gate_up_proj(x)
         if self.down_proj.takes_silu_mul(gate_up):          # one token: the GEMV applies the activation
             return self.down_proj(gate_up, silu_mul=True)
         return self.down_proj(self.act_fn(gate_up))
@@ -94,12 +106,20 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
 
     def forward(self, positions, x, residual, meta):
-        if residual is None:
+        qkv_proj, gate_up_proj = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        qkv = None
+        if qkv_proj.takes_rms_norm(x):          # one token: the norm runs inside the qkv GEMV
+            qkv, new_residual = qkv_proj.normed(x, self.input_layernorm, residual)
+            residual = x if residual is None else new_residual
+        elif residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta)
+        x = self.self_attn(positions, x, meta, qkv=qkv)
+        if gate_up_proj.takes_rms_norm(x):      # and this one inside the gate_up GEMV
+            gate_up, residual = gate_up_proj.normed(x, self.post_attention_layernorm, residual)
+            return self.mlp(x, gate_up=gate_up), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
