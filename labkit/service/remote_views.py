@@ -15,14 +15,10 @@ All of it is read-only and answered in the parent, without a round trip to the e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from engine import LLMEngine, SamplingParams
 from engine.llm_engine import EngineStats
 from labkit.service.worker import Worker
-
-if TYPE_CHECKING:
-    from labkit.service.engine_process import RemoteWorker
 
 
 class _EngineView:
@@ -31,7 +27,7 @@ class _EngineView:
 
     encode = LLMEngine.encode                    # the engine's own prompt encoding (it reads .tokenizer only)
 
-    def __init__(self, config, num_blocks: int, worker: "RemoteWorker"):
+    def __init__(self, config, num_blocks: int, worker: "RemoteWorkerViews"):
         self.config = config
         self.num_blocks = num_blocks
         self.tokenizer = None
