@@ -5,6 +5,9 @@ Pieces, each one file:
 - :mod:`labkit.service.worker`: the Worker. One thread creates and owns the engine; ``submit()``
   puts a request into a bounded queue, the owner admits it at a step boundary, and every request
   gets its own bounded event stream (submitted, admitted, token i, finished).
+- :mod:`labkit.service.engine_process` (``serve --engine-process``): the same Worker with its engine and
+  owner thread in a process of their own; :mod:`labkit.service.engine_child` is that process's side,
+  :mod:`labkit.service.remote_views` what the front end reads of it.
 - :mod:`labkit.service.stream`: that stream (``RequestHandle``), read sync or async.
 - :mod:`labkit.service.events`: the event records, the JSONL log they are written to and its header.
 - :mod:`labkit.service.protocol`: request validation for the native and the OpenAI-compatible API

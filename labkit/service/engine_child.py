@@ -1,5 +1,5 @@
 """The engine process's side of ``labkit serve --engine-process`` (the parent's side, and the design,
-are in :mod:`labkit.service.engine_process`).
+are in :mod:`labkit.service.engine_process`; the parent's read-only views in :mod:`labkit.service.remote_views`).
 
 :func:`_child_main` is the target the parent spawns (``multiprocessing`` "spawn" pickles it by this
 module's path). It runs the existing Worker unchanged (:class:`_ChildWorker`), with ``stream=False``

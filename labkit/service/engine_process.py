@@ -20,7 +20,9 @@ The parent
     per message: one hand-off per event loop per step), writes the event log (the JSON encoding is off the
     engine's process), and keeps the Prometheus :class:`ServiceStats` from the events: TTFT and ITL from
     the ``t_ns`` the engine stamped (submitted and token events), step counts and seconds from ``step``
-    records, so /metrics shows the engine's figures as in one process.
+    records, so /metrics shows the engine's figures as in one process. What the front end reads (the
+    engine's config and admission rule, ``built``, state, snapshot) is answered here, from what the child
+    reported: :mod:`labkit.service.remote_views`.
 
 Submission
     Tokenization and chat templating run in the parent (its own copy of the model's tokenizer, loaded
@@ -57,53 +59,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine import LLMEngine, SamplingParams
-from engine.llm_engine import EngineStats
+from engine import SamplingParams
 from labkit.errors import UserError
 from labkit.service.engine_child import CHILD_CALLS, READY_TIMEOUT_S, _bare_main, _child_main  # noqa: F401
 from labkit.service.events import Sink, make_event, now_ns
 from labkit.service.metrics import ServiceStats
+from labkit.service.remote_views import RemoteWorkerViews, _BuiltView, _EngineView
 from labkit.service.stream import RequestHandle, wake_all
 from labkit.service.worker import DuplicateRequest, Worker, WorkerConfig, WorkerUnavailable, checked_submission
 
 
-# --------------------------------------------------------------------------- the parent's views
-
-
-class _EngineView:
-    """What the front end reads of the engine: its config, the admission rule over the limits the child
-    reported, the tokenizer (loaded here), and the pool's numbers from the last snapshot."""
-
-    encode = LLMEngine.encode                    # the engine's own prompt encoding (it reads .tokenizer only)
-
-    def __init__(self, config, num_blocks: int, worker: "RemoteWorker"):
-        self.config = config
-        self.num_blocks = num_blocks
-        self.tokenizer = None
-        self._worker = worker
-
-    def validate(self, token_ids: list[int], params: SamplingParams | None = None) -> None:
-        LLMEngine.check_request(self.config, self.num_blocks, token_ids, params)
-
-    def stats(self) -> EngineStats:
-        s = self._worker.snapshot()
-        total = s.get("kv_blocks_total", self.num_blocks)
-        free = s.get("kv_blocks_free", total)
-        return EngineStats(s.get("engine_waiting", 0), s.get("engine_running", 0), total, free, total - free,
-                           s.get("round", 0))
-
-
-@dataclass
-class _BuiltView:
-    """``Worker.built`` as the child reported it (kind, device, model identity, engine description)."""
-    engine: _EngineView
-    model: dict
-    device: str
-    kind: str
-    description: dict
-
-    def describe(self) -> dict:
-        return self.description
+# --------------------------------------------------------------------------- the parent's request records
 
 
 @dataclass
@@ -120,8 +86,9 @@ class _Remote:
 # --------------------------------------------------------------------------- the parent
 
 
-class RemoteWorker:
-    """A Worker whose engine and owner thread live in a child process; see the module docstring."""
+class RemoteWorker(RemoteWorkerViews):
+    """A Worker whose engine and owner thread live in a child process; see the module docstring. Its
+    read-only views (state, snapshot, header, ``engine``, ``built``) are :mod:`labkit.service.remote_views`."""
 
     # the in-process Worker's own code where the answer is the same here
     encode = Worker.encode
@@ -270,47 +237,6 @@ class RemoteWorker:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    # -- state -----------------------------------------------------------------------------
-    def _unhealthy_reason(self) -> str | None:
-        if self._unhealthy:
-            return self._unhealthy
-        if self._snapshot.get("state") == "unhealthy":
-            return self._snapshot.get("reason") or "the engine process's worker is unhealthy"
-        return None
-
-    @property
-    def accepting(self) -> bool:
-        return self._ready and not self._closed and self._unhealthy_reason() is None
-
-    def state(self) -> str:
-        if self._closed:
-            return "closed"
-        if not self._ready:
-            return "starting"
-        return "unhealthy" if self._unhealthy_reason() else "ok"
-
-    def snapshot(self) -> dict:
-        """The child's last published state (queue, active, KV blocks, round), with this side's health."""
-        with self._lock:
-            snap = dict(self._snapshot)
-        snap.pop("reason", None)
-        snap["state"] = self.state()
-        reason = self._unhealthy_reason()
-        if reason:
-            snap["reason"] = reason
-        return snap
-
-    def _unavailable_reason(self) -> str:
-        if self._closed:
-            return f"worker {self.worker_id} is shut down"
-        if not self._ready:
-            return f"worker {self.worker_id} is starting"
-        return f"worker {self.worker_id} is unhealthy: {self._unhealthy_reason()}"
-
-    def header(self, **extra) -> dict:
-        """The evidence envelope for a JSONL log written from this worker (after start)."""
-        return Worker.header(self, engine_process={"pid": self.process.pid if self.process else None}, **extra)
 
     # -- requests -------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
