@@ -46,3 +46,18 @@ def test_scratch_prefill_writes_nothing_and_reads_a_prefix(tiny_model_dir):
         assert runner.run_model(inputs).shape[0] == len(inputs.meta.seqlens_q)
     assert torch.equal(runner.kv_cache, before)               # nothing was written to the cache
     engine.close()
+
+
+def test_slots_of_a_span_are_the_per_position_slots(tiny_model_dir):
+    """plan_prefill takes a span's cache slots one block at a time (ModelRunner.slots): the same slots as
+    one lookup per position, for spans inside a block, across blocks, and from a cached prefix on."""
+    engine = engine_for(tiny_model_dir)
+    seq = engine.add_request(list(range(100, 170)), SamplingParams(max_tokens=3))
+    engine.scheduler.schedule()                               # 70 positions: 5 blocks of 16
+    runner = engine.runner
+    assert len(seq.block_table) == 5
+    for start, end in ((0, 70), (0, 1), (3, 9), (15, 17), (16, 32), (31, 70), (69, 70)):
+        assert runner.slots(seq, start, end) == [runner.slot(seq, p) for p in range(start, end)], (start, end)
+    assert runner._host_tensor([], torch.int64).shape == (0,)
+    assert runner._host_tensor([1, -1, 2 ** 40], torch.int64).tolist() == [1, -1, 2 ** 40]
+    engine.close()
