@@ -49,6 +49,7 @@ def test_gemv_matches_linear(results, dtype, silu_mul):
 def test_one_token_forward_with_the_gemv_gives_the_plain_logits(results):
     r = results["model"]
     assert r["gemv_calls"] > 0 and r["silu_calls"] > 0, r        # the projections and the MLP's down took it
+    assert r["head_calls"] == 1, r                                # and the LM head
     assert r["max_abs_err"] <= 1e-4, r
 
 
@@ -72,12 +73,14 @@ def _case(n: int, k: int, dtype: str, silu_mul: bool) -> dict:
 
 
 def _model(model_dir: str) -> dict:
-    """The tiny model's one-token forward, plain and with every projection's GEMV (the runner's fused switch
-    on the linear layers only: the norm and RoPE kernels are tested elsewhere)."""
+    """The tiny model's one-token forward, plain and with every projection's GEMV and the LM head's (the
+    runner's fused switch on the linear layers and the head only: the norm and RoPE kernels are tested
+    elsewhere)."""
     import torch
 
     import engine.layers.gemv as gemv_mod
     from engine import LLMEngine
+    from engine.layers.embed_head import ParallelLMHead
     from engine.layers.linear import LinearBase
 
     engine = LLMEngine(model_dir, device="cpu", enforce_eager=True, max_num_seqs=1, max_model_len=64,
@@ -89,20 +92,21 @@ def _model(model_dir: str) -> dict:
     seqs, is_prefill = engine.schedule()                                              # one decode token
     inputs = engine.runner.prepare(seqs, is_prefill)
     plain = engine.runner.run_model(inputs).float()
-    calls = {"gemv": 0, "silu": 0}
+    calls = {"gemv": 0, "silu": 0, "head": 0}
     real = gemv_mod.gemv
+    head = engine.runner.model.lm_head.weight
 
     def counted(x, w, silu_mul=False):
-        calls["silu" if silu_mul else "gemv"] += 1
+        calls["silu" if silu_mul else "head" if w is head else "gemv"] += 1
         return real(x, w, silu_mul)
 
     gemv_mod.gemv = counted
-    layers = [m for m in engine.runner.model.modules() if isinstance(m, LinearBase)]
+    layers = [m for m in engine.runner.model.modules() if isinstance(m, (LinearBase, ParallelLMHead))]
     for m in layers:
         m.fused = True
     fused = engine.runner.run_model(inputs).float()
     assert seq.num_tokens == 4
-    return {"gemv_calls": calls["gemv"], "silu_calls": calls["silu"],
+    return {"gemv_calls": calls["gemv"], "silu_calls": calls["silu"], "head_calls": calls["head"],
             "max_abs_err": (fused - plain).abs().max().item() if torch.isfinite(fused).all() else float("inf")}
 
 

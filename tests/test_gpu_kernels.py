@@ -366,7 +366,8 @@ def test_overlapped_decode_never_waits_on_the_stream(gpu_model_dir, sampling):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gemv_matches_cublas_on_qwen3_shapes(dtype):
     """The one-token GEMV (engine/layers/gemv.py) on the 0.6B's and the 8B's projection shapes, with and without
-    the SiLU-and-mul prologue, against F.linear (and the fused SiLU kernel) on the GPU."""
+    the SiLU-and-mul prologue, against F.linear (and the fused SiLU kernel) on the GPU; and on the LM head's
+    (the vocabulary x hidden), which the batch-1 decode also reads through it."""
     import torch.nn.functional as F
 
     from engine.layers.fused_kernels import silu_and_mul
@@ -374,7 +375,7 @@ def test_gemv_matches_cublas_on_qwen3_shapes(dtype):
 
     shapes = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (4096, 12288)]
     g = torch.Generator(device="cuda").manual_seed(0)
-    for n, k in shapes:
+    for n, k in shapes + [(151936, 1024), (151936, 4096)]:
         w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(dtype)
         x = torch.randn(1, k, device="cuda", generator=g).to(dtype)
         gate_up = torch.randn(1, 2 * k, device="cuda", generator=g).to(dtype)

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, ParallelContext
-from engine.layers.linear import default_weight_loader
+from engine.layers.linear import default_weight_loader, one_row
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -36,9 +36,14 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; each rank computes its slice and rank slices are gathered."""
+    fused = False               # the runner turns on the Triton GEMV for one-token inputs on CUDA
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        if self.fused and one_row(hidden):         # batch-1 decode: the head is a read of its weight
+            from engine.layers.gemv import gemv
+            logits = gemv(hidden, self.weight)
+        else:
+            logits = F.linear(hidden, self.weight)
         if self.tp.enabled:
             logits = self.tp.all_gather_last_dim(logits)
         return logits[..., : self.vocab_size]
