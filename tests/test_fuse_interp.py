@@ -13,14 +13,12 @@ Skipped where triton is not installed or its interpreter cannot run a kernel her
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from interp import interpreted, interpreter_ready
+
 # (N, K): K a multiple of the GEMV's tile and not; N a multiple of the band and not; one band (a single program)
 SHAPES = [(24, 64), (37, 80), (16, 1024), (9, 640), (8, 64)]
 DTYPES = ("float32", "bfloat16")
@@ -30,16 +28,7 @@ HEADS = [(4, 2, 32), (6, 3, 32)]
 
 @pytest.fixture(scope="module")
 def results(tiny_model_dir):
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, __file__, str(tiny_model_dir)], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "skip" in out:
-        pytest.skip(out["skip"])
-    return out
+    return interpreted(__file__, str(tiny_model_dir))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -214,14 +203,7 @@ def _model(model_dir: str) -> dict:
 
 
 def main() -> None:
-    import triton.runtime.interpreter as interp
-    from test_decode_kernel_interp import _index_fix
-
-    interp._patch_lang_tensor = _index_fix(interp._patch_lang_tensor)
-    try:
-        _normed(8, 64, "float32", False)
-    except Exception as e:                              # noqa: BLE001
-        print(json.dumps({"skip": f"Triton's interpreter cannot run here: {type(e).__name__}: {str(e)[:160]}"}))
+    if not interpreter_ready(lambda: _normed(8, 64, "float32", False)):
         return
     normed = {f"{n}x{k}-{dt}-{r}": _normed(n, k, dt, r) for n, k in SHAPES for dt in DTYPES for r in (False, True)}
     store = {f"{hq}-{hk}-{d}-{dt}": _store(hq, hk, d, dt) for hq, hk, d in HEADS for dt in DTYPES}

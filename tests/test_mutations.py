@@ -31,10 +31,10 @@ MUTATIONS = {
         "        keep = slot_mapping >= 0\n",
         "        keep = (slot_mapping >= 0) & (slot_mapping // k_cache.shape[1] != 1)   # MUTANT: block 1 never written\n",
         ("guardrails.logits-baseline",)),
-    "slot-off-by-one": (
+    "slot-off-by-one": (                    # a prefill's K/V written one slot further (ModelRunner.slots)
         "engine/model_runner.py",
-        "        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size\n",
-        "        return seq.block_table[position // self.block_size] * self.block_size + (position + 1) % self.block_size  # MUTANT\n",
+        "            shift = seq.block_table[b] * bs - b * bs            # slot = position + shift inside block b\n",
+        "            shift = seq.block_table[b] * bs - b * bs + 1        # MUTANT\n",
         ("guardrails.logits-baseline",)),
     # RMSNorm with eps 2e-6 instead of 1e-6: a max abs logit error of ~3e-2 on the tiny model, inside the
     # calibrated CUDA float32 threshold (0.05): only the tight CPU float32 entry of the table sees it
