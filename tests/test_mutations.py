@@ -31,8 +31,8 @@ MUTATIONS = {
         "        keep = slot_mapping >= 0\n",
         "        keep = (slot_mapping >= 0) & (slot_mapping // k_cache.shape[1] != 1)   # MUTANT: block 1 never written\n",
         ("guardrails.logits-baseline",)),
-    "slot-off-by-one": (                    # a prefill's K/V written one slot further (ModelRunner.slots)
-        "engine/model_runner.py",
+    "slot-off-by-one": (                    # a prefill's K/V written one slot further (InputBuilder.slots)
+        "engine/step_inputs.py",
         "            shift = seq.block_table[b] * bs - b * bs            # slot = position + shift inside block b\n",
         "            shift = seq.block_table[b] * bs - b * bs + 1        # MUTANT\n",
         ("guardrails.logits-baseline",)),
