@@ -104,6 +104,10 @@ def test_bounds_bytes_at_batch_zero_are_the_decode_weight_bytes(tiny_model_dir):
     h, inter, n = shape.hidden_size, shape.intermediate_size, shape.num_layers
     assert parts["gemm.down"][1] == 2 * 8 * inter * h * n
     assert parts["attention"][1] == 4 * 8 * 100 * shape.num_heads * shape.head_dim * n
+    plain = category_bytes_flops(shape, 2, 2, 8, 100.0, False)
+    # the fused q/k norm + RoPE kernel also stores the K/V: its bytes hold the store's, and no store row is left
+    assert "kv_store" not in parts and plain["kv_store"][0] > 0
+    assert parts["qk_norm_rope"][0] == plain["rotary"][0] + n * 2 * shape.head_dim * 2 + plain["kv_store"][0]
     doubled = category_bytes_flops(shape, 2, 2, 8, 200.0, True)
     kv_read = 8 * 100 * shape.kv_bytes_per_token(2)        # 100 more positions for each of 8 sequences
     assert doubled["attention"][0] - parts["attention"][0] == kv_read

@@ -152,7 +152,9 @@ def category_bytes_flops(shape, weight_element_size: int, kv_element_size: int, 
     """Per category of a decode step of `batch` sequences at mean context `mean_context` (the step budget's,
     labkit.bench.step_budget): (bytes it must read and write at least, FLOPs it must do). Weights are read
     once, activations read and written once, each sequence reads the K/V of its whole context; the q/k norm
-    is counted in ``qk_norm_rope`` when the fused kernel runs it, else in ``norm`` (and RoPE in ``rotary``)."""
+    is counted in ``qk_norm_rope`` when the fused kernel runs it, else in ``norm`` (and RoPE in ``rotary``).
+    The fused kernel also writes the step's K/V into the cache, so its ``kv_store`` bytes are counted there
+    (engine/layers/fused_kernels.py::qk_norm_rope; no separate store kernel runs)."""
     e, ekv, b, n = weight_element_size, kv_element_size, batch, shape.num_layers
     h, hd, inter, vocab = shape.hidden_size, shape.head_dim, shape.intermediate_size, shape.vocab_size
     q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
@@ -176,7 +178,7 @@ def category_bytes_flops(shape, weight_element_size: int, kv_element_size: int, 
         "sampler": (b * vocab * e, 0),
     }
     if fused_qk_norm_rope:
-        out["qk_norm_rope"] = (qk_io + n * 2 * hd * e, 0)
+        out["qk_norm_rope"] = (qk_io + n * 2 * hd * e + out.pop("kv_store")[0], 0)
     else:
         out["rotary"] = (qk_io, 0)
     return out
