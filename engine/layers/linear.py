@@ -37,8 +37,13 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """One token on the GEMV path (fused ops on, no bias): the case of ``matmul``'s GEMV and of the
+        prologues that run inside it (a column layer's ``normed``, a row layer's ``silu_mul``)."""
+        return self.fused and self.bias is None and one_row(x)
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and self.bias is None and one_row(x):
+        if self.takes_gemv(x):
             from engine.layers.gemv import gemv
             return gemv(x, self.weight)
         return F.linear(x, self.weight, self.bias)
@@ -56,10 +61,6 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, param, loaded, shard_id=None):
         size = param.shape[0]
         default_weight_loader(param, loaded.narrow(0, self.tp.rank * size, size))
-
-    def takes_rms_norm(self, x: torch.Tensor) -> bool:
-        """One token on the GEMV path: the RMSNorm before this projection can run inside it (``normed``)."""
-        return self.fused and self.bias is None and one_row(x)
 
     def normed(self, x: torch.Tensor, norm, residual: torch.Tensor | None = None):
         """self(norm(x, residual)) in one GEMV (engine/layers/gemv.py::normed_gemv): the norm as the fused
@@ -117,11 +118,8 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded.narrow(1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """silu_mul (one token, see takes_silu_mul): x is gate_up and the GEMV reads SiluAndMul()(x)."""
+        """silu_mul (one token, see takes_gemv): x is gate_up and the GEMV reads SiluAndMul()(x)."""
         if silu_mul:
             from engine.layers.gemv import gemv
             return self.tp.all_reduce(gemv(x, self.weight, silu_mul=True))
         return self.tp.all_reduce(self.matmul(x))
-
-    def takes_silu_mul(self, gate_up: torch.Tensor) -> bool:
-        return self.fused and self.bias is None and one_row(gate_up)

@@ -91,7 +91,7 @@ class Qwen3MLP(nn.Module):
         else gate_up_proj(x)."""
         if gate_up is None:
             gate_up = self.gate_up_proj(x)
-        if self.down_proj.takes_silu_mul(gate_up):          # one token: the GEMV applies the activation
+        if self.down_proj.takes_gemv(gate_up):          # one token: the GEMV applies the activation
             return self.down_proj(gate_up, silu_mul=True)
         return self.down_proj(self.act_fn(gate_up))
 
@@ -108,7 +108,7 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(self, positions, x, residual, meta):
         qkv_proj, gate_up_proj = self.self_attn.qkv_proj, self.mlp.gate_up_proj
         qkv = None
-        if qkv_proj.takes_rms_norm(x):          # one token: the norm runs inside the qkv GEMV
+        if qkv_proj.takes_gemv(x):          # one token: the norm runs inside the qkv GEMV
             qkv, new_residual = qkv_proj.normed(x, self.input_layernorm, residual)
             residual = x if residual is None else new_residual
         elif residual is None:
@@ -117,7 +117,7 @@ class Qwen3DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta, qkv=qkv)
-        if gate_up_proj.takes_rms_norm(x):      # and this one inside the gate_up GEMV
+        if gate_up_proj.takes_gemv(x):      # and this one inside the gate_up GEMV
             gate_up, residual = gate_up_proj.normed(x, self.post_attention_layernorm, residual)
             return self.mlp(x, gate_up=gate_up), residual
         x, residual = self.post_attention_layernorm(x, residual)
