@@ -62,6 +62,8 @@ class DecodeGraphs:
             self.positions = torch.zeros(max_bs, dtype=torch.int64)
             self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64)
             self.context_lens = torch.zeros(max_bs, dtype=torch.int32)
+            self.rows = torch.arange(max_bs, dtype=torch.int32)         # padding rows' place in decode_order
+            self.decode_order = self.rows.clone()
             self.block_tables = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -70,7 +72,7 @@ class DecodeGraphs:
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:bs],
                                  block_tables=self.block_tables[:bs], context_lens=self.context_lens[:bs],
-                                 max_seqlen_q=1, max_seqlen_k=self.max_model_len,
+                                 decode_order=self.decode_order[:bs], max_seqlen_q=1, max_seqlen_k=self.max_model_len,
                                  seqlens_q=[1] * bs, seqlens_k=[0] * bs)
 
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
@@ -95,6 +97,11 @@ class DecodeGraphs:
         self.slot_mapping[:n].copy_(meta.slot_mapping)
         self.context_lens.zero_()
         self.context_lens[:n].copy_(meta.context_lens)
+        if meta.decode_order is not None:     # the real rows in their order, then the padding rows (ctx 0)
+            self.decode_order[:n].copy_(meta.decode_order)
+            self.decode_order[n:bucket].copy_(self.rows[n:bucket])
+        else:
+            self.decode_order.copy_(self.rows)
         width = meta.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(meta.block_tables)
         self.graphs[bucket].replay()

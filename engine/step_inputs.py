@@ -17,6 +17,13 @@ def _aligned(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def longest_first(context_lens: list[int]) -> list[int]:
+    """The decode rows by context length, longest first (ties in row order): the order in which the paged
+    decode launches its programs, so that at mixed contexts the longest start first and the short fill in
+    behind them instead of one long program finishing alone at the end (about 20 us per 256 rows here)."""
+    return sorted(range(len(context_lens)), key=context_lens.__getitem__, reverse=True)
+
+
 @dataclass
 class StepPlan:
     """Host-side description of one forward: what rank 0 sends to the other TP ranks."""
@@ -113,6 +120,7 @@ class InputBuilder:
             sections["cu_k"] = [0, *itertools.accumulate(plan.seqlens_k)]
         if plan.context_lens is not None:
             sections["context_lens"] = plan.context_lens
+            sections["decode_order"] = longest_first(plan.context_lens)
         if plan.block_tables is not None:
             sections["block_tables"] = list(itertools.chain.from_iterable(plan.block_tables))
         views: dict[str, torch.Tensor] = {}
@@ -137,7 +145,7 @@ class InputBuilder:
             cu_seqlens_q=views.get("cu_q"), cu_seqlens_k=views.get("cu_k"),
             max_seqlen_q=max(plan.seqlens_q), max_seqlen_k=max(plan.seqlens_k),
             block_tables=None if block_tables is None else block_tables.view(n, -1),
-            context_lens=views.get("context_lens"),
+            context_lens=views.get("context_lens"), decode_order=views.get("decode_order"),
             seqlens_q=plan.seqlens_q, seqlens_k=plan.seqlens_k)
         return StepInputs(wide[:t], wide[t_pad:t_pad + t], meta, plan.is_prefill, plan)
 

@@ -8,6 +8,7 @@ cannot run a kernel here.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -63,6 +64,7 @@ def results():
     pytest.importorskip("triton")
     cases = [[list(v), page, *s] for v in VARIANTS for page in PAGES for s in SETTINGS]
     cases += [[[3, True, 16], 256, *s] for s in SETTINGS[:2]]
+    cases += [[list(VARIANTS[0]), page, *s, True] for page in PAGES for s in SETTINGS]       # launch order given
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, __file__], input=json.dumps(cases), capture_output=True, text=True,
@@ -92,21 +94,27 @@ def paged_case(page: int, g: int, dtype, lengths=LENGTHS, seed: int = 0):
             torch.tensor(lengths, dtype=torch.int32))
 
 
-def run_case(tk, variant, page: int, g: int, dtype: str, sm_count: int) -> dict:
-    """One kernel call against the float32 reference: max abs error, padding rows, output dtype and shape."""
+def run_case(tk, variant, page: int, g: int, dtype: str, sm_count: int, ordered: bool = False) -> dict:
+    """One kernel call against the float32 reference: max abs error, padding rows, output dtype and shape,
+    and a digest of the output (the launch order must not change a bit of it). ordered: the rows' programs
+    launch longest context first (AttentionMetadata.decode_order)."""
+    from engine.step_inputs import longest_first
+
     dt = getattr(torch, dtype)
     q, kc, vc, bt, ctx = paged_case(page, g, dt, seed=g)
     hpp, page_tile, block_n = variant
+    order = torch.tensor(longest_first(ctx.tolist()), dtype=torch.int32) if ordered else None
     try:
         out = tk.paged_decode(q, kc, vc, bt, ctx, D ** -0.5, int(ctx.max()), sm_count, block_n=block_n,
-                              kv_per_prog=hpp, page_tile=page_tile)
+                              kv_per_prog=hpp, page_tile=page_tile, order=order)
     except Exception as e:                         # noqa: BLE001 (reported to the test, which fails on it)
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     ref = decode_reference(q, kc, vc, bt, ctx, D ** -0.5)
     ref[ctx == 0] = 0.0                            # a padding row: the kernel writes zeros
     err = (out.float() - ref).abs().max().item()
     return {"max_abs_err": err if err == err else float("inf"), "same_dtype": out.dtype == dt,
-            "same_shape": out.shape == q.shape, "padding_zero": out[ctx == 0].abs().max().item() == 0}
+            "same_shape": out.shape == q.shape, "padding_zero": out[ctx == 0].abs().max().item() == 0,
+            "digest": hashlib.sha256(out.float().numpy().tobytes()).hexdigest()}
 
 
 def check(r: dict, dtype: str) -> None:
@@ -120,6 +128,18 @@ def check(r: dict, dtype: str) -> None:
 def test_variant_matches_reference(results, variant, page):
     for g, dtype, sm in SETTINGS:
         check(results[(variant, page, g, dtype, sm)], dtype)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_launch_order_changes_no_bit_of_the_output(results, page):
+    """The rows launched longest context first (the engine's decode_order; LENGTHS is not in that order):
+    every output as the reference wants it and bit-identical to the row-order launch."""
+    from engine.step_inputs import longest_first
+    assert longest_first(LENGTHS) != list(range(len(LENGTHS)))
+    for g, dtype, sm in SETTINGS:
+        r = results[(VARIANTS[0], page, g, dtype, sm, True)]
+        check(r, dtype)
+        assert r["digest"] == results[(VARIANTS[0], page, g, dtype, sm)]["digest"], (g, dtype, sm)
 
 
 def test_kv_per_prog_follows_the_kv_heads(results):

@@ -18,6 +18,7 @@ class AttentionMetadata:
     # prefix hits (prefill) and decode
     block_tables: torch.Tensor | None = None       # [N, max_blocks] int32, -1 padded
     context_lens: torch.Tensor | None = None       # [N] int32 (decode)
+    decode_order: torch.Tensor | None = None       # [N] int32 (decode): the rows, longest context first
     # host copies for backends that loop per sequence
     seqlens_q: list[int] = field(default_factory=list)
     seqlens_k: list[int] = field(default_factory=list)

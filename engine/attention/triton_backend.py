@@ -24,7 +24,7 @@ class TritonAttention(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if not meta.is_prefill:
             return tk.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                   meta.max_seqlen_k, self.sm_count)
+                                   meta.max_seqlen_k, self.sm_count, order=meta.decode_order)
         if meta.block_tables is not None:
             return tk.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                     meta.cu_seqlens_k, meta.max_seqlen_q, scale)

@@ -57,7 +57,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                          scale, split_len, num_splits, stride_qn, stride_qh, stride_bt, stride_on, stride_oh,
                          PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                          D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
-                         HPP: tl.constexpr = 1, PAGE_TILE: tl.constexpr = False):
+                         HPP: tl.constexpr = 1, PAGE_TILE: tl.constexpr = False, order_ptr=None,
+                         ORDERED: tl.constexpr = False):
     """One (group of HPP kv heads, sequence, split) program. DIRECT (a single split): write the normalized
     output itself (zeros for a padding row), so no reduce kernel runs.
 
@@ -69,10 +70,16 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     major, so one position's heads are one contiguous HPP * D run); the HPP * G query rows share one dot
     and each row keeps only the columns of its own kv head. PAGE_TILE (BLOCK_N divides PAGE; tiles start
     at multiples of BLOCK_N): a tile lies inside one page, so one scalar block-table load per tile
-    replaces the per-position gather."""
+    replaces the per-position gather.
+
+    ORDERED: the grid's sequence axis goes through ``order`` (the rows longest context first), so the
+    longest programs start first and the short ones fill in behind them."""
     ROWS: tl.constexpr = HPP * BLOCK_N
     kvh0 = tl.program_id(0) * HPP
-    n = tl.program_id(1)
+    if ORDERED:
+        n = tl.load(order_ptr + tl.program_id(1))
+    else:
+        n = tl.program_id(1)
     s = tl.program_id(2)
     ctx = tl.load(ctx_ptr + n)
     start = s * split_len
@@ -155,8 +162,11 @@ def _decode_reduce_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, num_splits, split_l
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, max_len: int, sm_count: int, block_n: int = DECODE_BLOCK_N,
                  num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES, waves: int = DECODE_WAVES,
-                 kv_per_prog: int = DECODE_KV_PER_PROG, page_tile: bool = DECODE_PAGE_TILE) -> torch.Tensor:
+                 kv_per_prog: int = DECODE_KV_PER_PROG, page_tile: bool = DECODE_PAGE_TILE,
+                 order: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, Hq, D] -> out [N, Hq, D]; reads context_lens[i] positions of seq i through its block table.
+    order (int32 [N], a permutation of the rows): the order in which the rows' programs are launched
+    (AttentionMetadata.decode_order: longest context first); the result does not depend on it.
 
     block_n positions per tile (each position finds its own page, so any page size works); the tuning
     knobs (block_n, num_warps, num_stages, waves) are swept by `labkit bench --workload attention --sweep`:
@@ -180,7 +190,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         PAGE=page, HK=hk, G=g, BLOCK_G=max(16, triton.next_power_of_2(hpp * g)), D=d, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, DIRECT=direct, HPP=hpp, PAGE_TILE=page_tile and page % block_n == 0,
-        num_warps=num_warps, num_stages=num_stages)
+        order_ptr=order, ORDERED=order is not None, num_warps=num_warps, num_stages=num_stages)
     if direct:
         return out
     _decode_reduce_kernel[(n, hq)](acc, ml, context_lens, out, num_splits, split_len, out.stride(0), out.stride(1),
