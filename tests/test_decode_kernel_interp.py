@@ -65,6 +65,7 @@ def results():
     cases = [[list(v), page, *s] for v in VARIANTS for page in PAGES for s in SETTINGS]
     cases += [[[3, True, 16], 256, *s] for s in SETTINGS[:2]]
     cases += [[list(VARIANTS[0]), page, *s, True] for page in PAGES for s in SETTINGS]       # launch order given
+    cases += [[list(VARIANTS[0]), page, *s, False, False] for page in PAGES for s in SETTINGS]  # reduce kernel
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.run([sys.executable, __file__], input=json.dumps(cases), capture_output=True, text=True,
@@ -94,10 +95,12 @@ def paged_case(page: int, g: int, dtype, lengths=LENGTHS, seed: int = 0):
             torch.tensor(lengths, dtype=torch.int32))
 
 
-def run_case(tk, variant, page: int, g: int, dtype: str, sm_count: int, ordered: bool = False) -> dict:
+def run_case(tk, variant, page: int, g: int, dtype: str, sm_count: int, ordered: bool = False,
+             fused: bool = True) -> dict:
     """One kernel call against the float32 reference: max abs error, padding rows, output dtype and shape,
     and a digest of the output (the launch order must not change a bit of it). ordered: the rows' programs
-    launch longest context first (AttentionMetadata.decode_order)."""
+    launch longest context first (AttentionMetadata.decode_order). fused: several splits are combined by
+    their last program (the engine's path), else by the reduce kernel; the counters must end at zero."""
     from engine.step_inputs import longest_first
 
     dt = getattr(torch, dtype)
@@ -106,7 +109,7 @@ def run_case(tk, variant, page: int, g: int, dtype: str, sm_count: int, ordered:
     order = torch.tensor(longest_first(ctx.tolist()), dtype=torch.int32) if ordered else None
     try:
         out = tk.paged_decode(q, kc, vc, bt, ctx, D ** -0.5, int(ctx.max()), sm_count, block_n=block_n,
-                              kv_per_prog=hpp, page_tile=page_tile, order=order)
+                              kv_per_prog=hpp, page_tile=page_tile, order=order, fuse_reduce=fused)
     except Exception as e:                         # noqa: BLE001 (reported to the test, which fails on it)
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     ref = decode_reference(q, kc, vc, bt, ctx, D ** -0.5)
@@ -114,12 +117,13 @@ def run_case(tk, variant, page: int, g: int, dtype: str, sm_count: int, ordered:
     err = (out.float() - ref).abs().max().item()
     return {"max_abs_err": err if err == err else float("inf"), "same_dtype": out.dtype == dt,
             "same_shape": out.shape == q.shape, "padding_zero": out[ctx == 0].abs().max().item() == 0,
-            "digest": hashlib.sha256(out.float().numpy().tobytes()).hexdigest()}
+            "digest": hashlib.sha256(out.float().numpy().tobytes()).hexdigest(),
+            "locks_zero": all(int(v.abs().sum()) == 0 for v in tk._locks.values())}
 
 
 def check(r: dict, dtype: str) -> None:
     assert "error" not in r, r
-    assert r["same_dtype"] and r["same_shape"] and r["padding_zero"], r
+    assert r["same_dtype"] and r["same_shape"] and r["padding_zero"] and r["locks_zero"], r
     assert r["max_abs_err"] <= (1e-4 if dtype == "float32" else OUTPUT_TOL), r
 
 
@@ -140,6 +144,17 @@ def test_launch_order_changes_no_bit_of_the_output(results, page):
         r = results[(VARIANTS[0], page, g, dtype, sm, True)]
         check(r, dtype)
         assert r["digest"] == results[(VARIANTS[0], page, g, dtype, sm)]["digest"], (g, dtype, sm)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_the_reduce_kernel_and_the_fused_reduce_agree(results, page):
+    """Several splits (sm_count 16) combined by the reduce kernel: the reference's output, and the fused
+    reduce's (the default, every other case here) to float32 rounding."""
+    for g, dtype, sm in SETTINGS:
+        r = results[(VARIANTS[0], page, g, dtype, sm, False, False)]
+        check(r, dtype)
+        if sm == 1:        # one split: no reduce of either kind, the same kernel
+            assert r["digest"] == results[(VARIANTS[0], page, g, dtype, sm)]["digest"]
 
 
 def test_kv_per_prog_follows_the_kv_heads(results):

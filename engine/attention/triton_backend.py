@@ -17,6 +17,7 @@ class TritonAttention(AttentionBackend):
 
     def __init__(self) -> None:
         self.sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        tk.decode_locks(torch.device("cuda", torch.cuda.current_device()))    # before any graph capture
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         tk.store_kv(k, v, k_cache, v_cache, slot_mapping)

@@ -58,7 +58,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                          PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                          D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
                          HPP: tl.constexpr = 1, PAGE_TILE: tl.constexpr = False, order_ptr=None,
-                         ORDERED: tl.constexpr = False):
+                         ORDERED: tl.constexpr = False, lock_ptr=None, FUSED_REDUCE: tl.constexpr = False):
     """One (group of HPP kv heads, sequence, split) program. DIRECT (a single split): write the normalized
     output itself (zeros for a padding row), so no reduce kernel runs.
 
@@ -73,7 +73,12 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     replaces the per-position gather.
 
     ORDERED: the grid's sequence axis goes through ``order`` (the rows longest context first), so the
-    longest programs start first and the short ones fill in behind them."""
+    longest programs start first and the short ones fill in behind them.
+
+    FUSED_REDUCE (several splits): no reduce kernel. Each program writes its partial, then counts itself
+    in on its (sequence, head group)'s counter; the last of the row's splits with context to read
+    combines the partials in split order (as _decode_reduce_kernel does), writes the output and resets
+    the counter to zero for the next launch. Split 0 of a padding row (context 0) writes its zeros."""
     ROWS: tl.constexpr = HPP * BLOCK_N
     kvh0 = tl.program_id(0) * HPP
     if ORDERED:
@@ -83,14 +88,20 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     s = tl.program_id(2)
     ctx = tl.load(ctx_ptr + n)
     start = s * split_len
-    if not DIRECT:
-        if start >= ctx:           # a split past this sequence's context: nothing to read (the reduce skips it)
-            return
-    end = tl.minimum(ctx, start + split_len)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
     gmask = offs_g < HPP * G
     heads = kvh0 * G + offs_g
+    if not DIRECT:
+        if start >= ctx:           # a split past this sequence's context: nothing to read (the reduce skips it)
+            if FUSED_REDUCE:
+                if ctx == 0:
+                    if s == 0:     # padding row (graph bucket): a finite zero output
+                        tl.store(out_ptr + n * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
+                                 tl.zeros([BLOCK_G, D], tl.float32).to(out_ptr.dtype.element_ty),
+                                 mask=gmask[:, None])
+            return
+    end = tl.minimum(ctx, start + split_len)
     q = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=gmask[:, None], other=0.0)
     offs_r = tl.arange(0, ROWS)
@@ -128,10 +139,32 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         tl.store(out_ptr + n * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=gmask[:, None])
     else:
-        base = (n * (HK * G) + heads) * num_splits + s
+        rows = (n * (HK * G) + heads) * num_splits
+        base = rows + s
         tl.store(acc_ptr + base[:, None] * D + offs_d[None, :], acc, mask=gmask[:, None])
         tl.store(ml_ptr + base * 2, m, mask=gmask)
         tl.store(ml_ptr + base * 2 + 1, l, mask=gmask)
+        if FUSED_REDUCE:
+            tl.debug_barrier()                          # the whole partial is written before the count
+            lock = lock_ptr + n * tl.num_programs(0) + tl.program_id(0)
+            active = tl.minimum(num_splits, tl.cdiv(ctx, split_len))
+            if tl.atomic_add(lock, 1, sem="acq_rel") == active - 1:
+                tl.atomic_xchg(lock, 0)                 # every split of this launch has counted
+                m_max = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                for j in range(0, active):
+                    m_max = tl.maximum(m_max, tl.load(ml_ptr + (rows + j) * 2, mask=gmask, other=float("-inf"),
+                                                      cache_modifier=".cg"))
+                num = tl.zeros([BLOCK_G, D], tl.float32)
+                den = tl.zeros([BLOCK_G], tl.float32)
+                for j in range(0, active):
+                    mj = tl.load(ml_ptr + (rows + j) * 2, mask=gmask, other=float("-inf"), cache_modifier=".cg")
+                    lj = tl.load(ml_ptr + (rows + j) * 2 + 1, mask=gmask, other=0.0, cache_modifier=".cg")
+                    w = tl.where(lj > 0, tl.exp(mj - m_max), 0.0)
+                    num += tl.load(acc_ptr + (rows + j)[:, None] * D + offs_d[None, :], mask=gmask[:, None],
+                                   other=0.0, cache_modifier=".cg") * w[:, None]
+                    den += lj * w
+                tl.store(out_ptr + n * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
+                         (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=gmask[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits", "split_len"])
@@ -163,10 +196,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  context_lens: torch.Tensor, scale: float, max_len: int, sm_count: int, block_n: int = DECODE_BLOCK_N,
                  num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES, waves: int = DECODE_WAVES,
                  kv_per_prog: int = DECODE_KV_PER_PROG, page_tile: bool = DECODE_PAGE_TILE,
-                 order: torch.Tensor | None = None) -> torch.Tensor:
+                 order: torch.Tensor | None = None, fuse_reduce: bool = True) -> torch.Tensor:
     """q [N, Hq, D] -> out [N, Hq, D]; reads context_lens[i] positions of seq i through its block table.
     order (int32 [N], a permutation of the rows): the order in which the rows' programs are launched
     (AttentionMetadata.decode_order: longest context first); the result does not depend on it.
+    fuse_reduce: several splits are combined by their last program (no reduce kernel: one launch per
+    layer fewer, what a batch-1 decode pays per layer) where the counters exist (:func:`decode_locks`).
 
     block_n positions per tile (each position finds its own page, so any page size works); the tuning
     knobs (block_n, num_warps, num_stages, waves) are swept by `labkit bench --workload attention --sweep`:
@@ -185,17 +220,34 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     acc = torch.empty(0 if direct else n * hq * num_splits * d, dtype=torch.float32, device=q.device)
     ml = torch.empty(0 if direct else n * hq * num_splits * 2, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    locks = decode_locks(q.device) if fuse_reduce and not direct else None
+    fused = locks is not None and n * (hk // hpp) <= locks.numel()
     _decode_split_kernel[(hk // hpp, n, num_splits)](                   # a sequence's heads launch together
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, out, scale, split_len, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         PAGE=page, HK=hk, G=g, BLOCK_G=max(16, triton.next_power_of_2(hpp * g)), D=d, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, DIRECT=direct, HPP=hpp, PAGE_TILE=page_tile and page % block_n == 0,
-        order_ptr=order, ORDERED=order is not None, num_warps=num_warps, num_stages=num_stages)
-    if direct:
+        order_ptr=order, ORDERED=order is not None, lock_ptr=locks, FUSED_REDUCE=fused,
+        num_warps=num_warps, num_stages=num_stages)
+    if direct or fused:
         return out
     _decode_reduce_kernel[(n, hq)](acc, ml, context_lens, out, num_splits, split_len, out.stride(0), out.stride(1),
                                    HQ=hq, D=d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)))
     return out
+
+
+DECODE_LOCKS = 1 << 16                  # (sequence, head group) counters of the fused reduce, per device
+_locks: dict[torch.device, torch.Tensor] = {}
+
+
+def decode_locks(device: torch.device) -> torch.Tensor | None:
+    """The fused reduce's counters on `device` (zeros; every launch leaves them at zero). Allocated on the
+    first call outside a CUDA graph capture (the Triton backend allocates them when it is created); None
+    inside a capture before that, and the decode then runs its reduce kernel."""
+    locks = _locks.get(device)
+    if locks is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        locks = _locks[device] = torch.zeros(DECODE_LOCKS, dtype=torch.int32, device=device)
+    return locks
 
 
 # -- prefill: through the block table (prefix hits, chunk continuations) or on the new K/V (fresh) ----
