@@ -179,6 +179,27 @@ def test_out_of_vocabulary_ids_in_parameters_are_refused_at_admission(engine):
         assert e.value.code == code
 
 
+def test_prompt_ids_outside_the_vocabulary_or_not_ints_are_refused(engine):
+    """The admission rule's id check (ranges checked at C speed, anything else id by id): the first bad id
+    is named; bools and ints in range pass."""
+    from engine.errors import RequestError
+    vocab = engine.config.vocab_size
+    for ids, bad in (([1, 2.0], "2.0"), (["a", 1], "'a'"), ([-1, 5], "-1"), ([5, vocab], str(vocab)),
+                     ([3, None], "None")):
+        with pytest.raises(RequestError) as e:
+            engine.validate(ids)
+        assert e.value.code == "token_out_of_vocabulary" and f"token id {bad} " in str(e.value), (ids, str(e.value))
+    engine.validate([True, 3, vocab - 1, 0])
+
+
+def test_generate_texts_are_the_decoded_completions(engine):
+    """Texts are detokenized as sequences finish (inside the loop): each is its completion's decode."""
+    outs = engine.generate([PROMPT, PROMPT[:20]], [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                                                   for n in (3, 7)])
+    assert [len(o["token_ids"]) for o in outs] == [3, 7]
+    assert [o["text"] for o in outs] == [engine.tokenizer.decode(o["token_ids"]) for o in outs]
+
+
 def test_overlapped_loop_gives_the_same_processed_tokens(tiny_model_dir, engine):
     params = [HEAVY, SamplingParams(temperature=0.7, top_k=5, seed=3, max_tokens=6, ignore_eos=True,
                                     frequency_penalty=0.5, min_tokens=2)]
