@@ -26,6 +26,16 @@ from engine.layers.fused_kernels import NORM_WARPS
 
 
 @triton.jit
+def _load_k(ptrs, kmask, EVEN_K: tl.constexpr):
+    """One K chunk of a row: unmasked where K is a multiple of the tile, else masked (zeros past K)."""
+    if EVEN_K:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=kmask, other=0.0)
+    return v
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, res_ptr=None, nw_ptr=None, h_ptr=None, eps=0.0,
                  NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, BLOCK_ROW: tl.constexpr = 1):
@@ -44,29 +54,17 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
-        if EVEN_K:
-            x = tl.load(x_ptr + rk)
-        else:
-            x = tl.load(x_ptr + rk, mask=kmask, other=0.0)
+        x = _load_k(x_ptr + rk, kmask, EVEN_K)
         if NORM:
             if HAS_RES:
-                if EVEN_K:
-                    r = tl.load(res_ptr + rk)
-                else:
-                    r = tl.load(res_ptr + rk, mask=kmask, other=0.0)
+                r = _load_k(res_ptr + rk, kmask, EVEN_K)
                 x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)      # h, the new residual
                 if pid == 0:                                                # one writer; never in place
                     tl.store(h_ptr + rk, x, mask=kmask)
-            if EVEN_K:
-                nw = tl.load(nw_ptr + rk)
-            else:
-                nw = tl.load(nw_ptr + rk, mask=kmask, other=0.0)
+            nw = _load_k(nw_ptr + rk, kmask, EVEN_K)
             x = ((x.to(tl.float32) * rstd).to(x.dtype).to(tl.float32) * nw.to(tl.float32)).to(x.dtype)
         if SILU_MUL:
-            if EVEN_K:
-                up = tl.load(x_ptr + K + rk)
-            else:
-                up = tl.load(x_ptr + K + rk, mask=kmask, other=0.0)
+            up = _load_k(x_ptr + K + rk, kmask, EVEN_K)
             g = x.to(tl.float32)
             silu = (g / (1.0 + tl.exp(-g))).to(x.dtype)            # F.silu(gate) in the activation dtype
             x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)   # * up, rounded as SiluAndMul
