@@ -121,6 +121,8 @@ class ModelRunner(InputBuilder):
             self.clock = DeviceClock()
 
     def _enable_fused_ops(self) -> bool:
+        if not self.config.fused_ops:      # --no-fused-ops: the plain path (backend.store_kv runs)
+            return False
         if not self.device.startswith("cuda"):
             return False
         try:

@@ -9,9 +9,10 @@ from engine import LLMEngine
 from engine.observe import EngineEvent
 from labkit.errors import UserError
 
-# The handbook's entry defaults: eager, TP=1, KV block 256, context 1024, prefill budget 512, util 0.5.
+# The handbook's entry defaults: eager, TP=1, KV block 256, context 1024, prefill budget 512, util 0.5;
+# the fused kernels on (they only run on CUDA; --no-fused-ops takes the plain path there).
 LAB_DEFAULTS = dict(kvcache_block_size=256, max_model_len=1024, max_num_batched_tokens=512,
-                    gpu_memory_utilization=0.5, enforce_eager=True, tensor_parallel_size=1)
+                    gpu_memory_utilization=0.5, enforce_eager=True, tensor_parallel_size=1, fused_ops=True)
 
 
 def detect_device(device: str = "auto") -> str:

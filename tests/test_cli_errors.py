@@ -71,7 +71,7 @@ def test_quick_walk_debug_stops_in_pdb_after_init_then_continues(tiny_model_dir,
     e = dict(os.environ)
     res = subprocess.run([sys.executable, "-m", "labkit", "quick-walk", "--case", "A", "--trace", "--debug", "--model",
                           str(tiny_model_dir), "--out", str(tmp_path / "a.json")],
-                         input="p type(engine).__name__, len(engine.scheduler.waiting), engine.block_manager.num_blocks\nc\n",
+                         input="p type(llm).__name__, len(llm.scheduler.waiting), llm.block_manager.num_blocks\nc\n",
                          capture_output=True, text=True, env=e, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "(Pdb)" in res.stdout and "('LLMEngine', 0," in res.stdout    # engine built, no request added yet

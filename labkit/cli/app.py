@@ -34,6 +34,7 @@ Errors are mapped by type, never by message text, in the root group (:class:`Lab
 
 from __future__ import annotations
 
+import bdb
 import enum
 import sys
 from pathlib import Path
@@ -48,6 +49,7 @@ from labkit.cli.options import (
     AttentionOpt,
     DeviceOpt,
     EnforceEagerOpt,
+    FusedOpsOpt,
     JsonOpt,
     KvCacheBlockSizeOpt,
     MaxConsecutivePrefillOpt,
@@ -126,6 +128,9 @@ class LabkitGroup(TyperGroup):
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort, TyperException):   # exits and usage errors: Typer's own
             raise
+        except bdb.BdbQuit:             # `q` at a --debug prompt: the learner stopped on purpose
+            sys.stderr.write("debug: quit (the walk stopped; no evidence written)\n")
+            raise typer.Exit(0) from None
         except Exception as e:  # noqa: BLE001 - mapped by type in end_with_error
             end_with_error(e)
 
@@ -326,6 +331,7 @@ def generate(
     max_model_len: MaxModelLenOpt = 1024,
     kv_cache_block_size: KvCacheBlockSizeOpt = 256,
     enforce_eager: EnforceEagerOpt = True,
+    fused_ops: FusedOpsOpt = True,
     max_consecutive_prefill: MaxConsecutivePrefillOpt = None,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
@@ -339,7 +345,7 @@ def generate(
     path = out or default_out("generate.json")
     record = run_generate(prompt, token_ids, chat, max_tokens, temperature, ignore_eos, seed, path,
                           _model_arg(model), device, attention, max_model_len, kv_cache_block_size, enforce_eager,
-                          max_consecutive_prefill=max_consecutive_prefill)
+                          max_consecutive_prefill=max_consecutive_prefill, fused_ops=fused_ops)
     if json_out:
         print_json(record)
     else:

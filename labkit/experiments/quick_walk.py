@@ -185,12 +185,7 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
 
 
 def _debug_prompt(engine) -> None:
-    """Handbook 5.1.7: drop into pdb after initialization, with the engine's parts in scope."""
-    import pdb
-    import sys
+    """Handbook 5.1.7: drop into pdb after initialization, with the engine's parts in scope (walk_debug.py)."""
+    from labkit.experiments.walk_debug import debug_prompt
 
-    import engine.llm_engine as engine_module  # noqa: F401  (for `b engine_module.LLMEngine.step`)
-
-    print("debug: engine initialized (warmup done); `engine` is in scope (its parts: engine.scheduler, "
-          "engine.runner, engine.block_manager). Try: b engine_module.LLMEngine.step, then c", file=sys.stderr)
-    pdb.Pdb().set_trace()
+    debug_prompt(engine)

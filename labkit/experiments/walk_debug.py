@@ -1,0 +1,106 @@
+"""`labkit quick-walk --debug` (handbook 5.1.7): a pdb prompt after the engine is built, before any request.
+
+The prompt's namespace holds the engine object as ``llm`` and the engine's modules under names that do not
+clash with the package (``engine_pkg``, ``scheduler_mod``, ``block_manager_mod``, ...), and the banner
+suggests one breakpoint per lesson of docs/COURSE.md, its line computed from the source (never typed in).
+``q`` ends the command with exit 0 (labkit's root group maps pdb's BdbQuit to a clean exit).
+
+The modules are imported by name (importlib) on purpose: this namespace is for a person reading the
+engine's internals in a debugger; no labkit code path calls into them (tests/test_layout.py's rule).
+"""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import os
+import sys
+import textwrap
+
+# the names the prompt offers: name -> module (the backend's module is added from the engine's choice)
+MODULES = {
+    "engine_pkg": "engine",
+    "llm_engine_mod": "engine.llm_engine",
+    "sequence_mod": "engine.sequence",
+    "scheduler_mod": "engine.scheduler",
+    "block_manager_mod": "engine.block_manager",
+    "step_inputs_mod": "engine.step_inputs",
+    "model_runner_mod": "engine.model_runner",
+    "metadata_mod": "engine.attention.metadata",
+    "qwen3_mod": "engine.models.qwen3",
+    "graph_mod": "engine.graph",
+    "tp_workers_mod": "engine.tp_workers",
+}
+BACKEND_MODULES = {"torch": "engine.attention.torch_backend", "triton": "engine.attention.triton_backend",
+                   "flash_attn": "engine.attention.flash_backend"}
+
+# one breakpoint per lesson of docs/COURSE.md: (lesson, module, qualified name)
+LESSON_BREAKPOINTS = (
+    (1, "engine.llm_engine", "LLMEngine.step"),
+    (2, "engine.sequence", "Sequence.append_token"),
+    (3, "engine.scheduler", "Scheduler.schedule"),
+    (4, "engine.block_manager", "BlockManager.allocate"),
+    (5, "engine.step_inputs", "InputBuilder.plan_prefill"),
+    (6, "engine.step_inputs", "InputBuilder.plan_decode"),
+    (7, "engine.models.qwen3", "Attention.forward"),
+    (8, "engine.model_runner", "ModelRunner.run_model"),
+)
+
+
+def first_body_line(fn) -> int:
+    """The line of fn's first statement after its docstring: where `b FILE:LINE` stops on every call."""
+    lines, start = inspect.getsourcelines(fn)
+    node = ast.parse(textwrap.dedent("".join(lines))).body[0]
+    body = node.body
+    if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    return start + body[0].lineno - 1
+
+
+def _shown_path(path: str) -> str:
+    """The file as pdb's `b` takes it from here: relative to the working directory when inside it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+def lesson_breakpoints() -> list[dict]:
+    """[{lesson, target, file, line, command}] for LESSON_BREAKPOINTS, read from the source now."""
+    out = []
+    for lesson, module, qualname in LESSON_BREAKPOINTS:
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+        obj = inspect.unwrap(obj)                  # through decorators (torch.inference_mode)
+        path = _shown_path(inspect.getsourcefile(obj))
+        line = first_body_line(obj)
+        out.append({"lesson": lesson, "target": f"{module}:{qualname}", "file": path, "line": line,
+                    "command": f"b {path}:{line}"})
+    return out
+
+
+def banner(names: dict[str, object]) -> str:
+    mods = ", ".join(f"{k}={getattr(v, '__name__', v)}" for k, v in names.items() if k != "llm")
+    rows = "\n".join(f"  {b['command']:<40} # lesson {b['lesson']}: {b['target']}" for b in lesson_breakpoints())
+    return ("debug: engine built and warmed up, no request added yet.\n"
+            "  llm = the LLMEngine (llm.scheduler, llm.block_manager, llm.runner)\n"
+            f"  modules: {mods}\n"
+            f"one breakpoint per lesson (docs/COURSE.md):\n{rows}\n"
+            "then `c` runs the walk to the next breakpoint; `q` quits (exit 0, no evidence written)")
+
+
+def debug_prompt(llm) -> None:
+    """Stop in pdb with `llm` and the engine's modules in scope; returns when the learner continues."""
+    import pdb
+
+    backend = BACKEND_MODULES.get(llm.describe()["attention_backend"])
+    names: dict[str, object] = {"llm": llm}
+    names.update({k: importlib.import_module(m) for k, m in MODULES.items()})
+    if backend:
+        names["backend_mod"] = importlib.import_module(backend)
+    print(banner(names), file=sys.stderr, flush=True)
+    # the prompt's frame: a function whose globals are exactly these names (pdb evaluates in them)
+    scope = {**names, "__pdb__": pdb.Pdb(), "__name__": "labkit_debug"}
+    exec(compile("def walk_debug():\n    __pdb__.set_trace()\n    return  # c: run the walk; q: quit\n",
+                 "<labkit quick-walk --debug>", "exec"), scope)
+    scope["walk_debug"]()
