@@ -267,7 +267,8 @@ def test_debug_prompt_offers_the_modules_stops_at_a_lesson_breakpoint_and_quits_
     lesson3 = next(b for b in lesson_breakpoints() if b["lesson"] == 3)
     script = "\n".join([
         "p type(llm).__name__, scheduler_mod.__name__, block_manager_mod.BlockManager.__name__, engine_pkg.__name__",
-        lesson3["command"], "c", "p len(self.waiting), self.waiting[0].num_tokens", "q"]) + "\n"
+        "b engine_module.LLMEngine.step", lesson3["command"], "c",      # the handbook's breakpoint first
+        "c", "p len(self.waiting), self.waiting[0].num_tokens", "q"]) + "\n"
     res = subprocess.run([sys.executable, "-m", "labkit", "quick-walk", "--case", "A", "--trace", "--debug",
                           "--model", str(tiny_model_dir), "--out", str(tmp_path / "a.json")],
                          input=script, capture_output=True, text=True, timeout=300, cwd=REPO,
@@ -277,7 +278,8 @@ def test_debug_prompt_offers_the_modules_stops_at_a_lesson_breakpoint_and_quits_
     assert "('LLMEngine', 'engine.scheduler', 'BlockManager', 'engine')" in res.stdout
     for b in lesson_breakpoints():                              # the banner: one breakpoint per lesson
         assert f"{b['command']}" in res.stderr and f"lesson {b['lesson']}:" in res.stderr
-    assert f"scheduler.py({lesson3['line']})schedule()" in res.stdout   # stopped inside Scheduler.schedule
+    assert "llm_engine.py(" in res.stdout and ")step()" in res.stdout     # stopped in LLMEngine.step, then
+    assert f"scheduler.py({lesson3['line']})schedule()" in res.stdout   # inside Scheduler.schedule
     assert "(1, 3)" in res.stdout                               # case A's one request of 3 tokens, waiting
     assert "Traceback" not in both and "BdbQuit" not in both
     assert not (tmp_path / "a.json").exists()                   # quit before the walk ended: no evidence

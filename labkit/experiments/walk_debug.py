@@ -1,7 +1,8 @@
 """`labkit quick-walk --debug` (handbook 5.1.7): a pdb prompt after the engine is built, before any request.
 
 The prompt's namespace holds the engine object as ``llm`` and the engine's modules under names that do not
-clash with the package (``engine_pkg``, ``scheduler_mod``, ``block_manager_mod``, ...), and the banner
+clash with the package (``engine_pkg``, ``engine_module`` (the handbook's name for ``engine.llm_engine``),
+``scheduler_mod``, ``block_manager_mod``, ...), and the banner
 suggests one breakpoint per lesson of docs/COURSE.md, its line computed from the source (never typed in).
 ``q`` ends the command with exit 0 (labkit's root group maps pdb's BdbQuit to a clean exit).
 
@@ -20,7 +21,7 @@ import textwrap
 # the names the prompt offers: name -> module (the backend's module is added from the engine's choice)
 MODULES = {
     "engine_pkg": "engine",
-    "llm_engine_mod": "engine.llm_engine",
+    "engine_module": "engine.llm_engine",      # handbook 5.1.7's name: `b engine_module.LLMEngine.step`
     "sequence_mod": "engine.sequence",
     "scheduler_mod": "engine.scheduler",
     "block_manager_mod": "engine.block_manager",
@@ -80,11 +81,13 @@ def lesson_breakpoints() -> list[dict]:
 
 
 def banner(names: dict[str, object]) -> str:
-    mods = ", ".join(f"{k}={getattr(v, '__name__', v)}" for k, v in names.items() if k != "llm")
-    rows = "\n".join(f"  {b['command']:<40} # lesson {b['lesson']}: {b['target']}" for b in lesson_breakpoints())
+    mods = textwrap.fill(", ".join(f"{k}={v.__name__}" for k, v in names.items() if k != "llm"), width=100,
+                         initial_indent="  modules: ", subsequent_indent="    ")
+    rows = "\n".join(f"  {b['command']:<34} # lesson {b['lesson']}: {b['target'].split(':')[1]}"
+                     for b in lesson_breakpoints())
     return ("debug: engine built and warmed up, no request added yet.\n"
             "  llm = the LLMEngine (llm.scheduler, llm.block_manager, llm.runner)\n"
-            f"  modules: {mods}\n"
+            f"{mods}\n"
             f"one breakpoint per lesson (docs/COURSE.md):\n{rows}\n"
             "then `c` runs the walk to the next breakpoint; `q` quits (exit 0, no evidence written)")
 
