@@ -101,9 +101,8 @@ def run_lifecycle(out: Path | None = None, model: str | None = None, device: str
     model_note = None
     if model is None:
         model, model_note = default_lifecycle_model(device)
-    built = build_engine(model, device, attention, max_num_batched_tokens=budget,
-                         max_num_seqs=max_num_seqs or 256, kvcache_block_size=block_size,
-                         shuffle_blocks=shuffle_blocks)
+    built = build_engine(model, device, attention, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs or 256,
+                         kvcache_block_size=block_size, shuffle_blocks=shuffle_blocks)
     engine = built.engine
     install_env_trace(engine)
     prompts = [list(range(5000, 5000 + PROMPT_LENS[0])), list(range(7000, 7000 + PROMPT_LENS[1]))]

@@ -37,6 +37,15 @@ def _first(steps: list[dict], label: str) -> tuple[dict, dict]:
     raise RuntimeError(f"{label} was never scheduled")
 
 
+def _step_facts(steps: list[dict], prompts: dict[str, list[int]], block_size: int) -> dict:
+    """Every slot against the block tables, the runner's inputs against the scheduled batches, and each
+    request's blocks in admission order (ids, chained hashes, hits: the prefix picture's data)."""
+    checked, bad = slot_mismatches(steps, block_size)
+    return {"slots_checked": checked, "slot_mismatches": bad, "derived_slots_follow_formula": checked > 0 and not bad,
+            **{f"derived_{k}": v for k, v in inputs_facts(steps).items()},
+            "hash_chain": hash_chain(steps, prompts, block_size)}
+
+
 def run_prefix(out: Path | None = None, model: str | None = None, device: str = "auto", attention: str = "auto",
                budget: int = 512, max_num_seqs: int | None = None, block_size: int = 256, trace: bool = False,
                shuffle_blocks: int | None = None) -> dict:
@@ -84,7 +93,6 @@ def run_prefix(out: Path | None = None, model: str | None = None, device: str = 
     b_first, b_step = _first(steps, "B")
     d_first, _ = _first(steps, "D")
     inp = b_step["inputs"]
-    checked, bad = slot_mismatches(steps, block_size)
     facts = {
         "case": "prefix", "title": "a 620-token prompt after a cached 512-token prefix; ref counts (B.6)",
         "options": {"budget": budget, "max_num_seqs": max_num_seqs or 256, "block_size": block_size,
@@ -103,12 +111,7 @@ def run_prefix(out: Path | None = None, model: str | None = None, device: str = 
         "ref_count_trace": trace_counts,
         "exact_512": {k: d_first[k] for k in ("total", "cached", "scheduled")},
         "finished_order": [lab for st in steps for lab in st["after"]["finished"]],
-        "slots_checked": checked,
-        "slot_mismatches": bad,
-        "derived_slots_follow_formula": checked > 0 and not bad,
-        **{f"derived_{k}": v for k, v in inputs_facts(steps).items()},
-        # each request's blocks in admission order: ids, chained hashes, hits (the prefix picture's data)
-        "hash_chain": hash_chain(steps, {k: s.prompt_token_ids for k, s in seqs.items()}, block_size),
+        **_step_facts(steps, {k: s.prompt_token_ids for k, s in seqs.items()}, block_size),
         "free_blocks_end": engine.stats().free_blocks,
         "num_blocks": engine.stats().num_blocks,
         "note": synthetic_note(built.model),
