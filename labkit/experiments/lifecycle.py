@@ -165,8 +165,7 @@ def run_lifecycle(out: Path | None = None, model: str | None = None, device: str
             "cu_seqlens_q_minus_1": [c - 1 for c in cu[1:]],
             "last_rows_are_cu_seqlens_q_minus_1": probe.last_rows.get(1) == [c - 1 for c in cu[1:]],
         }
-    if trace:
-        facts["steps"] = steps
+    facts["steps"] = steps          # always (its checkpoint's command has no --trace): the pictures read them
     default_opts = budget == 512 and block_size == 256 and max_num_seqs is None and shuffle_blocks is None
     record = write_claimed("principles.lifecycle" if default_opts else None, out, "lifecycle.json", unclaimed_name="quick-walk-lifecycle-custom.json",
                            kind=built.kind, facts=facts, device=built.device, model=built.model,

@@ -116,8 +116,7 @@ def run_prefix(out: Path | None = None, model: str | None = None, device: str = 
         "num_blocks": engine.stats().num_blocks,
         "note": synthetic_note(built.model),
     }
-    if trace:
-        facts["steps"] = steps
+    facts["steps"] = steps          # always (its checkpoint's command has no --trace): the pictures read them
     default_opts = budget == 512 and block_size == 256 and max_num_seqs is None and shuffle_blocks is None
     record = write_claimed("principles.prefix-cache" if default_opts else None, out, "prefix-cache-check.json", unclaimed_name="quick-walk-prefix-custom.json",
                            kind=built.kind, facts=facts, device=built.device, model=built.model,
