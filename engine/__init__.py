@@ -7,9 +7,9 @@ from engine.sampling_params import SamplingParams
 
 # The scheduler and its paged block manager also run on their own, built from plain limits, with no model
 # (the lab's cpu-real-scheduler experiments); a running LLMEngine keeps its own instances private.
-from engine.block_manager import BlockManager  # noqa: E402
+from engine.block_manager import BlockManager, chain_hash  # noqa: E402  (chain_hash: the prefix cache's block hash)
 from engine.config import SchedulerLimits  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "Config", "ConfigError", "RequestError", "Scheduler",
-           "BlockManager", "SchedulerLimits"]
+           "BlockManager", "SchedulerLimits", "chain_hash"]

@@ -1,6 +1,7 @@
 """Paged KV pool: free/used blocks, ref counts and a chained-hash prefix cache."""
 from __future__ import annotations
 
+import random
 from collections import deque
 
 import numpy as np
@@ -36,11 +37,16 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, shuffle_blocks: int | None = None):
+        """``shuffle_blocks``: a seed; the free list then starts in that seeded shuffled order instead of
+        0, 1, 2, ... (a teaching switch: slots stop following positions, the slot formula still holds)."""
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        order = list(range(num_blocks))
+        if shuffle_blocks is not None:
+            random.Random(shuffle_blocks).shuffle(order)
+        self.free_block_ids: deque[int] = deque(order)
         self.used_block_ids: set[int] = set()
 
     @property
@@ -172,3 +178,12 @@ class BlockManager:
 
     def ref_counts(self, block_ids: list[int]) -> list[int]:
         return [self.blocks[b].ref_count for b in block_ids]
+
+    def block_hashes(self, block_ids: list[int]) -> list[int | None]:
+        """The hash each block holds (None: none, e.g. a partial or never-computed block)."""
+        return [None if self.blocks[b].hash == -1 else self.blocks[b].hash for b in block_ids]
+
+    def pool_snapshot(self) -> list[dict]:
+        """Every block in use or still holding a hash (free but cached), by id: id, ref_count, hashed."""
+        return [{"id": b.block_id, "ref_count": b.ref_count, "hashed": b.hash != -1}
+                for b in self.blocks if b.ref_count > 0 or b.hash != -1]

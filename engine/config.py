@@ -172,6 +172,7 @@ class Config:
     shm_name: str | None = None                    # this engine's TP step channel (default: unique per instance)
     tp_timeout_s: float = 120.0                    # a collective waiting longer than this fails instead of hanging
     fused_ops: bool = True                         # Triton RMSNorm / qk-norm+RoPE / SiLU-mul on CUDA
+    shuffle_blocks: int | None = None              # a seed: the KV free list starts shuffled (teaching; None: 0, 1, 2, ...)
     graph_buckets: tuple[int, ...] | None = None   # None: buckets covering every batch up to max_num_seqs
     overlap: bool = False                          # decode: launch step k+1 before reading step k's tokens
     prefill_graphs: bool = True                    # with graphs (TP 1, triton): small fresh prefills replay a graph too
@@ -207,6 +208,9 @@ class Config:
                 isinstance(self.max_consecutive_prefill, bool) or not isinstance(self.max_consecutive_prefill, int)
                 or self.max_consecutive_prefill < 1):
             raise ConfigError(f"max_consecutive_prefill must be a positive integer (or unset), got {self.max_consecutive_prefill!r}")
+        if self.shuffle_blocks is not None and (isinstance(self.shuffle_blocks, bool)
+                                                or not isinstance(self.shuffle_blocks, int)):
+            raise ConfigError(f"shuffle_blocks must be an integer seed (or unset), got {self.shuffle_blocks!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):

@@ -174,7 +174,8 @@ class LLMEngine:
         self._fresh_scheduling()
 
     def _fresh_scheduling(self) -> None:
-        self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.kvcache_block_size)
+        self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.kvcache_block_size,
+                                          shuffle_blocks=self.config.shuffle_blocks)
         self.scheduler = Scheduler(self.config.scheduler_limits(), self.block_manager)
 
     def forward_logits(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, Route]:
@@ -187,6 +188,21 @@ class LLMEngine:
 
     def ref_counts(self, block_ids: list[int]) -> list[int]:
         return self.block_manager.ref_counts(block_ids)
+
+    def block_hashes(self, block_ids: list[int]) -> list[int | None]:
+        """The prefix-cache hash each block holds now (None: none)."""
+        return self.block_manager.block_hashes(block_ids)
+
+    def pool(self) -> dict:
+        """The KV pool now: every block in use or still holding a hash, with its ref count and the live
+        sequences (ids) whose block tables hold it; free blocks without a hash are left out."""
+        owners: dict[int, list[int]] = {}
+        for seq in (*self.scheduler.running, *self.scheduler.waiting):
+            for b in seq.block_table:
+                owners.setdefault(b, []).append(seq.seq_id)
+        bm = self.block_manager
+        return {"num_blocks": bm.num_blocks, "block_size": bm.block_size,
+                "blocks": [{**b, "owners": owners.get(b["id"], [])} for b in bm.pool_snapshot()]}
 
     def kv_cache_view(self) -> torch.Tensor:
         """The KV pool [2, layers, blocks, block_size, kv heads, head dim], for probes to read (never write)."""
@@ -342,6 +358,7 @@ class LLMEngine:
                 "running": [s.seq_id for s in self.scheduler.running],
                 "waiting": [s.seq_id for s in self.scheduler.waiting],
                 "free_blocks": self.block_manager.num_free_blocks,
+                "pool": self.pool(),
             }))
         return outcome
 

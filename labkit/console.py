@@ -239,9 +239,15 @@ def render_smoke(record: dict) -> None:
 
 def render_quick_walk(record: dict) -> None:
     f = record["facts"]
+    def blocks(d: dict, key: str, i: int, count: int) -> str:
+        ids = d.get(key)            # block ids (evidence before they were recorded: the count only)
+        return f"blocks {ids[i]}" if ids is not None else f"{count} blocks"
+
     rows = [{"step": d["step"], "phase": d["phase"],
-             "before (label total/cached/scheduled blocks)": "  ".join(f"{b[0]} {b[1]}/{b[2]}/{b[3]} [{b[4]}]" for b in d["before"]),
-             "after (label total/cached blocks)": "  ".join(f"{a[0]} {a[1]}/{a[2]} [{a[3]}]" for a in d["after"]),
+             "before (label total/cached/scheduled, block ids)": "  ".join(
+                 f"{b[0]} {b[1]}/{b[2]}/{b[3]} {blocks(d, 'before_blocks', i, b[4])}" for i, b in enumerate(d["before"])),
+             "after (label total/cached, block ids)": "  ".join(
+                 f"{a[0]} {a[1]}/{a[2]} {blocks(d, 'after_blocks', i, a[3])}" for i, a in enumerate(d["after"])),
              "finished": ",".join(d["finished"])} for d in f["step_digest"]]
     console.print(dict_table(rows, title=f"quick-walk {f['case']}: {f['title']}"))
     console.print(f"steps={f['num_steps']} output_counts={f['output_counts']}")

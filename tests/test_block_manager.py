@@ -134,3 +134,26 @@ def test_reset_prefix_cache_makes_the_next_identical_prompt_miss(tiny_model_dir)
     assert cold.num_cached_tokens == 0 and cold.num_scheduled_tokens == 40
     with pytest.raises(RuntimeError, match="in flight"):
         engine.reset_prefix_cache()
+
+
+def test_shuffle_blocks_starts_the_free_list_in_a_seeded_order():
+    """shuffle_blocks=SEED: the same permutation for the same seed, not 0, 1, 2, ...; None keeps 0, 1, 2, ..."""
+    assert list(BlockManager(16, 4).free_block_ids) == list(range(16))
+    a, b, c = (list(BlockManager(16, 4, shuffle_blocks=s).free_block_ids) for s in (7, 7, 8))
+    assert a == b and a != c and sorted(a) == list(range(16)) and a != list(range(16))
+    bm = BlockManager(16, 4, shuffle_blocks=7)
+    s = seq(range(10), 4)
+    bm.allocate(s)
+    assert s.block_table == a[:3]                        # handed out in that order
+
+
+def test_pool_snapshot_lists_blocks_in_use_or_still_hashed():
+    bm = BlockManager(8, 4)
+    s = seq(range(10), 4)                                # 2 full blocks + 2 tokens
+    bm.allocate(s)
+    computed(bm, s)
+    assert bm.pool_snapshot() == [{"id": 0, "ref_count": 1, "hashed": True}, {"id": 1, "ref_count": 1, "hashed": True},
+                                  {"id": 2, "ref_count": 1, "hashed": False}]
+    bm.deallocate(s)                                     # free: the partial block drops out, the hashed ones stay
+    assert bm.pool_snapshot() == [{"id": 0, "ref_count": 0, "hashed": True}, {"id": 1, "ref_count": 0, "hashed": True}]
+    assert bm.block_hashes([0, 2])[1] is None and isinstance(bm.block_hashes([0])[0], int)

@@ -24,10 +24,10 @@ def _model_for(cp, tiny, qwen_shape) -> str:
 PRINCIPLES = [cp.id for cp in load_checkpoints() if cp.stage == "principles"]
 
 
-def test_the_stage_has_the_nine_checkpoints():
+def test_the_stage_has_the_ten_checkpoints():
     assert PRINCIPLES == ["principles.tokenizer", "principles.softmax", "principles.attention", "principles.memory",
                           "principles.slots", "principles.timing", "principles.lifecycle", "principles.prefix-cache",
-                          "principles.multiturn"]
+                          "principles.hash", "principles.multiturn"]
     assert all(get_checkpoint(c).needs == "cpu" for c in PRINCIPLES)
 
 
@@ -202,3 +202,46 @@ def test_shapes_is_refused_for_other_cases(cli_app, tiny_model_dir):
 
     res = CliRunner().invoke(cli_app, ["quick-walk", "--case", "prefix", "--shapes", "--model", str(tiny_model_dir)])
     assert res.exit_code == 2 and "--shapes is for case lifecycle" in res.output
+
+
+def test_prefix_walk_records_the_hash_chain(tiny_model_dir, tmp_path):
+    """facts.hash_chain in admission order: B and C hit A's 2 shared blocks (A's block ids, A's hashes), D
+    (exactly the 512 shared tokens) only block 0; partial blocks carry no hash."""
+    from labkit.experiments.prefix_walk import run_prefix
+
+    f = run_prefix(tmp_path / "p.json", str(tiny_model_dir), "cpu", "torch")["facts"]
+    chain = {c["label"]: c for c in f["hash_chain"]}
+    assert [c["label"] for c in f["hash_chain"]] == ["A", "B", "C", "D"]
+    a, b, d = chain["A"]["blocks"], chain["B"]["blocks"], chain["D"]["blocks"]
+    assert [x["hit"] for x in a] == [False] * 3 and [x["hit"] for x in b] == [True, True, False]
+    assert [x["hit"] for x in d] == [True, False]
+    assert [x["block_id"] for x in b[:2]] == [x["block_id"] for x in a[:2]] == f["watched_blocks"]
+    assert [x["hash"] for x in b[:2]] == [x["hash"] for x in a[:2]] and a[2]["hash"] is None
+    assert b[1]["parent"] == b[0]["hash"] and b[0]["parent"] is None and len(b[0]["hash"]) == 16
+    assert (a[2]["first_token"], a[2]["last_token"]) == (512, 619)
+    assert f["derived_inputs_consistent"]
+
+
+def test_hash_fails_when_blocks_are_hashed_without_their_parent(tiny_model_dir, tmp_path, labkit_argv, monkeypatch):
+    """Break the chain: chain_hash ignores the previous block's hash (in the engine and in what the lab reads,
+    as a broken engine.chain_hash would be). P2's blocks 1 and 2 then get P1's hashes back: FAIL."""
+    import engine.block_manager as bm
+    import labkit.experiments.hash_chain as hc
+
+    real = bm.chain_hash
+    monkeypatch.setattr(bm, "chain_hash", lambda ids, prefix=-1: real(ids))
+    monkeypatch.setattr(hc, "chain_hash", lambda ids, prefix=-1: real(ids))
+    labkit_argv.checkpoint("principles.hash")
+    rec = hc.run_hash(tmp_path / "h.json", str(tiny_model_dir), "cpu", "torch")
+    assert rec["verdict"] == "FAIL" and _failed(rec) == ["facts.p2_same_hash_as_p1"]
+    assert rec["facts"]["p2_same_hash_as_p1"] == [False, True, True]
+
+
+def test_hash_fails_when_the_engine_does_not_hash(no_prefix_hashes, tiny_model_dir, tmp_path, labkit_argv):
+    """An engine that never registers block hashes: P3 hits nothing and the stored hashes are not the chain."""
+    from labkit.experiments.hash_chain import run_hash
+
+    labkit_argv.checkpoint("principles.hash")
+    rec = run_hash(tmp_path / "h.json", str(tiny_model_dir), "cpu", "torch")
+    assert rec["verdict"] == "FAIL" and {"facts.hits.P3", "facts.cached.P3", "facts.p3_shares_p1_blocks",
+                                         "facts.engine_hashes_match"} <= set(_failed(rec))

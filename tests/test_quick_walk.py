@@ -168,3 +168,104 @@ def test_smoke_fails_when_the_engine_skips_the_chat_template(tiny_model_dir, tmp
     failed = {c["name"] for c in rec["checks"] if not c["passed"]}
     assert rec["verdict"] == "FAIL"
     assert {"facts.prompt_head", "facts.prompt_tail", "facts.prompt_im_end_count"} <= failed
+
+
+INPUT_KEYS = {"input_shape", "input_ids", "positions", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+              "slot_mapping", "context_lens", "block_tables", "has_block_tables"}
+
+
+def test_steps_record_the_runner_inputs_and_the_pool(tiny_model_dir, tmp_path):
+    """Case D (700 + 32 tokens, budget 512), default block order: the schema's inputs and pool per step."""
+    rec = run_quick_walk("D", out=tmp_path / "d.json", model=str(tiny_model_dir), trace=True)
+    steps = rec["facts"]["steps"]
+    assert all(set(st["inputs"]) == INPUT_KEYS for st in steps)
+    first, second, last = steps
+    assert first["inputs"]["input_ids"] == list(range(20000, 20512)) and first["inputs"]["block_tables"] is None
+    assert (first["inputs"]["max_seqlen_q"], first["inputs"]["max_seqlen_k"]) == (512, 512)
+    # round 2: A's last 188 after its cached 512, B's 32: block tables given, padded with -1 to the widest
+    assert second["inputs"]["block_tables"] == [[0, 1, 2], [3, -1, -1]] and second["inputs"]["has_block_tables"]
+    assert (second["inputs"]["max_seqlen_q"], second["inputs"]["max_seqlen_k"]) == (188, 700)
+    assert last["inputs"]["input_ids"] == [second["after"]["accepted"]["A"], second["after"]["accepted"]["B"]]
+    pool = second["after"]["pool"]
+    assert (pool["num_blocks"], pool["block_size"]) == (rec["facts"]["num_blocks"], 256)
+    assert pool["blocks"] == [{"id": 0, "ref_count": 1, "hashed": True, "owners": ["A"]},
+                              {"id": 1, "ref_count": 1, "hashed": True, "owners": ["A"]},
+                              {"id": 2, "ref_count": 1, "hashed": False, "owners": ["A"]},
+                              {"id": 3, "ref_count": 1, "hashed": False, "owners": ["B"]}]
+    # after the last step every block is free: only the two hashed ones are still listed (cached, no owner)
+    assert last["after"]["pool"]["blocks"] == [{"id": 0, "ref_count": 0, "hashed": True, "owners": []},
+                                               {"id": 1, "ref_count": 0, "hashed": True, "owners": []}]
+    derived = rec["facts"]["derived"]
+    assert derived["inputs_consistent"] and derived["inputs_checked"] == 3 and derived["inputs_mismatches"] == []
+    assert rec["facts"]["step_digest"][1]["before_blocks"] == [[0, 1, 2], [3]]
+
+
+def test_inputs_consistent_fails_on_each_wrong_input(tiny_model_dir, tmp_path, labkit_argv):
+    """One wrong field of what the runner received (a block_tables row, the padding, max_seqlen_q, a decode id,
+    cu_seqlens_q, a lost slot) makes the derived fact false and the checkpoint FAIL."""
+    from labkit.experiments.quick_walk import derive
+
+    labkit_argv.checkpoint("setup.quick-walk-d")
+    rec = run_quick_walk("D", out=tmp_path / "d.json", model=str(tiny_model_dir), trace=True)
+    assert rec["verdict"] == "PASS"
+
+    def row(steps):
+        steps[1]["inputs"]["block_tables"][1][0] += 1
+
+    def pad(steps):
+        for r in steps[2]["inputs"]["block_tables"]:
+            r.append(-1)
+
+    def seqlen(steps):
+        steps[1]["inputs"]["max_seqlen_q"] = 220
+
+    def decode_id(steps):
+        steps[2]["inputs"]["input_ids"][0] += 1
+
+    def cu(steps):
+        steps[1]["inputs"]["cu_seqlens_q"][1] -= 1
+
+    def slot(steps):
+        steps[0]["inputs"]["slot_mapping"].pop()
+
+    for name, edit in (("row", row), ("pad", pad), ("seqlen", seqlen), ("decode_id", decode_id), ("cu", cu),
+                       ("slot", slot)):
+        steps = json.loads(json.dumps(rec["facts"]["steps"]))
+        edit(steps)
+        rec["facts"]["derived"] = derive(steps, ["A", "B"], 256)
+        assert not _rejudge(rec, "setup.quick-walk-d")["facts.derived.inputs_consistent"]["passed"], name
+        assert rec["facts"]["derived"]["inputs_mismatches"], name
+
+
+def test_shuffled_blocks_move_slots_off_positions_and_claim_no_checkpoint(tiny_model_dir, tmp_path, labkit_argv):
+    """--shuffle-blocks SEED: case A's slots are no longer its positions, the slot formula still holds; no
+    checkpoint is claimed, and the judge refuses the file for setup.quick-walk-a. Without it: slot = position."""
+    plain = run_quick_walk("A", out=tmp_path / "a.json", model=str(tiny_model_dir), trace=True)
+    assert all(st["inputs"]["slot_mapping"] == st["inputs"]["positions"] for st in plain["facts"]["steps"])
+    labkit_argv.checkpoint("setup.quick-walk-a", "--shuffle-blocks", "7")
+    rec = run_quick_walk("A", out=tmp_path / "s.json", model=str(tiny_model_dir), trace=True, shuffle_blocks=7)
+    assert rec["checkpoint"] is None and rec["engine"]["config"]["shuffle_blocks"] == 7
+    assert rec["facts"]["options"]["shuffle_blocks"] == 7
+    assert any(s != p for st in rec["facts"]["steps"] for s, p in zip(st["inputs"]["slot_mapping"], st["inputs"]["positions"]))
+    derived = rec["facts"]["derived"]
+    assert derived["slots_follow_formula"] and derived["slots_checked"] == 5 and derived["inputs_consistent"]
+    checks = _rejudge(rec, "setup.quick-walk-a")
+    assert not checks["engine.config.shuffle_blocks"]["passed"]
+    assert checks["facts.num_steps"]["passed"]              # the walk itself is the same
+
+
+def test_cli_inputs_prints_each_step_and_block_ids(tiny_model_dir, tmp_path, cli_app, monkeypatch):
+    from typer.testing import CliRunner
+
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
+    res = CliRunner().invoke(cli_app, ["quick-walk", "--case", "D", "--inputs", "--model", str(tiny_model_dir),
+                                       "--device", "cpu"], env={"COLUMNS": "160"})
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    for n in (1, 2, 3):
+        assert f"step {n} (" in text and "the runner's inputs" in text
+    assert "[0, 1, 2, … 511] (512)" in text                 # step 1's positions, elided with their count
+    assert "A: [0, 1, 2]" in text and "B: [3, -1, -1]" in text
+    assert "blocks [0, 1, 2]" in text and "blocks [3]" in text  # the console shows block ids, not counts
+    rec = json.loads((tmp_path / "runs" / "quick-walk-d-custom.json").read_text())
+    assert len(rec["facts"]["steps"]) == 3                   # what it printed is in the evidence

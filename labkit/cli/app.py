@@ -292,16 +292,19 @@ def smoke(out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto"
 @app.command("quick-walk")
 def quick_walk(
     case: Annotated[CaseName, typer.Option("--case", case_sensitive=False, help="Quick-walk case (docs/LAB.md §3): A, B, C or D; lifecycle (docs/LAB.md §4: 64+96 tokens) or prefix (§18: a 512-token prefix hit).")],
-    trace: Annotated[bool, typer.Option("--trace", help="Store every step (before the forward / after postprocess) in the evidence.")] = False,
+    trace: Annotated[bool, typer.Option("--trace", help="Store every step (before the forward, the runner's inputs, after postprocess) in the evidence (cases lifecycle and prefix always do).")] = False,
     shapes: Annotated[bool, typer.Option("--shapes", help="Case lifecycle: record layer 0's tensor shapes and the rows the LM head reads (forward hooks).")] = False,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
     max_num_seqs: MaxNumSeqsOpt = None,
     kv_cache_block_size: KvCacheBlockSizeOpt = 256,
     debug: Annotated[bool, typer.Option("--debug", help="Drop into pdb after initialization (warmup excluded).")] = False,
+    inputs: Annotated[bool, typer.Option("--inputs", help="Print each step's runner inputs (input_ids, positions, cu_seqlens, max_seqlen, slot_mapping, context_lens, block_tables) as tables; the steps are stored in the evidence as with --trace.")] = False,
+    shuffle_blocks: Annotated[Optional[int], typer.Option("--shuffle-blocks", metavar="SEED", show_default=False, help="Hand out KV blocks in a seeded shuffled order (slot != position); no checkpoint claims such a run.")] = None,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
     """Follow cases A-D step by step (docs/LAB.md §3), or the walks lifecycle (§4) and prefix (§18); LABKIT_TRACE=1 prints one event=engine_step line per step."""
+    from labkit.cli.walks import render_inputs
     from labkit.experiments.quick_walk import run_quick_walk
 
     if case in (CaseName.LIFECYCLE, CaseName.PREFIX) or shapes:
@@ -309,13 +312,18 @@ def quick_walk(
 
         record = walk_case(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
                            budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
-                           trace=trace, debug=debug, shapes=shapes, json_out=json_out)
+                           trace=trace or inputs, debug=debug, shapes=shapes, json_out=json_out,
+                           shuffle_blocks=shuffle_blocks)
+        if inputs and not json_out:
+            render_inputs(record)
         finish(record, record["_paths"]["json"], json_out=json_out)
     record = run_quick_walk(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
                             budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
-                            trace=trace, debug=debug)
+                            trace=trace or inputs, debug=debug, shuffle_blocks=shuffle_blocks)
     if not json_out:
         render_quick_walk(record)
+        if inputs:
+            render_inputs(record)
     finish(record, record["_paths"]["json"], json_out=json_out)
 
 

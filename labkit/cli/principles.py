@@ -1,4 +1,4 @@
-"""``labkit principles tokenizer|softmax|attention|memory|slots|timing`` (docs/LAB.md §2, §6, §8, §11)
+"""``labkit principles tokenizer|softmax|attention|memory|slots|timing|hash`` (docs/LAB.md §2, §6, §8, §11, §18)
 and ``labkit multiturn`` (§18). Thin shells over labkit/experiments/principles.py and multiturn.py; every
 command ends through :func:`labkit.cli.app.finish`.
 
@@ -114,6 +114,25 @@ def principles_timing(out: OutOpt = None, json_out: JsonOpt = False) -> None:
               "TPOT ms": round(f["tpot_ms"], 2), "throughput tok/s": f["throughput_tok_s"]}, "timing", json_out)
 
 
+def principles_hash(model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
+                    out: OutOpt = None, json_out: JsonOpt = False) -> None:
+    """The prefix cache's hash chain: one token changed in block 0, then in block 2; which blocks hit (docs/LAB.md §18)."""
+    from labkit.experiments.hash_chain import run_hash
+
+    r = run_hash(out, _model(model), device, attention)
+    f = r["facts"]
+    if not json_out:
+        rows = [{"request": c["label"], "block": b["index"], "id": b["block_id"],
+                 "tokens": f"{b['first_token']}..{b['last_token']}", "hash": b["hash"] or "- (partial)",
+                 "parent": b["parent"] or "-", "hit": "hit" if b["hit"] else "miss"}
+                for c in f["hash_chain"] for b in c["blocks"]]
+        console.print(dict_table(rows, title=f"hash chain, block size {f['block_size']}"))
+    changed = {q["label"]: q["changed_position"] for q in f["requests"] if q["changed_position"] is not None}
+    _show(r, {"changed token (position)": changed, "cached tokens": f["cached"],
+              "P2 / P3 blocks with P1's hash": f"{json.dumps(f['p2_same_hash_as_p1'])} / {json.dumps(f['p3_same_hash_as_p1'])}",
+              "engine's stored hashes match": f["engine_hashes_match"]}, "prefix hash chain", json_out)
+
+
 def multiturn(model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
               out: OutOpt = None, json_out: JsonOpt = False) -> None:
     """Two chat turns through the template: the common token prefix and turn 2's prefix-cache hit (docs/LAB.md §18)."""
@@ -135,7 +154,7 @@ def multiturn(model: ModelOpt = None, device: DeviceOpt = "auto", attention: Att
 def register_principles(group: typer.Typer) -> None:
     for name, fn in (("tokenizer", principles_tokenizer), ("softmax", principles_softmax),
                      ("attention", principles_attention), ("memory", principles_memory),
-                     ("slots", principles_slots), ("timing", principles_timing)):
+                     ("slots", principles_slots), ("timing", principles_timing), ("hash", principles_hash)):
         group.command(name, epilog=EXIT_HELP)(fn)
 
 

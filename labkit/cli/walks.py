@@ -10,7 +10,7 @@ from labkit.errors import UserError
 
 
 def walk_case(case: str, *, out, model, device: str, attention: str, budget: int, max_num_seqs, block_size: int,
-              trace: bool, debug: bool, shapes: bool, json_out: bool) -> dict:
+              trace: bool, debug: bool, shapes: bool, json_out: bool, shuffle_blocks: int | None = None) -> dict:
     """Run the walk and print its tables (unless json_out); returns the record."""
     case = case.lower()
     if debug:
@@ -20,7 +20,8 @@ def walk_case(case: str, *, out, model, device: str, attention: str, budget: int
     if case == "lifecycle":
         from labkit.experiments.lifecycle import run_lifecycle
 
-        record = run_lifecycle(out, model, device, attention, budget, max_num_seqs, block_size, shapes=shapes, trace=trace)
+        record = run_lifecycle(out, model, device, attention, budget, max_num_seqs, block_size, shapes=shapes, trace=trace,
+                               shuffle_blocks=shuffle_blocks)
         if not json_out:
             render_quick_walk(record)
             if record["facts"].get("model_note"):
@@ -28,7 +29,8 @@ def walk_case(case: str, *, out, model, device: str, attention: str, budget: int
     else:
         from labkit.experiments.prefix_walk import run_prefix
 
-        record = run_prefix(out, model, device, attention, budget, max_num_seqs, block_size, trace=trace)
+        record = run_prefix(out, model, device, attention, budget, max_num_seqs, block_size, trace=trace,
+                            shuffle_blocks=shuffle_blocks)
         if not json_out:
             render_prefix(record)
     return record
@@ -49,3 +51,52 @@ def render_prefix(record: dict) -> None:
     }, title=f"quick-walk prefix: {f['title']}"))
     if record["checkpoint"] is None:
         note("no checkpoint states the expectations for these options: facts recorded, nothing asserted")
+
+
+def elide(values: list | None, head: int = 3, tail: int = 1, limit: int = 8) -> str:
+    """A list in one short line: whole when it has at most ``limit`` items, else its first ``head`` and last
+    ``tail`` items around an ellipsis, with the count: ``[0, 1, 2, … 511] (512)``."""
+    if values is None:
+        return "none"
+    if len(values) <= limit:
+        return "[" + ", ".join(map(str, values)) + "]"
+    return "[" + ", ".join(map(str, values[:head])) + ", … " + ", ".join(map(str, values[-tail:])) + f"] ({len(values)})"
+
+
+def inputs_rows(step: dict) -> dict[str, str]:
+    """One step's runner inputs as (field, value) rows for a table."""
+    inp, labels = step["inputs"], [s["label"] for s in step["before"]]
+    if inp["block_tables"] is None:
+        tables = "none (a fresh prefill: attention reads only this step's K/V)"
+    else:
+        tables = "\n".join(f"{lab}: {elide(row)}" for lab, row in zip(labels, inp["block_tables"]))
+    return {
+        "sequences (N)": f"{', '.join(labels)} ({len(labels)})",
+        "input_shape": str(inp["input_shape"]),
+        "input_ids": elide(inp["input_ids"]),
+        "positions": elide(inp["positions"]),
+        "slot_mapping": elide(inp["slot_mapping"]),
+        "cu_seqlens_q": elide(inp["cu_seqlens_q"]),
+        "cu_seqlens_k": elide(inp["cu_seqlens_k"]),
+        "max_seqlen_q / max_seqlen_k": f"{inp['max_seqlen_q']} / {inp['max_seqlen_k']}",
+        "context_lens": elide(inp["context_lens"]),
+        "block_tables (-1 = padding)": tables,
+    }
+
+
+def render_inputs(record: dict) -> None:
+    """``--inputs``: one table per step of the evidence's ``facts.steps``, exactly as the model received them."""
+    from rich.table import Table
+
+    for step in record["facts"].get("steps") or []:
+        table = Table(title=f"step {step['step']} ({step['phase']}): the runner's inputs", title_justify="left",
+                      show_header=False)
+        table.add_column("field", style="bold", no_wrap=True)
+        table.add_column("value", overflow="fold")
+        for k, v in inputs_rows(step).items():
+            table.add_row(k, v)
+        console.print(table)
+    derived = record["facts"].get("derived") or {}
+    if "inputs_consistent" in derived:
+        console.print(f"inputs consistent with the scheduled batch: {str(derived['inputs_consistent']).lower()} "
+                      f"({derived['inputs_checked']} steps checked)")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from engine import SamplingParams
 from labkit.evidence import write_claimed
-from labkit.experiments.quick_walk import StepRecorder, derive
+from labkit.experiments.quick_walk import StepRecorder, derive, step_blocks
 from labkit.lab_engine import build_engine, detect_device, install_env_trace, synthetic_note
 
 PROMPT_LENS = (64, 96)
@@ -96,13 +96,13 @@ def _row_index(hidden, row) -> int:
 
 def run_lifecycle(out: Path | None = None, model: str | None = None, device: str = "auto", attention: str = "auto",
                   budget: int = 512, max_num_seqs: int | None = None, block_size: int = 256,
-                  shapes: bool = False, trace: bool = False) -> dict:
+                  shapes: bool = False, trace: bool = False, shuffle_blocks: int | None = None) -> dict:
     device = detect_device(device)
     model_note = None
     if model is None:
         model, model_note = default_lifecycle_model(device)
-    built = build_engine(model, device, attention, max_num_batched_tokens=budget,
-                         max_num_seqs=max_num_seqs or 256, kvcache_block_size=block_size)
+    built = build_engine(model, device, attention, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs or 256,
+                         kvcache_block_size=block_size, shuffle_blocks=shuffle_blocks)
     engine = built.engine
     install_env_trace(engine)
     prompts = [list(range(5000, 5000 + PROMPT_LENS[0])), list(range(7000, 7000 + PROMPT_LENS[1]))]
@@ -124,7 +124,7 @@ def run_lifecycle(out: Path | None = None, model: str | None = None, device: str
     facts = {
         "case": "lifecycle", "title": "two prompts of 64 and 96 tokens, outputs 2 and 3 (B.2.1, B.3)",
         "options": {"budget": budget, "max_num_seqs": max_num_seqs or 256, "block_size": block_size,
-                    "max_model_len": engine.config.max_model_len},
+                    "max_model_len": engine.config.max_model_len, "shuffle_blocks": engine.config.shuffle_blocks},
         "model_shape": {"hidden": shape.hidden_size, "layers": shape.num_layers, "q_heads": shape.num_heads,
                         "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
                         "intermediate": shape.intermediate_size, "vocab": shape.vocab_size},
@@ -151,7 +151,7 @@ def run_lifecycle(out: Path | None = None, model: str | None = None, device: str
                          "cu_seqlens_q": st["inputs"]["cu_seqlens_q"], "cu_seqlens_k": st["inputs"]["cu_seqlens_k"],
                          "context_lens": st["inputs"]["context_lens"],
                          "after": [[s["label"], s["total"], s["cached"], len(s["block_table"])] for s in st["after"]["seqs"]],
-                         "finished": st["after"]["finished"]} for st in steps],
+                         "finished": st["after"]["finished"], **step_blocks(st)} for st in steps],
         "note": synthetic_note(built.model),
     }
     if probe is not None:
@@ -165,9 +165,8 @@ def run_lifecycle(out: Path | None = None, model: str | None = None, device: str
             "cu_seqlens_q_minus_1": [c - 1 for c in cu[1:]],
             "last_rows_are_cu_seqlens_q_minus_1": probe.last_rows.get(1) == [c - 1 for c in cu[1:]],
         }
-    if trace:
-        facts["steps"] = steps
-    default_opts = budget == 512 and block_size == 256 and max_num_seqs is None
+    facts["steps"] = steps          # always (its checkpoint's command has no --trace): the pictures read them
+    default_opts = budget == 512 and block_size == 256 and max_num_seqs is None and shuffle_blocks is None
     record = write_claimed("principles.lifecycle" if default_opts else None, out, "lifecycle.json", unclaimed_name="quick-walk-lifecycle-custom.json",
                            kind=built.kind, facts=facts, device=built.device, model=built.model,
                            seed=engine.config.seed, engine=built.describe())

@@ -18,7 +18,9 @@ from pathlib import Path
 
 from engine import SamplingParams
 from labkit.evidence import write_claimed
+from labkit.experiments.hash_chain import hash_chain
 from labkit.experiments.quick_walk import StepRecorder, slot_mismatches
+from labkit.experiments.walk_inputs import inputs_facts
 from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
 
 SHARED = tuple(range(1000, 1512))                       # 512 tokens = 2 full blocks of 256
@@ -35,10 +37,21 @@ def _first(steps: list[dict], label: str) -> tuple[dict, dict]:
     raise RuntimeError(f"{label} was never scheduled")
 
 
+def _step_facts(steps: list[dict], prompts: dict[str, list[int]], block_size: int) -> dict:
+    """Every slot against the block tables, the runner's inputs against the scheduled batches, and each
+    request's blocks in admission order (ids, chained hashes, hits: the prefix picture's data)."""
+    checked, bad = slot_mismatches(steps, block_size)
+    return {"slots_checked": checked, "slot_mismatches": bad, "derived_slots_follow_formula": checked > 0 and not bad,
+            **{f"derived_{k}": v for k, v in inputs_facts(steps).items()},
+            "hash_chain": hash_chain(steps, prompts, block_size)}
+
+
 def run_prefix(out: Path | None = None, model: str | None = None, device: str = "auto", attention: str = "auto",
-               budget: int = 512, max_num_seqs: int | None = None, block_size: int = 256, trace: bool = False) -> dict:
+               budget: int = 512, max_num_seqs: int | None = None, block_size: int = 256, trace: bool = False,
+               shuffle_blocks: int | None = None) -> dict:
     built = build_engine(model, device, attention, max_num_batched_tokens=budget,
-                         max_num_seqs=max_num_seqs or 256, kvcache_block_size=block_size)
+                         max_num_seqs=max_num_seqs or 256, kvcache_block_size=block_size,
+                         shuffle_blocks=shuffle_blocks)
     engine = built.engine
     install_env_trace(engine)
     labels: dict[int, str] = {}
@@ -80,11 +93,10 @@ def run_prefix(out: Path | None = None, model: str | None = None, device: str = 
     b_first, b_step = _first(steps, "B")
     d_first, _ = _first(steps, "D")
     inp = b_step["inputs"]
-    checked, bad = slot_mismatches(steps, block_size)
     facts = {
         "case": "prefix", "title": "a 620-token prompt after a cached 512-token prefix; ref counts (B.6)",
         "options": {"budget": budget, "max_num_seqs": max_num_seqs or 256, "block_size": block_size,
-                    "max_model_len": engine.config.max_model_len},
+                    "max_model_len": engine.config.max_model_len, "shuffle_blocks": engine.config.shuffle_blocks},
         "requests": [{"label": k, "prompt_len": s.num_prompt_tokens,
                       "max_tokens": MAX_TOKENS[k]} for k, s in seqs.items()],
         "shared_prefix_tokens": len(SHARED),
@@ -99,16 +111,13 @@ def run_prefix(out: Path | None = None, model: str | None = None, device: str = 
         "ref_count_trace": trace_counts,
         "exact_512": {k: d_first[k] for k in ("total", "cached", "scheduled")},
         "finished_order": [lab for st in steps for lab in st["after"]["finished"]],
-        "slots_checked": checked,
-        "slot_mismatches": bad,
-        "derived_slots_follow_formula": checked > 0 and not bad,
+        **_step_facts(steps, {k: s.prompt_token_ids for k, s in seqs.items()}, block_size),
         "free_blocks_end": engine.stats().free_blocks,
         "num_blocks": engine.stats().num_blocks,
         "note": synthetic_note(built.model),
     }
-    if trace:
-        facts["steps"] = steps
-    default_opts = budget == 512 and block_size == 256 and max_num_seqs is None
+    facts["steps"] = steps          # always (its checkpoint's command has no --trace): the pictures read them
+    default_opts = budget == 512 and block_size == 256 and max_num_seqs is None and shuffle_blocks is None
     record = write_claimed("principles.prefix-cache" if default_opts else None, out, "prefix-cache-check.json", unclaimed_name="quick-walk-prefix-custom.json",
                            kind=built.kind, facts=facts, device=built.device, model=built.model,
                            seed=engine.config.seed, engine=built.describe())

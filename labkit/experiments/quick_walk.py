@@ -13,12 +13,15 @@ from engine.observe import EngineEvent
 from labkit.cases import CASES
 from labkit.errors import UserError
 from labkit.evidence import write_claimed
+from labkit.experiments.walk_inputs import inputs_facts
 from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
 
 
-def checkpoint_for(case: str, budget: int, max_num_seqs: int | None, block_size: int) -> str | None:
-    """The checkpoint that states the handbook's expectations for these options, if there is one."""
-    if block_size != 256:
+def checkpoint_for(case: str, budget: int, max_num_seqs: int | None, block_size: int,
+                   shuffle_blocks: int | None = None) -> str | None:
+    """The checkpoint that states the handbook's expectations for these options, if there is one (none for a
+    shuffled block order: the checkpoints keep the default order 0, 1, 2, ...)."""
+    if block_size != 256 or shuffle_blocks is not None:
         return None
     if case == "B" and max_num_seqs == 1 and budget == 512:
         return "setup.quick-walk-b-seqs1"
@@ -32,9 +35,16 @@ def checkpoint_for(case: str, budget: int, max_num_seqs: int | None, block_size:
 
 
 class StepRecorder:
+    """Every engine step as the schema of docs/LAB.md (and /work/briefs/schema.md) has it: ``before`` (the
+    scheduled sequences), ``inputs`` (the runner's tensors exactly as the model received them) and ``after``
+    (postprocess, with the KV pool's blocks in use or still hashed)."""
+
     def __init__(self, labels: dict[int, str]):
         self.labels = labels
         self.steps: list[dict] = []
+
+    def _label(self, seq_id: int) -> str:
+        return self.labels.get(seq_id, str(seq_id))
 
     def __call__(self, event: EngineEvent) -> None:
         lab = self.labels
@@ -45,11 +55,14 @@ class StepRecorder:
         elif event.name == "inputs":
             d = event.data
             self.steps[-1]["inputs"] = {
-                "input_shape": d["input_shape"], "positions": d["positions"], "slot_mapping": d["slot_mapping"],
-                "context_lens": d["context_lens"], "cu_seqlens_q": d["cu_seqlens_q"],
-                "cu_seqlens_k": d["cu_seqlens_k"], "has_block_tables": d["block_tables"] is not None}
+                "input_shape": d["input_shape"], "input_ids": d["input_ids"], "positions": d["positions"],
+                "cu_seqlens_q": d["cu_seqlens_q"], "cu_seqlens_k": d["cu_seqlens_k"],
+                "max_seqlen_q": d["max_seqlen_q"], "max_seqlen_k": d["max_seqlen_k"],
+                "slot_mapping": d["slot_mapping"], "context_lens": d["context_lens"],
+                "block_tables": d["block_tables"], "has_block_tables": d["block_tables"] is not None}
         elif event.name == "postprocessed":
             d = event.data
+            pool = d["pool"]
             self.steps[-1]["after"] = {
                 "accepted": {lab[int(k)]: v for k, v in d["accepted"].items()},
                 "discarded": [lab[i] for i in d["discarded"]],
@@ -59,7 +72,9 @@ class StepRecorder:
                          for s in d["seqs"]],
                 "running": [lab[i] for i in d["running"]],
                 "waiting": [lab[i] for i in d["waiting"]],
-                "free_blocks": d["free_blocks"]}
+                "free_blocks": d["free_blocks"],
+                "pool": {"num_blocks": pool["num_blocks"], "block_size": pool["block_size"],
+                         "blocks": [{**b, "owners": [self._label(i) for i in b["owners"]]} for b in pool["blocks"]]}}
 
 
 def slot_mismatches(steps: list[dict], block_size: int) -> tuple[int, list[dict]]:
@@ -121,18 +136,29 @@ def derive(steps: list[dict], labels: list[str], block_size: int) -> dict:
         "decode_context_lens_are_totals": bool(decodes) and not ctx_bad,
         "finished_in_batch": finished_in_batch,
         "accepted_total": sum(len(st["after"]["accepted"]) for st in steps),
+        # the runner's inputs (lengths, cu_seqlens, max_seqlen, positions, ids, padded block tables) against
+        # the scheduled batch, field by field (labkit/experiments/walk_inputs.py)
+        **inputs_facts(steps),
     }
+
+
+def step_blocks(st: dict) -> dict:
+    """A step's block tables by label, before the forward and after postprocess (the console shows ids)."""
+    return {"before_blocks": [s["block_table"] for s in st["before"]],
+            "after_blocks": [s["block_table"] for s in st["after"]["seqs"]]}
 
 
 def run_quick_walk(case: str, out: Path | None = None, model: str | None = None, device: str = "auto",
                    attention: str = "auto", budget: int = 512, max_num_seqs: int | None = None,
-                   block_size: int = 256, trace: bool = False, debug: bool = False) -> dict:
+                   block_size: int = 256, trace: bool = False, debug: bool = False,
+                   shuffle_blocks: int | None = None) -> dict:
     case = case.upper()
     if case not in CASES:
         raise UserError(f"unknown case {case!r}: choose one of {', '.join(CASES)}")
     spec = CASES[case]
     built = build_engine(model, device, attention, max_num_batched_tokens=budget,
-                         max_num_seqs=max_num_seqs or 256, kvcache_block_size=block_size)
+                         max_num_seqs=max_num_seqs or 256, kvcache_block_size=block_size,
+                         shuffle_blocks=shuffle_blocks)
     engine = built.engine
     install_env_trace(engine)
     if debug:
@@ -149,7 +175,7 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
     facts = {
         "case": case, "title": spec.title,
         "options": {"budget": budget, "max_num_seqs": max_num_seqs or 256, "block_size": block_size,
-                    "max_model_len": engine.config.max_model_len},
+                    "max_model_len": engine.config.max_model_len, "shuffle_blocks": engine.config.shuffle_blocks},
         "requests": [{"label": n, "prompt_len": len(p), "max_tokens": m}
                      for n, p, m in zip(names, spec.prompts, spec.max_tokens)],
         "num_steps": len(steps),
@@ -167,7 +193,7 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
                          "context_lens": st["inputs"]["context_lens"],
                          "after": [[s["label"], s["total"], s["cached"], len(s["block_table"])] for s in st["after"]["seqs"]],
                          "discarded": st["after"]["discarded"], "finished": st["after"]["finished"],
-                         "freed_blocks": st["after"]["freed_blocks"]}
+                         "freed_blocks": st["after"]["freed_blocks"], **step_blocks(st)}
                         for st in steps],
         "note": synthetic_note(built.model),
     }
@@ -175,7 +201,7 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
         facts["steps"] = steps
     # the checkpoint these options call for, claimed only when the command line is that checkpoint's command
     # (a plain run without --trace is evidence for no checkpoint, not a FAIL of one, and says so)
-    checkpoint = checkpoint_for(case, budget, max_num_seqs, block_size)
+    checkpoint = checkpoint_for(case, budget, max_num_seqs, block_size, shuffle_blocks)
     custom = f"quick-walk-{case.lower()}-custom.json"
     record = write_claimed(checkpoint, out, f"{checkpoint.split('.', 1)[1]}.json" if checkpoint else custom,
                            unclaimed_name=custom, kind=built.kind, facts=facts, device=built.device,
