@@ -21,11 +21,7 @@ COURSE = REPO / "docs" / "COURSE.md"
 # below until they exist. The lead empties this set after merging them (test_pending_names_are_still_pending
 # fails as soon as one of them resolves, so none stays skipped by accident).
 PENDING = {
-    "labkit principles hash",          # command
     "labkit picture",                  # command
-    "quick-walk --inputs",             # option
-    "quick-walk --shuffle-blocks",     # option
-    "principles.hash",                 # checkpoint id
 }
 
 ANCHOR = re.compile(r"`([\w./-]+\.py)(?::([\w.]+))?`")
