@@ -363,6 +363,19 @@ def render_tp_shapes(record: dict) -> None:
     for r in record["facts"]["ranks"]:
         console.print(f"rank {r['rank']}: {r['q_heads']} q heads, {r['kv_heads']} kv heads, "
                       f"rows of the TP=1 qkv weight {r['rows_of_tp1_packed_qkv']}")
+    rows = record["facts"].get("qkv_rows_tp1")
+    if rows:
+        table = Table(title="TP=1 packed qkv weight: rows of q_proj, k_proj, v_proj", title_justify="left")
+        for col in ("", "width", "from the config", "loader (shard_range)", "measured (by values)"):
+            table.add_column(col)
+        for n in "qkv":
+            table.add_row(n, str(rows["widths"][n]), _rows(rows["from_config"][n]), _rows(rows["from_loader"][n]),
+                          _rows(rows["measured"][n]))
+        console.print(table)
+
+
+def _rows(r) -> str:
+    return "not found" if r is None else f"[{r[0]}, {r[1]})"
 
 
 # service and load
