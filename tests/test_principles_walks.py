@@ -197,8 +197,8 @@ def test_multiturn_fails_without_prefix_hashes(no_prefix_hashes, tiny_model_dir,
                                          "facts.cached_is_block_aligned_common_prefix"} <= set(_failed(rec))
 
 
-def test_shapes_is_refused_for_other_cases(cli_app, tiny_model_dir):
+def test_shapes_is_refused_for_the_prefix_walk(cli_app, tiny_model_dir):
     from typer.testing import CliRunner
 
     res = CliRunner().invoke(cli_app, ["quick-walk", "--case", "prefix", "--shapes", "--model", str(tiny_model_dir)])
-    assert res.exit_code == 2 and "--shapes is for case lifecycle" in res.output
+    assert res.exit_code == 2 and "--shapes is for cases A-D and lifecycle" in res.output
