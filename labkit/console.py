@@ -383,12 +383,12 @@ def _rows(r) -> str:
 
 def observer_table(summary: dict, title: str) -> Table:
     table = Table(title=title, title_justify="left", caption="latencies in ms, p50 / p99", caption_justify="left")
-    for col in ("observer", "req", "done", "rej", "out tok", "TTFT", "ITL", "TPOT", "tok/s", "window s"):
+    for col in ("observer", "req", "done", "rej", "out tok", "queue wait", "TTFT", "ITL", "TPOT", "tok/s", "window s"):
         table.add_column(col, justify="left" if col == "observer" else "right", no_wrap=True)
     two = ("p50", "p99")
     for obs, o in summary["observers"].items():
         table.add_row(obs, str(o["requests"]), str(o["completed"]), str(o["rejections"]), str(o["output_tokens"]),
-                      _pcts(o["ttft_ms"], two), _pcts(o["itl_ms"], two), _pcts(o["tpot_ms"], two),
+                      _pcts(o.get("queue_wait_ms") or {}, two), _pcts(o["ttft_ms"], two), _pcts(o["itl_ms"], two), _pcts(o["tpot_ms"], two),
                       _num(o.get("throughput_tok_s")), _num((o.get("window") or {}).get("seconds")))
     return table
 
