@@ -127,7 +127,8 @@ def _text_overlaps(fig) -> list[tuple[str, str]]:
     return [(a, b) for i, (a, ba) in enumerate(boxes) for b, bb in boxes[i + 1:] if ba.overlaps(bb)]
 
 
-def test_timeline_picture_has_no_overlapping_text(tmp_path):
+@pytest.mark.parametrize("ids", [None, ("mixed-3",), ("mixed-3", "mixed-5", "warmup-0-e0")])
+def test_timeline_picture_has_no_overlapping_text(tmp_path, ids):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,12 +136,12 @@ def test_timeline_picture_has_no_overlapping_text(tmp_path):
 
     from labkit.writeup.timeline import timeline_figure
 
-    tl = final_report.request_timeline(_load_log(tmp_path / "load.jsonl"))
+    tl = final_report.request_timeline(_load_log(tmp_path / "load.jsonl"), ids)
     fig = timeline_figure(tl)
     try:
         assert _text_overlaps(fig) == []
-        fig.axes[0].annotate("finished (cancelled)", (31, 1), rotation=30)     # the old style of label: caught
-        fig.axes[0].annotate("submitted", (31, 1), rotation=30)
+        fig.axes[0].annotate("finished (cancelled)", (31, 0), rotation=30)     # the old style of label: caught
+        fig.axes[0].annotate("submitted", (31, 0), rotation=30)
         assert _text_overlaps(fig)
     finally:
         plt.close(fig)

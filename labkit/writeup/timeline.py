@@ -104,7 +104,8 @@ _MARKS = (  # milestone, marker, size, colour, legend text
     ("finished", "s", 9, "tab:gray", "finished"),
 )
 _HOLLOW = {"finished"}          # drawn open, so a last token at the same time shows through
-_LANE = {"engine": (0.16, "tab:blue"), "client": (-0.16, "tab:green")}
+LEGEND_IN = 0.5           # inches of figure kept below the axes for the legend (two rows of entries)
+_LANE = {"engine": (-0.16, "tab:blue"), "client": (0.16, "tab:green")}     # y grows downwards: engine above
 
 
 def timeline_plot(timeline: dict, out: Path) -> tuple[str | None, str | None]:
@@ -131,7 +132,8 @@ def timeline_figure(timeline: dict):
     from matplotlib.lines import Line2D
 
     rows = list(timeline["requests"].items())
-    fig, ax = plt.subplots(figsize=(8, 1.6 + 0.7 * len(rows)))
+    height = LEGEND_IN + 1.3 + 0.7 * len(rows)        # inches: the legend's band below, the plot above it
+    fig, ax = plt.subplots(figsize=(8, height))
     for y, (rid, evs) in enumerate(rows):
         ms = timeline.get("milestones", {}).get(rid) or milestones(evs)
         for obs, m in ms.items():
@@ -146,7 +148,7 @@ def timeline_figure(timeline: dict):
                             mfc="none" if key in _HOLLOW else c)
     ax.set_yticks(range(len(rows)))
     ax.set_yticklabels([_row_label(rid, timeline, evs) for rid, evs in rows], fontsize=8)
-    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_ylim(len(rows) - 0.4, -0.6)          # the first request on top
     ax.set_xlabel("ms since the request's first event (its submission)")
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(f"request timeline ({timeline['log']}): upper lane engine, lower lane client", fontsize=9)
@@ -154,9 +156,8 @@ def timeline_figure(timeline: dict):
     handles.append(Line2D([], [], marker=".", ms=6, color="black", ls="none", label="token"))
     handles += [Line2D([], [], marker=mk, ms=s, color=c, ls="none", mew=1.5, mfc="none" if k in _HOLLOW else c, label=t)
                 for k, mk, s, c, t in _MARKS]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 3 else -0.2),
-              ncol=5, fontsize=7, frameon=False)
-    fig.tight_layout()
+    fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=5, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, LEGEND_IN / height, 1, 1))
     return fig
 
 
