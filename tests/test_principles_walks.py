@@ -24,10 +24,10 @@ def _model_for(cp, tiny, qwen_shape) -> str:
 PRINCIPLES = [cp.id for cp in load_checkpoints() if cp.stage == "principles"]
 
 
-def test_the_stage_has_the_nine_checkpoints():
+def test_the_stage_has_the_ten_checkpoints():
     assert PRINCIPLES == ["principles.tokenizer", "principles.softmax", "principles.attention", "principles.memory",
-                          "principles.slots", "principles.timing", "principles.lifecycle", "principles.prefix-cache",
-                          "principles.multiturn"]
+                          "principles.slots", "principles.timing", "principles.lifecycle", "principles.residual",
+                          "principles.prefix-cache", "principles.multiturn"]
     assert all(get_checkpoint(c).needs == "cpu" for c in PRINCIPLES)
 
 
