@@ -13,11 +13,12 @@ returned, and y with what the next norm (layer 1's input_layernorm, or the final
 model) makes of the pair. Controls drop the skips (y' = MLP(Norm2(a)), and y' = a + MLP(Norm2(a))) to
 show how far a missing add moves y. Where the add happens is read from the engine's source.
 
-Re-running self_attn writes the step's K/V to the same slots again (the same values): the cache is unchanged.
+Re-running self_attn writes the step's K/V to the same slots again; the probe puts back what the engine wrote.
 """
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from pathlib import Path
 
 from engine import SamplingParams
@@ -35,6 +36,20 @@ def _rel(a, b) -> float:
     return diff / scale if scale else diff
 
 
+@contextmanager
+def _cache_kept(attn, slot_mapping):
+    """Re-running self_attn writes the step's K/V into the paged cache again; put back what the engine wrote
+    (on a GPU a one-token step's hand-made K/V can differ from the fused path's in the last bf16 bit)."""
+    caches = [c.view(-1, *c.shape[-2:]) for c in (attn.k_cache, attn.v_cache) if c.numel()]
+    slots = slot_mapping[slot_mapping >= 0].long()
+    saved = [c[slots].clone() for c in caches]
+    try:
+        yield
+    finally:
+        for c, rows in zip(caches, saved):
+            c[slots] = rows
+
+
 class ResidualProbe:
     """Forward hook on layer 0 that recomputes its residual path by hand, once per engine step."""
 
@@ -49,7 +64,8 @@ class ResidualProbe:
     def _hook(self, layer, args, output) -> None:
         positions, x, residual_in, meta = args[:4]
         mlp_out, h_engine = output
-        a = layer.self_attn(positions, layer.input_layernorm(x), meta)
+        with _cache_kept(layer.self_attn.attn, meta.slot_mapping):
+            a = layer.self_attn(positions, layer.input_layernorm(x), meta)
         h = x + a
         m = layer.mlp(layer.post_attention_layernorm(h))
         y = h + m
