@@ -369,6 +369,19 @@ def render_tp_shapes(record: dict) -> None:
     for r in record["facts"]["ranks"]:
         console.print(f"rank {r['rank']}: {r['q_heads']} q heads, {r['kv_heads']} kv heads, "
                       f"rows of the TP=1 qkv weight {r['rows_of_tp1_packed_qkv']}")
+    rows = record["facts"].get("qkv_rows_tp1")
+    if rows:
+        table = Table(title="TP=1 packed qkv weight: rows of q_proj, k_proj, v_proj", title_justify="left")
+        for col in ("", "width", "from the config", "loader (shard_range)", "measured (by values)"):
+            table.add_column(col)
+        for n in "qkv":
+            table.add_row(n, str(rows["widths"][n]), _rows(rows["from_config"][n]), _rows(rows["from_loader"][n]),
+                          _rows(rows["measured"][n]))
+        console.print(table)
+
+
+def _rows(r) -> str:
+    return "not found" if r is None else f"[{r[0]}, {r[1]})"
 
 
 # service and load
@@ -376,12 +389,12 @@ def render_tp_shapes(record: dict) -> None:
 
 def observer_table(summary: dict, title: str) -> Table:
     table = Table(title=title, title_justify="left", caption="latencies in ms, p50 / p99", caption_justify="left")
-    for col in ("observer", "req", "done", "rej", "out tok", "TTFT", "ITL", "TPOT", "tok/s", "window s"):
+    for col in ("observer", "req", "done", "rej", "out tok", "queue wait", "TTFT", "ITL", "TPOT", "tok/s", "window s"):
         table.add_column(col, justify="left" if col == "observer" else "right", no_wrap=True)
     two = ("p50", "p99")
     for obs, o in summary["observers"].items():
         table.add_row(obs, str(o["requests"]), str(o["completed"]), str(o["rejections"]), str(o["output_tokens"]),
-                      _pcts(o["ttft_ms"], two), _pcts(o["itl_ms"], two), _pcts(o["tpot_ms"], two),
+                      _pcts(o.get("queue_wait_ms") or {}, two), _pcts(o["ttft_ms"], two), _pcts(o["itl_ms"], two), _pcts(o["tpot_ms"], two),
                       _num(o.get("throughput_tok_s")), _num((o.get("window") or {}).get("seconds")))
     return table
 

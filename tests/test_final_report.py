@@ -82,3 +82,86 @@ def test_timeline_reads_engine_and_client_events(tmp_path):
     tl = final_report.request_timeline(log)
     seq = [(e["event"], e["t_ms"]) for e in tl["requests"]["stream-1"] if e["observer"] == "engine"]
     assert seq == [("submitted", 0.0), ("admitted", 2.0), ("token", 4.0), ("finished", 5.0)]
+
+
+def _load_log(path: Path, n_tokens: int = 40) -> Path:
+    """A load-run log: a warmup first (finished before anything else), then a completed and a cancelled request."""
+    ms = 1_000_000
+    ev = lambda name, rid, t, **kw: {"event": name, "request_id": rid, "observer": "engine", "t_ns": t * ms, **kw}  # noqa: E731
+    events = [ev("submitted", "warmup-0-e0", 0, warmup=True), ev("admitted", "warmup-0-e0", 1),
+              ev("token", "warmup-0-e0", 2, index=1), ev("finished", "warmup-0-e0", 3, reason="length")]
+    events += [ev("submitted", "mixed-3", 10), ev("admitted", "mixed-3", 14)]
+    events += [ev("token", "mixed-3", 20 + i, index=i + 1) for i in range(n_tokens)]
+    events += [ev("finished", "mixed-3", 20 + n_tokens, reason="length"),
+               ev("submitted", "mixed-5", 12), ev("admitted", "mixed-5", 15), ev("token", "mixed-5", 30, index=1),
+               ev("finished", "mixed-5", 31, reason="cancelled")]
+    path.write_text("\n".join(json.dumps(e) for e in events) + "\n")
+    return path
+
+
+def test_timeline_shows_real_requests_never_a_warmup(tmp_path):
+    tl = final_report.request_timeline(_load_log(tmp_path / "load.jsonl"))
+    assert list(tl["requests"]) == ["mixed-3", "mixed-5"] and tl["warmups_skipped"] == 1
+    m = tl["milestones"]["mixed-3"]["engine"]
+    assert (m["submitted"], m["admitted"], m["first_token"], m["last_token"], m["tokens"]) == (0.0, 4.0, 10.0, 49.0, 40)
+    assert tl["milestones"]["mixed-5"]["engine"]["reason"] == "cancelled"
+
+
+def test_markdown_shows_milestones_and_the_json_keeps_every_token(runs, tmp_path):
+    from labkit.writeup.timeline import timeline_md
+
+    tl = final_report.request_timeline(_load_log(tmp_path / "load.jsonl"))
+    md = "\n".join(timeline_md(tl, plotted=True))
+    assert "| `mixed-3` | engine | 0 | 4 | 10 | 49 | 50 (length) | 40 |" in md
+    assert "@" not in md and "→" not in md and md.count("| `mixed-3` |") == 1     # no per-token sequence
+    assert sum(e["event"] == "token" for e in tl["requests"]["mixed-3"]) == 40
+
+
+def _text_overlaps(fig) -> list[tuple[str, str]]:
+    from matplotlib.text import Text
+
+    fig.canvas.draw()                   # lay the legend and the labels out first
+    renderer = fig.canvas.get_renderer()
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in fig.findobj(Text)
+             if t.get_visible() and t.get_text().strip()]
+    return [(a, b) for i, (a, ba) in enumerate(boxes) for b, bb in boxes[i + 1:] if ba.overlaps(bb)]
+
+
+@pytest.mark.parametrize("ids", [None, ("mixed-3",), ("mixed-3", "mixed-5", "warmup-0-e0")])
+def test_timeline_picture_has_no_overlapping_text(tmp_path, ids):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from labkit.writeup.timeline import timeline_figure
+
+    tl = final_report.request_timeline(_load_log(tmp_path / "load.jsonl"), ids)
+    fig = timeline_figure(tl)
+    try:
+        assert _text_overlaps(fig) == []
+        fig.axes[0].annotate("finished (cancelled)", (31, 0), rotation=30)     # the old style of label: caught
+        fig.axes[0].annotate("submitted", (31, 0), rotation=30)
+        assert _text_overlaps(fig)
+    finally:
+        plt.close(fig)
+    png, why = final_report.timeline_plot(tl, tmp_path / "t.png")
+    assert why is None and Path(png).stat().st_size > 0
+
+
+def test_report_embeds_every_picture_next_to_its_evidence(runs):
+    (runs / "patches").mkdir(parents=True)
+    (runs / "patches" / "no-step-trace.json").write_text("{}")
+    (runs / "patches" / "no-step-trace.steps.png").write_bytes(b"\x89PNG dummy")
+    (runs / "quick-walk-a.json").write_text("{}")
+    for name in ("quick-walk-a.steps.png", "quick-walk-a.kv.png", "quick-walk-ab.steps.png"):
+        (runs / name).write_bytes(b"\x89PNG dummy")
+    (runs / "quick-walk-a.html").write_text("<html></html>")
+    report = final_report.write_final_report(plots=False)
+    md = Path(report["_paths"]["md"]).read_text()
+    section = md.split("## before / after (the patches)")[1].split("\n## ")[0]
+    assert "![no-step-trace.steps.png](patches/no-step-trace.steps.png)" in section
+    engine = md.split("## Pictures of the engine")[1].split("\n## ")[0]
+    assert "![quick-walk-a.kv.png](quick-walk-a.kv.png)" in engine and "![quick-walk-a.steps.png](quick-walk-a.steps.png)" in engine
+    assert "quick-walk-ab" not in md                       # another stem's picture is not this evidence's
+    assert "(quick-walk-a.html)" in engine

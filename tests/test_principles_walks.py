@@ -26,8 +26,8 @@ PRINCIPLES = [cp.id for cp in load_checkpoints() if cp.stage == "principles"]
 
 def test_the_stage_has_the_ten_checkpoints():
     assert PRINCIPLES == ["principles.tokenizer", "principles.softmax", "principles.attention", "principles.memory",
-                          "principles.slots", "principles.timing", "principles.lifecycle", "principles.prefix-cache",
-                          "principles.hash", "principles.multiturn"]
+                          "principles.slots", "principles.timing", "principles.lifecycle", "principles.residual",
+                          "principles.prefix-cache", "principles.hash", "principles.multiturn"]
     assert all(get_checkpoint(c).needs == "cpu" for c in PRINCIPLES)
 
 
@@ -197,11 +197,11 @@ def test_multiturn_fails_without_prefix_hashes(no_prefix_hashes, tiny_model_dir,
                                          "facts.cached_is_block_aligned_common_prefix"} <= set(_failed(rec))
 
 
-def test_shapes_is_refused_for_other_cases(cli_app, tiny_model_dir):
+def test_shapes_is_refused_for_the_prefix_walk(cli_app, tiny_model_dir):
     from typer.testing import CliRunner
 
     res = CliRunner().invoke(cli_app, ["quick-walk", "--case", "prefix", "--shapes", "--model", str(tiny_model_dir)])
-    assert res.exit_code == 2 and "--shapes is for case lifecycle" in res.output
+    assert res.exit_code == 2 and "--shapes is for cases A-D and lifecycle" in res.output
 
 
 def test_prefix_walk_records_the_hash_chain(tiny_model_dir, tmp_path):

@@ -131,3 +131,24 @@ def test_report_cli(tmp_path):
     assert result.exit_code == 0, result.output
     assert (tmp_path / "r.json").is_file() and (tmp_path / "r.md").is_file()
     assert "ratios vs input 0" in result.output
+
+
+def test_queue_wait_per_request_and_percentiles(tmp_path):
+    """submitted -> admitted from a known trace: waits 30 and 90 ms (p50 60, p90 84, p99 89.4)."""
+    events = [ev("submitted", "r0", 0), ev("admitted", "r0", 30), ev("token", "r0", 50, index=1),
+              ev("finished", "r0", 50, reason="length", num_completion_tokens=1),
+              ev("submitted", "r1", 10, **{"class": "long"}), ev("admitted", "r1", 100), ev("token", "r1", 160, index=1),
+              ev("finished", "r1", 160, reason="length", num_completion_tokens=1),
+              ev("submitted", "r2", 20), ev("finished", "r2", 40, reason="cancelled")]     # never admitted
+    o = summarize(write_log(tmp_path / "q.jsonl", events))["observers"]["engine"]
+    wait = o["queue_wait_ms"]
+    assert wait["n"] == 2 and (wait["p50"], wait["p90"], wait["p99"]) == (60.0, 84.0, pytest.approx(89.4))
+    assert o["admitted_to_first_token_ms"]["p50"] == 40.0          # (20 + 60) / 2
+    assert o["by_class"]["long"]["queue_wait_ms"]["p50"] == 90.0
+    per = {r["request_id"]: r for r in o["per_request"]}
+    assert per["r0"]["queue_wait_ms"] == 30.0 and per["r1"]["queue_wait_ms"] == 90.0 and per["r2"]["queue_wait_ms"] is None
+    assert per["r1"]["queue_wait_ms"] + per["r1"]["admitted_to_first_token_ms"] == per["r1"]["ttft_ms"] == 150.0
+    res = compare([write_log(tmp_path / "q2.jsonl", events)], tmp_path / "out" / "q.json", plots=False)
+    md = Path(res["markdown"]).read_text()
+    assert "queue wait ms" in md and "| 0 | engine | `r1` | long | 90.000 | 60.000 | 150.000 |" in md
+    assert json.loads((tmp_path / "out" / "q.json").read_text())["inputs"][0]["observers"]["engine"]["per_request"][1]["queue_wait_ms"] == 90.0

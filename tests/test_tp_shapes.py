@@ -63,3 +63,43 @@ def test_a_loader_that_ignores_the_rank_fails_the_reassembly(tiny_model_dir, mon
     assert bad == broken
     checks = _judged(f)
     assert {name.rsplit(".", 1)[1] for name in REASSEMBLY if not checks[name]["passed"]} == broken
+
+
+def _judged_tp1(facts: dict) -> dict:
+    from labkit.evidence_format import SCHEMA_VERSION
+    record = {"checkpoint": "tp.shapes-tp1", "kind": "static", "schema_version": SCHEMA_VERSION, "facts": facts}
+    return {c["name"]: c for c in judge(get_checkpoint("tp.shapes-tp1"), record)}
+
+
+ROWS_TP1 = ("facts.qkv_rows_tp1.measured_matches_config", "facts.qkv_rows_tp1.loader_matches_config")
+
+
+def test_tp1_qkv_rows_measured_from_the_loaded_weight(tiny_model_dir):
+    f = tp_shapes(tiny_model_dir, 1)          # tiny: q = 4 x 16 = 64 rows, k = v = 2 x 16 = 32 rows
+    rows = f["qkv_rows_tp1"]
+    assert rows["widths"] == {"q": 64, "k": 32, "v": 32, "total": 128} and rows["packed_rows"] == 128
+    assert rows["measured"] == rows["from_config"] == rows["from_loader"] == {"q": [0, 64], "k": [64, 96], "v": [96, 128]}
+    checks = _judged_tp1(f)
+    assert all(checks[name]["passed"] for name in ROWS_TP1)
+    # the checkpoint states Qwen3-0.6B's rows: the tiny model's FAIL it
+    assert not checks["facts.qkv_rows_tp1.measured.q"]["passed"]
+
+
+def test_tp1_a_loader_that_swaps_k_and_v_fails(tiny_model_dir, monkeypatch):
+    """Break on purpose: shard_range hands K the V rows and V the K rows; the loader writes them there."""
+    import engine.layers.linear as linear
+
+    real = linear.QKVParallelLinear.shard_range
+    swap = {"q": "q", "k": "v", "v": "k"}
+    monkeypatch.setattr(linear.QKVParallelLinear, "shard_range", lambda self, n: real(self, swap[n]))
+    f = tp_shapes(tiny_model_dir, 1)
+    assert f["qkv_rows_tp1"]["measured"] == {"q": [0, 64], "k": [96, 128], "v": [64, 96]}
+    checks = _judged_tp1(f)
+    assert not any(checks[name]["passed"] for name in ROWS_TP1)
+
+
+def test_run_shapes_tp1_claims_its_checkpoint(tiny_model_dir, tmp_path):
+    rec = run_shapes(1, str(tiny_model_dir), tmp_path / "s1.json")
+    assert rec["checkpoint"] == "tp.shapes-tp1"
+    failed = {c["name"] for c in rec["checks"] if not c["passed"]}
+    assert "facts.ranks.0.q_heads" in failed and not failed & set(ROWS_TP1)

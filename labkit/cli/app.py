@@ -293,7 +293,7 @@ def smoke(out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto"
 def quick_walk(
     case: Annotated[CaseName, typer.Option("--case", case_sensitive=False, help="Quick-walk case (docs/LAB.md §3): A, B, C or D; lifecycle (docs/LAB.md §4: 64+96 tokens) or prefix (§18: a 512-token prefix hit).")],
     trace: Annotated[bool, typer.Option("--trace", help="Store every step (before the forward, the runner's inputs, after postprocess) in the evidence (cases lifecycle and prefix always do).")] = False,
-    shapes: Annotated[bool, typer.Option("--shapes", help="Case lifecycle: record layer 0's tensor shapes and the rows the LM head reads (forward hooks).")] = False,
+    shapes: Annotated[bool, typer.Option("--shapes", help="Cases A-D: every layer's embedding/Q/K/V shapes per step against the model's config and the rows the LM head reads; case lifecycle: layer 0's tensor shapes (forward hooks).")] = False,
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
     max_num_seqs: MaxNumSeqsOpt = None,
     kv_cache_block_size: KvCacheBlockSizeOpt = 256,
@@ -307,7 +307,7 @@ def quick_walk(
     from labkit.cli.walks import render_inputs
     from labkit.experiments.quick_walk import run_quick_walk
 
-    if case in (CaseName.LIFECYCLE, CaseName.PREFIX) or shapes:
+    if case in (CaseName.LIFECYCLE, CaseName.PREFIX):
         from labkit.cli.walks import walk_case
 
         record = walk_case(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
@@ -319,11 +319,15 @@ def quick_walk(
         finish(record, record["_paths"]["json"], json_out=json_out)
     record = run_quick_walk(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
                             budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
-                            trace=trace or inputs, debug=debug, shuffle_blocks=shuffle_blocks)
+                            trace=trace or inputs, debug=debug, shuffle_blocks=shuffle_blocks, shapes=shapes)
     if not json_out:
         render_quick_walk(record)
         if inputs:
             render_inputs(record)
+        if shapes:
+            from labkit.cli.walks import render_walk_shapes
+
+            render_walk_shapes(record)
     finish(record, record["_paths"]["json"], json_out=json_out)
 
 

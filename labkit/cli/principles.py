@@ -1,4 +1,4 @@
-"""``labkit principles tokenizer|softmax|attention|memory|slots|timing|hash`` (docs/LAB.md §2, §6, §8, §11, §18)
+"""``labkit principles tokenizer|softmax|attention|memory|slots|timing|residual|hash`` (docs/LAB.md §2, §6, §8, §9, §11, §18)
 and ``labkit multiturn`` (§18). Thin shells over labkit/experiments/principles.py and multiturn.py; every
 command ends through :func:`labkit.cli.app.finish`.
 
@@ -131,6 +131,25 @@ def principles_hash(model: ModelOpt = None, device: DeviceOpt = "auto", attentio
     _show(r, {"changed token (position)": changed, "cached tokens": f["cached"],
               "P2 / P3 blocks with P1's hash": f"{json.dumps(f['p2_same_hash_as_p1'])} / {json.dumps(f['p3_same_hash_as_p1'])}",
               "engine's stored hashes match": f["engine_hashes_match"]}, "prefix hash chain", json_out)
+def principles_residual(model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
+                        out: OutOpt = None, json_out: JsonOpt = False) -> None:
+    """Layer 0's residual path by hand, h = x + Attn(Norm1(x)), y = h + MLP(Norm2(h)), against the engine's layer; where the norm adds the residual (docs/LAB.md §9)."""
+    from labkit.experiments.residual import run_residual
+
+    r = run_residual(out, _model(model), device, attention)
+    f = r["facts"]
+    if not json_out:
+        console.print(dict_table([{"step": i + 1, "T": s["T"], "h: hand vs engine": f"{s['h_rel_diff']:.2e}",
+                                   "MLP(Norm2(h))": f"{s['mlp_rel_diff']:.2e}", "y: hand vs next norm": f"{s['y_rel_diff']:.2e}",
+                                   "control: no skips": f"{s['without_skips_rel_diff']:.2e}",
+                                   "control: no attention skip": f"{s['without_attention_skip_rel_diff']:.2e}"}
+                                  for i, s in enumerate(f["steps"])],
+                                 title="layer 0, max relative difference (max |a - b| / max |b|)"))
+        console.print(dict_table([{"where": k, "file:line": f"{v['file']}:{v['line']}", "function": v["function"],
+                                   "source": v["source"]} for k, v in f["sites"].items()],
+                                 title="where the residual is added"))
+    _show(r, {"formula": f["formula"], "next norm (adds h + MLP output)": f["next_norm"],
+              "norm fused (CUDA kernel)": f["norm_fused"]}, "residual path", json_out)
 
 
 def multiturn(model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
@@ -154,7 +173,8 @@ def multiturn(model: ModelOpt = None, device: DeviceOpt = "auto", attention: Att
 def register_principles(group: typer.Typer) -> None:
     for name, fn in (("tokenizer", principles_tokenizer), ("softmax", principles_softmax),
                      ("attention", principles_attention), ("memory", principles_memory),
-                     ("slots", principles_slots), ("timing", principles_timing), ("hash", principles_hash)):
+                     ("slots", principles_slots), ("timing", principles_timing), ("residual", principles_residual),
+                     ("hash", principles_hash)):
         group.command(name, epilog=EXIT_HELP)(fn)
 
 

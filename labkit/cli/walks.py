@@ -5,7 +5,7 @@ themselves are plain functions in labkit/experiments/lifecycle.py and prefix_wal
 """
 from __future__ import annotations
 
-from labkit.console import console, kv_table, note, render_quick_walk
+from labkit.console import console, dict_table, kv_table, note, render_quick_walk
 from labkit.errors import UserError
 
 
@@ -16,7 +16,7 @@ def walk_case(case: str, *, out, model, device: str, attention: str, budget: int
     if debug:
         raise UserError("--debug is for cases A-D")
     if shapes and case != "lifecycle":
-        raise UserError("--shapes is for case lifecycle")
+        raise UserError("--shapes is for cases A-D and lifecycle")
     if case == "lifecycle":
         from labkit.experiments.lifecycle import run_lifecycle
 
@@ -100,3 +100,28 @@ def render_inputs(record: dict) -> None:
     if "inputs_consistent" in derived:
         console.print(f"inputs consistent with the scheduled batch: {str(derived['inputs_consistent']).lower()} "
                       f"({derived['inputs_checked']} steps checked)")
+def render_walk_shapes(record: dict) -> None:
+    """--shapes on cases A-D: each step's T/N, the shapes every layer's hooks saw and the LM head's rows."""
+    sh = record["facts"].get("shapes")
+    if not sh:
+        return
+    m = sh["model"]
+    rows = [{"step": s["step"], "phase": s["phase"], "embed [T,h]": _dims(s["embed"]),
+             "Q": _dims((s["layer0"] or {}).get("q")), "K, V": _dims((s["layer0"] or {}).get("k")),
+             "logits [N,V]": _dims(s["logits"]), "LM head rows": _list(s["lm_head_rows"]),
+             "rule": _list(s["rows_by_rule"])} for s in sh["steps"]]
+    console.print(dict_table(rows, title=f"model shapes per step (hidden {m['hidden']}, {m['q_heads']} q heads, "
+                                         f"{m['kv_heads']} kv heads, head_dim {m['head_dim']}, {m['layers']} layers)"))
+    console.print("Q, K, V of layer 0; every layer's are recorded ("
+                  f"{'the same in all layers' if all(s['layers_same_as_layer0'] for s in sh['steps']) else 'they differ'}); "
+                  "rule: cu_seqlens_q[1:] - 1 on a prefill, every row on a decode")
+    console.print(f"shapes match the model's config: {sh['shapes_match_config']} "
+                  f"({len(sh['mismatches'])} mismatches); LM head rows follow the rule: {sh['lm_head_rows_follow_rule']}")
+
+
+def _dims(shape) -> str:
+    return "-" if shape is None else "x".join(str(d) for d in shape)
+
+
+def _list(values) -> str:
+    return "-" if values is None else ",".join(str(v) for v in values)

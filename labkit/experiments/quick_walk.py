@@ -18,11 +18,14 @@ from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
 
 
 def checkpoint_for(case: str, budget: int, max_num_seqs: int | None, block_size: int,
-                   shuffle_blocks: int | None = None) -> str | None:
+                   shuffle_blocks: int | None = None, shapes: bool = False) -> str | None:
     """The checkpoint that states the handbook's expectations for these options, if there is one (none for a
     shuffled block order: the checkpoints keep the default order 0, 1, 2, ...)."""
     if block_size != 256 or shuffle_blocks is not None:
         return None
+    if shapes:      # --shapes: case A's model-internal shapes, case D's chunk rows (default options only)
+        ok = case in ("A", "D") and budget == 512 and max_num_seqs is None
+        return f"setup.quick-walk-{case.lower()}-shapes" if ok else None
     if case == "B" and max_num_seqs == 1 and budget == 512:
         return "setup.quick-walk-b-seqs1"
     if max_num_seqs not in (None, 2) and case == "B":
@@ -151,7 +154,7 @@ def step_blocks(st: dict) -> dict:
 def run_quick_walk(case: str, out: Path | None = None, model: str | None = None, device: str = "auto",
                    attention: str = "auto", budget: int = 512, max_num_seqs: int | None = None,
                    block_size: int = 256, trace: bool = False, debug: bool = False,
-                   shuffle_blocks: int | None = None) -> dict:
+                   shuffle_blocks: int | None = None, shapes: bool = False) -> dict:
     case = case.upper()
     if case not in CASES:
         raise UserError(f"unknown case {case!r}: choose one of {', '.join(CASES)}")
@@ -168,8 +171,13 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
     names = spec.labels
     recorder = StepRecorder({s.seq_id: n for s, n in zip(seqs, names)})
     engine.events.subscribe(recorder)
-    while not engine.is_finished():
-        engine.step()
+    probe = _shape_probe(engine) if shapes else None
+    try:
+        while not engine.is_finished():
+            engine.step()
+    finally:
+        if probe is not None:
+            probe.close()
     steps = recorder.steps
     stats = engine.stats()
     facts = {
@@ -197,17 +205,30 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
                         for st in steps],
         "note": synthetic_note(built.model),
     }
+    if probe is not None:
+        from labkit.experiments.walk_shapes import model_dims, shape_facts
+
+        facts["shapes"] = shape_facts(probe, steps, model_dims(engine.config.shape))
     if trace:
         facts["steps"] = steps
     # the checkpoint these options call for, claimed only when the command line is that checkpoint's command
     # (a plain run without --trace is evidence for no checkpoint, not a FAIL of one, and says so)
-    checkpoint = checkpoint_for(case, budget, max_num_seqs, block_size, shuffle_blocks)
+    checkpoint = checkpoint_for(case, budget, max_num_seqs, block_size, shuffle_blocks, shapes)
     custom = f"quick-walk-{case.lower()}-custom.json"
     record = write_claimed(checkpoint, out, f"{checkpoint.split('.', 1)[1]}.json" if checkpoint else custom,
                            unclaimed_name=custom, kind=built.kind, facts=facts, device=built.device,
                            model=built.model, seed=engine.config.seed, engine=built.describe())
     engine.close()
     return record
+
+
+def _shape_probe(engine):
+    """--shapes: forward hooks on the model (labkit/experiments/walk_shapes.py), told each step's number."""
+    from labkit.experiments.walk_shapes import LayerShapeProbe
+
+    probe = LayerShapeProbe(engine)
+    engine.events.subscribe(probe)
+    return probe
 
 
 def _debug_prompt(engine) -> None:

@@ -127,6 +127,49 @@ def count_collectives(cfg: dict, tp: int) -> dict:
             "logits_shape": list(logits.shape)}
 
 
+def _rank_facts(r: dict, pc: dict, packed, head_dim: int) -> dict:
+    """One rank's layer-0 shapes and where its q/k/v pieces sit in the TP=1 packed qkv weight."""
+    L = r["layers"]
+    return {
+        "rank": r["rank"],
+        # the heads each rank's engine layer holds (QKVParallelLinear computes them from its world size)
+        "q_heads": L["qkv_proj"].num_heads,
+        "kv_heads": L["qkv_proj"].num_kv_heads,
+        "qkv_proj_weight": list(L["qkv_proj"].weight.shape),
+        "qkv_proj_out": L["qkv_proj"].weight.shape[0],
+        "gate_up_proj_weight": list(L["gate_up_proj"].weight.shape),
+        "gate_up_proj_out": L["gate_up_proj"].weight.shape[0],
+        "o_proj_weight": list(L["o_proj"].weight.shape),
+        "o_proj_in": L["o_proj"].weight.shape[1],
+        "down_proj_weight": list(L["down_proj"].weight.shape),
+        "down_proj_in": L["down_proj"].weight.shape[1],
+        "piece_shapes": {n: list(t.shape) for n, t in pc.items()},
+        "rows_of_tp1_packed_qkv": {n[0]: _find_rows(packed, pc[n], head_dim) if n in pc else None
+                                   for n in ("q_proj", "k_proj", "v_proj")},
+    }
+
+
+def _qkv_rows_tp1(s, layer, full: dict) -> dict:
+    """Handbook B.3 step 4: the rows of the TP=1 packed qkv weight that the checkpoint's q_proj, k_proj and
+    v_proj were written to, three ways: from the config (q = heads x head_dim, kv = kv_heads x head_dim,
+    packed q | k | v), from the engine's loader (``QKVParallelLinear.shard_range``) and measured: each
+    checkpoint tensor found, by its values, in layer 0's loaded packed weight."""
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    packed = layer.weight.data
+    measured = {n[0]: _find_rows(packed, full[n], s.head_dim) for n in ("q_proj", "k_proj", "v_proj")}
+    config = {"q": [0, q], "k": [q, q + kv], "v": [q + kv, q + 2 * kv]}
+    loader = {n: [off, off + size] for n in "qkv" for off, size in [layer.shard_range(n)]}
+    return {
+        "widths": {"q": q, "k": kv, "v": kv, "total": q + 2 * kv},
+        "packed_rows": int(layer.weight.shape[0]),
+        "from_config": config,
+        "from_loader": loader,
+        "measured": measured,
+        "loader_matches_config": loader == config,
+        "measured_matches_config": measured == config,
+    }
+
+
 def tp_shapes(model_dir: str | Path, tp: int) -> dict:
     """Load every decoder layer's linear weights of ``model_dir`` into ``tp`` ranks and measure the split."""
     import torch
@@ -179,29 +222,11 @@ def tp_shapes(model_dir: str | Path, tp: int) -> dict:
     tp1 = _rank_layers(cfg, 0, 1)
     _load(tp1, layer0_full)
     packed = tp1["qkv_proj"].weight.data
-    out_ranks = []
-    for r, pc in zip(ranks, layer0_pieces):
-        L = r["layers"]
-        out_ranks.append({
-            "rank": r["rank"],
-            # the heads each rank's engine layer holds (QKVParallelLinear computes them from its world size)
-            "q_heads": L["qkv_proj"].num_heads,
-            "kv_heads": L["qkv_proj"].num_kv_heads,
-            "qkv_proj_weight": list(L["qkv_proj"].weight.shape),
-            "qkv_proj_out": L["qkv_proj"].weight.shape[0],
-            "gate_up_proj_weight": list(L["gate_up_proj"].weight.shape),
-            "gate_up_proj_out": L["gate_up_proj"].weight.shape[0],
-            "o_proj_weight": list(L["o_proj"].weight.shape),
-            "o_proj_in": L["o_proj"].weight.shape[1],
-            "down_proj_weight": list(L["down_proj"].weight.shape),
-            "down_proj_in": L["down_proj"].weight.shape[1],
-            "piece_shapes": {n: list(t.shape) for n, t in pc.items()},
-            "rows_of_tp1_packed_qkv": {n[0]: _find_rows(packed, pc[n], s.head_dim) if n in pc else None
-                                       for n in ("q_proj", "k_proj", "v_proj")},
-        })
+    out_ranks = [_rank_facts(r, pc, packed, s.head_dim) for r, pc in zip(ranks, layer0_pieces)]
     return {
         "tp": tp,
         "model_dir": str(model_dir),
+        "qkv_rows_tp1": _qkv_rows_tp1(s, tp1["qkv_proj"], layer0_full),
         "model": {"hidden": s.hidden_size, "q_heads": s.num_heads, "kv_heads": s.num_kv_heads,
                   "head_dim": s.head_dim, "intermediate": s.intermediate_size, "vocab": s.vocab_size,
                   "layers": s.num_layers},
@@ -232,4 +257,4 @@ def run_shapes(tp: int, model: str | None, out: Path | None) -> dict:
     identity = dict(model_identity(ref.path))
     identity["source"] = ref.source
     return write_evidence(out or default_out(f"tensor-parallel-shapes-tp{tp}.json"),
-                          checkpoint="tp.shapes" if tp == 2 else None, kind="static", facts=facts, model=identity)
+                          checkpoint={1: "tp.shapes-tp1", 2: "tp.shapes"}.get(tp), kind="static", facts=facts, model=identity)

@@ -5,6 +5,8 @@ Definitions (handbook B.8.3), always within one observer and one clock:
 - TTFT = t(first token) - t(submitted) of a request.
 - ITL = the gaps between consecutive output tokens of a request (pooled over requests).
 - TPOT = (t_last - t_first) / (G - 1) per request with G >= 2 output tokens.
+- Queue wait = t(admitted) - t(submitted): the entry wait before the engine takes the request (the
+  rest of TTFT, admitted -> first token, is the engine's prefill interval).
 - Throughput = output tokens of all measured requests, across every replica, divided by the common
   window: from the first submit to the last finish of those requests (never a sum of per-replica
   best rates).
@@ -67,6 +69,7 @@ class Req:
     cause: str | None = None
     completion_tokens: int | None = None
     admitted: bool = False
+    admitted_ns: int | None = None
 
     @property
     def output_tokens(self) -> int:
@@ -93,6 +96,8 @@ def requests_by_observer(events: list[dict]) -> dict[str, dict[str, Req]]:
             r.warmup = bool(ev.get("warmup", False))
         elif name == "admitted":
             r.admitted = True
+            if r.admitted_ns is None:
+                r.admitted_ns = t
         elif name == "token":
             r.token_ns.append(t)
         elif name == "finished":
@@ -134,6 +139,20 @@ def ttft_ms(r: Req) -> float | None:
     return (r.token_ns[0] - r.submitted_ns) / 1e6
 
 
+def queue_wait_ms(r: Req) -> float | None:
+    """Submitted -> admitted (the entry wait), or None when either event is missing."""
+    if r.submitted_ns is None or r.admitted_ns is None:
+        return None
+    return (r.admitted_ns - r.submitted_ns) / 1e6
+
+
+def admitted_to_first_ms(r: Req) -> float | None:
+    """Admitted -> first token (the engine's interval before the first output)."""
+    if r.admitted_ns is None or not r.token_ns:
+        return None
+    return (r.token_ns[0] - r.admitted_ns) / 1e6
+
+
 def itl_ms(r: Req) -> list[float]:
     return [(b - a) / 1e6 for a, b in zip(r.token_ns, r.token_ns[1:])]
 
@@ -148,6 +167,8 @@ def tpot_ms(r: Req) -> float | None:
 def latency(reqs: list[Req]) -> dict:
     return {
         "requests": len(reqs),
+        "queue_wait_ms": dist([v for v in map(queue_wait_ms, reqs) if v is not None]),
+        "admitted_to_first_token_ms": dist([v for v in map(admitted_to_first_ms, reqs) if v is not None]),
         "ttft_ms": dist([v for v in map(ttft_ms, reqs) if v is not None]),
         "itl_ms": dist([g for r in reqs for g in itl_ms(r)]),
         "tpot_ms": dist([v for v in map(tpot_ms, reqs) if v is not None]),
@@ -185,7 +206,14 @@ def observer_summary(reqs: list[Req]) -> dict:
     classes = sorted({r.cls for r in measured})
     summary["by_class"] = {c: latency([r for r in measured if r.cls == c]) for c in classes}
     summary["workers"] = _workers(measured)
+    summary["per_request"] = [{"request_id": r.request_id, "class": r.cls, "queue_wait_ms": _ms(queue_wait_ms(r)),
+                               "admitted_to_first_token_ms": _ms(admitted_to_first_ms(r)), "ttft_ms": _ms(ttft_ms(r))}
+                              for r in sorted(measured, key=lambda r: (r.submitted_ns is None, r.submitted_ns or 0))]
     return summary
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
 
 
 def _workers(reqs: list[Req]) -> dict:
@@ -304,7 +332,7 @@ def compare(inputs: list[str | Path], out: str | Path, plots: bool = True) -> di
 
     result: dict[str, Any] = {
         "schema_version": 1, "created_at": _now(), "command": command_line(), "git_head": git_head(),
-        "definitions": {"ttft": "first token - submitted", "itl": "gap between consecutive tokens",
+        "definitions": {"queue_wait": "admitted - submitted", "ttft": "first token - submitted", "itl": "gap between consecutive tokens",
                         "tpot": "(t_last - t_first) / (G - 1)", "throughput": "output tokens / common window",
                         "percentiles": list(PERCENTILES)},
         "inputs": summaries, "primary_observer": primary,
@@ -339,7 +367,7 @@ def _pcts(d: dict | None) -> str:
 
 def render_md(result: dict) -> str:
     lines = ["# Service report", "", f"- created: {result['created_at']}", f"- command: `{result['command']}`",
-             "- TTFT = first token − submitted; ITL = gaps between tokens; TPOT = (t_last − t_first)/(G − 1); "
+             "- queue wait = admitted − submitted; TTFT = first token − submitted; ITL = gaps between tokens; TPOT = (t_last − t_first)/(G − 1); "
              "throughput = output tokens / common window (first submit → last finish, all replicas). "
              "Latencies in ms as p50 / p90 / p99; warmup requests excluded.", ""]
     lines += ["## Inputs", "", "| # | input | kind | role | mode | model | policy | note |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -350,12 +378,14 @@ def render_md(result: dict) -> str:
                      f"{s.get('mode') or '–'} | {mtext} | {_get(s, 'engine', 'scheduling_policy') or '–'} | "
                      f"{s.get('note') or ''} |")
     lines += ["", "## Summary", "",
-              "| # | observer | requests | completed | rejected | output tokens | TTFT ms | ITL ms | TPOT ms | "
-              "throughput tok/s | window s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| # | observer | requests | completed | rejected | output tokens | queue wait ms | TTFT ms | ITL ms | "
+              "TPOT ms | throughput tok/s | window s |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, s in enumerate(result["inputs"]):
         for obs, o in s["observers"].items():
             lines.append(f"| {i} | {obs} | {o['requests']} | {o['completed']} | {o['rejections']} | "
-                         f"{o['output_tokens']} | {_pcts(o['ttft_ms'])} | {_pcts(o['itl_ms'])} | "
+                         f"{o['output_tokens']} | {_pcts(o.get('queue_wait_ms'))} | {_pcts(o['ttft_ms'])} | "
+                         f"{_pcts(o['itl_ms'])} | "
                          f"{_pcts(o['tpot_ms'])} | {_fmt(o.get('throughput_tok_s'))} | "
                          f"{_fmt(_get(o, 'window', 'seconds'))} |")
     if result.get("ratios"):
@@ -364,13 +394,16 @@ def render_md(result: dict) -> str:
                   "| input | " + " | ".join(keys) + " |", "| --- | " + " | ".join("---" for _ in keys) + " |"]
         for row in result["ratios"]:
             lines.append(f"| `{row['input']}` | " + " | ".join(_fmt(row[k]) for k in keys) + " |")
-    lines += ["", "## By request class", "", "| # | observer | class | requests | TTFT ms | ITL ms | TPOT ms |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += ["", "## By request class", "",
+              "| # | observer | class | requests | queue wait ms | admitted → first token ms | TTFT ms | ITL ms | TPOT ms |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, s in enumerate(result["inputs"]):
         for obs, o in s["observers"].items():
             for cls, c in o["by_class"].items():
-                lines.append(f"| {i} | {obs} | {cls} | {c['requests']} | {_pcts(c['ttft_ms'])} | "
+                lines.append(f"| {i} | {obs} | {cls} | {c['requests']} | {_pcts(c.get('queue_wait_ms'))} | "
+                             f"{_pcts(c.get('admitted_to_first_token_ms'))} | {_pcts(c['ttft_ms'])} | "
                              f"{_pcts(c['itl_ms'])} | {_pcts(c['tpot_ms'])} |")
+    lines += _queue_wait_lines(result)
     lines += ["", "## Terminations", "", "| # | observer | by reason | cancel causes |", "| --- | --- | --- | --- |"]
     for i, s in enumerate(result["inputs"]):
         for obs, o in s["observers"].items():
@@ -389,6 +422,23 @@ def render_md(result: dict) -> str:
         lines += [f"![{Path(p).stem}]({Path(p).name})" for p in result["plots"]]
     lines.append(result.get("plots_note") or "")
     return "\n".join(lines) + "\n"
+
+
+#: Rows of the per-request queue-wait table in the Markdown (the longest waits); the JSON keeps every request.
+QUEUE_WAIT_ROWS = 10
+
+
+def _queue_wait_lines(result: dict) -> list[str]:
+    lines = ["", f"## Queue wait per request (the {QUEUE_WAIT_ROWS} longest per observer; every request in the JSON)", "",
+             "| # | observer | request | class | queue wait ms | admitted → first token ms | TTFT ms |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for i, s in enumerate(result["inputs"]):
+        for obs, o in s["observers"].items():
+            rows = [r for r in o.get("per_request", []) if r["queue_wait_ms"] is not None]
+            for r in sorted(rows, key=lambda r: -r["queue_wait_ms"])[:QUEUE_WAIT_ROWS]:
+                lines.append(f"| {i} | {obs} | `{r['request_id']}` | {r['class']} | {_fmt(r['queue_wait_ms'])} | "
+                             f"{_fmt(r['admitted_to_first_token_ms'])} | {_fmt(r['ttft_ms'])} |")
+    return lines
 
 
 # --------------------------------------------------------------------------- plots

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -226,7 +227,11 @@ def finding(cp: Checkpoint, run_reasons: dict[str, str]) -> dict:
     verdict, checks = check_evidence(cp, path)
     out: dict[str, Any] = {"checkpoint": cp.id, "title": cp.title, "needs": cp.needs, "verdict": verdict,
                            "evidence": _rel(path), "command": " ".join(cp.command), "kind": None,
-                           "kind_text": None, "created_at": None, "highlights": {}}
+                           "kind_text": None, "created_at": None, "highlights": {},
+                           "pictures": [_rel(p) for p in pictures_of(path)]}
+    page = path.with_suffix(".html")
+    if page.is_file():
+        out["explorer"] = _rel(page)
     if verdict == "NOT-RUN":
         why = _machine_reason(cp) or run_reasons.get(cp.id) or f"no evidence yet: run `{' '.join(cp.command)}`"
         out["reason"] = why
@@ -269,73 +274,23 @@ def _events_of(cp_id: str, cps: dict[str, Checkpoint]) -> Path | None:
     return ev if ev.is_file() else None
 
 
-def request_timeline(log_path: Path, request_ids: tuple[str, ...] = ("stream-1", "run-cancel")) -> dict:
-    """The engine- and client-side events of a few requests, in time order, in ms from each request's first event."""
-    events = []
-    with log_path.open(encoding="utf-8") as f:
-        for line in f:
-            try:
-                e = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(e, dict) and e.get("request_id") in request_ids and isinstance(e.get("t_ns"), int):
-                events.append(e)
-    if not events:
-        rid = None
-        with log_path.open(encoding="utf-8") as f:
-            for line in f:
-                e = json.loads(line) if line.strip() else {}
-                if e.get("event") == "finished" and e.get("request_id"):
-                    rid = e["request_id"]
-                    break
-        return request_timeline(log_path, (rid,)) if rid and rid not in request_ids else {"log": str(log_path), "requests": {}}
-    t0s: dict[str, int] = {}
-    for e in events:
-        t0s[e["request_id"]] = min(t0s.get(e["request_id"], e["t_ns"]), e["t_ns"])
-    out: dict[str, list[dict]] = {}
-    for e in sorted(events, key=lambda e: e["t_ns"]):
-        t0 = t0s[e["request_id"]]
-        detail = {k: e[k] for k in ("reason", "cause", "index", "token_id", "round") if k in e}
-        out.setdefault(e["request_id"], []).append({"t_ms": round((e["t_ns"] - t0) / 1e6, 2), "event": e.get("event"),
-                                                    "observer": e.get("observer"), **detail})
-    return {"log": _rel(log_path), "requests": out}
+def request_timeline(log_path: Path, request_ids: tuple[str, ...] | None = None) -> dict:
+    """A few real requests of the log (never a warmup), every event in ms from each request's first event,
+    and their milestones (labkit/writeup/timeline.py)."""
+    from labkit.writeup.timeline import request_timeline as timeline
+
+    return timeline(log_path, request_ids, rel=_rel)
 
 
 def timeline_plot(timeline: dict, out: Path) -> tuple[str | None, str | None]:
-    """A PNG: one lane per request and observer; dots are tokens, bars from submit to finish."""
-    if not timeline.get("requests"):
-        return None, "no request events to draw"
-    try:
-        import matplotlib
+    from labkit.writeup.timeline import timeline_plot as plot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None, "matplotlib is not importable: no timeline plot"
-    lanes = [(rid, obs, [e for e in evs if e["observer"] == obs])
-             for rid, evs in timeline["requests"].items() for obs in ("engine", "client")]
-    lanes = [lane for lane in lanes if lane[2]]
-    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(lanes)))
-    for y, (rid, obs, evs) in enumerate(lanes):
-        ts = [e["t_ms"] for e in evs]
-        ax.plot([min(ts), max(ts)], [y, y], color="tab:blue" if obs == "engine" else "tab:green", lw=2, alpha=0.5)
-        toks = [e["t_ms"] for e in evs if e["event"] == "token"]
-        ax.plot(toks, [y] * len(toks), "o", ms=4, color="black")
-        for e in evs:
-            if e["event"] in ("submitted", "admitted", "finished", "cancel_sent"):
-                label = e["event"] + (f" ({e['reason']})" if e.get("reason") else "")
-                ax.annotate(label, (e["t_ms"], y), xytext=(0, 6), textcoords="offset points", fontsize=6,
-                            rotation=30)
-    ax.set_yticks(range(len(lanes)))
-    ax.set_yticklabels([f"{rid} ({obs})" for rid, obs, _ in lanes], fontsize=7)
-    ax.set_xlabel("ms since the request was submitted")
-    ax.set_ylim(-0.7, len(lanes) - 0.2)
-    ax.grid(axis="x", alpha=0.3)
-    ax.set_title("request timeline: dots are tokens", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return str(out), None
+    return plot(timeline, out)
+
+
+def pictures_of(evidence: Path) -> list[Path]:
+    """The pictures drawn from an evidence file: ``<stem>.<name>.png`` next to it (labkit/pictures/)."""
+    return sorted(evidence.parent.glob(f"{evidence.stem}.*.png")) if evidence.parent.is_dir() else []
 
 
 # --------------------------------------------------------------------------- assembling
@@ -366,6 +321,7 @@ def build_report() -> dict:
     events = _events_of("service.simulate", cps) or _events_of("service.mixed-gpu", cps)
     report["timeline"] = request_timeline(events) if events else {"log": None, "requests": {},
                                                                   "reason": "no service event log under runs/"}
+    report["findings_with_pictures"] = [f for f in findings.values() if f.get("pictures") or f.get("explorer")]
     report["_diff"] = changes.get("_diff")
     report["failed_required"] = [it["id"] for it in items if it["required"] and it["verdict"] == "FAIL"]
     report["not_run_items"] = [it["id"] for it in items if it["verdict"] == "NOT-RUN"]
@@ -397,6 +353,7 @@ def write_final_report(out: Path | None = None, plots: bool = True) -> dict:
     for extra in sorted(out_dir.glob("*-timeline.png")) + sorted(out_dir.glob("*-cdf.png")):
         if extra.name not in report["plots"]:
             report["plots"].append(extra.name)
+    report["md_dir"] = str(out_dir.resolve())
     json_path = write_json(out, report)
     md_path = out.with_suffix(".md")
     md_path.write_text(render_md(report), encoding="utf-8")
@@ -441,6 +398,13 @@ def render_md(r: dict) -> str:
                 lines.append(f"  - {k}: {_cell(v)}")
         if it["id"] == "timeline":
             lines += _timeline_md(r)
+        lines += _pictures_md(r, it["findings"])
+    in_items = {f["checkpoint"] for it in r["items"] for f in it["findings"]}
+    others = [f for f in r.get("findings_with_pictures", []) if f["checkpoint"] not in in_items]
+    if others:
+        lines += ["", "## Pictures of the engine", "",
+                  "Drawn from the walks' evidence (never a second run), next to each evidence file."]
+        lines += _pictures_md(r, others, heading=True)
     lines += ["", "## Environment", "", "| | |", "| --- | --- |",
               f"| python | {env['python']} ({env['executable']}) |", f"| platform | {env['platform']} |"]
     t = env.get("torch") or {}
@@ -480,16 +444,31 @@ def render_md(r: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _timeline_md(r: dict) -> list[str]:
-    tl = r["timeline"]
-    if not tl.get("requests"):
-        return ["", f"(no timeline: {tl.get('reason', 'no events')})"]
-    out = ["", f"From `{tl['log']}`" + (" (see the plot below)." if any(p.endswith("report-timeline.png") for p in r["plots"]) else "."), ""]
-    for rid, evs in tl["requests"].items():
-        seq = " → ".join(f"{e['event']}{'(' + e['reason'] + ')' if e.get('reason') else ''} @{e['t_ms']:g}"
-                         for e in evs if e["observer"] == "engine")
-        out.append(f"- `{rid}` engine: {seq}")
+def _link(r: dict, path: str) -> str:
+    """A ``runs/...`` path as a link from the Markdown file's folder."""
+    p = Path(path)
+    if p.parts and p.parts[0] == "runs":
+        p = Path(r["runs_dir"]) / Path(*p.parts[1:])
+    return Path(os.path.relpath(p, r.get("md_dir") or r["runs_dir"])).as_posix()
+
+
+def _pictures_md(r: dict, findings: list[dict], heading: bool = False) -> list[str]:
+    """Every picture next to the findings' evidence files, embedded, and the explorer page where there is one."""
+    out = []
+    for f in findings:
+        if not f.get("pictures") and not f.get("explorer"):
+            continue
+        out += ["", f"### `{f['checkpoint']}`" if heading else f"Pictures of `{f['checkpoint']}` ({f['evidence']}):", ""]
+        out += [f"![{Path(p).name}]({_link(r, p)})" for p in f.get("pictures", [])]
+        if f.get("explorer"):
+            out.append(f"[step through it in the explorer page]({_link(r, f['explorer'])})")
     return out
+
+
+def _timeline_md(r: dict) -> list[str]:
+    from labkit.writeup.timeline import timeline_md
+
+    return timeline_md(r["timeline"], any(p.endswith("report-timeline.png") for p in r["plots"]))
 
 
 def exit_code(report: dict) -> int:
