@@ -297,6 +297,7 @@ def quick_walk(
     json_out: JsonOpt = False,
 ) -> None:
     """Follow cases A-D step by step (docs/LAB.md §3), or the walks lifecycle (§4) and prefix (§18); LABKIT_TRACE=1 prints one event=engine_step line per step."""
+    from labkit.cli.pictures import walk_pictures
     from labkit.experiments.quick_walk import run_quick_walk
 
     if case in (CaseName.LIFECYCLE, CaseName.PREFIX) or shapes:
@@ -305,12 +306,14 @@ def quick_walk(
         record = walk_case(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
                            budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
                            trace=trace, debug=debug, shapes=shapes, json_out=json_out)
+        walk_pictures(record, json_out)
         finish(record, record["_paths"]["json"], json_out=json_out)
     record = run_quick_walk(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
                             budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
                             trace=trace, debug=debug)
     if not json_out:
         render_quick_walk(record)
+    walk_pictures(record, json_out)
     finish(record, record["_paths"]["json"], json_out=json_out)
 
 

@@ -109,7 +109,8 @@ def draw_kv(view: PoolView, labels: list[str], phases: list[str], path: Path, ti
     style.title(fig, title, reserve_in=2.6)
     handles = [Patch(facecolor=style.owner_colour(labels, lab), label=f"owned by {lab}")
                for lab in labels if lab in owners_seen]
-    handles.append(Patch(facecolor="#bbbbbb", hatch="///", edgecolor="white", label="shared (number: ref count)"))
+    if any(s.ref_count > 1 for row in view.rows for s in row.values()):
+        handles.append(Patch(facecolor="#bbbbbb", hatch="///", edgecolor="white", label="shared (number: ref count)"))
     if view.from_pool:
         handles.append(Patch(facecolor=style.CACHED_COLOUR, label="free, hash kept (cached)"))
     handles.append(Patch(facecolor="white", edgecolor="#999999", label="free"))

@@ -41,14 +41,10 @@ def _span_text(s, width_in: float) -> str:
     return s.label if width_in >= 0.25 else ""
 
 
-def draw_slots(view: SlotView, labels: list[str], path: Path, title: str) -> Path:
-    from matplotlib.patches import ConnectionPatch, Patch, Rectangle
+def _draw_batch(top, view: SlotView, labels: list[str]) -> None:
+    """The flat input row: one bar per span, cu_seqlens_q boundaries above it."""
+    from matplotlib.patches import Rectangle
 
-    blocks = shown_blocks(view)
-    xs = _block_x(view, blocks)
-    bs = view.block_size
-    fig = style.figure(12.0, 6.2 + 0.3 * len(view.notes))
-    top, bottom = fig.subplots(2, 1, height_ratios=[1, 1.35])
     T = view.num_tokens
     inch_per_token = 9.0 / max(T, 1)
     for s in view.spans:
@@ -57,12 +53,13 @@ def draw_slots(view: SlotView, labels: list[str], path: Path, title: str) -> Pat
         text = _span_text(s, s.length * inch_per_token)
         if text:
             top.text(s.batch_start + s.length / 2, 0.5, text, ha="center", va="center", fontsize=8, color="white")
-    if T <= 96:
+    if T <= 96:                    # token boundaries: short white ticks at the bar's bottom edge
         for k in range(1, T):
-            top.axvline(k, ymin=0, ymax=1 / 1.9, color="white", linewidth=0.4)
+            top.plot([k, k], [0, 0.18], color="white", linewidth=0.8)
+    ends = (0, len(view.cu_seqlens_q) - 1)
     for k, c in enumerate(view.cu_seqlens_q):
-        top.plot([c, c], [-0.05, 1.35], color="black", linewidth=1.4 if k in (0, len(view.cu_seqlens_q) - 1) else 1.0,
-                 linestyle="-" if k in (0, len(view.cu_seqlens_q) - 1) else "--")
+        top.plot([c, c], [-0.05, 1.35], color="black", linewidth=1.4 if k in ends else 1.0,
+                 linestyle="-" if k in ends else "--")
         top.text(c, 1.4, str(c), ha="center", va="bottom", fontsize=8)
     top.set_xlim(-T * 0.01, T * 1.01)
     top.set_ylim(-0.1, 1.75)
@@ -70,15 +67,17 @@ def draw_slots(view: SlotView, labels: list[str], path: Path, title: str) -> Pat
     top.set_title(f"the flat batch as the model receives it: T = {T} tokens in input_ids "
                   "(numbers above: cu_seqlens_q)", fontsize=9, loc="left")
 
-    cached_patch = False
+
+def _draw_blocks(bottom, view: SlotView, labels: list[str], blocks: list[int], xs: dict[int, float]) -> bool:
+    """The blocks as bars of block_size slots, the part cached before the step hatched; True if any was."""
+    from matplotlib.patches import Rectangle
+
+    bs, cached_patch = view.block_size, False
     for b in blocks:
         x0 = xs[b]
         bottom.add_patch(Rectangle((x0, 0), bs, 1, facecolor="white", edgecolor="#666666", linewidth=1.0))
         for lab, table in view.tables.items():
-            if b not in table:
-                continue
-            k = table.index(b)
-            done = min(bs, max(0, view.cached[lab] - k * bs))
+            done = min(bs, max(0, view.cached[lab] - table.index(b) * bs)) if b in table else 0
             if done:
                 cached_patch = True
                 bottom.add_patch(Rectangle((x0, 0), done, 1, facecolor=style.owner_colour(labels, lab), alpha=0.35,
@@ -86,9 +85,24 @@ def draw_slots(view: SlotView, labels: list[str], path: Path, title: str) -> Pat
         owners = [lab for lab, t in view.tables.items() if b in t]
         bottom.text(x0 + bs / 2, -0.12, f"block {b}\nslots {b * bs}–{b * bs + bs - 1}\n{'+'.join(owners)}",
                     ha="center", va="top", fontsize=8)
-        if bs <= 32:
+        if bs <= 32:               # slot boundaries: short ticks at the block's bottom edge
             for k in range(1, bs):
-                bottom.plot([x0 + k, x0 + k], [0, 1], color="#dddddd", linewidth=0.4)
+                bottom.plot([x0 + k, x0 + k], [0, 0.15], color="#999999", linewidth=0.6, zorder=3)
+    width = max(xs.values()) + bs if xs else bs
+    bottom.set_xlim(-width * 0.01, width * 1.01)
+    bottom.set_ylim(-1.25, 1.1)
+    bottom.axis("off")
+    bottom.set_title(f"the KV blocks of this step's block tables ({bs} slots each, in block-id order)",
+                     fontsize=9, loc="left")
+    return cached_patch
+
+
+def _draw_arrows(fig, top, bottom, view: SlotView, labels: list[str], xs: dict[int, float]) -> None:
+    """Each span written into its slots, and an arrow from the span in the batch to them."""
+    from matplotlib.patches import ConnectionPatch, Rectangle
+
+    bs = view.block_size
+    width = max(xs.values()) + bs if xs else bs
     for s in view.spans:
         colour = style.owner_colour(labels, s.label)
         x0 = xs.get(s.block_id)
@@ -96,21 +110,27 @@ def draw_slots(view: SlotView, labels: list[str], path: Path, title: str) -> Pat
             continue
         off = s.first_slot - s.block_id * bs
         bottom.add_patch(Rectangle((x0 + off, 0), s.length, 1, facecolor=colour, edgecolor="none"))
-        arrow = ConnectionPatch(xyA=(s.batch_start + s.length / 2, -0.05), coordsA=top.transData,
-                                xyB=(x0 + off + s.length / 2, 1.02), coordsB=bottom.transData,
-                                arrowstyle="-|>", color=colour, linewidth=1.3, mutation_scale=12)
-        fig.add_artist(arrow)
+        fig.add_artist(ConnectionPatch(xyA=(s.batch_start + s.length / 2, -0.05), coordsA=top.transData,
+                                       xyB=(x0 + off + s.length / 2, 1.02), coordsB=bottom.transData,
+                                       arrowstyle="-|>", color=colour, linewidth=1.3, mutation_scale=12))
         text = f"slots {s.first_slot}–{s.first_slot + s.length - 1}" if s.length > 1 else f"slot {s.first_slot}"
-        if s.length * 9.0 / (max(xs.values()) + bs) >= 0.9:
+        if s.length * 9.0 / width >= 0.9:
             bottom.text(x0 + off + s.length / 2, 0.5, text, ha="center", va="center", fontsize=8, color="white")
         else:                           # too narrow to hold its text: beside it, inside the block
             bottom.text(x0 + off + s.length + bs * 0.02, 0.5, text, ha="left", va="center", fontsize=8)
-    width = max(xs.values()) + bs if xs else bs
-    bottom.set_xlim(-width * 0.01, width * 1.01)
-    bottom.set_ylim(-1.25, 1.1)
-    bottom.axis("off")
-    bottom.set_title(f"the KV blocks of this step's block tables ({bs} slots each, in block-id order)",
-                     fontsize=9, loc="left")
+
+
+def draw_slots(view: SlotView, labels: list[str], path: Path, title: str) -> Path:
+    from matplotlib.patches import Patch
+
+    blocks = shown_blocks(view)
+    xs = _block_x(view, blocks)
+    bs = view.block_size
+    fig = style.figure(12.0, 6.2 + 0.3 * len(view.notes))
+    top, bottom = fig.subplots(2, 1, height_ratios=[1, 1.35])
+    _draw_batch(top, view, labels)
+    cached_patch = _draw_blocks(bottom, view, labels, blocks, xs)
+    _draw_arrows(fig, top, bottom, view, labels, xs)
     fig.suptitle(f"{title}\nstep {view.step} ({view.phase}): each token's K/V goes to slot = "
                  f"block_table[pos // {bs}] × {bs} + pos % {bs}", fontsize=10, x=0.01, ha="left")
     handles = [Patch(facecolor=style.owner_colour(labels, lab), label=lab) for lab in view.labels]

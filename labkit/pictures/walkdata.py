@@ -249,7 +249,7 @@ def slot_view(facts: dict, step: dict | None = None) -> SlotView:
             spans.append(Span(lab, k, 1, pos, slot // bs, slot))
     labels = [s["label"] for s in st.get("before", [])]
     cu = inp.get("cu_seqlens_q") or list(range(len(labels) + 1))
-    notes = [] if inp.get("block_tables") is not None else \
+    notes = [] if "block_tables" in inp else \
         ["inputs.block_tables not in this evidence: tables as scheduled (before)"]
     return SlotView(st["step"], st["phase"], len(slots), int(bs), labels, list(cu), spans,
                     {s["label"]: list(s["block_table"]) for s in st.get("before", [])},
