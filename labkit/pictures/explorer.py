@@ -24,10 +24,9 @@ def _views(facts: dict) -> tuple[list[dict], walkdata.PoolView]:
     pool = walkdata.pool_view(facts, max_blocks=256)
     out = []
     for st, row in zip(facts["steps"], pool.rows):
-        lo, hi = pool.shown
         blocks = [{"id": b, **asdict(row[b])} if b in row else {"id": b, "owners": [], "ref_count": 0, "hashed": False,
                                                                    "free": True}
-                  for b in range(lo, hi + 1)]
+                  for b in pool.shown]
         spans = []
         if (st.get("inputs") or {}).get("slot_mapping"):
             try:

@@ -58,8 +58,7 @@ def draw_steps(grid: StepGrid, path: Path, title: str, notes: list[str] | None =
 
 
 def kv_size(view: PoolView) -> tuple[float, float]:
-    lo, hi = view.shown
-    n = hi - lo + 1
+    n = max(len(view.shown), 1)
     cell_w = style.clamp(9.0 / n, 0.22, 0.7)
     width = 1.4 + cell_w * n + 2.6
     height = 1.7 + 0.42 * len(view.steps) + 0.3 * len(view.notes)
@@ -72,15 +71,15 @@ def draw_kv(view: PoolView, labels: list[str], phases: list[str], path: Path, ti
     width, _ = kv_size(view)
     fig = style.figure(*kv_size(view))
     ax = fig.add_subplot()
-    lo, hi = view.shown
-    n = hi - lo + 1
+    col = {b: x for x, b in enumerate(view.shown)}
+    n = max(len(view.shown), 1)
     roomy = (width - 4.0) / n >= 0.42
     owners_seen: list[str] = []
     for i, row in enumerate(view.rows):
         for b, state in row.items():
-            if not lo <= b <= hi:
+            if b not in col:
                 continue
-            x = b - lo
+            x = col[b]
             if not state.owners:
                 ax.add_patch(Rectangle((x, i), 1, 1, facecolor=style.CACHED_COLOUR, edgecolor="white"))
                 continue
@@ -93,11 +92,15 @@ def draw_kv(view: PoolView, labels: list[str], phases: list[str], path: Path, ti
                 ax.text(x + 0.5, i + 0.5, str(state.ref_count), ha="center", va="center", fontsize=8,
                         fontweight="bold", bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none"})
             elif roomy:
-                ax.text(x + 0.5, i + 0.5, state.owners[0], ha="center", va="center", fontsize=8, color="white")
+                mark = " #" if state.hashed and view.from_pool else ""
+                ax.text(x + 0.5, i + 0.5, state.owners[0] + mark, ha="center", va="center", fontsize=8, color="white")
     ax.set_xlim(0, n)
     ax.set_ylim(len(view.rows), 0)
-    step_ticks = range(n) if n <= 24 else range(0, n, max(1, n // 12))
-    ax.set_xticks([x + 0.5 for x in step_ticks], [str(lo + x) for x in step_ticks], fontsize=8)
+    ticks = [x for x in (range(n) if n <= 24 else range(0, n, max(1, n // 12))) if x < len(view.shown)]
+    ax.set_xticks([x + 0.5 for x in ticks], [str(view.shown[x]) for x in ticks], fontsize=8)
+    for x in range(1, len(view.shown)):        # ids not next to each other: a darker line between them
+        if view.shown[x] != view.shown[x - 1] + 1:
+            ax.axvline(x, color="#666666", linewidth=1.2, linestyle=":", zorder=3)
     phase = {"prefill": "P", "decode": "D"}
     ax.set_yticks([i + 0.5 for i in range(len(view.steps))],
                   [f"{s} {phase.get(p, p)}" for s, p in zip(view.steps, phases)], fontsize=9)
@@ -113,6 +116,8 @@ def draw_kv(view: PoolView, labels: list[str], phases: list[str], path: Path, ti
         handles.append(Patch(facecolor="#bbbbbb", hatch="///", edgecolor="white", label="shared (number: ref count)"))
     if view.from_pool:
         handles.append(Patch(facecolor=style.CACHED_COLOUR, label="free, hash kept (cached)"))
+        if roomy:
+            handles.append(Patch(facecolor="none", edgecolor="none", label="# = full block, hashed"))
     handles.append(Patch(facecolor="white", edgecolor="#999999", label="free"))
     fig.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False)
     style.add_notes(fig, view.notes)

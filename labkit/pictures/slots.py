@@ -90,10 +90,11 @@ def _draw_blocks(bottom, view: SlotView, labels: list[str], blocks: list[int], x
                 bottom.plot([x0 + k, x0 + k], [0, 0.15], color="#999999", linewidth=0.6, zorder=3)
     width = max(xs.values()) + bs if xs else bs
     bottom.set_xlim(-width * 0.01, width * 1.01)
-    bottom.set_ylim(-1.25, 1.1)
+    bottom.set_ylim(-1.5, 1.1)
     bottom.axis("off")
-    bottom.set_title(f"the KV blocks of this step's block tables ({bs} slots each, in block-id order)",
-                     fontsize=9, loc="left")
+    # the caption under the blocks, not above them: the arrows come down from above
+    bottom.text(-width * 0.01, -0.92, f"above: the KV blocks of this step's block tables ({bs} slots each, "
+                "in block-id order)", ha="left", va="top", fontsize=9)
     return cached_patch
 
 

@@ -118,7 +118,7 @@ class PoolView:
     rows: list[dict[int, BlockState]]   # per step (after postprocess): block id -> state, free blocks absent
     num_blocks: int | None
     block_size: int | None
-    shown: tuple[int, int]              # block ids drawn: lo..hi inclusive
+    shown: list[int]                    # the block ids drawn, in id order (a range, or the used ones)
     from_pool: bool                     # True: after.pool; False: derived from the block tables
     notes: list[str] = field(default_factory=list)
 
@@ -146,6 +146,26 @@ def _derived_rows(steps: list[dict]) -> list[dict[int, BlockState]]:
     return rows
 
 
+def _shown_blocks(used: list[int], num_blocks: int | None, max_blocks: int, notes: list[str]) -> tuple[list[int], list[str]]:
+    """The whole pool when it is small; else the used id range, or only the used ids when they lie far
+    apart (a shuffled free list); at most ``max_blocks``. Each choice is said in a note."""
+    if num_blocks and num_blocks <= max_blocks:
+        return list(range(num_blocks)), notes
+    if used and used[-1] - used[0] + 1 <= max_blocks:
+        shown = list(range(used[0], used[-1] + 1))
+    else:
+        shown = used[:max_blocks]
+        if used:
+            notes.append("only the blocks the walk used are drawn (their ids are not contiguous)")
+        if len(used) > max_blocks:
+            notes.append(f"{len(used) - max_blocks} more used blocks (ids {used[max_blocks]}..{used[-1]}) not drawn")
+    if num_blocks:
+        notes.append(f"pool: {num_blocks} blocks; the {num_blocks - len(shown)} not drawn stay free in every step")
+    else:
+        notes.append("pool size not in this evidence: the blocks the walk used are drawn")
+    return shown, notes
+
+
 def pool_view(facts: dict, max_blocks: int = 48) -> PoolView:
     steps = facts["steps"]
     pools = [st.get("after", {}).get("pool") for st in steps]
@@ -162,21 +182,8 @@ def pool_view(facts: dict, max_blocks: int = 48) -> PoolView:
         notes.append("after.pool not in this evidence: owners from the block tables; "
                      "ref counts = tables holding the block; cached (free, hashed) blocks not known")
     used = sorted({b for row in rows for b in row} | {b for st in steps for s in st.get("before", []) for b in s["block_table"]})
-    if not used:
-        lo, hi = 0, 0
-    elif num_blocks and num_blocks <= max_blocks:
-        lo, hi = 0, num_blocks - 1
-    else:
-        lo, hi = used[0], used[-1]
-        if hi - lo + 1 > max_blocks:
-            hi = lo + max_blocks - 1
-            notes.append(f"blocks {hi + 1}..{used[-1]} in use but not drawn")
-    if num_blocks and (lo, hi) != (0, num_blocks - 1):
-        rest = num_blocks - (hi - lo + 1)
-        notes.append(f"pool: {num_blocks} blocks; drawn {lo}..{hi}, the other {rest} stay free in every step")
-    elif not num_blocks:
-        notes.append("pool size not in this evidence: the blocks the walk used are drawn")
-    return PoolView([st["step"] for st in steps], rows, num_blocks, block_size, (lo, hi), from_pool, notes)
+    shown, notes = _shown_blocks(used, num_blocks, max_blocks, notes)
+    return PoolView([st["step"] for st in steps], rows, num_blocks, block_size, shown, from_pool, notes)
 
 
 # --------------------------------------------------------------------------- one step's flat batch
