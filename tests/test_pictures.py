@@ -127,6 +127,9 @@ def test_pool_view_reads_after_pool_owners_sharing_and_cached_blocks(walks, tmp_
     a_blocks = facts["a"]["block_table"][:2]
     after_a = view.rows[[st["after"]["finished"] for st in facts["steps"]].index(["A"])]
     assert all(after_a[b].owners == [] and after_a[b].hashed for b in a_blocks)      # A gone: its full blocks stay cached
+    a_done = [st["after"]["finished"] for st in facts["steps"]].index(["A"])
+    assert view.released[a_done] == {b: "A" for b in facts["a"]["block_table"]}       # held in its last step, given back
+    assert not view.released[0]
     assert any(row[b].ref_count == 2 and sorted(row[b].owners) == ["B", "C"] for row in view.rows for b in a_blocks if b in row)
     assert view.shown == list(range(view.shown[0], view.shown[-1] + 1)) and len(view.shown) < view.num_blocks
     assert any("stay free" in n for n in view.notes)

@@ -94,6 +94,11 @@ def draw_kv(view: PoolView, labels: list[str], phases: list[str], path: Path, ti
             elif roomy:
                 mark = " #" if state.hashed and view.from_pool else ""
                 ax.text(x + 0.5, i + 0.5, state.owners[0] + mark, ha="center", va="center", fontsize=8, color="white")
+    for i, released in enumerate(view.released):      # held during the step, given back at its end
+        for b, lab in released.items():
+            if b in col:
+                ax.add_patch(Rectangle((col[b] + 0.06, i + 0.08), 0.88, 0.84, facecolor="none",
+                                       edgecolor=style.owner_colour(labels, lab), linewidth=2.2))
     ax.set_xlim(0, n)
     ax.set_ylim(len(view.rows), 0)
     ticks = [x for x in (range(n) if n <= 24 else range(0, n, max(1, n // 12))) if x < len(view.shown)]
@@ -110,14 +115,18 @@ def draw_kv(view: PoolView, labels: list[str], phases: list[str], path: Path, ti
     for x in range(n + 1):
         ax.axvline(x, color="#eeeeee", linewidth=0.6, zorder=0)
     style.title(fig, title, reserve_in=2.6)
+    owners_seen += [lab for r in view.released for lab in r.values() if lab not in owners_seen]
     handles = [Patch(facecolor=style.owner_colour(labels, lab), label=f"owned by {lab}")
                for lab in labels if lab in owners_seen]
     if any(s.ref_count > 1 for row in view.rows for s in row.values()):
         handles.append(Patch(facecolor="#bbbbbb", hatch="///", edgecolor="white", label="shared (number: ref count)"))
     if view.from_pool:
         handles.append(Patch(facecolor=style.CACHED_COLOUR, label="free, hash kept (cached)"))
-        if roomy:
+        if roomy and any(s.hashed and s.owners for row in view.rows for s in row.values()):
             handles.append(Patch(facecolor="none", edgecolor="none", label="# = full block, hashed"))
+    if any(view.released):
+        handles.append(Patch(facecolor="white", edgecolor="#555555", linewidth=2.2,
+                             label="outline: held in the step,\ngiven back at its end"))
     handles.append(Patch(facecolor="white", edgecolor="#999999", label="free"))
     fig.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False)
     style.add_notes(fig, view.notes)

@@ -121,6 +121,17 @@ class PoolView:
     shown: list[int]                    # the block ids drawn, in id order (a range, or the used ones)
     from_pool: bool                     # True: after.pool; False: derived from the block tables
     notes: list[str] = field(default_factory=list)
+    released: list[dict[int, str]] = field(default_factory=list)   # per step: blocks the batch held, no longer owned after
+
+
+def _released(steps: list[dict], rows: list[dict[int, BlockState]]) -> list[dict[int, str]]:
+    """Per step, the blocks a scheduled request held during the step that nobody owns after it (the
+    request finished in the step and gave them back), with that request's label."""
+    out = []
+    for st, row in zip(steps, rows):
+        held = {b: s["label"] for s in st.get("before", []) for b in s["block_table"]}
+        out.append({b: lab for b, lab in held.items() if not (b in row and row[b].owners)})
+    return out
 
 
 def _derived_rows(steps: list[dict]) -> list[dict[int, BlockState]]:
@@ -183,7 +194,8 @@ def pool_view(facts: dict, max_blocks: int = 48) -> PoolView:
                      "ref counts = tables holding the block; cached (free, hashed) blocks not known")
     used = sorted({b for row in rows for b in row} | {b for st in steps for s in st.get("before", []) for b in s["block_table"]})
     shown, notes = _shown_blocks(used, num_blocks, max_blocks, notes)
-    return PoolView([st["step"] for st in steps], rows, num_blocks, block_size, shown, from_pool, notes)
+    return PoolView([st["step"] for st in steps], rows, num_blocks, block_size, shown, from_pool, notes,
+                    _released(steps, rows))
 
 
 # --------------------------------------------------------------------------- one step's flat batch
