@@ -11,7 +11,7 @@ from labkit.pictures.walkdata import KINDS, PoolView, StepGrid
 def steps_size(grid: StepGrid) -> tuple[float, float]:
     """Figure size in inches: a column per step, a row per request, the legend on the right."""
     cell_w = style.clamp(11.0 / max(len(grid.steps), 1), 0.42, 0.85)
-    width = 1.4 + cell_w * len(grid.steps) + 2.6
+    width = max(1.4 + cell_w * len(grid.steps) + 2.6, 6.5)
     height = 1.6 + 0.5 * len(grid.labels)
     return round(width, 2), round(max(height, 2.6), 2)
 
@@ -60,7 +60,7 @@ def draw_steps(grid: StepGrid, path: Path, title: str, notes: list[str] | None =
 def kv_size(view: PoolView) -> tuple[float, float]:
     n = max(len(view.shown), 1)
     cell_w = style.clamp(9.0 / n, 0.22, 0.7)
-    width = 1.4 + cell_w * n + 2.6
+    width = max(1.4 + cell_w * n + 2.6, 7.0)         # a one-block walk still has room for its title
     height = 1.7 + 0.42 * len(view.steps) + 0.3 * len(view.notes)
     return round(width, 2), round(max(height, 2.8), 2)
 
