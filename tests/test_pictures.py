@@ -255,6 +255,9 @@ def test_explorer_in_a_headless_browser_shows_the_step_the_url_names(walks, tmp_
         assert re.search(rf'<b id="shown-step">{n}</b>', dom), f"step {n} not shown"
         assert f'data-step="{n}"' in dom
     # step 1: A's 512-token chunk alone; step 3: both decode one token each
+        strip = re.findall(r'<td data-col="(\d+)"([^>]*)>', dom)     # the walk-at-a-glance grid
+        assert len(strip) == len(_facts(path)["steps"]) * len(_facts(path)["requests"])
+        assert {col for col, attrs in strip if 'class="now"' in attrs} == {str(n - 1)}
     cells = {n: re.findall(r"<td[^>]*>(prefill chunk|prefill|decode)</td>", dom) for n, dom in doms.items()}
     assert cells == {1: ["prefill chunk"], 3: ["decode", "decode"]}
     shot = tmp_path / "explorer.png"

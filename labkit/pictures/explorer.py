@@ -41,7 +41,12 @@ def explorer_data(record: dict, facts: dict, title: str) -> dict:
     """Everything the page shows: the evidence's steps as they are, plus the derived views."""
     labels = walkdata.request_labels(facts)
     views, pool = _views(facts)
+    grid = walkdata.step_grid(facts)
     return {
+        "grid": {"labels": grid.labels, "kinds": [[c.kind for c in row] for row in grid.cells],
+                 "tokens": [[c.tokens for c in row] for row in grid.cells],
+                 "finished": [[c.finished_here for c in row] for row in grid.cells]},
+        "kind_colours": style.KIND_COLOURS,
         "title": title,
         "command": " ".join(record.get("command") or []) if isinstance(record.get("command"), list) else record.get("command"),
         "kind": record.get("kind"),
@@ -85,6 +90,7 @@ def explorer_html(record: dict, facts: dict, title: str) -> str:
   </div>
 </header>
 <main>
+  <section class="wide"><h2>The walk at a glance: who runs in each step (click a step; number: tokens scheduled, &#10003; finished)</h2><div id="strip"></div></section>
   <section><h2>The batch (as scheduled, and after postprocess)</h2><div id="batch"></div></section>
   <section><h2>The KV pool after this step</h2><div id="pool"></div></section>
   <section><h2>Block tables</h2><div id="tables"></div></section>

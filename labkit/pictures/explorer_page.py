@@ -30,6 +30,11 @@ td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .blk.free { background: #fff; color: #999; }
 .blk.cached { color: #333; }
 .blk.shared { outline: 2px solid #000; }
+section.wide { grid-column: 1 / -1; }
+table.strip td { width: 34px; height: 22px; text-align: center; border: 1px solid #fff; font-size: 11px; cursor: pointer; padding: 0; }
+table.strip th { font-size: 11px; cursor: pointer; text-align: center; }
+table.strip td.now, table.strip th.now { outline: 2px solid #000; outline-offset: -2px; }
+.legend span { margin-right: 12px; font-size: 12px; }
 code, .mono { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; }
 .ids { max-width: 100%; word-break: break-all; }
 """
@@ -142,9 +147,8 @@ SCRIPT = r"""
     var v = views[i], inp = st.inputs || {}, bs = D.block_size;
     if (!inp.slot_mapping) return [note("no slot_mapping recorded in this step")];
     var rows = v.spans.map(function (s) {
-      var lastPos = s.position + s.length - 1, lastSlot = s.first_slot + s.length - 1;
-      return [who(s.label), s.batch_start + "–" + (s.batch_start + s.length - 1), s.position + "–" + lastPos,
-              s.first_slot + "–" + lastSlot, s.block_id, s.length];
+      function span(a) { return s.length === 1 ? String(a) : a + "–" + (a + s.length - 1); }
+      return [who(s.label), span(s.batch_start), span(s.position), span(s.first_slot), s.block_id, s.length];
     });
     return [table(["request", "batch index", "positions", "slots", "block", "tokens"], rows),
             el("p", {"class": "note", style: "color:#555", text: "slot = block_table[pos // " + bs + "] × " + bs + " + pos % " + bs +
@@ -168,6 +172,37 @@ SCRIPT = r"""
     return nodes;
   }
 
+  function renderStrip() {            // the steps x requests grid of the pictures, one column per step
+    var G = D.grid, t = el("table", {"class": "strip"}), head = el("tr", {}, [el("th", {text: "step"})]);
+    steps.forEach(function (st, j) { head.appendChild(el("th", {text: String(st.step), "data-col": String(j)})); });
+    t.appendChild(head);
+    G.labels.forEach(function (lab, i) {
+      var tr = el("tr", {}, [el("th", {}, [who(lab)])]);
+      steps.forEach(function (st, j) {
+        var kind = G.kinds[i][j], tok = G.tokens[i][j];
+        var text = (tok === null ? "" : String(tok)) + (G.finished[i][j] ? " ✓" : "");
+        var dark = kind === "prefill" || kind === "decode" || kind === "preempted";
+        tr.appendChild(el("td", {text: text, "data-col": String(j), title: lab + ", step " + st.step + ": " + (kind || "not submitted yet"),
+          style: "background:" + (kind ? D.kind_colours[kind] : "#fff") + (dark ? ";color:#fff" : "")}));
+      });
+      t.appendChild(tr);
+    });
+    t.addEventListener("click", function (e) {
+      var c = e.target.closest("[data-col]");
+      if (c) show(parseInt(c.getAttribute("data-col"), 10));
+    });
+    var legend = el("p", {"class": "legend"});
+    Object.keys(D.kind_colours).forEach(function (k) {
+      legend.appendChild(el("span", {}, [el("span", {"class": "swatch", style: "background:" + D.kind_colours[k] + ";border:1px solid #ccc"}), k]));
+    });
+    fill("strip", [t, legend]);
+  }
+  function markStrip() {
+    document.querySelectorAll("#strip [data-col]").forEach(function (c) {
+      c.classList.toggle("now", c.getAttribute("data-col") === String(cur));
+    });
+  }
+
   function show(i) {
     cur = Math.max(0, Math.min(steps.length - 1, i));
     var st = steps[cur];
@@ -180,6 +215,7 @@ SCRIPT = r"""
     fill("tables", renderTables(st));
     fill("slots", renderSlots(cur, st));
     fill("shapes", renderShapes(st));
+    markStrip();
     var want = "#step=" + st.step;
     if (location.hash !== want) history.replaceState(null, "", want);
   }
@@ -200,6 +236,7 @@ SCRIPT = r"""
     if (e.key === "ArrowRight") { show(cur + 1); e.preventDefault(); }
   });
   window.addEventListener("hashchange", function () { show(fromHash()); });
+  renderStrip();
   show(fromHash());
 })();
 """
