@@ -6,7 +6,7 @@ simulate; ``options`` the option types they share. The console script is ``labki
 """
 from __future__ import annotations
 
-from labkit.cli import guardrails, model, notes, patch, principles, scheduler, service
+from labkit.cli import guardrails, model, notes, patch, pictures, principles, scheduler, service
 from labkit.cli.app import app, main
 
 app.add_typer(model.model_app, name="model")
@@ -16,5 +16,6 @@ patch.register(app)
 notes.register(app)
 scheduler.register(app)
 principles.register(app)
+pictures.register(app)
 
 __all__ = ["app", "main"]

@@ -304,6 +304,7 @@ def quick_walk(
     json_out: JsonOpt = False,
 ) -> None:
     """Follow cases A-D step by step (docs/LAB.md §3), or the walks lifecycle (§4) and prefix (§18); LABKIT_TRACE=1 prints one event=engine_step line per step."""
+    from labkit.cli.pictures import walk_pictures
     from labkit.cli.walks import render_inputs
     from labkit.experiments.quick_walk import run_quick_walk
 
@@ -316,6 +317,7 @@ def quick_walk(
                            shuffle_blocks=shuffle_blocks)
         if inputs and not json_out:
             render_inputs(record)
+        walk_pictures(record, json_out)
         finish(record, record["_paths"]["json"], json_out=json_out)
     record = run_quick_walk(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
                             budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
@@ -328,6 +330,7 @@ def quick_walk(
             from labkit.cli.walks import render_walk_shapes
 
             render_walk_shapes(record)
+    walk_pictures(record, json_out)
     finish(record, record["_paths"]["json"], json_out=json_out)
 
 

@@ -127,6 +127,9 @@ def principles_hash(model: ModelOpt = None, device: DeviceOpt = "auto", attentio
                  "parent": b["parent"] or "-", "hit": "hit" if b["hit"] else "miss"}
                 for c in f["hash_chain"] for b in c["blocks"]]
         console.print(dict_table(rows, title=f"hash chain, block size {f['block_size']}"))
+    from labkit.cli.pictures import walk_pictures
+
+    walk_pictures(r, json_out)
     changed = {q["label"]: q["changed_position"] for q in f["requests"] if q["changed_position"] is not None}
     _show(r, {"changed token (position)": changed, "cached tokens": f["cached"],
               "P2 / P3 blocks with P1's hash": f"{json.dumps(f['p2_same_hash_as_p1'])} / {json.dumps(f['p3_same_hash_as_p1'])}",
