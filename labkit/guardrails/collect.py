@@ -357,6 +357,22 @@ def _hf_rope(hf) -> dict | None:
             "parameters": {k: v for k, v in params.items() if isinstance(v, (int, float, str, bool))}}
 
 
+def _hf_rows(hf, rows: list, logits: np.ndarray, device: str, progress: Callable[[int], None] | None) -> list[list[int]]:
+    """Each row's last logits into ``logits``; returns the input ids transformers was called with, row by
+    row (a forward pre-hook), for the check that they are the trajectory's."""
+    received: list[list[int]] = []
+    hook = hf.register_forward_pre_hook(
+        lambda _m, _a, kw: received.append(kw["input_ids"][0].tolist()), with_kwargs=True)
+    try:
+        for r in rows:
+            logits[r.index] = reference_last_logits(hf, r.tokens, device).numpy()
+            if progress is not None:
+                progress(1)
+    finally:
+        hook.remove()
+    return received
+
+
 def collect_hf(suite_name: str, out: str | Path | None = None, *, model: str | None = None, device: str = "auto",
                dtype: str = "auto", seed: int = DEFAULT_SEED, progress: Callable[[int], None] | None = None) -> dict:
     """The reference rows: transformers recomputes each row's whole prefix. Writes PREFIX.json/.npz."""
@@ -378,16 +394,7 @@ def collect_hf(suite_name: str, out: str | Path | None = None, *, model: str | N
         suite = build_suite(suite_name, seed, vocab)
         rows = suite.rows()
         logits = np.zeros((len(rows), vocab), dtype=np.float32)
-        received: list[list[int]] = []             # the input ids transformers was called with, row by row
-        hook = hf.register_forward_pre_hook(
-            lambda _m, _a, kw: received.append(kw["input_ids"][0].tolist()), with_kwargs=True)
-        try:
-            for r in rows:
-                logits[r.index] = reference_last_logits(hf, r.tokens, device).numpy()
-                if progress is not None:
-                    progress(1)
-        finally:
-            hook.remove()
+        received = _hf_rows(hf, rows, logits, device, progress)
         traj = trajectory(rows)
         follows = len(received) == len(traj) and all(
             tokens_sha256(ids) == row["tokens_sha256"] for ids, row in zip(received, traj))
