@@ -78,7 +78,17 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     FUSED_REDUCE (several splits): no reduce kernel. Each program writes its partial, then counts itself
     in on its (sequence, head group)'s counter; the last of the row's splits with context to read
     combines the partials in split order (as _decode_reduce_kernel does), writes the output and resets
-    the counter to zero for the next launch. Split 0 of a padding row (context 0) writes its zeros."""
+    the counter to zero for the next launch. Split 0 of a padding row (context 0) writes its zeros.
+
+    Why one function over the house's 80 lines: a kernel is one program, and its phases share what they
+    compute: the program's coordinates (n, s, kvh0, ctx), the offsets and masks (heads, gmask, offs_d,
+    offs_r), the online-softmax state (m, l, acc) carried through the context loop, and the constexpr
+    switches (DIRECT, PAGE_TILE, HPP, FUSED_REDUCE) that drop whole branches at compile time. Triton
+    inlines ``@triton.jit`` helpers, so cutting the body into them would cost no speed, but each piece
+    would take ten or more of those values and hand the loop state back as a tuple, and the early exit of
+    a split past its context must stay here (a ``return`` in a helper ends the helper, not the program).
+    What repeats is a helper already (``_dot``); the rest reads in order: coordinates, early exit, the
+    context loop, then the direct write or the partial and the fused reduce."""
     ROWS: tl.constexpr = HPP * BLOCK_N
     kvh0 = tl.program_id(0) * HPP
     if ORDERED:

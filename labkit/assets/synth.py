@@ -317,6 +317,48 @@ def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | Non
     )
 
 
+def _check_synth_args(preset: str, seed: int, dtype: str | None, rope_scaling: str | None, device: str,
+                      init: str | None) -> str:
+    """ModelError for a bad argument; the init to use (the preset's default when None)."""
+    _check_preset(preset)
+    if rope_scaling is not None:
+        from labkit.assets.rope import parse_rope_spec
+
+        parse_rope_spec(rope_scaling)
+    init = _check_init(default_init(preset) if init is None else init)
+    if dtype is not None and dtype not in _DTYPES:
+        raise ModelError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ModelError(f"seed must be an integer, got {seed!r}")
+    if device not in SYNTH_DEVICES:
+        raise ModelError(f"--device must be one of {', '.join(SYNTH_DEVICES)}, got {device!r}")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ModelError("--device cuda: CUDA is not available on this machine")
+    return init
+
+
+def _move_into_place(tmp: Path, out: Path, non_empty: bool) -> None:
+    """The finished files of ``tmp`` become ``out``: renamed whole when ``out`` is absent or empty, else
+    moved in one by one over the old ones (stale weight shards removed, the marker last)."""
+    if not out.exists():
+        os.rename(tmp, out)
+    elif not non_empty:
+        out.rmdir()
+        os.rename(tmp, out)
+    else:
+        ours = {p.name for p in tmp.iterdir()}
+        for stale in list(out.glob("*.safetensors")) + list(out.glob("*.safetensors.index.json")):
+            if stale.name not in ours:
+                stale.unlink()
+        # the marker goes last so the directory only claims to be synthetic when complete
+        for name in sorted(ours, key=lambda s: s == SYNTH_MARKER):
+            os.replace(tmp / name, out / name)
+        tmp.rmdir()
+
+
 def synth_model(
     preset: str,
     out: str | Path,
@@ -337,23 +379,7 @@ def synth_model(
     see :mod:`labkit.assets.rope`) writes a rope scaling block into config.json; ``device="cuda"`` draws
     the weights on the GPU (see _make_weights). Returns the resolved path.
     """
-    _check_preset(preset)
-    if rope_scaling is not None:
-        from labkit.assets.rope import parse_rope_spec
-
-        parse_rope_spec(rope_scaling)
-    init = _check_init(default_init(preset) if init is None else init)
-    if dtype is not None and dtype not in _DTYPES:
-        raise ModelError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ModelError(f"seed must be an integer, got {seed!r}")
-    if device not in SYNTH_DEVICES:
-        raise ModelError(f"--device must be one of {', '.join(SYNTH_DEVICES)}, got {device!r}")
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ModelError("--device cuda: CUDA is not available on this machine")
+    init = _check_synth_args(preset, seed, dtype, rope_scaling, device, init)
     out = Path(out).expanduser().absolute()
     if out.exists() and not out.is_dir():
         raise ModelError(f"cannot write model to {out}: it exists and is not a directory")
@@ -368,20 +394,7 @@ def synth_model(
     try:
         _write_synth_files(tmp, preset, seed, dtype, rope_scaling, device, init)
         _apply_umask(tmp)
-        if not out.exists():
-            os.rename(tmp, out)
-        elif not non_empty:
-            out.rmdir()
-            os.rename(tmp, out)
-        else:
-            ours = {p.name for p in tmp.iterdir()}
-            for stale in list(out.glob("*.safetensors")) + list(out.glob("*.safetensors.index.json")):
-                if stale.name not in ours:
-                    stale.unlink()
-            # the marker goes last so the directory only claims to be synthetic when complete
-            for name in sorted(ours, key=lambda s: s == SYNTH_MARKER):
-                os.replace(tmp / name, out / name)
-            tmp.rmdir()
+        _move_into_place(tmp, out, non_empty)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ModelError(f"cannot write model to {out}: {exc.strerror or exc}") from None

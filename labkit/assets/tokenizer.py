@@ -152,8 +152,8 @@ def _derive_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return merges
 
 
-def _build_tokenizer_json(tiktoken_path: Path) -> str:
-    ranks = _load_tiktoken_ranks(tiktoken_path)
+def _check_ranks(ranks: dict[bytes, int], tiktoken_path: Path) -> None:
+    """A dense byte-level BPE vocabulary below Qwen3's added-token ids, or ModelError."""
     n = len(ranks)
     if sorted(ranks.values()) != list(range(n)):
         raise ModelError(f"{tiktoken_path}: ranks are not a dense 0..N-1 range")
@@ -163,13 +163,10 @@ def _build_tokenizer_json(tiktoken_path: Path) -> str:
         )
     if any(bytes([b]) not in ranks for b in range(256)):
         raise ModelError(f"{tiktoken_path}: not a byte-level BPE vocabulary (missing single bytes)")
-    b2u = _byte_to_unicode()
 
-    def enc(tok: bytes) -> str:
-        return "".join(b2u[b] for b in tok)
 
-    vocab = {enc(tok): rank for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])}
-    merges = [[enc(a), enc(b)] for a, b in _derive_merges(ranks)]
+def _tokenizer_doc(vocab: dict[str, int], merges: list[list[str]]) -> dict:
+    """tokenizer.json's document: Qwen's added tokens, NFC, Qwen's split regex then byte level, BPE."""
     added_tokens = [
         {
             "id": tid,
@@ -183,7 +180,7 @@ def _build_tokenizer_json(tiktoken_path: Path) -> str:
         for tid, content, special in SPECIAL_TOKENS
     ]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
-    doc = {
+    return {
         "version": "1.0",
         "truncation": None,
         "padding": None,
@@ -216,7 +213,19 @@ def _build_tokenizer_json(tiktoken_path: Path) -> str:
             "merges": merges,
         },
     }
-    text = json.dumps(doc, ensure_ascii=False, separators=(",", ":"))
+
+
+def _build_tokenizer_json(tiktoken_path: Path) -> str:
+    ranks = _load_tiktoken_ranks(tiktoken_path)
+    _check_ranks(ranks, tiktoken_path)
+    b2u = _byte_to_unicode()
+
+    def enc(tok: bytes) -> str:
+        return "".join(b2u[b] for b in tok)
+
+    vocab = {enc(tok): rank for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])}
+    merges = [[enc(a), enc(b)] for a, b in _derive_merges(ranks)]
+    text = json.dumps(_tokenizer_doc(vocab, merges), ensure_ascii=False, separators=(",", ":"))
     # Sanity check: the tokenizers library must accept it and place the added tokens correctly.
     from tokenizers import Tokenizer
 

@@ -401,16 +401,9 @@ def bench(
     from labkit.lab_engine import detect_device
     from labkit.paths import default_out
 
-    trace_opts = dict(requests=requests, prompt_tokens=prompt_tokens, long_prompt_tokens=long_prompt_tokens,
-                      long_every=long_every, max_tokens=max_tokens)
-    trace = None
-    if any(v is not None for v in trace_opts.values()):
-        if workload != "serve":
-            raise UserError("the trace options (--requests, --prompt-tokens, ...) apply to --workload serve")
-        from dataclasses import replace
-
-        from labkit.bench.serve import ISSUE_TRACE
-        trace = replace(ISSUE_TRACE, **{k: v for k, v in trace_opts.items() if v is not None})
+    trace = _bench_trace(workload, dict(requests=requests, prompt_tokens=prompt_tokens,
+                                        long_prompt_tokens=long_prompt_tokens, long_every=long_every,
+                                        max_tokens=max_tokens))
     if workload != "serve" and (engine_process is not None or serve_modes is not None):
         raise UserError("--engine-process and --serve-modes apply to --workload serve")
     if workload == "step-budget":
@@ -430,20 +423,11 @@ def bench(
                         "try the engine on CPU with `labkit generate` instead (or `--workload serve` with a small trace)")
     path = out or default_out(f"bench-{workload}.json")
     if workload == "serve":
-        from labkit.bench.serve import parse_serve_modes, run_serve_bench
-
         if baseline or profile or sweep or enforce_eager or repeats != 1 or sampling != "plain":
             raise UserError("--workload serve takes the trace options, --overlap/--no-overlap, --engine-process, "
                             "--serve-modes, --model, --device, --attention and --out only")
-        if engine_process is not None and serve_modes is not None:
-            raise UserError("give --engine-process or --serve-modes, not both")
-        if engine_process is None:
-            from labkit.service.server import serve_defaults
-
-            engine_process = serve_defaults(detect_device(device))["engine_process"]
-        record = run_serve_bench(path, model=_model_arg(model), device=device, attention=attention, trace=trace,
-                                 show_progress=not json_out, overlap=overlap,
-                                 modes=parse_serve_modes(serve_modes, engine_process))
+        record = _bench_serve(path, model=model, device=device, attention=attention, trace=trace, json_out=json_out,
+                              overlap=overlap, engine_process=engine_process, serve_modes=serve_modes)
     else:
         record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
                            baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,
@@ -451,6 +435,36 @@ def bench(
     if not json_out:
         render_facts_json(record)
     finish(record, path, json_out=json_out)
+
+
+def _bench_trace(workload: str, trace_opts: dict):
+    """The serve workload's trace with the options given (None when none is: the workload's default)."""
+    if not any(v is not None for v in trace_opts.values()):
+        return None
+    if workload != "serve":
+        raise UserError("the trace options (--requests, --prompt-tokens, ...) apply to --workload serve")
+    from dataclasses import replace
+
+    from labkit.bench.serve import ISSUE_TRACE
+    return replace(ISSUE_TRACE, **{k: v for k, v in trace_opts.items() if v is not None})
+
+
+def _bench_serve(path: Path, *, model: Path | None, device: str, attention: str, trace, json_out: bool,
+                 overlap: bool | None, engine_process: bool | None, serve_modes: str | None) -> dict:
+    """``--workload serve``: one trace offline and through the served modes (``labkit serve``'s default
+    engine placement when neither ``--engine-process`` nor ``--serve-modes`` is given)."""
+    from labkit.bench.serve import parse_serve_modes, run_serve_bench
+    from labkit.lab_engine import detect_device
+
+    if engine_process is not None and serve_modes is not None:
+        raise UserError("give --engine-process or --serve-modes, not both")
+    if engine_process is None:
+        from labkit.service.server import serve_defaults
+
+        engine_process = serve_defaults(detect_device(device))["engine_process"]
+    return run_serve_bench(path, model=_model_arg(model), device=device, attention=attention, trace=trace,
+                           show_progress=not json_out, overlap=overlap,
+                           modes=parse_serve_modes(serve_modes, engine_process))
 
 
 def _model_arg(model: Path | None) -> str | None:

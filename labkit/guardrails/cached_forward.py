@@ -120,28 +120,25 @@ def _timing(runs: list[dict], path: str) -> dict:
                               for k in range(len(runs[0][path]["seconds"]))]}
 
 
-def run_cached_forward(out: str | Path | None = None, *, model: str | None = None, device: str = "auto",
-                       prompt_len: int = DEFAULT_PROMPT_LEN, steps: int = DEFAULT_STEPS, repeats: int = 1,
-                       seed: int = 0, dtype: str = "auto") -> dict:
-    """``labkit principles cached-forward``: both paths, ``repeats`` times; errors from the first repeat."""
-    import torch
-
-    from labkit.lab_engine import detect_device, synthetic_note
-    from labkit.guardrails.collect import hf_dtype, load_reference_model
-    from labkit.guardrails.suites import DTYPE_CHOICES, TOKEN_HIGH, tokens_sha256
-    from labkit.assets.identity import model_identity
-    from labkit.assets.resolve import resolve_model
+def _check_args(prompt_len: int, steps: int, repeats: int, dtype: str) -> None:
+    from labkit.guardrails.suites import DTYPE_CHOICES
 
     for name, v in (("--prompt-len", prompt_len), ("--steps", steps), ("--repeats", repeats)):
         if not isinstance(v, int) or v < 1:
             raise UserError(f"{name} must be a positive integer, got {v!r}")
     if dtype not in DTYPE_CHOICES:
         raise UserError(f"unknown dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}")
-    device = detect_device(device)
-    ref = resolve_model(model, device)
-    identity = dict(model_identity(ref.path))
-    identity["source"] = ref.source
-    hf = load_reference_model(ref.path, device, dtype)
+
+
+def _walk_both_paths(path: Path, device: str, dtype: str, prompt_len: int, steps: int, repeats: int,
+                     seed: int) -> tuple[list[int], list[dict]]:
+    """(the seeded trajectory, one ``_run_paths`` result per repeat) of transformers on ``path``."""
+    import torch
+
+    from labkit.guardrails.collect import load_reference_model
+    from labkit.guardrails.suites import TOKEN_HIGH
+
+    hf = load_reference_model(path, device, dtype)
     try:
         limit = int(getattr(hf.config, "max_position_embeddings", 0) or 0)
         total = prompt_len + steps - 1
@@ -150,12 +147,15 @@ def run_cached_forward(out: str | Path | None = None, *, model: str | None = Non
         vocab = int(hf.config.vocab_size)
         rng = np.random.default_rng([seed, 1016])
         tokens = [int(x) for x in rng.integers(0, min(TOKEN_HIGH, vocab), size=total)]
-        runs = [_run_paths(hf, tokens, prompt_len, steps, device) for _ in range(repeats)]
+        return tokens, [_run_paths(hf, tokens, prompt_len, steps, device) for _ in range(repeats)]
     finally:
         del hf
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-    first = runs[0]
+
+
+def _per_step(first: dict, steps: int) -> list[dict]:
+    """Step k's cached logits against the uncached reference: max abs, relative L2, top-1 of each."""
     per_step = []
     for k in range(steps):
         ref_l = first["uncached"]["logits"][k].double()
@@ -167,17 +167,22 @@ def run_cached_forward(out: str | Path | None = None, *, model: str | None = Non
             "max_abs": float(diff.abs().max()), "rel_l2": float(diff.norm() / norm) if norm > 0 else float(diff.norm()),
             "top1_uncached": int(ref_l.argmax()), "top1_cached": int(got.argmax()),
             "same_top1": int(ref_l.argmax()) == int(got.argmax())})
+    return per_step
+
+
+def _cached_facts(runs: list[dict], tokens: list[int], prompt_len: int, steps: int, th: dict) -> dict[str, Any]:
+    """What both paths showed (from the first repeat; every repeat for the input checks), against the
+    counts S and G give."""
+    from labkit.guardrails.suites import tokens_sha256
+
+    first = runs[0]
+    per_step = _per_step(first, steps)
     exp = expected_counts(prompt_len, steps)
     widths_u, widths_c = first["uncached"]["widths"], first["cached"]["widths"]
     max_abs = max(s["max_abs"] for s in per_step)
     rel = max(s["rel_l2"] for s in per_step)
-    finite = bool(np.isfinite(max_abs) and np.isfinite(rel))
     same = sum(s["same_top1"] for s in per_step)
-    dtype_name = str(hf_dtype(device, dtype)).replace("torch.", "")
-    th = _thresholds(device, dtype_name)
-    facts = {
-        "prompt_len": prompt_len, "steps": steps, "repeats": repeats, "seed": seed,
-        "device": device, "dtype": dtype_name, "attn_implementation": "eager",
+    return {
         "trajectory_sha256": tokens_sha256(tokens), "trajectory_len": len(tokens),
         "forward_calls": len(first["uncached"]["widths"]) + len(first["cached"]["widths"]),
         "widths_uncached": widths_u, "widths_cached": widths_c,
@@ -188,14 +193,17 @@ def run_cached_forward(out: str | Path | None = None, *, model: str | None = Non
         "counts_match": (widths_u == exp["widths_uncached"] and widths_c == exp["widths_cached"]
                          and sum(widths_u) == exp["positions_uncached"] and sum(widths_c) == exp["positions_cached"]),
         "position_ratio": sum(widths_u) / sum(widths_c) if sum(widths_c) else None,
-        "max_abs_logit_error": max_abs, "relative_l2_logit_error": rel, "errors_finite": finite,
+        "max_abs_logit_error": max_abs, "relative_l2_logit_error": rel,
+        "errors_finite": bool(np.isfinite(max_abs) and np.isfinite(rel)),
         "thresholds": th,
         "same_top1_steps": same, "top1_flips": steps - same, "per_step": per_step,
         "timing": {"uncached": _timing(runs, "uncached"), "cached": _timing(runs, "cached"),
                    "note": "prefill = step 0; decode = steps 1..G-1 summed (uncached decode recomputes the whole prefix)"},
-        "note": synthetic_note(identity),
     }
-    assertions = [
+
+
+def _cached_assertions(exp: dict, th: dict) -> list[dict]:
+    return [
         run_assertion("facts.widths_uncached", "eq", exp["widths_uncached"], name="uncached widths",
                       why="the widths the model received without cache: S..S+G-1"),
         run_assertion("facts.positions_uncached", "eq", exp["positions_uncached"], name="uncached positions",
@@ -213,6 +221,29 @@ def run_cached_forward(out: str | Path | None = None, *, model: str | None = Non
         run_assertion("facts.top1_flips", "eq", 0, name="same top-1 on every step",
                       why="cached and uncached pick the same next token at every step"),
     ]
+
+
+def run_cached_forward(out: str | Path | None = None, *, model: str | None = None, device: str = "auto",
+                       prompt_len: int = DEFAULT_PROMPT_LEN, steps: int = DEFAULT_STEPS, repeats: int = 1,
+                       seed: int = 0, dtype: str = "auto") -> dict:
+    """``labkit principles cached-forward``: both paths, ``repeats`` times; errors from the first repeat."""
+    from labkit.lab_engine import detect_device, synthetic_note
+    from labkit.guardrails.collect import hf_dtype
+    from labkit.assets.identity import model_identity
+    from labkit.assets.resolve import resolve_model
+
+    _check_args(prompt_len, steps, repeats, dtype)
+    device = detect_device(device)
+    ref = resolve_model(model, device)
+    identity = dict(model_identity(ref.path))
+    identity["source"] = ref.source
+    tokens, runs = _walk_both_paths(ref.path, device, dtype, prompt_len, steps, repeats, seed)
+    dtype_name = str(hf_dtype(device, dtype)).replace("torch.", "")
+    th = _thresholds(device, dtype_name)
+    facts = {"prompt_len": prompt_len, "steps": steps, "repeats": repeats, "seed": seed,
+             "device": device, "dtype": dtype_name, "attn_implementation": "eager",
+             **_cached_facts(runs, tokens, prompt_len, steps, th), "note": synthetic_note(identity)}
+    assertions = _cached_assertions(facts["expected"], th)
     default = prompt_len == DEFAULT_PROMPT_LEN and steps == DEFAULT_STEPS
     cp, unclaimed = claim(CHECKPOINT_CACHED_FORWARD if default else None)
     if unclaimed:

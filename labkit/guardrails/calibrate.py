@@ -24,6 +24,59 @@ from labkit.guardrails.suites import (
 )
 
 
+def _guard_checkpoint(suite: str, device: str, dtype: str, tp: int, rope_scaling: str | None,
+                      model: str | None) -> tuple[str | None, str | None, bool]:
+    """(checkpoint id or None, the model both sides run, whether this is the BF16 guard)."""
+    if suite == "graph" and not device.startswith("cuda"):
+        raise UserError("graph execution needs CUDA")
+    if tp > 1 and suite != "baseline":
+        raise UserError("--tp applies to the baseline suite")
+    cp = CHECKPOINT_BASELINE if suite == "baseline" else CHECKPOINT_GRAPH
+    bf16 = suite == "baseline" and dtype == "bfloat16" and tp == 1
+    if bf16 and device.startswith("cuda"):      # the BF16 guard: its own checkpoint (thresholds cuda/bfloat16)
+        cp = CHECKPOINT_BF16_GPU
+    if tp > 1:
+        cp = CHECKPOINT_TP_GPU if device.startswith("cuda") else CHECKPOINT_TP_CPU
+    if rope_scaling is not None:
+        from labkit.assets.resolve import resolve_model
+        from labkit.assets.rope import parse_rope_spec, with_rope_scaling
+
+        if suite != "baseline":
+            raise UserError("--rope-scaling applies to the baseline suite")
+        kind, _ = parse_rope_spec(rope_scaling)
+        model = str(with_rope_scaling(resolve_model(model, device).path, rope_scaling))
+        cp = CHECKPOINT_ROPE.get(kind) if tp == 1 else None
+    return cp, model, bf16
+
+
+def _guard_paths(suite: str, out: str | Path | None, cp: str | None, tp: int, bf16: bool, rope_scaling: str | None,
+                 lhs_out: str | Path | None, rhs_out: str | Path | None) -> tuple[Path, Path, Path]:
+    """(the comparison's file, the lhs and rhs collection prefixes): the checkpoint's own files only for
+    the checkpoint's run."""
+    from labkit.checks import get_checkpoint
+    from labkit.paths import default_out
+
+    if out is not None:
+        out_path = Path(out)
+    elif cp is not None:
+        out_path = get_checkpoint(cp).evidence_path()
+    else:                       # not the checkpoint's run: its own file, never the checkpoint's
+        from labkit.assets.rope import spec_name
+
+        rope_tag = f"-{spec_name(rope_scaling)}" if rope_scaling is not None else ""
+        out_path = default_out(f"logits-guard-{suite}" + (f"-tp{tp}" if tp > 1 else "") + rope_tag + ".json")
+    names = ("engine-nano", "engine-hf") if suite == "baseline" else ("graph-patched", "graph-eager")
+    if bf16:                    # its own collections: the float32 checkpoint's stay as they are
+        names = (f"{names[0]}-bf16", f"{names[1]}-bf16")
+    if tp > 1:
+        names = (f"engine-nano-tp{tp}", "engine-hf")
+    if cp is None or rope_scaling is not None:              # nor the checkpoint's collections
+        names = (f"{out_path.stem}-{names[0]}", f"{out_path.stem}-{names[1]}")
+    lhs_p = prefix_of(lhs_out) if lhs_out else out_path.parent / names[0]
+    rhs_p = prefix_of(rhs_out) if rhs_out else out_path.parent / names[1]
+    return out_path, lhs_p, rhs_p
+
+
 def guard(suite: str, out: str | Path | None = None, *, model: str | None = None, device: str = "auto",
           attention: str = "auto", graph_buckets: tuple[int, ...] | None = None, seed: int = DEFAULT_SEED,
           dtype: str = "auto", max_abs: float | None = None, rel_l2: float | None = None,
@@ -38,51 +91,16 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
     ``rope_scaling`` (``yarn:4``, baseline suite only): both sides run a copy of the model whose config.json
     carries that rope scaling (:func:`labkit.assets.rope.with_rope_scaling`); its own checkpoint and files.
     """
-    from labkit.checks import get_checkpoint
     from labkit.evidence import claim
     from labkit.lab_engine import detect_device
-    from labkit.paths import default_out
 
     _validate_choices(suite, "nano", "eager", attention, dtype)
     device = detect_device(device)
-    if suite == "graph" and not device.startswith("cuda"):
-        raise UserError("graph execution needs CUDA")
-    if tp > 1 and suite != "baseline":
-        raise UserError("--tp applies to the baseline suite")
-    cp = CHECKPOINT_BASELINE if suite == "baseline" else CHECKPOINT_GRAPH
-    bf16 = suite == "baseline" and dtype == "bfloat16" and tp == 1
-    if bf16 and device.startswith("cuda"):      # the BF16 guard: its own checkpoint (thresholds cuda/bfloat16)
-        cp = CHECKPOINT_BF16_GPU
-    if tp > 1:
-        cp = CHECKPOINT_TP_GPU if device.startswith("cuda") else CHECKPOINT_TP_CPU
-    if rope_scaling is not None:
-        from labkit.assets.resolve import resolve_model
-        from labkit.assets.rope import parse_rope_spec, spec_name, with_rope_scaling
-
-        if suite != "baseline":
-            raise UserError("--rope-scaling applies to the baseline suite")
-        kind, _ = parse_rope_spec(rope_scaling)
-        model = str(with_rope_scaling(resolve_model(model, device).path, rope_scaling))
-        cp = CHECKPOINT_ROPE.get(kind) if tp == 1 else None
+    cp, model, bf16 = _guard_checkpoint(suite, device, dtype, tp, rope_scaling, model)
     overrides = [n for n, v in (("--max-abs", max_abs), ("--rel-l2", rel_l2)) if v is not None]
     cp, unclaimed = claim(cp, also=f"{' and '.join(overrides)} given (a checkpoint is held to the logits threshold "
                                    "table)" if overrides else "")
-    if out is not None:
-        out_path = Path(out)
-    elif cp is not None:
-        out_path = get_checkpoint(cp).evidence_path()
-    else:                       # not the checkpoint's run: its own file, never the checkpoint's
-        rope_tag = f"-{spec_name(rope_scaling)}" if rope_scaling is not None else ""
-        out_path = default_out(f"logits-guard-{suite}" + (f"-tp{tp}" if tp > 1 else "") + rope_tag + ".json")
-    names = ("engine-nano", "engine-hf") if suite == "baseline" else ("graph-patched", "graph-eager")
-    if bf16:                    # its own collections: the float32 checkpoint's stay as they are
-        names = (f"{names[0]}-bf16", f"{names[1]}-bf16")
-    if tp > 1:
-        names = (f"engine-nano-tp{tp}", "engine-hf")
-    if cp is None or rope_scaling is not None:              # nor the checkpoint's collections
-        names = (f"{out_path.stem}-{names[0]}", f"{out_path.stem}-{names[1]}")
-    lhs_p = prefix_of(lhs_out) if lhs_out else out_path.parent / names[0]
-    rhs_p = prefix_of(rhs_out) if rhs_out else out_path.parent / names[1]
+    out_path, lhs_p, rhs_p = _guard_paths(suite, out, cp, tp, bf16, rope_scaling, lhs_out, rhs_out)
     rows = build_suite(suite, seed).expected_rows
 
     def tick(label: str) -> Callable[[int], None] | None:
@@ -101,6 +119,34 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
                    unclaimed=unclaimed)
 
 
+def _calibrate_backend(suite: str, execution: str, dtype: str, backend: str, ref: Path, work: Path, repeats: int,
+                       model: str | None, device: str, seed: int) -> dict:
+    """``repeats`` engine collections of one suite, dtype and backend, each compared with the reference
+    ``ref``: their error summaries and the distribution over the repeats."""
+    import statistics
+
+    runs = []
+    for r in range(repeats):
+        lhs = work / f"nano-{suite}-{dtype}-{backend}-{r}"
+        collect_nano(suite, lhs, model=model, device=device, attention=backend, execution=execution,
+                     seed=seed, dtype=dtype)
+        f = compare(lhs, ref, work / f"cmp-{suite}-{dtype}-{backend}-{r}.json", checkpoint=None)["facts"]
+        runs.append({k: f[k] for k in ("worst_max_abs", "median_max_abs", "worst_rel_l2",
+                                        "median_rel_l2", "top1_agree", "num_rows")}
+                    | {"verdict": f["comparison_verdict"]})
+        lhs.with_suffix(".npz").unlink(missing_ok=True)
+    return {
+        "suite": suite, "execution": execution, "dtype": dtype, "backend": backend, "repeats": runs,
+        "worst_max_abs": max(x["worst_max_abs"] for x in runs),
+        "median_max_abs": statistics.median(x["median_max_abs"] for x in runs),
+        "worst_rel_l2": max(x["worst_rel_l2"] for x in runs),
+        "median_rel_l2": statistics.median(x["median_rel_l2"] for x in runs),
+        "min_top1_agree": min(x["top1_agree"] for x in runs),
+        "num_rows": runs[0]["num_rows"],
+        "repeat_spread_max_abs": max(x["worst_max_abs"] for x in runs) - min(x["worst_max_abs"] for x in runs),
+    }
+
+
 def calibrate(suites: tuple[str, ...] = ("baseline", "graph"), backends: tuple[str, ...] | None = None,
               dtypes: tuple[str, ...] = ("auto",), repeats: int = 3, out: str | Path | None = None, *,
               model: str | None = None, device: str = "auto", seed: int = DEFAULT_SEED,
@@ -112,7 +158,6 @@ def calibrate(suites: tuple[str, ...] = ("baseline", "graph"), backends: tuple[s
     with graph execution. Only the per-comparison summaries are kept (the NPZ arrays are deleted).
     """
     import shutil
-    import statistics
 
     from engine.attention import available_backends
     from labkit.evidence import write_evidence
@@ -138,27 +183,8 @@ def calibrate(suites: tuple[str, ...] = ("baseline", "graph"), backends: tuple[s
             for dtype in dtypes:
                 ref = work / f"hf-{suite}-{dtype}"
                 collect_hf(suite, ref, model=model, device=device, dtype=dtype, seed=seed)
-                for backend in backends:
-                    runs = []
-                    for r in range(repeats):
-                        lhs = work / f"nano-{suite}-{dtype}-{backend}-{r}"
-                        collect_nano(suite, lhs, model=model, device=device, attention=backend, execution=execution,
-                                     seed=seed, dtype=dtype)
-                        f = compare(lhs, ref, work / f"cmp-{suite}-{dtype}-{backend}-{r}.json", checkpoint=None)["facts"]
-                        runs.append({k: f[k] for k in ("worst_max_abs", "median_max_abs", "worst_rel_l2",
-                                                        "median_rel_l2", "top1_agree", "num_rows")}
-                                    | {"verdict": f["comparison_verdict"]})
-                        lhs.with_suffix(".npz").unlink(missing_ok=True)
-                    results.append({
-                        "suite": suite, "execution": execution, "dtype": dtype, "backend": backend, "repeats": runs,
-                        "worst_max_abs": max(x["worst_max_abs"] for x in runs),
-                        "median_max_abs": statistics.median(x["median_max_abs"] for x in runs),
-                        "worst_rel_l2": max(x["worst_rel_l2"] for x in runs),
-                        "median_rel_l2": statistics.median(x["median_rel_l2"] for x in runs),
-                        "min_top1_agree": min(x["top1_agree"] for x in runs),
-                        "num_rows": runs[0]["num_rows"],
-                        "repeat_spread_max_abs": max(x["worst_max_abs"] for x in runs) - min(x["worst_max_abs"] for x in runs),
-                    })
+                results += [_calibrate_backend(suite, execution, dtype, backend, ref, work, repeats, model, device, seed)
+                            for backend in backends]
     finally:
         if work_dir is None:
             shutil.rmtree(work, ignore_errors=True)

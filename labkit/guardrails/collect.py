@@ -16,6 +16,7 @@ PREFIX.npz holds ``logits`` [rows, vocab] float32; for the nano graph suite also
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -89,15 +90,10 @@ def expected_route(execution: str, phase: str, batch: int, buckets: list[int] | 
     return ("graph", min(covering)) if covering else ("eager", None)
 
 
-def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str | None = None, device: str = "auto",
-                 attention: str = "auto", execution: str = "eager", graph_buckets: tuple[int, ...] | None = None,
-                 expect_uncovered: bool = False, seed: int = DEFAULT_SEED, dtype: str = "auto",
-                 progress: Callable[[int], None] | None = None, tp: int = 1) -> dict:
-    """Teacher-forced logits of the embedded engine along ``suite_name``; writes PREFIX.json and PREFIX.npz."""
-    from labkit.lab_engine import build_engine, detect_device, synthetic_note
-
-    _validate_choices(suite_name, "nano", execution, attention, dtype)
-    device = detect_device(device)
+def _check_nano_options(suite_name: str, device: str, execution: str, graph_buckets: tuple[int, ...] | None,
+                        expect_uncovered: bool, tp: int) -> tuple[int, ...] | None:
+    """UserError for options that do not go together; the graph buckets to use (``--expect-uncovered``'s
+    default when it gives none)."""
     if execution == "graph" and not device.startswith("cuda"):
         raise UserError("graph execution needs CUDA")
     if graph_buckets and execution != "graph":
@@ -113,128 +109,190 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
         raise UserError(f"--tp must be >= 1, got {tp}")
     if tp > 1 and suite_name != "baseline":
         raise UserError("--tp applies to the baseline suite (the graph suite's KV probe reads one rank's cache)")
-    prefix = prefix_of(out) if out is not None else default_collect_prefix("nano", suite_name, execution)
+    return graph_buckets
+
+
+@dataclass
+class _NanoRun:
+    """What driving a suite through the engine gathered: the rows, whether they followed the trajectory,
+    each engine step with its route, and the fault that stopped it (only when one was expected)."""
+    suite: Any
+    rows: list
+    logits: np.ndarray
+    got: np.ndarray
+    follows: bool = True
+    steps: list[dict] = field(default_factory=list)
+    error: str | None = None
+    failed_group: str | None = None
+
+    def row_at(self) -> dict:
+        return {(r.group, r.request_index, r.step): r for r in self.rows}
+
+
+def _step_entry(group, st, execution: str, buckets: list[int] | None, prefill_graphs: dict) -> dict:
+    """One engine step of a group: its batch and route, against the route the graph buckets predict."""
+    batch = len(st.requests)
+    exp_route, exp_bucket = expected_route(execution, st.phase, batch, buckets, st.route["tokens"],
+                                           st.route["fresh"], **prefill_graphs)
+    return {"group": group.name, "engine_step": st.engine_step, "phase": st.phase,
+            "batch": batch, "requests": [group.requests[i].label for i in st.requests],
+            "discarded": [group.requests[i].label for i, c in zip(st.requests, st.completing) if not c],
+            **st.route, "expected_route": exp_route, "expected_bucket": exp_bucket,
+            "route_as_expected": st.route["route"] == exp_route and st.route["bucket"] == exp_bucket}
+
+
+def _drive_suite(engine, run: _NanoRun, probe: KVProbe | None, execution: str, buckets: list[int] | None,
+                 prefill_graphs: dict, expect_uncovered: bool, progress: Callable[[int], None] | None) -> None:
+    """Every group of the suite through the engine, teacher-forced; fills ``run``."""
+    row_at = run.row_at()
+    for group in run.suite.groups:
+        engine.reset_scheduling()
+        if probe is not None:
+            probe.group = group.name
+
+        def on_row(rec: ForcedRecord, group=group) -> None:
+            spec = row_at[(group.name, rec.request, rec.output_index)]
+            run.logits[spec.index] = rec.logits.numpy()
+            run.got[spec.index] = True
+            run.follows = run.follows and tuple(rec.tokens) == spec.tokens
+            if progress is not None:
+                progress(1)
+
+        try:
+            _, steps = drive_teacher_forced(engine, [r.prompt for r in group.requests],
+                                            [r.continuation for r in group.requests], probe=probe, on_row=on_row)
+        except Exception as exc:  # noqa: BLE001 - recorded as the finding when a fault is expected
+            if not expect_uncovered:
+                raise
+            run.error, run.failed_group = f"{type(exc).__name__}: {exc}".strip(), group.name
+            break
+        run.steps += [_step_entry(group, st, execution, buckets, prefill_graphs) for st in steps]
+
+
+def _nano_facts(run: _NanoRun, suite_name: str, seed: int, execution: str, engine, described: dict,
+                buckets: list[int] | None, prefix: Path, note: str) -> dict[str, Any]:
+    step_log = run.steps
+    return {
+        "status": "COLLECTED" if run.error is None else "INCOMPLETE",
+        "suite": suite_name, "seed": seed, "backend": "nano", "execution": execution,
+        "tensor_parallel_size": engine.config.tensor_parallel_size,
+        "attention": described["attention_backend"], "dtype": described["dtype"],
+        "rope": described["config"].get("rope"),
+        "logits_dtype": "float32", "vocab_size": engine.config.vocab_size,
+        "num_rows": int(run.got.sum()), "expected_rows": run.suite.expected_rows,
+        "trajectory_sha256": trajectory_sha256(run.rows), "rows": trajectory(run.rows),
+        "rows_follow_trajectory": run.follows,
+        "requests": suite_requests(run.suite),
+        "groups": [{"name": g.name, "title": g.title, "requests": len(g.requests)} for g in run.suite.groups],
+        "graph_buckets": buckets, "steps": step_log,
+        "routes_as_expected": bool(step_log) and all(s["route_as_expected"] for s in step_log),
+        "decode_routes": {str(s["batch"]): {k: s[k] for k in ("route", "bucket", "expected_route", "expected_bucket")}
+                          for s in step_log if s["phase"] == "decode"},
+        "npz": str(_npz_of(prefix)),
+        "note": note,
+        "logits_finite": _finite(run.logits[run.got]),
+    }
+
+
+def _kv_facts(run: _NanoRun, probe: KVProbe, arrays: dict[str, np.ndarray]) -> tuple[dict, list[dict]]:
+    """The KV probe's findings (its arrays go into ``arrays``) and what the collection asserts over them."""
+    row_at = run.row_at()
+    order = {row_at[key].index: key for key in probe.new_kv}
+    kv_rows = sorted(order)
+    if kv_rows:
+        arrays["kv_new"] = np.stack([probe.new_kv[order[r]] for r in kv_rows])
+    arrays["kv_rows"] = np.asarray(kv_rows, dtype=np.int64)
+    hist = all(s["history_unchanged"] for s in probe.steps)
+    free = all(s["free_blocks_unchanged"] for s in probe.steps)
+    facts = {"decode_steps": probe.steps, "decode_steps_probed": len(probe.steps),
+             "history_unchanged": hist, "padding_wrote_nothing": free,
+             "new_kv_rows": len(kv_rows),
+             "new_kv_shape": list(arrays["kv_new"].shape) if kv_rows else None}
+    assertions = []
+    decode_rows = sum(1 for r in run.rows if r.phase == "decode")
+    if decode_rows:
+        assertions += [
+            run_assertion("facts.kv.decode_steps_probed", "gt", 0, name="decode steps probed",
+                          why="the KV probe saw at least one decode step (else 'unchanged' says nothing)"),
+            run_assertion("facts.kv.new_kv_rows", "eq", decode_rows, name="new KV of every decode row",
+                          why="the probe read the new K/V of each of the suite's decode rows"),
+        ]
+    assertions += [
+        run_assertion("facts.kv.history_unchanged", "is_true", name="history KV unchanged by decode",
+                      why="every cached position of the batch reads back bit-identical after the decode step"),
+        run_assertion("facts.kv.padding_wrote_nothing", "is_true", name="padding rows wrote nothing",
+                      why="unreferenced blocks (incl. block 0 and the last block when free) are bit-identical"),
+    ]
+    return facts, assertions
+
+
+def _uncovered_facts(run: _NanoRun, graph_buckets: tuple[int, ...] | None) -> dict:
+    """What happened to the batch no graph bucket covers (``--expect-uncovered``)."""
+    s17 = [s for s in run.steps if s["phase"] == "decode" and s["batch"] == UNCOVERED_BATCH]
+    g17 = f"batch-{UNCOVERED_BATCH}"
+    done17 = all(run.got[r.index] for r in run.rows if r.group == g17)
+    return {
+        "buckets": list(graph_buckets or ()), "batch": UNCOVERED_BATCH,
+        "route": s17[0]["route"] if s17 else None, "bucket": s17[0]["bucket"] if s17 else None,
+        "completed": bool(done17 and s17), "error": run.error, "failed_group": run.failed_group,
+    }
+
+
+def _build_nano(suite_name: str, seed: int, model: str | None, device: str, attention: str, execution: str,
+                graph_buckets: tuple[int, ...] | None, dtype: str, tp: int):
+    """The engine sized for the suite (its budget, batch, block size, context and pool)."""
+    from labkit.lab_engine import build_engine
+
     overrides: dict[str, Any] = {"tensor_parallel_size": tp}
     if graph_buckets:
         overrides["graph_buckets"] = tuple(graph_buckets)
     probe_suite = build_suite(suite_name, seed)
-    built = build_engine(model, device, attention, max_num_batched_tokens=probe_suite.budget,
-                         max_num_seqs=probe_suite.max_num_seqs, kvcache_block_size=probe_suite.block_size,
-                         max_model_len=probe_suite.max_model_len, num_kvcache_blocks=probe_suite.num_kvcache_blocks,
-                         enforce_eager=execution == "eager", dtype=dtype, **overrides)
+    return build_engine(model, device, attention, max_num_batched_tokens=probe_suite.budget,
+                        max_num_seqs=probe_suite.max_num_seqs, kvcache_block_size=probe_suite.block_size,
+                        max_model_len=probe_suite.max_model_len, num_kvcache_blocks=probe_suite.num_kvcache_blocks,
+                        enforce_eager=execution == "eager", dtype=dtype, **overrides)
+
+
+def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str | None = None, device: str = "auto",
+                 attention: str = "auto", execution: str = "eager", graph_buckets: tuple[int, ...] | None = None,
+                 expect_uncovered: bool = False, seed: int = DEFAULT_SEED, dtype: str = "auto",
+                 progress: Callable[[int], None] | None = None, tp: int = 1) -> dict:
+    """Teacher-forced logits of the embedded engine along ``suite_name``; writes PREFIX.json and PREFIX.npz."""
+    from labkit.lab_engine import detect_device, synthetic_note
+
+    _validate_choices(suite_name, "nano", execution, attention, dtype)
+    device = detect_device(device)
+    graph_buckets = _check_nano_options(suite_name, device, execution, graph_buckets, expect_uncovered, tp)
+    prefix = prefix_of(out) if out is not None else default_collect_prefix("nano", suite_name, execution)
+    built = _build_nano(suite_name, seed, model, device, attention, execution, graph_buckets, dtype, tp)
     engine = built.engine
     try:
         suite = build_suite(suite_name, seed, engine.config.vocab_size)
         rows = suite.rows()
-        row_at = {(r.group, r.request_index, r.step): r for r in rows}
-        vocab = engine.config.vocab_size
-        logits = np.zeros((len(rows), vocab), dtype=np.float32)
-        got = np.zeros(len(rows), dtype=bool)
-        follows = True
+        run = _NanoRun(suite, rows, np.zeros((len(rows), engine.config.vocab_size), dtype=np.float32),
+                       np.zeros(len(rows), dtype=bool))
         probe = KVProbe() if suite_name == "graph" else None
         described = engine.describe()
         buckets = sorted(described["graph"]["buckets"]) if execution == "graph" else None
         prefill_graphs = dict(prefill_buckets=sorted(described["graph"].get("prefill_buckets", [])),
                               prefill_seqs=described["graph"].get("prefill_seqs", 0))
-        step_log: list[dict] = []
-        error: str | None = None
-        failed_group: str | None = None
-        for group in suite.groups:
-            engine.reset_scheduling()
-            if probe is not None:
-                probe.group = group.name
-
-            def on_row(rec: ForcedRecord, group=group) -> None:
-                nonlocal follows
-                spec = row_at[(group.name, rec.request, rec.output_index)]
-                logits[spec.index] = rec.logits.numpy()
-                got[spec.index] = True
-                follows = follows and tuple(rec.tokens) == spec.tokens
-                if progress is not None:
-                    progress(1)
-
-            try:
-                _, steps = drive_teacher_forced(engine, [r.prompt for r in group.requests],
-                                                [r.continuation for r in group.requests], probe=probe, on_row=on_row)
-            except Exception as exc:  # noqa: BLE001 - recorded as the finding when a fault is expected
-                if not expect_uncovered:
-                    raise
-                error, failed_group = f"{type(exc).__name__}: {exc}".strip(), group.name
-                break
-            for st in steps:
-                batch = len(st.requests)
-                exp_route, exp_bucket = expected_route(execution, st.phase, batch, buckets, st.route["tokens"],
-                                                       st.route["fresh"], **prefill_graphs)
-                step_log.append({"group": group.name, "engine_step": st.engine_step, "phase": st.phase,
-                                 "batch": batch, "requests": [group.requests[i].label for i in st.requests],
-                                 "discarded": [group.requests[i].label for i, c in zip(st.requests, st.completing) if not c],
-                                 **st.route, "expected_route": exp_route, "expected_bucket": exp_bucket,
-                                 "route_as_expected": st.route["route"] == exp_route and st.route["bucket"] == exp_bucket})
-        num_rows = int(got.sum())
-        arrays: dict[str, np.ndarray] = {"logits": logits}
-        facts: dict[str, Any] = {
-            "status": "COLLECTED" if error is None else "INCOMPLETE",
-            "suite": suite_name, "seed": seed, "backend": "nano", "execution": execution,
-            "tensor_parallel_size": engine.config.tensor_parallel_size,
-            "attention": described["attention_backend"], "dtype": described["dtype"],
-            "rope": described["config"].get("rope"),
-            "logits_dtype": "float32", "vocab_size": vocab,
-            "num_rows": num_rows, "expected_rows": suite.expected_rows,
-            "trajectory_sha256": trajectory_sha256(rows), "rows": trajectory(rows),
-            "rows_follow_trajectory": follows,
-            "requests": suite_requests(suite),
-            "groups": [{"name": g.name, "title": g.title, "requests": len(g.requests)} for g in suite.groups],
-            "graph_buckets": buckets, "steps": step_log,
-            "routes_as_expected": bool(step_log) and all(s["route_as_expected"] for s in step_log),
-            "decode_routes": {str(s["batch"]): {k: s[k] for k in ("route", "bucket", "expected_route", "expected_bucket")}
-                              for s in step_log if s["phase"] == "decode"},
-            "npz": str(_npz_of(prefix)),
-            "note": synthetic_note(built.model),
-        }
-        facts["logits_finite"] = _finite(logits[got])
+        _drive_suite(engine, run, probe, execution, buckets, prefill_graphs, expect_uncovered, progress)
+        arrays: dict[str, np.ndarray] = {"logits": run.logits}
+        facts = _nano_facts(run, suite_name, seed, execution, engine, described, buckets, prefix,
+                            synthetic_note(built.model))
         assertions = _row_assertions(suite.expected_rows) + [
             run_assertion("facts.routes_as_expected", "is_true", name="routes as expected",
                           why="prefill eager; decode replays the smallest covering graph bucket, else eager"),
         ]
         if probe is not None:
-            order = {row_at[key].index: key for key in probe.new_kv}
-            kv_rows = sorted(order)
-            if kv_rows:
-                arrays["kv_new"] = np.stack([probe.new_kv[order[r]] for r in kv_rows])
-            arrays["kv_rows"] = np.asarray(kv_rows, dtype=np.int64)
-            hist = all(s["history_unchanged"] for s in probe.steps)
-            free = all(s["free_blocks_unchanged"] for s in probe.steps)
-            facts["kv"] = {"decode_steps": probe.steps, "decode_steps_probed": len(probe.steps),
-                           "history_unchanged": hist, "padding_wrote_nothing": free,
-                           "new_kv_rows": len(kv_rows),
-                           "new_kv_shape": list(arrays["kv_new"].shape) if kv_rows else None}
-            decode_rows = sum(1 for r in rows if r.phase == "decode")
-            if decode_rows:
-                assertions += [
-                    run_assertion("facts.kv.decode_steps_probed", "gt", 0, name="decode steps probed",
-                                  why="the KV probe saw at least one decode step (else 'unchanged' says nothing)"),
-                    run_assertion("facts.kv.new_kv_rows", "eq", decode_rows, name="new KV of every decode row",
-                                  why="the probe read the new K/V of each of the suite's decode rows"),
-                ]
-            assertions += [
-                run_assertion("facts.kv.history_unchanged", "is_true", name="history KV unchanged by decode",
-                              why="every cached position of the batch reads back bit-identical after the decode step"),
-                run_assertion("facts.kv.padding_wrote_nothing", "is_true", name="padding rows wrote nothing",
-                              why="unreferenced blocks (incl. block 0 and the last block when free) are bit-identical"),
-            ]
+            facts["kv"], kv_assertions = _kv_facts(run, probe, arrays)
+            assertions += kv_assertions
         checkpoint = None
         if expect_uncovered:
             checkpoint, unclaimed = claim(CHECKPOINT_UNCOVERED)      # only with the checkpoint's command line
             if unclaimed:
                 facts["checkpoint_not_claimed"] = unclaimed
-            s17 = [s for s in step_log if s["phase"] == "decode" and s["batch"] == UNCOVERED_BATCH]
-            g17 = f"batch-{UNCOVERED_BATCH}"
-            done17 = all(got[r.index] for r in rows if r.group == g17)
-            facts["expect_uncovered"] = {
-                "buckets": list(graph_buckets or ()), "batch": UNCOVERED_BATCH,
-                "route": s17[0]["route"] if s17 else None, "bucket": s17[0]["bucket"] if s17 else None,
-                "completed": bool(done17 and s17), "error": error, "failed_group": failed_group,
-            }
+            facts["expect_uncovered"] = _uncovered_facts(run, graph_buckets)
         arrays_path = save_npz(_npz_of(prefix), arrays)
         facts["npz_arrays"] = {k: list(v.shape) for k, v in arrays.items()}
         engine_info = {**built.describe(), "execution": execution, "graph_buckets": buckets,
@@ -248,7 +306,6 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
         engine.close()
         del engine, built
         _free_torch(device)
-
 
 
 def hf_dtype(device: str, dtype: str = "auto"):
@@ -300,6 +357,22 @@ def _hf_rope(hf) -> dict | None:
             "parameters": {k: v for k, v in params.items() if isinstance(v, (int, float, str, bool))}}
 
 
+def _hf_rows(hf, rows: list, logits: np.ndarray, device: str, progress: Callable[[int], None] | None) -> list[list[int]]:
+    """Each row's last logits into ``logits``; returns the input ids transformers was called with, row by
+    row (a forward pre-hook), for the check that they are the trajectory's."""
+    received: list[list[int]] = []
+    hook = hf.register_forward_pre_hook(
+        lambda _m, _a, kw: received.append(kw["input_ids"][0].tolist()), with_kwargs=True)
+    try:
+        for r in rows:
+            logits[r.index] = reference_last_logits(hf, r.tokens, device).numpy()
+            if progress is not None:
+                progress(1)
+    finally:
+        hook.remove()
+    return received
+
+
 def collect_hf(suite_name: str, out: str | Path | None = None, *, model: str | None = None, device: str = "auto",
                dtype: str = "auto", seed: int = DEFAULT_SEED, progress: Callable[[int], None] | None = None) -> dict:
     """The reference rows: transformers recomputes each row's whole prefix. Writes PREFIX.json/.npz."""
@@ -321,16 +394,7 @@ def collect_hf(suite_name: str, out: str | Path | None = None, *, model: str | N
         suite = build_suite(suite_name, seed, vocab)
         rows = suite.rows()
         logits = np.zeros((len(rows), vocab), dtype=np.float32)
-        received: list[list[int]] = []             # the input ids transformers was called with, row by row
-        hook = hf.register_forward_pre_hook(
-            lambda _m, _a, kw: received.append(kw["input_ids"][0].tolist()), with_kwargs=True)
-        try:
-            for r in rows:
-                logits[r.index] = reference_last_logits(hf, r.tokens, device).numpy()
-                if progress is not None:
-                    progress(1)
-        finally:
-            hook.remove()
+        received = _hf_rows(hf, rows, logits, device, progress)
         traj = trajectory(rows)
         follows = len(received) == len(traj) and all(
             tokens_sha256(ids) == row["tokens_sha256"] for ids, row in zip(received, traj))

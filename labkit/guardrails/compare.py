@@ -226,84 +226,65 @@ def _row_brief(spec: dict, m: dict) -> dict:
             "failures": m.get("failures", [])}
 
 
-def compare(lhs_path: str | Path, rhs_path: str | Path, out: str | Path | None = None, *,
-            max_abs: float | None = None, rel_l2: float | None = None,
-            kv_max_abs: float = DEFAULT_KV_MAX_ABS, checkpoint: str | None = None, worst: int = 5,
-            unclaimed: dict | None = None) -> dict:
-    """``labkit logits compare``: lhs is measured, rhs the reference. Writes the evidence JSON.
-
-    The logits thresholds are the logits table's entry for the lhs device class and the collections'
-    dtype (the entry the judge holds a checkpoint to); ``max_abs``/``rel_l2`` override it, and the
-    evidence records which it was. With no entry and no override the evidence FAILs, saying so."""
+def _check_limits(max_abs: float | None, rel_l2: float | None, kv_max_abs: float | None) -> None:
     for name, v in (("--max-abs", max_abs), ("--rel-l2", rel_l2), ("--kv-max-abs", kv_max_abs)):
         if v is not None and not (isinstance(v, (int, float)) and v >= 0 and np.isfinite(v)):
             raise UserError(f"{name} must be a finite number >= 0, got {v!r}")
-    lhs, rhs = load_collection(lhs_path, "lhs"), load_collection(rhs_path, "rhs")
-    _refuse_mismatch(lhs, rhs)
-    dtype = compared_dtype(lhs, rhs)
-    thresholds = resolve_thresholds(lhs.record.get("device"), dtype, max_abs, rel_l2)
-    thresholds["kv_max_abs"] = kv_max_abs
-    max_abs = thresholds["max_abs"] if thresholds["max_abs"] is not None else math.inf
-    rel_l2 = thresholds["rel_l2"] if thresholds["rel_l2"] is not None else math.inf
-    specs = lhs.facts["rows"]
-    metrics = [row_metrics(lhs.logits[i], rhs.logits[i]) for i in range(len(specs))]
+
+
+def _compare_kv(lhs: Collection, rhs: Collection, metrics: list[dict], kv_max_abs: float, rel_l2: float,
+                thresholds: dict) -> tuple[bool, dict[str, Any]]:
+    """(compared, summary): the new K/V of each decode row, lhs against rhs, marked on that row's metrics
+    (``kv_ok``) when both sides probed the same rows; else why not."""
     kv_compared = (lhs.kv_new is not None and rhs.kv_new is not None and lhs.kv_rows is not None
                    and rhs.kv_rows is not None and np.array_equal(lhs.kv_rows, rhs.kv_rows)
                    and lhs.kv_new.shape == rhs.kv_new.shape)
     kv_summary: dict[str, Any] = {"compared": bool(kv_compared), "max_abs_threshold": kv_max_abs,
                                   "rel_l2_threshold": thresholds["rel_l2"]}
-    if kv_compared:
-        kv_max, kv_rel = [], []
-        for j, r in enumerate(lhs.kv_rows.tolist()):
-            a, b = lhs.kv_new[j].astype(np.float64), rhs.kv_new[j].astype(np.float64)
-            d = a - b
-            nb = float(np.linalg.norm(b))
-            m = metrics[r]
-            m["kv_max_abs"] = float(np.max(np.abs(d)))
-            m["kv_rel_l2"] = float(np.linalg.norm(d) / nb) if nb > 0 else float(np.linalg.norm(d))
-            m["kv_ok"] = m["kv_max_abs"] <= kv_max_abs and m["kv_rel_l2"] <= rel_l2
-            kv_max.append(m["kv_max_abs"])
-            kv_rel.append(m["kv_rel_l2"])
-        kv_summary.update({"rows": len(kv_max), "worst_max_abs": max(kv_max, default=0.0),
-                           "worst_rel_l2": max(kv_rel, default=0.0),
-                           "rows_within": sum(1 for r in lhs.kv_rows.tolist() if metrics[r]["kv_ok"])})
-    else:
+    if not kv_compared:
         have = [s for s, c in (("lhs", lhs), ("rhs", rhs)) if c.kv_new is not None]
         kv_summary["why_not"] = ("neither side has new-KV arrays" if not have else
                                  f"only {have[0]} has new-KV arrays" if len(have) == 1 else "new-KV rows differ")
-    verdict, metrics = judge_rows(metrics, max_abs, rel_l2)
+        return False, kv_summary
+    kv_max, kv_rel = [], []
+    for j, r in enumerate(lhs.kv_rows.tolist()):
+        a, b = lhs.kv_new[j].astype(np.float64), rhs.kv_new[j].astype(np.float64)
+        d = a - b
+        nb = float(np.linalg.norm(b))
+        m = metrics[r]
+        m["kv_max_abs"] = float(np.max(np.abs(d)))
+        m["kv_rel_l2"] = float(np.linalg.norm(d) / nb) if nb > 0 else float(np.linalg.norm(d))
+        m["kv_ok"] = m["kv_max_abs"] <= kv_max_abs and m["kv_rel_l2"] <= rel_l2
+        kv_max.append(m["kv_max_abs"])
+        kv_rel.append(m["kv_rel_l2"])
+    kv_summary.update({"rows": len(kv_max), "worst_max_abs": max(kv_max, default=0.0),
+                       "worst_rel_l2": max(kv_rel, default=0.0),
+                       "rows_within": sum(1 for r in lhs.kv_rows.tolist() if metrics[r]["kv_ok"])})
+    return True, kv_summary
+
+
+def _row_facts(specs: list[dict], metrics: list[dict], max_abs: float, rel_l2: float, worst: int) -> dict[str, Any]:
+    """What the judged rows say: worst and median errors, rows within each threshold, top-1 flips, the
+    first divergent row, the worst rows and every row in brief."""
     failing = [i for i, m in enumerate(metrics) if m["failures"]]
-    first = _row_brief(specs[failing[0]], metrics[failing[0]]) if failing else None
     by_abs = sorted(range(len(metrics)), key=lambda i: (-metrics[i]["max_abs"], i))[:worst]
     max_abs_all = [m["max_abs"] for m in metrics]
     rel_all = [m["rel_l2"] for m in metrics]
     flips = [i for i, m in enumerate(metrics) if not m["top1_same"]]
     unexplained = [i for i in flips if not metrics[i]["flip_explained"]]
-    facts = {
-        "suite": lhs.facts.get("suite"), "seed": lhs.facts.get("seed"),
-        "lhs": lhs.summary(), "rhs": rhs.summary(),
-        "dtype": dtype, "thresholds": thresholds,
-        "trajectory_sha256": lhs.facts["trajectory_sha256"], "trajectory_match": trajectory_match(lhs, rhs),
-        "model_match": model_match(lhs, rhs),
-        "rope": {"lhs": lhs.facts.get("rope"), "rhs": rhs.facts.get("rope")},
-        "num_rows": len(metrics), "logits_finite": bool(np.isfinite(lhs.logits).all() and np.isfinite(rhs.logits).all()),
+    return {
         "worst_max_abs": max(max_abs_all), "worst_rel_l2": max(rel_all),
         "median_max_abs": float(np.median(max_abs_all)), "median_rel_l2": float(np.median(rel_all)),
         "rows_within_max_abs": sum(1 for v in max_abs_all if v <= max_abs),
         "rows_within_rel_l2": sum(1 for v in rel_all if v <= rel_l2),
         "top1_agree": len(metrics) - len(flips), "top1_flips": len(flips), "unexplained_top1_flips": len(unexplained),
         "failing_rows": len(failing),
-        "first_divergent_row": first,
+        "first_divergent_row": _row_brief(specs[failing[0]], metrics[failing[0]]) if failing else None,
         "worst_rows": [_row_brief(specs[i], metrics[i]) for i in by_abs],
-        "kv": kv_summary,
-        "comparison_verdict": verdict,
-        "rows": [[specs[i]["id"], round(m["max_abs"], 9), round(m["rel_l2"], 9), m["top1_same"], round(m["ref_margin"], 6)]
-                 for i, m in enumerate(metrics)],
-        "rows_columns": ["id", "max_abs", "rel_l2", "top1_same", "ref_margin"],
     }
-    if unclaimed:
-        facts["checkpoint_not_claimed"] = unclaimed
-    first_id = first["id"] if first else "none"
+
+
+def _compare_assertions(thresholds: dict, first_id: str, kv_compared: bool, kv_max_abs: float) -> list[dict]:
     assertions = [
         run_assertion("facts.trajectory_match", "is_true", name="same trajectory",
                       why="both files hold the same rows and input tokens (digests recomputed from the rows)"),
@@ -327,12 +308,55 @@ def compare(lhs_path: str | Path, rhs_path: str | Path, out: str | Path | None =
             assertions.append(run_assertion("facts.kv.worst_rel_l2", "le", thresholds["rel_l2"],
                                             name="new KV within relative L2",
                                             why="K/V written at each decode row's new position, every layer"))
-    cp = checkpoint
+    return assertions
+
+
+def compare(lhs_path: str | Path, rhs_path: str | Path, out: str | Path | None = None, *,
+            max_abs: float | None = None, rel_l2: float | None = None,
+            kv_max_abs: float = DEFAULT_KV_MAX_ABS, checkpoint: str | None = None, worst: int = 5,
+            unclaimed: dict | None = None) -> dict:
+    """``labkit logits compare``: lhs is measured, rhs the reference. Writes the evidence JSON.
+
+    The logits thresholds are the logits table's entry for the lhs device class and the collections'
+    dtype (the entry the judge holds a checkpoint to); ``max_abs``/``rel_l2`` override it, and the
+    evidence records which it was. With no entry and no override the evidence FAILs, saying so."""
+    _check_limits(max_abs, rel_l2, kv_max_abs)
+    lhs, rhs = load_collection(lhs_path, "lhs"), load_collection(rhs_path, "rhs")
+    _refuse_mismatch(lhs, rhs)
+    dtype = compared_dtype(lhs, rhs)
+    thresholds = resolve_thresholds(lhs.record.get("device"), dtype, max_abs, rel_l2)
+    thresholds["kv_max_abs"] = kv_max_abs
+    max_abs = thresholds["max_abs"] if thresholds["max_abs"] is not None else math.inf
+    rel_l2 = thresholds["rel_l2"] if thresholds["rel_l2"] is not None else math.inf
+    specs = lhs.facts["rows"]
+    metrics = [row_metrics(lhs.logits[i], rhs.logits[i]) for i in range(len(specs))]
+    kv_compared, kv_summary = _compare_kv(lhs, rhs, metrics, kv_max_abs, rel_l2, thresholds)
+    verdict, metrics = judge_rows(metrics, max_abs, rel_l2)
+    row_facts = _row_facts(specs, metrics, max_abs, rel_l2, worst)
+    facts = {
+        "suite": lhs.facts.get("suite"), "seed": lhs.facts.get("seed"),
+        "lhs": lhs.summary(), "rhs": rhs.summary(),
+        "dtype": dtype, "thresholds": thresholds,
+        "trajectory_sha256": lhs.facts["trajectory_sha256"], "trajectory_match": trajectory_match(lhs, rhs),
+        "model_match": model_match(lhs, rhs),
+        "rope": {"lhs": lhs.facts.get("rope"), "rhs": rhs.facts.get("rope")},
+        "num_rows": len(metrics), "logits_finite": bool(np.isfinite(lhs.logits).all() and np.isfinite(rhs.logits).all()),
+        **row_facts,
+        "kv": kv_summary,
+        "comparison_verdict": verdict,
+        "rows": [[specs[i]["id"], round(m["max_abs"], 9), round(m["rel_l2"], 9), m["top1_same"], round(m["ref_margin"], 6)]
+                 for i, m in enumerate(metrics)],
+        "rows_columns": ["id", "max_abs", "rel_l2", "top1_same", "ref_margin"],
+    }
+    if unclaimed:
+        facts["checkpoint_not_claimed"] = unclaimed
+    first = row_facts["first_divergent_row"]
+    assertions = _compare_assertions(thresholds, first["id"] if first else "none", kv_compared, kv_max_abs)
     out_path = Path(out) if out is not None else default_compare_out()
     kind = lhs.record.get("kind") or "cpu-real-engine"
     if not str(lhs.record.get("device") or "").startswith("cuda"):
         kind = "cpu-real-engine"
-    record = write_evidence(out_path, checkpoint=cp, kind=kind, facts=facts, device=lhs.record.get("device"),
+    record = write_evidence(out_path, checkpoint=checkpoint, kind=kind, facts=facts, device=lhs.record.get("device"),
                             model=lhs.record.get("model"), seed=lhs.facts.get("seed"),
                             engine={"lhs": lhs.record.get("engine"), "rhs": rhs.record.get("engine")},
                             run_assertions=assertions)

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from engine import SamplingParams
 from labkit.evidence import write_evidence
@@ -85,164 +86,218 @@ def _tokens_after_finished(events: list[dict]) -> int:
     return after
 
 
-async def _scenarios(server: ServerThread, worker: Worker, mem: MemorySink, record, facts: dict) -> None:
-    url = server.url
-    sc: dict[str, Any] = facts["scenarios"]
-    async with client.session(60.0) as sess:
-        # 1. streaming
-        rids = [f"stream-{i}" for i in range(3)]
-        per: dict[str, list[dict]] = {r: [] for r in rids}
+@dataclass
+class _Sim:
+    """What every scenario works with: the server's URL, one client session, the worker, the in-memory
+    event log and the recorder of the client's events."""
+    server: ServerThread
+    worker: Worker
+    mem: MemorySink
+    record: Callable[[dict], None]
+    sess: Any = None
 
-        def rec_for(rid):
-            def rec(ev: dict) -> None:
-                record(ev)
-                if ev.get("observer") == "client":
-                    per[rid].append(ev)
-            return rec
+    @property
+    def url(self) -> str:
+        return self.server.url
 
-        results = await asyncio.gather(*[client.stream_native(sess, url, _body(r, 6), record=rec_for(r),
-                                                              log_server_events=False) for r in rids])
-        admitted = [e.get("active_before") for r in rids for e in _engine_events(mem, r) if e["event"] == "admitted"]
-        sc["streaming"] = {
-            "requests": len(rids), "reasons": [res.reason for res in results],
-            "tokens": [res.tokens for res in results],
-            "client_order_ok": all(_order_ok(per[r], 6) for r in rids),
-            "engine_order_ok": all(_order_ok(_engine_events(mem, r), 6) for r in rids),
-            "active_before_at_admission": admitted,
-        }
-        sc["streaming"]["ok"] = (sc["streaming"]["client_order_ok"] and sc["streaming"]["engine_order_ok"]
-                                 and sc["streaming"]["tokens"] == [6, 6, 6])
+    def stream(self, rid: str, max_tokens: int, **kw):
+        return client.stream_native(self.sess, self.url, _body(rid, max_tokens), record=kw.pop("record", self.record),
+                                    log_server_events=False, **kw)
 
-        # 2. waiting cancel
-        worker.pause()
-        task = asyncio.create_task(client.stream_native(sess, url, _body("wait-cancel", 16), record=record,
-                                                        log_server_events=False))
-        await _until(lambda: "wait-cancel" in worker.pending_ids(), what="wait-cancel queued")
-        status = await client.cancel(sess, url, "wait-cancel")
-        worker.resume()
-        res = await task
-        fin = [e for e in _engine_events(mem, "wait-cancel") if e["event"] == "finished"]
-        sc["waiting_cancel"] = {"cancel_status": status, "reason": res.reason, "cause": res.cause, "tokens": res.tokens,
-                                "admitted": bool(fin and fin[0].get("admitted")),
-                                "admitted_events": sum(e["event"] == "admitted" for e in _engine_events(mem, "wait-cancel"))}
-        sc["waiting_cancel"]["ok"] = (status == 200 and res.reason == "cancelled" and res.tokens == 0
-                                      and sc["waiting_cancel"]["admitted_events"] == 0)
+    def queue(self, names: list[str], max_tokens: int) -> list[asyncio.Task]:
+        return [asyncio.create_task(self.stream(n, max_tokens)) for n in names]
 
-        # 3. running cancel
-        res = await client.stream_native(sess, url, _body("run-cancel", 64), record=record, log_server_events=False,
-                                         cancel_after=3)
-        ev = _engine_events(mem, "run-cancel")
-        blocks = await asyncio.get_running_loop().run_in_executor(None, _blocks, worker)
-        sc["running_cancel"] = {"reason": res.reason, "cause": res.cause, "client_tokens": res.tokens,
-                                "cancel_sent_after": res.cancel_sent_after,
-                                "client_tokens_after_finished": res.tokens_after_finished,
-                                "engine_tokens_after_finished": _tokens_after_finished(ev),
-                                "kv_blocks": blocks}
-        sc["running_cancel"]["ok"] = (res.reason == "cancelled" and res.tokens >= 3 and res.tokens < 64
-                                      and res.tokens_after_finished == 0
-                                      and sc["running_cancel"]["engine_tokens_after_finished"] == 0
-                                      and blocks["all_free"])
+    async def blocks(self) -> dict:
+        return await asyncio.get_running_loop().run_in_executor(None, _blocks, self.worker)
 
-        # 4. full queue
-        worker.pause()
-        names = [f"queued-{i}" for i in range(QUEUE_SIZE)]
-        tasks = [asyncio.create_task(client.stream_native(sess, url, _body(n, 4), record=record,
-                                                          log_server_events=False)) for n in names]
-        await _until(lambda: len(worker.pending_ids()) == QUEUE_SIZE, what="queue filled")
-        over = await client.stream_native(sess, url, _body("over-limit", 4), record=record, log_server_events=False)
-        worker.resume()
-        accepted = await asyncio.gather(*tasks)
-        sc["full_queue"] = {"queue_size": QUEUE_SIZE, "over_status": over.status, "over_reason": over.reason,
-                            "over_message": over.message, "accepted_reasons": [r.reason for r in accepted],
-                            "accepted_tokens": [r.tokens for r in accepted]}
-        sc["full_queue"]["ok"] = (over.status == 429 and all(r.reason == "length" and r.tokens == 4 for r in accepted))
 
-        # 5. slow consumer (in process: the stream is simply never read)
-        handle = worker.submit(_ids("slow"), SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
+async def _streaming(sim: _Sim) -> dict:
+    """Three concurrent streams; each is submitted, admitted, token 1..N, finished."""
+    rids = [f"stream-{i}" for i in range(3)]
+    per: dict[str, list[dict]] = {r: [] for r in rids}
+
+    def rec_for(rid):
+        def rec(ev: dict) -> None:
+            sim.record(ev)
+            if ev.get("observer") == "client":
+                per[rid].append(ev)
+        return rec
+
+    results = await asyncio.gather(*[sim.stream(r, 6, record=rec_for(r)) for r in rids])
+    admitted = [e.get("active_before") for r in rids for e in _engine_events(sim.mem, r) if e["event"] == "admitted"]
+    out = {
+        "requests": len(rids), "reasons": [res.reason for res in results],
+        "tokens": [res.tokens for res in results],
+        "client_order_ok": all(_order_ok(per[r], 6) for r in rids),
+        "engine_order_ok": all(_order_ok(_engine_events(sim.mem, r), 6) for r in rids),
+        "active_before_at_admission": admitted,
+    }
+    out["ok"] = out["client_order_ok"] and out["engine_order_ok"] and out["tokens"] == [6, 6, 6]
+    return out
+
+
+async def _waiting_cancel(sim: _Sim) -> dict:
+    """A request cancelled while queued finishes cancelled and is never admitted."""
+    sim.worker.pause()
+    task = asyncio.create_task(sim.stream("wait-cancel", 16))
+    await _until(lambda: "wait-cancel" in sim.worker.pending_ids(), what="wait-cancel queued")
+    status = await client.cancel(sim.sess, sim.url, "wait-cancel")
+    sim.worker.resume()
+    res = await task
+    fin = [e for e in _engine_events(sim.mem, "wait-cancel") if e["event"] == "finished"]
+    out = {"cancel_status": status, "reason": res.reason, "cause": res.cause, "tokens": res.tokens,
+           "admitted": bool(fin and fin[0].get("admitted")),
+           "admitted_events": sum(e["event"] == "admitted" for e in _engine_events(sim.mem, "wait-cancel"))}
+    out["ok"] = status == 200 and res.reason == "cancelled" and res.tokens == 0 and out["admitted_events"] == 0
+    return out
+
+
+async def _running_cancel(sim: _Sim) -> dict:
+    """``cancel_after=3``: finished cancelled, no token after it, every KV block free."""
+    res = await sim.stream("run-cancel", 64, cancel_after=3)
+    ev = _engine_events(sim.mem, "run-cancel")
+    blocks = await sim.blocks()
+    out = {"reason": res.reason, "cause": res.cause, "client_tokens": res.tokens,
+           "cancel_sent_after": res.cancel_sent_after,
+           "client_tokens_after_finished": res.tokens_after_finished,
+           "engine_tokens_after_finished": _tokens_after_finished(ev),
+           "kv_blocks": blocks}
+    out["ok"] = (res.reason == "cancelled" and res.tokens >= 3 and res.tokens < 64
+                 and res.tokens_after_finished == 0 and out["engine_tokens_after_finished"] == 0
+                 and blocks["all_free"])
+    return out
+
+
+async def _full_queue(sim: _Sim) -> dict:
+    """With the owner held, ``queue_size`` requests queue up, the next gets 429, the accepted ones complete."""
+    sim.worker.pause()
+    tasks = sim.queue([f"queued-{i}" for i in range(QUEUE_SIZE)], 4)
+    await _until(lambda: len(sim.worker.pending_ids()) == QUEUE_SIZE, what="queue filled")
+    over = await sim.stream("over-limit", 4)
+    sim.worker.resume()
+    accepted = await asyncio.gather(*tasks)
+    out = {"queue_size": QUEUE_SIZE, "over_status": over.status, "over_reason": over.reason,
+           "over_message": over.message, "accepted_reasons": [r.reason for r in accepted],
+           "accepted_tokens": [r.tokens for r in accepted]}
+    out["ok"] = over.status == 429 and all(r.reason == "length" and r.tokens == 4 for r in accepted)
+    return out
+
+
+async def _slow_consumer(sim: _Sim) -> dict:
+    """A stream nobody reads (in process: the stream is simply never read) is cancelled, its buffer bounded."""
+    handle = sim.worker.submit(_ids("slow"), SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
                                request_id="slow-consumer", stream_buffer=SLOW_BUFFER)
-        fin = await asyncio.get_running_loop().run_in_executor(None, handle.wait, 30.0)
-        blocks = await asyncio.get_running_loop().run_in_executor(None, _blocks, worker)
-        sc["slow_consumer"] = {"stream_buffer": SLOW_BUFFER, "reason": (fin or {}).get("reason"),
-                               "cause": (fin or {}).get("cause"), "max_buffered": handle.max_buffered,
-                               "bound": SLOW_BUFFER + 2, "tokens_generated": (fin or {}).get("num_completion_tokens"),
-                               "kv_blocks": blocks}
-        sc["slow_consumer"]["ok"] = (sc["slow_consumer"]["reason"] == "cancelled"
-                                     and sc["slow_consumer"]["cause"] == "slow_consumer"
-                                     and handle.max_buffered <= SLOW_BUFFER + 2 and blocks["all_free"])
+    fin = await asyncio.get_running_loop().run_in_executor(None, handle.wait, 30.0)
+    blocks = await sim.blocks()
+    out = {"stream_buffer": SLOW_BUFFER, "reason": (fin or {}).get("reason"),
+           "cause": (fin or {}).get("cause"), "max_buffered": handle.max_buffered,
+           "bound": SLOW_BUFFER + 2, "tokens_generated": (fin or {}).get("num_completion_tokens"),
+           "kv_blocks": blocks}
+    out["ok"] = (out["reason"] == "cancelled" and out["cause"] == "slow_consumer"
+                 and handle.max_buffered <= SLOW_BUFFER + 2 and blocks["all_free"])
+    return out
 
-        # 6. client disconnect
-        got = 0
-        async with sess.post(f"{url}/generate", json=_body("disconnect", 64)) as resp:
-            async for line in resp.content:
-                if b'"event":"token"' in line:
-                    got += 1
-                    if got == 2:
-                        break
-            resp.close()
-        await _until(lambda: any(e["event"] == "finished" for e in _engine_events(mem, "disconnect")),
-                     what="disconnect cancel")
-        fin = [e for e in _engine_events(mem, "disconnect") if e["event"] == "finished"][0]
-        sc["disconnect"] = {"tokens_read": got, "reason": fin.get("reason"), "cause": fin.get("cause"),
-                            "engine_tokens": fin.get("num_completion_tokens")}
-        sc["disconnect"]["ok"] = fin.get("reason") == "cancelled" and fin.get("cause") == "disconnect"
 
-        # 7. engine exception
-        worker.pause()
-        names = ["fault-a", "fault-b"]
-        tasks = [asyncio.create_task(client.stream_native(sess, url, _body(n, 8), record=record,
-                                                          log_server_events=False)) for n in names]
-        await _until(lambda: len(worker.pending_ids()) == 2, what="fault requests queued")
-        worker.inject_fault(message="injected fault (simulate)")
-        worker.resume()
-        failed = await asyncio.gather(*tasks)
-        after = await client.stream_native(sess, url, _body("after-fault", 5), record=record, log_server_events=False)
-        async with sess.get(f"{url}/health") as resp:
-            health_status = resp.status
-            health = await resp.json()
-        blocks = await asyncio.get_running_loop().run_in_executor(None, _blocks, worker)
-        err = [e for e in mem.snapshot() if e.get("event") == "worker" and e.get("what") == "engine_error"]
-        sc["engine_exception"] = {"affected_reasons": [r.reason for r in failed],
-                                  "messages": [r.message for r in failed],
-                                  "engine_consistent": bool(err and err[-1].get("consistent")),
-                                  "after_reason": after.reason, "after_tokens": after.tokens,
-                                  "health_status": health_status, "health_state": health.get("status"),
-                                  "kv_blocks": blocks,
-                                  "policy": "the failed batch ends with error; a consistent engine keeps serving"}
-        sc["engine_exception"]["ok"] = (all(r.reason == "error" for r in failed) and after.reason == "length"
-                                        and health_status == 200 and blocks["all_free"])
+async def _disconnect(sim: _Sim) -> dict:
+    """A client that goes away after two tokens gets its request cancelled."""
+    got = 0
+    async with sim.sess.post(f"{sim.url}/generate", json=_body("disconnect", 64)) as resp:
+        async for line in resp.content:
+            if b'"event":"token"' in line:
+                got += 1
+                if got == 2:
+                    break
+        resp.close()
+    await _until(lambda: any(e["event"] == "finished" for e in _engine_events(sim.mem, "disconnect")),
+                 what="disconnect cancel")
+    fin = [e for e in _engine_events(sim.mem, "disconnect") if e["event"] == "finished"][0]
+    out = {"tokens_read": got, "reason": fin.get("reason"), "cause": fin.get("cause"),
+           "engine_tokens": fin.get("num_completion_tokens")}
+    out["ok"] = fin.get("reason") == "cancelled" and fin.get("cause") == "disconnect"
+    return out
 
-        # 8. shutdown mid-stream
-        names = [f"shutdown-{i}" for i in range(MAX_ACTIVE + 1)]     # one of them waits in the queue
-        tasks = [asyncio.create_task(client.stream_native(sess, url, _body(n, 200), record=record,
-                                                          log_server_events=False)) for n in names]
-        await _until(lambda: any(e["event"] == "token" for e in _engine_events(mem, names[0])), what="streaming")
-        t0 = time.monotonic()
-        await asyncio.get_running_loop().run_in_executor(None, server.close)
-        close_s = time.monotonic() - t0
-        stopped = await asyncio.gather(*tasks)
+
+async def _engine_exception(sim: _Sim) -> dict:
+    """An injected fault inside ``engine.step()`` fails the batch with ``error``; the worker keeps serving."""
+    sim.worker.pause()
+    tasks = sim.queue(["fault-a", "fault-b"], 8)
+    await _until(lambda: len(sim.worker.pending_ids()) == 2, what="fault requests queued")
+    sim.worker.inject_fault(message="injected fault (simulate)")
+    sim.worker.resume()
+    failed = await asyncio.gather(*tasks)
+    after = await sim.stream("after-fault", 5)
+    async with sim.sess.get(f"{sim.url}/health") as resp:
+        health_status = resp.status
+        health = await resp.json()
+    blocks = await sim.blocks()
+    err = [e for e in sim.mem.snapshot() if e.get("event") == "worker" and e.get("what") == "engine_error"]
+    out = {"affected_reasons": [r.reason for r in failed],
+           "messages": [r.message for r in failed],
+           "engine_consistent": bool(err and err[-1].get("consistent")),
+           "after_reason": after.reason, "after_tokens": after.tokens,
+           "health_status": health_status, "health_state": health.get("status"),
+           "kv_blocks": blocks,
+           "policy": "the failed batch ends with error; a consistent engine keeps serving"}
+    out["ok"] = (all(r.reason == "error" for r in failed) and after.reason == "length"
+                 and health_status == 200 and blocks["all_free"])
+    return out
+
+
+async def _close_mid_stream(sim: _Sim) -> tuple[list, float]:
+    """(the streams' results, seconds the close took): the server closed while its streams run."""
+    names = [f"shutdown-{i}" for i in range(MAX_ACTIVE + 1)]     # one of them waits in the queue
+    tasks = sim.queue(names, 200)
+    await _until(lambda: any(e["event"] == "token" for e in _engine_events(sim.mem, names[0])), what="streaming")
+    t0 = time.monotonic()
+    await asyncio.get_running_loop().run_in_executor(None, sim.server.close)
+    close_s = time.monotonic() - t0
+    return await asyncio.gather(*tasks), close_s
+
+
+def _shutdown(sim: _Sim, stopped: list, close_s: float) -> dict:
+    """After the close: every open request finished (cancelled/shutdown), every block free, a second
+    close idempotent, new work refused, the port released."""
     t1 = time.monotonic()
-    server.close()
-    worker.close()
+    sim.server.close()
+    sim.worker.close()
     again_s = time.monotonic() - t1
     try:
-        worker.submit(_ids("late"), SamplingParams(max_tokens=2))
+        sim.worker.submit(_ids("late"), SamplingParams(max_tokens=2))
         refused = False
     except WorkerUnavailable:
         refused = True
-    port = int(url.rsplit(":", 1)[1])
+    port = int(sim.url.rsplit(":", 1)[1])
     try:
         bind_socket("127.0.0.1", port).close()
         released = True
     except Exception:
         released = False
-    closed = [e for e in mem.snapshot() if e.get("event") == "worker" and e.get("what") == "closed"]
-    sc["shutdown"] = {"reasons": [r.reason for r in stopped], "causes": [r.cause for r in stopped],
-                      "close_seconds": round(close_s, 3), "second_close_seconds": round(again_s, 3),
-                      "new_work_refused": refused, "port_released": released,
-                      "blocks_free_after_close": closed[-1].get("free_blocks") if closed else None,
-                      "blocks_total": closed[-1].get("total_blocks") if closed else None}
-    sc["shutdown"]["ok"] = (all(r.reason == "cancelled" and r.cause == "shutdown" for r in stopped) and refused
-                            and released and closed and closed[-1].get("free_blocks") == closed[-1].get("total_blocks"))
+    closed = [e for e in sim.mem.snapshot() if e.get("event") == "worker" and e.get("what") == "closed"]
+    out = {"reasons": [r.reason for r in stopped], "causes": [r.cause for r in stopped],
+           "close_seconds": round(close_s, 3), "second_close_seconds": round(again_s, 3),
+           "new_work_refused": refused, "port_released": released,
+           "blocks_free_after_close": closed[-1].get("free_blocks") if closed else None,
+           "blocks_total": closed[-1].get("total_blocks") if closed else None}
+    out["ok"] = (all(r.reason == "cancelled" and r.cause == "shutdown" for r in stopped) and refused
+                 and released and closed and closed[-1].get("free_blocks") == closed[-1].get("total_blocks"))
+    return out
+
+
+#: The scenarios in the order they run (the module docstring says what each shows); shutdown ends them.
+_SCENARIOS = (("streaming", _streaming), ("waiting_cancel", _waiting_cancel), ("running_cancel", _running_cancel),
+              ("full_queue", _full_queue), ("slow_consumer", _slow_consumer), ("disconnect", _disconnect),
+              ("engine_exception", _engine_exception))
+
+
+async def _scenarios(server: ServerThread, worker: Worker, mem: MemorySink, record, facts: dict) -> None:
+    sim = _Sim(server, worker, mem, record)
+    sc: dict[str, Any] = facts["scenarios"]
+    async with client.session(60.0) as sess:
+        sim.sess = sess
+        for name, scenario in _SCENARIOS:
+            sc[name] = await scenario(sim)
+        stopped, close_s = await _close_mid_stream(sim)
+    sc["shutdown"] = _shutdown(sim, stopped, close_s)
 
 
 def run_simulate(out: str | Path | None = None, model: str | None = None) -> dict:
