@@ -71,7 +71,7 @@ def test_tokenizer_fails_when_decode_loses_a_token(tiny_model_dir, tmp_path, lab
 
 
 def test_softmax_fails_when_the_sampler_ignores_the_temperature(tmp_path, labkit_argv, monkeypatch):
-    import engine.layers.sampler as sampler
+    import engine.sampling.sampler as sampler
 
     from labkit.experiments.principles import run_softmax
 
