@@ -190,6 +190,8 @@ class Config:
         if self.max_model_len == "auto":
             self.max_model_len_auto = True
             self.max_model_len = self.shape.max_position_embeddings   # until the pool is sized (fit_to_pool)
+        elif isinstance(self.max_model_len, str):
+            raise ConfigError(f'max_model_len must be a positive integer or "auto", got {self.max_model_len!r}')
         self._check_positive("max_num_batched_tokens", "max_num_seqs", "max_model_len",
                              "kvcache_block_size", "tensor_parallel_size", "cpu_kv_cache_bytes")
         bs = self.kvcache_block_size

@@ -63,6 +63,6 @@ def test_an_integer_is_capped_by_the_model_only(tiny_model_dir, monkeypatch):
         assert not eng.config.max_model_len_auto
     finally:
         eng.close()
-    for bad in (None, "fit", 0):
-        with pytest.raises(ConfigError):
+    for bad, says in ((None, "positive integer"), ("fit", '"auto"'), (0, "positive integer")):
+        with pytest.raises(ConfigError, match=says):
             LLMEngine(str(tiny_model_dir), max_model_len=bad, **KW)
