@@ -1,9 +1,16 @@
-"""nano-lab's embedded inference engine: paged KV with prefix cache, chunked prefill, Qwen3."""
+"""nano-lab's embedded inference engine: paged KV with prefix cache, chunked prefill, Qwen3.
+
+A request's path, in reading order: ``llm_engine.py`` (``LLMEngine.step``: schedule -> run -> postprocess;
+admission in ``admission.py``), ``scheduler.py`` and ``block_manager.py``, ``model_runner.py`` (its inputs
+``step_inputs.py``, the model ``models/qwen3.py`` over ``layers/`` and ``attention/``, graphs ``graph.py``),
+``sampling/``. Start-up: ``kv_pool.py`` (the pool's size), ``warmup.py``. Tensor parallel: ``distributed.py``,
+``tp_workers.py``. Watching it: ``observe.py`` (hooks, events), ``device_clock.py`` (each step on the GPU).
+"""
 from engine.config import Config, ConfigError
 from engine.llm import LLM
 from engine.errors import RequestError
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 # The scheduler and its paged block manager also run on their own, built from plain limits, with no model
 # (the lab's cpu-real-scheduler experiments); a running LLMEngine keeps its own instances private.

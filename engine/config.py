@@ -155,7 +155,7 @@ class Config:
     model: str
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 256
-    max_model_len: int = 1024
+    max_model_len: int | str = 1024       # capped at the model's context; "auto": that, capped to the KV pool
     kvcache_block_size: int = 256
     num_kvcache_blocks: int = -1          # -1: derive from the memory budget
     gpu_memory_utilization: float = 0.5
@@ -181,12 +181,18 @@ class Config:
     eos_token_ids: tuple[int, ...] = ()
     shape: ModelShape | None = field(default=None, init=False, repr=False)
     rope: RopeScaling | None = field(default=None, init=False, repr=False)
+    max_model_len_auto: bool = field(default=False, init=False)   # asked "auto": fitted to the pool (fit_to_pool)
 
     def __post_init__(self) -> None:
         path = Path(self.model)
         self.hf_config = read_model_dir(path)
         self.shape = ModelShape.from_hf(self.hf_config)
         self.rope = RopeScaling.from_hf(self.hf_config)
+        if self.max_model_len == "auto":
+            self.max_model_len_auto = True
+            self.max_model_len = self.shape.max_position_embeddings   # until the pool is sized (fit_to_pool)
+        elif isinstance(self.max_model_len, str):
+            raise ConfigError(f'max_model_len must be a positive integer or "auto", got {self.max_model_len!r}')
         self._check_positive("max_num_batched_tokens", "max_num_seqs", "max_model_len",
                              "kvcache_block_size", "tensor_parallel_size", "cpu_kv_cache_bytes")
         bs = self.kvcache_block_size
@@ -239,6 +245,12 @@ class Config:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+    def fit_to_pool(self, num_blocks: int) -> None:
+        """max_model_len "auto": the model's context capped to what a pool of num_blocks holds (called once,
+        by the runner, when the pool is sized; the other settings are left as they are)."""
+        if self.max_model_len_auto:
+            self.max_model_len = min(self.shape.max_position_embeddings, num_blocks * self.kvcache_block_size)
 
     @property
     def vocab_size(self) -> int:

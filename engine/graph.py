@@ -17,6 +17,7 @@ A batch with no covering bucket runs eagerly instead of failing; the route is re
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -166,3 +167,17 @@ class PrefillGraphs:
         torch.sub(meta.cu_seqlens_q[1:], 1, out=self.last[:n])
         self.graphs[bucket].replay()
         return self.outputs[bucket][:n]
+
+
+@dataclass(frozen=True)
+class Route:
+    """How a forward ran: eagerly, by replaying the decode graph of `bucket` sequences, or the prefill
+    graph of `bucket` tokens (ModelRunner.route_for picks it)."""
+    kind: str = "eager"                   # "eager" | "graph" | "prefill-graph"
+    bucket: int | None = None
+
+    def __str__(self) -> str:
+        return "eager" if self.kind == "eager" else f"{self.kind}:{self.bucket}"
+
+
+EAGER = Route()

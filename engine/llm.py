@@ -1,5 +1,5 @@
 from engine.llm_engine import LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 class LLM(LLMEngine):

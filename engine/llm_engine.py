@@ -1,4 +1,10 @@
-"""LLMEngine: add_request -> step (schedule -> run -> postprocess) -> outputs."""
+"""LLMEngine: add_request -> step (schedule -> run -> postprocess) -> outputs.
+
+The request's path: ``add_request`` (engine/admission.py: encode, check) queues a Sequence; ``step`` =
+``_schedule_step`` (engine/scheduler.py) -> ``ModelRunner.run`` (engine/model_runner.py: inputs, forward,
+sampler) -> ``postprocess`` (the scheduler accepts the tokens, finishes sequences) -> a StepOutput. With
+``overlap`` the decode steps go through ``_step_overlapped``: ``ModelRunner.launch`` of step k+1 before
+step k's tokens are read."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,15 +16,18 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from engine import admission
 from engine.block_manager import BlockManager
 from engine.config import Config
 from engine.errors import RequestError
-from engine.layers.logits_process import to_device
-from engine.model_runner import EAGER, Launched, ModelRunner, Route, StepInputs
+from engine.graph import EAGER, Route
+from engine.model_runner import Launched, ModelRunner
 from engine.observe import EngineEvent, EventBus, HookSet, StepHooks
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
+from engine.sampling.processors import to_device
 from engine.scheduler import Scheduler, StepOutcome
 from engine.sequence import Sequence, SequenceCounter
+from engine.step_inputs import StepInputs
 
 
 @dataclass
@@ -94,7 +103,6 @@ class LLMEngine:
         self._tokenizer = None
         self._closed = False
         self._inflight: _InFlight | None = None
-        self._batch: list[tuple[int, int]] = []       # the last schedule()'s (seq_id, positions) list
         self.init_seconds = time.perf_counter() - init_start
 
     # -- identity ------------------------------------------------------------------
@@ -181,7 +189,8 @@ class LLMEngine:
     def forward_logits(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, Route]:
         """The logits of a scheduled batch (from schedule()) without sampling, and the route they took;
         hand the chosen ids to postprocess() to finish the step (teacher forcing)."""
-        return self.runner.forward(seqs, is_prefill, step=self.num_steps)
+        logits, route, _ = self.runner.forward(seqs, is_prefill, step=self.num_steps)
+        return logits, route
 
     def free_block_ids(self) -> list[int]:
         return sorted(self.block_manager.free_block_ids)
@@ -214,65 +223,21 @@ class LLMEngine:
 
     def slot(self, seq: Sequence, position: int) -> int:
         """Where position's K/V lives in the pool (block_table[p // B] * B + p % B)."""
-        return self.runner.slot(seq, position)
+        return self.runner.inputs.slot(seq, position)
 
     # -- requests ------------------------------------------------------------------
     def encode(self, prompt) -> list[int]:
-        """Text as is, chat messages through the chat template, or token ids."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                                      enable_thinking=False)
-            return self.tokenizer.encode(text)
-        return list(prompt)
+        """Text as is, chat messages through the chat template, or token ids (engine/admission.py)."""
+        return admission.encode(self.tokenizer, prompt)
 
     def validate(self, token_ids: list[int], sampling_params: SamplingParams | None = None) -> None:
-        """The one admission rule, offline and online: a non-empty prompt of vocabulary ids that leaves
-        room for max_tokens outputs within max_model_len and fits in the KV pool."""
-        self.check_request(self.config, self.block_manager.num_blocks, token_ids, sampling_params)
+        """The one admission rule, offline and online (engine/admission.py: check_request) over this
+        engine's config and KV pool."""
+        admission.check_request(self.config, self.block_manager.num_blocks, token_ids, sampling_params)
 
-    @staticmethod
-    def check_request(cfg: Config, num_blocks: int, token_ids: list[int],
-                      sampling_params: SamplingParams | None = None) -> None:
-        """validate()'s rule over an engine's config and KV pool size alone, for a front end in another
-        process that checks requests with the limits its engine reported (labkit serve --engine-process)."""
-        if not token_ids:
-            raise RequestError("the prompt is empty", "empty_prompt")
-        vocab = cfg.vocab_size
-        # plain ints in range: checked at C speed (a per-id Python test took 130 ms for nano-vllm's 143k
-        # prompt ids); anything else is looked at id by id
-        if not set(map(type, token_ids)) <= {int} or min(token_ids) < 0 or max(token_ids) >= vocab:
-            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})",
-                                   "token_out_of_vocabulary")
-        if len(token_ids) >= cfg.max_model_len:
-            raise RequestError(f"prompt has {len(token_ids)} tokens; max_model_len is {cfg.max_model_len} "
-                               f"(the prompt must leave room for at least one output token)",
-                               "context_length_exceeded")
-        if sampling_params is not None and len(token_ids) + sampling_params.max_tokens > cfg.max_model_len:
-            raise RequestError(f"prompt ({len(token_ids)} tokens) + max_tokens ({sampling_params.max_tokens}) "
-                               f"exceeds max_model_len ({cfg.max_model_len})", "context_length_exceeded")
-        if sampling_params is not None:
-            LLMEngine._validate_vocab_ids(cfg, sampling_params)
-        blocks = (len(token_ids) + 1 + cfg.kvcache_block_size - 1) // cfg.kvcache_block_size
-        if blocks > num_blocks:
-            raise RequestError(f"prompt needs {blocks} KV blocks but the pool has {num_blocks}",
-                               "pool_too_small")
-
-    @staticmethod
-    def _validate_vocab_ids(cfg: Config, sp: SamplingParams) -> None:
-        """Token ids inside sampling parameters must be in the vocabulary; prompt log-probs need one rank."""
-        vocab = cfg.vocab_size
-        for name, ids in (("logit_bias", list(sp.logit_bias or ())), ("stop_token_ids", sp.stop_token_ids)):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise RequestError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})",
-                                   f"invalid_{name}")
-        if sp.prompt_logprobs is not None and cfg.tensor_parallel_size > 1:
-            raise RequestError("prompt_logprobs needs tensor_parallel_size 1 (the prompt's logits are computed "
-                               "on rank 0 only)", "invalid_prompt_logprobs")
+    #: validate()'s rule over an engine's config and KV pool size alone, for a front end in another
+    #: process that checks requests with the limits its engine reported (labkit serve --engine-process)
+    check_request = staticmethod(admission.check_request)
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, *,
                     validated: bool = False, prefill_after: Sequence | None = None) -> Sequence:
@@ -310,7 +275,7 @@ class LLMEngine:
         """Stop a request now and free its KV blocks (call between steps)."""
         if seq.is_finished:
             return []
-        self.runner.forget(seq.seq_id)
+        self.runner.sampler.forget(seq.seq_id)
         return self.scheduler.finish(seq, reason)
 
     # -- the loop --------------------------------------------------------------------
@@ -321,18 +286,23 @@ class LLMEngine:
             self.events.emit(EngineEvent("inputs", self.num_steps, "prefill" if inputs.is_prefill else "decode", data))
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        with self.hooks.phase("schedule", self.num_steps + 1):
-            seqs, is_prefill = self.scheduler.schedule()
-        # the step's (seq_id, positions computed) list, built once: the hooks, the events, the
-        # StepOutput and the first overlapped launch all take this one (see _schedule)
-        self._batch = self._scheduled(seqs, is_prefill) if seqs else []
+        """The next batch, counted and announced as a step (hooks, events), for callers that drive the
+        step themselves: forward_logits() or their own ids, then postprocess()."""
+        seqs, is_prefill, _ = self._schedule_step()
         return seqs, is_prefill
 
-    def _schedule(self) -> tuple[list[Sequence], bool, list[tuple[int, int]]]:
-        seqs, is_prefill = self.schedule()
-        return seqs, is_prefill, self._batch
-
-    def _scheduled(self, seqs: list[Sequence], is_prefill: bool) -> list[tuple[int, int]]:
+    def _schedule_step(self, after: list[Sequence] | None = None) -> tuple[list[Sequence], bool, list[tuple[int, int]]]:
+        """The next batch from the scheduler (after: the decode batch still in flight, whose next step
+        is scheduled ahead: Scheduler.schedule_lookahead), counted as a step and announced to the hooks
+        and the events. Returns it with its (seq_id, positions computed) list, built once: the hooks,
+        the events and the StepOutput all take this one."""
+        with self.hooks.phase("schedule", self.num_steps + 1):
+            if after is None:
+                seqs, is_prefill = self.scheduler.schedule()
+            else:
+                seqs, is_prefill = self.scheduler.schedule_lookahead(after), False
+        if not seqs:
+            return seqs, is_prefill, []
         self.num_steps += 1
         batch = [(s.seq_id, s.num_scheduled_tokens) for s in seqs]
         if self.hooks:
@@ -340,14 +310,14 @@ class LLMEngine:
         if self.events:
             self.events.emit(EngineEvent("scheduled", self.num_steps, "prefill" if is_prefill else "decode",
                                          {"seqs": [s.snapshot() for s in seqs]}))
-        return batch
+        return seqs, is_prefill, batch
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool,
                     step: int | None = None) -> StepOutcome:
         with self.hooks.phase("postprocess", self.num_steps if step is None else step):
             outcome = self.scheduler.postprocess(seqs, token_ids, is_prefill)
             for seq in outcome.finished:
-                self.runner.forget(seq.seq_id)
+                self.runner.sampler.forget(seq.seq_id)
         if self.events:
             self.events.emit(EngineEvent("postprocessed", self.num_steps, "prefill" if is_prefill else "decode", {
                 "accepted": {str(k): v for k, v in outcome.accepted.items()},
@@ -366,14 +336,14 @@ class LLMEngine:
         if self.config.overlap:
             return self._step_overlapped()
         t0 = time.perf_counter()
-        seqs, is_prefill, batch = self._schedule()
+        seqs, is_prefill, batch = self._schedule_step()
         if not seqs:
             return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
-        token_ids, route, row_logprobs = self.runner.run_step(seqs, is_prefill, self.num_steps)
+        token_ids, route, row_logprobs, wait_s, span = self.runner.run(seqs, is_prefill, self.num_steps)
         outcome = self.postprocess(seqs, token_ids, is_prefill)
         return StepOutput(self.num_steps, is_prefill, seqs, outcome, sum(n for _, n in batch),
                           time.perf_counter() - t0, batch, route, self._keep_logprobs(seqs, row_logprobs, outcome),
-                          self.runner.last_wait_s, self.runner.last_device_span)
+                          wait_s, span)
 
     @staticmethod
     def _keep_logprobs(seqs: list[Sequence], row_logprobs: dict, outcome: StepOutcome) -> dict:
@@ -401,17 +371,15 @@ class LLMEngine:
         prev = self._inflight
         self._inflight = None
         if prev is None:
-            seqs, is_prefill, batch = self._schedule()
+            seqs, is_prefill, batch = self._schedule_step()
             if not seqs:
                 return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
             prev = self._launch(seqs, is_prefill, batch)
         if not prev.is_prefill and not any(s.sampling_params.needs_history(s.num_completion_tokens)
                                              for s in prev.seqs):
             # (penalties and min_tokens read the token still in flight: those batches run one by one)
-            with self.hooks.phase("schedule", self.num_steps + 1):
-                nxt = self.scheduler.schedule_lookahead(prev.seqs)
+            nxt, _, batch = self._schedule_step(after=prev.seqs)
             if nxt:
-                batch = self._scheduled(nxt, False)
                 self._inflight = self._launch(nxt, False, batch, self._feed(prev, nxt))
         t_wait = time.perf_counter()
         token_ids = prev.tokens.tolist()
@@ -426,7 +394,7 @@ class LLMEngine:
                     s.num_scheduled_tokens = 1       # postprocess cleared it; the in-flight step computes 1
         return StepOutput(prev.step, prev.is_prefill, prev.seqs, outcome, prev.num_tokens,
                           time.perf_counter() - t0, prev.scheduled, prev.tokens.route, kept, wait_s,
-                          prev.tokens.device_span(self.runner.clock))
+                          prev.tokens.device_span())
 
     @staticmethod
     def _feed(prev: _InFlight, nxt: list[Sequence]) -> torch.Tensor:

@@ -1,4 +1,15 @@
-"""Turns scheduled sequences into tensors, runs the model on the paged KV cache, samples."""
+"""ModelRunner: a scheduled batch in, its sampled token ids out (nano-vllm's model_runner.py).
+
+A step: :meth:`ModelRunner.run` (waits for the ids on the host) or :meth:`ModelRunner.launch` (leaves them
+on the device, for the overlapped decode) -> :meth:`forward` (the batch's inputs from ``self.inputs``,
+engine/step_inputs.py, and the route: eager or a captured graph) -> :meth:`run_model` (the model, or a
+graph replay) -> ``self.sampler`` (engine/sampling/). Each returns what it measured: the route, the
+host's wait for the ids, the step's span on the GPU.
+
+Start-up, in order: load the weights, size and allocate the KV pool (:meth:`allocate_kv_cache`,
+engine/kv_pool.py), warm every shape a wide batch meets (engine/warmup.py), capture the CUDA graphs
+(engine/graph.py), start the device clock (engine/device_clock.py).
+"""
 from __future__ import annotations
 
 import time
@@ -8,19 +19,20 @@ from typing import Callable
 
 import torch
 
+from engine import kv_pool
 from engine.attention import create_backend, resolve_backend_name
 from engine.config import Config, ConfigError
 from engine.device_clock import DeviceClock
 from engine.distributed import SINGLE, ParallelContext
-from engine.graph import PREFILL_GRAPH_SEQS, DecodeGraphs, PrefillGraphs, prefill_buckets
-from engine.layers.logits_process import RowInputs, TokenHistory
-from engine.layers.sampler import SampledLogprobs, TokenLogprob, logprobs_of, sample, sample_processed, sample_tensor
+from engine.graph import EAGER, PREFILL_GRAPH_SEQS, DecodeGraphs, PrefillGraphs, Route, prefill_buckets
 from engine.loader import load_model
-from engine.observe import HookSet
 from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.observe import HookSet
+from engine.sampling.logprobs import SampledLogprobs, TokenLogprob, record_prompt_logprobs
+from engine.sampling.sampler import Sampler
 from engine.sequence import Sequence
 from engine.step_inputs import InputBuilder, StepInputs
-from engine.warmup import graph_buckets, warmup_plan
+from engine.warmup import graph_buckets, profile_run, warm_paths
 
 
 @contextmanager
@@ -34,20 +46,6 @@ def default_dtype_device(dtype: torch.dtype, device: str):
         torch.set_default_dtype(old)
 
 
-@dataclass(frozen=True)
-class Route:
-    """How a forward ran: eagerly, by replaying the decode graph of `bucket` sequences, or the prefill
-    graph of `bucket` tokens."""
-    kind: str = "eager"                   # "eager" | "graph" | "prefill-graph"
-    bucket: int | None = None
-
-    def __str__(self) -> str:
-        return "eager" if self.kind == "eager" else f"{self.kind}:{self.bucket}"
-
-
-EAGER = Route()
-
-
 @dataclass
 class Launched:
     """A launched step's sampled ids: on the device (to feed the next step) and, once `ready`, on the host."""
@@ -57,6 +55,7 @@ class Launched:
     route: Route = EAGER
     logprobs: SampledLogprobs | None = None    # rows that asked for log-probs (read after tolist())
     started: "torch.cuda.Event | None" = None  # reached when the GPU began the step (engine/device_clock.py)
+    clock: DeviceClock | None = None
 
     def tolist(self) -> list[int]:
         if self.ready is not None:
@@ -67,14 +66,14 @@ class Launched:
         """Batch row -> the drawn token's log-prob and alternatives (rows that asked only)."""
         return self.logprobs.to_host(token_ids) if self.logprobs is not None else {}
 
-    def device_span(self, clock: DeviceClock | None) -> tuple[int, int] | None:
+    def device_span(self) -> tuple[int, int] | None:
         """The step's start and end on the GPU (monotonic ns), after tolist()."""
-        if clock is None or self.started is None or self.ready is None:
+        if self.clock is None or self.started is None or self.ready is None:
             return None
-        return clock.span(self.started, self.ready)
+        return self.clock.span(self.started, self.ready)
 
 
-class ModelRunner(InputBuilder):
+class ModelRunner:
     def __init__(self, config: Config, tp: ParallelContext = SINGLE, workers=None, device: str | None = None):
         self.config = config
         self.tp = tp
@@ -86,11 +85,9 @@ class ModelRunner(InputBuilder):
         self.block_size = config.kvcache_block_size
         self.attention_backend = resolve_backend_name(config.attention_backend, self.device, self.block_size)
         self.backend = create_backend(self.attention_backend, self.block_size)
+        self.inputs = InputBuilder(self.block_size, self.device)
         self.on_inputs: Callable[[StepInputs], None] | None = None   # observer hook (tracing)
-        self.last_wait_s = 0.0            # run_step: host time blocked reading the sampled ids
         self.clock: DeviceClock | None = None           # CUDA: each step's span on the GPU (set up last)
-        self._started: "torch.cuda.Event | None" = None  # the step being prepared: where the GPU begins it
-        self.last_device_span: tuple[int, int] | None = None   # run_step: the step's span on the GPU
         self.hooks = HookSet()            # the engine hands in its own (phases, the point before the forward)
         self.memory: dict = {}
         t0 = time.perf_counter()
@@ -103,22 +100,19 @@ class ModelRunner(InputBuilder):
         self.model.eval()
         self.fused_ops = self._enable_fused_ops() if config.fused_ops else False
         self.load_seconds = time.perf_counter() - t0
-        self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(config.seed)
-        self._seq_generators: dict[int, torch.Generator] = {}
-        self._history: TokenHistory | None = None     # penalty rows' token counts (made on first use)
+        self.sampler = Sampler(self.device, config.seed, config.eos_token_ids, config.logprobs_mode)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.warmed: list[dict] = []      # the shapes start-up ran (engine/warmup.py), for describe()
         self.warm_seconds = 0.0
-        self.warm_paths()
+        warm_paths(self)
         if not config.enforce_eager:
             if not self.device.startswith("cuda"):
                 raise ConfigError("graph execution needs CUDA (use enforce_eager on CPU)")
             self.capture_graphs()
         if self.device.startswith("cuda") and self.tp.rank == 0:   # the other TP ranks' steps are nobody's to read
-            self.clock = DeviceClock()
+            self.clock = self.inputs.clock = DeviceClock()
 
     def _enable_fused_ops(self) -> bool:
         if not self.config.fused_ops:      # --no-fused-ops: the plain path (backend.store_kv runs)
@@ -134,136 +128,28 @@ class ModelRunner(InputBuilder):
                 module.fused = True
         return True
 
-    # -- KV pool -------------------------------------------------------------
-    @property
-    def bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return self.block_size * self.config.shape.kv_bytes_per_token(elem, self.tp.world_size)
-
-    def _blocks_from_budget(self) -> int:
-        cfg = self.config
-        blocks_per_seq = (cfg.max_model_len + self.block_size - 1) // self.block_size
-        if self.device == "cpu":
-            budget = cfg.cpu_kv_cache_bytes
-            cap = cfg.max_num_seqs * blocks_per_seq + 1
-            self.memory = {"kv_budget_bytes": budget, "source": "cpu_kv_cache_bytes"}
-            return max(1, min(budget // self.bytes_per_block, cap))
-        torch.cuda.synchronize()
-        self.warmup()
-        free, total = torch.cuda.mem_get_info()
-        used = total - free
-        peak = torch.cuda.max_memory_allocated()
-        current = torch.cuda.memory_allocated()
-        budget = int(total * cfg.gpu_memory_utilization - used - peak + current)
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        self.memory = {"total_bytes": total, "weights_bytes": weights, "peak_work_bytes": peak - current,
-                       "used_before_kv_bytes": used, "kv_budget_bytes": budget,
-                       "gpu_memory_utilization": cfg.gpu_memory_utilization}
-        return budget // self.bytes_per_block
-
+    # -- start-up: the KV pool and the graphs -----------------------------------------------
     def allocate_kv_cache(self) -> int:
+        """Size the pool (engine/kv_pool.py; on CUDA after the profile run), fit max_model_len "auto" to it,
+        allocate it. Returns its number of blocks."""
         cfg = self.config
-        n = cfg.num_kvcache_blocks if cfg.num_kvcache_blocks > 0 else self._blocks_from_budget()
+        block_bytes = kv_pool.bytes_per_block(cfg, self.dtype, self.tp.world_size)
+        if cfg.num_kvcache_blocks > 0:
+            n = cfg.num_kvcache_blocks
+        elif self.device == "cpu":
+            n, self.memory = kv_pool.cpu_blocks(cfg, block_bytes)
+        else:
+            torch.cuda.synchronize()
+            profile_run(self)
+            n, self.memory = kv_pool.gpu_blocks(cfg, block_bytes, self.model)
         n = self.tp.min_int(n)            # every rank holds the same pool
         if n < 1:
             raise ConfigError(f"no memory left for the KV cache (raise gpu_memory_utilization?): {self.memory}")
-        shape = cfg.shape
-        layers = self.model.attention_layers()
-        self.kv_cache = torch.zeros(2, len(layers), n, self.block_size, shape.num_kv_heads // self.tp.world_size,
-                                    shape.head_dim,
-                                    dtype=self.dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.k_cache = self.kv_cache[0, i]
-            layer.v_cache = self.kv_cache[1, i]
-        self.memory.update({"num_blocks": n, "bytes_per_block": self.bytes_per_block,
-                            "kv_cache_bytes": n * self.bytes_per_block})
+        cfg.fit_to_pool(n)
+        self.kv_cache = kv_pool.allocate(self.model.attention_layers(), n, cfg, self.dtype, self.device,
+                                         self.tp.world_size)
+        self.memory.update({"num_blocks": n, "bytes_per_block": block_bytes, "kv_cache_bytes": n * block_bytes})
         return n
-
-    @torch.inference_mode()
-    def warmup(self) -> None:
-        """One prefill at the configured token budget, before the KV pool exists, to measure peak work memory."""
-        cfg = self.config
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        seq_len = min(cfg.max_num_batched_tokens, cfg.max_model_len)
-        num = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
-        self.run_model(self._scratch_prefill(num, seq_len))
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()          # the warmup's transient memory must not count as "used"
-
-    def _scratch_prefill(self, num: int, length: int, cached: int = 0) -> StepInputs:
-        """Prefill inputs for `num` throwaway sequences of `length` tokens that write nothing (slots -1);
-        with `cached`, their first `cached` positions are read from the cache (block 0) as a prefix."""
-        seqs = []
-        for _ in range(num):
-            s = Sequence(-1, [0] * length, None, self.block_size)  # type: ignore[arg-type]
-            if cached:
-                s.block_table = [0] * ((length + self.block_size - 1) // self.block_size)
-                s.num_cached_tokens = cached
-            s.num_scheduled_tokens = length - cached
-            seqs.append(s)
-        inputs = self.prepare_prefill(seqs)
-        inputs.meta.slot_mapping.fill_(-1)
-        return inputs
-
-    @torch.inference_mode()
-    def warm_paths(self) -> None:
-        """CUDA: meet every shape a wide batch will use before the first request (engine/warmup.py lists
-        them: prefill token counts up to the step budget, prefills reading a cached prefix, eager decode
-        batch classes and Triton decode variants where eager decode can happen, the sampler's paths), so
-        JIT compiles and first-launch costs land in init time, not in a request. Nothing is written to
-        the cache (slots -1) and a throwaway generator keeps the engine's random stream as is. What ran
-        is kept in `warmed` (decode-graph rows are run by capture_graphs)."""
-        if not self.device.startswith("cuda"):
-            return
-        self.run_warmup(self.warmup_plan())
-
-    def warmup_plan(self) -> list:
-        sm = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.startswith("cuda") else 0
-        return warmup_plan(self.config, self.attention_backend, sm, self.tp.world_size)
-
-    @torch.inference_mode()
-    def run_warmup(self, plan: list) -> list[dict]:
-        """Run every warm shape of `plan` except decode-graph (capture warms those); returns and keeps
-        the records of what ran. Usable on any device (tests run it on CPU)."""
-        t0 = time.perf_counter()
-        throwaway = torch.Generator(device=self.device)
-        seeded = torch.Generator(device=self.device)
-        ran = []
-        for shape in plan:
-            if shape.path == "prefill":
-                self.run_model(self._scratch_prefill(shape.seqs, shape.tokens), EAGER)
-            elif shape.path == "prefill-paged":
-                self.run_model(self._scratch_prefill(shape.seqs, shape.tokens + shape.cached, cached=shape.cached), EAGER)
-            elif shape.path == "decode-eager":
-                self.run_model(self._scratch_decode(shape.seqs, shape.tokens), EAGER)
-            elif shape.path == "sample":
-                logits = self.run_model(self._scratch_decode(shape.seqs, 1), EAGER)
-                temps = {"greedy": [0.0] * shape.seqs, "sampled": [1.0] * shape.seqs,
-                         "mixed": [1.0, 0.0] * (shape.seqs // 2) + [1.0] * (shape.seqs % 2),
-                         "seeded": [1.0] * shape.seqs}[shape.mode]
-                gens = [throwaway] * shape.seqs if shape.mode != "seeded" else [seeded] + [throwaway] * (shape.seqs - 1)
-                sample(logits, temps, gens)
-            else:
-                continue
-            ran.append(shape.record())
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        self.warm_seconds += time.perf_counter() - t0
-        self.warmed += ran
-        return ran
-
-    def _scratch_decode(self, num: int, context: int) -> StepInputs:
-        """Decode inputs for `num` throwaway sequences of `context` positions that read block 0 for every
-        position and write nothing (slots -1)."""
-        seqs = []
-        for _ in range(num):
-            s = Sequence(-1, [0] * context, None, self.block_size)  # type: ignore[arg-type]
-            s.block_table = [0] * ((context + self.block_size - 1) // self.block_size)
-            seqs.append(s)
-        inputs = self.prepare_decode(seqs)
-        inputs.meta.slot_mapping.fill_(-1)
-        return inputs
 
     def capture_graphs(self) -> None:
         cfg = self.config
@@ -285,7 +171,64 @@ class ModelRunner(InputBuilder):
     def capture_seconds(self) -> float:
         return sum(g.capture_seconds for g in (self.graphs, self.prefill_graphs) if g is not None)
 
-    # -- execution ---------------------------------------------------------------
+    # -- a step ------------------------------------------------------------------------------
+    def run(self, seqs: list[Sequence], is_prefill: bool, step: int = 0
+            ) -> tuple[list[int], Route, dict[int, TokenLogprob], float, tuple[int, int] | None]:
+        """One step, waiting for its tokens on the host. Returns the token ids, the route, batch row ->
+        log-prob of its token (rows whose requests asked), the seconds the host was blocked reading the
+        ids (StepOutput.wait_s) and, on CUDA, the step's span on the GPU (StepOutput.device_span)."""
+        logits, route, started = self.forward(seqs, is_prefill, step=step)
+        with self.hooks.phase("sample", step):
+            tokens, logprobs = self.sampler(seqs, logits)
+            ended = self.clock.mark() if self.clock is not None else None
+            t_wait = time.perf_counter()
+            ids = tokens.tolist()
+            wait_s = time.perf_counter() - t_wait      # host blocked on the device
+        span = self.clock.span(started, ended) if ended is not None else None
+        return ids, route, (logprobs.to_host(ids) if logprobs is not None else {}), wait_s, span
+
+    def launch(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None,
+               step: int = 0) -> Launched:
+        """run() without waiting: the sampled ids stay on the device, and a copy to pinned host memory is
+        queued right behind them with an event, so reading them later waits for this step only, not for
+        a step launched after it."""
+        logits, route, started = self.forward(seqs, is_prefill, feed, step)
+        with self.hooks.phase("sample", step):
+            tokens, logprobs = self.sampler(seqs, logits)
+        if not tokens.is_cuda:
+            return Launched(tokens, tokens, None, route, logprobs)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        if logprobs is not None:
+            logprobs.stage()                     # read after `ready`, like the ids
+        ready = torch.cuda.Event(enable_timing=True)
+        ready.record()
+        return Launched(tokens, host, ready, route, logprobs, started, self.clock)
+
+    def forward(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None,
+                step: int = 0) -> tuple[torch.Tensor, Route, "torch.cuda.Event | None"]:
+        """The step's logits, the route they took and the mark where the GPU began the step (None without
+        a device clock). feed (decode only): the input ids as a device tensor, from a step still in
+        flight; positions are then one further than the host's token lists."""
+        hooks = self.hooks
+        with hooks.phase("prepare", step):
+            if feed is None:
+                inputs = self.inputs.prepare(seqs, is_prefill)
+            else:
+                inputs = self.inputs.to_inputs(self.inputs.plan_decode(seqs, ahead=1))
+                inputs.input_ids.copy_(feed)
+            if self.workers is not None:
+                self.workers.send("run", inputs.plan)   # the other ranks replay the same forward
+            if self.on_inputs is not None:
+                self.on_inputs(inputs)
+        if hooks:
+            hooks.before_forward(step, inputs)
+        with hooks.phase("forward", step):
+            if is_prefill and not all(s.prompt_logprobs_done for s in seqs):
+                return self._prefill_with_prompt_logprobs(seqs, inputs), EAGER, inputs.started
+            route = self.route_for(inputs)
+            return self.run_model(inputs, route), route, inputs.started
+
     def route_for(self, inputs: StepInputs) -> Route:
         """A decode replays the smallest captured graph that covers its batch; a fresh prefill (nothing
         read from the cache) the smallest prefill graph that covers its tokens and sequences; anything
@@ -313,91 +256,13 @@ class ModelRunner(InputBuilder):
             hidden = hidden[inputs.meta.cu_seqlens_q[1:].long() - 1]
         return self.model.compute_logits(hidden)
 
-    def forward(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None,
-                step: int = 0) -> tuple[torch.Tensor, Route]:
-        """The step's logits and the route they took. feed (decode only): the input ids as a device
-        tensor, from a step still in flight; positions are then one further than the host's token lists."""
-        hooks = self.hooks
-        with hooks.phase("prepare", step):
-            if feed is None:
-                inputs = self.prepare(seqs, is_prefill)
-            else:
-                inputs = self.to_inputs(self.plan_decode(seqs, ahead=1))
-                inputs.input_ids.copy_(feed)
-            if self.workers is not None:
-                self.workers.send("run", inputs.plan)   # the other ranks replay the same forward
-            if self.on_inputs is not None:
-                self.on_inputs(inputs)
-        if hooks:
-            hooks.before_forward(step, inputs)
-        with hooks.phase("forward", step):
-            if is_prefill and not all(s.prompt_logprobs_done for s in seqs):
-                return self._prefill_with_prompt_logprobs(seqs, inputs), EAGER
-            route = self.route_for(inputs)
-            return self.run_model(inputs, route), route
-
     @torch.inference_mode()
     def _prefill_with_prompt_logprobs(self, seqs: list[Sequence], inputs: StepInputs) -> torch.Tensor:
-        """An eager prefill that also computes, for the sequences asking for prompt log-probs, the
-        log-softmax of the raw logits at every position of their chunk and appends the next prompt
-        token's log-prob (with its top alternatives) to seq.prompt_logprobs. Positions already recorded
-        (a recompute after preemption) are skipped. Returns the last positions' logits, as run_model."""
+        """An eager prefill that also records the prompt log-probs of the sequences asking for them
+        (engine/sampling/logprobs.py); returns the last positions' logits, as run_model."""
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
-        offset = 0
-        for seq, n in zip(seqs, inputs.meta.seqlens_q):
-            if not seq.prompt_logprobs_done:
-                start = seq.num_cached_tokens
-                done = len(seq.prompt_logprobs)            # positions whose next token is recorded, + 1
-                first = max(start, done - 1)
-                last = min(start + n, seq.num_prompt_tokens - 1)   # position p predicts token p + 1
-                if last > first:
-                    rows = hidden[offset + first - start: offset + last - start]
-                    lp = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-                    targets = torch.tensor(seq.token_ids[first + 1: last + 1], device=lp.device)
-                    k = seq.sampling_params.prompt_logprobs
-                    chosen, ranks, top_ids, top_lps = logprobs_of(lp, targets, k)
-                    ids = top_ids.tolist() if top_ids is not None else None
-                    lps = top_lps.tolist() if top_lps is not None else None
-                    for j, (t, c, r) in enumerate(zip(targets.tolist(), chosen.tolist(), ranks.tolist())):
-                        top = list(zip(ids[j], lps[j])) if ids is not None else []
-                        seq.prompt_logprobs.append(TokenLogprob(t, c, int(r), top))
-            offset += n
+        record_prompt_logprobs(seqs, inputs.meta.seqlens_q, hidden, self.model.compute_logits)
         return self.model.compute_logits(hidden[inputs.meta.cu_seqlens_q[1:].long() - 1])
-
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor, step: int = 0) -> list[int]:
-        with self.hooks.phase("sample", step):
-            return self._sample(seqs, logits).tolist()
-
-    def sample_tensor(self, seqs: list[Sequence], logits: torch.Tensor, step: int = 0) -> torch.Tensor:
-        with self.hooks.phase("sample", step):
-            return self._sample(seqs, logits)
-
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        return self._draw(seqs, logits)[0]
-
-    def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, SampledLogprobs | None]:
-        """The step's ids on the device, and the log-probs of the rows that asked for them. A batch in
-        which no row needs processing takes exactly the plain path (sample_tensor)."""
-        temps, gens, rows = [], [], {}
-        for i, seq in enumerate(seqs):          # one walk over the batch: temperature, generator, processing
-            sp = seq.sampling_params
-            temps.append(sp.temperature)
-            if sp.seed is not None:
-                gen = self._seq_generators.get(seq.seq_id)
-                if gen is None:
-                    gen = torch.Generator(device=self.device)
-                    gen.manual_seed(sp.seed)
-                    self._seq_generators[seq.seq_id] = gen
-                gens.append(gen)
-            else:
-                gens.append(self.generator)
-            if sp.needs_processing(seq.num_completion_tokens):
-                rows[i] = RowInputs(sp, seq.token_ids, seq.num_prompt_tokens, self.config.eos_token_ids, seq.seq_id)
-        if not rows:
-            return sample_tensor(logits, temps, gens), None
-        if self._history is None and any(r.params.has_penalties for r in rows.values()):
-            self._history = TokenHistory(logits.shape[1], logits.device)
-        return sample_processed(logits, temps, gens, rows, self.config.logprobs_mode, self._history)
 
     def close(self) -> None:
         """Drop the KV pool (and the layer views of it), the graphs and the weights so their memory can go back."""
@@ -411,44 +276,3 @@ class ModelRunner(InputBuilder):
         if self.device.startswith("cuda"):
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-
-    def forget(self, seq_id: int) -> None:
-        self._seq_generators.pop(seq_id, None)
-        if self._history is not None:
-            self._history.forget(seq_id)
-
-    def run(self, seqs: list[Sequence], is_prefill: bool, step: int = 0) -> tuple[list[int], Route]:
-        """One step, waiting for its tokens on the host."""
-        ids, route, _ = self.run_step(seqs, is_prefill, step)
-        return ids, route
-
-    def run_step(self, seqs: list[Sequence], is_prefill: bool, step: int = 0
-                 ) -> tuple[list[int], Route, dict[int, TokenLogprob]]:
-        """run(), plus batch row -> log-prob of its token for the rows whose requests asked for them."""
-        logits, route = self.forward(seqs, is_prefill, step=step)
-        with self.hooks.phase("sample", step):
-            tokens, logprobs = self._draw(seqs, logits)
-            ended = self.clock.mark() if self.clock is not None else None
-            t_wait = time.perf_counter()
-            ids = tokens.tolist()
-            self.last_wait_s = time.perf_counter() - t_wait    # host blocked on the device (StepOutput.wait_s)
-        self.last_device_span = self.clock.span(self._started, ended) if ended is not None else None
-        return ids, route, (logprobs.to_host(ids) if logprobs is not None else {})
-
-    def launch(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None,
-               step: int = 0) -> Launched:
-        """run() without waiting: the sampled ids stay on the device, and a copy to pinned host memory is
-        queued right behind them with an event, so reading them later waits for this step only, not for
-        a step launched after it."""
-        logits, route = self.forward(seqs, is_prefill, feed, step)
-        with self.hooks.phase("sample", step):
-            tokens, logprobs = self._draw(seqs, logits)
-        if not tokens.is_cuda:
-            return Launched(tokens, tokens, None, route, logprobs)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        if logprobs is not None:
-            logprobs.stage()                     # read after `ready`, like the ids
-        ready = torch.cuda.Event(enable_timing=True)
-        ready.record()
-        return Launched(tokens, host, ready, route, logprobs, self._started)

@@ -5,7 +5,7 @@ from copy import copy
 from enum import Enum, auto
 from itertools import count
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 class SequenceStatus(Enum):

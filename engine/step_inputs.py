@@ -1,6 +1,7 @@
 """A step's inputs: what the runner plans on the host for a batch (:class:`StepPlan`, the lists rank 0 also
 sends to the other tensor-parallel ranks) and how they reach the device (:class:`StepInputs`: views of two
-packed host-to-device copies, :meth:`InputBuilder.to_inputs`)."""
+packed host-to-device copies, :meth:`InputBuilder.to_inputs`). The runner holds one InputBuilder
+(``ModelRunner.inputs``)."""
 from __future__ import annotations
 
 import array
@@ -44,12 +45,19 @@ class StepInputs:
     meta: AttentionMetadata
     is_prefill: bool
     plan: StepPlan | None = None          # the host lists these tensors came from (what TP ranks receive)
+    started: "torch.cuda.Event | None" = None   # with a DeviceClock: reached when the GPU begins the step
 
 
 class InputBuilder:
-    """The input half of :class:`engine.model_runner.ModelRunner` (a base class of it): reads the runner's
-    ``block_size``, ``device`` and ``clock`` (a DeviceClock or None), and sets ``_started`` (the step's
-    first mark on that clock) in :meth:`to_inputs`."""
+    """A batch's inputs for the runner that holds it: planned on the host (:meth:`plan_prefill`,
+    :meth:`plan_decode`), then copied to ``device`` (:meth:`to_inputs`). With a ``clock`` (a DeviceClock:
+    CUDA, rank 0, set by the runner once start-up is done) each step's inputs carry the mark where the GPU
+    begins the step (``StepInputs.started``)."""
+
+    def __init__(self, block_size: int, device: str, clock=None):
+        self.block_size = block_size
+        self.device = device
+        self.clock = clock
 
     def _host_tensor(self, data: list[int], dtype=torch.int32) -> torch.Tensor:
         """A step input on the host, in pinned memory on CUDA (so that its copy to the device is async).
@@ -132,9 +140,8 @@ class InputBuilder:
                 flat += values
                 flat += [0] * (_aligned(len(flat), 4) - len(flat))
             packed = self._host_tensor(flat)
-        if self.clock is not None:
-            # the step's first GPU work: the span starts here, after the host built its inputs (DeviceClock)
-            self._started = self.clock.mark()
+        # with a clock, the step's first GPU work: its span starts here, after the host built its inputs
+        started = self.clock.mark() if self.clock is not None else None
         wide = wide.to(self.device, non_blocking=True)
         if sections:
             packed = packed.to(self.device, non_blocking=True)
@@ -147,7 +154,7 @@ class InputBuilder:
             block_tables=None if block_tables is None else block_tables.view(n, -1),
             context_lens=views.get("context_lens"), decode_order=views.get("decode_order"),
             seqlens_q=plan.seqlens_q, seqlens_k=plan.seqlens_k)
-        return StepInputs(wide[:t], wide[t_pad:t_pad + t], meta, plan.is_prefill, plan)
+        return StepInputs(wide[:t], wide[t_pad:t_pad + t], meta, plan.is_prefill, plan, started)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
         return self.to_inputs(self.plan_prefill(seqs))

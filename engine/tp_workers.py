@@ -87,7 +87,7 @@ def _worker_main(config, rank: int, world: int, host: str, port: int, shm_name: 
             if method == "exit":
                 return
             if method == "run":
-                runner.run_model(runner.to_inputs(payload))
+                runner.run_model(runner.inputs.to_inputs(payload))
     finally:
         channel.close()
         runner.close()

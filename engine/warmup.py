@@ -4,20 +4,28 @@ On CUDA the first call of a kernel at a new shape pays for what is compiled or l
 kernel is compiled once per value of its constexprs and per specialization of its arguments, cuBLAS
 loads the kernel it picks for each new GEMM shape class, the sampler's paths each have their own
 kernels. A server pays that on its first wide burst unless start-up has met every such shape already.
-:func:`warmup_plan` lists them for one engine configuration; ``ModelRunner.warm_paths`` runs the list
-(scratch inputs: slots -1 write nothing, a throwaway generator leaves the engine's random stream as
-it is) and records what it ran. Decode batches that a CUDA graph covers are warmed by the capture
-(``decode-graph``); the list says so, so a test can check that every bucket is covered.
+:func:`warmup_plan` lists them for one engine configuration; :func:`warm_paths` runs the list on a
+runner (:func:`run_warmup`: scratch inputs, slots -1 write nothing, a throwaway generator leaves the
+engine's random stream as it is) and records what it ran in ``runner.warmed``. Decode batches that a
+CUDA graph covers are warmed by the capture (``decode-graph``); the list says so, so a test can check
+that every bucket is covered. :func:`profile_run` is the one forward before the KV pool exists: the
+peak work memory that engine/kv_pool.py leaves room for.
 
 The plan is the same on every tensor-parallel rank (it depends only on the configuration and the
 device type), so the ranks' collectives inside the warm forwards pair up.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 
+import torch
+
 from engine.attention.splits import decode_variants
-from engine.graph import default_buckets
+from engine.graph import EAGER, default_buckets
+from engine.sampling.sampler import sample
+from engine.sequence import Sequence
+from engine.step_inputs import InputBuilder, StepInputs
 
 SAMPLER_MODES = ("greedy", "sampled", "mixed", "seeded")
 
@@ -87,3 +95,99 @@ def warmup_plan(config, backend: str, sm_count: int = 0, tp_size: int = 1) -> li
     for mode in SAMPLER_MODES:
         plan.append(WarmShape("sample", 2, 1, mode=mode, why="sampler path"))
     return plan
+
+
+# -- running it on a runner (engine/model_runner.py: start-up) ------------------------------------------------
+def scratch_prefill(inputs: InputBuilder, num: int, length: int, cached: int = 0) -> StepInputs:
+    """Prefill inputs for `num` throwaway sequences of `length` tokens that write nothing (slots -1);
+    with `cached`, their first `cached` positions are read from the cache (block 0) as a prefix."""
+    bs = inputs.block_size
+    seqs = []
+    for _ in range(num):
+        s = Sequence(-1, [0] * length, None, bs)  # type: ignore[arg-type]
+        if cached:
+            s.block_table = [0] * ((length + bs - 1) // bs)
+            s.num_cached_tokens = cached
+        s.num_scheduled_tokens = length - cached
+        seqs.append(s)
+    step = inputs.prepare_prefill(seqs)
+    step.meta.slot_mapping.fill_(-1)
+    return step
+
+
+def scratch_decode(inputs: InputBuilder, num: int, context: int) -> StepInputs:
+    """Decode inputs for `num` throwaway sequences of `context` positions that read block 0 for every
+    position and write nothing (slots -1)."""
+    bs = inputs.block_size
+    seqs = []
+    for _ in range(num):
+        s = Sequence(-1, [0] * context, None, bs)  # type: ignore[arg-type]
+        s.block_table = [0] * ((context + bs - 1) // bs)
+        seqs.append(s)
+    step = inputs.prepare_decode(seqs)
+    step.meta.slot_mapping.fill_(-1)
+    return step
+
+
+@torch.inference_mode()
+def profile_run(runner) -> None:
+    """CUDA, before the KV pool exists: one prefill at the configured token budget, so that the pool's
+    sizing (engine/kv_pool.py: gpu_blocks) can read the peak work memory."""
+    cfg = runner.config
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    seq_len = min(cfg.max_num_batched_tokens, cfg.max_model_len)
+    num = max(1, min(cfg.max_num_batched_tokens // seq_len, cfg.max_num_seqs))
+    runner.run_model(scratch_prefill(runner.inputs, num, seq_len))
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()          # the profile run's transient memory must not count as "used"
+
+
+def plan_for(runner) -> list[WarmShape]:
+    """The runner's plan: its configuration, attention backend, GPU's SM count and TP size."""
+    sm = torch.cuda.get_device_properties(runner.device).multi_processor_count if runner.device.startswith("cuda") else 0
+    return warmup_plan(runner.config, runner.attention_backend, sm, runner.tp.world_size)
+
+
+def warm_paths(runner) -> None:
+    """CUDA: meet every shape a wide batch will use before the first request (the plan: prefill token
+    counts up to the step budget, prefills reading a cached prefix, eager decode batch classes and Triton
+    decode variants where eager decode can happen, the sampler's paths), so JIT compiles and first-launch
+    costs land in init time, not in a request. Decode-graph rows are run by the capture."""
+    if runner.device.startswith("cuda"):
+        run_warmup(runner, plan_for(runner))
+
+
+@torch.inference_mode()
+def run_warmup(runner, plan: list[WarmShape]) -> list[dict]:
+    """Run every warm shape of `plan` except decode-graph (capture warms those) on `runner`; returns the
+    records of what ran and adds them to ``runner.warmed`` (and the time to ``runner.warm_seconds``).
+    Nothing is written to the cache and the engine's generator is not drawn from. Usable on any device
+    (tests run it on CPU)."""
+    t0 = time.perf_counter()
+    throwaway = torch.Generator(device=runner.device)
+    seeded = torch.Generator(device=runner.device)
+    inputs, ran = runner.inputs, []
+    for shape in plan:
+        if shape.path == "prefill":
+            runner.run_model(scratch_prefill(inputs, shape.seqs, shape.tokens), EAGER)
+        elif shape.path == "prefill-paged":
+            runner.run_model(scratch_prefill(inputs, shape.seqs, shape.tokens + shape.cached, cached=shape.cached),
+                             EAGER)
+        elif shape.path == "decode-eager":
+            runner.run_model(scratch_decode(inputs, shape.seqs, shape.tokens), EAGER)
+        elif shape.path == "sample":
+            logits = runner.run_model(scratch_decode(inputs, shape.seqs, 1), EAGER)
+            temps = {"greedy": [0.0] * shape.seqs, "sampled": [1.0] * shape.seqs,
+                     "mixed": [1.0, 0.0] * (shape.seqs // 2) + [1.0] * (shape.seqs % 2),
+                     "seeded": [1.0] * shape.seqs}[shape.mode]
+            gens = [throwaway] * shape.seqs if shape.mode != "seeded" else [seeded] + [throwaway] * (shape.seqs - 1)
+            sample(logits, temps, gens)
+        else:
+            continue
+        ran.append(shape.record())
+    if runner.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    runner.warm_seconds += time.perf_counter() - t0
+    runner.warmed += ran
+    return ran

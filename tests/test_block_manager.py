@@ -2,7 +2,7 @@
 import pytest
 
 from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.sequence import Sequence
 
 

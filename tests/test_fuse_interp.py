@@ -194,11 +194,11 @@ def _model(model_dir: str) -> dict:
 
     engine.add_request([11, 12, 13], SamplingParams(max_tokens=4))
     seqs, is_prefill = engine.schedule()
-    inputs = runner.prepare(seqs, is_prefill)
+    inputs = runner.inputs.prepare(seqs, is_prefill)
     out = {"prefill": compare(inputs)}
-    engine.postprocess(seqs, runner.sample(seqs, runner.run_model(inputs)), is_prefill)
+    engine.postprocess(seqs, runner.sampler(seqs, runner.run_model(inputs))[0].tolist(), is_prefill)
     seqs, is_prefill = engine.schedule()                                              # one decode token
-    out["decode"] = compare(runner.prepare(seqs, is_prefill))
+    out["decode"] = compare(runner.inputs.prepare(seqs, is_prefill))
     return out
 
 

@@ -79,7 +79,7 @@ def _model(model_dir: str) -> dict:
     seqs, is_prefill = engine.schedule()
     engine.postprocess(seqs, engine.runner.run(seqs, is_prefill)[0], is_prefill)     # the prompt's KV
     seqs, is_prefill = engine.schedule()                                              # one decode token
-    inputs = engine.runner.prepare(seqs, is_prefill)
+    inputs = engine.runner.inputs.prepare(seqs, is_prefill)
     plain = engine.runner.run_model(inputs).float()
     calls = {"gemv": 0, "silu": 0, "head": 0}
     real = gemv_mod.gemv

@@ -290,7 +290,7 @@ def test_float32_attention_is_exact_not_tf32(name):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_sampler_greedy_rows_are_argmax(dtype):
-    from engine.layers.sampler import sample
+    from engine.sampling.sampler import sample
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(64, 151936, device="cuda", generator=g).to(dtype)
     logits[3, 17] = logits[3, 99] = logits[3].max() + 1          # a tie: the first index wins, as in torch
@@ -298,7 +298,7 @@ def test_fused_sampler_greedy_rows_are_argmax(dtype):
 
 
 def test_fused_sampler_is_seeded_and_follows_the_distribution():
-    from engine.layers.sampler import sample
+    from engine.sampling.sampler import sample
     probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05], device="cuda")
     t = 0.7
     logits = (probs.log() * t).repeat(20000, 1)                     # softmax(logits / t) == probs

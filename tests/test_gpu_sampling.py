@@ -1,12 +1,12 @@
-"""CUDA-only: the processing path (engine/layers/logits_process.py on the GPU, then the fused Gumbel
+"""CUDA-only: the processing path (engine/sampling/processors.py on the GPU, then the fused Gumbel
 draw) against the CPU reference on the same logits; seeded draws reproduce; the engine with graphs
 gives the CPU engine's logprobs."""
 import pytest
 import torch
 
-from engine.layers import logits_process as lp
-from engine.layers.sampler import sample_processed
-from engine.sampling_params import SamplingParams
+from engine.sampling import processors as lp
+from engine.sampling.sampler import sample_processed
+from engine.sampling.params import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

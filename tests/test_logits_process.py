@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from engine.errors import RequestError
-from engine.layers import logits_process as lp
-from engine.layers.sampler import sample_processed, sample_tensor
-from engine.sampling_params import SamplingParams
+from engine.sampling import processors as lp
+from engine.sampling.sampler import sample_processed, sample_tensor
+from engine.sampling.params import SamplingParams
 
 tf = pytest.importorskip("transformers")
 

@@ -1,9 +1,11 @@
-"""ModelRunner's input building: the packed host-to-device copies and the scratch prefills of start-up."""
+"""The runner's input building (ModelRunner.inputs, engine/step_inputs.py): the packed host-to-device copies,
+and the scratch prefills of start-up (engine/warmup.py)."""
 from __future__ import annotations
 
 import torch
 
 from engine import LLMEngine, SamplingParams
+from engine.warmup import scratch_prefill
 
 
 def engine_for(model):
@@ -16,9 +18,9 @@ def test_to_inputs_views_hold_the_plan(tiny_model_dir):
     a = engine.add_request(list(range(100, 140)), SamplingParams(max_tokens=3))
     b = engine.add_request(list(range(200, 210)), SamplingParams(max_tokens=3))
     engine.step()                                             # prefill both
-    runner = engine.runner
-    plan = runner.plan_decode([a, b])
-    inputs = runner.to_inputs(plan)
+    builder = engine.runner.inputs
+    plan = builder.plan_decode([a, b])
+    inputs = builder.to_inputs(plan)
     assert inputs.input_ids.tolist() == plan.input_ids and inputs.positions.tolist() == [40, 10]
     assert inputs.meta.slot_mapping.tolist() == plan.slot_mapping
     assert inputs.meta.context_lens.tolist() == [41, 11]
@@ -26,7 +28,7 @@ def test_to_inputs_views_hold_the_plan(tiny_model_dir):
     assert inputs.meta.cu_seqlens_q is None
     c = engine.add_request(list(range(300, 333)), SamplingParams(max_tokens=3))
     engine.scheduler.schedule()                               # c's prefill: 33 new positions, nothing cached
-    prefill = runner.to_inputs(runner.plan_prefill([c]))
+    prefill = builder.to_inputs(builder.plan_prefill([c]))
     assert prefill.meta.cu_seqlens_q.tolist() == [0, 33] == prefill.meta.cu_seqlens_k.tolist()
     assert prefill.meta.block_tables is None and prefill.meta.context_lens is None
     engine.close()
@@ -36,9 +38,9 @@ def test_scratch_prefill_writes_nothing_and_reads_a_prefix(tiny_model_dir):
     engine = engine_for(tiny_model_dir)
     runner = engine.runner
     before = runner.kv_cache.clone()
-    fresh = runner._scratch_prefill(3, 20)
+    fresh = scratch_prefill(runner.inputs, 3, 20)
     assert fresh.meta.block_tables is None and fresh.meta.cu_seqlens_q.tolist() == [0, 20, 40, 60]
-    prefix = runner._scratch_prefill(2, 16, cached=8)
+    prefix = scratch_prefill(runner.inputs, 2, 16, cached=8)
     assert prefix.meta.cu_seqlens_q.tolist() == [0, 8, 16] and prefix.meta.cu_seqlens_k.tolist() == [0, 16, 32]
     assert prefix.meta.block_tables.tolist() == [[0], [0]]
     for inputs in (fresh, prefix):
@@ -49,15 +51,15 @@ def test_scratch_prefill_writes_nothing_and_reads_a_prefix(tiny_model_dir):
 
 
 def test_slots_of_a_span_are_the_per_position_slots(tiny_model_dir):
-    """plan_prefill takes a span's cache slots one block at a time (ModelRunner.slots): the same slots as
+    """plan_prefill takes a span's cache slots one block at a time (InputBuilder.slots): the same slots as
     one lookup per position, for spans inside a block, across blocks, and from a cached prefix on."""
     engine = engine_for(tiny_model_dir)
     seq = engine.add_request(list(range(100, 170)), SamplingParams(max_tokens=3))
     engine.scheduler.schedule()                               # 70 positions: 5 blocks of 16
-    runner = engine.runner
+    builder = engine.runner.inputs
     assert len(seq.block_table) == 5
     for start, end in ((0, 70), (0, 1), (3, 9), (15, 17), (16, 32), (31, 70), (69, 70)):
-        assert runner.slots(seq, start, end) == [runner.slot(seq, p) for p in range(start, end)], (start, end)
-    assert runner._host_tensor([], torch.int64).shape == (0,)
-    assert runner._host_tensor([1, -1, 2 ** 40], torch.int64).tolist() == [1, -1, 2 ** 40]
+        assert builder.slots(seq, start, end) == [builder.slot(seq, p) for p in range(start, end)], (start, end)
+    assert builder._host_tensor([], torch.int64).shape == (0,)
+    assert builder._host_tensor([1, -1, 2 ** 40], torch.int64).tolist() == [1, -1, 2 ** 40]
     engine.close()

@@ -71,7 +71,7 @@ def test_tokenizer_fails_when_decode_loses_a_token(tiny_model_dir, tmp_path, lab
 
 
 def test_softmax_fails_when_the_sampler_ignores_the_temperature(tmp_path, labkit_argv, monkeypatch):
-    import engine.layers.sampler as sampler
+    import engine.sampling.sampler as sampler
 
     from labkit.experiments.principles import run_softmax
 
@@ -117,10 +117,10 @@ def test_slots_fail_with_a_wrong_block_size(tiny_model_dir, tmp_path, labkit_arg
 
 
 def test_slots_fail_when_the_runner_ignores_the_block_table(tiny_model_dir, tmp_path, labkit_argv, monkeypatch):
-    from engine.model_runner import ModelRunner
+    from engine.step_inputs import InputBuilder
     from labkit.experiments.principles import run_slots
 
-    monkeypatch.setattr(ModelRunner, "slot", lambda self, seq, position: position)
+    monkeypatch.setattr(InputBuilder, "slot", lambda self, seq, position: position)   # the runner's inputs
     labkit_argv.checkpoint("principles.slots")
     rec = run_slots(tmp_path / "k.json", str(tiny_model_dir))
     assert rec["verdict"] == "FAIL" and "facts.teaching.slots" in _failed(rec)

@@ -1,4 +1,4 @@
-"""The fused Gumbel-max sampler (engine/layers/sample_kernel.py) on the CPU through Triton's interpreter:
+"""The fused Gumbel-max sampler (engine/sampling/gumbel_kernel.py) on the CPU through Triton's interpreter:
 greedy rows give torch.argmax (the first index on ties); a row's draw follows softmax(logits / T) at a
 vocabulary that is not a multiple of the four draws of one Philox call, each of the four lanes included;
 the same seeds give the same ids and other seeds other ids; a vocabulary of several chunks is drawn from
@@ -56,7 +56,7 @@ def _run() -> dict:
 
     import torch
 
-    from engine.layers import sample_kernel as sk
+    from engine.sampling import gumbel_kernel as sk
 
     out = {}
     # greedy, with ties: the first index wins
@@ -91,7 +91,7 @@ def _run() -> dict:
 if __name__ == "__main__":
     def probe():
         import torch
-        from engine.layers.sample_kernel import gumbel_argmax
+        from engine.sampling.gumbel_kernel import gumbel_argmax
         gumbel_argmax(torch.zeros(1, 8), torch.ones(1), torch.zeros(1, dtype=torch.int64))
 
     if interpreter_ready(probe):

@@ -1,6 +1,6 @@
 import torch
 
-from engine.layers.sampler import sample
+from engine.sampling.sampler import sample
 
 
 def test_greedy_at_temperature_zero():

@@ -3,7 +3,7 @@ import pytest
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerLimits
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 

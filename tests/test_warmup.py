@@ -13,7 +13,7 @@ from engine.attention.splits import (DECODE_BLOCK_N, DECODE_WAVES, choose_splits
 from engine.config import Config
 from engine.graph import default_buckets
 from engine.observe import StepHooks
-from engine.warmup import SAMPLER_MODES, prefill_token_counts, warmup_plan
+from engine.warmup import SAMPLER_MODES, prefill_token_counts, run_warmup, warmup_plan
 
 SM = 132          # an H200's SM count: the plan is pure arithmetic, so any machine can check it
 
@@ -94,7 +94,7 @@ def test_step_input_views_are_16_byte_aligned_for_any_batch(tiny_model_dir):
                 s.num_cached_tokens = cached
                 s.num_scheduled_tokens = length
                 seqs.append(s)
-            for inputs in (runner.prepare_prefill(seqs), runner.prepare_decode(seqs)):
+            for inputs in (runner.inputs.prepare_prefill(seqs), runner.inputs.prepare_decode(seqs)):
                 m = inputs.meta
                 views = [inputs.input_ids, inputs.positions, m.slot_mapping, m.cu_seqlens_q, m.cu_seqlens_k,
                          m.block_tables, m.context_lens]
@@ -118,10 +118,10 @@ def test_run_warmup_on_cpu_writes_nothing_and_keeps_the_generator(tiny_model_dir
         plan = warmup_plan(cfg, "triton", SM)          # the CUDA plan's shapes, run on the CPU backend
         runner.kv_cache.normal_()
         before = runner.kv_cache.clone()
-        state = runner.generator.get_state()
-        ran = runner.run_warmup(plan)
+        state = runner.sampler.generator.get_state()
+        ran = run_warmup(runner, plan)
         assert torch.equal(runner.kv_cache, before)
-        assert torch.equal(runner.generator.get_state(), state)
+        assert torch.equal(runner.sampler.generator.get_state(), state)
         assert {r["path"] for r in ran} == {"prefill", "prefill-paged", "decode-eager", "sample"}
         assert len(ran) == len([w for w in plan if w.path != "decode-graph"])
         assert eng.describe()["warmup"]["shapes"] == len(ran)

@@ -25,7 +25,7 @@ NANO_VLLM_ENGINE = dict(max_model_len=4096, max_num_batched_tokens=16384, max_nu
 
 
 #: --sampling: "plain" is nano-vllm's (temperature only); "heavy" adds the processors on every request
-#: (engine/layers/logits_process.py), so their cost shows next to the plain figure.
+#: (engine/sampling/processors.py), so their cost shows next to the plain figure.
 SAMPLING = {"plain": {}, "heavy": dict(top_p=0.9, top_k=50, repetition_penalty=1.1)}
 
 

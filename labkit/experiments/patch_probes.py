@@ -38,7 +38,7 @@ def _scheduler(policy: str, *, num_blocks: int, block_size: int, max_num_seqs: i
 
 
 def _seq(sid: int, n: int, max_tokens: int, block_size: int, start: int):
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
     from engine.sequence import Sequence
 
     return Sequence(sid, list(range(start, start + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=True),

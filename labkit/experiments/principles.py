@@ -1,7 +1,7 @@
 """`labkit principles tokenizer | softmax | attention | memory | slots | timing`: handbook B.1 and B.2.3.
 
 Each figure is computed by the code the lab runs elsewhere, never typed in: the model directory's real
-tokenizer, the engine's sampler (engine/layers/sampler.py), the engine's torch attention backend and its
+tokenizer, the engine's sampler (engine/sampling/sampler.py), the engine's torch attention backend and its
 ``Attention`` layer (paged KV store, causal prefill, decode over the block table), the engine's KV-size
 formula (``ModelShape.kv_bytes_per_token``, what the runner sizes its pool with), the engine's slot
 function (``LLMEngine.slot``) and the runner's slot_mapping, and the latency functions of
@@ -95,7 +95,7 @@ def run_tokenizer(out: Path | None = None, model: str | None = None) -> dict:
 def softmax_facts(samples: int = 20000, seed: int = 0) -> dict:
     import torch
 
-    from engine.layers.sampler import sample_tensor
+    from engine.sampling.sampler import sample_tensor
 
     scores = torch.tensor([SOFTMAX_SCORES], dtype=torch.float32)
     probs = torch.softmax(scores, dim=-1)[0].tolist()
@@ -110,7 +110,7 @@ def softmax_facts(samples: int = 20000, seed: int = 0) -> dict:
         "probabilities": probs,
         "probabilities_sum": sum(probs),
         "greedy_index": greedy,
-        "sampler": "engine.layers.sampler.sample_tensor (temperature 0: argmax; 1.0: exponential race)",
+        "sampler": "engine.sampling.sampler.sample_tensor (temperature 0: argmax; 1.0: exponential race)",
         "samples": samples,
         "seed": seed,
         "counts": counts,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 
 def to_device(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """One request's sampling settings, with vLLM's names, ranges and meanings.
 
-Order the sampler applies them in (engine/layers/logits_process.py, as vLLM's v1 sampler):
+Order the sampler applies them in (engine/sampling/processors.py, as vLLM's v1 sampler):
 min_tokens (EOS and stop_token_ids masked) and logit_bias, then the repetition / frequency / presence
 penalties; temperature 0 takes the argmax here; otherwise temperature, then min_p, then top_k and top_p,
 then the draw. ``logprobs`` / ``prompt_logprobs`` are of the model's raw distribution (vLLM's default

@@ -1,23 +1,27 @@
-"""Greedy at temperature 0, seeded temperature sampling otherwise, on the logits' device.
+"""The sampler: greedy at temperature 0, seeded temperature sampling otherwise, on the logits' device.
 
-CUDA: one fused Triton pass (engine/layers/sample_kernel.py, Gumbel-max keyed by per-row seeds drawn
-from each row's generator). CPU: the exponential race in torch. Both draw exactly from softmax(logits / T).
+:class:`Sampler` is what the runner calls once per step: it owns the engine's generator, the per-request
+generators of seeded requests and the penalty rows' token history, and sends each batch down the plain
+path (:func:`sample_tensor`) or, when some row asks for more, :func:`sample_processed`.
+
+Plain path. CUDA: one fused Triton pass (engine/sampling/gumbel_kernel.py, Gumbel-max keyed by per-row
+seeds drawn from each row's generator). CPU: the exponential race in torch. Both draw exactly from
+softmax(logits / T).
 
 Rows whose requests ask for more (top_p/top_k/min_p, penalties, logit_bias, min_tokens, logprobs) go
-through :func:`sample_processed`: their logits pass the processors of engine/layers/logits_process.py
+through :func:`sample_processed`: their logits pass the processors of engine/sampling/processors.py
 and are then drawn by the same code at temperature 1 (the processors applied the temperature), each
 with its own generator; the other rows of the batch take the plain path unchanged.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from engine.layers.logits_process import RowInputs, TokenHistory, process, to_device
+from engine.sampling.logprobs import SampledLogprobs, logprobs_of
+from engine.sampling.processors import RowInputs, TokenHistory, process, to_device
 
 try:
-    from engine.layers.sample_kernel import gumbel_argmax
+    from engine.sampling.gumbel_kernel import gumbel_argmax
 except ImportError:            # no triton (CPU machines)
     gumbel_argmax = None
 
@@ -86,61 +90,6 @@ def _sample_fused(logits: torch.Tensor, temperatures: list[float], generators: l
     return gumbel_argmax(logits, temps, seeds)
 
 
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
-
-
-@dataclass
-class TokenLogprob:
-    """A chosen (or prompt) token's log-probability, its rank in the vocabulary (1 = most likely) and
-    the top alternatives [(token id, log-prob)], most likely first."""
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class SampledLogprobs:
-    """Device tensors for the batch rows that asked for logprobs; to_host() reads them once."""
-    rows: list[int]
-    counts: list[int]                 # alternatives each row asked for
-    chosen: torch.Tensor              # [R] log-prob of the drawn token
-    ranks: torch.Tensor               # [R]
-    top_ids: torch.Tensor | None      # [R, K]
-    top_lps: torch.Tensor | None
-
-    def stage(self) -> None:
-        """Queue the copies to pinned host memory now (CUDA, the overlapped decode): the caller records an event
-        after them, and to_host() then reads host memory instead of waiting on the stream, where the next step
-        may already be running."""
-        for name in ("chosen", "ranks", "top_ids", "top_lps"):
-            t = getattr(self, name)
-            if t is not None and t.is_cuda:
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                setattr(self, name, host)
-
-    def to_host(self, tokens: list[int]) -> dict[int, TokenLogprob]:
-        chosen, ranks = self.chosen.tolist(), self.ranks.tolist()
-        ids = self.top_ids.tolist() if self.top_ids is not None else None
-        lps = self.top_lps.tolist() if self.top_lps is not None else None
-        out = {}
-        for j, (row, k) in enumerate(zip(self.rows, self.counts)):
-            top = list(zip(ids[j][:k], lps[j][:k])) if k and ids is not None else []
-            out[row] = TokenLogprob(int(tokens[row]), chosen[j], int(ranks[j]), top)
-        return out
-
-
-def logprobs_of(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> tuple:
-    """(target log-probs, ranks, top-k ids, top-k log-probs) of log-prob rows [R, V]."""
-    chosen = logprobs.gather(1, targets.long().unsqueeze(1)).squeeze(1)
-    ranks = (logprobs > chosen.unsqueeze(1)).sum(dim=1) + 1
-    if k > 0:
-        top_lps, top_ids = logprobs.topk(k, dim=-1)
-        return chosen, ranks, top_ids, top_lps
-    return chosen, ranks, None, None
-
-
 def sample_processed(logits: torch.Tensor, temperatures: list[float], generators: list[torch.Generator],
                      rows: dict[int, RowInputs], logprobs_mode: str = "raw_logprobs",
                      history: TokenHistory | None = None) -> tuple[torch.Tensor, SampledLogprobs | None]:
@@ -172,3 +121,49 @@ def sample_processed(logits: torch.Tensor, temperatures: list[float], generators
     counts = [inputs[j].params.logprobs for j in want]
     chosen, ranks, top_ids, top_lps = logprobs_of(lp, ids.index_select(0, sel), max(counts))
     return out, SampledLogprobs([proc[j] for j in want], counts, chosen, ranks, top_ids, top_lps)
+
+
+class Sampler:
+    """Draws a step's tokens from its logits: the engine's generator (seeded once from the config's seed)
+    for every request without a seed of its own, one generator per seeded request (made on its first draw,
+    dropped by forget()), and the penalty rows' token counts (made on first use)."""
+
+    def __init__(self, device: str, seed: int, eos_token_ids: tuple[int, ...] = (),
+                 logprobs_mode: str = "raw_logprobs"):
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.logprobs_mode = logprobs_mode
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self._seq_generators: dict[int, torch.Generator] = {}
+        self._history: TokenHistory | None = None     # penalty rows' token counts
+
+    def __call__(self, seqs: list, logits: torch.Tensor) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        """The step's ids on the device, and the log-probs of the rows that asked for them. A batch in
+        which no row needs processing takes exactly the plain path (sample_tensor)."""
+        temps, gens, rows = [], [], {}
+        for i, seq in enumerate(seqs):          # one walk over the batch: temperature, generator, processing
+            sp = seq.sampling_params
+            temps.append(sp.temperature)
+            if sp.seed is not None:
+                gen = self._seq_generators.get(seq.seq_id)
+                if gen is None:
+                    gen = torch.Generator(device=self.device)
+                    gen.manual_seed(sp.seed)
+                    self._seq_generators[seq.seq_id] = gen
+                gens.append(gen)
+            else:
+                gens.append(self.generator)
+            if sp.needs_processing(seq.num_completion_tokens):
+                rows[i] = RowInputs(sp, seq.token_ids, seq.num_prompt_tokens, self.eos_token_ids, seq.seq_id)
+        if not rows:
+            return sample_tensor(logits, temps, gens), None
+        if self._history is None and any(r.params.has_penalties for r in rows.values()):
+            self._history = TokenHistory(logits.shape[1], logits.device)
+        return sample_processed(logits, temps, gens, rows, self.logprobs_mode, self._history)
+
+    def forget(self, seq_id: int) -> None:
+        """A finished or aborted sequence: its generator and its token counts go."""
+        self._seq_generators.pop(seq_id, None)
+        if self._history is not None:
+            self._history.forget(seq_id)
