@@ -417,7 +417,7 @@ def bench(
         if engine_process is not None and serve_modes is not None:
             raise UserError("give --engine-process or --serve-modes, not both")
         if engine_process is None:
-            from labkit.service.server import serve_defaults
+            from labkit.service.launch import serve_defaults
 
             engine_process = serve_defaults(detect_device(device))["engine_process"]
         record = run_serve_bench(path, model=_model_arg(model), device=device, attention=attention, trace=trace,
