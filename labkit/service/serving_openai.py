@@ -239,41 +239,33 @@ class OpenAIResponse:
                 await flush()
 
     async def _consume_batch(self, c: Choice, batch: list[dict], emit: Callable | None) -> bool:
-        """True once the choice is done (finished, error, or a stop string matched)."""
+        """True once the choice is done (finished, error, or a stop string matched). A token's text goes
+        through the stop strings to ``emit`` (the per-token path: inline, no call per token)."""
+        lp, stops, text = self.logprobs, c.stops, c.text
         for ev in batch:
             kind = ev["event"]
-            if kind == "submitted":
-                c.prompt_tokens = ev.get("prompt_tokens", 0)
-            elif kind == "token":
-                if await self._on_token(c, ev, emit):
+            if kind == "token":
+                if c.ttft is None:
+                    c.ttft = time.monotonic() - self.t0
+                    if self.req.echo:                # the prompt (and its log-probs) before the first token
+                        await self._echo_first(c, ev, emit)
+                c.tokens += 1
+                out = stops.push(text.push(ev["token_id"]))
+                c.pieces.append(out)
+                items = [lp.item(ev["logprob"], c)] if lp is not None and "logprob" in ev else []
+                c.lp_items += items
+                if emit is not None:            # one chunk per token (load clients time them), maybe ""
+                    emit(c.index, out, items)
+                if stops.matched is not None:   # the reader found the end: finish it as "stop"
+                    self.serving.worker.cancel(c.handle.request_id, cause="stop_string", reason="stop")
+                    c.finish, c.completion_tokens = "stop", c.tokens
                     return True
+            elif kind == "submitted":
+                c.prompt_tokens = ev.get("prompt_tokens", 0)
             elif kind == "finished":
                 self._on_finished(c, ev)
                 return True
         return False
-
-    async def _on_token(self, c: Choice, ev: dict, emit: Callable | None) -> bool:
-        """One token: its text (after the echoed prompt, before the first); True when a stop string ended it."""
-        c.tokens += 1
-        if c.ttft is None:
-            c.ttft = time.monotonic() - self.t0
-            if self.req.echo:                # the prompt (and its log-probs) before the first token
-                text, items = self._echo(c, await self._echo_logprobs(c, ev))
-                c.pieces.append(text)
-                c.lp_items += items
-                if emit is not None:
-                    emit(c.index, text, items)
-        out = c.stops.push(c.text.push(ev["token_id"]))
-        c.pieces.append(out)
-        items = [self.logprobs.item(ev["logprob"], c)] if self.logprobs is not None and "logprob" in ev else []
-        c.lp_items += items
-        if emit is not None:            # one chunk per token (load clients time them), maybe ""
-            emit(c.index, out, items)
-        if c.stops.matched is None:
-            return False
-        self.serving.worker.cancel(c.handle.request_id, cause="stop_string", reason="stop")   # the reader found
-        c.finish, c.completion_tokens = "stop", c.tokens                                    # the end: "stop"
-        return True
 
     def _on_finished(self, c: Choice, ev: dict) -> None:
         if self.req.echo and c.index % self.req.n == 0:
@@ -287,6 +279,14 @@ class OpenAIResponse:
         c.finish = _finish_reason(ev)
         c.completion_tokens = ev.get("num_completion_tokens", c.tokens)
         c.prompt_tokens = ev.get("num_prompt_tokens", c.prompt_tokens)
+
+    async def _echo_first(self, c: Choice, ev: dict, emit: Callable | None) -> None:
+        """completions echo, before the first token: the prompt's text (and its log-probs)."""
+        text, items = self._echo(c, await self._echo_logprobs(c, ev))
+        c.pieces.append(text)
+        c.lp_items += items
+        if emit is not None:
+            emit(c.index, text, items)
 
     async def _echo_logprobs(self, c: Choice, ev: dict | None) -> list | None:
         i, j = divmod(c.index, self.req.n)
@@ -363,8 +363,10 @@ class OpenAIResponse:
         return resp
 
     async def _stream_choice(self, c: Choice, out: "_SseWriter") -> None:
+        pending, token_chunk = out.pending, self.token_chunk
+
         def emit(index: int, piece: str, logprobs: list | None = None) -> None:
-            out.pending.append(b"data: " + self.token_chunk(index, piece, logprobs) + b"\n\n")
+            pending.append(b"data: " + token_chunk(index, piece, logprobs) + b"\n\n")
 
         await self.consume(c, emit, out.flush)
         await out.flush()
