@@ -401,16 +401,15 @@ def observer_table(summary: dict, title: str) -> Table:
 
 def render_serving(worker, out) -> None:
     """``labkit serve``'s banner once the worker is ready."""
-    built = worker.built
-    cfg = worker.config
-    console.print(kv_table({"worker": worker.worker_id, "kind": built.kind,
-                            "model": built.model.get("path"), "synthetic": built.model.get("synthetic"),
-                            "scheduling policy": cfg.scheduling_policy,
-                            "max num batched tokens / seqs": f"{cfg.max_num_batched_tokens} / {cfg.max_num_seqs}",
+    served, cfg, args = worker.served, worker.config, worker.config.engine
+    console.print(kv_table({"worker": worker.worker_id, "kind": served.kind,
+                            "model": served.model.get("path"), "synthetic": served.model.get("synthetic"),
+                            "scheduling policy": args.scheduling_policy,
+                            "max num batched tokens / seqs": f"{args.max_num_batched_tokens} / {args.max_num_seqs}",
                             "max active / queue": f"{cfg.max_active} / {cfg.queue_size}",
-                            "KV blocks": built.engine.stats().num_blocks,
+                            "KV blocks": served.num_blocks,
                             "log": str(out) if out else "(none)"}, title="labkit serve"))
-    if built.model.get("synthetic"):
+    if served.model.get("synthetic"):
         note("synthetic model: random weights; generated text is meaningless")
 
 

@@ -22,7 +22,7 @@ from labkit.load.trace import token_ids
 from labkit.service import client
 from labkit.service.engine_process import worker_class
 from labkit.service.events import MemorySink
-from labkit.service.server import ServerThread
+from labkit.service.api_server import ServerThread
 from labkit.service.worker import WorkerConfig
 
 MODES = ("in-process", "engine-process")

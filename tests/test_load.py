@@ -214,7 +214,7 @@ def test_serve_local_drives_http_and_records_both_observers(tmp_path, tiny_model
 
 
 def test_endpoints_native_and_openai_against_two_servers(tmp_path, tiny_model_dir):
-    from labkit.service.server import ServerThread
+    from labkit.service.api_server import ServerThread
     from labkit.service.worker import Worker, WorkerConfig
 
     trace = small_trace(tmp_path)

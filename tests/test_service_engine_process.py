@@ -25,7 +25,7 @@ from labkit.errors import UserError
 from labkit.service import client
 from labkit.service.engine_process import RemoteWorker
 from labkit.service.events import MemorySink
-from labkit.service.server import ServerThread
+from labkit.service.api_server import ServerThread
 from labkit.service.worker import Worker
 
 MAX_MODEL_LEN = 512

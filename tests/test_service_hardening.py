@@ -21,7 +21,7 @@ from service_fixtures import ready_url, settle_after, start_worker
 from labkit.paths import repo_root
 from labkit.service import client
 from labkit.service.connections import ConnectionGuard, ConnectionLimits, QuietLog
-from labkit.service.server import ServerThread
+from labkit.service.api_server import ServerThread
 from labkit.service.worker import Worker, WorkerConfig
 
 MAX_MODEL_LEN = 512

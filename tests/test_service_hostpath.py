@@ -14,7 +14,7 @@ from engine import SamplingParams
 from labkit.load.trace import token_ids
 from labkit.service import client
 from labkit.service.events import MemorySink
-from labkit.service.server import ServerThread
+from labkit.service.api_server import ServerThread
 from labkit.service.worker import Worker, WorkerConfig
 
 

@@ -13,7 +13,7 @@ from service_fixtures import body, ids, ready_url, run, serving, settle_after, w
 
 from labkit.errors import UserError
 from labkit.service import client
-from labkit.service.server import ServerThread, bind_socket
+from labkit.service.api_server import ServerThread, bind_socket
 from labkit.service.worker import Worker, WorkerConfig
 
 MAX_MODEL_LEN = 512

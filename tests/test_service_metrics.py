@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.load.trace import token_ids
 from labkit.service import client
-from labkit.service.server import ServerThread
+from labkit.service.api_server import ServerThread
 from labkit.service.worker import Worker, WorkerConfig
 
 PROMPT = token_ids(4, "metrics", 12)

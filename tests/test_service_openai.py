@@ -11,7 +11,7 @@ from service_fixtures import post, ready_url, serving, settle_after
 
 from labkit.load.trace import token_ids
 from labkit.service.protocol import NOOP_PARAMS
-from labkit.service.stops import StopStrings
+from labkit.service.detokenize import StopStrings
 from labkit.service.worker import Worker, WorkerConfig
 
 openai = pytest.importorskip("openai")
@@ -373,7 +373,7 @@ def test_client_import_path_has_no_torch_or_engine():
 
 
 def test_serve_defaults_per_device():
-    from labkit.service.server import serve_defaults
+    from labkit.service.launch import serve_defaults
 
     assert serve_defaults("cuda") == serve_defaults("cuda:1") == dict(
         enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_active=256, max_model_len=None,
@@ -385,7 +385,7 @@ def test_serve_defaults_per_device():
 def test_model_context_is_capped_by_the_kv_pool(tiny_model_dir):
     import dataclasses
 
-    from labkit.service.server import MODEL_CONTEXT, fit_context
+    from labkit.service.launch import MODEL_CONTEXT, fit_context
 
     cfg = WorkerConfig(model=str(tiny_model_dir), device="cpu", max_model_len=MODEL_CONTEXT, num_kvcache_blocks=2,
                        worker_id="fit")

@@ -10,7 +10,8 @@ from service_fixtures import settle_after, start_worker
 from engine import RequestError, SamplingParams
 from labkit.errors import UserError
 from labkit.service.events import MemorySink
-from labkit.service.worker import DuplicateRequest, Worker, WorkerConfig, WorkerUnavailable
+from labkit.service.front import DuplicateRequest, WorkerUnavailable
+from labkit.service.worker import Worker, WorkerConfig
 from labkit.load.trace import token_ids
 
 

@@ -92,8 +92,9 @@ def run_host_bench(model_dir: str, api: str = "native", streams: int = 256, max_
     import tempfile
 
     from labkit.service.events import EventLog
-    from labkit.service.server import ServerThread
-    from labkit.service.worker import Worker, WorkerConfig
+    from labkit.service.api_server import ServerThread
+    from labkit.service.config import WorkerConfig
+    from labkit.service.worker import Worker
 
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="labkit-host-"))
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,7 @@
 """Typer commands of the service half of the lab: serve, client, trace, load, report, simulate.
 
-``register(app)`` adds them as top-level commands. Each is a thin shell: options → one plain
+Each is a module-level function (importable, testable) that ``register(app)`` adds as a top-level command at
+the end of this module. Each is a thin shell: options → one plain
 function (``run_serve``, ``run_client``, ``write_trace``, ``run_load``, ``compare``,
 ``run_simulate``) → a :mod:`labkit.console` renderer → :func:`labkit.cli.app.finish` for those that
 write judged evidence (load, simulate); ``client`` exits 1 when its request failed. Heavy imports
@@ -40,277 +41,286 @@ WorkerIdOpt = Annotated[str, typer.Option("--worker-id", help="Name of this work
 DistInitOpt = Annotated[Optional[str], typer.Option("--dist-init", help="tcp://HOST:PORT of this engine's TP group (default: a free port).")]
 ShmNameOpt = Annotated[Optional[str], typer.Option("--shm-name", help="Shared-memory name of this engine's TP channel (default: unique).")]
 
+
 def _endpoints(text: str | None) -> list[str]:
     return [e.strip().rstrip("/") for e in (text or "").split(",") if e.strip()]
+
+
+def _one_model(model_arg: str | None, model) -> str | None:
+    """vLLM's ``serve MODEL`` or ``--model``: one of them, or both the same."""
+    if model_arg is not None and model is not None and str(model) != model_arg:
+        raise UserError(f"two models given: {model_arg!r} and --model {str(model)!r}; give one")
+    model = model if model is not None else model_arg
+    return str(model) if model else None
+
+
+def _on_ready(out):
+    """What ``labkit serve`` prints once the worker is up: its banner and the URL."""
+    from labkit.console import console, render_serving
+
+    def ready(url: str, worker) -> None:
+        render_serving(worker, out)
+        console.print(f"ready: {url}  (Ctrl-C stops)", soft_wrap=True)
+        sys.stdout.flush()
+
+    return ready
+
+
+def _setup_logging(log_level: str, stats_interval: float) -> None:
+    import logging
+
+    level = getattr(logging, log_level.upper(), None) \
+        if log_level.lower() in ("debug", "info", "warning", "error", "critical") else None
+    if level is None:
+        raise UserError(f"--log-level must be debug, info, warning, error or critical, got {log_level!r}")
+    if stats_interval < 0:
+        raise UserError(f"--stats-interval must be >= 0, got {stats_interval!r}")
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logging.getLogger("labkit").setLevel(level)
 
 
 # --------------------------------------------------------------------------- commands
 
 
+def serve(
+    model_arg: Annotated[Optional[str], typer.Argument(metavar="[MODEL]", show_default=False, help="The model, as vLLM's `serve MODEL` (same as --model).")] = None,
+    model: ModelOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port; 0 picks a free one and prints the URL.")] = 8801,
+    scheduling_policy: SchedulingPolicyOpt = "prefill_first",
+    max_consecutive_prefill: MaxConsecutivePrefillOpt = None,
+    max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", show_default=False, help="Tokens per step at most. Default: 16384 on CUDA, 512 on CPU.")] = None,
+    max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", show_default=False, help="Sequences per step at most. Default: 256 on CUDA, 8 on CPU.")] = None,
+    max_active: Annotated[Optional[int], typer.Option("--max-active", show_default=False, help="Admitted, unfinished requests at most (admission limit). Default: 256 on CUDA, 8 on CPU.")] = None,
+    queue_size: QueueSizeOpt = 64,
+    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", show_default=False, help="Context length (prompt + output) at most. Default on CUDA: the model's, capped by what the KV pool holds (printed); on CPU 1024.")] = None,
+    gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.5,
+    enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--graph", show_default=False, help="Eager execution, or CUDA graphs (decode, and small fresh prefills on the triton backend). Default: graphs on CUDA, eager on CPU.")] = None,
+    overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", show_default=False, help="Overlapped decode: launch step k+1 before reading step k's tokens, so the host's per-step work hides behind the GPU. Default: on on CUDA (tensor-parallel-size 1), off on CPU.")] = None,
+    attention: AttentionOpt = "auto",
+    device: DeviceOpt = "auto",
+    worker_id: WorkerIdOpt = "worker-0",
+    tensor_parallel_size: TensorParallelSizeOpt = 1,
+    dist_init: DistInitOpt = None,
+    shm_name: ShmNameOpt = None,
+    stream_buffer: Annotated[int, typer.Option("--stream-buffer", help="Unread events per stream before the request is cancelled as a slow consumer.")] = 512,
+    max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Largest request body (HTTP 413 beyond).")] = 1 << 20,
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id for the OpenAI API (default: the preset or directory name).")] = None,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LABKIT_API_KEY", show_envvar=True, help="Require Authorization: Bearer KEY on every route but /health.")] = None,
+    allowed_origins: Annotated[str, typer.Option("--allowed-origins", help="Comma list of web origins (http://host:port) whose pages may call this server; '*' for any. Default: none.")] = "",
+    max_prompt_bytes: Annotated[Optional[int], typer.Option("--max-prompt-bytes", help="Text prompts longer than this (UTF-8 bytes) are refused before tokenizing (default 32 x max-model-len, at least 16 KiB).")] = None,
+    special_tokens_in_content: Annotated[bool, typer.Option("--special-tokens-in-content", help="Let special-token text inside chat messages become control tokens (the old, forgeable behaviour).")] = False,
+    max_connections: Annotated[int, typer.Option("--max-connections", help="Open connections at most (lowered to fit the file limit); beyond, idle ones are closed, then 503.")] = 512,
+    timeout_keep_alive: Annotated[float, typer.Option("--timeout-keep-alive", help="Seconds a connection may wait for the first byte of a request.")] = 5.0,
+    timeout_headers: Annotated[float, typer.Option("--timeout-headers", help="Seconds for a request line and headers to arrive (then 408).")] = 10.0,
+    timeout_body: Annotated[float, typer.Option("--timeout-body", help="Seconds for a request body to arrive (then 408).")] = 30.0,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="JSONL event log (header + every event). Default: runs/serve-<worker-id>.jsonl (see --event-log).")] = None,
+    event_log: Annotated[bool, typer.Option("--event-log/--no-event-log", help="Without --out, keep the event log in runs/serve-<worker-id>.jsonl (the previous run's moves to .jsonl.1), capped by --event-log-max-mb.")] = True,
+    event_log_max_mb: Annotated[Optional[float], typer.Option("--event-log-max-mb", show_default=False, help="Rotate the event log at this size (MB, 10^6 bytes): it moves to .jsonl.1, older ones shift up, and a new file starts with the header. Default: 256 for the log under runs/, no cap with --out.")] = None,
+    event_log_backups: Annotated[int, typer.Option("--event-log-backups", help="Rotated event log files kept (.jsonl.1 newest ... .jsonl.N oldest); 0 keeps none.")] = 3,
+    log_level: Annotated[str, typer.Option("--log-level", help="debug | info | warning | error: info prints an access line per request and a stats line every --stats-interval while busy.")] = "info",
+    stats_interval: Annotated[float, typer.Option("--stats-interval", help="Seconds between stats lines while busy (0: none).")] = 10.0,
+    engine_process: Annotated[Optional[bool], typer.Option("--engine-process/--no-engine-process", show_default=False, help="Run the engine and its owner thread in a process of their own; this one keeps the HTTP front end, detokenization and the event log. Default: on on CUDA (tensor-parallel-size 1), off on CPU.")] = None,
+) -> None:
+    """Serve the engine over HTTP: /generate (NDJSON), /cancel, /health, /config, /metrics, OpenAI /v1/*.
+
+    Every event goes to a JSONL log: --out, or by default runs/serve-<worker-id>.jsonl, rotated at
+    --event-log-max-mb (256 by default) with --event-log-backups old files; --no-event-log for none."""
+    from labkit.console import console, render_served
+    from labkit.lab_engine import detect_device
+    from labkit.service.config import EngineArgs, WorkerConfig
+    from labkit.service.connections import ConnectionLimits
+    from labkit.service.events import plan_serve_log
+    from labkit.service.launch import run_serve, serve_settings
+
+    model = _one_model(model_arg, model)
+    _setup_logging(log_level, stats_interval)
+    log_plan = plan_serve_log(out, worker_id, event_log, event_log_max_mb, event_log_backups)
+    out = log_plan.path
+    chosen = serve_settings(detect_device(device), tensor_parallel_size, enforce_eager=enforce_eager,
+                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                            max_active=max_active, max_model_len=max_model_len, overlap=overlap,
+                            engine_process=engine_process)
+    engine_process, max_active = chosen.pop("engine_process"), chosen.pop("max_active")
+    engine = EngineArgs(model=model, device=device, attention=attention, scheduling_policy=scheduling_policy,
+                        max_consecutive_prefill=max_consecutive_prefill, gpu_memory_utilization=gpu_memory_utilization,
+                        tensor_parallel_size=tensor_parallel_size, dist_init=dist_init, shm_name=shm_name, **chosen)
+    cfg = WorkerConfig(engine, max_active=max_active, queue_size=queue_size, worker_id=worker_id,
+                       stream_buffer=stream_buffer, max_prompt_bytes=max_prompt_bytes,
+                       special_tokens_in_content=special_tokens_in_content)
+    connections = ConnectionLimits(timeout_keep_alive=timeout_keep_alive, timeout_headers=timeout_headers,
+                                   timeout_body=timeout_body, max_connections=max_connections)
+    summary = run_serve(cfg, host, port, out, served_model_name=served_model_name,
+                        max_body_bytes=max_body_bytes, on_ready=_on_ready(out), api_key=api_key,
+                        allowed_origins=allowed_origins, connections=connections, stats_interval=stats_interval,
+                        on_context=lambda why: console.print(why, soft_wrap=True), log_plan=log_plan,
+                        engine_process=engine_process)
+    render_served(summary)
+
+
+def client(
+    endpoints: Annotated[str, typer.Option("--endpoints", help="Server URL (the first of a comma list).")] = "http://127.0.0.1:8801",
+    prompt: Annotated[str, typer.Option("--prompt", help="Prompt text.")] = "Hello",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Output tokens at most.")] = 32,
+    request_id: Annotated[str, typer.Option("--request-id", help="Request id (unique among live requests).")] = "demo",
+    cancel_after: Annotated[Optional[int], typer.Option("--cancel-after", help="POST /cancel after this many tokens.")] = None,
+    api: Annotated[str, typer.Option("--api", help="native (/generate) | openai (/v1/completions).")] = "native",
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Generate max-tokens even past EOS.")] = False,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LABKIT_API_KEY", show_envvar=True, help="The server's --api-key.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="JSONL of client (and server) events.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Send one streamed request, print its text as it arrives, and record what the client observed.
+
+    Its import path is the console and the HTTP client only (no torch, no engine), so it starts fast."""
+    from labkit.console import print_json, render_client
+    from labkit.service.client import run_client
+
+    eps = _endpoints(endpoints)
+    if not eps:
+        raise UserError("--endpoints needs a URL")
+    streamed: list[str] = []
+
+    def show(piece: str) -> None:
+        streamed.append(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    res = run_client(eps[0], prompt, max_tokens, request_id, cancel_after, out, api, temperature,
+                     ignore_eos=ignore_eos, api_key=api_key, on_text=None if json_out else show)
+    if json_out:
+        print_json(res)
+    else:
+        if streamed:
+            sys.stdout.write("\n")
+        render_client(res, text=not streamed)
+    ok = res["reason"] in ("stop", "length") or (cancel_after is not None and res["reason"] == "cancelled")
+    raise typer.Exit(0 if ok else 1)
+
+
+def trace(
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Trace file (JSONL); default runs/trace.jsonl (workloads/mixed.jsonl is the shipped trace: write it only on purpose).")] = None,
+    requests: Annotated[int, typer.Option("--requests", help="Requests in the trace.")] = 12,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length of a short request.")] = 32,
+    long_prompt_tokens: Annotated[int, typer.Option("--long-prompt-tokens", help="Prompt length of a long request.")] = 768,
+    long_every: Annotated[int, typer.Option("--long-every", help="Every N-th request is long (0: none).")] = 4,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Output tokens of every request (ignore_eos).")] = 64,
+    interval_ms: Annotated[float, typer.Option("--interval-ms", help="Planned gap between arrivals.")] = 40.0,
+    seed: SeedOpt = 17,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write a fixed arrival trace (the same bytes for the same options); --seed seeds the token ids."""
+    from labkit.console import console, kv_table, print_json
+    from labkit.load.trace import TraceOptions, write_trace
+    from labkit.paths import default_out
+
+    summary = write_trace(out or default_out("trace.jsonl"), TraceOptions(requests, prompt_tokens, long_prompt_tokens, long_every, max_tokens,
+                                            interval_ms, seed))
+    if json_out:
+        print_json(summary)
+    else:
+        console.print(kv_table(summary, title="labkit trace"))
+
+
+def load(
+    trace: Annotated[Path, typer.Option("--trace", dir_okay=False, help="Arrival trace (labkit trace).")] = Path("workloads/mixed.jsonl"),
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Event log X.jsonl (evidence goes to X.json); default runs/load.jsonl.")] = None,
+    model: ModelOpt = None,
+    endpoints: Annotated[Optional[str], typer.Option("--endpoints", help="Running servers a,b,... instead of the in-process engine.")] = None,
+    serve_local: Annotated[bool, typer.Option("--serve-local", help="Serve the in-process engine on 127.0.0.1 and drive it over HTTP.")] = False,
+    mode: Annotated[str, typer.Option("--mode", help="wall (planned times) | round (per scheduler round, in process).")] = "wall",
+    warmup_requests: Annotated[int, typer.Option("--warmup-requests", help="Warmup requests per target, excluded from the window.")] = 2,
+    api: Annotated[str, typer.Option("--api", help="native | openai (any OpenAI-compatible server).")] = "native",
+    router: Annotated[str, typer.Option("--router", help="round-robin | least-work (least assigned prompt+max_tokens).")] = "round-robin",
+    scheduling_policy: SchedulingPolicyOpt = "prefill_first",
+    max_consecutive_prefill: MaxConsecutivePrefillOpt = None,
+    max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
+    max_num_seqs: MaxNumSeqsOpt = 8,
+    max_active: MaxActiveOpt = 8,
+    queue_size: QueueSizeOpt = 64,
+    max_model_len: MaxModelLenOpt = 1024,
+    gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.5,
+    enforce_eager: EnforceEagerOpt = True,
+    attention: AttentionOpt = "auto",
+    device: DeviceOpt = "auto",
+    worker_id: WorkerIdOpt = "worker-0",
+    tensor_parallel_size: TensorParallelSizeOpt = 1,
+    profile_dir: Annotated[Optional[Path], typer.Option("--profile-dir", file_okay=False, help="torch.profiler after warmup: Chrome trace + operator table here.")] = None,
+    openai_model: Annotated[Optional[str], typer.Option("--openai-model", help="Model id for --api openai (default: the server's first).")] = None,
+    timeout_s: Annotated[float, typer.Option("--timeout-s", help="Give up on a request after this long.")] = 600.0,
+    checkpoint: Annotated[Optional[str], typer.Option("--checkpoint", help="Judge the evidence against this checkpoint id.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Replay an arrival trace in process or against servers; events to JSONL, evidence next to it."""
+    from labkit.console import render_load
+    from labkit.paths import default_out
+    from labkit.load.replay import LoadOptions, run_load
+    from labkit.service.config import EngineArgs, WorkerConfig
+    from labkit.service.events import split_out
+
+    out = out or default_out("load.jsonl")
+    engine = EngineArgs(model=str(model) if model else None, device=device, attention=attention,
+                        scheduling_policy=scheduling_policy, max_consecutive_prefill=max_consecutive_prefill,
+                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                        enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size)
+    worker = WorkerConfig(engine, max_active=max_active, queue_size=queue_size, worker_id=worker_id)
+    opts = LoadOptions(trace=trace, out=out, worker=worker, endpoints=_endpoints(endpoints),
+                       serve_local=serve_local, mode=mode, warmup_requests=warmup_requests, api=api, router=router,
+                       profile_dir=profile_dir, openai_model=openai_model, timeout_s=timeout_s,
+                       checkpoint=checkpoint, show_progress=not json_out)
+    record = run_load(opts)
+    events, evidence = split_out(out)
+    if not json_out:
+        render_load(record, mode, events)
+    finish(record, evidence, json_out=json_out)
+
+
+def report(
+    inputs: Annotated[Optional[str], typer.Option("--inputs", help="Event logs a.jsonl,b.jsonl,... to compare; without it, the final report from runs/.")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Comparison JSON (Markdown and PNGs next to it); default runs/comparison.json, or runs/final-report.json without --inputs.")] = None,
+    plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Draw PNG plots (needs matplotlib).")] = True,
+    json_out: JsonOpt = False,
+) -> None:
+    """Without --inputs: the final evidence report (runs/final-report.md/.json). With --inputs: TTFT / ITL / TPOT, throughput, terminations compared."""
+    if inputs is None:
+        from labkit.cli.final import final_report_command
+
+        final_report_command(out, plots, json_out)
+    from labkit.console import print_json, render_report
+    from labkit.paths import default_out
+    from labkit.load.report import compare
+
+    out = out or default_out("comparison.json")
+    paths = [p.strip() for p in inputs.split(",") if p.strip()]
+    result = compare(paths, out, plots=plots)
+    if json_out:
+        print_json(result)
+    else:
+        render_report(result, out)
+
+
+def simulate(
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Event log X.jsonl (evidence: X.json); default runs/runtime-cpu.json(l).")] = None,
+    model: ModelOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """The service chain on CPU (Worker → HTTP → client → report) through cancel, overload, faults and shutdown."""
+    from labkit.console import render_simulate
+    from labkit.load.simulate import run_simulate
+    from labkit.service.events import split_out
+
+    record = run_simulate(out, model=str(model) if model else None)
+    if not json_out:
+        render_simulate(record)
+    finish(record, split_out(Path(record["facts"]["events"]))[1], json_out=json_out)
+
+
+# --------------------------------------------------------------------------- registration
+
+
 def register(app: typer.Typer) -> None:
     """Add serve, client, trace, load, report and simulate to ``app``."""
-
-    @app.command()
-    def serve(
-        model_arg: Annotated[Optional[str], typer.Argument(metavar="[MODEL]", show_default=False, help="The model, as vLLM's `serve MODEL` (same as --model).")] = None,
-        model: ModelOpt = None,
-        host: Annotated[str, typer.Option("--host", help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
-        port: Annotated[int, typer.Option("--port", help="Port; 0 picks a free one and prints the URL.")] = 8801,
-        scheduling_policy: SchedulingPolicyOpt = "prefill_first",
-        max_consecutive_prefill: MaxConsecutivePrefillOpt = None,
-        max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", show_default=False, help="Tokens per step at most. Default: 16384 on CUDA, 512 on CPU.")] = None,
-        max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", show_default=False, help="Sequences per step at most. Default: 256 on CUDA, 8 on CPU.")] = None,
-        max_active: Annotated[Optional[int], typer.Option("--max-active", show_default=False, help="Admitted, unfinished requests at most (admission limit). Default: 256 on CUDA, 8 on CPU.")] = None,
-        queue_size: QueueSizeOpt = 64,
-        max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", show_default=False, help="Context length (prompt + output) at most. Default on CUDA: the model's, capped by what the KV pool holds (printed); on CPU 1024.")] = None,
-        gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.5,
-        enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--graph", show_default=False, help="Eager execution, or CUDA graphs (decode, and small fresh prefills on the triton backend). Default: graphs on CUDA, eager on CPU.")] = None,
-        overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", show_default=False, help="Overlapped decode: launch step k+1 before reading step k's tokens, so the host's per-step work hides behind the GPU. Default: on on CUDA (tensor-parallel-size 1), off on CPU.")] = None,
-        attention: AttentionOpt = "auto",
-        device: DeviceOpt = "auto",
-        worker_id: WorkerIdOpt = "worker-0",
-        tensor_parallel_size: TensorParallelSizeOpt = 1,
-        dist_init: DistInitOpt = None,
-        shm_name: ShmNameOpt = None,
-        stream_buffer: Annotated[int, typer.Option("--stream-buffer", help="Unread events per stream before the request is cancelled as a slow consumer.")] = 512,
-        max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Largest request body (HTTP 413 beyond).")] = 1 << 20,
-        served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id for the OpenAI API (default: the preset or directory name).")] = None,
-        api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LABKIT_API_KEY", show_envvar=True, help="Require Authorization: Bearer KEY on every route but /health.")] = None,
-        allowed_origins: Annotated[str, typer.Option("--allowed-origins", help="Comma list of web origins (http://host:port) whose pages may call this server; '*' for any. Default: none.")] = "",
-        max_prompt_bytes: Annotated[Optional[int], typer.Option("--max-prompt-bytes", help="Text prompts longer than this (UTF-8 bytes) are refused before tokenizing (default 32 x max-model-len, at least 16 KiB).")] = None,
-        special_tokens_in_content: Annotated[bool, typer.Option("--special-tokens-in-content", help="Let special-token text inside chat messages become control tokens (the old, forgeable behaviour).")] = False,
-        max_connections: Annotated[int, typer.Option("--max-connections", help="Open connections at most (lowered to fit the file limit); beyond, idle ones are closed, then 503.")] = 512,
-        timeout_keep_alive: Annotated[float, typer.Option("--timeout-keep-alive", help="Seconds a connection may wait for the first byte of a request.")] = 5.0,
-        timeout_headers: Annotated[float, typer.Option("--timeout-headers", help="Seconds for a request line and headers to arrive (then 408).")] = 10.0,
-        timeout_body: Annotated[float, typer.Option("--timeout-body", help="Seconds for a request body to arrive (then 408).")] = 30.0,
-        out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="JSONL event log (header + every event). Default: runs/serve-<worker-id>.jsonl (see --event-log).")] = None,
-        event_log: Annotated[bool, typer.Option("--event-log/--no-event-log", help="Without --out, keep the event log in runs/serve-<worker-id>.jsonl (the previous run's moves to .jsonl.1), capped by --event-log-max-mb.")] = True,
-        event_log_max_mb: Annotated[Optional[float], typer.Option("--event-log-max-mb", show_default=False, help="Rotate the event log at this size (MB, 10^6 bytes): it moves to .jsonl.1, older ones shift up, and a new file starts with the header. Default: 256 for the log under runs/, no cap with --out.")] = None,
-        event_log_backups: Annotated[int, typer.Option("--event-log-backups", help="Rotated event log files kept (.jsonl.1 newest ... .jsonl.N oldest); 0 keeps none.")] = 3,
-        log_level: Annotated[str, typer.Option("--log-level", help="debug | info | warning | error: info prints an access line per request and a stats line every --stats-interval while busy.")] = "info",
-        stats_interval: Annotated[float, typer.Option("--stats-interval", help="Seconds between stats lines while busy (0: none).")] = 10.0,
-        engine_process: Annotated[Optional[bool], typer.Option("--engine-process/--no-engine-process", show_default=False, help="Run the engine and its owner thread in a process of their own; this one keeps the HTTP front end, detokenization and the event log. Default: on on CUDA (tensor-parallel-size 1), off on CPU.")] = None,
-    ) -> None:
-        """Serve the engine over HTTP: /generate (NDJSON), /cancel, /health, /config, /metrics, OpenAI /v1/*.
-
-        Every event goes to a JSONL log: --out, or by default runs/serve-<worker-id>.jsonl, rotated at
-        --event-log-max-mb (256 by default) with --event-log-backups old files; --no-event-log for none."""
-        import logging
-
-        from labkit.console import console, render_served, render_serving
-        from labkit.service.connections import ConnectionLimits
-        from labkit.service.events import plan_serve_log
-        from labkit.service.server import run_serve
-        from labkit.service.worker import WorkerConfig
-
-        if model_arg is not None and model is not None and str(model) != model_arg:
-            raise UserError(f"two models given: {model_arg!r} and --model {str(model)!r}; give one")
-        model = model if model is not None else model_arg
-        level = getattr(logging, log_level.upper(), None) if log_level.lower() in ("debug", "info", "warning", "error", "critical") else None
-        if level is None:
-            raise UserError(f"--log-level must be debug, info, warning, error or critical, got {log_level!r}")
-        if stats_interval < 0:
-            raise UserError(f"--stats-interval must be >= 0, got {stats_interval!r}")
-        log_plan = plan_serve_log(out, worker_id, event_log, event_log_max_mb, event_log_backups)
-        out = log_plan.path
-        logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
-        logging.getLogger("labkit").setLevel(level)
-
-        from labkit.lab_engine import detect_device
-        from labkit.service.server import MODEL_CONTEXT, serve_defaults
-
-        defaults = serve_defaults(detect_device(device))
-        given = dict(enforce_eager=enforce_eager, max_num_seqs=max_num_seqs, max_active=max_active,
-                     max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
-        chosen = {k: (v if v is not None else defaults[k]) for k, v in given.items()}
-        enforce_eager, max_num_seqs, max_active = chosen["enforce_eager"], chosen["max_num_seqs"], chosen["max_active"]
-        max_num_batched_tokens = chosen["max_num_batched_tokens"]
-        if overlap is None:             # the engine refuses overlap with tensor parallel: the default leaves it off there
-            overlap = defaults["overlap"] and tensor_parallel_size == 1
-        if engine_process is None:      # measured with one GPU only: tensor parallel keeps the engine in this process
-            engine_process = defaults["engine_process"] and tensor_parallel_size == 1
-        max_model_len = chosen["max_model_len"] if chosen["max_model_len"] is not None else MODEL_CONTEXT
-        cfg = WorkerConfig(model=str(model) if model else None, device=device, attention=attention,
-                           scheduling_policy=scheduling_policy, max_consecutive_prefill=max_consecutive_prefill,
-                           max_num_batched_tokens=max_num_batched_tokens,
-                           max_num_seqs=max_num_seqs, max_active=max_active, queue_size=queue_size,
-                           max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                           enforce_eager=enforce_eager, worker_id=worker_id, stream_buffer=stream_buffer,
-                           tensor_parallel_size=tensor_parallel_size, dist_init=dist_init, shm_name=shm_name,
-                           max_prompt_bytes=max_prompt_bytes, special_tokens_in_content=special_tokens_in_content,
-                           overlap=overlap)
-        connections = ConnectionLimits(timeout_keep_alive=timeout_keep_alive, timeout_headers=timeout_headers,
-                                       timeout_body=timeout_body, max_connections=max_connections)
-
-        def ready(url: str, worker) -> None:
-            render_serving(worker, out)
-            console.print(f"ready: {url}  (Ctrl-C stops)", soft_wrap=True)
-            sys.stdout.flush()
-
-        summary = run_serve(cfg, host, port, out, served_model_name=served_model_name,
-                            max_body_bytes=max_body_bytes, on_ready=ready, api_key=api_key,
-                            allowed_origins=allowed_origins, connections=connections, stats_interval=stats_interval,
-                            on_context=lambda why: console.print(why, soft_wrap=True), log_plan=log_plan,
-                            engine_process=engine_process)
-        render_served(summary)
-
-    @app.command()
-    def client(
-        endpoints: Annotated[str, typer.Option("--endpoints", help="Server URL (the first of a comma list).")] = "http://127.0.0.1:8801",
-        prompt: Annotated[str, typer.Option("--prompt", help="Prompt text.")] = "Hello",
-        max_tokens: Annotated[int, typer.Option("--max-tokens", help="Output tokens at most.")] = 32,
-        request_id: Annotated[str, typer.Option("--request-id", help="Request id (unique among live requests).")] = "demo",
-        cancel_after: Annotated[Optional[int], typer.Option("--cancel-after", help="POST /cancel after this many tokens.")] = None,
-        api: Annotated[str, typer.Option("--api", help="native (/generate) | openai (/v1/completions).")] = "native",
-        temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.0,
-        ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Generate max-tokens even past EOS.")] = False,
-        api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LABKIT_API_KEY", show_envvar=True, help="The server's --api-key.")] = None,
-        out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="JSONL of client (and server) events.")] = None,
-        json_out: JsonOpt = False,
-    ) -> None:
-        """Send one streamed request, print its text as it arrives, and record what the client observed.
-
-        Its import path is the console and the HTTP client only (no torch, no engine), so it starts fast."""
-        from labkit.console import print_json, render_client
-        from labkit.service.client import run_client
-
-        eps = _endpoints(endpoints)
-        if not eps:
-            raise UserError("--endpoints needs a URL")
-        streamed: list[str] = []
-
-        def show(piece: str) -> None:
-            streamed.append(piece)
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-
-        res = run_client(eps[0], prompt, max_tokens, request_id, cancel_after, out, api, temperature,
-                         ignore_eos=ignore_eos, api_key=api_key, on_text=None if json_out else show)
-        if json_out:
-            print_json(res)
-        else:
-            if streamed:
-                sys.stdout.write("\n")
-            render_client(res, text=not streamed)
-        ok = res["reason"] in ("stop", "length") or (cancel_after is not None and res["reason"] == "cancelled")
-        raise typer.Exit(0 if ok else 1)
-
-    @app.command()
-    def trace(
-        out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Trace file (JSONL); default runs/trace.jsonl (workloads/mixed.jsonl is the shipped trace: write it only on purpose).")] = None,
-        requests: Annotated[int, typer.Option("--requests", help="Requests in the trace.")] = 12,
-        prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length of a short request.")] = 32,
-        long_prompt_tokens: Annotated[int, typer.Option("--long-prompt-tokens", help="Prompt length of a long request.")] = 768,
-        long_every: Annotated[int, typer.Option("--long-every", help="Every N-th request is long (0: none).")] = 4,
-        max_tokens: Annotated[int, typer.Option("--max-tokens", help="Output tokens of every request (ignore_eos).")] = 64,
-        interval_ms: Annotated[float, typer.Option("--interval-ms", help="Planned gap between arrivals.")] = 40.0,
-        seed: SeedOpt = 17,
-        json_out: JsonOpt = False,
-    ) -> None:
-        """Write a fixed arrival trace (the same bytes for the same options); --seed seeds the token ids."""
-        from labkit.console import console, kv_table, print_json
-        from labkit.load.trace import TraceOptions, write_trace
-        from labkit.paths import default_out
-
-        summary = write_trace(out or default_out("trace.jsonl"), TraceOptions(requests, prompt_tokens, long_prompt_tokens, long_every, max_tokens,
-                                                interval_ms, seed))
-        if json_out:
-            print_json(summary)
-        else:
-            console.print(kv_table(summary, title="labkit trace"))
-
-    @app.command()
-    def load(
-        trace: Annotated[Path, typer.Option("--trace", dir_okay=False, help="Arrival trace (labkit trace).")] = Path("workloads/mixed.jsonl"),
-        out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Event log X.jsonl (evidence goes to X.json); default runs/load.jsonl.")] = None,
-        model: ModelOpt = None,
-        endpoints: Annotated[Optional[str], typer.Option("--endpoints", help="Running servers a,b,... instead of the in-process engine.")] = None,
-        serve_local: Annotated[bool, typer.Option("--serve-local", help="Serve the in-process engine on 127.0.0.1 and drive it over HTTP.")] = False,
-        mode: Annotated[str, typer.Option("--mode", help="wall (planned times) | round (per scheduler round, in process).")] = "wall",
-        warmup_requests: Annotated[int, typer.Option("--warmup-requests", help="Warmup requests per target, excluded from the window.")] = 2,
-        api: Annotated[str, typer.Option("--api", help="native | openai (any OpenAI-compatible server).")] = "native",
-        router: Annotated[str, typer.Option("--router", help="round-robin | least-work (least assigned prompt+max_tokens).")] = "round-robin",
-        scheduling_policy: SchedulingPolicyOpt = "prefill_first",
-        max_consecutive_prefill: MaxConsecutivePrefillOpt = None,
-        max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
-        max_num_seqs: MaxNumSeqsOpt = 8,
-        max_active: MaxActiveOpt = 8,
-        queue_size: QueueSizeOpt = 64,
-        max_model_len: MaxModelLenOpt = 1024,
-        gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.5,
-        enforce_eager: EnforceEagerOpt = True,
-        attention: AttentionOpt = "auto",
-        device: DeviceOpt = "auto",
-        worker_id: WorkerIdOpt = "worker-0",
-        tensor_parallel_size: TensorParallelSizeOpt = 1,
-        profile_dir: Annotated[Optional[Path], typer.Option("--profile-dir", file_okay=False, help="torch.profiler after warmup: Chrome trace + operator table here.")] = None,
-        openai_model: Annotated[Optional[str], typer.Option("--openai-model", help="Model id for --api openai (default: the server's first).")] = None,
-        timeout_s: Annotated[float, typer.Option("--timeout-s", help="Give up on a request after this long.")] = 600.0,
-        checkpoint: Annotated[Optional[str], typer.Option("--checkpoint", help="Judge the evidence against this checkpoint id.")] = None,
-        json_out: JsonOpt = False,
-    ) -> None:
-        """Replay an arrival trace in process or against servers; events to JSONL, evidence next to it."""
-        from labkit.console import render_load
-        from labkit.paths import default_out
-        from labkit.load.replay import LoadOptions, run_load
-        from labkit.service.events import split_out
-        from labkit.service.worker import WorkerConfig
-
-        out = out or default_out("load.jsonl")
-        worker = WorkerConfig(model=str(model) if model else None, device=device, attention=attention,
-                              scheduling_policy=scheduling_policy, max_consecutive_prefill=max_consecutive_prefill,
-                           max_num_batched_tokens=max_num_batched_tokens,
-                              max_num_seqs=max_num_seqs, max_active=max_active, queue_size=queue_size,
-                              max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                              enforce_eager=enforce_eager, worker_id=worker_id,
-                              tensor_parallel_size=tensor_parallel_size)
-        opts = LoadOptions(trace=trace, out=out, worker=worker, endpoints=_endpoints(endpoints),
-                           serve_local=serve_local, mode=mode, warmup_requests=warmup_requests, api=api, router=router,
-                           profile_dir=profile_dir, openai_model=openai_model, timeout_s=timeout_s,
-                           checkpoint=checkpoint, show_progress=not json_out)
-        record = run_load(opts)
-        events, evidence = split_out(out)
-        if not json_out:
-            render_load(record, mode, events)
-        finish(record, evidence, json_out=json_out)
-
-    @app.command()
-    def report(
-        inputs: Annotated[Optional[str], typer.Option("--inputs", help="Event logs a.jsonl,b.jsonl,... to compare; without it, the final report from runs/.")] = None,
-        out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Comparison JSON (Markdown and PNGs next to it); default runs/comparison.json, or runs/final-report.json without --inputs.")] = None,
-        plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Draw PNG plots (needs matplotlib).")] = True,
-        json_out: JsonOpt = False,
-    ) -> None:
-        """Without --inputs: the final evidence report (runs/final-report.md/.json). With --inputs: TTFT / ITL / TPOT, throughput, terminations compared."""
-        if inputs is None:
-            from labkit.cli.final import final_report_command
-
-            final_report_command(out, plots, json_out)
-        from labkit.console import print_json, render_report
-        from labkit.paths import default_out
-        from labkit.load.report import compare
-
-        out = out or default_out("comparison.json")
-        paths = [p.strip() for p in inputs.split(",") if p.strip()]
-        result = compare(paths, out, plots=plots)
-        if json_out:
-            print_json(result)
-        else:
-            render_report(result, out)
-
-    @app.command()
-    def simulate(
-        out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Event log X.jsonl (evidence: X.json); default runs/runtime-cpu.json(l).")] = None,
-        model: ModelOpt = None,
-        json_out: JsonOpt = False,
-    ) -> None:
-        """The service chain on CPU (Worker → HTTP → client → report) through cancel, overload, faults and shutdown."""
-        from labkit.console import render_simulate
-        from labkit.load.simulate import run_simulate
-        from labkit.service.events import split_out
-
-        record = run_simulate(out, model=str(model) if model else None)
-        if not json_out:
-            render_simulate(record)
-        finish(record, split_out(Path(record["facts"]["events"]))[1], json_out=json_out)
-
+    for command in (serve, client, trace, load, report, simulate):
+        app.command()(command)

@@ -40,7 +40,7 @@ from labkit.checks import run_assertion
 from labkit.errors import UserError
 from labkit.evidence import envelope, write_evidence, write_json
 from labkit.service.events import EventLog, log_header, split_out
-from labkit.service.worker import WorkerConfig
+from labkit.service.config import WorkerConfig
 from labkit.load.trace import read_trace, warmup_requests
 
 MODES = ("wall", "round")
@@ -114,7 +114,8 @@ def run_load(opts: LoadOptions) -> dict:
     events_path, evidence_path = split_out(opts.out)
     extra = {"mode": opts.mode, "api": opts.api, "trace": str(opts.trace),
              "trace_options": (head or {}).get("options"), "warmup_requests": opts.warmup_requests,
-             "load_options": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(opts).items()}}
+             "load_options": {k: (str(v) if isinstance(v, Path) else v)
+                              for k, v in {**asdict(opts), "worker": opts.worker.flat()}.items()}}
     log = EventLog(events_path)
     worker = server = None
     facts: dict[str, Any] = {}
@@ -130,11 +131,11 @@ def run_load(opts: LoadOptions) -> dict:
             from labkit.service.worker import Worker
 
             worker = Worker(_worker_config(opts), sink=log.write).start()
-            kind = "profile" if opts.profile_dir else worker.built.kind
+            kind = "profile" if opts.profile_dir else worker.served.kind
             header = worker.header(role="load", **extra)
             header["kind"] = kind
             if opts.serve_local:
-                from labkit.service.server import ServerThread
+                from labkit.service.api_server import ServerThread
 
                 server = ServerThread(worker).start()
                 header["endpoints"] = [server.url]
@@ -148,14 +149,14 @@ def run_load(opts: LoadOptions) -> dict:
                 profile = _drive_inprocess(opts, worker, reqs, warm)
             free, total = worker.run_on_owner(lambda e: (e.stats().free_blocks, e.stats().num_blocks))
             facts["engine_config"] = worker.run_on_owner(lambda e: e.describe()["config"])   # what the engine ran with
-            facts["worker_config"] = {k: v for k, v in asdict(worker.config).items()
+            facts["worker_config"] = {k: v for k, v in worker.config.flat().items()
                                       if k in ("scheduling_policy", "max_num_batched_tokens", "max_num_seqs",
                                                "max_active", "queue_size", "max_model_len", "worker_id")}
             facts["kv_blocks"] = {"free_at_end": free, "total": total}
             facts["kv_free_at_end_equals_total"] = free == total
             facts["profile"] = profile
-            built = worker.built
-            ident = {"model": built.model, "device": built.device, "engine": built.describe(), "seed": built.engine.config.seed}
+            served = worker.served
+            ident = {"model": served.model, "device": served.device, "engine": served.describe(), "seed": served.seed}
     finally:
         if server is not None:
             server.close()
@@ -204,7 +205,7 @@ def _check(opts: LoadOptions) -> None:
         raise UserError(f"--api must be one of {', '.join(APIS)}, got {opts.api!r}")
     if opts.router not in ROUTERS:
         raise UserError(f"--router must be one of {', '.join(ROUTERS)}, got {opts.router!r}")
-    if opts.endpoints and (opts.worker.model or opts.serve_local):
+    if opts.endpoints and (opts.worker.engine.model or opts.serve_local):
         raise UserError("--endpoints drives running servers; leave out --model and --serve-local")
     if opts.mode == "round" and (opts.endpoints or opts.serve_local):
         raise UserError("--mode round injects per scheduler round and needs the in-process engine; "
@@ -368,7 +369,7 @@ def _start_profile(opts: LoadOptions, worker):
         return None
     from labkit.service.profiling import StepProfiler
 
-    prof = StepProfiler(opts.profile_dir, worker.built.device)
+    prof = StepProfiler(opts.profile_dir, worker.served.device)
     prof.prime()
     worker.run_on_owner(lambda engine: prof.start(worker, engine))
     return prof
@@ -378,7 +379,7 @@ def _stop_profile(opts: LoadOptions, worker, prof) -> dict | None:
     if prof is None:
         return None
     summary = worker.run_on_owner(lambda engine: prof.stop(worker, engine))
-    built = worker.built
+    served = worker.served
     ranges = summary.get("ranges", {})
     trace = Path(summary["trace"])
     summary["trace_written"] = trace.is_file() and trace.stat().st_size > 0
@@ -389,8 +390,8 @@ def _stop_profile(opts: LoadOptions, worker, prof) -> dict | None:
                                     why="a non-empty trace file: open it in chrome://tracing or Perfetto"))
     record = write_evidence(Path(opts.profile_dir) / "profile.json", checkpoint=None, kind="profile",
                             facts={**summary, "trace_file": str(opts.trace), "mode": opts.mode},
-                            device=built.device, model=built.model, seed=built.engine.config.seed,
-                            engine=built.describe(), run_assertions=assertions)
+                            device=served.device, model=served.model, seed=served.seed,
+                            engine=served.describe(), run_assertions=assertions)
     summary["evidence"] = str(Path(opts.profile_dir) / "profile.json")
     summary["verdict"] = record["verdict"]
     return summary

@@ -33,8 +33,10 @@ from labkit.evidence import write_evidence
 from labkit.paths import default_out
 from labkit.service import client
 from labkit.service.events import EventLog, MemorySink, fan_out, split_out
-from labkit.service.server import ServerThread, bind_socket
-from labkit.service.worker import Worker, WorkerConfig, WorkerUnavailable
+from labkit.service.api_server import ServerThread, bind_socket
+from labkit.service.config import WorkerConfig
+from labkit.service.front import WorkerUnavailable
+from labkit.service.worker import Worker
 from labkit.load.trace import token_ids
 
 CHECKPOINT = "service.simulate"
@@ -314,7 +316,7 @@ def run_simulate(out: str | Path | None = None, model: str | None = None) -> dic
         worker.start()
         log.write_header(worker.header(role="simulate", mode="scenarios"))
         server = ServerThread(worker).start()
-        facts: dict[str, Any] = {"url": server.url, "scenarios": {}, "worker": vars(cfg)}
+        facts: dict[str, Any] = {"url": server.url, "scenarios": {}, "worker": cfg.flat()}
         record = log.write
         asyncio.run(_scenarios(server, worker, mem, record, facts))
     finally:
@@ -332,6 +334,6 @@ def run_simulate(out: str | Path | None = None, model: str | None = None) -> dic
                                                 "output_tokens", "ttft_ms", "itl_ms")}
                        for obs, o in summary["observers"].items()}
     facts["events"] = str(events_path)
-    built = worker.built
-    return write_evidence(evidence_path, checkpoint=CHECKPOINT, kind=built.kind, facts=facts, device=built.device,
-                          model=built.model, seed=built.engine.config.seed, engine=built.describe())
+    served = worker.served
+    return write_evidence(evidence_path, checkpoint=CHECKPOINT, kind=served.kind, facts=facts, device=served.device,
+                          model=served.model, seed=served.seed, engine=served.describe())

@@ -199,7 +199,7 @@ class Connection(RequestHandler):
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         """A request aiohttp could not parse (or a handler bug): one JSON error, one quiet log line."""
-        from labkit.service.protocol import parser_error
+        from labkit.service.wire import parser_error
 
         if request.writer.output_size > 0:       # a response is under way: the connection is broken
             raise ConnectionError("response already started")

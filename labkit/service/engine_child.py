@@ -1,16 +1,16 @@
 """The engine process's side of ``labkit serve --engine-process`` (the parent's side, and the design,
-are in :mod:`labkit.service.engine_process`; the parent's read-only views in :mod:`labkit.service.remote_views`).
+are in :mod:`labkit.service.engine_process`).
 
 :func:`_child_main` is the target the parent spawns (``multiprocessing`` "spawn" pickles it by this
-module's path). It runs the existing Worker unchanged (:class:`_ChildWorker`), with ``stream=False``
-handles (nobody reads them here) and a sink (:class:`_Sender`) that collects the owner's events. The
-owner already hands a whole step's wake-ups over once per step (``_flush_wakes``); the child hooks there
-and sends the step's events to the parent as ONE message, and the owner's published snapshot after each
-loop round; events made outside the owner thread (``submitted`` at submit) go out at once, under the
-same lock. Its Worker keeps no Prometheus stats (:class:`_Uncounted`): the parent counts from the
-events. It reports ``ready`` (the limits the parent checks submissions against) or its init error, then
-serves the parent's commands (submit, cancel, the calls of :data:`CHILD_CALLS`, close) until the parent
-closes it or its pipe reads EOF.
+module's path). It runs the existing Worker unchanged, with ``stream=False`` handles (nobody reads them
+here), a sink (:class:`_Sender`) that collects the owner's events, and the Worker's :class:`OwnerHooks`:
+the owner hands a whole step's wake-ups over once per step (``flushed``), and there the step's events go
+to the parent as ONE message; after each loop round (``published``) the owner's snapshot follows. Events
+made outside the owner thread (``submitted`` at submit) go out at once, under the same lock. Its Worker
+keeps no Prometheus stats (:class:`_Uncounted`): the parent counts from the events. It reports ``ready``
+(the :class:`labkit.service.front.ServedEngine` record the parent serves and checks submissions with) or
+its init error, then serves the parent's commands (submit, cancel, the calls of :data:`CHILD_CALLS`,
+close) until the parent closes it or its pipe reads EOF.
 """
 from __future__ import annotations
 
@@ -24,7 +24,10 @@ from contextlib import contextmanager
 from engine import RequestError, SamplingParams
 from labkit.errors import UserError
 from labkit.service.events import make_event
-from labkit.service.worker import DuplicateRequest, Worker, WorkerConfig, WorkerUnavailable
+from labkit.service.config import WorkerConfig
+from labkit.service.front import DuplicateRequest, WorkerUnavailable
+from labkit.service.owner import OwnerHooks
+from labkit.service.worker import Worker
 
 #: The Worker methods a child may be asked to run (test hooks and snapshots), nothing else.
 CHILD_CALLS = ("pause", "resume", "inject_fault", "run_on_owner", "snapshot")
@@ -41,7 +44,7 @@ class _Sender:
         self.worker: Worker | None = None
 
     def sink(self, ev: dict) -> None:
-        if threading.current_thread() is self.worker._thread:
+        if self.worker.on_owner_thread():
             self.batch.append(ev)
         else:
             self.send(("events", [ev], None))
@@ -54,29 +57,6 @@ class _Sender:
     def send(self, msg) -> None:
         with self.lock:
             self.conn.send(msg)
-
-
-class _ChildWorker(Worker):
-    """The Worker, unchanged but for where its step's events go: at each wake-up flush (once per step
-    and once per boundary) they leave for the parent as one message, with the snapshot after each round."""
-
-    sender: _Sender
-
-    def _flush_wakes(self) -> None:
-        super()._flush_wakes()
-        if threading.current_thread() is self._thread:
-            self.sender.ship()
-
-    def _publish(self, state: str | None = None) -> None:
-        super()._publish(state)
-        if threading.current_thread() is self._thread:
-            self.sender.ship(self.snapshot())
-
-    def _shutdown_owner(self) -> None:
-        try:
-            super()._shutdown_owner()
-        finally:
-            self.sender.ship(self.snapshot())
 
 
 class _Uncounted:
@@ -114,19 +94,16 @@ def _child_main(config: WorkerConfig, commands, events) -> None:
     """The engine process: build the Worker, report ready (or the init error), then serve commands."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C goes to the parent, which closes us in order
     sender = _Sender(events)
-    worker = _ChildWorker(dataclasses.replace(config, load_tokenizer=False, log_steps=True), sink=sender.sink)
-    worker.sender, sender.worker = sender, worker
+    hooks = OwnerHooks(flushed=sender.ship, published=sender.ship)
+    worker = Worker(dataclasses.replace(config, load_tokenizer=False, log_steps=True), sink=sender.sink, hooks=hooks)
+    sender.worker = worker
     worker.stats = _Uncounted()
     try:
         worker.start(READY_TIMEOUT_S)
     except BaseException as e:
         sender.send(("init_error", _portable(e)))
         return
-    engine = worker.engine
-    built = worker.built
-    sender.send(("ready", {"config": engine.config, "num_blocks": engine.stats().num_blocks,
-                           "kind": built.kind, "device": built.device, "model": built.model,
-                           "describe": built.describe(), "snapshot": worker.snapshot()}))
+    sender.send(("ready", {"served": worker.served, "snapshot": worker.snapshot()}))
     close_timeout = 30.0
     try:
         while True:
@@ -159,10 +136,9 @@ def _child_main(config: WorkerConfig, commands, events) -> None:
 
 
 def _child_submit(worker: Worker, sender: _Sender, rid: str, token_ids: list[int], params: SamplingParams,
-                  tags: dict, stop_token_ids, prefill_after: str | None) -> None:
+                  tags: dict, prefill_after: str | None) -> None:
     try:
-        worker.submit(token_ids, params, request_id=rid, tags=tags, stream=False, stop_token_ids=stop_token_ids,
-                      prefill_after=prefill_after)
+        worker.submit(token_ids, params, request_id=rid, tags=tags, stream=False, prefill_after=prefill_after)
     except (RequestError, DuplicateRequest, WorkerUnavailable) as e:     # the parent's checks let it through
         sender.send(("events", [make_event("finished", rid, worker.worker_id, worker._round, reason="rejected",
                                            message=" ".join(str(e).split()), num_prompt_tokens=len(token_ids),

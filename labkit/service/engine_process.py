@@ -21,14 +21,14 @@ The parent
     engine's process), and keeps the Prometheus :class:`ServiceStats` from the events: TTFT and ITL from
     the ``t_ns`` the engine stamped (submitted and token events), step counts and seconds from ``step``
     records, so /metrics shows the engine's figures as in one process. What the front end reads (the
-    engine's config and admission rule, ``built``, state, snapshot) is answered here, from what the child
-    reported: :mod:`labkit.service.remote_views`.
+    served engine's record, state, snapshot) is answered here, from what the child reported: the
+    :class:`labkit.service.front.ServedEngine` of its ``ready`` message and its last snapshot.
 
 Submission
     Tokenization and chat templating run in the parent (its own copy of the model's tokenizer, loaded
     from the directory the child reports). ``submit()`` answers synchronously and without a round trip:
-    the parent checks the prompt with the engine's own admission rule (``LLMEngine.validate`` over the
-    limits the child reports at start: max_model_len, vocabulary, KV pool), the request id, duplicates
+    the parent checks the prompt with the engine's own admission rule (``LLMEngine.check_request`` over the
+    served record the child reports at start: max_model_len, vocabulary, KV pool), the request id, duplicates
     (its own table of live requests) and the queue (requests it sent and has not yet seen admitted or
     finished: never fewer than the child's queue, so the child never rejects one the parent accepted).
     Token ids go child-ward; the child's Worker checks them again. A request the child still refuses
@@ -61,12 +61,12 @@ from typing import Any, Callable
 
 from engine import SamplingParams
 from labkit.errors import UserError
+from labkit.service.config import WorkerConfig
 from labkit.service.engine_child import CHILD_CALLS, READY_TIMEOUT_S, _bare_main, _child_main  # noqa: F401
 from labkit.service.events import Sink, make_event, now_ns
-from labkit.service.metrics import ServiceStats
-from labkit.service.remote_views import RemoteWorkerViews, _BuiltView, _EngineView
+from labkit.service.front import WorkerFront, WorkerUnavailable
 from labkit.service.stream import RequestHandle, wake_all
-from labkit.service.worker import DuplicateRequest, Worker, WorkerConfig, WorkerUnavailable, checked_submission
+from labkit.service.worker import Worker
 
 
 # --------------------------------------------------------------------------- the parent's request records
@@ -86,28 +86,12 @@ class _Remote:
 # --------------------------------------------------------------------------- the parent
 
 
-class RemoteWorker(RemoteWorkerViews):
-    """A Worker whose engine and owner thread live in a child process; see the module docstring. Its
-    read-only views (state, snapshot, header, ``engine``, ``built``) are :mod:`labkit.service.remote_views`."""
-
-    # the in-process Worker's own code where the answer is the same here
-    encode = Worker.encode
-    _encode_chat = Worker._encode_chat
-    _check_size = staticmethod(Worker._check_size)
-    gauges = Worker.gauges
-    _new_id = Worker._new_id
+class RemoteWorker(WorkerFront):
+    """A Worker whose engine and owner thread live in a child process; see the module docstring."""
 
     def __init__(self, config: WorkerConfig | None = None, sink: Sink | None = None):
-        self.config = config or WorkerConfig()
-        self.worker_id = self.config.worker_id
-        self.sink = sink
-        self.stats = ServiceStats(self.worker_id)
-        self.engine: _EngineView | None = None
-        self.built: _BuiltView | None = None
-        self.tokenizer = None
+        super().__init__(config, sink)
         self.process: multiprocessing.process.BaseProcess | None = None
-        self._lock = threading.RLock()
-        self._encode_lock = threading.Lock()
         self._live: dict[str, _Remote] = {}
         self._pending: dict[str, None] = {}          # sent, not yet seen admitted or finished (ordered)
         self._snapshot: dict = {"state": "starting"}
@@ -145,20 +129,18 @@ class RemoteWorker(RemoteWorkerViews):
             self._abandon_child()
             raise msg[1]
         facts = msg[1]
-        view = _EngineView(facts["config"], facts["num_blocks"], self)
-        self.engine = view
-        self.built = _BuiltView(view, facts["model"], facts["device"], facts["kind"], facts["describe"])
+        self.served = facts["served"]
         self._snapshot = facts["snapshot"]
         if self.config.load_tokenizer:
+            path = self.served.config.model
             try:
                 from transformers import AutoTokenizer
 
-                view.tokenizer = AutoTokenizer.from_pretrained(view.config.model)
+                self._encoder = AutoTokenizer.from_pretrained(path)
             except Exception as e:
                 self._abandon_child()
-                raise UserError(f"cannot load the tokenizer of {view.config.model}: {' '.join(str(e).split())}") \
-                    from None
-            self.tokenizer = copy.deepcopy(view.tokenizer)    # the HTTP front decodes with its own copy
+                raise UserError(f"cannot load the tokenizer of {path}: {' '.join(str(e).split())}") from None
+            self.tokenizer = copy.deepcopy(self._encoder)    # the HTTP front decodes with its own copy
         self._ready = True
         self._reader = threading.Thread(target=self._read, name=f"labkit-engine-reader-{self.worker_id}",
                                         daemon=True)
@@ -239,31 +221,30 @@ class RemoteWorker(RemoteWorkerViews):
         self.close()
 
     # -- requests -------------------------------------------------------------------------
-    def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
-               tags: dict | None = None, stream: bool = True, stream_buffer: int | None = None, *,
-               fill_context: bool = False, stop_token_ids=(), prefill_after: str | None = None) -> RequestHandle:
-        """As :meth:`Worker.submit`, answered here: RequestError, DuplicateRequest, WorkerUnavailable, or
-        a handle (``rejected`` when the queue is full); the token ids go to the engine process."""
-        token_ids, params, tags = checked_submission(self, prompt, params, request_id, tags, fill_context)
-        with self._lock:
-            if not self.accepting:
-                raise WorkerUnavailable(self._unavailable_reason())
-            rid = str(request_id) if request_id is not None else self._new_id()
-            if rid in self._live:
-                raise DuplicateRequest(f"request_id {rid!r} is already in flight")
-            handle = RequestHandle(rid, stream_buffer or self.config.stream_buffer, keep_tokens=stream)
-            if len(self._pending) >= self.config.queue_size:
-                self._reject_here(handle, token_ids, params, tags)
-                return handle
-            self._live[rid] = _Remote(handle, len(token_ids), now_ns())   # before the child can answer
-            self._pending[rid] = None
-            try:
-                self._commands.send(("submit", rid, token_ids, params, tags, tuple(stop_token_ids), prefill_after))
-            except (OSError, ValueError):            # the child is gone; the reader says why in a moment
-                del self._live[rid]
-                self._pending.pop(rid, None)
-                raise WorkerUnavailable(f"worker {self.worker_id}: the engine process is not reachable") from None
-        return handle
+    def _tokenize(self, prompt) -> list[int]:
+        """``LLMEngine.encode``'s rule with this process's copy of the model's tokenizer: text as is, chat
+        messages through the chat template."""
+        tok = self._encoder
+        if isinstance(prompt, list):
+            prompt = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                             enable_thinking=False)
+        return tok.encode(prompt)
+
+    def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
+                 prefill_after: str | None) -> None:
+        """As the Worker's: a full queue (requests sent, not yet seen admitted) rejects here; the token ids go
+        to the engine process, whose Worker checks them again."""
+        if len(self._pending) >= self.config.queue_size:
+            self._reject_here(handle, token_ids, params, tags)
+            return
+        self._live[rid] = _Remote(handle, len(token_ids), now_ns())   # before the child can answer
+        self._pending[rid] = None
+        try:
+            self._commands.send(("submit", rid, token_ids, params, tags, prefill_after))
+        except (OSError, ValueError):            # the child is gone; the reader says why in a moment
+            del self._live[rid]
+            self._pending.pop(rid, None)
+            raise WorkerUnavailable(f"worker {self.worker_id}: the engine process is not reachable") from None
 
     def _reject_here(self, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict) -> None:
         """Queue full: the submitted and finished(rejected) events the Worker would have made."""
@@ -282,17 +263,13 @@ class RemoteWorker(RemoteWorkerViews):
         handle._finish(fin)
         self.stats.count_finished("rejected")
 
-    def cancel(self, request_id: str, cause: str = "client", reason: str = "cancelled") -> bool:
-        """Ask the owner to cancel at its next step boundary; False if no such live request."""
-        if reason not in ("cancelled", "stop"):
-            raise ValueError(f"a request can be ended as cancelled or stop, not {reason!r}")
-        with self._lock:
-            if request_id not in self._live or self._closed:
-                return False
-            try:
-                self._commands.send(("cancel", request_id, cause, reason))
-            except (OSError, ValueError):
-                return False
+    def _send_cancel(self, request_id: str, cause: str, reason: str) -> bool:
+        if self._closed:
+            return False
+        try:
+            self._commands.send(("cancel", request_id, cause, reason))
+        except (OSError, ValueError):
+            return False
         return True
 
     def pending_ids(self) -> list[str]:
@@ -327,6 +304,46 @@ class RemoteWorker(RemoteWorkerViews):
 
     def set_feeder(self, fn) -> None:
         raise NotImplementedError("a feeder runs on the owner thread: use the in-process Worker")
+
+    # -- state, answered here ---------------------------------------------------------------
+    def _unhealthy_reason(self) -> str | None:
+        if self._unhealthy:
+            return self._unhealthy
+        if self._snapshot.get("state") == "unhealthy":
+            return self._snapshot.get("reason") or "the engine process's worker is unhealthy"
+        return None
+
+    @property
+    def accepting(self) -> bool:
+        return self._ready and not self._closed and self._unhealthy_reason() is None
+
+    def state(self) -> str:
+        if self._closed:
+            return "closed"
+        if not self._ready:
+            return "starting"
+        return "unhealthy" if self._unhealthy_reason() else "ok"
+
+    def snapshot(self) -> dict:
+        """The child's last published state (queue, active, KV blocks, round), with this side's health."""
+        with self._lock:
+            snap = dict(self._snapshot)
+        snap.pop("reason", None)
+        snap["state"] = self.state()
+        reason = self._unhealthy_reason()
+        if reason:
+            snap["reason"] = reason
+        return snap
+
+    def _unavailable_reason(self) -> str:
+        if self._closed:
+            return f"worker {self.worker_id} is shut down"
+        if not self._ready:
+            return f"worker {self.worker_id} is starting"
+        return f"worker {self.worker_id} is unhealthy: {self._unhealthy_reason()}"
+
+    def header(self, **extra) -> dict:
+        return super().header(engine_process={"pid": self.process.pid if self.process else None}, **extra)
 
     # -- the reader thread -------------------------------------------------------------------
     def _read(self) -> None:

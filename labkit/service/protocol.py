@@ -12,14 +12,9 @@ docs/OPENAI.md. The sampling parameters (:data:`SAMPLING_CHECKS`), ``n``, ``logp
 ``top_logprobs`` and ``echo`` (completions) map onto :class:`engine.SamplingParams`. Fields no OpenAI or vLLM request has are ignored, as vLLM
 does by default.
 
-Bodies are strict JSON (:func:`loads_strict`): no ``NaN``/``Infinity``, no number that overflows a
-double, no lone surrogate in a string, no nesting deeper than :data:`MAX_DEPTH`; an integer of more
-than :data:`MAX_INT_DIGITS` digits is kept as a :class:`HugeInt`, so the field that holds it is
-named in its 400 (Python's own 4,300-digit limit never turns it into a 500).
-
-Why one file of this length: each route's body is parsed by the same strict JSON reader and the same
-field checks, and the OpenAI parameter table (supported, no-op, refused) lives next to the code that
-enforces it, so the two cannot drift apart.
+Bodies arrive as strict JSON (:func:`labkit.service.wire.loads_strict`); the error shape is
+:class:`labkit.service.wire.ApiError`. The OpenAI parameter table (supported, no-op, refused) lives next to
+the code that enforces it, so the two cannot drift apart.
 """
 from __future__ import annotations
 
@@ -31,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine import RequestError, SamplingParams
+from labkit.service.wire import ApiError, HugeInt
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TAG_VALUE_TYPES = (str, int, float, bool, type(None))
@@ -40,151 +36,9 @@ RESERVED_FIELDS = frozenset({"event", "request_id", "worker_id", "round", "round
                              "prompt_tokens", "max_tokens", "queue_depth", "index", "token_id", "reason", "cause",
                              "message", "logprob", "prompt_logprobs"})
 TAG_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")
-MAX_DEPTH = 32                 # JSON nesting levels in a request body
-MAX_INT_DIGITS = 40            # longer integers are HugeInt: no field takes them
 MAX_STOPS = 4                  # stop strings per request, as OpenAI
 MAX_PROMPTS = 64               # prompts in one /v1/completions request
 MAX_CHOICES = 128              # prompts x n in one request
-
-
-class ApiError(Exception):
-    """A client-visible error: HTTP status, one-line message, machine code, the offending field (``param``),
-    extra response ``headers`` (Retry-After, WWW-Authenticate) and whether the connection must close
-    (``close``: the body was not read)."""
-
-    def __init__(self, status: int, message: str, code: str, param: str | None = None,
-                 type_: str | None = None, headers: dict[str, str] | None = None, close: bool = False):
-        super().__init__(message)
-        self.status = status
-        self.message = " ".join(str(message).split())
-        self.code = code
-        self.param = param
-        self.type = type_ or _DEFAULT_TYPES.get(status, "invalid_request_error")
-        self.headers = dict(headers or {})
-        self.close = close
-
-    def body(self, **extra) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code},
-                **extra}
-
-
-_DEFAULT_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                  404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
-                  413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error",
-                  431: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
-
-
-# --------------------------------------------------------------------------- strict JSON
-
-
-class HugeInt:
-    """An integer literal too long to be any field's value; shown by its length, never converted."""
-
-    __slots__ = ("digits",)
-
-    def __init__(self, text: str):
-        self.digits = len(text.lstrip("-"))
-
-    def __repr__(self) -> str:
-        return f"an integer of {self.digits} digits"
-
-
-def _parse_int(text: str):
-    return HugeInt(text) if len(text) > MAX_INT_DIGITS else int(text)
-
-
-def _parse_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text[:40]} is out of range")
-    return value
-
-
-def _no_constants(name: str):
-    raise ValueError(f"{name} is not valid JSON (use a number or null)")
-
-
-def loads_strict(raw: bytes) -> Any:
-    """The body as JSON, or an ApiError 400 that says what is wrong (and where, when it can)."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ApiError(400, f"the request body is not UTF-8 ({e.reason} at byte {e.start})", "invalid_json") from None
-    try:
-        value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_no_constants)
-    except RecursionError:
-        raise ApiError(400, f"the request body is nested too deeply (at most {MAX_DEPTH} levels)",
-                       "invalid_json") from None
-    except json.JSONDecodeError as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})",
-                       "invalid_json") from None
-    except ValueError as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})", "invalid_json") from None
-    _check_tree(value)
-    return value
-
-
-def _check_tree(value: Any) -> None:
-    """Depth and strings of a parsed body, iteratively (no recursion a deep body could exhaust)."""
-    stack: list[tuple[Any, str, int]] = [(value, "", 0)]
-    while stack:
-        v, path, depth = stack.pop()
-        if isinstance(v, str):
-            _check_str(v, path)
-        elif isinstance(v, (dict, list)):
-            if depth >= MAX_DEPTH:
-                field = re.split(r"[.\[]", path, maxsplit=1)[0] if path else ""
-                raise ApiError(400, f"the request body is nested too deeply (at most {MAX_DEPTH} levels)"
-                               + (f" in {field}" if field else ""), "invalid_json", _param(field))
-            if isinstance(v, dict):
-                for k, item in v.items():
-                    where = f"{path}.{k}" if path else str(k)
-                    _check_str(k, where)
-                    if isinstance(item, (str, dict, list)):
-                        stack.append((item, where, depth + 1))
-            else:
-                for i, item in enumerate(v):
-                    if isinstance(item, (str, dict, list)):
-                        stack.append((item, f"{path}[{i}]", depth + 1))
-
-
-def _check_str(s: str, path: str) -> None:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ApiError(400, f"{path or 'the body'} holds a lone UTF-16 surrogate ({s[e.start]!a}), which is not text",
-                       "invalid_unicode", _param(path)) from None
-
-
-def _param(path: str) -> str | None:
-    return path[:120] if path else None
-
-
-def parser_error(status: int, exc: BaseException | None, message: str | None) -> ApiError:
-    """What aiohttp's parser (or a handler bug) reported, as one JSON error: 4xx for what the client sent."""
-    from aiohttp import http_exceptions as hx
-
-    text = " ".join(str(getattr(exc, "message", None) or message or exc or "").split())[:300]
-    if status >= 500 and not isinstance(exc, hx.HttpProcessingError):
-        if status == 504:
-            return ApiError(504, "the request handler timed out", "handler_timeout")
-        return ApiError(500, "internal error while handling the request (see the server log)", "internal_error")
-    if isinstance(exc, hx.BadHttpMethod):
-        return ApiError(400, f"unknown HTTP method: {text}", "invalid_method")
-    if isinstance(exc, hx.LineTooLong):
-        if "header" in text.lower() or not re.search(r"b['\"]([A-Z]+ |/)", text):
-            return ApiError(431, f"a request header is too long: {text[:160]}", "header_too_large")
-        return ApiError(414, f"the request line is too long: {text[:160]}", "request_line_too_long")
-    if "too many headers" in text.lower():
-        return ApiError(431, f"too many request headers: {text}", "header_too_large")
-    if isinstance(exc, hx.TransferEncodingError):
-        return ApiError(400, f"bad chunked transfer encoding: {text}", "invalid_transfer_encoding")
-    if isinstance(exc, hx.ContentEncodingError):
-        return ApiError(400, f"the body does not match its Content-Encoding: {text}", "invalid_content_encoding",
-                        "Content-Encoding")
-    code = getattr(exc, "code", status)
-    code = code if isinstance(code, int) and 400 <= code < 500 else 400
-    return ApiError(code, f"malformed HTTP request: {text or 'unparseable'}", "bad_http_request")
 
 
 def bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
@@ -194,7 +48,6 @@ def bad(message: str, param: str | None = None, code: str = "invalid_value") -> 
 @dataclass
 class Limits:
     max_model_len: int
-    vocab_size: int
     served_model_name: str
     max_body_bytes: int = 1 << 20
 
@@ -213,7 +66,6 @@ class GenRequest:
     detokenize: bool = True               # native: add "text" to token events
     fill_context: bool = False            # no max_tokens: generate up to max_model_len - prompt tokens
     stop: list[str] = field(default_factory=list)           # stop strings (OpenAI APIs)
-    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's extension
     include_stop_str_in_output: bool = False
     prompts: list | None = None           # /v1/completions: every prompt (one choice each); prompt is the first
     n: int = 1                            # choices per prompt (sample i: seed + i when a seed is given)
@@ -467,7 +319,9 @@ def _refuse_unsupported(body: dict, api: str) -> None:
                   + (f"omit it or send {noop_text}" if noops else "omit it"), name, "unsupported_parameter")
 
 
-def _stops(body: dict, limits: Limits) -> tuple[list[str], list[int], bool]:
+def _stops(body: dict) -> tuple[list[str], list[int], bool]:
+    """Stop strings, stop token ids (their vocabulary is the engine's check, at submit) and
+    include_stop_str_in_output."""
     stop = body.get("stop")
     if stop is None:
         stops: list[str] = []
@@ -491,10 +345,6 @@ def _stops(body: dict, limits: Limits) -> tuple[list[str], list[int], bool]:
                   "invalid_type")
     if len(ids) > 64:
         raise bad(f"stop_token_ids may hold at most 64 ids, got {len(ids)}", "stop_token_ids")
-    out_of_vocab = [t for t in ids if not 0 <= t < limits.vocab_size]
-    if out_of_vocab:
-        raise bad(f"stop_token_ids: {out_of_vocab[0]} is outside the vocabulary [0, {limits.vocab_size})",
-                  "stop_token_ids")
     include = _bool(body, "include_stop_str_in_output", False)
     return stops, list(dict.fromkeys(ids)), include
 
@@ -667,17 +517,18 @@ def parse_completion(body: Any, limits: Limits) -> GenRequest:
     if n * len(prompts) > MAX_CHOICES:
         raise bad(f"prompts x n may be at most {MAX_CHOICES}, got {len(prompts)} x {n}", "n")
     params, given = _params(body, limits, default_temperature=1.0, api="completions")
-    stop, stop_ids, include = _stops(body, limits)
+    stop, stop_ids, include = _stops(body)
     params = _with_stop_ids(params, stop_ids)
     stream = _bool(body, "stream", False)
     return GenRequest("completions", prompts[0], params, stream=stream, request_id=_request_id(body),
                       include_usage=_include_usage(body, stream), model=model, fill_context=not given,
-                      stop=stop, stop_token_ids=stop_ids, include_stop_str_in_output=include, prompts=prompts,
+                      stop=stop, include_stop_str_in_output=include, prompts=prompts,
                       n=n, logprobs=params.logprobs, echo=_bool(body, "echo", False))
 
 
 def _with_stop_ids(params: SamplingParams, stop_ids: list[int]) -> SamplingParams:
-    """stop_token_ids go to the engine too, so that min_tokens holds them back like EOS."""
+    """stop_token_ids are the engine's (SamplingParams.stop_token_ids): it finishes the request with reason stop
+    at one, and min_tokens holds them back like EOS."""
     if not stop_ids:
         return params
     import dataclasses
@@ -695,12 +546,12 @@ def parse_chat(body: Any, limits: Limits) -> GenRequest:
     n = _choices_per_prompt(body)
     params, given = _params(body, limits, default_temperature=1.0,
                             max_tokens_names=("max_completion_tokens", "max_tokens"), api="chat")
-    stop, stop_ids, include = _stops(body, limits)
+    stop, stop_ids, include = _stops(body)
     params = _with_stop_ids(params, stop_ids)
     stream = _bool(body, "stream", False)
     return GenRequest("chat", messages, params, stream=stream, request_id=_request_id(body),
                       include_usage=_include_usage(body, stream), model=model, fill_context=not given,
-                      stop=stop, stop_token_ids=stop_ids, include_stop_str_in_output=include, n=n,
+                      stop=stop, include_stop_str_in_output=include, n=n,
                       logprobs=params.logprobs)
 
 

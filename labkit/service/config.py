@@ -1,0 +1,100 @@
+"""A worker's configuration: the engine's options once (:class:`EngineArgs`, under the names
+:func:`labkit.lab_engine.build_engine` and ``LLMEngine`` take), and the worker's own (:class:`WorkerConfig`).
+
+``WorkerConfig(engine=EngineArgs(...), max_active=...)``, or the same options by name:
+``WorkerConfig(model=..., max_num_seqs=8, max_active=8)`` puts each engine option into ``engine``.
+``dataclasses.replace(config, max_model_len=n)`` changes an engine option the same way.
+``build_engine(**config.engine.options())`` is the one way they reach the engine.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, fields
+
+from labkit.errors import UserError
+from labkit.service.protocol import REQUEST_ID_RE
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The engine a worker builds: ``build_engine``'s model, device and attention, and ``LLMEngine``'s options
+    (vLLM's names). None: the lab's default (``labkit.lab_engine.LAB_DEFAULTS``) or the engine's."""
+    model: str | None = None
+    device: str = "auto"
+    attention: str = "auto"
+    scheduling_policy: str = "prefill_first"
+    max_consecutive_prefill: int | None = None   # None: the policy's own rule
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 8
+    max_model_len: int = 1024
+    gpu_memory_utilization: float = 0.5
+    enforce_eager: bool = True
+    num_kvcache_blocks: int | None = None   # None: from the memory budget
+    tensor_parallel_size: int = 1           # of this one engine
+    dist_init: str | None = None            # tcp://HOST:PORT of its TP group (None: a free port)
+    shm_name: str | None = None             # its TP step channel (None: unique per instance)
+    overlap: bool = False                   # overlapped decode (Config.overlap): step k+1 launched before step k's
+                                            # tokens are read, so their delivery hides behind it
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size")
+
+    def options(self) -> dict:
+        """``build_engine``'s keyword arguments."""
+        return asdict(self)
+
+
+ENGINE_FIELDS = frozenset(f.name for f in fields(EngineArgs))
+
+
+@dataclass(init=False)
+class WorkerConfig:
+    """One worker: its engine (:class:`EngineArgs`) and its own admission, queue and stream limits."""
+    engine: EngineArgs
+    max_active: int = 8
+    queue_size: int = 64
+    worker_id: str = "worker-0"
+    stream_buffer: int = 512
+    load_tokenizer: bool = True             # text prompts and detokenized output need it
+    log_steps: bool = True                  # one "step" record per engine step in the log
+    max_prompt_bytes: int | None = None     # longer text prompts are refused untokenized (None: 32 x max_model_len)
+    special_tokens_in_content: bool = False  # True: special-token text inside chat messages becomes control tokens
+
+    def __init__(self, engine: EngineArgs | None = None, **options) -> None:
+        """The worker's fields by name; the engine's as ``engine``, by their names, or both (a name given
+        changes that option of ``engine``: ``dataclasses.replace(config, max_model_len=n)`` works)."""
+        mine = {f.name: f for f in fields(self) if f.name != "engine"}
+        unknown = sorted(set(options) - set(mine) - ENGINE_FIELDS)
+        if unknown:
+            raise TypeError(f"WorkerConfig got unknown option(s) {', '.join(unknown)}")
+        engine_options = {k: v for k, v in options.items() if k in ENGINE_FIELDS}
+        self.engine = dataclasses.replace(engine or EngineArgs(), **engine_options)
+        for name, f in mine.items():
+            setattr(self, name, options.get(name, f.default))
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_active", "queue_size", "stream_buffer")
+        if self.max_prompt_bytes is None:
+            self.max_prompt_bytes = max(16 * 1024, 32 * self.max_model_len)
+        if not isinstance(self.max_prompt_bytes, int) or isinstance(self.max_prompt_bytes, bool) \
+                or self.max_prompt_bytes < 1:
+            raise UserError(f"max-prompt-bytes must be a positive integer, got {self.max_prompt_bytes!r}")
+        if not REQUEST_ID_RE.fullmatch(self.worker_id):
+            raise UserError(f"worker id must match {REQUEST_ID_RE.pattern}, got {self.worker_id!r}")
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def flat(self) -> dict:
+        """The engine's options and the worker's fields in one flat dict (evidence, ``/config``)."""
+        mine = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"}
+        return {**self.engine.options(), **mine}
