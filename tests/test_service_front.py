@@ -12,7 +12,7 @@ import pytest
 from engine import RequestError, SamplingParams
 from labkit.errors import UserError
 from labkit.service.config import ENGINE_FIELDS, EngineArgs, WorkerConfig
-from labkit.service.launch import MODEL_CONTEXT, serve_settings
+from labkit.service.launch import serve_settings
 from labkit.service.protocol import GenRequest
 from labkit.service.serving import refusal
 
@@ -47,14 +47,13 @@ def test_serve_settings_fill_what_is_unset_and_tensor_parallel_keeps_overlap_off
     cpu = serve_settings("cpu", 1, max_num_seqs=None, max_active=3, overlap=None)
     assert cpu["max_active"] == 3 and cpu["max_num_seqs"] == 8 and cpu["max_model_len"] == 1024
     cuda = serve_settings("cuda:1", 1, overlap=None, engine_process=None, max_model_len=None)
-    assert cuda["overlap"] is True and cuda["engine_process"] is True and cuda["max_model_len"] == MODEL_CONTEXT
+    assert cuda["overlap"] is True and cuda["engine_process"] is True and cuda["max_model_len"] == "auto"
     tp = serve_settings("cuda", 2, overlap=None, engine_process=None)
     assert tp["overlap"] is False and tp["engine_process"] is False
     assert serve_settings("cuda", 2, overlap=True)["overlap"] is True        # given: the engine judges it
     assert serve_settings("cpu", 1, max_model_len=None)["max_model_len"] == 1024
     with pytest.raises(TypeError):
         serve_settings("cpu", 1, max_num_seq=4)
-    assert MODEL_CONTEXT > 1 << 20
 
 
 @pytest.mark.parametrize("code,param,http_code", [

@@ -382,22 +382,25 @@ def test_serve_defaults_per_device():
                                          max_model_len=1024, overlap=False, engine_process=False)
 
 
-def test_model_context_is_capped_by_the_kv_pool(tiny_model_dir):
-    import dataclasses
+def test_auto_context_is_fitted_to_the_kv_pool_in_one_build(tiny_model_dir, monkeypatch):
+    """max_model_len "auto": the engine caps the model's context at what its pool holds while sizing it; the
+    worker is built once (the old path built a second engine with the cap)."""
+    import engine.llm_engine as le
+    from labkit.service.launch import fitted_context
 
-    from labkit.service.launch import MODEL_CONTEXT, fit_context
-
-    cfg = WorkerConfig(model=str(tiny_model_dir), device="cpu", max_model_len=MODEL_CONTEXT, num_kvcache_blocks=2,
+    builds = []
+    real_init = le.LLMEngine.__init__
+    monkeypatch.setattr(le.LLMEngine, "__init__", lambda self, *a, **k: (builds.append(1), real_init(self, *a, **k))[1])
+    cfg = WorkerConfig(model=str(tiny_model_dir), device="cpu", max_model_len="auto", num_kvcache_blocks=2,
                        worker_id="fit")
     w = Worker(cfg).start()
-    model_len = w.engine.config.max_model_len
-    assert model_len < MODEL_CONTEXT                       # the engine took the model's own limit
-    pool = 2 * w.engine.config.kvcache_block_size
-    assert model_len > pool, "the tiny model's context must exceed a 2-block pool for this test"
-    w2, why = fit_context(w, lambda n: Worker(dataclasses.replace(cfg, max_model_len=n, max_prompt_bytes=None)).start())
     try:
-        assert w2 is not w and w.state() == "closed"
-        assert w2.engine.config.max_model_len == pool == w2.config.max_model_len
+        model_len, pool = w.served.config.shape.max_position_embeddings, w.served.pool_tokens
+        assert model_len > pool, "the tiny model's context must exceed a 2-block pool for this test"
+        why = fitted_context(w)
+        assert w.served.max_model_len == pool == w.config.max_model_len
+        assert w.config.max_prompt_bytes == max(16 * 1024, 32 * pool)
         assert f"capped by the KV pool ({pool} tokens); the model allows {model_len}" in why
+        assert len(builds) == 1
     finally:
-        w2.close()
+        w.close()

@@ -33,7 +33,7 @@ class EngineArgs:
     max_consecutive_prefill: int | None = None   # None: the policy's own rule
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 8
-    max_model_len: int = 1024
+    max_model_len: int | str = 1024          # "auto": the model's context, fitted to the KV pool by the engine
     gpu_memory_utilization: float = 0.5
     enforce_eager: bool = True
     num_kvcache_blocks: int | None = None   # None: from the memory budget
@@ -44,7 +44,9 @@ class EngineArgs:
                                             # tokens are read, so their delivery hides behind it
 
     def __post_init__(self) -> None:
-        _positive(self, "max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size")
+        _positive(self, "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size")
+        if self.max_model_len != "auto":
+            _positive(self, "max_model_len")
 
     def options(self) -> dict:
         """``build_engine``'s keyword arguments."""
@@ -82,16 +84,18 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "max_active", "queue_size", "stream_buffer")
-        if self.max_prompt_bytes is None:
+        if self.max_prompt_bytes is None and self.max_model_len != "auto":   # "auto": set once the engine fitted it
             self.max_prompt_bytes = max(16 * 1024, 32 * self.max_model_len)
-        if not isinstance(self.max_prompt_bytes, int) or isinstance(self.max_prompt_bytes, bool) \
+        if self.max_prompt_bytes is None:
+            pass
+        elif not isinstance(self.max_prompt_bytes, int) or isinstance(self.max_prompt_bytes, bool) \
                 or self.max_prompt_bytes < 1:
             raise UserError(f"max-prompt-bytes must be a positive integer, got {self.max_prompt_bytes!r}")
         if not REQUEST_ID_RE.fullmatch(self.worker_id):
             raise UserError(f"worker id must match {REQUEST_ID_RE.pattern}, got {self.worker_id!r}")
 
     @property
-    def max_model_len(self) -> int:
+    def max_model_len(self) -> int | str:
         return self.engine.max_model_len
 
     def flat(self) -> dict:

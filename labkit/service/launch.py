@@ -109,7 +109,6 @@ SERVE_DEFAULTS = {
     "cpu": dict(enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=512, max_active=8, max_model_len=1024,
                 overlap=False, engine_process=False),
 }
-MODEL_CONTEXT = 1 << 30        # max_model_len "as long as the model allows": the engine caps it at the model's
 
 
 def serve_defaults(device: str) -> dict:
@@ -121,7 +120,7 @@ def serve_settings(device: str, tensor_parallel_size: int = 1, **given) -> dict:
     """``labkit serve``'s choices of :data:`SERVE_DEFAULTS`' options: each one ``given`` as None takes the
     default of the resolved ``device`` (``cpu``, ``cuda``, ``cuda:N``). Overlap and the engine process stay off with tensor parallel (the engine
     refuses overlap there; the engine process was measured with one GPU only); an unset max_model_len (CUDA)
-    is :data:`MODEL_CONTEXT`: the model's own, fitted to the KV pool at start."""
+    is ``"auto"``: the model's own, fitted to the KV pool by the engine while it sizes the pool (one build)."""
     defaults = serve_defaults(device)
     if tensor_parallel_size != 1:
         defaults.update(overlap=False, engine_process=False)
@@ -130,26 +129,22 @@ def serve_settings(device: str, tensor_parallel_size: int = 1, **given) -> dict:
         raise TypeError(f"serve_settings got unknown option(s) {', '.join(unknown)}")
     chosen = {k: (given[k] if given.get(k) is not None else v) for k, v in defaults.items()}
     if chosen["max_model_len"] is None:
-        chosen["max_model_len"] = MODEL_CONTEXT
+        chosen["max_model_len"] = "auto"
     return chosen
 
 
-def fit_context(worker: WorkerFront, build: Callable[[int], WorkerFront]) -> tuple[WorkerFront, str | None]:
-    """A worker started with ``max_model_len=MODEL_CONTEXT``: the model's context length, capped by what
-    the KV pool holds (then rebuilt with the cap, via ``build(max_model_len)``). Returns the worker to
-    serve with and a line saying what max_model_len is and why. (To be replaced by the engine's own
-    ``max_model_len="auto"``: one build.)"""
-    model_len, pool = worker.served.max_model_len, worker.served.pool_tokens
-    if model_len <= pool:
-        why = f"max-model-len {model_len} (the model's context length)"
+def fitted_context(worker: WorkerFront) -> str:
+    """A worker started with ``max_model_len="auto"``: the engine fitted the model's context length to its KV
+    pool while sizing it (one build). Records the fitted length in the worker's config and returns a line
+    saying what it is and why."""
+    served = worker.served
+    model_len, fitted = served.config.shape.max_position_embeddings, served.max_model_len
+    if fitted >= model_len:
+        why = f"max-model-len {fitted} (the model's context length)"
     else:
-        worker.close()
-        worker = build(pool)
-        why = (f"max-model-len {worker.served.max_model_len}: capped by the KV pool ({pool} tokens); "
-               f"the model allows {model_len}")
-    worker.config = dataclasses.replace(worker.config, max_model_len=worker.served.max_model_len,
-                                        max_prompt_bytes=None)
-    return worker, why
+        why = f"max-model-len {fitted}: capped by the KV pool ({served.pool_tokens} tokens); the model allows {model_len}"
+    worker.config = dataclasses.replace(worker.config, max_model_len=fitted, max_prompt_bytes=None)
+    return why
 
 
 SWITCH_INTERVAL_ENV = "LABKIT_SWITCH_INTERVAL_MS"
@@ -206,13 +201,9 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
     worker = make(config, sink=sink)
     try:
         worker.start()
-        if config.max_model_len == MODEL_CONTEXT:
-            def build(max_model_len: int) -> WorkerFront:
-                return make(dataclasses.replace(config, max_model_len=max_model_len, max_prompt_bytes=None),
-                            sink=sink).start()
-
-            worker, why = fit_context(worker, build)
-            if why and on_context is not None:
+        if config.max_model_len == "auto":
+            why = fitted_context(worker)
+            if on_context is not None:
                 on_context(why)
         log = log_plan.open()
         if log is not None:
