@@ -114,6 +114,36 @@ def run_checkpoint(cp: Checkpoint, model: str | None = None) -> dict:
     return row
 
 
+def _missing_why(cp: Checkpoint, why: str) -> str:
+    """NOT-RUN's reason, with the last line of the checkpoint's last ``labkit run`` log when there is no
+    evidence (its command crashed or wrote nothing)."""
+    log = runs_dir() / "logs" / f"{cp.id}.log"
+    if cp.evidence_path().is_file() or not log.is_file():
+        return why
+    return f"{why}; its last run's log ({log}) ends: {_last_line(log) or '(empty)'}"
+
+
+def check_row(cp: Checkpoint, *, strict: bool = False) -> dict:
+    """``labkit check``'s row for ``cp``: its evidence re-judged. NOT-RUN says why (no file, with the last
+    run's log line; stale; or what the machine lacks). With ``strict``, a NOT-RUN this machine could have run
+    (missing or stale evidence) is a FAIL: CI ran it, so no current evidence means it did not work."""
+    verdict, checks = check_evidence(cp)
+    why = reason(verdict, checks)
+    if verdict == "NOT-RUN":
+        why = _missing_why(cp, why)
+        ok, lacks = can_run(cp)
+        if not ok:
+            why = f"{why} ({lacks}: this machine cannot run it)"
+        elif strict:
+            verdict, why = "FAIL", f"strict: this machine can run it, but {why}"
+    return {"id": cp.id, "verdict": verdict, "reason": why, "evidence": str(cp.evidence_path()), "checks": checks}
+
+
+def check_all(target: str | None = None, *, strict: bool = False) -> list[dict]:
+    """``labkit check [TARGET] [--strict]``: every selected checkpoint's row (:func:`check_row`)."""
+    return [check_row(cp, strict=strict) for cp in select(target)]
+
+
 def not_run(cp: Checkpoint, why: str) -> dict:
     return {"id": cp.id, "verdict": "NOT-RUN", "reason": why, "seconds": None, "evidence": str(cp.evidence_path()),
             "log": None, "exit_code": None}

@@ -228,24 +228,22 @@ def doctor(out: OutOpt = None, device: DeviceOpt = "auto", json_out: JsonOpt = F
 def check(
     target: Annotated[Optional[str], typer.Argument(help="A stage (setup, ...) or checkpoint id; default all.")] = None,
     write_md: Annotated[bool, typer.Option("--write-md", help="Regenerate CHECKPOINTS.md from checkpoints/*.json.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="A checkpoint this machine can run but has no current evidence for (missing: its command crashed or never ran; stale) FAILs (exit 1). CI uses it.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Re-judge the evidence under runs/ against the checkpoint definitions."""
-    from labkit.checks import check_evidence, reason, select, write_checkpoints_md
+    from labkit.checks import write_checkpoints_md
+    from labkit.run_all import check_all
 
     if write_md:
         path = write_checkpoints_md()
         console.print(f"wrote {rel(path)}")
         if target is None:
             raise typer.Exit(0)
-    rows = []
-    for cp in select(target):
-        verdict, checks = check_evidence(cp)
-        rows.append({"id": cp.id, "verdict": verdict, "reason": reason(verdict, checks),
-                     "evidence": str(cp.evidence_path()), "checks": checks})
+    rows = check_all(target, strict=strict)
     if not json_out:
         rows = [{k: v for k, v in r.items() if k != "checks"} for r in rows]
-    finish_rows(rows, json_out=json_out, title="labkit check")
+    finish_rows(rows, json_out=json_out, title="labkit check" + (" --strict" if strict else ""))
 
 
 @app.command()
