@@ -76,3 +76,85 @@ def test_strict_leaves_what_this_machine_cannot_run_not_run(runs, no_gpu):
     assert (code, rows["cuda.latency"]["verdict"]) == (0, "NOT-RUN")
     assert rows["cuda.latency"]["reason"].startswith("no evidence at")
     assert rows["cuda.latency"]["reason"].endswith("(needs CUDA: this machine cannot run it)")
+
+
+# --------------------------------------------------------------------------- item 11: labkit run's progress and Ctrl-C
+
+
+def fake_cps(n: int) -> list[checks.Checkpoint]:
+    return [checks.Checkpoint(id=f"setup.fake-{i}", title="t", command=["labkit", "doctor"], evidence=f"runs/fake-{i}.json",
+                              needs="cpu", kind=["cpu-real-engine"], assertions=[], stage="setup")
+            for i in range(1, n + 1)]
+
+
+def fake_row(cp, verdict="PASS") -> dict:
+    return {"id": cp.id, "verdict": verdict, "reason": "", "seconds": 0.5, "evidence": str(cp.evidence_path()),
+            "log": None, "exit_code": 0}
+
+
+def test_run_prints_n_of_m_the_checkpoint_and_elapsed_time_without_a_terminal(runs, monkeypatch, capsys):
+    import labkit.run_all as runner
+
+    cps = fake_cps(3)
+    monkeypatch.setattr(runner, "select", lambda stage=None: cps)
+
+    def run_one(cp, model=None, tick=None):
+        tick(61.0)  # a long checkpoint: the heartbeat line
+        return fake_row(cp)
+
+    monkeypatch.setattr(runner, "run_checkpoint", run_one)
+    runner.run_all(show_progress=True)
+    err = capsys.readouterr().err
+    for i in (1, 2, 3):
+        assert f"[{i}/3] setup.fake-{i} (" in err and " s elapsed)" in err
+        assert f"[{i}/3] setup.fake-{i} still running (61 s on it, " in err
+        assert f"PASS setup.fake-{i} (0.5 s)" in err
+
+
+def test_ctrl_c_marks_the_report_partial_and_exits_130(runs, monkeypatch):
+    import labkit.run_all as runner
+    from labkit.cli import app
+
+    cps = fake_cps(3)
+    monkeypatch.setattr(runner, "select", lambda stage=None: cps)
+    runner.write_report([fake_row(cp) for cp in cps])  # an old, complete report
+    assert json.loads((runs / "report.json").read_text())["partial"] is False
+
+    def run_one(cp, model=None, tick=None):
+        if cp.id == "setup.fake-2":
+            raise KeyboardInterrupt
+        return fake_row(cp)
+
+    monkeypatch.setattr(runner, "run_checkpoint", run_one)
+    res = CliRunner().invoke(app, ["run"])
+    assert res.exit_code == 130, res.output
+    assert "interrupted (Ctrl-C) during setup.fake-2" in res.output
+    report = json.loads((runs / "report.json").read_text())
+    assert (report["partial"], report["interrupted_at"]) == (True, "setup.fake-2")
+    assert [(r["id"], r["verdict"]) for r in report["rows"]] == [
+        ("setup.fake-1", "PASS"), ("setup.fake-2", "NOT-RUN"), ("setup.fake-3", "NOT-RUN")]
+    assert report["rows"][1]["reason"] == "interrupted (Ctrl-C) while it ran"
+    assert "- **partial**: interrupted (Ctrl-C) during `setup.fake-2`" in (runs / "report.md").read_text()
+    assert not list(runs.glob(".report*"))  # no temp file left behind
+
+
+def test_ctrl_c_stops_the_running_command_and_says_so_in_its_log(runs, monkeypatch):
+    import sys
+    import time
+
+    import labkit.run_all as runner
+
+    (cp,) = fake_cps(1)
+    monkeypatch.setattr(runner, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(runner, "build_command", lambda cp, ev, model=None: [
+        sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"])
+
+    def tick(seconds):
+        raise KeyboardInterrupt  # Ctrl-C arrives while the command runs
+
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_checkpoint(cp, tick=tick)
+    assert time.monotonic() - start < 30  # the 60 s command was stopped, not waited for
+    log = (runs / "logs" / "setup.fake-1.log").read_text()
+    assert "started" in log and "[labkit run: interrupted (Ctrl-C) after" in log

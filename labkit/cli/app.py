@@ -255,11 +255,20 @@ def run(
 ) -> None:
     """Run every checkpoint this machine can run, in order; the rest are NOT-RUN with the reason."""
     from labkit.paths import runs_dir
-    from labkit.run_all import run_all
+    from labkit.run_all import RunInterrupted, run_all
 
     if model is not None and not model.is_dir():
         raise UserError(f"--model {model}: not a directory")
-    rows = run_all(stage=stage, model=str(model) if model else None, stop_on_fail=stop_on_fail)
+    try:
+        rows = run_all(stage=stage, model=str(model) if model else None, stop_on_fail=stop_on_fail)
+    except RunInterrupted as e:
+        if json_out:
+            print_json(e.rows)
+        else:
+            render_rows(e.rows, title="labkit run (interrupted)")
+        error_line(f"interrupted (Ctrl-C) during {e.at or 'labkit run'}; {rel(runs_dir() / 'report.md')} "
+                   "is marked partial")
+        raise typer.Exit(INTERRUPTED_EXIT) from None
     if not json_out:
         console.print(f"report: {rel(runs_dir() / 'report.md')}")
     finish_rows(rows, json_out=json_out, title="labkit run")
