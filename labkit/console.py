@@ -163,6 +163,9 @@ def render_record(record: dict, paths: list, word: str | None = None) -> None:
         console.print(checks_table(record["checks"]))
     line = Text(word, style="bold green") if word == "COLLECTED" else verdict_text(word or verdict)
     line.append(f"  {record.get('checkpoint') or ''}", style="bold")
+    patches = record.get("engine_patches")
+    if isinstance(patches, list) and patches:
+        line.append(f"  engine patch: {', '.join(map(str, patches))}", style="bold yellow")
     if paths:
         line.append("  evidence: " + " + ".join(rel(p) for p in paths))
     console.print(line, soft_wrap=True)

@@ -246,6 +246,37 @@ def claim(checkpoint: str | None, argv: list[str] | None = None, *, also: str = 
     return None, {"checkpoint": checkpoint, "command": " ".join(cp.command), "why": why}
 
 
+# --------------------------------------------------------------------------- patched engine
+
+#: Where evidence made with engine patches applied goes: ``runs/patched/<patch[+patch]>/<its usual path>``.
+PATCHED_DIR = "patched"
+
+
+def _patch_check_paths() -> set[Path]:
+    """Evidence of the ``patches`` stage: ``labkit patch check`` runs both sides on copies of engine/, so the
+    working tree's patches do not make it."""
+    return {cp.evidence_path() for cp in _checks.load_checkpoints() if cp.stage == "patches"}
+
+
+def patched_out(out: str | Path, patches: list[str] | None = None) -> Path:
+    """Where evidence meant for ``out`` is written: ``out`` itself for the unpatched engine; with engine
+    patches applied (``patches``, default: the working tree's), ``runs/patched/<names>/<out below runs/>``,
+    so a patched run never replaces the unpatched engine's evidence. Paths outside ``runs/``, already under
+    ``runs/patched/``, or of ``labkit patch check`` are kept."""
+    out = Path(out)
+    patches = applied_patches() if patches is None else patches
+    if not patches:
+        return out
+    base = paths.runs_dir()
+    try:
+        rel = out.resolve().relative_to(base.resolve())
+    except ValueError:
+        return out
+    if rel.parts[:1] == (PATCHED_DIR,) or out.resolve() in {p.resolve() for p in _patch_check_paths()}:
+        return out
+    return base / PATCHED_DIR / "+".join(patches) / rel
+
+
 # --------------------------------------------------------------------------- writing evidence
 
 
@@ -269,6 +300,9 @@ def write_evidence(
     re-evaluates them from the facts every time. A command states every check it makes this way, over facts
     it measured: there is no way to store a check's result.
 
+    With engine patches applied the file goes to :func:`patched_out` (``runs/patched/<patch>/...``), never
+    over the unpatched engine's evidence; the returned record then says where under ``_written_to``.
+
     Returns the record: the envelope plus ``checkpoint``, ``facts``, ``run_assertions``, ``checks``,
     ``verdict`` and ``digest``.
     """
@@ -287,7 +321,10 @@ def write_evidence(
     record["checks"] = results
     record["verdict"] = _checks.verdict(results)
     record[DIGEST_KEY] = digest(record)
-    write_json(out, record)
+    path = patched_out(out, record.get("engine_patches"))
+    write_json(path, record)
+    if path != Path(out):  # not part of the file: where it went, for the command's last line
+        record["_written_to"] = {"requested": str(out), "path": str(path)}
     return record
 
 
@@ -302,5 +339,5 @@ def write_claimed(checkpoint: str | None, out: str | Path | None, name: str, *, 
     default = name if cp or unclaimed_name is None else unclaimed_name
     path = Path(out) if out is not None else paths.default_out(default)
     record = write_evidence(path, checkpoint=cp, kind=kind, facts=facts, **envelope)
-    record["_paths"] = {"json": str(path)}
+    record["_paths"] = {"json": record.get("_written_to", {}).get("path", str(path))}
     return record

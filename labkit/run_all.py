@@ -30,11 +30,13 @@ from rich.text import Text
 from labkit.checks import NEEDS_REASON, Checkpoint, check_evidence, reason, select
 from labkit.console import err_console, verdict_text
 from labkit.evidence import (
+    PATCHED_DIR,
     SCHEMA_VERSION,
     _now,
     command_line,
     engine_source_hash,
     git_head,
+    patched_out,
     versions,
     write_json,
 )
@@ -126,7 +128,7 @@ def _wait(proc: subprocess.Popen, timeout: float, tick=None) -> int | None:
 def run_checkpoint(cp: Checkpoint, model: str | None = None, tick=None) -> dict:
     """Run one checkpoint's command and judge what it wrote. Returns a row. ``tick(seconds)`` is called
     every :data:`HEARTBEAT_S` while it runs; Ctrl-C stops the command, notes it in the log and propagates."""
-    evidence = cp.evidence_path()
+    evidence = patched_out(cp.evidence_path())  # a patched engine's evidence never replaces the unpatched one
     log = runs_dir() / "logs" / f"{cp.id}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     evidence.unlink(missing_ok=True)  # never judge a stale file
@@ -148,7 +150,11 @@ def run_checkpoint(cp: Checkpoint, model: str | None = None, tick=None) -> dict:
                     f"the command was stopped ({ended})]\n")
             raise
     seconds = round(time.monotonic() - start, 2)
-    return _judge_run(cp, rc, seconds, timeout, evidence, log)
+    row = _judge_run(cp, rc, seconds, timeout, evidence, log)
+    if evidence != cp.evidence_path():
+        patch = evidence.relative_to(runs_dir() / PATCHED_DIR).parts[0]
+        row["reason"] = f"engine patch {patch} applied: {row['reason']}"
+    return row
 
 
 def _judge_run(cp: Checkpoint, rc: int | None, seconds: float, timeout: float, evidence: Path, log: Path) -> dict:

@@ -158,3 +158,57 @@ def test_ctrl_c_stops_the_running_command_and_says_so_in_its_log(runs, monkeypat
     assert time.monotonic() - start < 30  # the 60 s command was stopped, not waited for
     log = (runs / "logs" / "setup.fake-1.log").read_text()
     assert "started" in log and "[labkit run: interrupted (Ctrl-C) after" in log
+
+
+# --------------------------------------------------------------------------- item 12: a patched engine's evidence
+
+
+def test_patched_evidence_goes_beside_the_unpatched_one(runs, labkit_argv, monkeypatch):
+    original = write_doctor(labkit_argv)
+    slot = runs / "setup-doctor.json"
+    before = slot.read_bytes()
+    monkeypatch.setattr(evidence, "applied_patches", lambda: ["no-step-trace"])
+    rec = write_doctor(labkit_argv)
+    moved = runs / "patched" / "no-step-trace" / "setup-doctor.json"
+    assert rec["_written_to"] == {"requested": str(slot), "path": str(moved)}
+    assert "_written_to" not in json.loads(moved.read_text())  # where it went is not part of the file
+    assert json.loads(moved.read_text())["engine_patches"] == ["no-step-trace"]
+    assert slot.read_bytes() == before and original["engine_patches"] != ["no-step-trace"]
+    # already under runs/patched/, outside runs/, or a `labkit patch check` pair: kept where asked
+    assert evidence.patched_out(moved) == moved
+    assert evidence.patched_out("/elsewhere/x.json") == Path("/elsewhere/x.json")
+    pair = checks.get_checkpoint("patches.no-step-trace").evidence_path()
+    assert evidence.patched_out(pair) == pair
+    assert evidence.patched_out(slot, []) == slot
+
+
+def test_the_verdict_line_names_the_patch(runs, labkit_argv, monkeypatch):
+    from labkit.cli import app
+
+    monkeypatch.setattr(evidence, "applied_patches", lambda: ["no-balanced-policy"])
+    monkeypatch.setenv("COLUMNS", "200")
+    res = CliRunner().invoke(app, ["principles", "timing"])
+    assert res.exit_code == 0, res.output
+    line = next(ln for ln in res.stdout.splitlines() if "principles.timing" in ln and "evidence:" in ln)
+    assert "engine patch: no-balanced-policy" in line and "runs/patched/no-balanced-policy/timing-example.json" in line
+    assert not (runs / "timing-example.json").exists()
+
+
+def test_labkit_run_with_a_patch_applied_keeps_the_unpatched_evidence(runs, labkit_argv, monkeypatch):
+    import labkit.run_all as runner
+
+    write_doctor(labkit_argv)
+    before = (runs / "setup-doctor.json").read_bytes()
+    monkeypatch.setattr(evidence, "applied_patches", lambda: ["no-step-trace"])
+    seen = {}
+
+    def judge(cp, rc, seconds, timeout, ev, log):
+        seen["evidence"] = ev
+        return {"id": cp.id, "verdict": "FAIL", "reason": "x: expected 1, got 2"}
+
+    monkeypatch.setattr(runner, "build_command", lambda cp, ev, model=None: ["true"])
+    monkeypatch.setattr(runner, "_judge_run", judge)
+    row = runner.run_checkpoint(checks.get_checkpoint("setup.doctor"))
+    assert seen["evidence"] == runs / "patched" / "no-step-trace" / "setup-doctor.json"
+    assert row["reason"] == "engine patch no-step-trace applied: x: expected 1, got 2"
+    assert (runs / "setup-doctor.json").read_bytes() == before  # not deleted, not replaced

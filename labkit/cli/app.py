@@ -147,12 +147,15 @@ app = typer.Typer(
 
 
 def resolve_out(out: Path | None, checkpoint_id: str) -> Path:
-    """``--out`` if given, else the evidence path of ``checkpoint_id`` (under runs/)."""
+    """``--out`` if given, else the evidence path of ``checkpoint_id`` (under runs/); with engine patches
+    applied, its place under ``runs/patched/<patch>/`` (the unpatched engine's evidence is never replaced)."""
+    from labkit.evidence import patched_out
+
     if out is not None:
-        return out
+        return patched_out(out)
     from labkit.checks import get_checkpoint
 
-    return get_checkpoint(checkpoint_id).evidence_path()
+    return patched_out(get_checkpoint(checkpoint_id).evidence_path())
 
 
 def finish(record: dict, paths: str | Path | list[str | Path] | None = None, *, json_out: bool = False,
@@ -168,10 +171,17 @@ def finish(record: dict, paths: str | Path | list[str | Path] | None = None, *, 
         paths = []
     elif not isinstance(paths, list):
         paths = [paths]
+    moved = record.get("_written_to")
+    if isinstance(moved, dict):  # a patched engine's evidence went beside the unpatched one
+        paths = [moved["path"] if str(p) == moved["requested"] else p for p in paths]
     if json_out:
-        print_json({k: v for k, v in record.items() if k != "_paths"})
+        print_json({k: v for k, v in record.items() if not k.startswith("_")})
     else:
         render_record(record, paths, word=word)
+    if record.get("engine_patches"):
+        err_console.print(f"note: made with engine patch {', '.join(record['engine_patches'])} applied: "
+                          "evidence for the patched engine, under runs/patched/; the unpatched engine's evidence "
+                          "is kept (labkit patch revert, then labkit check)", markup=False, highlight=False)
     unclaimed = (record.get("facts") or {}).get("checkpoint_not_claimed") if isinstance(record.get("facts"), dict) else None
     if isinstance(unclaimed, dict):
         err_console.print(f"note: not evidence for {unclaimed.get('checkpoint')}: {unclaimed.get('why')}; "
