@@ -23,6 +23,10 @@
 #             OUT_DIR/logs/      this script's steps (doctor.log, checkpoints.log, report.log)
 #             OUT_DIR/nvidia-smi.txt, OUT_DIR/summary.txt
 #             Archive OUT_DIR as a whole; nothing is written outside it except the model cache.
+#   Signs     with LABKIT_EVIDENCE_KEY (the key as text) or LABKIT_EVIDENCE_KEY_FILE (a file holding it)
+#             set, every evidence file carries an HMAC-SHA256 of its body made with that key, and the
+#             strict check verifies it; `labkit check` on another machine verifies it when given the same
+#             key. Keep the key in the CI secret store, never in OUT_DIR.
 #   Exit      0 when nothing FAILs (PASS, REVIEW and NOT-RUN do not fail the job);
 #             1 when doctor, any checkpoint or a required item of the final report FAILs;
 #             2 for a usage error (no OUT_DIR, labkit not importable).
@@ -57,6 +61,21 @@ MODEL_ARGS=()
 
 status=0
 step() { echo "== $*" | tee -a "$OUT/summary.txt"; }
+
+if [[ -n "${LABKIT_EVIDENCE_KEY:-}${LABKIT_EVIDENCE_KEY_FILE:-}" ]]; then
+  kid="$("$PY" -c '
+import sys
+from labkit.errors import UserError
+from labkit.evidence_format import evidence_key, key_id
+try:
+    print(key_id(evidence_key()))
+except UserError as e:
+    sys.exit(str(e))
+' 2>&1)" || { echo "error: $kid" >&2; exit 2; }
+  echo "evidence: signed (HMAC-SHA256, key id $kid)" | tee -a "$OUT/summary.txt"
+else
+  echo "evidence: unsigned (no LABKIT_EVIDENCE_KEY / LABKIT_EVIDENCE_KEY_FILE)" | tee -a "$OUT/summary.txt"
+fi
 
 { nvidia-smi 2>&1 || echo "nvidia-smi not available"; } > "$OUT/nvidia-smi.txt"
 

@@ -70,21 +70,26 @@ def checks_table(checks: Iterable[dict], title: str | None = None) -> Table:
 
 
 def rows_table(rows: Iterable[dict], title: str | None = None) -> Table:
-    """Table of checkpoint rows: id, verdict, reason, seconds (if present), evidence."""
+    """Table of checkpoint rows: id, verdict, reason, seconds and signature (if present), evidence."""
     rows = list(rows)
     timed = any("seconds" in r for r in rows)
+    signed = any("provenance" in r for r in rows)
     table = Table(title=title, title_justify="left")
     table.add_column("checkpoint", no_wrap=True)
     table.add_column("verdict")
     table.add_column("reason", overflow="fold")
     if timed:
         table.add_column("s", justify="right")
+    if signed:
+        table.add_column("signature")
     table.add_column("evidence", overflow="fold")
     for r in rows:
         cells: list[Any] = [r["id"], verdict_text(r["verdict"]), r.get("reason") or ""]
         if timed:
             s = r.get("seconds")
             cells.append("" if s is None else f"{s:.1f}")
+        if signed:
+            cells.append(r.get("provenance") or "-")
         cells.append(rel(r.get("evidence")))
         table.add_row(*cells)
     return table

@@ -4,8 +4,9 @@ Every evidence file is one JSON object: the same envelope everywhere (schema ver
 git head, engine source hash, versions, device, model identity, seed, evidence kind, engine config),
 then the run's ``checkpoint`` id, its ``facts`` and its ``run_assertions`` (assertions over those facts,
 in the checkpoints' language), then the ``checks`` and ``verdict`` the judge gave when the file was
-written (a copy for humans: ``labkit check`` re-judges from the facts and never trusts them), and last
-the ``digest`` that seals the body, so a hand edit is seen.
+written (a copy for humans: ``labkit check`` re-judges from the facts and never trusts them), the
+``signature`` (an HMAC-SHA256 of the body) when the runner holds an evidence key, and last the ``digest``
+that seals the body, so an accidental edit is seen.
 
 Nothing here imports torch or the engine: versions are read from modules already imported or from
 package metadata, so writing evidence never costs an import and never crashes on a broken install.
@@ -32,7 +33,17 @@ from labkit import checks as _checks
 from labkit import paths
 from labkit.errors import UserError
 from labkit.patches.store import applied_patches
-from labkit.evidence_format import DIGEST_KEY, KINDS, SCHEMA_VERSION, digest, engine_dir, engine_source_hash
+from labkit.evidence_format import (
+    DIGEST_KEY,
+    KINDS,
+    SCHEMA_VERSION,
+    SIGNATURE_KEY,
+    digest,
+    engine_dir,
+    engine_source_hash,
+    evidence_key,
+    sign,
+)
 
 _VERSIONED = ("python", "torch", "triton", "transformers", "flash_attn")
 
@@ -292,8 +303,9 @@ def write_evidence(
     engine: dict | None = None,
     run_assertions: list[dict] | None = None,
 ) -> dict:
-    """Build the record, judge it against ``checkpoint`` (if any) and its own ``run_assertions``, seal it
-    with a digest and write it to ``out``.
+    """Build the record, judge it against ``checkpoint`` (if any) and its own ``run_assertions``, sign it
+    when this process holds an evidence key (``$LABKIT_EVIDENCE_KEY`` / ``_FILE``), seal it with a digest
+    and write it to ``out``.
 
     ``run_assertions`` are assertion objects (``checks.run_assertion(...)``), the language of
     ``checkpoints/*.json``, over the record (``facts.x``); they are stored in the file and ``labkit check``
@@ -320,6 +332,9 @@ def write_evidence(
     results = _checks.judge(cp, record)
     record["checks"] = results
     record["verdict"] = _checks.verdict(results)
+    key = evidence_key()
+    if key is not None:  # the runner holds a key: sign the body (the judge verifies when it holds it too)
+        record[SIGNATURE_KEY] = sign(record, key)
     record[DIGEST_KEY] = digest(record)
     path = patched_out(out, record.get("engine_patches"))
     write_json(path, record)

@@ -27,7 +27,7 @@ from rich.progress import (
 )
 from rich.text import Text
 
-from labkit.checks import NEEDS_REASON, Checkpoint, check_evidence, reason, select
+from labkit.checks import NEEDS_REASON, Checkpoint, check_evidence, provenance, reason, select
 from labkit.console import err_console, verdict_text
 from labkit.evidence import (
     PATCHED_DIR,
@@ -40,6 +40,7 @@ from labkit.evidence import (
     versions,
     write_json,
 )
+from labkit.evidence_format import evidence_key
 from labkit.paths import repo_root, runs_dir
 
 DEFAULT_TIMEOUT_S = 1800
@@ -164,6 +165,7 @@ def _judge_run(cp: Checkpoint, rc: int | None, seconds: float, timeout: float, e
         row["reason"] = f"timed out after {timeout} s (log: {log})"
         return row
     verdict, checks = check_evidence(cp, evidence)
+    row["provenance"] = provenance(evidence)
     if verdict == "NOT-RUN":
         row["reason"] = f"exit {rc}, no evidence written: {_last_line(log)}"
     elif rc not in (0, 1):
@@ -198,11 +200,13 @@ def check_row(cp: Checkpoint, *, strict: bool = False) -> dict:
             why = f"{why} ({lacks}: this machine cannot run it)"
         elif strict:
             verdict, why = "FAIL", f"strict: this machine can run it, but {why}"
-    return {"id": cp.id, "verdict": verdict, "reason": why, "evidence": str(cp.evidence_path()), "checks": checks}
+    return {"id": cp.id, "verdict": verdict, "reason": why, "provenance": provenance(cp.evidence_path()),
+            "evidence": str(cp.evidence_path()), "checks": checks}
 
 
 def check_all(target: str | None = None, *, strict: bool = False) -> list[dict]:
     """``labkit check [TARGET] [--strict]``: every selected checkpoint's row (:func:`check_row`)."""
+    evidence_key()  # a bad key setting is one error line before anything is judged
     return [check_row(cp, strict=strict) for cp in select(target)]
 
 
@@ -355,6 +359,7 @@ def run_all(stage: str | None = None, model: str | None = None, stop_on_fail: bo
     Ctrl-C stops the current command; the report is still written, marked partial (the interrupted
     checkpoint and every later one NOT-RUN), and :class:`RunInterrupted` is raised with the rows."""
     cps = select(stage)
+    evidence_key()  # a bad key setting is one error line before anything runs
     rows: list[dict] = []
     failed: str | None = None
     current: Checkpoint | None = None

@@ -212,3 +212,94 @@ def test_labkit_run_with_a_patch_applied_keeps_the_unpatched_evidence(runs, labk
     assert seen["evidence"] == runs / "patched" / "no-step-trace" / "setup-doctor.json"
     assert row["reason"] == "engine patch no-step-trace applied: x: expected 1, got 2"
     assert (runs / "setup-doctor.json").read_bytes() == before  # not deleted, not replaced
+
+
+# --------------------------------------------------------------------------- item 8: signed evidence
+
+KEY = "k" * 32
+
+
+def reseal(path: Path, change) -> None:
+    """A deliberate forger: edit the body, then recompute the digest (anyone can: it is a plain sha256)."""
+    from labkit import evidence_format
+
+    rec = json.loads(path.read_text())
+    change(rec)
+    rec["digest"] = evidence_format.digest(rec)
+    path.write_text(json.dumps(rec, indent=2))
+
+
+def doctor_row(*args: str) -> tuple[int, dict]:
+    code, rows = check_cli("setup.doctor", *args)
+    return code, rows["setup.doctor"]
+
+
+def test_without_a_key_nothing_changes_but_the_row_says_unsigned(runs, labkit_argv, monkeypatch):
+    monkeypatch.delenv("LABKIT_EVIDENCE_KEY", raising=False)
+    monkeypatch.delenv("LABKIT_EVIDENCE_KEY_FILE", raising=False)
+    rec = write_doctor(labkit_argv)
+    assert "signature" not in rec
+    code, row = doctor_row()
+    assert (code, row["verdict"], row["provenance"]) == (0, "PASS", "unsigned")
+    # the limit of a digest: a forger who edits a fact no assertion reads and reseals still PASSes
+    reseal(runs / "setup-doctor.json", lambda r: r["facts"].update(note="edited by hand"))
+    assert doctor_row()[1]["verdict"] == "PASS"
+
+
+def test_a_key_holder_signs_and_the_judge_verifies(runs, labkit_argv, monkeypatch):
+    monkeypatch.setenv("LABKIT_EVIDENCE_KEY", KEY)
+    rec = write_doctor(labkit_argv)
+    assert set(rec["signature"]) == {"hmac_sha256", "key_id"}
+    code, row = doctor_row()
+    assert (code, row["verdict"], row["provenance"]) == (0, "PASS", "signed")
+    path = runs / "setup-doctor.json"
+    good = path.read_text()
+
+    reseal(path, lambda r: r["facts"].update(note="edited by hand"))  # an unasserted fact, resealed
+    code, row = doctor_row()
+    assert (code, row["verdict"]) == (1, "FAIL")
+    assert row["reason"] == "not signed by this key: the signature does not match the body (edited, or forged)"
+    assert row["provenance"] == "NOT SIGNED BY THIS KEY"
+
+    path.write_text(good)  # a CPU run relabelled as measured on an H200, resealed
+    reseal(path, lambda r: r.update(kind="gpu-measured", device="cuda:0 NVIDIA H200"))
+    assert doctor_row()[1]["reason"].startswith("not signed by this key")
+
+    path.write_text(good)
+    reseal(path, lambda r: r.pop("signature"))  # the signature dropped: as if written without a key
+    assert doctor_row()[1]["reason"] == "not signed by this key: the file carries no signature"
+
+    path.write_text(good)
+    assert doctor_row()[1]["verdict"] == "PASS"
+    monkeypatch.setenv("LABKIT_EVIDENCE_KEY", "another key of 32 bytes........")  # judged with another key
+    code, row = doctor_row()
+    assert code == 1 and row["reason"].startswith("not signed by this key: signed by key ")
+    monkeypatch.delenv("LABKIT_EVIDENCE_KEY")  # no key here: cannot verify, says so, PASS stays PASS
+    code, row = doctor_row()
+    assert (code, row["verdict"], row["provenance"]) == (0, "PASS", "signed (no key here)")
+
+
+def test_the_key_can_come_from_a_file(runs, labkit_argv, monkeypatch, tmp_path):
+    keyfile = tmp_path / "evidence.key"
+    keyfile.write_text(KEY + "\n")
+    monkeypatch.setenv("LABKIT_EVIDENCE_KEY_FILE", str(keyfile))
+    write_doctor(labkit_argv)
+    assert doctor_row()[1]["provenance"] == "signed"
+    monkeypatch.delenv("LABKIT_EVIDENCE_KEY_FILE")
+    monkeypatch.setenv("LABKIT_EVIDENCE_KEY", KEY)  # the same key given as text verifies it
+    assert doctor_row()[1]["provenance"] == "signed"
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"LABKIT_EVIDENCE_KEY": "short"}, "at least 16 bytes"),
+    ({"LABKIT_EVIDENCE_KEY_FILE": "/nonexistent/evidence.key"}, "cannot read the key"),
+    ({"LABKIT_EVIDENCE_KEY": KEY, "LABKIT_EVIDENCE_KEY_FILE": "/x"}, "not both"),
+])
+def test_a_bad_key_setting_is_one_error_line(runs, monkeypatch, env, message):
+    from labkit.cli import app
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    res = CliRunner().invoke(app, ["check", "setup.doctor"])
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert [ln for ln in res.output.splitlines() if ln.strip()][-1].startswith("error: ") and message in res.output
