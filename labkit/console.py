@@ -73,7 +73,7 @@ def rows_table(rows: Iterable[dict], title: str | None = None) -> Table:
     """Table of checkpoint rows: id, verdict, reason, seconds and signature (if present), evidence."""
     rows = list(rows)
     timed = any("seconds" in r for r in rows)
-    signed = any("provenance" in r for r in rows)
+    signed = any(r.get("provenance") not in (None, "-") for r in rows)  # no column when no file was read
     table = Table(title=title, title_justify="left")
     table.add_column("checkpoint", no_wrap=True)
     table.add_column("verdict")
