@@ -269,6 +269,15 @@ def _patch_check_paths() -> set[Path]:
     return {cp.evidence_path() for cp in _checks.load_checkpoints() if cp.stage == "patches"}
 
 
+def is_patched_path(path: str | Path) -> bool:
+    """Whether ``path`` lies under ``runs/patched/`` (evidence of a patched engine)."""
+    try:
+        rel = Path(path).resolve().relative_to(paths.runs_dir().resolve())
+    except ValueError:
+        return False
+    return rel.parts[:1] == (PATCHED_DIR,)
+
+
 def patched_out(out: str | Path, patches: list[str] | None = None) -> Path:
     """Where evidence meant for ``out`` is written: ``out`` itself for the unpatched engine; with engine
     patches applied (``patches``, default: the working tree's), ``runs/patched/<names>/<out below runs/>``,
@@ -283,7 +292,7 @@ def patched_out(out: str | Path, patches: list[str] | None = None) -> Path:
         rel = out.resolve().relative_to(base.resolve())
     except ValueError:
         return out
-    if rel.parts[:1] == (PATCHED_DIR,) or out.resolve() in {p.resolve() for p in _patch_check_paths()}:
+    if is_patched_path(out) or out.resolve() in {p.resolve() for p in _patch_check_paths()}:
         return out
     return base / PATCHED_DIR / "+".join(patches) / rel
 

@@ -192,6 +192,7 @@ def test_the_verdict_line_names_the_patch(runs, labkit_argv, monkeypatch):
     line = next(ln for ln in res.stdout.splitlines() if "principles.timing" in ln and "evidence:" in ln)
     assert "engine patch: no-balanced-policy" in line and "runs/patched/no-balanced-policy/timing-example.json" in line
     assert not (runs / "timing-example.json").exists()
+    assert "note: made with engine patch no-balanced-policy applied, so written under runs/patched/" in res.output
 
 
 def test_labkit_run_with_a_patch_applied_keeps_the_unpatched_evidence(runs, labkit_argv, monkeypatch):

@@ -166,6 +166,8 @@ def finish(record: dict, paths: str | Path | list[str | Path] | None = None, *, 
     ``word`` replaces the verdict in the last line (``COLLECTED`` for a collection without a checkpoint).
     A single record that is NOT-RUN could not run on this machine: a user error (exit 2).
     """
+    from labkit.evidence import is_patched_path
+
     verdict = record.get("verdict") or "REVIEW"
     if paths is None:
         paths = []
@@ -178,10 +180,10 @@ def finish(record: dict, paths: str | Path | list[str | Path] | None = None, *, 
         print_json({k: v for k, v in record.items() if not k.startswith("_")})
     else:
         render_record(record, paths, word=word)
-    if record.get("engine_patches"):
-        err_console.print(f"note: made with engine patch {', '.join(record['engine_patches'])} applied: "
-                          "evidence for the patched engine, under runs/patched/; the unpatched engine's evidence "
-                          "is kept (labkit patch revert, then labkit check)", markup=False, highlight=False)
+    if record.get("engine_patches") and any(is_patched_path(p) for p in paths):
+        err_console.print(f"note: made with engine patch {', '.join(record['engine_patches'])} applied, so written "
+                          "under runs/patched/; the unpatched engine's evidence is kept (labkit patch revert, then "
+                          "labkit check)", markup=False, highlight=False)
     unclaimed = (record.get("facts") or {}).get("checkpoint_not_claimed") if isinstance(record.get("facts"), dict) else None
     if isinstance(unclaimed, dict):
         err_console.print(f"note: not evidence for {unclaimed.get('checkpoint')}: {unclaimed.get('why')}; "
