@@ -14,6 +14,8 @@
 #             2. every checkpoint that needs `cuda` or `2gpu` that this machine can run, in the order
 #                of CHECKPOINTS.md, each in its own process (the others are NOT-RUN with the reason);
 #                CI_ALL=1 runs the CPU checkpoints too (`labkit run`);
+#                then `labkit check --strict` over what it ran: a checkpoint this machine can run
+#                without current evidence (its command crashed, or the evidence is stale) FAILs;
 #             3. labkit report: the final evidence report.
 #   Writes    OUT_DIR/runs/      every evidence file, runs/logs/<checkpoint>.log, report.{json,md},
 #                                final-report.{json,md,-timeline.png}, environment.txt,
@@ -21,6 +23,10 @@
 #             OUT_DIR/logs/      this script's steps (doctor.log, checkpoints.log, report.log)
 #             OUT_DIR/nvidia-smi.txt, OUT_DIR/summary.txt
 #             Archive OUT_DIR as a whole; nothing is written outside it except the model cache.
+#   Signs     with LABKIT_EVIDENCE_KEY (the key as text) or LABKIT_EVIDENCE_KEY_FILE (a file holding it)
+#             set, every evidence file carries an HMAC-SHA256 of its body made with that key, and the
+#             strict check verifies it; `labkit check` on another machine verifies it when given the same
+#             key. Keep the key in the CI secret store, never in OUT_DIR.
 #   Exit      0 when nothing FAILs (PASS, REVIEW and NOT-RUN do not fail the job);
 #             1 when doctor, any checkpoint or a required item of the final report FAILs;
 #             2 for a usage error (no OUT_DIR, labkit not importable).
@@ -56,6 +62,21 @@ MODEL_ARGS=()
 status=0
 step() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 
+if [[ -n "${LABKIT_EVIDENCE_KEY:-}${LABKIT_EVIDENCE_KEY_FILE:-}" ]]; then
+  kid="$("$PY" -c '
+import sys
+from labkit.errors import UserError
+from labkit.evidence_format import evidence_key, key_id
+try:
+    print(key_id(evidence_key()))
+except UserError as e:
+    sys.exit(str(e))
+' 2>&1)" || { echo "error: $kid" >&2; exit 2; }
+  echo "evidence: signed (HMAC-SHA256, key id $kid)" | tee -a "$OUT/summary.txt"
+else
+  echo "evidence: unsigned (no LABKIT_EVIDENCE_KEY / LABKIT_EVIDENCE_KEY_FILE)" | tee -a "$OUT/summary.txt"
+fi
+
 { nvidia-smi 2>&1 || echo "nvidia-smi not available"; } > "$OUT/nvidia-smi.txt"
 
 step "doctor"
@@ -66,12 +87,13 @@ step "checkpoints (${CI_ALL:+all}${CI_ALL:-cuda and 2gpu})"
 if [[ -n "${CI_ALL:-}" ]]; then
   "$PY" -m labkit run "${MODEL_ARGS[@]}" >"$OUT/logs/checkpoints.log" 2>&1
   rc=$?
+  "$PY" -m labkit check --strict >"$OUT/logs/strict-check.log" 2>&1 || rc=1
 else
   "$PY" - "$MODEL" >"$OUT/logs/checkpoints.log" 2>&1 <<'EOF'
 import sys
 
 from labkit.checks import load_checkpoints
-from labkit.run_all import can_run, not_run, run_checkpoint, write_report
+from labkit.run_all import can_run, check_row, not_run, run_checkpoint, write_report
 
 model = sys.argv[1] or None
 rows = []
@@ -83,7 +105,11 @@ for cp in load_checkpoints():
     rows.append(row)
     print(f"{row['verdict']:8} {cp.id}  {row['reason']}", flush=True)
 write_report(rows, stage="cuda+2gpu", model=model)
-sys.exit(1 if any(r["verdict"] == "FAIL" for r in rows) else 0)
+# strict for what ran: no current evidence for a checkpoint this machine can run is a FAIL
+strict = [check_row(cp, strict=True) for cp in load_checkpoints() if cp.needs != "cpu" and can_run(cp)[0]]
+for row in strict:
+    print(f"strict {row['verdict']:8} {row['id']}  {row['reason']}", flush=True)
+sys.exit(1 if any(r["verdict"] == "FAIL" for r in rows + strict) else 0)
 EOF
   rc=$?
 fi

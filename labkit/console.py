@@ -70,21 +70,26 @@ def checks_table(checks: Iterable[dict], title: str | None = None) -> Table:
 
 
 def rows_table(rows: Iterable[dict], title: str | None = None) -> Table:
-    """Table of checkpoint rows: id, verdict, reason, seconds (if present), evidence."""
+    """Table of checkpoint rows: id, verdict, reason, seconds and signature (if present), evidence."""
     rows = list(rows)
     timed = any("seconds" in r for r in rows)
+    signed = any(r.get("provenance") not in (None, "-") for r in rows)  # no column when no file was read
     table = Table(title=title, title_justify="left")
     table.add_column("checkpoint", no_wrap=True)
     table.add_column("verdict")
     table.add_column("reason", overflow="fold")
     if timed:
         table.add_column("s", justify="right")
+    if signed:
+        table.add_column("signature")
     table.add_column("evidence", overflow="fold")
     for r in rows:
         cells: list[Any] = [r["id"], verdict_text(r["verdict"]), r.get("reason") or ""]
         if timed:
             s = r.get("seconds")
             cells.append("" if s is None else f"{s:.1f}")
+        if signed:
+            cells.append(r.get("provenance") or "-")
         cells.append(rel(r.get("evidence")))
         table.add_row(*cells)
     return table
@@ -163,6 +168,9 @@ def render_record(record: dict, paths: list, word: str | None = None) -> None:
         console.print(checks_table(record["checks"]))
     line = Text(word, style="bold green") if word == "COLLECTED" else verdict_text(word or verdict)
     line.append(f"  {record.get('checkpoint') or ''}", style="bold")
+    patches = record.get("engine_patches")
+    if isinstance(patches, list) and patches:
+        line.append(f"  engine patch: {', '.join(map(str, patches))}", style="bold yellow")
     if paths:
         line.append("  evidence: " + " + ".join(rel(p) for p in paths))
     console.print(line, soft_wrap=True)

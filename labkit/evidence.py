@@ -4,8 +4,9 @@ Every evidence file is one JSON object: the same envelope everywhere (schema ver
 git head, engine source hash, versions, device, model identity, seed, evidence kind, engine config),
 then the run's ``checkpoint`` id, its ``facts`` and its ``run_assertions`` (assertions over those facts,
 in the checkpoints' language), then the ``checks`` and ``verdict`` the judge gave when the file was
-written (a copy for humans: ``labkit check`` re-judges from the facts and never trusts them), and last
-the ``digest`` that seals the body, so a hand edit is seen.
+written (a copy for humans: ``labkit check`` re-judges from the facts and never trusts them), the
+``signature`` (an HMAC-SHA256 of the body) when the runner holds an evidence key, and last the ``digest``
+that seals the body, so an accidental edit is seen.
 
 Nothing here imports torch or the engine: versions are read from modules already imported or from
 package metadata, so writing evidence never costs an import and never crashes on a broken install.
@@ -32,7 +33,17 @@ from labkit import checks as _checks
 from labkit import paths
 from labkit.errors import UserError
 from labkit.patches.store import applied_patches
-from labkit.evidence_format import DIGEST_KEY, KINDS, SCHEMA_VERSION, digest, engine_dir, engine_source_hash
+from labkit.evidence_format import (
+    DIGEST_KEY,
+    KINDS,
+    SCHEMA_VERSION,
+    SIGNATURE_KEY,
+    digest,
+    engine_dir,
+    engine_source_hash,
+    evidence_key,
+    sign,
+)
 
 _VERSIONED = ("python", "torch", "triton", "transformers", "flash_attn")
 
@@ -246,6 +257,46 @@ def claim(checkpoint: str | None, argv: list[str] | None = None, *, also: str = 
     return None, {"checkpoint": checkpoint, "command": " ".join(cp.command), "why": why}
 
 
+# --------------------------------------------------------------------------- patched engine
+
+#: Where evidence made with engine patches applied goes: ``runs/patched/<patch[+patch]>/<its usual path>``.
+PATCHED_DIR = "patched"
+
+
+def _patch_check_paths() -> set[Path]:
+    """Evidence of the ``patches`` stage: ``labkit patch check`` runs both sides on copies of engine/, so the
+    working tree's patches do not make it."""
+    return {cp.evidence_path() for cp in _checks.load_checkpoints() if cp.stage == "patches"}
+
+
+def is_patched_path(path: str | Path) -> bool:
+    """Whether ``path`` lies under ``runs/patched/`` (evidence of a patched engine)."""
+    try:
+        rel = Path(path).resolve().relative_to(paths.runs_dir().resolve())
+    except ValueError:
+        return False
+    return rel.parts[:1] == (PATCHED_DIR,)
+
+
+def patched_out(out: str | Path, patches: list[str] | None = None) -> Path:
+    """Where evidence meant for ``out`` is written: ``out`` itself for the unpatched engine; with engine
+    patches applied (``patches``, default: the working tree's), ``runs/patched/<names>/<out below runs/>``,
+    so a patched run never replaces the unpatched engine's evidence. Paths outside ``runs/``, already under
+    ``runs/patched/``, or of ``labkit patch check`` are kept."""
+    out = Path(out)
+    patches = applied_patches() if patches is None else patches
+    if not patches:
+        return out
+    base = paths.runs_dir()
+    try:
+        rel = out.resolve().relative_to(base.resolve())
+    except ValueError:
+        return out
+    if is_patched_path(out) or out.resolve() in {p.resolve() for p in _patch_check_paths()}:
+        return out
+    return base / PATCHED_DIR / "+".join(patches) / rel
+
+
 # --------------------------------------------------------------------------- writing evidence
 
 
@@ -261,13 +312,17 @@ def write_evidence(
     engine: dict | None = None,
     run_assertions: list[dict] | None = None,
 ) -> dict:
-    """Build the record, judge it against ``checkpoint`` (if any) and its own ``run_assertions``, seal it
-    with a digest and write it to ``out``.
+    """Build the record, judge it against ``checkpoint`` (if any) and its own ``run_assertions``, sign it
+    when this process holds an evidence key (``$LABKIT_EVIDENCE_KEY`` / ``_FILE``), seal it with a digest
+    and write it to ``out``.
 
     ``run_assertions`` are assertion objects (``checks.run_assertion(...)``), the language of
     ``checkpoints/*.json``, over the record (``facts.x``); they are stored in the file and ``labkit check``
     re-evaluates them from the facts every time. A command states every check it makes this way, over facts
     it measured: there is no way to store a check's result.
+
+    With engine patches applied the file goes to :func:`patched_out` (``runs/patched/<patch>/...``), never
+    over the unpatched engine's evidence; the returned record then says where under ``_written_to``.
 
     Returns the record: the envelope plus ``checkpoint``, ``facts``, ``run_assertions``, ``checks``,
     ``verdict`` and ``digest``.
@@ -286,8 +341,14 @@ def write_evidence(
     results = _checks.judge(cp, record)
     record["checks"] = results
     record["verdict"] = _checks.verdict(results)
+    key = evidence_key()
+    if key is not None:  # the runner holds a key: sign the body (the judge verifies when it holds it too)
+        record[SIGNATURE_KEY] = sign(record, key)
     record[DIGEST_KEY] = digest(record)
-    write_json(out, record)
+    path = patched_out(out, record.get("engine_patches"))
+    write_json(path, record)
+    if path != Path(out):  # not part of the file: where it went, for the command's last line
+        record["_written_to"] = {"requested": str(out), "path": str(path)}
     return record
 
 
@@ -302,5 +363,5 @@ def write_claimed(checkpoint: str | None, out: str | Path | None, name: str, *, 
     default = name if cp or unclaimed_name is None else unclaimed_name
     path = Path(out) if out is not None else paths.default_out(default)
     record = write_evidence(path, checkpoint=cp, kind=kind, facts=facts, **envelope)
-    record["_paths"] = {"json": str(path)}
+    record["_paths"] = {"json": record.get("_written_to", {}).get("path", str(path))}
     return record

@@ -11,26 +11,50 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from functools import lru_cache
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.text import Text
 
-from labkit.checks import NEEDS_REASON, Checkpoint, check_evidence, reason, select
+from labkit.checks import NEEDS_REASON, Checkpoint, check_evidence, provenance, reason, select
 from labkit.console import err_console, verdict_text
 from labkit.evidence import (
+    PATCHED_DIR,
     SCHEMA_VERSION,
     _now,
     command_line,
     engine_source_hash,
     git_head,
+    patched_out,
     versions,
     write_json,
 )
+from labkit.evidence_format import evidence_key
 from labkit.paths import repo_root, runs_dir
 
 DEFAULT_TIMEOUT_S = 1800
+#: Without a terminal, a line every this many seconds while one checkpoint runs (CI logs stay alive).
+HEARTBEAT_S = 60.0
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``labkit run``: the rows so far (the rest NOT-RUN) and the checkpoint it stopped in;
+    the report was written, marked partial."""
+
+    def __init__(self, rows: list[dict], at: str | None):
+        super().__init__(f"interrupted during {at}" if at else "interrupted")
+        self.rows, self.at = rows, at
 
 
 @lru_cache(maxsize=1)
@@ -76,9 +100,36 @@ def _last_line(log: Path) -> str:
     return pick[:200]
 
 
-def run_checkpoint(cp: Checkpoint, model: str | None = None) -> dict:
-    """Run one checkpoint's command and judge what it wrote. Returns a row."""
-    evidence = cp.evidence_path()
+def _wait(proc: subprocess.Popen, timeout: float, tick=None) -> int | None:
+    """The exit code of ``proc``, or None after ``timeout`` s (then it is killed); ``tick(seconds)`` every
+    :data:`HEARTBEAT_S`. On Ctrl-C the child is stopped (terminate, then kill) before it propagates."""
+    start = time.monotonic()
+    try:
+        while True:
+            left = timeout - (time.monotonic() - start)
+            if left <= 0:
+                proc.kill()
+                proc.wait()
+                return None
+            try:
+                return proc.wait(timeout=min(left, HEARTBEAT_S))
+            except subprocess.TimeoutExpired:
+                if tick is not None:
+                    tick(time.monotonic() - start)
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        raise
+
+
+def run_checkpoint(cp: Checkpoint, model: str | None = None, tick=None) -> dict:
+    """Run one checkpoint's command and judge what it wrote. Returns a row. ``tick(seconds)`` is called
+    every :data:`HEARTBEAT_S` while it runs; Ctrl-C stops the command, notes it in the log and propagates."""
+    evidence = patched_out(cp.evidence_path())  # a patched engine's evidence never replaces the unpatched one
     log = runs_dir() / "logs" / f"{cp.id}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     evidence.unlink(missing_ok=True)  # never judge a stale file
@@ -86,22 +137,35 @@ def run_checkpoint(cp: Checkpoint, model: str | None = None) -> dict:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": os.environ.get("COLUMNS", "120")}
     timeout = cp.timeout_s or DEFAULT_TIMEOUT_S
     start = time.monotonic()
-    rc: int | None
     with log.open("w", encoding="utf-8") as f:
         f.write(f"$ {command_line(cmd)}\n\n")
         f.flush()
+        proc = subprocess.Popen(cmd, cwd=repo_root(), env=env, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
         try:
-            rc = subprocess.run(cmd, cwd=repo_root(), env=env, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = None
+            rc = _wait(proc, timeout, tick)
+        except KeyboardInterrupt:
+            rc = proc.returncode
+            ended = f"killed by signal {-rc}" if rc is not None and rc < 0 else f"exit {rc}"
+            f.write(f"\n[labkit run: interrupted (Ctrl-C) after {time.monotonic() - start:.1f} s; "
+                    f"the command was stopped ({ended})]\n")
+            raise
     seconds = round(time.monotonic() - start, 2)
+    row = _judge_run(cp, rc, seconds, timeout, evidence, log)
+    if evidence != cp.evidence_path():
+        patch = evidence.relative_to(runs_dir() / PATCHED_DIR).parts[0]
+        row["reason"] = f"engine patch {patch} applied: {row['reason']}"
+    return row
+
+
+def _judge_run(cp: Checkpoint, rc: int | None, seconds: float, timeout: float, evidence: Path, log: Path) -> dict:
     row = {"id": cp.id, "verdict": "FAIL", "reason": "", "seconds": seconds, "evidence": str(evidence),
            "log": str(log), "exit_code": rc}
     if rc is None:
         row["reason"] = f"timed out after {timeout} s (log: {log})"
         return row
     verdict, checks = check_evidence(cp, evidence)
+    row["provenance"] = provenance(evidence)
     if verdict == "NOT-RUN":
         row["reason"] = f"exit {rc}, no evidence written: {_last_line(log)}"
     elif rc not in (0, 1):
@@ -112,6 +176,38 @@ def run_checkpoint(cp: Checkpoint, model: str | None = None) -> dict:
         row["verdict"] = verdict
         row["reason"] = reason(verdict, checks)
     return row
+
+
+def _missing_why(cp: Checkpoint, why: str) -> str:
+    """NOT-RUN's reason, with the last line of the checkpoint's last ``labkit run`` log when there is no
+    evidence (its command crashed or wrote nothing)."""
+    log = runs_dir() / "logs" / f"{cp.id}.log"
+    if cp.evidence_path().is_file() or not log.is_file():
+        return why
+    return f"{why}; its last run's log ({log}) ends: {_last_line(log) or '(empty)'}"
+
+
+def check_row(cp: Checkpoint, *, strict: bool = False) -> dict:
+    """``labkit check``'s row for ``cp``: its evidence re-judged. NOT-RUN says why (no file, with the last
+    run's log line; stale; or what the machine lacks). With ``strict``, a NOT-RUN this machine could have run
+    (missing or stale evidence) is a FAIL: CI ran it, so no current evidence means it did not work."""
+    verdict, checks = check_evidence(cp)
+    why = reason(verdict, checks)
+    if verdict == "NOT-RUN":
+        why = _missing_why(cp, why)
+        ok, lacks = can_run(cp)
+        if not ok:
+            why = f"{why} ({lacks}: this machine cannot run it)"
+        elif strict:
+            verdict, why = "FAIL", f"strict: this machine can run it, but {why}"
+    return {"id": cp.id, "verdict": verdict, "reason": why, "provenance": provenance(cp.evidence_path()),
+            "evidence": str(cp.evidence_path()), "checks": checks}
+
+
+def check_all(target: str | None = None, *, strict: bool = False) -> list[dict]:
+    """``labkit check [TARGET] [--strict]``: every selected checkpoint's row (:func:`check_row`)."""
+    evidence_key()  # a bad key setting is one error line before anything is judged
+    return [check_row(cp, strict=strict) for cp in select(target)]
 
 
 def not_run(cp: Checkpoint, why: str) -> dict:
@@ -138,6 +234,8 @@ def render_report_md(report: dict) -> str:
         f"- CUDA devices: {report['machine']['cuda_device_count']} {', '.join(report['machine']['cuda_devices'])}",
         f"- model: {report['model'] or '(default)'}",
         f"- totals: PASS {c['PASS']}, FAIL {c['FAIL']}, REVIEW {c['REVIEW']}, NOT-RUN {c['NOT-RUN']}",
+        *([f"- **partial**: interrupted (Ctrl-C) during `{report['interrupted_at']}`; the checkpoints after it "
+           "did not run (NOT-RUN)"] if report.get("partial") else []),
         "",
         "| checkpoint | verdict | reason | seconds | evidence |",
         "| --- | --- | --- | --- | --- |",
@@ -152,7 +250,23 @@ def render_report_md(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(rows: list[dict], *, stage: str | None = None, model: str | None = None) -> tuple[Path, Path]:
+def _write_text(path: Path, text: str) -> Path:
+    """Write ``text`` atomically (temp file beside it, then rename): a reader never sees half a report."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_report(rows: list[dict], *, stage: str | None = None, model: str | None = None,
+                 interrupted_at: str | None = None, partial: bool = False) -> tuple[Path, Path]:
+    """``runs/report.json`` and ``.md``, each written atomically; ``partial`` (Ctrl-C during
+    ``interrupted_at``) is a field and a line of both."""
     report = {
         "schema_version": SCHEMA_VERSION,
         "created_at": _now(),
@@ -163,43 +277,109 @@ def write_report(rows: list[dict], *, stage: str | None = None, model: str | Non
         "machine": machine(),
         "stage": stage,
         "model": model,
+        "partial": partial,
+        "interrupted_at": interrupted_at,
         "counts": counts(rows),
         "rows": rows,
     }
     json_path = write_json(runs_dir() / "report.json", report)
-    md_path = runs_dir() / "report.md"
-    md_path.write_text(render_report_md(report), encoding="utf-8")
+    md_path = _write_text(runs_dir() / "report.md", render_report_md(report))
     return json_path, md_path
+
+
+class _ThisOne(ProgressColumn):
+    """Seconds spent on the current checkpoint (the task's ``cp_start`` field)."""
+
+    def render(self, task) -> Text:
+        start = task.fields.get("cp_start")
+        return Text("" if start is None else f"{time.monotonic() - start:.0f} s on it", style="dim")
+
+
+class RunDisplay:
+    """What ``labkit run`` shows while it runs: N/M, the current checkpoint and the elapsed time, as a
+    rich progress bar on a terminal, as plain lines (start, a heartbeat every HEARTBEAT_S, verdict)
+    otherwise; nothing with ``show`` False."""
+
+    def __init__(self, total: int, show: bool = True, console=err_console):
+        self.total, self.show, self.console = total, show, console
+        self.live = show and console.is_terminal
+        self.start = time.monotonic()
+        self.progress = Progress(
+            SpinnerColumn(), MofNCompleteColumn(), TextColumn("[bold]{task.description}"), BarColumn(),
+            TimeElapsedColumn(), _ThisOne(), console=console, transient=True, disable=not self.live)
+        self.task = self.progress.add_task("labkit run", total=total, cp_start=None)
+
+    def __enter__(self) -> "RunDisplay":
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.__exit__(*exc)
+
+    def _plain(self, text: str) -> None:
+        if self.show and not self.live:
+            self.console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def _elapsed(self) -> str:
+        return f"{time.monotonic() - self.start:.0f} s elapsed"
+
+    def begin(self, n: int, cp: Checkpoint) -> None:
+        self.progress.update(self.task, description=cp.id, cp_start=time.monotonic())
+        self._plain(f"[{n}/{self.total}] {cp.id} ({self._elapsed()})")
+
+    def tick(self, n: int, cp: Checkpoint, seconds: float) -> None:
+        self._plain(f"[{n}/{self.total}] {cp.id} still running ({seconds:.0f} s on it, {self._elapsed()})")
+
+    def end(self, row: dict) -> None:
+        if self.show:
+            secs = "" if row["seconds"] is None else f" ({row['seconds']:.1f} s)"
+            self.progress.console.print(verdict_text(row["verdict"]), f"{row['id']}{secs}", row["reason"] or "",
+                                        soft_wrap=True)
+        self.progress.advance(self.task)
+
+    def interrupted(self, at: str | None, done: int) -> None:
+        if self.show:
+            self.progress.console.print(f"interrupted (Ctrl-C) during {at or '(between checkpoints)'} after "
+                                        f"{done} of {self.total} checkpoints, {self._elapsed()}", soft_wrap=True)
+
+
+def _run_one(cp: Checkpoint, n: int, model: str | None, failed: str | None, display: RunDisplay) -> dict:
+    ok, why = can_run(cp)
+    if failed is not None:
+        return not_run(cp, f"stopped after {failed} failed")
+    if not ok:
+        return not_run(cp, why)
+    return run_checkpoint(cp, model, tick=lambda seconds: display.tick(n, cp, seconds))
 
 
 def run_all(stage: str | None = None, model: str | None = None, stop_on_fail: bool = False,
             *, show_progress: bool = True) -> list[dict]:
-    """Run every checkpoint of ``stage`` (default: all) this machine can run; returns the rows."""
+    """Run every checkpoint of ``stage`` (default: all) this machine can run; returns the rows.
+
+    Ctrl-C stops the current command; the report is still written, marked partial (the interrupted
+    checkpoint and every later one NOT-RUN), and :class:`RunInterrupted` is raised with the rows."""
     cps = select(stage)
+    evidence_key()  # a bad key setting is one error line before anything runs
     rows: list[dict] = []
     failed: str | None = None
-    progress = Progress(
-        SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), console=err_console, transient=True, disable=not show_progress,
-    )
-    with progress:
-        task = progress.add_task("labkit run", total=len(cps))
-        for cp in cps:
-            progress.update(task, description=cp.id)
-            ok, why = can_run(cp)
-            if failed is not None:
-                row = not_run(cp, f"stopped after {failed} failed")
-            elif not ok:
-                row = not_run(cp, why)
-            else:
-                row = run_checkpoint(cp, model)
+    current: Checkpoint | None = None
+    with RunDisplay(len(cps), show_progress) as display:
+        try:
+            for n, cp in enumerate(cps, 1):
+                current = cp
+                display.begin(n, cp)
+                row = _run_one(cp, n, model, failed, display)
                 if row["verdict"] == "FAIL" and stop_on_fail:
-                    failed = cp.id
-            rows.append(row)
-            if show_progress:
-                secs = "" if row["seconds"] is None else f" ({row['seconds']:.1f} s)"
-                progress.console.print(verdict_text(row["verdict"]), f"{cp.id}{secs}", row["reason"] or "",
-                                       soft_wrap=True)
-            progress.advance(task)
+                    failed = failed or cp.id
+                rows.append(row)
+                current = None
+                display.end(row)
+        except KeyboardInterrupt:
+            display.interrupted(current.id if current else None, len(rows))
+            rows += [not_run(cp, "interrupted (Ctrl-C) while it ran" if cp is current
+                             else "not run: labkit run was interrupted") for cp in cps[len(rows):]]
+            at = current.id if current else None
+            write_report(rows, stage=stage, model=model, interrupted_at=at, partial=True)
+            raise RunInterrupted(rows, at) from None
     write_report(rows, stage=stage, model=model)
     return rows

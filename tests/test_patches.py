@@ -175,3 +175,26 @@ def test_a_probe_that_did_not_run_fails(tmp_path, monkeypatch, labkit_argv):
     failed = [c["name"] for c in rec["checks"] if c["status"] == "fail"]
     assert rec["verdict"] == "FAIL" and "before probe ran" in failed and "after probe ran" not in failed
     assert rec["facts"]["before"]["ok"] is False and "unjudged_checks" not in rec
+
+
+@pytest.mark.slow
+def test_lab_step3_patch_experiment_keeps_the_unpatched_pass(repo, tiny_model_dir):
+    """docs/LAB.md §3: walk A with --trace (PASS), apply no-step-trace, walk A again: the patched run's
+    evidence lands under runs/patched/no-step-trace/ and its verdict line names the patch; the PASS at the
+    checkpoint's path is the same bytes; after the revert `labkit check` PASSes it again."""
+    walk = ("quick-walk", "--case", "A", "--trace", "--model", str(tiny_model_dir))
+    slot = repo / "runs" / "quick-walk-a.json"
+    assert labkit(repo, *walk).returncode == 0
+    kept = slot.read_bytes()
+    assert json.loads(kept)["verdict"] == "PASS"
+    assert labkit(repo, "patch", "apply", "no-step-trace").returncode == 0
+    patched = labkit(repo, *walk)
+    moved = repo / "runs" / "patched" / "no-step-trace" / "quick-walk-a.json"
+    record = json.loads(moved.read_text())
+    assert record["engine_patches"] == ["no-step-trace"] and record["verdict"] != "PASS"
+    line = next(ln for ln in patched.stdout.splitlines() if "setup.quick-walk-a" in ln and "evidence:" in ln)
+    assert line.startswith(record["verdict"]) and "engine patch: no-step-trace" in line, line
+    assert slot.read_bytes() == kept
+    assert labkit(repo, "patch", "revert", "no-step-trace").returncode == 0
+    rejudged = labkit(repo, "check", "setup.quick-walk-a", "--json")
+    assert json.loads(rejudged.stdout)[0]["verdict"] == "PASS", rejudged.stdout[-2000:]

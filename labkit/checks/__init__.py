@@ -21,6 +21,7 @@ from labkit.checks.judging import (
     check_file,
     command_mismatch,
     judge,
+    provenance,
     reason,
     verdict,
 )
@@ -59,6 +60,6 @@ __all__ = [
     "Assertion", "Checkpoint", "CheckpointError", "Threshold",
     "check_evidence", "check_file", "checkpoints_dir", "checkpoints_md_path", "command_mismatch", "evaluate",
     "get_checkpoint", "judge", "load_checkpoints", "load_file", "load_thresholds", "parse_run_assertions",
-    "reason", "render_checkpoints_md", "resolve", "run_assertion", "select", "threshold_entry", "threshold_key",
+    "provenance", "reason", "render_checkpoints_md", "resolve", "run_assertion", "select", "threshold_entry", "threshold_key",
     "verdict", "write_checkpoints_md",
 ]

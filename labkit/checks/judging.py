@@ -1,9 +1,9 @@
 """The judge: an evidence file re-judged from its own content, against its checkpoint.
 
-The judge trusts nothing the file says about itself: ``check_evidence`` verifies the digest,
-re-evaluates the checkpoint's and the run's assertions from the facts, checks the envelope against the
-checkpoint (kind, device class, synthetic flag, command and options) and compares the engine source
-hash with the current tree (stale evidence is NOT-RUN). ``verdict`` folds the checks into PASS / FAIL /
+The judge re-derives what it can from the file: ``check_evidence`` verifies the digest (and, with an
+evidence key here, the HMAC signature), re-evaluates the checkpoint's and the run's assertions from the
+facts, checks the envelope against the checkpoint (kind, device class, synthetic flag, command and
+options) and compares the engine source hash with the current tree (stale evidence is NOT-RUN). ``verdict`` folds the checks into PASS / FAIL /
 REVIEW / NOT-RUN and ``reason`` says why in one line.
 """
 
@@ -30,8 +30,12 @@ from labkit.evidence_format import (
     ENGINE_FREE_KINDS,
     KIND_DEVICE,
     SCHEMA_VERSION,
+    SIGNATURE_KEY,
     digest,
     engine_source_hash,
+    evidence_key,
+    key_id,
+    signature_problem,
 )
 
 #: Where an older writer kept checks a command judged itself (a stored ``passed``); the judge no longer
@@ -223,6 +227,35 @@ def _digest_check(record: dict) -> dict:
                    else "the body is what the writer sealed", source="integrity")
 
 
+def _signature_check(record: dict) -> dict | None:
+    """With an evidence key here: the file must carry its HMAC (else FAIL "not signed by this key").
+    Without one: None (nothing can be verified; :func:`provenance` says so)."""
+    key = evidence_key()
+    if key is None:
+        return None
+    problem = signature_problem(record, key)
+    return _result("signature", not problem, f"HMAC-SHA256 by key {key_id(key)}",
+                   (record.get(SIGNATURE_KEY) or {}).get("key_id", MISSING_TEXT)
+                   if isinstance(record.get(SIGNATURE_KEY), dict) else MISSING_TEXT,
+                   problem or "signed by a holder of this key", source="integrity")
+
+
+def provenance(path: str | Path) -> str:
+    """Who can have written the evidence at ``path``, in a word or three: ``signed`` (verified with the key
+    here), ``NOT SIGNED BY THIS KEY``, ``signed (no key here)`` (a signature this machine cannot verify),
+    ``unsigned``, or ``-`` (no readable file)."""
+    try:
+        record = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return "-"
+    if not isinstance(record, dict):
+        return "-"
+    key = evidence_key()
+    if key is not None:
+        return "NOT SIGNED BY THIS KEY" if signature_problem(record, key) else "signed"
+    return "signed (no key here)" if isinstance(record.get(SIGNATURE_KEY), dict) else "unsigned"
+
+
 def _stored_verdict_check(record: dict, rejudged: str) -> dict:
     stored = record.get("verdict", MISSING_TEXT)
     ok = stored == rejudged
@@ -246,7 +279,8 @@ def _freshness_check(record: dict) -> dict | None:
 def check_evidence(cp: Checkpoint, path: str | Path | None = None) -> tuple[str, list[dict]]:
     """Judge the evidence file of ``cp`` (default: its ``evidence`` path) from scratch.
 
-    FAIL: unreadable, not sealed by its digest (edited, or an old labkit), a stored verdict its facts do
+    FAIL: unreadable, not sealed by its digest (edited, or an old labkit), not signed by the evidence key
+    this process holds (when it holds one), a stored verdict its facts do
     not give, or any failed check. NOT-RUN: no file, or stale (the engine source changed since; not for
     ``reference`` evidence, which our engine did not make). Otherwise the verdict of the re-judged checks."""
     return check_file(path if path is not None else cp.evidence_path(), cp)
@@ -276,6 +310,9 @@ def check_file(path: str | Path, cp: Checkpoint | None = None) -> tuple[str, lis
         return "FAIL", judged
     rejudged = verdict(judged)
     integrity = [_digest_check(record)]
+    signed = _signature_check(record)
+    if signed is not None:
+        integrity.append(signed)
     if record.get("checkpoint") == (cp.id if cp is not None else None):  # else it judged another checkpoint
         integrity.append(_stored_verdict_check(record, rejudged))
     fresh = _freshness_check(record)

@@ -147,12 +147,15 @@ app = typer.Typer(
 
 
 def resolve_out(out: Path | None, checkpoint_id: str) -> Path:
-    """``--out`` if given, else the evidence path of ``checkpoint_id`` (under runs/)."""
+    """``--out`` if given, else the evidence path of ``checkpoint_id`` (under runs/); with engine patches
+    applied, its place under ``runs/patched/<patch>/`` (the unpatched engine's evidence is never replaced)."""
+    from labkit.evidence import patched_out
+
     if out is not None:
-        return out
+        return patched_out(out)
     from labkit.checks import get_checkpoint
 
-    return get_checkpoint(checkpoint_id).evidence_path()
+    return patched_out(get_checkpoint(checkpoint_id).evidence_path())
 
 
 def finish(record: dict, paths: str | Path | list[str | Path] | None = None, *, json_out: bool = False,
@@ -163,15 +166,24 @@ def finish(record: dict, paths: str | Path | list[str | Path] | None = None, *, 
     ``word`` replaces the verdict in the last line (``COLLECTED`` for a collection without a checkpoint).
     A single record that is NOT-RUN could not run on this machine: a user error (exit 2).
     """
+    from labkit.evidence import is_patched_path
+
     verdict = record.get("verdict") or "REVIEW"
     if paths is None:
         paths = []
     elif not isinstance(paths, list):
         paths = [paths]
+    moved = record.get("_written_to")
+    if isinstance(moved, dict):  # a patched engine's evidence went beside the unpatched one
+        paths = [moved["path"] if str(p) == moved["requested"] else p for p in paths]
     if json_out:
-        print_json({k: v for k, v in record.items() if k != "_paths"})
+        print_json({k: v for k, v in record.items() if not k.startswith("_")})
     else:
         render_record(record, paths, word=word)
+    if record.get("engine_patches") and any(is_patched_path(p) for p in paths):
+        err_console.print(f"note: made with engine patch {', '.join(record['engine_patches'])} applied, so written "
+                          "under runs/patched/; the unpatched engine's evidence is kept (labkit patch revert, then "
+                          "labkit check)", markup=False, highlight=False)
     unclaimed = (record.get("facts") or {}).get("checkpoint_not_claimed") if isinstance(record.get("facts"), dict) else None
     if isinstance(unclaimed, dict):
         err_console.print(f"note: not evidence for {unclaimed.get('checkpoint')}: {unclaimed.get('why')}; "
@@ -228,24 +240,22 @@ def doctor(out: OutOpt = None, device: DeviceOpt = "auto", json_out: JsonOpt = F
 def check(
     target: Annotated[Optional[str], typer.Argument(help="A stage (setup, ...) or checkpoint id; default all.")] = None,
     write_md: Annotated[bool, typer.Option("--write-md", help="Regenerate CHECKPOINTS.md from checkpoints/*.json.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="A checkpoint this machine can run but has no current evidence for (missing: its command crashed or never ran; stale) FAILs (exit 1). CI uses it.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Re-judge the evidence under runs/ against the checkpoint definitions."""
-    from labkit.checks import check_evidence, reason, select, write_checkpoints_md
+    from labkit.checks import write_checkpoints_md
+    from labkit.run_all import check_all
 
     if write_md:
         path = write_checkpoints_md()
         console.print(f"wrote {rel(path)}")
         if target is None:
             raise typer.Exit(0)
-    rows = []
-    for cp in select(target):
-        verdict, checks = check_evidence(cp)
-        rows.append({"id": cp.id, "verdict": verdict, "reason": reason(verdict, checks),
-                     "evidence": str(cp.evidence_path()), "checks": checks})
+    rows = check_all(target, strict=strict)
     if not json_out:
         rows = [{k: v for k, v in r.items() if k != "checks"} for r in rows]
-    finish_rows(rows, json_out=json_out, title="labkit check")
+    finish_rows(rows, json_out=json_out, title="labkit check" + (" --strict" if strict else ""))
 
 
 @app.command()
@@ -257,11 +267,20 @@ def run(
 ) -> None:
     """Run every checkpoint this machine can run, in order; the rest are NOT-RUN with the reason."""
     from labkit.paths import runs_dir
-    from labkit.run_all import run_all
+    from labkit.run_all import RunInterrupted, run_all
 
     if model is not None and not model.is_dir():
         raise UserError(f"--model {model}: not a directory")
-    rows = run_all(stage=stage, model=str(model) if model else None, stop_on_fail=stop_on_fail)
+    try:
+        rows = run_all(stage=stage, model=str(model) if model else None, stop_on_fail=stop_on_fail)
+    except RunInterrupted as e:
+        if json_out:
+            print_json(e.rows)
+        else:
+            render_rows(e.rows, title="labkit run (interrupted)")
+        error_line(f"interrupted (Ctrl-C) during {e.at or 'labkit run'}; {rel(runs_dir() / 'report.md')} "
+                   "is marked partial")
+        raise typer.Exit(INTERRUPTED_EXIT) from None
     if not json_out:
         console.print(f"report: {rel(runs_dir() / 'report.md')}")
     finish_rows(rows, json_out=json_out, title="labkit run")
