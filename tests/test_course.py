@@ -215,6 +215,19 @@ def test_no_fused_ops_reaches_the_engine_config(tiny_model_dir, tmp_path):
     assert seen == {"--fused-ops": (True, False), "--no-fused-ops": (False, False)}
 
 
+def test_quick_walk_takes_no_fused_ops(tiny_model_dir, tmp_path):
+    """Lesson 7's command: quick-walk passes --no-fused-ops to the engine it builds (recorded in the evidence)."""
+    from typer.testing import CliRunner
+
+    from labkit.cli import app
+
+    out = tmp_path / "a.json"
+    res = CliRunner().invoke(app, ["quick-walk", "--case", "A", "--no-fused-ops", "--model", str(tiny_model_dir),
+                                   "--device", "cpu", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(out.read_text())["engine"]["config"]["fused_ops"] is False
+
+
 def test_enable_fused_ops_is_off_with_the_switch_even_past_the_device_check(tiny_model_dir, monkeypatch):
     from engine import LLMEngine
 

@@ -154,14 +154,14 @@ def step_blocks(st: dict) -> dict:
 def run_quick_walk(case: str, out: Path | None = None, model: str | None = None, device: str = "auto",
                    attention: str = "auto", budget: int = 512, max_num_seqs: int | None = None,
                    block_size: int = 256, trace: bool = False, debug: bool = False,
-                   shuffle_blocks: int | None = None, shapes: bool = False) -> dict:
+                   shuffle_blocks: int | None = None, shapes: bool = False, fused_ops: bool = True) -> dict:
     case = case.upper()
     if case not in CASES:
         raise UserError(f"unknown case {case!r}: choose one of {', '.join(CASES)}")
     spec = CASES[case]
     built = build_engine(model, device, attention, max_num_batched_tokens=budget,
                          max_num_seqs=max_num_seqs or 256, kvcache_block_size=block_size,
-                         shuffle_blocks=shuffle_blocks)
+                         shuffle_blocks=shuffle_blocks, fused_ops=fused_ops)
     engine = built.engine
     install_env_trace(engine)
     if debug:
