@@ -224,6 +224,11 @@ def write_json(path: str | Path, data: Any) -> Path:
     path = Path(path)
     text = dumps(data) + "\n"  # serialize first: a failure leaves nothing behind
     path.parent.mkdir(parents=True, exist_ok=True)
+    return write_text(path, text)
+
+
+def write_text(path: Path, text: str) -> Path:
+    """Write ``text`` atomically (temp file beside it, then rename): a reader never sees half a file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

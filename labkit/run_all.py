@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -251,16 +250,10 @@ def render_report_md(report: dict) -> str:
 
 
 def _write_text(path: Path, text: str) -> Path:
-    """Write ``text`` atomically (temp file beside it, then rename): a reader never sees half a report."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write ``text`` atomically: a reader never sees half a report."""
+    from labkit.evidence import write_text
+
+    return write_text(path, text)
 
 
 def write_report(rows: list[dict], *, stage: str | None = None, model: str | None = None,

@@ -20,6 +20,7 @@ from pathlib import Path
 from engine import SamplingParams
 from labkit.evidence import write_claimed
 from labkit.experiments.quick_walk import StepRecorder, derive, step_blocks
+from labkit.experiments.walk_shapes import row_index
 from labkit.lab_engine import build_engine, detect_device, install_env_trace, synthetic_note
 
 PROMPT_LENS = (64, 96)
@@ -78,20 +79,12 @@ class ShapeProbe:
                 self._hidden = out.detach()
             elif key == "logits" and self._hidden is not None:
                 rows = args[0].detach()
-                self.last_rows[self._step()] = [_row_index(self._hidden, r) for r in rows]
+                self.last_rows[self._step()] = [row_index(self._hidden, r) for r in rows]
         return hook
 
     def close(self) -> None:
         for h in self.handles:
             h.remove()
-
-
-def _row_index(hidden, row) -> int:
-    """The index of the row of ``hidden`` equal to ``row`` (-1: none)."""
-    import torch
-
-    hits = torch.nonzero((hidden == row).all(dim=-1)).flatten().tolist()
-    return hits[0] if len(hits) == 1 else -1
 
 
 def run_lifecycle(out: Path | None = None, model: str | None = None, device: str = "auto", attention: str = "auto",

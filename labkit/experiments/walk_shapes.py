@@ -50,7 +50,7 @@ class LayerShapeProbe:
             if key == "final_hidden":
                 self._hidden = out.detach()
             elif key == "logits" and self._hidden is not None:
-                self.lm_head_rows[self.step] = [_row_index(self._hidden, r) for r in args[0].detach()]
+                self.lm_head_rows[self.step] = [row_index(self._hidden, r) for r in args[0].detach()]
         return hook
 
     def _attention(self, index: int):
@@ -64,7 +64,7 @@ class LayerShapeProbe:
             h.remove()
 
 
-def _row_index(hidden, row) -> int:
+def row_index(hidden, row) -> int:
     """The index of the one row of ``hidden`` equal to ``row`` (-1: none, or more than one)."""
     import torch
 
