@@ -459,17 +459,18 @@ async def _drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], rou
                     return await send(k, r, {"endpoint": endpoints[k], "router": router.policy})
 
                 await replay_async(reqs, routed, on_done=lambda: bar.advance(task))
-            t0 = loop.time()
-            tasks = []
-            for r in ([] if has_deps(reqs) else reqs):
-                delay = t0 + r["arrival_ms"] / 1000.0 - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                k = router.pick(r)
-                t = asyncio.create_task(send(k, r, {"endpoint": endpoints[k], "router": router.policy}))
-                t.add_done_callback(lambda _: bar.advance(task))
-                tasks.append(t)
-            await asyncio.gather(*tasks)
+            else:
+                t0 = loop.time()
+                tasks = []
+                for r in reqs:
+                    delay = t0 + r["arrival_ms"] / 1000.0 - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    k = router.pick(r)
+                    t = asyncio.create_task(send(k, r, {"endpoint": endpoints[k], "router": router.policy}))
+                    t.add_done_callback(lambda _: bar.advance(task))
+                    tasks.append(t)
+                await asyncio.gather(*tasks)
         profile = None
         if prof is not None:
             profile = await loop.run_in_executor(None, _stop_profile, opts, worker, prof)
