@@ -201,26 +201,74 @@ def client(
 
 def trace(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Trace file (JSONL); default runs/trace.jsonl (workloads/mixed.jsonl is the shipped trace: write it only on purpose).")] = None,
-    requests: Annotated[int, typer.Option("--requests", help="Requests in the trace.")] = 12,
-    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Prompt length of a short request.")] = 32,
-    long_prompt_tokens: Annotated[int, typer.Option("--long-prompt-tokens", help="Prompt length of a long request.")] = 768,
-    long_every: Annotated[int, typer.Option("--long-every", help="Every N-th request is long (0: none).")] = 4,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Output tokens of every request (ignore_eos).")] = 64,
-    interval_ms: Annotated[float, typer.Option("--interval-ms", help="Planned gap between arrivals.")] = 40.0,
+    requests: Annotated[Optional[int], typer.Option("--requests", help="Requests in the trace (fixed-interval trace; default 12).")] = None,
+    prompt_tokens: Annotated[Optional[int], typer.Option("--prompt-tokens", help="Prompt length of a short request (default 32).")] = None,
+    long_prompt_tokens: Annotated[Optional[int], typer.Option("--long-prompt-tokens", help="Prompt length of a long request (default 768).")] = None,
+    long_every: Annotated[Optional[int], typer.Option("--long-every", help="Every N-th request is long (0: none; default 4).")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Output tokens of every request (ignore_eos; default 64).")] = None,
+    interval_ms: Annotated[Optional[float], typer.Option("--interval-ms", help="Planned gap between arrivals (default 40).")] = None,
+    dataset: Annotated[Optional[str], typer.Option("--dataset", help="random | prefix-repetition | multi-turn (a production-shaped trace; see the options below).")] = None,
+    request_rate: Annotated[Optional[float], typer.Option("--request-rate", help="Requests/s (inf: all at once; default inf).")] = None,
+    burstiness: Annotated[Optional[float], typer.Option("--burstiness", help="Gamma shape of the gaps (1: Poisson; <1 burstier).")] = None,
+    num_requests: Annotated[Optional[int], typer.Option("--num-requests", help="Requests (default 100), or give --duration.")] = None,
+    duration: Annotated[Optional[float], typer.Option("--duration", help="Seconds of arrivals (needs a finite --request-rate).")] = None,
+    input_len: Annotated[Optional[int], typer.Option("--input-len", help="Prompt length (random; a user message in multi-turn; default 128).")] = None,
+    output_len: Annotated[Optional[int], typer.Option("--output-len", help="Output tokens (ignore_eos; default 64).")] = None,
+    range_ratio: Annotated[Optional[float], typer.Option("--range-ratio", help="Lengths uniform in [len*(1-r), len*(1+r)] (default 0).")] = None,
+    length_dist: Annotated[Optional[str], typer.Option("--length-dist", help="uniform | lognormal (median len, --sigma).")] = None,
+    sigma: Annotated[Optional[float], typer.Option("--sigma", help="Lognormal sigma (default 0.5).")] = None,
+    num_prefixes: Annotated[Optional[int], typer.Option("--num-prefixes", help="prefix-repetition: shared prefixes (default 4).")] = None,
+    prefix_len: Annotated[Optional[int], typer.Option("--prefix-len", help="prefix-repetition: prefix tokens (default 256).")] = None,
+    suffix_len: Annotated[Optional[int], typer.Option("--suffix-len", help="prefix-repetition: suffix tokens (default 32).")] = None,
+    sessions: Annotated[Optional[int], typer.Option("--sessions", help="multi-turn: conversations (default 4).")] = None,
+    turns: Annotated[Optional[int], typer.Option("--turns", help="multi-turn: turns per conversation (default 3).")] = None,
+    think_time_ms: Annotated[Optional[float], typer.Option("--think-time-ms", help="multi-turn: gap after a reply before the next turn (default 0).")] = None,
     seed: SeedOpt = 17,
     json_out: JsonOpt = False,
 ) -> None:
-    """Write a fixed arrival trace (the same bytes for the same options); --seed seeds the token ids."""
+    """Write an arrival trace (the same bytes for the same options; --seed seeds it): the fixed-interval
+    short/long trace, or with --dataset/--request-rate a production-shaped one (Poisson/gamma arrivals,
+    length distributions, shared prefixes, multi-turn sessions)."""
     from labkit.console import console, kv_table, print_json
     from labkit.load.trace import TraceOptions, write_trace
+    from labkit.load.workloads import WorkloadOptions, write_workload
     from labkit.paths import default_out
 
-    summary = write_trace(out or default_out("trace.jsonl"), TraceOptions(requests, prompt_tokens, long_prompt_tokens, long_every, max_tokens,
-                                            interval_ms, seed))
+    old = {"requests": requests, "prompt_tokens": prompt_tokens, "long_prompt_tokens": long_prompt_tokens,
+           "long_every": long_every, "max_tokens": max_tokens, "interval_ms": interval_ms}
+    new = {"dataset": dataset, "request_rate": request_rate, "burstiness": burstiness, "num_requests": num_requests,
+           "duration_s": duration, "input_len": input_len, "output_len": output_len, "range_ratio": range_ratio,
+           "length_dist": length_dist, "sigma": sigma, "num_prefixes": num_prefixes, "prefix_len": prefix_len,
+           "suffix_len": suffix_len, "sessions": sessions, "turns": turns, "think_time_ms": think_time_ms}
+    given_old = [k for k, v in old.items() if v is not None]
+    given_new = {k: v for k, v in new.items() if v is not None}
+    path = out or default_out("trace.jsonl")
+    if given_new:
+        if given_old:
+            raise UserError(f"--{given_old[0].replace('_', '-')} belongs to the fixed-interval trace; "
+                            "with --dataset/--request-rate use --num-requests, --input-len, --output-len")
+        _refuse_foreign(given_new)
+        summary = write_workload(path, WorkloadOptions(**given_new, seed=seed))
+    else:
+        summary = write_trace(path, TraceOptions(**{k: v for k, v in old.items() if v is not None}, seed=seed))
     if json_out:
         print_json(summary)
     else:
         console.print(kv_table(summary, title="labkit trace"))
+
+
+_ONLY_FOR = {"num_prefixes": "prefix-repetition", "prefix_len": "prefix-repetition", "suffix_len": "prefix-repetition",
+             "sessions": "multi-turn", "turns": "multi-turn", "think_time_ms": "multi-turn"}
+
+
+def _refuse_foreign(given: dict) -> None:
+    """An option of another dataset (or one the dataset does not use) is refused, never ignored."""
+    ds = given.get("dataset", "random")
+    for k in given:
+        if k in _ONLY_FOR and _ONLY_FOR[k] != ds:
+            raise UserError(f"--{k.replace('_', '-')} is a --dataset {_ONLY_FOR[k]} option (this trace is {ds})")
+    if ds == "prefix-repetition" and "input_len" in given:
+        raise UserError("--dataset prefix-repetition prompts are --prefix-len + --suffix-len; leave out --input-len")
 
 
 def load(

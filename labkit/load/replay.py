@@ -12,7 +12,8 @@ Targets
     reproducible decision, ties to the first endpoint).
 
 Modes
-    ``wall``: each request is sent at its planned ``arrival_ms`` after the window opens.
+    ``wall``: each request is sent at its planned ``arrival_ms`` after the window opens; one with
+    ``after`` (a multi-turn trace) ``think_time_ms`` after that request finished (``load.depend``).
     ``round`` (in process only): request k enters at scheduler round ``arrival_round`` (counted from
     the replay's first round; idle rounds are skipped): a mechanism view, not a performance run.
 
@@ -41,6 +42,7 @@ from labkit.errors import UserError
 from labkit.evidence import envelope, write_evidence, write_json
 from labkit.service.events import EventLog, log_header, split_out
 from labkit.service.config import WorkerConfig
+from labkit.load.depend import has_deps, replay_async, replay_threads, split_deps
 from labkit.load.trace import read_trace, warmup_requests
 
 MODES = ("wall", "round")
@@ -110,6 +112,10 @@ def run_load(opts: LoadOptions) -> dict:
     """Replay the trace; returns the evidence record (also written next to the log)."""
     _check(opts)
     head, reqs = read_trace(opts.trace)
+    if has_deps(reqs):
+        if opts.mode == "round":
+            raise UserError(f"{opts.trace}: its requests wait on replies (after=, multi-turn); use --mode wall")
+        split_deps(reqs)        # a dangling or cyclic after= refused before anything starts
     warm = warmup_requests(reqs, opts.warmup_requests)
     events_path, evidence_path = split_out(opts.out)
     extra = {"mode": opts.mode, "api": opts.api, "trace": str(opts.trace),
@@ -319,6 +325,9 @@ def _drive_inprocess(opts: LoadOptions, worker, reqs: list[dict], warm: list[dic
                 raise UserError(f"round replay did not submit every request within {opts.timeout_s:g} s")
             if feeder.error is not None:
                 raise feeder.error
+        elif has_deps(reqs):
+            replay_threads(reqs, lambda r: _submit(worker, r), opts.timeout_s, on_done=lambda: bar.advance(task))
+            handles = []            # every one finished already (a follower waits on its request's handle)
         else:
             handles = []
             t0 = time.monotonic()
@@ -444,17 +453,24 @@ async def _drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], rou
         loop = asyncio.get_running_loop()
         with _progress(opts, len(reqs), "load") as bar:
             task = bar.add_task("load", total=len(reqs))
-            t0 = loop.time()
-            tasks = []
-            for r in reqs:
-                delay = t0 + r["arrival_ms"] / 1000.0 - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                k = router.pick(r)
-                t = asyncio.create_task(send(k, r, {"endpoint": endpoints[k], "router": router.policy}))
-                t.add_done_callback(lambda _: bar.advance(task))
-                tasks.append(t)
-            await asyncio.gather(*tasks)
+            if has_deps(reqs):
+                async def routed(r: dict):
+                    k = router.pick(r)
+                    return await send(k, r, {"endpoint": endpoints[k], "router": router.policy})
+
+                await replay_async(reqs, routed, on_done=lambda: bar.advance(task))
+            else:
+                t0 = loop.time()
+                tasks = []
+                for r in reqs:
+                    delay = t0 + r["arrival_ms"] / 1000.0 - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    k = router.pick(r)
+                    t = asyncio.create_task(send(k, r, {"endpoint": endpoints[k], "router": router.policy}))
+                    t.add_done_callback(lambda _: bar.advance(task))
+                    tasks.append(t)
+                await asyncio.gather(*tasks)
         profile = None
         if prof is not None:
             profile = await loop.run_in_executor(None, _stop_profile, opts, worker, prof)

@@ -91,22 +91,29 @@ def header(opts: TraceOptions) -> dict:
             "token_range": [TOKEN_LOW, TOKEN_HIGH]}
 
 
+def render_records(head: dict, reqs: list[dict]) -> str:
+    return "".join(json.dumps(rec, separators=(",", ":"), sort_keys=False) + "\n" for rec in [head, *reqs])
+
+
 def render(opts: TraceOptions) -> str:
-    lines = [header(opts), *make_trace(opts)]
-    return "".join(json.dumps(rec, separators=(",", ":"), sort_keys=False) + "\n" for rec in lines)
+    return render_records(header(opts), make_trace(opts))
+
+
+def write_text(out: str | Path, text: str) -> tuple[Path, str]:
+    """Write the trace's bytes; (path, sha256 of them)."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text.encode())
+    return path, hashlib.sha256(text.encode()).hexdigest()
 
 
 def write_trace(out: str | Path, opts: TraceOptions) -> dict:
     """Write the trace; returns a summary (path, requests per class, sha256 of the bytes)."""
-    text = render(opts)
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(text.encode())
+    path, sha = write_text(out, render(opts))
     reqs = make_trace(opts)
     return {"path": str(path), "requests": len(reqs),
             "short": sum(r["class"] == "short" for r in reqs), "long": sum(r["class"] == "long" for r in reqs),
-            "span_ms": reqs[-1]["arrival_ms"] if reqs else 0.0,
-            "sha256": hashlib.sha256(text.encode()).hexdigest()}
+            "span_ms": reqs[-1]["arrival_ms"] if reqs else 0.0, "sha256": sha}
 
 
 def read_trace(path: str | Path) -> tuple[dict | None, list[dict]]:
