@@ -16,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass
 
 import pytest
-from conftest import settle
+from testkit import settle
 
 from labkit.load.trace import token_ids
 from labkit.service import client

@@ -8,7 +8,7 @@ from collections import Counter
 
 import aiohttp
 import pytest
-from conftest import wait_for
+from testkit import wait_for
 
 from engine import SamplingParams
 from labkit.load.trace import token_ids
