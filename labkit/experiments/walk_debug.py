@@ -7,7 +7,7 @@ suggests one breakpoint per lesson of docs/COURSE.md, its line computed from the
 ``q`` ends the command with exit 0 (labkit's root group maps pdb's BdbQuit to a clean exit).
 
 The modules are imported by name (importlib) on purpose: this namespace is for a person reading the
-engine's internals in a debugger; no labkit code path calls into them (tests/test_layout.py's rule).
+engine's internals in a debugger; no labkit code path calls into them (tests/lab/test_layout.py's rule).
 """
 from __future__ import annotations
 

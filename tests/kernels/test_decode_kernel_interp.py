@@ -20,7 +20,7 @@ import torch
 
 from labkit.bench.attention import OUTPUT_TOL, decode_reference
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HK, D = 4, 32
 # (kv_per_prog, page_tile, block_n): today's kernel first, then the candidates
 VARIANTS = [(1, False, 64), (1, True, 64), (2, True, 32), (2, False, 32), (4, True, 16), (4, False, 16)]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def interpreted(script: str, *args: str, stdin: str | None = None, timeout: float = 600) -> dict:

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams
 from engine.warmup import scratch_prefill
 
 
-def engine_for(model):
-    return LLMEngine(str(model), device="cpu", enforce_eager=True, kvcache_block_size=16, max_model_len=256,
-                     max_num_batched_tokens=256)
-
-
-def test_to_inputs_views_hold_the_plan(tiny_model_dir):
-    engine = engine_for(tiny_model_dir)
+def test_to_inputs_views_hold_the_plan(tiny_engine):
+    engine = tiny_engine(max_model_len=256, max_num_batched_tokens=256)
     a = engine.add_request(list(range(100, 140)), SamplingParams(max_tokens=3))
     b = engine.add_request(list(range(200, 210)), SamplingParams(max_tokens=3))
     engine.step()                                             # prefill both
@@ -34,8 +29,8 @@ def test_to_inputs_views_hold_the_plan(tiny_model_dir):
     engine.close()
 
 
-def test_scratch_prefill_writes_nothing_and_reads_a_prefix(tiny_model_dir):
-    engine = engine_for(tiny_model_dir)
+def test_scratch_prefill_writes_nothing_and_reads_a_prefix(tiny_engine):
+    engine = tiny_engine(max_model_len=256, max_num_batched_tokens=256)
     runner = engine.runner
     before = runner.kv_cache.clone()
     fresh = scratch_prefill(runner.inputs, 3, 20)
@@ -50,10 +45,10 @@ def test_scratch_prefill_writes_nothing_and_reads_a_prefix(tiny_model_dir):
     engine.close()
 
 
-def test_slots_of_a_span_are_the_per_position_slots(tiny_model_dir):
+def test_slots_of_a_span_are_the_per_position_slots(tiny_engine):
     """plan_prefill takes a span's cache slots one block at a time (InputBuilder.slots): the same slots as
     one lookup per position, for spans inside a block, across blocks, and from a cached prefix on."""
-    engine = engine_for(tiny_model_dir)
+    engine = tiny_engine(max_model_len=256, max_num_batched_tokens=256)
     seq = engine.add_request(list(range(100, 170)), SamplingParams(max_tokens=3))
     engine.scheduler.schedule()                               # 70 positions: 5 blocks of 16
     builder = engine.runner.inputs

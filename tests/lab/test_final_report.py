@@ -8,7 +8,7 @@ import pytest
 
 from labkit.writeup import report as final_report
 from labkit.paths import repo_root
-from conftest import labkit_process as labkit
+from testkit import labkit_process as labkit
 
 ROOT = repo_root()
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COPIED = ("engine", "labkit", "checkpoints", "workloads", "pyproject.toml", "CHECKPOINTS.md")
 
 # name -> (file, text, replacement, checkpoints that must FAIL)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import wait_for
+from testkit import wait_for
 from service_fixtures import post, ready_url, serving, settle_after
 
 from labkit.load.trace import token_ids

@@ -15,7 +15,7 @@ import sys
 import time
 
 import pytest
-from conftest import wait_for
+from testkit import wait_for
 from service_fixtures import ready_url, settle_after, start_worker
 
 from labkit.paths import repo_root

@@ -3,7 +3,7 @@
 The frequencies and the cos/sin scaling are compared with transformers' own Qwen3 rotary embedding; the
 logits with the engine on a rope-scaled tiny model are the models.rope-* checkpoints (run here in-process),
 and the scaling is shown to move the baseline suite's logits far beyond the logits thresholds, so that
-those checkpoints cannot PASS with an engine that ignores it (tests/test_mutations.py breaks it on purpose).
+those checkpoints cannot PASS with an engine that ignores it (tests/engine/test_mutations.py breaks it on purpose).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import labkit_process
+from testkit import labkit_process
 from engine.config import ConfigError, RopeScaling, read_model_dir
 from engine.layers.rotary import RotaryEmbedding, rope_frequencies
 
@@ -136,7 +136,7 @@ def test_bad_specs_are_user_errors(spec):
 @pytest.fixture(scope="module")
 def rope_guards(tiny_model_dir, tmp_path_factory):
     """Each models.rope-* checkpoint's own command, in-process on the tiny model."""
-    from conftest import checkpoint_command
+    from testkit import checkpoint_command
     from labkit.guardrails.calibrate import guard
 
     out = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENGINE_INTERNALS = {"runner", "scheduler", "block_manager"}
 INTERNAL_MODULES = {"engine.model_runner", "engine.scheduler", "engine.block_manager", "engine.tp_workers"}
 

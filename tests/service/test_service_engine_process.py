@@ -17,7 +17,7 @@ import sys
 import time
 
 import pytest
-from conftest import settle, wait_for
+from testkit import settle, wait_for
 from service_fixtures import MODES, body, ids, kv, queued, ready_url, run, serving, settle_after, with_session, \
     worker_config
 

@@ -8,7 +8,7 @@ from collections import deque
 
 import pytest
 
-from conftest import checkpoint_command
+from testkit import checkpoint_command
 from engine.config import ConfigError
 from engine.scheduler import Scheduler
 from labkit.checks import check_evidence, evaluate, get_checkpoint, verdict

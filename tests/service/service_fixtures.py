@@ -1,5 +1,5 @@
 """What the service test modules share: a worker + server on the tiny model, in either mode, and the
-small request helpers (``from service_fixtures import ...``, as ``conftest``'s helpers are imported).
+small request helpers (``from service_fixtures import ...``, the folder's fixtures are in conftest.py).
 
 ``serving(model, mode, ...)`` is the body of a module fixture: it starts a ``Worker`` (``in-process``) or a
 ``RemoteWorker`` (``engine-process``: the engine in a child process) and a ``ServerThread`` on 127.0.0.1:0,
@@ -16,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass
 
 import pytest
-from conftest import settle
+from testkit import settle
 
 from labkit.load.trace import token_ids
 from labkit.service import client
@@ -62,7 +62,7 @@ def serving(model, mode: str = "in-process", *, record: bool = True, server_kw: 
 
 def settle_after(name: str):
     """An autouse fixture: after each test that used fixture ``name`` (a ``Served``, a ``ServerThread`` or a
-    worker), let the module's worker go idle (conftest.settle) so the next test starts on an idle worker."""
+    worker), let the module's worker go idle (testkit.settle) so the next test starts on an idle worker."""
 
     @pytest.fixture(autouse=True)
     def _idle(request):

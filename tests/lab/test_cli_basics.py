@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from labkit import checks, evidence, paths
 from labkit.cli import app
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from labkit.service.launch import serve_settings
 from labkit.service.protocol import GenRequest
 from labkit.service.serving import refusal
 
-SERVICE = Path(__file__).resolve().parents[1] / "labkit" / "service"
+SERVICE = Path(__file__).resolve().parents[2] / "labkit" / "service"
 #: the HTTP front and launch: they talk to a WorkerFront and read its ServedEngine record
 FRONT_MODULES = ("api_server", "http", "serving", "serving_native", "serving_openai", "detokenize", "launch", "front")
 

@@ -7,7 +7,7 @@ import asyncio
 import json
 
 import pytest
-from conftest import wait_for
+from testkit import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.load.trace import token_ids

@@ -8,46 +8,37 @@ from collections import Counter
 
 import aiohttp
 import pytest
-from conftest import wait_for
+from testkit import wait_for
 
 from engine import SamplingParams
 from labkit.load.trace import token_ids
 from labkit.service import client
 from labkit.service.events import MemorySink
-from labkit.service.api_server import ServerThread
-from labkit.service.worker import Worker, WorkerConfig
+from labkit.service.worker import Worker
 
 
 def ids(name: str, n: int = 12) -> list[int]:
     return token_ids(5, name, n)
 
 
-def _worker(tiny_model_dir, overlap: bool, sink=None, **kw) -> Worker:
-    cfg = dict(model=str(tiny_model_dir), device="cpu", max_active=8, queue_size=32, max_num_batched_tokens=256,
-               max_num_seqs=8, max_model_len=128, worker_id=f"hp-{'ov' if overlap else 'sync'}", overlap=overlap)
-    return Worker(WorkerConfig(**{**cfg, **kw}), sink=sink).start()
+def _worker(service_worker, overlap: bool, sink=None) -> Worker:
+    return service_worker(sink=sink, max_active=8, queue_size=32, max_num_seqs=8, max_model_len=128,
+                          worker_id=f"hp-{'ov' if overlap else 'sync'}", overlap=overlap)
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
-def served(request, tiny_model_dir):
-    w = _worker(tiny_model_dir, request.param)
-    srv = ServerThread(w, "127.0.0.1", 0).start()
-    yield srv
-    srv.close()
+def served(request, service_worker, service_server):
+    return service_server(_worker(service_worker, request.param))
 
 
 @pytest.fixture(scope="module")
-def sync_worker(tiny_model_dir):
-    w = _worker(tiny_model_dir, False)
-    yield w
-    w.close()
+def sync_worker(service_worker):
+    return _worker(service_worker, False)
 
 
 @pytest.fixture(scope="module")
-def overlap_worker(tiny_model_dir):
-    w = _worker(tiny_model_dir, True)
-    yield w
-    w.close()
+def overlap_worker(service_worker):
+    return _worker(service_worker, True)
 
 
 def _tokens(worker: Worker, prompt, params: SamplingParams, n: int = 1, **kw) -> list[list[dict]]:
@@ -59,11 +50,11 @@ def _tokens(worker: Worker, prompt, params: SamplingParams, n: int = 1, **kw) ->
 # --------------------------------------------------------------------------- one hand-off per step
 
 
-def test_a_step_wakes_the_http_loop_once_not_once_per_token(tiny_model_dir):
+def test_a_step_wakes_the_http_loop_once_not_once_per_token(service_worker):
     """Eight streams read from one event loop: each owner pass (boundary, then step) reaches that loop
     with at most one call_soon_threadsafe each, whatever the number of streams it fed."""
     sink = MemorySink()
-    w = _worker(tiny_model_dir, False, sink=sink)
+    w = _worker(service_worker, False, sink=sink)
     calls: Counter = Counter()
 
     async def main() -> list[int]:

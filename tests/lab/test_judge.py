@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from labkit import checks, evidence, evidence_format, paths
 from labkit.checks import CheckpointError, check_evidence, reason, run_assertion
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

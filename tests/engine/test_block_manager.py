@@ -117,11 +117,10 @@ def test_can_allocate_counts_revived_free_blocks():
     assert not bm.can_allocate(b)
 
 
-def test_reset_prefix_cache_makes_the_next_identical_prompt_miss(tiny_model_dir):
-    from engine import LLMEngine, SamplingParams
+def test_reset_prefix_cache_makes_the_next_identical_prompt_miss(tiny_engine):
+    from engine import SamplingParams
 
-    engine = LLMEngine(str(tiny_model_dir), device="cpu", enforce_eager=True, kvcache_block_size=16,
-                       max_model_len=256, max_num_batched_tokens=256)
+    engine = tiny_engine(max_model_len=256, max_num_batched_tokens=256)
     prompt, sp = list(range(1000, 1040)), SamplingParams(temperature=0, max_tokens=2)
     engine.generate([prompt], sp)
     hit = engine.add_request(prompt, sp)

@@ -23,14 +23,14 @@ def workload(n=6):
     return prompts, params
 
 
-def test_overlap_gives_the_same_greedy_tokens(tiny_model_dir):
+def test_overlap_gives_the_same_greedy_tokens(tiny_model_dir, tiny_engine):
     prompts, params = workload()
     sync, free_sync = run(tiny_model_dir, False, prompts, params)
     over, free_over = run(tiny_model_dir, True, prompts, params)
     assert over == sync
     assert free_over == free_sync                       # every block came back
     # and the overlap really happened: most calls leave the next decode step in flight
-    engine = LLMEngine(str(tiny_model_dir), overlap=True, **KW)
+    engine = tiny_engine(overlap=True, **KW)
     for p, sp in zip(prompts, params):
         engine.add_request(p, sp)
     calls = ahead = 0
@@ -61,8 +61,8 @@ def test_overlap_seeded_sampling_matches(tiny_model_dir):
     assert run(tiny_model_dir, True, prompts, params)[0] == run(tiny_model_dir, False, prompts, params)[0]
 
 
-def test_overlap_survives_an_abort_while_a_step_is_in_flight(tiny_model_dir):
-    engine = LLMEngine(str(tiny_model_dir), overlap=True, **KW)
+def test_overlap_survives_an_abort_while_a_step_is_in_flight(tiny_engine):
+    engine = tiny_engine(overlap=True, **KW)
     prompts, params = workload(3)
     seqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)) for p in prompts]
     while not engine._inflight:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import wait_for
+from testkit import wait_for
 from service_fixtures import settle_after, start_worker
 
 from engine import RequestError, SamplingParams

@@ -1,0 +1,28 @@
+"""Fixtures of the engine tests: one engine factory.
+
+``tiny_engine(**kw)`` builds an ``LLMEngine`` on the session's tiny model (``tests/conftest.py``'s
+``tiny_model_dir``) with the settings most engine tests share (CPU, eager, the torch attention backend, blocks
+of 16 tokens); keywords override them (``model=PATH`` builds on another model directory). Every engine it
+made is closed when the test ends, also when the test fails; a test may close one earlier itself
+(``LLMEngine.close`` runs once)."""
+from __future__ import annotations
+
+import pytest
+
+ENGINE_DEFAULTS = dict(device="cpu", enforce_eager=True, attention_backend="torch", kvcache_block_size=16)
+
+
+@pytest.fixture
+def tiny_engine(tiny_model_dir):
+    from engine import LLMEngine
+
+    made = []
+
+    def build(model=None, **kw):
+        engine = LLMEngine(str(model or tiny_model_dir), **(ENGINE_DEFAULTS | kw))
+        made.append(engine)
+        return engine
+
+    yield build
+    for engine in reversed(made):
+        engine.close()

@@ -1,0 +1,49 @@
+"""Plain helpers every test folder shares (``from testkit import wait_for``). They live here, not in
+``conftest.py``: each folder has its own conftest, and under pytest's default prepend import mode the name
+``conftest`` means whichever folder's conftest was loaded last."""
+from __future__ import annotations
+
+import contextlib
+
+
+def wait_for(pred, timeout: float = 10.0) -> None:
+    """Poll `pred` until it is true; fail the test after `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def settle(worker) -> None:
+    """After a service test: let a paused worker go on and wait until nothing is active or pending, so the
+    next test of the module starts on an idle worker (the module-scoped worker/server fixtures)."""
+    worker.resume()
+    wait_for(lambda: worker.snapshot().get("active", 0) == 0 and not worker.pending_ids())
+
+
+@contextlib.contextmanager
+def checkpoint_command(cid: str):
+    """sys.argv set to checkpoint ``cid``'s command for the block (for module-scoped fixtures, where the
+    function-scoped ``labkit_argv`` cannot be used): the envelope records it and the judge checks it."""
+    import sys
+
+    from labkit.checks import get_checkpoint
+
+    argv = sys.argv
+    sys.argv = ["labkit", *get_checkpoint(cid).command[1:]]
+    try:
+        yield
+    finally:
+        sys.argv = argv
+
+
+def labkit_process(*args: str):
+    """``python -m labkit ARGS`` in a subprocess (wide terminal for tables), output captured."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "COLUMNS": "200"})
