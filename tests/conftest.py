@@ -151,22 +151,31 @@ def _free_served_engines():
 
 #: A test that runs longer than this says so on the terminal, then again every this many seconds.
 STILL_RUNNING_S = 60.0
+_TERMINAL_FD: list[int] = []
+
+
+def pytest_configure(config):
+    """Keep a handle on the terminal's stderr: while a test runs, pytest points fd 2 at its capture file."""
+    import os
+
+    _TERMINAL_FD.append(os.dup(2))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Progress for the quiet (-q) suite: a line on the terminal while one test (its module fixtures included)
     has run for a minute and more, so that no test runs silently for minutes."""
-    import sys
+    import os
     import threading
     import time
 
     start, done = time.monotonic(), threading.Event()
 
     def tell():
-        while not done.wait(STILL_RUNNING_S):
-            sys.__stderr__.write(f"\n[still running after {time.monotonic() - start:.0f} s] {item.nodeid}\n")
-            sys.__stderr__.flush()
+        while not done.wait(STILL_RUNNING_S) and _TERMINAL_FD:
+            line = f"\n[still running after {time.monotonic() - start:.0f} s] {item.nodeid}\n"
+            with contextlib.suppress(OSError):
+                os.write(_TERMINAL_FD[0], line.encode())
 
     threading.Thread(target=tell, daemon=True, name="still-running").start()
     try:

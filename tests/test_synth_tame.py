@@ -42,8 +42,15 @@ def test_cli_synth_init_option(cli_app, tmp_path):
 
 @pytest.fixture(scope="module")
 def tame_dir(tmp_path_factory):
-    """The qwen3-0.6b preset with its default (tame) init, seed 0."""
-    return synth.synth_model("qwen3-0.6b", tmp_path_factory.mktemp("tame") / "qwen3-0.6b")
+    """The qwen3-0.6b preset with its default (tame) init, seed 0, written by `labkit model synth` in a child
+    process: drawing the weights peaks at about 3 GB, which the test process then never holds."""
+    from conftest import labkit_process
+
+    out = tmp_path_factory.mktemp("tame") / "qwen3-0.6b"
+    proc = labkit_process("model", "synth", "--preset", "qwen3-0.6b", "--out", str(out), "--json")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert json.loads((out / "labkit_synth.json").read_text())["init"] == "tame"
+    return out
 
 
 def _bf16_thresholds() -> dict:
@@ -59,10 +66,9 @@ def test_greedy_continuations_walk_the_bigram_not_one_token(tame_dir):
 
     nxt = bigram_next(json.loads((tame_dir / "config.json").read_text()), 0, synth._tensor_seed)
     engine = LLMEngine(str(tame_dir), device="cpu", dtype="bfloat16", attention_backend="torch", enforce_eager=True,
-                       kvcache_block_size=16, max_model_len=256)
-    try:
-        outs = [engine.generate([p], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
-                for p in PROMPTS]
+                       kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)   # not the CPU's 1 GiB
+    try:                                        # one batch: each decode step reads the weights once for all three
+        outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     finally:
         engine.close()
     follows = 0
@@ -79,20 +85,37 @@ def test_removing_any_layers_attention_moves_the_logits_past_the_bf16_thresholds
     from transformers import AutoModelForCausalLM
 
     th = _bf16_thresholds()
-    model = AutoModelForCausalLM.from_pretrained(str(tame_dir), dtype=torch.float32, attn_implementation="eager").eval()
+    # the stored bf16 weights widened to float32 (exact), without a float32 load's transient copy
+    model = AutoModelForCausalLM.from_pretrained(str(tame_dir), dtype=torch.bfloat16, attn_implementation="eager")
+    model = model.float().eval()
+    layers = model.model.layers
+    outputs: list[list] = [[None] * len(layers) for _ in PROMPTS]      # each prompt's output of every layer, unchanged
 
-    def last_logits() -> list[torch.Tensor]:
-        with torch.no_grad():
-            return [model(input_ids=torch.tensor([p]), use_cache=False).logits[0, -1].double() for p in PROMPTS]
+    def last_logits(ablated: int | None = None) -> list[torch.Tensor]:
+        """The prompts' last-position logits. With `ablated`, that layer's attention output is zeroed, and the
+        layers before it, whose inputs are the plain forward's, give the plain forward's outputs (replayed)."""
+        logits = []
+        for p, prompt in enumerate(PROMPTS):
+            hooks = [layer.register_forward_hook(lambda mod, inp, out, p=p, j=j: outputs[p].__setitem__(j, out))
+                     for j, layer in enumerate(layers)] if ablated is None else \
+                [layers[ablated].self_attn.o_proj.register_forward_hook(lambda mod, inp, out: torch.zeros_like(out))]
+            for j in range(ablated or 0):
+                layers[j].forward = lambda *a, _out=outputs[p][j], **kw: _out
+            try:
+                with torch.no_grad():
+                    out = model(input_ids=torch.tensor([prompt]), use_cache=False, logits_to_keep=1)
+                logits.append(out.logits[0, -1].double())
+            finally:
+                for h in hooks:
+                    h.remove()
+                for j in range(ablated or 0):
+                    del layers[j].forward
+        return logits
 
     base = last_logits()
     worst = []
-    for layer in model.model.layers:
-        hook = layer.self_attn.o_proj.register_forward_hook(lambda mod, inp, out: torch.zeros_like(out))
-        try:
-            moved = last_logits()
-        finally:
-            hook.remove()
+    for i in range(len(layers)):
+        moved = last_logits(i)
         max_abs = max(float((m - b).abs().max()) for m, b in zip(moved, base))
         rel_l2 = max(float((m - b).norm() / b.norm()) for m, b in zip(moved, base))
         worst.append((max_abs, rel_l2))
