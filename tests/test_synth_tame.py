@@ -7,6 +7,8 @@ token; removing any one layer's attention output moves the logits by more than t
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -60,20 +62,22 @@ def _bf16_thresholds() -> dict:
     return entry
 
 
+def _in_child(part: str, model_dir) -> dict:
+    """This module as a script in a fresh process (``part``: greedy or ablation): loading the 0.6B model peaks at
+    about 3.8 GB (the mapped file and the weights), which the test process, holding the session's other
+    modules, then never adds to itself. The script's last stdout line, as JSON."""
+    proc = subprocess.run([sys.executable, __file__, part, str(model_dir)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 def test_greedy_continuations_walk_the_bigram_not_one_token(tame_dir):
-    from engine import LLMEngine, SamplingParams
-
     nxt = bigram_next(json.loads((tame_dir / "config.json").read_text()), 0, synth._tensor_seed)
-    engine = LLMEngine(str(tame_dir), device="cpu", dtype="bfloat16", attention_backend="torch", enforce_eager=True,
-                       kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)   # not the CPU's 1 GiB
-    try:                                        # one batch: each decode step reads the weights once for all three
-        outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    finally:
-        engine.close()
+    outs = _in_child("greedy", tame_dir)["token_ids"]
     follows = 0
-    for prompt, out in zip(PROMPTS, outs):
-        ids = out["token_ids"] if isinstance(out, dict) else out.token_ids
+    for prompt, ids in zip(PROMPTS, outs, strict=True):
         assert len(set(ids)) >= 6, (prompt[-1], ids)                      # not a constant, not a short loop
         walk = [prompt[-1]] + list(ids)
         follows += sum(int(nxt[a]) == b for a, b in zip(walk, walk[1:]))
@@ -82,18 +86,43 @@ def test_greedy_continuations_walk_the_bigram_not_one_token(tame_dir):
 
 @pytest.mark.slow
 def test_removing_any_layers_attention_moves_the_logits_past_the_bf16_thresholds(tame_dir):
+    th = _bf16_thresholds()
+    worst = _in_child("ablation", tame_dir)["worst"]
+    assert len(worst) == json.loads((tame_dir / "config.json").read_text())["num_hidden_layers"], worst
+    # every layer: the bf16 guard would FAIL an engine that dropped its attention (relative L2 past 0.02)
+    assert all(rel > th["rel_l2"] for _, rel in worst), worst
+    # and the first layer (whose change every later layer carries on) moves some logit past the max abs threshold
+    assert worst[0][0] > th["max_abs"], worst
+
+
+# -- the child process -----------------------------------------------------------------------------------
+def _greedy(model_dir: str) -> dict:
+    """Each prompt's 8 greedy tokens on the engine in bf16, the three prompts in one batch (each decode step
+    reads the weights once for all three)."""
+    from engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(model_dir, device="cpu", dtype="bfloat16", attention_backend="torch", enforce_eager=True,
+                       kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)   # not the CPU's 1 GiB
+    try:
+        outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    finally:
+        engine.close()
+    return {"token_ids": [list(out["token_ids"] if isinstance(out, dict) else out.token_ids) for out in outs]}
+
+
+def _ablation(model_dir: str) -> dict:
+    """Per layer, (max abs, relative L2) of the prompts' last-position float32 logits moved by zeroing that layer's
+    attention output (the worst prompt of each). The layers before the removed one see the plain forward's
+    inputs, so they give its outputs: those are replayed instead of computed again."""
     from transformers import AutoModelForCausalLM
 
-    th = _bf16_thresholds()
-    # the stored bf16 weights widened to float32 (exact), without a float32 load's transient copy
-    model = AutoModelForCausalLM.from_pretrained(str(tame_dir), dtype=torch.bfloat16, attn_implementation="eager")
+    # the stored bf16 weights widened to float32 (exact)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="eager")
     model = model.float().eval()
     layers = model.model.layers
     outputs: list[list] = [[None] * len(layers) for _ in PROMPTS]      # each prompt's output of every layer, unchanged
 
     def last_logits(ablated: int | None = None) -> list[torch.Tensor]:
-        """The prompts' last-position logits. With `ablated`, that layer's attention output is zeroed, and the
-        layers before it, whose inputs are the plain forward's, give the plain forward's outputs (replayed)."""
         logits = []
         for p, prompt in enumerate(PROMPTS):
             hooks = [layer.register_forward_hook(lambda mod, inp, out, p=p, j=j: outputs[p].__setitem__(j, out))
@@ -116,10 +145,10 @@ def test_removing_any_layers_attention_moves_the_logits_past_the_bf16_thresholds
     worst = []
     for i in range(len(layers)):
         moved = last_logits(i)
-        max_abs = max(float((m - b).abs().max()) for m, b in zip(moved, base))
-        rel_l2 = max(float((m - b).norm() / b.norm()) for m, b in zip(moved, base))
-        worst.append((max_abs, rel_l2))
-    # every layer: the bf16 guard would FAIL an engine that dropped its attention (relative L2 past 0.02)
-    assert all(rel > th["rel_l2"] for _, rel in worst), worst
-    # and the first layer (whose change every later layer carries on) moves some logit past the max abs threshold
-    assert worst[0][0] > th["max_abs"], worst
+        worst.append((max(float((m - b).abs().max()) for m, b in zip(moved, base)),
+                      max(float((m - b).norm() / b.norm()) for m, b in zip(moved, base))))
+    return {"worst": worst}
+
+
+if __name__ == "__main__":
+    print(json.dumps({"greedy": _greedy, "ablation": _ablation}[sys.argv[1]](sys.argv[2])))
