@@ -84,3 +84,58 @@ def balanced_evidence(tmp_path_factory) -> Path:
         record = run_patch_check("no-balanced-policy", out)
     assert record["verdict"] == "PASS"
     return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_served_engines():
+    """After each module (its server fixtures closed): empty aiohttp's middleware-chain cache. aiohttp keeps up
+    to 1024 (handler, apps) pairs there, and a handler is a bound method of the Service, so every server the
+    session ever started kept its worker and engine (KV cache included) alive: +0.5 GB a service module. Then
+    glibc is asked to give the freed heap back (malloc_trim; else the process's RSS only grows)."""
+    yield
+    import ctypes
+    import gc
+
+    from aiohttp import web_app
+
+    cache = getattr(web_app, "_cached_build_middleware", None)
+    if cache is not None and hasattr(cache, "cache_clear"):
+        cache.cache_clear()
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+#: A test that runs longer than this says so on the terminal, then again every this many seconds.
+STILL_RUNNING_S = 60.0
+_TERMINAL_FD: list[int] = []
+
+
+def pytest_configure(config):
+    """Keep a handle on the terminal's stderr: while a test runs, pytest points fd 2 at its capture file."""
+    import os
+
+    _TERMINAL_FD.append(os.dup(2))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Progress for the quiet (-q) suite: a line on the terminal while one test (its module fixtures included)
+    has run for a minute and more, so that no test runs silently for minutes."""
+    import os
+    import threading
+    import time
+
+    start, done = time.monotonic(), threading.Event()
+
+    def tell():
+        while not done.wait(STILL_RUNNING_S) and _TERMINAL_FD:
+            line = f"\n[still running after {time.monotonic() - start:.0f} s] {item.nodeid}\n"
+            with contextlib.suppress(OSError):
+                os.write(_TERMINAL_FD[0], line.encode())
+
+    threading.Thread(target=tell, daemon=True, name="still-running").start()
+    try:
+        yield
+    finally:
+        done.set()

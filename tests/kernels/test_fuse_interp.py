@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from interp import interpreted, interpreter_ready
+from interp import interpreted, interpreter_ready, narrow_head
 
 # (N, K): K a multiple of the GEMV's tile and not; N a multiple of the band and not; one band (a single program)
 SHAPES = [(24, 64), (37, 80), (16, 1024), (9, 640), (8, 64)]
@@ -145,6 +145,7 @@ def _model(model_dir: str) -> dict:
     engine = LLMEngine(model_dir, device="cpu", enforce_eager=True, max_num_seqs=1, max_model_len=64,
                        num_kvcache_blocks=8, kvcache_block_size=16, max_num_batched_tokens=64)
     runner = engine.runner
+    narrow_head(runner.model)
     layers = len(runner.model.model.layers)
     calls = {"normed": 0, "normed_no_residual": 0, "store": 0, "store_kv": 0}
     real_normed, real_qk = gemv_mod.normed_gemv, fk.qk_norm_rope

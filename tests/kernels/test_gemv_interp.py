@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from interp import interpreted, interpreter_ready
+from interp import interpreted, interpreter_ready, narrow_head
 
 # (N, K): K a multiple of its tile and not; N a multiple of the band and not
 SHAPES = [(24, 64), (37, 80), (16, 1024), (9, 640)]
@@ -74,6 +74,7 @@ def _model(model_dir: str) -> dict:
 
     engine = LLMEngine(model_dir, device="cpu", enforce_eager=True, max_num_seqs=1, max_model_len=64,
                        num_kvcache_blocks=8, kvcache_block_size=16, max_num_batched_tokens=64)
+    narrow_head(engine.runner.model)
     from engine import SamplingParams
     seq = engine.add_request([11, 12, 13], SamplingParams(max_tokens=4))
     seqs, is_prefill = engine.schedule()

@@ -17,6 +17,7 @@ from interp import interpreted, interpreter_ready
 
 PROBS = [0.30, 0.05, 0.20, 0.10, 0.15, 0.02, 0.08, 0.10]      # lanes 0-3 and 4-7 of two quads differ
 ROWS = 2000
+REPEAT_ROWS = 50        # the rows drawn again (same seeds, then others): each row is one interpreted program
 
 
 @pytest.fixture(scope="module")
@@ -72,10 +73,11 @@ def _run() -> dict:
     seeds = torch.randint(0, 2**31 - 1, (ROWS,), generator=torch.Generator().manual_seed(1))
     ids = sk.gumbel_argmax(logits, temps, seeds)
     out["freq"] = (torch.bincount(ids, minlength=9).float() / ROWS).tolist()
-    again = sk.gumbel_argmax(logits[:200], temps[:200], seeds[:200])
-    other = sk.gumbel_argmax(logits[:200], temps[:200], seeds[:200] + 7)
-    out["same_seeds_same_ids"] = bool(torch.equal(again, ids[:200]))
-    out["other_seeds_other_ids"] = not torch.equal(other, ids[:200])
+    n = REPEAT_ROWS
+    again = sk.gumbel_argmax(logits[:n], temps[:n], seeds[:n])
+    other = sk.gumbel_argmax(logits[:n], temps[:n], seeds[:n] + 7)
+    out["same_seeds_same_ids"] = bool(torch.equal(again, ids[:n]))
+    out["other_seeds_other_ids"] = not torch.equal(other, ids[:n])
     # several chunks: flat logits over 3 whole chunks, 30 sampled rows; one greedy row
     v = 3 * sk.CHUNK
     flat = torch.zeros(30, v)

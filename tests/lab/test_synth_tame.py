@@ -7,6 +7,8 @@ token; removing any one layer's attention output moves the logits by more than t
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -42,8 +44,15 @@ def test_cli_synth_init_option(cli_app, tmp_path):
 
 @pytest.fixture(scope="module")
 def tame_dir(tmp_path_factory):
-    """The qwen3-0.6b preset with its default (tame) init, seed 0."""
-    return synth.synth_model("qwen3-0.6b", tmp_path_factory.mktemp("tame") / "qwen3-0.6b")
+    """The qwen3-0.6b preset with its default (tame) init, seed 0, written by `labkit model synth` in a child
+    process: drawing the weights peaks at about 3 GB, which the test process then never holds."""
+    from conftest import labkit_process
+
+    out = tmp_path_factory.mktemp("tame") / "qwen3-0.6b"
+    proc = labkit_process("model", "synth", "--preset", "qwen3-0.6b", "--out", str(out), "--json")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert json.loads((out / "labkit_synth.json").read_text())["init"] == "tame"
+    return out
 
 
 def _bf16_thresholds() -> dict:
@@ -53,21 +62,22 @@ def _bf16_thresholds() -> dict:
     return entry
 
 
+def _in_child(part: str, model_dir) -> dict:
+    """This module as a script in a fresh process (``part``: greedy or ablation): loading the 0.6B model peaks at
+    about 3.8 GB (the mapped file and the weights), which the test process, holding the session's other
+    modules, then never adds to itself. The script's last stdout line, as JSON."""
+    proc = subprocess.run([sys.executable, __file__, part, str(model_dir)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 def test_greedy_continuations_walk_the_bigram_not_one_token(tame_dir):
-    from engine import LLMEngine, SamplingParams
-
     nxt = bigram_next(json.loads((tame_dir / "config.json").read_text()), 0, synth._tensor_seed)
-    engine = LLMEngine(str(tame_dir), device="cpu", dtype="bfloat16", attention_backend="torch", enforce_eager=True,
-                       kvcache_block_size=16, max_model_len=256)
-    try:
-        outs = [engine.generate([p], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
-                for p in PROMPTS]
-    finally:
-        engine.close()
+    outs = _in_child("greedy", tame_dir)["token_ids"]
     follows = 0
-    for prompt, out in zip(PROMPTS, outs):
-        ids = out["token_ids"] if isinstance(out, dict) else out.token_ids
+    for prompt, ids in zip(PROMPTS, outs, strict=True):
         assert len(set(ids)) >= 6, (prompt[-1], ids)                      # not a constant, not a short loop
         walk = [prompt[-1]] + list(ids)
         follows += sum(int(nxt[a]) == b for a, b in zip(walk, walk[1:]))
@@ -76,27 +86,69 @@ def test_greedy_continuations_walk_the_bigram_not_one_token(tame_dir):
 
 @pytest.mark.slow
 def test_removing_any_layers_attention_moves_the_logits_past_the_bf16_thresholds(tame_dir):
-    from transformers import AutoModelForCausalLM
-
     th = _bf16_thresholds()
-    model = AutoModelForCausalLM.from_pretrained(str(tame_dir), dtype=torch.float32, attn_implementation="eager").eval()
-
-    def last_logits() -> list[torch.Tensor]:
-        with torch.no_grad():
-            return [model(input_ids=torch.tensor([p]), use_cache=False).logits[0, -1].double() for p in PROMPTS]
-
-    base = last_logits()
-    worst = []
-    for layer in model.model.layers:
-        hook = layer.self_attn.o_proj.register_forward_hook(lambda mod, inp, out: torch.zeros_like(out))
-        try:
-            moved = last_logits()
-        finally:
-            hook.remove()
-        max_abs = max(float((m - b).abs().max()) for m, b in zip(moved, base))
-        rel_l2 = max(float((m - b).norm() / b.norm()) for m, b in zip(moved, base))
-        worst.append((max_abs, rel_l2))
+    worst = _in_child("ablation", tame_dir)["worst"]
+    assert len(worst) == json.loads((tame_dir / "config.json").read_text())["num_hidden_layers"], worst
     # every layer: the bf16 guard would FAIL an engine that dropped its attention (relative L2 past 0.02)
     assert all(rel > th["rel_l2"] for _, rel in worst), worst
     # and the first layer (whose change every later layer carries on) moves some logit past the max abs threshold
     assert worst[0][0] > th["max_abs"], worst
+
+
+# -- the child process -----------------------------------------------------------------------------------
+def _greedy(model_dir: str) -> dict:
+    """Each prompt's 8 greedy tokens on the engine in bf16, the three prompts in one batch (each decode step
+    reads the weights once for all three)."""
+    from engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(model_dir, device="cpu", dtype="bfloat16", attention_backend="torch", enforce_eager=True,
+                       kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)   # not the CPU's 1 GiB
+    try:
+        outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    finally:
+        engine.close()
+    return {"token_ids": [list(out["token_ids"] if isinstance(out, dict) else out.token_ids) for out in outs]}
+
+
+def _ablation(model_dir: str) -> dict:
+    """Per layer, (max abs, relative L2) of the prompts' last-position float32 logits moved by zeroing that layer's
+    attention output (the worst prompt of each). The layers before the removed one see the plain forward's
+    inputs, so they give its outputs: those are replayed instead of computed again."""
+    from transformers import AutoModelForCausalLM
+
+    # the stored bf16 weights widened to float32 (exact)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="eager")
+    model = model.float().eval()
+    layers = model.model.layers
+    outputs: list[list] = [[None] * len(layers) for _ in PROMPTS]      # each prompt's output of every layer, unchanged
+
+    def last_logits(ablated: int | None = None) -> list[torch.Tensor]:
+        logits = []
+        for p, prompt in enumerate(PROMPTS):
+            hooks = [layer.register_forward_hook(lambda mod, inp, out, p=p, j=j: outputs[p].__setitem__(j, out))
+                     for j, layer in enumerate(layers)] if ablated is None else \
+                [layers[ablated].self_attn.o_proj.register_forward_hook(lambda mod, inp, out: torch.zeros_like(out))]
+            for j in range(ablated or 0):
+                layers[j].forward = lambda *a, _out=outputs[p][j], **kw: _out
+            try:
+                with torch.no_grad():
+                    out = model(input_ids=torch.tensor([prompt]), use_cache=False, logits_to_keep=1)
+                logits.append(out.logits[0, -1].double())
+            finally:
+                for h in hooks:
+                    h.remove()
+                for j in range(ablated or 0):
+                    del layers[j].forward
+        return logits
+
+    base = last_logits()
+    worst = []
+    for i in range(len(layers)):
+        moved = last_logits(i)
+        worst.append((max(float((m - b).abs().max()) for m, b in zip(moved, base)),
+                      max(float((m - b).norm() / b.norm()) for m, b in zip(moved, base))))
+    return {"worst": worst}
+
+
+if __name__ == "__main__":
+    print(json.dumps({"greedy": _greedy, "ablation": _ablation}[sys.argv[1]](sys.argv[2])))
