@@ -46,7 +46,7 @@ def test_cli_synth_init_option(cli_app, tmp_path):
 def tame_dir(tmp_path_factory):
     """The qwen3-0.6b preset with its default (tame) init, seed 0, written by `labkit model synth` in a child
     process: drawing the weights peaks at about 3 GB, which the test process then never holds."""
-    from conftest import labkit_process
+    from testkit import labkit_process
 
     out = tmp_path_factory.mktemp("tame") / "qwen3-0.6b"
     proc = labkit_process("model", "synth", "--preset", "qwen3-0.6b", "--out", str(out), "--json")
