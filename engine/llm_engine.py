@@ -235,9 +235,11 @@ class LLMEngine:
         engine's config and KV pool."""
         admission.check_request(self.config, self.block_manager.num_blocks, token_ids, sampling_params)
 
-    #: validate()'s rule over an engine's config and KV pool size alone, for a front end in another
-    #: process that checks requests with the limits its engine reported (labkit serve --engine-process)
+    #: validate()'s rule over an engine's config and KV pool size alone, and encode()'s over a given
+    #: tokenizer, for a front end in another process that checks and encodes requests itself with the
+    #: limits its engine reported (labkit serve --engine-process)
     check_request = staticmethod(admission.check_request)
+    encode_with = staticmethod(admission.encode)
 
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, *,
                     validated: bool = False, prefill_after: Sequence | None = None) -> Sequence:

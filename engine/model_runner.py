@@ -98,7 +98,7 @@ class ModelRunner:
         if missing:
             raise ConfigError(f"checkpoint in {config.model} lacks parameters: {', '.join(missing[:4])}")
         self.model.eval()
-        self.fused_ops = self._enable_fused_ops() if config.fused_ops else False
+        self.fused_ops = self._enable_fused_ops()
         self.load_seconds = time.perf_counter() - t0
         self.sampler = Sampler(self.device, config.seed, config.eos_token_ids, config.logprobs_mode)
         self.graphs: DecodeGraphs | None = None

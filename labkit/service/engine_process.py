@@ -59,7 +59,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine import SamplingParams
+from engine import LLMEngine, SamplingParams
 from labkit.errors import UserError
 from labkit.service.config import WorkerConfig
 from labkit.service.engine_child import CHILD_CALLS, READY_TIMEOUT_S, _bare_main, _child_main  # noqa: F401
@@ -222,13 +222,8 @@ class RemoteWorker(WorkerFront):
 
     # -- requests -------------------------------------------------------------------------
     def _tokenize(self, prompt) -> list[int]:
-        """``LLMEngine.encode``'s rule with this process's copy of the model's tokenizer: text as is, chat
-        messages through the chat template."""
-        tok = self._encoder
-        if isinstance(prompt, list):
-            prompt = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=False)
-        return tok.encode(prompt)
+        """``LLMEngine.encode``'s rule with this process's copy of the model's tokenizer."""
+        return LLMEngine.encode_with(self._encoder, prompt)
 
     def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
                  prefill_after: str | None) -> None:
