@@ -26,6 +26,23 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return validate_model_dir(path)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _session_runs_dir(tmp_path_factory):
+    """Evidence a test writes without choosing a place goes to this session's own runs/ (one per pytest-xdist
+    worker), never to the repository's: two workers, or a test run beside a lab session, never share a file.
+    A test that sets LABKIT_RUNS_DIR itself (monkeypatch.setenv) still wins."""
+    import os
+
+    if os.environ.get("LABKIT_RUNS_DIR"):
+        yield
+        return
+    os.environ["LABKIT_RUNS_DIR"] = str(tmp_path_factory.mktemp("runs"))
+    try:
+        yield
+    finally:
+        os.environ.pop("LABKIT_RUNS_DIR", None)
+
+
 @pytest.fixture(scope="session")
 def cli_app():
     """The real `labkit` Typer app, every command module registered (for typer.testing.CliRunner)."""
@@ -113,10 +130,16 @@ _TERMINAL_FD: list[int] = []
 
 
 def pytest_configure(config):
-    """Keep a handle on the terminal's stderr: while a test runs, pytest points fd 2 at its capture file."""
+    """Keep a handle on the terminal's stderr: while a test runs, pytest points fd 2 at its capture file.
+    In a pytest-xdist worker (README's ``-n 2``: one per core), torch takes one thread, so two workers do not
+    fight over the same two cores with two threads each."""
     import os
 
     _TERMINAL_FD.append(os.dup(2))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.hookimpl(hookwrapper=True)
