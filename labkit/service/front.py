@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import Config, LLMEngine, RequestError, SamplingParams
+from labkit.service.chat_render import ChatPrompt, render
 from labkit.service.config import WorkerConfig
 from labkit.service.events import Sink
 from labkit.service.metrics import ServiceStats
@@ -196,14 +197,16 @@ class WorkerFront:
         if self._encoder is None:
             raise RequestError("this worker was started without a tokenizer: send token ids")
         limit = self.config.max_prompt_bytes
+        if isinstance(prompt, list):                # chat messages (the native route): the template's defaults
+            prompt = ChatPrompt(prompt)
         if isinstance(prompt, str):
             _check_size(len(prompt.encode("utf-8", "surrogatepass")), limit, "the prompt")
-        elif isinstance(prompt, list):
-            _check_size(sum(len(str(m.get("content", "")).encode("utf-8", "surrogatepass")) for m in prompt),
-                        limit, "the messages' content")
+        elif isinstance(prompt, ChatPrompt):
+            _check_size(sum(len(c.encode("utf-8", "surrogatepass")) for c in prompt.contents())
+                        + len(prompt.structure_text().encode("utf-8", "surrogatepass")), limit, "the messages")
         try:
             with self._encode_lock:                 # fast tokenizers are not safe to share between threads
-                if isinstance(prompt, list) and not self.config.special_tokens_in_content:
+                if isinstance(prompt, ChatPrompt):
                     return self._encode_chat(prompt, limit)
                 return self._tokenize(prompt)
         except RequestError:
@@ -212,23 +215,31 @@ class WorkerFront:
             raise RequestError(f"cannot encode the prompt: {type(e).__name__}: {' '.join(str(e).split())[:200]}",
                                "invalid_prompt") from None
 
-    def _encode_chat(self, messages: list[dict], limit: int) -> list[int]:
-        """The chat template's text, tokenized so that only the template's own markers are special tokens.
+    def _encode_chat(self, chat: ChatPrompt, limit: int) -> list[int]:
+        """The chat template's text (:func:`labkit.service.chat_render.render`: tools, template kwargs, the
+        template's own thinking default), tokenized so that only the template's own markers are special tokens.
 
         The template is rendered once with a unique sentinel around every message's content; the text
         outside the sentinels is tokenized as the template made it (its markers become control tokens),
         the content between them with special tokens split into plain text. When no content spells a
-        special token this is exactly the engine's own encoding."""
+        special token this is exactly the engine's encoding of the rendered text. Tool schemas and tool-call
+        arguments are written by the template outside the contents: one that spells a special token is refused."""
         tok = self._encoder
         specials = [t for t in (getattr(tok, "all_special_tokens", None) or []) if t]
-        contents = [str(m.get("content") or "") for m in messages]
+        contents = chat.contents()
+        if self.config.special_tokens_in_content:
+            return self._tokenize(render(tok, chat))
+        structure = chat.structure_text()
+        if any(sp in structure for sp in specials):
+            raise RequestError("tools, tool-call arguments and chat_template_kwargs may not spell a special token "
+                               "(start the server with --special-tokens-in-content)", "invalid_prompt")
         if not any(sp in c for c in contents for sp in specials):
-            return self._tokenize(messages)
+            return self._tokenize(render(tok, chat))
         mark = "\u2063" + secrets.token_hex(8)
-        wrapped = [{**m, "content": f"{mark}{c}{mark}"} for m, c in zip(messages, contents)]
-        text = tok.apply_chat_template(wrapped, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        wrapped = [{**m, "content": f"{mark}{c}{mark}"} for m, c in zip(chat.messages, contents)]
+        text = render(tok, dataclasses.replace(chat, messages=wrapped))
         parts = text.split(mark)
-        if len(parts) != 2 * len(messages) + 1:
+        if len(parts) != 2 * len(chat.messages) + 1:
             raise RequestError("the chat template rewrites message content; cannot keep special tokens in it as text "
                                "(start the server with --special-tokens-in-content)", "invalid_prompt")
         _check_size(sum(len(p.encode("utf-8")) for p in parts), limit, "the rendered chat")

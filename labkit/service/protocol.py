@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine import RequestError, SamplingParams
+from labkit.service.chat_render import chat_request, constrain, parse_messages
 from labkit.service.wire import ApiError, HugeInt
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -50,6 +51,8 @@ class Limits:
     max_model_len: int
     served_model_name: str
     max_body_bytes: int = 1 << 20
+    enable_auto_tool_choice: bool = True   # tool_choice auto (vLLM: --enable-auto-tool-choice --tool-call-parser)
+    reasoning_parser: str | None = None    # qwen3: the <think> part goes to the message's reasoning fields
 
 
 @dataclass
@@ -71,6 +74,7 @@ class GenRequest:
     n: int = 1                            # choices per prompt (sample i: seed + i when a seed is given)
     logprobs: int | None = None           # alternatives per token in the answer's logprobs objects (None: no logprobs)
     echo: bool = False                    # completions: the prompt (and its log-probs) before the output
+    chat_output: Any = None               # chat: how the answer is read (chat_output.ChatOutputOptions)
 
 
 # --------------------------------------------------------------------------- field checks
@@ -143,31 +147,7 @@ def _text(value: Any, param: str) -> str:
 
 
 def _messages(value: Any) -> list[dict]:
-    if not isinstance(value, list) or not value:
-        raise bad("messages must be a non-empty list of {role, content} objects", "messages", "invalid_type")
-    out = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(f"{where} must be an object", where, "invalid_type")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)}", f"{where}.role")
-        content = m.get("content")
-        if isinstance(content, list):        # content parts: only text is understood
-            texts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise bad(f"{where}.content[{j}] must be a text part {{type: text, text}}",
-                              f"{where}.content", "unsupported_content")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if content is None and role == "assistant":
-            content = ""
-        if not isinstance(content, str):
-            raise bad(f"{where}.content must be a string", f"{where}.content", "invalid_type")
-        out.append({"role": role, "content": content})
-    return out
+    return parse_messages(value)
 
 
 def _request_id(body: dict) -> str | None:
@@ -264,16 +244,16 @@ NOOP_PARAMS: dict[str, tuple[tuple, Callable[[str, Any], None], str]] = {
     "guided_choice": ((), _ANY, "no structured output"),
     "guided_grammar": ((), _ANY, "no structured output"),
     "structured_outputs": ((), _ANY, "no structured output"),
-    "tools": (([],), _type_check(list, what="a list"), "no tool calling"),
-    "tool_choice": (("none",), _ANY, "no tool calling"),
-    "functions": (([],), _type_check(list, what="a list"), "no tool calling"),
-    "function_call": (("none",), _ANY, "no tool calling"),
+    "tools": (([],), _type_check(list, what="a list"), "tool calling is a chat feature"),
+    "tool_choice": (("none",), _ANY, "tool calling is a chat feature"),
+    "functions": ((), _ANY, "the legacy functions API: send tools"),
+    "function_call": ((), _ANY, "the legacy functions API: send tool_choice"),
     "skip_special_tokens": ((True,), _type_check(bool, what="true or false"), "special tokens are always skipped"),
     "spaces_between_special_tokens": ((True,), _type_check(bool, what="true or false"),
                                       "special tokens are always skipped"),
     "truncate_prompt_tokens": ((), _ANY, "prompts are never truncated"),
     "chat_template": ((), _ANY, "the model's own chat template only"),
-    "chat_template_kwargs": (({},), _type_check(dict, what="an object"), "the model's own chat template only"),
+    "chat_template_kwargs": (({},), _type_check(dict, what="an object"), "a chat feature"),
     "add_generation_prompt": ((True,), _type_check(bool, what="true or false"), "the template always adds it"),
     "continue_final_message": ((False,), _type_check(bool, what="true or false"), "the template always adds it"),
     "audio": ((), _ANY, "text only"),
@@ -302,7 +282,7 @@ def _is_noop(value: Any, noops: tuple) -> bool:
 
 
 #: Per route, the NOOP_PARAMS entries that the route implements (parsed by _params / _logprobs).
-SUPPORTED_HERE = {"completions": {"echo"}, "chat": {"top_logprobs"}}
+SUPPORTED_HERE = {"completions": {"echo"}, "chat": {"top_logprobs", "tools", "tool_choice", "chat_template_kwargs"}}
 
 
 def _refuse_unsupported(body: dict, api: str) -> None:
@@ -542,17 +522,18 @@ def parse_chat(body: Any, limits: Limits) -> GenRequest:
     _refuse_unsupported(body, "chat")
     if "messages" not in body:
         raise bad("messages is required", "messages", "missing_prompt")
-    messages = _messages(body["messages"])
+    chat, chat_output = chat_request(body, _messages(body["messages"]), limits.enable_auto_tool_choice,
+                                     limits.reasoning_parser)
     n = _choices_per_prompt(body)
     params, given = _params(body, limits, default_temperature=1.0,
                             max_tokens_names=("max_completion_tokens", "max_tokens"), api="chat")
     stop, stop_ids, include = _stops(body)
-    params = _with_stop_ids(params, stop_ids)
+    params = constrain(_with_stop_ids(params, stop_ids), chat_output)
     stream = _bool(body, "stream", False)
-    return GenRequest("chat", messages, params, stream=stream, request_id=_request_id(body),
+    return GenRequest("chat", chat, params, stream=stream, request_id=_request_id(body),
                       include_usage=_include_usage(body, stream), model=model, fill_context=not given,
                       stop=stop, include_stop_str_in_output=include, n=n,
-                      logprobs=params.logprobs)
+                      logprobs=params.logprobs, chat_output=chat_output)
 
 
 def _include_usage(body: dict, stream: bool) -> bool:

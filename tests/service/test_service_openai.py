@@ -59,8 +59,8 @@ def test_unimplemented_parameters_are_400_naming_them(server, name, value):
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "best_of": 3}, "best_of"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
+     "functions"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{x}}"},
      "chat_template"),
 ])
