@@ -64,7 +64,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None                # the output is exactly one of these strings
     grammar: str | None = None                     # EBNF (xgrammar's GBNF dialect, root rule "root")
     structural_tag: dict | str | None = None       # xgrammar structural tag (see the module docstring)
-    disable_any_whitespace: bool = False           # JSON: no whitespace beyond the compact separators (vLLM's name)
+    # JSON without free whitespace (vLLM's name): json / json_object compact; a structural tag's json_schema
+    # parts at most one whitespace character between tokens (where the tag does not set max_whitespace_cnt)
+    disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -156,7 +158,22 @@ def _compile(compiler, so: StructuredOutputsParams):
     tag = so.structural_tag
     if "structures" in tag:
         return _legacy_structural_tag(compiler, tag)
+    if so.disable_any_whitespace:
+        tag = _bounded_whitespace(tag)
     return compiler.compile_structural_tag(json.dumps(tag))
+
+
+def _bounded_whitespace(node: Any) -> Any:
+    """A structural tag whose json_schema parts allow at most one whitespace character between JSON tokens
+    (xgrammar's max_whitespace_cnt; its structural tags have no compact switch), where the tag sets none."""
+    if isinstance(node, list):
+        return [_bounded_whitespace(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (v if k == "json_schema" else _bounded_whitespace(v)) for k, v in node.items()}
+    if node.get("type") == "json_schema" and "max_whitespace_cnt" not in node:
+        out["max_whitespace_cnt"] = 1
+    return out
 
 
 class SequenceGrammar:

@@ -70,19 +70,25 @@ def test_regex_choice_grammar_and_a_plain_neighbour(shared):
     engine.config.overlap = True
     plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     alone = engine.generate(["plain neighbour"], plain)[0]["token_ids"]
-    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<v>",
-                                                "content": {"type": "regex", "pattern": "[0-9]{2}"}, "end": "</v>"}}
+    call = {"type": "object", "properties": {"name": {"const": "f"}, "arguments": {"enum": [1, 2]}},
+            "required": ["name", "arguments"]}
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<v>"], "at_least_one": True,
+                                                "stop_after_first": True, "tags": [
+                                                    {"type": "tag", "begin": "<v>", "end": "</v>",
+                                                     "content": {"type": "json_schema", "json_schema": call}}]}}
     sps = [SamplingParams(temperature=1.0, max_tokens=30, structured_outputs={"regex": r"[a-c]{2}-\d{1,3}"}),
            SamplingParams(temperature=1.0, max_tokens=30, structured_outputs={"choice": ["alpha", "beta \"q\""]}),
            SamplingParams(temperature=1.0, max_tokens=30, structured_outputs={"grammar": 'root ::= "yes" | "no" [0-9]'}),
-           SamplingParams(temperature=1.0, max_tokens=30, structured_outputs={"structural_tag": json.dumps(tag)}),
+           SamplingParams(temperature=1.0, max_tokens=40,      # (its JSON: at most one blank between tokens)
+                          structured_outputs={"structural_tag": json.dumps(tag), "disable_any_whitespace": True}),
            plain]
     outs = engine.generate(["a", "b", "c", "d", "plain neighbour"], sps)
     assert all(o["finish_reason"] == "stop" for o in outs[:4]), outs
     assert re.fullmatch(r"[a-c]{2}-\d{1,3}", text_of(outs[0])), outs[0]
     assert text_of(outs[1]) in ("alpha", "beta \"q\""), outs[1]
     assert re.fullmatch(r"yes|no[0-9]", text_of(outs[2])), outs[2]
-    assert re.fullmatch(r"<v>[0-9]{2}</v>", text_of(outs[3])), outs[3]
+    m = re.fullmatch(r"<v>(.*)</v>", text_of(outs[3]), re.S)
+    assert m and json.loads(m.group(1))["arguments"] in (1, 2), outs[3]
     assert outs[4]["token_ids"] == alone
     engine.config.overlap = False
 
