@@ -97,6 +97,7 @@ class WorkerFront:
         self._lock = threading.RLock()
         self._encode_lock = threading.Lock()
         self._live: dict[str, Any] = {}             # live requests by id
+        self._grammar_cache = None                  # structured outputs: see _grammars()
 
     # -- the kind's hooks and state ----------------------------------------------------------
     @property
@@ -177,11 +178,33 @@ class WorkerFront:
         if extra:
             params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
         self.served.check(token_ids, params)
+        if params.structured_outputs is not None:
+            self._check_grammar(params.structured_outputs)
         tags = dict(tags or {})
         clash = sorted(set(tags) & RESERVED_FIELDS)
         if clash:
             raise RequestError(f"tags may not use the reserved field name(s) {', '.join(clash)}", "invalid_tags")
         return token_ids, params, tags
+
+    def _grammars(self):
+        """The grammar compiler and cache submit() checks constraints with: the engine's own where it runs in
+        this process (:class:`labkit.service.worker.Worker`), else one over the front's tokenizer (None without one:
+        the engine then refuses a bad constraint when it admits the request)."""
+        if self._grammar_cache is None and self._encoder is not None:
+            from engine.sampling.structured import Grammars
+            cfg = self.served.config
+            self._grammar_cache = Grammars(lambda: self._encoder, cfg.vocab_size, tuple(cfg.eos_token_ids))
+        return self._grammar_cache
+
+    def _check_grammar(self, so) -> None:
+        """Compile a structured-output constraint at submit, off the step loop (cached: the engine's admission
+        finds it compiled); one xgrammar refuses is the engine's RequestError (400)."""
+        grammars = self._grammars()
+        if grammars is None:
+            return
+        with self._encode_lock:             # building the compiler reads (and encodes with) the tokenizer
+            grammars.compiler
+        grammars.compile(so)
 
     def _new_id(self) -> str:
         while True:

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from engine import RequestError, SamplingParams
 from labkit.service.chat_render import chat_request, constrain, parse_messages
+from labkit.service.structured import source as structured_source, structured_outputs
 from labkit.service.wire import ApiError, HugeInt
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -75,6 +76,7 @@ class GenRequest:
     logprobs: int | None = None           # alternatives per token in the answer's logprobs objects (None: no logprobs)
     echo: bool = False                    # completions: the prompt (and its log-probs) before the output
     chat_output: Any = None               # chat: how the answer is read (chat_output.ChatOutputOptions)
+    structured_param: str | None = None   # the field its structured-output constraint came from (labkit/service/structured.py)
 
 
 # --------------------------------------------------------------------------- field checks
@@ -216,13 +218,6 @@ def _logit_bias_check(name: str, v: Any) -> None:
             raise bad(f"{name} values must be numbers in [-100, 100], got {_show(b)}", name)
 
 
-def _response_format_check(name: str, v: Any) -> None:
-    if not isinstance(v, dict) or not isinstance(v.get("type"), str):
-        raise bad(f"{name} must be an object {{type: ...}}, got {_show(v)}", name, "invalid_type")
-    if v["type"] not in ("text", "json_object", "json_schema", "structural_tag"):
-        raise bad(f"{name}.type must be text, json_object or json_schema, got {_show(v['type'])}", name)
-
-
 _ANY = lambda name, v: None   # noqa: E731  (any value is well-formed; only the no-op ones are accepted)
 
 #: Parameters of OpenAI's and vLLM's completion requests that this server does not implement:
@@ -238,12 +233,6 @@ NOOP_PARAMS: dict[str, tuple[tuple, Callable[[str, Any], None], str]] = {
     "prompt_logprobs": ((), _ANY, "prompt log-probabilities are returned through echo with logprobs"),
     "echo": ((False,), _type_check(bool, what="true or false"), "chat does not echo the prompt"),
     "suffix": (("",), _type_check(str, what="a string"), "no insertion mode"),
-    "response_format": (({"type": "text"},), _response_format_check, "no structured output"),
-    "guided_json": ((), _ANY, "no structured output"),
-    "guided_regex": ((), _ANY, "no structured output"),
-    "guided_choice": ((), _ANY, "no structured output"),
-    "guided_grammar": ((), _ANY, "no structured output"),
-    "structured_outputs": ((), _ANY, "no structured output"),
     "tools": (([],), _type_check(list, what="a list"), "tool calling is a chat feature"),
     "tool_choice": (("none",), _ANY, "tool calling is a chat feature"),
     "functions": ((), _ANY, "the legacy functions API: send tools"),
@@ -406,9 +395,9 @@ def _params(body: dict, limits: Limits, default_temperature: float, max_tokens_n
         raise bad(f"seed must be an integer in [-2^63, 2^64), got {_show(seed)}", "seed",
                   "invalid_type" if not isinstance(seed, (int, HugeInt)) or isinstance(seed, bool) else "invalid_value")
     ignore_eos = _bool(body, "ignore_eos", False)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"structured_outputs": structured_outputs(body)}    # every route (one parser)
     if api != "native":
-        extra = _sampling(body)
+        extra.update(_sampling(body))
         logprobs = _logprobs(body, api)
         if logprobs is not None:
             extra["logprobs"] = logprobs
@@ -470,7 +459,8 @@ def parse_native(body: Any, limits: Limits) -> GenRequest:
         prompt = _messages(body["messages"])
     params, _ = _params(body, limits, default_temperature=0.0, default_max_tokens=64)
     return GenRequest("native", prompt, params, stream=_bool(body, "stream", True), request_id=_request_id(body),
-                      tags=_tags(body), detokenize=_bool(body, "detokenize", True))
+                      tags=_tags(body), detokenize=_bool(body, "detokenize", True),
+                      structured_param=structured_source(body))
 
 
 def _prompt_one(prompt: Any, param: str) -> Any:
@@ -503,7 +493,8 @@ def parse_completion(body: Any, limits: Limits) -> GenRequest:
     return GenRequest("completions", prompts[0], params, stream=stream, request_id=_request_id(body),
                       include_usage=_include_usage(body, stream), model=model, fill_context=not given,
                       stop=stop, include_stop_str_in_output=include, prompts=prompts,
-                      n=n, logprobs=params.logprobs, echo=_bool(body, "echo", False))
+                      n=n, logprobs=params.logprobs, echo=_bool(body, "echo", False),
+                      structured_param=structured_source(body))
 
 
 def _with_stop_ids(params: SamplingParams, stop_ids: list[int]) -> SamplingParams:
@@ -533,7 +524,8 @@ def parse_chat(body: Any, limits: Limits) -> GenRequest:
     return GenRequest("chat", chat, params, stream=stream, request_id=_request_id(body),
                       include_usage=_include_usage(body, stream), model=model, fill_context=not given,
                       stop=stop, include_stop_str_in_output=include, n=n,
-                      logprobs=params.logprobs, chat_output=chat_output)
+                      logprobs=params.logprobs, chat_output=chat_output,
+                      structured_param="tool_choice" if chat_output.constraint else structured_source(body))
 
 
 def _include_usage(body: dict, stream: bool) -> bool:

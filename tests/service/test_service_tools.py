@@ -275,6 +275,10 @@ def test_langchain_bind_tools_and_structured_output(server):
     assert [c["name"] for c in msg.tool_calls] == ["Add"] and Add(**msg.tool_calls[0]["args"])
     out = llm.with_structured_output(Add, method="function_calling").invoke("add 2 and 3")
     assert isinstance(out, Add) and 0 <= out.a <= 9
+    # the default method (json_schema: response_format, the structured-outputs route) and bind_tools without a
+    # tool_choice (auto: parsed, the random model writes no call) work without server flags
+    assert isinstance(llm.with_structured_output(Add).invoke("add 2 and 3"), Add)
+    assert llm.bind_tools([Add]).invoke("hi", max_tokens=4).tool_calls == []
 
 
 def test_special_token_text_in_a_tool_schema_is_refused(server):
