@@ -237,7 +237,7 @@ structured = pytest.mark.skipif(not hasattr(__import__("engine").SamplingParams(
 
 @structured
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "add"}}])
-def test_required_and_named_give_valid_calls_from_the_random_model(api, choice):
+def test_required_and_named_give_valid_calls_from_the_random_model(api, hf_tok, choice):
     # the prompt's full blocks go into the prefix cache first: a prefill from the cache is not bit-equal to a
     # full one on CPU, and the random model's near-ties then sample differently; both requests below hit it
     api.chat.completions.create(model="", messages=[{"role": "user", "content": "add 2 and 3"}], tools=TOOLS,
@@ -257,6 +257,14 @@ def test_required_and_named_give_valid_calls_from_the_random_model(api, choice):
                            for ch in api.chat.completions.create(**kw, stream=True) if ch.choices])
         assert stream["calls"] == [(tc.function.name, args)] and stream["content"] == ch.message.content
         assert not stream["leaked"]
+    # the call goes back as the assistant's turn with its tool result; the prompt is the template's rendering
+    history = [*kw["messages"], ch.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": tc.id, "content": "5"}]
+    back = api.chat.completions.create(**{**kw, "messages": history, "tool_choice": "none", "max_tokens": 1})
+    hf_history = [{**m, "content": m.get("content") or ""} for m in history]
+    hf_history[1]["tool_calls"] = [{"type": "function", "function": {"name": tc.function.name, "arguments": args}}]
+    text = hf_tok.apply_chat_template(hf_history, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert "<tool_response>\n5\n</tool_response>" in text and back.usage.prompt_tokens == len(hf_tok.encode(text))
 
 
 @structured
