@@ -11,6 +11,7 @@ from engine.llm import LLM
 from engine.errors import RequestError
 from engine.llm_engine import LLMEngine
 from engine.sampling.params import SamplingParams
+from engine.sampling.structured import StructuredOutputsParams
 
 # The scheduler and its paged block manager also run on their own, built from plain limits, with no model
 # (the lab's cpu-real-scheduler experiments); a running LLMEngine keeps its own instances private.
@@ -18,5 +19,5 @@ from engine.block_manager import BlockManager, chain_hash  # noqa: E402  (chain_
 from engine.config import SchedulerLimits  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "Config", "ConfigError", "RequestError", "Scheduler",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "Config", "ConfigError", "RequestError", "Scheduler",
            "BlockManager", "SchedulerLimits", "chain_hash"]

@@ -25,6 +25,7 @@ from engine.model_runner import Launched, ModelRunner
 from engine.observe import EngineEvent, EventBus, HookSet, StepHooks
 from engine.sampling.params import SamplingParams
 from engine.sampling.processors import to_device
+from engine.sampling.structured import Grammars
 from engine.scheduler import Scheduler, StepOutcome
 from engine.sequence import Sequence, SequenceCounter
 from engine.step_inputs import StepInputs
@@ -103,6 +104,8 @@ class LLMEngine:
         self._tokenizer = None
         self._closed = False
         self._inflight: _InFlight | None = None
+        # structured outputs: one grammar compiler and cache, built on the first constrained request
+        self.grammars = Grammars(lambda: self.tokenizer, self.config.vocab_size, tuple(self.config.eos_token_ids))
         self.init_seconds = time.perf_counter() - init_start
 
     # -- identity ------------------------------------------------------------------
@@ -234,6 +237,8 @@ class LLMEngine:
         """The one admission rule, offline and online (engine/admission.py: check_request) over this
         engine's config and KV pool."""
         admission.check_request(self.config, self.block_manager.num_blocks, token_ids, sampling_params)
+        if sampling_params is not None and sampling_params.structured_outputs is not None:
+            self.grammars.compile(sampling_params.structured_outputs)     # compiled here, kept for add_request
 
     #: validate()'s rule over an engine's config and KV pool size alone, and encode()'s over a given
     #: tokenizer, for a front end in another process that checks and encodes requests itself with the
@@ -252,6 +257,8 @@ class LLMEngine:
             self.validate(token_ids, sampling_params)
         seq = Sequence(self._next_id(), token_ids, sampling_params, self.config.kvcache_block_size)
         seq.prefill_after = prefill_after
+        if sampling_params.structured_outputs is not None:     # its own matcher (the compiled grammar is cached)
+            seq.grammar = self.grammars.matcher(sampling_params.structured_outputs)
         self.scheduler.add(seq)
         return seq
 
@@ -379,7 +386,8 @@ class LLMEngine:
             prev = self._launch(seqs, is_prefill, batch)
         if not prev.is_prefill and not any(s.sampling_params.needs_history(s.num_completion_tokens)
                                              for s in prev.seqs):
-            # (penalties and min_tokens read the token still in flight: those batches run one by one)
+            # (penalties, min_tokens and a grammar's mask read the token still in flight: those batches run
+            # one by one; the other requests of such a batch keep going, one step per call)
             nxt, _, batch = self._schedule_step(after=prev.seqs)
             if nxt:
                 self._inflight = self._launch(nxt, False, batch, self._feed(prev, nxt))

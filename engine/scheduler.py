@@ -150,6 +150,8 @@ class Scheduler:
             seq.append_token(int(token_id))
             out.accepted[seq.seq_id] = int(token_id)
             reason = self._finish_reason(seq, int(token_id))
+            if seq.grammar is not None and seq.grammar.accept(int(token_id)) and reason is None:
+                reason = "abort" if seq.grammar.rejected else "stop"     # the grammar is complete
             if reason:
                 out.freed_blocks += self.finish(seq, reason)
                 out.finished.append(seq)

@@ -33,6 +33,7 @@ class Sequence:
         # params.prompt_logprobs: None for position 0, then one TokenLogprob per prompt position
         self.prompt_logprobs: list | None = [None] if sampling_params and sampling_params.prompt_logprobs is not None else None
         self.prefill_after: "Sequence | None" = None   # n > 1: wait for this sibling's prefill (shared prompt KV)
+        self.grammar = None          # structured outputs: its SequenceGrammar (engine/sampling/structured.py)
 
     def __len__(self) -> int:
         return self.num_tokens

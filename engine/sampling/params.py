@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import RequestError
+from engine.sampling.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20               # top alternatives per token, as OpenAI and vLLM's default max_logprobs
 
@@ -47,6 +48,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None    # None, or 0..20 (every prompt position but the first)
     n: int = 1                    # samples of the same prompt (LLM.generate; the server expands it itself)
     best_of: int | None = None    # only None or n (no ranking of extra samples)
+    structured_outputs: StructuredOutputsParams | None = None   # a grammar the output follows (a dict is converted)
 
     def __post_init__(self) -> None:
         if not _is_num(self.temperature) or self.temperature < 0:
@@ -90,9 +92,14 @@ class SamplingParams:
             raise _bad("best_of", f"must equal n ({self.n}) or be null (no ranking of extra samples), got {self.best_of!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise _bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
         self._penalties = self.has_penalties     # read per row per step (needs_history): computed once
+        # _plain: nothing beyond temperature (the sampler's one per-row test); a constrained row is not
+        # plain but still takes the plain draw when needs_processing() says so (its mask is applied first)
         self._plain = not (self.has_penalties or self.logit_bias is not None or self.logprobs is not None
-                           or (self.temperature > 0 and self.has_truncation) or self.min_tokens > 0)
+                           or (self.temperature > 0 and self.has_truncation) or self.min_tokens > 0
+                           or self.structured_outputs is not None)
 
     # -- what the sampler needs to do for this request -----------------------------------
     @property
@@ -108,9 +115,10 @@ class SamplingParams:
         sequence has num_outputs tokens already."""
         if self._plain:
             return False
-        return (self.has_penalties or self.logit_bias is not None or self.logprobs is not None
+        return (self._penalties or self.logit_bias is not None or self.logprobs is not None
                 or (self.temperature > 0 and self.has_truncation) or num_outputs < self.min_tokens)
 
     def needs_history(self, num_outputs: int) -> bool:
-        """Whether this step's processing reads the tokens generated so far (penalties, min_tokens)."""
-        return self._penalties or num_outputs < self.min_tokens
+        """Whether this step's processing reads the tokens generated so far (penalties, min_tokens, a
+        grammar's state: its mask depends on the last token)."""
+        return self._penalties or num_outputs < self.min_tokens or self.structured_outputs is not None

@@ -8,6 +8,9 @@ Plain path. CUDA: one fused Triton pass (engine/sampling/gumbel_kernel.py, Gumbe
 seeds drawn from each row's generator). CPU: the exponential race in torch. Both draw exactly from
 softmax(logits / T).
 
+Rows under a grammar (SamplingParams.structured_outputs) first get their disallowed tokens set to -inf
+(engine/sampling/structured.py: GrammarMask), in place, then take whichever path their other settings ask for.
+
 Rows whose requests ask for more (top_p/top_k/min_p, penalties, logit_bias, min_tokens, logprobs) go
 through :func:`sample_processed`: their logits pass the processors of engine/sampling/processors.py
 and are then drawn by the same code at temperature 1 (the processors applied the temperature), each
@@ -19,6 +22,7 @@ import torch
 
 from engine.sampling.logprobs import SampledLogprobs, logprobs_of
 from engine.sampling.processors import RowInputs, TokenHistory, process, to_device
+from engine.sampling.structured import GrammarMask
 
 try:
     from engine.sampling.gumbel_kernel import gumbel_argmax
@@ -137,11 +141,12 @@ class Sampler:
         self.generator.manual_seed(seed)
         self._seq_generators: dict[int, torch.Generator] = {}
         self._history: TokenHistory | None = None     # penalty rows' token counts
+        self._mask: GrammarMask | None = None          # constrained rows' token bitmask (made on first use)
 
     def __call__(self, seqs: list, logits: torch.Tensor) -> tuple[torch.Tensor, SampledLogprobs | None]:
         """The step's ids on the device, and the log-probs of the rows that asked for them. A batch in
         which no row needs processing takes exactly the plain path (sample_tensor)."""
-        temps, gens, rows = [], [], {}
+        temps, gens, rows, masked = [], [], {}, []
         for i, seq in enumerate(seqs):          # one walk over the batch: temperature, generator, processing
             sp = seq.sampling_params
             temps.append(sp.temperature)
@@ -154,8 +159,16 @@ class Sampler:
                 gens.append(gen)
             else:
                 gens.append(self.generator)
+            if sp._plain:
+                continue
             if sp.needs_processing(seq.num_completion_tokens):
                 rows[i] = RowInputs(sp, seq.token_ids, seq.num_prompt_tokens, self.eos_token_ids, seq.seq_id)
+            if seq.grammar is not None:
+                masked.append((i, seq.grammar))
+        if masked:                              # before either path reads the logits (greedy and log-probs too)
+            if self._mask is None:
+                self._mask = GrammarMask(logits.shape[1])
+            self._mask.apply(logits, masked)
         if not rows:
             return sample_tensor(logits, temps, gens), None
         if self._history is None and any(r.params.has_penalties for r in rows.values()):

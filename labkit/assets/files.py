@@ -29,7 +29,8 @@ SYNTH_MARKER = "labkit_synth.json"
 #: Bumped whenever the synthesized layout or weights change; a cached default model with another
 #: version is rebuilt by resolve_model. 2: norm weights are seeded per tensor (1 + 0.1 N(0, 1)).
 #: 3: the marker names its init; qwen3-0.6b defaults to the BF16-tame init (labkit/assets/synth_tame.py).
-SYNTH_FORMAT_VERSION = 3
+#: 4: the chat template is Qwen3's own (tools, tool calls, tool results, its thinking default).
+SYNTH_FORMAT_VERSION = 4
 
 
 def default_cache_dir() -> Path:

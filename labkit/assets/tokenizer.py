@@ -259,43 +259,61 @@ def _cached_tokenizer_json() -> Path:
             return Path(tmp)
 
 
-# Own Jinja chat template, behaving like Qwen3's for plain chats (no tool schemas):
-#   <|im_start|>{role}\n{content}<|im_end|>\n per message; assistant turns before the last user
-#   turn lose their <think> block; add_generation_prompt opens an assistant turn and
-#   enable_thinking=false pre-fills an empty think block.
-QWEN3_CHAT_TEMPLATE = (
-    "{%- set ns = namespace(last_user=-1) -%}"
-    "{%- for m in messages -%}"
-    "{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- for m in messages -%}"
-    "{%- set content = m['content'] if m['content'] is string else '' -%}"
-    "{%- if m['role'] == 'assistant' -%}"
-    "{%- set reasoning = m['reasoning_content'] if m['reasoning_content'] is string else '' -%}"
-    "{%- if '</think>' in content -%}"
-    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
-    "{%- endif -%}"
-    "{%- if loop.index0 > ns.last_user and reasoning -%}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' -}}"
-    "{%- else -%}"
-    "{{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- elif m['role'] == 'tool' -%}"
-    "{%- if loop.first or loop.previtem['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
-    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' -}}"
-    "{%- if loop.last or loop.nextitem['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- else -%}"
-    "{{- '<|im_start|>' + m['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}"
-    "{{- '<think>\\n\\n</think>\\n\\n' -}}"
-    "{%- endif -%}"
-    "{%- endif -%}"
-)
+# Qwen3's chat template (the one Qwen3 checkpoints ship, in behaviour): a system turn, or with ``tools`` a
+# system turn listing every tool's JSON inside <tools></tools> and the <tool_call> format; user and later
+# system turns as <|im_start|>{role}\n{content}<|im_end|>\n; assistant turns with their tool calls as
+# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>; consecutive tool results in one user turn of
+# <tool_response> blocks; assistant turns after the last real user query keep their <think> block, earlier
+# ones lose it; add_generation_prompt opens an assistant turn and enable_thinking=false pre-fills an empty
+# think block. Written out here; tests/lab/test_model_assets.py checks its renderings.
+QWEN3_CHAT_TEMPLATE = "".join((
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}",
+    "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}",
+    "{{- \"# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>\" }}",
+    "{%- for tool in tools %}{{- \"\\n\" }}{{- tool | tojson }}{%- endfor %}",
+    "{{- \"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\\"name\\\": <function-name>, "
+    "\\\"arguments\\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\" }}",
+    "{%- else %}{%- if messages[0].role == 'system' %}",
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}{%- endif %}{%- endif %}",
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}",
+    "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}",
+    "{%- if ns.multi_step_tool and message.role == 'user' and message.content is string and "
+    "not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}",
+    "{%- set ns.multi_step_tool = false %}{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}",
+    "{%- for message in messages %}",
+    "{%- if message.content is string %}{%- set content = message.content %}{%- else %}{%- set content = '' %}"
+    "{%- endif %}",
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) %}",
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}",
+    "{%- elif message.role == 'assistant' %}{%- set reasoning_content = '' %}",
+    "{%- if message.reasoning_content is string %}{%- set reasoning_content = message.reasoning_content %}",
+    "{%- else %}{%- if '</think>' in content %}",
+    "{%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}",
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}{%- endif %}",
+    "{%- if loop.index0 > ns.last_query_index %}",
+    "{%- if loop.last or (not loop.last and reasoning_content) %}",
+    "{{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' "
+    "+ content.lstrip('\\n') }}",
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}",
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + content }}{%- endif %}",
+    "{%- if message.tool_calls %}{%- for tool_call in message.tool_calls %}",
+    "{%- if (loop.first and content) or (not loop.first) %}{{- '\\n' }}{%- endif %}",
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}",
+    "{{- '<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}",
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}"
+    "{%- endif %}{{- '}\\n</tool_call>' }}{%- endfor %}{%- endif %}",
+    "{{- '<|im_end|>\\n' }}",
+    "{%- elif message.role == 'tool' %}",
+    "{%- if loop.first or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}",
+    "{{- '\\n<tool_response>\\n' }}{{- content }}{{- '\\n</tool_response>' }}",
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}",
+    "{%- endif %}{%- endfor %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}",
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
+    "{%- endif %}",
+))
 
 
 def _tokenizer_config() -> dict[str, Any]:

@@ -110,6 +110,9 @@ def serve(
     allowed_origins: Annotated[str, typer.Option("--allowed-origins", help="Comma list of web origins (http://host:port) whose pages may call this server; '*' for any. Default: none.")] = "",
     max_prompt_bytes: Annotated[Optional[int], typer.Option("--max-prompt-bytes", help="Text prompts longer than this (UTF-8 bytes) are refused before tokenizing (default 32 x max-model-len, at least 16 KiB).")] = None,
     special_tokens_in_content: Annotated[bool, typer.Option("--special-tokens-in-content", help="Let special-token text inside chat messages become control tokens (the old, forgeable behaviour).")] = False,
+    reasoning_parser: Annotated[Optional[str], typer.Option("--reasoning-parser", help="qwen3: a chat answer's <think> part goes to message.reasoning_content (and reasoning) and to the stream's deltas, as vLLM's flag. Default: none, the text unchanged.")] = None,
+    enable_auto_tool_choice: Annotated[bool, typer.Option("--enable-auto-tool-choice/--no-enable-auto-tool-choice", help="tool_choice auto (the default when tools are sent): parse the model's tool calls. vLLM needs this flag; here it is on, so agent frameworks work out of the box.")] = True,
+    tool_call_parser: Annotated[str, typer.Option("--tool-call-parser", help="How tool calls are read: hermes (Qwen3's <tool_call> JSON), the only one.")] = "hermes",
     max_connections: Annotated[int, typer.Option("--max-connections", help="Open connections at most (lowered to fit the file limit); beyond, idle ones are closed, then 503.")] = 512,
     timeout_keep_alive: Annotated[float, typer.Option("--timeout-keep-alive", help="Seconds a connection may wait for the first byte of a request.")] = 5.0,
     timeout_headers: Annotated[float, typer.Option("--timeout-headers", help="Seconds for a request line and headers to arrive (then 408).")] = 10.0,
@@ -147,7 +150,8 @@ def serve(
                         tensor_parallel_size=tensor_parallel_size, dist_init=dist_init, shm_name=shm_name, **chosen)
     cfg = WorkerConfig(engine, max_active=max_active, queue_size=queue_size, worker_id=worker_id,
                        stream_buffer=stream_buffer, max_prompt_bytes=max_prompt_bytes,
-                       special_tokens_in_content=special_tokens_in_content)
+                       special_tokens_in_content=special_tokens_in_content, reasoning_parser=reasoning_parser,
+                       enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
     connections = ConnectionLimits(timeout_keep_alive=timeout_keep_alive, timeout_headers=timeout_headers,
                                    timeout_body=timeout_body, max_connections=max_connections)
     summary = run_serve(cfg, host, port, out, served_model_name=served_model_name,

@@ -72,7 +72,9 @@ class Service:
         if not isinstance(max_body_bytes, int) or isinstance(max_body_bytes, bool) or max_body_bytes < 1024:
             raise UserError(f"--max-body-bytes must be an integer of at least 1024, got {max_body_bytes!r}")
         self.worker = worker
-        self.limits = Limits(served.max_model_len, name, max_body_bytes)
+        cfg = worker.config
+        self.limits = Limits(served.max_model_len, name, max_body_bytes,
+                             enable_auto_tool_choice=cfg.enable_auto_tool_choice, reasoning_parser=cfg.reasoning_parser)
         self.access = access or Access.make()
         self.connections = connections or ConnectionLimits()
         self.connections.check()

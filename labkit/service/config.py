@@ -68,6 +68,9 @@ class WorkerConfig:
     log_steps: bool = True                  # one "step" record per engine step in the log
     max_prompt_bytes: int | None = None     # longer text prompts are refused untokenized (None: 32 x max_model_len)
     special_tokens_in_content: bool = False  # True: special-token text inside chat messages becomes control tokens
+    reasoning_parser: str | None = None     # "qwen3": chat answers' <think> part in the reasoning fields (vLLM's flag)
+    enable_auto_tool_choice: bool = True    # tool_choice "auto" parses tool calls (vLLM needs the flag; here on)
+    tool_call_parser: str = "hermes"        # how tool calls are read (Qwen3's <tool_call> JSON: hermes)
 
     def __init__(self, engine: EngineArgs | None = None, **options) -> None:
         """The worker's fields by name; the engine's as ``engine``, by their names, or both (a name given
@@ -91,6 +94,10 @@ class WorkerConfig:
         elif not isinstance(self.max_prompt_bytes, int) or isinstance(self.max_prompt_bytes, bool) \
                 or self.max_prompt_bytes < 1:
             raise UserError(f"max-prompt-bytes must be a positive integer, got {self.max_prompt_bytes!r}")
+        if self.reasoning_parser not in (None, "qwen3"):
+            raise UserError(f"--reasoning-parser must be qwen3, got {self.reasoning_parser!r}")
+        if self.tool_call_parser != "hermes":
+            raise UserError(f"--tool-call-parser must be hermes (Qwen3's format), got {self.tool_call_parser!r}")
         if not REQUEST_ID_RE.fullmatch(self.worker_id):
             raise UserError(f"worker id must match {REQUEST_ID_RE.pattern}, got {self.worker_id!r}")
 

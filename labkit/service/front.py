@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import Config, LLMEngine, RequestError, SamplingParams
+from labkit.service.chat_render import ChatPrompt, render
 from labkit.service.config import WorkerConfig
 from labkit.service.events import Sink
 from labkit.service.metrics import ServiceStats
@@ -96,6 +97,7 @@ class WorkerFront:
         self._lock = threading.RLock()
         self._encode_lock = threading.Lock()
         self._live: dict[str, Any] = {}             # live requests by id
+        self._grammar_cache = None                  # structured outputs: see _grammars()
 
     # -- the kind's hooks and state ----------------------------------------------------------
     @property
@@ -176,11 +178,33 @@ class WorkerFront:
         if extra:
             params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
         self.served.check(token_ids, params)
+        if params.structured_outputs is not None:
+            self._check_grammar(params.structured_outputs)
         tags = dict(tags or {})
         clash = sorted(set(tags) & RESERVED_FIELDS)
         if clash:
             raise RequestError(f"tags may not use the reserved field name(s) {', '.join(clash)}", "invalid_tags")
         return token_ids, params, tags
+
+    def _grammars(self):
+        """The grammar compiler and cache submit() checks constraints with: the engine's own where it runs in
+        this process (:class:`labkit.service.worker.Worker`), else one over the front's tokenizer (None without one:
+        the engine then refuses a bad constraint when it admits the request)."""
+        if self._grammar_cache is None and self._encoder is not None:
+            from engine.sampling.structured import Grammars
+            cfg = self.served.config
+            self._grammar_cache = Grammars(lambda: self._encoder, cfg.vocab_size, tuple(cfg.eos_token_ids))
+        return self._grammar_cache
+
+    def _check_grammar(self, so) -> None:
+        """Compile a structured-output constraint at submit, off the step loop (cached: the engine's admission
+        finds it compiled); one xgrammar refuses is the engine's RequestError (400)."""
+        grammars = self._grammars()
+        if grammars is None:
+            return
+        with self._encode_lock:             # building the compiler reads (and encodes with) the tokenizer
+            grammars.compiler
+        grammars.compile(so)
 
     def _new_id(self) -> str:
         while True:
@@ -196,14 +220,16 @@ class WorkerFront:
         if self._encoder is None:
             raise RequestError("this worker was started without a tokenizer: send token ids")
         limit = self.config.max_prompt_bytes
+        if isinstance(prompt, list):                # chat messages (the native route): the template's defaults
+            prompt = ChatPrompt(prompt)
         if isinstance(prompt, str):
             _check_size(len(prompt.encode("utf-8", "surrogatepass")), limit, "the prompt")
-        elif isinstance(prompt, list):
-            _check_size(sum(len(str(m.get("content", "")).encode("utf-8", "surrogatepass")) for m in prompt),
-                        limit, "the messages' content")
+        elif isinstance(prompt, ChatPrompt):
+            _check_size(sum(len(c.encode("utf-8", "surrogatepass")) for c in prompt.contents())
+                        + len(prompt.structure_text().encode("utf-8", "surrogatepass")), limit, "the messages")
         try:
             with self._encode_lock:                 # fast tokenizers are not safe to share between threads
-                if isinstance(prompt, list) and not self.config.special_tokens_in_content:
+                if isinstance(prompt, ChatPrompt):
                     return self._encode_chat(prompt, limit)
                 return self._tokenize(prompt)
         except RequestError:
@@ -212,23 +238,31 @@ class WorkerFront:
             raise RequestError(f"cannot encode the prompt: {type(e).__name__}: {' '.join(str(e).split())[:200]}",
                                "invalid_prompt") from None
 
-    def _encode_chat(self, messages: list[dict], limit: int) -> list[int]:
-        """The chat template's text, tokenized so that only the template's own markers are special tokens.
+    def _encode_chat(self, chat: ChatPrompt, limit: int) -> list[int]:
+        """The chat template's text (:func:`labkit.service.chat_render.render`: tools, template kwargs, the
+        template's own thinking default), tokenized so that only the template's own markers are special tokens.
 
         The template is rendered once with a unique sentinel around every message's content; the text
         outside the sentinels is tokenized as the template made it (its markers become control tokens),
         the content between them with special tokens split into plain text. When no content spells a
-        special token this is exactly the engine's own encoding."""
+        special token this is exactly the engine's encoding of the rendered text. Tool schemas and tool-call
+        arguments are written by the template outside the contents: one that spells a special token is refused."""
         tok = self._encoder
         specials = [t for t in (getattr(tok, "all_special_tokens", None) or []) if t]
-        contents = [str(m.get("content") or "") for m in messages]
+        contents = chat.contents()
+        if self.config.special_tokens_in_content:
+            return self._tokenize(render(tok, chat))
+        structure = chat.structure_text()
+        if any(sp in structure for sp in specials):
+            raise RequestError("tools, tool-call arguments and chat_template_kwargs may not spell a special token "
+                               "(start the server with --special-tokens-in-content)", "invalid_prompt")
         if not any(sp in c for c in contents for sp in specials):
-            return self._tokenize(messages)
+            return self._tokenize(render(tok, chat))
         mark = "\u2063" + secrets.token_hex(8)
-        wrapped = [{**m, "content": f"{mark}{c}{mark}"} for m, c in zip(messages, contents)]
-        text = tok.apply_chat_template(wrapped, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+        wrapped = [{**m, "content": f"{mark}{c}{mark}"} for m, c in zip(chat.messages, contents)]
+        text = render(tok, dataclasses.replace(chat, messages=wrapped))
         parts = text.split(mark)
-        if len(parts) != 2 * len(messages) + 1:
+        if len(parts) != 2 * len(chat.messages) + 1:
             raise RequestError("the chat template rewrites message content; cannot keep special tokens in it as text "
                                "(start the server with --special-tokens-in-content)", "invalid_prompt")
         _check_size(sum(len(p.encode("utf-8")) for p in parts), limit, "the rendered chat")

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine import RequestError, SamplingParams
+from labkit.service.chat_render import chat_request, constrain, parse_messages
+from labkit.service.structured import source as structured_source, structured_outputs
 from labkit.service.wire import ApiError, HugeInt
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -50,6 +52,8 @@ class Limits:
     max_model_len: int
     served_model_name: str
     max_body_bytes: int = 1 << 20
+    enable_auto_tool_choice: bool = True   # tool_choice auto (vLLM: --enable-auto-tool-choice --tool-call-parser)
+    reasoning_parser: str | None = None    # qwen3: the <think> part goes to the message's reasoning fields
 
 
 @dataclass
@@ -71,6 +75,8 @@ class GenRequest:
     n: int = 1                            # choices per prompt (sample i: seed + i when a seed is given)
     logprobs: int | None = None           # alternatives per token in the answer's logprobs objects (None: no logprobs)
     echo: bool = False                    # completions: the prompt (and its log-probs) before the output
+    chat_output: Any = None               # chat: how the answer is read (chat_output.ChatOutputOptions)
+    structured_param: str | None = None   # the field its structured-output constraint came from (labkit/service/structured.py)
 
 
 # --------------------------------------------------------------------------- field checks
@@ -143,31 +149,7 @@ def _text(value: Any, param: str) -> str:
 
 
 def _messages(value: Any) -> list[dict]:
-    if not isinstance(value, list) or not value:
-        raise bad("messages must be a non-empty list of {role, content} objects", "messages", "invalid_type")
-    out = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(f"{where} must be an object", where, "invalid_type")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {_show(role)}", f"{where}.role")
-        content = m.get("content")
-        if isinstance(content, list):        # content parts: only text is understood
-            texts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                    raise bad(f"{where}.content[{j}] must be a text part {{type: text, text}}",
-                              f"{where}.content", "unsupported_content")
-                texts.append(part["text"])
-            content = "".join(texts)
-        if content is None and role == "assistant":
-            content = ""
-        if not isinstance(content, str):
-            raise bad(f"{where}.content must be a string", f"{where}.content", "invalid_type")
-        out.append({"role": role, "content": content})
-    return out
+    return parse_messages(value)
 
 
 def _request_id(body: dict) -> str | None:
@@ -236,13 +218,6 @@ def _logit_bias_check(name: str, v: Any) -> None:
             raise bad(f"{name} values must be numbers in [-100, 100], got {_show(b)}", name)
 
 
-def _response_format_check(name: str, v: Any) -> None:
-    if not isinstance(v, dict) or not isinstance(v.get("type"), str):
-        raise bad(f"{name} must be an object {{type: ...}}, got {_show(v)}", name, "invalid_type")
-    if v["type"] not in ("text", "json_object", "json_schema", "structural_tag"):
-        raise bad(f"{name}.type must be text, json_object or json_schema, got {_show(v['type'])}", name)
-
-
 _ANY = lambda name, v: None   # noqa: E731  (any value is well-formed; only the no-op ones are accepted)
 
 #: Parameters of OpenAI's and vLLM's completion requests that this server does not implement:
@@ -258,22 +233,16 @@ NOOP_PARAMS: dict[str, tuple[tuple, Callable[[str, Any], None], str]] = {
     "prompt_logprobs": ((), _ANY, "prompt log-probabilities are returned through echo with logprobs"),
     "echo": ((False,), _type_check(bool, what="true or false"), "chat does not echo the prompt"),
     "suffix": (("",), _type_check(str, what="a string"), "no insertion mode"),
-    "response_format": (({"type": "text"},), _response_format_check, "no structured output"),
-    "guided_json": ((), _ANY, "no structured output"),
-    "guided_regex": ((), _ANY, "no structured output"),
-    "guided_choice": ((), _ANY, "no structured output"),
-    "guided_grammar": ((), _ANY, "no structured output"),
-    "structured_outputs": ((), _ANY, "no structured output"),
-    "tools": (([],), _type_check(list, what="a list"), "no tool calling"),
-    "tool_choice": (("none",), _ANY, "no tool calling"),
-    "functions": (([],), _type_check(list, what="a list"), "no tool calling"),
-    "function_call": (("none",), _ANY, "no tool calling"),
+    "tools": (([],), _type_check(list, what="a list"), "tool calling is a chat feature"),
+    "tool_choice": (("none",), _ANY, "tool calling is a chat feature"),
+    "functions": ((), _ANY, "the legacy functions API: send tools"),
+    "function_call": ((), _ANY, "the legacy functions API: send tool_choice"),
     "skip_special_tokens": ((True,), _type_check(bool, what="true or false"), "special tokens are always skipped"),
     "spaces_between_special_tokens": ((True,), _type_check(bool, what="true or false"),
                                       "special tokens are always skipped"),
     "truncate_prompt_tokens": ((), _ANY, "prompts are never truncated"),
     "chat_template": ((), _ANY, "the model's own chat template only"),
-    "chat_template_kwargs": (({},), _type_check(dict, what="an object"), "the model's own chat template only"),
+    "chat_template_kwargs": (({},), _type_check(dict, what="an object"), "a chat feature"),
     "add_generation_prompt": ((True,), _type_check(bool, what="true or false"), "the template always adds it"),
     "continue_final_message": ((False,), _type_check(bool, what="true or false"), "the template always adds it"),
     "audio": ((), _ANY, "text only"),
@@ -302,7 +271,7 @@ def _is_noop(value: Any, noops: tuple) -> bool:
 
 
 #: Per route, the NOOP_PARAMS entries that the route implements (parsed by _params / _logprobs).
-SUPPORTED_HERE = {"completions": {"echo"}, "chat": {"top_logprobs"}}
+SUPPORTED_HERE = {"completions": {"echo"}, "chat": {"top_logprobs", "tools", "tool_choice", "chat_template_kwargs"}}
 
 
 def _refuse_unsupported(body: dict, api: str) -> None:
@@ -426,9 +395,9 @@ def _params(body: dict, limits: Limits, default_temperature: float, max_tokens_n
         raise bad(f"seed must be an integer in [-2^63, 2^64), got {_show(seed)}", "seed",
                   "invalid_type" if not isinstance(seed, (int, HugeInt)) or isinstance(seed, bool) else "invalid_value")
     ignore_eos = _bool(body, "ignore_eos", False)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"structured_outputs": structured_outputs(body)}    # every route (one parser)
     if api != "native":
-        extra = _sampling(body)
+        extra.update(_sampling(body))
         logprobs = _logprobs(body, api)
         if logprobs is not None:
             extra["logprobs"] = logprobs
@@ -490,7 +459,8 @@ def parse_native(body: Any, limits: Limits) -> GenRequest:
         prompt = _messages(body["messages"])
     params, _ = _params(body, limits, default_temperature=0.0, default_max_tokens=64)
     return GenRequest("native", prompt, params, stream=_bool(body, "stream", True), request_id=_request_id(body),
-                      tags=_tags(body), detokenize=_bool(body, "detokenize", True))
+                      tags=_tags(body), detokenize=_bool(body, "detokenize", True),
+                      structured_param=structured_source(body))
 
 
 def _prompt_one(prompt: Any, param: str) -> Any:
@@ -523,7 +493,8 @@ def parse_completion(body: Any, limits: Limits) -> GenRequest:
     return GenRequest("completions", prompts[0], params, stream=stream, request_id=_request_id(body),
                       include_usage=_include_usage(body, stream), model=model, fill_context=not given,
                       stop=stop, include_stop_str_in_output=include, prompts=prompts,
-                      n=n, logprobs=params.logprobs, echo=_bool(body, "echo", False))
+                      n=n, logprobs=params.logprobs, echo=_bool(body, "echo", False),
+                      structured_param=structured_source(body))
 
 
 def _with_stop_ids(params: SamplingParams, stop_ids: list[int]) -> SamplingParams:
@@ -542,17 +513,19 @@ def parse_chat(body: Any, limits: Limits) -> GenRequest:
     _refuse_unsupported(body, "chat")
     if "messages" not in body:
         raise bad("messages is required", "messages", "missing_prompt")
-    messages = _messages(body["messages"])
+    chat, chat_output = chat_request(body, _messages(body["messages"]), limits.enable_auto_tool_choice,
+                                     limits.reasoning_parser)
     n = _choices_per_prompt(body)
     params, given = _params(body, limits, default_temperature=1.0,
                             max_tokens_names=("max_completion_tokens", "max_tokens"), api="chat")
     stop, stop_ids, include = _stops(body)
-    params = _with_stop_ids(params, stop_ids)
+    params = constrain(_with_stop_ids(params, stop_ids), chat_output)
     stream = _bool(body, "stream", False)
-    return GenRequest("chat", messages, params, stream=stream, request_id=_request_id(body),
+    return GenRequest("chat", chat, params, stream=stream, request_id=_request_id(body),
                       include_usage=_include_usage(body, stream), model=model, fill_context=not given,
                       stop=stop, include_stop_str_in_output=include, n=n,
-                      logprobs=params.logprobs)
+                      logprobs=params.logprobs, chat_output=chat_output,
+                      structured_param="tool_choice" if chat_output.constraint else structured_source(body))
 
 
 def _include_usage(body: dict, stream: bool) -> bool:

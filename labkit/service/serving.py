@@ -43,8 +43,9 @@ class Serving:
                                       fill_context=req.fill_context, prefill_after=prefill_after)
 
         try:
-            if isinstance(req.prompt, list) and (not req.prompt or isinstance(req.prompt[0], int)):
-                handle = call()               # token ids: no tokenizer work, keep arrival order
+            if isinstance(req.prompt, list) and (not req.prompt or isinstance(req.prompt[0], int)) \
+                    and req.params.structured_outputs is None:
+                handle = call()               # token ids: no tokenizer (nor grammar compiler) work, keep arrival order
             else:
                 handle = await asyncio.get_running_loop().run_in_executor(None, call)
         except RequestError as e:
@@ -103,6 +104,8 @@ def refusal(e: RequestError, req: GenRequest) -> ApiError:
     """The engine's (or the worker's) RequestError as a 400 naming the parameter. A sampling parameter the
     engine refuses (its code ``invalid_<param>``, e.g. a stop token id outside the vocabulary) is an
     ``invalid_value`` of that parameter, as protocol's own range checks say it."""
+    if e.code == "invalid_structured_outputs":           # a constraint xgrammar cannot compile
+        return ApiError(400, str(e), "invalid_value", req.structured_param or "structured_outputs")
     param = protocol.param_of(e.code)
     if param is not None:
         return ApiError(400, str(e), "invalid_value", param)

@@ -22,6 +22,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from labkit.service import protocol
+from labkit.service.chat_output import ChatOutput, read_message
 from labkit.service.detokenize import IncrementalText, LogprobsFormat, StopStrings
 from labkit.service.http import ClientGone, json_bytes
 from labkit.service.protocol import GenRequest
@@ -95,6 +96,7 @@ class Choice:
     tail: str = ""
     lp_items: list = dataclasses.field(default_factory=list)   # per-token log-prob items (LogprobsFormat.item)
     text_offset: int = 0                                       # completions: where the next token's text starts
+    output: ChatOutput | None = None                           # chat: reasoning / tool calls read off the text
 
 
 class OpenAIRoutes:
@@ -174,6 +176,10 @@ class OpenAIResponse:
         self.choices = [Choice(i, h, IncrementalText(tok), StopStrings(req.stop, req.include_stop_str_in_output))
                         for i, h in enumerate(handles)]
         self.logprobs = LogprobsFormat(tok, fmt.chat) if req.logprobs is not None else None
+        self.read = req.chat_output if fmt.chat and req.chat_output is not None and req.chat_output.active else None
+        if self.read is not None:
+            for c in self.choices:
+                c.output = ChatOutput(self.read)
         self.prompts = req.prompts or [req.prompt]
         self.head = {"id": f"{fmt.id_prefix}-{handles[0].request_id}", "object": fmt.chunk_object,
                      "created": int(time.time()), "model": sv.limits.served_model_name,
@@ -206,6 +212,22 @@ class OpenAIResponse:
         if self.req.include_usage:
             body["usage"] = None
         return body
+
+    def delta_chunks(self, c: Choice, piece: str, logprobs: list | None = None, end: bool = False) -> list[dict]:
+        """A chat choice's piece of text through its reasoning / tool-call reader: a chunk per delta (the
+        first carries the piece's log-probs; an empty content delta when the reader holds the piece back)."""
+        deltas = c.output.push(piece) + (c.output.finish() if end else [])
+        if not deltas and not end:
+            deltas = [{"content": ""}]
+        lp = self.logprobs.obj(logprobs) if self.logprobs is not None and logprobs else None
+        out = []
+        for i, delta in enumerate(deltas):
+            body = {**self.head, "choices": [{"index": c.index, "delta": delta, "logprobs": lp if i == 0 else None,
+                                              "finish_reason": None}]}
+            if self.req.include_usage:
+                body["usage"] = None
+            out.append(body)
+        return out
 
     def token_chunk(self, index: int, piece: str, logprobs: list | None) -> bytes:
         """chunk(index, piece, None) as json_bytes writes it; without log-probs from a per-choice template
@@ -333,6 +355,10 @@ class OpenAIResponse:
         lp = self.logprobs
         out = [self.fmt.final_choice(c.index, "".join(c.pieces), lp.obj(c.lp_items) if lp is not None else None,
                                      c.finish) for c in self.choices]
+        if self.read is not None:          # the message as the reasoning / tool-call reader sees the text
+            for choice in out:
+                choice["message"], reader = read_message(self.read, choice["message"]["content"])
+                choice["finish_reason"] = reader.finish_reason(choice["finish_reason"])
         body = {**self.head, "object": self.fmt.final_object, "choices": out, "usage": self.usage()}
         return web.Response(body=json_bytes(body), content_type="application/json",
                             headers={"X-Request-Id": self.choices[0].handle.request_id,
@@ -366,6 +392,9 @@ class OpenAIResponse:
         pending, token_chunk = out.pending, self.token_chunk
 
         def emit(index: int, piece: str, logprobs: list | None = None) -> None:
+            if c.output is not None:
+                pending.extend(b"data: " + json_bytes(ch) + b"\n\n" for ch in self.delta_chunks(c, piece, logprobs))
+                return
             pending.append(b"data: " + token_chunk(index, piece, logprobs) + b"\n\n")
 
         await self.consume(c, emit, out.flush)
@@ -373,6 +402,10 @@ class OpenAIResponse:
         if c.error is not None:
             await out.send({"error": ApiError(500, f"the engine failed on this request: {c.error}",
                                               "engine_error").body()["error"]})
+        elif c.finish is not None and c.output is not None:
+            for ch in self.delta_chunks(c, c.tail, end=True):
+                await out.send(ch)
+            await out.send(self.chunk(c.index, None, c.output.finish_reason(c.finish)))
         elif c.finish is not None:
             await out.send(self.chunk(c.index, self.fmt.finish_piece(c.tail), c.finish))
 

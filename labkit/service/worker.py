@@ -336,6 +336,7 @@ class Worker(WorkerFront):
             self._encoder = self.engine.tokenizer
             self.tokenizer = copy.deepcopy(self._encoder)
         self.engine.add_hooks(_WorkerHooks(self))
+        self._grammar_cache = engine.grammars       # submit() compiles constraints into the engine's own cache
 
     def _has_work_locked(self) -> bool:
         if self._calls:

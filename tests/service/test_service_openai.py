@@ -42,9 +42,9 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 # --------------------------------------------------------------------------- refuse, never ignore
 
 REFUSED = [
-    ("best_of", 2), ("top_logprobs", 2), ("suffix", "x"), ("response_format", {"type": "json_object"}),
+    ("best_of", 2), ("top_logprobs", 2), ("suffix", "x"),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("use_beam_search", True), ("skip_special_tokens", False), ("guided_json", {"type": "object"}),
+    ("use_beam_search", True), ("skip_special_tokens", False),
     ("prompt_logprobs", 1), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]), ("length_penalty", 0.5),
 ]
 
@@ -59,8 +59,8 @@ def test_unimplemented_parameters_are_400_naming_them(server, name, value):
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "best_of": 3}, "best_of"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]},
+     "functions"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{x}}"},
      "chat_template"),
 ])
@@ -93,8 +93,7 @@ def test_noop_values_are_accepted_through_the_client(api):
 
 def test_every_refusable_parameter_has_a_refused_and_a_noop_case():
     covered = {n for n, _ in REFUSED} | {"echo", "tools", "chat_template"}
-    assert set(NOOP_PARAMS) - covered <= {"structured_outputs", "guided_regex", "guided_choice", "guided_grammar",
-                                          "functions", "function_call", "spaces_between_special_tokens",
+    assert set(NOOP_PARAMS) - covered <= {"functions", "function_call", "spaces_between_special_tokens",
                                           "truncate_prompt_tokens", "chat_template_kwargs", "add_generation_prompt",
                                           "continue_final_message", "audio", "modalities", "prediction",
                                           "web_search_options", "return_tokens_as_token_ids"}

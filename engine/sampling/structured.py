@@ -1,0 +1,280 @@
+"""Structured outputs (vLLM's ``StructuredOutputsParams``) through xgrammar, the grammar engine vLLM and SGLang use.
+
+A request's :class:`StructuredOutputsParams` names exactly one constraint: a JSON schema (``json``), any JSON
+object (``json_object``), a regular expression (``regex``), one of a list of strings (``choice``), an EBNF
+grammar in xgrammar's GBNF dialect (``grammar``), or an xgrammar structural tag (``structural_tag``).
+
+Where each part runs:
+- admission (``LLMEngine.validate`` / ``add_request``, never the step): :class:`Grammars` compiles the
+  constraint once per (kind, text) with the engine's one ``xgrammar.GrammarCompiler`` (built on first use from
+  the engine's tokenizer) and keeps it; a constraint xgrammar cannot compile is a ``RequestError``
+  (``invalid_structured_outputs``). Each sequence gets its own :class:`SequenceGrammar` (a GrammarMatcher).
+- the sampler (engine/sampling/sampler.py): :class:`GrammarMask` fills the bitmask of the step's constrained
+  rows and sets their disallowed logits to -inf before anything else reads them (both sampling paths, greedy
+  included, and the log-probs: vLLM applies the bitmask before its sampler too).
+- postprocess (engine/scheduler.py): the matcher takes each accepted token; a matcher that terminates finishes
+  the request with ``stop``. EOS is in the mask only where the grammar may end (the matcher's stop tokens are
+  the engine's EOS ids).
+
+``structural_tag`` takes what xgrammar 0.2.9 compiles: the current format ``{"type": "structural_tag",
+"format": {...}}`` (e.g. ``triggered_tags`` / ``tag`` / ``json_schema`` formats) and the older vLLM shape
+``{"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}``; either as a dict or a JSON string.
+"""
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+from typing import Any, Callable
+
+import torch
+
+from engine.errors import RequestError
+
+#: xgrammar's C++ message prefixes: "[19:46:40] /project/cpp/file.cc:94: ", "Check failed: (...) is false: "
+_XGR_PREFIX = re.compile(r"^(\[[\d:]+\] )?(\S+\.cc:\d+: )?(Check failed: .*? is false: )?")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+CODE = "invalid_structured_outputs"
+
+
+def _bad(name: str, message: str) -> RequestError:
+    return RequestError(f"structured_outputs.{name} {message}", CODE)
+
+
+def _json_value(name: str, value: Any) -> Any:
+    """A dict as is; a string parsed as JSON (must give an object, or a boolean schema for json)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise _bad(name, f"is not valid JSON: {e}") from None
+    if isinstance(value, dict) or (name == "json" and isinstance(value, bool)):
+        return value
+    raise _bad(name, f"must be a JSON object (a dict or its JSON text), got {type(value).__name__}")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's output; exactly one field set (json_object: True)."""
+    json: dict | str | None = None                 # a JSON schema (dict or JSON text)
+    json_object: bool | None = None                # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None                # the output is exactly one of these strings
+    grammar: str | None = None                     # EBNF (xgrammar's GBNF dialect, root rule "root")
+    structural_tag: dict | str | None = None       # xgrammar structural tag (see the module docstring)
+    # JSON without free whitespace (vLLM's name): json / json_object compact; a structural tag's json_schema
+    # parts at most one whitespace character between tokens (where the tag does not set max_whitespace_cnt)
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise RequestError("structured_outputs must set exactly one of " + ", ".join(KINDS)
+                               + (f" (got {', '.join(given)})" if given else ""), CODE)
+        if self.json_object not in (None, True, False):
+            raise _bad("json_object", f"must be true or false, got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise _bad("disable_any_whitespace", f"must be true or false, got {self.disable_any_whitespace!r}")
+        kind = given[0]
+        if kind in ("json", "structural_tag"):
+            setattr(self, kind, _json_value(kind, getattr(self, kind)))
+        elif kind in ("regex", "grammar"):
+            v = getattr(self, kind)
+            if not isinstance(v, str) or not v:
+                raise _bad(kind, f"must be a non-empty string, got {v!r}"[:200])
+        elif kind == "choice":
+            v = self.choice
+            if not isinstance(v, (list, tuple)) or not v or not all(isinstance(c, str) and c for c in v):
+                raise _bad("choice", "must be a non-empty list of non-empty strings")
+            self.choice = list(v)
+        self._kind = kind
+
+    @classmethod
+    def of(cls, value: "StructuredOutputsParams | dict") -> "StructuredOutputsParams":
+        """A dict with the fields' names (vLLM's JSON shape) as params; unknown names are refused."""
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise RequestError(f"structured_outputs must be an object, got {type(value).__name__}", CODE)
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise RequestError(f"structured_outputs has unknown field(s) {', '.join(unknown)}; "
+                               f"expected one of {', '.join(KINDS)}", CODE)
+        return cls(**value)
+
+    @property
+    def kind(self) -> str:
+        return self._kind
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): the compile cache's key."""
+        v = getattr(self, self._kind)
+        if self._kind in ("regex", "grammar"):
+            text = v
+        elif self._kind == "json_object":
+            text = ""
+        else:
+            text = json.dumps(v, sort_keys=True, ensure_ascii=False)
+        return (self._kind + (":compact" if self.disable_any_whitespace else ""), text)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose language is exactly the given strings (JSON string escapes are GBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _legacy_structural_tag(compiler, tag: dict):
+    """vLLM's older {"structures": [{"begin", "schema", "end"}], "triggers": [...]} through xgrammar's
+    (deprecated) two-argument form."""
+    import xgrammar as xgr
+
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if not isinstance(structures, list) or not isinstance(triggers, list) or set(tag) - {"structures", "triggers"}:
+        raise ValueError("the older form is {structures: [{begin, schema, end}], triggers: [...]}")
+    items = []
+    for s in structures:
+        if not isinstance(s, dict) or set(s) != {"begin", "schema", "end"}:
+            raise ValueError("each structure needs exactly begin, schema and end")
+        items.append(xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]))
+    return compiler.compile_structural_tag(items, triggers)
+
+
+def _compile(compiler, so: StructuredOutputsParams):
+    kind = so.kind
+    ws = dict(any_whitespace=not so.disable_any_whitespace)
+    if kind == "json":
+        return compiler.compile_json_schema(json.dumps(so.json), **ws)
+    if kind == "json_object":
+        return compiler.compile_json_schema('{"type": "object"}', **ws)
+    if kind == "regex":
+        return compiler.compile_regex(so.regex)
+    if kind == "choice":
+        return compiler.compile_grammar(choice_grammar(so.choice))
+    if kind == "grammar":
+        return compiler.compile_grammar(so.grammar)
+    tag = so.structural_tag
+    if "structures" in tag:
+        return _legacy_structural_tag(compiler, tag)
+    if so.disable_any_whitespace:
+        tag = _bounded_whitespace(tag)
+    return compiler.compile_structural_tag(json.dumps(tag))
+
+
+def _bounded_whitespace(node: Any) -> Any:
+    """A structural tag whose json_schema parts allow at most one whitespace character between JSON tokens
+    (xgrammar's max_whitespace_cnt; its structural tags have no compact switch), where the tag sets none."""
+    if isinstance(node, list):
+        return [_bounded_whitespace(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: (v if k == "json_schema" else _bounded_whitespace(v)) for k, v in node.items()}
+    if node.get("type") == "json_schema" and "max_whitespace_cnt" not in node:
+        out["max_whitespace_cnt"] = 1
+    return out
+
+
+class SequenceGrammar:
+    """One sequence's matcher: fills its row of the step's bitmask, takes its accepted tokens."""
+
+    __slots__ = ("matcher", "rejected")
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+        self.rejected = False
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one accepted token; True when the grammar is done (terminated, or the token was not
+        one it allows: ``rejected``, which the mask makes impossible unless the engine is broken)."""
+        if not self.matcher.accept_token(token_id):
+            self.rejected = True
+            return True
+        return self.matcher.is_terminated()
+
+
+class Grammars:
+    """The engine's grammar compiler and compile cache (key: kind + text). Built on first use: an engine that
+    never sees a constrained request never loads xgrammar. Thread-safe: the service compiles at submit, on
+    its HTTP threads, while the step loop runs."""
+
+    CACHE = 256          # compiled grammars kept (least recently used goes first)
+
+    def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: tuple[int, ...]):
+        self._tokenizer = tokenizer            # called once, on first use
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._compiler = None
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()
+
+    @property
+    def compiler(self):
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer(), vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.eos_token_ids or None)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+            return self._compiler
+
+    def compile(self, so: StructuredOutputsParams):
+        """The compiled grammar of so (cached); RequestError naming the field when xgrammar refuses it."""
+        key = so.key()
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        try:
+            compiled = _compile(self.compiler, so)
+        except (RuntimeError, ValueError, TypeError) as e:
+            msg = _XGR_PREFIX.sub("", " ".join(str(e).split()))
+            raise _bad(so.kind, f"cannot be compiled: {msg[:300]}") from None
+        with self._lock:
+            self._cache[key] = compiled
+            while len(self._cache) > self.CACHE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def matcher(self, so: StructuredOutputsParams) -> SequenceGrammar:
+        import xgrammar as xgr
+        return SequenceGrammar(xgr.GrammarMatcher(self.compile(so), override_stop_tokens=self.eos_token_ids or None))
+
+
+class GrammarMask:
+    """The step's token bitmask: filled on the host for the constrained rows, copied to the logits' device,
+    applied in place (masked tokens -> -inf). One host buffer, grown to the widest batch seen."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._host: torch.Tensor | None = None
+        self._copied = None                     # CUDA: the event after the last copy out of the host buffer
+
+    def _buffer(self, rows: int, pin: bool) -> torch.Tensor:
+        if self._host is None or self._host.shape[0] < rows:
+            import xgrammar as xgr
+            shape = xgr.get_bitmask_shape(max(rows, 8), self.vocab_size)
+            self._host = torch.empty(shape, dtype=torch.int32, pin_memory=pin)
+        return self._host
+
+    def apply(self, logits: torch.Tensor, rows: list[tuple[int, SequenceGrammar]]) -> None:
+        import xgrammar as xgr
+        n = logits.shape[0]
+        if self._copied is not None:
+            self._copied.synchronize()          # the previous step's copy has left the buffer
+        host = self._buffer(n, logits.is_cuda)
+        for i, g in rows:
+            g.fill(host, i)
+        mask = host[:n]
+        if logits.is_cuda:
+            mask = mask.to(logits.device, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=min(self.vocab_size, logits.shape[1]),
+                                        indices=[i for i, _ in rows])

@@ -1,0 +1,129 @@
+"""Structured outputs (SamplingParams.structured_outputs, engine/sampling/structured.py) on the tiny random
+model: whatever the weights, the output follows the grammar and ends when it does. Bounded schemas (an enum,
+a small integer, a short string) and compact JSON, so that a random model must finish within max_tokens."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from engine import LLMEngine, RequestError, SamplingParams, StructuredOutputsParams
+
+KW = dict(device="cpu", enforce_eager=True, attention_backend="torch", kvcache_block_size=16, max_model_len=256)
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                           "tag": {"type": "string", "maxLength": 2}},
+          "required": ["color", "n", "tag"]}
+PROMPTS = ["Give me a color", "x y z"]
+SPECIAL = re.compile(r"<\|[a-z_]+\|>$")
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_model_dir):
+    e = LLMEngine(str(tiny_model_dir), **KW)
+    yield e
+    e.close()
+
+
+@pytest.fixture(params=[False, True], ids=["step", "overlap"])
+def engine(request, shared):
+    """The module's engine with Config.overlap off or on (step() reads it per call; the engine is idle here),
+    so both loops run without building (and loading the tokenizer and the grammar compiler for) a second one."""
+    shared.config.overlap = request.param
+    yield shared
+    shared.config.overlap = False
+
+
+def text_of(out: dict) -> str:
+    """The completion without its final EOS token's text (generate() keeps special tokens)."""
+    return SPECIAL.sub("", out["text"])
+
+
+def check_schema(text: str) -> None:
+    obj = json.loads(text)
+    assert set(obj) == {"color", "n", "tag"}, obj
+    assert obj["color"] in ("red", "green", "blue") and isinstance(obj["n"], int) and 0 <= obj["n"] <= 9, obj
+    assert isinstance(obj["tag"], str) and len(obj["tag"]) <= 3, obj
+
+
+def samples(out: dict) -> list[dict]:
+    return out.get("outputs", [out])
+
+
+@pytest.mark.parametrize("temperature, n", [(0.0, 1), (1.0, 2)])
+def test_json_schema_output_parses_and_validates(engine, temperature, n):
+    sp = SamplingParams(temperature=temperature, max_tokens=40, n=n, seed=7,
+                        structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    outs = [s for out in engine.generate(PROMPTS[:3 - n], sp) for s in samples(out)]
+    assert len(outs) == 2
+    for s in outs:
+        assert s["finish_reason"] == "stop", s
+        check_schema(text_of(s))
+
+
+def test_regex_choice_grammar_and_a_plain_neighbour(shared):
+    """One overlapped batch: a regex, a choice, an EBNF grammar, a structural tag, and an unconstrained request
+    whose greedy tokens are the same as when it runs alone (the mask touches only its own rows; the batch runs
+    step by step while a constrained row is in it, then the plain row goes on overlapped)."""
+    engine = shared
+    engine.config.overlap = True
+    plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = engine.generate(["plain neighbour"], plain)[0]["token_ids"]
+    call = {"type": "object", "properties": {"name": {"const": "f"}, "arguments": {"enum": [1, 2]}},
+            "required": ["name", "arguments"]}
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<v>"], "at_least_one": True,
+                                                "stop_after_first": True, "tags": [
+                                                    {"type": "tag", "begin": "<v>", "end": "</v>",
+                                                     "content": {"type": "json_schema", "json_schema": call}}]}}
+    sps = [SamplingParams(temperature=1.0, max_tokens=30, structured_outputs={"regex": r"[a-c]{2}-\d{1,3}"}),
+           SamplingParams(temperature=1.0, max_tokens=30, structured_outputs={"choice": ["alpha", "beta \"q\""]}),
+           SamplingParams(temperature=1.0, max_tokens=30, structured_outputs={"grammar": 'root ::= "yes" | "no" [0-9]'}),
+           SamplingParams(temperature=1.0, max_tokens=40,      # (its JSON: at most one blank between tokens)
+                          structured_outputs={"structural_tag": json.dumps(tag), "disable_any_whitespace": True}),
+           plain]
+    outs = engine.generate(["a", "b", "c", "d", "plain neighbour"], sps)
+    assert all(o["finish_reason"] == "stop" for o in outs[:4]), outs
+    assert re.fullmatch(r"[a-c]{2}-\d{1,3}", text_of(outs[0])), outs[0]
+    assert text_of(outs[1]) in ("alpha", "beta \"q\""), outs[1]
+    assert re.fullmatch(r"yes|no[0-9]", text_of(outs[2])), outs[2]
+    m = re.fullmatch(r"<v>(.*)</v>", text_of(outs[3]), re.S)
+    assert m and json.loads(m.group(1))["arguments"] in (1, 2), outs[3]
+    assert outs[4]["token_ids"] == alone
+    engine.config.overlap = False
+
+
+def test_processed_path_with_logprobs_and_top_k(shared):
+    """A constrained row that also takes the processed path (top_k, logprobs): its draw and log-probs see the mask."""
+    sp = SamplingParams(temperature=1.0, top_k=5, logprobs=2, max_tokens=60,
+                        structured_outputs={"json": SCHEMA, "disable_any_whitespace": True})
+    out = shared.generate(["processed"], sp)[0]
+    assert out["finish_reason"] == "stop"
+    check_schema(text_of(out))
+    assert all(lp.logprob > float("-inf") for lp in out["logprobs"])
+
+
+def test_legacy_structural_tag_form_compiles(shared):
+    tag = {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}], "triggers": ["<f"]}
+    shared.validate([1, 2, 3], SamplingParams(structured_outputs={"structural_tag": tag}))
+
+
+BAD = [({"json": '{"type": 3}'}, "json"), ({"json": "{not json"}, "json"), ({"regex": "(("}, "regex"),
+       ({"grammar": "root ::= "}, "grammar"), ({"structural_tag": {"format": 1}}, "structural_tag"),
+       ({"choice": []}, "choice"), ({"json": {}, "regex": "a"}, "exactly one"), ({"jsn": {}}, "unknown field")]
+
+
+def test_bad_constraints_are_request_errors_at_admission(shared):
+    for so, field in BAD:
+        with pytest.raises(RequestError, match=field) as e:
+            shared.add_request([1, 2, 3], SamplingParams(structured_outputs=so))
+        assert e.value.code == "invalid_structured_outputs"
+        assert shared.is_finished()              # nothing was queued
+
+
+def test_unconstrained_batches_build_no_mask(tiny_engine):
+    engine = tiny_engine(**KW)
+    engine.generate(["nothing constrained"], SamplingParams(temperature=0, max_tokens=3))
+    assert engine.runner.sampler._mask is None and engine.grammars._compiler is None
+    engine.generate(["still nothing"], SamplingParams(temperature=1.0, max_tokens=3))
+    assert engine.runner.sampler._mask is None

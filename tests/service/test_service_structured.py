@@ -1,0 +1,96 @@
+"""Structured outputs through the server (labkit/service/structured.py): OpenAI's response_format, vLLM's
+structured_outputs, guided_* and structural_tag, on completions, chat and /generate, through the official
+``openai`` client and langchain-openai. The tiny model is random: bounded schemas, so it must finish."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from service_fixtures import post, serving, settle_after
+
+openai = pytest.importorskip("openai")
+
+SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["color", "n"], "additionalProperties": False}
+CHAT = [{"role": "user", "content": "pick a color"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    yield from serving(tiny_model_dir, record=False, max_active=4, queue_size=16, max_model_len=256,
+                       worker_id="structured-test")
+
+
+_idle = settle_after("server")
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def check(text: str) -> None:
+    obj = json.loads(text)
+    assert set(obj) == {"color", "n"} and obj["color"] in ("red", "green"), obj
+    assert isinstance(obj["n"], int) and 0 <= obj["n"] <= 9, obj
+
+
+def test_response_format_json_schema_on_completions_n2(api):
+    rf = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
+    out = api.completions.create(model="tiny", prompt="color:", max_tokens=40, n=2, seed=3,
+                                 extra_body={"response_format": rf})     # (the client has it on chat only)
+    assert len(out.choices) == 2
+    for c in out.choices:
+        assert c.finish_reason == "stop", c
+        check(c.text)
+
+
+def test_structured_outputs_regex_on_a_chat_stream(api):
+    chunks = list(api.chat.completions.create(model="tiny", messages=CHAT, max_tokens=30, stream=True,
+                                              extra_body={"structured_outputs": {"regex": r"[a-c]{3}-\d{2}"}}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert re.fullmatch(r"[a-c]{3}-\d{2}", text), text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def test_legacy_guided_choice_and_native_generate(server, api):
+    out = api.chat.completions.create(model="tiny", messages=CHAT, max_tokens=20, temperature=1.0,
+                                      extra_body={"guided_choice": ["left", "right side"],
+                                                  "guided_decoding_backend": "xgrammar"})
+    assert out.choices[0].message.content in ("left", "right side")
+    status, res = post(server, "/generate", {"prompt": "x", "max_tokens": 20, "stream": False,
+                                             "structured_outputs": {"json_object": True}})
+    assert status == 200, res
+    assert isinstance(json.loads(res["text"]), dict), res
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 3}}}},
+     "response_format"),
+    ({"structured_outputs": {"regex": "(("}}, "structured_outputs"),
+    ({"structured_outputs": {"json": {}, "choice": ["a"]}}, "structured_outputs"),
+    ({"guided_grammar": "root ::= "}, "guided_grammar"),
+    ({"guided_json": SCHEMA, "response_format": {"type": "json_object"}}, "guided_json"),
+    ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
+    ({"structural_tag": "{not json"}, "structural_tag"),
+], ids=["schema", "regex", "two-kinds", "grammar", "two-sources", "backend", "tag"])
+def test_bad_constraints_are_400_naming_the_field(server, body, param):
+    status, err = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 4, **body})
+    assert status == 400 and err["error"]["param"] == param, err
+
+
+def test_langchain_with_structured_output(server):
+    lc = pytest.importorskip("langchain_openai")
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Pick(BaseModel):
+        color: Literal["red", "green"]
+        n: int = Field(ge=0, le=9)
+
+    llm = lc.ChatOpenAI(model="tiny", base_url=f"{server.url}/v1", api_key="x", max_tokens=40, max_retries=0)
+    pick = llm.with_structured_output(Pick, method="json_schema").invoke("pick a color")
+    assert isinstance(pick, Pick) and pick.color in ("red", "green") and 0 <= pick.n <= 9
