@@ -52,7 +52,8 @@ def check_request(cfg: Config, num_blocks: int, token_ids: list[int],
 def check_params(cfg: Config, sp: SamplingParams) -> None:
     """Token ids inside sampling parameters must be in the vocabulary; prompt log-probs need one rank."""
     vocab = cfg.vocab_size
-    for name, ids in (("logit_bias", list(sp.logit_bias or ())), ("stop_token_ids", sp.stop_token_ids)):
+    for name, ids in (("logit_bias", list(sp.logit_bias or ())), ("stop_token_ids", sp.stop_token_ids),
+                      ("allowed_token_ids", sp.allowed_token_ids or ())):
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})",
