@@ -10,7 +10,7 @@ from engine.config import Config, ConfigError
 from engine.llm import LLM
 from engine.errors import RequestError
 from engine.llm_engine import LLMEngine
-from engine.sampling.params import SamplingParams
+from engine.sampling.params import MAX_LOGIT_BIAS, SamplingParams
 
 # The scheduler and its paged block manager also run on their own, built from plain limits, with no model
 # (the lab's cpu-real-scheduler experiments); a running LLMEngine keeps its own instances private.
@@ -19,4 +19,4 @@ from engine.config import SchedulerLimits  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "Config", "ConfigError", "RequestError", "Scheduler",
-           "BlockManager", "SchedulerLimits", "chain_hash"]
+           "BlockManager", "SchedulerLimits", "chain_hash", "MAX_LOGIT_BIAS"]

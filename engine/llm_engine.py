@@ -226,9 +226,10 @@ class LLMEngine:
         return self.runner.inputs.slot(seq, position)
 
     # -- requests ------------------------------------------------------------------
-    def encode(self, prompt) -> list[int]:
-        """Text as is, chat messages through the chat template, or token ids (engine/admission.py)."""
-        return admission.encode(self.tokenizer, prompt)
+    def encode(self, prompt, **options) -> list[int]:
+        """Text as is, chat messages through the chat template, or token ids (engine/admission.py; options:
+        add_generation_prompt, continue_final_message, add_special_tokens)."""
+        return admission.encode(self.tokenizer, prompt, **options)
 
     def validate(self, token_ids: list[int], sampling_params: SamplingParams | None = None) -> None:
         """The one admission rule, offline and online (engine/admission.py: check_request) over this

@@ -221,9 +221,9 @@ class RemoteWorker(WorkerFront):
         self.close()
 
     # -- requests -------------------------------------------------------------------------
-    def _tokenize(self, prompt) -> list[int]:
+    def _tokenize(self, prompt, **options) -> list[int]:
         """``LLMEngine.encode``'s rule with this process's copy of the model's tokenizer."""
-        return LLMEngine.encode_with(self._encoder, prompt)
+        return LLMEngine.encode_with(self._encoder, prompt, **options)
 
     def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
                  prefill_after: str | None) -> None:

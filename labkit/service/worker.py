@@ -177,8 +177,8 @@ class Worker(WorkerFront):
         return "unhealthy" if self._unhealthy else "ok"
 
     # -- the public, thread-safe API (submit and encode: WorkerFront) --------------------------
-    def _tokenize(self, prompt) -> list[int]:
-        return self.engine.encode(prompt)
+    def _tokenize(self, prompt, **options) -> list[int]:
+        return self.engine.encode(prompt, **options)
 
     def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
                  prefill_after: str | None) -> None:
