@@ -60,6 +60,9 @@ class EngineStats:
     free_blocks: int
     used_blocks: int
     step: int
+    preemptions: int = 0          # sequences preempted so far (vLLM's num_preemptions)
+    prefix_queries: int = 0       # prompt tokens looked up in the prefix cache at admission (vLLM's)
+    prefix_hits: int = 0          # of them, tokens found cached
 
 
 @dataclass
@@ -154,7 +157,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
         return EngineStats(len(sch.waiting), len(sch.running), bm.num_blocks, bm.num_free_blocks,
-                           len(bm.used_block_ids), self.num_steps)
+                           len(bm.used_block_ids), self.num_steps, sch.num_preemptions, sch.prefix_queries,
+                           sch.prefix_hits)
 
     def live_seq_ids(self) -> set[int]:
         return {s.seq_id for s in (*self.scheduler.waiting, *self.scheduler.running)}

@@ -73,6 +73,7 @@ class Service:
             raise UserError(f"--max-body-bytes must be an integer of at least 1024, got {max_body_bytes!r}")
         self.worker = worker
         self.limits = Limits(served.max_model_len, name, max_body_bytes)
+        worker.stats.set_model_name(name)          # vLLM's /metrics series, labelled model_name as vLLM's
         self.access = access or Access.make()
         self.connections = connections or ConnectionLimits()
         self.connections.check()

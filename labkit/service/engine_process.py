@@ -458,9 +458,10 @@ class RemoteWorker(WorkerFront):
                     del live[rid]
                     self._pending.pop(rid, None)
             if kind == "admitted":
-                stats.count_prompt(r.prompt_tokens)
+                stats.count_prompt(r.prompt_tokens, (ev["t_ns"] - r.submitted_ns) / 1e9)
             if kind == "finished":
-                stats.count_finished(ev["reason"], (ev["t_ns"] - r.submitted_ns) / 1e9 if r.admitted else None)
+                stats.count_finished(ev["reason"], (ev["t_ns"] - r.submitted_ns) / 1e9 if r.admitted else None,
+                                     ev.get("num_prompt_tokens", 0), ev.get("num_completion_tokens", 0))
                 r.handle._finish(ev, wake=False)
             else:
                 r.handle._push(ev)

@@ -273,6 +273,10 @@ class WorkerFront:
             "labkit_kv_blocks_free": s.get("kv_blocks_free", 0),
             "labkit_round": s.get("round", 0),
             "labkit_healthy": 1 if s["state"] == "ok" else 0,
+            # the engine's running totals, turned into vLLM's counters at each scrape (metrics.VllmSeries)
+            "engine_preemptions": s.get("engine_preemptions", 0),
+            "prefix_cache_queries": s.get("prefix_cache_queries", 0),
+            "prefix_cache_hits": s.get("prefix_cache_hits", 0),
         }
 
     def header(self, **extra) -> dict:

@@ -383,7 +383,7 @@ class Worker(WorkerFront):
             return
         self._active[req.request_id] = req
         self._by_seq[req.seq.seq_id] = req
-        self.stats.count_prompt(len(req.token_ids))
+        self.stats.count_prompt(len(req.token_ids), (now_ns() - req.submitted_ns) / 1e9)
         with self._lock:
             queue = len(self._pending)
         self._emit(req, make_event("admitted", req.request_id, self.worker_id, self._round,
@@ -476,7 +476,8 @@ class Worker(WorkerFront):
         with self._lock:
             if self._live.get(req.request_id) is req:
                 del self._live[req.request_id]
-        self.stats.count_finished(reason, (now_ns() - req.submitted_ns) / 1e9 if req.seq is not None else None)
+        self.stats.count_finished(reason, (now_ns() - req.submitted_ns) / 1e9 if req.seq is not None else None,
+                                  len(req.token_ids), req.num_tokens)
         if self.sink is not None:
             self.sink(ev)
         req.handle._finish(ev, wake=False)
@@ -588,7 +589,9 @@ class Worker(WorkerFront):
         if engine is not None and threading.current_thread() is self._thread:
             st = engine.stats()
             snap.update(engine_waiting=st.waiting, engine_running=st.running, kv_blocks_total=st.num_blocks,
-                        kv_blocks_free=st.free_blocks, kv_blocks_used=st.num_blocks - st.free_blocks)
+                        kv_blocks_free=st.free_blocks, kv_blocks_used=st.num_blocks - st.free_blocks,
+                        engine_preemptions=st.preemptions, prefix_cache_queries=st.prefix_queries,
+                        prefix_cache_hits=st.prefix_hits)
         with self._lock:
             snap.update(queue_depth=len(self._pending), active=len(self._active))
             merged = {**self._snapshot, **snap}

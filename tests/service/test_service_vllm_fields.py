@@ -231,3 +231,65 @@ def test_generate_refuses_bad_sampling_values_as_the_openai_routes(server):
                                              "temperature": 1.0, "top_k": 1, "seed": 1})
     status2, out2 = post(server, "/generate", {"prompt_token_ids": ids("ok"), "stream": False, "max_tokens": 3})
     assert status == status2 == 200 and out["token_ids"] == out2["token_ids"]      # top_k 1 is greedy: honoured
+
+
+# --------------------------------------------------------------------------- vLLM's metric names
+
+
+def _scrape(server) -> dict[tuple[str, str], float]:
+    """/metrics' vLLM samples: (sample name, finished_reason or "") -> value, for this server's model_name."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("vllm:") and s.labels.get("model_name") == server.thread._service.limits.served_model_name:
+                if "le" not in s.labels:
+                    out[(s.name, s.labels.get("finished_reason", ""))] = s.value
+    return out
+
+
+def test_vllm_metric_names_move_with_a_request(server):
+    before = _scrape(server)
+    p, n = ids("metrics", 20), 5
+    status, out = post(server, "/v1/completions", {"prompt": p, "max_tokens": n, "ignore_eos": True})
+    assert status == 200, out
+    after = _scrape(server)
+
+    def moved(name, reason=""):
+        return after[(name, reason)] - before.get((name, reason), 0.0)
+
+    assert moved("vllm:prompt_tokens_total") == len(p) and moved("vllm:generation_tokens_total") == n
+    assert moved("vllm:request_success_total", "length") == 1 and moved("vllm:request_success_total", "stop") == 0
+    assert moved("vllm:time_to_first_token_seconds_count") == 1 and moved("vllm:inter_token_latency_seconds_count") == n - 1
+    assert moved("vllm:e2e_request_latency_seconds_count") == 1 and moved("vllm:request_queue_time_seconds_count") == 1
+    assert moved("vllm:e2e_request_latency_seconds_sum") >= moved("vllm:time_to_first_token_seconds_sum") > 0
+    assert moved("vllm:request_prompt_tokens_sum") == len(p) and moved("vllm:request_generation_tokens_sum") == n
+    assert moved("vllm:prefix_cache_queries_total") == len(p)
+    assert 0 <= moved("vllm:prefix_cache_hits_total") <= len(p) and moved("vllm:num_preemptions_total") == 0
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert (gauge, "") in after
+
+
+def test_vllm_gauges_show_a_request_in_flight(server):
+    from engine import SamplingParams
+
+    worker = server.worker
+    handle = worker.submit(ids("gauge"), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    try:
+        next(e for e in handle.events() if e["event"] == "token")
+        worker.pause()
+        worker.run_on_owner(lambda e: None)              # at a boundary, its last step published
+        mid = _scrape(server)
+    finally:
+        worker.resume()
+    assert mid[("vllm:num_requests_running", "")] == 1 and mid[("vllm:num_requests_waiting", "")] == 0
+    assert mid[("vllm:kv_cache_usage_perc", "")] > 0
+    assert handle.wait(60)["reason"] == "length"
+    worker.run_on_owner(lambda e: None)
+    end = _scrape(server)
+    assert end[("vllm:num_requests_running", "")] == 0 and end[("vllm:kv_cache_usage_perc", "")] == 0
