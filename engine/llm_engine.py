@@ -64,6 +64,11 @@ class EngineStats:
     prefix_queries: int = 0       # prompt tokens looked up in the prefix cache at admission (vLLM's)
     prefix_hits: int = 0          # of them, tokens found cached
 
+    def totals(self) -> dict[str, int]:
+        """The running totals under the names the service's snapshot and metrics use."""
+        return {"engine_preemptions": self.preemptions, "prefix_cache_queries": self.prefix_queries,
+                "prefix_cache_hits": self.prefix_hits}
+
 
 @dataclass
 class _InFlight:

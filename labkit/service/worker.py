@@ -476,8 +476,7 @@ class Worker(WorkerFront):
         with self._lock:
             if self._live.get(req.request_id) is req:
                 del self._live[req.request_id]
-        self.stats.count_finished(reason, (now_ns() - req.submitted_ns) / 1e9 if req.seq is not None else None,
-                                  len(req.token_ids), req.num_tokens)
+        self.stats.count_finished(reason, (now_ns() - req.submitted_ns) / 1e9 if req.seq is not None else None, *req.counts())
         if self.sink is not None:
             self.sink(ev)
         req.handle._finish(ev, wake=False)
@@ -589,9 +588,7 @@ class Worker(WorkerFront):
         if engine is not None and threading.current_thread() is self._thread:
             st = engine.stats()
             snap.update(engine_waiting=st.waiting, engine_running=st.running, kv_blocks_total=st.num_blocks,
-                        kv_blocks_free=st.free_blocks, kv_blocks_used=st.num_blocks - st.free_blocks,
-                        engine_preemptions=st.preemptions, prefix_cache_queries=st.prefix_queries,
-                        prefix_cache_hits=st.prefix_hits)
+                        kv_blocks_free=st.free_blocks, kv_blocks_used=st.num_blocks - st.free_blocks, **st.totals())
         with self._lock:
             snap.update(queue_depth=len(self._pending), active=len(self._active))
             merged = {**self._snapshot, **snap}
