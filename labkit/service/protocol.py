@@ -8,7 +8,9 @@ max_model_len, KV pool size) and they come back as 400 too.
 
 OpenAI parameters the server does not implement are refused with a 400 that names them (``param``),
 unless the value given is a no-op (``suffix=""``, ``tools=[]`` ...): see :data:`NOOP_PARAMS` and
-docs/OPENAI.md. The sampling parameters (:data:`SAMPLING_CHECKS`), ``n``, ``logprobs`` /
+docs/OPENAI.md; vLLM's are in :mod:`labkit.service.protocol_fields` (implemented ones in
+:class:`~labkit.service.protocol_fields.VllmOptions`, ``GenRequest.vllm``; the others in its ``REFUSED``). The
+shared field checks live in :mod:`labkit.service.sampling_args` (re-exported here). The sampling parameters (:data:`SAMPLING_CHECKS`), ``n``, ``logprobs`` /
 ``top_logprobs`` and ``echo`` (completions) map onto :class:`engine.SamplingParams`. Fields no OpenAI or vLLM request has are ignored, as vLLM
 does by default.
 

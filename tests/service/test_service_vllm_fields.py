@@ -100,6 +100,9 @@ def test_prompt_logprobs_in_vllms_shape_match_echo(api, server):
         assert entry["logprob"] == pytest.approx(echoed[pos], abs=1e-5) and entry["rank"] >= 1
         assert entry["decoded_token"] == server.worker.tokenizer.decode([p[pos]])
         assert sum(1 for v in plp[pos].values() if v["rank"] <= 2) >= 2      # the two alternatives, ranked
+    two = api.completions.create(model="tiny", prompt=p, temperature=0, max_tokens=1, n=2,
+                                 extra_body={"prompt_logprobs": 2}).model_dump()["choices"]
+    assert two[0]["prompt_logprobs"] == two[1]["prompt_logprobs"] == plp           # a prompt's, for every sample
     chat = api.chat.completions.create(model="tiny", messages=USER, temperature=0, max_tokens=1,
                                        extra_body={"prompt_logprobs": 0})
     cp = chat.model_dump()["prompt_logprobs"]
