@@ -82,6 +82,7 @@ REFUSED: dict[str, tuple[tuple, Any, str]] = {
     "stream_interval": ((1,), _int_check(1), "one chunk per token"),
     "return_prompt_text": ((False,), _type_check(bool, what="true or false"), "the rendered prompt is not returned"),
     "return_token_offsets": ((False,), _type_check(bool, what="true or false"), "vLLM's render endpoints only"),
+    "return_mm_kwargs": ((True,), _type_check(bool, what="true or false"), "vLLM's render endpoints only"),
     "routed_experts_prompt_start": ((0,), _int_check(0), "no expert routing data"),
     "priority": ((0,), _type_check(int, what="an integer"), "no priority scheduling (vLLM refuses it too "
                                                             "without --scheduling-policy priority)"),
