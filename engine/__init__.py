@@ -10,7 +10,7 @@ from engine.config import Config, ConfigError
 from engine.llm import LLM
 from engine.errors import RequestError
 from engine.llm_engine import LLMEngine
-from engine.sampling.params import SamplingParams
+from engine.sampling.params import MAX_LOGIT_BIAS, SamplingParams
 from engine.sampling.structured import StructuredOutputsParams
 
 # The scheduler and its paged block manager also run on their own, built from plain limits, with no model
@@ -19,5 +19,5 @@ from engine.block_manager import BlockManager, chain_hash  # noqa: E402  (chain_
 from engine.config import SchedulerLimits  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "Config", "ConfigError", "RequestError", "Scheduler",
-           "BlockManager", "SchedulerLimits", "chain_hash"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "Config", "ConfigError", "RequestError",
+           "Scheduler", "BlockManager", "SchedulerLimits", "chain_hash", "MAX_LOGIT_BIAS"]

@@ -9,14 +9,19 @@ from engine.errors import RequestError
 from engine.sampling.params import SamplingParams
 
 
-def encode(tokenizer, prompt) -> list[int]:
-    """Text as is, chat messages through the chat template, or token ids."""
+def encode(tokenizer, prompt, *, add_generation_prompt: bool = True, continue_final_message: bool = False,
+           add_special_tokens: bool | None = None) -> list[int]:
+    """Text as is, chat messages through the chat template, or token ids. ``continue_final_message`` (with
+    ``add_generation_prompt=False``): the last message is left open for the model to continue (assistant
+    prefill, transformers' and vLLM's meaning). ``add_special_tokens``: passed to the tokenizer (None: its
+    default)."""
+    special = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return tokenizer.encode(prompt, **special)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=False)
-        return tokenizer.encode(text)
+        text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, enable_thinking=False)
+        return tokenizer.encode(text, **special)
     return list(prompt)
 
 
@@ -52,7 +57,8 @@ def check_request(cfg: Config, num_blocks: int, token_ids: list[int],
 def check_params(cfg: Config, sp: SamplingParams) -> None:
     """Token ids inside sampling parameters must be in the vocabulary; prompt log-probs need one rank."""
     vocab = cfg.vocab_size
-    for name, ids in (("logit_bias", list(sp.logit_bias or ())), ("stop_token_ids", sp.stop_token_ids)):
+    for name, ids in (("logit_bias", list(sp.logit_bias or ())), ("stop_token_ids", sp.stop_token_ids),
+                      ("allowed_token_ids", sp.allowed_token_ids or ())):
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab})",

@@ -61,6 +61,14 @@ class EngineStats:
     free_blocks: int
     used_blocks: int
     step: int
+    preemptions: int = 0          # sequences preempted so far (vLLM's num_preemptions)
+    prefix_queries: int = 0       # prompt tokens looked up in the prefix cache at admission (vLLM's)
+    prefix_hits: int = 0          # of them, tokens found cached
+
+    def totals(self) -> dict[str, int]:
+        """The running totals under the names the service's snapshot and metrics use."""
+        return {"engine_preemptions": self.preemptions, "prefix_cache_queries": self.prefix_queries,
+                "prefix_cache_hits": self.prefix_hits}
 
 
 @dataclass
@@ -157,7 +165,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
         return EngineStats(len(sch.waiting), len(sch.running), bm.num_blocks, bm.num_free_blocks,
-                           len(bm.used_block_ids), self.num_steps)
+                           len(bm.used_block_ids), self.num_steps, sch.num_preemptions, sch.prefix_queries,
+                           sch.prefix_hits)
 
     def live_seq_ids(self) -> set[int]:
         return {s.seq_id for s in (*self.scheduler.waiting, *self.scheduler.running)}
@@ -229,9 +238,10 @@ class LLMEngine:
         return self.runner.inputs.slot(seq, position)
 
     # -- requests ------------------------------------------------------------------
-    def encode(self, prompt) -> list[int]:
-        """Text as is, chat messages through the chat template, or token ids (engine/admission.py)."""
-        return admission.encode(self.tokenizer, prompt)
+    def encode(self, prompt, **options) -> list[int]:
+        """Text as is, chat messages through the chat template, or token ids (engine/admission.py; options:
+        add_generation_prompt, continue_final_message, add_special_tokens)."""
+        return admission.encode(self.tokenizer, prompt, **options)
 
     def validate(self, token_ids: list[int], sampling_params: SamplingParams | None = None) -> None:
         """The one admission rule, offline and online (engine/admission.py: check_request) over this

@@ -33,6 +33,8 @@ class Scheduler:
         knob = limits.max_consecutive_prefill
         self.max_consecutive_prefill = knob if knob is not None else (1 if self.policy == "balanced" else None)
         self._prefill_run = 0                      # prefill steps since the last decode step
+        # totals for the service's metrics (vLLM's num_preemptions, prefix_cache_queries / hits, in tokens)
+        self.num_preemptions = self.prefix_queries = self.prefix_hits = 0
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -74,6 +76,8 @@ class Scheduler:
                 if not bm.can_allocate(seq, hits):
                     break
                 bm.allocate(seq, hits)
+                self.prefix_queries += seq.num_tokens
+                self.prefix_hits += len(hits) * bm.block_size
             remaining = seq.num_tokens - seq.num_cached_tokens
             if scheduled and remaining > budget:
                 break
@@ -131,6 +135,7 @@ class Scheduler:
                 or seq.num_tokens + ahead >= self.max_model_len)
 
     def preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         seq.num_scheduled_tokens = 0
         self.block_manager.deallocate(seq)

@@ -66,12 +66,35 @@ def logprobs_of(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> tuple:
     return chosen, ranks, None, None
 
 
+#: Prompt positions whose log-softmax over the vocabulary is computed at once: the extra memory of prompt log-probs
+#: is O(PROMPT_LOGPROBS_CHUNK x vocab) (about 78 MB in float32 at Qwen3's 151,936 ids), whatever the prompt's length.
+PROMPT_LOGPROBS_CHUNK = 128
+
+
+def prompt_logprobs_chunk(rows: torch.Tensor, targets: list[int], k: int,
+                          compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> list[TokenLogprob]:
+    """The TokenLogprob of each target token at hidden rows [n, H] (n <= PROMPT_LOGPROBS_CHUNK): logits,
+    log-softmax, chosen, rank, top-k of this chunk only."""
+    lp = torch.log_softmax(compute_logits(rows).float(), dim=-1)
+    tgt = torch.tensor(targets, device=lp.device)
+    chosen, ranks, top_ids, top_lps = logprobs_of(lp, tgt, k)
+    del lp
+    ids = top_ids.tolist() if top_ids is not None else None
+    lps = top_lps.tolist() if top_lps is not None else None
+    return [TokenLogprob(t, c, int(r), list(zip(ids[j], lps[j])) if ids is not None else [])
+            for j, (t, c, r) in enumerate(zip(targets, chosen.tolist(), ranks.tolist()))]
+
+
 def record_prompt_logprobs(seqs: list, seqlens_q: list[int], hidden: torch.Tensor,
-                           compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                           compute_logits: Callable[[torch.Tensor], torch.Tensor],
+                           chunk: int | None = None) -> None:
     """After a prefill's forward (hidden: every position's hidden state, the sequences' chunks back to back):
     for the sequences asking for prompt log-probs, the log-softmax of the raw logits at every position of
     their chunk, appending the next prompt token's log-prob (with its top alternatives) to
-    seq.prompt_logprobs. Positions already recorded (a recompute after preemption) are skipped."""
+    seq.prompt_logprobs. Computed ``chunk`` positions (default PROMPT_LOGPROBS_CHUNK) at a time, so a long
+    prompt never holds its whole [positions, vocab] logits at once. Positions already recorded (a recompute
+    after preemption) are skipped."""
+    step = chunk or PROMPT_LOGPROBS_CHUNK
     offset = 0
     for seq, n in zip(seqs, seqlens_q):
         if not seq.prompt_logprobs_done:
@@ -79,15 +102,9 @@ def record_prompt_logprobs(seqs: list, seqlens_q: list[int], hidden: torch.Tenso
             done = len(seq.prompt_logprobs)            # positions whose next token is recorded, + 1
             first = max(start, done - 1)
             last = min(start + n, seq.num_prompt_tokens - 1)   # position p predicts token p + 1
-            if last > first:
-                rows = hidden[offset + first - start: offset + last - start]
-                lp = torch.log_softmax(compute_logits(rows).float(), dim=-1)
-                targets = torch.tensor(seq.token_ids[first + 1: last + 1], device=lp.device)
-                k = seq.sampling_params.prompt_logprobs
-                chosen, ranks, top_ids, top_lps = logprobs_of(lp, targets, k)
-                ids = top_ids.tolist() if top_ids is not None else None
-                lps = top_lps.tolist() if top_lps is not None else None
-                for j, (t, c, r) in enumerate(zip(targets.tolist(), chosen.tolist(), ranks.tolist())):
-                    top = list(zip(ids[j], lps[j])) if ids is not None else []
-                    seq.prompt_logprobs.append(TokenLogprob(t, c, int(r), top))
+            k = seq.sampling_params.prompt_logprobs
+            for a in range(first, last, step):
+                b = min(a + step, last)
+                rows = hidden[offset + a - start: offset + b - start]
+                seq.prompt_logprobs += prompt_logprobs_chunk(rows, seq.token_ids[a + 1: b + 1], k, compute_logits)
         offset += n

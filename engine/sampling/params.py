@@ -15,6 +15,10 @@ from engine.errors import RequestError
 from engine.sampling.structured import StructuredOutputsParams
 
 MAX_LOGPROBS = 20               # top alternatives per token, as OpenAI and vLLM's default max_logprobs
+#: logit_bias entries per request. This server's bound (neither OpenAI's reference nor vLLM documents one): a
+#: request's biases are turned into one pair of index tensors once and scattered into the batch's logits in
+#: one index_put per step, so a row costs at most this many scatter entries; 1024 keys is about 12 KB of JSON.
+MAX_LOGIT_BIAS = 1024
 
 
 def _bad(name: str, message: str) -> RequestError:
@@ -41,7 +45,8 @@ class SamplingParams:
     presence_penalty: float = 0.0     # [-2, 2], over output tokens
     frequency_penalty: float = 0.0    # [-2, 2], over output tokens
     repetition_penalty: float = 1.0   # > 0, over prompt and output tokens; 1 = off
-    logit_bias: dict[int, float] | None = None    # token id -> bias in [-100, 100]
+    logit_bias: dict[int, float] | None = None    # token id -> bias in [-100, 100], at most MAX_LOGIT_BIAS entries
+    allowed_token_ids: list[int] | None = None    # only these ids can be drawn (vLLM's; None = all; never empty)
     min_tokens: int = 0           # EOS and stop_token_ids are masked until this many outputs
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None           # None, or 0..20 alternatives beside the chosen token's log-prob
@@ -75,7 +80,16 @@ class SamplingParams:
                     raise _bad("logit_bias", f"keys must be token ids, got {k!r}")
                 if not _is_num(b) or not -100 <= b <= 100:
                     raise _bad("logit_bias", f"values must be in [-100, 100], got {b!r} for token {k}")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise _bad("logit_bias", f"may hold at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
             self.logit_bias = {int(k): float(b) for k, b in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+                raise _bad("allowed_token_ids", f"must be a list of token ids, got {ids!r}")
+            if not ids:
+                raise _bad("allowed_token_ids", "must not be empty (null allows every token)")
+            self.allowed_token_ids = list(dict.fromkeys(int(t) for t in ids))
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise _bad("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
@@ -98,8 +112,10 @@ class SamplingParams:
         # _plain: nothing beyond temperature (the sampler's one per-row test); a constrained row is not
         # plain but still takes the plain draw when needs_processing() says so (its mask is applied first)
         self._plain = not (self.has_penalties or self.logit_bias is not None or self.logprobs is not None
+                           or self.allowed_token_ids is not None
                            or (self.temperature > 0 and self.has_truncation) or self.min_tokens > 0
                            or self.structured_outputs is not None)
+        self._device_cache: dict = {}     # processors' index tensors of logit_bias / allowed_token_ids, per device
 
     # -- what the sampler needs to do for this request -----------------------------------
     @property
@@ -116,7 +132,8 @@ class SamplingParams:
         if self._plain:
             return False
         return (self._penalties or self.logit_bias is not None or self.logprobs is not None
-                or (self.temperature > 0 and self.has_truncation) or num_outputs < self.min_tokens)
+                or self.allowed_token_ids is not None or (self.temperature > 0 and self.has_truncation)
+                or num_outputs < self.min_tokens)
 
     def needs_history(self, num_outputs: int) -> bool:
         """Whether this step's processing reads the tokens generated so far (penalties, min_tokens, a

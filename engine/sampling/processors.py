@@ -3,7 +3,7 @@
 Only rows whose SamplingParams ask for something beyond temperature come here (see
 SamplingParams.needs_processing); a batch with none of them never touches this module.
 
-Order, as vLLM's v1 sampler: min_tokens mask and logit_bias, penalties (repetition over prompt and
+Order, as vLLM's v1 sampler: min_tokens mask, allowed_token_ids mask and logit_bias, penalties (repetition over prompt and
 output tokens, frequency / presence over output tokens), then, for sampled rows, temperature, min_p,
 top_k, top_p. Greedy rows (temperature 0) stop after the penalties: their argmax is taken there.
 Removed tokens are -inf, so softmax gives them probability 0 and a Gumbel/exponential draw never picks them.
@@ -139,17 +139,56 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[RowInputs]) -> None:
         logits[to_device(r_idx, logits.device), to_device(t_idx, logits.device)] = float("-inf")
 
 
-def apply_logit_bias(logits: torch.Tensor, rows: list[RowInputs]) -> None:
-    r_idx, t_idx, bias = [], [], []
+def _id_tensors(params: SamplingParams, name: str, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A request's logit_bias (ids, biases) or allowed_token_ids (ids, None) as device tensors, made once per
+    request and device (kept on the params object) instead of walked in Python every step."""
+    key = (name, str(device))
+    cached = params._device_cache.get(key)
+    if cached is None:
+        if name == "logit_bias":
+            bias = params.logit_bias or {}
+            cached = (to_device(list(bias), device, torch.int64), to_device(list(bias.values()), device, torch.float32))
+        else:
+            cached = (to_device(params.allowed_token_ids or [], device, torch.int64), None)
+        params._device_cache[key] = cached
+    return cached
+
+
+def _row_scatter(rows: list[RowInputs], name: str, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(row index, token id, value) of every entry of the rows' ``name``, concatenated on the device: one
+    torch.cat of per-request tensors, no Python loop over entries."""
+    r_idx, t_idx, vals = [], [], []
     for i, row in enumerate(rows):
-        for t, b in (row.params.logit_bias or {}).items():
-            r_idx.append(i)
-            t_idx.append(t)
-            bias.append(b)
-    if r_idx:
-        dev = logits.device
-        logits.index_put_((to_device(r_idx, dev), to_device(t_idx, dev)), to_device(bias, dev, logits.dtype),
-                          accumulate=True)
+        if getattr(row.params, name) is None:
+            continue
+        ids, v = _id_tensors(row.params, name, device)
+        r_idx.append(torch.full((ids.shape[0],), i, dtype=torch.int64, device=device))
+        t_idx.append(ids)
+        vals.append(v)
+    if not r_idx:
+        return None, None, None
+    cat = torch.cat
+    return cat(r_idx), cat(t_idx), (cat(vals) if vals[0] is not None else None)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[RowInputs]) -> None:
+    """Each row's logit_bias added to its logits: one index_put (accumulate) for the whole batch."""
+    r_idx, t_idx, bias = _row_scatter(rows, "logit_bias", logits.device)
+    if r_idx is not None:
+        logits.index_put_((r_idx, t_idx), bias.to(logits.dtype), accumulate=True)
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, rows: list[RowInputs]) -> None:
+    """Rows with allowed_token_ids: every other token -inf (vLLM's mask), one scatter for the batch."""
+    which = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
+    if not which:
+        return
+    r_idx, t_idx, _ = _row_scatter(rows, "allowed_token_ids", logits.device)
+    keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+    keep[r_idx, t_idx] = True
+    masked = to_device(which, logits.device)
+    keep_rows = keep.index_select(0, masked)
+    logits.index_copy_(0, masked, logits.index_select(0, masked).masked_fill(~keep_rows, float("-inf")))
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[RowInputs], history: TokenHistory | None = None) -> None:
@@ -248,6 +287,7 @@ def process(logits: torch.Tensor, rows: list[RowInputs], history: TokenHistory |
     come out divided by their temperature (draw them at temperature 1); greedy rows without it."""
     x = logits.float().clone()
     apply_min_tokens(x, rows)
+    apply_allowed_token_ids(x, rows)
     apply_logit_bias(x, rows)
     apply_penalties(x, rows, history)
     temps = [r.params.temperature for r in rows]

@@ -75,6 +75,7 @@ class Service:
         cfg = worker.config
         self.limits = Limits(served.max_model_len, name, max_body_bytes,
                              enable_auto_tool_choice=cfg.enable_auto_tool_choice, reasoning_parser=cfg.reasoning_parser)
+        worker.stats.set_model_name(name)          # vLLM's /metrics series, labelled model_name as vLLM's
         self.access = access or Access.make()
         self.connections = connections or ConnectionLimits()
         self.connections.check()

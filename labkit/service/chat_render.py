@@ -58,15 +58,18 @@ class ChatPrompt:
         return json.dumps([self.tools or [], calls, self.template_kwargs], ensure_ascii=False, default=str)
 
 
-def render(tokenizer, chat: "ChatPrompt | list[dict]") -> str:
-    """The prompt text of a chat: the template with the generation prompt, its own thinking default."""
+def render(tokenizer, chat: "ChatPrompt | list[dict]", add_generation_prompt: bool = True,
+           continue_final_message: bool = False) -> str:
+    """The prompt text of a chat: the template with the generation prompt (or, vLLM's assistant prefill,
+    the last message left open: ``add_generation_prompt=False, continue_final_message=True``), its own
+    thinking default."""
     if not isinstance(chat, ChatPrompt):
         chat = ChatPrompt(list(chat))
     kwargs = dict(chat.template_kwargs)
     if chat.tools:
         kwargs["tools"] = chat.tools
-    return tokenizer.apply_chat_template(template_messages(chat.messages), add_generation_prompt=True,
-                                         tokenize=False, **kwargs)
+    return tokenizer.apply_chat_template(template_messages(chat.messages), add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, tokenize=False, **kwargs)
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

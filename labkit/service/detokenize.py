@@ -149,12 +149,13 @@ class LogprobsFormat:
     top_logprobs: [{token, logprob, bytes}]}]}``. A token's text is its own decode; -inf (a token a
     processor removed, processed_logprobs only) is sent as -9999.0, as vLLM does."""
 
-    def __init__(self, tokenizer, chat: bool):
+    def __init__(self, tokenizer, chat: bool, as_ids: bool = False):
         self.tokenizer = tokenizer
         self.chat = chat
+        self.as_ids = as_ids          # vLLM's return_tokens_as_token_ids: "token_id:N" instead of the text
 
     def _text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return f"token_id:{token_id}" if self.as_ids else self.tokenizer.decode([token_id])
 
     @staticmethod
     def _num(v: float | None) -> float | None:

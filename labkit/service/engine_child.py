@@ -63,7 +63,7 @@ class _Uncounted:
     """The child Worker's stats: nothing. The parent counts the same from the events, so the engine's process
     pays no Prometheus counter or histogram per token (about 1 us each)."""
 
-    def count_prompt(self, tokens: int) -> None:
+    def count_prompt(self, tokens: int, queue_seconds: float | None = None) -> None:
         pass
 
     def count_tokens(self, ttfts: list[float], itls: list[float]) -> None:
@@ -75,7 +75,8 @@ class _Uncounted:
     def count_engine_error(self) -> None:
         pass
 
-    def count_finished(self, reason: str, e2e_seconds: float | None = None) -> None:
+    def count_finished(self, reason: str, e2e_seconds: float | None = None, prompt_tokens: int = 0,
+                       generation_tokens: int = 0) -> None:
         pass
 
 

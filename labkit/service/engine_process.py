@@ -221,9 +221,9 @@ class RemoteWorker(WorkerFront):
         self.close()
 
     # -- requests -------------------------------------------------------------------------
-    def _tokenize(self, prompt) -> list[int]:
+    def _tokenize(self, prompt, **options) -> list[int]:
         """``LLMEngine.encode``'s rule with this process's copy of the model's tokenizer."""
-        return LLMEngine.encode_with(self._encoder, prompt)
+        return LLMEngine.encode_with(self._encoder, prompt, **options)
 
     def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
                  prefill_after: str | None) -> None:
@@ -458,9 +458,10 @@ class RemoteWorker(WorkerFront):
                     del live[rid]
                     self._pending.pop(rid, None)
             if kind == "admitted":
-                stats.count_prompt(r.prompt_tokens)
+                stats.count_prompt(r.prompt_tokens, (ev["t_ns"] - r.submitted_ns) / 1e9)
             if kind == "finished":
-                stats.count_finished(ev["reason"], (ev["t_ns"] - r.submitted_ns) / 1e9 if r.admitted else None)
+                stats.count_finished(ev["reason"], (ev["t_ns"] - r.submitted_ns) / 1e9 if r.admitted else None,
+                                     ev.get("num_prompt_tokens", 0), ev.get("num_completion_tokens", 0))
                 r.handle._finish(ev, wake=False)
             else:
                 r.handle._push(ev)

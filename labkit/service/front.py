@@ -110,8 +110,8 @@ class WorkerFront:
     def snapshot(self) -> dict:
         raise NotImplementedError
 
-    def _tokenize(self, prompt) -> list[int]:
-        """The engine's encoding of text or chat messages (through the chat template)."""
+    def _tokenize(self, prompt, **options) -> list[int]:
+        """The engine's encoding of text or chat messages (through the chat template; options: admission.encode's)."""
         raise NotImplementedError
 
     def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
@@ -136,7 +136,8 @@ class WorkerFront:
     # -- submission ----------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                tags: dict | None = None, stream: bool = True, stream_buffer: int | None = None, *,
-               fill_context: bool = False, stop_token_ids=(), prefill_after: str | None = None) -> RequestHandle:
+               fill_context: bool = False, stop_token_ids=(), prefill_after: str | None = None,
+               prompt_options: dict | None = None) -> RequestHandle:
         """Queue a request; returns its handle at once (``handle.rejected`` when the queue is full).
 
         ``fill_context``: max_tokens becomes what the context leaves after the prompt (max_model_len -
@@ -144,13 +145,17 @@ class WorkerFront:
         finishes the request with reason ``stop`` at the step that produces one; that token is its last).
         ``prefill_after``: the id of a request with the same prompt submitted just before (a sibling of
         ``n > 1``); this one waits for that one's prefill and reuses its full KV blocks (prefix cache).
+        ``prompt_options`` (vLLM's fields, :meth:`encode`): add_generation_prompt, continue_final_message,
+        add_special_tokens, truncate_prompt_tokens with truncation_side. ``handle.prompt_token_ids`` is the
+        prompt as submitted to the engine.
         Token events carry ``logprob`` (``[id, log-prob, rank, [[id, log-prob], ...]]``) when
         ``params.logprobs`` is set; the first carries ``prompt_logprobs`` when ``params.prompt_logprobs`` is.
 
         Raises ``engine.RequestError`` for a prompt the engine cannot take, :class:`DuplicateRequest`
         for a live request id, :class:`WorkerUnavailable` when not accepting work.
         """
-        token_ids, params, tags = self._checked(prompt, params, request_id, tags, fill_context, stop_token_ids)
+        token_ids, params, tags = self._checked(prompt, params, request_id, tags, fill_context, stop_token_ids,
+                                                prompt_options)
         with self._lock:
             if not self.accepting:
                 raise WorkerUnavailable(self._unavailable_reason())
@@ -158,11 +163,12 @@ class WorkerFront:
             if rid in self._live:
                 raise DuplicateRequest(f"request_id {rid!r} is already in flight")
             handle = RequestHandle(rid, stream_buffer or self.config.stream_buffer, keep_tokens=stream)
+            handle.prompt_token_ids = token_ids
             self._enqueue(rid, handle, token_ids, params, tags, prefill_after)
         return handle
 
     def _checked(self, prompt, params: SamplingParams | None, request_id, tags: dict | None, fill_context: bool,
-                 stop_token_ids) -> tuple[list[int], SamplingParams, dict]:
+                 stop_token_ids, prompt_options: dict | None = None) -> tuple[list[int], SamplingParams, dict]:
         """What submit() checks before it takes the lock: accepting, the request id's form, the prompt's tokens,
         the engine's admission rule (over the served record: fixed after start), the tags."""
         if not self.accepting:
@@ -171,7 +177,7 @@ class WorkerFront:
         if request_id is not None and not REQUEST_ID_RE.fullmatch(str(request_id)):
             raise RequestError(f"request_id must match {REQUEST_ID_RE.pattern}, got {request_id!r}",
                                "invalid_request_id")
-        token_ids = self.encode(prompt)
+        token_ids = self.encode(prompt, prompt_options)
         if fill_context:
             params = dataclasses.replace(params, max_tokens=max(1, self.served.max_model_len - len(token_ids)))
         extra = [t for t in stop_token_ids if t not in params.stop_token_ids]
@@ -213,8 +219,18 @@ class WorkerFront:
                 return rid
 
     # -- encoding ------------------------------------------------------------------------------
-    def encode(self, prompt) -> list[int]:
-        """Token ids of a prompt: text, chat messages (chat template) or token ids."""
+    def encode(self, prompt, options: dict | None = None) -> list[int]:
+        """Token ids of a prompt: text, chat messages (chat template) or token ids; ``options`` (vLLM's):
+        the template's add_generation_prompt / continue_final_message, add_special_tokens, and
+        truncate_prompt_tokens (keep the last k tokens, or the first k with truncation_side "right")."""
+        options = dict(options or {})
+        keep, side = options.pop("truncate_prompt_tokens", None), options.pop("truncation_side", "left")
+        ids = self._encode(prompt, options)
+        if keep is not None and len(ids) > keep:
+            ids = ids[-keep:] if side == "left" else ids[:keep]
+        return ids
+
+    def _encode(self, prompt, options: dict) -> list[int]:
         if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         if self._encoder is None:
@@ -230,17 +246,18 @@ class WorkerFront:
         try:
             with self._encode_lock:                 # fast tokenizers are not safe to share between threads
                 if isinstance(prompt, ChatPrompt):
-                    return self._encode_chat(prompt, limit)
-                return self._tokenize(prompt)
+                    return self._encode_chat(prompt, limit, options)
+                return self._tokenize(prompt, **options)
         except RequestError:
             raise
         except Exception as e:                      # a chat template that cannot render these messages
             raise RequestError(f"cannot encode the prompt: {type(e).__name__}: {' '.join(str(e).split())[:200]}",
                                "invalid_prompt") from None
 
-    def _encode_chat(self, chat: ChatPrompt, limit: int) -> list[int]:
+    def _encode_chat(self, chat: ChatPrompt, limit: int, options: dict) -> list[int]:
         """The chat template's text (:func:`labkit.service.chat_render.render`: tools, template kwargs, the
-        template's own thinking default), tokenized so that only the template's own markers are special tokens.
+        template's own thinking default, vLLM's add_generation_prompt / continue_final_message in ``options``),
+        tokenized so that only the template's own markers are special tokens.
 
         The template is rendered once with a unique sentinel around every message's content; the text
         outside the sentinels is tokenized as the template made it (its markers become control tokens),
@@ -251,16 +268,16 @@ class WorkerFront:
         specials = [t for t in (getattr(tok, "all_special_tokens", None) or []) if t]
         contents = chat.contents()
         if self.config.special_tokens_in_content:
-            return self._tokenize(render(tok, chat))
+            return self._tokenize(render(tok, chat, **_template_options(options)), **options)
         structure = chat.structure_text()
         if any(sp in structure for sp in specials):
             raise RequestError("tools, tool-call arguments and chat_template_kwargs may not spell a special token "
                                "(start the server with --special-tokens-in-content)", "invalid_prompt")
         if not any(sp in c for c in contents for sp in specials):
-            return self._tokenize(render(tok, chat))
+            return self._tokenize(render(tok, chat, **_template_options(options)), **options)
         mark = "\u2063" + secrets.token_hex(8)
         wrapped = [{**m, "content": f"{mark}{c}{mark}"} for m, c in zip(chat.messages, contents)]
-        text = render(tok, dataclasses.replace(chat, messages=wrapped))
+        text = render(tok, dataclasses.replace(chat, messages=wrapped), **_template_options(options))
         parts = text.split(mark)
         if len(parts) != 2 * len(chat.messages) + 1:
             raise RequestError("the chat template rewrites message content; cannot keep special tokens in it as text "
@@ -274,7 +291,7 @@ class WorkerFront:
                 ids += tok.encode(part, add_special_tokens=False, split_special_tokens=True)
             else:              # the template's own text
                 ids += tok.encode(part, add_special_tokens=False)
-        return ids
+        return tok.build_inputs_with_special_tokens(ids) if options.get("add_special_tokens") else ids
 
     # -- what the front end reads ----------------------------------------------------------------
     def gauges(self) -> dict[str, float]:
@@ -289,6 +306,10 @@ class WorkerFront:
             "labkit_kv_blocks_free": s.get("kv_blocks_free", 0),
             "labkit_round": s.get("round", 0),
             "labkit_healthy": 1 if s["state"] == "ok" else 0,
+            # the engine's running totals, turned into vLLM's counters at each scrape (metrics.VllmSeries)
+            "engine_preemptions": s.get("engine_preemptions", 0),
+            "prefix_cache_queries": s.get("prefix_cache_queries", 0),
+            "prefix_cache_hits": s.get("prefix_cache_hits", 0),
         }
 
     def header(self, **extra) -> dict:
@@ -298,6 +319,11 @@ class WorkerFront:
         s = self.served
         env = envelope(kind=s.kind, device=s.device, model=s.model, seed=s.seed, engine=s.describe())
         return {**env, "worker": self.config.flat(), **extra}
+
+
+def _template_options(options: dict) -> dict:
+    """The prompt options the chat template itself takes (vLLM's assistant prefill)."""
+    return {k: options[k] for k in ("add_generation_prompt", "continue_final_message") if k in options}
 
 
 def _check_size(n: int, limit: int, what: str) -> None:

@@ -36,6 +36,10 @@ class OwnedRequest:
     last_token_ns: int = 0
     prefill_after: str | None = None      # n > 1: the sibling request whose prompt KV this one reuses
 
+    def counts(self) -> tuple[int, int]:
+        """(prompt tokens, output tokens so far): what the metrics count at its finish."""
+        return len(self.token_ids), self.num_tokens
+
 
 def device_fields(out) -> dict:
     """The step's span on the GPU (CUDA; engine/device_clock.py), for the step record."""

@@ -8,7 +8,9 @@ max_model_len, KV pool size) and they come back as 400 too.
 
 OpenAI parameters the server does not implement are refused with a 400 that names them (``param``),
 unless the value given is a no-op (``suffix=""``, ``tools=[]`` ...): see :data:`NOOP_PARAMS` and
-docs/OPENAI.md. The sampling parameters (:data:`SAMPLING_CHECKS`), ``n``, ``logprobs`` /
+docs/OPENAI.md; vLLM's are in :mod:`labkit.service.protocol_fields` (implemented ones in
+:class:`~labkit.service.protocol_fields.VllmOptions`, ``GenRequest.vllm``; the others in its ``REFUSED``). The
+shared field checks live in :mod:`labkit.service.sampling_args` (re-exported here). The sampling parameters (:data:`SAMPLING_CHECKS`), ``n``, ``logprobs`` /
 ``top_logprobs`` and ``echo`` (completions) map onto :class:`engine.SamplingParams`. Fields no OpenAI or vLLM request has are ignored, as vLLM
 does by default.
 
@@ -21,14 +23,16 @@ from __future__ import annotations
 import json
 import math
 import re
-import reprlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine import RequestError, SamplingParams
+from labkit.service import protocol_fields as vf
 from labkit.service.chat_render import chat_request, constrain, parse_messages
+from labkit.service.sampling_args import (SAMPLING_CHECKS, _bool, _int, _int_check, _is_int, _num_check,  # noqa: F401
+                                          _number, _sampling, _show, _type_check, bad, seed_of)
 from labkit.service.structured import source as structured_source, structured_outputs
-from labkit.service.wire import ApiError, HugeInt
+from labkit.service.wire import ApiError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TAG_VALUE_TYPES = (str, int, float, bool, type(None))
@@ -41,10 +45,7 @@ TAG_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")
 MAX_STOPS = 4                  # stop strings per request, as OpenAI
 MAX_PROMPTS = 64               # prompts in one /v1/completions request
 MAX_CHOICES = 128              # prompts x n in one request
-
-
-def bad(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, message, code, param)
+DEFAULT_COMPLETION_TOKENS = 16   # /v1/completions without max_tokens, as OpenAI and vLLM (chat: the rest of the context)
 
 
 @dataclass
@@ -74,62 +75,10 @@ class GenRequest:
     prompts: list | None = None           # /v1/completions: every prompt (one choice each); prompt is the first
     n: int = 1                            # choices per prompt (sample i: seed + i when a seed is given)
     logprobs: int | None = None           # alternatives per token in the answer's logprobs objects (None: no logprobs)
-    echo: bool = False                    # completions: the prompt (and its log-probs) before the output
+    echo: bool = False                    # completions: the prompt (and its log-probs) before the output; chat: vLLM's
     chat_output: Any = None               # chat: how the answer is read (chat_output.ChatOutputOptions)
     structured_param: str | None = None   # the field its structured-output constraint came from (labkit/service/structured.py)
-
-
-# --------------------------------------------------------------------------- field checks
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, HugeInt):
-        raise bad(f"{name} must be between {lo} and {hi}, got {value!r}", name)
-    if not _is_int(value):
-        raise bad(f"{name} must be an integer, got {_show(value)}", name, "invalid_type")
-    if not lo <= value <= hi:
-        raise bad(f"{name} must be between {lo} and {hi}, got {value}", name)
-    return value
-
-
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, HugeInt):
-        raise bad(f"{name} must be between {lo:g} and {hi:g}, got {value!r}", name)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise bad(f"{name} must be a number, got {_show(value)}", name, "invalid_type")
-    if not lo <= value <= hi:
-        raise bad(f"{name} must be between {lo:g} and {hi:g}, got {_show(value)}", name)
-    return float(value)
-
-
-def _bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad(f"{name} must be true or false, got {_show(value)}", name, "invalid_type")
-    return value
-
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 40, 40, 40
-
-
-def _show(value: Any) -> str:
-    """A short, safe rendering of a client's value for a message (bounded depth and length)."""
-    text = repr(value) if isinstance(value, HugeInt) else _REPR.repr(value)
-    text = text.encode("ascii", "backslashreplace").decode("ascii")
-    return text if len(text) <= 60 else text[:57] + "..."
+    vllm: vf.VllmOptions = field(default_factory=vf.VllmOptions)   # vLLM's extra fields (protocol_fields.py)
 
 
 def _token_ids(value: Any, param: str) -> list[int]:
@@ -183,39 +132,6 @@ def _tags(body: dict) -> dict:
 # --------------------------------------------------------------------------- parameters we do not implement
 
 
-def _num_check(lo: float, hi: float, lo_open: bool = False):
-    def check(name: str, v: Any) -> None:
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise bad(f"{name} must be a number, got {_show(v)}", name, "invalid_type")
-        if not (lo < v if lo_open else lo <= v) or not v <= hi:
-            raise bad(f"{name} must be {'>' if lo_open else '>='} {lo:g} and <= {hi:g}, got {_show(v)}", name)
-    return check
-
-
-def _int_check(lo: int, hi: int = 2 ** 31):
-    def check(name: str, v: Any) -> None:
-        if not _is_int(v):
-            raise bad(f"{name} must be an integer, got {_show(v)}", name, "invalid_type")
-        if not lo <= v <= hi:
-            raise bad(f"{name} must be between {lo} and {hi}, got {_show(v)}", name)
-    return check
-
-
-def _type_check(*types: type, what: str):
-    def check(name: str, v: Any) -> None:
-        if not isinstance(v, types) or (bool not in types and isinstance(v, bool)):
-            raise bad(f"{name} must be {what}, got {_show(v)}", name, "invalid_type")
-    return check
-
-
-def _logit_bias_check(name: str, v: Any) -> None:
-    if not isinstance(v, dict):
-        raise bad(f"{name} must be an object of token id -> bias, got {_show(v)}", name, "invalid_type")
-    for k, b in v.items():
-        if not (isinstance(k, str) and k.lstrip("-").isdigit()):
-            raise bad(f"{name} keys must be token ids, got {_show(k)}", name, "invalid_type")
-        if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100:
-            raise bad(f"{name} values must be numbers in [-100, 100], got {_show(b)}", name)
 
 
 _ANY = lambda name, v: None   # noqa: E731  (any value is well-formed; only the no-op ones are accepted)
@@ -227,11 +143,8 @@ _ANY = lambda name, v: None   # noqa: E731  (any value is well-formed; only the 
 NOOP_PARAMS: dict[str, tuple[tuple, Callable[[str, Any], None], str]] = {
     "length_penalty": ((1, 1.0), _num_check(-2 ** 31, 2 ** 31), "no beam search"),
     "use_beam_search": ((False,), _type_check(bool, what="true or false"), "no beam search"),
-    "allowed_token_ids": (([],), _type_check(list, what="a list of token ids"), "the sampler has temperature only"),
     "bad_words": (([],), _type_check(list, what="a list of strings"), "the sampler has temperature only"),
     "top_logprobs": ((0,), _int_check(0, 20), "completions take the count in logprobs"),
-    "prompt_logprobs": ((), _ANY, "prompt log-probabilities are returned through echo with logprobs"),
-    "echo": ((False,), _type_check(bool, what="true or false"), "chat does not echo the prompt"),
     "suffix": (("",), _type_check(str, what="a string"), "no insertion mode"),
     "tools": (([],), _type_check(list, what="a list"), "tool calling is a chat feature"),
     "tool_choice": (("none",), _ANY, "tool calling is a chat feature"),
@@ -240,17 +153,12 @@ NOOP_PARAMS: dict[str, tuple[tuple, Callable[[str, Any], None], str]] = {
     "skip_special_tokens": ((True,), _type_check(bool, what="true or false"), "special tokens are always skipped"),
     "spaces_between_special_tokens": ((True,), _type_check(bool, what="true or false"),
                                       "special tokens are always skipped"),
-    "truncate_prompt_tokens": ((), _ANY, "prompts are never truncated"),
     "chat_template": ((), _ANY, "the model's own chat template only"),
     "chat_template_kwargs": (({},), _type_check(dict, what="an object"), "a chat feature"),
-    "add_generation_prompt": ((True,), _type_check(bool, what="true or false"), "the template always adds it"),
-    "continue_final_message": ((False,), _type_check(bool, what="true or false"), "the template always adds it"),
     "audio": ((), _ANY, "text only"),
     "modalities": ((["text"],), _type_check(list, what="a list"), "text only"),
     "prediction": ((), _ANY, "no predicted outputs"),
     "web_search_options": ((), _ANY, "no web search"),
-    "return_tokens_as_token_ids": ((False,), _type_check(bool, what="true or false"),
-                                   "log-prob tokens are returned as text"),
 }
 #: Accepted and without effect on generation (metadata, or a choice that has no alternative here).
 IGNORED_PARAMS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
@@ -276,7 +184,7 @@ SUPPORTED_HERE = {"completions": {"echo"}, "chat": {"top_logprobs", "tools", "to
 
 def _refuse_unsupported(body: dict, api: str) -> None:
     """Each NOOP_PARAMS field: absent, null or a no-op value passes; malformed is invalid; anything else refused."""
-    for name, (noops, check, why) in NOOP_PARAMS.items():
+    for name, (noops, check, why) in {**NOOP_PARAMS, **vf.REFUSED}.items():     # OpenAI's, then vLLM's
         if name not in body or body[name] is None or name in SUPPORTED_HERE.get(api, ()):
             continue
         value = body[name]
@@ -318,31 +226,6 @@ def _stops(body: dict) -> tuple[list[str], list[int], bool]:
     return stops, list(dict.fromkeys(ids)), include
 
 
-#: The sampling parameters of OpenAI / vLLM requests that map onto SamplingParams, with their checks.
-SAMPLING_CHECKS: dict[str, Callable[[str, Any], None]] = {
-    "top_p": _num_check(0, 1, lo_open=True),
-    "top_k": _int_check(-1),
-    "min_p": _num_check(0, 1),
-    "presence_penalty": _num_check(-2, 2),
-    "frequency_penalty": _num_check(-2, 2),
-    "repetition_penalty": _num_check(0, 2 ** 31, lo_open=True),
-    "min_tokens": _int_check(0),
-    "logit_bias": _logit_bias_check,
-}
-
-
-def _sampling(body: dict) -> dict:
-    """SamplingParams keyword arguments from the body's sampling parameters (null = absent)."""
-    kw: dict[str, Any] = {}
-    for name, check in SAMPLING_CHECKS.items():
-        value = body.get(name)
-        if value is None:
-            continue
-        check(name, value)
-        kw[name] = {int(k): float(b) for k, b in value.items()} if name == "logit_bias" else value
-    return kw
-
-
 def _choices_per_prompt(body: dict) -> int:
     n = _int(body, "n", 1, 1, MAX_CHOICES)
     best_of = body.get("best_of")
@@ -377,9 +260,12 @@ def _logprobs(body: dict, api: str) -> int | None:
 
 
 def _params(body: dict, limits: Limits, default_temperature: float, max_tokens_names=("max_tokens",),
-            default_max_tokens: int | None = None, api: str = "native") -> tuple[SamplingParams, bool]:
+            default_max_tokens: int | None = None, api: str = "native",
+            prompt_logprobs: int | None = None) -> tuple[SamplingParams, bool]:
     """The sampling parameters and whether max_tokens was given. Without it: ``default_max_tokens``, or
-    (None) the rest of the context, which the worker fills in once it knows the prompt's length."""
+    (None) the rest of the context, which the worker fills in once it knows the prompt's length. Every route
+    checks the sampling parameters with the same function (sampling_args._sampling); log-probs are the OpenAI
+    routes'. ``prompt_logprobs``: vLLM's field (else echo with logprobs asks for them)."""
     hi = limits.max_model_len - 1
     max_tokens = None
     for name in max_tokens_names:
@@ -390,22 +276,20 @@ def _params(body: dict, limits: Limits, default_temperature: float, max_tokens_n
     if max_tokens is None:
         max_tokens = min(default_max_tokens or hi, hi)
     temperature = _number(body, "temperature", default_temperature, 0.0, 100.0)
-    seed = body.get("seed")
-    if seed is not None and not (_is_int(seed) and -(2 ** 63) <= seed < 2 ** 64):
-        raise bad(f"seed must be an integer in [-2^63, 2^64), got {_show(seed)}", "seed",
-                  "invalid_type" if not isinstance(seed, (int, HugeInt)) or isinstance(seed, bool) else "invalid_value")
+    seed = seed_of(body)
     ignore_eos = _bool(body, "ignore_eos", False)
-    extra: dict[str, Any] = {"structured_outputs": structured_outputs(body)}    # every route (one parser)
+    extra: dict[str, Any] = {"structured_outputs": structured_outputs(body), **_sampling(body)}   # one parser
     if api != "native":
-        extra.update(_sampling(body))
         logprobs = _logprobs(body, api)
         if logprobs is not None:
             extra["logprobs"] = logprobs
             if api == "completions" and _bool(body, "echo", False):
                 extra["prompt_logprobs"] = logprobs
+        if prompt_logprobs is not None:
+            extra["prompt_logprobs"] = prompt_logprobs
     try:
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                seed=None if seed is None else int(seed) % (2 ** 63), **extra)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos, seed=seed,
+                                **extra)
     except RequestError as e:        # a combination the ranges alone do not catch (min_tokens > max_tokens)
         raise bad(str(e), param_of(e.code)) from None
     return params, given or default_max_tokens is not None
@@ -414,7 +298,7 @@ def _params(body: dict, limits: Limits, default_temperature: float, max_tokens_n
 def param_of(code: str) -> str | None:
     """The request parameter an engine RequestError code (``invalid_<param>``) names, if any."""
     name = code[len("invalid_"):] if code.startswith("invalid_") else ""
-    return name if name in SAMPLING_CHECKS or name in ("logit_bias", "stop_token_ids", "logprobs", "seed",
+    return name if name in SAMPLING_CHECKS or name in ("stop_token_ids", "logprobs", "seed",
                                                       "prompt_logprobs") else None
 
 
@@ -442,7 +326,9 @@ def _check_model(body: dict, limits: Limits) -> str | None:
 def parse_native(body: Any, limits: Limits) -> GenRequest:
     """``POST /generate``: one of prompt (text), prompt_token_ids, messages; greedy by default.
 
-    Optional: max_tokens, temperature, seed, ignore_eos, stream (default true), request_id, tags
+    Optional: max_tokens, temperature, seed, ignore_eos, the sampling parameters of SAMPLING_CHECKS (top_p,
+    top_k, min_p, penalties, min_tokens, logit_bias, allowed_token_ids: the OpenAI routes' checks, the same
+    function), stream (default true), request_id, tags
     (short scalars copied into the submitted event, e.g. the trace's class), detokenize (default
     true: token events carry their text piece; load replay turns it off)."""
     body = _object(body)
@@ -486,14 +372,17 @@ def parse_completion(body: Any, limits: Limits) -> GenRequest:
     n = _choices_per_prompt(body)
     if n * len(prompts) > MAX_CHOICES:
         raise bad(f"prompts x n may be at most {MAX_CHOICES}, got {len(prompts)} x {n}", "n")
-    params, given = _params(body, limits, default_temperature=1.0, api="completions")
+    stream = _bool(body, "stream", False)
+    usage = _include_usage(body, stream)
+    opts = vf.parse(body, "completions", stream, limits.max_model_len)
+    params, given = _params(body, limits, default_temperature=1.0, api="completions",       # max_tokens: 16,
+                            default_max_tokens=DEFAULT_COMPLETION_TOKENS, prompt_logprobs=opts.prompt_logprobs)
     stop, stop_ids, include = _stops(body)
     params = _with_stop_ids(params, stop_ids)
-    stream = _bool(body, "stream", False)
     return GenRequest("completions", prompts[0], params, stream=stream, request_id=_request_id(body),
-                      include_usage=_include_usage(body, stream), model=model, fill_context=not given,
+                      include_usage=usage, model=model, fill_context=not given,
                       stop=stop, include_stop_str_in_output=include, prompts=prompts,
-                      n=n, logprobs=params.logprobs, echo=_bool(body, "echo", False),
+                      n=n, logprobs=params.logprobs, echo=_bool(body, "echo", False), vllm=opts,
                       structured_param=structured_source(body))
 
 
@@ -516,15 +405,17 @@ def parse_chat(body: Any, limits: Limits) -> GenRequest:
     chat, chat_output = chat_request(body, _messages(body["messages"]), limits.enable_auto_tool_choice,
                                      limits.reasoning_parser)
     n = _choices_per_prompt(body)
-    params, given = _params(body, limits, default_temperature=1.0,
+    stream = _bool(body, "stream", False)
+    usage = _include_usage(body, stream)
+    opts = vf.parse(body, "chat", stream, limits.max_model_len)
+    params, given = _params(body, limits, default_temperature=1.0, prompt_logprobs=opts.prompt_logprobs,
                             max_tokens_names=("max_completion_tokens", "max_tokens"), api="chat")
     stop, stop_ids, include = _stops(body)
     params = constrain(_with_stop_ids(params, stop_ids), chat_output)
-    stream = _bool(body, "stream", False)
     return GenRequest("chat", chat, params, stream=stream, request_id=_request_id(body),
-                      include_usage=_include_usage(body, stream), model=model, fill_context=not given,
+                      include_usage=usage, model=model, fill_context=not given,
                       stop=stop, include_stop_str_in_output=include, n=n,
-                      logprobs=params.logprobs, chat_output=chat_output,
+                      logprobs=params.logprobs, echo=_bool(body, "echo", False), vllm=opts, chat_output=chat_output,
                       structured_param="tool_choice" if chat_output.constraint else structured_source(body))
 
 

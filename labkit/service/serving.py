@@ -40,7 +40,8 @@ class Serving:
         """The worker's handle for ``req``, or the ApiError its refusal is (400, 429 queue full, 503)."""
         def call() -> RequestHandle:
             return self.worker.submit(req.prompt, req.params, request_id=req.request_id, tags=req.tags,
-                                      fill_context=req.fill_context, prefill_after=prefill_after)
+                                      fill_context=req.fill_context, prefill_after=prefill_after,
+                                      prompt_options=req.vllm.prompt_options(req.api == "chat") or None)
 
         try:
             if isinstance(req.prompt, list) and (not req.prompt or isinstance(req.prompt[0], int)) \

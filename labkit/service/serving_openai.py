@@ -22,6 +22,7 @@ from typing import Any, Callable
 from aiohttp import web
 
 from labkit.service import protocol
+from labkit.service import protocol_fields as vf
 from labkit.service.chat_output import ChatOutput, read_message
 from labkit.service.detokenize import IncrementalText, LogprobsFormat, StopStrings
 from labkit.service.http import ClientGone, json_bytes
@@ -97,6 +98,10 @@ class Choice:
     lp_items: list = dataclasses.field(default_factory=list)   # per-token log-prob items (LogprobsFormat.item)
     text_offset: int = 0                                       # completions: where the next token's text starts
     output: ChatOutput | None = None                           # chat: reasoning / tool calls read off the text
+    token_ids: list = dataclasses.field(default_factory=list)  # every generated token (return_token_ids)
+    chunk_ids: list = dataclasses.field(default_factory=list)  # the tokens of the chunk being made (streams)
+    prompt_lps: list | None = None                             # the worker's prompt log-probs (sample 0 of a prompt)
+    started: bool = False                                      # a chunk of this choice was sent (streams)
 
 
 class OpenAIRoutes:
@@ -175,7 +180,10 @@ class OpenAIResponse:
         tok = sv.worker.tokenizer
         self.choices = [Choice(i, h, IncrementalText(tok), StopStrings(req.stop, req.include_stop_str_in_output))
                         for i, h in enumerate(handles)]
-        self.logprobs = LogprobsFormat(tok, fmt.chat) if req.logprobs is not None else None
+        self.logprobs = LogprobsFormat(tok, fmt.chat, req.vllm.return_tokens_as_token_ids) \
+            if req.logprobs is not None else None
+        self.vllm = req.vllm
+        self._templated = not (req.vllm.return_token_ids or req.vllm.continuous_usage_stats)
         self.read = req.chat_output if fmt.chat and req.chat_output is not None and req.chat_output.active else None
         if self.read is not None:
             for c in self.choices:
@@ -210,12 +218,15 @@ class OpenAIResponse:
         lp = self.logprobs.obj(logprobs) if self.logprobs is not None and logprobs else None
         body = {**self.head, "choices": [self.fmt.chunk_choice(index, piece, finish, first, lp)]}
         if self.req.include_usage:
-            body["usage"] = None
+            body["usage"] = self.usage(so_far=True) if self.vllm.continuous_usage_stats else None
+        if self.vllm.return_token_ids and index < len(self.choices):
+            self._chunk_token_ids(body, self.choices[index], first)
         return body
 
     def delta_chunks(self, c: Choice, piece: str, logprobs: list | None = None, end: bool = False) -> list[dict]:
         """A chat choice's piece of text through its reasoning / tool-call reader: a chunk per delta (the
-        first carries the piece's log-probs; an empty content delta when the reader holds the piece back)."""
+        first carries the piece's log-probs and token ids; an empty content delta when the reader holds the
+        piece back)."""
         deltas = c.output.push(piece) + (c.output.finish() if end else [])
         if not deltas and not end:
             deltas = [{"content": ""}]
@@ -225,14 +236,27 @@ class OpenAIResponse:
             body = {**self.head, "choices": [{"index": c.index, "delta": delta, "logprobs": lp if i == 0 else None,
                                               "finish_reason": None}]}
             if self.req.include_usage:
-                body["usage"] = None
+                body["usage"] = self.usage(so_far=True) if self.vllm.continuous_usage_stats else None
+            if self.vllm.return_token_ids and i == 0:
+                self._chunk_token_ids(body, c, False)
             out.append(body)
         return out
+
+    def _chunk_token_ids(self, body: dict, c: Choice, first: bool) -> None:
+        """return_token_ids in a stream, as vLLM: the chunk's own tokens on its choice; the prompt's ids on the
+        first chunk (chat: of the response, with the role; completions: of each choice)."""
+        choice = body["choices"][0]
+        choice["token_ids"], c.chunk_ids = c.chunk_ids, []
+        if self.fmt.chat and first:
+            body["prompt_token_ids"] = c.handle.prompt_token_ids
+        elif not self.fmt.chat and not c.started:
+            choice["prompt_token_ids"] = c.handle.prompt_token_ids
+        c.started = True
 
     def token_chunk(self, index: int, piece: str, logprobs: list | None) -> bytes:
         """chunk(index, piece, None) as json_bytes writes it; without log-probs from a per-choice template
         (the JSON around the piece, made once), the piece's JSON string set in."""
-        if not (self.logprobs is not None and logprobs):
+        if self._templated and not (self.logprobs is not None and logprobs):
             if index not in self._templates:
                 parts = json_bytes(self.chunk(index, _SENTINEL, None)).split(_SENTINEL_JSON)
                 self._templates[index] = (parts[0], parts[1]) if len(parts) == 2 else None
@@ -244,8 +268,13 @@ class OpenAIResponse:
                     pass
         return json_bytes(self.chunk(index, piece, None, logprobs=logprobs))
 
-    def usage(self) -> dict:
+    def usage(self, so_far: bool = False) -> dict:
+        """The request's usage; ``so_far`` (continuous_usage_stats): the tokens produced until now."""
         n = self.req.n
+        if so_far:
+            p = sum(len(c.handle.prompt_token_ids or ()) for c in self.choices if c.index % n == 0)
+            done = sum(c.completion_tokens if c.finish else c.tokens for c in self.choices)
+            return {"prompt_tokens": p, "completion_tokens": done, "total_tokens": p + done}
         p = sum(c.prompt_tokens for c in self.choices if c.index % n == 0)     # a prompt counts once (n > 1)
         done = sum(c.completion_tokens for c in self.choices)
         return {"prompt_tokens": p, "completion_tokens": done, "total_tokens": p + done}
@@ -272,6 +301,10 @@ class OpenAIResponse:
                     if self.req.echo:                # the prompt (and its log-probs) before the first token
                         await self._echo_first(c, ev, emit)
                 c.tokens += 1
+                c.token_ids.append(ev["token_id"])
+                c.chunk_ids = [ev["token_id"]]
+                if "prompt_logprobs" in ev:
+                    c.prompt_lps = ev["prompt_logprobs"]
                 out = stops.push(text.push(ev["token_id"]))
                 c.pieces.append(out)
                 items = [lp.item(ev["logprob"], c)] if lp is not None and "logprob" in ev else []
@@ -320,14 +353,20 @@ class OpenAIResponse:
         return self._prompt_lps.get(i)
 
     def _echo(self, c: Choice, prompt_logprobs: list | None) -> tuple[str, list]:
-        """completions echo: the prompt's text, and with logprobs its tokens (the first has no log-prob)."""
+        """completions echo: the prompt's text, and with logprobs its tokens (the first has no log-prob). Chat
+        echo (vLLM's): the last message's content when it has the answer's role, text only."""
+        if self.fmt.chat:
+            return vf.chat_echo(self.req.prompt.messages, self.vllm.add_generation_prompt), []
         prompt = self.prompts[c.index // self.req.n]
         worker = self.serving.worker
-        text = prompt if isinstance(prompt, str) else worker.tokenizer.decode(prompt, skip_special_tokens=True)
+        ids = c.handle.prompt_token_ids or worker.encode(prompt)    # as submitted (truncate_prompt_tokens)
+        if isinstance(prompt, str) and self.vllm.truncate_prompt_tokens is None:
+            text = prompt
+        else:
+            text = worker.tokenizer.decode(ids, skip_special_tokens=True)
         if self.logprobs is None or prompt_logprobs is None:
             c.text_offset += len(text)
             return text, []
-        ids = worker.encode(prompt)
         return text, [self.logprobs.item(entry, c, token_id=t) for t, entry in zip(ids, prompt_logprobs)]
 
     # -- answering ---------------------------------------------------------------------------
@@ -360,9 +399,28 @@ class OpenAIResponse:
                 choice["message"], reader = read_message(self.read, choice["message"]["content"])
                 choice["finish_reason"] = reader.finish_reason(choice["finish_reason"])
         body = {**self.head, "object": self.fmt.final_object, "choices": out, "usage": self.usage()}
+        self._vllm_fields(body)
         return web.Response(body=json_bytes(body), content_type="application/json",
                             headers={"X-Request-Id": self.choices[0].handle.request_id,
                                      "X-Worker-Id": self.serving.worker.worker_id})
+
+    def _vllm_fields(self, body: dict) -> None:
+        """return_token_ids and prompt_logprobs on a whole answer, in vLLM's places: chat on the response (the
+        prompt's) and each choice (its tokens); completions on each choice (a prompt's own ids and log-probs)."""
+        n, decode = self.req.n, self.serving.worker.tokenizer.decode
+        lead = {c.index: self.choices[c.index - c.index % n] for c in self.choices}     # sample 0 of its prompt
+        if self.fmt.chat:
+            if self.vllm.return_token_ids:
+                body["prompt_token_ids"] = self.choices[0].handle.prompt_token_ids
+            if self.vllm.prompt_logprobs is not None:
+                body["prompt_logprobs"] = vf.prompt_logprobs_json(self.choices[0].prompt_lps, lambda t: decode([t]))
+        for c, choice in zip(self.choices, body["choices"]):
+            if self.vllm.return_token_ids:
+                choice["token_ids"] = list(c.token_ids)
+                if not self.fmt.chat:
+                    choice["prompt_token_ids"] = c.handle.prompt_token_ids
+            if self.vllm.prompt_logprobs is not None and not self.fmt.chat:
+                choice["prompt_logprobs"] = vf.prompt_logprobs_json(lead[c.index].prompt_lps, lambda t: decode([t]))
 
     async def stream(self) -> web.StreamResponse:
         """SSE: a chunk per token (the chat's role chunk first), a finish chunk per choice, usage, [DONE]."""

@@ -20,6 +20,7 @@ class RequestHandle:
         self.limit = limit
         self.keep_tokens = keep_tokens
         self.rejected = False
+        self.prompt_token_ids: list[int] | None = None   # the prompt as the engine got it (set at submit)
         self.result: dict | None = None          # the finished event
         self.max_buffered = 0                    # high-water mark of unread events
         self.done = threading.Event()

@@ -177,8 +177,8 @@ class Worker(WorkerFront):
         return "unhealthy" if self._unhealthy else "ok"
 
     # -- the public, thread-safe API (submit and encode: WorkerFront) --------------------------
-    def _tokenize(self, prompt) -> list[int]:
-        return self.engine.encode(prompt)
+    def _tokenize(self, prompt, **options) -> list[int]:
+        return self.engine.encode(prompt, **options)
 
     def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
                  prefill_after: str | None) -> None:
@@ -384,7 +384,7 @@ class Worker(WorkerFront):
             return
         self._active[req.request_id] = req
         self._by_seq[req.seq.seq_id] = req
-        self.stats.count_prompt(len(req.token_ids))
+        self.stats.count_prompt(len(req.token_ids), (now_ns() - req.submitted_ns) / 1e9)
         with self._lock:
             queue = len(self._pending)
         self._emit(req, make_event("admitted", req.request_id, self.worker_id, self._round,
@@ -477,7 +477,7 @@ class Worker(WorkerFront):
         with self._lock:
             if self._live.get(req.request_id) is req:
                 del self._live[req.request_id]
-        self.stats.count_finished(reason, (now_ns() - req.submitted_ns) / 1e9 if req.seq is not None else None)
+        self.stats.count_finished(reason, (now_ns() - req.submitted_ns) / 1e9 if req.seq is not None else None, *req.counts())
         if self.sink is not None:
             self.sink(ev)
         req.handle._finish(ev, wake=False)
@@ -589,7 +589,7 @@ class Worker(WorkerFront):
         if engine is not None and threading.current_thread() is self._thread:
             st = engine.stats()
             snap.update(engine_waiting=st.waiting, engine_running=st.running, kv_blocks_total=st.num_blocks,
-                        kv_blocks_free=st.free_blocks, kv_blocks_used=st.num_blocks - st.free_blocks)
+                        kv_blocks_free=st.free_blocks, kv_blocks_used=st.num_blocks - st.free_blocks, **st.totals())
         with self._lock:
             snap.update(queue_depth=len(self._pending), active=len(self._active))
             merged = {**self._snapshot, **snap}
