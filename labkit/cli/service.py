@@ -227,6 +227,7 @@ def trace(
     turns: Annotated[Optional[int], typer.Option("--turns", help="multi-turn: turns per conversation (default 3).")] = None,
     think_time_ms: Annotated[Optional[float], typer.Option("--think-time-ms", help="multi-turn: gap after a reply before the next turn (default 0).")] = None,
     seed: SeedOpt = 17,
+    header_only: Annotated[bool, typer.Option("--header-only", help="With --dataset: write the header (the options) alone, a rate sweep's base (labkit load --request-rates).")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Write an arrival trace (the same bytes for the same options; --seed seeds it): the fixed-interval
@@ -251,7 +252,9 @@ def trace(
             raise UserError(f"--{given_old[0].replace('_', '-')} belongs to the fixed-interval trace; "
                             "with --dataset/--request-rate use --num-requests, --input-len, --output-len")
         _refuse_foreign(given_new)
-        summary = write_workload(path, WorkloadOptions(**given_new, seed=seed))
+        summary = write_workload(path, WorkloadOptions(**given_new, seed=seed), header_only=header_only)
+    elif header_only:
+        raise UserError("--header-only writes a --dataset trace's options; give --dataset")
     else:
         summary = write_trace(path, TraceOptions(**{k: v for k, v in old.items() if v is not None}, seed=seed))
     if json_out:

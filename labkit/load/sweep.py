@@ -56,7 +56,7 @@ def rate_name(rate: float) -> str:
 
 def base_workload(trace: Path) -> WorkloadOptions:
     """The workload options in a ``labkit trace --dataset`` header (one line of error otherwise)."""
-    head, _ = read_trace(trace)
+    head = _first_record(trace)
     if not head or "dataset" not in head or not isinstance(head.get("options"), dict):
         raise UserError(f"{trace}: --request-rates needs a trace written by `labkit trace --dataset ...` "
                         "(its header holds the options each rate's trace is made from)")
@@ -70,6 +70,21 @@ def base_workload(trace: Path) -> WorkloadOptions:
         return WorkloadOptions(**{k: v for k, v in raw.items() if k in known})
     except TypeError as e:
         raise UserError(f"{trace}: its header options do not make a workload: {e}") from None
+
+
+def _first_record(trace: Path) -> dict | None:
+    """The trace's first line (its header), so a header-only file (``labkit trace --header-only``) serves too."""
+    import json
+
+    if not Path(trace).is_file():
+        raise UserError(f"trace not found: {trace}")
+    with open(trace, encoding="utf-8") as f:
+        line = f.readline()
+    try:
+        head = json.loads(line)
+    except ValueError:
+        raise UserError(f"{trace}:1: not a JSON line") from None
+    return head if isinstance(head, dict) and head.get("record") == "header" else None
 
 
 def rate_workload(base: WorkloadOptions, rate: float, k: int) -> WorkloadOptions:
@@ -230,6 +245,7 @@ def _sweep_facts(opts: SweepOptions, base: WorkloadOptions, rows: list[dict], of
         "sent": [r["sent"] for r in rows],
         "accounted": [r["accounted"] for r in rows],
         "lost": [r["lost"] for r in rows],
+        "unsubmitted": [r["sent"] - r["submitted"] for r in rows],
         "latencies_finite": [r["latencies_finite"] for r in rows],
         "monotone": sm.monotone(rows, opts.tolerance),
         "summary": summ,

@@ -118,6 +118,7 @@ def accounting(sent_ids: list[str], by_id: dict[str, Req]) -> dict:
     for rid in sent_ids:
         counts[outcome(by_id.get(rid))] += 1
     counts["sent"] = len(sent_ids)
+    counts["submitted"] = sum(1 for rid in sent_ids if rid in by_id and by_id[rid].submitted_ns is not None)
     counts["accounted"] = sum(counts[k] for k in OUTCOMES)
     return counts
 
