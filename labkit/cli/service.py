@@ -309,6 +309,7 @@ def load(
     goodput: Annotated[Optional[list[str]], typer.Option("--goodput", help="Sweep: SLOs for goodput, vLLM's 'ttft:MS tpot:MS e2e:MS' (quoted, or repeat the option).")] = None,
     stop_at_saturation: Annotated[bool, typer.Option("--stop-at-saturation", help="Sweep: skip the rates above the first one the server did not keep up with (< 0.9 of it).")] = False,
     offline_baseline: Annotated[bool, typer.Option("--offline-baseline", help="Sweep: then run the last rate's requests offline on the same engine (served / offline throughput).")] = False,
+    serve_process: Annotated[bool, typer.Option("--serve-process", help="Sweep: our server as a `labkit serve` process of its own (its own GIL; its engine in a process of its own on CUDA) instead of in this one.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Replay an arrival trace in process or against servers; events to JSONL, evidence next to it.
@@ -337,12 +338,13 @@ def load(
     if request_rates is not None:
         from labkit.cli.sweep import render_sweep, sweep_command
 
-        record = sweep_command(opts, request_rates, goodput, stop_at_saturation, offline_baseline)
+        record = sweep_command(opts, request_rates, goodput, stop_at_saturation, offline_baseline, serve_process)
         if not json_out:
             render_sweep(record)
         finish(record, split_out(out)[1], json_out=json_out)
-    if goodput or stop_at_saturation or offline_baseline:
-        raise UserError("--goodput, --stop-at-saturation and --offline-baseline belong to a sweep: give --request-rates")
+    if goodput or stop_at_saturation or offline_baseline or serve_process:
+        raise UserError("--goodput, --stop-at-saturation, --offline-baseline and --serve-process belong to a sweep: "
+                        "give --request-rates")
     record = run_load(opts)
     events, evidence = split_out(out)
     if not json_out:

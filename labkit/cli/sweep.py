@@ -7,12 +7,13 @@ from labkit.console import console, note, rel
 
 
 def sweep_command(load_opts, request_rates: str, goodput: list[str] | None, stop_at_saturation: bool,
-                  offline_baseline: bool) -> dict:
+                  offline_baseline: bool, serve_process: bool = False) -> dict:
     from labkit.load.sweep import SweepOptions, run_sweep
     from labkit.load.sweep_metrics import parse_goodput, parse_rates
 
     opts = SweepOptions(load=load_opts, rates=parse_rates(request_rates), goodput=parse_goodput(goodput),
-                        stop_at_saturation=stop_at_saturation, offline_baseline=offline_baseline)
+                        stop_at_saturation=stop_at_saturation, offline_baseline=offline_baseline,
+                        serve_process=serve_process)
     return run_sweep(opts)
 
 

@@ -47,6 +47,7 @@ class SweepOptions:
     goodput: dict[str, float] = field(default_factory=dict)
     stop_at_saturation: bool = False
     offline_baseline: bool = False
+    serve_process: bool = False          # our server as a `labkit serve` process (its own GIL), not in this one
     tolerance: float = MONOTONE_TOLERANCE
 
 
@@ -104,17 +105,22 @@ class _Switch:
 
 
 class Target:
-    """Where the sweep's requests go: the ``--endpoints`` servers, or ours started once on 127.0.0.1."""
+    """Where the sweep's requests go: the ``--endpoints`` servers, or ours started once on 127.0.0.1, in this
+    process (a Worker behind a ServerThread) or, with ``serve_process``, as a ``labkit serve`` process."""
 
-    def __init__(self, opts: LoadOptions):
+    def __init__(self, opts: LoadOptions, serve_process: bool = False, log_dir: Path | None = None):
         self.opts = opts
-        self.worker = self.server = None
+        self.worker = self.server = self.proc = None
         self.sink = _Switch()
         self.endpoints = list(opts.endpoints)
         self.healths: list[dict | None] = []
+        self.serve_process, self.log_dir = serve_process, log_dir
 
     def __enter__(self) -> "Target":
-        if not self.endpoints:
+        if not self.endpoints and self.serve_process:
+            self.proc = start_server_process(self.opts, Path(self.log_dir))
+            self.endpoints = [self.proc.url]
+        elif not self.endpoints:
             from labkit.service.api_server import ServerThread
             from labkit.service.worker import Worker
 
@@ -124,6 +130,8 @@ class Target:
         return self
 
     def __exit__(self, *exc) -> None:
+        if self.proc is not None:
+            self.proc.stop()
         if self.server is not None:
             self.server.close()
         elif self.worker is not None:
@@ -136,6 +144,9 @@ class Target:
             router = Router(self.endpoints, opts.router)
             self.healths, _ = asyncio.run(_drive_http(opts, reqs, warm, router, log, header=("load", extra),
                                                       log_server_events=self.worker is None))
+            if self.proc is not None and self.proc.proc.poll() is not None:
+                raise UserError(f"the labkit serve process exited (code {self.proc.proc.returncode}); "
+                                f"its output: {self.proc.output}")
         finally:
             self.sink.log = None
             log.close()
@@ -146,17 +157,53 @@ class Target:
         return self.worker.run_on_owner(lambda e: (e.stats().free_blocks, e.stats().num_blocks))
 
     def offline(self, reqs: list[dict]) -> dict:
-        """The requests through the same engine offline (generate), the prefix cache reset first."""
-        from labkit.bench.run import timed_generate
-        from labkit.load.replay import sampling
+        """The requests offline (generate), the prefix cache reset first: on the served engine itself, or
+        (after a ``labkit serve`` process) on an engine built here with the same options."""
+        if self.worker is not None:
+            return {"engine": "the served engine", **self.worker.run_on_owner(lambda e: _offline(e, reqs),
+                                                                               timeout=self.opts.timeout_s)}
+        if self.proc is not None:
+            self.proc.stop()
+            self.proc = None
+        from labkit.bench.run import _release
+        from labkit.lab_engine import build_engine
 
-        def go(engine):
-            engine.reset_prefix_cache()
-            timed = timed_generate(engine, [r["prompt_token_ids"] for r in reqs], [sampling(r) for r in reqs])
-            engine.reset_prefix_cache()
-            return timed.record()
+        lab = build_engine(**self.opts.worker.engine.options())
+        try:
+            cold = _offline(lab.engine, reqs)            # a fresh engine's first pass pays first-use costs
+            return {"engine": "a new engine, the served options (warm pass)", **_offline(lab.engine, reqs),
+                    "cold_pass": cold}
+        finally:
+            _release(lab.engine)
 
-        return self.worker.run_on_owner(go, timeout=self.opts.timeout_s)
+
+def _offline(engine, reqs: list[dict]) -> dict:
+    from labkit.bench.run import timed_generate
+    from labkit.load.replay import sampling
+
+    engine.reset_prefix_cache()
+    timed = timed_generate(engine, [r["prompt_token_ids"] for r in reqs], [sampling(r) for r in reqs])
+    engine.reset_prefix_cache()
+    return timed.record()
+
+
+def start_server_process(lo: LoadOptions, log_dir: Path):
+    """``labkit serve`` on 127.0.0.1 with the sweep's engine and admission options (engine process on CUDA)."""
+    from labkit.assets.resolve import resolve_model
+    from labkit.bench.serve import ServerProcess
+    from labkit.lab_engine import detect_device
+
+    e, w = lo.worker.engine, lo.worker
+    device = detect_device(e.device)
+    settings = {"max_num_seqs": e.max_num_seqs, "max_num_batched_tokens": e.max_num_batched_tokens,
+                "max_model_len": e.max_model_len, "gpu_memory_utilization": e.gpu_memory_utilization,
+                "enforce_eager": e.enforce_eager, "overlap": e.overlap}
+    extra = ("--max-active", str(w.max_active), "--queue-size", str(w.queue_size), "--scheduling-policy",
+             e.scheduling_policy, "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
+             "--worker-id", w.worker_id)
+    model = str(resolve_model(e.model, device).path)
+    return ServerProcess.start(model, device, e.attention, settings, log_dir / "server.jsonl",
+                               log_dir / "server.out", engine_process=device.startswith("cuda"), extra_args=extra)
 
 
 def rate_row(events: Path, reqs: list[dict], rate: float, slos: dict[str, float]) -> dict:
@@ -174,7 +221,7 @@ def rate_row(events: Path, reqs: list[dict], rate: float, slos: dict[str, float]
 
 def run_sweep(opts: SweepOptions) -> dict:
     """Drive every rate; returns the evidence record (written to ``--out``'s .json, the picture beside it)."""
-    lo = opts.load
+    lo = opts.load if opts.load.endpoints else replace(opts.load, serve_local=True)    # always over HTTP
     _check(lo)
     if lo.mode != "wall" or lo.profile_dir:
         raise UserError("--request-rates replays on the wall clock over HTTP; leave out --mode round and --profile-dir")
@@ -186,7 +233,9 @@ def run_sweep(opts: SweepOptions) -> dict:
     rows: list[dict] = []
     last_reqs: list[dict] = []
     facts: dict[str, Any] = {}
-    with Target(lo) as target:
+    if opts.serve_process and lo.endpoints:
+        raise UserError("--serve-process starts our server; leave out --endpoints")
+    with Target(lo, opts.serve_process, evidence.with_name(f"{evidence.stem}-server")) as target:
         for k, rate in enumerate(opts.rates):
             wl = rate_workload(base, rate, k)
             trace = Path(f"{stem}-rate{rate_name(rate)}.trace.jsonl")
@@ -251,7 +300,7 @@ def _sweep_facts(opts: SweepOptions, base: WorkloadOptions, rows: list[dict], of
         "summary": summ,
         "goodput_slos_ms": opts.goodput,
         "workload": {**asdict(base), "request_rate": "per rate", "seed": f"{base.seed} + rate index"},
-        "target": "endpoints" if lo.endpoints else "serve-local",
+        "target": "endpoints" if lo.endpoints else ("serve-process" if opts.serve_process else "serve-local"),
         "endpoints": lo.endpoints, "api": lo.api, "warmup_requests": lo.warmup_requests,
         "enable_prefix_caching": None if lo.endpoints else lo.worker.engine.enable_prefix_caching,
         "definitions": {"ttft": "first token - submitted", "tpot": "(t_last - t_first) / (G - 1)",

@@ -67,10 +67,17 @@ def draw_sweep(facts: dict, path: Path) -> Path | None:
     ax.set_xlabel("achieved output throughput (tokens/s)")
     ax.set_ylabel("latency (ms, log scale)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(loc="upper left", fontsize=9)
+    ax.legend(loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=3, fontsize=9, frameon=False)   # above the plot
     xs = [p["x"] for p in pts]
-    span = max(xs) - min(xs) or max(xs) * 0.1
-    ax.set_xlim(min(xs) - 0.05 * span, max(xs) + 0.35 * span)        # room right of the points for labels
+    ax.set_xlim(0, max(xs) * 1.3)                       # from 0 tokens/s; room right of the points for labels
+    ys = [v for p in pts for v in p["ys"].values()]
+    ax.set_ylim(min(ys) / 2, max(ys) * 2)               # at least a factor 4: the log ticks stay readable
+    limit = (facts.get("summary") or {}).get("ttft_p99_limit_ms")
+    lo, hi = ax.get_ylim()
+    if isinstance(limit, (int, float)) and lo < limit < hi:
+        ax.axhline(limit, color="#999999", ls="--", lw=0.8)
+        ax.annotate(f"TTFT limit {limit:g} ms", (0, limit), xytext=(4, 3), textcoords="offset points", fontsize=8,
+                    color="#666666")
     fig.canvas.draw()
     anchors = [(p, p["ys"].get("TTFT p99") or max(p["ys"].values(), default=None)) for p in pts]
     anchors = [(p, y) for p, y in anchors if y]
@@ -79,11 +86,12 @@ def draw_sweep(facts: dict, path: Path) -> Path | None:
     inv = ax.transData.inverted()
     for (p, y), d, py in zip(anchors, disp, placed):
         tx, ty = inv.transform((d[0] + 10, py))
-        ax.annotate(_rate_text(p["rate"]), (p["x"], y), xytext=(tx, ty), fontsize=8, va="center",
+        ax.annotate(_rate_text(p["rate"]), (p["x"], y), xytext=(tx, ty), fontsize=8, va="center", zorder=5,
+                    bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none", "alpha": 0.85},
                     arrowprops={"arrowstyle": "-", "color": "#999999", "lw": 0.6})
     wl = facts.get("workload") or {}
     style.title(fig, f"Latency against throughput, one point per offered request rate\n"
-                     f"{wl.get('dataset', '?')} workload, {len(pts)} rates, "
+                     f"{wl.get('dataset', '?')} workload, {len(pts)} rate{'s' if len(pts) != 1 else ''}, "
                      f"{facts.get('per_rate', [{}])[0].get('sent', '?')} requests each, target {facts.get('target')}")
     notes = []
     skipped = facts.get("skipped_rates")

@@ -173,3 +173,13 @@ def test_cli_refuses_sweep_options_without_rates_and_old_traces(tmp_path):
     res = CliRunner().invoke(app, ["load", "--trace", "workloads/mixed.jsonl", "--request-rates", "1,2",
                                    "--out", str(tmp_path / "x.jsonl")])
     assert res.exit_code == 2 and "labkit trace --dataset" in res.output
+
+
+def test_a_non_finite_latency_fails_the_checkpoint(swept):
+    """Break: one rate's TPOT p99 becomes NaN; the row is no longer finite and the assertion FAILs."""
+    _, record = swept
+    bad = copy.deepcopy(record)
+    row = bad["facts"]["per_rate"][0]
+    row["tpot_ms"]["p99"] = float("nan")
+    bad["facts"]["latencies_finite"][0] = sm.latencies_finite(row)
+    assert judged(bad)["facts.latencies_finite"] is False
