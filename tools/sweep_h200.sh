@@ -20,7 +20,7 @@ py=${PYTHON:-python3}
 wl=${WORKLOADS:-workloads}
 rates=${RATES:-8,16,32,64,128,inf}
 cache_rate=${CACHE_RATE:-32}
-engine=${ENGINE:---max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-batched-tokens 16384 --max-model-len 2048 --graph}
+engine=${ENGINE:---max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-batched-tokens 16384 --max-model-len 2048 --graph --overlap}
 device=${DEVICE:-auto}
 model_args=(); [ -n "${MODEL_DIR:-}" ] && model_args=(--model "$MODEL_DIR")
 start=$(date +%s)

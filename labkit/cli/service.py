@@ -305,6 +305,7 @@ def load(
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Give up on a request after this long.")] = 600.0,
     checkpoint: Annotated[Optional[str], typer.Option("--checkpoint", help="Judge the evidence against this checkpoint id.")] = None,
     enable_prefix_caching: EnablePrefixCachingOpt = True,
+    overlap: Annotated[bool, typer.Option("--overlap/--no-overlap", help="Overlapped decode (CUDA, tensor-parallel-size 1): step k+1 launched before step k's tokens are read.")] = False,
     request_rates: Annotated[Optional[str], typer.Option("--request-rates", help="Sweep: 1,2,4,inf requests/s, one trace per rate from --trace's header options (a `labkit trace --dataset` trace), over HTTP (our server on 127.0.0.1 unless --endpoints).")] = None,
     goodput: Annotated[Optional[list[str]], typer.Option("--goodput", help="Sweep: SLOs for goodput, vLLM's 'ttft:MS tpot:MS e2e:MS' (quoted, or repeat the option).")] = None,
     stop_at_saturation: Annotated[bool, typer.Option("--stop-at-saturation", help="Sweep: skip the rates above the first one the server did not keep up with (< 0.9 of it).")] = False,
@@ -329,7 +330,7 @@ def load(
                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                         enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-                        enable_prefix_caching=enable_prefix_caching)
+                        enable_prefix_caching=enable_prefix_caching, overlap=overlap)
     worker = WorkerConfig(engine, max_active=max_active, queue_size=queue_size, worker_id=worker_id)
     opts = LoadOptions(trace=trace, out=out, worker=worker, endpoints=_endpoints(endpoints),
                        serve_local=serve_local, mode=mode, warmup_requests=warmup_requests, api=api, router=router,

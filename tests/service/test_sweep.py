@@ -18,7 +18,7 @@ from labkit.load.sweep import SweepOptions, rate_row, run_sweep
 from labkit.load.workloads import WorkloadOptions, write_workload
 from labkit.service.worker import WorkerConfig
 
-RATES = [4.0, 16.0, math.inf]
+RATES = [8.0, 32.0, math.inf]
 REQUESTS = 4
 SWEEP_PATHS = ("facts.unsubmitted", "facts.lost", "facts.latencies_finite", "facts.monotone.violations")
 
@@ -32,7 +32,7 @@ def swept(tmp_path_factory, tiny_model_dir):
                                          prefix_len=256, suffix_len=16, output_len=6, seed=5), header_only=True)
     worker = WorkerConfig(model=str(tiny_model_dir), device="cpu", max_model_len=512, max_num_batched_tokens=512,
                           max_num_seqs=4)
-    load = LoadOptions(trace=base, out=d / "sweep.json", worker=worker, warmup_requests=1, show_progress=False)
+    load = LoadOptions(trace=base, out=d / "sweep.json", worker=worker, warmup_requests=0, show_progress=False)
     record = run_sweep(SweepOptions(load=load, rates=RATES, goodput={"ttft_ms": 60_000.0, "tpot_ms": 1e-6},
                                     offline_baseline=True))
     return d, record
@@ -52,7 +52,7 @@ def test_cpu_sweep_accounts_for_every_request_and_passes_the_checkpoints_sweep_a
     facts = record["facts"]
     assert record["verdict"] == "PASS", record["checks"]
     assert record["kind"] == "cpu-real-engine"
-    assert facts["rates"] == [4.0, 16.0, "inf"]
+    assert facts["rates"] == [8.0, 32.0, "inf"]
     for k, row in enumerate(facts["per_rate"]):
         head = json.loads(Path(row["trace"]).read_text().splitlines()[0])
         assert head["options"]["request_rate"] == row["offered_rate"] and head["options"]["seed"] == 5 + k
@@ -61,7 +61,7 @@ def test_cpu_sweep_accounts_for_every_request_and_passes_the_checkpoints_sweep_a
         assert row["ttft_ms"]["n"] == row["completed"] and row["output_tokens"] == 6 * row["completed"]
         assert row["goodput"]["good_requests"] == 0        # a TPOT SLO of 1 ns: no request meets it
     assert sorted(judged(record).values()) == [True] * len(SWEEP_PATHS)
-    assert facts["per_rate"][0]["prefix_cache_hit_rate"] > 0      # the shared prefix hit at 4 req/s
+    assert facts["per_rate"][0]["prefix_cache_hit_rate"] > 0      # the shared prefix hit at 8 req/s
     assert facts["offline"]["tok_s"] > 0 and facts["summary"]["served_over_offline"] > 0
     assert Path(facts["picture"]).read_bytes()[:4] == b"\x89PNG"
 
@@ -78,7 +78,7 @@ def test_a_lost_request_fails_the_checkpoint(swept):
     broken_log = d / "broken.jsonl"
     broken_log.write_text("\n".join(kept) + "\n")
     reqs = [json.loads(ln) for ln in Path(row["trace"]).read_text().splitlines()[1:]]
-    broken = rate_row(broken_log, reqs, 16.0, {})
+    broken = rate_row(broken_log, reqs, 32.0, {})
     assert broken["lost"] == 1 and broken["accounted"] == REQUESTS - 1
     bad = copy.deepcopy(record)
     bad["facts"]["lost"][1] = broken["lost"]
