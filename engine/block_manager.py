@@ -37,10 +37,14 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, shuffle_blocks: int | None = None):
+    def __init__(self, num_blocks: int, block_size: int, shuffle_blocks: int | None = None,
+                 enable_prefix_caching: bool = True):
         """``shuffle_blocks``: a seed; the free list then starts in that seeded shuffled order instead of
-        0, 1, 2, ... (a teaching switch: slots stop following positions, the slot formula still holds)."""
+        0, 1, 2, ... (a teaching switch: slots stop following positions, the slot formula still holds).
+        ``enable_prefix_caching`` False: no lookup ever hits (blocks are still hashed), vLLM's
+        ``--no-enable-prefix-caching``."""
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         order = list(range(num_blocks))
@@ -77,6 +81,8 @@ class BlockManager:
         """
         hits: list[int] = []
         h = -1
+        if not self.enable_prefix_caching:
+            return hits
         for i in range(seq.num_blocks - 1):
             token_ids = seq.block(i)
             if len(token_ids) != self.block_size:
@@ -124,6 +130,8 @@ class BlockManager:
             self._share_block(block_id)
             seq.block_table.append(block_id)
         seq.num_cached_tokens = len(hits) * self.block_size
+        if seq.num_prefix_hit_tokens is None:          # the first admission's hits (a preempted seq re-admits)
+            seq.num_prefix_hit_tokens = seq.num_cached_tokens
         seq.num_hashed_blocks = len(hits)
         seq.last_block_hash = self.blocks[hits[-1]].hash if hits else -1
         for _ in range(seq.num_blocks - len(hits)):

@@ -195,7 +195,8 @@ class LLMEngine:
 
     def _fresh_scheduling(self) -> None:
         self.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.kvcache_block_size,
-                                          shuffle_blocks=self.config.shuffle_blocks)
+                                          shuffle_blocks=self.config.shuffle_blocks,
+                                          enable_prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler_limits(), self.block_manager)
 
     def forward_logits(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, Route]:

@@ -178,7 +178,8 @@ class ServerProcess:
 
     @classmethod
     def start(cls, model_dir: str, device: str, attention: str, settings: dict, log: Path, output: Path,
-              timeout_s: float = SERVER_START_S, engine_process: bool = False) -> "ServerProcess":
+              timeout_s: float = SERVER_START_S, engine_process: bool = False,
+              extra_args: tuple[str, ...] = ()) -> "ServerProcess":
         args = [sys.executable, "-m", "labkit", "serve", "--model", model_dir, "--port", "0", "--device", device,
                 "--attention", attention, "--max-num-seqs", str(settings["max_num_seqs"]),
                 "--max-active", str(settings["max_num_seqs"]), "--queue-size", "1024",
@@ -188,7 +189,7 @@ class ServerProcess:
                 "--enforce-eager" if settings["enforce_eager"] else "--graph",
                 "--overlap" if settings.get("overlap") else "--no-overlap",
                 "--out", str(log), "--log-level", "warning", "--stats-interval", "0",
-                "--engine-process" if engine_process else "--no-engine-process"]
+                "--engine-process" if engine_process else "--no-engine-process", *extra_args]
         output.parent.mkdir(parents=True, exist_ok=True)
         sink = output.open("w")
         proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, text=True,

@@ -20,6 +20,7 @@ from labkit.errors import UserError
 from labkit.cli.options import (
     AttentionOpt,
     DeviceOpt,
+    EnablePrefixCachingOpt,
     EnforceEagerOpt,
     GpuMemoryUtilizationOpt,
     JsonOpt,
@@ -98,6 +99,7 @@ def serve(
     enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--graph", show_default=False, help="Eager execution, or CUDA graphs (decode, and small fresh prefills on the triton backend). Default: graphs on CUDA, eager on CPU.")] = None,
     overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", show_default=False, help="Overlapped decode: launch step k+1 before reading step k's tokens, so the host's per-step work hides behind the GPU. Default: on on CUDA (tensor-parallel-size 1), off on CPU.")] = None,
     attention: AttentionOpt = "auto",
+    enable_prefix_caching: EnablePrefixCachingOpt = True,
     device: DeviceOpt = "auto",
     worker_id: WorkerIdOpt = "worker-0",
     tensor_parallel_size: TensorParallelSizeOpt = 1,
@@ -147,7 +149,8 @@ def serve(
     engine_process, max_active = chosen.pop("engine_process"), chosen.pop("max_active")
     engine = EngineArgs(model=model, device=device, attention=attention, scheduling_policy=scheduling_policy,
                         max_consecutive_prefill=max_consecutive_prefill, gpu_memory_utilization=gpu_memory_utilization,
-                        tensor_parallel_size=tensor_parallel_size, dist_init=dist_init, shm_name=shm_name, **chosen)
+                        tensor_parallel_size=tensor_parallel_size, dist_init=dist_init, shm_name=shm_name,
+                        enable_prefix_caching=enable_prefix_caching, **chosen)
     cfg = WorkerConfig(engine, max_active=max_active, queue_size=queue_size, worker_id=worker_id,
                        stream_buffer=stream_buffer, max_prompt_bytes=max_prompt_bytes,
                        special_tokens_in_content=special_tokens_in_content, reasoning_parser=reasoning_parser,
@@ -228,6 +231,7 @@ def trace(
     turns: Annotated[Optional[int], typer.Option("--turns", help="multi-turn: turns per conversation (default 3).")] = None,
     think_time_ms: Annotated[Optional[float], typer.Option("--think-time-ms", help="multi-turn: gap after a reply before the next turn (default 0).")] = None,
     seed: SeedOpt = 17,
+    header_only: Annotated[bool, typer.Option("--header-only", help="With --dataset: write the header (the options) alone, a rate sweep's base (labkit load --request-rates).")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Write an arrival trace (the same bytes for the same options; --seed seeds it): the fixed-interval
@@ -252,7 +256,9 @@ def trace(
             raise UserError(f"--{given_old[0].replace('_', '-')} belongs to the fixed-interval trace; "
                             "with --dataset/--request-rate use --num-requests, --input-len, --output-len")
         _refuse_foreign(given_new)
-        summary = write_workload(path, WorkloadOptions(**given_new, seed=seed))
+        summary = write_workload(path, WorkloadOptions(**given_new, seed=seed), header_only=header_only)
+    elif header_only:
+        raise UserError("--header-only writes a --dataset trace's options; give --dataset")
     else:
         summary = write_trace(path, TraceOptions(**{k: v for k, v in old.items() if v is not None}, seed=seed))
     if json_out:
@@ -302,9 +308,20 @@ def load(
     openai_model: Annotated[Optional[str], typer.Option("--openai-model", help="Model id for --api openai (default: the server's first).")] = None,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Give up on a request after this long.")] = 600.0,
     checkpoint: Annotated[Optional[str], typer.Option("--checkpoint", help="Judge the evidence against this checkpoint id.")] = None,
+    enable_prefix_caching: EnablePrefixCachingOpt = True,
+    overlap: Annotated[bool, typer.Option("--overlap/--no-overlap", help="Overlapped decode (CUDA, tensor-parallel-size 1): step k+1 launched before step k's tokens are read.")] = False,
+    request_rates: Annotated[Optional[str], typer.Option("--request-rates", help="Sweep: 1,2,4,inf requests/s, one trace per rate from --trace's header options (a `labkit trace --dataset` trace), over HTTP (our server on 127.0.0.1 unless --endpoints).")] = None,
+    goodput: Annotated[Optional[list[str]], typer.Option("--goodput", help="Sweep: SLOs for goodput, vLLM's 'ttft:MS tpot:MS e2e:MS' (quoted, or repeat the option).")] = None,
+    stop_at_saturation: Annotated[bool, typer.Option("--stop-at-saturation", help="Sweep: skip the rates above the first one the server did not keep up with (< 0.9 of it).")] = False,
+    offline_baseline: Annotated[bool, typer.Option("--offline-baseline", help="Sweep: then run the last rate's requests offline on the same engine (served / offline throughput).")] = False,
+    serve_process: Annotated[bool, typer.Option("--serve-process", help="Sweep: our server as a `labkit serve` process of its own (its own GIL; its engine in a process of its own on CUDA) instead of in this one.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Replay an arrival trace in process or against servers; events to JSONL, evidence next to it."""
+    """Replay an arrival trace in process or against servers; events to JSONL, evidence next to it.
+
+    With --request-rates: a rate sweep (vLLM bench serve's --request-rate, swept): per rate throughput,
+    TTFT/TPOT/ITL/E2E p50/p90/p99, goodput, prefix-cache hit rate and every request accounted for; a
+    latency-throughput picture next to the evidence."""
     from labkit.console import render_load
     from labkit.paths import default_out
     from labkit.load.replay import LoadOptions, run_load
@@ -316,12 +333,23 @@ def load(
                         scheduling_policy=scheduling_policy, max_consecutive_prefill=max_consecutive_prefill,
                         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                        enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size)
+                        enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                        enable_prefix_caching=enable_prefix_caching, overlap=overlap)
     worker = WorkerConfig(engine, max_active=max_active, queue_size=queue_size, worker_id=worker_id)
     opts = LoadOptions(trace=trace, out=out, worker=worker, endpoints=_endpoints(endpoints),
                        serve_local=serve_local, mode=mode, warmup_requests=warmup_requests, api=api, router=router,
                        profile_dir=profile_dir, openai_model=openai_model, timeout_s=timeout_s,
                        checkpoint=checkpoint, show_progress=not json_out)
+    if request_rates is not None:
+        from labkit.cli.sweep import render_sweep, sweep_command
+
+        record = sweep_command(opts, request_rates, goodput, stop_at_saturation, offline_baseline, serve_process)
+        if not json_out:
+            render_sweep(record)
+        finish(record, split_out(out)[1], json_out=json_out)
+    if goodput or stop_at_saturation or offline_baseline or serve_process:
+        raise UserError("--goodput, --stop-at-saturation, --offline-baseline and --serve-process belong to a sweep: "
+                        "give --request-rates")
     record = run_load(opts)
     events, evidence = split_out(out)
     if not json_out:

@@ -66,6 +66,7 @@ class LoadOptions:
     timeout_s: float = 600.0
     checkpoint: str | None = None
     show_progress: bool = True
+    progress_label: str = "load"
 
 
 def sampling(r: dict) -> SamplingParams:
@@ -451,7 +452,7 @@ async def _drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], rou
             await asyncio.gather(*jobs)
         prof = _start_profile(opts, worker) if worker is not None else None
         loop = asyncio.get_running_loop()
-        with _progress(opts, len(reqs), "load") as bar:
+        with _progress(opts, len(reqs), opts.progress_label) as bar:
             task = bar.add_task("load", total=len(reqs))
             if has_deps(reqs):
                 async def routed(r: dict):

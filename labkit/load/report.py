@@ -70,6 +70,8 @@ class Req:
     completion_tokens: int | None = None
     admitted: bool = False
     admitted_ns: int | None = None
+    status: int | None = None             # the HTTP status of a refused request (429, 503, ...)
+    message: str | None = None
 
     @property
     def output_tokens(self) -> int:
@@ -104,6 +106,8 @@ def requests_by_observer(events: list[dict]) -> dict[str, dict[str, Req]]:
             r.finished_ns = t
             r.reason = ev.get("reason")
             r.cause = ev.get("cause")
+            r.status = ev.get("status") if isinstance(ev.get("status"), int) else None
+            r.message = ev.get("message")
             if isinstance(ev.get("num_completion_tokens"), int):
                 r.completion_tokens = ev["num_completion_tokens"]
     return out

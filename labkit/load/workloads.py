@@ -184,12 +184,15 @@ def workload_header(opts: WorkloadOptions) -> dict:
             "options": options, "token_range": [TOKEN_LOW, TOKEN_HIGH]}
 
 
-def write_workload(out, opts: WorkloadOptions) -> dict:
-    """Write a workload trace; returns a summary (path, counts, span, sha256 of the bytes)."""
+def write_workload(out, opts: WorkloadOptions, header_only: bool = False) -> dict:
+    """Write a workload trace; returns a summary (path, counts, span, sha256 of the bytes). ``header_only``:
+    the header line alone (the options: a rate sweep's base, ``labkit load --request-rates``)."""
     from labkit.load.trace import render_records, write_text
 
     reqs = make_workload(opts)
-    path, sha = write_text(out, render_records(workload_header(opts), reqs))
+    path, sha = write_text(out, render_records(workload_header(opts), [] if header_only else reqs))
+    if header_only:
+        return {"path": str(path), "dataset": opts.dataset, "requests": 0, "header_only": True, "sha256": sha}
     prompt = [r["prompt_tokens"] for r in reqs]
     summary = {"path": str(path), "dataset": opts.dataset, "requests": len(reqs),
                "span_ms": max((r["arrival_ms"] for r in reqs), default=0.0),

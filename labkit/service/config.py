@@ -40,6 +40,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1           # of this one engine
     dist_init: str | None = None            # tcp://HOST:PORT of its TP group (None: a free port)
     shm_name: str | None = None             # its TP step channel (None: unique per instance)
+    enable_prefix_caching: bool = True      # False: the prefix cache never hits (vLLM's --no-enable-prefix-caching)
     overlap: bool = False                   # overlapped decode (Config.overlap): step k+1 launched before step k's
                                             # tokens are read, so their delivery hides behind it
 

@@ -468,6 +468,8 @@ class Worker(WorkerFront):
             fields["message"] = message
         fields.update(num_prompt_tokens=len(req.token_ids), num_completion_tokens=req.num_tokens,
                       admitted=req.seq is not None)
+        if req.seq is not None and req.seq.num_prefix_hit_tokens is not None:
+            fields["num_cached_tokens"] = req.seq.num_prefix_hit_tokens     # prompt tokens the prefix cache gave
         if freed_blocks is not None:
             fields["freed_blocks"] = freed_blocks
         ev = make_event("finished", req.request_id, self.worker_id, self._round, **fields)

@@ -52,6 +52,26 @@ def test_prefix_refcounts_follow_handbook_b6():
     assert counts == [[0, 0], [1, 1], [2, 2], [1, 1], [0, 0]]
 
 
+@pytest.mark.parametrize("enabled, hit", [(True, 512), (False, 0)])
+def test_prefix_caching_switch_and_the_first_admissions_hits(enabled, hit):
+    """enable_prefix_caching=False (vLLM's --no-enable-prefix-caching): the same 620-token prompt computes
+    in full; num_prefix_hit_tokens keeps the first admission's hits (a preempted re-admission keeps it)."""
+    bm = BlockManager(16, 256, enable_prefix_caching=enabled)
+    a = seq(range(1000, 1620))
+    bm.allocate(a)
+    assert a.num_prefix_hit_tokens == 0
+    computed(bm, a)
+    bm.deallocate(a)
+    b = seq(range(1000, 1620))
+    bm.allocate(b)
+    assert b.num_cached_tokens == hit and b.num_prefix_hit_tokens == hit
+    computed(bm, b)
+    bm.deallocate(b)                                    # preempted, and the cache forgotten meanwhile
+    bm.reset_prefix_cache()
+    bm.allocate(b)
+    assert b.num_cached_tokens == 0 and b.num_prefix_hit_tokens == hit
+
+
 def test_exactly_512_tokens_hit_at_most_one_block():
     bm = BlockManager(16, 256)
     a = seq(range(1000, 1512))
