@@ -151,6 +151,8 @@ def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, re
             _release(engine)
             raise UserError(f"--json-schema: {e}") from None
     engine.generate(["Benchmark: "], SamplingParams())          # nano-vllm's warm-up
+    if json_schema is not None:            # and a constrained one: the mask kernel (Triton on CUDA) is built once
+        engine.generate(["Benchmark: "], SamplingParams(max_tokens=8, structured_outputs=params[0].structured_outputs))
     runs, timed = [], None
     for _ in range(repeats):               # every repeat starts cold: identical prompts must not hit the prefix cache
         engine.reset_prefix_cache()
