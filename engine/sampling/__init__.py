@@ -6,4 +6,6 @@
 ``processors.py``   the logits processors (min_tokens, logit_bias, penalties, temperature, min_p, top_k/top_p)
 ``gumbel_kernel.py`` the plain path's one-pass Gumbel-max draw on CUDA (Triton)
 ``logprobs.py``     log-probs of the drawn tokens and of the prompt
+``structured.py``   structured outputs: StructuredOutputsParams, the xgrammar compiler and cache, per-sequence
+                    matchers, the token bitmask the sampler applies
 """

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from random import randint, seed
 
-from engine import LLMEngine, SamplingParams
+from engine import LLMEngine, RequestError, SamplingParams, StructuredOutputsParams
 from labkit.errors import UserError
 from labkit.evidence import write_evidence
 from labkit.paths import default_out
@@ -29,13 +29,32 @@ NANO_VLLM_ENGINE = dict(max_model_len=4096, max_num_batched_tokens=16384, max_nu
 SAMPLING = {"plain": {}, "heavy": dict(top_p=0.9, top_k=50, repetition_penalty=1.1)}
 
 
-def nano_vllm_workload(num_seqs: int = 256, max_input: int = 1024, max_output: int = 1024, sampling: str = "plain"):
-    """nano-vllm's bench.py: random.seed(0); prompts of randint(100,1024) ids in [0,10000]; max_tokens randint(100,1024)."""
+def nano_vllm_workload(num_seqs: int = 256, max_input: int = 1024, max_output: int = 1024, sampling: str = "plain",
+                       json_schema: dict | None = None):
+    """nano-vllm's bench.py: random.seed(0); prompts of randint(100,1024) ids in [0,10000]; max_tokens randint(100,1024).
+    json_schema: every request's output under it (compact JSON, as labkit serve's default); a request then also
+    ends where its JSON does (ignore_eos only keeps EOS from ending it before)."""
     seed(0)
     prompts = [[randint(0, 10000) for _ in range(randint(100, max_input))] for _ in range(num_seqs)]
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output), **SAMPLING[sampling])
+    extra = dict(SAMPLING[sampling])
+    if json_schema is not None:
+        extra["structured_outputs"] = StructuredOutputsParams(json=json_schema, disable_any_whitespace=True)
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=randint(100, max_output), **extra)
               for _ in range(num_seqs)]
     return prompts, params
+
+
+def load_json_schema(path: Path) -> dict:
+    """--json-schema FILE: a JSON schema object (the engine compiles it, and refuses one xgrammar cannot)."""
+    import json
+
+    try:
+        schema = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"--json-schema {path}: cannot read a JSON schema: {' '.join(str(e).split())[:200]}") from None
+    if not isinstance(schema, dict):
+        raise UserError(f"--json-schema {path}: a JSON schema is an object, got {type(schema).__name__}")
+    return schema
 
 
 def fixed_workload(num_seqs: int, input_len: int, output_len: int, start: int = 1000):
@@ -113,19 +132,35 @@ def engine_facts(engine: LLMEngine) -> dict:
 
 # -- workloads -------------------------------------------------------------------------------------
 def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, repeats: int,
-                    profile: bool = False, overlap: bool = False, sampling: str = "plain") -> dict:
-    prompts, params = nano_vllm_workload(sampling=sampling)
+                    profile: bool = False, overlap: bool = False, sampling: str = "plain",
+                    json_schema: dict | None = None, num_seqs: int = 256) -> dict:
+    prompts, params = nano_vllm_workload(num_seqs, sampling=sampling, json_schema=json_schema)
     engine = engine_for(model_dir, device, attention, eager, overlap=overlap, **NANO_VLLM_ENGINE)
     facts = {"engine": engine_facts(engine), "overlap": overlap, "workload": {
         "name": "nano-vllm", "num_seqs": len(prompts), "input_tokens": sum(map(len, prompts)),
         "expected_output_tokens": sum(p.max_tokens for p in params), "temperature": 0.6, "ignore_eos": True,
         "sampling": sampling, **SAMPLING[sampling], **NANO_VLLM_ENGINE}}
+    if json_schema is not None:
+        facts["workload"]["structured_outputs"] = {"json": json_schema, "disable_any_whitespace": True,
+                                                   "backend": "xgrammar"}
+        try:
+            t0 = time.perf_counter()
+            engine.validate(prompts[0], params[0])             # the one compile (cached for every request)
+            facts["workload"]["structured_outputs"]["compile_seconds"] = round(time.perf_counter() - t0, 4)
+        except RequestError as e:
+            _release(engine)
+            raise UserError(f"--json-schema: {e}") from None
     engine.generate(["Benchmark: "], SamplingParams())          # nano-vllm's warm-up
+    if json_schema is not None:            # and a constrained one: the mask kernel (Triton on CUDA) is built once
+        engine.generate(["Benchmark: "], SamplingParams(max_tokens=8, structured_outputs=params[0].structured_outputs))
     runs, timed = [], None
     for _ in range(repeats):               # every repeat starts cold: identical prompts must not hit the prefix cache
         engine.reset_prefix_cache()
-        timed = timed_generate(engine, prompts, params, steps=True)
-        runs.append(timed.record())
+        reasons: dict[str, int] = {}
+        count = lambda out: [reasons.__setitem__(s.finish_reason, reasons.get(s.finish_reason, 0) + 1)  # noqa: E731
+                             for s in out.finished]
+        timed = timed_generate(engine, prompts, params, steps=True, also=count)
+        runs.append({**timed.record(), "finish_reasons": reasons})
     facts["repeats"] = runs
     facts["output_tokens"] = runs[-1]["output_tokens"]
     facts["first_repeat_tok_s"] = runs[0]["tok_s"]      # nano-vllm's own figure: the first run after its warm-up
@@ -297,7 +332,8 @@ def bench_hf_baseline(model_dir: str, device: str, attention: str, num_seqs: int
 
 def run_bench(workload: str, out: Path | None = None, model: str | None = None, device: str = "auto",
               attention: str = "auto", baseline: str | None = None, repeats: int = 1, eager: bool = False,
-              profile: bool = False, sweep: bool = False, overlap: bool | None = None, sampling: str = "plain") -> dict:
+              profile: bool = False, sweep: bool = False, overlap: bool | None = None, sampling: str = "plain",
+              json_schema: Path | None = None) -> dict:
     from labkit.lab_engine import detect_device
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model
@@ -316,6 +352,9 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
         raise UserError(f"unknown sampling {sampling!r}: choose one of {', '.join(SAMPLING)}")
     if sampling != "plain" and workload != "nano-vllm":
         raise UserError("--sampling applies to --workload nano-vllm")
+    if json_schema is not None and workload != "nano-vllm":
+        raise UserError("--json-schema applies to --workload nano-vllm")
+    schema = load_json_schema(json_schema) if json_schema is not None else None
     device = detect_device(device)
     if overlap is None:     # nano-vllm: overlapped decode by default on CUDA (--no-overlap for the sync path)
         overlap = workload == "nano-vllm" and device.startswith("cuda")
@@ -326,9 +365,10 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
     ref = resolve_model(model, device)
     model_dir = str(ref.path)
     if workload == "nano-vllm":
-        facts = bench_nano_vllm(model_dir, device, attention, eager, repeats, profile, overlap, sampling)
-        # the checkpoint's figure is nano-vllm's workload as it is (plain sampling)
-        checkpoint = "cuda.bench-nano-vllm" if device.startswith("cuda") and not eager and sampling == "plain" else None
+        facts = bench_nano_vllm(model_dir, device, attention, eager, repeats, profile, overlap, sampling, schema)
+        # the checkpoint's figure is nano-vllm's workload as it is (plain sampling, unconstrained)
+        checkpoint = "cuda.bench-nano-vllm" if device.startswith("cuda") and not eager and sampling == "plain" \
+            and schema is None else None
     elif workload == "graph-vs-eager":
         facts, checkpoint = bench_graph_vs_eager(model_dir, device, attention), "cuda.graph-vs-eager"
     else:

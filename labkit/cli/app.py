@@ -403,6 +403,7 @@ def bench(
     long_every: Annotated[Optional[int], typer.Option("--long-every", help="serve: every Nth request is long (default 2).")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="serve: output tokens per request (default 512).")] = None,
     sampling: Annotated[str, typer.Option("--sampling", help="nano-vllm: plain (temperature only) | heavy (top_p 0.9, top_k 50, repetition_penalty 1.1 on every request).")] = "plain",
+    json_schema: Annotated[Optional[Path], typer.Option("--json-schema", help="nano-vllm: every request's output under this JSON schema (xgrammar, compact JSON); e.g. workloads/bench-schema.json.")] = None,
     batch: Annotated[Optional[int], typer.Option("--batch", help="step-budget: sequences decoding together (default 256).")] = None,
     context: Annotated[Optional[int], typer.Option("--context", help="step-budget: prompt tokens of each sequence (default 1024).")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="step-budget: decode steps timed and profiled per pass (default 20).")] = None,
@@ -434,7 +435,8 @@ def bench(
                                      sizes=dict(batch=batch, context=context, steps=steps, warm=warm_steps),
                                      others={"--baseline": baseline, "--profile": profile, "--sweep": sweep,
                                              "--overlap/--no-overlap": overlap, "--enforce-eager": enforce_eager,
-                                             "--repeats": repeats != 1, "--sampling": sampling != "plain"},
+                                             "--repeats": repeats != 1, "--sampling": sampling != "plain",
+                                             "--json-schema": json_schema is not None},
                                      show=not json_out)
         finish(record, record["_paths"], json_out=json_out)
     if any(v is not None for v in (batch, context, steps, warm_steps)):
@@ -444,7 +446,7 @@ def bench(
                         "try the engine on CPU with `labkit generate` instead (or `--workload serve` with a small trace)")
     path = out or default_out(f"bench-{workload}.json")
     if workload == "serve":
-        if baseline or profile or sweep or enforce_eager or repeats != 1 or sampling != "plain":
+        if baseline or profile or sweep or enforce_eager or repeats != 1 or sampling != "plain" or json_schema:
             raise UserError("--workload serve takes the trace options, --overlap/--no-overlap, --engine-process, "
                             "--serve-modes, --model, --device, --attention and --out only")
         record = _bench_serve(path, model=model, device=device, attention=attention, trace=trace, json_out=json_out,
@@ -452,7 +454,7 @@ def bench(
     else:
         record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
                            baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,
-                           overlap=overlap, sampling=sampling)
+                           overlap=overlap, sampling=sampling, json_schema=json_schema)
     if not json_out:
         render_facts_json(record)
     finish(record, path, json_out=json_out)

@@ -26,10 +26,10 @@ def shared(tiny_model_dir):
     e.close()
 
 
-@pytest.fixture(params=[False, True], ids=["step", "overlap"])
+@pytest.fixture
 def engine(request, shared):
-    """The module's engine with Config.overlap off or on (step() reads it per call; the engine is idle here),
-    so both loops run without building (and loading the tokenizer and the grammar compiler for) a second one."""
+    """The module's engine with Config.overlap as the test's parameter says (step() reads it per call; the engine
+    is idle here), so both loops run without building (and loading the grammar compiler for) a second one."""
     shared.config.overlap = request.param
     yield shared
     shared.config.overlap = False
@@ -51,7 +51,8 @@ def samples(out: dict) -> list[dict]:
     return out.get("outputs", [out])
 
 
-@pytest.mark.parametrize("temperature, n", [(0.0, 1), (1.0, 2)])
+@pytest.mark.parametrize("engine, temperature, n", [(False, 0.0, 1), (True, 1.0, 2)], indirect=["engine"],
+                         ids=["step-greedy", "overlap-sampled-n2"])
 def test_json_schema_output_parses_and_validates(engine, temperature, n):
     sp = SamplingParams(temperature=temperature, max_tokens=40, n=n, seed=7,
                         structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
@@ -121,9 +122,21 @@ def test_bad_constraints_are_request_errors_at_admission(shared):
         assert shared.is_finished()              # nothing was queued
 
 
-def test_unconstrained_batches_build_no_mask(tiny_engine):
-    engine = tiny_engine(**KW)
-    engine.generate(["nothing constrained"], SamplingParams(temperature=0, max_tokens=3))
-    assert engine.runner.sampler._mask is None and engine.grammars._compiler is None
-    engine.generate(["still nothing"], SamplingParams(temperature=1.0, max_tokens=3))
-    assert engine.runner.sampler._mask is None
+def test_unconstrained_batches_build_no_mask():
+    """The sampler's walk over a batch with no constrained row does no grammar work: no mask is made, the ids
+    are the plain path's."""
+    import torch
+
+    from engine.sampling.sampler import Sampler, sample_tensor
+
+    class Seq:
+        def __init__(self, i, t):
+            self.seq_id, self.sampling_params, self.grammar = i, SamplingParams(temperature=t), None
+            self.num_completion_tokens = 0
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    sampler = Sampler("cpu", seed=5)
+    ids, lps = sampler([Seq(0, 0.0), Seq(1, 1.0), Seq(2, 0.7)], logits.clone())
+    assert sampler._mask is None and lps is None
+    gen = torch.Generator().manual_seed(5)
+    assert ids.tolist() == sample_tensor(logits.clone(), [0.0, 1.0, 0.7], [gen] * 3).tolist()

@@ -1,12 +1,16 @@
 """bench: the profiled pass accounts for every step and restores the engine; options are checked."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine import LLMEngine
 from labkit.bench.run import fixed_workload, judged_checkpoint, run_bench
 from labkit.bench.profile import PARTS, profile_run
 from labkit.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -54,6 +58,9 @@ def test_profile_run_accounts_for_every_step(tiny_model_dir):
     (dict(workload="nano-vllm", sampling="spicy"), "unknown sampling"),
     (dict(workload="attention", device="cpu"), "needs CUDA"),
     (dict(workload="nope"), "unknown workload"),
+    (dict(workload="latency", json_schema=ROOT / "workloads/bench-schema.json"), "--json-schema applies"),
+    (dict(workload="nano-vllm", json_schema=ROOT / "README.md"), "cannot read a JSON schema"),
+    (dict(workload="nano-vllm", json_schema="no/such/file.json"), "cannot read a JSON schema"),
 ])
 def test_bench_rejects_bad_combinations(kw, message, tmp_path):
     with pytest.raises(UserError, match=message):
@@ -208,6 +215,20 @@ def test_heavy_sampling_workload_is_nano_vllm_plus_the_processors():
     assert prompts == plain_prompts and [p.max_tokens for p in heavy] == [p.max_tokens for p in plain]
     assert all((p.top_p, p.top_k, p.repetition_penalty) == (0.9, 50, 1.1) for p in heavy)
     assert all(p.needs_processing(0) for p in heavy) and not any(p.needs_processing(0) for p in plain)
+
+
+def test_json_schema_workload_is_nano_vllm_with_every_request_constrained():
+    """--json-schema: the same prompts and lengths, each request under the schema; the plain workload's params
+    stay plain (the sampler's one per-row test: no grammar work for unconstrained batches)."""
+    from labkit.bench.run import load_json_schema, nano_vllm_workload
+
+    schema = load_json_schema(ROOT / "workloads/bench-schema.json")
+    plain_prompts, plain = nano_vllm_workload(num_seqs=8)
+    prompts, constrained = nano_vllm_workload(num_seqs=8, json_schema=schema)
+    assert prompts == plain_prompts and [p.max_tokens for p in constrained] == [p.max_tokens for p in plain]
+    assert all(p.structured_outputs.json == schema and p.structured_outputs.disable_any_whitespace for p in constrained)
+    assert all(p._plain and p.structured_outputs is None for p in plain)
+    assert not any(p._plain for p in constrained)
 
 
 def test_the_roofline_bound_adds_compute_and_prefill_terms():
