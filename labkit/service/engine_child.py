@@ -136,9 +136,10 @@ def _child_main(config: WorkerConfig, commands, events) -> None:
 
 
 def _child_submit(worker: Worker, sender: _Sender, rid: str, token_ids: list[int], params: SamplingParams,
-                  tags: dict, prefill_after: str | None) -> None:
+                  tags: dict, prefill_after: str | None, group: str | None = None) -> None:
     try:
-        worker.submit(token_ids, params, request_id=rid, tags=tags, stream=False, prefill_after=prefill_after)
+        worker.submit(token_ids, params, request_id=rid, tags=tags, stream=False, prefill_after=prefill_after,
+                      group=group)
     except (RequestError, DuplicateRequest, WorkerUnavailable) as e:     # the parent's checks let it through
         sender.send(("events", [make_event("finished", rid, worker.worker_id, worker._round, reason="rejected",
                                            message=" ".join(str(e).split()), num_prompt_tokens=len(token_ids),
