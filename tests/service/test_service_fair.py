@@ -16,7 +16,7 @@ from testkit import wait_for
 
 from labkit.service.fair import Groups, per_request_cap, pick
 
-BIG_TOKENS = 24
+BIG_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
