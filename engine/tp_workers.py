@@ -9,6 +9,7 @@ import atexit
 import os
 import pickle
 import socket
+import threading
 import time
 import uuid
 from multiprocessing import shared_memory
@@ -129,6 +130,13 @@ class TPWorkers:
         for ev in self.events:
             ev.set()
 
+    def _wake_ranks(self, timeout_s: float) -> None:
+        """Set every rank's event, bounded: Event.set() waits for each waiter to wake, and a rank killed while
+        it waited (a process-group SIGTERM) never does; the close then goes on (join, terminate, unlink)."""
+        t = threading.Thread(target=lambda: [ev.set() for ev in self.events], name="engine-tp-wake", daemon=True)
+        t.start()
+        t.join(timeout_s)
+
     def close(self, timeout_s: float = 10.0) -> None:
         if self._closed:
             return
@@ -136,8 +144,7 @@ class TPWorkers:
         try:
             if any(p.is_alive() for p in self.procs):
                 self.channel.write(("exit", None))
-                for ev in self.events:
-                    ev.set()
+                self._wake_ranks(2.0)
             deadline = time.monotonic() + timeout_s
             for p in self.procs:
                 p.join(max(0.1, deadline - time.monotonic()))

@@ -225,16 +225,28 @@ def render_doctor(record: dict) -> None:
         "evidence kind": record["kind"],
     }, title="machine"))
     if "engine" in facts:
-        e = facts["engine"]
-        mem = e["memory"]
-        console.print(kv_table({
-            "attention / dtype": f"{e['attention_backend']} / {e['dtype']}",
-            "weights": mem.get("weights_bytes", "n/a (CPU budget)"),
-            "peak work memory": mem.get("peak_work_bytes", "n/a (CPU budget)"),
-            "KV budget": mem.get("kv_budget_bytes"),
-            "bytes per block": f"{e['bytes_per_block']} ({e['mib_per_block']} MiB, {e['block_size']} tokens)",
-            "blocks": f"{e['num_blocks']} ({e['tokens_in_pool']} tokens)",
-        }, title="engine KV pool (docs/LAB.md §11)"))
+        console.print(kv_table(doctor_engine_rows(facts["engine"]), title="engine KV pool (docs/LAB.md §11)"))
+
+
+def gib(n: int | float | None, missing: str = "n/a") -> str:
+    """Bytes in GiB (3 significant digits), with MiB beside it below 1 GiB."""
+    if n is None:
+        return missing
+    text = f"{n / 2**30:.3g} GiB"
+    return text if n >= 2**30 else f"{text} ({n / 2**20:.3g} MiB)"
+
+
+def doctor_engine_rows(e: dict) -> dict:
+    """``doctor --engine``'s KV pool rows: memory in GiB, a block in bytes and MiB."""
+    mem = e["memory"]
+    return {
+        "attention / dtype": f"{e['attention_backend']} / {e['dtype']}",
+        "weights": gib(mem.get("weights_bytes"), "n/a (CPU budget)"),
+        "peak work memory": gib(mem.get("peak_work_bytes"), "n/a (CPU budget)"),
+        "KV budget": gib(mem.get("kv_budget_bytes")),
+        "bytes per block": f"{e['bytes_per_block']} ({e['mib_per_block']} MiB, {e['block_size']} tokens)",
+        "blocks": f"{e['num_blocks']} ({e['tokens_in_pool']} tokens)",
+    }
 
 
 def render_smoke(record: dict) -> None:
@@ -274,6 +286,25 @@ def render_generate(record: dict, path) -> None:
 
 def render_facts_json(record: dict) -> None:
     console.print_json(data={k: v for k, v in record["facts"].items()})
+
+
+def _p50(value) -> Any:
+    return value.get("p50") if isinstance(value, dict) else value
+
+
+def bench_serve_rows(facts: dict) -> list[dict]:
+    """``bench --workload serve``: one row per run (offline cold and warm, each served API and mode); the
+    whole facts stay in the evidence file."""
+    off = facts["offline"]
+    warm = off["warm"].get("tok_s")
+    served = facts.get("ab") or [{"mode": "engine-process" if facts.get("engine_process") else "in-process",
+                                  "native": facts["native"], "openai": facts["openai"]}]
+    runs = [("offline cold", off["cold"]), ("offline warm", off["warm"])]
+    runs += [(f"{api} ({run['mode']})", run[api]) for run in served for api in ("native", "openai")]
+    return [{"run": name, "requests": rec.get("completed", rec.get("requests")),
+             "output tokens": rec.get("output_tokens"), "tok/s": _num(rec.get("tok_s")),
+             "x offline warm": _num(round(rec["tok_s"] / warm, 3)) if rec.get("tok_s") and warm else "-",
+             "TTFT p50 (ms)": _num(_p50(rec.get("ttft_ms")))} for name, rec in runs]
 
 
 # guardrails
@@ -409,16 +440,28 @@ def observer_table(summary: dict, title: str) -> Table:
 
 def render_serving(worker, out) -> None:
     """``labkit serve``'s banner once the worker is ready."""
-    served, cfg, args = worker.served, worker.config, worker.config.engine
-    console.print(kv_table({"worker": worker.worker_id, "kind": served.kind,
-                            "model": served.model.get("path"), "synthetic": served.model.get("synthetic"),
-                            "scheduling policy": args.scheduling_policy,
-                            "max num batched tokens / seqs": f"{args.max_num_batched_tokens} / {args.max_num_seqs}",
-                            "max active / queue": f"{cfg.max_active} / {cfg.queue_size}",
-                            "KV blocks": served.num_blocks,
-                            "log": str(out) if out else "(none)"}, title="labkit serve"))
+    served = worker.served
+    console.print(kv_table(serving_banner(worker, out), title="labkit serve"))
     if served.model.get("synthetic"):
         note("synthetic model: random weights; generated text is meaningless")
+
+
+def serving_banner(worker, out) -> dict:
+    """The banner's rows: the served engine as it was built (max model len as fitted, TP size) and the limits."""
+    from labkit.service.fair import per_request_cap
+
+    served, cfg, args = worker.served, worker.config, worker.config.engine
+    return {"worker": worker.worker_id, "kind": served.kind,
+            "model": served.model.get("path"), "synthetic": served.model.get("synthetic"),
+            "tensor parallel size": served.config.tensor_parallel_size,
+            "max model len": served.max_model_len,
+            "scheduling policy": args.scheduling_policy,
+            "max num batched tokens / seqs": f"{args.max_num_batched_tokens} / {args.max_num_seqs}",
+            "max active / per request / queue": f"{cfg.max_active} / "
+                                                f"{per_request_cap(cfg.max_active, cfg.max_active_per_request)} / "
+                                                f"{cfg.queue_size} requests",
+            "KV blocks": served.num_blocks,
+            "log": str(out) if out else "(none)"}
 
 
 def render_served(summary: dict) -> None:

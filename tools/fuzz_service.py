@@ -7,7 +7,10 @@ fixed prompt, sends ``--per-class`` requests of each class below over raw socket
 - no answer was a 5xx, and every 4xx had the JSON error shape (OpenAI's object on every route);
 - the server log holds no traceback;
 - ``/health`` answered 200 after every class, and at the end every KV block is free;
-- the greedy output of the fixed prompt is the same as before.
+- the greedy output of the fixed prompt is the same as before;
+- issue 29 (tools/fuzz_scenarios.py): the ``log-injection`` class leaves no forged line and no raw control
+  character in the server log; ``fair-n64`` (a 1-token request answers while an n=64 runs, a concurrent n=16 is
+  not 429) and ``cancel-all-choices`` (one /cancel ends every choice of an n=3 and a two-prompt stream) hold.
 
 usage: tools/fuzz_service.py [--model DIR] [--device cpu] [--per-class N] [--seed S] [--json OUT]
 Exit 0 when all of that holds, 1 otherwise. Prints a table: class, requests, status codes, 5xx, healthy.
@@ -26,6 +29,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fuzz_scenarios as scenarios  # noqa: E402
 
 ROUTES_POST = ("/generate", "/cancel", "/v1/completions", "/v1/chat/completions")
 ROUTES_GET = ("/health", "/metrics", "/v1/models", "/config")
@@ -272,7 +278,10 @@ def classes(rng: random.Random) -> dict:
             "lone-surrogate": surrogates, "not-json": bad_json, "bad-field-values": bad_fields,
             "content-type": content_type, "foreign-origin": origin, "content-encoding": gzip_lies,
             "body-too-large": too_large, "prompt-too-long": big_prompt, "special-tokens": special_tokens,
-            "http-parser": parser, "methods-routes": routes, "cancel-others": cancel_others, "half-sent": slow}
+            "http-parser": parser, "methods-routes": routes, "cancel-others": cancel_others, "half-sent": slow,
+            "log-injection": lambda i: (http("POST", rng.choice(("/v1/completions", "/v1/chat/completions",
+                                                                 "/generate")),
+                                             scenarios.log_injection_bodies(rng, i)), {})}
 
 
 # --------------------------------------------------------------------------- the run
@@ -361,6 +370,10 @@ async def fuzz(url: str, per_class: int, seed: int, only: list[str] | None = Non
         table.append({"class": name, "requests": per_class, "statuses": dict(sorted(statuses.items())),
                       "5xx": fives, "not_json_errors": bad_shape, "healthy": health is not None, "examples": examples,
                       "seconds": round(time.monotonic() - t0, 2)})
+    if not only or "scenarios" in only:
+        table.append(await scenarios.fair_admission(url, lambda: _health(host, port)))
+        table.append(await scenarios.cancel_all_choices(url, lambda: _health(host, port),
+                                                        lambda: _kv_when_idle(host, port)))
     for _ in range(100):                       # let cancels of disconnected requests land
         health = await _health(host, port)
         if health and health.get("active") == 0 and health.get("queue_depth") == 0:
@@ -371,9 +384,19 @@ async def fuzz(url: str, per_class: int, seed: int, only: list[str] | None = Non
             "kv_free": (health or {}).get("kv_blocks_free"), "kv_total": (health or {}).get("kv_blocks_total")}
 
 
+async def _kv_when_idle(host: str, port: int) -> tuple[int | None, int | None]:
+    for _ in range(100):
+        h = await _health(host, port) or {}
+        if h.get("active") == 0 and h.get("queue_depth") == 0:
+            break
+        await asyncio.sleep(0.1)
+    return h.get("kv_blocks_free"), h.get("kv_blocks_total")
+
+
 def verdict(result: dict, log_text: str) -> dict:
     t = result["table"]
-    return {"requests": sum(r["requests"] for r in t), "5xx": sum(r["5xx"] for r in t),
+    return {"forged_log_lines": scenarios.forged_lines(log_text),
+            "scenarios_ok": all(r.get("ok", True) for r in t),"requests": sum(r["requests"] for r in t), "5xx": sum(r["5xx"] for r in t),
             "not_json_errors": sum(r["not_json_errors"] for r in t), "all_healthy": all(r["healthy"] for r in t),
             "tracebacks": log_text.count("Traceback"), "log_lines": len(log_text.splitlines()),
             "kv_free_equals_total": result["kv_free"] is not None and result["kv_free"] == result["kv_total"],
@@ -383,6 +406,7 @@ def verdict(result: dict, log_text: str) -> dict:
 
 def ok(v: dict) -> bool:
     return (v["5xx"] == 0 and v["not_json_errors"] == 0 and v["all_healthy"] and v["tracebacks"] == 0
+            and v["forged_log_lines"] == 0 and v["scenarios_ok"]
             and v["kv_free_equals_total"] and v["same_greedy_output"])
 
 
@@ -390,7 +414,8 @@ def print_table(result: dict, v: dict) -> None:
     print(f"{'class':18} {'requests':>8}  {'status codes seen':44} {'5xx':>4}  healthy")
     for r in result["table"]:
         codes = ", ".join(f"{k}x{n}" for k, n in r["statuses"].items())
-        print(f"{r['class']:18} {r['requests']:>8}  {codes:44} {r['5xx']:>4}  {'yes' if r['healthy'] else 'NO'}")
+        print(f"{r['class']:18} {r['requests']:>8}  {codes:44} {r['5xx']:>4}  {'yes' if r['healthy'] else 'NO'}"
+              + (f"  {'PASS' if r['ok'] else 'FAIL'}: {r['detail']}" if "ok" in r else ""))
     print(json.dumps(v))
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labkit.assets.files import SYNTH_FORMAT_VERSION, ModelError, _read_marker, default_cache_dir
+from labkit.assets.hub import is_hub_id, resolve_hub_id
 from labkit.assets.identity import validate_model_dir
 from labkit.assets.synth import default_init, synth_model
 
@@ -22,7 +23,7 @@ class ModelRef:
     path: Path
     synthetic: bool
     preset: str | None
-    source: str  # "flag" | "env" | "default"
+    source: str  # "flag" | "hub" (a hub id from the HF cache or the hub) | "env" | "default"
 
 
 def _default_preset(device: str) -> str:
@@ -83,13 +84,16 @@ def _ref_for(path: Path, source: str) -> ModelRef:
 
 
 def resolve_model(model: str | None, device: str) -> ModelRef:
-    """Pick the model directory: ``model`` (--model) > ``$MODEL_DIR`` > embedded default.
+    """Pick the model directory: ``model`` (--model: a directory, or a hub id ``org/name`` resolved by
+    :func:`labkit.assets.hub.resolve_hub_id`) > ``$MODEL_DIR`` > embedded default.
 
     The default is synthesized on first use into ``default_cache_dir()/models/{preset}-seed0-v{N}``
     (``tiny`` on CPU, ``qwen3-0.6b`` on CUDA) and reused afterwards. The chosen directory is
     validated (ModelError).
     """
     if model is not None and str(model).strip():
+        if is_hub_id(model):            # vLLM's `serve Qwen/Qwen3-0.6B`: the HF cache, or the hub
+            return _ref_for(validate_model_dir(resolve_hub_id(str(model))), "hub")
         return _ref_for(validate_model_dir(model), "flag")
     env = os.environ.get("MODEL_DIR", "").strip()
     if env:

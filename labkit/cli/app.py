@@ -45,6 +45,7 @@ from typer.core import TyperGroup
 from typer.exceptions import TyperException
 
 from labkit import __version__
+from labkit.cli.help_format import install as _help_format
 from labkit.cli.options import (
     AttentionOpt,
     DeviceOpt,
@@ -61,7 +62,9 @@ from labkit.cli.options import (
     SeedOpt,
 )
 from labkit.console import (
+    bench_serve_rows,
     console,
+    dict_table,
     debug_enabled,
     err_console,
     error_line,
@@ -135,6 +138,7 @@ class LabkitGroup(TyperGroup):
             end_with_error(e)
 
 
+_help_format()                            # option names are never cut at 80 columns
 app = typer.Typer(
     name="labkit",
     cls=LabkitGroup,
@@ -455,7 +459,9 @@ def bench(
         record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
                            baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,
                            overlap=overlap, sampling=sampling, json_schema=json_schema)
-    if not json_out:
+    if not json_out and workload == "serve":        # a table; the whole facts are in the evidence file
+        console.print(dict_table(bench_serve_rows(record["facts"]), title="bench serve (tok/s of output tokens)"))
+    elif not json_out:
         render_facts_json(record)
     finish(record, path, json_out=json_out)
 

@@ -17,7 +17,7 @@ OutOpt = Annotated[
 ]
 ModelOpt = Annotated[
     Optional[Path],
-    typer.Option("--model", help="Model directory (Hugging Face layout); default $MODEL_DIR, else a synthetic model."),
+    typer.Option("--model", help="Model directory (Hugging Face layout) or a hub id ORG/NAME (from the local HF cache); default $MODEL_DIR, else a synthetic model."),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables.")]
 

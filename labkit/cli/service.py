@@ -37,7 +37,7 @@ from labkit.cli.options import (
 # --------------------------------------------------------------------------- shared options
 
 MaxActiveOpt = Annotated[int, typer.Option("--max-active", help="Admitted, unfinished requests at most (admission limit).")]
-QueueSizeOpt = Annotated[int, typer.Option("--queue-size", help="Queued, not yet admitted requests at most; beyond: rejected (HTTP 429).")]
+QueueSizeOpt = Annotated[int, typer.Option("--queue-size", help="Queued, not yet admitted requests at most (an n x prompts request counts once); beyond: rejected (HTTP 429).")]
 WorkerIdOpt = Annotated[str, typer.Option("--worker-id", help="Name of this worker in every event.")]
 DistInitOpt = Annotated[Optional[str], typer.Option("--dist-init", help="tcp://HOST:PORT of this engine's TP group (default: a free port).")]
 ShmNameOpt = Annotated[Optional[str], typer.Option("--shm-name", help="Shared-memory name of this engine's TP channel (default: unique).")]
@@ -76,8 +76,11 @@ def _setup_logging(log_level: str, stats_interval: float) -> None:
         raise UserError(f"--log-level must be debug, info, warning, error or critical, got {log_level!r}")
     if stats_interval < 0:
         raise UserError(f"--stats-interval must be >= 0, got {stats_interval!r}")
+    from labkit.service.logsafe import install
+
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     logging.getLogger("labkit").setLevel(level)
+    install(*logging.getLogger().handlers)        # every line on stderr escaped, aiohttp's too
 
 
 # --------------------------------------------------------------------------- commands
@@ -94,6 +97,7 @@ def serve(
     max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", show_default=False, help="Sequences per step at most. Default: 256 on CUDA, 8 on CPU.")] = None,
     max_active: Annotated[Optional[int], typer.Option("--max-active", show_default=False, help="Admitted, unfinished requests at most (admission limit). Default: 256 on CUDA, 8 on CPU.")] = None,
     queue_size: QueueSizeOpt = 64,
+    max_active_per_request: Annotated[Optional[int], typer.Option("--max-active-per-request", show_default=False, help="Running slots one request (n x prompts) may hold, so others start while it runs. Default: all but a quarter of --max-active.")] = None,
     max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", show_default=False, help="Context length (prompt + output) at most. Default on CUDA: the model's, capped by what the KV pool holds (printed); on CPU 1024.")] = None,
     gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.5,
     enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--graph", show_default=False, help="Eager execution, or CUDA graphs (decode, and small fresh prefills on the triton backend). Default: graphs on CUDA, eager on CPU.")] = None,
@@ -152,6 +156,7 @@ def serve(
                         tensor_parallel_size=tensor_parallel_size, dist_init=dist_init, shm_name=shm_name,
                         enable_prefix_caching=enable_prefix_caching, **chosen)
     cfg = WorkerConfig(engine, max_active=max_active, queue_size=queue_size, worker_id=worker_id,
+                       max_active_per_request=max_active_per_request,
                        stream_buffer=stream_buffer, max_prompt_bytes=max_prompt_bytes,
                        special_tokens_in_content=special_tokens_in_content, reasoning_parser=reasoning_parser,
                        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)

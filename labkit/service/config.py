@@ -62,7 +62,8 @@ class WorkerConfig:
     """One worker: its engine (:class:`EngineArgs`) and its own admission, queue and stream limits."""
     engine: EngineArgs
     max_active: int = 8
-    queue_size: int = 64
+    queue_size: int = 64                    # requests waiting (an n x prompts request is one; labkit.service.fair)
+    max_active_per_request: int | None = None   # running slots one request may hold (None: fair.per_request_cap)
     worker_id: str = "worker-0"
     stream_buffer: int = 512
     load_tokenizer: bool = True             # text prompts and detokenized output need it
@@ -88,6 +89,8 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "max_active", "queue_size", "stream_buffer")
+        if self.max_active_per_request is not None:
+            _positive(self, "max_active_per_request")
         if self.max_prompt_bytes is None and self.max_model_len != "auto":   # "auto": set once the engine fitted it
             self.max_prompt_bytes = max(16 * 1024, 32 * self.max_model_len)
         if self.max_prompt_bytes is None:

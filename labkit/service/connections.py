@@ -38,6 +38,8 @@ from typing import Callable
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from labkit.service.logsafe import safe
+
 SWEEP_S = 0.25
 FD_RESERVE = 32            # descriptors kept free beyond the ones open at start (logs, model files, threads)
 
@@ -116,7 +118,7 @@ class QuietLog:
         more = f" (+{held} more in the last {self.interval:g} s)" if held else ""
         text = f"{self.prefix}: {cls}" + (f": {' '.join(str(detail).split())[:300]}" if detail else "")
         try:
-            self._write(text + more)
+            self._write(safe(text) + more)
         except Exception:         # a closed stderr must not break the server
             pass
 

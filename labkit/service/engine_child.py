@@ -91,9 +91,21 @@ def _portable(exc: BaseException) -> BaseException:
         return UserError(" ".join(f"{type(exc).__name__}: {exc}".split()))
 
 
+class _Terminated(Exception):
+    """SIGTERM reached the engine process (a process-group kill of ``labkit serve``): close in order."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)     # once: the close below must not be cut short
+    raise _Terminated()
+
+
 def _child_main(config: WorkerConfig, commands, events) -> None:
-    """The engine process: build the Worker, report ready (or the init error), then serve commands."""
+    """The engine process: build the Worker, report ready (or the init error), then serve commands. SIGTERM
+    closes the Worker in order like the parent's close (its engine's TP ranks, shared memory and semaphores
+    released: no resource_tracker "leaked" warning), instead of killing the process where it stands."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C goes to the parent, which closes us in order
+    signal.signal(signal.SIGTERM, _on_sigterm)
     sender = _Sender(events)
     hooks = OwnerHooks(flushed=sender.ship, published=sender.ship)
     worker = Worker(dataclasses.replace(config, load_tokenizer=False, log_steps=True), sink=sender.sink, hooks=hooks)
@@ -101,33 +113,18 @@ def _child_main(config: WorkerConfig, commands, events) -> None:
     worker.stats = _Uncounted()
     try:
         worker.start(READY_TIMEOUT_S)
+    except _Terminated:
+        worker.close(timeout=10.0)
+        return
     except BaseException as e:
         sender.send(("init_error", _portable(e)))
         return
     sender.send(("ready", {"served": worker.served, "snapshot": worker.snapshot()}))
     close_timeout = 30.0
     try:
-        while True:
-            try:
-                msg = commands.recv()
-            except (EOFError, OSError):           # the parent is gone
-                break
-            kind = msg[0]
-            if kind == "submit":
-                _child_submit(worker, sender, *msg[1:])
-            elif kind == "cancel":
-                worker.cancel(*msg[1:])
-            elif kind == "call":
-                call_id, name, args = msg[1:]
-                try:
-                    if name not in CHILD_CALLS:
-                        raise ValueError(f"{name} is not a call the engine process takes")
-                    sender.send(("reply", call_id, True, getattr(worker, name)(*args)))
-                except BaseException as e:
-                    sender.send(("reply", call_id, False, _portable(e)))
-            elif kind == "close":
-                close_timeout = msg[1]
-                break
+        close_timeout = _serve_commands(worker, sender, commands)
+    except _Terminated:
+        close_timeout = 10.0
     finally:
         worker.close(timeout=close_timeout)
         try:
@@ -136,10 +133,37 @@ def _child_main(config: WorkerConfig, commands, events) -> None:
             pass
 
 
+def _serve_commands(worker: Worker, sender: _Sender, commands) -> float:
+    """The parent's commands until close (its timeout returned) or EOF (the default timeout)."""
+    while True:
+        try:
+            msg = commands.recv()
+        except (EOFError, OSError):           # the parent is gone
+            return 30.0
+        kind = msg[0]
+        if kind == "submit":
+            _child_submit(worker, sender, *msg[1:])
+        elif kind == "cancel":
+            worker.cancel(*msg[1:])
+        elif kind == "call":
+            call_id, name, args = msg[1:]
+            try:
+                if name not in CHILD_CALLS:
+                    raise ValueError(f"{name} is not a call the engine process takes")
+                sender.send(("reply", call_id, True, getattr(worker, name)(*args)))
+            except _Terminated:
+                raise
+            except BaseException as e:
+                sender.send(("reply", call_id, False, _portable(e)))
+        elif kind == "close":
+            return msg[1]
+
+
 def _child_submit(worker: Worker, sender: _Sender, rid: str, token_ids: list[int], params: SamplingParams,
-                  tags: dict, prefill_after: str | None) -> None:
+                  tags: dict, prefill_after: str | None, group: str | None = None) -> None:
     try:
-        worker.submit(token_ids, params, request_id=rid, tags=tags, stream=False, prefill_after=prefill_after)
+        worker.submit(token_ids, params, request_id=rid, tags=tags, stream=False, prefill_after=prefill_after,
+                      group=group)
     except (RequestError, DuplicateRequest, WorkerUnavailable) as e:     # the parent's checks let it through
         sender.send(("events", [make_event("finished", rid, worker.worker_id, worker._round, reason="rejected",
                                            message=" ".join(str(e).split()), num_prompt_tokens=len(token_ids),

@@ -64,6 +64,7 @@ from labkit.errors import UserError
 from labkit.service.config import WorkerConfig
 from labkit.service.engine_child import CHILD_CALLS, READY_TIMEOUT_S, _bare_main, _child_main  # noqa: F401
 from labkit.service.events import Sink, make_event, now_ns
+from labkit.service.fair import Groups
 from labkit.service.front import WorkerFront, WorkerUnavailable
 from labkit.service.stream import RequestHandle, wake_all
 from labkit.service.worker import Worker
@@ -81,6 +82,7 @@ class _Remote:
     num_tokens: int = 0
     admitted: bool = False
     slow: bool = False
+    group: str = ""
 
 
 # --------------------------------------------------------------------------- the parent
@@ -94,6 +96,7 @@ class RemoteWorker(WorkerFront):
         self.process: multiprocessing.process.BaseProcess | None = None
         self._live: dict[str, _Remote] = {}
         self._pending: dict[str, None] = {}          # sent, not yet seen admitted or finished (ordered)
+        self._groups = Groups()                       # the same request-group accounting as the child's queue
         self._snapshot: dict = {"state": "starting"}
         self._ready = False
         self._closed = False
@@ -226,19 +229,21 @@ class RemoteWorker(WorkerFront):
         return LLMEngine.encode_with(self._encoder, prompt, **options)
 
     def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
-                 prefill_after: str | None) -> None:
-        """As the Worker's: a full queue (requests sent, not yet seen admitted) rejects here; the token ids go
-        to the engine process, whose Worker checks them again."""
-        if len(self._pending) >= self.config.queue_size:
+                 prefill_after: str | None, group: str) -> None:
+        """As the Worker's: a full queue (request groups sent, not yet seen admitted) rejects here; the token ids
+        go to the engine process, whose Worker checks them again."""
+        if not self._groups.has_room(group, self.config.queue_size):
             self._reject_here(handle, token_ids, params, tags)
             return
-        self._live[rid] = _Remote(handle, len(token_ids), now_ns())   # before the child can answer
+        self._live[rid] = _Remote(handle, len(token_ids), now_ns(), group=group)   # before the child can answer
         self._pending[rid] = None
+        self._groups.add(group)
         try:
-            self._commands.send(("submit", rid, token_ids, params, tags, prefill_after))
+            self._commands.send(("submit", rid, token_ids, params, tags, prefill_after, group))
         except (OSError, ValueError):            # the child is gone; the reader says why in a moment
             del self._live[rid]
             self._pending.pop(rid, None)
+            self._groups.finished(group, waiting=True)
             raise WorkerUnavailable(f"worker {self.worker_id}: the engine process is not reachable") from None
 
     def _reject_here(self, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict) -> None:
@@ -393,6 +398,7 @@ class RemoteWorker(WorkerFront):
             open_ = list(self._live.items())
             self._live.clear()
             self._pending.clear()
+            self._groups.clear()
         handles = []
         for rid, r in open_:
             ev = make_event("finished", rid, self.worker_id, self._snapshot.get("round", 0), reason="error",
@@ -453,10 +459,11 @@ class RemoteWorker(WorkerFront):
                     r.submitted_ns = ev["t_ns"]          # the engine's own stamp, as TTFT's start
                 elif kind == "admitted":
                     r.admitted = True
-                    self._pending.pop(rid, None)
+                    if self._pending.pop(rid, 0) is None:
+                        self._groups.admitted(r.group)
                 elif kind == "finished":
                     del live[rid]
-                    self._pending.pop(rid, None)
+                    self._groups.finished(r.group, waiting=self._pending.pop(rid, 0) is None)
             if kind == "admitted":
                 stats.count_prompt(r.prompt_tokens, (ev["t_ns"] - r.submitted_ns) / 1e9)
             if kind == "finished":

@@ -20,6 +20,7 @@ went away), ``slow_consumer`` (the stream buffer overflowed) or ``shutdown`` (th
 from __future__ import annotations
 
 import json
+import os
 import threading
 from json.encoder import encode_basestring
 import time
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from labkit.evidence import envelope, to_jsonable
+from labkit.service.logsafe import UNSAFE
 
 FINISH_REASONS = ("stop", "length", "cancelled", "rejected", "error")
 CANCEL_CAUSES = ("client", "disconnect", "slow_consumer", "shutdown")
@@ -70,8 +72,15 @@ def _token_line(r: dict) -> str | None:
 
 
 def dumps_line(record: dict) -> str:
-    """One JSONL line: compact JSON, UTF-8 as is (json.dumps' text, whatever the record)."""
-    return _token_line(record) or _ENCODER.encode(record) + "\n"
+    """One JSONL line: compact JSON, UTF-8 as is, but no raw control character, line separator or lone surrogate
+    (JSON ``\\uNNNN`` escapes: json itself leaves DEL, C1 controls and surrogates raw with ensure_ascii off)."""
+    line = _token_line(record)
+    if line is None:
+        line = _ENCODER.encode(record)
+        if UNSAFE.search(line):
+            line = UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", line)
+        line += "\n"
+    return line
 
 
 def sink_many(sink: Sink | None, records: list[dict]) -> None:
@@ -99,7 +108,7 @@ class EventLog:
     """
 
     def __init__(self, path: str | Path, flush_every: int = 64, *, max_bytes: int | None = None,
-                 backups: int = 0, rotate_existing: bool = False):
+                 backups: int = 0, rotate_existing: bool = False, claim: "LogClaim | None" = None):
         if max_bytes is not None and max_bytes <= 0:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         if backups < 0:
@@ -117,6 +126,7 @@ class EventLog:
         self._header: dict | None = None
         self.count = 0
         self.rotations = 0
+        self.claim = claim                  # this process's hold on the path (released on close)
 
     def backup_path(self, i: int) -> Path:
         return self.path.with_name(f"{self.path.name}.{i}")
@@ -195,6 +205,8 @@ class EventLog:
         with self._lock:
             if not self._f.closed:
                 self._f.close()
+            if self.claim is not None:
+                self.claim.release()
 
     def __enter__(self) -> "EventLog":
         return self
@@ -207,26 +219,68 @@ DEFAULT_SERVE_LOG_MAX_MB = 256.0
 DEFAULT_SERVE_LOG_BACKUPS = 3
 
 
+class LogClaim:
+    """One process's exclusive hold on a default event log path: an ``flock`` on a hidden lock file beside it
+    (``runs/.serve-w.jsonl.lock``), held from the plan until the log closes (or the process ends), so a second
+    ``labkit serve`` with the same worker id never rotates or overwrites a log another process writes."""
+
+    def __init__(self, path: Path):
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._fd: int | None = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(self._fd)
+            self._fd = None
+            raise
+
+    @classmethod
+    def first_free(cls, path: Path) -> "LogClaim":
+        """``path`` when no live process holds it, else ``<stem>-<pid>[-k].jsonl``: unique to this process."""
+        candidates = [path] + [path.with_name(f"{path.stem}-{os.getpid()}{'-' + str(k) if k else ''}{path.suffix}")
+                               for k in range(64)]
+        for p in candidates:
+            try:
+                return cls(p)
+            except OSError:
+                continue
+        raise OSError(f"no free event log name next to {path}")
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)              # closing the descriptor drops the flock
+            self._fd = None
+
+    __del__ = release
+
+
 @dataclass(frozen=True)
 class LogPlan:
-    """Where a server's event log goes and how it is capped (``path`` None: no log)."""
+    """Where a server's event log goes and how it is capped (``path`` None: no log); ``claim``: this process's
+    hold on a default path (:class:`LogClaim`)."""
     path: Path | None
     max_bytes: int | None = None
     backups: int = 0
     rotate_existing: bool = False
+    claim: LogClaim | None = None
 
     def open(self) -> "EventLog | None":
         if self.path is None:
             return None
         return EventLog(self.path, max_bytes=self.max_bytes, backups=self.backups,
-                        rotate_existing=self.rotate_existing)
+                        rotate_existing=self.rotate_existing, claim=self.claim)
 
 
 def plan_serve_log(out: str | Path | None, worker_id: str, enabled: bool = True, max_mb: float | None = None,
                    backups: int = DEFAULT_SERVE_LOG_BACKUPS) -> LogPlan:
     """``labkit serve``'s event log: ``--out`` as given (no cap unless ``max_mb``), else, unless disabled,
     :func:`default_serve_log` capped at ``max_mb`` (default 256 MB) with ``backups`` old files, the previous
-    run's log kept as the first of them. UserError (one line) for a bad cap or count."""
+    run's log kept as the first of them. UserError (one line) for a bad cap or count. The default path is claimed
+    for this process (:class:`LogClaim`): while another live process writes ``serve-<worker_id>.jsonl``, this one
+    writes ``serve-<worker_id>-<pid>.jsonl`` and rotates only that."""
     from labkit.errors import UserError
 
     if max_mb is not None and not (max_mb > 0 and max_mb != float("inf")):
@@ -238,7 +292,11 @@ def plan_serve_log(out: str | Path | None, worker_id: str, enabled: bool = True,
     if not enabled:
         return LogPlan(None)
     mb = max_mb if max_mb is not None else DEFAULT_SERVE_LOG_MAX_MB
-    return LogPlan(default_serve_log(worker_id), max(1, int(mb * 1e6)), backups, rotate_existing=True)
+    try:
+        claim = LogClaim.first_free(default_serve_log(worker_id))
+    except OSError as e:
+        raise UserError(f"cannot claim an event log under runs/: {e}; give --out or --no-event-log") from None
+    return LogPlan(claim.path, max(1, int(mb * 1e6)), backups, rotate_existing=True, claim=claim)
 
 
 def default_serve_log(worker_id: str) -> Path:

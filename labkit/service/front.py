@@ -115,8 +115,9 @@ class WorkerFront:
         raise NotImplementedError
 
     def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
-                 prefill_after: str | None) -> None:
-        """Queue a checked request (with the lock held), or finish its handle as rejected."""
+                 prefill_after: str | None, group: str) -> None:
+        """Queue a checked request (with the lock held), or finish its handle as rejected (the queue counts
+        groups: :mod:`labkit.service.fair`)."""
         raise NotImplementedError
 
     def _send_cancel(self, request_id: str, cause: str, reason: str) -> bool:
@@ -137,7 +138,7 @@ class WorkerFront:
     def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                tags: dict | None = None, stream: bool = True, stream_buffer: int | None = None, *,
                fill_context: bool = False, stop_token_ids=(), prefill_after: str | None = None,
-               prompt_options: dict | None = None) -> RequestHandle:
+               prompt_options: dict | None = None, group: str | None = None) -> RequestHandle:
         """Queue a request; returns its handle at once (``handle.rejected`` when the queue is full).
 
         ``fill_context``: max_tokens becomes what the context leaves after the prompt (max_model_len -
@@ -148,6 +149,8 @@ class WorkerFront:
         ``prompt_options`` (vLLM's fields, :meth:`encode`): add_generation_prompt, continue_final_message,
         add_special_tokens, truncate_prompt_tokens with truncation_side. ``handle.prompt_token_ids`` is the
         prompt as submitted to the engine.
+        ``group``: the id of the first worker request of the same HTTP request (``n`` x prompts); the queue and
+        the running slots are shared fairly among groups (:mod:`labkit.service.fair`). None: its own id.
         Token events carry ``logprob`` (``[id, log-prob, rank, [[id, log-prob], ...]]``) when
         ``params.logprobs`` is set; the first carries ``prompt_logprobs`` when ``params.prompt_logprobs`` is.
 
@@ -164,7 +167,7 @@ class WorkerFront:
                 raise DuplicateRequest(f"request_id {rid!r} is already in flight")
             handle = RequestHandle(rid, stream_buffer or self.config.stream_buffer, keep_tokens=stream)
             handle.prompt_token_ids = token_ids
-            self._enqueue(rid, handle, token_ids, params, tags, prefill_after)
+            self._enqueue(rid, handle, token_ids, params, tags, prefill_after, str(group) if group else rid)
         return handle
 
     def _checked(self, prompt, params: SamplingParams | None, request_id, tags: dict | None, fill_context: bool,

@@ -18,8 +18,10 @@ from labkit.service.api_server import HttpServer, bind_socket, make_service, url
 from labkit.service.connections import ConnectionLimits
 from labkit.service.front import WorkerFront
 from labkit.service.http import Access
+from labkit.service.logsafe import install as escape_log
 
 STATS_LOG = logging.getLogger("labkit.stats")        # one line per interval while busy
+escape_log(STATS_LOG)
 STATS_INTERVAL_S = 10.0
 
 

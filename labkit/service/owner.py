@@ -35,6 +35,10 @@ class OwnedRequest:
     num_tokens: int = 0
     last_token_ns: int = 0
     prefill_after: str | None = None      # n > 1: the sibling request whose prompt KV this one reuses
+    group: str = ""                       # the HTTP request it belongs to (labkit.service.fair); "": its own id
+
+    def __post_init__(self) -> None:
+        self.group = self.group or self.request_id
 
     def counts(self) -> tuple[int, int]:
         """(prompt tokens, output tokens so far): what the metrics count at its finish."""

@@ -4,7 +4,8 @@ brings, and the cancel of a request its client left.
 
 A route reads like mini-sglang's: parse the body (:mod:`labkit.service.protocol`), one call here, respond.
 Every answer to a generation carries ``X-Request-Id`` and ``X-Cancel-Token``; the token is random and only the
-client that sent a request can cancel it (``/cancel`` needs both).
+client that sent a request can cancel it (``/cancel`` needs both). The id is that of the answer's first choice;
+a cancel of it stops every choice of the request (``n`` x prompts), as a client that goes away does.
 """
 from __future__ import annotations
 
@@ -35,13 +36,17 @@ class Serving:
         self.limits = limits
         self.http = http
         self._cancel_tokens: dict[str, str] = {}          # live HTTP requests: request id -> cancel token
+        self._members: dict[str, list[str]] = {}          # first choice's id -> every live choice's id
+        self._group_of: dict[str, str] = {}               # a live choice's id -> its first choice's id
 
-    async def submit(self, req: GenRequest, prefill_after: str | None = None) -> RequestHandle:
-        """The worker's handle for ``req``, or the ApiError its refusal is (400, 429 queue full, 503)."""
+    async def submit(self, req: GenRequest, prefill_after: str | None = None,
+                     group: str | None = None) -> RequestHandle:
+        """The worker's handle for ``req``, or the ApiError its refusal is (400, 429 queue full, 503). ``group``:
+        the request id of the first choice of the same HTTP request (fair admission, one cancel for all)."""
         def call() -> RequestHandle:
             return self.worker.submit(req.prompt, req.params, request_id=req.request_id, tags=req.tags,
                                       fill_context=req.fill_context, prefill_after=prefill_after,
-                                      prompt_options=req.vllm.prompt_options(req.api == "chat") or None)
+                                      prompt_options=req.vllm.prompt_options(req.api == "chat") or None, group=group)
 
         try:
             if isinstance(req.prompt, list) and (not req.prompt or isinstance(req.prompt[0], int)) \
@@ -60,7 +65,17 @@ class Serving:
             raise ApiError(429, f"request {handle.request_id} rejected: {msg}; retry later", "queue_full",
                            headers={"Retry-After": RETRY_AFTER_S})
         self._cancel_tokens[handle.request_id] = secrets.token_urlsafe(18)
+        lead = group or handle.request_id
+        self._group_of[handle.request_id] = lead
+        self._members.setdefault(lead, []).append(handle.request_id)
         return handle
+
+    def cancel(self, request_id: str, cause: str = "client") -> bool:
+        """Cancel a request and every other choice of the HTTP request it leads; False if none was live."""
+        hit = False
+        for rid in list(self._members.get(request_id) or [request_id]):
+            hit = self.worker.cancel(rid, cause=cause) or hit
+        return hit
 
     def headers(self, handle: RequestHandle, **extra: str) -> dict[str, str]:
         return {"X-Request-Id": handle.request_id, "X-Cancel-Token": self._cancel_tokens.get(handle.request_id, ""),
@@ -96,7 +111,15 @@ class Serving:
         """The HTTP side is done with ``handle``: forget its cancel token; a request still running is cancelled."""
         if handle is None:
             return
-        self._cancel_tokens.pop(handle.request_id, None)
+        rid = handle.request_id
+        self._cancel_tokens.pop(rid, None)
+        lead = self._group_of.pop(rid, None)
+        members = self._members.get(lead) if lead is not None else None
+        if members is not None:
+            if rid in members:
+                members.remove(rid)
+            if not members:
+                del self._members[lead]
         if not handle.finished:
             self.worker.cancel(handle.request_id, cause="disconnect")
 

@@ -83,7 +83,7 @@ class NativeRoutes:
                            "missing_cancel_token", "cancel_token")
         known = sv.cancel_token(rid)
         if known is None or not hmac.compare_digest(known.encode(), token.encode()) \
-                or not sv.worker.cancel(rid, cause="client"):
+                or not sv.cancel(rid):
             raise ApiError(404, f"no request {rid!r} in flight that this cancel token controls (unknown, finished, "
                                 "or another client's)", "request_not_found", "request_id")
         return web.json_response({"request_id": rid, "cancelled": True})

@@ -26,12 +26,14 @@ from labkit.service import protocol_fields as vf
 from labkit.service.chat_output import ChatOutput, read_message
 from labkit.service.detokenize import IncrementalText, LogprobsFormat, StopStrings
 from labkit.service.http import ClientGone, json_bytes
+from labkit.service.logsafe import install as escape_log
 from labkit.service.protocol import GenRequest
 from labkit.service.serving import Serving
 from labkit.service.stream import RequestHandle
 from labkit.service.wire import ApiError
 
 ACCESS_LOG = logging.getLogger("labkit.access")      # one line per generation request (vLLM's habit)
+escape_log(ACCESS_LOG)                               # every value in it escaped: one line per request
 _SENTINEL = "\x00"                       # a piece no token text is: its JSON marks where a chunk's text goes
 _SENTINEL_JSON = json_bytes(_SENTINEL)
 
@@ -148,7 +150,8 @@ class OpenAIRoutes:
                                                      seed=None if params.seed is None else params.seed + j)
                     one = dataclasses.replace(req, prompt=prompt, request_id=rid, prompts=None, params=params)
                     try:
-                        handles.append(await self.serving.submit(one, handles[-1].request_id if j else None))
+                        handles.append(await self.serving.submit(one, handles[-1].request_id if j else None,
+                                                                 handles[0].request_id if handles else None))
                     except ApiError as e:
                         if len(prompts) > 1 and e.param == "prompt":
                             e.param = f"prompt[{i}]"

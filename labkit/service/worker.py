@@ -7,49 +7,42 @@ Threads and ownership
 
 Admission and the queue
     ``submit()`` (:class:`labkit.service.front.WorkerFront`: the checks, the encoding) appends the request
-    to a bounded queue of ``queue_size``; a full queue rejects it (its stream gets
-    ``finished(reason=rejected)`` and ``handle.rejected`` is true; no request is ever dropped silently). At
-    each step boundary the owner handles cancels first, then admits queued requests in order while fewer
-    than ``max_active`` are admitted and unfinished.
+    to a queue of ``queue_size`` requests (the sequences of one HTTP request, ``n`` x prompts, are one request:
+    a ``group``); a full queue rejects it (its stream gets ``finished(reason=rejected)`` and ``handle.rejected``
+    is true; no request is ever dropped silently). At each step boundary the owner handles cancels first, then
+    admits queued requests while fewer than ``max_active`` are admitted and unfinished: round-robin across
+    groups, at most ``max_active_per_request`` running per group (:mod:`labkit.service.fair`).
 
 Event streams and slow consumers
-    Each request has a handle with a bounded buffer (``stream_buffer`` events). The owner never
-    blocks on a consumer: when a token would leave more than ``stream_buffer`` events unread, the
-    request is cancelled at that step boundary with ``cause=slow_consumer`` and its KV blocks are
-    freed. A buffer therefore never holds more than ``stream_buffer + 2`` events (the overflowing
-    token and the finished event). ``submit(stream=False)`` keeps only the finished event (for
-    in-process load replay, where the JSONL log is the record).
+    Each request's handle buffers ``stream_buffer`` events; the owner never blocks on a consumer: a token that
+    would leave more unread cancels the request at that boundary (``cause=slow_consumer``, blocks freed), so a
+    buffer never holds more than ``stream_buffer + 2`` events. ``submit(stream=False)`` keeps only the
+    finished event (in-process load replay, where the JSONL log is the record).
 
 Cancellation
-    ``cancel(request_id)`` is recorded and handled by the owner at the next step boundary: a queued
-    request finishes ``cancelled`` without ever being admitted; an admitted one goes through
-    ``engine.abort`` (its blocks are freed at once) and gets no token after its finished event.
+    ``cancel(request_id)`` is handled by the owner at the next step boundary: a queued request finishes
+    ``cancelled`` unadmitted; an admitted one goes through ``engine.abort`` (blocks freed at once), no token after.
 
 Engine exceptions
-    If ``engine.step()`` raises, the requests of the batch that was being run (all admitted
-    requests when the batch is unknown, e.g. a failure inside the scheduler) are aborted and finish
-    with ``reason=error`` and the exception's one-line message. The owner then checks that the
-    engine is still consistent (scheduler queues match the admitted requests, every used KV block is
-    held by one of them, no stale scheduled tokens). If it is, the worker keeps serving: queued and
-    unaffected requests go on. If it is not, the worker turns unhealthy: every other request
-    finishes with ``error``, ``submit()`` raises :class:`WorkerUnavailable` (HTTP 503) and
-    ``/health`` says why; the process stays up so the evidence can be read, and a restart recovers.
-    An exception outside ``engine.step()`` (a bug in the worker or a feeder) is treated the same
-    way as an inconsistent engine: everything open finishes with ``error`` and the worker turns
-    unhealthy instead of dying silently.
+    If ``engine.step()`` raises, the requests of the batch being run (all admitted ones when the batch is
+    unknown) finish with ``reason=error`` and the exception's one-line message. If the engine is still
+    consistent afterwards (scheduler queues match the admitted requests, every used KV block is held, no stale
+    scheduled tokens) the worker keeps serving; if not, or on an exception outside ``engine.step()`` (a bug in
+    the worker or a feeder), every open request finishes with ``error``, the worker turns unhealthy
+    (``submit()`` raises :class:`WorkerUnavailable`, HTTP 503; ``/health`` says why) and the process stays up
+    so the evidence can be read; a restart recovers.
 
 Shutdown
-    ``close()`` is idempotent: the owner stops at the next boundary, finishes every queued and
-    admitted request with ``cancelled``/``cause=shutdown`` (aborting them frees their blocks),
-    closes the engine and exits. The join is bounded by ``timeout``; if the owner is stuck inside a
-    step, the remaining handles are finished with ``error`` from the closing thread.
+    ``close()`` is idempotent: the owner stops at the next boundary, finishes every queued and admitted request
+    with ``cancelled``/``cause=shutdown`` (blocks freed), closes the engine and exits; the join is bounded by
+    ``timeout`` (an owner stuck inside a step: the closing thread finishes the handles with ``error``).
 
-Test hooks: ``pause()``/``resume()`` hold the owner at a step boundary (so a test can fill the queue
-deterministically), ``inject_fault(at_step)`` raises inside ``engine.step()`` just before the forward (a step hook),
-``set_feeder(fn)`` calls ``fn(round)`` on the owner before each admission (round-mode replay).
+Test hooks: ``pause()``/``resume()`` hold the owner at a boundary, ``inject_fault(at_step)`` raises inside
+``engine.step()``, ``set_feeder(fn)`` calls ``fn(round)`` on the owner before each admission (round-mode replay).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from collections import deque
@@ -60,6 +53,7 @@ from engine.observe import StepHooks
 from labkit.errors import UserError
 from labkit.service.config import WorkerConfig
 from labkit.service.events import Sink, make_event, now_ns, sink_many
+from labkit.service.fair import Groups, per_request_cap, pick
 from labkit.service.front import ServedEngine, WorkerFront, WorkerUnavailable
 from labkit.service.owner import Fault, HostTime, OwnedRequest, OwnerCall, OwnerHooks, deliver_tokens, step_record
 from labkit.service.stream import RequestHandle, wake_all
@@ -86,9 +80,6 @@ class _WorkerHooks(StepHooks):
             raise InjectedFault(fault.message)
 
 
-# --------------------------------------------------------------------------- the worker
-
-
 class Worker(WorkerFront):
     def __init__(self, config: WorkerConfig | None = None, sink: Sink | None = None, hooks: OwnerHooks | None = None):
         super().__init__(config, sink)              # its _lock is re-entrant: _finish may run with it held
@@ -99,6 +90,7 @@ class Worker(WorkerFront):
         self._init_error: BaseException | None = None
         self._cv = threading.Condition(self._lock)
         self._pending: deque[OwnedRequest] = deque()      # submitted, not admitted
+        self._groups = Groups()                           # live and waiting sequences per request group (lock)
         self._active: dict[str, OwnedRequest] = {}        # admitted, not finished (owner only)
         self._by_seq: dict[int, OwnedRequest] = {}        # owner only
         self._cancels: deque[tuple[str, str, str]] = deque()   # (request id, cause, reason)
@@ -181,17 +173,18 @@ class Worker(WorkerFront):
         return self.engine.encode(prompt, **options)
 
     def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
-                 prefill_after: str | None) -> None:
-        req = OwnedRequest(rid, token_ids, params, handle, tags, now_ns(), prefill_after=prefill_after)
+                 prefill_after: str | None, group: str) -> None:
+        req = OwnedRequest(rid, token_ids, params, handle, tags, now_ns(), prefill_after=prefill_after, group=group)
         ev = make_event("submitted", rid, self.worker_id, self._round, t_ns=req.submitted_ns,
                         prompt_tokens=len(token_ids), max_tokens=params.max_tokens, queue_depth=len(self._pending))
         ev.update(tags)                   # never as keyword arguments: a tag may share a parameter's name
         self._emit(req, ev)
-        if len(self._pending) >= self.config.queue_size:
+        if not self._groups.has_room(group, self.config.queue_size):
             handle.rejected = True
             self._finish(req, "rejected", message=f"queue full ({self.config.queue_size} requests waiting)")
             return
         self._pending.append(req)
+        self._groups.add(group)
         self._live[rid] = req
         self._cv.notify_all()
 
@@ -262,10 +255,8 @@ class Worker(WorkerFront):
         except BaseException as e:        # reported to start()'s caller
             self._init_error = e
             if self.engine is not None:   # built, then something after it failed
-                try:
+                with contextlib.suppress(Exception):
                     self.engine.close()
-                except Exception:
-                    pass
             self._ready.set()
             return
         self._publish(state="ok")
@@ -367,11 +358,13 @@ class Worker(WorkerFront):
         feeder = self._feeder
         if feeder is not None:
             feeder(self._round)
-        while True:
-            with self._lock:
-                if not self._pending or len(self._active) >= self.config.max_active:
-                    return
-                req = self._pending.popleft()
+        cfg = self.config
+        with self._lock:
+            chosen = pick(self._pending, self._active.values(), cfg.max_active - len(self._active),
+                          per_request_cap(cfg.max_active, cfg.max_active_per_request))
+            if chosen:
+                self._pending = self._groups.take(self._pending, chosen)
+        for req in chosen:
             self._admit(req)
 
     def _admit(self, req: OwnedRequest) -> None:
@@ -397,8 +390,7 @@ class Worker(WorkerFront):
             req = self._live.get(rid)
             if req is None:
                 return
-            if req in self._pending:
-                self._pending.remove(req)
+            self._unqueue(req)
         freed: list[int] = []
         if req.seq is not None:
             freed = self.engine.abort(req.seq, reason)
@@ -479,6 +471,7 @@ class Worker(WorkerFront):
         with self._lock:
             if self._live.get(req.request_id) is req:
                 del self._live[req.request_id]
+                self._groups.finished(req.group, waiting=False)
         self.stats.count_finished(reason, (now_ns() - req.submitted_ns) / 1e9 if req.seq is not None else None, *req.counts())
         if self.sink is not None:
             self.sink(ev)
@@ -525,8 +518,14 @@ class Worker(WorkerFront):
                                     "message": self._unhealthy})
         with self._lock:
             self._live.clear()
+            self._groups.clear()
         self._active.clear()
         self._by_seq.clear()
+
+    def _unqueue(self, req: OwnedRequest) -> None:      # with the lock held; _finish counts it out of the live
+        if req.seq is None and req in self._pending:
+            self._pending.remove(req)
+            self._groups.admitted(req.group)
 
     def _abort_quietly(self, req: OwnedRequest, reason: str) -> int:
         """Abort an admitted request's sequence whatever state the engine is in; the number of blocks freed."""
@@ -542,8 +541,7 @@ class Worker(WorkerFront):
         """Every live request out of the queue, aborted and finished with ``reason``."""
         for req in list(self._live.values()):
             with self._lock:
-                if req in self._pending:
-                    self._pending.remove(req)
+                self._unqueue(req)
             freed = self._abort_quietly(req, reason)
             self._finish(req, reason, cause=cause, message=message, freed_blocks=freed if count_freed else None)
 

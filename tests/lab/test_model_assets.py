@@ -375,3 +375,44 @@ def test_resolve_default_on_cuda_uses_the_06b_preset(isolated_cache, monkeypatch
     ref = resolve_model(None, "cuda:0")
     assert (ref.source, ref.preset) == ("default", "qwen3-0.6b")
     assert ref.path.name == default_model_name("qwen3-0.6b") == f"qwen3-0.6b-seed0-v{SYNTH_FORMAT_VERSION}"
+
+
+def _fake_hf_cache(root, repo_id: str, model_dir) -> "Path":
+    """A Hugging Face cache (HF_HOME layout) holding ``model_dir`` as ``repo_id``'s snapshot at ref main."""
+    entry = root / "hub" / ("models--" + repo_id.replace("/", "--"))
+    snap = entry / "snapshots" / "0123abcd"
+    shutil.copytree(model_dir, snap)
+    (entry / "refs").mkdir(parents=True)
+    (entry / "refs" / "main").write_text("0123abcd")
+    return snap
+
+
+def test_a_hub_id_resolves_from_the_local_hf_cache(tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 29 item 15: `serve Qwen/Qwen3-0.6B` habit: an org/name that is no path comes from the HF cache;
+    an existing directory of that name still wins. Nothing is downloaded (HF_HUB_OFFLINE)."""
+    snap = _fake_hf_cache(tmp_path / "hf", "acme/tiny-qwen3", tiny_model_dir)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    ref = resolve_model("acme/tiny-qwen3", "cpu")
+    assert (ref.path, ref.source, ref.preset) == (snap.resolve(), "hub", "tiny")
+    local = tmp_path / "acme" / "tiny-qwen3"
+    shutil.copytree(tiny_model_dir, local)
+    assert resolve_model("acme/tiny-qwen3", "cpu").path == local.resolve()
+
+
+def test_serve_a_hub_id_not_cached_offline_is_one_line_naming_model_download(tmp_path, monkeypatch):
+    """`labkit serve ORG/NAME` (the command's own function, as the CLI calls it) with the id not cached and
+    HF_HUB_OFFLINE=1: one UserError line (exit 2, `error:`) that names `labkit model download`."""
+    from labkit.cli.service import serve
+    from labkit.errors import UserError
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as got:
+        serve("acme/not-cached", port=0, device="cpu", event_log=False, log_level="warning")
+    text = str(got.value)
+    assert "\n" not in text and "acme/not-cached" in text and "labkit model download" in text, text

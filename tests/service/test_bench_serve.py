@@ -185,3 +185,23 @@ def test_serve_bench_reports_wait_and_the_gap_by_part(serve_record):
         assert set(parts) == set(GAP_PARTS)
         assert all(p["n"] == a["wide_gap_ms"]["n"] for p in parts.values())
         assert parts["deliver"]["p50"] > 0
+
+
+def test_bench_serve_prints_a_table_not_its_facts_as_json(serve_record, cli_app, monkeypatch, tmp_path):
+    """Issue 29 item 16: `bench --workload serve` ends with one table of its runs (the facts stay in the evidence
+    file), not ~400 lines of JSON before it. The command runs on the module's record (no second bench)."""
+    import importlib
+
+    from typer.testing import CliRunner
+
+    monkeypatch.setattr(importlib.import_module("labkit.cli.app"), "_bench_serve", lambda *a, **kw: serve_record)
+    res = CliRunner().invoke(cli_app, ["bench", "--workload", "serve", "--device", "cpu",
+                                       "--out", str(tmp_path / "b.json")], env={"COLUMNS": "160"})
+    out = res.output
+    assert res.exit_code == 0, out
+    assert "bench serve" in out and len(out.splitlines()) < 60, out
+    assert not any(line.lstrip().startswith('"') for line in out.splitlines()), out   # no JSON lines
+    f = serve_record["facts"]
+    for run in ("offline cold", "offline warm", "native (in-process)", "openai (in-process)"):
+        assert run in out, run
+    assert f"{f['native']['tok_s']:.2f}" in out and str(f["native"]["output_tokens"]) in out

@@ -81,6 +81,33 @@ def test_the_plan(tmp_path, monkeypatch):
             plan_serve_log(None, "w", **bad)
 
 
+def test_two_servers_with_one_worker_id_never_share_a_log(tmp_path, monkeypatch):
+    """Issue 29 item 14: a second start while the first still writes gets a log of its own (pid suffix); the
+    first's file is neither moved nor truncated, and rotation moves only each process's own file."""
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
+
+    def write(log: EventLog, n: int) -> None:
+        for i in range(n):
+            log.write({"event": "token", "seq": i, "pad": "x" * 40})
+        log.flush()
+
+    first = plan_serve_log(None, "worker-0", max_mb=0.002, backups=2).open()
+    first.write_header({"role": "first"})
+    write(first, 3)
+    second = plan_serve_log(None, "worker-0", max_mb=0.002, backups=2).open()
+    second.write_header({"role": "second"})
+    assert second.path != first.path and str(os.getpid()) in second.path.name
+    write(second, 40)                                   # rotates: its own file only
+    write(first, 2)
+    first.close()
+    second.close()
+    assert [r.get("role") for r in lines(first.path)] == ["first"] + [None] * 5
+    assert not first.backup_path(1).exists() and second.rotations >= 1 and second.backup_path(1).exists()
+    third = plan_serve_log(None, "worker-0").open()    # the first has stopped: its name is free again, rotated
+    assert third.path == first.path and len(lines(first.backup_path(1))) == 6
+    third.close()
+
+
 def test_serve_help_documents_the_log(cli_app):
     from typer.testing import CliRunner
 

@@ -1,0 +1,56 @@
+"""How ``--help`` reads at 80 columns: option names are never cut and flags show no value hint.
+
+Typer's rich help draws each panel as a rich Table whose columns all shrink when the terminal is narrow, so a
+long option name became ``--max-num-batc…``; and it shows ``<bool>`` after every flag, which reads as if
+``--trace true`` were accepted (it is not: a flag takes no value). :func:`install` makes the name columns keep
+their widest cell (the type and help columns wrap instead) and shows no value type for a flag (``--trace`` is
+a flag: ``--trace``/``--no-trace`` style, never ``--trace true``).
+"""
+from __future__ import annotations
+
+import typer.rich_utils
+from rich.table import Table
+from rich.text import Text
+
+
+class _HelpTable(Table):
+    """A help panel's table. An options row (``[required,] long, short, negative long, negative short, type,
+    help``) becomes ``[required,] names, type, help``: the names in one cell, a flag's negative form on a line of
+    its own, no ``<bool>`` type for a flag. The names column keeps its widest line; the type column folds at 14 cells; the help text wraps."""
+
+    def add_row(self, *renderables, **kwargs):
+        if len(renderables) in (6, 7):
+            head = renderables[:-6]
+            long_, short, neg_long, neg_short, types, help_ = renderables[-6:]
+            names = Text()
+            for i, part in enumerate(p for p in (long_, short, neg_long, neg_short) if _text(p)):
+                if i:
+                    names.append("\n" if part in (neg_long, neg_short) else ", ")
+                names.append(part if isinstance(part, Text) else Text(str(part)))
+            if _text(types) == "<bool>":          # a typer bool option is a flag: it takes no value
+                types = Text("")
+            renderables = (*head, names, types, help_)
+        return super().add_row(*renderables, **kwargs)
+
+    def __rich_console__(self, console, options):
+        columns = self.columns
+        wrapping = 2 if len(columns) >= 3 and self._options_panel() else 1
+        for column in columns[:-wrapping]:
+            cells = list(column.cells)
+            if cells:
+                column.min_width = max(console.measure(c, options=options).maximum for c in cells)
+                column.no_wrap = True
+        if wrapping == 2:
+            columns[-2].max_width, columns[-2].overflow = 14, "fold"
+        yield from super().__rich_console__(console, options)
+
+    def _options_panel(self) -> bool:
+        return any(any(isinstance(c, Text) and c.plain.startswith("<") for c in col.cells) for col in self.columns)
+
+
+def _text(part) -> str:
+    return part.plain if isinstance(part, Text) else str(part or "")
+
+
+def install() -> None:
+    typer.rich_utils.Table = _HelpTable
