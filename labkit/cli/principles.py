@@ -70,6 +70,7 @@ def principles_attention(out: OutOpt = None, json_out: JsonOpt = False) -> None:
               "cached last output": rnd(f["cache"]["cached_last_output"]),
               "cache max error": f["cache"]["max_error"],
               "query positions (full, cached) / KV": f"{f['cache']['query_positions']} / {f['cache']['kv_positions']}",
+              "engine decode: query rows / K/V slots written": f"{f['cache']['decode_output_rows']} / {f['cache']['kv_slots_written']}",
               "V != Q/K: last output": [round(x, 6) for x in f["v_differs"]["last_output"]]},
           "causal attention", json_out)
 

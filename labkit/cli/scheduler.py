@@ -69,19 +69,27 @@ def _render_compare(record: dict) -> None:
     f = record.get("facts") or {}
     t = Table(title=f"labkit scheduler compare {f.get('pair')}: {f.get('what')} ({f.get('repeats')} repeats, "
                     f"{record.get('kind')})")
-    for col in ("side", "short ITL p99 ms", "long TTFT p50 ms", "throughput tok/s",
-                "longest prefill run while decoding", "completed / output tokens"):
+    for col in ("side", "short ITL p99 ms", "long TTFT p50 ms", "short ITL p99 steps", "long TTFT p50 steps",
+                "throughput tok/s", "longest prefill run while decoding", "completed / output tokens"):
         t.add_column(col)
     fmt = lambda xs: " / ".join("–" if x is None else (f"{x:.1f}" if isinstance(x, float) else str(x)) for x in xs)  # noqa: E731
     for name in f.get("side_order") or []:
         s = f["sides"][name]
         t.add_row(name, f"{fmt(s['short_itl_p99_ms'])} (median {s['median_short_itl_p99_ms']})",
                   f"{fmt(s['long_ttft_p50_ms'])} (median {s['median_long_ttft_p50_ms']})",
+                  fmt(s.get("short_itl_p99_steps") or []), fmt(s.get("long_ttft_p50_steps") or []),
                   f"{fmt(s['throughput_tok_s'])}", fmt(s["longest_prefill_run_while_decoding"]),
                   f"{fmt(s['completed'])} / {fmt(s['output_tokens'])}")
     console.print(t)
     console.print(f"same request sets: {f.get('same_request_sets')}; same output tokens per request: "
                   f"{f.get('same_token_counts')}; event logs in {f.get('logs')}", soft_wrap=True)
+    w = f.get("who_pays")
+    if w:
+        a, b = w["sides"]
+        console.print(f"who pays ({w['unit']}, {b} over {a} per repeat): short ITL p99 "
+                      f"{fmt(w['short_itl_p99_steps_ratio'])} (worst {w['max_short_itl_p99_steps_ratio']}), "
+                      f"long TTFT p50 {fmt(w['long_ttft_p50_steps_ratio'])} (worst {w['min_long_ttft_p50_steps_ratio']})",
+                      soft_wrap=True)
 
 
 @scheduler_app.command()

@@ -95,12 +95,20 @@ def run_tokenizer(out: Path | None = None, model: str | None = None) -> dict:
 def softmax_facts(samples: int = 20000, seed: int = 0) -> dict:
     import torch
 
-    from engine.sampling.sampler import sample_tensor
+    from engine.sampling.params import SamplingParams
+    from engine.sampling.processors import RowInputs
+    from engine.sampling.sampler import sample_processed, sample_tensor
 
     scores = torch.tensor([SOFTMAX_SCORES], dtype=torch.float32)
     probs = torch.softmax(scores, dim=-1)[0].tolist()
     gen = torch.Generator(device="cpu")
     gen.manual_seed(seed)
+    # the engine's own probabilities: its log-prob path (a request asking for logprobs=3 at temperature 1)
+    n = len(SOFTMAX_SCORES)
+    row = RowInputs.of(SamplingParams(temperature=1.0, logprobs=n), [0])
+    _, lps = sample_processed(scores.clone(), [1.0], [torch.Generator(device="cpu")], {0: row})
+    top_ids, top_p = lps.top_ids[0].tolist(), lps.top_lps[0].exp().tolist()
+    engine_probs = [top_p[top_ids.index(i)] if i in top_ids else None for i in range(n)]
     greedy = sample_tensor(scores, [0.0], [gen]).tolist()[0]
     drawn = sample_tensor(scores.expand(samples, -1).contiguous(), [1.0] * samples, [gen] * samples)
     counts = torch.bincount(drawn, minlength=len(SOFTMAX_SCORES)).tolist()
@@ -109,6 +117,9 @@ def softmax_facts(samples: int = 20000, seed: int = 0) -> dict:
         "scores": list(SOFTMAX_SCORES),
         "probabilities": probs,
         "probabilities_sum": sum(probs),
+        "engine_probabilities": engine_probs,
+        "engine_logprob_ranking": top_ids,
+        "engine_logprobs": "engine.sampling.sampler.sample_processed with logprobs=3 (the log-probs a request gets)",
         "greedy_index": greedy,
         "sampler": "engine.sampling.sampler.sample_tensor (temperature 0: argmax; 1.0: exponential race)",
         "samples": samples,
@@ -218,7 +229,8 @@ def attention_facts() -> dict:
     t = torch.tensor(x, dtype=torch.float64)[:, None, :]
     layer(t, t, t, _prefill_meta(len(x), list(range(len(x)))))
     q4 = torch.tensor([list(ATTENTION_APPEND)], dtype=torch.float64)[:, None, :]
-    cached_last = layer(q4, q4, q4, _decode_meta(1, len(y), [len(x)], [0]))[0, 0].tolist()
+    cached_rows = layer(q4, q4, q4, _decode_meta(1, len(y), [len(x)], [0]))
+    cached_last = cached_rows[0, 0].tolist()
     v2 = [list(r) for r in ATTENTION_V2]
     return {
         "x": x,
@@ -243,6 +255,10 @@ def attention_facts() -> dict:
             "max_error": max(abs(a - b) for a, b in zip(full_last, cached_last)),
             "query_positions": {"full": len(y), "cached": 1},
             "kv_positions": len(y),
+            # what the engine layer did: the K/V slots its paged cache holds after the decode, and the query
+            # rows its decode returned
+            "kv_slots_written": int((layer.k_cache.abs().sum(dim=(-1, -2)) != 0).sum()),
+            "decode_output_rows": len(cached_rows),
         },
         "v_differs": {
             "v": v2,
@@ -280,6 +296,19 @@ def _param_count(cfg: dict) -> int:
     return s.vocab_size * s.hidden_size + s.num_layers * layer + s.hidden_size + head
 
 
+def _engine_pool_block(shape, dtype) -> dict:
+    """One block of the pool the engine allocates for ``shape`` (engine.kv_pool.allocate, on the meta device:
+    no memory): its tensor shape [2, layers, 1, block, kv heads, head dim] and bytes."""
+    from types import SimpleNamespace
+
+    from engine.kv_pool import allocate
+
+    layers = [SimpleNamespace() for _ in range(shape.num_layers)]
+    cfg = SimpleNamespace(shape=shape, kvcache_block_size=MEMORY_BLOCK)
+    t = allocate(layers, 1, cfg, dtype, "meta")
+    return {"tensor_shape": list(t.shape), "bytes": t.numel() * t.element_size(), "kv_heads_in_pool": t.shape[4]}
+
+
 def memory_facts(cfg: dict) -> dict:
     import torch
 
@@ -289,6 +318,7 @@ def memory_facts(cfg: dict) -> dict:
     dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
     elem = torch.tensor([], dtype=getattr(torch, dtype)).element_size()
     per_token = s.kv_bytes_per_token(elem)
+    pool = _engine_pool_block(s, getattr(torch, dtype))
     per_request = per_token * MEMORY_POSITIONS
     per_block = per_token * MEMORY_BLOCK
     weights = _param_count(cfg) * elem
@@ -307,6 +337,8 @@ def memory_facts(cfg: dict) -> dict:
         "kv_gib_for_requests": per_request * MEMORY_REQUESTS / GIB,
         "block_size": MEMORY_BLOCK,
         "kv_mib_per_block": per_block / MIB,
+        "engine_pool_block": pool,
+        "engine_pool_block_matches_formula": pool["bytes"] == per_block,
         "static_budget": {
             "budget_gib": BUDGET_GIB, "reserve_gib": RESERVE_GIB,
             "parameters": _param_count(cfg),
@@ -366,6 +398,9 @@ def slots_facts(model: str | None = None, block_size: int = SLOTS_BLOCK_SIZE) ->
                 "slot_mapping": [st["inputs"]["slot_mapping"] for st in rec.steps],
                 "slots_checked": checked, "slot_mismatches": bad,
                 "slots_follow_formula": checked > 0 and not bad,
+                # the most blocks the scheduler gave one sequence (9 + 3 tokens, the last never computed)
+                "max_blocks_per_sequence": max((len(b["block_table"]) for st in rec.steps for b in st["before"]),
+                                               default=0),
             },
         }
         return facts, built

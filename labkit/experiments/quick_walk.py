@@ -124,8 +124,13 @@ def derive(steps: list[dict], labels: list[str], block_size: int) -> dict:
                 "totals": [s["total"] for s in st["before"]]}
                for st in decodes if st["inputs"]["context_lens"] != [s["total"] for s in st["before"]]]
     checked, slot_bad = slot_mismatches(steps, block_size)
+    first_use = list(dict.fromkeys(b for st in steps for s in st["before"] for b in s["block_table"]))
     return {
         "tcs_first": tcs,
+        # the block ids the engine handed out, in the order they first appear in a scheduled block table:
+        # 0, 1, 2, ... from the default free list (a shuffled pool or a skipped block breaks it)
+        "blocks_in_first_use_order": first_use,
+        "blocks_handed_out_in_order": bool(first_use) and first_use == list(range(len(first_use))),
         "batch_labels": [[s["label"] for s in st["before"]] for st in steps],
         "phases": [st["phase"] for st in steps],
         "prefill_rounds": sum(st["phase"] == "prefill" for st in steps),

@@ -17,6 +17,12 @@ Pairs
 Mechanism facts come from the event log's step records: ``longest_prefill_run_while_decoding`` is the
 longest run of consecutive prefill steps during which some measured request had its first token and was
 still waiting for more (the interference of 5.4.1, in steps rather than milliseconds).
+
+Who pays (5.4.3) is judged in engine steps too, where one step is one scheduler round: the short requests'
+ITL p99 in steps (gaps between a request's consecutive token rounds) and the long requests' TTFT p50 in
+steps (first-token round minus submission round). ``who_pays`` holds the second side over the first, repeat
+by repeat (the sides of one repeat run back to back), with the worst repeat of each. Milliseconds are
+reported next to them; on a shared CPU they swing by 2x between repeats, steps do not.
 """
 from __future__ import annotations
 
@@ -93,6 +99,17 @@ def longest_prefill_run_while_decoding(steps: list[dict], tokens: dict[str, list
     return best
 
 
+def step_latencies(tokens: dict[str, list[int]], submitted: dict[str, int], cls: dict[str, str]) -> dict:
+    """Who pays, in engine steps: the short requests' ITL p99 (gaps between consecutive token rounds, over
+    every short request) and the long requests' TTFT p50 (first-token round minus submission round)."""
+    from labkit.load.report import percentile
+
+    gaps = [b - a for r, ts in tokens.items() if cls.get(r) == "short" for a, b in zip(ts, ts[1:])]
+    ttft = [ts[0] - submitted[r] for r, ts in tokens.items() if cls.get(r) == "long" and ts and r in submitted]
+    return {"short_itl_p99_steps": round(percentile(gaps, 99), 3) if gaps else None,
+            "long_ttft_p50_steps": round(percentile(ttft, 50), 3) if ttft else None}
+
+
 def read_run(events_path: Path, observer: str = "engine") -> dict:
     """Per-request facts and the mechanism facts of one run's event log."""
     from labkit.load.report import read_log
@@ -102,6 +119,7 @@ def read_run(events_path: Path, observer: str = "engine") -> dict:
     tokens: dict[str, list[int]] = {}
     ids: dict[str, list[int]] = {}
     cls: dict[str, str] = {}
+    submitted: dict[str, int] = {}
     worker: dict[str, str] = {}
     steps: dict[str, list[dict]] = {}
     for ev in log.events:
@@ -112,6 +130,8 @@ def read_run(events_path: Path, observer: str = "engine") -> dict:
             continue
         if name == "submitted":
             cls[rid] = str(ev.get("class", "all"))
+            if isinstance(ev.get("round"), int):
+                submitted[rid] = ev["round"]
             if ev.get("warmup"):
                 warm.add(rid)
         elif name == "token":
@@ -131,7 +151,8 @@ def read_run(events_path: Path, observer: str = "engine") -> dict:
             "requests_by_worker": {w: len(t) for w, t in sorted(by_worker.items())},
             "steps": {"prefill": sum(s.get("phase") == "prefill" for ss in steps.values() for s in ss),
                       "decode": sum(s.get("phase") == "decode" for ss in steps.values() for s in ss)},
-            "longest_prefill_run_while_decoding": max(runs, default=0)}
+            "longest_prefill_run_while_decoding": max(runs, default=0),
+            **step_latencies({r: tokens.get(r, []) for r in measured}, submitted, cls)}
 
 
 def _dig(d: Any, *keys: str) -> Any:
@@ -178,7 +199,28 @@ def _median(xs: list) -> float | None:
     return round(statistics.median(xs), 3) if xs else None
 
 
-METRICS = ("short_itl_p99_ms", "long_ttft_p50_ms", "long_ttft_p99_ms", "short_ttft_p50_ms", "throughput_tok_s")
+METRICS = ("short_itl_p99_ms", "long_ttft_p50_ms", "long_ttft_p99_ms", "short_ttft_p50_ms", "throughput_tok_s",
+           "short_itl_p99_steps", "long_ttft_p50_steps")
+#: who pays, in steps: (metric, which repeat is the worst for the claim that the second side moves it)
+WHO_PAYS = (("short_itl_p99_steps", max), ("long_ttft_p50_steps", min))
+
+
+def who_pays(runs: dict[str, list[dict]]) -> dict | None:
+    """The second side over the first in each repeat, per step metric, and the worst repeat: the largest
+    short-ITL ratio (shorts gain when it is below 1) and the smallest long-TTFT ratio (longs pay when it is
+    above 1). None for a pair of more than two sides."""
+    names = list(runs)
+    if len(names) != 2:
+        return None
+    a, b = runs[names[0]], runs[names[1]]
+    out: dict[str, Any] = {"sides": names, "unit": "engine steps (scheduler rounds)"}
+    for metric, worst in WHO_PAYS:
+        ratios = [round(y[metric] / x[metric], 4) if x.get(metric) and y.get(metric) is not None else None
+                  for x, y in zip(a, b)]
+        out[f"{metric}_ratio"] = ratios
+        known = [r for r in ratios if r is not None]
+        out[f"{worst.__name__}_{metric}_ratio"] = worst(known) if known and len(known) == len(ratios) else None
+    return out
 
 
 def compare_runs(runs: dict[str, list[dict]], expected_tokens: int | None = None) -> dict:
@@ -204,7 +246,7 @@ def compare_runs(runs: dict[str, list[dict]], expected_tokens: int | None = None
     ratios = {n: {m: (round(sides[n][f"median_{m}"] / base[f"median_{m}"], 4)
                       if base.get(f"median_{m}") and sides[n].get(f"median_{m}") is not None else None)
                   for m in METRICS} for n in names[1:]}
-    return {"sides": sides, "side_order": names, "ratios_vs_first": ratios,
+    return {"sides": sides, "side_order": names, "ratios_vs_first": ratios, "who_pays": who_pays(runs),
             "same_request_sets": len(sets) == 1 and bool(all_runs),
             "request_ids": list(next(iter(sets))) if len(sets) == 1 else None,
             "same_token_counts": bool(counts) and all(c == counts[0] for c in counts),

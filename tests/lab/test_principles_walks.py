@@ -107,13 +107,56 @@ def test_memory_fails_when_counting_q_heads(tmp_path, labkit_argv, monkeypatch):
     assert rec["verdict"] == "FAIL" and {"facts.kv_bytes_per_token", "facts.kv_mib_per_block"} <= set(_failed(rec))
 
 
+def test_memory_fails_when_the_engine_pool_holds_q_heads(tmp_path, labkit_argv, monkeypatch):
+    """The formula right, the pool the engine lays out wrong (16 Q heads per token): the pool assertions FAIL."""
+    import torch
+
+    import engine.kv_pool as kv_pool
+    from labkit.experiments.principles import run_memory
+
+    def allocate(layers, n, config, dtype, device, tp_size=1):
+        s = config.shape
+        return torch.zeros(2, len(layers), n, config.kvcache_block_size, s.num_heads, s.head_dim, dtype=dtype,
+                           device=device)
+
+    monkeypatch.setattr(kv_pool, "allocate", allocate)
+    labkit_argv.checkpoint("principles.memory")
+    rec = run_memory(tmp_path / "m.json")
+    assert rec["verdict"] == "FAIL" and set(_failed(rec)) == {"facts.engine_pool_block.kv_heads_in_pool",
+                                                              "facts.engine_pool_block_matches_formula"}
+
+
+def test_softmax_fails_when_the_engine_log_probs_are_wrong(tmp_path, labkit_argv, monkeypatch):
+    import engine.sampling.sampler as sampler
+
+    from labkit.experiments.principles import run_softmax
+
+    real = sampler.logprobs_of
+    monkeypatch.setattr(sampler, "logprobs_of", lambda lp, targets, k: real(lp * 2, targets, k))
+    labkit_argv.checkpoint("principles.softmax")
+    rec = run_softmax(tmp_path / "s.json")
+    assert rec["verdict"] == "FAIL" and {f"facts.engine_probabilities.{i}" for i in range(3)} == set(_failed(rec))
+
+
+def test_attention_fails_when_a_decode_stores_no_kv(tmp_path, labkit_argv, monkeypatch):
+    from engine.attention.torch_backend import TorchAttention
+    from labkit.experiments.principles import run_attention
+
+    store = TorchAttention.store_kv
+    monkeypatch.setattr(TorchAttention, "store_kv",
+                        lambda self, k, v, kc, vc, slots: None if k.shape[0] == 1 else store(self, k, v, kc, vc, slots))
+    labkit_argv.checkpoint("principles.attention")
+    rec = run_attention(tmp_path / "a.json")
+    assert rec["verdict"] == "FAIL" and "facts.cache.kv_slots_written" in _failed(rec)
+
+
 def test_slots_fail_with_a_wrong_block_size(tiny_model_dir, tmp_path, labkit_argv):
     from labkit.experiments.principles import run_slots
 
     labkit_argv.checkpoint("principles.slots")
     rec = run_slots(tmp_path / "k.json", str(tiny_model_dir), block_size=8)
     assert rec["facts"]["teaching"]["slots"] == [136, 142, 40]
-    assert rec["verdict"] == "FAIL" and {"facts.block_size", "facts.teaching.slots"} <= set(_failed(rec))
+    assert rec["verdict"] == "FAIL" and {"facts.runtime.max_blocks_per_sequence", "facts.teaching.slots"} <= set(_failed(rec))
 
 
 def test_slots_fail_when_the_runner_ignores_the_block_table(tiny_model_dir, tmp_path, labkit_argv, monkeypatch):

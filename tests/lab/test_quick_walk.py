@@ -250,7 +250,7 @@ def test_shuffled_blocks_move_slots_off_positions_and_claim_no_checkpoint(tiny_m
     derived = rec["facts"]["derived"]
     assert derived["slots_follow_formula"] and derived["slots_checked"] == 5 and derived["inputs_consistent"]
     checks = _rejudge(rec, "setup.quick-walk-a")
-    assert not checks["engine.config.shuffle_blocks"]["passed"]
+    assert not checks["facts.derived.blocks_handed_out_in_order"]["passed"]   # block ids no longer 0, 1, 2, ...
     assert checks["facts.num_steps"]["passed"]              # the walk itself is the same
 
 

@@ -185,6 +185,34 @@ def test_policy_comparison_fails_on_unequal_work_or_no_alternation(policy_compar
     runs["balanced"][0]["longest_prefill_run_while_decoding"] = 2          # two prefills in a row under balanced
     v, failed = _judge("scheduler.policy-comparison", {**facts, **compare_runs(runs, 768)})
     assert v == "FAIL" and failed == {"facts.sides.balanced.longest_prefill_run_while_decoding"}
+    runs = copy.deepcopy(facts["per_run"])                                  # who pays flipped in one repeat
+    for key in ("short_itl_p99_steps", "long_ttft_p50_steps"):
+        a, b = runs["prefill_first"][1], runs["balanced"][1]
+        a[key], b[key] = b[key], a[key]
+    v, failed = _judge("scheduler.policy-comparison", {**facts, **compare_runs(runs, 768)})
+    assert v == "FAIL" and failed == {"facts.who_pays.max_short_itl_p99_steps_ratio",
+                                      "facts.who_pays.min_long_ttft_p50_steps_ratio"}
+
+
+@pytest.mark.parametrize("cid, a, b", [("scheduler.policy-comparison", "prefill_first", "balanced"),
+                                       ("scheduler.prefill-knob", "unset", "max2")])
+def test_who_pays_is_judged_in_steps_in_every_repeat(cid, a, b):
+    """Synthetic step metrics: the second side's shorts gain and its longs pay in every repeat -> the two
+    who-pays assertions pass; one repeat where the shorts are worse off, or the longs do not pay, FAILs them."""
+    from labkit.load.compare import compare_runs
+
+    def facts(short_b=(3, 3, 3), long_b=(20, 20, 20)):
+        runs = {a: [_run(WORK, short_itl_p99_steps=30, long_ttft_p50_steps=8) for _ in range(3)],
+                b: [_run(WORK, short_itl_p99_steps=s, long_ttft_p50_steps=t) for s, t in zip(short_b, long_b)]}
+        return compare_runs(runs, 768)
+
+    def who(f):
+        checks = [evaluate(x, {"facts": f}) for x in get_checkpoint(cid).assertions if "who_pays" in x.path]
+        return {c["name"]: c["status"] for c in checks}
+
+    assert set(who(facts()).values()) == {"pass"} and len(who(facts())) == 2
+    assert who(facts(short_b=(3, 45, 3)))["facts.who_pays.max_short_itl_p99_steps_ratio"] == "fail"   # worse in one
+    assert who(facts(long_b=(20, 20, 8)))["facts.who_pays.min_long_ttft_p50_steps_ratio"] == "fail"
 
 
 # --------------------------------------------------------------------------- CUDA / 2-GPU judging, synthetic
