@@ -136,6 +136,9 @@ def pytest_configure(config):
     import os
 
     _TERMINAL_FD.append(os.dup(2))
+    # rich sizes its tables to the terminal; a pytest-xdist worker has none (80 columns, so tables wrap and a
+    # test that reads a row misses it). One width for every run; a test of another width sets COLUMNS itself.
+    os.environ.setdefault("COLUMNS", "160")
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
