@@ -76,8 +76,8 @@ def draw_sweep(facts: dict, path: Path) -> Path | None:
     lo, hi = ax.get_ylim()
     if isinstance(limit, (int, float)) and lo < limit < hi:
         ax.axhline(limit, color="#999999", ls="--", lw=0.8)
-        ax.annotate(f"TTFT limit {limit:g} ms", (0, limit), xytext=(4, 3), textcoords="offset points", fontsize=8,
-                    color="#666666")
+        ax.annotate(f"TTFT limit {limit:g} ms", (0, limit), xytext=(4, -3), textcoords="offset points", fontsize=8,
+                    color="#666666", va="top")      # under the line: above it, the axis' top clipped it
     fig.canvas.draw()
     anchors = [(p, p["ys"].get("TTFT p99") or max(p["ys"].values(), default=None)) for p in pts]
     anchors = [(p, y) for p, y in anchors if y]
