@@ -132,7 +132,6 @@ def serve(
     engine_process: Annotated[Optional[bool], typer.Option("--engine-process/--no-engine-process", show_default=False, help="Run the engine and its owner thread in a process of their own; this one keeps the HTTP front end, detokenization and the event log. Default: on on CUDA (tensor-parallel-size 1), off on CPU.")] = None,
 ) -> None:
     """Serve the engine over HTTP: /generate (NDJSON), /cancel, /health, /config, /metrics, OpenAI /v1/*.
-
     Every event goes to a JSONL log: --out, or by default runs/serve-<worker-id>.jsonl, rotated at
     --event-log-max-mb (256 by default) with --event-log-backups old files; --no-event-log for none."""
     from labkit.console import console, render_served
@@ -145,7 +144,6 @@ def serve(
     model = _one_model(model_arg, model)
     _setup_logging(log_level, stats_interval)
     log_plan = plan_serve_log(out, worker_id, event_log, event_log_max_mb, event_log_backups)
-    out = log_plan.path
     chosen = serve_settings(detect_device(device), tensor_parallel_size, enforce_eager=enforce_eager,
                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_active=max_active, max_model_len=max_model_len, overlap=overlap,
@@ -156,14 +154,14 @@ def serve(
                         tensor_parallel_size=tensor_parallel_size, dist_init=dist_init, shm_name=shm_name,
                         enable_prefix_caching=enable_prefix_caching, **chosen)
     cfg = WorkerConfig(engine, max_active=max_active, queue_size=queue_size, worker_id=worker_id,
-                       max_active_per_request=max_active_per_request,
-                       stream_buffer=stream_buffer, max_prompt_bytes=max_prompt_bytes,
+                       max_active_per_request=max_active_per_request, stream_buffer=stream_buffer,
+                       max_prompt_bytes=max_prompt_bytes,
                        special_tokens_in_content=special_tokens_in_content, reasoning_parser=reasoning_parser,
                        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
     connections = ConnectionLimits(timeout_keep_alive=timeout_keep_alive, timeout_headers=timeout_headers,
                                    timeout_body=timeout_body, max_connections=max_connections)
-    summary = run_serve(cfg, host, port, out, served_model_name=served_model_name,
-                        max_body_bytes=max_body_bytes, on_ready=_on_ready(out), api_key=api_key,
+    summary = run_serve(cfg, host, port, log_plan.path, served_model_name=served_model_name,
+                        max_body_bytes=max_body_bytes, on_ready=_on_ready(log_plan.path), api_key=api_key,
                         allowed_origins=allowed_origins, connections=connections, stats_interval=stats_interval,
                         on_context=lambda why: console.print(why, soft_wrap=True), log_plan=log_plan,
                         engine_process=engine_process)
