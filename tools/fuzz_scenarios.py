@@ -32,6 +32,23 @@ def log_injection_bodies(rng, i: int) -> bytes:
     return json.dumps(body).encode()
 
 
+def sampling_bodies(rng, i: int) -> tuple[str, bytes]:
+    """Issue 29 items 3, 5 and 6: a logit_bias past its bound (1024 entries; a 400 before any work), a long
+    prompt's log-probs (echo + logprobs: computed in bounded chunks, the server stays healthy), and bad sampling
+    values on the native /generate (refused as the OpenAI routes refuse them)."""
+    pick = i % 3
+    if pick == 0:
+        bias = {str(t): rng.choice((-100, 5, 100)) for t in range(rng.choice((1025, 5000, 100_000)))}
+        return "/v1/completions", json.dumps({"model": "", "prompt": "hi", "max_tokens": 1, "logit_bias": bias}).encode()
+    if pick == 1:
+        prompt = " ".join(rng.choice(("alpha", "beta", "gamma")) for _ in range(300))
+        return "/v1/completions", json.dumps({"model": "", "prompt": prompt, "max_tokens": 1, "echo": True,
+                                              "logprobs": 5}).encode()
+    bad = rng.choice(({"top_p": -1}, {"top_k": "x"}, {"logit_bias": "x"}, {"temperature": -0.5},
+                      {"min_p": 2}, {"seed": 2 ** 64}))
+    return "/generate", json.dumps({"prompt": "hi", "max_tokens": 1, **bad}).encode()
+
+
 def forged_lines(log_text: str) -> int:
     """Log lines that a client wrote: a line starting with the forged text, or any raw control character."""
     lines = log_text.split("\n")

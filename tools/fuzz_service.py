@@ -10,7 +10,9 @@ fixed prompt, sends ``--per-class`` requests of each class below over raw socket
 - the greedy output of the fixed prompt is the same as before;
 - issue 29 (tools/fuzz_scenarios.py): the ``log-injection`` class leaves no forged line and no raw control
   character in the server log; ``fair-n64`` (a 1-token request answers while an n=64 runs, a concurrent n=16 is
-  not 429) and ``cancel-all-choices`` (one /cancel ends every choice of an n=3 and a two-prompt stream) hold.
+  not 429) and ``cancel-all-choices`` (one /cancel ends every choice of an n=3 and a two-prompt stream) hold;
+  ``sampling-bounds`` sends a logit_bias past its 1,024-entry bound, a long prompt's echo log-probs and bad
+  sampling values on the native /generate (items 3, 5, 6: the table shows their status codes).
 
 usage: tools/fuzz_service.py [--model DIR] [--device cpu] [--per-class N] [--seed S] [--json OUT]
 Exit 0 when all of that holds, 1 otherwise. Prints a table: class, requests, status codes, 5xx, healthy.
@@ -281,7 +283,8 @@ def classes(rng: random.Random) -> dict:
             "http-parser": parser, "methods-routes": routes, "cancel-others": cancel_others, "half-sent": slow,
             "log-injection": lambda i: (http("POST", rng.choice(("/v1/completions", "/v1/chat/completions",
                                                                  "/generate")),
-                                             scenarios.log_injection_bodies(rng, i)), {})}
+                                             scenarios.log_injection_bodies(rng, i)), {}),
+            "sampling-bounds": lambda i: (http("POST", *scenarios.sampling_bodies(rng, i)), {})}
 
 
 # --------------------------------------------------------------------------- the run
