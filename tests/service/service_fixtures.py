@@ -60,6 +60,14 @@ def serving(model, mode: str = "in-process", *, record: bool = True, server_kw: 
         srv.close()
 
 
+def openai_client(url: str, timeout: float = 60):
+    """The official openai client on a served URL as every OpenAI test uses it: a dummy key, no retries (a
+    refusal or a 429 is seen once, as sent)."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=timeout)
+
+
 def settle_after(name: str):
     """An autouse fixture: after each test that used fixture ``name`` (a ``Served``, a ``ServerThread`` or a
     worker), let the module's worker go idle (testkit.settle) so the next test starts on an idle worker."""

@@ -9,7 +9,7 @@ import json
 import socket
 
 import pytest
-from service_fixtures import body, ids, ready_url, run, serving, settle_after, with_session
+from service_fixtures import body, ids, openai_client, ready_url, run, serving, settle_after, with_session
 
 from labkit.errors import UserError
 from labkit.service import client
@@ -142,8 +142,8 @@ def test_oversized_chunked_body_is_413(server):
 
 
 def test_openai_client_streams_a_chat_completion(server):
-    openai = pytest.importorskip("openai")
-    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=30)
+    pytest.importorskip("openai")
+    api = openai_client(server.url, timeout=30)
     models = api.models.list()
     name = models.data[0].id
     stream = api.chat.completions.create(model=name, messages=[{"role": "user", "content": "Say hi"}],
@@ -162,7 +162,7 @@ def test_openai_client_streams_a_chat_completion(server):
 
 def test_openai_client_non_stream_completion_and_chat(server):
     openai = pytest.importorskip("openai")
-    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=30)
+    api = openai_client(server.url, timeout=30)
     out = api.completions.create(model="tiny", prompt=ids("oa", 12), max_tokens=5, temperature=0,
                                  extra_body={"ignore_eos": True})
     assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 5

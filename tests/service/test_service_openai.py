@@ -7,7 +7,7 @@ import random
 
 import pytest
 from testkit import wait_for
-from service_fixtures import post, ready_url, serving, settle_after
+from service_fixtures import openai_client, post, ready_url, serving, settle_after
 
 from labkit.load.trace import token_ids
 from labkit.service.protocol import NOOP_PARAMS
@@ -33,7 +33,7 @@ _idle = settle_after("server")
 
 @pytest.fixture(scope="module")
 def api(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+    return openai_client(server.url, timeout=60)
 
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -308,7 +308,7 @@ def test_serve_positional_model_logs_access_and_stats_lines(tiny_model_dir, tmp_
         seen = []
         url = ready_url(proc, seen=seen)
         assert url, "".join(seen)
-        cli = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60)
+        cli = openai_client(url, timeout=60)
         out = cli.completions.create(model=cli.models.list().data[0].id, prompt=ids("cli", 10), max_tokens=40,
                                      temperature=0, extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 40

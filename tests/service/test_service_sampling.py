@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 import torch
-from service_fixtures import post, serving, settle_after
+from service_fixtures import openai_client, post, serving, settle_after
 
 from engine import LLMEngine
 from labkit.load.trace import token_ids
@@ -29,7 +29,7 @@ _idle = settle_after("server")
 
 @pytest.fixture(scope="module")
 def api(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+    return openai_client(server.url, timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import json
 import re
 
 import pytest
-from service_fixtures import post, serving, settle_after
+from service_fixtures import openai_client, post, serving, settle_after
 
 openai = pytest.importorskip("openai")
 
@@ -28,7 +28,7 @@ _idle = settle_after("server")
 
 @pytest.fixture(scope="module")
 def api(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 def check(text: str) -> None:

@@ -9,7 +9,7 @@ import json
 import random
 
 import pytest
-from service_fixtures import post, serving, settle_after
+from service_fixtures import openai_client, post, serving, settle_after
 
 from labkit.service.chat_output import ChatOutput, ChatOutputOptions, read_message
 from labkit.service.chat_render import ChatPrompt, chat_request, parse_messages
@@ -165,7 +165,7 @@ _idle = settle_after("server")
 
 @pytest.fixture(scope="module")
 def api(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=120)
+    return openai_client(server.url, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ default 16; one validator for /generate and the OpenAI routes (a table of bad va
 from __future__ import annotations
 
 import pytest
-from service_fixtures import post, serving, settle_after
+from service_fixtures import openai_client, post, serving, settle_after
 
 from labkit.load.trace import token_ids
 from labkit.service import protocol_fields as vf
@@ -33,7 +33,7 @@ _idle = settle_after("server")
 
 @pytest.fixture(scope="module")
 def api(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+    return openai_client(server.url, timeout=60)
 
 
 def _extra(obj, name):
