@@ -43,6 +43,14 @@ def _session_runs_dir(tmp_path_factory):
         os.environ.pop("LABKIT_RUNS_DIR", None)
 
 
+@pytest.fixture
+def runs(tmp_path, monkeypatch) -> Path:
+    """This test's own runs/ (LABKIT_RUNS_DIR), empty; a module may override it (test_notes_and_guide adds notes/)."""
+    d = tmp_path / "runs"
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(d))
+    return d
+
+
 @pytest.fixture(scope="session")
 def cli_app():
     """The real `labkit` Typer app, every command module registered (for typer.testing.CliRunner)."""

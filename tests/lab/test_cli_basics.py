@@ -17,13 +17,6 @@ from labkit.cli import app
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture
-def runs(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "runs"
-    monkeypatch.setenv(paths.RUNS_DIR_ENV, str(d))
-    return d
-
-
 def cli(*args: str):
     return CliRunner().invoke(app, list(args))
 

@@ -13,13 +13,6 @@ from labkit import checks, evidence, evidence_format, paths
 from labkit.checks import Assertion, CheckpointError, check_evidence, evaluate, judge, verdict
 
 
-@pytest.fixture
-def runs(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "runs"
-    monkeypatch.setenv(paths.RUNS_DIR_ENV, str(d))
-    return d
-
-
 def doctor_facts(**over) -> dict:
     facts = {
         "imports_ok": True,

@@ -13,13 +13,6 @@ from testkit import labkit_process as labkit
 ROOT = repo_root()
 
 
-@pytest.fixture
-def runs(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "runs"
-    monkeypatch.setenv("LABKIT_RUNS_DIR", str(d))
-    return d
-
-
 def _cuda() -> int:
     from labkit.run_all import machine
 

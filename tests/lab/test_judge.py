@@ -15,17 +15,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from labkit import checks, evidence, evidence_format, paths
+from labkit import checks, evidence, evidence_format
 from labkit.checks import CheckpointError, check_evidence, reason, run_assertion
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def runs(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "runs"
-    monkeypatch.setenv(paths.RUNS_DIR_ENV, str(d))
-    return d
 
 
 @pytest.fixture

@@ -10,18 +10,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from labkit import checks, evidence, paths
+from labkit import checks, evidence
 
 DOCTOR_FACTS = {"imports_ok": True, "tensor_check": {"ok": True, "max_abs_err": 2e-5}, "runs_writable": {"ok": True},
                 "engine_import": {"ok": True, "inside_project": True},
                 "engine_run": {"ok": True, "engine_class_inside_project": True, "output_tokens": 1, "steps": 1}}
-
-
-@pytest.fixture
-def runs(tmp_path, monkeypatch) -> Path:
-    d = tmp_path / "runs"
-    monkeypatch.setenv(paths.RUNS_DIR_ENV, str(d))
-    return d
 
 
 @pytest.fixture
