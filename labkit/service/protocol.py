@@ -160,9 +160,10 @@ NOOP_PARAMS: dict[str, tuple[tuple, Callable[[str, Any], None], str]] = {
     "prediction": ((), _ANY, "no predicted outputs"),
     "web_search_options": ((), _ANY, "no web search"),
 }
-#: Accepted and without effect on generation (metadata, or a choice that has no alternative here).
+#: Accepted and without effect on generation (metadata, or a choice that has no alternative here;
+#: parallel_tool_calls only on completions: chat honours it). priority is vLLM's, refused unless 0 (protocol_fields).
 IGNORED_PARAMS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
-                  "priority", "documents")
+                  "documents")
 
 
 def _is_noop(value: Any, noops: tuple) -> bool:
