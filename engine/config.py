@@ -172,6 +172,7 @@ class Config:
     shm_name: str | None = None                    # this engine's TP step channel (default: unique per instance)
     tp_timeout_s: float = 120.0                    # a collective waiting longer than this fails instead of hanging
     fused_ops: bool = True                         # Triton RMSNorm / qk-norm+RoPE / SiLU-mul on CUDA
+    pdl: bool = True                               # Hopper+: our kernels launch with programmatic dependent launch
     enable_prefix_caching: bool = True             # False: no prefix-cache hits (vLLM's --no-enable-prefix-caching)
     shuffle_blocks: int | None = None              # a seed: the KV free list starts shuffled (teaching; None: 0, 1, 2, ...)
     graph_buckets: tuple[int, ...] | None = None   # None: buckets covering every batch up to max_num_seqs

@@ -134,6 +134,7 @@ class LLMEngine:
             "dtype": str(self.runner.dtype).replace("torch.", ""),
             "attention_backend": self.runner.attention_backend,
             "fused_ops": self.runner.fused_ops,
+            "pdl": self.runner.pdl,
             "num_kvcache_blocks": self.runner.num_kvcache_blocks,
             "memory": self.runner.memory,
             "graph": {"enabled": self.runner.graphs is not None,

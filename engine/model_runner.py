@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from engine import kv_pool
+from engine import kv_pool, pdl
 from engine.attention import create_backend, resolve_backend_name
 from engine.config import Config, ConfigError
 from engine.device_clock import DeviceClock
@@ -99,6 +99,7 @@ class ModelRunner:
             raise ConfigError(f"checkpoint in {config.model} lacks parameters: {', '.join(missing[:4])}")
         self.model.eval()
         self.fused_ops = self._enable_fused_ops()
+        self.pdl = pdl.enable(self.device, config.pdl)     # engine/pdl.py: False off CUDA and before Hopper
         self.load_seconds = time.perf_counter() - t0
         self.sampler = Sampler(self.device, config.seed, config.eos_token_ids, config.logprobs_mode)
         self.graphs: DecodeGraphs | None = None

@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from engine import pdl
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG, DECODE_NUM_STAGES, DECODE_NUM_WARPS,  # noqa: F401
                                      DECODE_PAGE_TILE, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
                                      kv_per_program)
@@ -26,8 +28,11 @@ def _dot(a, b, IEEE: tl.constexpr):
 # -- KV store --------------------------------------------------------------------------------------
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_stride, v_stride, kc_ptr, vc_ptr, slot_ptr,
-                     WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+                     WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
+    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
+        gdc_wait()
+        gdc_launch_dependents()
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:               # padding row: never touches the cache
         return
@@ -46,7 +51,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     assert k.stride(-1) == 1 and k.stride(-2) == d and v.stride(-1) == 1 and v.stride(-2) == d
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     _store_kv_kernel[(t,)](k, v, k.stride(0), v.stride(0), k_cache, v_cache, slot_mapping,
-                           WIDTH=width, BLOCK=triton.next_power_of_2(width))
+                           WIDTH=width, BLOCK=triton.next_power_of_2(width), **pdl.launch(k))
 
 
 # -- decode -------------------------------------------------------------------------------------------
@@ -58,7 +63,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                          PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr,
                          D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
                          HPP: tl.constexpr = 1, PAGE_TILE: tl.constexpr = False, order_ptr=None,
-                         ORDERED: tl.constexpr = False, lock_ptr=None, FUSED_REDUCE: tl.constexpr = False):
+                         ORDERED: tl.constexpr = False, lock_ptr=None, FUSED_REDUCE: tl.constexpr = False,
+                         PDL: tl.constexpr = False):
     """One (group of HPP kv heads, sequence, split) program. DIRECT (a single split): write the normalized
     output itself (zeros for a padding row), so no reduce kernel runs.
 
@@ -91,6 +97,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     context loop, then the direct write or the partial and the fused reduce."""
     ROWS: tl.constexpr = HPP * BLOCK_N
     kvh0 = tl.program_id(0) * HPP
+    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
+        gdc_wait()
+        gdc_launch_dependents()
     if ORDERED:
         n = tl.load(order_ptr + tl.program_id(1))
     else:
@@ -179,8 +188,11 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
 
 @triton.jit(do_not_specialize=["num_splits", "split_len"])
 def _decode_reduce_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, num_splits, split_len, stride_on, stride_oh,
-                          HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr):
+                          HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """Combine a row's splits; only the splits that hold part of its context were written."""
+    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
+        gdc_wait()
+        gdc_launch_dependents()
     n = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, D)
@@ -238,11 +250,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         PAGE=page, HK=hk, G=g, BLOCK_G=max(16, triton.next_power_of_2(hpp * g)), D=d, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, DIRECT=direct, HPP=hpp, PAGE_TILE=page_tile and page % block_n == 0,
         order_ptr=order, ORDERED=order is not None, lock_ptr=locks, FUSED_REDUCE=fused,
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch(q))
     if direct or fused:
         return out
     _decode_reduce_kernel[(n, hq)](acc, ml, context_lens, out, num_splits, split_len, out.stride(0), out.stride(1),
-                                   HQ=hq, D=d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)))
+                                   HQ=hq, D=d, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), **pdl.launch(q))
     return out
 
 
@@ -265,9 +277,13 @@ def decode_locks(device: torch.device) -> torch.Tensor | None:
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, scale,
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_k, stride_v,
                     PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """PAGED: K/V rows are cache slots found through the block table (row stride HK * D).
     Not PAGED: K/V are this step's new rows [T, HK, D] (row strides stride_k, stride_v), nothing cached before."""
+    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
+        gdc_wait()
+        gdc_launch_dependents()
     tile = tl.program_id(0)
     n = tl.program_id(1)
     h = tl.program_id(2)
@@ -347,5 +363,6 @@ def _launch_prefill(q, kv_k, kv_v, block_tables, cu_q, cu_k, max_seqlen_q, scale
     _prefill_kernel[grid](q, kv_k, kv_v, block_tables, cu_q, cu_k, out, scale,
                           q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_bt, *strides_kv,
                           PAGE=page, HK=hk, G=hq // hk, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                          IEEE=q.dtype == torch.float32, PAGED=paged, num_warps=num_warps, num_stages=num_stages)
+                          IEEE=q.dtype == torch.float32, PAGED=paged, num_warps=num_warps, num_stages=num_stages,
+                          **pdl.launch(q))
     return out

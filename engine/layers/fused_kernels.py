@@ -9,6 +9,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from engine import pdl
 
 # rms_norm's warp count; the normed GEMV (gemv.py) reduces its row's sum of squares at the same count, since
 # Triton's reduction order (and so the float32 sum) follows the layout
@@ -17,8 +20,11 @@ NORM_WARPS = 4
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, N, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0)
+    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
+        gdc_wait()
+        gdc_launch_dependents()
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
@@ -40,23 +46,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty_like(x2)
     if residual is None:
         _rms_norm_kernel[(x2.shape[0],)](x2, x2, weight, out, out, x2.stride(0), 0, out.stride(0), n, eps,
-                                         HAS_RES=False, BLOCK=triton.next_power_of_2(n), num_warps=NORM_WARPS)
+                                         HAS_RES=False, BLOCK=triton.next_power_of_2(n), num_warps=NORM_WARPS,
+                                         **pdl.launch(x))
         return out.view(shape)
     r2 = residual.reshape(-1, n)
     res_out = torch.empty_like(r2)
     _rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0), n, eps,
-                                     HAS_RES=True, BLOCK=triton.next_power_of_2(n), num_warps=NORM_WARPS)
+                                     HAS_RES=True, BLOCK=triton.next_power_of_2(n), num_warps=NORM_WARPS,
+                                     **pdl.launch(x))
     return out.view(shape), res_out.view(shape)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
                          stride_qkv, eps, kc_ptr, vc_ptr, slot_ptr, HQ: tl.constexpr, HK: tl.constexpr,
-                         D: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, BLOCK_V: tl.constexpr):
+                         D: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, BLOCK_V: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """One program per token: its HQ q heads and HK k heads (contiguous in the packed qkv row) as one tile.
     STORE: the token's roped k heads and its v heads (the qkv row's columns after q and k) also go to the
     paged cache ([blocks, block_size, HK, D], contiguous) at row slot_mapping[t], as _store_kv_kernel
     writes them; a padding token (slot < 0) writes nothing there."""
+    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)                 # 0..HQ-1: q heads, HQ..HQ+HK-1: k heads
     half = tl.arange(0, D // 2)
@@ -115,13 +127,16 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Ten
     _qk_norm_rope_kernel[(t,)](qkv, positions, q_weight, k_weight, cos, sin, q, k, qkv.stride(0), eps,
                                k_cache if store else k, v_cache if store else k, slot_mapping if store else positions,
                                HQ=hq, HK=hk, D=d, BLOCK_H=triton.next_power_of_2(hq + hk), STORE=store,
-                               BLOCK_V=triton.next_power_of_2(hk * d))
+                               BLOCK_V=triton.next_power_of_2(hk * d), **pdl.launch(qkv))
     return q, k
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, N, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0)
+    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
+        gdc_wait()
+        gdc_launch_dependents()
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < N
     g = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)
@@ -136,5 +151,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, 2 * n)
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     block = 1024
-    _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), n, BLOCK=block)
+    _silu_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, x2.stride(0), n, BLOCK=block, **pdl.launch(x))
     return out.view(*x.shape[:-1], n)

@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from engine import pdl
 from engine.layers.fused_kernels import NORM_WARPS
 
 
@@ -36,12 +38,27 @@ def _load_k(ptrs, kmask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _load_w(w_ptr, rn, rk, nmask, kmask, stride_wn, EVEN_K: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] at rows rn, columns rk (zeros past N, and past K unless EVEN_K)."""
+    if EVEN_K:
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=nmask[:, None], other=0.0)
+    else:
+        w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+    return w
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, res_ptr=None, nw_ptr=None, h_ptr=None, eps=0.0,
-                 NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, BLOCK_ROW: tl.constexpr = 1):
+                 NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, BLOCK_ROW: tl.constexpr = 1,
+                 PDL: tl.constexpr = False):
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
+    if PDL:     # engine/pdl.py: the first weight tile streams in while the kernel before this one finishes
+        w_first = _load_w(w_ptr, rn, tl.arange(0, BLOCK_K), nmask, tl.arange(0, BLOCK_K) < K, stride_wn, EVEN_K)
+        gdc_wait()
+        gdc_launch_dependents()
     if NORM:        # rstd of the whole row (h = x + residual, rounded), as _rms_norm_kernel computes it
         offs = tl.arange(0, BLOCK_ROW)
         rmask = offs < K
@@ -68,11 +85,13 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
             g = x.to(tl.float32)
             silu = (g / (1.0 + tl.exp(-g))).to(x.dtype)            # F.silu(gate) in the activation dtype
             x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype)   # * up, rounded as SiluAndMul
-        if EVEN_K:
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=nmask[:, None], other=0.0)
+        if PDL:
+            if k0 == 0:
+                w = w_first
+            else:
+                w = _load_w(w_ptr, rn, rk, nmask, kmask, stride_wn, EVEN_K)
         else:
-            w = tl.load(w_ptr + rn[:, None] * stride_wn + rk[None, :], mask=nmask[:, None] & kmask[None, :],
-                        other=0.0)
+            w = _load_w(w_ptr, rn, rk, nmask, kmask, stride_wn, EVEN_K)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, 1)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
@@ -101,7 +120,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch
     block_n, block_k, warps = gemv_config(n, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n,
                                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul,
-                                             num_warps=warps)
+                                             num_warps=warps, **pdl.launch(x))
     return y
 
 
@@ -123,5 +142,5 @@ def normed_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor
                                              res_ptr=x if residual is None else residual, nw_ptr=norm_weight,
                                              h_ptr=y if h is None else h, eps=eps, NORM=True,
                                              HAS_RES=residual is not None, BLOCK_ROW=triton.next_power_of_2(k),
-                                             num_warps=NORM_WARPS)
+                                             num_warps=NORM_WARPS, **pdl.launch(x))
     return y, h

@@ -11,15 +11,21 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from engine import pdl
 
 
 @triton.jit
 def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, seed_ptr, val_ptr, idx_ptr, V, CHUNK,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """Program (row, chunk): the best perturbed score of its CHUNK of the vocabulary and where it is.
 
     The noise costs more than the read: one Philox call gives four 32-bit draws (tl.randint4x), so a
     tile is [BLOCK // 4, 4] with one counter per row of four, and a greedy row draws none."""
+    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     t = tl.load(temp_ptr + row)
@@ -67,5 +73,5 @@ def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch
     vals = torch.empty(n, chunks, dtype=torch.float32, device=logits.device)
     idx = torch.empty(n, chunks, dtype=torch.int32, device=logits.device)
     _gumbel_argmax_kernel[(n, chunks)](logits, logits.stride(0), temperatures, seeds, vals, idx, v, CHUNK,
-                                       BLOCK=BLOCK, num_warps=4)
+                                       BLOCK=BLOCK, num_warps=4, **pdl.launch(logits))
     return idx.gather(1, vals.argmax(dim=1, keepdim=True)).squeeze(1)

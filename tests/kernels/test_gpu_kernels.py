@@ -491,3 +491,27 @@ def test_batch1_decode_takes_both_fusions_and_matches_unfused(gpu_model_dir):
     diff = rows[True][0] - rows[False][0]
     rel_l2 = (diff.norm(dim=-1) / rows[False][0].norm(dim=-1)).max().item()
     assert diff.abs().max().item() < 0.05 and rel_l2 < 2e-3, (diff.abs().max().item(), rel_l2)
+
+
+def test_pdl_gives_the_same_tokens_and_logprobs_as_plain_launches(gpu_model_dir):
+    """engine/pdl.py on Hopper: the same kernels with programmatic dependent launch (graphs, overlap, batch 1 and
+    a wide batch, bf16) give the tokens and the chosen tokens' log-probs of plain launches, bit for bit (a kernel
+    that read its input before the wait would race with the kernel before it)."""
+    from engine import LLMEngine, SamplingParams
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9")
+    kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=32, kvcache_block_size=16, num_kvcache_blocks=512,
+              max_model_len=512, max_num_batched_tokens=2048, enforce_eager=False, overlap=True)
+    prompts = [[(1000 + 37 * i + j) % 150000 for j in range(5 + 23 * i)] for i in range(17)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(17)]
+    logged = [SamplingParams(temperature=0.0, max_tokens=6 + 5 * i, ignore_eos=True, logprobs=0) for i in range(17)]
+    outs = {}
+    for on in (False, True):
+        engine = LLMEngine(str(gpu_model_dir), pdl=on, **kw)
+        assert engine.describe()["pdl"] is on
+        runs = [engine.generate(prompts[:1], params[:1]), engine.generate(prompts, params),
+                engine.generate(prompts, logged)]
+        outs[on] = [[(o["token_ids"], o.get("logprobs")) for o in run] for run in runs]
+        engine.close()
+    assert outs[True] == outs[False]
