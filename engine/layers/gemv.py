@@ -102,13 +102,20 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     features that every SM streams several. The rows for K >= 4096 are the fastest of 54 settings per shape
     in a 36-call graph on an H200 (issue 13, session 8): Qwen3-8B's o [4096, 4096] 10.96 -> 10.50 us and
     down [4096, 12288] 27.98 -> 26.24 us (0.74 -> 0.77 and 0.87 -> 0.92 of the weight read at the copy
-    roof); its qkv [6144, 4096] was fastest at the general row (15.51 us, 0.78)."""
+    roof); its qkv [6144, 4096] was fastest at the general row (15.51 us, 0.78). The two rows for K <= 3072 are
+    the fastest of 60-72 settings at Qwen3-0.6B's shapes, 28 calls (distinct weights) in a graph with PDL on, on
+    an H200 (session 11, .gpu/gemv_sweep.py): 0.176 ms less per batch-1 step; its qkv [4096, 1024] stays at the
+    general row (4.41 us, within 6% of the best)."""
     if n >= 16384:
         return 32, 512, 8
     if k > 8192:
         return 4, 1024, 4
     if k >= 4096 and n <= 4096:
         return 16, 1024, 8
+    if n <= 2048 and k >= 2048:         # Qwen3-0.6B's o [1024, 2048] 3.65 -> 2.13 us, down [1024, 3072] 6.30 -> 3.48
+        return 4, 2048, 8
+    if n >= 6144 and k <= 2048:         # its gate_up [6144, 1024] (normed: 16 bands at 4 warps) 6.78 -> 5.08 us
+        return 16, 512, 4
     return 8, (512 if k >= 512 else triton.next_power_of_2(k)), 4
 
 
