@@ -242,7 +242,8 @@ def step_budget(spec: BudgetSpec, out_dir: Path, model: str | None = None, devic
     max_len = -(-(spec.context + decode + 1) // block) * block
     built = build_engine(model, device, attention, max_num_seqs=spec.batch, max_model_len=max_len,
                          max_num_batched_tokens=max(16384, max_len), kvcache_block_size=block,
-                         enforce_eager=not cuda, gpu_memory_utilization=0.9 if cuda else None)
+                         enforce_eager=not cuda, gpu_memory_utilization=0.9 if cuda else None,
+                         pdl=False)     # with PDL a kernel's span holds its wait on the one before (engine/pdl.py)
     engine = built.engine
     try:
         prompts, _ = fixed_workload(spec.batch, spec.context, decode)
@@ -279,6 +280,8 @@ def step_budget(spec: BudgetSpec, out_dir: Path, model: str | None = None, devic
         facts = {"workload": {"name": "step-budget", "batch": spec.batch, "prompt_tokens": spec.context,
                               "warm_steps": spec.warm, "profiled_steps": spec.steps, "temperature": spec.temperature,
                               "ignore_eos": True, "step_path": "synchronous (engine overlap off): each step reads its tokens back",
+                              "pdl": "off: a kernel launched with PDL starts before the one ahead of it ends, so its "
+                                     "profiled span would hold that wait; the latency workload times the default",
                               "max_model_len": max_len},
                  "engine": engine_facts(engine), "prefill": {"steps": prefill_steps, "seconds": round(prefill_s, 3)},
                  "passes": passes, "attribution": attribution, "categories": list(CATEGORIES),
