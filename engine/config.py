@@ -162,9 +162,10 @@ class Config:
 
     ``Config(args)``, or ``Config(model, **options)`` as a shorthand for ``Config(EngineArgs(model, **options))``."""
 
-    def __init__(self, args: EngineArgs | str, **options) -> None:
+    def __init__(self, args: EngineArgs | str | None = None, **options) -> None:
         if not isinstance(args, EngineArgs):
-            args = EngineArgs(str(args), **options)
+            model = options.pop("model", args)
+            args = EngineArgs(None if model is None else str(model), **options)
         elif options:
             args = dataclasses.replace(args, **options)
         if args.model is None:
