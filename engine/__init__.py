@@ -4,8 +4,10 @@ A request's path, in reading order: ``llm_engine.py`` (``LLMEngine.step``: sched
 admission in ``admission.py``), ``scheduler.py`` and ``block_manager.py``, ``model_runner.py`` (its inputs
 ``step_inputs.py``, the model ``models/qwen3.py`` over ``layers/`` and ``attention/``, graphs ``graph.py``),
 ``sampling/``. Start-up: ``kv_pool.py`` (the pool's size), ``warmup.py``. Tensor parallel: ``distributed.py``,
-``tp_workers.py``. Watching it: ``observe.py`` (hooks, events), ``device_clock.py`` (each step on the GPU).
+``tp_workers.py``. Its options: ``args.py`` (``EngineArgs``, each option and default once), read by ``config.py``
+(``Config``: the options plus what the model directory says). Watching it: ``observe.py`` (hooks, events), ``device_clock.py`` (each step on the GPU).
 """
+from engine.args import EngineArgs
 from engine.config import Config, ConfigError
 from engine.llm import LLM
 from engine.errors import RequestError
@@ -19,5 +21,5 @@ from engine.block_manager import BlockManager, chain_hash  # noqa: E402  (chain_
 from engine.config import SchedulerLimits  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "Config", "ConfigError", "RequestError",
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "Config", "ConfigError", "RequestError",
            "Scheduler", "BlockManager", "SchedulerLimits", "chain_hash", "MAX_LOGIT_BIAS"]

@@ -1,15 +1,17 @@
-"""Engine configuration: every knob in one validated dataclass."""
+"""The engine's configuration: :class:`Config` = the options (``engine/args.py``'s :class:`EngineArgs`, held
+whole as ``config.args``) plus what the model directory says (:class:`ModelShape`, :class:`RopeScaling`, eos ids,
+the context length capped or fitted); :class:`SchedulerLimits`, what the scheduler reads, built from it in one
+place (:meth:`Config.scheduler_limits`)."""
 from __future__ import annotations
 
+import dataclasses
 import json
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, asdict
 from pathlib import Path
 
+from engine.args import (ATTENTION_BACKENDS, DEFAULTS, DTYPES, OPTION_NAMES, SCHEDULING_POLICIES,  # noqa: F401
+                         EngineArgs)
 from engine.errors import ConfigError  # re-exported: engine.config.ConfigError
-
-ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
-SCHEDULING_POLICIES = ("prefill_first", "balanced")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 ROPE_TYPES = ("default", "linear", "yarn")
@@ -121,12 +123,13 @@ class ModelShape:
 @dataclass(frozen=True)
 class SchedulerLimits:
     """What the scheduler needs to know; tests build it from plain values, no model directory."""
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 1024
-    scheduling_policy: str = "prefill_first"
-    eos_token_ids: tuple[int, ...] = ()
-    max_consecutive_prefill: int | None = None   # None: the policy's own (balanced 1, prefill_first no limit)
+    max_num_seqs: int = DEFAULTS.max_num_seqs                  # every default: the engine's (engine/args.py)
+    max_num_batched_tokens: int = DEFAULTS.max_num_batched_tokens
+    max_model_len: int = DEFAULTS.max_model_len
+    scheduling_policy: str = DEFAULTS.scheduling_policy
+    eos_token_ids: tuple[int, ...] = DEFAULTS.eos_token_ids
+    max_consecutive_prefill: int | None = DEFAULTS.max_consecutive_prefill   # None: the policy's own (balanced 1,
+                                                                            # prefill_first no limit)
 
 
 def read_model_dir(model: str | Path) -> dict:
@@ -150,103 +153,38 @@ def read_model_dir(model: str | Path) -> dict:
     return cfg
 
 
-@dataclass
 class Config:
-    model: str
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 256
-    max_model_len: int | str = 1024       # capped at the model's context; "auto": that, capped to the KV pool
-    kvcache_block_size: int = 256
-    num_kvcache_blocks: int = -1          # -1: derive from the memory budget
-    gpu_memory_utilization: float = 0.5
-    cpu_kv_cache_bytes: int = 1 << 30     # KV budget on CPU when num_kvcache_blocks is -1
-    tensor_parallel_size: int = 1
-    enforce_eager: bool = True
-    device: str = "auto"                  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"                   # auto: bfloat16 on CUDA, float32 on CPU
-    attention_backend: str = "auto"
-    scheduling_policy: str = "prefill_first"
-    max_consecutive_prefill: int | None = None     # at most N prefill steps in a row while decodes wait (None: the policy's)
-    seed: int = 0
-    dist_init: str | None = None                   # tcp://HOST:PORT of this engine's TP group (default: a free port)
-    shm_name: str | None = None                    # this engine's TP step channel (default: unique per instance)
-    tp_timeout_s: float = 120.0                    # a collective waiting longer than this fails instead of hanging
-    fused_ops: bool = True                         # Triton RMSNorm / qk-norm+RoPE / SiLU-mul on CUDA
-    pdl: bool = True                               # Hopper+: our kernels launch with programmatic dependent launch
-    enable_prefix_caching: bool = True             # False: no prefix-cache hits (vLLM's --no-enable-prefix-caching)
-    shuffle_blocks: int | None = None              # a seed: the KV free list starts shuffled (teaching; None: 0, 1, 2, ...)
-    graph_buckets: tuple[int, ...] | None = None   # None: buckets covering every batch up to max_num_seqs
-    overlap: bool = False                          # decode: launch step k+1 before reading step k's tokens
-    prefill_graphs: bool = True                    # with graphs (TP 1, triton): small fresh prefills replay a graph too
-    logprobs_mode: str = "raw_logprobs"            # vLLM's: raw_logprobs (the model's) | processed_logprobs
-    hf_config: dict = field(default_factory=dict, repr=False)
-    eos_token_ids: tuple[int, ...] = ()
-    shape: ModelShape | None = field(default=None, init=False, repr=False)
-    rope: RopeScaling | None = field(default=None, init=False, repr=False)
-    max_model_len_auto: bool = field(default=False, init=False)   # asked "auto": fitted to the pool (fit_to_pool)
+    """The engine's configuration: the options it was asked for (``args``, an :class:`EngineArgs`, kept whole)
+    and what the model directory adds: ``hf_config``, ``shape``, ``rope``, the eos ids (``eos_token_ids``: the
+    given ones, else the model's) and the context length (``max_model_len``: the asked one capped at the
+    model's; "auto": the model's, fitted to the pool by :meth:`fit_to_pool`). Every other option reads through
+    ``config.<name>`` straight from ``args`` (read-only properties, nothing copied).
 
-    def __post_init__(self) -> None:
-        path = Path(self.model)
+    ``Config(args)``, or ``Config(model, **options)`` as a shorthand for ``Config(EngineArgs(model, **options))``."""
+
+    def __init__(self, args: EngineArgs | str | None = None, **options) -> None:
+        if not isinstance(args, EngineArgs):
+            model = options.pop("model", args)
+            args = EngineArgs(None if model is None else str(model), **options)
+        elif options:
+            args = dataclasses.replace(args, **options)
+        if args.model is None:
+            raise ConfigError("no model directory given (EngineArgs.model is unset)")
+        self.args = args
+        path = Path(args.model)
         self.hf_config = read_model_dir(path)
         self.shape = ModelShape.from_hf(self.hf_config)
         self.rope = RopeScaling.from_hf(self.hf_config)
-        if self.max_model_len == "auto":
-            self.max_model_len_auto = True
-            self.max_model_len = self.shape.max_position_embeddings   # until the pool is sized (fit_to_pool)
-        elif isinstance(self.max_model_len, str):
-            raise ConfigError(f'max_model_len must be a positive integer or "auto", got {self.max_model_len!r}')
-        self._check_positive("max_num_batched_tokens", "max_num_seqs", "max_model_len",
-                             "kvcache_block_size", "tensor_parallel_size", "cpu_kv_cache_bytes")
-        bs = self.kvcache_block_size
-        if bs & (bs - 1):
-            raise ConfigError(f"kvcache_block_size must be a power of two, got {bs}")
-        if self.num_kvcache_blocks != -1 and self.num_kvcache_blocks < 1:
-            raise ConfigError(f"num_kvcache_blocks must be -1 (derive) or >= 1, got {self.num_kvcache_blocks}")
-        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
-            raise ConfigError(f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(f"attention backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
-        if self.overlap and self.tensor_parallel_size > 1:
-            raise ConfigError("overlap needs tensor_parallel_size 1 (the other ranks replay host-side inputs)")
-        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
-            raise ConfigError(f"logprobs_mode must be raw_logprobs or processed_logprobs, got {self.logprobs_mode!r}")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
-        if self.max_consecutive_prefill is not None and (
-                isinstance(self.max_consecutive_prefill, bool) or not isinstance(self.max_consecutive_prefill, int)
-                or self.max_consecutive_prefill < 1):
-            raise ConfigError(f"max_consecutive_prefill must be a positive integer (or unset), got {self.max_consecutive_prefill!r}")
-        if self.shuffle_blocks is not None and (isinstance(self.shuffle_blocks, bool)
-                                                or not isinstance(self.shuffle_blocks, int)):
-            raise ConfigError(f"shuffle_blocks must be an integer seed (or unset), got {self.shuffle_blocks!r}")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
-            raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if self.graph_buckets is not None:
-            self.graph_buckets = tuple(sorted(set(int(b) for b in self.graph_buckets)))
-            if not self.graph_buckets or self.graph_buckets[0] < 1:
-                raise ConfigError(f"graph buckets must be positive integers, got {self.graph_buckets}")
-        self.max_model_len = min(self.max_model_len, self.shape.max_position_embeddings)
-        heads, kv_heads = self.shape.num_heads, self.shape.num_kv_heads
-        if heads % self.tensor_parallel_size or kv_heads % self.tensor_parallel_size:
-            raise ConfigError(f"tensor_parallel_size {self.tensor_parallel_size} must divide {heads} q heads and {kv_heads} kv heads")
-        if not self.eos_token_ids:
-            eos = self.hf_config.get("eos_token_id")
-            gen = path / "generation_config.json"
-            if gen.is_file():
-                try:
-                    eos = json.loads(gen.read_text()).get("eos_token_id", eos)
-                except (OSError, json.JSONDecodeError):
-                    pass
-            ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
-            self.eos_token_ids = tuple(int(i) for i in ids)
+        self.max_model_len_auto = args.max_model_len == "auto"   # fitted to the pool (fit_to_pool)
+        asked = self.shape.max_position_embeddings if self.max_model_len_auto else args.max_model_len
+        self.max_model_len = min(asked, self.shape.max_position_embeddings)
+        heads, kv_heads, tp = self.shape.num_heads, self.shape.num_kv_heads, args.tensor_parallel_size
+        if heads % tp or kv_heads % tp:
+            raise ConfigError(f"tensor_parallel_size {tp} must divide {heads} q heads and {kv_heads} kv heads")
+        self.eos_token_ids = args.eos_token_ids or _model_eos_ids(path, self.hf_config)
 
-    def _check_positive(self, *names: str) -> None:
-        for name in names:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    def __repr__(self) -> str:
+        return f"Config({self.args!r}, max_model_len={self.max_model_len})"
 
     def fit_to_pool(self, num_blocks: int) -> None:
         """max_model_len "auto": the model's context capped to what a pool of num_blocks holds (called once,
@@ -295,10 +233,35 @@ class Config:
         return getattr(torch, self.dtype)
 
     def summary(self) -> dict:
-        d = asdict(self)
-        d.pop("hf_config")
-        d.pop("shape")
-        d["rope"] = self.rope.summary()
+        """The options (the context length as fitted) and what the model adds, under the options' names."""
+        d = asdict(self.args)
+        d["max_model_len"] = self.max_model_len
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["rope"] = self.rope.summary()
+        d["max_model_len_auto"] = self.max_model_len_auto
         return d
 
+
+def _model_eos_ids(path: Path, hf_config: dict) -> tuple[int, ...]:
+    """The model's eos ids: generation_config.json's, else config.json's."""
+    eos = hf_config.get("eos_token_id")
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id", eos)
+        except (OSError, json.JSONDecodeError):
+            pass
+    ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    return tuple(int(i) for i in ids)
+
+
+def _read_option(name: str) -> property:
+    return property(lambda self: getattr(self.args, name), doc=f"``args.{name}`` (engine/args.py)")
+
+
+#: Config reads each option from ``args``; the two it derives (context length, eos ids) are its own attributes.
+DERIVED = ("max_model_len", "eos_token_ids")
+for _name in OPTION_NAMES:
+    if _name not in DERIVED:
+        setattr(Config, _name, _read_option(_name))
+del _name

@@ -18,6 +18,7 @@ import torch
 
 from engine import admission
 from engine.block_manager import BlockManager
+from engine.args import EngineArgs
 from engine.config import Config
 from engine.errors import RequestError
 from engine.graph import EAGER, Route
@@ -86,9 +87,11 @@ class _InFlight:
 
 
 class LLMEngine:
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, args: EngineArgs | str, **options):
+        """``LLMEngine(args)`` with an :class:`EngineArgs`; ``LLMEngine(model, **options)`` is the shorthand
+        (nano-vllm's ``LLM(model, **kw)``) for ``LLMEngine(EngineArgs(model, **options))``."""
         init_start = time.perf_counter()
-        self.config = Config(model, **kwargs)
+        self.config = Config(args, **options)
         self.config.check_machine()
         if self.config.tensor_parallel_size > 1:
             from engine.tp_workers import start_rank0

@@ -1,18 +1,30 @@
-"""The lab's engine session: model resolution, engine construction with the lab defaults, evidence identity."""
+"""The lab's engine session: the lab's defaults as an engine ``EngineArgs`` (:func:`lab_args`), model
+resolution and engine construction (:func:`build_engine`), evidence identity."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
 
-from engine import LLMEngine
+from engine import EngineArgs, LLMEngine
 from engine.observe import EngineEvent
 from labkit.errors import UserError
 
 # The handbook's entry defaults: eager, TP=1, KV block 256, context 1024, prefill budget 512, util 0.5;
-# the fused kernels on (they only run on CUDA; --no-fused-ops takes the plain path there).
+# the fused kernels on (they only run on CUDA; --no-fused-ops takes the plain path there). They pin the
+# handbook's values over the engine's own defaults (engine/args.py), which they equal today.
 LAB_DEFAULTS = dict(kvcache_block_size=256, max_model_len=1024, max_num_batched_tokens=512,
                     gpu_memory_utilization=0.5, enforce_eager=True, tensor_parallel_size=1, fused_ops=True)
+
+
+def lab_args(device: str = "auto", **given) -> EngineArgs:
+    """The engine's arguments with the lab's defaults: :data:`LAB_DEFAULTS`, then each option ``given``
+    (engine names; one given as None keeps the lab's or the engine's default)."""
+    unknown = sorted(set(given) - {f.name for f in dataclasses.fields(EngineArgs)})
+    if unknown:
+        raise TypeError(f"lab_args got unknown option(s) {', '.join(unknown)}")
+    return EngineArgs(**{**LAB_DEFAULTS, "device": device, **{k: v for k, v in given.items() if v is not None}})
 
 
 def detect_device(device: str = "auto") -> str:
@@ -41,14 +53,21 @@ class LabEngine:
         return self.engine.describe()
 
 
-def build_engine(model: str | None = None, device: str = "auto", attention: str = "auto", **overrides) -> LabEngine:
+def build_engine(args: EngineArgs | str | None = None, device: str = "auto", attention: str = "auto",
+                 **overrides) -> LabEngine:
+    """The engine for ``args`` (an :class:`EngineArgs`) with its model resolved (None: the lab's default
+    model; a hub id or a preset: its directory) and its device detected. The shorthand
+    ``build_engine(model, device, attention, **overrides)`` builds the args with :func:`lab_args`."""
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model
 
-    device = detect_device(device)
-    ref = resolve_model(model, device)
-    options = {**LAB_DEFAULTS, **{k: v for k, v in overrides.items() if v is not None}}
-    engine = LLMEngine(str(ref.path), device=device, attention_backend=attention, **options)
+    if not isinstance(args, EngineArgs):
+        args = lab_args(device, model=args, attention_backend=attention, **overrides)
+    elif overrides:
+        raise TypeError("build_engine(args) takes no other options (use dataclasses.replace on the args)")
+    device = detect_device(args.device)
+    ref = resolve_model(args.model, device)
+    engine = LLMEngine(dataclasses.replace(args, model=str(ref.path), device=device))
     identity = dict(model_identity(ref.path))
     identity["source"] = ref.source
     return LabEngine(engine, identity, device)

@@ -136,23 +136,23 @@ def serve(
     --event-log-max-mb (256 by default) with --event-log-backups old files; --no-event-log for none."""
     from labkit.console import console, render_served
     from labkit.lab_engine import detect_device
-    from labkit.service.config import EngineArgs, WorkerConfig
+    from labkit.service.config import WorkerConfig
     from labkit.service.connections import ConnectionLimits
     from labkit.service.events import plan_serve_log
-    from labkit.service.launch import run_serve, serve_settings
+    from labkit.service.launch import run_serve, serve_args
 
     model = _one_model(model_arg, model)
     _setup_logging(log_level, stats_interval)
     log_plan = plan_serve_log(out, worker_id, event_log, event_log_max_mb, event_log_backups)
-    chosen = serve_settings(detect_device(device), tensor_parallel_size, enforce_eager=enforce_eager,
-                            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                            max_active=max_active, max_model_len=max_model_len, overlap=overlap,
-                            engine_process=engine_process)
-    engine_process, max_active = chosen.pop("engine_process"), chosen.pop("max_active")
-    engine = EngineArgs(model=model, device=device, attention=attention, scheduling_policy=scheduling_policy,
-                        max_consecutive_prefill=max_consecutive_prefill, gpu_memory_utilization=gpu_memory_utilization,
-                        tensor_parallel_size=tensor_parallel_size, dist_init=dist_init, shm_name=shm_name,
-                        enable_prefix_caching=enable_prefix_caching, **chosen)
+    engine, chosen = serve_args(detect_device(device), tensor_parallel_size, enforce_eager=enforce_eager,
+                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                max_active=max_active, max_model_len=max_model_len, overlap=overlap,
+                                engine_process=engine_process, model=model, device=device,
+                                attention_backend=attention, scheduling_policy=scheduling_policy,
+                                max_consecutive_prefill=max_consecutive_prefill,
+                                gpu_memory_utilization=gpu_memory_utilization, dist_init=dist_init,
+                                shm_name=shm_name, enable_prefix_caching=enable_prefix_caching)
+    engine_process, max_active = chosen["engine_process"], chosen["max_active"]
     cfg = WorkerConfig(engine, max_active=max_active, queue_size=queue_size, worker_id=worker_id,
                        max_active_per_request=max_active_per_request, stream_buffer=stream_buffer,
                        max_prompt_bytes=max_prompt_bytes,
@@ -328,16 +328,17 @@ def load(
     from labkit.console import render_load
     from labkit.paths import default_out
     from labkit.load.replay import LoadOptions, run_load
-    from labkit.service.config import EngineArgs, WorkerConfig
+    from labkit.lab_engine import lab_args
+    from labkit.service.config import WorkerConfig
     from labkit.service.events import split_out
 
     out = out or default_out("load.jsonl")
-    engine = EngineArgs(model=str(model) if model else None, device=device, attention=attention,
-                        scheduling_policy=scheduling_policy, max_consecutive_prefill=max_consecutive_prefill,
-                        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                        enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-                        enable_prefix_caching=enable_prefix_caching, overlap=overlap)
+    engine = lab_args(device, model=str(model) if model else None, attention_backend=attention,
+                      scheduling_policy=scheduling_policy, max_consecutive_prefill=max_consecutive_prefill,
+                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                      max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                      enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                      enable_prefix_caching=enable_prefix_caching, overlap=overlap)
     worker = WorkerConfig(engine, max_active=max_active, queue_size=queue_size, worker_id=worker_id)
     opts = LoadOptions(trace=trace, out=out, worker=worker, endpoints=_endpoints(endpoints),
                        serve_local=serve_local, mode=mode, warmup_requests=warmup_requests, api=api, router=router,

@@ -168,7 +168,7 @@ class Target:
         from labkit.bench.run import _release
         from labkit.lab_engine import build_engine
 
-        lab = build_engine(**self.opts.worker.engine.options())
+        lab = build_engine(self.opts.worker.engine)
         try:
             cold = _offline(lab.engine, reqs)            # a fresh engine's first pass pays first-use costs
             return {"engine": "a new engine, the served options (warm pass)", **_offline(lab.engine, reqs),

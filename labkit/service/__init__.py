@@ -10,7 +10,8 @@ Pieces, each one file, cut along vLLM's seams:
 - :mod:`labkit.service.front`: the one interface the server talks to, in process or not (``WorkerFront``:
   encoding, the submission checks, ids, gauges) and the frozen record of the served engine (``ServedEngine``)
   published once at start; the server never reads the engine.
-- :mod:`labkit.service.config`: ``WorkerConfig`` and the engine's options declared once (``EngineArgs``).
+- :mod:`labkit.service.config`: ``WorkerConfig``: the engine's own ``engine.EngineArgs`` (each option declared once,
+  in ``engine/args.py``) and the worker's options.
 - :mod:`labkit.service.stream`: a request's stream (``RequestHandle``), read sync or async.
 - :mod:`labkit.service.events`: the event records, the JSONL log they are written to and its header.
 - :mod:`labkit.service.protocol`: request validation for the native and the OpenAI-compatible API

@@ -1,18 +1,28 @@
-"""A worker's configuration: the engine's options once (:class:`EngineArgs`, under the names
-:func:`labkit.lab_engine.build_engine` and ``LLMEngine`` take), and the worker's own (:class:`WorkerConfig`).
+"""A worker's configuration: the engine's arguments (the engine's own ``engine.EngineArgs``, whole) and the
+worker's own options (:class:`WorkerConfig`).
 
-``WorkerConfig(engine=EngineArgs(...), max_active=...)``, or the same options by name:
-``WorkerConfig(model=..., max_num_seqs=8, max_active=8)`` puts each engine option into ``engine``.
-``dataclasses.replace(config, max_model_len=n)`` changes an engine option the same way.
-``build_engine(**config.engine.options())`` is the one way they reach the engine.
+``WorkerConfig(engine=lab_args(...), max_active=...)``, or the engine's options by name:
+``WorkerConfig(model=..., max_num_seqs=8, max_active=8)`` puts each one into ``engine`` (over
+:func:`worker_args`, the lab's defaults with 8 sequences a step). ``dataclasses.replace(config, max_model_len=n)``
+changes an engine option the same way. ``build_engine(config.engine)`` is the one way they reach the engine.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
+from engine import EngineArgs
 from labkit.errors import UserError
+from labkit.lab_engine import lab_args
 from labkit.service.protocol import REQUEST_ID_RE
+
+#: The engine options by name (``engine.EngineArgs``' fields), and labkit's older name of one of them.
+ENGINE_FIELDS = frozenset(f.name for f in fields(EngineArgs))
+ALIASES = {"attention": "attention_backend"}
+#: The engine options a worker's record shows (``flat()``: /config, evidence), under the names it always had.
+RECORDED = ("model", "device", "attention", "scheduling_policy", "max_consecutive_prefill", "max_num_batched_tokens",
+            "max_num_seqs", "max_model_len", "gpu_memory_utilization", "enforce_eager", "num_kvcache_blocks",
+            "tensor_parallel_size", "dist_init", "shm_name", "enable_prefix_caching", "overlap")
 
 
 def _positive(obj, *names: str) -> None:
@@ -22,44 +32,24 @@ def _positive(obj, *names: str) -> None:
             raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
 
 
-@dataclass(frozen=True)
-class EngineArgs:
-    """The engine a worker builds: ``build_engine``'s model, device and attention, and ``LLMEngine``'s options
-    (vLLM's names). None: the lab's default (``labkit.lab_engine.LAB_DEFAULTS``) or the engine's."""
-    model: str | None = None
-    device: str = "auto"
-    attention: str = "auto"
-    scheduling_policy: str = "prefill_first"
-    max_consecutive_prefill: int | None = None   # None: the policy's own rule
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 8
-    max_model_len: int | str = 1024          # "auto": the model's context, fitted to the KV pool by the engine
-    gpu_memory_utilization: float = 0.5
-    enforce_eager: bool = True
-    num_kvcache_blocks: int | None = None   # None: from the memory budget
-    tensor_parallel_size: int = 1           # of this one engine
-    dist_init: str | None = None            # tcp://HOST:PORT of its TP group (None: a free port)
-    shm_name: str | None = None             # its TP step channel (None: unique per instance)
-    enable_prefix_caching: bool = True      # False: the prefix cache never hits (vLLM's --no-enable-prefix-caching)
-    overlap: bool = False                   # overlapped decode (Config.overlap): step k+1 launched before step k's
-                                            # tokens are read, so their delivery hides behind it
-
-    def __post_init__(self) -> None:
-        _positive(self, "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size")
-        if self.max_model_len != "auto":
-            _positive(self, "max_model_len")
-
-    def options(self) -> dict:
-        """``build_engine``'s keyword arguments."""
-        return asdict(self)
+def worker_args(**given) -> EngineArgs:
+    """A worker's engine when none is given: the lab's defaults (:func:`labkit.lab_engine.lab_args`) with 8
+    sequences a step (``labkit serve``'s CPU choice), then each engine option ``given``."""
+    return lab_args(**{"max_num_seqs": 8, **given})
 
 
-ENGINE_FIELDS = frozenset(f.name for f in fields(EngineArgs))
+def recorded(args: EngineArgs) -> dict:
+    """The engine options of :data:`RECORDED` as a worker's record shows them (an unset pool size as None)."""
+    out = {}
+    for key in RECORDED:
+        value = getattr(args, ALIASES.get(key, key))
+        out[key] = None if key == "num_kvcache_blocks" and value == -1 else value
+    return out
 
 
 @dataclass(init=False)
 class WorkerConfig:
-    """One worker: its engine (:class:`EngineArgs`) and its own admission, queue and stream limits."""
+    """One worker: its engine (``engine.EngineArgs``) and its own admission, queue and stream limits."""
     engine: EngineArgs
     max_active: int = 8
     queue_size: int = 64                    # requests waiting (an n x prompts request is one; labkit.service.fair)
@@ -78,11 +68,15 @@ class WorkerConfig:
         """The worker's fields by name; the engine's as ``engine``, by their names, or both (a name given
         changes that option of ``engine``: ``dataclasses.replace(config, max_model_len=n)`` works)."""
         mine = {f.name: f for f in fields(self) if f.name != "engine"}
+        options = {ALIASES.get(k, k): v for k, v in options.items()}
         unknown = sorted(set(options) - set(mine) - ENGINE_FIELDS)
         if unknown:
             raise TypeError(f"WorkerConfig got unknown option(s) {', '.join(unknown)}")
         engine_options = {k: v for k, v in options.items() if k in ENGINE_FIELDS}
-        self.engine = dataclasses.replace(engine or EngineArgs(), **engine_options)
+        if engine is None:
+            self.engine = worker_args(**engine_options)
+        else:
+            self.engine = dataclasses.replace(engine, **engine_options)
         for name, f in mine.items():
             setattr(self, name, options.get(name, f.default))
         self.__post_init__()
@@ -112,4 +106,4 @@ class WorkerConfig:
     def flat(self) -> dict:
         """The engine's options and the worker's fields in one flat dict (evidence, ``/config``)."""
         mine = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"}
-        return {**self.engine.options(), **mine}
+        return {**recorded(self.engine), **mine}

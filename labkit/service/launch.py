@@ -1,6 +1,6 @@
 """``labkit serve``: bind, start the worker (in this process or in an engine process of its own), fit the context
 to the KV pool, serve until SIGINT/SIGTERM, close (mini-sglang's ``launch.py``). Also the serve defaults per
-device and vLLM's periodic stats line.
+device (``serve_args``: an engine ``EngineArgs`` and the worker's options) and vLLM's periodic stats line.
 """
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import sys
 import time
 from typing import Callable
 
+from engine import EngineArgs
 from labkit.errors import UserError
+from labkit.lab_engine import lab_args
 from labkit.service.api_server import HttpServer, bind_socket, make_service, url_of
 from labkit.service.connections import ConnectionLimits
 from labkit.service.front import WorkerFront
@@ -118,21 +120,27 @@ def serve_defaults(device: str) -> dict:
     return dict(SERVE_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"])
 
 
-def serve_settings(device: str, tensor_parallel_size: int = 1, **given) -> dict:
-    """``labkit serve``'s choices of :data:`SERVE_DEFAULTS`' options: each one ``given`` as None takes the
-    default of the resolved ``device`` (``cpu``, ``cuda``, ``cuda:N``). Overlap and the engine process stay off with tensor parallel (the engine
-    refuses overlap there; the engine process was measured with one GPU only); an unset max_model_len (CUDA)
-    is ``"auto"``: the model's own, fitted to the KV pool by the engine while it sizes the pool (one build)."""
-    defaults = serve_defaults(device)
+#: What :data:`SERVE_DEFAULTS` holds beside the engine's options: the worker's.
+WORKER_CHOICES = ("max_active", "engine_process")
+
+
+def serve_args(resolved: str, tensor_parallel_size: int = 1, /, **given) -> tuple[EngineArgs, dict]:
+    """``labkit serve``'s engine and worker choices: each option of :data:`SERVE_DEFAULTS` ``given`` as None
+    takes the default of the ``resolved`` device (``cpu``, ``cuda``, ``cuda:N``); any other engine option
+    ``given`` (engine names) goes to the engine as it is (None: the lab's default). Overlap and the engine
+    process stay off with tensor parallel (the engine refuses overlap there; the engine process was measured
+    with one GPU only); an unset max_model_len (CUDA) is ``"auto"``: the model's own, fitted to the KV pool by
+    the engine while it sizes the pool (one build). Returns the engine's arguments (the lab's defaults under
+    them, :func:`labkit.lab_engine.lab_args`) and the worker's options (``max_active``, ``engine_process``)."""
+    defaults = serve_defaults(resolved)
     if tensor_parallel_size != 1:
         defaults.update(overlap=False, engine_process=False)
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        raise TypeError(f"serve_settings got unknown option(s) {', '.join(unknown)}")
     chosen = {k: (given[k] if given.get(k) is not None else v) for k, v in defaults.items()}
     if chosen["max_model_len"] is None:
         chosen["max_model_len"] = "auto"
-    return chosen
+    worker = {k: chosen.pop(k) for k in WORKER_CHOICES}
+    rest = {k: v for k, v in given.items() if k not in defaults}
+    return lab_args(**rest, **chosen, tensor_parallel_size=tensor_parallel_size), worker
 
 
 def fitted_context(worker: WorkerFront) -> str:

@@ -318,7 +318,7 @@ class Worker(WorkerFront):
         from labkit.lab_engine import build_engine
 
         cfg = self.config
-        built = build_engine(**cfg.engine.options())
+        built = build_engine(cfg.engine)
         self.engine = engine = built.engine
         self.served = ServedEngine(built.kind, built.device, dict(built.model or {}), built.describe(), engine.config,
                                    engine.stats().num_blocks)

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from engine import RequestError, SamplingParams
+from engine import ConfigError, EngineArgs, RequestError, SamplingParams
 from labkit.errors import UserError
-from labkit.service.config import ENGINE_FIELDS, EngineArgs, WorkerConfig
-from labkit.service.launch import serve_settings
+from labkit.lab_engine import lab_args
+from labkit.service.config import RECORDED, WorkerConfig
+from labkit.service.launch import serve_args
 from labkit.service.protocol import GenRequest
 from labkit.service.serving import refusal
 
@@ -23,37 +24,40 @@ FRONT_MODULES = ("api_server", "http", "serving", "serving_native", "serving_ope
 
 def test_engine_options_by_name_go_into_one_engine_args():
     cfg = WorkerConfig(model="m", max_num_seqs=3, max_model_len=256, max_active=2, worker_id="w")
-    assert cfg.engine == EngineArgs(model="m", max_num_seqs=3, max_model_len=256)
+    assert cfg.engine == lab_args(model="m", max_num_seqs=3, max_model_len=256)
+    assert isinstance(cfg.engine, EngineArgs)
     assert (cfg.max_active, cfg.worker_id, cfg.max_model_len) == (2, "w", 256)
     assert cfg.max_prompt_bytes == max(16 * 1024, 32 * 256)
     wider = dataclasses.replace(cfg, max_model_len=4096, max_prompt_bytes=None)
     assert wider.engine.max_model_len == 4096 and wider.engine.max_num_seqs == 3 and wider.max_active == 2
     assert wider.max_prompt_bytes == 32 * 4096
     flat = cfg.flat()
-    assert set(flat) == ENGINE_FIELDS | {f.name for f in dataclasses.fields(cfg)} - {"engine"}
+    assert set(flat) == set(RECORDED) | {f.name for f in dataclasses.fields(cfg)} - {"engine"}
     assert flat["max_num_seqs"] == 3 and flat["queue_size"] == cfg.queue_size
 
 
 def test_worker_config_refuses_what_it_does_not_know():
     with pytest.raises(TypeError, match="max_num_seq\\b"):
         WorkerConfig(max_num_seq=3)
-    with pytest.raises(UserError, match="max-num-seqs"):
+    with pytest.raises(ConfigError, match="max_num_seqs"):
         WorkerConfig(max_num_seqs=0)
     with pytest.raises(UserError, match="max-active"):
         WorkerConfig(max_active=0)
 
 
-def test_serve_settings_fill_what_is_unset_and_tensor_parallel_keeps_overlap_off():
-    cpu = serve_settings("cpu", 1, max_num_seqs=None, max_active=3, overlap=None)
-    assert cpu["max_active"] == 3 and cpu["max_num_seqs"] == 8 and cpu["max_model_len"] == 1024
-    cuda = serve_settings("cuda:1", 1, overlap=None, engine_process=None, max_model_len=None)
-    assert cuda["overlap"] is True and cuda["engine_process"] is True and cuda["max_model_len"] == "auto"
-    tp = serve_settings("cuda", 2, overlap=None, engine_process=None)
-    assert tp["overlap"] is False and tp["engine_process"] is False
-    assert serve_settings("cuda", 2, overlap=True)["overlap"] is True        # given: the engine judges it
-    assert serve_settings("cpu", 1, max_model_len=None)["max_model_len"] == 1024
+def test_serve_args_fill_what_is_unset_and_tensor_parallel_keeps_overlap_off():
+    cpu, worker = serve_args("cpu", 1, max_num_seqs=None, max_active=3, overlap=None)
+    assert worker["max_active"] == 3 and cpu.max_num_seqs == 8 and cpu.max_model_len == 1024
+    cuda, worker = serve_args("cuda:1", 1, overlap=None, engine_process=None, max_model_len=None)
+    assert cuda.overlap is True and worker["engine_process"] is True and cuda.max_model_len == "auto"
+    tp, worker = serve_args("cuda", 2, overlap=None, engine_process=None)
+    assert tp.overlap is False and worker["engine_process"] is False and tp.tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match="overlap needs tensor_parallel_size 1"):   # given: the engine judges it
+        serve_args("cuda", 2, overlap=True)
+    assert serve_args("cpu", 1, max_model_len=None)[0].max_model_len == 1024
+    assert serve_args("cpu", 1, attention_backend="torch")[0].attention_backend == "torch"
     with pytest.raises(TypeError):
-        serve_settings("cpu", 1, max_num_seq=4)
+        serve_args("cpu", 1, max_num_seq=4)
 
 
 @pytest.mark.parametrize("code,param,http_code", [
