@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from testkit import forced_logits
+
 from engine import LLMEngine, SamplingParams
 
 tf = pytest.importorskip("transformers")
@@ -28,18 +30,6 @@ def processed_engine(tiny_model_dir):
     e = LLMEngine(str(tiny_model_dir), logprobs_mode="processed_logprobs", **KW)
     yield e
     e.close()
-
-
-def forced_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
-    """The raw logits after token_ids (one teacher-forced prefill of exactly these tokens)."""
-    engine.add_request(token_ids, SamplingParams(max_tokens=1, temperature=0))
-    seqs, is_prefill = engine.schedule()
-    while len(seqs) == 1 and not seqs[0].step_reaches_end:       # chunks of a long prompt
-        engine.postprocess(seqs, [0], is_prefill)
-        seqs, is_prefill = engine.schedule()
-    logits, _ = engine.forward_logits(seqs, is_prefill)
-    engine.postprocess(seqs, [0] * len(seqs), is_prefill)
-    return logits[0].float().clone()
 
 
 def reference_processed(x: torch.Tensor, history: list[int], sp: SamplingParams) -> torch.Tensor:

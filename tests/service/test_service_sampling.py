@@ -9,6 +9,7 @@ import asyncio
 import pytest
 import torch
 from service_fixtures import openai_client, post, serving, settle_after
+from testkit import forced_logits
 
 from engine import LLMEngine
 from labkit.load.trace import token_ids
@@ -41,7 +42,6 @@ def reference(tiny_model_dir):
 
 
 def forced_logprobs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
-    from test_sampling_engine import forced_logits
     return torch.log_softmax(forced_logits(engine, ids), dim=-1)
 
 
