@@ -5,6 +5,18 @@ from __future__ import annotations
 
 import contextlib
 
+#: The settings most engine tests share: CPU, eager, the torch attention backend, blocks of 16 tokens.
+ENGINE_DEFAULTS = dict(device="cpu", enforce_eager=True, attention_backend="torch", kvcache_block_size=16)
+
+
+def new_engine(model, **kw):
+    """An ``LLMEngine`` on ``model`` with ENGINE_DEFAULTS (keywords override them). The caller closes it; the
+    fixtures ``tiny_engine`` (tests/engine/conftest.py, a test's engines) and ``engine_factory`` (tests/conftest.py,
+    a module's) do."""
+    from engine import LLMEngine
+
+    return LLMEngine(str(model), **(ENGINE_DEFAULTS | kw))
+
 
 def wait_for(pred, timeout: float = 10.0) -> None:
     """Poll `pred` until it is true; fail the test after `timeout` seconds."""

@@ -34,11 +34,8 @@ def api(server):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    e = LLMEngine(str(tiny_model_dir), device="cpu", enforce_eager=True, attention_backend="torch",
-                  kvcache_block_size=16, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256)
-    yield e
-    e.close()
+def reference(engine_factory) -> LLMEngine:
+    return engine_factory(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256)
 
 
 def forced_logprobs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
