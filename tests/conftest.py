@@ -26,6 +26,24 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return validate_model_dir(path)
 
 
+@pytest.fixture(scope="module")
+def engine_factory(tiny_model_dir):
+    """A module's engines: ``engine_factory(**kw)`` builds an ``LLMEngine`` on the session's tiny model with
+    ``testkit.ENGINE_DEFAULTS`` (keywords override them; ``model=PATH`` another directory); every engine it made is
+    closed at the end of the module (a test's own engines: ``tiny_engine`` in tests/engine/conftest.py)."""
+    from testkit import new_engine
+
+    made = []
+
+    def build(model=None, **kw):
+        made.append(new_engine(model or tiny_model_dir, **kw))
+        return made[-1]
+
+    yield build
+    for engine in reversed(made):
+        engine.close()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _session_runs_dir(tmp_path_factory):
     """Evidence a test writes without choosing a place goes to this session's own runs/ (one per pytest-xdist

@@ -5,6 +5,18 @@ from __future__ import annotations
 
 import contextlib
 
+#: The settings most engine tests share: CPU, eager, the torch attention backend, blocks of 16 tokens.
+ENGINE_DEFAULTS = dict(device="cpu", enforce_eager=True, attention_backend="torch", kvcache_block_size=16)
+
+
+def new_engine(model, **kw):
+    """An ``LLMEngine`` on ``model`` with ENGINE_DEFAULTS (keywords override them). The caller closes it; the
+    fixtures ``tiny_engine`` (tests/engine/conftest.py, a test's engines) and ``engine_factory`` (tests/conftest.py,
+    a module's) do."""
+    from engine import LLMEngine
+
+    return LLMEngine(str(model), **(ENGINE_DEFAULTS | kw))
+
 
 def wait_for(pred, timeout: float = 10.0) -> None:
     """Poll `pred` until it is true; fail the test after `timeout` seconds."""
@@ -47,3 +59,18 @@ def labkit_process(*args: str):
 
     return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "COLUMNS": "200"})
+
+
+def forced_logits(engine, token_ids: list[int]):
+    """The raw logits (a float32 tensor) after token_ids on an ``LLMEngine``: one teacher-forced prefill of exactly
+    these tokens (in chunks where the prompt is longer than a step's budget); the request ends after it."""
+    from engine import SamplingParams
+
+    engine.add_request(token_ids, SamplingParams(max_tokens=1, temperature=0))
+    seqs, is_prefill = engine.schedule()
+    while len(seqs) == 1 and not seqs[0].step_reaches_end:       # chunks of a long prompt
+        engine.postprocess(seqs, [0], is_prefill)
+        seqs, is_prefill = engine.schedule()
+    logits, _ = engine.forward_logits(seqs, is_prefill)
+    engine.postprocess(seqs, [0] * len(seqs), is_prefill)
+    return logits[0].float().clone()

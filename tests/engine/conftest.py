@@ -8,18 +8,15 @@ made is closed when the test ends, also when the test fails; a test may close on
 from __future__ import annotations
 
 import pytest
-
-ENGINE_DEFAULTS = dict(device="cpu", enforce_eager=True, attention_backend="torch", kvcache_block_size=16)
+from testkit import new_engine
 
 
 @pytest.fixture
 def tiny_engine(tiny_model_dir):
-    from engine import LLMEngine
-
     made = []
 
     def build(model=None, **kw):
-        engine = LLMEngine(str(model or tiny_model_dir), **(ENGINE_DEFAULTS | kw))
+        engine = new_engine(model or tiny_model_dir, **kw)
         made.append(engine)
         return engine
 

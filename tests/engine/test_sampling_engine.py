@@ -6,40 +6,31 @@ from __future__ import annotations
 import pytest
 import torch
 
+from testkit import forced_logits
+
 from engine import LLMEngine, SamplingParams
 
 tf = pytest.importorskip("transformers")
 
-KW = dict(device="cpu", enforce_eager=True, attention_backend="torch", kvcache_block_size=16,
-          max_model_len=128, max_num_batched_tokens=128)
+KW = dict(max_model_len=128, max_num_batched_tokens=128)         # and testkit.ENGINE_DEFAULTS
 PROMPT = list(range(300, 340))           # 40 tokens: two full blocks of 16 and 8 more
 TOL = dict(atol=2e-4, rtol=0)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    e = LLMEngine(str(tiny_model_dir), **KW)
-    yield e
-    e.close()
+def engine(engine_factory) -> LLMEngine:
+    return engine_factory(**KW)
 
 
 @pytest.fixture(scope="module")
-def processed_engine(tiny_model_dir):
-    e = LLMEngine(str(tiny_model_dir), logprobs_mode="processed_logprobs", **KW)
-    yield e
-    e.close()
+def processed_engine(engine_factory) -> LLMEngine:
+    return engine_factory(logprobs_mode="processed_logprobs", **KW)
 
 
-def forced_logits(engine: LLMEngine, token_ids: list[int]) -> torch.Tensor:
-    """The raw logits after token_ids (one teacher-forced prefill of exactly these tokens)."""
-    engine.add_request(token_ids, SamplingParams(max_tokens=1, temperature=0))
-    seqs, is_prefill = engine.schedule()
-    while len(seqs) == 1 and not seqs[0].step_reaches_end:       # chunks of a long prompt
-        engine.postprocess(seqs, [0], is_prefill)
-        seqs, is_prefill = engine.schedule()
-    logits, _ = engine.forward_logits(seqs, is_prefill)
-    engine.postprocess(seqs, [0] * len(seqs), is_prefill)
-    return logits[0].float().clone()
+@pytest.fixture(scope="module")
+def overlapped_engine(engine_factory) -> LLMEngine:
+    """The overlapped loop's engine, shared by the two overlap tests (each leaves it idle)."""
+    return engine_factory(overlap=True, **KW)
 
 
 def reference_processed(x: torch.Tensor, history: list[int], sp: SamplingParams) -> torch.Tensor:
@@ -81,15 +72,12 @@ def test_processed_logprobs_are_of_the_distribution_the_token_was_drawn_from(pro
         assert [t for t, _ in finite] == top_ids.tolist()
 
 
-def test_prompt_logprobs_match_teacher_forcing_even_chunked_and_after_a_prefix_hit(tiny_model_dir, engine):
+def test_prompt_logprobs_match_teacher_forcing_even_chunked_and_after_a_prefix_hit(tiny_engine, engine):
     prompt = PROMPT[:20]
     refs = [torch.log_softmax(forced_logits(engine, prompt[:p]), dim=-1) for p in range(1, len(prompt))]
-    small = LLMEngine(str(tiny_model_dir), **(KW | dict(max_num_batched_tokens=8)))   # 3 chunks
-    try:
-        small.generate([prompt], SamplingParams(max_tokens=1, temperature=0))           # fills the prefix cache
-        out = small.generate([prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))[0]
-    finally:
-        small.close()
+    small = tiny_engine(**(KW | dict(max_num_batched_tokens=8)))                      # 3 chunks
+    small.generate([prompt], SamplingParams(max_tokens=1, temperature=0))               # fills the prefix cache
+    out = small.generate([prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))[0]
     plp = out["prompt_logprobs"]
     assert len(plp) == len(prompt) and plp[0] is None
     for p in range(1, len(prompt)):
@@ -200,28 +188,20 @@ def test_generate_texts_are_the_decoded_completions(engine):
     assert [o["text"] for o in outs] == [engine.tokenizer.decode(o["token_ids"]) for o in outs]
 
 
-def test_overlapped_loop_gives_the_same_processed_tokens(tiny_model_dir, engine):
+def test_overlapped_loop_gives_the_same_processed_tokens(overlapped_engine, engine):
     params = [HEAVY, SamplingParams(temperature=0.7, top_k=5, seed=3, max_tokens=6, ignore_eos=True,
                                     frequency_penalty=0.5, min_tokens=2)]
     want = [o["token_ids"] for o in engine.generate([PROMPT, PROMPT[:33]], params)]
-    over = LLMEngine(str(tiny_model_dir), overlap=True, **KW)
-    try:
-        got = over.generate([PROMPT, PROMPT[:33]], params)
-    finally:
-        over.close()
+    got = overlapped_engine.generate([PROMPT, PROMPT[:33]], params)
     assert [o["token_ids"] for o in got] == want
     assert [r.logprob for r in got[0]["logprobs"]] == pytest.approx(
         [r.logprob for r in engine.generate([PROMPT], HEAVY)[0]["logprobs"]], abs=2e-4)
 
 
-def test_overlapped_loop_counts_the_in_flight_token_for_min_tokens(tiny_model_dir, engine):
+def test_overlapped_loop_counts_the_in_flight_token_for_min_tokens(overlapped_engine, engine):
     """min_tokens without penalties: a lookahead step must not read a token count that lags by one."""
     eos = engine.config.eos_token_ids[0]
     sp = SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100.0}, min_tokens=3)
     want = engine.generate([PROMPT], sp)[0]["token_ids"]
-    over = LLMEngine(str(tiny_model_dir), overlap=True, **KW)
-    try:
-        got = over.generate([PROMPT], sp)[0]["token_ids"]
-    finally:
-        over.close()
+    got = overlapped_engine.generate([PROMPT], sp)[0]["token_ids"]
     assert got == want and len(want) == 4 and want[-1] == eos

@@ -10,7 +10,7 @@ import pytest
 
 from engine import LLMEngine, RequestError, SamplingParams, StructuredOutputsParams
 
-KW = dict(device="cpu", enforce_eager=True, attention_backend="torch", kvcache_block_size=16, max_model_len=256)
+KW = dict(max_model_len=256)          # and testkit.ENGINE_DEFAULTS
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green"]},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 9},
                                            "tag": {"type": "string", "maxLength": 2}},
@@ -20,10 +20,8 @@ SPECIAL = re.compile(r"<\|[a-z_]+\|>$")
 
 
 @pytest.fixture(scope="module")
-def shared(tiny_model_dir):
-    e = LLMEngine(str(tiny_model_dir), **KW)
-    yield e
-    e.close()
+def shared(engine_factory) -> LLMEngine:
+    return engine_factory(**KW)
 
 
 @pytest.fixture

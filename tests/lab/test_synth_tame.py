@@ -1,8 +1,10 @@
 """The tame init (labkit/assets/synth_tame.py): qwen3-0.6b's default, a real test in BF16, not a degenerate one.
 
-On the full qwen3-0.6b preset (CPU): greedy continuations walk the seeded bigram and are not one repeated
-token; removing any one layer's attention output moves the logits by more than the bf16 guard's thresholds
-(the handbook's 0.5 / 0.02, read from the logits table), so a guard that PASSes has seen every layer.
+On the full qwen3-0.6b preset (CPU, transformers in one child process that keeps the stored bf16 weights): greedy
+continuations in bf16 walk the seeded bigram and are not one repeated token (the engine's bf16 greedy, which this
+test ran until 2026-12, gave the same tokens side by side); removing any one layer's attention output moves the
+logits by more than the bf16 guard's thresholds (the handbook's 0.5 / 0.02, read from the logits table), so a guard
+that PASSes has seen every layer.
 """
 from __future__ import annotations
 
@@ -62,22 +64,27 @@ def _bf16_thresholds() -> dict:
     return entry
 
 
-def _in_child(part: str, model_dir) -> dict:
-    """This module as a script in a fresh process (``part``: greedy or ablation): loading the 0.6B model peaks at
-    about 3.8 GB (the mapped file and the weights), which the test process, holding the session's other
-    modules, then never adds to itself. The script's last stdout line, as JSON."""
-    proc = subprocess.run([sys.executable, __file__, part, str(model_dir)], capture_output=True, text=True,
-                          timeout=900)
+def _in_child(model_dir) -> dict:
+    """This module as a script in a fresh process: the 0.6B model loaded once in bf16 (about 1.2 GB, which the test
+    process, holding the session's other modules, never adds to itself), its greedy continuations and its
+    per-layer attention removal. The script's last stdout line, as JSON; run once for the module's two tests."""
+    proc = subprocess.run([sys.executable, __file__, str(model_dir)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def tame_results(tame_dir) -> dict:
+    return _in_child(tame_dir)
+
+
 @pytest.mark.slow
-def test_greedy_continuations_walk_the_bigram_not_one_token(tame_dir):
+def test_greedy_continuations_walk_the_bigram_not_one_token(tame_dir, tame_results):
     nxt = bigram_next(json.loads((tame_dir / "config.json").read_text()), 0, synth._tensor_seed)
-    outs = _in_child("greedy", tame_dir)["token_ids"]
+    outs = tame_results["token_ids"]
     follows = 0
     for prompt, ids in zip(PROMPTS, outs, strict=True):
+        assert len(ids) == 8, ids
         assert len(set(ids)) >= 6, (prompt[-1], ids)                      # not a constant, not a short loop
         walk = [prompt[-1]] + list(ids)
         follows += sum(int(nxt[a]) == b for a, b in zip(walk, walk[1:]))
@@ -85,9 +92,9 @@ def test_greedy_continuations_walk_the_bigram_not_one_token(tame_dir):
 
 
 @pytest.mark.slow
-def test_removing_any_layers_attention_moves_the_logits_past_the_bf16_thresholds(tame_dir):
+def test_removing_any_layers_attention_moves_the_logits_past_the_bf16_thresholds(tame_dir, tame_results):
     th = _bf16_thresholds()
-    worst = _in_child("ablation", tame_dir)["worst"]
+    worst = tame_results["worst"]
     assert len(worst) == json.loads((tame_dir / "config.json").read_text())["num_hidden_layers"], worst
     # every layer: the bf16 guard would FAIL an engine that dropped its attention (relative L2 past 0.02)
     assert all(rel > th["rel_l2"] for _, rel in worst), worst
@@ -96,59 +103,94 @@ def test_removing_any_layers_attention_moves_the_logits_past_the_bf16_thresholds
 
 
 # -- the child process -----------------------------------------------------------------------------------
-def _greedy(model_dir: str) -> dict:
-    """Each prompt's 8 greedy tokens on the engine in bf16, the three prompts in one batch (each decode step
-    reads the weights once for all three)."""
-    from engine import LLMEngine, SamplingParams
+# The weights stay in their stored bf16, mapped from the file (1.2 GB; the float32 model took 2.4 GB more and its
+# process peaked at 3.9 GB). Greedy runs in bf16; the ablation computes in float32 from float32 copies of one
+# module's weights at a time (exact widenings): the embedding for the first layer's inputs, each decoder layer
+# while it runs, the final norm, and the head in bands of rows.
 
-    engine = LLMEngine(model_dir, device="cpu", dtype="bfloat16", attention_backend="torch", enforce_eager=True,
-                       kvcache_block_size=16, max_model_len=256, num_kvcache_blocks=64)   # not the CPU's 1 GiB
+
+class _Stop(Exception):
+    """Raised by the first decoder layer's pre-hook once it has its inputs (the rest of that forward is not run)."""
+
+
+def _greedy(model) -> list[list[int]]:
+    """Each prompt's 8 greedy tokens in bf16 (no end of sequence before the 8th, as ignore_eos)."""
+    outs = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8,
+                             min_new_tokens=8, temperature=None, top_k=None, top_p=None)
+        outs.append(out[0, len(prompt):].tolist())
+    return outs
+
+
+def _float_call(module, *args, widened: dict | None = None, **kwargs):
+    """``module(*args, **kwargs)`` with float32 copies of its parameters (``widened``: only those named)."""
+    names = widened or {n: p for n, p in module.named_parameters()}
+    return torch.func.functional_call(module, {n: p.float() for n, p in names.items()}, args, kwargs)
+
+
+def _first_layer_inputs(model, prompt: list[int]) -> tuple[torch.Tensor, dict]:
+    """The float32 hidden states and the keyword arguments (mask, positions, rotary tables) the model's own forward
+    gives its first decoder layer for ``prompt``, its embedding widened to float32."""
+    got: dict = {}
+
+    def grab(mod, args, kwargs):
+        got["h"], got["kw"] = args[0] if args else kwargs.pop("hidden_states"), kwargs
+        raise _Stop
+
+    hook = model.model.layers[0].register_forward_pre_hook(grab, with_kwargs=True)
     try:
-        outs = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        _float_call(model, input_ids=torch.tensor([prompt]), use_cache=False,
+                    widened={"model.embed_tokens.weight": model.model.embed_tokens.weight})
+    except _Stop:
+        pass
     finally:
-        engine.close()
-    return {"token_ids": [list(out["token_ids"] if isinstance(out, dict) else out.token_ids) for out in outs]}
+        hook.remove()
+    assert got["h"].dtype == torch.float32, got["h"].dtype
+    return got["h"], got["kw"]
 
 
-def _ablation(model_dir: str) -> dict:
+def _ablation(model) -> list[tuple[float, float]]:
     """Per layer, (max abs, relative L2) of the prompts' last-position float32 logits moved by zeroing that layer's
-    attention output (the worst prompt of each). The layers before the removed one see the plain forward's
-    inputs, so they give its outputs: those are replayed instead of computed again."""
+    attention output (the worst prompt of each). Layer by layer, each prompt carries a batch of streams: row 0 the
+    plain forward, row 1 + i the one whose layer i lost its attention; layer j adds its stream as a copy of row 0's
+    input (the layers before it see the plain inputs) and zeroes that last row's attention output."""
+    model.model.rotary_emb.float()                                    # its inv_freq buffer (float32 already)
+    starts = [_first_layer_inputs(model, prompt) for prompt in PROMPTS]
+    hidden = [h for h, _ in starts]
+
+    def zero_last_row(mod, inp, out):
+        return torch.cat([out[:-1], torch.zeros_like(out[-1:])])
+
+    for layer in model.model.layers:
+        hook = layer.self_attn.o_proj.register_forward_hook(zero_last_row)
+        try:
+            hidden = [_float_call(layer, torch.cat([h, h[:1]]), **kw) for h, (_, kw) in zip(hidden, starts)]
+        finally:
+            hook.remove()
+    head = model.lm_head.weight
+    logits = []                                                       # [1 + layers, vocab] float64 for each prompt
+    for h in hidden:
+        last = _float_call(model.model.norm, h[:, -1])
+        logits.append(torch.cat([last @ head[r:r + 16384].float().T for r in range(0, head.shape[0], 16384)], 1)
+                      .double())
+    worst = []
+    for i in range(len(model.model.layers)):
+        moved = [(x[1 + i] - x[0]) for x in logits]
+        worst.append((max(float(d.abs().max()) for d in moved),
+                      max(float(d.norm() / x[0].norm()) for d, x in zip(moved, logits))))
+    return worst
+
+
+def _child(model_dir: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    # the stored bf16 weights widened to float32 (exact)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="eager")
-    model = model.float().eval()
-    layers = model.model.layers
-    outputs: list[list] = [[None] * len(layers) for _ in PROMPTS]      # each prompt's output of every layer, unchanged
-
-    def last_logits(ablated: int | None = None) -> list[torch.Tensor]:
-        logits = []
-        for p, prompt in enumerate(PROMPTS):
-            hooks = [layer.register_forward_hook(lambda mod, inp, out, p=p, j=j: outputs[p].__setitem__(j, out))
-                     for j, layer in enumerate(layers)] if ablated is None else \
-                [layers[ablated].self_attn.o_proj.register_forward_hook(lambda mod, inp, out: torch.zeros_like(out))]
-            for j in range(ablated or 0):
-                layers[j].forward = lambda *a, _out=outputs[p][j], **kw: _out
-            try:
-                with torch.no_grad():
-                    out = model(input_ids=torch.tensor([prompt]), use_cache=False, logits_to_keep=1)
-                logits.append(out.logits[0, -1].double())
-            finally:
-                for h in hooks:
-                    h.remove()
-                for j in range(ablated or 0):
-                    del layers[j].forward
-        return logits
-
-    base = last_logits()
-    worst = []
-    for i in range(len(layers)):
-        moved = last_logits(i)
-        worst.append((max(float((m - b).abs().max()) for m, b in zip(moved, base)),
-                      max(float((m - b).norm() / b.norm()) for m, b in zip(moved, base))))
-    return {"worst": worst}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    with torch.no_grad():
+        token_ids = _greedy(model)
+        return {"token_ids": token_ids, "worst": _ablation(model)}
 
 
 if __name__ == "__main__":
-    print(json.dumps({"greedy": _greedy, "ablation": _ablation}[sys.argv[1]](sys.argv[2])))
+    print(json.dumps(_child(sys.argv[1])))

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 import torch
 from service_fixtures import openai_client, post, serving, settle_after
+from testkit import forced_logits
 
 from engine import LLMEngine
 from labkit.load.trace import token_ids
@@ -33,15 +34,11 @@ def api(server):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
-    e = LLMEngine(str(tiny_model_dir), device="cpu", enforce_eager=True, attention_backend="torch",
-                  kvcache_block_size=16, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256)
-    yield e
-    e.close()
+def reference(engine_factory) -> LLMEngine:
+    return engine_factory(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256)
 
 
 def forced_logprobs(engine: LLMEngine, ids: list[int]) -> torch.Tensor:
-    from test_sampling_engine import forced_logits
     return torch.log_softmax(forced_logits(engine, ids), dim=-1)
 
 
