@@ -3,6 +3,7 @@ model: whatever the weights, the output follows the grammar and ends when it doe
 a small integer, a short string) and compact JSON, so that a random model must finish within max_tokens."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -19,6 +20,11 @@ PROMPTS = ["Give me a color", "x y z"]
 SPECIAL = re.compile(r"<\|[a-z_]+\|>$")
 
 
+def set_overlap(engine: LLMEngine, on: bool) -> None:
+    """Config's options are read-only (engine/args.py): the idle engine gets new args with overlap set."""
+    engine.config.args = dataclasses.replace(engine.config.args, overlap=on)
+
+
 @pytest.fixture(scope="module")
 def shared(engine_factory) -> LLMEngine:
     return engine_factory(**KW)
@@ -28,9 +34,9 @@ def shared(engine_factory) -> LLMEngine:
 def engine(request, shared):
     """The module's engine with Config.overlap as the test's parameter says (step() reads it per call; the engine
     is idle here), so both loops run without building (and loading the grammar compiler for) a second one."""
-    shared.config.overlap = request.param
+    set_overlap(shared, request.param)
     yield shared
-    shared.config.overlap = False
+    set_overlap(shared, False)
 
 
 def text_of(out: dict) -> str:
@@ -66,7 +72,7 @@ def test_regex_choice_grammar_and_a_plain_neighbour(shared):
     whose greedy tokens are the same as when it runs alone (the mask touches only its own rows; the batch runs
     step by step while a constrained row is in it, then the plain row goes on overlapped)."""
     engine = shared
-    engine.config.overlap = True
+    set_overlap(engine, True)
     plain = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     alone = engine.generate(["plain neighbour"], plain)[0]["token_ids"]
     call = {"type": "object", "properties": {"name": {"const": "f"}, "arguments": {"enum": [1, 2]}},
@@ -89,7 +95,7 @@ def test_regex_choice_grammar_and_a_plain_neighbour(shared):
     m = re.fullmatch(r"<v>(.*)</v>", text_of(outs[3]), re.S)
     assert m and json.loads(m.group(1))["arguments"] in (1, 2), outs[3]
     assert outs[4]["token_ids"] == alone
-    engine.config.overlap = False
+    set_overlap(engine, False)
 
 
 def test_processed_path_with_logprobs_and_top_k(shared):
