@@ -64,11 +64,20 @@ def _bf16_thresholds() -> dict:
     return entry
 
 
+def one_thread_env() -> dict:
+    """The environment for a child of a pytest-xdist worker: one torch thread, as the worker itself has (README:
+    one worker per core; two threads per child on two busy cores spin against each other)."""
+    import os
+
+    return {**os.environ, "OMP_NUM_THREADS": "1"} if os.environ.get("PYTEST_XDIST_WORKER") else dict(os.environ)
+
+
 def _in_child(model_dir) -> dict:
     """This module as a script in a fresh process: the 0.6B model loaded once in bf16 (about 1.2 GB, which the test
     process, holding the session's other modules, never adds to itself), its greedy continuations and its
     per-layer attention removal. The script's last stdout line, as JSON; run once for the module's two tests."""
-    proc = subprocess.run([sys.executable, __file__, str(model_dir)], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, __file__, str(model_dir)], capture_output=True, text=True, timeout=900,
+                          env=one_thread_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
