@@ -4,6 +4,7 @@ modules and one breakpoint per lesson and quits cleanly."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
 import re
@@ -240,7 +241,7 @@ def test_enable_fused_ops_is_off_with_the_switch_even_past_the_device_check(tiny
         assert llm.config.fused_ops is False
         assert runner._enable_fused_ops() is False
         assert not any(getattr(m, "fused", False) for m in runner.model.modules())
-        llm.config.fused_ops = True                           # the same runner with the switch on: the kernels
+        llm.config.args = dataclasses.replace(llm.config.args, fused_ops=True)   # the switch on: the kernels
         assert runner._enable_fused_ops() is True
         assert any(getattr(m, "fused", False) for m in runner.model.modules())
     finally:
