@@ -30,8 +30,7 @@ SYNTH_MARKER = "labkit_synth.json"
 #: version is rebuilt by resolve_model. 2: norm weights are seeded per tensor (1 + 0.1 N(0, 1)).
 #: 3: the marker names its init; qwen3-0.6b defaults to the BF16-tame init (labkit/assets/synth_tame.py).
 #: 4: the chat template is Qwen3's own (tools, tool calls, tool results, its thinking default).
-#: 5: weights over 512 MiB are written in shards with model.safetensors.index.json (synth.SHARD_BYTES).
-SYNTH_FORMAT_VERSION = 5
+SYNTH_FORMAT_VERSION = 4
 
 
 def default_cache_dir() -> Path:

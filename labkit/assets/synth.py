@@ -275,41 +275,10 @@ _INIT_NOTES = {
 }
 
 
-#: One weight file holds at most this many bytes (save_pretrained's max_shard_size): safetensors builds a file's
-#: bytes in memory before writing, so one file for the whole model needed a second copy of it (qwen3-0.6b's
-#: synth process peaked at 3.27 GB; 8B shapes would need twice their 16 GB).
-SHARD_BYTES = 512 << 20
-
-
-def _save_weights(weights: dict, directory: Path) -> None:
-    """``model.safetensors``, or shards of at most SHARD_BYTES (``model-00001-of-0000N.safetensors`` in the
-    order the tensors were made) and the ``model.safetensors.index.json`` naming each tensor's shard; each
-    shard's tensors leave ``weights`` as it is written."""
-    from safetensors.torch import save_file
-
-    sizes = {name: t.numel() * t.element_size() for name, t in weights.items()}
-    shards: list[list[str]] = [[]]
-    held = 0
-    for name, size in sizes.items():
-        if shards[-1] and held + size > SHARD_BYTES:
-            shards.append([])
-            held = 0
-        shards[-1].append(name)
-        held += size
-    if len(shards) == 1:
-        save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map: dict[str, str] = {}
-    for i, names in enumerate(shards, 1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file({name: weights.pop(name) for name in names}, str(directory / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(names, file))
-    _write_json(directory / "model.safetensors.index.json",
-                {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map})
-
-
 def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | None,
                        rope_scaling: str | None = None, device: str = "cpu", init: str = "random") -> None:
+    from safetensors.torch import save_file
+
     cfg = dict(_check_preset(preset))
     if rope_scaling is not None:
         from labkit.assets.rope import apply_rope_scaling
@@ -329,7 +298,7 @@ def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | Non
     cfg = {**cfg, "transformers_version": _transformers_version()}
     _write_json(directory / "config.json", cfg)
     weights = _make_weights(cfg, seed, cfg["dtype"], init, device if init == "random" else "cpu")
-    _save_weights(weights, directory)
+    save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     del weights
     _write_json(
         directory / SYNTH_MARKER,

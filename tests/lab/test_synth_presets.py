@@ -89,34 +89,3 @@ def torch_equal_head(eng) -> bool:
 def test_synth_device_is_checked(tmp_path):
     with pytest.raises(synth.ModelError, match="--device"):
         synth.synth_model("tiny", tmp_path / "x", device="tpu")
-
-
-def test_weights_past_the_shard_size_are_written_in_shards_the_engine_loads(tmp_path, monkeypatch):
-    """synth.SHARD_BYTES: a model over it is written as model-0000i-of-0000N.safetensors and an index naming
-    every tensor's shard (no process holds two copies of the weights); the engine loads it to the same greedy
-    tokens and the same tensors as the one-file directory of the same seed."""
-    import json
-
-    from engine import LLMEngine, SamplingParams
-    from safetensors import safe_open
-
-    one = synth.synth_model("tiny", tmp_path / "one", seed=3)
-    monkeypatch.setattr(synth, "SHARD_BYTES", 64 << 10)
-    sharded = synth.synth_model("tiny", tmp_path / "sharded", seed=3)
-    files = sorted(p.name for p in sharded.glob("*.safetensors"))
-    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
-    weight_map = json.loads((sharded / "model.safetensors.index.json").read_text())["weight_map"]
-    with safe_open(str(one / "model.safetensors"), "pt") as f:
-        names = set(f.keys())
-        assert set(weight_map) == names and set(weight_map.values()) == set(files)
-        for name in sorted(names)[:6]:
-            with safe_open(str(sharded / weight_map[name]), "pt") as g:
-                assert f.get_tensor(name).equal(g.get_tensor(name))
-    outs = []
-    for path in (one, sharded):
-        eng = LLMEngine(str(path), device="cpu", enforce_eager=True, max_model_len=128, max_num_batched_tokens=128)
-        try:
-            outs.append(eng.generate([[11, 12, 13, 14]], SamplingParams(max_tokens=8, ignore_eos=True))[0]["token_ids"])
-        finally:
-            eng.close()
-    assert outs[0] == outs[1]
