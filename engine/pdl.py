@@ -3,7 +3,7 @@
 Without it every kernel on a stream starts only when the previous one has finished: at batch-1 decode a step is
 some 170 small kernels, and each pays its launch and its first loads while the GPU sits idle between them. With
 PDL (Hopper and later) a kernel launched with the attribute may start while its predecessor still runs. Each of
-our kernels then keeps one rule, in every program:
+our kernels then keeps one rule, in every program (``enter(PDL)`` below is steps 2 and 3):
 
 1. do only what depends on no earlier kernel (address arithmetic; loading weights, which never change in a step);
 2. ``gdc_wait()``: block until the previous kernel has finished and its writes are visible;
@@ -18,6 +18,21 @@ programmatic edges. Off on CPU (the interpreter has no grid dependency control) 
 from __future__ import annotations
 
 import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:     # a CPU install without the cuda extra: no kernel of ours is compiled, none calls enter()
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def enter(PDL: tl.constexpr):
+        """Steps 2 and 3 of the rule above, in every PDL kernel's programs (nothing when PDL is off)."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
 
 _on: set[int] = set()        # CUDA device indices whose kernels launch with PDL
 

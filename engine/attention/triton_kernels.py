@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine import pdl
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG, DECODE_NUM_STAGES, DECODE_NUM_WARPS,  # noqa: F401
@@ -30,9 +29,7 @@ def _dot(a, b, IEEE: tl.constexpr):
 def _store_kv_kernel(k_ptr, v_ptr, k_stride, v_stride, kc_ptr, vc_ptr, slot_ptr,
                      WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     t = tl.program_id(0)
-    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:               # padding row: never touches the cache
         return
@@ -99,9 +96,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     context loop, then the direct write or the partial and the fused reduce."""
     ROWS: tl.constexpr = HPP * BLOCK_N
     kvh0 = tl.program_id(0) * HPP
-    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     if ORDERED:
         n = tl.load(order_ptr + tl.program_id(1))
     else:
@@ -188,9 +183,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
 def _decode_reduce_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, num_splits, split_len, stride_on, stride_oh,
                           HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
     """Combine a row's splits; only the splits that hold part of its context were written."""
-    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     n = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, D)
@@ -280,9 +273,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, 
                     PDL: tl.constexpr = False):
     """PAGED: K/V rows are cache slots found through the block table (row stride HK * D).
     Not PAGED: K/V are this step's new rows [T, HK, D] (row strides stride_k, stride_v), nothing cached before."""
-    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     tile = tl.program_id(0)
     n = tl.program_id(1)
     h = tl.program_id(2)

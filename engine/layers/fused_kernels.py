@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine import pdl
 
@@ -22,9 +21,7 @@ NORM_WARPS = 4
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_r, stride_o, N, eps,
                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0)
-    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
@@ -66,9 +63,7 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_o
     STORE: the token's roped k heads and its v heads (the qkv row's columns after q and k) also go to the
     paged cache ([blocks, block_size, HK, D], contiguous) at row slot_mapping[t], as _store_kv_kernel
     writes them; a padding token (slot < 0) writes nothing there."""
-    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     t = tl.program_id(0)
     h = tl.arange(0, BLOCK_H)                 # 0..HQ-1: q heads, HQ..HQ+HK-1: k heads
     half = tl.arange(0, D // 2)
@@ -134,9 +129,7 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Ten
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, N, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     row = tl.program_id(0)
-    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = col < N
     g = tl.load(x_ptr + row * stride_x + col, mask=mask, other=0.0)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine import pdl
 from engine.layers.fused_kernels import NORM_WARPS
@@ -57,8 +56,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
     nmask = rn < N
     if PDL:     # engine/pdl.py: the first weight tile streams in while the kernel before this one finishes
         w_first = _load_w(w_ptr, rn, tl.arange(0, BLOCK_K), nmask, tl.arange(0, BLOCK_K) < K, stride_wn, EVEN_K)
-        gdc_wait()
-        gdc_launch_dependents()
+        pdl.enter(PDL)
     if NORM:        # rstd of the whole row (h = x + residual, rounded), as _rms_norm_kernel computes it
         offs = tl.arange(0, BLOCK_ROW)
         rmask = offs < K

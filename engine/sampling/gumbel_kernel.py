@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from engine import pdl
 
@@ -23,9 +22,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, temp_ptr, seed_ptr, val_ptr, idx_p
 
     The noise costs more than the read: one Philox call gives four 32-bit draws (tl.randint4x), so a
     tile is [BLOCK // 4, 4] with one counter per row of four, and a greedy row draws none."""
-    if PDL:         # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
-        gdc_wait()
-        gdc_launch_dependents()
+    pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     t = tl.load(temp_ptr + row)
