@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass
 
 from engine import EngineArgs, LLMEngine
+from engine.args import OPTION_NAMES
 from engine.observe import EngineEvent
 from labkit.errors import UserError
 
@@ -21,7 +22,7 @@ LAB_DEFAULTS = dict(kvcache_block_size=256, max_model_len=1024, max_num_batched_
 def lab_args(device: str = "auto", **given) -> EngineArgs:
     """The engine's arguments with the lab's defaults: :data:`LAB_DEFAULTS`, then each option ``given``
     (engine names; one given as None keeps the lab's or the engine's default)."""
-    unknown = sorted(set(given) - {f.name for f in dataclasses.fields(EngineArgs)})
+    unknown = sorted(set(given) - set(OPTION_NAMES))
     if unknown:
         raise TypeError(f"lab_args got unknown option(s) {', '.join(unknown)}")
     return EngineArgs(**{**LAB_DEFAULTS, "device": device, **{k: v for k, v in given.items() if v is not None}})

@@ -12,12 +12,13 @@ import dataclasses
 from dataclasses import dataclass, fields
 
 from engine import EngineArgs
+from engine.args import OPTION_NAMES
 from labkit.errors import UserError
 from labkit.lab_engine import lab_args
 from labkit.service.protocol import REQUEST_ID_RE
 
 #: The engine options by name (``engine.EngineArgs``' fields), and labkit's older name of one of them.
-ENGINE_FIELDS = frozenset(f.name for f in fields(EngineArgs))
+ENGINE_FIELDS = frozenset(OPTION_NAMES)
 ALIASES = {"attention": "attention_backend"}
 #: The engine options a worker's record shows (``flat()``: /config, evidence), under the names it always had.
 RECORDED = ("model", "device", "attention", "scheduling_policy", "max_consecutive_prefill", "max_num_batched_tokens",
