@@ -14,6 +14,7 @@ Because every PDL kernel waits before it ends, "the previous kernel finished" im
 so the chain stays ordered like a plain stream. Kernels we do not launch (cuBLAS, torch) are launched without
 the attribute and wait for everything before them, as always. Inside a CUDA graph the launches are captured as
 programmatic edges. Off on CPU (the interpreter has no grid dependency control) and before compute capability 9.
+The switch is per device and process (the last engine built there sets it; graphs already captured keep theirs).
 """
 from __future__ import annotations
 
