@@ -54,18 +54,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out.view(shape), res_out.view(shape)
 
 
+# q/k norm + RoPE at fewer tokens than this runs one head per program (grid tokens x heads) rather than one
+# token's every head per program: at batch 1 one program per token left 24 heads' norms and rotations to one SM
+QK_SPLIT_BELOW = 64
+
+
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
                          stride_qkv, eps, kc_ptr, vc_ptr, slot_ptr, HQ: tl.constexpr, HK: tl.constexpr,
-                         D: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, BLOCK_V: tl.constexpr,
-                         PDL: tl.constexpr = False):
-    """One program per token: its HQ q heads and HK k heads (contiguous in the packed qkv row) as one tile.
-    STORE: the token's roped k heads and its v heads (the qkv row's columns after q and k) also go to the
-    paged cache ([blocks, block_size, HK, D], contiguous) at row slot_mapping[t], as _store_kv_kernel
+                         D: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr = False):
+    """Program (t, g): token t's heads g * BLOCK_H .. (g + 1) * BLOCK_H - 1 of its HQ q heads then HK k heads
+    (contiguous in the packed qkv row) as one tile; BLOCK_H is 1 (a head per program) or covers every head.
+    STORE: the roped k heads, and the v heads of the same index (the qkv row's columns after q and k), also go
+    to the paged cache ([blocks, block_size, HK, D], contiguous) at row slot_mapping[t], as _store_kv_kernel
     writes them; a padding token (slot < 0) writes nothing there."""
     pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     t = tl.program_id(0)
-    h = tl.arange(0, BLOCK_H)                 # 0..HQ-1: q heads, HQ..HQ+HK-1: k heads
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)     # 0..HQ-1: q heads, HQ..HQ+HK-1: k heads
     half = tl.arange(0, D // 2)
     live = h < HQ + HK
     is_q = h < HQ
@@ -96,22 +101,29 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_o
     tl.store(k_dst + D // 2 + half[None, :], o2, mask=k_mask)
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        keep = slot >= 0
-        kc_dst = kc_ptr + slot * (HK * D) + (h - HQ)[:, None] * D
-        tl.store(kc_dst + half[None, :], o1, mask=k_mask & keep)
-        tl.store(kc_dst + D // 2 + half[None, :], o2, mask=k_mask & keep)
-        offs = tl.arange(0, BLOCK_V)
-        vmask = (offs < HK * D) & keep
-        v = tl.load(qkv_ptr + t * stride_qkv + (HQ + HK) * D + offs, mask=vmask)
-        tl.store(vc_ptr + slot * (HK * D) + offs, v, mask=vmask)
+        keep = k_mask & (slot >= 0)
+        row = slot * (HK * D) + (h - HQ)[:, None] * D                 # k head j's and v head j's place
+        tl.store(kc_ptr + row + half[None, :], o1, mask=keep)
+        tl.store(kc_ptr + row + D // 2 + half[None, :], o2, mask=keep)
+        v_src = qkv_ptr + t * stride_qkv + (HK + h)[:, None] * D      # v head j: column (HQ + HK + j) * D
+        v1 = tl.load(v_src + half[None, :], mask=keep)
+        v2 = tl.load(v_src + D // 2 + half[None, :], mask=keep)
+        tl.store(vc_ptr + row + half[None, :], v1, mask=keep)
+        tl.store(vc_ptr + row + D // 2 + half[None, :], v2, mask=keep)
+
+
+def qk_heads_per_program(tokens: int, heads: int) -> int:
+    """The kernel's BLOCK_H: one head per program below QK_SPLIT_BELOW tokens, else a token's every head."""
+    return 1 if tokens < QK_SPLIT_BELOW else triton.next_power_of_2(heads)
 
 
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, hq: int, hk: int, d: int, eps: float,
                  k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-                 slot_mapping: torch.Tensor | None = None):
+                 slot_mapping: torch.Tensor | None = None, heads_per_program: int | None = None):
     """-> q [T, hq, d], k [T, hk, d]. With k_cache, v_cache and slot_mapping, also stores each token's k and v
-    in the paged cache (what backend.store_kv would write; slot -1 skipped), so no store kernel runs."""
+    in the paged cache (what backend.store_kv would write; slot -1 skipped), so no store kernel runs.
+    heads_per_program: the kernel's tile (default qk_heads_per_program; the tests compare both tiles)."""
     t = qkv.shape[0]
     q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(t, hk, d, dtype=qkv.dtype, device=qkv.device)
@@ -119,10 +131,11 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Ten
     if store:
         assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape[-2:] == (hk, d)
         assert qkv.stride(-1) == 1 and qkv.shape[-1] == (hq + 2 * hk) * d and slot_mapping.shape == (t,)
-    _qk_norm_rope_kernel[(t,)](qkv, positions, q_weight, k_weight, cos, sin, q, k, qkv.stride(0), eps,
-                               k_cache if store else k, v_cache if store else k, slot_mapping if store else positions,
-                               HQ=hq, HK=hk, D=d, BLOCK_H=triton.next_power_of_2(hq + hk), STORE=store,
-                               BLOCK_V=triton.next_power_of_2(hk * d), **pdl.launch(qkv))
+    hpp = heads_per_program or qk_heads_per_program(t, hq + hk)
+    _qk_norm_rope_kernel[(t, triton.cdiv(hq + hk, hpp))](
+        qkv, positions, q_weight, k_weight, cos, sin, q, k, qkv.stride(0), eps,
+        k_cache if store else k, v_cache if store else k, slot_mapping if store else positions,
+        HQ=hq, HK=hk, D=d, BLOCK_H=hpp, STORE=store, num_warps=1 if hpp == 1 else 4, **pdl.launch(qkv))
     return q, k
 
 

@@ -5,6 +5,8 @@
   residual against x + r;
 - q/k norm + RoPE with the KV store (fused_kernels.qk_norm_rope with the cache) against the kernel without
   it followed by triton_kernels.store_kv, bit for bit over the whole cache (padding slots untouched);
+- q/k norm + RoPE one head per program (the tile below QK_SPLIT_BELOW tokens) against every head of a token per
+  program, bit for bit (outputs and cache), and both against the torch path (RMSNorm, then RotaryEmbedding);
 - the wiring: the tiny Qwen3's one-token forward, and a prompt's prefill, with every fused switch on
   against the plain forward, counting the calls that took the new paths.
 
@@ -55,6 +57,18 @@ def test_qk_norm_rope_store_writes_what_store_kv_writes(results, dtype):
         assert r["qk_equal"], r                      # q and k outputs as without the store
         assert r["k_cache_equal"] and r["v_cache_equal"], r      # whole cache: stored rows and the rest
         assert r["rows_written"] == r["live_tokens"] > 0 and r["padding_tokens"] > 0, r
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_qk_norm_rope_one_head_per_program_is_the_whole_row_tile_and_the_torch_path(results, dtype):
+    for hq, hk, d in HEADS:
+        r = results["tiles"][f"{hq}-{hk}-{d}-{dtype}"]
+        assert r["default_tile"] == 1, r                          # a few tokens take one head per program
+        assert r["q_equal"] and r["k_equal"], r                   # the two tiles, bit for bit
+        assert r["k_cache_equal"] and r["v_cache_equal"], r
+        # against RMSNorm then RotaryEmbedding in torch: float32 to rounding; bfloat16 within a few steps of
+        # its 8-bit mantissa (the interpreter truncates float32 -> bfloat16, torch rounds to nearest)
+        assert r["vs_torch_max_abs"] <= (1e-5 if dtype == "float32" else 0.1), r
 
 
 def test_one_token_forward_with_both_fusions_gives_the_plain_logits(results):
@@ -130,6 +144,38 @@ def _store(hq: int, hk: int, d: int, dtype: str) -> dict:
     return {"qk_equal": torch.equal(q, q_ref) and torch.equal(k, k_ref), "k_cache_equal": torch.equal(kc, kc_ref),
             "v_cache_equal": torch.equal(vc, vc_ref), "rows_written": changed,
             "live_tokens": int((slots >= 0).sum()), "padding_tokens": int((slots < 0).sum())}
+
+
+def _tiles(hq: int, hk: int, d: int, dtype: str) -> dict:
+    import torch
+
+    from engine.layers.fused_kernels import qk_heads_per_program, qk_norm_rope
+    from engine.layers.layernorm import RMSNorm
+    from engine.layers.rotary import RotaryEmbedding
+
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(hq * 10 + hk)
+    t, blocks, page, max_pos = 5, 3, 4, 64
+    qkv = (2 * torch.randn(t, (hq + 2 * hk) * d, generator=gen)).to(dt)
+    pos = torch.randint(0, max_pos, (t,), generator=gen)
+    qn, kn = RMSNorm(d).to(dt), RMSNorm(d).to(dt)
+    qn.weight.data = (1 + 0.2 * torch.randn(d, generator=gen)).to(dt)
+    kn.weight.data = (1 + 0.2 * torch.randn(d, generator=gen)).to(dt)
+    rope = RotaryEmbedding(d, max_pos, 10000.0)
+    slots = torch.tensor([3, -1, 9, 0, 6])
+    runs = {}
+    for hpp in (1, 1 << (hq + hk - 1).bit_length()):
+        kc, vc = torch.zeros(blocks, page, hk, d, dtype=dt), torch.zeros(blocks, page, hk, d, dtype=dt)
+        q, k = qk_norm_rope(qkv, pos, qn.weight, kn.weight, rope.cos, rope.sin, hq, hk, d, qn.eps,
+                            k_cache=kc, v_cache=vc, slot_mapping=slots, heads_per_program=hpp)
+        runs[hpp] = (q, k, kc, vc)
+    (q1, k1, kc1, vc1), (qa, ka, kca, vca) = runs.values()
+    q_in, k_in, _ = qkv.split([hq * d, hk * d, hk * d], -1)
+    rq, rk = rope(pos, qn(q_in.reshape(t, hq, d)), kn(k_in.reshape(t, hk, d)))
+    err = max((q1.float() - rq.float()).abs().max().item(), (k1.float() - rk.float()).abs().max().item())
+    return {"default_tile": qk_heads_per_program(t, hq + hk), "q_equal": torch.equal(q1, qa),
+            "k_equal": torch.equal(k1, ka), "k_cache_equal": torch.equal(kc1, kca), "v_cache_equal": torch.equal(vc1, vca),
+            "vs_torch_max_abs": err}
 
 
 def _model(model_dir: str) -> dict:
@@ -208,7 +254,8 @@ def main() -> None:
         return
     normed = {f"{n}x{k}-{dt}-{r}": _normed(n, k, dt, r) for n, k in SHAPES for dt in DTYPES for r in (False, True)}
     store = {f"{hq}-{hk}-{d}-{dt}": _store(hq, hk, d, dt) for hq, hk, d in HEADS for dt in DTYPES}
-    print(json.dumps({"normed": normed, "store": store, "model": _model(sys.argv[1])}))
+    tiles = {f"{hq}-{hk}-{d}-{dt}": _tiles(hq, hk, d, dt) for hq, hk, d in HEADS for dt in DTYPES}
+    print(json.dumps({"normed": normed, "store": store, "tiles": tiles, "model": _model(sys.argv[1])}))
 
 
 if __name__ == "__main__":
