@@ -93,36 +93,49 @@ class _PhaseClock(StepHooks):
         self.seconds[name] += seconds
 
 
-def install_module_ranges(engine, ranges: _Ranges) -> "callable":
-    """Forward pre/post hooks on every leaf module of MODULE_CATEGORY and a wrapper on the attention
-    backend's store_kv; returns the function that removes them all."""
-    handles = []
-    modules = dict(engine.named_modules())
-    for name, category in module_categories(modules).items():
-        mod = modules[name]
-        handles.append(mod.register_forward_pre_hook(lambda m, a, c=category: ranges.enter(RANGE + c)))
-        handles.append(mod.register_forward_hook(lambda m, a, o: ranges.exit()))
-    # the attention layers share one backend; its store_kv is wrapped on the instance and unwrapped after
-    backend = next(m.backend for n, m in modules.items() if n.rsplit(".", 1)[-1] == "attn")
-    had_own = "store_kv" in vars(backend)
-    original = backend.store_kv
+def _wrap_in_range(obj, attr: str, ranges: _Ranges, name: str) -> "callable":
+    """obj.attr (a method) wrapped on the instance in the range `name`; returns the function that unwraps it."""
+    had_own = attr in vars(obj)
+    original = getattr(obj, attr)
 
-    def store_kv(*args, **kwargs):
-        ranges.enter(RANGE + "kv_store")
+    def wrapped(*args, **kwargs):
+        ranges.enter(name)
         try:
             return original(*args, **kwargs)
         finally:
             ranges.exit()
 
-    backend.store_kv = store_kv
+    setattr(obj, attr, wrapped)
+
+    def unwrap() -> None:
+        if had_own:
+            setattr(obj, attr, original)
+        else:
+            delattr(obj, attr)
+    return unwrap
+
+
+def install_module_ranges(engine, ranges: _Ranges) -> "callable":
+    """Forward pre/post hooks on every leaf module of MODULE_CATEGORY; a wrapper on the attention backend's
+    store_kv and on each column GEMM's ``normed`` (the one-token path runs its norm inside the qkv and gate_up
+    GEMVs through that method, not through forward); returns the function that removes them all."""
+    handles, undo = [], []
+    modules = dict(engine.named_modules())
+    for name, category in module_categories(modules).items():
+        mod = modules[name]
+        handles.append(mod.register_forward_pre_hook(lambda m, a, c=category: ranges.enter(RANGE + c)))
+        handles.append(mod.register_forward_hook(lambda m, a, o: ranges.exit()))
+        if category.startswith("gemm.") and hasattr(mod, "normed"):
+            undo.append(_wrap_in_range(mod, "normed", ranges, RANGE + category))
+    # the attention layers share one backend; its store_kv is wrapped on the instance and unwrapped after
+    backend = next(m.backend for n, m in modules.items() if n.rsplit(".", 1)[-1] == "attn")
+    undo.append(_wrap_in_range(backend, "store_kv", ranges, RANGE + "kv_store"))
 
     def remove() -> None:
         for h in handles:
             h.remove()
-        if had_own:
-            backend.store_kv = original
-        else:
-            del backend.store_kv
+        for u in undo:
+            u()
     return remove
 
 

@@ -92,6 +92,33 @@ def test_hooks_are_removed_after_the_profiled_pass(tiny_model_dir):
         built.engine.close()
 
 
+def test_the_one_token_normed_gemv_is_inside_its_gemm_role_range(tiny_model_dir):
+    """The batch-1 path calls qkv_proj.normed / gate_up_proj.normed (the norm inside the GEMV), not forward: the
+    budget wraps that method in its role's range (at batch 1 on CUDA these GEMVs were "other" without it)."""
+    from labkit.lab_engine import build_engine
+
+    class Recording(sb._Ranges):
+        def enter(self, name):
+            super().enter(name)
+            seen.append(name)
+
+    built = build_engine(str(tiny_model_dir), "cpu", "torch")
+    try:
+        layer = built.engine.runner.model.model.layers[0]
+        seen, inside = [], []
+        fake = lambda *a, **k: inside.append(seen[-1])              # noqa: E731 (stands for normed_gemv)
+        for proj in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+            proj.normed = fake
+        remove = sb.install_module_ranges(built.engine, Recording())
+        layer.self_attn.qkv_proj.normed(None, None)
+        layer.mlp.gate_up_proj.normed(None, None)
+        remove()
+        assert inside == [sb.RANGE + "gemm.qkv", sb.RANGE + "gemm.gate_up"]
+        assert layer.self_attn.qkv_proj.normed is fake                 # unwrapped: the instance's own again
+    finally:
+        built.engine.close()
+
+
 def test_bounds_bytes_at_batch_zero_are_the_decode_weight_bytes(tiny_model_dir):
     """At batch 0 only the weights are left: the categories' bytes add up to bound.decode_weight_bytes."""
     from engine.config import Config
