@@ -17,8 +17,9 @@ DECODE_NUM_STAGES = 3
 # is a change of these six lines: the kernel, the backend and the warmup plan (decode_variants) read them.
 DECODE_KV_PER_PROG = 1       # kv heads per decode program (kv_per_program: the largest divisor not above it)
 DECODE_PAGE_TILE = False     # one block-table load per tile where block_n divides the page size
-DECODE_MAX_SPLIT = 512       # positions per split at most (see choose_splits) ...
-DECODE_MAX_SPLITS = 32       # ... unless that makes more splits than this (a very long max_len: longer splits)
+DECODE_MAX_SPLIT = 512       # positions per split at most (see choose_splits; fewer at small batches) ...
+DECODE_MAX_SPLITS = 64       # ... unless that makes more splits than this (a very long max_len: longer splits)
+DECODE_SPLIT_PER_PROGRAM = 4     # a small batch's splits: at most this many positions per program of the batch
 
 
 def cdiv(a: int, b: int) -> int:
@@ -35,6 +36,16 @@ def kv_per_program(kv_heads: int, want: int) -> int:
     return max(h for h in range(1, max(1, min(want, kv_heads)) + 1) if kv_heads % h == 0)
 
 
+def max_split_len(programs: int, block_n: int = DECODE_BLOCK_N) -> int:
+    """Positions per split at most for a decode of `programs` (batch x kv-head programs): DECODE_SPLIT_PER_PROGRAM
+    x programs as a power of two, between one tile and DECODE_MAX_SPLIT. A small batch's few programs each
+    read a long split one tile after another; shorter splits spread it over more SMs. In a CUDA graph
+    (28 layers, max_len 4096, context 1,100, bf16, H200, one lease) the decode took per layer at batch 1
+    11.0 -> 10.0 us (one tile per split, 64 splits), batch 4 20.4 -> 14.5 (128), batch 8 24.6 -> 20.7 (256);
+    batch 16 and more keep 512 (at 32, 128 positions per split was 16% slower)."""
+    return max(block_n, min(DECODE_MAX_SPLIT, DECODE_SPLIT_PER_PROGRAM * next_power_of_2(programs)))
+
+
 def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_count: int,
                   waves: int = 2) -> tuple[int, int]:
     """(num_splits, split_len) for a decode of `batch` sequences x `kv_heads` programs each whose longest
@@ -44,13 +55,15 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_coun
     Inside a CUDA graph max_len is the model's max length, not the batch's longest context: splits sized
     from it (1408 positions at batch 16 and max_len 4096) left most contexts in one split per head. With the
     cap, splits past a row's context exit at once. The nano-vllm workload's decode steps at batch 1-31 went
-    from 2.56 to 2.17-2.18 ms (H200, issue 13 session 7 runs B-D)."""
+    from 2.56 to 2.17-2.18 ms (H200, issue 13 session 7 runs B-D). At small batches the cap is lower
+    (:func:`max_split_len`)."""
     chunks = max(1, cdiv(max_len, block_n))
     want = max(1, cdiv(waves * sm_count, batch * kv_heads))
     splits = min(want, chunks)
     per_split = cdiv(chunks, splits)
     if splits > 1:
-        per_split = min(chunks, max(min(per_split, DECODE_MAX_SPLIT // block_n), cdiv(chunks, DECODE_MAX_SPLITS)))
+        per_split = min(chunks, max(min(per_split, max_split_len(batch * kv_heads, block_n) // block_n),
+                                    cdiv(chunks, DECODE_MAX_SPLITS)))
     split_len = per_split * block_n
     return cdiv(max_len, split_len), split_len
 
@@ -72,10 +85,11 @@ def decode_variants(max_batch: int, kv_heads: int, max_model_len: int, sm_count:
     out: dict[tuple[bool, int], tuple[int, int]] = {}
     max_chunks = max(1, cdiv(max_model_len, block_n))
     programs = kv_heads // kv_per_program(kv_heads, kv_per_prog)
-    by_want: dict[int, int] = {}                         # the split count a batch wants -> its first batch
+    by_want: dict[tuple[int, int], int] = {}     # (the split count a batch wants, its cap) -> its first batch
     for batch in range(1, max_batch + 1):
-        by_want.setdefault(max(1, cdiv(waves * sm_count, batch * programs)), batch)
-    for want, batch in sorted(by_want.items(), key=lambda kv: kv[1]):
+        key = (max(1, cdiv(waves * sm_count, batch * programs)), max_split_len(batch * programs, block_n))
+        by_want.setdefault(key, batch)
+    for batch in sorted(by_want.values()):
         for chunks in range(1, max_chunks + 1):
             max_len = min(chunks * block_n, max_model_len)
             key = decode_variant(batch, kv_heads, max_len, sm_count, block_n, waves, kv_per_prog)
