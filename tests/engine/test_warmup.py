@@ -9,7 +9,7 @@ import torch
 
 from engine import LLMEngine, SamplingParams
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_WAVES, choose_splits, decode_variant, decode_variants,
-                                     next_power_of_2)
+                                     max_split_len, next_power_of_2)
 from engine.config import Config
 from engine.graph import default_buckets
 from engine.observe import StepHooks
@@ -67,6 +67,14 @@ def test_decode_variant_matches_the_kernel_arithmetic():
         assert split_len % 64 == 0 and splits * split_len >= n > (splits - 1) * split_len
         assert decode_variant(b, hk, n, SM) == (splits == 1, max(2, next_power_of_2(splits)))
     assert len(decode_variants(256, 8, 4096, SM)) > 2
+
+
+def test_small_batches_take_shorter_splits():
+    """A small batch's few programs read shorter splits (more of them run at once); wide batches keep the cap."""
+    lens = {b: choose_splits(b, 8, 4096, DECODE_BLOCK_N, SM)[1] for b in (1, 4, 8, 16, 32)}
+    assert list(lens.values()) == sorted(lens.values()) and lens[1] < lens[32], lens
+    for b, n in lens.items():
+        assert n <= max_split_len(b * 8), (b, n)
 
 
 def test_prefill_token_counts():
