@@ -202,7 +202,7 @@ def start_server_process(lo: LoadOptions, log_dir: Path):
              e.scheduling_policy, "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
              "--worker-id", w.worker_id)
     model = str(resolve_model(e.model, device).path)
-    return ServerProcess.start(model, device, e.attention, settings, log_dir / "server.jsonl",
+    return ServerProcess.start(model, device, e.attention_backend, settings, log_dir / "server.jsonl",
                                log_dir / "server.out", engine_process=device.startswith("cuda"), extra_args=extra)
 
 

@@ -183,3 +183,21 @@ def test_a_non_finite_latency_fails_the_checkpoint(swept):
     row["tpot_ms"]["p99"] = float("nan")
     bad["facts"]["latencies_finite"][0] = sm.latencies_finite(row)
     assert judged(bad)["facts.latencies_finite"] is False
+
+
+def test_the_served_sweep_starts_labkit_serve_with_the_sweeps_engine_options(tmp_path, monkeypatch, tiny_model_dir):
+    """--serve-process (cuda.rate-sweep's path, CUDA only in the lab): the `labkit serve` it starts gets the
+    sweep's engine options (it read a field the engine's EngineArgs does not have, and the H200 run crashed)."""
+    from labkit.bench import serve as bench_serve
+    from labkit.load import sweep
+
+    seen = {}
+    monkeypatch.setattr(bench_serve.ServerProcess, "start",
+                        classmethod(lambda cls, *a, **kw: seen.update(args=a, kw=kw)))
+    worker = WorkerConfig(model=str(tiny_model_dir), device="cpu", attention_backend="torch", max_num_seqs=3,
+                          max_model_len=256)
+    sweep.start_server_process(LoadOptions(trace=tmp_path / "t.jsonl", out=tmp_path / "o.json", worker=worker), tmp_path)
+    _, device, attention, settings = seen["args"][:4]
+    assert (device, attention) == ("cpu", "torch"), seen
+    assert (settings["max_num_seqs"], settings["max_model_len"]) == (3, 256), settings
+    assert seen["kw"]["engine_process"] is False
