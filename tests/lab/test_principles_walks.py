@@ -54,8 +54,8 @@ def prefix_cache_run(cli_app, tiny_model_dir, tmp_path_factory):
 
 
 @pytest.mark.parametrize("cid", PRINCIPLES)
-def test_checkpoint_passes_as_labkit_run_runs_it(cid, cli_app, tiny_model_dir, qwen_shape_model_dir, tmp_path, monkeypatch,
-                                                 request):
+def test_checkpoint_passes_as_labkit_run_runs_it(cid, cli_app, tiny_model_dir, qwen_shape_model_dir, tmp_path,
+                                                 monkeypatch, request):
     """run_all.build_command's arguments, through the real CLI in process; then `labkit check` re-judges."""
     cp = get_checkpoint(cid)
     if cid == "principles.prefix-cache":                   # the module's one run of it
