@@ -21,11 +21,6 @@ def cli(*args: str):
     return CliRunner().invoke(app, list(args))
 
 
-def labkit_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "labkit", *args], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
-
-
 def test_doctor_then_check(runs, tmp_path):
     out = tmp_path / "doctor.json"
     res = cli("doctor", "--out", str(out), "--device", "cpu")
@@ -103,7 +98,7 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -
         assert f in lines[0]
 
 
-def test_unknown_checkpoint_is_one_line():
+def test_unknown_checkpoint_is_one_line(labkit_process):
     """The one real process of the one-line errors here (the two below run the same app in process)."""
     proc = labkit_process("check", "setup.doctr")
     _assert_one_line_error(proc, "unknown stage or checkpoint 'setup.doctr'", "setup.doctor")
