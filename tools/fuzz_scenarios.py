@@ -86,11 +86,11 @@ def _row(name: str, results: list[dict], ok: bool, detail: str, healthy: bool) -
             "ok": ok, "detail": detail, "examples": []}
 
 
-async def fair_admission(url: str, health) -> dict:
-    """n=64 first; then a 1-token request from another client and a concurrent n=16: the small one answers
-    while the n=64 still runs, and the n=16 is not 429."""
+async def fair_admission(url: str, health, big_tokens: int = 48) -> dict:
+    """n=64 first (``big_tokens`` each); then a 1-token request from another client and a concurrent n=16: the
+    small one answers while the n=64 still runs, and the n=16 is not 429."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as sess:
-        big = asyncio.create_task(_stream(sess, url, {"prompt": "a b c", "max_tokens": 48, "n": 64,
+        big = asyncio.create_task(_stream(sess, url, {"prompt": "a b c", "max_tokens": big_tokens, "n": 64,
                                                        "ignore_eos": True, "temperature": 0}))
         for _ in range(500):
             h = await health()

@@ -336,7 +336,10 @@ def _shape_ok(status: int | None, head: bytes, body: bytes) -> bool:
         return False
 
 
-async def fuzz(url: str, per_class: int, seed: int, only: list[str] | None = None, concurrency: int = 16) -> dict:
+async def fuzz(url: str, per_class: int, seed: int, only: list[str] | None = None, concurrency: int = 16,
+               fair_tokens: int = 48) -> dict:
+    """Every class ``per_class`` times, then the scenarios (``fair_tokens``: max_tokens of the fair-n64 scenario's
+    64 choices; fewer make it cheaper, the small request must still finish first)."""
     m = re.match(r"http://\[?([^\]/]+?)\]?:(\d+)", url)
     host, port = m.group(1), int(m.group(2))
     rng = random.Random(seed)
@@ -374,7 +377,7 @@ async def fuzz(url: str, per_class: int, seed: int, only: list[str] | None = Non
                       "5xx": fives, "not_json_errors": bad_shape, "healthy": health is not None, "examples": examples,
                       "seconds": round(time.monotonic() - t0, 2)})
     if not only or "scenarios" in only:
-        table.append(await scenarios.fair_admission(url, lambda: _health(host, port)))
+        table.append(await scenarios.fair_admission(url, lambda: _health(host, port), fair_tokens))
         table.append(await scenarios.cancel_all_choices(url, lambda: _health(host, port),
                                                         lambda: _kv_when_idle(host, port)))
     for _ in range(100):                       # let cancels of disconnected requests land

@@ -5,21 +5,21 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLMEngine
 from labkit.bench.run import fixed_workload, judged_checkpoint, run_bench
 from labkit.bench.profile import PARTS, profile_run
 from labkit.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
+#: the engine's own defaults where the factory's (testkit.ENGINE_DEFAULTS) differ: these runs are the bench's engine
+ENGINE_OWN = dict(attention_backend="auto", kvcache_block_size=256)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_profile_times_every_part_of_every_decode_step(tiny_model_dir, overlap):
+def test_profile_times_every_part_of_every_decode_step(lab_engine, overlap):
     """The parts come from the engine's step hooks, which the overlapped path calls too: every decode
     step (including those launched ahead of the previous step's tokens) has a prepare, forward, sample
     and postprocess time, and the step count matches the synchronous run."""
-    engine = LLMEngine(str(tiny_model_dir), device="cpu", enforce_eager=True, max_num_seqs=4,
-                       max_num_batched_tokens=256, max_model_len=256, overlap=overlap)
+    engine = lab_engine(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256, overlap=overlap, **ENGINE_OWN)
     prompts, params = fixed_workload(4, 40, 8)
     facts = profile_run(engine, prompts, params, window_start=1, window_steps=2)
     decode = facts["decode"]
@@ -29,9 +29,8 @@ def test_profile_times_every_part_of_every_decode_step(tiny_model_dir, overlap):
     engine.close()
 
 
-def test_profile_run_accounts_for_every_step(tiny_model_dir):
-    engine = LLMEngine(str(tiny_model_dir), device="cpu", enforce_eager=True, max_num_seqs=4,
-                       max_num_batched_tokens=64, max_model_len=256)
+def test_profile_run_accounts_for_every_step(lab_engine):
+    engine = lab_engine(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, **ENGINE_OWN)
     prompts, params = fixed_workload(4, 40, 6)
     facts = profile_run(engine, prompts, params, window_start=1, window_steps=2)
     # 4 x 40 prompt tokens under a 64-token budget: only a step's first sequence may be chunked, so
@@ -67,11 +66,10 @@ def test_bench_rejects_bad_combinations(kw, message, tmp_path):
         run_bench(out=tmp_path / "x.json", **kw)
 
 
-def test_timed_generate_records_every_step(tiny_model_dir):
+def test_timed_generate_records_every_step(lab_engine):
     from labkit.bench.run import timed_generate
 
-    engine = LLMEngine(str(tiny_model_dir), device="cpu", enforce_eager=True, max_num_seqs=4,
-                       max_num_batched_tokens=64, max_model_len=256)
+    engine = lab_engine(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, **ENGINE_OWN)
     prompts, params = fixed_workload(3, 20, 5)
     rec = timed_generate(engine, prompts, params, steps=True).record()
     # 3 x 20 prompt tokens fit one 64-token prefill step; the first token comes from it, then 4 decode steps

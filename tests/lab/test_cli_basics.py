@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from labkit import checks, evidence, paths
+from labkit import checks, paths
 from labkit.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,11 +19,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 def cli(*args: str):
     return CliRunner().invoke(app, list(args))
-
-
-def labkit_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "labkit", *args], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
 
 
 def test_doctor_then_check(runs, tmp_path):
@@ -103,24 +98,25 @@ def _assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -
         assert f in lines[0]
 
 
-def test_unknown_checkpoint_is_one_line():
+def test_unknown_checkpoint_is_one_line(labkit_process):
+    """The one real process of the one-line errors here (the two below run the same app in process)."""
     proc = labkit_process("check", "setup.doctr")
     _assert_one_line_error(proc, "unknown stage or checkpoint 'setup.doctr'", "setup.doctor")
 
 
-def test_doctor_on_missing_cuda_is_one_line():
+def test_doctor_on_missing_cuda_is_one_line(labkit_in_process):
     pytest.importorskip("torch")
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    proc = labkit_process("doctor", "--device", "cuda", "--out", os.devnull)
+    proc = labkit_in_process("doctor", "--device", "cuda", "--out", os.devnull)
     _assert_one_line_error(proc, "CUDA is not available")
 
 
-def test_model_inspect_missing_dir_is_one_line():
+def test_model_inspect_missing_dir_is_one_line(labkit_in_process):
     pytest.importorskip("labkit.assets.identity")
-    proc = labkit_process("model", "inspect", "/nonexistent/model-dir")
+    proc = labkit_in_process("model", "inspect", "/nonexistent/model-dir")
     _assert_one_line_error(proc, "/nonexistent/model-dir")
 
 

@@ -1,4 +1,10 @@
-"""Errors a user can cause end in one clear line and a non-zero exit, never a traceback (issue 2)."""
+"""Errors a user can cause end in one clear line and a non-zero exit, never a traceback (issue 2).
+
+What is about the process (the console script's exit status and stderr, stdin for --debug) runs `python -m
+labkit` in a subprocess: ``test_missing_model_dir``, the pdb test and the console-script internal error. The
+other cases run the same app in process (the ``labkit_in_process`` fixture of
+tests/lab/conftest.py): the errors are mapped by the app's root group, the same code either way, without a
+torch import per case."""
 import os
 import subprocess
 import sys
@@ -19,34 +25,40 @@ def one_clear_line(res, needle):
 
 
 def test_missing_model_dir(tmp_path):
+    """The one real process of the error lines: exit status, stderr, no traceback."""
     one_clear_line(labkit("quick-walk", "--case", "A", "--model", str(tmp_path / "nope")), "nope")
 
 
-def test_malformed_model_dir(tmp_path):
+def test_missing_model_dir_in_process(tmp_path, labkit_in_process):
+    """The same case through the app in process: the same one line (what the in-process cases below rest on)."""
+    one_clear_line(labkit_in_process("quick-walk", "--case", "A", "--model", str(tmp_path / "nope")), "nope")
+
+
+def test_malformed_model_dir(tmp_path, labkit_in_process):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text("{not json")
-    one_clear_line(labkit("smoke", "--model", str(bad)), "config.json")
+    one_clear_line(labkit_in_process("smoke", "--model", str(bad)), "config.json")
 
 
-def test_block_size_not_power_of_two(tiny_model_dir):
-    one_clear_line(labkit("quick-walk", "--case", "A", "--kv-cache-block-size", "3", "--model", str(tiny_model_dir)),
-                   "power of two")
+def test_block_size_not_power_of_two(tiny_model_dir, labkit_in_process):
+    one_clear_line(labkit_in_process("quick-walk", "--case", "A", "--kv-cache-block-size", "3", "--model",
+                                     str(tiny_model_dir)), "power of two")
 
 
-def test_token_id_outside_vocabulary(tiny_model_dir, tmp_path):
-    one_clear_line(labkit("generate", "--token-ids", "1,2,999999", "--model", str(tiny_model_dir),
-                          "--out", str(tmp_path / "g.json")), "outside the vocabulary")
+def test_token_id_outside_vocabulary(tiny_model_dir, tmp_path, labkit_in_process):
+    one_clear_line(labkit_in_process("generate", "--token-ids", "1,2,999999", "--model", str(tiny_model_dir),
+                                     "--out", str(tmp_path / "g.json")), "outside the vocabulary")
 
 
-def test_prompt_longer_than_max_model_len(tiny_model_dir, tmp_path):
+def test_prompt_longer_than_max_model_len(tiny_model_dir, tmp_path, labkit_in_process):
     ids = ",".join(str(i) for i in range(100, 400))
-    one_clear_line(labkit("generate", "--token-ids", ids, "--max-model-len", "128", "--model", str(tiny_model_dir),
-                          "--out", str(tmp_path / "g.json")), "max_model_len")
+    one_clear_line(labkit_in_process("generate", "--token-ids", ids, "--max-model-len", "128", "--model",
+                                     str(tiny_model_dir), "--out", str(tmp_path / "g.json")), "max_model_len")
 
 
-def test_unknown_case_is_a_usage_error_without_traceback(tiny_model_dir):
-    res = labkit("quick-walk", "--case", "E", "--model", str(tiny_model_dir))
+def test_unknown_case_is_a_usage_error_without_traceback(tiny_model_dir, labkit_in_process):
+    res = labkit_in_process("quick-walk", "--case", "E", "--model", str(tiny_model_dir))
     assert res.returncode == 2 and "Traceback" not in res.stdout + res.stderr
     assert "'e' is not one of" in res.stderr or "is not one of" in res.stderr
 
@@ -55,14 +67,14 @@ def test_unknown_case_is_a_usage_error_without_traceback(tiny_model_dir):
     (("--max-tokens", "0"), "max_tokens"),
     (("--temperature", "-1"), "temperature"),
 ])
-def test_bad_sampling_params(tiny_model_dir, tmp_path, args, needle):
-    one_clear_line(labkit("generate", "--token-ids", "1,2", *args, "--model", str(tiny_model_dir),
-                          "--out", str(tmp_path / "g.json")), needle)
+def test_bad_sampling_params(tiny_model_dir, tmp_path, args, needle, labkit_in_process):
+    one_clear_line(labkit_in_process("generate", "--token-ids", "1,2", *args, "--model", str(tiny_model_dir),
+                                     "--out", str(tmp_path / "g.json")), needle)
 
 
-def test_generate_works_and_says_synthetic(tiny_model_dir, tmp_path):
-    res = labkit("generate", "--prompt", "Hello", "--chat", "--max-tokens", "3", "--ignore-eos",
-                 "--model", str(tiny_model_dir), "--out", str(tmp_path / "g.json"))
+def test_generate_works_and_says_synthetic(tiny_model_dir, tmp_path, labkit_in_process):
+    res = labkit_in_process("generate", "--prompt", "Hello", "--chat", "--max-tokens", "3", "--ignore-eos",
+                            "--model", str(tiny_model_dir), "--out", str(tmp_path / "g.json"))
     assert res.returncode == 0, res.stderr
     assert "synthetic" in res.stdout + res.stderr and (tmp_path / "g.json").is_file()
 
@@ -171,7 +183,7 @@ def test_finish_rows_exit_table(verdicts, code):
     assert e.value.exit_code == code
 
 
-def test_attention_backend_unavailable_is_a_user_error(tiny_model_dir, tmp_path):
+def test_attention_backend_unavailable_is_a_user_error(tiny_model_dir, tmp_path, labkit_in_process):
     # the engine rejects it with a bare ValueError; the lab checks this user choice first
-    one_clear_line(labkit("smoke", "--attention", "flash_attn", "--device", "cpu", "--model", str(tiny_model_dir),
-                          "--out", str(tmp_path / "s.json")), "not available")
+    one_clear_line(labkit_in_process("smoke", "--attention", "flash_attn", "--device", "cpu", "--model",
+                                     str(tiny_model_dir), "--out", str(tmp_path / "s.json")), "not available")

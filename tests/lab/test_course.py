@@ -229,12 +229,10 @@ def test_quick_walk_takes_no_fused_ops(tiny_model_dir, tmp_path):
     assert json.loads(out.read_text())["engine"]["config"]["fused_ops"] is False
 
 
-def test_enable_fused_ops_is_off_with_the_switch_even_past_the_device_check(tiny_model_dir, monkeypatch):
-    from engine import LLMEngine
-
+def test_enable_fused_ops_is_off_with_the_switch_even_past_the_device_check(lab_engine, monkeypatch):
     # fused_kernels importable whatever this machine has (the CUDA kernels are never called here)
     monkeypatch.setitem(sys.modules, "engine.layers.fused_kernels", types.ModuleType("engine.layers.fused_kernels"))
-    llm = LLMEngine(str(tiny_model_dir), device="cpu", attention_backend="torch", fused_ops=False)
+    llm = lab_engine(fused_ops=False, kvcache_block_size=256)
     try:
         runner = llm.runner
         monkeypatch.setattr(runner, "device", "cuda")        # past `if not cuda: return False`

@@ -1,4 +1,7 @@
-"""`labkit report` without --inputs: the final evidence report assembled from runs/."""
+"""`labkit report` without --inputs: the final evidence report assembled from runs/.
+
+One `labkit report` runs as a process (its exit status and its --json stdout); the others run the same app in
+process (tests/lab/conftest.py's ``labkit_in_process``)."""
 from __future__ import annotations
 
 import json
@@ -19,8 +22,8 @@ def _cuda() -> int:
     return machine()["cuda_device_count"]
 
 
-def test_bare_report_on_empty_runs_lists_every_item_not_run_with_a_reason(runs):
-    r = labkit("report")
+def test_bare_report_on_empty_runs_lists_every_item_not_run_with_a_reason(runs, labkit_in_process):
+    r = labkit_in_process("report")
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((runs / "final-report.json").read_text())
     assert {it["id"] for it in data["items"]} >= {"timeline", "logits", "before-after", "two-gpu", "recovery"}
@@ -57,8 +60,8 @@ def test_report_labels_kind_and_verdict_and_fails_on_a_failed_required_item(runs
     assert "`patches.no-balanced-policy`: **PASS**, real scheduler on CPU" in md
 
 
-def test_report_with_inputs_is_still_the_service_comparison(runs):
-    r = labkit("report", "--inputs", str(runs / "missing.jsonl"))
+def test_report_with_inputs_is_still_the_service_comparison(runs, labkit_in_process):
+    r = labkit_in_process("report", "--inputs", str(runs / "missing.jsonl"))
     assert r.returncode == 2 and "no such log" in r.stdout + r.stderr
     assert not (runs / "final-report.json").exists()
 

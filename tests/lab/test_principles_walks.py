@@ -31,18 +31,39 @@ def test_the_stage_has_the_ten_checkpoints():
     assert all(get_checkpoint(c).needs == "cpu" for c in PRINCIPLES)
 
 
-@pytest.mark.parametrize("cid", PRINCIPLES)
-def test_checkpoint_passes_as_labkit_run_runs_it(cid, cli_app, tiny_model_dir, qwen_shape_model_dir, tmp_path, monkeypatch):
-    """run_all.build_command's arguments, through the real CLI in process; then `labkit check` re-judges."""
+def _run_as_labkit_run(cli_app, cp, model: str):
+    """run_all.build_command's arguments (its command, --out, --model where it takes one) through the CLI in process."""
     from typer.testing import CliRunner
 
-    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
-    cp = get_checkpoint(cid)
     out = cp.evidence_path()
     args = [*cp.command[1:], "--out", str(out)]
     if cp.takes_model:
-        args += ["--model", _model_for(cp, tiny_model_dir, qwen_shape_model_dir)]
-    res = CliRunner().invoke(cli_app, args)
+        args += ["--model", model]
+    return CliRunner().invoke(cli_app, args), out
+
+
+@pytest.fixture(scope="module")
+def prefix_cache_run(cli_app, tiny_model_dir, tmp_path_factory):
+    """principles.prefix-cache as `labkit run` runs it, once per module (its checkpoint test and the hash-chain
+    test read it): (runs dir, CLI result, evidence path)."""
+    runs = tmp_path_factory.mktemp("prefix-cache") / "runs"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LABKIT_RUNS_DIR", str(runs))
+        res, out = _run_as_labkit_run(cli_app, get_checkpoint("principles.prefix-cache"), str(tiny_model_dir))
+    return runs, res, out
+
+
+@pytest.mark.parametrize("cid", PRINCIPLES)
+def test_checkpoint_passes_as_labkit_run_runs_it(cid, cli_app, tiny_model_dir, qwen_shape_model_dir, tmp_path,
+                                                 monkeypatch, request):
+    """run_all.build_command's arguments, through the real CLI in process; then `labkit check` re-judges."""
+    cp = get_checkpoint(cid)
+    if cid == "principles.prefix-cache":                   # the module's one run of it
+        runs, res, out = request.getfixturevalue("prefix_cache_run")
+        monkeypatch.setenv("LABKIT_RUNS_DIR", str(runs))
+    else:
+        monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
+        res, out = _run_as_labkit_run(cli_app, cp, _model_for(cp, tiny_model_dir, qwen_shape_model_dir))
     assert res.exit_code == 0, res.output
     rec = json.loads(out.read_text())
     assert rec["checkpoint"] == cid and rec["verdict"] == "PASS"
@@ -247,12 +268,11 @@ def test_shapes_is_refused_for_the_prefix_walk(cli_app, tiny_model_dir):
     assert res.exit_code == 2 and "--shapes is for cases A-D and lifecycle" in res.output
 
 
-def test_prefix_walk_records_the_hash_chain(tiny_model_dir, tmp_path):
+def test_prefix_walk_records_the_hash_chain(prefix_cache_run):
     """facts.hash_chain in admission order: B and C hit A's 2 shared blocks (A's block ids, A's hashes), D
-    (exactly the 512 shared tokens) only block 0; partial blocks carry no hash."""
-    from labkit.experiments.prefix_walk import run_prefix
-
-    f = run_prefix(tmp_path / "p.json", str(tiny_model_dir), "cpu", "torch")["facts"]
+    (exactly the 512 shared tokens) only block 0; partial blocks carry no hash. (The walk: the module's run of
+    principles.prefix-cache: run_prefix on the tiny model; the hash chain does not depend on the device.)"""
+    f = json.loads(prefix_cache_run[2].read_text())["facts"]
     chain = {c["label"]: c for c in f["hash_chain"]}
     assert [c["label"] for c in f["hash_chain"]] == ["A", "B", "C", "D"]
     a, b, d = chain["A"]["blocks"], chain["B"]["blocks"], chain["D"]["blocks"]

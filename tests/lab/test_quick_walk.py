@@ -1,7 +1,14 @@
-"""Quick walk A-D and smoke end to end on the tiny synthetic model, judged by their checkpoints."""
+"""Quick walk A-D and smoke end to end on the tiny synthetic model, judged by their checkpoints.
+
+Each checkpoint's walk (``--trace``, its checkpoint's command) runs once per module (``walks``), and so does the
+smoke (``smoke``); the tests that read or re-judge a walk take a copy of it. A test that breaks the engine, or
+runs another option, runs its own walk."""
+import copy
 import json
+import shutil
 
 import pytest
+from testkit import checkpoint_command
 
 from labkit.checks import check_evidence, get_checkpoint
 from labkit.experiments.quick_walk import run_quick_walk
@@ -17,11 +24,26 @@ VARIANTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def walks(tiny_model_dir, tmp_path_factory):
+    """Each VARIANT's walk with --trace, as its checkpoint's command runs it: {checkpoint: (record, evidence file)}."""
+    d = tmp_path_factory.mktemp("walks")
+    made = {}
+    for case, options, cp in VARIANTS:
+        out = d / f"{cp}.json"
+        with checkpoint_command(cp):
+            made[cp] = run_quick_walk(case, out=out, model=str(tiny_model_dir), trace=True, **options), out
+    return made
+
+
+def walk(walks, cp: str) -> dict:
+    """A copy of checkpoint cp's shared walk record (a test may change it)."""
+    return copy.deepcopy(walks[cp][0])
+
+
 @pytest.mark.parametrize("case,options,cp", VARIANTS, ids=[v[2] for v in VARIANTS])
-def test_quick_walk_case_passes_its_checkpoint(tiny_model_dir, tmp_path, case, options, cp, labkit_argv):
-    labkit_argv.checkpoint(cp, "--out", str(tmp_path / f"{case}.json"))
-    out = tmp_path / f"{case}.json"
-    record = run_quick_walk(case, out=out, model=str(tiny_model_dir), trace=True, **options)
+def test_quick_walk_case_passes_its_checkpoint(walks, case, options, cp):
+    record, out = walk(walks, cp), walks[cp][1]
     failed = [c for c in record["checks"] if not c["passed"]]
     assert record["checkpoint"] == cp and record["verdict"] == "PASS", failed
     assert record["kind"] == "cpu-real-engine" and record["model"]["synthetic"]
@@ -52,8 +74,8 @@ def test_a_plain_run_claims_no_checkpoint_and_says_so(tiny_model_dir, tmp_path, 
     assert json.loads(cp.evidence_path().read_text())["checkpoint"] == cp.id and check_evidence(cp)[0] == "PASS"
 
 
-def test_a_trace_records_before_and_after_each_step(tiny_model_dir, tmp_path):
-    rec = run_quick_walk("A", out=tmp_path / "a.json", model=str(tiny_model_dir), trace=True)
+def test_a_trace_records_before_and_after_each_step(walks):
+    rec = walk(walks, "setup.quick-walk-a")
     steps = rec["facts"]["steps"]
     assert [s["before"][0]["scheduled"] for s in steps] == [3, 1, 1]
     assert all(len(s["after"]["accepted"]) == 1 for s in steps)
@@ -66,10 +88,9 @@ def test_without_trace_the_step_log_is_left_out(tiny_model_dir, tmp_path):
     assert rec["facts"]["derived"]["tcs_first"] == [[3, 0, 3], [4, 3, 1], [5, 4, 1]]
 
 
-def test_a_tampered_evidence_file_fails_the_recheck(tiny_model_dir, tmp_path, labkit_argv):
-    labkit_argv.checkpoint("setup.quick-walk-d")
+def test_a_tampered_evidence_file_fails_the_recheck(walks, tmp_path):
     out = tmp_path / "d.json"
-    run_quick_walk("D", out=out, model=str(tiny_model_dir), trace=True)
+    shutil.copy(walks["setup.quick-walk-d"][1], out)
     assert check_evidence(get_checkpoint("setup.quick-walk-d"), out)[0] == "PASS"
     data = json.loads(out.read_text())
     data["facts"]["step_digest"][1]["cu_seqlens_q"] = [0, 187, 220]
@@ -86,9 +107,15 @@ def test_env_trace_prints_one_line_per_step(tiny_model_dir, tmp_path, monkeypatc
     assert ":3/0/3" in lines[0] and ":4/3/1" in lines[1] and ":5/4/1" in lines[2]
 
 
-def test_smoke_two_tokens_through_the_chat_template(tiny_model_dir, tmp_path, labkit_argv):
-    labkit_argv.checkpoint("setup.smoke")
-    rec = run_smoke(out=tmp_path / "smoke.json", model=str(tiny_model_dir))
+@pytest.fixture(scope="module")
+def smoke(tiny_model_dir, tmp_path_factory):
+    """`labkit smoke` as its checkpoint runs it, once per module."""
+    with checkpoint_command("setup.smoke"):
+        return run_smoke(out=tmp_path_factory.mktemp("smoke") / "smoke.json", model=str(tiny_model_dir))
+
+
+def test_smoke_two_tokens_through_the_chat_template(smoke):
+    rec = copy.deepcopy(smoke)
     assert rec["verdict"] == "PASS"
     assert rec["facts"]["output_token_counts"] == [2] and rec["facts"]["kv_blocks"] > 0
     assert "synthetic" in rec["facts"]["note"]
@@ -100,13 +127,12 @@ def _rejudge(record: dict, cp: str) -> dict:
 
 
 @pytest.mark.parametrize("cp,options", [("setup.quick-walk-b", {}), ("setup.quick-walk-b-seqs1", {"max_num_seqs": 1})])
-def test_b_cases_fail_on_a_wrong_slot_or_context_len(tiny_model_dir, tmp_path, cp, options, labkit_argv):
+def test_b_cases_fail_on_a_wrong_slot_or_context_len(walks, cp, options):
     """The derived facts are recomputed from the engine's recorded slot_mapping, block tables and
     context_lens: one wrong slot or one wrong decode context_len in what the engine recorded FAILs."""
     from labkit.experiments.quick_walk import derive
 
-    labkit_argv.checkpoint(cp)
-    rec = run_quick_walk("B", out=tmp_path / "b.json", model=str(tiny_model_dir), trace=True, **options)
+    rec = walk(walks, cp)
     derived = rec["facts"]["derived"]
     assert rec["verdict"] == "PASS" and derived["slots_checked"] == 7 + 5 and derived["decode_steps_checked"] > 0
     labels = [r["label"] for r in rec["facts"]["requests"]]
@@ -149,8 +175,8 @@ def test_a_walk_that_leaks_blocks_fails(tiny_model_dir, tmp_path, monkeypatch, l
     assert not checks["facts.blocks_in_use_end"]["passed"] and checks["facts.blocks_in_use_end"]["actual"] == 2
 
 
-def test_smoke_records_the_template_tokens_the_model_received(tiny_model_dir, tmp_path):
-    rec = run_smoke(out=tmp_path / "smoke.json", model=str(tiny_model_dir))
+def test_smoke_records_the_template_tokens_the_model_received(smoke):
+    rec = copy.deepcopy(smoke)
     f = rec["facts"]
     assert f["prompt_token_ids"][:3] == [151644, 872, 198] and f["prompt_token_ids"][-7:-5] == [151644, 77091]
     assert f["prompt_tokens"] == len(f["prompt_token_ids"]) == 23 and f["prefill_forwards"] == 1
@@ -174,9 +200,9 @@ INPUT_KEYS = {"input_shape", "input_ids", "positions", "cu_seqlens_q", "cu_seqle
               "slot_mapping", "context_lens", "block_tables", "has_block_tables"}
 
 
-def test_steps_record_the_runner_inputs_and_the_pool(tiny_model_dir, tmp_path):
+def test_steps_record_the_runner_inputs_and_the_pool(walks):
     """Case D (700 + 32 tokens, budget 512), default block order: the schema's inputs and pool per step."""
-    rec = run_quick_walk("D", out=tmp_path / "d.json", model=str(tiny_model_dir), trace=True)
+    rec = walk(walks, "setup.quick-walk-d")
     steps = rec["facts"]["steps"]
     assert all(set(st["inputs"]) == INPUT_KEYS for st in steps)
     first, second, last = steps
@@ -200,13 +226,12 @@ def test_steps_record_the_runner_inputs_and_the_pool(tiny_model_dir, tmp_path):
     assert rec["facts"]["step_digest"][1]["before_blocks"] == [[0, 1, 2], [3]]
 
 
-def test_inputs_consistent_fails_on_each_wrong_input(tiny_model_dir, tmp_path, labkit_argv):
+def test_inputs_consistent_fails_on_each_wrong_input(walks):
     """One wrong field of what the runner received (a block_tables row, the padding, max_seqlen_q, a decode id,
     cu_seqlens_q, a lost slot) makes the derived fact false and the checkpoint FAIL."""
     from labkit.experiments.quick_walk import derive
 
-    labkit_argv.checkpoint("setup.quick-walk-d")
-    rec = run_quick_walk("D", out=tmp_path / "d.json", model=str(tiny_model_dir), trace=True)
+    rec = walk(walks, "setup.quick-walk-d")
     assert rec["verdict"] == "PASS"
 
     def row(steps):
@@ -237,10 +262,11 @@ def test_inputs_consistent_fails_on_each_wrong_input(tiny_model_dir, tmp_path, l
         assert rec["facts"]["derived"]["inputs_mismatches"], name
 
 
-def test_shuffled_blocks_move_slots_off_positions_and_claim_no_checkpoint(tiny_model_dir, tmp_path, labkit_argv):
+def test_shuffled_blocks_move_slots_off_positions_and_claim_no_checkpoint(walks, tiny_model_dir, tmp_path,
+                                                                          labkit_argv):
     """--shuffle-blocks SEED: case A's slots are no longer its positions, the slot formula still holds; no
     checkpoint is claimed, and the judge refuses the file for setup.quick-walk-a. Without it: slot = position."""
-    plain = run_quick_walk("A", out=tmp_path / "a.json", model=str(tiny_model_dir), trace=True)
+    plain = walk(walks, "setup.quick-walk-a")
     assert all(st["inputs"]["slot_mapping"] == st["inputs"]["positions"] for st in plain["facts"]["steps"])
     labkit_argv.checkpoint("setup.quick-walk-a", "--shuffle-blocks", "7")
     rec = run_quick_walk("A", out=tmp_path / "s.json", model=str(tiny_model_dir), trace=True, shuffle_blocks=7)

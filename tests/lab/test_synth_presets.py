@@ -60,9 +60,9 @@ def test_large_presets_grow_and_8b_is_untied():
     assert 8.0e9 < params < 8.3e9
 
 
-def test_untied_synth_model_runs_in_the_engine(tmp_path, monkeypatch):
+def test_untied_synth_model_runs_in_the_engine(tmp_path, monkeypatch, lab_engine):
     """An untied preset's lm_head is written and loaded (tiny shapes, the 8B preset's untied head)."""
-    from engine import LLMEngine, SamplingParams
+    from engine import SamplingParams
 
     monkeypatch.setitem(synth.PRESETS, "tiny", {**synth.PRESETS["tiny"], "tie_word_embeddings": False})
     path = synth.synth_model("tiny", tmp_path / "untied", seed=1)
@@ -70,7 +70,8 @@ def test_untied_synth_model_runs_in_the_engine(tmp_path, monkeypatch):
 
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" in f.keys()
-    eng = LLMEngine(str(path), device="cpu", enforce_eager=True, max_model_len=128, max_num_batched_tokens=128)
+    eng = lab_engine(model=path, max_model_len=128, max_num_batched_tokens=128, attention_backend="auto",
+                     kvcache_block_size=256)
     try:
         assert not torch_equal_head(eng)
         out = eng.generate([[11, 12, 13]], SamplingParams(max_tokens=3, ignore_eos=True))

@@ -68,11 +68,17 @@ def test_native_stream_in_order_with_text(served):
         assert e["observer"] == "engine" and e["worker_id"] == "proc-test"
 
 
-def test_both_modes_generate_the_same_greedy_tokens(served, tiny_model_dir):
+@pytest.fixture(scope="module")
+def reference_greedy(tiny_model_dir):
+    """An in-process Worker's greedy tokens for request same-1 (one Worker for both modes)."""
+    with Worker(config(tiny_model_dir, worker_id="ref")) as ref:
+        return [e["token_id"] for e in ref.submit(ids("same-1"), _params(8)).events(30) if e["event"] == "token"]
+
+
+def test_both_modes_generate_the_same_greedy_tokens(served, reference_greedy):
     """The engine process runs the same engine: greedy tokens equal an in-process Worker's."""
     res = run(with_session(lambda s: client.stream_native(s, served.url, body("same-1", 8, temperature=0))))
-    with Worker(config(tiny_model_dir, worker_id="ref")) as ref:
-        want = [e["token_id"] for e in ref.submit(ids("same-1"), _params(8)).events(30) if e["event"] == "token"]
+    want = reference_greedy
     got = [e["token_id"] for e in served.sink.snapshot() if e["request_id"] == "same-1" and e["event"] == "token"]
     assert res.tokens == 8 and got == want
 

@@ -10,7 +10,7 @@ import aiohttp
 import asyncio
 import pytest
 
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams
 from labkit.load.trace import token_ids
 from labkit.service.events import EventLog, MemorySink, dumps_line, fan_out, make_event, sink_many
 from labkit.service.api_server import ServerThread
@@ -32,9 +32,8 @@ def tokenizer(tiny_model_dir):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_step_output_wait_is_within_the_step(tiny_model_dir, overlap):
-    engine = LLMEngine(str(tiny_model_dir), device="cpu", attention_backend="torch", enforce_eager=True,
-                       max_num_seqs=4, max_model_len=64, overlap=overlap)
+def test_step_output_wait_is_within_the_step(engine_factory, overlap):
+    engine = engine_factory(max_num_seqs=4, max_model_len=64, overlap=overlap, kvcache_block_size=256)
     try:
         outs = []
         engine.generate([token_ids(1, "w", 8), token_ids(2, "w", 12)], SamplingParams(max_tokens=6, ignore_eos=True),

@@ -26,11 +26,6 @@ def _worker(service_worker, overlap: bool, sink=None) -> Worker:
                           worker_id=f"hp-{'ov' if overlap else 'sync'}", overlap=overlap)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
-def served(request, service_worker, service_server):
-    return service_server(_worker(service_worker, request.param))
-
-
 @pytest.fixture(scope="module")
 def sync_worker(service_worker):
     return _worker(service_worker, False)
@@ -39,6 +34,12 @@ def sync_worker(service_worker):
 @pytest.fixture(scope="module")
 def overlap_worker(service_worker):
     return _worker(service_worker, True)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "overlap"])
+def served(request, service_server):
+    """The module's sync or overlap worker (the same two the worker tests drive directly) behind a server."""
+    return service_server(request.getfixturevalue("overlap_worker" if request.param else "sync_worker"))
 
 
 def _tokens(worker: Worker, prompt, params: SamplingParams, n: int = 1, **kw) -> list[list[dict]]:

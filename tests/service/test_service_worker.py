@@ -235,15 +235,14 @@ def test_an_owner_loop_bug_turns_the_worker_unhealthy_not_dead(tiny_model_dir):
         w.close()
 
 
-def test_offline_and_online_admission_follow_one_rule(worker, tiny_model_dir):
+def test_offline_and_online_admission_follow_one_rule(worker, engine_factory):
     """prompt + max_tokens beyond max_model_len: the same RequestError code from Worker.submit and from
     LLMEngine.generate (the engine's validate is the one rule)."""
-    from engine import LLMEngine
-
     prompt, params = ids("rule", 200), greedy(100)              # 300 > max_model_len 256
     with pytest.raises(RequestError) as online:
         worker.submit(prompt, params)
-    engine = LLMEngine(str(tiny_model_dir), device="cpu", max_model_len=256, max_num_batched_tokens=128)
+    engine = engine_factory(max_model_len=256, max_num_batched_tokens=128, attention_backend="auto",
+                            kvcache_block_size=256)
     try:
         with pytest.raises(RequestError) as offline:
             engine.generate([prompt], params)
