@@ -50,8 +50,8 @@ class LabkitForks:
 
 
 #: The third-party modules a labkit command imports at its start (transformers' lazy ones named one by one).
-PRELOAD = ("numpy", "rich.console", "safetensors.torch", "torch", "typer", "transformers",
-           "transformers.models.auto.tokenization_auto", "transformers.models.auto.modeling_auto",
+PRELOAD = ("numpy", "pydantic", "rich.console", "safetensors.torch", "torch", "typer", "typer.rich_utils",
+           "transformers", "transformers.models.auto.tokenization_auto", "transformers.models.auto.modeling_auto",
            "transformers.models.qwen3.modeling_qwen3")
 
 
