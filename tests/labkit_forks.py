@@ -45,8 +45,11 @@ class LabkitForks:
                                            out.read_text(errors="replace"), err.read_text(errors="replace"))
 
     def close(self) -> None:
+        import shutil
+
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
+        shutil.rmtree(self.logs, ignore_errors=True)
 
 
 #: The third-party modules a labkit command imports at its start (transformers' lazy ones named one by one).
