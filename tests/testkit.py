@@ -9,13 +9,13 @@ import contextlib
 ENGINE_DEFAULTS = dict(device="cpu", enforce_eager=True, attention_backend="torch", kvcache_block_size=16)
 
 
-def new_engine(model, **kw):
-    """An ``LLMEngine`` on ``model`` with ENGINE_DEFAULTS (keywords override them). The caller closes it; the
-    fixtures ``tiny_engine`` (tests/engine/conftest.py, a test's engines) and ``engine_factory`` (tests/conftest.py,
-    a module's) do."""
+def new_engine(model, *, defaults: dict = ENGINE_DEFAULTS, **kw):
+    """An ``LLMEngine`` on ``model`` with ``defaults`` (ENGINE_DEFAULTS unless given; keywords override them). The
+    caller closes it; the fixtures ``tiny_engine`` (tests/engine/conftest.py, a test's engines), ``engine_factory``
+    (tests/conftest.py, a module's) and ``kernel_engine`` (tests/kernels/conftest.py, CUDA) do."""
     from engine import LLMEngine
 
-    return LLMEngine(str(model), **(ENGINE_DEFAULTS | kw))
+    return LLMEngine(str(model), **(defaults | kw))
 
 
 def wait_for(pred, timeout: float = 10.0) -> None:
@@ -74,3 +74,25 @@ def forced_logits(engine, token_ids: list[int]):
     logits, _ = engine.forward_logits(seqs, is_prefill)
     engine.postprocess(seqs, [0] * len(seqs), is_prefill)
     return logits[0].float().clone()
+
+
+@contextlib.contextmanager
+def one_tokenizer_per_model():
+    """For the block, ``transformers.AutoTokenizer.from_pretrained`` loads each (model directory, options) once and
+    hands every later caller that same tokenizer: building one costs about a CPU-second (its conversion to the
+    native format), and a module that builds an engine per run of a command pays it per engine. Only for modules
+    that never change a tokenizer's files under the same path, nor test the tokenizer's loading itself."""
+    import pytest
+    from transformers import AutoTokenizer
+
+    load, made = AutoTokenizer.from_pretrained, {}
+
+    def once(*args, **kw):
+        key = (tuple(map(str, args)), tuple(sorted((k, repr(v)) for k, v in kw.items())))
+        if key not in made:
+            made[key] = load(*args, **kw)
+        return made[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(AutoTokenizer, "from_pretrained", once)
+        yield

@@ -6,7 +6,7 @@ paged KV cache, chunked prefill and decode) vs transformers recomputing the whol
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams
 from labkit.guardrails.forcing import teacher_forced
 
 TOLERANCE = 1e-4     # measured worst on the tiny model: ~1e-6 (see the closing note of issue 2)
@@ -20,13 +20,12 @@ def hf_model(tiny_model_dir):
 
 
 @pytest.mark.parametrize("block_size,budget", [(256, 512), (16, 64), (4, 40)])
-def test_teacher_forced_logits_match_transformers(tiny_model_dir, hf_model, block_size, budget):
+def test_teacher_forced_logits_match_transformers(tiny_engine, hf_model, block_size, budget):
     g = torch.Generator().manual_seed(block_size)
     lengths = (3, 130, 17, 300)
     prompts = [torch.randint(0, 151000, (n,), generator=g).tolist() for n in lengths]
     conts = [torch.randint(0, 151000, (5,), generator=g).tolist() for _ in prompts]
-    engine = LLMEngine(str(tiny_model_dir), kvcache_block_size=block_size, max_num_batched_tokens=budget,
-                       device="cpu", max_model_len=1024)
+    engine = tiny_engine(kvcache_block_size=block_size, max_num_batched_tokens=budget, device="cpu", max_model_len=1024)
     rows = teacher_forced(engine, prompts, conts)
     assert len(rows) == sum(len(c) for c in conts)
     assert {"prefill", "decode"} == {r[2] for r in rows}
@@ -40,8 +39,8 @@ def test_teacher_forced_logits_match_transformers(tiny_model_dir, hf_model, bloc
     assert worst < TOLERANCE
 
 
-def test_prefix_cache_hit_gives_the_same_logits(tiny_model_dir, hf_model):
-    engine = LLMEngine(str(tiny_model_dir), kvcache_block_size=16, device="cpu")
+def test_prefix_cache_hit_gives_the_same_logits(tiny_engine, hf_model):
+    engine = tiny_engine(kvcache_block_size=16, device="cpu")
     shared = list(range(1000, 1064))
     first = teacher_forced(engine, [shared + [5, 6, 7]], [[8, 9]])      # fills the prefix cache
     assert len(first) == 2

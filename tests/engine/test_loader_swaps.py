@@ -12,7 +12,6 @@ import shutil
 import pytest
 import torch
 
-from engine import LLMEngine
 from labkit.guardrails.forcing import teacher_forced
 
 SWAP = {"self_attn.q_norm": "self_attn.k_norm", "self_attn.k_norm": "self_attn.q_norm"}
@@ -36,8 +35,9 @@ def test_every_norm_weight_is_its_own(tiny_model_dir):
                 assert not torch.equal(norms[a], norms[b]), (a, b)
 
 
-def _logits(model_dir) -> torch.Tensor:
-    engine = LLMEngine(str(model_dir), device="cpu", enforce_eager=True, kvcache_block_size=16, max_model_len=256)
+def _logits(build, model_dir) -> torch.Tensor:
+    """``build``: the test's ``tiny_engine``."""
+    engine = build(model=model_dir, device="cpu", enforce_eager=True, kvcache_block_size=16, max_model_len=256)
     try:
         rows = teacher_forced(engine, [list(range(1000, 1020)), list(range(5000, 5007))], [[7, 8, 9], [10, 11]])
         return torch.stack([row for _, row, _ in rows])
@@ -45,7 +45,7 @@ def _logits(model_dir) -> torch.Tensor:
         engine.close()
 
 
-def test_swapping_q_norm_and_k_norm_in_the_checkpoint_changes_the_logits(tiny_model_dir, tmp_path):
+def test_swapping_q_norm_and_k_norm_in_the_checkpoint_changes_the_logits(tiny_engine, tiny_model_dir, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -57,7 +57,7 @@ def test_swapping_q_norm_and_k_norm_in_the_checkpoint_changes_the_logits(tiny_mo
         k = name.replace("q_norm", "k_norm")
         tensors[name], tensors[k] = tensors[k], tensors[name]
     save_file(tensors, str(swapped / "model.safetensors"), metadata={"format": "pt"})
-    base, moved = _logits(tiny_model_dir), _logits(swapped)
+    base, moved = _logits(tiny_engine, tiny_model_dir), _logits(tiny_engine, swapped)
     assert torch.isfinite(moved).all()
     assert (base - moved).abs().max().item() > 1e-2       # float32 on CPU: identical weights agree to ~1e-6
 

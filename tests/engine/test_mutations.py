@@ -2,19 +2,18 @@
 
 Each case copies the project into a temporary directory, changes one thing in engine/ (an exact text
 replacement that must match once, so a mutation can never silently become a no-op), and runs the
-checkpoint's own command there, as `labkit run` would. The unmutated copy PASSes the same commands;
-every mutant must FAIL (exit 1, verdict FAIL). This is what makes a PASS mean something.
+checkpoint's own command there, as `labkit run` would: in a process of its own on the copy (forked, with torch and
+transformers already imported, by tests/labkit_forks.py, one forking process for the module). The unmutated copy
+PASSes the same commands; every mutant must FAIL (exit 1, verdict FAIL). This is what makes a PASS mean something.
 """
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from labkit_forks import LabkitForks
 
 REPO = Path(__file__).resolve().parents[2]
 COPIED = ("engine", "labkit", "checkpoints", "workloads", "pyproject.toml", "CHECKPOINTS.md")
@@ -82,25 +81,32 @@ def mutate(root: Path, file: str, text: str, replacement: str) -> None:
     path.write_text(source.replace(text, replacement), encoding="utf-8")
 
 
-def run_checkpoint(root: Path, cid: str, model: Path, runs: Path) -> tuple[int, str]:
+@pytest.fixture(scope="module")
+def forks():
+    """The module's forking process: each command a child process of its own on its copy (tests/labkit_forks.py)."""
+    runner = LabkitForks()
+    yield runner
+    runner.close()
+
+
+def run_checkpoint(forks: LabkitForks, root: Path, cid: str, model: Path, runs: Path) -> tuple[int, str]:
     """The checkpoint's own command in the copy; returns (exit code, the evidence's verdict)."""
     spec = json.loads((root / "checkpoints" / f"{cid.split('.')[0]}.json").read_text())
     cp = next(c for c in spec["checkpoints"] if c["id"] == cid)
     evidence = runs / Path(cp["evidence"]).name
-    cmd = [sys.executable, "-m", "labkit", *cp["command"][1:], "--out", str(evidence), "--model", str(model)]
-    env = {**os.environ, "PYTHONPATH": str(root), "LABKIT_RUNS_DIR": str(runs), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    proc = forks.run(root, *cp["command"][1:], "--out", str(evidence), "--model", str(model),
+                     env={"LABKIT_RUNS_DIR": str(runs), "PYTHONUNBUFFERED": "1"})
     verdict = json.loads(evidence.read_text())["verdict"] if evidence.is_file() else "<no evidence>"
     return proc.returncode, verdict + ("" if proc.returncode in (0, 1) else f" | {proc.stderr[-400:]}")
 
 
 @pytest.fixture(scope="module")
-def control_run(tiny_model_dir, tmp_path_factory):
+def control_run(forks, tiny_model_dir, tmp_path_factory):
     """The unmutated copy: (its root, the runs directory of each checkpoint, (exit code, verdict) of each)."""
     root = copy_project(tmp_path_factory.mktemp("control"))
     needed = sorted({cid for *_, cids in MUTATIONS.values() for cid in cids})
     runs = {cid: tmp_path_factory.mktemp("runs") for cid in needed}
-    results = {cid: run_checkpoint(root, cid, tiny_model_dir, runs[cid]) for cid in needed}
+    results = {cid: run_checkpoint(forks, root, cid, tiny_model_dir, runs[cid]) for cid in needed}
     return root, runs, results
 
 
@@ -112,30 +118,28 @@ def control(control_run):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
-def test_a_broken_engine_fails_its_checkpoint(name, control, tiny_model_dir, tmp_path):
+def test_a_broken_engine_fails_its_checkpoint(name, control, forks, tiny_model_dir, tmp_path):
     file, text, replacement, cids = MUTATIONS[name]
     for cid in cids:
         assert control[cid] == (0, "PASS"), f"control {cid}: {control[cid]}"
     root = copy_project(tmp_path / "repo")
     mutate(root, file, text, replacement)
     for cid in cids:
-        code, verdict = run_checkpoint(root, cid, tiny_model_dir, tmp_path / f"runs-{cid}")
+        code, verdict = run_checkpoint(forks, root, cid, tiny_model_dir, tmp_path / f"runs-{cid}")
         assert (code, verdict) == (1, "FAIL"), f"mutant {name}: {cid} gave exit {code}, verdict {verdict}"
 
 
-def labkit_check(root: Path, runs: Path, cid: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(root), "LABKIT_RUNS_DIR": str(runs), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "labkit", "check", cid, "--json"], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
+def labkit_check(forks: LabkitForks, root: Path, runs: Path, cid: str):
+    return forks.run(root, "check", cid, "--json", env={"LABKIT_RUNS_DIR": str(runs), "COLUMNS": "200"}, timeout=300)
 
 
 @pytest.mark.slow
-def test_an_edited_evidence_file_fails_labkit_check(control_run):
+def test_an_edited_evidence_file_fails_labkit_check(control_run, forks):
     """The control's PASSing evidence, a number edited by hand: `labkit check` in the copy FAILs it."""
     root, runs, results = control_run
     cid = "guardrails.logits-baseline"
     assert results[cid] == (0, "PASS"), results[cid]
-    ok = labkit_check(root, runs[cid], cid)
+    ok = labkit_check(forks, root, runs[cid], cid)
     assert ok.returncode == 0 and json.loads(ok.stdout)[0]["verdict"] == "PASS", ok.stdout[-2000:] + ok.stderr[-2000:]
     spec = json.loads((root / "checkpoints" / "guardrails.json").read_text())
     evidence = runs[cid] / Path(next(c for c in spec["checkpoints"] if c["id"] == cid)["evidence"]).name
@@ -144,7 +148,7 @@ def test_an_edited_evidence_file_fails_labkit_check(control_run):
     rec["facts"]["worst_max_abs"] = rec["facts"]["worst_max_abs"] / 2       # a smaller error, still a PASS by itself
     evidence.write_text(json.dumps(rec, indent=2))
     try:
-        bad = labkit_check(root, runs[cid], cid)
+        bad = labkit_check(forks, root, runs[cid], cid)
         row = json.loads(bad.stdout)[0]
         assert bad.returncode == 1 and row["verdict"] == "FAIL", bad.stdout[-2000:]
         assert "edited after it was written" in json.dumps(row)

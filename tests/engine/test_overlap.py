@@ -9,8 +9,9 @@ from engine.config import ConfigError
 KW = dict(device="cpu", enforce_eager=True, max_num_batched_tokens=128, max_model_len=160, kvcache_block_size=16)
 
 
-def run(model, overlap: bool, prompts, params, **kw):
-    engine = LLMEngine(str(model), overlap=overlap, **(KW | kw))
+def run(build, overlap: bool, prompts, params, **kw):
+    """``build`` is the test's ``tiny_engine``: a fresh engine per run, closed here."""
+    engine = build(overlap=overlap, **(KW | kw))
     outs = engine.generate(prompts, params)
     free = engine.block_manager.num_free_blocks
     engine.close()
@@ -23,10 +24,10 @@ def workload(n=6):
     return prompts, params
 
 
-def test_overlap_gives_the_same_greedy_tokens(tiny_model_dir, tiny_engine):
+def test_overlap_gives_the_same_greedy_tokens(tiny_engine):
     prompts, params = workload()
-    sync, free_sync = run(tiny_model_dir, False, prompts, params)
-    over, free_over = run(tiny_model_dir, True, prompts, params)
+    sync, free_sync = run(tiny_engine, False, prompts, params)
+    over, free_over = run(tiny_engine, True, prompts, params)
     assert over == sync
     assert free_over == free_sync                       # every block came back
     # and the overlap really happened: most calls leave the next decode step in flight
@@ -41,24 +42,24 @@ def test_overlap_gives_the_same_greedy_tokens(tiny_model_dir, tiny_engine):
     engine.close()
 
 
-def test_overlap_handles_eos_and_max_model_len(tiny_model_dir):
+def test_overlap_handles_eos_and_max_model_len(tiny_engine):
     prompts, params = workload()
-    sync, _ = run(tiny_model_dir, False, prompts, params)
+    sync, _ = run(tiny_engine, False, prompts, params)
     # make a token that greedy decoding emits mid-way an EOS: requests stop there, found out one step late
     eos = sync[3][0][4]
     # the one admission rule: prompt + max_tokens fits max_model_len, so the long ones end at exactly 64
     stop = [SamplingParams(temperature=0.0, max_tokens=min(30, 64 - len(p))) for p in prompts]
-    a, fa = run(tiny_model_dir, False, prompts, stop, eos_token_ids=(eos,), max_model_len=64)
-    b, fb = run(tiny_model_dir, True, prompts, stop, eos_token_ids=(eos,), max_model_len=64)
+    a, fa = run(tiny_engine, False, prompts, stop, eos_token_ids=(eos,), max_model_len=64)
+    b, fb = run(tiny_engine, True, prompts, stop, eos_token_ids=(eos,), max_model_len=64)
     assert b == a and fb == fa
     reasons = {r for _, r in a}
     assert "stop" in reasons and "length" in reasons
 
 
-def test_overlap_seeded_sampling_matches(tiny_model_dir):
+def test_overlap_seeded_sampling_matches(tiny_engine):
     prompts, _ = workload(4)
     params = [SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=7 + i) for i in range(4)]
-    assert run(tiny_model_dir, True, prompts, params)[0] == run(tiny_model_dir, False, prompts, params)[0]
+    assert run(tiny_engine, True, prompts, params)[0] == run(tiny_engine, False, prompts, params)[0]
 
 
 def test_overlap_survives_an_abort_while_a_step_is_in_flight(tiny_engine):

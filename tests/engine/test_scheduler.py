@@ -98,15 +98,14 @@ def test_balanced_policy_alternates_and_rotates(make):
     assert pf and seqs == [late]
 
 
-def test_preempted_requests_finish_with_the_same_greedy_outputs(tiny_model_dir):
+def test_preempted_requests_finish_with_the_same_greedy_outputs(tiny_engine):
     """A pool too small for every request at once forces preemption (recompute); outputs must not change."""
-    from engine import LLMEngine
 
     prompts = [list(range(1000 + 97 * i, 1006 + 97 * i)) for i in range(4)]
     sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
     def run(num_blocks):
-        eng = LLMEngine(str(tiny_model_dir), device="cpu", kvcache_block_size=4, num_kvcache_blocks=num_blocks)
+        eng = tiny_engine(device="cpu", kvcache_block_size=4, num_kvcache_blocks=num_blocks)
         seqs = [eng.add_request(p, sp) for p in prompts]
         preempted = 0
         while not eng.is_finished():

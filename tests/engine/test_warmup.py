@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from engine import LLMEngine, SamplingParams
+from engine import SamplingParams
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_WAVES, choose_splits, decode_variant, decode_variants,
                                      max_split_len, next_power_of_2)
 from engine.config import Config
@@ -83,15 +83,16 @@ def test_prefill_token_counts():
 
 
 # -- the step inputs: every view 16-byte aligned, whatever the batch -------------------------------------
-def engine_for(model, **kw):
-    return LLMEngine(str(model), device="cpu", enforce_eager=True, kvcache_block_size=16, max_model_len=256,
-                     max_num_batched_tokens=256, max_num_seqs=8, **kw)
+def engine_for(build, **kw):
+    """``build``: the test's ``tiny_engine``."""
+    return build(device="cpu", enforce_eager=True, kvcache_block_size=16, max_model_len=256,
+                 max_num_batched_tokens=256, max_num_seqs=8, **kw)
 
 
-def test_step_input_views_are_16_byte_aligned_for_any_batch(tiny_model_dir):
+def test_step_input_views_are_16_byte_aligned_for_any_batch(tiny_engine):
     from engine.sequence import Sequence
 
-    eng = engine_for(tiny_model_dir)
+    eng = engine_for(tiny_engine)
     runner = eng.runner
     try:
         for n, length, cached in itertools.product((1, 2, 3, 4, 5), (3, 17, 18), (0, 16)):
@@ -117,8 +118,8 @@ def test_step_input_views_are_16_byte_aligned_for_any_batch(tiny_model_dir):
 
 
 # -- running the plan (CPU): it writes nothing and leaves the random stream alone ------------------------
-def test_run_warmup_on_cpu_writes_nothing_and_keeps_the_generator(tiny_model_dir):
-    eng = engine_for(tiny_model_dir)
+def test_run_warmup_on_cpu_writes_nothing_and_keeps_the_generator(tiny_engine, tiny_model_dir):
+    eng = engine_for(tiny_engine)
     runner = eng.runner
     try:
         cfg = Config(str(tiny_model_dir), enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=256,
@@ -147,8 +148,8 @@ class _Keep(StepHooks):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_step_hands_one_batch_list_to_hooks_and_output(tiny_model_dir, overlap):
-    eng = engine_for(tiny_model_dir, overlap=overlap)
+def test_step_hands_one_batch_list_to_hooks_and_output(tiny_engine, overlap):
+    eng = engine_for(tiny_engine, overlap=overlap)
     keep = _Keep()
     eng.add_hooks(keep)
     try:

@@ -143,14 +143,14 @@ def gpu_model_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["torch"] + backends())
-def test_graph_decode_matches_eager(gpu_model_dir, name):
+def test_graph_decode_matches_eager(kernel_engine, gpu_model_dir, name):
     """Batches 1, 9, 16, 17, 20 (max_num_seqs 20): replayed graphs give the eager logits."""
-    from engine import LLMEngine, SamplingParams
+    from engine import SamplingParams
 
     kw = dict(device="cuda", dtype="float32", attention_backend=name, max_num_seqs=20, kvcache_block_size=256,
               num_kvcache_blocks=64, max_model_len=1024, max_num_batched_tokens=8192)
-    eager = LLMEngine(str(gpu_model_dir), enforce_eager=True, **kw)
-    graph = LLMEngine(str(gpu_model_dir), enforce_eager=False, **kw)
+    eager = kernel_engine(gpu_model_dir, enforce_eager=True, **kw)
+    graph = kernel_engine(gpu_model_dir, enforce_eager=False, **kw)
     assert 17 <= max(graph.describe()["graph"]["buckets"])
     for batch in (1, 9, 16, 17, 20):
         g = torch.Generator().manual_seed(batch)
@@ -175,16 +175,16 @@ def test_graph_decode_matches_eager(gpu_model_dir, name):
 
 
 @pytest.mark.parametrize("name", backends())
-def test_prefill_graph_matches_eager(gpu_model_dir, name):
+def test_prefill_graph_matches_eager(kernel_engine, gpu_model_dir, name):
     """Fresh prefills of 1, 3 and 16 ragged prompts replay a prefill graph and give the eager logits; a prefill
     that reads a cached prefix, or that has more sequences than a prefill graph takes, runs eagerly."""
-    from engine import LLMEngine, SamplingParams
+    from engine import SamplingParams
     from engine.graph import PREFILL_GRAPH_SEQS
 
     kw = dict(device="cuda", dtype="float32", attention_backend=name, max_num_seqs=20, kvcache_block_size=16,
               num_kvcache_blocks=512, max_model_len=1024, max_num_batched_tokens=2048)
-    eager = LLMEngine(str(gpu_model_dir), enforce_eager=True, **kw)
-    graph = LLMEngine(str(gpu_model_dir), enforce_eager=False, **kw)
+    eager = kernel_engine(gpu_model_dir, enforce_eager=True, **kw)
+    graph = kernel_engine(gpu_model_dir, enforce_eager=False, **kw)
     if name != "triton":
         assert graph.describe()["graph"]["prefill_buckets"] == []
         return
@@ -224,10 +224,10 @@ def test_prefill_graph_matches_eager(gpu_model_dir, name):
     assert cached > 0 and route.kind == "eager", (cached, route)
 
 
-def test_uncovered_batch_falls_back_to_eager(gpu_model_dir):
-    from engine import LLMEngine, SamplingParams
-    eng = LLMEngine(str(gpu_model_dir), device="cuda", enforce_eager=False, max_num_seqs=20,
-                    graph_buckets=(1, 2, 4, 8, 16), num_kvcache_blocks=64)
+def test_uncovered_batch_falls_back_to_eager(kernel_engine, gpu_model_dir):
+    from engine import SamplingParams
+    eng = kernel_engine(gpu_model_dir, device="cuda", enforce_eager=False, max_num_seqs=20,
+                   graph_buckets=(1, 2, 4, 8, 16), num_kvcache_blocks=64)
     for i in range(17):
         eng.add_request(list(range(100 + i, 110 + i)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
     routes = []
@@ -316,9 +316,9 @@ def test_fused_sampler_is_seeded_and_follows_the_distribution():
     assert first == again
 
 
-def test_overlapped_decode_with_graphs_matches_one_step_at_a_time(gpu_model_dir):
+def test_overlapped_decode_with_graphs_matches_one_step_at_a_time(kernel_engine, gpu_model_dir):
     """Config.overlap on CUDA: the next step's ids are fed on the device into the graph's inputs."""
-    from engine import LLMEngine, SamplingParams
+    from engine import SamplingParams
 
     kw = dict(device="cuda", dtype="float32", max_num_seqs=20, kvcache_block_size=16, num_kvcache_blocks=256,
               max_model_len=512, max_num_batched_tokens=2048, enforce_eager=False)
@@ -326,24 +326,24 @@ def test_overlapped_decode_with_graphs_matches_one_step_at_a_time(gpu_model_dir)
     params = [SamplingParams(temperature=0.0, max_tokens=4 + 7 * i, ignore_eos=True) for i in range(9)]
     outs = {}
     for overlap in (False, True):
-        engine = LLMEngine(str(gpu_model_dir), overlap=overlap, **kw)
+        engine = kernel_engine(gpu_model_dir, overlap=overlap, **kw)
         outs[overlap] = [o["token_ids"] for o in engine.generate(prompts, params)]
         engine.close()
     assert outs[True] == outs[False]
 
 
 @pytest.mark.parametrize("sampling", ["plain", "processed"])
-def test_overlapped_decode_never_waits_on_the_stream(gpu_model_dir, sampling):
+def test_overlapped_decode_never_waits_on_the_stream(kernel_engine, gpu_model_dir, sampling):
     """The overlapped decode launches step k+1 before it reads step k: nothing in between may synchronize
     the stream (a torch.tensor(list, device=cuda) does: it waited for the step in flight and left the GPU
     idle while the host prepared the next one). CUDA's sync debug mode raises on any such call; the steps
     below include batches that shrink (index_select of the fed ids) and, processed, top-k/top-p rows."""
-    from engine import LLMEngine, SamplingParams
+    from engine import SamplingParams
 
     extra = dict(top_p=0.9, top_k=20, logprobs=2) if sampling == "processed" else {}
-    engine = LLMEngine(str(gpu_model_dir), device="cuda", dtype="float32", max_num_seqs=20, kvcache_block_size=16,
-                       num_kvcache_blocks=256, max_model_len=512, max_num_batched_tokens=2048, enforce_eager=False,
-                       overlap=True)
+    engine = kernel_engine(gpu_model_dir, device="cuda", dtype="float32", max_num_seqs=20, kvcache_block_size=16,
+                      num_kvcache_blocks=256, max_model_len=512, max_num_batched_tokens=2048, enforce_eager=False,
+                      overlap=True)
     for i in range(9):
         engine.add_request([(1000 + 37 * i + j) % 150000 for j in range(5 + 11 * i)],
                            SamplingParams(temperature=0.7, max_tokens=12 + 3 * i, ignore_eos=True, **extra))
@@ -442,12 +442,12 @@ def test_qk_norm_rope_store_writes_what_store_kv_writes():
     assert changed == sorted(s for s in slots.tolist() if s >= 0)
 
 
-def test_batch1_decode_takes_both_fusions_and_matches_unfused(gpu_model_dir):
+def test_batch1_decode_takes_both_fusions_and_matches_unfused(kernel_engine, gpu_model_dir):
     """Fused ops on: a batch-1 decode step runs the normed GEMV in every layer (qkv and gate_up) and the q/k
     kernel stores k/v (the backend's store_kv is not called); its logits match fused ops off."""
     import engine.layers.fused_kernels as fk
     import engine.layers.gemv as gemv_mod
-    from engine import LLMEngine, SamplingParams
+    from engine import SamplingParams
 
     calls = {"normed": 0, "store": 0, "store_kv": 0}
     real_normed, real_qk = gemv_mod.normed_gemv, fk.qk_norm_rope
@@ -470,8 +470,8 @@ def test_batch1_decode_takes_both_fusions_and_matches_unfused(gpu_model_dir):
     try:
         gemv_mod.normed_gemv, fk.qk_norm_rope = normed, qk
         for fused in (False, True):
-            eng = LLMEngine(str(gpu_model_dir), device="cuda", dtype="float32", enforce_eager=True, fused_ops=fused,
-                            attention_backend="triton", max_num_seqs=1, num_kvcache_blocks=16, max_model_len=256)
+            eng = kernel_engine(gpu_model_dir, device="cuda", dtype="float32", enforce_eager=True, fused_ops=fused,
+                           attention_backend="triton", max_num_seqs=1, num_kvcache_blocks=16, max_model_len=256)
             backend = eng.runner.model.attention_layers()[0].backend
             backend.store_kv = counting(backend.store_kv)
             layers = len(eng.runner.model.model.layers)
@@ -493,11 +493,11 @@ def test_batch1_decode_takes_both_fusions_and_matches_unfused(gpu_model_dir):
     assert diff.abs().max().item() < 0.05 and rel_l2 < 2e-3, (diff.abs().max().item(), rel_l2)
 
 
-def test_pdl_gives_the_same_tokens_and_logprobs_as_plain_launches(gpu_model_dir):
+def test_pdl_gives_the_same_tokens_and_logprobs_as_plain_launches(kernel_engine, gpu_model_dir):
     """engine/pdl.py on Hopper: the same kernels with programmatic dependent launch (graphs, overlap, batch 1 and
     a wide batch, bf16) give the tokens and the chosen tokens' log-probs of plain launches, bit for bit (a kernel
     that read its input before the wait would race with the kernel before it)."""
-    from engine import LLMEngine, SamplingParams
+    from engine import SamplingParams
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs compute capability 9")
@@ -508,7 +508,7 @@ def test_pdl_gives_the_same_tokens_and_logprobs_as_plain_launches(gpu_model_dir)
     logged = [SamplingParams(temperature=0.0, max_tokens=6 + 5 * i, ignore_eos=True, logprobs=0) for i in range(17)]
     outs = {}
     for on in (False, True):
-        engine = LLMEngine(str(gpu_model_dir), pdl=on, **kw)
+        engine = kernel_engine(gpu_model_dir, pdl=on, **kw)
         assert engine.describe()["pdl"] is on
         runs = [engine.generate(prompts[:1], params[:1]), engine.generate(prompts, params),
                 engine.generate(prompts, logged)]

@@ -64,8 +64,7 @@ def test_fused_draw_follows_the_processed_distribution():
     assert torch.allclose(freq, want, atol=0.015), freq
 
 
-def test_engine_with_graphs_gives_the_cpu_engines_tokens_and_logprobs(tmp_path):
-    from engine import LLMEngine
+def test_engine_with_graphs_gives_the_cpu_engines_tokens_and_logprobs(kernel_engine, tmp_path):
     from labkit.assets.synth import synth_model
 
     model = synth_model("tiny", tmp_path / "m", dtype="float32")
@@ -73,10 +72,10 @@ def test_engine_with_graphs_gives_the_cpu_engines_tokens_and_logprobs(tmp_path):
     prompts = [[(1000 + 37 * i + j) % 150000 for j in range(20 + 9 * i)] for i in range(5)]
     kw = dict(dtype="float32", kvcache_block_size=16, max_model_len=256, max_num_batched_tokens=1024,
               attention_backend="torch")
-    cuda = LLMEngine(str(model), device="cuda", enforce_eager=False, num_kvcache_blocks=128, **kw)
+    cuda = kernel_engine(model, device="cuda", enforce_eager=False, num_kvcache_blocks=128, **kw)
     got = cuda.generate(prompts, sp)
     cuda.close()
-    cpu = LLMEngine(str(model), device="cpu", enforce_eager=True, **kw)
+    cpu = kernel_engine(model, device="cpu", enforce_eager=True, **kw)
     want = cpu.generate(prompts, sp)
     cpu.close()
     assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]

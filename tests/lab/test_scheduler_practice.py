@@ -4,7 +4,6 @@ nothing) or on evidence that shows unequal work; the CUDA / 2-GPU judging on syn
 from __future__ import annotations
 
 import copy
-from collections import deque
 
 import pytest
 
@@ -18,6 +17,25 @@ def _failed(record: dict) -> set[str]:
     return {c["name"] for c in record["checks"] if c.get("status", "pass" if c.get("passed") else "fail") == "fail"}
 
 
+@pytest.fixture(scope="module")
+def upstream_once():
+    """The practice's upstream side runs in its own process against a copy of engine/ (patches/03 applied), out of
+    reach of this module's monkeypatches: the same for the real run and every broken scheduler here, so it runs
+    once per module (in whichever practice comes first) and each practice after it reads a copy of that result."""
+    from labkit.experiments import scheduler_practice
+
+    run_upstream, seen = scheduler_practice.run_upstream, []
+
+    def once() -> dict:
+        if not seen:
+            seen.append(run_upstream())
+        return copy.deepcopy(seen[0])
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(scheduler_practice, "run_upstream", once)
+        yield
+
+
 def _practice(tmp_path, labkit_argv) -> dict:
     from labkit.experiments.scheduler_practice import run_practice
 
@@ -28,7 +46,7 @@ def _practice(tmp_path, labkit_argv) -> dict:
 # --------------------------------------------------------------------------- practice
 
 
-def test_practice_passes_and_rejudges(tmp_path, labkit_argv):
+def test_practice_passes_and_rejudges(tmp_path, labkit_argv, upstream_once):
     record = _practice(tmp_path, labkit_argv)
     assert record["verdict"] == "PASS", _failed(record)
     assert record["kind"] == "cpu-real-scheduler"
@@ -42,7 +60,7 @@ def test_practice_passes_and_rejudges(tmp_path, labkit_argv):
     assert s["prefill_first/2"]["long_first_token_round"] > s["prefill_first/None"]["long_first_token_round"]
 
 
-def test_practice_fails_without_rotation(tmp_path, labkit_argv, monkeypatch):
+def test_practice_fails_without_rotation(tmp_path, labkit_argv, upstream_once, monkeypatch):
     original = Scheduler._schedule_decode
 
     def no_rotation(self):
@@ -57,7 +75,7 @@ def test_practice_fails_without_rotation(tmp_path, labkit_argv, monkeypatch):
     assert "facts.balanced.rotation.num_served_in_3_decodes" in _failed(record)
 
 
-def test_practice_fails_when_preemption_keeps_blocks(tmp_path, labkit_argv, monkeypatch):
+def test_practice_fails_when_preemption_keeps_blocks(tmp_path, labkit_argv, upstream_once, monkeypatch):
     from engine.sequence import SequenceStatus
 
     def keep_blocks(self, seq):
@@ -71,7 +89,7 @@ def test_practice_fails_when_preemption_keeps_blocks(tmp_path, labkit_argv, monk
     assert {"facts.prefill_first.preempt.C.blocks", "facts.prefill_first.preempt.C.cached"} <= _failed(record)
 
 
-def test_practice_fails_when_the_knob_does_nothing(tmp_path, labkit_argv, monkeypatch):
+def test_practice_fails_when_the_knob_does_nothing(tmp_path, labkit_argv, upstream_once, monkeypatch):
     init = Scheduler.__init__
 
     def ignore_knob(self, limits, block_manager):

@@ -1,0 +1,28 @@
+"""Fixtures of the kernel tests: one engine factory.
+
+``kernel_engine(model, **kw)`` builds an ``LLMEngine`` on ``model`` for the GPU tests (test_gpu_kernels.py,
+test_gpu_sampling.py) through ``testkit.new_engine`` with one default only, ``device="cuda"``: a kernel test names
+its own dtype, backend, execution and shapes, and a setting it leaves out keeps the engine's own default (not
+testkit.ENGINE_DEFAULTS, whose eager torch backend is what these tests compare against). Every engine it made is
+closed when the test ends, also when the test fails; a test may close one earlier itself (``LLMEngine.close`` runs
+once). The Triton-interpreter tests build no engine here: their kernels run in a child process."""
+from __future__ import annotations
+
+import pytest
+from testkit import new_engine
+
+CUDA_DEFAULTS = {"device": "cuda"}
+
+
+@pytest.fixture
+def kernel_engine():
+    made = []
+
+    def build(model, **kw):
+        engine = new_engine(model, defaults=CUDA_DEFAULTS, **kw)
+        made.append(engine)
+        return engine
+
+    yield build
+    for engine in reversed(made):
+        engine.close()
