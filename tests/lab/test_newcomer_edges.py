@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -89,15 +90,21 @@ def test_sigterm_to_the_serve_process_group_leaves_no_leaked_shared_memory(tiny_
     """`labkit serve --tensor-parallel-size 2 --engine-process` and SIGTERM to its process group (what a terminal or
     a supervisor sends): exit 0, no resource_tracker warning, no segment left in /dev/shm. (~1 min on CPU; the TP
     part is covered fast by the test above.)"""
-    before = {p for p in os.listdir("/dev/shm") if p.startswith("labkit_tp")} if os.path.isdir("/dev/shm") else set()
+    import uuid
+
+    # its own channel name, so a TP engine of a test running beside it (another pytest worker) is not counted
+    name = f"labkit_tp_sigterm_{uuid.uuid4().hex[:10]}"
+    shm = Path("/dev/shm") / name
     proc = subprocess.Popen([sys.executable, "-m", "labkit", "serve", "--model", str(tiny_model_dir), "--device", "cpu",
-                             "--port", "0", "--no-event-log", "--tensor-parallel-size", "2", "--engine-process"],
+                             "--port", "0", "--no-event-log", "--tensor-parallel-size", "2", "--engine-process",
+                             "--shm-name", name],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             cwd=tmp_path)
     try:
         for line in proc.stdout:
             if "ready:" in line:
                 break
+        served_with_it = shm.exists() or not Path("/dev/shm").is_dir()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(60)
     finally:
@@ -106,5 +113,5 @@ def test_sigterm_to_the_serve_process_group_leaves_no_leaked_shared_memory(tiny_
             proc.wait()
     err = proc.stderr.read()
     assert proc.returncode == 0 and "leaked" not in err and "Traceback" not in err, err
-    after = {p for p in os.listdir("/dev/shm") if p.startswith("labkit_tp")} if os.path.isdir("/dev/shm") else set()
-    assert after <= before, after - before
+    assert served_with_it, f"{shm} did not exist while the server ran"
+    assert not shm.exists(), f"{shm} left behind"
