@@ -101,7 +101,7 @@ def run_host_bench(model_dir: str, api: str = "native", streams: int = 256, max_
     log_path = log_dir / f"host-{api}.jsonl"
     model_len = prompt_tokens + max_tokens + 8
     blocks = streams * ((model_len + 255) // 256 + 1) + 8
-    cfg = WorkerConfig(model=model_dir, device="cpu", attention="torch", max_num_seqs=streams, max_active=streams,
+    cfg = WorkerConfig(model=model_dir, device="cpu", attention_backend="torch", max_num_seqs=streams, max_active=streams,
                        queue_size=2 * streams, max_num_batched_tokens=max(512, streams * prompt_tokens),
                        max_model_len=model_len, num_kvcache_blocks=blocks, worker_id=f"host-{api}")
     old_interval = sys.getswitchinterval()

@@ -337,7 +337,7 @@ def _run_inprocess(side: Side, path: Path, model: str | None, device: str, atten
     from labkit.load.replay import LoadOptions, run_load
     from labkit.service.config import WorkerConfig
 
-    worker = WorkerConfig(model=model, device=device, attention=attention, **LOAD_SETTINGS, **side.worker)
+    worker = WorkerConfig(model=model, device=device, attention_backend=attention, **LOAD_SETTINGS, **side.worker)
     return run_load(LoadOptions(trace=trace, out=path, worker=worker, mode="wall", warmup_requests=warmup,
                                 show_progress=False))
 

@@ -17,13 +17,14 @@ from labkit.errors import UserError
 from labkit.lab_engine import lab_args
 from labkit.service.protocol import REQUEST_ID_RE
 
-#: The engine options by name (``engine.EngineArgs``' fields), and labkit's older name of one of them.
+#: The engine options by name (``engine.EngineArgs``' fields): the only names WorkerConfig takes for them.
 ENGINE_FIELDS = frozenset(OPTION_NAMES)
-ALIASES = {"attention": "attention_backend"}
-#: The engine options a worker's record shows (``flat()``: /config, evidence), under the names it always had.
+#: The engine options a worker's record shows (``flat()``: /config, evidence), under the names it always had:
+#: the record's ``attention`` is ``EngineArgs.attention_backend`` (RECORD_NAMES).
 RECORDED = ("model", "device", "attention", "scheduling_policy", "max_consecutive_prefill", "max_num_batched_tokens",
             "max_num_seqs", "max_model_len", "gpu_memory_utilization", "enforce_eager", "num_kvcache_blocks",
             "tensor_parallel_size", "dist_init", "shm_name", "enable_prefix_caching", "overlap")
+RECORD_NAMES = {"attention": "attention_backend"}
 
 
 def _positive(obj, *names: str) -> None:
@@ -43,7 +44,7 @@ def recorded(args: EngineArgs) -> dict:
     """The engine options of :data:`RECORDED` as a worker's record shows them (an unset pool size as None)."""
     out = {}
     for key in RECORDED:
-        value = getattr(args, ALIASES.get(key, key))
+        value = getattr(args, RECORD_NAMES.get(key, key))
         out[key] = None if key == "num_kvcache_blocks" and value == -1 else value
     return out
 
@@ -69,7 +70,6 @@ class WorkerConfig:
         """The worker's fields by name; the engine's as ``engine``, by their names, or both (a name given
         changes that option of ``engine``: ``dataclasses.replace(config, max_model_len=n)`` works)."""
         mine = {f.name: f for f in fields(self) if f.name != "engine"}
-        options = {ALIASES.get(k, k): v for k, v in options.items()}
         unknown = sorted(set(options) - set(mine) - ENGINE_FIELDS)
         if unknown:
             raise TypeError(f"WorkerConfig got unknown option(s) {', '.join(unknown)}")

@@ -32,12 +32,12 @@ MAX_MODEL_LEN = 512
 
 
 def config(model, **kw):
-    return worker_config(model, **{"attention": "torch", "worker_id": "proc-test", **kw})
+    return worker_config(model, **{"attention_backend": "torch", "worker_id": "proc-test", **kw})
 
 
 @pytest.fixture(scope="module", params=MODES)
 def served(request, tiny_model_dir):
-    yield from serving(tiny_model_dir, request.param, attention="torch", worker_id="proc-test",
+    yield from serving(tiny_model_dir, request.param, attention_backend="torch", worker_id="proc-test",
                        server_kw={"max_body_bytes": 64 * 1024})
 
 
