@@ -31,17 +31,10 @@ def engine_factory(tiny_model_dir):
     """A module's engines: ``engine_factory(**kw)`` builds an ``LLMEngine`` on the session's tiny model with
     ``testkit.ENGINE_DEFAULTS`` (keywords override them; ``model=PATH`` another directory); every engine it made is
     closed at the end of the module (a test's own engines: ``tiny_engine`` in tests/engine/conftest.py)."""
-    from testkit import new_engine
+    from testkit import engines
 
-    made = []
-
-    def build(model=None, **kw):
-        made.append(new_engine(model or tiny_model_dir, **kw))
-        return made[-1]
-
-    yield build
-    for engine in reversed(made):
-        engine.close()
+    with engines(tiny_model_dir) as build:
+        yield build
 
 
 @pytest.fixture(autouse=True, scope="session")

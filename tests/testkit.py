@@ -18,6 +18,23 @@ def new_engine(model, *, defaults: dict = ENGINE_DEFAULTS, **kw):
     return LLMEngine(str(model), **(defaults | kw))
 
 
+@contextlib.contextmanager
+def engines(default_model=None, *, defaults: dict = ENGINE_DEFAULTS):
+    """The engine factories' one body: yields ``build(model=None, **kw)`` (:func:`new_engine` on ``model``, else on
+    ``default_model``) and closes every engine it built, last first, when the block ends."""
+    made = []
+
+    def build(model=None, **kw):
+        made.append(new_engine(model or default_model, defaults=defaults, **kw))
+        return made[-1]
+
+    try:
+        yield build
+    finally:
+        for engine in reversed(made):
+            engine.close()
+
+
 def wait_for(pred, timeout: float = 10.0) -> None:
     """Poll `pred` until it is true; fail the test after `timeout` seconds."""
     import time

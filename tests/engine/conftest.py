@@ -8,18 +8,10 @@ made is closed when the test ends, also when the test fails; a test may close on
 from __future__ import annotations
 
 import pytest
-from testkit import new_engine
+from testkit import engines
 
 
 @pytest.fixture
 def tiny_engine(tiny_model_dir):
-    made = []
-
-    def build(model=None, **kw):
-        engine = new_engine(model or tiny_model_dir, **kw)
-        made.append(engine)
-        return engine
-
-    yield build
-    for engine in reversed(made):
-        engine.close()
+    with engines(tiny_model_dir) as build:
+        yield build

@@ -9,20 +9,12 @@ once). The Triton-interpreter tests build no engine here: their kernels run in a
 from __future__ import annotations
 
 import pytest
-from testkit import new_engine
+from testkit import engines
 
 CUDA_DEFAULTS = {"device": "cuda"}
 
 
 @pytest.fixture
 def kernel_engine():
-    made = []
-
-    def build(model, **kw):
-        engine = new_engine(model, defaults=CUDA_DEFAULTS, **kw)
-        made.append(engine)
-        return engine
-
-    yield build
-    for engine in reversed(made):
-        engine.close()
+    with engines(defaults=CUDA_DEFAULTS) as build:
+        yield build
