@@ -68,14 +68,15 @@ def checkpoint_command(cid: str):
         sys.argv = argv
 
 
-def labkit_process(*args: str):
-    """``python -m labkit ARGS`` in a subprocess (wide terminal for tables), output captured."""
+def labkit_process(*args, env: dict | None = None, cwd=None, timeout: float = 300):
+    """``python -m labkit ARGS`` in a subprocess (wide terminal for tables; ``env`` over this process's, in ``cwd``),
+    output captured."""
     import os
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "labkit", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "COLUMNS": "200"})
+    return subprocess.run([sys.executable, "-m", "labkit", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "200", **(env or {})}, cwd=cwd)
 
 
 def forced_logits(engine, token_ids: list[int]):

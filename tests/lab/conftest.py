@@ -4,7 +4,7 @@
 and answers like a subprocess: ``returncode``, ``stdout``, ``stderr``. An exception that escapes the app (what
 a process would print as a traceback) is added to ``stderr`` as a ``Traceback`` line, so a test that asserts
 "no traceback" FAILs on it as it would on the process's stderr.
-``labkit_process(*args, env=None)`` runs ``python -m labkit ARGS`` from the repository root (a subprocess:
+``labkit_process(*args, env=None)`` runs ``python -m labkit ARGS`` from the repository root (testkit.labkit_process: a subprocess,
 ~2.5 CPU-s of imports before the command starts; for what is about the process: exit status, stderr, stdin,
 signals).
 ``lab_engine(**kw)`` builds an ``LLMEngine`` on the session's tiny model through the root ``engine_factory``
@@ -12,13 +12,12 @@ signals).
 The root conftest (tests/conftest.py) keeps ``cli_app``, ``labkit_argv``, ``runs`` and ``tiny_model_dir``."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import testkit
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,14 +49,10 @@ def labkit_in_process(cli_app):
     return run
 
 
-def run_process(*args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "labkit", *[str(a) for a in args]], cwd=REPO, capture_output=True,
-                          text=True, env={**os.environ, **(env or {})}, timeout=timeout)
-
-
 @pytest.fixture
 def labkit_process():
-    return run_process
+    """testkit.labkit_process from the repository root."""
+    return functools.partial(testkit.labkit_process, cwd=REPO)
 
 
 @pytest.fixture(scope="module")
