@@ -37,6 +37,18 @@ def engine_factory(tiny_model_dir):
         yield build
 
 
+@pytest.fixture(scope="module")
+def forks():
+    """A module's forking process (tests/labkit_forks.py): ``forks.run(root, *args, env=...)`` runs each `labkit`
+    command in a process of its own on the tree copy ``root``, forked from one that imported torch and transformers
+    once; closed at the end of the module."""
+    from labkit_forks import LabkitForks
+
+    runner = LabkitForks()
+    yield runner
+    runner.close()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _session_runs_dir(tmp_path_factory):
     """Evidence a test writes without choosing a place goes to this session's own runs/ (one per pytest-xdist

@@ -81,14 +81,6 @@ def mutate(root: Path, file: str, text: str, replacement: str) -> None:
     path.write_text(source.replace(text, replacement), encoding="utf-8")
 
 
-@pytest.fixture(scope="module")
-def forks():
-    """The module's forking process: each command a child process of its own on its copy (tests/labkit_forks.py)."""
-    runner = LabkitForks()
-    yield runner
-    runner.close()
-
-
 def run_checkpoint(forks: LabkitForks, root: Path, cid: str, model: Path, runs: Path) -> tuple[int, str]:
     """The checkpoint's own command in the copy; returns (exit code, the evidence's verdict)."""
     spec = json.loads((root / "checkpoints" / f"{cid.split('.')[0]}.json").read_text())

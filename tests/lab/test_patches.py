@@ -44,15 +44,6 @@ def repo(tmp_path) -> Path:
     return dest
 
 
-@pytest.fixture(scope="module")
-def forks():
-    """The module's forking process: each `labkit` command still a process of its own, on its copy, forked from one
-    that imported torch and transformers once (tests/labkit_forks.py)."""
-    runner = LabkitForks()
-    yield runner
-    runner.close()
-
-
 def labkit(forks: LabkitForks, repo: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """``python -m labkit ARGS`` in its own process on the copy ``repo`` (its path, cwd and runs/)."""
     return forks.run(repo, *args, env={"LABKIT_RUNS_DIR": str(repo / "runs"), "COLUMNS": "200"}, timeout=timeout)
