@@ -88,9 +88,9 @@ def warmup_plan(config, backend: str, sm_count: int = 0, tp_size: int = 1) -> li
             plan.append(WarmShape("decode-eager", b, 16, why="batch size class"))
         if backend == "triton" and sm_count > 0:
             kv_heads = config.shape.num_kv_heads // tp_size
-            for (direct, block_s), (b, ctx) in sorted(decode_variants(max_seqs, kv_heads, max_len, sm_count).items(),
-                                                     key=lambda kv: kv[1]):
-                plan.append(WarmShape("decode-eager", b, ctx, mode=f"direct={direct},block_s={block_s}",
+            for (direct, block_s, fused), (b, ctx) in sorted(decode_variants(max_seqs, kv_heads, max_len,
+                                                                             sm_count).items(), key=lambda kv: kv[1]):
+                plan.append(WarmShape("decode-eager", b, ctx, mode=f"direct={direct},block_s={block_s},fused={fused}",
                                       why="Triton decode variant"))
     for mode in SAMPLER_MODES:
         plan.append(WarmShape("sample", 2, 1, mode=mode, why="sampler path"))

@@ -3,7 +3,8 @@ the tests can reason about the kernel's compiled variants on any machine).
 
 The decode kernel is compiled once per value of its constexprs. Two of them follow the split count:
 ``DIRECT`` (a single split writes the output itself) and the reduce kernel's ``BLOCK_S`` (the split
-count rounded up to a power of two). :func:`decode_variant` names the variant a call compiles.
+count rounded up to a power of two); a third follows the batch, ``FUSED_REDUCE`` (:func:`fuse_reduce`).
+:func:`decode_variant` names the variant a call compiles.
 """
 from __future__ import annotations
 
@@ -20,6 +21,17 @@ DECODE_PAGE_TILE = False     # one block-table load per tile where block_n divid
 DECODE_MAX_SPLIT = 512       # positions per split at most (see choose_splits; fewer at small batches) ...
 DECODE_MAX_SPLITS = 64       # ... unless that makes more splits than this (a very long max_len: longer splits)
 DECODE_SPLIT_PER_PROGRAM = 4     # a small batch's splits: at most this many positions per program of the batch
+DECODE_FUSE_REDUCE_FROM = 33     # several splits: combined by each row's last program (the fused reduce) from this
+# many programs per split (batch x kv-head programs) up; below it by the reduce kernel, which PDL (engine/pdl.py)
+# starts under the split kernel's tail. H200, 28 calls in a graph, ctx 1024, max_len 4096, page 256, us per call,
+# fused -> reduce kernel: 16 q / 8 kv heads batch 1 10.2 -> 8.0, batch 4 14.1 -> 12.3; 32 q / 8 kv heads batch 1
+# 14.5 -> 8.4, batch 4 17.2 -> 11.8; the same outputs (session 13's .gpu micro). Wider batches were not measured
+# and keep the fused reduce.
+
+
+def fuse_reduce(programs: int) -> bool:
+    """Whether a decode of `programs` programs per split combines its splits in the split kernel."""
+    return programs >= DECODE_FUSE_REDUCE_FROM
 
 
 def cdiv(a: int, b: int) -> int:
@@ -69,25 +81,28 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_coun
 
 
 def decode_variant(batch: int, kv_heads: int, max_len: int, sm_count: int, block_n: int = DECODE_BLOCK_N,
-                   waves: int = DECODE_WAVES, kv_per_prog: int = DECODE_KV_PER_PROG) -> tuple[bool, int]:
-    """(DIRECT, BLOCK_S) of the decode call at this batch and longest context: its compiled variant.
-    (Its other constexprs, HPP and PAGE_TILE, follow the engine's fixed shapes and the defaults.)"""
+                   waves: int = DECODE_WAVES, kv_per_prog: int = DECODE_KV_PER_PROG) -> tuple[bool, int, bool]:
+    """(DIRECT, BLOCK_S, FUSED_REDUCE) of the decode call at this batch and longest context: its compiled
+    variant (BLOCK_S: the split kernel's fused reduce or the reduce kernel's). (Its other constexprs, HPP and
+    PAGE_TILE, follow the engine's fixed shapes and the defaults.)"""
     programs = kv_heads // kv_per_program(kv_heads, kv_per_prog)       # programs per sequence and split
     num_splits, _ = choose_splits(batch, programs, max_len, block_n, sm_count, waves)
-    return num_splits == 1, max(2, next_power_of_2(num_splits))
+    direct = num_splits == 1
+    return direct, max(2, next_power_of_2(num_splits)), not direct and fuse_reduce(batch * programs)
 
 
 def decode_variants(max_batch: int, kv_heads: int, max_model_len: int, sm_count: int,
                     block_n: int = DECODE_BLOCK_N, waves: int = DECODE_WAVES,
-                    kv_per_prog: int = DECODE_KV_PER_PROG) -> dict[tuple[bool, int], tuple[int, int]]:
+                    kv_per_prog: int = DECODE_KV_PER_PROG) -> dict[tuple[bool, int, bool], tuple[int, int]]:
     """Every decode variant a batch of 1..max_batch sequences with contexts up to max_model_len can meet,
     each with one (batch, max_len) that meets it (the smallest batch, then the shortest context)."""
     out: dict[tuple[bool, int], tuple[int, int]] = {}
     max_chunks = max(1, cdiv(max_model_len, block_n))
     programs = kv_heads // kv_per_program(kv_heads, kv_per_prog)
-    by_want: dict[tuple[int, int], int] = {}     # (the split count a batch wants, its cap) -> its first batch
+    by_want: dict[tuple[int, int, bool], int] = {}   # (the split count a batch wants, its cap, fused) -> first batch
     for batch in range(1, max_batch + 1):
-        key = (max(1, cdiv(waves * sm_count, batch * programs)), max_split_len(batch * programs, block_n))
+        key = (max(1, cdiv(waves * sm_count, batch * programs)), max_split_len(batch * programs, block_n),
+               fuse_reduce(batch * programs))
         by_want.setdefault(key, batch)
     for batch in sorted(by_want.values()):
         for chunks in range(1, max_chunks + 1):

@@ -12,6 +12,7 @@ from engine import pdl
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG, DECODE_NUM_STAGES, DECODE_NUM_WARPS,  # noqa: F401
                                      DECODE_PAGE_TILE, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
                                      kv_per_program)
+from engine.attention.splits import fuse_reduce as fuse_reduce_at
 
 
 @triton.jit
@@ -209,12 +210,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  context_lens: torch.Tensor, scale: float, max_len: int, sm_count: int, block_n: int = DECODE_BLOCK_N,
                  num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES, waves: int = DECODE_WAVES,
                  kv_per_prog: int = DECODE_KV_PER_PROG, page_tile: bool = DECODE_PAGE_TILE,
-                 order: torch.Tensor | None = None, fuse_reduce: bool = True) -> torch.Tensor:
+                 order: torch.Tensor | None = None, fuse_reduce: bool | None = None) -> torch.Tensor:
     """q [N, Hq, D] -> out [N, Hq, D]; reads context_lens[i] positions of seq i through its block table.
     order (int32 [N], a permutation of the rows): the order in which the rows' programs are launched
     (AttentionMetadata.decode_order: longest context first); the result does not depend on it.
-    fuse_reduce: several splits are combined by their last program (no reduce kernel: one launch per
-    layer fewer, what a batch-1 decode pays per layer) where the counters exist (:func:`decode_locks`).
+    fuse_reduce: several splits are combined by their last program (no reduce kernel) where the counters
+    exist (:func:`decode_locks`), else by the reduce kernel; None: by the batch's program count
+    (:func:`engine.attention.splits.fuse_reduce`: a small batch takes the reduce kernel, which PDL starts
+    under the split kernel's tail).
 
     block_n positions per tile (each position finds its own page, so any page size works); the tuning
     knobs (block_n, num_warps, num_stages, waves) are swept by `labkit bench --workload attention --sweep`:
@@ -233,6 +236,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     acc = torch.empty(0 if direct else n * hq * num_splits * d, dtype=torch.float32, device=q.device)
     ml = torch.empty(0 if direct else n * hq * num_splits * 2, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    if fuse_reduce is None:
+        fuse_reduce = fuse_reduce_at(n * (hk // hpp))
     locks = decode_locks(q.device) if fuse_reduce and not direct else None
     fused = locks is not None and n * (hk // hpp) <= locks.numel()
     _decode_split_kernel[(hk // hpp, n, num_splits)](                   # a sequence's heads launch together

@@ -65,7 +65,7 @@ def test_decode_variant_matches_the_kernel_arithmetic():
     for b, hk, n in itertools.product((1, 3, 64, 256), (1, 4, 8), (1, 63, 64, 65, 1000, 4096, 40960)):
         splits, split_len = choose_splits(b, hk, n, DECODE_BLOCK_N, SM, DECODE_WAVES)
         assert split_len % 64 == 0 and splits * split_len >= n > (splits - 1) * split_len
-        assert decode_variant(b, hk, n, SM) == (splits == 1, max(2, next_power_of_2(splits)))
+        assert decode_variant(b, hk, n, SM) [:2] == (splits == 1, max(2, next_power_of_2(splits)))
     assert len(decode_variants(256, 8, 4096, SM)) > 2
 
 
@@ -75,6 +75,18 @@ def test_small_batches_take_shorter_splits():
     assert list(lens.values()) == sorted(lens.values()) and lens[1] < lens[32], lens
     for b, n in lens.items():
         assert n <= max_split_len(b * 8), (b, n)
+
+
+def test_small_batches_combine_splits_in_the_reduce_kernel(tiny_model_dir):
+    """Below DECODE_FUSE_REDUCE_FROM programs a split decode takes the reduce kernel (PDL starts it under the split
+    kernel's tail: the faster at batch 1-4 on an H200); wider batches combine in the split kernel."""
+    assert decode_variant(1, 8, 4096, SM) == (False, 64, False)
+    assert decode_variant(4, 8, 4096, SM)[2] is False
+    assert decode_variant(8, 8, 4096, SM)[::2] == (False, True)
+    assert decode_variant(64, 8, 64, SM) == (True, 2, False)              # one split: no reduce at all
+    cfg = serve_config(tiny_model_dir, enforce_eager=True, max_model_len=2048, max_num_seqs=64)
+    plan = {w.mode for w in warmup_plan(cfg, "triton", SM) if w.mode.startswith("direct")}
+    assert {m.split("fused=")[1] for m in plan} == {"True", "False"}, plan
 
 
 def test_prefill_token_counts():
