@@ -8,7 +8,7 @@ import json
 import shutil
 
 import pytest
-from testkit import checkpoint_command
+from testkit import checkpoint_command, one_tokenizer_per_model
 
 from labkit.checks import check_evidence, get_checkpoint
 from labkit.experiments.quick_walk import run_quick_walk
@@ -22,6 +22,15 @@ VARIANTS = [
     ("D", {}, "setup.quick-walk-d"),
     ("D", {"budget": 256}, "setup.quick-walk-d-256"),
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_tokenizer():
+    """Every engine this module builds reads one of the session's model directories' tokenizer: one per directory
+    for all of them (testkit.one_tokenizer_per_model; no test here changes a tokenizer's files or tests its
+    loading: nothing here breaks the tokenizer)."""
+    with one_tokenizer_per_model():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 
-from testkit import checkpoint_command
+from testkit import checkpoint_command, one_tokenizer_per_model
 from engine.config import ConfigError
 from engine.scheduler import Scheduler
 from labkit.checks import check_evidence, evaluate, get_checkpoint, verdict
@@ -146,23 +146,68 @@ def test_longest_prefill_run_counts_only_prefills_while_a_request_is_mid_decode(
 # --------------------------------------------------------------------------- comparisons on CPU, for real
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_tokenizer():
+    """Every engine this module builds (12 load runs, the practice, the CLI test) reads the tiny model's tokenizer:
+    one for all of them (testkit.one_tokenizer_per_model; nothing here changes or tests the tokenizer)."""
+    with one_tokenizer_per_model():
+        yield
+
+
+def _run_key(side, path) -> tuple:
+    """A load run's identity: its side's worker settings and its repeat (``<side>-r<k>.jsonl``)."""
+    return tuple(sorted(side.worker.items())), path.stem.rsplit("-", 1)[1]
+
+
 @pytest.fixture(scope="module")
-def policy_comparison(tiny_model_dir, tmp_path_factory):
-    from labkit.load.compare import run_compare
+def load_runs() -> dict:
+    """(worker settings, repeat) -> (load record, its event log) of every in-process load run of the module."""
+    return {}
+
+
+@pytest.fixture(scope="module")
+def policy_comparison(tiny_model_dir, tmp_path_factory, load_runs):
+    from labkit.load import compare
+
+    real = compare._run_inprocess
+
+    def kept(side, path, *args):
+        record = real(side, path, *args)
+        load_runs[_run_key(side, path)] = record, path
+        return record
 
     out = tmp_path_factory.mktemp("cmp") / "scheduler-policy.json"
-    with checkpoint_command("scheduler.policy-comparison"):
-        record = run_compare("policy", out, repeats=3, model=str(tiny_model_dir), device="cpu", attention="torch")
+    with checkpoint_command("scheduler.policy-comparison"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compare, "_run_inprocess", kept)
+        record = compare.run_compare("policy", out, repeats=3, model=str(tiny_model_dir), device="cpu",
+                                     attention="torch")
     return out, record
 
 
 @pytest.fixture(scope="module")
-def knob_comparison(tiny_model_dir, tmp_path_factory):
-    from labkit.load.compare import run_compare
+def knob_comparison(tiny_model_dir, tmp_path_factory, policy_comparison, load_runs):
+    """The knob's "unset" side is the policy pair's "prefill_first" side (the same worker settings, the same
+    trace): its three runs are the policy comparison's, their event logs copied in; only "max2" runs here."""
+    import shutil
+
+    from labkit.load import compare
+
+    real = compare._run_inprocess
+
+    def reused(side, path, *args):
+        if _run_key(side, path) not in load_runs:
+            return real(side, path, *args)
+        record, src = load_runs[_run_key(side, path)]
+        for suffix in (".jsonl", ".json"):
+            if src.with_suffix(suffix).is_file():
+                shutil.copy(src.with_suffix(suffix), path.with_suffix(suffix))
+        return copy.deepcopy(record)
 
     out = tmp_path_factory.mktemp("cmp") / "scheduler-prefill-knob.json"
-    with checkpoint_command("scheduler.prefill-knob"):
-        record = run_compare("prefill-knob", out, repeats=3, model=str(tiny_model_dir), device="cpu", attention="torch")
+    with checkpoint_command("scheduler.prefill-knob"), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compare, "_run_inprocess", reused)
+        record = compare.run_compare("prefill-knob", out, repeats=3, model=str(tiny_model_dir), device="cpu",
+                                     attention="torch")
     return out, record
 
 
