@@ -73,19 +73,27 @@ def test_two_tp2_engines_at_once(tp2_pair):
     assert sa.completion_token_ids == sb.completion_token_ids and len(sa.completion_token_ids) == 6
 
 
-def test_custom_dist_init_and_shm_name(tiny_model_dir):
+@pytest.fixture(scope="module")
+def custom_tp2(tiny_model_dir):
+    """One TP=2 engine on a dist_init and shm_name of the test's own (and tp_timeout_s 20), for the two tests that
+    read its settings and kill its rank (in that order: the second ends it)."""
     from engine.tp_workers import free_port
     port = free_port()
-    e = engine(tiny_model_dir, 2, dist_init=f"tcp://127.0.0.1:{port}", shm_name=f"labkit_test_{os.getpid()}")
-    try:
-        tp = e.describe()["tensor_parallel"]
-        assert tp["dist_init"] == f"tcp://127.0.0.1:{port}" and tp["shm_name"] == f"labkit_test_{os.getpid()}"
-    finally:
-        e.close()
+    names = {"dist_init": f"tcp://127.0.0.1:{port}", "shm_name": f"labkit_test_{os.getpid()}"}
+    e = engine(tiny_model_dir, 2, tp_timeout_s=20, **names)
+    yield e, names
+    e.close()
 
 
-def test_a_killed_rank_is_reported_not_hung(tiny_model_dir):
-    e = engine(tiny_model_dir, 2, tp_timeout_s=20)
+def test_custom_dist_init_and_shm_name(custom_tp2):
+    e, names = custom_tp2
+    tp = e.describe()["tensor_parallel"]
+    assert tp["dist_init"] == names["dist_init"] and tp["shm_name"] == names["shm_name"]
+    assert names["dist_init"].startswith("tcp://127.0.0.1:") and names["shm_name"] == f"labkit_test_{os.getpid()}"
+
+
+def test_a_killed_rank_is_reported_not_hung(custom_tp2):
+    e, _ = custom_tp2
     try:
         e.add_request(list(range(10, 30)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         e.step()
