@@ -41,9 +41,12 @@ def once_per_launch(orig):
     import triton.language as tl
 
     active: set[int] = set()                        # the language modules patched in the running launch
+    reaches: dict = {}                              # a function's language modules (its globals' modules)
 
     def patch(fn):
-        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        langs = reaches.get(fn)
+        if langs is None:
+            langs = reaches[fn] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
         if active and langs <= active:
             return None                             # a device call: its return is not used
         scope = orig(fn)
