@@ -29,8 +29,23 @@ def engine(model_dir, tp, **kw):
                      tensor_parallel_size=tp, **kw)
 
 
-def test_tp2_logits_equal_tp1(tiny_model_dir, workload):
-    e1, e2 = engine(tiny_model_dir, 1), engine(tiny_model_dir, 2)
+@pytest.fixture(scope="module")
+def tp2_pair(tiny_model_dir):
+    """Two TP=2 engines with the default dist_init and shm_name, built once for the module (each spawns a rank
+    process): the first is the TP=2 side of the TP=1 comparison, both are the two engines side by side."""
+    a = engine(tiny_model_dir, 2)
+    try:
+        b = engine(tiny_model_dir, 2)
+    except BaseException:
+        a.close()
+        raise
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_tp2_logits_equal_tp1(tiny_model_dir, workload, tp2_pair):
+    e1, e2 = engine(tiny_model_dir, 1), tp2_pair[0]
     try:
         rows1, rows2 = forced_rows(e1, *workload), forced_rows(e2, *workload)
         assert len(rows1) == len(rows2) == 16
@@ -41,41 +56,44 @@ def test_tp2_logits_equal_tp1(tiny_model_dir, workload):
         assert e2.runner.num_kvcache_blocks == e1.runner.num_kvcache_blocks
     finally:
         e1.close()
-        e2.close()
 
 
-def test_two_tp2_engines_at_once(tiny_model_dir):
-    a, b = engine(tiny_model_dir, 2), engine(tiny_model_dir, 2)
-    try:
-        ta, tb = a.describe()["tensor_parallel"], b.describe()["tensor_parallel"]
-        assert ta["dist_init"] != tb["dist_init"] and ta["shm_name"] != tb["shm_name"]
-        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-        sa = a.add_request(list(range(500, 540)), sp)
-        sb = b.add_request(list(range(500, 540)), sp)
-        while not (a.is_finished() and b.is_finished()):     # interleaved steps of both engines
-            if not a.is_finished():
-                a.step()
-            if not b.is_finished():
-                b.step()
-        assert sa.completion_token_ids == sb.completion_token_ids and len(sa.completion_token_ids) == 6
-    finally:
-        a.close()
-        b.close()
+def test_two_tp2_engines_at_once(tp2_pair):
+    a, b = tp2_pair
+    ta, tb = a.describe()["tensor_parallel"], b.describe()["tensor_parallel"]
+    assert ta["dist_init"] != tb["dist_init"] and ta["shm_name"] != tb["shm_name"]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    sa = a.add_request(list(range(500, 540)), sp)
+    sb = b.add_request(list(range(500, 540)), sp)
+    while not (a.is_finished() and b.is_finished()):     # interleaved steps of both engines
+        if not a.is_finished():
+            a.step()
+        if not b.is_finished():
+            b.step()
+    assert sa.completion_token_ids == sb.completion_token_ids and len(sa.completion_token_ids) == 6
 
 
-def test_custom_dist_init_and_shm_name(tiny_model_dir):
+@pytest.fixture(scope="module")
+def custom_tp2(tiny_model_dir):
+    """One TP=2 engine on a dist_init and shm_name of the test's own (and tp_timeout_s 20), for the two tests that
+    read its settings and kill its rank (in that order: the second ends it)."""
     from engine.tp_workers import free_port
     port = free_port()
-    e = engine(tiny_model_dir, 2, dist_init=f"tcp://127.0.0.1:{port}", shm_name=f"labkit_test_{os.getpid()}")
-    try:
-        tp = e.describe()["tensor_parallel"]
-        assert tp["dist_init"] == f"tcp://127.0.0.1:{port}" and tp["shm_name"] == f"labkit_test_{os.getpid()}"
-    finally:
-        e.close()
+    names = {"dist_init": f"tcp://127.0.0.1:{port}", "shm_name": f"labkit_test_{os.getpid()}"}
+    e = engine(tiny_model_dir, 2, tp_timeout_s=20, **names)
+    yield e, names
+    e.close()
 
 
-def test_a_killed_rank_is_reported_not_hung(tiny_model_dir):
-    e = engine(tiny_model_dir, 2, tp_timeout_s=20)
+def test_custom_dist_init_and_shm_name(custom_tp2):
+    e, names = custom_tp2
+    tp = e.describe()["tensor_parallel"]
+    assert tp["dist_init"] == names["dist_init"] and tp["shm_name"] == names["shm_name"]
+    assert names["dist_init"].startswith("tcp://127.0.0.1:") and names["shm_name"] == f"labkit_test_{os.getpid()}"
+
+
+def test_a_killed_rank_is_reported_not_hung(custom_tp2):
+    e, _ = custom_tp2
     try:
         e.add_request(list(range(10, 30)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
         e.step()

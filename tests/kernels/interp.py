@@ -30,13 +30,52 @@ def interpreted(script: str, *args: str, stdin: str | None = None, timeout: floa
     return out
 
 
-def interpreter_ready(probe) -> bool:
-    """In the interpreted process: patch triton 3.6's interpreter (test_decode_kernel_interp._index_fix) and
-    run one small case; where that fails, print {"skip": why} for the parent and return False."""
+def once_per_launch(orig):
+    """triton 3.6's interpreter patches triton.language again (inspect.getmembers over its modules) at every call
+    of a jit function inside a kernel (tl.randint4x, a kernel's helpers): a quarter of an interpreted decode
+    case's CPU. Within one launch the modules its kernel reaches are patched already and stay so until the launch
+    restores them, so a device function that reaches no other module is not patched again; one that does is
+    patched as before. The kernels and their numbers are the same."""
+    import inspect
+
+    import triton.language as tl
+
+    active: set[int] = set()                        # the language modules patched in the running launch
+    reaches: dict = {}                              # a function's language modules (its globals' modules)
+
+    def patch(fn):
+        langs = reaches.get(fn)
+        if langs is None:
+            langs = reaches[fn] = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if active and langs <= active:
+            return None                             # a device call: its return is not used
+        scope = orig(fn)
+        if not active:                              # a launch: it restores its scope once its grid has run
+            restore = scope.restore
+
+            def restore_and_forget():
+                active.clear()
+                restore()
+            scope.restore = restore_and_forget
+        active.update(langs)
+        return scope
+    return patch
+
+
+def patch_interpreter() -> None:
+    """In the interpreted process: triton 3.6's interpreter with test_decode_kernel_interp._index_fix and
+    once_per_launch."""
     import triton.runtime.interpreter as interp
     from test_decode_kernel_interp import _index_fix
 
     interp._patch_lang_tensor = _index_fix(interp._patch_lang_tensor)
+    interp._patch_lang = once_per_launch(interp._patch_lang)
+
+
+def interpreter_ready(probe) -> bool:
+    """In the interpreted process: patch triton 3.6's interpreter (patch_interpreter) and run one small case;
+    where that fails, print {"skip": why} for the parent and return False."""
+    patch_interpreter()
     try:
         probe()
     except Exception as e:                              # noqa: BLE001

@@ -226,8 +226,9 @@ def test_warmup_variants_follow_kv_per_prog():
 def main() -> None:
     """The interpreter process: run the cases read from stdin, print {"results": [...]} (or {"skip": why})."""
     import triton.runtime.interpreter as interp
+    from interp import patch_interpreter           # tests/kernels/interp.py, beside this script
 
-    interp._patch_lang_tensor = _index_fix(interp._patch_lang_tensor)
+    patch_interpreter()
     interp.InterpreterBuilder.create_dot = _bf16_dot_fix(interp.InterpreterBuilder.create_dot)
     from engine.attention import triton_kernels as tk
 

@@ -174,16 +174,20 @@ def _ablation(model) -> list[tuple[float, float]]:
 
     for layer in model.model.layers:
         hook = layer.self_attn.o_proj.register_forward_hook(zero_last_row)
+        wide = {n: p.float() for n, p in layer.named_parameters()}   # widened once for the three prompts
         try:
-            hidden = [_float_call(layer, torch.cat([h, h[:1]]), **kw) for h, (_, kw) in zip(hidden, starts)]
+            hidden = [torch.func.functional_call(layer, wide, (torch.cat([h, h[:1]]),), kw)
+                      for h, (_, kw) in zip(hidden, starts)]
         finally:
             hook.remove()
+        del wide
     head = model.lm_head.weight
-    logits = []                                                       # [1 + layers, vocab] float64 for each prompt
-    for h in hidden:
-        last = _float_call(model.model.norm, h[:, -1])
-        logits.append(torch.cat([last @ head[r:r + 16384].float().T for r in range(0, head.shape[0], 16384)], 1)
-                      .double())
+    last = [_float_call(model.model.norm, h[:, -1]) for h in hidden]
+    bands = []                                                        # per prompt, [1 + layers, band] per band
+    for r in range(0, head.shape[0], 16384):
+        band = head[r:r + 16384].float().T                            # widened once for the three prompts
+        bands.append([x @ band for x in last])
+    logits = [torch.cat([b[i] for b in bands], 1).double() for i in range(len(hidden))]   # [1 + layers, vocab]
     worst = []
     for i in range(len(model.model.layers)):
         moved = [(x[1 + i] - x[0]) for x in logits]
