@@ -49,6 +49,18 @@ def forks():
     runner.close()
 
 
+@pytest.fixture(scope="module")
+def one_tokenizer():
+    """One tokenizer per (model directory, options) for the whole module (testkit.one_tokenizer_per_model): a module
+    that builds an engine per run of a command pays about a CPU-second per tokenizer otherwise. Modules take it with
+    ``pytestmark = pytest.mark.usefixtures("one_tokenizer")``; only modules that never change a tokenizer's files nor
+    test its loading (a break of the tokenizer class's methods still reaches the shared one)."""
+    from testkit import one_tokenizer_per_model
+
+    with one_tokenizer_per_model():
+        yield
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _session_runs_dir(tmp_path_factory):
     """Evidence a test writes without choosing a place goes to this session's own runs/ (one per pytest-xdist

@@ -19,13 +19,14 @@ import copy
 import json
 
 import pytest
-from testkit import one_tokenizer_per_model
 
 from engine.block_manager import BlockManager
 from engine.llm_engine import LLMEngine
 from engine.scheduler import Scheduler
 from engine.sequence import SequenceStatus
 from engine.step_inputs import InputBuilder
+
+pytestmark = pytest.mark.usefixtures("one_tokenizer")     # tests/conftest.py: one tokenizer per model directory
 
 
 # --------------------------------------------------------------------------- the faults
@@ -208,14 +209,6 @@ def subprocess_sides_once(balanced_evidence):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(scheduler_practice, "run_upstream", _memo(scheduler_practice.run_upstream, lambda: ()))
         mp.setattr(patch_check, "run_side", side)
-        yield
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_tokenizer():
-    """Every command here builds its engine(s) on the session's tiny model: one tokenizer for all of them
-    (testkit.one_tokenizer_per_model; no fault here is in the tokenizer)."""
-    with one_tokenizer_per_model():
         yield
 
 

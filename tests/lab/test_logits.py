@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from testkit import one_tokenizer_per_model
 from typer.testing import CliRunner
 
 from labkit.checks import check_evidence, get_checkpoint
@@ -22,14 +21,7 @@ from labkit.guardrails.compare import compare, judge_rows
 from labkit.guardrails.suites import build_suite, trajectory_sha256
 from labkit.cli.app import EXIT_CODES
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_tokenizer():
-    """Every engine this module builds reads one of the session's model directories' tokenizer: one per directory
-    for all of them (testkit.one_tokenizer_per_model; no test here changes a tokenizer's files or tests its
-    loading: nothing here breaks the tokenizer)."""
-    with one_tokenizer_per_model():
-        yield
+pytestmark = pytest.mark.usefixtures("one_tokenizer")     # tests/conftest.py: one tokenizer per model directory
 
 
 @pytest.fixture(scope="module")

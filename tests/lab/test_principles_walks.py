@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from testkit import one_tokenizer_per_model
 
 from labkit.checks import check_evidence, get_checkpoint, load_checkpoints
+
+pytestmark = pytest.mark.usefixtures("one_tokenizer")     # tests/conftest.py: one tokenizer per model directory
 
 
 @pytest.fixture(scope="session")
@@ -23,15 +24,6 @@ def _model_for(cp, tiny, qwen_shape) -> str:
 
 
 PRINCIPLES = [cp.id for cp in load_checkpoints() if cp.stage == "principles"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_tokenizer():
-    """Every engine this module builds reads one of the session's model directories' tokenizer: one per directory
-    for all of them (testkit.one_tokenizer_per_model; no test here changes a tokenizer's files or tests its
-    loading: the tokenizer break below patches the class's decode, which the shared one has too)."""
-    with one_tokenizer_per_model():
-        yield
 
 
 def test_the_stage_has_the_ten_checkpoints():

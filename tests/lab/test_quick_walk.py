@@ -8,11 +8,13 @@ import json
 import shutil
 
 import pytest
-from testkit import checkpoint_command, one_tokenizer_per_model
+from testkit import checkpoint_command
 
 from labkit.checks import check_evidence, get_checkpoint
 from labkit.experiments.quick_walk import run_quick_walk
 from labkit.experiments.smoke import run_smoke
+
+pytestmark = pytest.mark.usefixtures("one_tokenizer")     # tests/conftest.py: one tokenizer per model directory
 
 VARIANTS = [
     ("A", {}, "setup.quick-walk-a"),
@@ -22,15 +24,6 @@ VARIANTS = [
     ("D", {}, "setup.quick-walk-d"),
     ("D", {"budget": 256}, "setup.quick-walk-d-256"),
 ]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_tokenizer():
-    """Every engine this module builds reads one of the session's model directories' tokenizer: one per directory
-    for all of them (testkit.one_tokenizer_per_model; no test here changes a tokenizer's files or tests its
-    loading: nothing here breaks the tokenizer)."""
-    with one_tokenizer_per_model():
-        yield
 
 
 @pytest.fixture(scope="module")

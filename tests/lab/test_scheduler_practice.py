@@ -7,10 +7,12 @@ import copy
 
 import pytest
 
-from testkit import checkpoint_command, one_tokenizer_per_model
+from testkit import checkpoint_command
 from engine.config import ConfigError
 from engine.scheduler import Scheduler
 from labkit.checks import check_evidence, evaluate, get_checkpoint, verdict
+
+pytestmark = pytest.mark.usefixtures("one_tokenizer")     # tests/conftest.py: one tokenizer per model directory
 
 
 def _failed(record: dict) -> set[str]:
@@ -144,14 +146,6 @@ def test_longest_prefill_run_counts_only_prefills_while_a_request_is_mid_decode(
 
 
 # --------------------------------------------------------------------------- comparisons on CPU, for real
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_tokenizer():
-    """Every engine this module builds (12 load runs, the practice, the CLI test) reads the tiny model's tokenizer:
-    one for all of them (testkit.one_tokenizer_per_model; nothing here changes or tests the tokenizer)."""
-    with one_tokenizer_per_model():
-        yield
 
 
 def _run_key(side, path) -> tuple:
