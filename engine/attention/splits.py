@@ -96,7 +96,7 @@ def decode_variants(max_batch: int, kv_heads: int, max_model_len: int, sm_count:
                     kv_per_prog: int = DECODE_KV_PER_PROG) -> dict[tuple[bool, int, bool], tuple[int, int]]:
     """Every decode variant a batch of 1..max_batch sequences with contexts up to max_model_len can meet,
     each with one (batch, max_len) that meets it (the smallest batch, then the shortest context)."""
-    out: dict[tuple[bool, int], tuple[int, int]] = {}
+    out: dict[tuple[bool, int, bool], tuple[int, int]] = {}
     max_chunks = max(1, cdiv(max_model_len, block_n))
     programs = kv_heads // kv_per_program(kv_heads, kv_per_prog)
     by_want: dict[tuple[int, int, bool], int] = {}   # (the split count a batch wants, its cap, fused) -> first batch

@@ -12,7 +12,7 @@ from engine import pdl
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG, DECODE_NUM_STAGES, DECODE_NUM_WARPS,  # noqa: F401
                                      DECODE_PAGE_TILE, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
                                      kv_per_program)
-from engine.attention.splits import fuse_reduce as fuse_reduce_at
+from engine.attention import splits
 
 
 @triton.jit
@@ -236,10 +236,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     acc = torch.empty(0 if direct else n * hq * num_splits * d, dtype=torch.float32, device=q.device)
     ml = torch.empty(0 if direct else n * hq * num_splits * 2, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    programs = n * (hk // hpp)                                           # per split
     if fuse_reduce is None:
-        fuse_reduce = fuse_reduce_at(n * (hk // hpp))
+        fuse_reduce = splits.fuse_reduce(programs)
     locks = decode_locks(q.device) if fuse_reduce and not direct else None
-    fused = locks is not None and n * (hk // hpp) <= locks.numel()
+    fused = locks is not None and programs <= locks.numel()
     _decode_split_kernel[(hk // hpp, n, num_splits)](                   # a sequence's heads launch together
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, out, scale, split_len, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),

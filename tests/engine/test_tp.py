@@ -89,7 +89,6 @@ def test_custom_dist_init_and_shm_name(custom_tp2):
     e, names = custom_tp2
     tp = e.describe()["tensor_parallel"]
     assert tp["dist_init"] == names["dist_init"] and tp["shm_name"] == names["shm_name"]
-    assert names["dist_init"].startswith("tcp://127.0.0.1:") and names["shm_name"] == f"labkit_test_{os.getpid()}"
 
 
 def test_a_killed_rank_is_reported_not_hung(custom_tp2):

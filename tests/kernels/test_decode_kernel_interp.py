@@ -218,7 +218,7 @@ def test_warmup_variants_follow_kv_per_prog():
         assert reach <= set(decode_variants(128, 8, 4096, sm, kv_per_prog=hpp))
         for b, n in ((1, 4096), (32, 512), (64, 1024), (256, 1024)):     # as paged_decode splits
             splits, _ = choose_splits(b, 8 // kv_per_program(8, hpp), n, 64, sm, DECODE_WAVES)
-            assert decode_variant(b, 8, n, sm, kv_per_prog=hpp) [:2] == (splits == 1, max(2, next_power_of_2(splits)))
+            assert decode_variant(b, 8, n, sm, kv_per_prog=hpp)[:2] == (splits == 1, max(2, next_power_of_2(splits)))
     assert decode_variant(256, 8, 1024, sm, waves=16, kv_per_prog=1) != decode_variant(256, 8, 1024, sm, waves=16,
                                                                                         kv_per_prog=4)
 

@@ -176,7 +176,7 @@ def _ablation(model) -> list[tuple[float, float]]:
         hook = layer.self_attn.o_proj.register_forward_hook(zero_last_row)
         wide = {n: p.float() for n, p in layer.named_parameters()}   # widened once for the three prompts
         try:
-            hidden = [torch.func.functional_call(layer, wide, (torch.cat([h, h[:1]]),), kw)
+            hidden = [_float_call(layer, torch.cat([h, h[:1]]), widened=wide, **kw)   # .float() of float32: itself
                       for h, (_, kw) in zip(hidden, starts)]
         finally:
             hook.remove()
