@@ -65,7 +65,7 @@ def test_decode_variant_matches_the_kernel_arithmetic():
     for b, hk, n in itertools.product((1, 3, 64, 256), (1, 4, 8), (1, 63, 64, 65, 1000, 4096, 40960)):
         splits, split_len = choose_splits(b, hk, n, DECODE_BLOCK_N, SM, DECODE_WAVES)
         assert split_len % 64 == 0 and splits * split_len >= n > (splits - 1) * split_len
-        assert decode_variant(b, hk, n, SM) [:2] == (splits == 1, max(2, next_power_of_2(splits)))
+        assert decode_variant(b, hk, n, SM)[:2] == (splits == 1, max(2, next_power_of_2(splits)))
     assert len(decode_variants(256, 8, 4096, SM)) > 2
 
 
