@@ -6,8 +6,10 @@ on CPU. How the ranks are started and fed is in engine/tp_workers.py.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -52,11 +54,27 @@ class ParallelContext:
 SINGLE = ParallelContext()
 
 
-def make_group(backend: str, host: str, port: int, rank: int, world: int, timeout_s: float):
+JOINED = "labkit_ranks_joined"       # the store's count of ranks 1..N-1 that have connected to it
+
+
+def make_group(backend: str, host: str, port: int, rank: int, world: int, timeout_s: float,
+               waiting: Callable[[], None] | None = None):
+    """This rank's process group, made from a TCP store at host:port that rank 0 serves. Rank 0 first waits
+    for the other ranks to connect to the store, calling ``waiting()`` between polls (it raises to stop the
+    wait: a rank that exited before it joined), and gives up after timeout_s."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world, is_master=(rank == 0), timeout=timeout)
+    store = dist.TCPStore(host, port, world, is_master=(rank == 0), timeout=timeout, wait_for_workers=False)
+    if rank == 0:
+        deadline = time.monotonic() + timeout_s
+        while store.add(JOINED, 0) < world - 1:
+            if waiting is not None:
+                waiting()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel ranks did not join rank 0 at {host}:{port} within {timeout_s:g} s "
+                                   f"({store.add(JOINED, 0)} of {world - 1})")
+            time.sleep(0.05)
+    else:
+        store.add(JOINED, 1)
     if backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, world, dist.ProcessGroupNCCL.Options()), store
     return dist.ProcessGroupGloo(store, rank, world, timeout), store
-
-

@@ -109,8 +109,15 @@ class TPWorkers:
         self.procs = [ctx.Process(target=_worker_main, daemon=True, name=f"engine-tp-rank{r}",
                                   args=(config, r, self.world, self.host, self.port, self.shm_name, ev, backend))
                       for r, ev in zip(range(1, self.world), self.events)]
-        for p in self.procs:
-            p.start()
+        try:
+            for p in self.procs:
+                p.start()
+        except BaseException:       # e.g. spawn refusing to start from a rank still bootstrapping: no leaked channel
+            for p in self.procs:
+                if p.pid is not None:
+                    p.terminate()
+            self.channel.close()
+            raise
         self._closed = False
         atexit.register(self.close)
 
@@ -118,11 +125,19 @@ class TPWorkers:
     def dist_init(self) -> str:
         return f"tcp://{self.host}:{self.port}"
 
-    def check_alive(self) -> None:
+    def check_alive(self, joining: bool = False) -> None:
+        """Raise if a rank has exited. joining: rank 0 is still waiting for the ranks to join, and the message
+        names the usual cause (ranks start with spawn, which re-runs the caller's main module)."""
         for rank, p in enumerate(self.procs, start=1):
-            if not p.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}; "
-                                   f"the engine cannot continue")
+            if p.is_alive():
+                continue
+            if joining:
+                raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode} before "
+                                   f"it joined rank 0 (its own error is above). Ranks start with multiprocessing's "
+                                   f"spawn, which re-runs the main script: a script that builds a tensor-parallel "
+                                   f"engine needs its code under `if __name__ == \"__main__\":`")
+            raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}; "
+                               f"the engine cannot continue")
 
     def send(self, method: str, payload=None) -> None:
         self.check_alive()
@@ -164,7 +179,8 @@ def start_rank0(config, device: str) -> tuple[ParallelContext, TPWorkers]:
                          f"this machine has {torch.cuda.device_count()}")
     workers = TPWorkers(config, backend)
     try:
-        group, store = make_group(backend, workers.host, workers.port, 0, workers.world, config.tp_timeout_s)
+        group, store = make_group(backend, workers.host, workers.port, 0, workers.world, config.tp_timeout_s,
+                                  waiting=lambda: workers.check_alive(joining=True))
     except Exception:
         workers.close()
         raise

@@ -110,6 +110,24 @@ def test_a_killed_rank_is_reported_not_hung(custom_tp2):
     assert not any(p.is_alive() for p in e.runner.workers.procs)
 
 
+def test_a_script_without_a_main_guard_fails_at_once_and_says_why(tiny_model_dir, tmp_path):
+    """Ranks start with spawn, which re-runs the main script: without `if __name__ == "__main__":` rank 1 dies
+    bootstrapping. Rank 0 sees it while it waits for the ranks to join, instead of waiting tp_timeout_s (120 s)
+    for a rank that will never come and then failing on a store timeout."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("from engine import LLMEngine\n"
+                      f"LLMEngine({str(tiny_model_dir)!r}, device='cpu', tensor_parallel_size=2, kvcache_block_size=16, "
+                      "max_num_batched_tokens=64)\n")
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=110)
+    assert r.returncode != 0
+    assert "exited with code 1 before it joined rank 0" in r.stderr and 'if __name__ == "__main__":' in r.stderr
+    assert time.monotonic() - t0 < 60
+
+
 def test_bad_dist_init_is_one_clear_error(tiny_model_dir):
     with pytest.raises(ValueError, match="tcp://"):
         engine(tiny_model_dir, 2, dist_init="127.0.0.1:1")
