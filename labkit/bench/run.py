@@ -239,15 +239,21 @@ def bench_graph_vs_eager(model_dir: str, device: str, attention: str) -> dict:
 
 
 def bench_latency(model_dir: str, device: str, attention: str, batches=(1, 8, 64), input_len=128,
-                  output_len=128) -> dict:
+                  output_len=128, modes: list[tuple[str, bool, bool]] | None = None) -> dict:
     """Time per output token at each batch: eager and graph one step at a time (each step timed alone, from
     a synchronized start), and on CUDA graph_overlap, the overlapped decode `labkit serve` runs by default:
     there a step's tokens arrive while the next step computes, so the time per token is the interval
-    between two consecutive steps' outputs (no synchronization between them)."""
+    between two consecutive steps' outputs (no synchronization between them). ``gpu``: the same steps as the
+    GPU ran them (their device spans, engine/device_clock.py): each step's time on the GPU and the gaps
+    between consecutive steps, where it had nothing of the engine's to run (None off CUDA).
+    modes: (name, enforce_eager, overlap) to run (default: the three above)."""
+    from labkit.bench.serve import device_stats
+
     facts = {}
-    modes = [("eager", True, False), ("graph", False, False)]
-    if device.startswith("cuda"):
-        modes.append(("graph_overlap", False, True))
+    if modes is None:
+        modes = [("eager", True, False), ("graph", False, False)]
+        if device.startswith("cuda"):
+            modes.append(("graph_overlap", False, True))
     for mode, eager, overlap in modes:
         engine = engine_for(model_dir, device, attention, eager, max_num_seqs=max(batches), max_model_len=1024,
                             max_num_batched_tokens=8192, overlap=overlap)
@@ -257,7 +263,7 @@ def bench_latency(model_dir: str, device: str, attention: str, batches=(1, 8, 64
             engine.generate(prompts, params)                     # warm-up at this batch size
             for p, sp in zip(prompts, params):
                 engine.add_request(p, sp)
-            step_ms = []
+            step_ms, spans = [], []
             last = None
             while not engine.is_finished():
                 if not overlap:
@@ -265,12 +271,18 @@ def bench_latency(model_dir: str, device: str, attention: str, batches=(1, 8, 64
                 t0 = time.perf_counter()
                 out = engine.step()
                 now = time.perf_counter()
-                if not out.is_prefill and len(out.seqs) == b and (not overlap or last is not None):
+                full = not out.is_prefill and len(out.seqs) == b
+                if full and (not overlap or last is not None):
                     step_ms.append((now - (last if overlap else t0)) * 1e3)
-                last = now if not out.is_prefill and len(out.seqs) == b else None
+                if full and out.device_span is not None:
+                    spans.append((*out.device_span, b))
+                last = now if full else None
+            gpu = device_stats(spans, None, None, b)
             facts[mode][f"batch_{b}"] = {"decode_steps": len(step_ms),
                                          "ms_per_output_token_median": round(statistics.median(step_ms), 4),
-                                         "ms_per_output_token_mean": round(statistics.fmean(step_ms), 4)}
+                                         "ms_per_output_token_mean": round(statistics.fmean(step_ms), 4),
+                                         "gpu": {"busy_fraction": gpu["gpu_busy_fraction"],
+                                                 "step_ms": gpu["wide_gpu_step_ms"], "gap_ms": gpu["wide_gpu_gap_ms"]}}
             bound = latency_bound(engine, device, b, input_len + output_len / 2)
             if bound is not None:
                 bound["measured_over_bound"] = round(statistics.median(step_ms) / bound["bound_ms_per_step"], 3)

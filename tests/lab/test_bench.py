@@ -297,3 +297,30 @@ def test_a_larger_preset_is_judged_by_no_checkpoint():
     for identity in ({"synthetic": True, "preset": "qwen3-0.6b"}, {"synthetic": False, "preset": None}):
         facts = {}
         assert judged_checkpoint("cuda.latency", identity, facts) == "cuda.latency" and not facts
+
+
+def test_latency_reads_each_full_decode_step_s_gpu_span(tiny_model_dir, monkeypatch):
+    """The latency workload's ``gpu`` facts come from the full decode steps' device spans: given spans of
+    0.6 ms one every 1 ms (what engine/device_clock.py reports on CUDA), each step took 0.6 ms on the GPU
+    with 0.4 ms gaps; the prefill step's span is not one of them. Off CUDA (no spans) the facts say n 0."""
+    import dataclasses
+
+    from engine import LLMEngine
+    from labkit.bench.run import bench_latency
+
+    step = LLMEngine.step
+    clock = iter(range(10**6))
+
+    def with_span(self):
+        out = step(self)
+        t = next(clock) * 1_000_000
+        return dataclasses.replace(out, device_span=(t, t + 600_000) if not out.is_prefill else (t, t + 50_000_000))
+
+    plain = bench_latency(str(tiny_model_dir), "cpu", "torch", batches=(2,), input_len=8, output_len=5,
+                          modes=[("eager", True, False)])["eager"]["batch_2"]
+    assert plain["decode_steps"] == 4 and plain["gpu"]["step_ms"]["n"] == 0 and plain["gpu"]["busy_fraction"] is None
+    monkeypatch.setattr(LLMEngine, "step", with_span)
+    gpu = bench_latency(str(tiny_model_dir), "cpu", "torch", batches=(2,), input_len=8, output_len=5,
+                        modes=[("eager", True, False)])["eager"]["batch_2"]["gpu"]
+    assert gpu["step_ms"]["n"] == 4 and gpu["step_ms"]["p50"] == 0.6 and gpu["step_ms"]["max"] == 0.6
+    assert gpu["gap_ms"]["n"] == 3 and gpu["gap_ms"]["p50"] == 0.4 and gpu["busy_fraction"] == round(2.4 / 3.6, 4)
