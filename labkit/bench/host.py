@@ -23,7 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-from labkit.bench.serve import GAP_PARTS, percentiles
+from labkit.bench.serve import GAP_PARTS
+from labkit.bench.spans import percentiles
 
 WIDE_SHARE = 200 / 256           # a wide step carries at least this share of the streams (issue 13: 200 of 256)
 

@@ -247,7 +247,7 @@ def bench_latency(model_dir: str, device: str, attention: str, batches=(1, 8, 64
     GPU ran them (their device spans, engine/device_clock.py): each step's time on the GPU and the gaps
     between consecutive steps, where it had nothing of the engine's to run (None off CUDA).
     modes: (name, enforce_eager, overlap) to run (default: the three above)."""
-    from labkit.bench.serve import device_stats
+    from labkit.bench.spans import device_stats
 
     facts = {}
     if modes is None:
