@@ -131,13 +131,10 @@ class TPWorkers:
         for rank, p in enumerate(self.procs, start=1):
             if p.is_alive():
                 continue
-            if joining:
-                raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode} before "
-                                   f"it joined rank 0 (its own error is above). Ranks start with multiprocessing's "
-                                   f"spawn, which re-runs the main script: a script that builds a tensor-parallel "
-                                   f"engine needs its code under `if __name__ == \"__main__\":`")
-            raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}; "
-                               f"the engine cannot continue")
+            why = (" before it joined rank 0 (its own error is above). Ranks start with multiprocessing's spawn, "
+                   "which re-runs the main script: a script that builds a tensor-parallel engine needs its code "
+                   "under `if __name__ == \"__main__\":`") if joining else "; the engine cannot continue"
+            raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}{why}")
 
     def send(self, method: str, payload=None) -> None:
         self.check_alive()
