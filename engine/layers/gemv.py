@@ -72,19 +72,22 @@ def _x_chunk(x_ptr, res_ptr, nw_ptr, h_ptr, rk, kmask, rstd, pid, K, EVEN_K: tl.
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, res_ptr=None, nw_ptr=None, h_ptr=None, eps=0.0,
                  NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, BLOCK_ROW: tl.constexpr = 1,
-                 PDL: tl.constexpr = False):
-    """The first K chunk is peeled off the loop: its weight tile is loaded before pdl.enter (with PDL it
-    streams in while the kernel before this one finishes) and the loop over the other chunks keeps one body.
-    The tile chosen inside the loop instead (``w = w_first if k0 == 0 else load``) made PDL a loss at K = 4096+,
-    where the loop runs 4-12 chunks. H200, PDL on, overlapped batch-1 decode (session 14, two runs each, one
-    lease): Qwen3-8B 5.18 -> 4.33 ms per token, Qwen3-0.6B (one or two chunks a row) 0.801 -> 0.785; with no
-    first tile before the wait at all, 4.26 and 0.857."""
+                 PEEL: tl.constexpr = True, PDL: tl.constexpr = False):
+    """PEEL (rows of one or two K chunks, ``peel_first_chunk``): the first chunk is peeled off the loop, its
+    weight tile loaded before pdl.enter (with PDL it streams in while the kernel before this one finishes), the
+    loop over the other chunks one body. Rows of more chunks run one loop from 0 after the wait. The tile chosen
+    inside the loop instead (``w = w_first if k0 == 0 else load``) made PDL a loss at K = 4096+, where the loop
+    runs 4-12 chunks. H200, PDL on, overlapped batch-1 decode (session 14, two runs each, one lease): peeled at
+    every row, Qwen3-8B 5.18 -> 4.33 ms per token, Qwen3-0.6B (one or two chunks a row) 0.801 -> 0.785; with no
+    first tile before the wait at any row, 4.26 and 0.857. Both ways acc starts from the first chunk's products
+    (0 + p = p): the same sums in the same order."""
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
     rk = tl.arange(0, BLOCK_K)
     kmask = rk < K
-    w = _load_w(w_ptr, rn, rk, nmask, kmask, stride_wn, EVEN_K)     # a weight: nothing earlier writes it
+    if PEEL:
+        w = _load_w(w_ptr, rn, rk, nmask, kmask, stride_wn, EVEN_K)     # a weight: nothing earlier writes it
     pdl.enter(PDL)      # engine/pdl.py: everything below may read what the kernel before this one wrote
     rstd = 0.0
     if NORM:        # rstd of the whole row (h = x + residual, rounded), as _rms_norm_kernel computes it
@@ -95,9 +98,14 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
             row = (row.to(tl.float32) + tl.load(res_ptr + offs, mask=rmask, other=0.0).to(tl.float32)).to(row.dtype)
         rf = row.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, 0) / K + eps)
-    x = _x_chunk(x_ptr, res_ptr, nw_ptr, h_ptr, rk, kmask, rstd, pid, K, EVEN_K, SILU_MUL, NORM, HAS_RES)
-    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    if PEEL:
+        x = _x_chunk(x_ptr, res_ptr, nw_ptr, h_ptr, rk, kmask, rstd, pid, K, EVEN_K, SILU_MUL, NORM, HAS_RES)
+        acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        start = BLOCK_K
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        start = 0
+    for k0 in range(start, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
         kmask = rk < K
         x = _x_chunk(x_ptr, res_ptr, nw_ptr, h_ptr, rk, kmask, rstd, pid, K, EVEN_K, SILU_MUL, NORM, HAS_RES)
@@ -105,6 +113,12 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, 1)
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
+
+
+def peel_first_chunk(k: int, block_k: int) -> bool:
+    """Whether the kernel loads a row's first weight tile before its PDL wait: at one or two K chunks (every
+    Qwen3-0.6B row), not at more (every Qwen3-8B row; see _gemv_kernel)."""
+    return triton.cdiv(k, block_k) <= 2
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
@@ -137,7 +151,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch
     block_n, block_k, warps = gemv_config(n, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n,
                                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul,
-                                             num_warps=warps, **pdl.launch(x))
+                                             PEEL=peel_first_chunk(k, block_k), num_warps=warps, **pdl.launch(x))
     return y
 
 
@@ -159,5 +173,6 @@ def normed_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor
                                              res_ptr=x if residual is None else residual, nw_ptr=norm_weight,
                                              h_ptr=y if h is None else h, eps=eps, NORM=True,
                                              HAS_RES=residual is not None, BLOCK_ROW=triton.next_power_of_2(k),
-                                             num_warps=NORM_WARPS, **pdl.launch(x))
+                                             PEEL=peel_first_chunk(k, block_k), num_warps=NORM_WARPS,
+                                             **pdl.launch(x))
     return y, h

@@ -22,7 +22,7 @@ import pytest
 from interp import interpreted, interpreter_ready, narrow_head
 
 # (N, K): K a multiple of the GEMV's tile and not; N a multiple of the band and not; one band (a single program)
-SHAPES = [(24, 64), (37, 80), (16, 1024), (9, 640), (8, 64)]
+SHAPES = [(24, 64), (37, 80), (16, 1024), (9, 640), (8, 64), (12, 1600)]
 DTYPES = ("float32", "bfloat16")
 # (HQ, HK, D): heads that fill their power-of-two tile and not (v row 3 * 32 wide)
 HEADS = [(4, 2, 32), (6, 3, 32)]

@@ -14,8 +14,10 @@ import pytest
 
 from interp import interpreted, interpreter_ready, narrow_head
 
-# (N, K): K a multiple of its tile and not; N a multiple of the band and not
-SHAPES = [(24, 64), (37, 80), (16, 1024), (9, 640)]
+# (N, K): K a multiple of its tile and not; N a multiple of the band and not; one or two K chunks (the first
+# peeled off the loop) and three or four (one loop from 0)
+SHAPES = [(24, 64), (37, 80), (16, 1024), (9, 640), (8, 1536), (12, 1600)]
+PEEL_SHAPES = [(16, 1024), (8, 1536), (12, 1600)]
 DTYPES = ("float32", "bfloat16")
 
 
@@ -33,6 +35,13 @@ def test_gemv_matches_linear(results, dtype, silu_mul):
         # float32: the same products summed in another order; bfloat16: the output's rounding, and with the
         # prologue the activation's (the interpreter rounds float32 -> bfloat16 by truncation, torch to nearest)
         assert r["max_rel_err"] <= (1e-5 if dtype == "float32" else 2e-2 if silu_mul else 8e-3), (n, k, r)
+
+
+def test_the_peeled_and_the_plain_loop_give_the_same_bits(results):
+    # the rule picks one way per row (peel_first_chunk); forced both ways each shape's output is bit-equal
+    assert set(results["peel"]) == {f"{n}x{k}-{dt}" for n, k in PEEL_SHAPES for dt in DTYPES}, results["peel"]
+    for key, r in results["peel"].items():
+        assert r["chunks"] >= 2 and r["equal"], (key, r)
 
 
 def test_one_token_forward_with_the_gemv_gives_the_plain_logits(results):
@@ -59,6 +68,28 @@ def _case(n: int, k: int, dtype: str, silu_mul: bool) -> dict:
     ref = F.linear(x.float(), w.float())
     err = ((y.float() - ref).abs().max() / ref.abs().max()).item()       # normwise
     return {"shape": list(y.shape), "dtype": str(y.dtype).replace("torch.", ""), "max_rel_err": err}
+
+
+def _peel(n: int, k: int, dtype: str) -> dict:
+    """The same GEMV with its first chunk peeled and with one loop from 0 (peel_first_chunk forced)."""
+    import torch
+    import triton
+
+    import engine.layers.gemv as gemv_mod
+
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(n * 1000 + k + 1)
+    x = torch.randn(1, k, generator=gen).to(dt)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dt)
+    real = gemv_mod.peel_first_chunk
+    try:
+        ys = []
+        for force in (True, False):
+            gemv_mod.peel_first_chunk = lambda k_, block_k, force=force: force
+            ys.append(gemv_mod.gemv(x, w))
+    finally:
+        gemv_mod.peel_first_chunk = real
+    return {"chunks": triton.cdiv(k, gemv_mod.gemv_config(n, k)[1]), "equal": torch.equal(ys[0], ys[1])}
 
 
 def _model(model_dir: str) -> dict:
@@ -104,7 +135,8 @@ def main() -> None:
     if not interpreter_ready(lambda: _case(8, 64, "float32", False)):
         return
     cases = {f"{n}x{k}-{dt}-{s}": _case(n, k, dt, s) for n, k in SHAPES for dt in DTYPES for s in (False, True)}
-    print(json.dumps({"cases": cases, "model": _model(sys.argv[1])}))
+    peel = {f"{n}x{k}-{dt}": _peel(n, k, dt) for n, k in PEEL_SHAPES for dt in DTYPES}
+    print(json.dumps({"cases": cases, "peel": peel, "model": _model(sys.argv[1])}))
 
 
 if __name__ == "__main__":
