@@ -129,13 +129,18 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     roof); its qkv [6144, 4096] was fastest at the general row (15.51 us, 0.78). The two rows for K <= 3072 are
     the fastest of 60-72 settings at Qwen3-0.6B's shapes, 28 calls (distinct weights) in a graph with PDL on, on
     an H200 (session 11, .gpu/gemv_sweep.py): 0.176 ms less per batch-1 step; its qkv [4096, 1024] stays at the
-    general row (4.41 us, within 6% of the best)."""
+    general row (4.41 us, within 6% of the best). The two rows of 2 x 4096 tiles (one chunk, peeled) are the
+    fastest of 58 settings at Qwen3-8B's LM head [151936, 4096] and o [4096, 4096], 8 and 36 calls in a graph
+    with PDL on, on an H200 (session 16, a probe outside the repository): 282.7 -> 273.6 us and 9.89 -> 9.20 us; there its
+    qkv, gate_up (both normed) and down kept the rows they had (the fastest of 29-58)."""
+    if n >= 65536 and k >= 4096:        # an LM head at K = 4096
+        return 2, 4096, 8
     if n >= 16384:
         return 32, 512, 8
     if k > 8192:
         return 4, 1024, 4
     if k >= 4096 and n <= 4096:
-        return 16, 1024, 8
+        return 2, 4096, 8
     if n <= 2048 and k >= 2048:         # Qwen3-0.6B's o [1024, 2048] 3.65 -> 2.13 us, down [1024, 3072] 6.30 -> 3.48
         return 4, 2048, 8
     if n >= 6144 and k <= 2048:         # its gate_up [6144, 1024] (normed: 16 bands at 4 warps) 6.78 -> 5.08 us
