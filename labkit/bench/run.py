@@ -238,15 +238,19 @@ def bench_graph_vs_eager(model_dir: str, device: str, attention: str) -> dict:
     return facts
 
 
-def bench_latency(model_dir: str, device: str, attention: str, batches=(1, 8, 64), input_len=128,
-                  output_len=128, modes: list[tuple[str, bool, bool]] | None = None) -> dict:
+LATENCY_BATCHES = (1, 8, 64)
+
+
+def bench_latency(model_dir: str, device: str, attention: str, batches=LATENCY_BATCHES, input_len=128,
+                  output_len=128, modes: list[tuple[str, bool, bool]] | None = None, rounds: int = 1) -> dict:
     """Time per output token at each batch: eager and graph one step at a time (each step timed alone, from
     a synchronized start), and on CUDA graph_overlap, the overlapped decode `labkit serve` runs by default:
     there a step's tokens arrive while the next step computes, so the time per token is the interval
     between two consecutive steps' outputs (no synchronization between them). ``gpu``: the same steps as the
     GPU ran them (their device spans, engine/device_clock.py): each step's time on the GPU and the gaps
     between consecutive steps, where it had nothing of the engine's to run (None off CUDA).
-    modes: (name, enforce_eager, overlap) to run (default: the three above)."""
+    modes: (name, enforce_eager, overlap) to run (default: the three above). rounds: timed passes of each
+    batch after its warm-up (the median is over every step of them; ``round_medians`` says how they spread)."""
     from labkit.bench.spans import device_stats
 
     facts = {}
@@ -261,34 +265,45 @@ def bench_latency(model_dir: str, device: str, attention: str, batches=(1, 8, 64
         for b in batches:
             prompts, params = fixed_workload(b, input_len, output_len)
             engine.generate(prompts, params)                     # warm-up at this batch size
-            for p, sp in zip(prompts, params):
-                engine.add_request(p, sp)
-            step_ms, spans = [], []
-            last = None
-            while not engine.is_finished():
-                if not overlap:
-                    _sync()
-                t0 = time.perf_counter()
-                out = engine.step()
-                now = time.perf_counter()
-                full = not out.is_prefill and len(out.seqs) == b
-                if full and (not overlap or last is not None):
-                    step_ms.append((now - (last if overlap else t0)) * 1e3)
-                if full and out.device_span is not None:
-                    spans.append((*out.device_span, b))
-                last = now if full else None
+            step_ms, spans, round_medians = [], [], []
+            for _ in range(rounds):
+                ms = _latency_round(engine, prompts, params, b, overlap, spans)
+                round_medians.append(round(statistics.median(ms), 4))
+                step_ms += ms
             gpu = device_stats(spans, None, None, b)
             facts[mode][f"batch_{b}"] = {"decode_steps": len(step_ms),
                                          "ms_per_output_token_median": round(statistics.median(step_ms), 4),
                                          "ms_per_output_token_mean": round(statistics.fmean(step_ms), 4),
                                          "gpu": {"busy_fraction": gpu["gpu_busy_fraction"],
                                                  "step_ms": gpu["wide_gpu_step_ms"], "gap_ms": gpu["wide_gpu_gap_ms"]}}
+            if rounds > 1:
+                facts[mode][f"batch_{b}"]["round_medians"] = round_medians
             bound = latency_bound(engine, device, b, input_len + output_len / 2)
             if bound is not None:
                 bound["measured_over_bound"] = round(statistics.median(step_ms) / bound["bound_ms_per_step"], 3)
                 facts[mode][f"batch_{b}"]["bound"] = bound
         _release(engine)
     return facts
+
+
+def _latency_round(engine: LLMEngine, prompts, params, batch: int, overlap: bool, spans: list) -> list[float]:
+    """One pass of the batch: ms per output token of each full decode step (appends their device spans)."""
+    for p, sp in zip(prompts, params):
+        engine.add_request(p, sp)
+    step_ms, last = [], None
+    while not engine.is_finished():
+        if not overlap:
+            _sync()
+        t0 = time.perf_counter()
+        out = engine.step()
+        now = time.perf_counter()
+        full = not out.is_prefill and len(out.seqs) == batch
+        if full and (not overlap or last is not None):
+            step_ms.append((now - (last if overlap else t0)) * 1e3)
+        if full and out.device_span is not None:
+            spans.append((*out.device_span, batch))
+        last = now if full else None
+    return step_ms
 
 
 def latency_bound(engine: LLMEngine, device: str, batch: int, context: float) -> dict | None:
@@ -345,7 +360,9 @@ def bench_hf_baseline(model_dir: str, device: str, attention: str, num_seqs: int
 def run_bench(workload: str, out: Path | None = None, model: str | None = None, device: str = "auto",
               attention: str = "auto", baseline: str | None = None, repeats: int = 1, eager: bool = False,
               profile: bool = False, sweep: bool = False, overlap: bool | None = None, sampling: str = "plain",
-              json_schema: Path | None = None) -> dict:
+              json_schema: Path | None = None, batch: int | None = None) -> dict:
+    """batch (latency): that batch only, not LATENCY_BATCHES (evidence no checkpoint judges); repeats: the
+    nano-vllm workload's timed repeats, the latency workload's rounds per batch."""
     from labkit.lab_engine import detect_device
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model
@@ -366,6 +383,10 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
         raise UserError("--sampling applies to --workload nano-vllm")
     if json_schema is not None and workload != "nano-vllm":
         raise UserError("--json-schema applies to --workload nano-vllm")
+    if batch is not None and (workload != "latency" or batch < 1):
+        raise UserError("--batch applies to --workload latency (and step-budget) and must be at least 1")
+    if repeats != 1 and workload not in ("nano-vllm", "latency"):
+        raise UserError("--repeats applies to --workload nano-vllm and latency")
     schema = load_json_schema(json_schema) if json_schema is not None else None
     device = detect_device(device)
     if overlap is None:     # nano-vllm: overlapped decode by default on CUDA (--no-overlap for the sync path)
@@ -384,7 +405,12 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
     elif workload == "graph-vs-eager":
         facts, checkpoint = bench_graph_vs_eager(model_dir, device, attention), "cuda.graph-vs-eager"
     else:
-        facts, checkpoint = bench_latency(model_dir, device, attention), "cuda.latency"
+        facts = bench_latency(model_dir, device, attention, batches=(batch,) if batch else LATENCY_BATCHES,
+                              rounds=repeats)
+        checkpoint = "cuda.latency"
+        if batch is not None:
+            checkpoint = None
+            facts["not_judged"] = f"--batch {batch}: cuda.latency judges batches {', '.join(map(str, LATENCY_BATCHES))}"
     if baseline == "hf":
         facts["baseline_hf"] = bench_hf_baseline(model_dir, device, attention)
     facts["device"] = device

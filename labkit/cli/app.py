@@ -396,7 +396,7 @@ def generate(
 def bench(
     workload: Annotated[str, typer.Option("--workload", help="nano-vllm | graph-vs-eager | latency | attention | serve | step-budget.")] = "nano-vllm",
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="hf: transformers generate on a fraction of the workload, same GPU, same run.")] = None,
-    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats (nano-vllm workload).")] = 1,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats (nano-vllm); rounds per batch (latency).")] = 1,
     enforce_eager: EnforceEagerOpt = False,
     profile: Annotated[bool, typer.Option("--profile", help="nano-vllm: one more, instrumented pass: time by phase and part, top GPU kernels of a decode window.")] = False,
     sweep: Annotated[bool, typer.Option("--sweep", help="attention: also time every knob setting of the Triton decode kernel.")] = False,
@@ -408,7 +408,7 @@ def bench(
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="serve: output tokens per request (default 512).")] = None,
     sampling: Annotated[str, typer.Option("--sampling", help="nano-vllm: plain (temperature only) | heavy (top_p 0.9, top_k 50, repetition_penalty 1.1 on every request).")] = "plain",
     json_schema: Annotated[Optional[Path], typer.Option("--json-schema", help="nano-vllm: every request's output under this JSON schema (xgrammar, compact JSON); e.g. workloads/bench-schema.json.")] = None,
-    batch: Annotated[Optional[int], typer.Option("--batch", help="step-budget: sequences decoding together (default 256).")] = None,
+    batch: Annotated[Optional[int], typer.Option("--batch", help="step-budget: sequences decoding together (default 256); latency: this batch only (default 1, 8 and 64).")] = None,
     context: Annotated[Optional[int], typer.Option("--context", help="step-budget: prompt tokens of each sequence (default 1024).")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="step-budget: decode steps timed and profiled per pass (default 20).")] = None,
     warm_steps: Annotated[Optional[int], typer.Option("--warm-steps", help="step-budget: decode steps run before each pass (default 5).")] = None,
@@ -443,8 +443,10 @@ def bench(
                                              "--json-schema": json_schema is not None},
                                      show=not json_out)
         finish(record, record["_paths"], json_out=json_out)
-    if any(v is not None for v in (batch, context, steps, warm_steps)):
-        raise UserError("--batch, --context, --steps and --warm-steps apply to --workload step-budget")
+    if batch is not None and workload != "latency":
+        raise UserError("--batch applies to --workload step-budget and latency")
+    if any(v is not None for v in (context, steps, warm_steps)):
+        raise UserError("--context, --steps and --warm-steps apply to --workload step-budget")
     if workload != "serve" and not detect_device(device).startswith("cuda"):   # minutes on a CPU, nothing to show
         raise UserError("bench is a GPU tool and this run would use the CPU (no CUDA here, or --device cpu); "
                         "try the engine on CPU with `labkit generate` instead (or `--workload serve` with a small trace)")
@@ -458,7 +460,7 @@ def bench(
     else:
         record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
                            baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,
-                           overlap=overlap, sampling=sampling, json_schema=json_schema)
+                           overlap=overlap, sampling=sampling, json_schema=json_schema, batch=batch)
     if not json_out and workload == "serve":        # a table; the whole facts are in the evidence file
         console.print(dict_table(bench_serve_rows(record["facts"]), title="bench serve (tok/s of output tokens)"))
     elif not json_out:

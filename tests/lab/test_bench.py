@@ -60,6 +60,9 @@ def test_profile_run_accounts_for_every_step(lab_engine):
     (dict(workload="latency", json_schema=ROOT / "workloads/bench-schema.json"), "--json-schema applies"),
     (dict(workload="nano-vllm", json_schema=ROOT / "README.md"), "cannot read a JSON schema"),
     (dict(workload="nano-vllm", json_schema="no/such/file.json"), "cannot read a JSON schema"),
+    (dict(workload="nano-vllm", batch=1), "--batch applies"),
+    (dict(workload="latency", batch=0), "--batch applies"),
+    (dict(workload="attention", repeats=2), "--repeats applies"),
 ])
 def test_bench_rejects_bad_combinations(kw, message, tmp_path):
     with pytest.raises(UserError, match=message):
@@ -324,3 +327,34 @@ def test_latency_reads_each_full_decode_step_s_gpu_span(tiny_model_dir, monkeypa
                         modes=[("eager", True, False)])["eager"]["batch_2"]["gpu"]
     assert gpu["step_ms"]["n"] == 4 and gpu["step_ms"]["p50"] == 0.6 and gpu["step_ms"]["max"] == 0.6
     assert gpu["gap_ms"]["n"] == 3 and gpu["gap_ms"]["p50"] == 0.4 and gpu["busy_fraction"] == round(2.4 / 3.6, 4)
+
+
+def test_latency_rounds_pool_their_steps_and_say_each_round_s_median(tiny_model_dir):
+    from labkit.bench.run import bench_latency
+
+    r = bench_latency(str(tiny_model_dir), "cpu", "torch", batches=(1,), input_len=8, output_len=5,
+                      modes=[("eager", True, False)], rounds=3)["eager"]
+    assert set(r) == {"engine", "batch_1"}
+    b1 = r["batch_1"]
+    assert b1["decode_steps"] == 3 * 4 and len(b1["round_medians"]) == 3
+    assert min(b1["round_medians"]) <= b1["ms_per_output_token_median"] <= max(b1["round_medians"])
+
+
+def test_latency_at_one_batch_is_evidence_no_checkpoint_judges(tiny_model_dir, tmp_path, monkeypatch):
+    """--batch narrows the latency workload to one batch; cuda.latency judges batches 1, 8 and 64, so that
+    evidence names no checkpoint and says why; the default run names it. (The run is stubbed: CUDA only.)"""
+    import labkit.assets.identity as identity
+    import labkit.bench.run as bench_run
+    import labkit.lab_engine as lab_engine
+
+    seen = []
+    real = identity.model_identity      # the tiny preset is judged by no checkpoint: a checkpoint model's identity
+    monkeypatch.setattr(identity, "model_identity", lambda path: {**real(path), "synthetic": False, "preset": None})
+    monkeypatch.setattr(lab_engine, "detect_device", lambda device: "cuda")
+    monkeypatch.setattr(bench_run, "bench_latency", lambda *a, **kw: seen.append(kw) or {})
+    one = run_bench("latency", out=tmp_path / "one.json", model=str(tiny_model_dir), batch=1, repeats=5)
+    assert seen[-1]["batches"] == (1,) and seen[-1]["rounds"] == 5
+    assert one["checkpoint"] is None and "--batch 1" in one["facts"]["not_judged"]
+    default = run_bench("latency", out=tmp_path / "all.json", model=str(tiny_model_dir))
+    assert seen[-1]["batches"] == (1, 8, 64) and seen[-1]["rounds"] == 1
+    assert default["checkpoint"] == "cuda.latency" and "not_judged" not in default["facts"]
