@@ -122,17 +122,17 @@ def peel_first_chunk(k: int, block_k: int) -> bool:
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight: wide tiles along K, and enough bands of output
-    features that every SM streams several. The rows for K >= 4096 are the fastest of 54 settings per shape
-    in a 36-call graph on an H200 (issue 13, session 8): Qwen3-8B's o [4096, 4096] 10.96 -> 10.50 us and
-    down [4096, 12288] 27.98 -> 26.24 us (0.74 -> 0.77 and 0.87 -> 0.92 of the weight read at the copy
-    roof); its qkv [6144, 4096] was fastest at the general row (15.51 us, 0.78). The two rows for K <= 3072 are
-    the fastest of 60-72 settings at Qwen3-0.6B's shapes, 28 calls (distinct weights) in a graph with PDL on, on
-    an H200 (session 11, .gpu/gemv_sweep.py): 0.176 ms less per batch-1 step; its qkv [4096, 1024] stays at the
-    general row (4.41 us, within 6% of the best). The two rows of 2 x 4096 tiles (one chunk, peeled) are the
-    fastest of 58 settings at Qwen3-8B's LM head [151936, 4096] and o [4096, 4096], 8 and 36 calls in a graph
-    with PDL on, on an H200 (session 16, a probe outside the repository): 282.7 -> 273.6 us and 9.89 -> 9.20 us; there its
-    qkv, gate_up (both normed) and down kept the rows they had (the fastest of 29-58)."""
+    """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight: wide tiles along K, and enough bands of output features
+    that every SM streams several. The rows for K >= 4096 are the fastest of 54 settings per shape in a 36-call
+    graph on an H200 (issue 13, session 8): Qwen3-8B's o [4096, 4096] 10.96 -> 10.50 us (a row since replaced,
+    below) and down [4096, 12288] 27.98 -> 26.24 us (0.74 -> 0.77 and 0.87 -> 0.92 of the weight read at the copy
+    roof); its qkv [6144, 4096] was fastest at the general row (15.51 us, 0.78). The two rows for K <= 3072 are the
+    fastest of 60-72 settings at Qwen3-0.6B's shapes, 28 calls (distinct weights) in a graph with PDL on, on an H200
+    (session 11, .gpu/gemv_sweep.py): 0.176 ms less per batch-1 step; its qkv [4096, 1024] stays at the general row
+    (4.41 us, within 6% of the best). The two rows of 2 x 4096 tiles (one chunk, peeled) are the fastest of 58
+    settings at Qwen3-8B's LM head [151936, 4096] and o [4096, 4096], 8 and 36 calls in a graph with PDL on, on an
+    H200 (session 16, a probe outside the repository): 282.7 -> 273.6 us and 9.89 -> 9.20 us; there its qkv, gate_up
+    (both normed) and down kept the rows they had (the fastest of 29-58)."""
     if n >= 65536 and k >= 4096:        # an LM head at K = 4096
         return 2, 4096, 8
     if n >= 16384:
