@@ -131,8 +131,8 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     (session 11, .gpu/gemv_sweep.py): 0.176 ms less per batch-1 step; its qkv [4096, 1024] stays at the general row
     (4.41 us, within 6% of the best). The two rows of 2 x 4096 tiles (one chunk, peeled) are the fastest of 58
     settings at Qwen3-8B's LM head [151936, 4096] and o [4096, 4096], 8 and 36 calls in a graph with PDL on, on an
-    H200 (session 16, a probe outside the repository): 282.7 -> 273.6 us and 9.89 -> 9.20 us; there its qkv, gate_up
-    (both normed) and down kept the rows they had (the fastest of 29-58)."""
+    H200 (session 16, a probe whose method `labkit bench --workload gemv --sweep` now runs): 282.7 -> 273.6 us and
+    9.89 -> 9.20 us; there its qkv, gate_up (both normed) and down kept the rows they had (the fastest of 29-58)."""
     if n >= 65536 and k >= 4096:        # an LM head at K = 4096
         return 2, 4096, 8
     if n >= 16384:
@@ -148,12 +148,14 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     return 8, (512 if k >= 512 else triton.next_power_of_2(k)), 4
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-    """x [1, K] (silu_mul: [1, 2K]) @ weight[N, K].T -> [1, N] in x's dtype."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
+         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [1, K] (silu_mul: [1, 2K]) @ weight[N, K].T -> [1, N] in x's dtype. config: a tile in place of
+    gemv_config's (labkit bench --workload gemv --sweep)."""
     n, k = weight.shape
     assert x.shape == (1, 2 * k if silu_mul else k) and x.is_contiguous() and weight.stride(1) == 1
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = gemv_config(n, k)
+    block_n, block_k, warps = config or gemv_config(n, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n,
                                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul,
                                              PEEL=peel_first_chunk(k, block_k), num_warps=warps, **pdl.launch(x))
@@ -161,7 +163,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False) -> torch
 
 
 def normed_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                residual: torch.Tensor | None = None,
+                config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm(x [+ residual]) [1, K] @ weight[N, K].T -> ([1, N], the new residual h = x + residual or None);
     bit-identical to ``rms_norm(x, norm_weight, eps, residual)`` then ``gemv``."""
     n, k = weight.shape
@@ -171,7 +174,7 @@ def normed_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor
     if residual is not None:
         assert residual.shape == (1, k) and residual.is_contiguous() and residual.dtype == x.dtype
         h = torch.empty_like(x)
-    block_n, block_k, warps = gemv_config(n, k)
+    block_n, block_k, warps = config or gemv_config(n, k)
     block_n = max(1, block_n * NORM_WARPS // warps)       # the same elements per thread at NORM_WARPS
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n,
                                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, SILU_MUL=False,

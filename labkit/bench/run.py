@@ -18,7 +18,7 @@ from labkit.paths import default_out
 
 #: the model the bench checkpoints' figures are for (a synthetic run of another preset is judged by none)
 CHECKPOINT_PRESET = "qwen3-0.6b"
-WORKLOADS = ("nano-vllm", "graph-vs-eager", "latency", "attention")
+WORKLOADS = ("nano-vllm", "graph-vs-eager", "latency", "attention", "gemv")
 # nano-vllm's bench.py engine settings
 NANO_VLLM_ENGINE = dict(max_model_len=4096, max_num_batched_tokens=16384, max_num_seqs=512,
                         gpu_memory_utilization=0.9)
@@ -373,8 +373,8 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
         raise UserError(f"unknown baseline {baseline!r}: the only baseline is hf")
     if profile and workload != "nano-vllm":
         raise UserError("--profile applies to --workload nano-vllm")
-    if sweep and workload != "attention":
-        raise UserError("--sweep applies to --workload attention")
+    if sweep and workload not in ("attention", "gemv"):
+        raise UserError("--sweep applies to --workload attention and gemv")
     if overlap and workload != "nano-vllm":
         raise UserError("--overlap applies to --workload nano-vllm")
     if sampling not in SAMPLING:
@@ -393,6 +393,8 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
         overlap = workload == "nano-vllm" and device.startswith("cuda")
     if workload == "attention":
         return _run_attention_bench(out, device, attention, sweep)
+    if workload == "gemv":
+        return _run_gemv_bench(out, model, device, sweep)
     if not device.startswith("cuda") and (workload != "nano-vllm" or not eager):
         raise UserError(f"bench --workload {workload} needs CUDA (graphs); on CPU only `--workload nano-vllm --enforce-eager` runs")
     ref = resolve_model(model, device)
@@ -428,6 +430,22 @@ def judged_checkpoint(checkpoint: str | None, identity: dict, facts: dict) -> st
         facts["not_judged"] = f"model preset {identity['preset']}: {checkpoint}'s figures are {CHECKPOINT_PRESET}'s"
         return None
     return checkpoint
+
+
+def _run_gemv_bench(out: Path | None, model: str | None, device: str, sweep: bool) -> dict:
+    """The batch-1 GEMV at the model's shapes (labkit/bench/gemv.py): evidence no checkpoint judges."""
+    from engine.config import ModelShape, read_model_dir
+    from labkit.assets.identity import model_identity
+    from labkit.assets.resolve import resolve_model
+    from labkit.bench.gemv import bench_gemv
+
+    if not device.startswith("cuda"):
+        raise UserError("bench --workload gemv needs CUDA (it times GPU kernels)")
+    ref = resolve_model(model, device)
+    facts = bench_gemv(ModelShape.from_hf(read_model_dir(ref.path)), sweep=sweep)
+    facts["device"] = device
+    return write_evidence(out or default_out("bench-gemv.json"), checkpoint=None, kind="gpu-measured",
+                          facts=facts, device=device, model=dict(model_identity(ref.path)))
 
 
 def _run_attention_bench(out: Path | None, device: str, attention: str, sweep: bool) -> dict:

@@ -394,12 +394,12 @@ def generate(
 
 @app.command()
 def bench(
-    workload: Annotated[str, typer.Option("--workload", help="nano-vllm | graph-vs-eager | latency | attention | serve | step-budget.")] = "nano-vllm",
+    workload: Annotated[str, typer.Option("--workload", help="nano-vllm | graph-vs-eager | latency | attention | gemv | serve | step-budget.")] = "nano-vllm",
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="hf: transformers generate on a fraction of the workload, same GPU, same run.")] = None,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats (nano-vllm); rounds per batch (latency).")] = 1,
     enforce_eager: EnforceEagerOpt = False,
     profile: Annotated[bool, typer.Option("--profile", help="nano-vllm: one more, instrumented pass: time by phase and part, top GPU kernels of a decode window.")] = False,
-    sweep: Annotated[bool, typer.Option("--sweep", help="attention: also time every knob setting of the Triton decode kernel.")] = False,
+    sweep: Annotated[bool, typer.Option("--sweep", help="attention: also time every knob setting of the Triton decode kernel; gemv: every tile setting of the batch-1 GEMV.")] = False,
     overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", show_default=False, help="nano-vllm, serve: launch each decode step before reading the previous one's tokens. Default: on on CUDA, off on CPU.")] = None,
     requests: Annotated[Optional[int], typer.Option("--requests", help="serve: trace requests (default 256, issue 13's trace).")] = None,
     prompt_tokens: Annotated[Optional[int], typer.Option("--prompt-tokens", help="serve: short prompt tokens (default 512).")] = None,

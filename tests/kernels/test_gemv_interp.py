@@ -44,6 +44,13 @@ def test_the_peeled_and_the_plain_loop_give_the_same_bits(results):
         assert r["chunks"] >= 2 and r["equal"], (key, r)
 
 
+def test_a_tile_given_is_the_one_launched(results):
+    # config= (labkit bench --workload gemv --sweep) replaces gemv_config: with gemv_config raising, the GEMV
+    # and the normed GEMV given gemv_config's own tile give its bits, and another tile gives the product too
+    r = results["config"]
+    assert r["plain_equal"] and r["normed_equal"] and r["other_tile_rel_err"] <= 1e-5, r
+
+
 def test_one_token_forward_with_the_gemv_gives_the_plain_logits(results):
     r = results["model"]
     assert r["gemv_calls"] > 0 and r["silu_calls"] > 0, r        # the projections and the MLP's down took it
@@ -92,6 +99,37 @@ def _peel(n: int, k: int, dtype: str) -> dict:
     return {"chunks": triton.cdiv(k, gemv_mod.gemv_config(n, k)[1]), "equal": torch.equal(ys[0], ys[1])}
 
 
+def _config() -> dict:
+    """gemv / normed_gemv with config= while gemv_config raises (float32, [12, 1600])."""
+    import torch
+    import torch.nn.functional as F
+
+    import engine.layers.gemv as gemv_mod
+
+    gen = torch.Generator().manual_seed(7)
+    x, res = torch.randn(1, 1600, generator=gen), torch.randn(1, 1600, generator=gen)
+    w, nw = torch.randn(12, 1600, generator=gen) / 40, torch.rand(1600, generator=gen) + 0.5
+    tile = gemv_mod.gemv_config(12, 1600)
+    plain, (normed, _) = gemv_mod.gemv(x, w), gemv_mod.normed_gemv(x, w, nw, 1e-6, res)
+    real = gemv_mod.gemv_config
+
+    def refuse(n, k):
+        raise AssertionError("gemv_config called although a tile was given")
+
+    gemv_mod.gemv_config = refuse
+    try:
+        given, (given_normed, _) = gemv_mod.gemv(x, w, config=tile), gemv_mod.normed_gemv(x, w, nw, 1e-6, res,
+                                                                                          config=tile)
+        other = gemv_mod.gemv(x, w, config=(4, 256, 4))
+    except AssertionError as e:
+        return {"error": str(e)}
+    finally:
+        gemv_mod.gemv_config = real
+    ref = F.linear(x, w)
+    return {"plain_equal": torch.equal(plain, given), "normed_equal": torch.equal(normed, given_normed),
+            "other_tile_rel_err": ((other - ref).abs().max() / ref.abs().max()).item()}
+
+
 def _model(model_dir: str) -> dict:
     """The tiny model's one-token forward, plain and with every projection's GEMV and the LM head's (the
     runner's fused switch on the linear layers and the head only: the norm and RoPE kernels are tested
@@ -136,7 +174,7 @@ def main() -> None:
         return
     cases = {f"{n}x{k}-{dt}-{s}": _case(n, k, dt, s) for n, k in SHAPES for dt in DTYPES for s in (False, True)}
     peel = {f"{n}x{k}-{dt}": _peel(n, k, dt) for n, k in PEEL_SHAPES for dt in DTYPES}
-    print(json.dumps({"cases": cases, "peel": peel, "model": _model(sys.argv[1])}))
+    print(json.dumps({"cases": cases, "peel": peel, "config": _config(), "model": _model(sys.argv[1])}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,147 @@
+"""`labkit bench --workload gemv`: the one-token GEMV (engine/layers/gemv.py) at a model's batch-1 shapes.
+
+Each projection a decode step at batch 1 runs (qkv and gate_up with their RMSNorm inside, o, down with the
+SiLU-and-mul inside, the LM head) is timed as the engine runs it: one call per layer, each on its own weight
+(so no call reads another's from L2), captured in one CUDA graph, with programmatic dependent launch where the
+GPU has it. Each figure stands beside the weight read at the copy roof measured in the same run. With
+``--sweep`` every tile setting (BLOCK_N, BLOCK_K, warps) is timed as well, fastest first, so a row of
+``gemv_config`` comes with its evidence. Random weights of the model's shapes: no checkpoint is loaded.
+"""
+from __future__ import annotations
+
+import statistics
+
+from engine.config import ModelShape
+
+#: the settings --sweep tries: tiles of 1 K to 64 K elements, BLOCK_K at most the row
+BLOCK_NS = (1, 2, 4, 8, 16, 32, 64)
+BLOCK_KS = (256, 512, 1024, 2048, 4096)
+WARPS = (4, 8)
+TILE_ELEMENTS = (1024, 65536)
+#: the graph holds at most this many weight bytes (the LM head gets fewer calls than there are layers)
+GRAPH_BYTES = 8 << 30
+
+
+def gemv_shapes(shape: ModelShape) -> dict[str, tuple[int, int, str]]:
+    """name -> (N, K, mode) of one token's projections, mode plain | normed | silu (the kernel's prologue)."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    return {"qkv": (q + 2 * kv, shape.hidden_size, "normed"), "o": (shape.hidden_size, q, "plain"),
+            "gate_up": (2 * shape.intermediate_size, shape.hidden_size, "normed"),
+            "down": (shape.hidden_size, shape.intermediate_size, "silu"),
+            "lm_head": (shape.vocab_size, shape.hidden_size, "plain")}
+
+
+def launched(config: tuple[int, int, int], mode: str) -> tuple[int, int, int]:
+    """The tile a gemv_config row launches: the normed GEMV keeps the row's elements per thread at NORM_WARPS."""
+    from engine.layers.fused_kernels import NORM_WARPS
+
+    block_n, block_k, warps = config
+    return (max(1, block_n * NORM_WARPS // warps), block_k, NORM_WARPS) if mode == "normed" else config
+
+
+def candidates(n: int, k: int, mode: str, current: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+    """Every setting --sweep times at [n, k] (launched tiles), the current one included."""
+    from engine.layers.fused_kernels import NORM_WARPS
+
+    out = {launched(current, mode)}
+    for block_n in BLOCK_NS:
+        for block_k in BLOCK_KS:
+            if block_k > max(k, BLOCK_KS[0]) or not TILE_ELEMENTS[0] <= block_n * block_k <= TILE_ELEMENTS[1]:
+                continue
+            for warps in ((NORM_WARPS,) if mode == "normed" else WARPS):
+                out.add((block_n, block_k, warps))
+    return sorted(out)
+
+
+def graph_calls(n: int, k: int, layers: int, element_size: int) -> int:
+    """Calls (distinct weights) in one timed graph: one per layer, fewer where they would pass GRAPH_BYTES."""
+    return max(1, min(layers, GRAPH_BYTES // (n * k * element_size)))
+
+
+def step_summary(rows: dict, layers: int, roof_gbs: float) -> dict:
+    """The step's GEMV time at the current tiles (every projection once per layer, the LM head once) against
+    its weight read at the copy roof."""
+    us = sum(r["current"]["us"] * (1 if name == "lm_head" else layers) for name, r in rows.items())
+    nbytes = sum(r["weight_bytes"] * (1 if name == "lm_head" else layers) for name, r in rows.items())
+    bound_us = nbytes / (roof_gbs * 1e9) * 1e6
+    return {"gemv_us_per_step": round(us, 1), "weight_bytes_per_step": nbytes,
+            "bound_us_per_step": round(bound_us, 1), "share_of_roof": round(bound_us / us, 3)}
+
+
+def _graph_us(fn, calls: int, replays: int = 10) -> float:
+    """Median µs per call of ``fn`` (``calls`` launches) captured in one CUDA graph."""
+    import torch
+
+    fn()                                        # compiles this setting outside the capture
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    ms = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ms.append(a.elapsed_time(b))
+    return statistics.median(ms) * 1e3 / calls
+
+
+def _time_setting(n: int, k: int, mode: str, weights, config: tuple[int, int, int]) -> float:
+    import torch
+
+    from engine.layers.gemv import gemv, normed_gemv
+
+    dev, dt = weights[0].device, weights[0].dtype
+    x = torch.randn(1, 2 * k if mode == "silu" else k, device=dev, dtype=dt)
+    residual, norm_weight = torch.randn(1, k, device=dev, dtype=dt), torch.ones(k, device=dev, dtype=dt)
+
+    def calls():
+        for w in weights:
+            if mode == "normed":
+                normed_gemv(x, w, norm_weight, 1e-6, residual, config=config)
+            else:
+                gemv(x, w, silu_mul=mode == "silu", config=config)
+    return _graph_us(calls, len(weights))
+
+
+def bench_gemv(shape: ModelShape, sweep: bool = False, dtype: str = "bfloat16") -> dict:
+    """Every batch-1 projection of ``shape`` at its gemv_config tile (and with ``sweep`` every candidate)."""
+    import torch
+    import triton
+
+    from engine import pdl
+    from engine.layers.gemv import gemv_config, peel_first_chunk
+    from labkit.bench.attention import copy_roof_gbs
+
+    dt = getattr(torch, dtype)
+    pdl_on = pdl.enable("cuda")
+    roof = copy_roof_gbs()
+    element = torch.empty(0, dtype=dt).element_size()
+    rows = {}
+    for name, (n, k, mode) in gemv_shapes(shape).items():
+        calls = graph_calls(n, k, shape.num_layers, element)
+        weights = [torch.randn(n, k, device="cuda", dtype=dt) * k ** -0.5 for _ in range(calls)]
+        current = launched(gemv_config(n, k), mode)
+        settings = candidates(n, k, mode, gemv_config(n, k)) if sweep else [current]
+        timed = []
+        for config in settings:
+            us = _time_setting(n, k, mode, weights, config)
+            gbs = n * k * element / (us * 1e-6) / 1e9
+            timed.append({"tile": list(config), "peel_first_chunk": peel_first_chunk(k, config[1]),
+                          "chunks": triton.cdiv(k, config[1]), "us": round(us, 3), "gb_s": round(gbs, 1),
+                          "share_of_roof": round(gbs / roof, 3)})
+        now = next(t for t in timed if tuple(t["tile"]) == current)
+        rows[name] = {"n": n, "k": k, "mode": mode, "calls_per_graph": calls, "weight_bytes": n * k * element,
+                      "current": now}
+        if sweep:
+            ranked = sorted(timed, key=lambda t: t["us"])
+            rows[name].update(best=ranked[:5], tried=len(ranked), current_rank=ranked.index(now) + 1)
+        del weights
+        torch.cuda.empty_cache()
+    return {"dtype": dtype, "pdl": pdl_on, "copy_roof_gb_s": round(roof, 1), "sweep": sweep, "shapes": rows,
+            "step": step_summary(rows, shape.num_layers, roof),
+            "method": "one call per layer (distinct weights) in a CUDA graph, median of 10 replays, µs per call"}
