@@ -149,22 +149,25 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """x [1, K] (silu_mul: [1, 2K]) @ weight[N, K].T -> [1, N] in x's dtype. config: a tile in place of
-    gemv_config's (labkit bench --workload gemv --sweep)."""
+         config: tuple[int, int, int] | None = None, peel: bool | None = None) -> torch.Tensor:
+    """x [1, K] (silu_mul: [1, 2K]) @ weight[N, K].T -> [1, N] in x's dtype. config, peel: a tile in place of
+    gemv_config's, the first chunk peeled or not in place of peel_first_chunk's rule (labkit bench --workload
+    gemv)."""
     n, k = weight.shape
     assert x.shape == (1, 2 * k if silu_mul else k) and x.is_contiguous() and weight.stride(1) == 1
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = config or gemv_config(n, k)
+    peel = peel_first_chunk(k, block_k) if peel is None else peel
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n,
                                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul,
-                                             PEEL=peel_first_chunk(k, block_k), num_warps=warps, **pdl.launch(x))
+                                             PEEL=peel, num_warps=warps, **pdl.launch(x))
     return y
 
 
 def normed_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                 residual: torch.Tensor | None = None,
-                config: tuple[int, int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                config: tuple[int, int, int] | None = None,
+                peel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """RMSNorm(x [+ residual]) [1, K] @ weight[N, K].T -> ([1, N], the new residual h = x + residual or None);
     bit-identical to ``rms_norm(x, norm_weight, eps, residual)`` then ``gemv``."""
     n, k = weight.shape
@@ -176,11 +179,11 @@ def normed_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor
         h = torch.empty_like(x)
     block_n, block_k, warps = config or gemv_config(n, k)
     block_n = max(1, block_n * NORM_WARPS // warps)       # the same elements per thread at NORM_WARPS
+    peel = peel_first_chunk(k, block_k) if peel is None else peel
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n,
                                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, SILU_MUL=False,
                                              res_ptr=x if residual is None else residual, nw_ptr=norm_weight,
                                              h_ptr=y if h is None else h, eps=eps, NORM=True,
                                              HAS_RES=residual is not None, BLOCK_ROW=triton.next_power_of_2(k),
-                                             PEEL=peel_first_chunk(k, block_k), num_warps=NORM_WARPS,
-                                             **pdl.launch(x))
+                                             PEEL=peel, num_warps=NORM_WARPS, **pdl.launch(x))
     return y, h

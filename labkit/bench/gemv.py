@@ -5,7 +5,9 @@ SiLU-and-mul inside, the LM head) is timed as the engine runs it: one call per l
 (so no call reads another's from L2), captured in one CUDA graph, with programmatic dependent launch where the
 GPU has it. Each figure stands beside the weight read at the copy roof measured in the same run. With
 ``--sweep`` every tile setting (BLOCK_N, BLOCK_K, warps) is timed as well, fastest first, so a row of
-``gemv_config`` comes with its evidence. Random weights of the model's shapes: no checkpoint is loaded.
+``gemv_config`` comes with its evidence. The current tile (and with ``--sweep`` the five fastest) is timed again
+with the first K chunk's peel flipped (``peel_first_chunk``: whether its weight tile loads before the PDL wait).
+Random weights of the model's shapes: no checkpoint is loaded.
 """
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ def _graph_us(fn, calls: int, replays: int = 10) -> float:
     return statistics.median(ms) * 1e3 / calls
 
 
-def _time_setting(n: int, k: int, mode: str, weights, config: tuple[int, int, int]) -> float:
+def _time_setting(n: int, k: int, mode: str, weights, config: tuple[int, int, int], peel: bool) -> float:
     import torch
 
     from engine.layers.gemv import gemv, normed_gemv
@@ -102,45 +104,54 @@ def _time_setting(n: int, k: int, mode: str, weights, config: tuple[int, int, in
     def calls():
         for w in weights:
             if mode == "normed":
-                normed_gemv(x, w, norm_weight, 1e-6, residual, config=config)
+                normed_gemv(x, w, norm_weight, 1e-6, residual, config=config, peel=peel)
             else:
-                gemv(x, w, silu_mul=mode == "silu", config=config)
+                gemv(x, w, silu_mul=mode == "silu", config=config, peel=peel)
     return _graph_us(calls, len(weights))
+
+
+def _bench_shape(n: int, k: int, mode: str, layers: int, dtype, roof: float, sweep: bool,
+                 device: str = "cuda") -> dict:
+    """One projection: its current tile (peel as the rule says, and flipped), with ``sweep`` every candidate."""
+    import torch
+    import triton
+
+    from engine.layers.gemv import gemv_config, peel_first_chunk
+
+    element = torch.empty(0, dtype=dtype).element_size()
+    calls = graph_calls(n, k, layers, element)
+    weights = [torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for _ in range(calls)]
+    current = launched(gemv_config(n, k), mode)
+
+    def timed(config, peel):
+        us = _time_setting(n, k, mode, weights, config, peel)
+        gbs = n * k * element / (us * 1e-6) / 1e9
+        return {"tile": list(config), "peel": peel, "chunks": triton.cdiv(k, config[1]), "us": round(us, 3),
+                "gb_s": round(gbs, 1), "share_of_roof": round(gbs / roof, 3)}
+
+    settings = candidates(n, k, mode, gemv_config(n, k)) if sweep else [current]
+    ranked = sorted((timed(c, peel_first_chunk(k, c[1])) for c in settings), key=lambda t: t["us"])
+    now = next(t for t in ranked if tuple(t["tile"]) == current)
+    row = {"n": n, "k": k, "mode": mode, "calls_per_graph": calls, "weight_bytes": n * k * element,
+           "current": now, "current_peel_flipped": timed(current, not now["peel"])}
+    if sweep:       # the rule's peel at every tile; the five fastest again with it flipped
+        row.update(best=ranked[:5], tried=len(ranked), current_rank=ranked.index(now) + 1,
+                   best_peel_flipped=[timed(tuple(t["tile"]), not t["peel"]) for t in ranked[:5]])
+    return row
 
 
 def bench_gemv(shape: ModelShape, sweep: bool = False, dtype: str = "bfloat16") -> dict:
     """Every batch-1 projection of ``shape`` at its gemv_config tile (and with ``sweep`` every candidate)."""
     import torch
-    import triton
 
     from engine import pdl
-    from engine.layers.gemv import gemv_config, peel_first_chunk
     from labkit.bench.attention import copy_roof_gbs
 
-    dt = getattr(torch, dtype)
     pdl_on = pdl.enable("cuda")
     roof = copy_roof_gbs()
-    element = torch.empty(0, dtype=dt).element_size()
     rows = {}
     for name, (n, k, mode) in gemv_shapes(shape).items():
-        calls = graph_calls(n, k, shape.num_layers, element)
-        weights = [torch.randn(n, k, device="cuda", dtype=dt) * k ** -0.5 for _ in range(calls)]
-        current = launched(gemv_config(n, k), mode)
-        settings = candidates(n, k, mode, gemv_config(n, k)) if sweep else [current]
-        timed = []
-        for config in settings:
-            us = _time_setting(n, k, mode, weights, config)
-            gbs = n * k * element / (us * 1e-6) / 1e9
-            timed.append({"tile": list(config), "peel_first_chunk": peel_first_chunk(k, config[1]),
-                          "chunks": triton.cdiv(k, config[1]), "us": round(us, 3), "gb_s": round(gbs, 1),
-                          "share_of_roof": round(gbs / roof, 3)})
-        now = next(t for t in timed if tuple(t["tile"]) == current)
-        rows[name] = {"n": n, "k": k, "mode": mode, "calls_per_graph": calls, "weight_bytes": n * k * element,
-                      "current": now}
-        if sweep:
-            ranked = sorted(timed, key=lambda t: t["us"])
-            rows[name].update(best=ranked[:5], tried=len(ranked), current_rank=ranked.index(now) + 1)
-        del weights
+        rows[name] = _bench_shape(n, k, mode, shape.num_layers, getattr(torch, dtype), roof, sweep)
         torch.cuda.empty_cache()
     return {"dtype": dtype, "pdl": pdl_on, "copy_roof_gb_s": round(roof, 1), "sweep": sweep, "shapes": rows,
             "step": step_summary(rows, shape.num_layers, roof),

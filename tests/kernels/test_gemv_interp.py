@@ -38,10 +38,10 @@ def test_gemv_matches_linear(results, dtype, silu_mul):
 
 
 def test_the_peeled_and_the_plain_loop_give_the_same_bits(results):
-    # the rule picks one way per row (peel_first_chunk); forced both ways each shape's output is bit-equal
+    # the rule picks one way per row (peel_first_chunk); asked for both ways each shape's output is bit-equal
     assert set(results["peel"]) == {f"{n}x{k}-{dt}" for n, k in PEEL_SHAPES for dt in DTYPES}, results["peel"]
     for key, r in results["peel"].items():
-        assert r["chunks"] >= 2 and r["equal"], (key, r)
+        assert r["chunks"] >= 2 and r["equal"] and r["launched_peel"] == [True, False], (key, r)
 
 
 def test_a_tile_given_is_the_one_launched(results):
@@ -78,7 +78,7 @@ def _case(n: int, k: int, dtype: str, silu_mul: bool) -> dict:
 
 
 def _peel(n: int, k: int, dtype: str) -> dict:
-    """The same GEMV with its first chunk peeled and with one loop from 0 (peel_first_chunk forced)."""
+    """The same GEMV with its first chunk peeled and with one loop from 0 (peel= in place of the rule)."""
     import torch
     import triton
 
@@ -88,15 +88,22 @@ def _peel(n: int, k: int, dtype: str) -> dict:
     gen = torch.Generator().manual_seed(n * 1000 + k + 1)
     x = torch.randn(1, k, generator=gen).to(dt)
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dt)
-    real = gemv_mod.peel_first_chunk
+    kernel, launched = gemv_mod._gemv_kernel, []
+
+    class Recorded:             # the PEEL each launch was given
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append(kw["PEEL"])
+                return kernel[grid](*args, **kw)
+            return launch
+
+    gemv_mod._gemv_kernel = Recorded()
     try:
-        ys = []
-        for force in (True, False):
-            gemv_mod.peel_first_chunk = lambda k_, block_k, force=force: force
-            ys.append(gemv_mod.gemv(x, w))
+        ys = [gemv_mod.gemv(x, w, peel=peel) for peel in (True, False)]
     finally:
-        gemv_mod.peel_first_chunk = real
-    return {"chunks": triton.cdiv(k, gemv_mod.gemv_config(n, k)[1]), "equal": torch.equal(ys[0], ys[1])}
+        gemv_mod._gemv_kernel = kernel
+    return {"chunks": triton.cdiv(k, gemv_mod.gemv_config(n, k)[1]), "equal": torch.equal(ys[0], ys[1]),
+            "launched_peel": launched}
 
 
 def _config() -> dict:

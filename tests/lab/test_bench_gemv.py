@@ -60,6 +60,29 @@ def test_graph_calls_and_the_step_summary():
     assert s["bound_us_per_step"] == 56.0 and s["share_of_roof"] == round(56 / 130, 3)
 
 
+def test_a_shape_s_row_ranks_the_settings_and_flips_the_peel(monkeypatch):
+    """_bench_shape with a made-up timer (the real one needs CUDA): µs = BLOCK_N + BLOCK_K / 1000 + warps / 100,
+    +0.5 when the first chunk is peeled."""
+    import torch
+
+    from engine.layers.gemv import gemv_config, peel_first_chunk
+
+    def fake(n, k, mode, weights, config, peel):
+        return config[0] + config[1] / 1000 + config[2] / 100 + 0.5 * peel
+    monkeypatch.setattr(bench_gemv, "_time_setting", fake)
+    n, k = 4096, 4096
+    row = bench_gemv._bench_shape(n, k, "plain", 36, torch.float32, 1000.0, sweep=True, device="meta")
+    tries = bench_gemv.candidates(n, k, "plain", gemv_config(n, k))
+    us = sorted(fake(n, k, "plain", None, c, peel_first_chunk(k, c[1])) for c in tries)
+    assert row["tried"] == len(tries) and [b["us"] for b in row["best"]] == [round(u, 3) for u in us[:5]]
+    current = row["current"]
+    assert tuple(current["tile"]) == gemv_config(n, k) and current["peel"] == peel_first_chunk(k, current["tile"][1])
+    assert row["current_rank"] == 1 + sorted(us).index(fake(n, k, "plain", None, gemv_config(n, k), current["peel"]))
+    assert row["current_peel_flipped"]["peel"] is not current["peel"]
+    assert [f["peel"] for f in row["best_peel_flipped"]] == [not b["peel"] for b in row["best"]]
+    assert row["calls_per_graph"] == 36 and row["weight_bytes"] == n * k * 4
+
+
 @pytest.mark.parametrize("kw, message", [
     (dict(workload="gemv", device="cpu"), "needs CUDA"),
     (dict(workload="gemv", batch=1), "--batch applies"),
