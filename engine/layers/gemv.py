@@ -148,6 +148,12 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     return 8, (512 if k >= 512 else triton.next_power_of_2(k)), 4
 
 
+def normed_tile(config: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The tile normed_gemv launches for a gemv_config row: the same elements per thread at NORM_WARPS."""
+    block_n, block_k, warps = config
+    return max(1, block_n * NORM_WARPS // warps), block_k, NORM_WARPS
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
          config: tuple[int, int, int] | None = None, peel: bool | None = None) -> torch.Tensor:
     """x [1, K] (silu_mul: [1, 2K]) @ weight[N, K].T -> [1, N] in x's dtype. config, peel: a tile in place of
@@ -177,8 +183,7 @@ def normed_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor
     if residual is not None:
         assert residual.shape == (1, k) and residual.is_contiguous() and residual.dtype == x.dtype
         h = torch.empty_like(x)
-    block_n, block_k, warps = config or gemv_config(n, k)
-    block_n = max(1, block_n * NORM_WARPS // warps)       # the same elements per thread at NORM_WARPS
+    block_n, block_k, _ = normed_tile(config or gemv_config(n, k))
     peel = peel_first_chunk(k, block_k) if peel is None else peel
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n,
                                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, SILU_MUL=False,

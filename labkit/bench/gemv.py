@@ -11,8 +11,6 @@ Random weights of the model's shapes: no checkpoint is loaded.
 """
 from __future__ import annotations
 
-import statistics
-
 from engine.config import ModelShape
 
 #: the settings --sweep tries: tiles of 1 K to 64 K elements, BLOCK_K at most the row
@@ -34,11 +32,10 @@ def gemv_shapes(shape: ModelShape) -> dict[str, tuple[int, int, str]]:
 
 
 def launched(config: tuple[int, int, int], mode: str) -> tuple[int, int, int]:
-    """The tile a gemv_config row launches: the normed GEMV keeps the row's elements per thread at NORM_WARPS."""
-    from engine.layers.fused_kernels import NORM_WARPS
+    """The tile a gemv_config row launches (the normed GEMV's: engine.layers.gemv.normed_tile)."""
+    from engine.layers.gemv import normed_tile
 
-    block_n, block_k, warps = config
-    return (max(1, block_n * NORM_WARPS // warps), block_k, NORM_WARPS) if mode == "normed" else config
+    return normed_tile(config) if mode == "normed" else config
 
 
 def candidates(n: int, k: int, mode: str, current: tuple[int, int, int]) -> list[tuple[int, int, int]]:
@@ -74,22 +71,14 @@ def _graph_us(fn, calls: int, replays: int = 10) -> float:
     """Median µs per call of ``fn`` (``calls`` launches) captured in one CUDA graph."""
     import torch
 
+    from labkit.bench.attention import _time_ms
+
     fn()                                        # compiles this setting outside the capture
     torch.cuda.synchronize()
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph):
         fn()
-    for _ in range(3):
-        graph.replay()
-    ms = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ms.append(a.elapsed_time(b))
-    return statistics.median(ms) * 1e3 / calls
+    return _time_ms(graph.replay, repeats=replays, warmups=3) * 1e3 / calls
 
 
 def _time_setting(n: int, k: int, mode: str, weights, config: tuple[int, int, int], peel: bool) -> float:
@@ -121,7 +110,8 @@ def _bench_shape(n: int, k: int, mode: str, layers: int, dtype, roof: float, swe
     element = torch.empty(0, dtype=dtype).element_size()
     calls = graph_calls(n, k, layers, element)
     weights = [torch.randn(n, k, device=device, dtype=dtype) * k ** -0.5 for _ in range(calls)]
-    current = launched(gemv_config(n, k), mode)
+    row_config = gemv_config(n, k)
+    current = launched(row_config, mode)
 
     def timed(config, peel):
         us = _time_setting(n, k, mode, weights, config, peel)
@@ -129,7 +119,7 @@ def _bench_shape(n: int, k: int, mode: str, layers: int, dtype, roof: float, swe
         return {"tile": list(config), "peel": peel, "chunks": triton.cdiv(k, config[1]), "us": round(us, 3),
                 "gb_s": round(gbs, 1), "share_of_roof": round(gbs / roof, 3)}
 
-    settings = candidates(n, k, mode, gemv_config(n, k)) if sweep else [current]
+    settings = candidates(n, k, mode, row_config) if sweep else [current]
     ranked = sorted((timed(c, peel_first_chunk(k, c[1])) for c in settings), key=lambda t: t["us"])
     now = next(t for t in ranked if tuple(t["tile"]) == current)
     row = {"n": n, "k": k, "mode": mode, "calls_per_graph": calls, "weight_bytes": n * k * element,

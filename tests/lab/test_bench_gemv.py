@@ -41,7 +41,7 @@ def test_the_sweep_tries_tiles_within_bounds_and_the_current_one():
         current = bench_gemv.launched(gemv_config(n, k), mode)
         got = bench_gemv.candidates(n, k, mode, gemv_config(n, k))
         assert current in got and len(got) == len(set(got)) > 10
-        assert all(bk <= k and 1024 <= bn * bk <= 65536 for bn, bk, _ in got if (bn, bk, _) != current)
+        assert all(bk <= k and 1024 <= bn * bk <= 65536 for bn, bk, w in got if (bn, bk, w) != current)
         assert {w for _, _, w in got} == ({NORM_WARPS} if mode == "normed" else {4, 8})
     # the normed GEMV launches a row's tile at NORM_WARPS with the same elements per thread
     assert bench_gemv.launched((16, 512, 4 * NORM_WARPS), "normed") == (4, 512, NORM_WARPS)
