@@ -238,6 +238,16 @@ class LLMEngine:
         """The model's modules by name (rank 0), for read-only forward hooks (shape probes); never modify them."""
         return self.runner.model.named_modules()
 
+    def decode_step_fn(self, seqs: list[Sequence]) -> Callable[[], torch.Tensor]:
+        """The decode step of ``seqs`` (their block tables set by the caller) as a function that runs the
+        model's forward and LM head on inputs built once, now, and returns the logits. It writes no K/V (every
+        slot -1) and samples nothing: for benches that time a step their own way (labkit/bench/overlap.py
+        captures it in CUDA graphs of its own)."""
+        step = self.runner.inputs.prepare_decode(seqs)
+        step.meta.slot_mapping.fill_(-1)
+        model = self.runner.model
+        return lambda: model.compute_logits(model(step.input_ids, step.positions, step.meta))
+
     def slot(self, seq: Sequence, position: int) -> int:
         """Where position's K/V lives in the pool (block_table[p // B] * B + p % B)."""
         return self.runner.inputs.slot(seq, position)

@@ -144,8 +144,7 @@ def bench_gemv(shape: ModelShape, sweep: bool = False, dtype: str = "bfloat16") 
     rows = {}
     for name, (n, k, mode) in gemv_shapes(shape).items():
         tiles = len(candidates(n, k, mode, gemv_config(n, k))) if sweep else 1
-        err_console.print(f"bench gemv: {name} [{n} x {k}], {tiles} tile setting{'s' * (tiles > 1)} "
-                          f"(each compiled and captured; a sweep takes minutes)")
+        err_console.print(f"bench gemv: {name} [{n} x {k}], {tiles} tile{'s' * (tiles > 1)} to compile and time")
         rows[name] = _bench_shape(n, k, mode, shape.num_layers, getattr(torch, dtype), roof, sweep)
         torch.cuda.empty_cache()
     return {"dtype": dtype, "pdl": pdl_on, "copy_roof_gb_s": round(roof, 1), "sweep": sweep, "shapes": rows,
