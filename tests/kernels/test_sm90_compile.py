@@ -1,0 +1,170 @@
+"""Every Triton kernel variant the engine launches compiles for an H100/H200 (sm_90) on this CPU.
+
+Triton's interpreter (the *_interp.py tests) runs a kernel's Python body without compiling it, so a kernel that
+fails only in code generation passed every CPU test before: in session 17 a decode kernel variant whose loop
+re-assigned a name the prologue had used as a scalar ("loop-carried variable ... has initial type int64 but is
+re-assigned") failed on the H200 at its first launch, a device call spent for nothing. Here a fresh process
+gives Triton a stand-in CUDA driver that names an sm_90 target, makes every launch a warmup (compile, no
+launch) and turns PDL on as on Hopper, then calls the engine's own kernel wrappers on CPU tensors at the
+shapes of the tiny, Qwen3-0.6B and Qwen3-8B presets: the batch-1 GEMVs (plain, normed, SiLU-and-mul, with and
+without the peeled first chunk), every paged-decode variant ``decode_variants`` says a batch of 1..512 can
+meet, the prefills, the KV store, the norms, q/k norm + RoPE and the sampling kernel. Triton's own compiler and
+the ptxas its wheel ships do the rest; nothing runs on a GPU.
+
+Skipped where triton is not installed or its CUDA backend cannot compile here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KERNELS = {"_gemv_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_store_kv_kernel",
+           "_rms_norm_kernel", "_qk_norm_rope_kernel", "_silu_mul_kernel", "_gumbel_argmax_kernel"}
+PRESETS = ("tiny", "qwen3-0.6b", "qwen3-8b")
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in out:
+        pytest.skip(out["skip"])
+    return out
+
+
+def test_every_variant_compiles_for_sm90(compiled):
+    assert not compiled["errors"], compiled["errors"][:3]
+    assert set(compiled["kernels"]) == KERNELS, compiled["kernels"]
+    assert compiled["target"] == ["cuda", 90]
+
+
+def test_every_preset_meets_its_decode_variants_and_gemv_tiles(compiled):
+    for preset in PRESETS:
+        p = compiled["presets"][preset]
+        assert p["decode_variants"] >= 3, p          # one split, several with the reduce kernel, the fused reduce
+        assert p["decode_calls"] == p["decode_variants"] and p["gemv_calls"] == 2 * 5, p   # 5 projections x peel
+
+
+# -- the compiling process --------------------------------------------------------------------------------------
+def _stand_in_driver(calls: list, errors: list) -> None:
+    """Triton sees an sm_90 device; every launch compiles and returns without running (its outputs stay
+    whatever torch.empty gave: nothing reads them)."""
+    import torch
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    class Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+    driver.set_active(Sm90())
+    run = JITFunction.run
+
+    def warmup_only(self, *args, grid, warmup, **kwargs):
+        try:
+            kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+            calls.append(self.fn.__name__)
+            return kernel
+        except Exception as e:                              # noqa: BLE001 (the test reports it)
+            errors.append(f"{self.fn.__name__}: {type(e).__name__}: {str(e)[-400:]}")
+    JITFunction.run = warmup_only
+
+
+def _preset(name: str, calls: list) -> dict:
+    import torch
+
+    import engine.attention.triton_kernels as tk
+    from engine.attention.splits import decode_variants
+    from engine.config import ModelShape
+    from engine.layers import fused_kernels as fk
+    from engine.layers.gemv import gemv, normed_gemv
+    from engine.sampling.gumbel_kernel import gumbel_argmax
+    from labkit.assets.synth import PRESETS as SYNTH
+    from labkit.bench.gemv import gemv_shapes
+
+    bf16, sm, page, max_len = torch.bfloat16, 132, 256, 4096
+    shape = ModelShape.from_hf(SYNTH[name])
+    hq, hk, d, h = shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.hidden_size
+    e = lambda *s, dtype=bf16: torch.empty(*s, dtype=dtype)          # noqa: E731 (never read: nothing runs)
+    out = {"gemv_calls": 0, "decode_calls": 0}
+    for n, k, mode in gemv_shapes(shape).values():
+        for peel in (True, False):
+            before = len(calls)
+            x, w = e(1, k if mode != "silu" else 2 * k), e(n, k)
+            if mode == "normed":
+                normed_gemv(e(1, k), w, e(k), 1e-6, e(1, k), peel=peel)
+            else:
+                gemv(x, w, silu_mul=mode == "silu", peel=peel)
+            out["gemv_calls"] += len(calls) > before
+    blocks = 8
+    kc, vc = e(blocks, page, hk, d), e(blocks, page, hk, d)
+    variants = decode_variants(512, hk, max_len, sm)
+    for batch, length in variants.values():
+        before = len(calls)
+        tables = torch.zeros(batch, max_len // page, dtype=torch.int32)
+        ctx = torch.full((batch,), length, dtype=torch.int32)
+        tk.paged_decode(e(batch, hq, d), kc, vc, tables, ctx, d ** -0.5, length, sm,
+                        order=torch.arange(batch, dtype=torch.int32))
+        out["decode_calls"] += len(calls) > before
+    out["decode_variants"] = len(variants)
+    t = 64
+    cu = torch.tensor([0, 32, 64], dtype=torch.int32)
+    tk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), cu, cu, 32, d ** -0.5)
+    tk.varlen_prefill(e(t, hq, d), e(t, hk, d), e(t, hk, d), cu, 32, d ** -0.5)
+    tk.store_kv(e(t, hk, d), e(t, hk, d), kc, vc, torch.zeros(t, dtype=torch.int64))
+    for tokens in (1, t):
+        fk.rms_norm(e(tokens, h), e(h), 1e-6)
+        fk.rms_norm(e(tokens, h), e(h), 1e-6, e(tokens, h))
+        rope = dict(k_cache=kc, v_cache=vc, slot_mapping=torch.zeros(tokens, dtype=torch.int64))
+        cos = e(max_len, d, dtype=torch.float32)
+        qkv = e(tokens, (hq + 2 * hk) * d)
+        fk.qk_norm_rope(qkv, torch.zeros(tokens, dtype=torch.int64), e(d), e(d), cos, cos, hq, hk, d, 1e-6, **rope)
+        fk.silu_and_mul(e(tokens, 2 * shape.intermediate_size))
+    gumbel_argmax(e(4, shape.vocab_size), torch.ones(4), torch.zeros(4, dtype=torch.int64))
+    return out
+
+
+def main() -> None:
+    calls: list = []
+    errors: list = []
+    try:
+        import engine.pdl as pdl
+        _stand_in_driver(calls, errors)
+        pdl.launch = lambda t: {"PDL": True, "launch_pdl": True}     # as on Hopper: PDL's waits compiled in
+        import engine.attention.triton_kernels as tk
+        import torch
+        tk._locks[torch.device("cpu")] = torch.zeros(tk.DECODE_LOCKS, dtype=torch.int32)
+        from engine.layers.gemv import gemv
+        gemv(torch.empty(1, 64, dtype=torch.bfloat16), torch.empty(16, 64, dtype=torch.bfloat16))
+        if errors or not calls:
+            print(json.dumps({"skip": f"Triton cannot compile for sm_90 here: {(errors or ['no launch seen'])[0][:200]}"}))
+            return
+    except Exception as e:                                      # noqa: BLE001
+        print(json.dumps({"skip": f"Triton cannot compile for sm_90 here: {type(e).__name__}: {str(e)[:200]}"}))
+        return
+    presets = {name: _preset(name, calls) for name in PRESETS}
+    print(json.dumps({"target": ["cuda", 90], "kernels": sorted(set(calls)), "errors": errors, "presets": presets}))
+
+
+if __name__ == "__main__":
+    main()
