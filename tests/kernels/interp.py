@@ -15,12 +15,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def interpreted(script: str, *args: str, stdin: str | None = None, timeout: float = 600) -> dict:
-    """Run `script` (with args; stdin if given) under TRITON_INTERPRET=1 from the repo root; its last
-    stdout line as JSON. Skips the calling test where triton is absent or the script reports a skip."""
+def interpreted(script: str, *args: str, stdin: str | None = None, timeout: float = 600, interpret: bool = True) -> dict:
+    """Run `script` (with args; stdin if given) under TRITON_INTERPRET=1 (interpret False: without it) from the
+    repo root; its last stdout line as JSON. Skips the calling test where triton is absent or the script
+    reports a skip."""
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])]),
+            **({"TRITON_INTERPRET": "1"} if interpret else {})}
     proc = subprocess.run([sys.executable, script, *args], input=stdin, capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -16,14 +16,11 @@ Skipped where triton is not installed or its CUDA backend cannot compile here.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from interp import interpreted
+
 KERNELS = {"_gemv_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_store_kv_kernel",
            "_rms_norm_kernel", "_qk_norm_rope_kernel", "_silu_mul_kernel", "_gumbel_argmax_kernel"}
 PRESETS = ("tiny", "qwen3-0.6b", "qwen3-8b")
@@ -31,15 +28,7 @@ PRESETS = ("tiny", "qwen3-0.6b", "qwen3-8b")
 
 @pytest.fixture(scope="module")
 def compiled():
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "skip" in out:
-        pytest.skip(out["skip"])
-    return out
+    return interpreted(__file__, timeout=900, interpret=False)     # (interp.py's runner, without the interpreter)
 
 
 def test_every_variant_compiles_for_sm90(compiled):
