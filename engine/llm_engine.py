@@ -241,7 +241,7 @@ class LLMEngine:
     def decode_step_fn(self, seqs: list[Sequence]) -> Callable[[], torch.Tensor]:
         """The decode step of ``seqs`` (their block tables set by the caller) as a function that runs the
         model's forward and LM head on inputs built once, now, and returns the logits. It writes no K/V (every
-        slot -1) and samples nothing: for benches that time a step their own way (labkit/bench/overlap.py
+        slot -1) and samples nothing: for benches that time a step their own way (labkit/bench/nano_batches.py
         captures it in CUDA graphs of its own)."""
         step = self.runner.inputs.prepare_decode(seqs)
         step.meta.slot_mapping.fill_(-1)

@@ -18,7 +18,7 @@ from labkit.paths import default_out
 
 #: the model the bench checkpoints' figures are for (a synthetic run of another preset is judged by none)
 CHECKPOINT_PRESET = "qwen3-0.6b"
-WORKLOADS = ("nano-vllm", "graph-vs-eager", "latency", "attention", "gemv", "overlap")
+WORKLOADS = ("nano-vllm", "graph-vs-eager", "latency", "attention", "gemv", "nano-batches")
 # nano-vllm's bench.py engine settings
 NANO_VLLM_ENGINE = dict(max_model_len=4096, max_num_batched_tokens=16384, max_num_seqs=512,
                         gpu_memory_utilization=0.9)
@@ -362,7 +362,7 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
               profile: bool = False, sweep: bool = False, overlap: bool | None = None, sampling: str = "plain",
               json_schema: Path | None = None, batch: int | None = None, context: int | None = None) -> dict:
     """batch (latency): that batch only, not LATENCY_BATCHES (evidence no checkpoint judges); batch, context
-    (overlap): the decode step's shape; repeats: the nano-vllm workload's timed repeats, the latency
+    (nano-batches): the decode step's shape; repeats: the nano-vllm workload's timed repeats, the latency
     workload's rounds per batch."""
     from labkit.lab_engine import detect_device
     from labkit.assets.identity import model_identity
@@ -384,10 +384,10 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
         raise UserError("--sampling applies to --workload nano-vllm")
     if json_schema is not None and workload != "nano-vllm":
         raise UserError("--json-schema applies to --workload nano-vllm")
-    if batch is not None and (workload not in ("latency", "overlap") or batch < (2 if workload == "overlap" else 1)):
-        raise UserError("--batch applies to --workload latency (at least 1), overlap (at least 2) and step-budget")
-    if context is not None and (workload != "overlap" or context < 1):
-        raise UserError("--context applies to --workload overlap (at least 1) and step-budget")
+    if batch is not None and (workload not in ("latency", "nano-batches") or batch < (2 if workload == "nano-batches" else 1)):
+        raise UserError("--batch applies to --workload latency (at least 1), nano-batches (at least 2) and step-budget")
+    if context is not None and (workload != "nano-batches" or context < 1):
+        raise UserError("--context applies to --workload nano-batches (at least 1) and step-budget")
     if repeats != 1 and workload not in ("nano-vllm", "latency"):
         raise UserError("--repeats applies to --workload nano-vllm and latency")
     schema = load_json_schema(json_schema) if json_schema is not None else None
@@ -398,8 +398,8 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
         return _run_attention_bench(out, device, attention, sweep)
     if workload == "gemv":
         return _run_gemv_bench(out, model, device, sweep)
-    if workload == "overlap":
-        return _run_overlap_bench(out, model, device, attention, batch, context)
+    if workload == "nano-batches":
+        return _run_nano_batches_bench(out, model, device, attention, batch, context, baseline, eager)
     if not device.startswith("cuda") and (workload != "nano-vllm" or not eager):
         raise UserError(f"bench --workload {workload} needs CUDA (graphs); on CPU only `--workload nano-vllm --enforce-eager` runs")
     ref = resolve_model(model, device)
@@ -453,27 +453,29 @@ def _run_gemv_bench(out: Path | None, model: str | None, device: str, sweep: boo
                           facts=facts, device=device, model=dict(model_identity(ref.path)))
 
 
-def _run_overlap_bench(out: Path | None, model: str | None, device: str, attention: str, batch: int | None,
-                       context: int | None) -> dict:
-    """One decode step whole, as two halves, and as two halves on two streams (labkit/bench/overlap.py):
+def _run_nano_batches_bench(out: Path | None, model: str | None, device: str, attention: str, batch: int | None,
+                            context: int | None, baseline: str | None = None, eager: bool = False) -> dict:
+    """One decode step whole, as two halves, and as two halves on two streams (labkit/bench/nano_batches.py):
     evidence no checkpoint judges."""
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model
-    from labkit.bench.overlap import BATCH, CONTEXT, bench_overlap
+    from labkit.bench.nano_batches import BATCH, CONTEXT, bench_nano_batches
 
+    if baseline or eager:
+        raise UserError("--workload nano-batches captures graphs of its own: it takes no --baseline or --enforce-eager")
     if not device.startswith("cuda"):
-        raise UserError("bench --workload overlap needs CUDA (it times CUDA graphs on two streams)")
+        raise UserError("bench --workload nano-batches needs CUDA (it times CUDA graphs on two streams)")
     ref = resolve_model(model, device)
     batch, context = batch or BATCH, context or CONTEXT
     engine = engine_for(str(ref.path), device, attention, True, max_num_seqs=batch, max_model_len=context + 16,
                         max_num_batched_tokens=max(8192, context + 16), gpu_memory_utilization=0.9)
     try:
-        facts = {"engine": engine_facts(engine), **bench_overlap(engine, batch, context), "device": device}
+        facts = {"engine": engine_facts(engine), **bench_nano_batches(engine, batch, context), "device": device}
     except ValueError as e:
         raise UserError(str(e)) from None
     finally:
         engine.close()
-    return write_evidence(out or default_out("bench-overlap.json"), checkpoint=None, kind="gpu-measured",
+    return write_evidence(out or default_out("bench-nano-batches.json"), checkpoint=None, kind="gpu-measured",
                           facts=facts, device=device, model=dict(model_identity(ref.path)))
 
 

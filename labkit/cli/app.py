@@ -394,7 +394,7 @@ def generate(
 
 @app.command()
 def bench(
-    workload: Annotated[str, typer.Option("--workload", help="nano-vllm | graph-vs-eager | latency | attention | gemv | overlap | serve | step-budget.")] = "nano-vllm",
+    workload: Annotated[str, typer.Option("--workload", help="nano-vllm | graph-vs-eager | latency | attention | gemv | nano-batches | serve | step-budget.")] = "nano-vllm",
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="hf: transformers generate on a fraction of the workload, same GPU, same run.")] = None,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats (nano-vllm); rounds per batch (latency).")] = 1,
     enforce_eager: EnforceEagerOpt = False,
@@ -408,8 +408,8 @@ def bench(
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="serve: output tokens per request (default 512).")] = None,
     sampling: Annotated[str, typer.Option("--sampling", help="nano-vllm: plain (temperature only) | heavy (top_p 0.9, top_k 50, repetition_penalty 1.1 on every request).")] = "plain",
     json_schema: Annotated[Optional[Path], typer.Option("--json-schema", help="nano-vllm: every request's output under this JSON schema (xgrammar, compact JSON); e.g. workloads/bench-schema.json.")] = None,
-    batch: Annotated[Optional[int], typer.Option("--batch", help="step-budget, overlap: sequences decoding together (default 256); latency: this batch only (default 1, 8 and 64).")] = None,
-    context: Annotated[Optional[int], typer.Option("--context", help="step-budget, overlap: prompt tokens of each sequence (default 1024).")] = None,
+    batch: Annotated[Optional[int], typer.Option("--batch", help="step-budget, nano-batches: sequences decoding together (default 256); latency: this batch only (default 1, 8 and 64).")] = None,
+    context: Annotated[Optional[int], typer.Option("--context", help="step-budget, nano-batches: prompt tokens of each sequence (default 1024).")] = None,
     steps: Annotated[Optional[int], typer.Option("--steps", help="step-budget: decode steps timed and profiled per pass (default 20).")] = None,
     warm_steps: Annotated[Optional[int], typer.Option("--warm-steps", help="step-budget: decode steps run before each pass (default 5).")] = None,
     engine_process: Annotated[Optional[bool], typer.Option("--engine-process/--no-engine-process", show_default=False, help="serve: the server's engine in a process of its own (labkit serve --engine-process). Default: as labkit serve's (on on CUDA, off on CPU).")] = None,
@@ -443,10 +443,10 @@ def bench(
                                              "--json-schema": json_schema is not None},
                                      show=not json_out)
         finish(record, record["_paths"], json_out=json_out)
-    if batch is not None and workload not in ("latency", "overlap"):
-        raise UserError("--batch applies to --workload step-budget, latency and overlap")
-    if context is not None and workload != "overlap":
-        raise UserError("--context applies to --workload step-budget and overlap")
+    if batch is not None and workload not in ("latency", "nano-batches"):
+        raise UserError("--batch applies to --workload step-budget, latency and nano-batches")
+    if context is not None and workload != "nano-batches":
+        raise UserError("--context applies to --workload step-budget and nano-batches")
     if any(v is not None for v in (steps, warm_steps)):
         raise UserError("--steps and --warm-steps apply to --workload step-budget")
     if workload != "serve" and not detect_device(device).startswith("cuda"):   # minutes on a CPU, nothing to show

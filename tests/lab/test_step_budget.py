@@ -168,7 +168,7 @@ def test_cli_refuses_options_of_other_workloads(cli_app):
     r = CliRunner().invoke(cli_app, ["bench", "--workload", "step-budget", "--profile", "--device", "cpu"])
     assert r.exit_code == 2 and "--profile" in r.output
     r = CliRunner().invoke(cli_app, ["bench", "--workload", "nano-vllm", "--batch", "4", "--device", "cpu"])
-    assert r.exit_code == 2 and "--batch applies to --workload step-budget, latency and overlap" in r.output
+    assert r.exit_code == 2 and "--batch applies to --workload step-budget, latency and nano-batches" in r.output
     r = CliRunner().invoke(cli_app, ["bench", "--workload", "latency", "--context", "4", "--device", "cpu"])
     assert r.exit_code == 2 and "step-budget" in r.output
 

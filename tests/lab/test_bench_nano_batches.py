@@ -1,4 +1,4 @@
-"""`labkit bench --workload overlap` (labkit/bench/overlap.py) on the CPU: the pieces its CUDA graphs are made
+"""`labkit bench --workload nano-batches` (labkit/bench/nano_batches.py) on the CPU: the pieces its CUDA graphs are made
 of. The half batches read what the same rows of the full batch read, so the three ways give the full
 batch's logits (the overlap here without its side stream); the second half's counters are swapped in and
 back out; shapes the pool cannot hold and the other workloads' options are refused with one line. The graphs
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.bench.overlap import decode_rows, max_rel_diff, ways, with_locks
+from labkit.bench.nano_batches import decode_rows, max_rel_diff, ways, with_locks
 from labkit.bench.run import run_bench
 from labkit.errors import UserError
 
@@ -66,11 +66,12 @@ def test_a_batch_the_pool_cannot_hold_is_refused(engine):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(workload="overlap", device="cpu"), "needs CUDA"),
-    (dict(workload="overlap", batch=1), "--batch applies"),
+    (dict(workload="nano-batches", device="cpu"), "needs CUDA"),
+    (dict(workload="nano-batches", batch=1), "--batch applies"),
     (dict(workload="latency", context=64), "--context applies"),
-    (dict(workload="overlap", context=0), "--context applies"),
+    (dict(workload="nano-batches", context=0), "--context applies"),
+    (dict(workload="nano-batches", device="cpu", baseline="hf"), "no --baseline"),
 ])
-def test_bench_overlap_refusals(kw, message, tmp_path):
+def test_bench_nano_batches_refusals(kw, message, tmp_path):
     with pytest.raises(UserError, match=message):
         run_bench(out=tmp_path / "x.json", **kw)

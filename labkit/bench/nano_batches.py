@@ -11,8 +11,9 @@ step's forward and LM head at ``batch`` x ``context``, captured three ways, each
 
 ``overlap / full`` below 1 says the lever pays at this shape; ``halves / full`` says what it must win back.
 The sequences read distinct KV blocks (row i: blocks i * per_row ..; the engine's pool starts as zeros, and
-the time of attention does not depend on what it reads) and write nothing (slots -1). The second half's fused-reduce counters are a tensor of its own, so the two halves never
-count on the same counter while they run at once. Each way's logits are checked against the full batch's.
+the time of attention does not depend on what it reads) and write nothing (slots -1). The second half's
+fused-reduce counters are a tensor of its own, so the two halves never count on the same counter while they
+run at once. Each way's logits are checked against the full batch's.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ import statistics
 
 #: the bench's default shape: the nano-vllm workload's wide decode (issue 28's step budget, 256 x 1024)
 BATCH, CONTEXT = 256, 1024
-WAYS = ("full", "halves", "overlap")
 
 
 def decode_rows(engine, first: int, count: int, context: int) -> list:
@@ -104,7 +104,7 @@ def max_rel_diff(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
 
 
-def bench_overlap(engine, batch: int = BATCH, context: int = CONTEXT, replays: int = 30, rounds: int = 3) -> dict:
+def bench_nano_batches(engine, batch: int = BATCH, context: int = CONTEXT, replays: int = 30, rounds: int = 3) -> dict:
     """Capture each way in a CUDA graph on `engine` (built eager: no graphs of its own) and time
     `rounds` x `replays` replays, the ways alternated round by round."""
     import torch
