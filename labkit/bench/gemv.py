@@ -106,6 +106,7 @@ def _bench_shape(n: int, k: int, mode: str, layers: int, dtype, roof: float, swe
     import triton
 
     from engine.layers.gemv import gemv_config, peel_first_chunk
+    from labkit.console import err_console
 
     element = torch.empty(0, dtype=dtype).element_size()
     calls = graph_calls(n, k, layers, element)
@@ -120,6 +121,7 @@ def _bench_shape(n: int, k: int, mode: str, layers: int, dtype, roof: float, swe
                 "gb_s": round(gbs, 1), "share_of_roof": round(gbs / roof, 3)}
 
     settings = candidates(n, k, mode, row_config) if sweep else [current]
+    err_console.print(f"bench gemv: [{n} x {k}] {mode}, {len(settings)} tile{'s' * (len(settings) > 1)} to compile and time")
     ranked = sorted((timed(c, peel_first_chunk(k, c[1])) for c in settings), key=lambda t: t["us"])
     now = next(t for t in ranked if tuple(t["tile"]) == current)
     row = {"n": n, "k": k, "mode": mode, "calls_per_graph": calls, "weight_bytes": n * k * element,
@@ -135,16 +137,12 @@ def bench_gemv(shape: ModelShape, sweep: bool = False, dtype: str = "bfloat16") 
     import torch
 
     from engine import pdl
-    from engine.layers.gemv import gemv_config
     from labkit.bench.attention import copy_roof_gbs
-    from labkit.console import err_console
 
     pdl_on = pdl.enable("cuda")
     roof = copy_roof_gbs()
     rows = {}
     for name, (n, k, mode) in gemv_shapes(shape).items():
-        tiles = len(candidates(n, k, mode, gemv_config(n, k))) if sweep else 1
-        err_console.print(f"bench gemv: {name} [{n} x {k}], {tiles} tile{'s' * (tiles > 1)} to compile and time")
         rows[name] = _bench_shape(n, k, mode, shape.num_layers, getattr(torch, dtype), roof, sweep)
         torch.cuda.empty_cache()
     return {"dtype": dtype, "pdl": pdl_on, "copy_roof_gb_s": round(roof, 1), "sweep": sweep, "shapes": rows,

@@ -63,6 +63,14 @@ def test_profile_run_accounts_for_every_step(lab_engine):
     (dict(workload="nano-vllm", batch=1), "--batch applies"),
     (dict(workload="latency", batch=0), "--batch applies"),
     (dict(workload="attention", repeats=2), "--repeats applies"),
+    (dict(workload="gemv", device="cpu"), "needs CUDA"),
+    (dict(workload="gemv", batch=1), "--batch applies"),
+    (dict(workload="latency", sweep=True), "--sweep applies to --workload attention and gemv"),
+    (dict(workload="nano-batches", device="cpu"), "needs CUDA"),
+    (dict(workload="nano-batches", batch=1), "--batch applies"),
+    (dict(workload="latency", context=64), "--context applies"),
+    (dict(workload="nano-batches", context=0), "--context applies"),
+    (dict(workload="nano-batches", device="cpu", baseline="hf"), "no --baseline"),
 ])
 def test_bench_rejects_bad_combinations(kw, message, tmp_path):
     with pytest.raises(UserError, match=message):

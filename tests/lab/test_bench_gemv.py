@@ -8,8 +8,6 @@ import pytest
 from engine.config import ModelShape
 from labkit.assets.synth import PRESETS
 from labkit.bench import gemv as bench_gemv
-from labkit.bench.run import run_bench
-from labkit.errors import UserError
 
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen3-0.6b", "qwen3-8b"])
@@ -81,13 +79,3 @@ def test_a_shape_s_row_ranks_the_settings_and_flips_the_peel(monkeypatch):
     assert row["current_peel_flipped"]["peel"] is not current["peel"]
     assert [f["peel"] for f in row["best_peel_flipped"]] == [not b["peel"] for b in row["best"]]
     assert row["calls_per_graph"] == 36 and row["weight_bytes"] == n * k * 4
-
-
-@pytest.mark.parametrize("kw, message", [
-    (dict(workload="gemv", device="cpu"), "needs CUDA"),
-    (dict(workload="gemv", batch=1), "--batch applies"),
-    (dict(workload="latency", sweep=True), "--sweep applies to --workload attention and gemv"),
-])
-def test_bench_gemv_refusals(kw, message, tmp_path):
-    with pytest.raises(UserError, match=message):
-        run_bench(out=tmp_path / "x.json", **kw)

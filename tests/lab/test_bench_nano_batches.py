@@ -1,16 +1,14 @@
-"""`labkit bench --workload nano-batches` (labkit/bench/nano_batches.py) on the CPU: the pieces its CUDA graphs are made
-of. The half batches read what the same rows of the full batch read, so the three ways give the full
-batch's logits (the overlap here without its side stream); the second half's counters are swapped in and
-back out; shapes the pool cannot hold and the other workloads' options are refused with one line. The graphs
-and the two streams themselves need CUDA (the bench refuses the CPU)."""
+"""`labkit bench --workload nano-batches` (labkit/bench/nano_batches.py) on the CPU: the pieces its CUDA graphs are
+made of. The half batches read what the same rows of the full batch read, so the three ways give the full
+batch's logits (the overlap here without its side stream); the second half's counters are swapped in and back
+out; a shape the pool cannot hold is refused (the option refusals are rows of test_bench.py's table). The
+graphs and the two streams themselves need CUDA (the bench refuses the CPU)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from labkit.bench.nano_batches import decode_rows, max_rel_diff, ways, with_locks
-from labkit.bench.run import run_bench
-from labkit.errors import UserError
 
 ENGINE = dict(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=256, num_kvcache_blocks=40,
               kvcache_block_size=16)
@@ -63,15 +61,3 @@ def test_the_second_halfs_counters_are_swapped_back():
 def test_a_batch_the_pool_cannot_hold_is_refused(engine):
     with pytest.raises(ValueError, match="do not fit the pool"):
         decode_rows(engine, 0, 20, 40)                   # 20 rows x 3 blocks > 40
-
-
-@pytest.mark.parametrize("kw, message", [
-    (dict(workload="nano-batches", device="cpu"), "needs CUDA"),
-    (dict(workload="nano-batches", batch=1), "--batch applies"),
-    (dict(workload="latency", context=64), "--context applies"),
-    (dict(workload="nano-batches", context=0), "--context applies"),
-    (dict(workload="nano-batches", device="cpu", baseline="hf"), "no --baseline"),
-])
-def test_bench_nano_batches_refusals(kw, message, tmp_path):
-    with pytest.raises(UserError, match=message):
-        run_bench(out=tmp_path / "x.json", **kw)
