@@ -1,7 +1,8 @@
 """The judge: an evidence file re-judged from its own content, against its checkpoint.
 
 The judge re-derives what it can from the file: ``check_evidence`` verifies the digest (and, with an
-evidence key here, the HMAC signature), re-evaluates the checkpoint's and the run's assertions from the
+evidence key here, the HMAC signature; without one, evidence of a checkpoint this machine cannot run is
+"unverified", REVIEW at best: nothing here tells it from a made-up file), re-evaluates the checkpoint's and the run's assertions from the
 facts, checks the envelope against the checkpoint (kind, device class, synthetic flag, command and
 options) and compares the engine source hash with the current tree (stale evidence is NOT-RUN). ``verdict`` folds the checks into PASS / FAIL /
 REVIEW / NOT-RUN and ``reason`` says why in one line.
@@ -33,6 +34,7 @@ from labkit.evidence_format import (
     SIGNATURE_KEY,
     digest,
     engine_source_hash,
+    KEY_ENV,
     evidence_key,
     key_id,
     signature_problem,
@@ -240,10 +242,56 @@ def _signature_check(record: dict) -> dict | None:
                    problem or "signed by a holder of this key", source="integrity")
 
 
+#: How many CUDA devices a checkpoint's ``needs`` asks for.
+NEEDS_DEVICES = {"cpu": 0, "cuda": 1, "2gpu": 2}
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this process can use (0 without torch or CUDA). Imports torch: called only for
+    evidence that claims a GPU and carries no signature a key here verified."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def _devices_claimed(cp: Checkpoint | None, record: dict) -> int:
+    """CUDA devices the evidence says it needed: its checkpoint's ``needs``, and at least one for a kind
+    measured on a CUDA device (``gpu-measured``)."""
+    need = NEEDS_DEVICES.get(cp.needs, 0) if cp is not None else 0
+    if KIND_DEVICE.get(record.get("kind")) == "cuda":  # type: ignore[arg-type]
+        need = max(need, 1)
+    return need
+
+
+def _unverified_check(cp: Checkpoint | None, record: dict) -> dict | None:
+    """REVIEW "unverified" for evidence this machine could not have made (its checkpoint needs CUDA or two
+    GPUs, or it claims a CUDA measurement, and this machine has fewer devices) when no evidence key is held
+    here: a digest anyone can recompute and a signature no one here can check tell a real run from a
+    made-up, resealed or relabelled file in no way, so such evidence never PASSes here. With a key held,
+    :func:`_signature_check` decides (a file not signed by it FAILs). None when the rule does not apply."""
+    need = _devices_claimed(cp, record)
+    if need == 0 or evidence_key() is not None:
+        return None
+    have = cuda_device_count()
+    if have >= need:
+        return None
+    sig = record.get(SIGNATURE_KEY)
+    held = "a signature no key here can check" if isinstance(sig, dict) else "no signature"
+    machine = f"{have} CUDA device{'s' if have != 1 else ''}"
+    why = (f"unverified: the evidence needs {need} CUDA device{'s' if need > 1 else ''}, this machine has "
+           f"{machine} and holds no evidence key, and the file carries {held}: it cannot be told from a "
+           f"made-up file here (set {KEY_ENV} to the key of the machine that ran it)")
+    return _result("provenance", False, "signed by an evidence key held here", "unverified", why, "review",
+                   source="integrity")
+
+
 def provenance(path: str | Path) -> str:
     """Who can have written the evidence at ``path``, in a word or three: ``signed`` (verified with the key
-    here), ``NOT SIGNED BY THIS KEY``, ``signed (no key here)`` (a signature this machine cannot verify),
-    ``unsigned``, or ``-`` (no readable file)."""
+    here), ``NOT SIGNED BY THIS KEY``, ``signature not checked (no key here)`` (a signature this machine
+    cannot verify: anyone can write one), ``unsigned``, or ``-`` (no readable file)."""
     try:
         record = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
@@ -253,7 +301,7 @@ def provenance(path: str | Path) -> str:
     key = evidence_key()
     if key is not None:
         return "NOT SIGNED BY THIS KEY" if signature_problem(record, key) else "signed"
-    return "signed (no key here)" if isinstance(record.get(SIGNATURE_KEY), dict) else "unsigned"
+    return "signature not checked (no key here)" if isinstance(record.get(SIGNATURE_KEY), dict) else "unsigned"
 
 
 def _stored_verdict_check(record: dict, rejudged: str) -> dict:
@@ -282,7 +330,9 @@ def check_evidence(cp: Checkpoint, path: str | Path | None = None) -> tuple[str,
     FAIL: unreadable, not sealed by its digest (edited, or an old labkit), not signed by the evidence key
     this process holds (when it holds one), a stored verdict its facts do
     not give, or any failed check. NOT-RUN: no file, or stale (the engine source changed since; not for
-    ``reference`` evidence, which our engine did not make). Otherwise the verdict of the re-judged checks."""
+    ``reference`` evidence, which our engine did not make). REVIEW ("unverified"): evidence of a checkpoint
+    this machine cannot run (CUDA, two GPUs) with no evidence key here to verify it. Otherwise the verdict
+    of the re-judged checks."""
     return check_file(path if path is not None else cp.evidence_path(), cp)
 
 
@@ -315,10 +365,15 @@ def check_file(path: str | Path, cp: Checkpoint | None = None) -> tuple[str, lis
         integrity.append(signed)
     if record.get("checkpoint") == (cp.id if cp is not None else None):  # else it judged another checkpoint
         integrity.append(_stored_verdict_check(record, rejudged))
+    unverified = _unverified_check(cp, record)
+    if unverified is not None:
+        integrity.append(unverified)
     fresh = _freshness_check(record)
     checks = integrity + ([fresh] if fresh else []) + judged
     if any(_status(c) == "fail" for c in integrity):
         return "FAIL", checks
     if fresh is not None and _status(fresh) == "not-run":
         return "NOT-RUN", checks
+    if unverified is not None and rejudged != "FAIL":  # never PASS: say why first
+        return "REVIEW", [unverified] + [c for c in checks if c is not unverified]
     return rejudged, checks

@@ -21,6 +21,16 @@ from labkit.checks import CheckpointError, check_evidence, reason, run_assertion
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def gpus_here(monkeypatch):
+    """These tests judge files a GPU machine would judge of its own runs: the judge sees two CUDA devices, so
+    GPU evidence is judged on its content here. Evidence of a GPU this machine lacks is "unverified" without
+    a key (test_verdicts.py)."""
+    from labkit.checks import judging
+
+    monkeypatch.setattr(judging, "cuda_device_count", lambda: 2)
+
+
 @pytest.fixture
 def custom(tmp_path, monkeypatch):
     """``custom(**checkpoint)``: a checkpoint ``setup.x`` defined in a temporary checkpoints/ and used by both

@@ -270,7 +270,7 @@ def test_a_key_holder_signs_and_the_judge_verifies(runs, labkit_argv, monkeypatc
     assert code == 1 and row["reason"].startswith("not signed by this key: signed by key ")
     monkeypatch.delenv("LABKIT_EVIDENCE_KEY")  # no key here: cannot verify, says so, PASS stays PASS
     code, row = doctor_row()
-    assert (code, row["verdict"], row["provenance"]) == (0, "PASS", "signed (no key here)")
+    assert (code, row["verdict"], row["provenance"]) == (0, "PASS", "signature not checked (no key here)")
 
 
 def test_the_key_can_come_from_a_file(runs, labkit_argv, monkeypatch, tmp_path):
@@ -297,3 +297,195 @@ def test_a_bad_key_setting_is_one_error_line(runs, monkeypatch, env, message):
     res = CliRunner().invoke(app, ["check", "setup.doctor"])
     assert res.exit_code == 2 and "Traceback" not in res.output
     assert [ln for ln in res.output.splitlines() if ln.strip()][-1].startswith("error: ") and message in res.output
+
+
+# --------------------------------------------------------------------------- evidence this machine cannot make
+
+GPU_CPS = [cp for cp in checks.load_checkpoints() if cp.needs != "cpu"]
+H200 = "cuda:0 NVIDIA H200"
+
+
+@pytest.fixture
+def cuda_devices(monkeypatch):
+    """``cuda_devices(n)``: the judge (and ``labkit run``'s machine check) see ``n`` CUDA devices."""
+    import labkit.run_all as runner
+    from labkit.checks import judging
+
+    def set_count(n: int) -> None:
+        monkeypatch.setattr(judging, "cuda_device_count", lambda: n)
+        monkeypatch.setattr(runner, "machine", lambda: {"cuda_device_count": n, "cuda_devices": [H200] * n})
+
+    set_count(0)
+    return set_count
+
+
+def _set(facts: dict, parts: list[str], value) -> None:
+    cur = facts
+    for p in parts[:-1]:
+        cur = cur.setdefault(p, {})
+    cur[parts[-1]] = value
+
+
+def _get(facts: dict, parts: list[str]):
+    cur = facts
+    for p in parts:
+        if not isinstance(cur, dict) or p not in cur:
+            return None
+        cur = cur[p]
+    return cur
+
+
+def made_up_facts(cp: checks.Checkpoint, device: str) -> dict:
+    """Facts a forger writes for ``cp`` without running anything: for each assertion, a value its op accepts
+    (read from the checkpoint itself, never from a run). Threshold values are the table's for ``device``."""
+    record: dict = {"facts": {}, "device": device}
+    asserted = [a for a in cp.assertions if a.path == "facts.dtype"]
+    for a in asserted:
+        _set(record, ["facts", "dtype"], a.value)
+    for a in cp.assertions:
+        if a.threshold is not None and "dtype" not in record["facts"]:
+            key = next(k for k in a.threshold.keys() if k.startswith(device.split(":")[0] + "/"))
+            record["facts"]["dtype"] = key.split("/", 1)[1]
+    for a in cp.assertions:
+        length = a.path.startswith("len(")
+        parts = (a.path[4:-1] if length else a.path).split(".")
+        value = a.value
+        if a.threshold is not None:
+            value = a.threshold.lookup(checks.threshold_key(device, record["facts"]["dtype"]))
+        current = _get(record, parts)
+        if current is not None and not length and checks.evaluate(a, record)["passed"]:
+            continue
+        if length:
+            n = value + (1 if a.op == "gt" else 0)
+            _set(record, parts, [{} for _ in range(n)] if current is None else current + [{}] * (n - len(current)))
+            continue
+        if a.op in ("eq", "ge", "le"):
+            made = value
+        elif a.op in ("gt", "lt"):
+            made = value + (1 if a.op == "gt" else -1)
+        elif a.op == "ne":
+            made = "x" if value != "x" else "y"
+        elif a.op in ("is_true", "is_false"):
+            made = a.op == "is_true"
+        elif a.op == "in":
+            made = value[0]
+        elif a.op == "all_eq":
+            made = [value]
+        elif a.op == "len_eq":
+            made = [0] * value
+        elif a.op == "abs_le":
+            made = value[0]
+        elif a.op == "contains":
+            made = current + str(value) if isinstance(current, str) else [value]
+        else:  # exists
+            made = 1
+        _set(record, parts, made)
+    return record["facts"]
+
+
+def forge(cp: checks.Checkpoint, labkit_argv, *, kind: str = "gpu-measured", device: str = H200) -> dict:
+    """Write a made-up evidence file for ``cp`` through the real writer: its command line, a plausible envelope,
+    facts that satisfy every assertion. Nothing ran."""
+    labkit_argv.checkpoint(cp.id)
+    synthetic = cp.synthetic is not False
+    model = {"path": "/m", "synthetic": synthetic, "preset": "qwen3-0.6b" if synthetic else None}
+    return evidence.write_evidence(cp.evidence_path(), checkpoint=cp.id, kind=kind, facts=made_up_facts(cp, device),
+                                   device=device, model=model)
+
+
+def test_made_up_files_for_every_gpu_checkpoint_are_unverified_here(runs, labkit_argv, monkeypatch, cuda_devices):
+    monkeypatch.delenv("LABKIT_EVIDENCE_KEY", raising=False)
+    assert len(GPU_CPS) >= 14
+    for cp in GPU_CPS:
+        assert forge(cp, labkit_argv)["verdict"] == "PASS", cp.id  # the writer's own judge is fooled: nothing ran
+    for strict in ((), ("--strict",)):
+        code, rows = check_cli(*strict)
+        assert code in (0, 1)
+        for cp in GPU_CPS:
+            row = rows[cp.id]
+            assert row["verdict"] == "REVIEW" and row["reason"].startswith("unverified: the evidence needs "), row
+            assert row["provenance"] == "unsigned"
+    cuda_devices(2)  # on a machine that can run them, the same files are judged on their content
+    code, rows = check_cli()
+    assert {rows[cp.id]["verdict"] for cp in GPU_CPS} == {"PASS"}
+
+
+def test_one_gpu_is_not_two(runs, labkit_argv, cuda_devices):
+    two = [cp for cp in GPU_CPS if cp.needs == "2gpu"]
+    assert two
+    cuda_devices(1)
+    for cp in two:
+        forge(cp, labkit_argv)
+        verdict, res = checks.check_evidence(cp)
+        assert verdict == "REVIEW" and checks.reason(verdict, res).startswith("unverified: the evidence needs 2 CUDA")
+
+
+def test_resealed_edits_and_changed_figures_are_unverified_or_fail(runs, labkit_argv, cuda_devices):
+    cp = checks.get_checkpoint("cuda.latency")
+    forge(cp, labkit_argv)
+    path = cp.evidence_path()
+    good = path.read_text()
+    median = "facts.graph.batch_1.ms_per_output_token_median"
+    bound = next(a.value for a in cp.assertions if a.path == median and a.on_fail == "fail")
+
+    reseal(path, lambda r: r["facts"]["graph"]["batch_1"].update(ms_per_output_token_median=bound / 2))
+    verdict, res = checks.check_evidence(cp)  # a better figure, resealed: nothing here can tell
+    assert verdict == "REVIEW" and checks.reason(verdict, res).startswith("unverified")
+
+    path.write_text(good)
+    reseal(path, lambda r: r["facts"]["graph"]["batch_1"].update(ms_per_output_token_median=bound * 2))
+    assert checks.check_evidence(cp)[0] == "FAIL"  # a figure past the bound still FAILs: unverified is never better
+
+    path.write_text(good)
+    rec = json.loads(good)
+    rec["facts"]["graph"]["batch_1"]["ms_per_output_token_median"] = bound / 4  # edited, not resealed
+    path.write_text(json.dumps(rec))
+    verdict, res = checks.check_evidence(cp)
+    assert verdict == "FAIL" and [c["name"] for c in res if c["status"] == "fail"] == ["digest"]
+
+
+def test_a_cpu_run_relabelled_as_an_h200_run_is_unverified(runs, labkit_argv, cuda_devices):
+    cp = checks.get_checkpoint("scheduler.eager-vs-graph")
+    forge(cp, labkit_argv, kind="cpu-real-engine", device="cpu")
+    verdict, res = checks.check_evidence(cp)
+    assert verdict == "FAIL" and "kind" in [c["name"] for c in res if c["status"] == "fail"]
+    reseal(cp.evidence_path(), lambda r: r.update(kind="gpu-measured", device=H200, verdict="PASS"))
+    verdict, res = checks.check_evidence(cp)
+    assert verdict == "REVIEW" and checks.reason(verdict, res).startswith("unverified")
+
+
+def test_gpu_kind_evidence_of_a_cpu_checkpoint_is_unverified_too(runs, labkit_argv, cuda_devices):
+    rec = evidence.write_evidence(runs / "loose.json", checkpoint=None, kind="gpu-measured", device=H200,
+                                  facts={"x": 1}, run_assertions=[checks.run_assertion("facts.x", "eq", 1)])
+    assert rec["verdict"] == "PASS"
+    verdict, res = checks.check_file(runs / "loose.json")
+    assert verdict == "REVIEW" and checks.reason(verdict, res).startswith("unverified: the evidence needs 1 CUDA")
+
+
+def test_a_made_up_signature_is_not_called_signed(runs, labkit_argv, monkeypatch, cuda_devices):
+    monkeypatch.delenv("LABKIT_EVIDENCE_KEY", raising=False)
+    cp = checks.get_checkpoint("cuda.latency")
+    forge(cp, labkit_argv)
+    reseal(cp.evidence_path(), lambda r: r.update(signature={"hmac_sha256": "ab" * 32, "key_id": "0" * 16}))
+    code, rows = check_cli("cuda.latency")
+    row = rows["cuda.latency"]
+    assert (code, row["verdict"], row["provenance"]) == (0, "REVIEW", "signature not checked (no key here)")
+    assert "carries a signature no key here can check" in row["reason"]
+    monkeypatch.setenv("LABKIT_EVIDENCE_KEY", KEY)  # the key of the machine that (supposedly) ran it
+    code, row = check_cli("cuda.latency")[0], check_cli("cuda.latency")[1]["cuda.latency"]
+    assert (code, row["verdict"], row["provenance"]) == (1, "FAIL", "NOT SIGNED BY THIS KEY")
+
+
+def test_gpu_evidence_signed_by_a_key_held_here_is_judged_on_its_content(runs, labkit_argv, monkeypatch, cuda_devices):
+    monkeypatch.setenv("LABKIT_EVIDENCE_KEY", KEY)  # the GPU machine signed it; this CPU machine holds the key
+    cp = checks.get_checkpoint("cuda.latency")
+    forge(cp, labkit_argv)
+    assert check_cli("cuda.latency")[1]["cuda.latency"]["verdict"] == "PASS"
+
+
+def test_evidence_the_cpu_really_made_still_passes(runs, labkit_in_process, monkeypatch, cuda_devices):
+    monkeypatch.delenv("LABKIT_EVIDENCE_KEY", raising=False)
+    res = labkit_in_process("doctor")
+    assert res.returncode == 0, res.stdout + res.stderr
+    code, row = doctor_row()
+    assert (code, row["verdict"], row["provenance"]) == (0, "PASS", "unsigned")
