@@ -37,6 +37,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     scheduling_policy: str = "prefill_first"
     max_consecutive_prefill: int | None = None     # at most N prefill steps in a row while decodes wait (None: the policy's)
+    mixed_batches: bool = False                    # one step holds decodes and prefill chunks (False: nano-vllm's step model)
     seed: int = 0
     dist_init: str | None = None                   # tcp://HOST:PORT of this engine's TP group (default: a free port)
     shm_name: str | None = None                    # this engine's TP step channel (default: unique per instance)

@@ -130,6 +130,7 @@ class SchedulerLimits:
     eos_token_ids: tuple[int, ...] = DEFAULTS.eos_token_ids
     max_consecutive_prefill: int | None = DEFAULTS.max_consecutive_prefill   # None: the policy's own (balanced 1,
                                                                             # prefill_first no limit)
+    mixed_batches: bool = DEFAULTS.mixed_batches             # decodes and prefill chunks in one step
 
 
 def read_model_dir(model: str | Path) -> dict:
@@ -198,7 +199,8 @@ class Config:
 
     def scheduler_limits(self) -> SchedulerLimits:
         return SchedulerLimits(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len,
-                               self.scheduling_policy, tuple(self.eos_token_ids), self.max_consecutive_prefill)
+                               self.scheduling_policy, tuple(self.eos_token_ids), self.max_consecutive_prefill,
+                               self.mixed_batches)
 
     def resolved_device(self) -> str:
         import torch

@@ -1,4 +1,10 @@
-"""Chooses each step's work: chunked prefill under a token budget, or decode with preemption."""
+"""Chooses each step's work under one token budget, in one of two step models.
+
+Mixed (``mixed_batches``, vLLM v1's step): the running decodes first, one token each, preempting the newest
+running request when the pool is full; then prefill chunks of waiting (or partially prefilled) requests in
+what is left of the budget, the last of them possibly cut into a chunk. nano-vllm's step model (the
+default until a run says otherwise): each step is all-prefill (chunked under the budget) or all-decode.
+Either way a step's rows are (sequence, positions it computes) and the runner plans them in this order."""
 from __future__ import annotations
 
 from collections import deque
@@ -24,6 +30,7 @@ class Scheduler:
         self.max_num_batched_tokens = limits.max_num_batched_tokens
         self.max_model_len = limits.max_model_len
         self.policy = limits.scheduling_policy
+        self.mixed = limits.mixed_batches
         self.eos = set(limits.eos_token_ids)
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
@@ -44,6 +51,9 @@ class Scheduler:
 
     # -- selection -----------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], bool]:
+        """The step's sequences (decodes first in a mixed step) and whether any of them prefills."""
+        if self.mixed:
+            return self._schedule_mixed()
         cap = self.max_consecutive_prefill
         if cap is not None and self._prefill_run >= cap and self.running:
             order = (False, True)          # enough prefills in a row: decode gets this turn
@@ -59,11 +69,32 @@ class Scheduler:
                                f"({self.block_manager.num_blocks} blocks) cannot hold it")
         return [], False
 
-    def _schedule_prefill(self) -> list[Sequence]:
+    def _schedule_mixed(self) -> tuple[list[Sequence], bool]:
+        """Decodes first (each one token of the budget), then prefill chunks in what is left. A step that
+        had to preempt admits no prefill: the blocks it freed go to the running requests, not back to the
+        request just sent to wait."""
+        preempted = self.num_preemptions
+        decodes = self._schedule_decode(budget=self.max_num_batched_tokens)
+        prefills: list[Sequence] = []
+        if self.num_preemptions == preempted:
+            prefills = self._schedule_prefill(budget=self.max_num_batched_tokens - len(decodes),
+                                              seats=self.max_num_seqs - len(decodes), chunk_any=True)
+        seqs = decodes + prefills
+        if not seqs and self.waiting:
+            raise RuntimeError(f"cannot schedule request {self.waiting[0].seq_id}: the KV pool "
+                               f"({self.block_manager.num_blocks} blocks) cannot hold it")
+        return seqs, bool(prefills)
+
+    def _schedule_prefill(self, budget: int | None = None, seats: int | None = None,
+                          chunk_any: bool = False) -> list[Sequence]:
+        """Prefill rows from the head of waiting under `budget` tokens and `seats` sequences. chunk_any
+        (mixed steps): the last admitted request may be cut into a chunk wherever it stands in the batch;
+        otherwise only the first sequence of a batch may be chunked (nano-vllm's rule)."""
         scheduled: list[Sequence] = []
-        budget = self.max_num_batched_tokens
+        budget = self.max_num_batched_tokens if budget is None else budget
+        seats = self.max_num_seqs if seats is None else seats
         bm = self.block_manager
-        while self.waiting and len(scheduled) < self.max_num_seqs and budget > 0:
+        while self.waiting and len(scheduled) < seats and budget > 0:
             seq = self.waiting[0]
             if seq.waits_for_sibling:
                 break                      # n > 1: its sibling's prefill fills the prefix cache first
@@ -71,7 +102,7 @@ class Scheduler:
                 # prompt log-probs need every prompt position computed: no prefix-cache hits for them
                 hits = [] if not seq.prompt_logprobs_done else bm.cached_prefix(seq)   # one hash walk per admission
                 remaining = seq.num_tokens - len(hits) * bm.block_size
-                if scheduled and remaining > budget:
+                if scheduled and remaining > budget and not chunk_any:
                     break                  # only the first sequence of a batch may be chunked
                 if not bm.can_allocate(seq, hits):
                     break
@@ -79,7 +110,7 @@ class Scheduler:
                 self.prefix_queries += seq.num_tokens
                 self.prefix_hits += len(hits) * bm.block_size
             remaining = seq.num_tokens - seq.num_cached_tokens
-            if scheduled and remaining > budget:
+            if scheduled and remaining > budget and not chunk_any:
                 break
             seq.num_scheduled_tokens = min(remaining, budget)
             budget -= seq.num_scheduled_tokens
@@ -91,9 +122,12 @@ class Scheduler:
             self.running.append(seq)
         return scheduled
 
-    def _schedule_decode(self) -> list[Sequence]:
+    def _schedule_decode(self, budget: int | None = None) -> list[Sequence]:
+        """One token for each running sequence (at most max_num_seqs, and `budget` tokens in a mixed step);
+        a sequence that cannot get a block preempts the newest running one (the tail), or itself."""
         scheduled: list[Sequence] = []
-        while self.running and len(scheduled) < self.max_num_seqs:
+        cap = self.max_num_seqs if budget is None else min(self.max_num_seqs, budget)
+        while self.running and len(scheduled) < cap:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
                 if self.running:

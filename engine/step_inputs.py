@@ -36,6 +36,14 @@ class StepPlan:
     seqlens_k: list[int]
     block_tables: list[list[int]] | None = None
     context_lens: list[int] | None = None
+    num_decodes: int = 0                  # a prefill step's leading one-token rows read through the decode kernel
+
+    @property
+    def kind(self) -> str:
+        """decode, prefill, or mixed (a step that prefills and decodes at once)."""
+        if not self.is_prefill:
+            return "decode"
+        return "mixed" if 0 < self.num_decodes < len(self.seqlens_q) else "prefill"
 
 
 @dataclass
@@ -95,9 +103,12 @@ class InputBuilder:
                 slots += self.slots(seq, start, end)
             else:
                 slots += [-1] * (end - start)
-        prefix = sum(lens_k) > sum(lens_q)
-        return StepPlan(True, input_ids, positions, slots, lens_q, lens_k,
-                        block_tables=self._padded_tables(seqs) if prefix else None)
+        if sum(lens_k) == sum(lens_q):         # nothing read from the cache: attention on the new K/V alone
+            return StepPlan(True, input_ids, positions, slots, lens_q, lens_k)
+        # a mixed step's decodes (scheduled first: one new token after a completion) go to the decode kernel
+        decodes = next((i for i, s in enumerate(seqs) if not (lens_q[i] == 1 and s.num_completion_tokens)), len(seqs))
+        return StepPlan(True, input_ids, positions, slots, lens_q, lens_k, block_tables=self._padded_tables(seqs),
+                        context_lens=lens_k[:decodes] if decodes else None, num_decodes=decodes)
 
     def plan_decode(self, seqs: list[Sequence], ahead: int = 0) -> StepPlan:
         """ahead=1: one position further than the host's token lists (the previous step is in flight;
@@ -153,7 +164,7 @@ class InputBuilder:
             max_seqlen_q=max(plan.seqlens_q), max_seqlen_k=max(plan.seqlens_k),
             block_tables=None if block_tables is None else block_tables.view(n, -1),
             context_lens=views.get("context_lens"), decode_order=views.get("decode_order"),
-            seqlens_q=plan.seqlens_q, seqlens_k=plan.seqlens_k)
+            seqlens_q=plan.seqlens_q, seqlens_k=plan.seqlens_k, num_decodes=plan.num_decodes)
         return StepInputs(wide[:t], wide[t_pad:t_pad + t], meta, plan.is_prefill, plan, started)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:

@@ -35,9 +35,17 @@ class TorchAttention(AttentionBackend):
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        if meta.is_prefill:
+        if not meta.is_prefill:
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        d = meta.num_decodes
+        if not d:
             return self._prefill(q, k, v, k_cache, v_cache, meta, scale)
-        return self._decode(q, k_cache, v_cache, meta, scale)
+        # a mixed step: its leading one-token rows batched as a decode, the prefill rows one by one
+        out = torch.empty_like(q)
+        out[:d] = self._decode(q[:d], k_cache, v_cache, meta.decode_part(), scale)
+        if d < q.shape[0]:
+            out[d:] = self._prefill(q[d:], k[d:], v[d:], k_cache, v_cache, meta.prefill_part(), scale)
+        return out
 
     @staticmethod
     def _attend(q, k, v, mask, scale, causal: bool):

@@ -1,7 +1,8 @@
 """Triton backend (CUDA): our paged decode and paged prefill kernels, Triton KV writes.
 
 A fresh prefill (nothing cached in the batch) attends to the new K/V directly; prefix hits and chunk
-continuations read the cache through the block table. Both are the same Triton kernel.
+continuations read the cache through the block table. Both are the same Triton kernel. A mixed step's
+leading one-token rows (its decodes) go through the paged decode kernel, the rest through the prefill kernel.
 """
 from __future__ import annotations
 
@@ -24,12 +25,24 @@ class TritonAttention(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if not meta.is_prefill:
-            return tk.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                   meta.max_seqlen_k, self.sm_count, order=meta.decode_order)
-        if meta.block_tables is not None:
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        if meta.block_tables is None:
+            return fresh_prefill(q, k, v, meta, scale)
+        d = meta.num_decodes
+        if not d:
             return tk.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                     meta.cu_seqlens_k, meta.max_seqlen_q, scale)
-        return fresh_prefill(q, k, v, meta, scale)
+        if d == q.shape[0]:
+            return self._decode(q, k_cache, v_cache, meta.decode_part(), scale)
+        part = meta.prefill_part()      # writes rows d.. of its output (its offsets count from the step's first token)
+        out = tk.paged_prefill(q, k_cache, v_cache, part.block_tables, part.cu_seqlens_q, part.cu_seqlens_k,
+                               part.max_seqlen_q, scale)
+        out[:d] = self._decode(q[:d], k_cache, v_cache, meta.decode_part(), scale)
+        return out
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        return tk.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                               meta.max_seqlen_k, self.sm_count, order=meta.decode_order)
 
 
 def fresh_prefill(q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
