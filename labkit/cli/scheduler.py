@@ -45,7 +45,7 @@ def _render_practice(record: dict) -> None:
     console.print(t)
     same = (facts.get("prefill_first_vs_upstream") or {}).get("same_per_case")
     if same is not None:
-        console.print(f"prefill_first vs upstream (patches/03 applied to a copy): {same}", soft_wrap=True)
+        console.print(f"prefill_first vs upstream (the pinned patches/upstream/scheduler.py): {same}", soft_wrap=True)
 
 
 @scheduler_app.command()

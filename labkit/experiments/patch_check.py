@@ -29,14 +29,19 @@ def run_on_engine_copy(patch: Patch, applied: bool, args: list[str], timeout_s: 
     """``python -m ARGS`` against a copy of engine/ with the patch applied or not (the live tree untouched).
     Returns (the JSON of its last stdout line, None), or (None, one line saying why there is none)."""
     with tempfile.TemporaryDirectory(prefix=f"labkit-{patch.name}-") as tmp:
-        root = engine_copy(Path(tmp), patch, applied)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(repo_root()),
-                                                          os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
-        try:
-            proc = subprocess.run([sys.executable, "-m", *args], cwd=root, env=env, capture_output=True, text=True,
-                                  timeout=timeout_s, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            return None, f"{what} timed out after {timeout_s:g} s"
+        return run_module_in(engine_copy(Path(tmp), patch, applied), args, timeout_s, what)
+
+
+def run_module_in(root: Path, args: list[str], timeout_s: float, what: str) -> tuple[dict | None, str | None]:
+    """``python -m ARGS`` with ``root/engine`` as the engine it imports (``root`` first on the path). Returns
+    (the JSON of its last stdout line, None), or (None, one line saying why there is none)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(repo_root()),
+                                                      os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    try:
+        proc = subprocess.run([sys.executable, "-m", *args], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=timeout_s, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return None, f"{what} timed out after {timeout_s:g} s"
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     try:
         return json.loads(lines[-1]), None

@@ -13,19 +13,27 @@ Every case records what the scheduler did, round by round; the expectations live
 - ``preempt`` (B.2.2): block size 4, 4 blocks, A/B/C of 4 tokens: at the first decode C is preempted.
 - ``knob``: the interference case with ``max_consecutive_prefill`` (the 5.4.3 exercise) unset, 2 and 1.
 
-The same cases (those that need no knob and no balanced policy) also run against ``upstream``: a copy of
-``engine/`` with ``patches/03-no-balanced-policy.patch`` applied, in its own process, so that the evidence
-can say whether today's ``prefill_first`` is upstream's scheduler round by round.
+The same cases (those that need no knob and no balanced policy) also run against ``upstream``, in a process
+of their own: a copy of ``engine/`` whose ``scheduler.py`` is upstream's, pinned in
+``patches/upstream/scheduler.py`` (``engine/scheduler.py`` as ``patches/03-no-balanced-policy.patch`` makes
+it, frozen; ``checkpoints/scheduler.json`` holds its sha256). The working tree's scheduler never reaches that
+side, so the evidence says whether today's ``prefill_first`` (a learner's edit included) is upstream's
+scheduler round by round.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 CHECKPOINT = "scheduler.practice"
-UPSTREAM_PATCH = "no-balanced-policy"
+#: Upstream's scheduler, pinned (relative to the repository root); it replaces engine/scheduler.py on the
+#: upstream side's copy of engine/.
+UPSTREAM_SCHEDULER = "patches/upstream/scheduler.py"
 SIDE_TIMEOUT_S = 300
 TOKEN = 7                                  # the synthetic "sampled" id every step returns
 
@@ -226,21 +234,31 @@ def side(policies: list[str], knob: bool = True) -> dict:
 # --------------------------------------------------------------------------- upstream, in its own process
 
 
-def run_upstream() -> dict:
-    """The prefill_first cases against a copy of engine/ with patches/03 applied (upstream's scheduler)."""
-    from labkit.experiments.patch_check import run_on_engine_copy
-    from labkit.patches.store import find
+def run_upstream(root: Path | None = None) -> dict:
+    """The prefill_first cases against upstream's pinned scheduler (:data:`UPSTREAM_SCHEDULER`), on a copy of
+    ``root``'s engine/ (default: the one labkit drives) with its scheduler.py replaced, in its own process."""
+    from labkit.experiments.patch_check import run_module_in
+    from labkit.paths import repo_root
+    from labkit.patches.store import engine_root
 
-    patch = find(UPSTREAM_PATCH)
-    out, error = run_on_engine_copy(patch, True, ["labkit.experiments.scheduler_practice", "--upstream-side"],
-                                    SIDE_TIMEOUT_S, "upstream side")
+    pinned = repo_root() / UPSTREAM_SCHEDULER
+    if not pinned.is_file():
+        return {"ok": False, "error": f"no pinned upstream scheduler at {pinned}"}
+    with tempfile.TemporaryDirectory(prefix="labkit-upstream-") as tmp:
+        copy = Path(tmp)
+        shutil.copytree((root or engine_root()) / "engine", copy / "engine",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copyfile(pinned, copy / "engine" / "scheduler.py")
+        out, error = run_module_in(copy, ["labkit.experiments.scheduler_practice", "--upstream-side"],
+                                   SIDE_TIMEOUT_S, "upstream side")
     if out is None:
         return {"ok": False, "error": error}
-    out["patch"] = patch.file
+    out["pinned"] = UPSTREAM_SCHEDULER
     return out
 
 
 def _upstream_main() -> int:
+    import engine.scheduler
     from engine.config import SCHEDULING_POLICIES
     from labkit.evidence_format import engine_dir, source_hash
 
@@ -249,6 +267,8 @@ def _upstream_main() -> int:
     except Exception as exc:  # noqa: BLE001 - reported to the parent as data
         out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     out["engine_source_hash"] = source_hash(engine_dir())
+    # the scheduler this process imported, by content: the judge holds it to the pin
+    out["scheduler_sha256"] = hashlib.sha256(Path(engine.scheduler.__file__).read_bytes()).hexdigest()
     print("\n" + json.dumps(out))
     return 0
 

@@ -11,6 +11,8 @@ from testkit import checkpoint_command
 from engine.config import ConfigError
 from engine.scheduler import Scheduler
 from labkit.checks import check_evidence, evaluate, get_checkpoint, verdict
+from labkit.experiments.scheduler_practice import UPSTREAM_SCHEDULER
+from labkit.experiments.scheduler_practice import run_upstream as run_pinned_upstream
 
 pytestmark = pytest.mark.usefixtures("one_tokenizer")     # tests/conftest.py: one tokenizer per model directory
 
@@ -21,7 +23,7 @@ def _failed(record: dict) -> set[str]:
 
 @pytest.fixture(scope="module")
 def upstream_once():
-    """The practice's upstream side runs in its own process against a copy of engine/ (patches/03 applied), out of
+    """The practice's upstream side runs in its own process against a copy of engine/ (the pinned scheduler), out of
     reach of this module's monkeypatches: the same for the real run and every broken scheduler here, so it runs
     once per module (in whichever practice comes first) and each practice after it reads a copy of that result."""
     from labkit.experiments import scheduler_practice
@@ -103,6 +105,70 @@ def test_practice_fails_when_the_knob_does_nothing(tmp_path, labkit_argv, upstre
     record = _practice(tmp_path, labkit_argv)
     assert record["verdict"] == "FAIL"
     assert "facts.knob.prefill_first.2.longest_prefill_run" in _failed(record)
+
+
+# --------------------------------------------------------------------------- upstream is pinned
+
+_SERVED_STAY_AT_FRONT = "self.running.extendleft(reversed(scheduled))"
+
+
+def _learners_edit(text: str) -> str:
+    """A learner's edit to engine/scheduler.py: prefill_first sends served decodes to the back (it rotates)."""
+    assert _SERVED_STAY_AT_FRONT in text
+    return text.replace(_SERVED_STAY_AT_FRONT, "self.running.extend(scheduled)")
+
+
+def _pin() -> str:
+    (a,) = [a for a in get_checkpoint("scheduler.practice").assertions if a.path == "facts.upstream.scheduler_sha256"]
+    return a.value
+
+
+def test_the_pinned_upstream_scheduler_is_the_file_the_checkpoint_pins():
+    import hashlib
+    from pathlib import Path
+
+    pinned = Path(__file__).resolve().parents[2] / UPSTREAM_SCHEDULER
+    assert hashlib.sha256(pinned.read_bytes()).hexdigest() == _pin()
+
+
+def test_a_learners_edit_on_disk_does_not_reach_the_upstream_side(tmp_path, upstream_once):
+    import shutil
+    from pathlib import Path
+
+    from labkit.experiments.patch_check import run_module_in
+    from labkit.experiments.scheduler_practice import run_upstream
+
+    repo = Path(__file__).resolve().parents[2]
+    learner = tmp_path / "learner"
+    shutil.copytree(repo / "engine", learner / "engine", ignore=shutil.ignore_patterns("__pycache__"))
+    sched = learner / "engine" / "scheduler.py"
+    sched.write_text(_learners_edit(sched.read_text()))
+
+    edited, error = run_module_in(learner, ["labkit.experiments.scheduler_practice", "--upstream-side"], 300, "edited")
+    assert error is None and edited["ok"]
+    upstream = run_upstream()                          # the real tree's pinned side (run once per module)
+    assert edited["prefill_first"]["rotation"] != upstream["prefill_first"]["rotation"]   # the edit shows on its own tree
+
+    pinned = run_pinned_upstream(learner)               # the upstream side of the edited tree
+    assert pinned["ok"] and pinned["scheduler_sha256"] == _pin() != edited["scheduler_sha256"]
+    assert pinned["prefill_first"] == upstream["prefill_first"]
+
+
+def test_practice_fails_when_a_learner_changes_prefill_first(tmp_path, labkit_argv, upstream_once, monkeypatch):
+    original = Scheduler._schedule_decode
+
+    def rotates(self, *args, **kw):                     # the edit above, made in this process
+        served = original(self, *args, **kw)
+        if self.policy == "prefill_first":
+            for _ in served:
+                self.running.remove(_)
+            self.running.extend(served)
+        return served
+
+    monkeypatch.setattr(Scheduler, "_schedule_decode", rotates)
+    record = _practice(tmp_path, labkit_argv)
+    assert record["verdict"] == "FAIL"
+    assert "facts.prefill_first_vs_upstream.all_same" in _failed(record)
 
 
 def test_knob_default_keeps_each_policy_and_is_validated(tiny_model_dir):

@@ -1,0 +1,176 @@
+"""Chooses each step's work: chunked prefill under a token budget, or decode with preemption."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerLimits
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class StepOutcome:
+    """What postprocess did: accepted candidates, discarded chunk candidates, finished seqs, freed blocks."""
+    accepted: dict[int, int] = field(default_factory=dict)
+    discarded: list[int] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
+    freed_blocks: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager):
+        self.max_num_seqs = limits.max_num_seqs
+        self.max_num_batched_tokens = limits.max_num_batched_tokens
+        self.max_model_len = limits.max_model_len
+        self.policy = limits.scheduling_policy
+        self.eos = set(limits.eos_token_ids)
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.max_consecutive_prefill = limits.max_consecutive_prefill   # None: any runnable prefill first
+        self._prefill_run = 0                      # prefill steps since the last decode step
+        # totals for the service's metrics (vLLM's num_preemptions, prefix_cache_queries / hits, in tokens)
+        self.num_preemptions = self.prefix_queries = self.prefix_hits = 0
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    # -- selection -----------------------------------------------------------
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        cap = self.max_consecutive_prefill
+        if cap is not None and self._prefill_run >= cap and self.running:
+            order = (False, True)          # enough prefills in a row: decode gets this turn
+        else:
+            order = (True, False)
+        for is_prefill in order:
+            seqs = self._schedule_prefill() if is_prefill else self._schedule_decode()
+            if seqs:
+                self._prefill_run = self._prefill_run + 1 if is_prefill else 0
+                return seqs, is_prefill
+        if self.waiting:
+            raise RuntimeError(f"cannot schedule request {self.waiting[0].seq_id}: the KV pool "
+                               f"({self.block_manager.num_blocks} blocks) cannot hold it")
+        return [], False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+        while self.waiting and len(scheduled) < self.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            if seq.waits_for_sibling:
+                break                      # n > 1: its sibling's prefill fills the prefix cache first
+            if not seq.block_table:
+                # prompt log-probs need every prompt position computed: no prefix-cache hits for them
+                hits = [] if not seq.prompt_logprobs_done else bm.cached_prefix(seq)   # one hash walk per admission
+                remaining = seq.num_tokens - len(hits) * bm.block_size
+                if scheduled and remaining > budget:
+                    break                  # only the first sequence of a batch may be chunked
+                if not bm.can_allocate(seq, hits):
+                    break
+                bm.allocate(seq, hits)
+                self.prefix_queries += seq.num_tokens
+                self.prefix_hits += len(hits) * bm.block_size
+            remaining = seq.num_tokens - seq.num_cached_tokens
+            if scheduled and remaining > budget:
+                break
+            seq.num_scheduled_tokens = min(remaining, budget)
+            budget -= seq.num_scheduled_tokens
+            scheduled.append(seq)
+            if seq.num_scheduled_tokens < remaining:
+                break                      # a chunk: it stays first in waiting for the next round
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return scheduled
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())   # the running tail gives its blocks back
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))  # served requests stay at the front
+        return scheduled
+
+    def schedule_lookahead(self, inflight: list[Sequence]) -> list[Sequence]:
+        """The decode step after `inflight` (a decode step whose tokens are not on the host yet).
+
+        Its sequences are the in-flight ones that will not finish by length when those tokens arrive
+        (one that stops on EOS is found out later and its extra row discarded); each gets room for one
+        position more than it holds. Empty (run the steps one by one) when anything else could need
+        the step: requests waiting, running sequences outside the batch, or too few free blocks.
+        """
+        if self.waiting or len(self.running) != len(inflight):
+            return []
+        nxt = [s for s in inflight if not s.is_finished and not self._length_reached(s, ahead=1)]
+        bm = self.block_manager
+        if sum(bm.blocks_needed_to_append(s, ahead=1) for s in nxt) > bm.num_free_blocks:
+            return []
+        for s in nxt:
+            bm.may_append(s, ahead=1)
+        return nxt
+
+    def _length_reached(self, seq: Sequence, ahead: int = 0) -> bool:
+        """Whether seq is at its length limit (max_tokens or max_model_len) with `ahead` more tokens."""
+        return (seq.num_completion_tokens + ahead >= seq.sampling_params.max_tokens
+                or seq.num_tokens + ahead >= self.max_model_len)
+
+    def preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        seq.num_scheduled_tokens = 0
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+
+    # -- after the forward -----------------------------------------------------
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool) -> StepOutcome:
+        out = StepOutcome()
+        for seq, token_id in zip(seqs, token_ids):
+            completes = seq.step_reaches_end
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.hash_blocks(seq)
+            if not completes:
+                out.discarded.append(seq.seq_id)   # an intermediate chunk's candidate is not an output
+                continue
+            seq.append_token(int(token_id))
+            out.accepted[seq.seq_id] = int(token_id)
+            reason = self._finish_reason(seq, int(token_id))
+            if seq.grammar is not None and seq.grammar.accept(int(token_id)) and reason is None:
+                reason = "abort" if seq.grammar.rejected else "stop"     # the grammar is complete
+            if reason:
+                out.freed_blocks += self.finish(seq, reason)
+                out.finished.append(seq)
+        return out
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        sp = seq.sampling_params
+        if not sp.ignore_eos and token_id in self.eos:
+            return "stop"
+        if token_id in sp.stop_token_ids:
+            return "stop"
+        if self._length_reached(seq):
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> list[int]:
+        """Mark seq finished, take it out of the queues and free its blocks at once."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        return self.block_manager.deallocate(seq)
