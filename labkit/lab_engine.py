@@ -1,10 +1,14 @@
 """The lab's engine session: the lab's defaults as an engine ``EngineArgs`` (:func:`lab_args`), model
-resolution and engine construction (:func:`build_engine`), evidence identity."""
+resolution and engine construction (:func:`build_engine`), evidence identity, a timed ``generate``
+(:func:`timed_generate`, used by the benches and the rate sweep) and releasing an engine (:func:`release_engine`)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
+import statistics
 import sys
+import time
 from dataclasses import dataclass
 
 from engine import EngineArgs, LLMEngine
@@ -93,3 +97,63 @@ def env_trace_printer(event: EngineEvent) -> None:
 def install_env_trace(engine: LLMEngine) -> None:
     if os.environ.get("LABKIT_TRACE", "") not in ("", "0"):
         engine.events.subscribe(env_trace_printer)
+
+
+# --------------------------------------------------------------------------- timing and releasing an engine
+
+
+def sync_device() -> None:
+    """Wait for the GPU's queued work (a no-op without CUDA): timings end here."""
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def release_engine(engine: LLMEngine | None) -> None:
+    """Close ``engine`` and give its GPU memory back before the next one is built."""
+    import torch
+    if engine is not None:
+        engine.close()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@dataclass
+class Timed:
+    seconds: float
+    output_tokens: int
+    steps: list[tuple[bool, int, float]] | None = None     # (is_prefill, batch, seconds) per step
+    output_lens: list[int] | None = None                   # tokens each request generated, in prompt order
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def record(self) -> dict:
+        out = {"seconds": round(self.seconds, 4), "output_tokens": self.output_tokens, "tok_s": round(self.tok_s, 1)}
+        if self.steps:
+            prefill = [s for p, _, s in self.steps if p]
+            decode = [s for p, _, s in self.steps if not p]
+            slowest = sorted(self.steps, key=lambda r: r[2], reverse=True)[:5]
+            out |= {"prefill_steps": len(prefill), "prefill_seconds": round(sum(prefill), 4),
+                    "decode_steps": len(decode), "decode_seconds": round(sum(decode), 4),
+                    "decode_ms_median": round(statistics.median(decode) * 1e3, 3) if decode else None,
+                    "slowest_steps": [{"phase": "prefill" if p else "decode", "batch": b, "ms": round(t * 1e3, 2)}
+                                      for p, b, t in slowest]}
+        return out
+
+
+def timed_generate(engine: LLMEngine, prompts, params, steps: bool = False, also=None) -> Timed:
+    """engine.generate, timed; with steps, each step's time too; ``also(out)`` sees every StepOutput."""
+    record: list[tuple[bool, int, float]] = []
+    on_step = (lambda out: record.append((out.is_prefill, len(out.seqs), out.seconds))) if steps else None
+    if also is not None:
+        on_step = (lambda out: (record.append((out.is_prefill, len(out.seqs), out.seconds)), also(out))) if steps \
+            else also
+    sync_device()
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params, on_step=on_step)
+    sync_device()
+    lens = [len(o["token_ids"]) for o in outs]
+    return Timed(time.perf_counter() - t0, sum(lens), record if steps else None, lens)

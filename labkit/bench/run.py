@@ -4,16 +4,15 @@ Every figure is measured on this machine in this process; evidence keeps every r
 """
 from __future__ import annotations
 
-import gc
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from random import randint, seed
 
 from engine import LLMEngine, RequestError, SamplingParams, StructuredOutputsParams
 from labkit.errors import UserError
 from labkit.evidence import write_evidence
+from labkit.lab_engine import release_engine, sync_device, timed_generate
 from labkit.paths import default_out
 
 #: the model the bench checkpoints' figures are for (a synthetic run of another preset is judged by none)
@@ -63,61 +62,6 @@ def fixed_workload(num_seqs: int, input_len: int, output_len: int, start: int = 
     return prompts, params
 
 
-def _sync() -> None:
-    import torch
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _release(engine: LLMEngine | None) -> None:
-    import torch
-    if engine is not None:
-        engine.close()
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-@dataclass
-class Timed:
-    seconds: float
-    output_tokens: int
-    steps: list[tuple[bool, int, float]] | None = None     # (is_prefill, batch, seconds) per step
-    output_lens: list[int] | None = None                   # tokens each request generated, in prompt order
-
-    @property
-    def tok_s(self) -> float:
-        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
-
-    def record(self) -> dict:
-        out = {"seconds": round(self.seconds, 4), "output_tokens": self.output_tokens, "tok_s": round(self.tok_s, 1)}
-        if self.steps:
-            prefill = [s for p, _, s in self.steps if p]
-            decode = [s for p, _, s in self.steps if not p]
-            slowest = sorted(self.steps, key=lambda r: r[2], reverse=True)[:5]
-            out |= {"prefill_steps": len(prefill), "prefill_seconds": round(sum(prefill), 4),
-                    "decode_steps": len(decode), "decode_seconds": round(sum(decode), 4),
-                    "decode_ms_median": round(statistics.median(decode) * 1e3, 3) if decode else None,
-                    "slowest_steps": [{"phase": "prefill" if p else "decode", "batch": b, "ms": round(t * 1e3, 2)}
-                                      for p, b, t in slowest]}
-        return out
-
-
-def timed_generate(engine: LLMEngine, prompts, params, steps: bool = False, also=None) -> Timed:
-    """engine.generate, timed; with steps, each step's time too; ``also(out)`` sees every StepOutput."""
-    record: list[tuple[bool, int, float]] = []
-    on_step = (lambda out: record.append((out.is_prefill, len(out.seqs), out.seconds))) if steps else None
-    if also is not None:
-        on_step = (lambda out: (record.append((out.is_prefill, len(out.seqs), out.seconds)), also(out))) if steps \
-            else also
-    _sync()
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, params, on_step=on_step)
-    _sync()
-    lens = [len(o["token_ids"]) for o in outs]
-    return Timed(time.perf_counter() - t0, sum(lens), record if steps else None, lens)
-
-
 def engine_for(model_dir: str, device: str, attention: str, eager: bool, **kw) -> LLMEngine:
     return LLMEngine(model_dir, device=device, attention_backend=attention, enforce_eager=eager, **kw)
 
@@ -148,7 +92,7 @@ def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, re
             engine.validate(prompts[0], params[0])             # the one compile (cached for every request)
             facts["workload"]["structured_outputs"]["compile_seconds"] = round(time.perf_counter() - t0, 4)
         except RequestError as e:
-            _release(engine)
+            release_engine(engine)
             raise UserError(f"--json-schema: {e}") from None
     engine.generate(["Benchmark: "], SamplingParams())          # nano-vllm's warm-up
     if json_schema is not None:            # and a constrained one: the mask kernel (Triton on CUDA) is built once
@@ -170,7 +114,7 @@ def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, re
         from labkit.bench.profile import profile_run
         engine.reset_prefix_cache()
         facts["profile"] = profile_run(engine, prompts, params)
-    _release(engine)
+    release_engine(engine)
     return facts
 
 
@@ -211,7 +155,7 @@ def _median_run(model_dir, device, attention, eager, num_seqs, input_len, output
            "median_tok_s": round(statistics.median(r.tok_s for r in runs), 1),
            "output_tokens_per_repeat": sorted({r.output_tokens for r in runs}),
            "decode_routes": routes}
-    _release(engine)
+    release_engine(engine)
     return out
 
 
@@ -282,7 +226,7 @@ def bench_latency(model_dir: str, device: str, attention: str, batches=LATENCY_B
             if bound is not None:
                 bound["measured_over_bound"] = round(statistics.median(step_ms) / bound["bound_ms_per_step"], 3)
                 facts[mode][f"batch_{b}"]["bound"] = bound
-        _release(engine)
+        release_engine(engine)
     return facts
 
 
@@ -293,7 +237,7 @@ def _latency_round(engine: LLMEngine, prompts, params, batch: int, overlap: bool
     step_ms, last = [], None
     while not engine.is_finished():
         if not overlap:
-            _sync()
+            sync_device()
         t0 = time.perf_counter()
         out = engine.step()
         now = time.perf_counter()
@@ -331,7 +275,7 @@ def bench_hf_baseline(model_dir: str, device: str, attention: str, num_seqs: int
     engine = engine_for(model_dir, device, attention, False, **NANO_VLLM_ENGINE)
     engine.generate(prompts[:2], params[:2])
     ours = timed_generate(engine, prompts, params)
-    _release(engine)
+    release_engine(engine)
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     width = max(map(len, prompts))
@@ -342,14 +286,14 @@ def bench_hf_baseline(model_dir: str, device: str, attention: str, num_seqs: int
                   top_k=0, top_p=1.0, pad_token_id=pad)
     with torch.inference_mode():
         model.generate(input_ids=ids[:2], attention_mask=mask[:2], **{**gen_kw, "max_new_tokens": 8, "min_new_tokens": 8})
-        _sync()
+        sync_device()
         t0 = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask, **gen_kw)
-        _sync()
+        sync_device()
         hf_s = time.perf_counter() - t0
     hf_tokens = int((out.shape[1] - width) * out.shape[0])
     del model
-    _release(None)
+    release_engine(None)
     return {"fraction": f"first {num_seqs} of the nano-vllm workload's prompts, {output_len} output tokens each",
             "ours": ours.record(),
             "hf": {"seconds": round(hf_s, 4), "output_tokens": hf_tokens, "tok_s": round(hf_tokens / hf_s, 1),

@@ -19,18 +19,13 @@ same requests and the same output token counts.
 """
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
-import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from labkit.bench.spans import device_stats, percentiles
 from labkit.errors import UserError
+from labkit.load.server_process import ServerProcess
 from labkit.load.trace import TraceOptions, make_trace, write_trace
 
 #: The trace of issue 13: 256 requests at once, half 512 and half 1024 prompt tokens, 512 outputs each.
@@ -44,7 +39,6 @@ CPU_SETTINGS = dict(enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=5
                     gpu_memory_utilization=0.5, overlap=False)
 WIDE_BATCH = 200                       # issue 13's "decode phase (batch >= 200)" at 256 sequences
 LOAD_WARMUP_REQUESTS = 2               # `labkit load`'s default
-SERVER_START_S = 600.0
 
 
 def settings_for(device: str) -> dict:
@@ -138,7 +132,8 @@ class _Waits:
 
 def run_offline(model_dir: str, device: str, attention: str, settings: dict, reqs: list[dict], wide: int) -> dict:
     from engine import SamplingParams
-    from labkit.bench.run import _release, engine_facts, engine_for, timed_generate, workload_bound
+    from labkit.bench.run import engine_facts, engine_for, workload_bound
+    from labkit.lab_engine import release_engine, timed_generate
 
     prompts = [r["prompt_token_ids"] for r in reqs]
     params = [SamplingParams(temperature=float(r["temperature"]), max_tokens=int(r["max_tokens"]),
@@ -161,67 +156,11 @@ def run_offline(model_dir: str, device: str, attention: str, settings: dict, req
         facts["first_over_warm"] = round(cold.seconds / warm.seconds, 3) if warm.seconds > 0 else None
         facts["bound"] = workload_bound(engine, prompts, warm.output_lens, device)
     finally:
-        _release(engine)
+        release_engine(engine)
     return facts
 
 
 # --------------------------------------------------------------------------- (b) served
-
-
-@dataclass
-class ServerProcess:
-    """A `labkit serve` subprocess on 127.0.0.1 (port 0: it picks a free one and prints the URL)."""
-    proc: subprocess.Popen
-    url: str
-    log: Path
-    output: Path
-
-    @classmethod
-    def start(cls, model_dir: str, device: str, attention: str, settings: dict, log: Path, output: Path,
-              timeout_s: float = SERVER_START_S, engine_process: bool = False,
-              extra_args: tuple[str, ...] = ()) -> "ServerProcess":
-        args = [sys.executable, "-m", "labkit", "serve", "--model", model_dir, "--port", "0", "--device", device,
-                "--attention", attention, "--max-num-seqs", str(settings["max_num_seqs"]),
-                "--max-active", str(settings["max_num_seqs"]), "--queue-size", "1024",
-                "--max-num-batched-tokens", str(settings["max_num_batched_tokens"]),
-                "--max-model-len", str(settings["max_model_len"]),
-                "--gpu-memory-utilization", str(settings["gpu_memory_utilization"]),
-                "--enforce-eager" if settings["enforce_eager"] else "--graph",
-                "--overlap" if settings.get("overlap") else "--no-overlap",
-                "--out", str(log), "--log-level", "warning", "--stats-interval", "0",
-                "--engine-process" if engine_process else "--no-engine-process", *extra_args]
-        output.parent.mkdir(parents=True, exist_ok=True)
-        sink = output.open("w")
-        proc = subprocess.Popen(args, stdout=sink, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, "COLUMNS": "200"})
-        sink.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            m = re.search(r"ready: (http://127\.0\.0\.1:\d+)", output.read_text(errors="replace"))
-            if m:
-                return cls(proc, m.group(1), log, output)
-            if proc.poll() is not None:
-                raise UserError(f"labkit serve exited with code {proc.returncode} before it was ready: "
-                                f"{_last_line(output)}")
-            time.sleep(0.2)
-        proc.kill()
-        proc.wait()
-        raise UserError(f"labkit serve was not ready within {timeout_s:g} s (its output: {output})")
-
-    def stop(self, timeout_s: float = 120.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-
-def _last_line(path: Path) -> str:
-    lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip()]
-    return lines[-1] if lines else "(no output)"
 
 
 def run_served(model_dir: str, device: str, attention: str, settings: dict, trace_path: Path, out_dir: Path,

@@ -1,19 +1,16 @@
-"""Percentiles, and what the GPU did from the steps' device spans (engine/device_clock.py): shared by the
-serve and latency workloads."""
+"""Percentiles (the load report's estimator), and what the GPU did from the steps' device spans
+(engine/device_clock.py): shared by the serve and latency workloads."""
 from __future__ import annotations
 
-import statistics
+from labkit.load.report import percentile
 
 
 def percentiles(values: list[float]) -> dict:
+    """n, p50, p90, p99 and max of ``values`` (:func:`labkit.load.report.percentile`: the load report's estimator)."""
     if not values:
         return {"n": 0, "p50": None, "p90": None, "p99": None, "max": None}
-    s = sorted(values)
-
-    def q(p: float) -> float:
-        return round(s[min(len(s) - 1, int(p * (len(s) - 1) + 0.5))], 4)
-
-    return {"n": len(s), "p50": round(statistics.median(s), 4), "p90": q(0.9), "p99": q(0.99), "max": round(s[-1], 4)}
+    return {"n": len(values), **{f"p{q}": round(percentile(values, q), 4) for q in (50, 90, 99)},
+            "max": round(max(values), 4)}
 
 
 def device_stats(spans: list[tuple[int, int, int]], start_ns: int | None, end_ns: int | None, wide: int) -> dict:

@@ -26,20 +26,19 @@ reported next to them; on a shared CPU they swing by 2x between repeats, steps d
 """
 from __future__ import annotations
 
-import os
 import shutil
 import statistics
 import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from labkit.errors import UserError
+from labkit.load.server_process import ServerProcess
 
 TRACE = Path("workloads/mixed.jsonl")
 #: The handbook's load settings (5.3, 5.4.3): 1024 context, 256-token budget, 4 per batch, 8 active.
+READY_S = 180.0      # a served deployment's start, model load included
 LOAD_SETTINGS = dict(max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=4, max_active=8)
 
 
@@ -363,34 +362,6 @@ def _execution_facts(logs: Path, repeats: int) -> dict:
 # --------------------------------------------------------------------------- served deployments (2 GPUs)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(url: str, worker_id: str, proc: subprocess.Popen, timeout_s: float = 180.0) -> dict:
-    import json
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise UserError(f"server {worker_id} exited with {proc.returncode} before it was ready")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                h = json.load(r)
-            if h.get("worker_id") != worker_id:
-                raise UserError(f"{url} is served by {h.get('worker_id')!r}, not {worker_id!r}: a stale server?")
-            with urllib.request.urlopen(url + "/config", timeout=5) as r:
-                return json.load(r)
-        except OSError:
-            time.sleep(0.5)
-    raise UserError(f"server {worker_id} did not become ready within {timeout_s:g} s")
-
-
 def _gpu_memory_used_mib() -> list[int] | None:
     try:
         p = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
@@ -406,7 +377,8 @@ def _run_served(side: Side, path: Path, model: str | None, attention: str, trace
 
     from labkit.load.replay import LoadOptions, run_load
 
-    procs, urls, configs = [], [], []
+    servers: list[ServerProcess] = []
+    configs: list[dict] = []
     peak: list[int] = []
     stop = threading.Event()
 
@@ -421,43 +393,34 @@ def _run_served(side: Side, path: Path, model: str | None, attention: str, trace
 
     try:
         for s in side.serve:
-            port = _free_port()
-            cmd = [sys.executable, "-m", "labkit", "serve", "--port", str(port), "--worker-id", s["id"],
-                   "--scheduling-policy", side.worker["scheduling_policy"], "--enforce-eager",
-                   "--max-model-len", str(LOAD_SETTINGS["max_model_len"]),
-                   "--max-num-batched-tokens", str(LOAD_SETTINGS["max_num_batched_tokens"]),
-                   "--max-num-seqs", str(s.get("max_num_seqs", LOAD_SETTINGS["max_num_seqs"])),
-                   "--max-active", str(s.get("max_active", LOAD_SETTINGS["max_active"])),
-                   "--tensor-parallel-size", str(s.get("tp", 1)), "--attention", attention,
-                   "--out", str(path.with_name(f"{path.stem}-server-{s['id']}.jsonl"))]
+            args = ["--worker-id", s["id"],
+                    "--scheduling-policy", side.worker["scheduling_policy"], "--enforce-eager",
+                    "--max-model-len", str(LOAD_SETTINGS["max_model_len"]),
+                    "--max-num-batched-tokens", str(LOAD_SETTINGS["max_num_batched_tokens"]),
+                    "--max-num-seqs", str(s.get("max_num_seqs", LOAD_SETTINGS["max_num_seqs"])),
+                    "--max-active", str(s.get("max_active", LOAD_SETTINGS["max_active"])),
+                    "--tensor-parallel-size", str(s.get("tp", 1)), "--attention", attention,
+                    "--out", str(path.with_name(f"{path.stem}-server-{s['id']}.jsonl"))]
             if model:
-                cmd += ["--model", model]
-            log = open(path.with_name(f"{path.stem}-server-{s['id']}.log"), "w")
-            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env={**os.environ, "CUDA_VISIBLE_DEVICES": s["gpus"]}))
-            urls.append(f"http://127.0.0.1:{port}")
-        for url, s, p in zip(urls, side.serve, procs):
-            configs.append(_wait_ready(url, s["id"], p))
+                args += ["--model", model]
+            servers.append(ServerProcess.spawn(args, path.with_name(f"{path.stem}-server-{s['id']}.log"),
+                                               env={"CUDA_VISIBLE_DEVICES": s["gpus"]}))
+        for server, s in zip(servers, side.serve):
+            configs.append(server.wait_ready(READY_S).served_config(s["id"]))
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        record = run_load(LoadOptions(trace=trace, out=path, endpoints=urls, mode="wall", warmup_requests=warmup,
-                                      show_progress=False))
+        record = run_load(LoadOptions(trace=trace, out=path, endpoints=[x.url for x in servers], mode="wall",
+                                      warmup_requests=warmup, show_progress=False))
     finally:
         stop.set()
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-    servers = []
+        for server in servers:
+            server.stop(60)
+    facts = []
     for s, cfg in zip(side.serve, configs):
         eng = cfg.get("engine") or {}
-        servers.append({"worker_id": s["id"], "gpus": s["gpus"], "tp": s.get("tp", 1),
-                        "num_kvcache_blocks": eng.get("num_kvcache_blocks"), "memory": eng.get("memory")})
-    return record, {"servers": servers, "gpu_memory_used_peak_mib": peak or None}
+        facts.append({"worker_id": s["id"], "gpus": s["gpus"], "tp": s.get("tp", 1),
+                      "num_kvcache_blocks": eng.get("num_kvcache_blocks"), "memory": eng.get("memory")})
+    return record, {"servers": facts, "gpu_memory_used_peak_mib": peak or None}
 
 
 def _deployment_facts(runs: dict[str, list[dict]], extra: dict[str, list[dict]]) -> dict:

@@ -165,8 +165,7 @@ class Target:
         if self.proc is not None:
             self.proc.stop()
             self.proc = None
-        from labkit.bench.run import _release
-        from labkit.lab_engine import build_engine
+        from labkit.lab_engine import build_engine, release_engine
 
         lab = build_engine(self.opts.worker.engine)
         try:
@@ -174,11 +173,11 @@ class Target:
             return {"engine": "a new engine, the served options (warm pass)", **_offline(lab.engine, reqs),
                     "cold_pass": cold}
         finally:
-            _release(lab.engine)
+            release_engine(lab.engine)
 
 
 def _offline(engine, reqs: list[dict]) -> dict:
-    from labkit.bench.run import timed_generate
+    from labkit.lab_engine import timed_generate
     from labkit.load.replay import sampling
 
     engine.reset_prefix_cache()
@@ -190,7 +189,7 @@ def _offline(engine, reqs: list[dict]) -> dict:
 def start_server_process(lo: LoadOptions, log_dir: Path):
     """``labkit serve`` on 127.0.0.1 with the sweep's engine and admission options (engine process on CUDA)."""
     from labkit.assets.resolve import resolve_model
-    from labkit.bench.serve import ServerProcess
+    from labkit.load.server_process import ServerProcess
     from labkit.lab_engine import detect_device
 
     e, w = lo.worker.engine, lo.worker

@@ -188,11 +188,10 @@ def test_a_non_finite_latency_fails_the_checkpoint(swept):
 def test_the_served_sweep_starts_labkit_serve_with_the_sweeps_engine_options(tmp_path, monkeypatch, tiny_model_dir):
     """--serve-process (cuda.rate-sweep's path, CUDA only in the lab): the `labkit serve` it starts gets the
     sweep's engine options (it read a field the engine's EngineArgs does not have, and the H200 run crashed)."""
-    from labkit.bench import serve as bench_serve
-    from labkit.load import sweep
+    from labkit.load import server_process, sweep
 
     seen = {}
-    monkeypatch.setattr(bench_serve.ServerProcess, "start",
+    monkeypatch.setattr(server_process.ServerProcess, "start",
                         classmethod(lambda cls, *a, **kw: seen.update(args=a, kw=kw)))
     worker = WorkerConfig(model=str(tiny_model_dir), device="cpu", attention_backend="torch", max_num_seqs=3,
                           max_model_len=256)
