@@ -28,6 +28,7 @@ from engine.graph import EAGER, PREFILL_GRAPH_SEQS, DecodeGraphs, PrefillGraphs,
 from engine.loader import load_model
 from engine.models.qwen3 import Qwen3ForCausalLM
 from engine.observe import HookSet
+from engine.piecewise import PiecewiseGraphs, piecewise_buckets
 from engine.sampling.logprobs import SampledLogprobs, TokenLogprob, record_prompt_logprobs
 from engine.sampling.sampler import Sampler
 from engine.sequence import Sequence
@@ -104,6 +105,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed, config.eos_token_ids, config.logprobs_mode)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.warmed: list[dict] = []      # the shapes start-up ran (engine/warmup.py), for describe()
         self.warm_seconds = 0.0
@@ -167,10 +169,18 @@ class ModelRunner:
                                                 self.device)
             self.prefill_graphs.capture()
             self.warmed += [{"path": "prefill-graph", "seqs": seqs, "tokens": t} for t in self.prefill_graphs.buckets]
+        # piecewise graphs (engine/piecewise.py): every other step of at most the largest bucket (mixed steps,
+        # prefix-cache hits, chunks), attention eager between the pieces; one rank only, as above
+        if cfg.piecewise_graphs and self.tp.world_size == 1:
+            self.piecewise = PiecewiseGraphs(self.model, self.backend, piecewise_buckets(cfg.max_num_batched_tokens),
+                                             cfg.max_num_seqs, self.device)
+            self.piecewise.capture()
+            self.warmed += [{"path": "piecewise-graph", "seqs": self.piecewise.rows(t), "tokens": t}
+                            for t in self.piecewise.buckets]
 
     @property
     def capture_seconds(self) -> float:
-        return sum(g.capture_seconds for g in (self.graphs, self.prefill_graphs) if g is not None)
+        return sum(g.capture_seconds for g in (self.graphs, self.prefill_graphs, self.piecewise) if g is not None)
 
     # -- a step ------------------------------------------------------------------------------
     def run(self, seqs: list[Sequence], is_prefill: bool, step: int = 0
@@ -232,16 +242,22 @@ class ModelRunner:
 
     def route_for(self, inputs: StepInputs) -> Route:
         """A decode replays the smallest captured graph that covers its batch; a fresh prefill (nothing
-        read from the cache) the smallest prefill graph that covers its tokens and sequences; anything
-        else is eager."""
+        read from the cache) the smallest prefill graph that covers its tokens and sequences; any other
+        step (mixed, prefix hits, chunks) the smallest piecewise graph that covers its tokens, attention
+        eager between its pieces; a step larger than every bucket is eager."""
+        tokens, seqs = inputs.input_ids.shape[0], len(inputs.meta.seqlens_q)
         if self.graphs is not None and not inputs.is_prefill:
-            bucket = self.graphs.bucket_for(inputs.input_ids.shape[0])
+            bucket = self.graphs.bucket_for(tokens)
             if bucket is not None:
                 return Route("graph", bucket)
         if self.prefill_graphs is not None and inputs.is_prefill and inputs.meta.block_tables is None:
-            bucket = self.prefill_graphs.bucket_for(inputs.input_ids.shape[0], len(inputs.meta.seqlens_q))
+            bucket = self.prefill_graphs.bucket_for(tokens, seqs)
             if bucket is not None:
                 return Route("prefill-graph", bucket)
+        if self.piecewise is not None and inputs.is_prefill:
+            bucket = self.piecewise.bucket_for(tokens, seqs)
+            if bucket is not None:
+                return Route("piecewise", bucket)
         return EAGER
 
     @torch.inference_mode()
@@ -252,6 +268,8 @@ class ModelRunner:
             return self.graphs.replay(route.bucket, inputs.input_ids, inputs.positions, inputs.meta)
         if route.kind == "prefill-graph":
             return self.prefill_graphs.replay(route.bucket, inputs.input_ids, inputs.positions, inputs.meta)
+        if route.kind == "piecewise":
+            return self.piecewise.replay(route.bucket, inputs.input_ids, inputs.positions, inputs.meta)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
         if inputs.is_prefill:
             hidden = hidden[inputs.meta.cu_seqlens_q[1:].long() - 1]
@@ -270,7 +288,7 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = torch.empty(0)
-        self.graphs = self.prefill_graphs = None
+        self.graphs = self.prefill_graphs = self.piecewise = None
         self.model = None
         if self.workers is not None:
             self.workers.close()

@@ -77,15 +77,21 @@ def _row_assertions(expected_rows: int) -> list[dict]:
 
 def expected_route(execution: str, phase: str, batch: int, buckets: list[int] | None, tokens: int = 0,
                    fresh: bool = False, prefill_buckets: list[int] | None = None,
-                   prefill_seqs: int = 0) -> tuple[str, int | None]:
+                   prefill_seqs: int = 0, piecewise_buckets: list[int] | None = None,
+                   piecewise_seqs: int = 0) -> tuple[str, int | None]:
     """Eager execution runs eagerly. Under graph execution a decode replays the smallest covering batch
     bucket, a fresh prefill (nothing cached) of at most ``prefill_seqs`` sequences the smallest covering
-    token bucket; anything uncovered runs eagerly."""
+    token bucket; any other prefill (a prefix read, a chunk, a mixed step) the smallest piecewise token
+    bucket whose rows (the bucket, at most ``piecewise_seqs``) hold its sequences; anything uncovered runs
+    eagerly."""
     if execution != "graph":
         return "eager", None
     if phase == "prefill":
         covering = [t for t in (prefill_buckets or []) if t >= tokens] if fresh and batch <= prefill_seqs else []
-        return ("prefill-graph", min(covering)) if covering else ("eager", None)
+        if covering:
+            return "prefill-graph", min(covering)
+        pieces = [t for t in (piecewise_buckets or []) if t >= tokens and min(t, piecewise_seqs) >= batch]
+        return ("piecewise", min(pieces)) if pieces else ("eager", None)
     covering = [b for b in (buckets or []) if b >= batch]
     return ("graph", min(covering)) if covering else ("eager", None)
 
@@ -275,7 +281,9 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
         described = engine.describe()
         buckets = sorted(described["graph"]["buckets"]) if execution == "graph" else None
         prefill_graphs = dict(prefill_buckets=sorted(described["graph"].get("prefill_buckets", [])),
-                              prefill_seqs=described["graph"].get("prefill_seqs", 0))
+                              prefill_seqs=described["graph"].get("prefill_seqs", 0),
+                              piecewise_buckets=sorted(described["graph"].get("piecewise_buckets", [])),
+                              piecewise_seqs=described["graph"].get("piecewise_seqs", 0))
         _drive_suite(engine, run, probe, execution, buckets, prefill_graphs, expect_uncovered, progress)
         arrays: dict[str, np.ndarray] = {"logits": run.logits}
         facts = _nano_facts(run, suite_name, seed, execution, engine, described, buckets, prefix,

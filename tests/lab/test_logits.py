@@ -99,6 +99,13 @@ def test_expected_route_picks_the_smallest_covering_bucket_else_eager():
     assert expected_route("graph", "prefill", 5, b, tokens=40, fresh=True, **pg) == ("eager", None)    # too many seqs
     assert expected_route("graph", "prefill", 1, b, tokens=65, fresh=True, **pg) == ("eager", None)    # too many tokens
     assert expected_route("eager", "prefill", 1, b, tokens=16, fresh=True, **pg) == ("eager", None)
+    # piecewise graphs: any other prefill of at most the largest token bucket whose rows hold its sequences
+    pw = dict(pg, piecewise_buckets=[16, 32, 64], piecewise_seqs=4)
+    assert expected_route("graph", "prefill", 2, b, tokens=40, fresh=False, **pw) == ("piecewise", 64)
+    assert expected_route("graph", "prefill", 5, b, tokens=40, fresh=True, **pw) == ("eager", None)     # 5 > 4 rows
+    assert expected_route("graph", "prefill", 3, b, tokens=3, fresh=False, **pw) == ("piecewise", 16)
+    assert expected_route("graph", "prefill", 1, b, tokens=65, fresh=False, **pw) == ("eager", None)
+    assert expected_route("graph", "prefill", 2, b, tokens=40, fresh=True, **pw) == ("prefill-graph", 64)
 
 
 # --------------------------------------------------------------------------- baseline
