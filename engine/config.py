@@ -14,7 +14,7 @@ from engine.args import (ATTENTION_BACKENDS, DEFAULTS, DTYPES, OPTION_NAMES, SCH
 from engine.errors import ConfigError  # re-exported: engine.config.ConfigError
 
 
-ROPE_TYPES = ("default", "linear", "yarn")
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 DEFAULT_ROPE_THETA = 10000.0   # transformers' default when a config names no rope_theta
 
 
@@ -31,7 +31,9 @@ class RopeScaling:
     transformers' (modeling_rope_utils): beta_fast 32, beta_slow 1, truncate true, the attention factor
     from ``factor`` (and ``mscale``/``mscale_all_dim`` when both are given), yarn's
     ``original_max_position_embeddings`` from the top level first, then the block, then
-    ``max_position_embeddings``. Any other type is refused with one line before weights load."""
+    ``max_position_embeddings``; llama3 (Llama-3.1/3.2's): ``factor``, ``low_freq_factor`` (1),
+    ``high_freq_factor`` (4) and the block's ``original_max_position_embeddings``. Any other type is refused
+    with one line before weights load."""
     rope_type: str = "default"
     theta: float = DEFAULT_ROPE_THETA
     factor: float = 1.0
@@ -42,6 +44,8 @@ class RopeScaling:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    low_freq_factor: float | None = None        # llama3
+    high_freq_factor: float | None = None       # llama3
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "RopeScaling":
@@ -79,6 +83,16 @@ class RopeScaling:
             for key in ("attention_factor", "mscale", "mscale_all_dim"):
                 if block.get(key) is not None:
                     out[key] = _number(block[key], key)
+        elif rope_type == "llama3":
+            orig = block.get("original_max_position_embeddings")
+            if block.get("factor") is None or orig is None:
+                raise ConfigError("config.json rope scaling llama3 needs factor and original_max_position_embeddings")
+            out.update(factor=_number(block["factor"], "factor"),
+                       original_max_position_embeddings=int(_number(orig, "original_max_position_embeddings")),
+                       low_freq_factor=_number(block.get("low_freq_factor", 1.0), "low_freq_factor"),
+                       high_freq_factor=_number(block.get("high_freq_factor", 4.0), "high_freq_factor"))
+            if out["high_freq_factor"] <= out["low_freq_factor"]:
+                raise ConfigError("config.json rope scaling llama3: high_freq_factor must exceed low_freq_factor")
         if out.get("factor", 1.0) <= 0:
             raise ConfigError(f"config.json rope scaling factor must be > 0, got {out['factor']}")
         return cls(**out)
@@ -134,8 +148,9 @@ class SchedulerLimits:
 
 
 def read_model_dir(model: str | Path) -> dict:
-    """The one model-directory check: the directory, a readable config.json, model_type qwen3.
-    Returns the parsed config; raises ConfigError with one line otherwise."""
+    """The one model-directory check: the directory, a readable config.json, a supported architecture
+    (engine/models/families.py: Llama, Qwen2, Qwen3), a supported rope scaling. Returns the parsed config;
+    raises ConfigError with one line otherwise."""
     path = Path(model)
     if not path.is_dir():
         raise ConfigError(f"model directory not found: {model}")
@@ -148,8 +163,9 @@ def read_model_dir(model: str | Path) -> dict:
         raise ConfigError(f"cannot read {cfg_file}: {exc}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{cfg_file} is not a JSON object")
-    if cfg.get("model_type") != "qwen3":
-        raise ConfigError(f"model_type must be qwen3, got {cfg.get('model_type')!r} in {cfg_file}")
+    from engine.models.families import family_for
+
+    family_for(cfg)                 # an unsupported architecture fails here, with what is supported
     RopeScaling.from_hf(cfg)        # an unsupported rope scaling fails here, before any weights load
     return cfg
 

@@ -137,6 +137,7 @@ class LLMEngine:
             "dtype": str(self.runner.dtype).replace("torch.", ""),
             "attention_backend": self.runner.attention_backend,
             "fused_ops": self.runner.fused_ops,
+            "model": self.runner.model.describe(),      # the family and its q/k-norm + RoPE route
             "pdl": self.runner.pdl,
             "num_kvcache_blocks": self.runner.num_kvcache_blocks,
             "memory": self.runner.memory,
@@ -257,7 +258,10 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------
     def encode(self, prompt, **options) -> list[int]:
         """Text as is, chat messages through the chat template, or token ids (engine/admission.py; options:
-        add_generation_prompt, continue_final_message, add_special_tokens)."""
+        add_generation_prompt, continue_final_message, add_special_tokens). Token ids need no tokenizer: a model
+        directory without one runs on ids."""
+        if isinstance(prompt, (list, tuple)) and not (prompt and isinstance(prompt[0], dict)):
+            return list(prompt)
         return admission.encode(self.tokenizer, prompt, **options)
 
     def validate(self, token_ids: list[int], sampling_params: SamplingParams | None = None) -> None:

@@ -1,4 +1,10 @@
-"""Load Hugging Face safetensors into the engine's packed, shard-aware parameters."""
+"""Load Hugging Face safetensors into the engine's packed, shard-aware parameters.
+
+The names are Hugging Face's for every family (engine/models/families.py): ``model.layers.N.self_attn.{q,k,v}_proj``
+(weights and, Qwen2 and biased Llamas, biases) into the packed ``qkv_proj``, ``mlp.{gate,up}_proj`` into
+``gate_up_proj``, ``o_proj``/``down_proj`` (and their biases) as they are, ``q_norm``/``k_norm`` for Qwen3 only. A
+tied model's ``lm_head.weight`` is skipped (its head is the embedding); an untied model without one is reported
+missing by the runner."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,7 +27,9 @@ def load_model(model: nn.Module, path: str | Path) -> list[str]:
         with safe_open(str(file), "pt", "cpu") as f:
             for name in f.keys():
                 if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
-                    continue
+                    continue        # tied: the head is the embedding (a checkpoint may still hold a copy)
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue        # older Llama checkpoints save RoPE's buffer; the engine computes its own
                 target, shard = name, None
                 for ckpt_part, (packed_part, shard_id) in mapping.items():
                     if ckpt_part in name:

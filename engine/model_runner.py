@@ -26,7 +26,7 @@ from engine.device_clock import DeviceClock
 from engine.distributed import SINGLE, ParallelContext
 from engine.graph import EAGER, PREFILL_GRAPH_SEQS, DecodeGraphs, PrefillGraphs, Route, prefill_buckets
 from engine.loader import load_model
-from engine.models.qwen3 import Qwen3ForCausalLM
+from engine.models import build_model
 from engine.observe import HookSet
 from engine.piecewise import PiecewiseGraphs, piecewise_buckets
 from engine.sampling.logprobs import SampledLogprobs, TokenLogprob, record_prompt_logprobs
@@ -93,7 +93,7 @@ class ModelRunner:
         self.memory: dict = {}
         t0 = time.perf_counter()
         with default_dtype_device(self.dtype, self.device):
-            self.model = Qwen3ForCausalLM(config.hf_config, self.backend, tp)
+            self.model = build_model(config.hf_config, self.backend, tp)
         missing = load_model(self.model, config.model)
         missing = [m for m in missing if "rotary" not in m]
         if missing:

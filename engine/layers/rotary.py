@@ -26,6 +26,8 @@ def rope_frequencies(head_dim: int, rope: RopeScaling) -> tuple[torch.Tensor, fl
     inv_freq = 1.0 / pos_freqs
     if rope.rope_type == "linear":
         return inv_freq / rope.factor, 1.0
+    if rope.rope_type == "llama3":
+        return _llama3_frequencies(inv_freq, rope), 1.0
     if rope.rope_type != "yarn":
         return inv_freq, 1.0
     factor, orig = rope.factor, rope.original_max_position_embeddings
@@ -50,6 +52,19 @@ def rope_frequencies(head_dim: int, rope: RopeScaling) -> tuple[torch.Tensor, fl
     keep = 1 - ramp                                     # 1: the original frequency, 0: divided by the factor
     interpolated = 1.0 / (factor * pos_freqs)
     return interpolated * (1 - keep) + inv_freq * keep, float(scaling)
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, rope: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's scaling: wavelengths longer than original/low_freq_factor divided by the factor, shorter
+    than original/high_freq_factor kept, a smooth blend between (transformers' _compute_llama3_parameters)."""
+    factor, orig = rope.factor, rope.original_max_position_embeddings
+    low, high = rope.low_freq_factor, rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
+    smooth = (orig / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < orig / high) * ~(wavelen > orig / low)
+    return torch.where(medium, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,4 +1,6 @@
-"""Qwen3 decoder: GQA attention with q/k RMSNorm and RoPE, SiLU-gated MLP, tied embeddings."""
+"""The decoder every family builds (Qwen3's, whose names it keeps): GQA attention with RoPE, q/k RMSNorm where
+the family has it (Qwen3), SiLU-gated MLP, tied or untied head. What a family changes (q/k norm, the q/k/v, o
+and MLP biases) is declared in engine/models/families.py and read here once per layer."""
 from __future__ import annotations
 
 import torch
@@ -12,6 +14,7 @@ from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.rotary import RotaryEmbedding
+from engine.models.families import family_for
 
 
 class Attention(nn.Module):
@@ -41,16 +44,31 @@ class Qwen3Attention(nn.Module):
         self.head_dim = ModelShape.from_hf(cfg).head_dim
         self.num_heads = self.total_heads // tp.world_size
         self.num_kv_heads = self.total_kv_heads // tp.world_size
-        bias = cfg.get("attention_bias", False)
-        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.total_heads, self.total_kv_heads, bias, tp)
-        self.o_proj = RowParallelLinear(self.total_heads * self.head_dim, hidden, bias, tp)
+        family = family_for(cfg)
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, self.total_heads, self.total_kv_heads,
+                                          family.bias(cfg, "qkv"), tp)
+        self.o_proj = RowParallelLinear(self.total_heads * self.head_dim, hidden, family.bias(cfg, "o"), tp)
         rope = RopeScaling.from_hf(cfg)
         self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.get("max_position_embeddings", 40960), rope.theta, rope)
         eps = cfg.get("rms_norm_eps", 1e-6)
-        self.q_norm = RMSNorm(self.head_dim, eps)
-        self.k_norm = RMSNorm(self.head_dim, eps)
+        if family.qk_norm:          # Qwen3: RMSNorm over each q and k head before RoPE
+            self.q_norm = RMSNorm(self.head_dim, eps)
+            self.k_norm = RMSNorm(self.head_dim, eps)
+        else:
+            self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
-        self.fused = False          # q/k norm + RoPE in one Triton kernel (the runner turns it on, CUDA)
+        self._fused = False
+
+    @property
+    def fused(self) -> bool:
+        """q/k norm + RoPE + KV store in one Triton kernel (the runner turns it on, CUDA). The kernel is Qwen3's
+        q/k norm: a family without q/k norm stays on the plain route (torch RoPE, backend.store_kv) whatever
+        the runner asks."""
+        return self._fused
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        self._fused = bool(value) and self.q_norm is not None
 
     def forward(self, positions, x, meta, qkv=None):
         """qkv: the packed projection already made (the decoder layer's normed GEMV; x is then unused),
@@ -71,8 +89,10 @@ class Qwen3Attention(nn.Module):
                                 self.rotary_emb.sin, self.num_heads, self.num_kv_heads, self.head_dim,
                                 self.q_norm.eps, **cache)
         else:
-            q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-            k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v, meta, stored=stored)
         return self.o_proj(o.flatten(1, -1))
@@ -82,8 +102,9 @@ class Qwen3MLP(nn.Module):
     def __init__(self, cfg: dict, tp: ParallelContext):
         super().__init__()
         hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False, tp)
-        self.down_proj = RowParallelLinear(inter, hidden, False, tp)
+        bias = family_for(cfg).bias(cfg, "mlp")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias, tp)
+        self.down_proj = RowParallelLinear(inter, hidden, bias, tp)
         self.act_fn = SiluAndMul()
 
     def forward(self, x, gate_up=None):
@@ -140,7 +161,9 @@ class Qwen3Model(nn.Module):
         return x
 
 
-class Qwen3ForCausalLM(nn.Module):
+class CausalLM(nn.Module):
+    """The causal LM of any family (engine/models/families.py), built by ``engine.models.build_model``;
+    ``Qwen3ForCausalLM`` is the same class under the name the lab's lessons use."""
     # checkpoint name fragment -> (packed parameter fragment, shard id)
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -152,8 +175,11 @@ class Qwen3ForCausalLM(nn.Module):
 
     def __init__(self, cfg: dict, backend: AttentionBackend, tp: ParallelContext = SINGLE):
         super().__init__()
+        self.family = family_for(cfg)
+        self.architecture = (cfg.get("architectures") or [self.family.architectures[0]])[0]
         self.model = Qwen3Model(cfg, backend, tp)
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], tp)
+        self._cfg = cfg
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -166,3 +192,14 @@ class Qwen3ForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def describe(self) -> dict:
+        """The family, what its layers hold and the route the q/k-norm + RoPE + KV-store fusion took:
+        "fused" (the Triton kernel, Qwen3 on CUDA with fused ops), "plain" (torch RoPE and the backend's
+        store; the families without q/k norm always)."""
+        fused = any(layer.self_attn.fused for layer in self.model.layers)
+        return {"architecture": self.architecture, **self.family.summary(self._cfg),
+                "qk_norm_rope_kv": "fused" if fused else "plain"}
+
+
+Qwen3ForCausalLM = CausalLM

@@ -1,4 +1,5 @@
-"""Rope scaling (issue 14 item 4): default, linear and yarn as transformers computes them, other types refused.
+"""Rope scaling (issue 14 item 4, llama3 issue 44): default, linear, yarn and llama3 as transformers computes them,
+other types refused.
 
 The frequencies and the cos/sin scaling are compared with transformers' own Qwen3 rotary embedding; the
 logits with the engine on a rope-scaled tiny model are the models.rope-* checkpoints (run here in-process),
@@ -34,6 +35,11 @@ CASES = {
                                                "original_max_position_embeddings": 10240, "attention_factor": 1.5}},
     "yarn-rope-parameters": {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
                                                  "original_max_position_embeddings": 10240}},
+    "llama3": {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}},
+    "llama3-other-bands": {"rope_parameters": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 2.0,
+                                               "high_freq_factor": 8.0, "rope_theta": 5e5,
+                                               "original_max_position_embeddings": 1024}},
     "yarn-top-level-original": {"original_max_position_embeddings": 8192,
                                 "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                  "original_max_position_embeddings": 10240}},
@@ -77,7 +83,7 @@ def test_yarn_changes_only_the_slow_dimensions_and_scales_the_tables():
     assert table.cos[0, 0].item() == pytest.approx(s1)       # cos(0) = 1, times the attention factor
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "llama3", "su"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope", "su"])
 def test_other_rope_types_are_one_line_config_errors(rope_type):
     with pytest.raises(ConfigError) as exc:
         RopeScaling.from_hf(_cfg({"rope_scaling": {"rope_type": rope_type, "factor": 2.0}}))
