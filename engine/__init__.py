@@ -20,6 +20,8 @@ from engine.sampling.structured import StructuredOutputsParams
 from engine.block_manager import BlockManager, chain_hash  # noqa: E402  (chain_hash: the prefix cache's block hash)
 from engine.config import SchedulerLimits  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
+# the runner's route rule (ModelRunner.route_for) is called by the lab on given graph buckets, on a CPU
+from engine.model_runner import ModelRunner  # noqa: E402
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "Config", "ConfigError", "RequestError",
-           "Scheduler", "BlockManager", "SchedulerLimits", "chain_hash", "MAX_LOGIT_BIAS"]
+           "Scheduler", "BlockManager", "SchedulerLimits", "chain_hash", "MAX_LOGIT_BIAS", "ModelRunner"]

@@ -6,7 +6,7 @@ simulate; ``options`` the option types they share. The console script is ``labki
 """
 from __future__ import annotations
 
-from labkit.cli import guardrails, model, notes, patch, pictures, principles, scheduler, service
+from labkit.cli import course, guardrails, model, notes, patch, pictures, principles, scheduler, service
 from labkit.cli.app import app, main
 
 app.add_typer(model.model_app, name="model")
@@ -17,5 +17,6 @@ notes.register(app)
 scheduler.register(app)
 principles.register(app)
 pictures.register(app)
+course.register(app)
 
 __all__ = ["app", "main"]

@@ -13,15 +13,13 @@ def walk_case(case: str, *, out, model, device: str, attention: str, budget: int
               trace: bool, debug: bool, shapes: bool, json_out: bool, shuffle_blocks: int | None = None) -> dict:
     """Run the walk and print its tables (unless json_out); returns the record."""
     case = case.lower()
-    if debug:
-        raise UserError("--debug is for cases A-D")
     if shapes and case != "lifecycle":
         raise UserError("--shapes is for cases A-D and lifecycle")
     if case == "lifecycle":
         from labkit.experiments.lifecycle import run_lifecycle
 
         record = run_lifecycle(out, model, device, attention, budget, max_num_seqs, block_size, shapes=shapes, trace=trace,
-                               shuffle_blocks=shuffle_blocks)
+                               shuffle_blocks=shuffle_blocks, debug=debug)
         if not json_out:
             render_quick_walk(record)
             if record["facts"].get("model_note"):
@@ -30,7 +28,7 @@ def walk_case(case: str, *, out, model, device: str, attention: str, budget: int
         from labkit.experiments.prefix_walk import run_prefix
 
         record = run_prefix(out, model, device, attention, budget, max_num_seqs, block_size, trace=trace,
-                            shuffle_blocks=shuffle_blocks)
+                            shuffle_blocks=shuffle_blocks, debug=debug)
         if not json_out:
             render_prefix(record)
     return record

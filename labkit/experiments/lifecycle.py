@@ -89,7 +89,8 @@ class ShapeProbe:
 
 def run_lifecycle(out: Path | None = None, model: str | None = None, device: str = "auto", attention: str = "auto",
                   budget: int = 512, max_num_seqs: int | None = None, block_size: int = 256,
-                  shapes: bool = False, trace: bool = False, shuffle_blocks: int | None = None) -> dict:
+                  shapes: bool = False, trace: bool = False, shuffle_blocks: int | None = None,
+                  debug: bool = False) -> dict:
     device = detect_device(device)
     model_note = None
     if model is None:
@@ -98,6 +99,10 @@ def run_lifecycle(out: Path | None = None, model: str | None = None, device: str
                          kvcache_block_size=block_size, shuffle_blocks=shuffle_blocks)
     engine = built.engine
     install_env_trace(engine)
+    if debug:                      # --debug: pdb after the engine is built, before R1 and R2 are added
+        from labkit.experiments.walk_debug import debug_prompt
+
+        debug_prompt(engine)
     prompts = [list(range(5000, 5000 + PROMPT_LENS[0])), list(range(7000, 7000 + PROMPT_LENS[1]))]
     seqs = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
             for p, m in zip(prompts, MAX_TOKENS)]

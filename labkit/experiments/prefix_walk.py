@@ -48,12 +48,16 @@ def _step_facts(steps: list[dict], prompts: dict[str, list[int]], block_size: in
 
 def run_prefix(out: Path | None = None, model: str | None = None, device: str = "auto", attention: str = "auto",
                budget: int = 512, max_num_seqs: int | None = None, block_size: int = 256, trace: bool = False,
-               shuffle_blocks: int | None = None) -> dict:
+               shuffle_blocks: int | None = None, debug: bool = False) -> dict:
     built = build_engine(model, device, attention, max_num_batched_tokens=budget,
                          max_num_seqs=max_num_seqs or 256, kvcache_block_size=block_size,
                          shuffle_blocks=shuffle_blocks)
     engine = built.engine
     install_env_trace(engine)
+    if debug:                      # --debug: pdb before A is added (lesson 4's breakpoint stops at B's hit)
+        from labkit.experiments.walk_debug import debug_prompt
+
+        debug_prompt(engine)
     labels: dict[int, str] = {}
     recorder = StepRecorder(labels)
     engine.events.subscribe(recorder)

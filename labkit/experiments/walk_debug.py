@@ -3,7 +3,10 @@
 The prompt's namespace holds the engine object as ``llm`` and the engine's modules under names that do not
 clash with the package (``engine_pkg``, ``engine_module`` (the handbook's name for ``engine.llm_engine``),
 ``scheduler_mod``, ``block_manager_mod``, ...), and the banner
-suggests one breakpoint per lesson of docs/COURSE.md, its line computed from the source (never typed in).
+suggests one breakpoint per lesson of docs/COURSE.md, its line computed from the source (never typed in) and
+its file an absolute path read from the imported module, so ``b`` finds it however labkit was started (the
+installed console script puts its own directory, not the working directory, first on sys.path, where pdb
+looks for a relative file name).
 ``q`` ends the command with exit 0 (labkit's root group maps pdb's BdbQuit to a clean exit).
 
 The modules are imported by name (importlib) on purpose: this namespace is for a person reading the
@@ -46,6 +49,10 @@ LESSON_BREAKPOINTS = (
     (7, "engine.models.qwen3", "Attention.forward"),
     (8, "engine.model_runner", "ModelRunner.run_model"),
 )
+# a pdb condition per lesson where an unconditional stop would miss the point: lesson 4 stops only when
+# allocate is handed prefix hits (the scheduler passes the hits cached_prefix found; [] is no hit)
+CONDITIONS = {4: "hits"}
+WHY = {4: "a prefix hit only (hits non-empty): quick-walk --case prefix"}
 
 
 def first_body_line(fn) -> int:
@@ -59,32 +66,30 @@ def first_body_line(fn) -> int:
     return start + body[0].lineno - 1
 
 
-def _shown_path(path: str) -> str:
-    """The file as pdb's `b` takes it from here: relative to the working directory when inside it."""
-    rel = os.path.relpath(path)
-    return path if rel.startswith("..") else rel
-
-
 def lesson_breakpoints() -> list[dict]:
-    """[{lesson, target, file, line, command}] for LESSON_BREAKPOINTS, read from the source now."""
+    """[{lesson, target, file, line, condition, command}] for LESSON_BREAKPOINTS, read from the source now;
+    ``file`` is the absolute path of the module Python imported (pdb's ``b`` resolves it from any directory)."""
     out = []
     for lesson, module, qualname in LESSON_BREAKPOINTS:
         obj = importlib.import_module(module)
         for part in qualname.split("."):
             obj = getattr(obj, part)
         obj = inspect.unwrap(obj)                  # through decorators (torch.inference_mode)
-        path = _shown_path(inspect.getsourcefile(obj))
+        path = os.path.abspath(inspect.getsourcefile(obj))
         line = first_body_line(obj)
+        cond = CONDITIONS.get(lesson)
         out.append({"lesson": lesson, "target": f"{module}:{qualname}", "file": path, "line": line,
-                    "command": f"b {path}:{line}"})
+                    "condition": cond, "command": f"b {path}:{line}" + (f", {cond}" if cond else "")})
     return out
 
 
 def banner(names: dict[str, object]) -> str:
     mods = textwrap.fill(", ".join(f"{k}={v.__name__}" for k, v in names.items() if k != "llm"), width=100,
                          initial_indent="  modules: ", subsequent_indent="    ")
-    rows = "\n".join(f"  {b['command']:<34} # lesson {b['lesson']}: {b['target'].split(':')[1]}"
-                     for b in lesson_breakpoints())
+    bps = lesson_breakpoints()
+    width = max(len(b["command"]) for b in bps)
+    rows = "\n".join(f"  {b['command']:<{width}}  # lesson {b['lesson']}: {b['target'].split(':')[1]}"
+                     + (f" ({WHY[b['lesson']]})" if b["lesson"] in WHY else "") for b in bps)
     return ("debug: engine built and warmed up, no request added yet.\n"
             "  llm = the LLMEngine (llm.scheduler, llm.block_manager, llm.runner)\n"
             f"{mods}\n"

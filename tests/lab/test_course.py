@@ -24,7 +24,7 @@ COURSE = REPO / "docs" / "COURSE.md"
 PENDING: set[str] = set()   # names the doc uses before they exist (empty: every name exists)
 
 ANCHOR = re.compile(r"`([\w./-]+\.py)(?::([\w.]+))?`")
-CHECKPOINT = re.compile(r"`((?:setup|principles|scheduler|guardrails|cuda|tp|service|patches|models)\.[\w-]+)`")
+CHECKPOINT = re.compile(r"`((?:setup|principles|scheduler|guardrails|cuda|tp|service|patches|models|course)\.[\w-]+)`")
 COMMAND = re.compile(r"`(labkit [^`]*)`")
 LESSON = re.compile(r"^## Lesson (\d+):", re.M)
 
@@ -267,25 +267,59 @@ def test_debug_breakpoints_are_computed_from_the_source():
         assert not src[b["line"] - 1].strip().startswith(("def ", '"""', "@")), b
 
 
+def _console_script() -> Path:
+    """The installed `labkit` console script beside this Python (pip install -e . puts it there)."""
+    script = Path(sys.executable).with_name("labkit")
+    assert script.is_file(), f"no console script {script}: install the project with `pip install -e .`"
+    return script
+
+
+def _debug_walk(case: str, script: str, model: Path, out: Path) -> subprocess.CompletedProcess:
+    """`labkit quick-walk --case CASE --debug` through the installed console script, from the project root,
+    with no PYTHONPATH (where a learner runs it: pdb then looks for a relative file from the script's
+    directory, not from here)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([str(_console_script()), "quick-walk", "--case", case, "--trace", "--debug",
+                           "--model", str(model), "--out", str(out)],
+                          input=script, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+
+
 def test_debug_prompt_offers_the_modules_stops_at_a_lesson_breakpoint_and_quits_cleanly(tiny_model_dir, tmp_path):
     from labkit.experiments.walk_debug import lesson_breakpoints
 
-    lesson3 = next(b for b in lesson_breakpoints() if b["lesson"] == 3)
+    bps = lesson_breakpoints()
+    lesson3 = next(b for b in bps if b["lesson"] == 3)
     script = "\n".join([
         "p type(llm).__name__, scheduler_mod.__name__, block_manager_mod.BlockManager.__name__, engine_pkg.__name__",
-        "b engine_module.LLMEngine.step", lesson3["command"], "c",      # the handbook's breakpoint first
-        "c", "p len(self.waiting), self.waiting[0].num_tokens", "q"]) + "\n"
-    res = subprocess.run([sys.executable, "-m", "labkit", "quick-walk", "--case", "A", "--trace", "--debug",
-                          "--model", str(tiny_model_dir), "--out", str(tmp_path / "a.json")],
-                         input=script, capture_output=True, text=True, timeout=300, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
+        "b engine_module.LLMEngine.step", *(b["command"] for b in bps),   # the handbook's breakpoint first, then
+        "disable " + " ".join(str(2 + i) for i, b in enumerate(bps) if b["lesson"] != 3),   # all but lesson 3's off
+        "c", "c", "p len(self.waiting), self.waiting[0].num_tokens", "q"]) + "\n"
+    res = _debug_walk("A", script, tiny_model_dir, tmp_path / "a.json")
     both = res.stdout + res.stderr
     assert res.returncode == 0, both
     assert "('LLMEngine', 'engine.scheduler', 'BlockManager', 'engine')" in res.stdout
-    for b in lesson_breakpoints():                              # the banner: one breakpoint per lesson
-        assert f"{b['command']}" in res.stderr and f"lesson {b['lesson']}:" in res.stderr
+    for b in bps:                                               # the banner: one breakpoint per lesson, each
+        assert f"{b['command']}" in res.stderr and f"lesson {b['lesson']}:" in res.stderr    # set by pdb as printed
+        assert f"at {b['file']}:{b['line']}" in res.stdout, (b, res.stdout[-2000:])
+    assert "not found from sys.path" not in res.stdout and "*** " not in res.stdout
+    assert res.stdout.count("Breakpoint ") == len(bps) + 1
     assert "llm_engine.py(" in res.stdout and ")step()" in res.stdout     # stopped in LLMEngine.step, then
     assert f"scheduler.py({lesson3['line']})schedule()" in res.stdout   # inside Scheduler.schedule
     assert "(1, 3)" in res.stdout                               # case A's one request of 3 tokens, waiting
     assert "Traceback" not in both and "BdbQuit" not in both
     assert not (tmp_path / "a.json").exists()                   # quit before the walk ended: no evidence
+
+
+def test_debug_on_the_prefix_walk_stops_in_allocate_on_the_prefix_hit(tiny_model_dir, tmp_path):
+    """Lesson 4's breakpoint, as the banner prints it, passes A's admission (no hit) and stops at B's: the two
+    blocks A left hashed, B's 620 tokens. Then the lifecycle walk takes --debug too."""
+    from labkit.experiments.walk_debug import lesson_breakpoints
+
+    lesson4 = next(b for b in lesson_breakpoints() if b["lesson"] == 4)
+    res = _debug_walk("prefix", f"{lesson4['command']}\nc\np hits, seq.num_tokens, len(seq.block_table)\nq\n",
+                      tiny_model_dir, tmp_path / "p.json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"block_manager.py({lesson4['line']})allocate()" in res.stdout
+    assert "([0, 1], 620, 0)" in res.stdout, res.stdout[-1500:]
+    res = _debug_walk("lifecycle", "p len(llm.scheduler.waiting)\nq\n", tiny_model_dir, tmp_path / "l.json")
+    assert res.returncode == 0 and "(Pdb) 0" in res.stdout, res.stdout + res.stderr

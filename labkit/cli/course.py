@@ -1,0 +1,129 @@
+"""``labkit course show N | ex N | replay``: the companion course's lessons on this engine (docs/COURSE.md).
+
+Thin shells over labkit/experiments/course.py and replay.py; the commands that write evidence end through
+:func:`labkit.cli.app.finish`.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+
+from labkit.cli.app import finish
+from labkit.cli.options import JsonOpt, ModelOpt, OutOpt
+from labkit.console import console, dict_table, note, print_json, rel
+from labkit.errors import UserError
+
+course_app = typer.Typer(help="The companion course's lessons on this engine (docs/COURSE.md): each lesson's "
+                              "functions with file:line, its exercise run and judged, lesson 8's replay rule.",
+                         no_args_is_help=True)
+LessonArg = Annotated[int, typer.Argument(metavar="N", help="The lesson, 1 to 8.", show_default=False)]
+
+
+@course_app.command("show")
+def course_show(lesson: LessonArg, json_out: JsonOpt = False) -> None:
+    """Lesson N's functions in this engine (docs/COURSE.md's `- ours:` anchors) with the file:line of each."""
+    from labkit.experiments.course import lesson_functions
+
+    got = lesson_functions(lesson)
+    if json_out:
+        print_json(got)
+        return
+    rows = [{"function": f["name"] or "(the file)", "file:line": f"{f['file']}:{f['line'] if f['line'] else '?'}"}
+            for f in got["functions"]]
+    console.print(dict_table(rows, title=f"lesson {lesson}: {got['title']}"))
+    missing = [f["anchor"] for f in got["functions"] if f["line"] is None]
+    if missing:
+        raise UserError(f"docs/COURSE.md names what the code does not define: {', '.join(missing)}")
+    console.print(f"open one: `b {got['functions'][0]['file']}:LINE` needs the absolute path in pdb; "
+                  "`labkit quick-walk --case A --debug` prints them", soft_wrap=True)
+
+
+@course_app.command("ex")
+def course_ex(lesson: LessonArg, model: ModelOpt = None, out: OutOpt = None, json_out: JsonOpt = False) -> None:
+    """Run lesson N's exercise (the course's snippet translated to this engine) and judge it against the
+    course's expected output, computed by the course's rule; evidence runs/course-ex-N.json."""
+    from labkit.experiments.course import check_lesson, run_course_ex
+
+    check_lesson(lesson)
+    record = run_course_ex(lesson, out, str(model) if model else None)
+    if not json_out:
+        render_exercise(record["facts"])
+    finish(record, record["_paths"]["json"], json_out=json_out)
+
+
+def _short(value) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 90 else text[:87] + "..."
+
+
+def render_exercise(f: dict) -> None:
+    console.print(f"lesson {f['lesson']}, the course's exercise: {f['course']}", soft_wrap=True)
+    console.print(f"on this engine: {f['ours']}", soft_wrap=True)
+    rows = []
+    for key in ("rows", "slots", "may_append"):
+        for r in f.get(key) or []:
+            got = r.get("got", r.get("route"))
+            want = r.get("expected", r.get("course_will_replay"))
+            label = {k: v for k, v in r.items() if k not in ("got", "expected", "agree", "route", "kind", "bucket",
+                                                              "course_will_replay", "course_bucket")}
+            agree = r.get("agree", got == want)
+            rows.append({"case": _short(label), "engine": _short(got), "course": _short(want),
+                         "agree": str(agree).lower()})
+    if "got" in f:
+        rows.append({"case": "result", "engine": _short(f["got"]), "course": _short(f["expected"]),
+                     "agree": str(f["agree"]).lower()})
+    if f.get("predict"):
+        p = f["predict"]
+        rows.append({"case": f"predict: {len(p['prompt'])} prompt tokens, max_tokens {p['max_tokens']}",
+                     "engine": _short([s["positions"] for s in p["steps"]]),
+                     "course": _short(p["expected_positions_per_step"]), "agree": str(p["agree"]).lower()})
+    if rows:
+        console.print(dict_table(rows, title="engine vs the course's expected output"))
+    if "course_text_correct" in f and not f["course_text_correct"]:
+        note(f"the course text says seq_b needs {f['course_text_says']['new_blocks']} new blocks of "
+             f"{f['course_text_says']['num_blocks_b']}; its {len([1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 14])} tokens are "
+             f"{f['expected']['num_blocks_b']} blocks, so {f['expected']['new_blocks']} new (the engine agrees)")
+    console.print(f"agree: {str(f['agree']).lower()}")
+
+
+@course_app.command("replay")
+def course_replay(
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="Comma-separated batch sizes (decode: sequences; prefill: tokens).")] = "1,3,8,100,128,512,513",
+    buckets: Annotated[Optional[str], typer.Option("--buckets", help="Comma-separated decode graph buckets (default: the engine's default_buckets(--max-num-seqs)).")] = None,
+    prefill_buckets: Annotated[Optional[str], typer.Option("--prefill-buckets", help="Comma-separated prefill graph buckets (tokens); default none (the engine captures them for the triton backend only).")] = None,
+    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="The engine's max_num_seqs, which sets the default buckets.")] = 512,
+    enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No graphs captured: every step eager.")] = False,
+    out: OutOpt = None, json_out: JsonOpt = False,
+) -> None:
+    """Lesson 8's replay rule on a CPU: ModelRunner.route_for and the graphs' bucket_for on real step inputs, per
+    batch size, beside the course's will_replay; evidence runs/course-replay.json."""
+    from labkit.experiments.replay import run_replay
+
+    record = run_replay(out, _ints(batch_sizes, "--batch-sizes"), _ints(buckets, "--buckets") if buckets else None,
+                        max_num_seqs, enforce_eager, _ints(prefill_buckets, "--prefill-buckets") if prefill_buckets else None)
+    f = record["facts"]
+    if not json_out:
+        console.print(dict_table([{"phase": r["phase"], "batch": r["batch"], "route (engine)": r["route"],
+                                   "will_replay (course)": str(r["course_will_replay"]).lower(),
+                                   "bucket (course)": "-" if r["course_bucket"] is None else r["course_bucket"],
+                                   "agree": str(r["agree"]).lower()} for r in f["rows"]],
+                                 title=f"route per step: buckets {f['buckets'][:6]}{'...' if len(f['buckets']) > 6 else ''} "
+                                       f"(largest {f['largest_bucket']})"))
+        console.print(f"evidence: {rel(record['_paths']['json'])}")
+    finish(record, record["_paths"]["json"], json_out=json_out)
+
+
+def _ints(text: str, option: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"{option}: comma-separated whole numbers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise UserError(f"{option}: comma-separated numbers of at least 1, got {text!r}")
+    return values
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(course_app, name="course")
