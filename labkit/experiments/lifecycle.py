@@ -109,9 +109,10 @@ def run_lifecycle(out: Path | None = None, model: str | None = None, device: str
     recorder = StepRecorder({s.seq_id: n for s, n in zip(seqs, LABELS)})
     engine.events.subscribe(recorder)
     probe = ShapeProbe(engine, recorder) if shapes else None
+    fused = bool(built.describe().get("fused_ops"))
     try:
         while not engine.is_finished():
-            engine.step()
+            recorder.route(engine.step(), fused)
     finally:
         if probe is not None:
             probe.close()

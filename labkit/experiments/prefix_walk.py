@@ -72,15 +72,17 @@ def run_prefix(out: Path | None = None, model: str | None = None, device: str = 
     trace_counts: list[list[int]] = []
     watched: list[int] = []
 
+    fused = bool(built.describe().get("fused_ops"))
+
     def step_and_read() -> None:
-        engine.step()
+        recorder.route(engine.step(), fused)
         counts = engine.ref_counts(watched)
         if not trace_counts or trace_counts[-1] != counts:
             trace_counts.append(counts)
 
     add("A", [*SHARED, *TAILS["A"]])
     while not engine.is_finished():
-        engine.step()
+        recorder.route(engine.step(), fused)
     a_first, _ = _first(recorder.steps, "A")
     a_blocks = [s for st in recorder.steps for s in st["before"] if s["label"] == "A"][-1]["block_table"]
     watched[:] = a_blocks[:len(SHARED) // block_size]
@@ -92,7 +94,7 @@ def run_prefix(out: Path | None = None, model: str | None = None, device: str = 
         step_and_read()
     add("D", list(SHARED))
     while not engine.is_finished():
-        engine.step()
+        recorder.route(engine.step(), fused)
     steps = recorder.steps
     b_first, b_step = _first(steps, "B")
     d_first, _ = _first(steps, "D")

@@ -63,6 +63,7 @@ class StepRecorder:
                 "max_seqlen_q": d["max_seqlen_q"], "max_seqlen_k": d["max_seqlen_k"],
                 "slot_mapping": d["slot_mapping"], "context_lens": d["context_lens"],
                 "block_tables": d["block_tables"], "has_block_tables": d["block_tables"] is not None}
+            self.steps[-1]["attention"] = attention_branches(self.steps[-1])
         elif event.name == "postprocessed":
             d = event.data
             pool = d["pool"]
@@ -78,6 +79,35 @@ class StepRecorder:
                 "free_blocks": d["free_blocks"],
                 "pool": {"num_blocks": pool["num_blocks"], "block_size": pool["block_size"],
                          "blocks": [{**b, "owners": [self._label(i) for i in b["owners"]]} for b in pool["blocks"]]}}
+
+
+    def route(self, out, fused: bool) -> None:
+        """The route the step's forward took (``StepOutput.route``, ModelRunner.route_for's choice: eager, a
+        decode graph's bucket, a prefill graph) and whether the fused kernels ran in it (CUDA with fused ops;
+        a CPU always runs the plain path)."""
+        for st in reversed(self.steps):
+            if st["step"] == out.step:
+                st["route"] = {"kind": out.route.kind, "bucket": out.route.bucket, "route": str(out.route),
+                               "fused": bool(fused)}
+                return
+
+
+def attention_branches(step: dict) -> list[dict]:
+    """Which branch of the attention backend each sequence of a step takes (lesson 7), from the runner's
+    inputs: a decode reads its whole context from the paged cache; a prefill row whose keys are its queries
+    (seqlen_k == seqlen_q) attends to the new K/V alone (fresh); one with more keys than queries reads the
+    cached part through its block table (a prefix hit or a later chunk)."""
+    inp, before = step["inputs"], step["before"]
+    cu_q, cu_k = inp["cu_seqlens_q"], inp["cu_seqlens_k"]
+    out = []
+    for i, s in enumerate(before):
+        if step["phase"] == "decode":
+            q, k, branch = 1, (inp["context_lens"] or [0] * len(before))[i], "decode"
+        else:
+            q, k = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+            branch = "prefill-fresh" if k == q else "prefill-cached"
+        out.append({"label": s["label"], "branch": branch, "queries": q, "keys": k})
+    return out
 
 
 def slot_mismatches(steps: list[dict], block_size: int) -> tuple[int, list[dict]]:
@@ -177,9 +207,10 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
     recorder = StepRecorder({s.seq_id: n for s, n in zip(seqs, names)})
     engine.events.subscribe(recorder)
     probe = _shape_probe(engine) if shapes else None
+    fused = bool(built.describe().get("fused_ops"))
     try:
         while not engine.is_finished():
-            engine.step()
+            recorder.route(engine.step(), fused)
     finally:
         if probe is not None:
             probe.close()
@@ -206,7 +237,8 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
                          "context_lens": st["inputs"]["context_lens"],
                          "after": [[s["label"], s["total"], s["cached"], len(s["block_table"])] for s in st["after"]["seqs"]],
                          "discarded": st["after"]["discarded"], "finished": st["after"]["finished"],
-                         "freed_blocks": st["after"]["freed_blocks"], **step_blocks(st)}
+                         "freed_blocks": st["after"]["freed_blocks"], **step_blocks(st),
+                         "route": (st.get("route") or {}).get("route")}
                         for st in steps],
         "note": synthetic_note(built.model),
     }

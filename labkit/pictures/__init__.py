@@ -6,6 +6,8 @@
 - ``<stem>.kv.png``     the KV pool after each step: owner, sharing, cached blocks (facts.steps[].after)
 - ``<stem>.slots.png``  one step's flat batch, position -> slot into the KV blocks (facts.steps[].inputs)
 - ``<stem>.hash.png``   the prefix hash chain, hit or miss per block (facts.hash_chain)
+- ``<stem>.attention.png``  Attention.forward's branches and the one each request took per step
+  (facts.steps[].attention, .route)
 
 ``write_explorer(EVIDENCE)`` writes ``<stem>.html``, one offline page to step through the walk. The
 evidence file is only read: pictures are derived, they change neither the file nor its digest.
@@ -49,6 +51,12 @@ def draw_walk(evidence_path: str | Path) -> list[Path]:
 
             sv = walkdata.slot_view(facts)
             written.append(slots.draw_slots(sv, grid.labels, picture_path(evidence_path, "slots"), title))
+        from labkit.pictures import attention
+
+        if attention.has_branches(facts):
+            backend = (record.get("engine") or {}).get("attention_backend") or "torch"
+            written.append(attention.draw_attention(facts, grid.labels, backend,
+                                                    picture_path(evidence_path, "attention"), title))
     if facts.get("hash_chain"):
         from labkit.pictures import hashes
 
@@ -71,7 +79,7 @@ def write_explorer(evidence_path: str | Path) -> Path:
     evidence_path = Path(evidence_path)
     record, facts = load_walk(evidence_path)
     out = picture_path(evidence_path, "html")
-    out.write_text(explorer_html(record, facts, _title(record, facts)), encoding="utf-8")
+    out.write_text(explorer_html(record, facts, _title(record, facts), out.parent), encoding="utf-8")
     return out
 
 

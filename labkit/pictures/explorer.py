@@ -37,7 +37,48 @@ def _views(facts: dict) -> tuple[list[dict], walkdata.PoolView]:
     return out, pool
 
 
-def explorer_data(record: dict, facts: dict, title: str) -> dict:
+# the engine function that builds what each section shows: (file, qualified name), lines read at drawing time
+BUILT_BY = {
+    "batch": [("engine/scheduler.py", "Scheduler.schedule"), ("engine/scheduler.py", "Scheduler.postprocess")],
+    "pool": [("engine/block_manager.py", "BlockManager.allocate"), ("engine/block_manager.py", "BlockManager.may_append"),
+             ("engine/block_manager.py", "BlockManager.hash_blocks"), ("engine/block_manager.py", "BlockManager.deallocate")],
+    "tables": [("engine/step_inputs.py", "InputBuilder._padded_tables")],
+    "slots": [("engine/step_inputs.py", "InputBuilder.slots"), ("engine/step_inputs.py", "InputBuilder.plan_decode")],
+    "shapes": [("engine/step_inputs.py", "InputBuilder.plan_prefill"), ("engine/step_inputs.py", "InputBuilder.to_inputs")],
+    "attention": [("engine/models/qwen3.py", "Attention.forward"), ("engine/model_runner.py", "ModelRunner.route_for")],
+}
+
+
+def built_by(page_dir=None) -> dict[str, list[dict]]:
+    """BUILT_BY with each function's definition line, read from the source now, and a link relative to
+    the page's folder (the page sits in runs/ of the clone)."""
+    import os
+
+    from labkit.experiments.course import definition_line
+    from labkit.paths import repo_root
+
+    root = repo_root()
+    out: dict[str, list[dict]] = {}
+    for section, funcs in BUILT_BY.items():
+        rows = []
+        for path, name in funcs:
+            file = root / path
+            line = definition_line(file, name) if file.is_file() else None
+            href = os.path.relpath(file, page_dir) if page_dir is not None else str(file)
+            rows.append({"name": name, "file": path, "line": line, "href": href.replace(os.sep, "/")})
+        out[section] = rows
+    return out
+
+
+def _attention_calls(record: dict) -> dict:
+    from labkit.pictures.attention import BRANCH_CALLS, PER_STEP
+
+    backend = (record.get("engine") or {}).get("attention_backend") or "torch"
+    return {"backend": backend, "calls": BRANCH_CALLS.get(backend, BRANCH_CALLS["torch"]),
+            "per_step": backend in PER_STEP}
+
+
+def explorer_data(record: dict, facts: dict, title: str, page_dir=None) -> dict:
     """Everything the page shows: the evidence's steps as they are, plus the derived views."""
     labels = walkdata.request_labels(facts)
     views, pool = _views(facts)
@@ -59,6 +100,8 @@ def explorer_data(record: dict, facts: dict, title: str) -> dict:
         "pool_notes": pool.notes,
         "steps": facts["steps"],
         "views": views,
+        "built_by": built_by(page_dir),
+        "attention": _attention_calls(record),
     }
 
 
@@ -67,8 +110,8 @@ def _inline_json(data: dict) -> str:
     return json.dumps(data, separators=(",", ":")).replace("<", "\\u003c")
 
 
-def explorer_html(record: dict, facts: dict, title: str) -> str:
-    data = explorer_data(record, facts, title)
+def explorer_html(record: dict, facts: dict, title: str, page_dir=None) -> str:
+    data = explorer_data(record, facts, title, page_dir)
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -96,6 +139,7 @@ def explorer_html(record: dict, facts: dict, title: str) -> str:
   <section><h2>Block tables</h2><div id="tables"></div></section>
   <section><h2>Slot mapping (position &rarr; slot)</h2><div id="slots"></div></section>
   <section><h2>Shapes, cu_seqlens, max_seqlen</h2><div id="shapes"></div></section>
+  <section><h2>Route and attention branch (lessons 7, 8)</h2><div id="attention"></div></section>
 </main>
 <noscript>This page needs JavaScript (no network: everything is in this file).</noscript>
 <script type="application/json" id="walk-data">{_inline_json(data)}</script>

@@ -37,6 +37,7 @@ table.strip td.now, table.strip th.now { outline: 2px solid #000; outline-offset
 .legend span { margin-right: 12px; font-size: 12px; }
 code, .mono { font-family: ui-monospace, "DejaVu Sans Mono", monospace; font-size: 12px; }
 .ids { max-width: 100%; word-break: break-all; }
+.built { color: #555; font-size: 12px; margin: 6px 0 0 0; }
 """
 
 SCRIPT = r"""
@@ -172,6 +173,33 @@ SCRIPT = r"""
     return nodes;
   }
 
+  function builtBy(section) {        // the engine functions that make what a section shows, with file:line
+    var fs = (D.built_by || {})[section] || [];
+    if (!fs.length) return [];
+    var p = el("p", {"class": "built"}, ["built by "]);
+    fs.forEach(function (f, k) {
+      if (k) p.appendChild(document.createTextNode(", "));
+      p.appendChild(el("a", {href: f.href, title: f.file + ":" + (f.line || "?")}, [f.name]));
+      p.appendChild(el("span", {"class": "mono", text: " (" + f.file + ":" + (f.line || "?") + ")"}));
+    });
+    return [p];
+  }
+
+  function renderAttention(st) {
+    var A = D.attention || {calls: {}}, r = st.route, nodes = [];
+    if (!st.attention) return [note("no per-sequence attention branch recorded in this evidence")];
+    nodes.push(el("p", {"class": "mono", text: "route: " + (r ? r.route + (r.fused ? " (fused kernels)" : " (plain path: store_kv writes K/V)") :
+      "not recorded in this evidence")}));
+    var perStep = A.per_step && st.phase === "prefill" && (st.inputs || {}).has_block_tables;
+    nodes.push(table(["request", "branch", "queries / keys", "call (" + A.backend + " backend)"],
+      st.attention.map(function (a) {
+        var br = perStep ? "prefill-cached" : a.branch;
+        return [who(a.label), br, a.queries + " / " + a.keys, A.calls[br] || "?"];
+      })));
+    if (perStep) nodes.push(note(A.backend + ": a prefill step with block_tables reads every sequence through the pages"));
+    return nodes;
+  }
+
   function renderStrip() {            // the steps x requests grid of the pictures, one column per step
     var G = D.grid, t = el("table", {"class": "strip"}), head = el("tr", {}, [el("th", {text: "step"})]);
     steps.forEach(function (st, j) { head.appendChild(el("th", {text: String(st.step), "data-col": String(j)})); });
@@ -210,11 +238,12 @@ SCRIPT = r"""
     document.getElementById("shown-step").textContent = String(st.step);
     document.getElementById("shown-phase").textContent = st.phase;
     document.body.setAttribute("data-step", String(st.step));
-    fill("batch", renderBatch(st));
-    fill("pool", renderPool(cur));
-    fill("tables", renderTables(st));
-    fill("slots", renderSlots(cur, st));
-    fill("shapes", renderShapes(st));
+    fill("batch", renderBatch(st).concat(builtBy("batch")));
+    fill("pool", renderPool(cur).concat(builtBy("pool")));
+    fill("tables", renderTables(st).concat(builtBy("tables")));
+    fill("slots", renderSlots(cur, st).concat(builtBy("slots")));
+    fill("shapes", renderShapes(st).concat(builtBy("shapes")));
+    fill("attention", renderAttention(st).concat(builtBy("attention")));
     markStrip();
     var want = "#step=" + st.step;
     if (location.hash !== want) history.replaceState(null, "", want);

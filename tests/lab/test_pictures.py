@@ -70,6 +70,8 @@ def _as_older_evidence(src: Path, dst: Path) -> Path:
     rec = json.loads(src.read_text())
     for st in rec["facts"]["steps"]:
         st["after"].pop("pool", None)
+        st.pop("attention", None)
+        st.pop("route", None)
         for k in ("input_ids", "max_seqlen_q", "max_seqlen_k", "block_tables"):
             st["inputs"].pop(k, None)
     rec["facts"].pop("hash_chain", None)
@@ -184,7 +186,7 @@ def test_draw_walk_writes_every_picture_at_its_size_and_leaves_the_evidence_alon
     path = _schema_copy(walks, "prefix", tmp_path, with_hash_chain=True)
     before = hashlib.sha256(path.read_bytes()).hexdigest()
     written = draw_walk(path)
-    assert [p.name for p in written] == [f"prefix-schema.{n}.png" for n in ("steps", "kv", "slots", "hash")]
+    assert [p.name for p in written] == [f"prefix-schema.{n}.png" for n in ("steps", "kv", "slots", "attention", "hash")]
     assert hashlib.sha256(path.read_bytes()).hexdigest() == before
     facts = _facts(path)
     want = {"steps": grids.steps_size(walkdata.step_grid(facts)), "kv": grids.kv_size(walkdata.pool_view(facts)),
