@@ -32,6 +32,7 @@ MaxModelLenOpt = Annotated[int, typer.Option("--max-model-len", help="Context le
 GpuMemoryUtilizationOpt = Annotated[float, typer.Option("--gpu-memory-utilization", min=0.0, max=1.0, help="Fraction of GPU memory the engine may use (weights, work memory, KV cache).")]
 EnforceEagerOpt = Annotated[bool, typer.Option("--enforce-eager/--graph", help="Eager execution, or CUDA graphs for decode and small fresh prefills (CUDA only).")]
 EnablePrefixCachingOpt = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV blocks of a prompt's cached full-block prefix (vLLM's switch); off: every prompt is computed in full.")]
+MixedBatchesOpt = Annotated[Optional[bool], typer.Option("--mixed-batches/--no-mixed-batches", show_default=False, help="Mixed steps: the running decodes and prefill chunks share one step under the token budget (vLLM's step); off: nano-vllm's step model, each step all-prefill or all-decode. Default: the engine's (EngineArgs.mixed_batches).")]
 FusedOpsOpt = Annotated[bool, typer.Option("--fused-ops/--no-fused-ops", help="CUDA: the fused Triton RMSNorm, q/k-norm + RoPE (which also writes K/V into the cache) and SiLU-mul kernels, or the plain path where the attention backend's store_kv writes K/V. CPU always runs the plain path.")]
 TensorParallelSizeOpt = Annotated[int, typer.Option("--tensor-parallel-size", "--tp", min=1, help="Tensor-parallel ranks of the engine.")]
 KvCacheBlockSizeOpt = Annotated[int, typer.Option("--kv-cache-block-size", min=1, help="KV block size in tokens (a power of two).")]

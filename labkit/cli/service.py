@@ -24,6 +24,7 @@ from labkit.cli.options import (
     EnforceEagerOpt,
     GpuMemoryUtilizationOpt,
     JsonOpt,
+    MixedBatchesOpt,
     MaxModelLenOpt,
     MaxNumBatchedTokensOpt,
     MaxNumSeqsOpt,
@@ -104,6 +105,7 @@ def serve(
     overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", show_default=False, help="Overlapped decode: launch step k+1 before reading step k's tokens, so the host's per-step work hides behind the GPU. Default: on on CUDA (tensor-parallel-size 1), off on CPU.")] = None,
     attention: AttentionOpt = "auto",
     enable_prefix_caching: EnablePrefixCachingOpt = True,
+    mixed_batches: MixedBatchesOpt = None,
     device: DeviceOpt = "auto",
     worker_id: WorkerIdOpt = "worker-0",
     tensor_parallel_size: TensorParallelSizeOpt = 1,
@@ -151,7 +153,8 @@ def serve(
                                 attention_backend=attention, scheduling_policy=scheduling_policy,
                                 max_consecutive_prefill=max_consecutive_prefill,
                                 gpu_memory_utilization=gpu_memory_utilization, dist_init=dist_init,
-                                shm_name=shm_name, enable_prefix_caching=enable_prefix_caching)
+                                shm_name=shm_name, enable_prefix_caching=enable_prefix_caching,
+                                mixed_batches=mixed_batches)
     engine_process, max_active = chosen["engine_process"], chosen["max_active"]
     cfg = WorkerConfig(engine, max_active=max_active, queue_size=queue_size, worker_id=worker_id,
                        max_active_per_request=max_active_per_request, stream_buffer=stream_buffer,
@@ -312,6 +315,7 @@ def load(
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Give up on a request after this long.")] = 600.0,
     checkpoint: Annotated[Optional[str], typer.Option("--checkpoint", help="Judge the evidence against this checkpoint id.")] = None,
     enable_prefix_caching: EnablePrefixCachingOpt = True,
+    mixed_batches: MixedBatchesOpt = None,
     overlap: Annotated[bool, typer.Option("--overlap/--no-overlap", help="Overlapped decode (CUDA, tensor-parallel-size 1): step k+1 launched before step k's tokens are read.")] = False,
     request_rates: Annotated[Optional[str], typer.Option("--request-rates", help="Sweep: 1,2,4,inf requests/s, one trace per rate from --trace's header options (a `labkit trace --dataset` trace), over HTTP (our server on 127.0.0.1 unless --endpoints).")] = None,
     goodput: Annotated[Optional[list[str]], typer.Option("--goodput", help="Sweep: SLOs for goodput, vLLM's 'ttft:MS tpot:MS e2e:MS' (quoted, or repeat the option).")] = None,
@@ -338,7 +342,7 @@ def load(
                       max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                       max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                       enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-                      enable_prefix_caching=enable_prefix_caching, overlap=overlap)
+                      enable_prefix_caching=enable_prefix_caching, overlap=overlap, mixed_batches=mixed_batches)
     worker = WorkerConfig(engine, max_active=max_active, queue_size=queue_size, worker_id=worker_id)
     opts = LoadOptions(trace=trace, out=out, worker=worker, endpoints=_endpoints(endpoints),
                        serve_local=serve_local, mode=mode, warmup_requests=warmup_requests, api=api, router=router,
