@@ -6,7 +6,7 @@ The drawing itself is labkit/pictures/ (plain functions); this is the thin shell
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -33,12 +33,13 @@ def walk_pictures(record: dict, json_out: bool = False) -> list[Path]:
 
 def picture(
     evidence: Annotated[Path, typer.Argument(help="A walk's evidence file (runs/quick-walk-a.json, runs/lifecycle.json, ...).")],
+    step: Annotated[Optional[int], typer.Option("--step", metavar="N", show_default=False, help="Only the slot picture of step N (<stem>.step-N.slots.png); without it the slot picture shows a chosen step (a batch of several, a prefix hit, or a decode that takes a new block).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Redraw a walk's pictures (steps, KV pool, slots, hash chain) and its HTML explorer from its evidence file."""
-    from labkit.pictures import draw_all
+    """Redraw a walk's pictures (steps, KV pool, slots, attention branches, hash chain) and its HTML explorer from its evidence file."""
+    from labkit.pictures import draw_all, draw_step
 
-    written = draw_all(evidence)
+    written = [draw_step(evidence, step)] if step is not None else draw_all(evidence)
     if json_out:
         print_json({"evidence": str(evidence), "written": [str(p) for p in written]})
         return

@@ -4,7 +4,8 @@
 
 - ``<stem>.steps.png``  step x request grid: phase and tokens scheduled per cell (facts.steps)
 - ``<stem>.kv.png``     the KV pool after each step: owner, sharing, cached blocks (facts.steps[].after)
-- ``<stem>.slots.png``  one step's flat batch, position -> slot into the KV blocks (facts.steps[].inputs)
+- ``<stem>.slots.png``  one step's flat batch, position -> slot into the KV blocks (facts.steps[].inputs);
+  ``draw_step(EVIDENCE, N)`` draws step N's as ``<stem>.step-N.slots.png``
 - ``<stem>.hash.png``   the prefix hash chain, hit or miss per block (facts.hash_chain)
 - ``<stem>.attention.png``  Attention.forward's branches and the one each request took per step
   (facts.steps[].attention, .route)
@@ -29,6 +30,33 @@ def _title(record: dict, facts: dict) -> str:
     case = facts.get("case")
     head = f"quick-walk {case}" if case else (record.get("checkpoint") or "walk")
     return f"{head}: {facts['title']}" if facts.get("title") else head
+
+
+def step_named(facts: dict, number: int) -> dict:
+    """The step numbered ``number`` in facts.steps (UserError naming the steps there are)."""
+    from labkit.errors import UserError
+
+    steps = facts.get("steps") or []
+    for st in steps:
+        if st["step"] == number:
+            if not (st.get("inputs") or {}).get("slot_mapping"):
+                raise UserError(f"--step {number}: that step has no recorded slot_mapping")
+            return st
+    have = [st["step"] for st in steps]
+    raise UserError(f"--step {number}: no such step in this evidence (steps {have[0]}..{have[-1]})" if have else
+                    f"--step {number}: this evidence has no step log (facts.steps)")
+
+
+def draw_step(evidence_path: str | Path, number: int) -> Path:
+    """The slot picture of step ``number``: ``<stem>.step-N.slots.png``."""
+    from labkit.pictures import slots, walkdata
+
+    evidence_path = Path(evidence_path)
+    record, facts = load_walk(evidence_path)
+    st = step_named(facts, number)
+    grid = walkdata.step_grid(facts)
+    return slots.draw_slots(walkdata.slot_view(facts, st), grid.labels,
+                            picture_path(evidence_path, f"step-{number}.slots"), _title(record, facts))
 
 
 def draw_walk(evidence_path: str | Path) -> list[Path]:
@@ -92,4 +120,4 @@ def draw_all(evidence_path: str | Path) -> list[Path]:
     return written
 
 
-__all__ = ["draw_all", "draw_walk", "picture_path", "write_explorer"]
+__all__ = ["draw_all", "draw_step", "draw_walk", "picture_path", "write_explorer"]

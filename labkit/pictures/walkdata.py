@@ -226,9 +226,23 @@ class SlotView:
     notes: list[str] = field(default_factory=list)
 
 
-def pick_slot_step(steps: list[dict]) -> dict:
+def takes_new_block(st: dict, block_size: int | None) -> bool:
+    """A decode step that writes some sequence's token into the first slot of a block (the block
+    may_append just gave it): a position that is a multiple of the block size."""
+    positions = (st.get("inputs") or {}).get("positions") or []
+    return st["phase"] == "decode" and bool(block_size) and any(p % block_size == 0 for p in positions)
+
+
+def step_block_size(facts: dict, st: dict | None = None) -> int | None:
+    pool = ((st or {}).get("after") or {}).get("pool") or {}
+    return pool.get("block_size") or (facts.get("options") or {}).get("block_size")
+
+
+def pick_slot_step(steps: list[dict], block_size: int | None = None) -> dict:
     """The first prefill step with more than one sequence, else the first prefill that starts after a
-    prefix-cache hit (cached > 0 on its first schedule), else the first prefill, else the first step."""
+    prefix-cache hit (cached > 0 on its first schedule), else the first decode step that takes a new block
+    (case C: position 256 goes to the first slot of the request's second block), else the first prefill,
+    else the first step."""
     prefills = [st for st in steps if st["phase"] == "prefill"]
     multi = [st for st in prefills if len(st.get("before", [])) > 1]
     seen: set[str] = set()
@@ -237,7 +251,8 @@ def pick_slot_step(steps: list[dict]) -> dict:
         if any(s["label"] not in seen and s["cached"] > 0 for s in st.get("before", [])):
             hits.append(st)
         seen |= {s["label"] for s in st.get("before", [])}
-    return (multi or hits or prefills or steps)[0]
+    new_block = [st for st in steps if takes_new_block(st, block_size)]
+    return (multi or hits or new_block or prefills or steps)[0]
 
 
 def _owners(st: dict) -> list[str]:
@@ -250,7 +265,7 @@ def _owners(st: dict) -> list[str]:
 
 def slot_view(facts: dict, step: dict | None = None) -> SlotView:
     """The flat batch of ``step`` (default: :func:`pick_slot_step`) cut into spans."""
-    st = step or pick_slot_step(facts["steps"])
+    st = step or pick_slot_step(facts["steps"], step_block_size(facts, (facts.get("steps") or [{}])[0]))
     inp = st.get("inputs") or {}
     if not inp.get("slot_mapping"):
         raise UserError(f"step {st['step']} has no recorded slot_mapping")

@@ -260,8 +260,17 @@ def test_explorer_in_a_headless_browser_shows_the_step_the_url_names(walks, tmp_
         strip = re.findall(r'<td data-col="(\d+)"([^>]*)>', dom)     # the walk-at-a-glance grid
         assert len(strip) == len(_facts(path)["steps"]) * len(_facts(path)["requests"])
         assert {col for col, attrs in strip if 'class="now"' in attrs} == {str(n - 1)}
-    cells = {n: re.findall(r"<td[^>]*>(prefill chunk|prefill|decode)</td>", dom) for n, dom in doms.items()}
+    def section(dom, name):
+        return re.search(rf'<div id="{name}">(.*?)</div>', dom, re.S).group(1)
+
+    cells = {n: re.findall(r"<td[^>]*>(prefill chunk|prefill|decode)</td>", section(dom, "batch")) for n, dom in doms.items()}
     assert cells == {1: ["prefill chunk"], 3: ["decode", "decode"]}
+    # the route and attention branch section: A's first chunk attends to itself, then both decode from the pages
+    branches = {n: re.findall(r"<td[^>]*>(prefill-fresh|prefill-cached|decode)</td>", section(dom, "attention"))
+                for n, dom in doms.items()}
+    assert branches == {1: ["prefill-fresh"], 3: ["decode", "decode"]}
+    assert "route: eager (plain path" in section(doms[3], "attention") and "TorchAttention._decode" in doms[3]
+    assert re.search(r'built by <a href="[^"]*engine/step_inputs.py"', section(doms[1], "tables"))
     shot = tmp_path / "explorer.png"
     res = subprocess.run([browser, "--headless", "--disable-gpu", "--no-sandbox", f"--user-data-dir={tmp_path / 'profile'}",
                           f"--screenshot={shot}", "--window-size=1280,1000", f"{page.as_uri()}#step=2"],

@@ -84,3 +84,37 @@ def test_lesson_7_picture_is_drawn_from_the_branches(prefix_walk, tmp_path):
     copy.write_text(json.dumps(rec))
     pic.unlink()
     assert pic not in draw_walk(copy)          # no branches recorded: no lesson-7 picture
+
+
+@pytest.fixture(scope="module")
+def case_c(tiny_model_dir, tmp_path_factory):
+    from labkit.experiments.quick_walk import run_quick_walk
+
+    out = tmp_path_factory.mktemp("case-c") / "c.json"
+    run_quick_walk("C", out=out, model=str(tiny_model_dir), device="cpu", trace=True)
+    return out
+
+
+def test_case_c_slot_picture_shows_the_decode_that_takes_a_new_block(case_c):
+    from labkit.pictures import walkdata
+
+    facts = json.loads(case_c.read_text())["facts"]
+    steps = facts["steps"]
+    # the step whose scheduled table is longer than the table the previous step left: a block was appended
+    grew = next(b for a, b in zip(steps, steps[1:]) if len(b["before"][0]["block_table"]) > len(a["after"]["seqs"][0]["block_table"]))
+    view = walkdata.slot_view(facts)
+    assert (view.step, view.phase) == (grew["step"], "decode")
+    assert [s.block_id for s in view.spans] == [grew["before"][0]["block_table"][-1]]
+
+
+def test_picture_step_draws_that_step_and_refuses_a_missing_one(case_c, tmp_path, labkit_in_process):
+    import shutil
+
+    copy = tmp_path / "c.json"
+    shutil.copy(case_c, copy)
+    res = labkit_in_process("picture", copy, "--step", "1")
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "c.step-1.slots.png").stat().st_size > 15_000
+    assert not (tmp_path / "c.steps.png").exists()          # only the step's slot picture
+    res = labkit_in_process("picture", copy, "--step", "9")
+    assert res.returncode == 2 and "--step 9: no such step" in res.stderr and "Traceback" not in res.stderr
