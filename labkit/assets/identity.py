@@ -36,10 +36,11 @@ def _read_config(path: Path) -> dict:
 
 
 def validate_model_dir(path: str | Path) -> Path:
-    """Check that ``path`` is a usable Qwen3 model directory; return it resolved.
+    """Check that ``path`` is a usable model directory of a family the engine runs (engine/models/families.py:
+    Llama, Qwen2, Qwen3); return it resolved.
 
     Raises :class:`ModelError` (one line) when the directory is missing, has no/malformed
-    ``config.json``, is not ``model_type`` qwen3, lacks weights or ``tokenizer.json``.
+    ``config.json``, is of another architecture, lacks weights or ``tokenizer.json``.
     """
     if path is None or str(path).strip() == "":
         raise ModelError("no model directory given")
@@ -50,9 +51,13 @@ def validate_model_dir(path: str | Path) -> Path:
         raise ModelError(f"model path is not a directory: {p}")
     p = p.resolve()
     cfg = _read_config(p)
-    model_type = cfg.get("model_type")
-    if model_type != "qwen3":
-        raise ModelError(f"{p}: unsupported model_type {model_type!r} in config.json (only 'qwen3' is supported)")
+    from engine.errors import ConfigError
+    from engine.models.families import family_for
+
+    try:
+        family_for(cfg)             # the engine's families (Llama, Qwen2, Qwen3): one line naming them otherwise
+    except ConfigError as exc:
+        raise ModelError(f"{p}: {exc}") from None
     missing = [k for k in _REQUIRED_CONFIG_KEYS if not isinstance(cfg.get(k), int) or isinstance(cfg.get(k), bool)]
     if missing:
         raise ModelError(f"{p / 'config.json'} is malformed: missing or non-integer {', '.join(missing)}")

