@@ -32,6 +32,16 @@ from engine.sequence import Sequence, SequenceCounter
 from engine.step_inputs import StepInputs
 
 
+def step_kind(seqs: list[Sequence], is_prefill: bool) -> str:
+    """decode, prefill, or mixed: a step (read before it runs) that prefills and also decodes a sequence
+    already past its prompt (one new token after a completion token)."""
+    if not is_prefill:
+        return "decode"
+    decoding = any(s.num_completion_tokens and s.num_scheduled_tokens == 1 and s.num_cached_tokens == s.num_tokens - 1
+                   for s in seqs)
+    return "mixed" if decoding else "prefill"
+
+
 @dataclass
 class StepOutput:
     step: int
@@ -47,6 +57,11 @@ class StepOutput:
                                         # overlapped: the GPU's slack (near 0: the GPU waited on the host)
     device_span: tuple[int, int] | None = None   # CUDA: when the GPU began and ended the step (monotonic ns,
                                                  # engine/device_clock.py); None elsewhere
+    kind: str = ""                      # decode | prefill | mixed (decodes and prefill chunks in one step)
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            self.kind = "prefill" if self.is_prefill else "decode"
 
     @property
     def finished(self) -> list[Sequence]:
@@ -80,6 +95,7 @@ class _InFlight:
     is_prefill: bool
     tokens: Launched
     scheduled: list[tuple[int, int]]             # (seq_id, positions computed), read when launched
+    kind: str = ""                               # decode | prefill | mixed
 
     @property
     def num_tokens(self) -> int:
@@ -348,7 +364,7 @@ class LLMEngine:
         if self.hooks:
             self.hooks.scheduled(self.num_steps, is_prefill, batch)
         if self.events:
-            self.events.emit(EngineEvent("scheduled", self.num_steps, "prefill" if is_prefill else "decode",
+            self.events.emit(EngineEvent("scheduled", self.num_steps, step_kind(seqs, is_prefill),
                                          {"seqs": [s.snapshot() for s in seqs]}))
         return seqs, is_prefill, batch
 
@@ -379,11 +395,12 @@ class LLMEngine:
         seqs, is_prefill, batch = self._schedule_step()
         if not seqs:
             return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
+        kind = step_kind(seqs, is_prefill)
         token_ids, route, row_logprobs, wait_s, span = self.runner.run(seqs, is_prefill, self.num_steps)
         outcome = self.postprocess(seqs, token_ids, is_prefill)
         return StepOutput(self.num_steps, is_prefill, seqs, outcome, sum(n for _, n in batch),
                           time.perf_counter() - t0, batch, route, self._keep_logprobs(seqs, row_logprobs, outcome),
-                          wait_s, span)
+                          wait_s, span, kind)
 
     @staticmethod
     def _keep_logprobs(seqs: list[Sequence], row_logprobs: dict, outcome: StepOutcome) -> dict:
@@ -398,8 +415,8 @@ class LLMEngine:
 
     def _launch(self, seqs: list[Sequence], is_prefill: bool, batch: list[tuple[int, int]],
                 feed: torch.Tensor | None = None) -> _InFlight:
-        step = self.num_steps
-        return _InFlight(step, seqs, is_prefill, self.runner.launch(seqs, is_prefill, feed, step), batch)
+        step, kind = self.num_steps, step_kind(seqs, is_prefill)
+        return _InFlight(step, seqs, is_prefill, self.runner.launch(seqs, is_prefill, feed, step), batch, kind)
 
     def _step_overlapped(self) -> StepOutput:
         """step() with decode steps overlapped: launch step k+1 (its input ids fed on the device from
@@ -435,7 +452,7 @@ class LLMEngine:
                     s.num_scheduled_tokens = 1       # postprocess cleared it; the in-flight step computes 1
         return StepOutput(prev.step, prev.is_prefill, prev.seqs, outcome, prev.num_tokens,
                           time.perf_counter() - t0, prev.scheduled, prev.tokens.route, kept, wait_s,
-                          prev.tokens.device_span())
+                          prev.tokens.device_span(), prev.kind)
 
     @staticmethod
     def _feed(prev: _InFlight, nxt: list[Sequence]) -> torch.Tensor:

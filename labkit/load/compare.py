@@ -11,12 +11,14 @@ Pairs
     ``policy``         prefill_first vs balanced (in process, CPU or GPU)
     ``prefill-knob``   prefill_first vs prefill_first with ``--max-consecutive-prefill 2`` (the 5.4.3 exercise)
     ``execution``      eager vs CUDA graphs, balanced (CUDA)
+    ``step-model``     nano-vllm's step model (all-prefill or all-decode) vs mixed steps (in process, CPU or GPU)
     ``deployments``    one engine vs two replicas (one per GPU, round robin) vs one TP=2 engine, each as
                        ``labkit serve`` processes driven over HTTP (2 GPUs)
 
 Mechanism facts come from the event log's step records: ``longest_prefill_run_while_decoding`` is the
 longest run of consecutive prefill steps during which some measured request had its first token and was
-still waiting for more (the interference of 5.4.1, in steps rather than milliseconds).
+still waiting for more (the interference of 5.4.1, in steps rather than milliseconds). A mixed step (it
+prefills and decodes) is not such a step: the requests mid-decode get their token in it.
 
 Who pays (5.4.3) is judged in engine steps too, where one step is one scheduler round: the short requests'
 ITL p99 in steps (gaps between a request's consecutive token rounds) and the long requests' TTFT p50 in
@@ -71,6 +73,11 @@ PAIRS: dict[str, Pair] = {p.name: p for p in (
          (Side("eager", {"scheduling_policy": "balanced", "enforce_eager": True}),
           Side("graph", {"scheduling_policy": "balanced", "enforce_eager": False})),
          "5.5.2: the same trace, eager vs CUDA graphs (balanced)"),
+    Pair("step-model", "scheduler.mixed-step", "cpu",
+         (Side("step-model", {"scheduling_policy": "prefill_first", "mixed_batches": False}),
+          Side("mixed", {"scheduling_policy": "prefill_first", "mixed_batches": True})),
+         "the same trace in nano-vllm's step model (each step all-prefill or all-decode) and in mixed steps "
+         "(the running decodes first, prefill chunks in the rest of the budget)"),
     Pair("deployments", "scheduler.deployments", "2gpu",
          (Side("single", {"scheduling_policy": "balanced"}, [{"gpus": "0", "id": "single"}]),
           Side("replicas", {"scheduling_policy": "balanced"},
@@ -148,8 +155,8 @@ def read_run(events_path: Path, observer: str = "engine") -> dict:
             "output_ids_by_request": {r: ids.get(r, []) for r in measured},
             "class_by_request": {r: cls[r] for r in measured},
             "requests_by_worker": {w: len(t) for w, t in sorted(by_worker.items())},
-            "steps": {"prefill": sum(s.get("phase") == "prefill" for ss in steps.values() for s in ss),
-                      "decode": sum(s.get("phase") == "decode" for ss in steps.values() for s in ss)},
+            "steps": {p: sum(s.get("phase") == p for ss in steps.values() for s in ss)
+                      for p in ("prefill", "decode", "mixed")},
             "longest_prefill_run_while_decoding": max(runs, default=0),
             **step_latencies({r: tokens.get(r, []) for r in measured}, submitted, cls)}
 
@@ -171,7 +178,6 @@ def run_facts(record: dict, events_path: Path) -> dict:
     o = observers.get(obs) or {}
     by = o.get("by_class") or {}
     run = read_run(events_path, observer=obs)
-    run.pop("output_ids_by_request")
     return {
         "events": str(events_path), "verdict": record.get("verdict"), "observer": obs,
         "requests": o.get("requests"), "completed": o.get("completed"), "rejections": o.get("rejections"),
@@ -182,7 +188,7 @@ def run_facts(record: dict, events_path: Path) -> dict:
         "throughput_tok_s": o.get("throughput_tok_s"), "window_s": _dig(o, "window", "seconds"),
         "workers": o.get("workers"),
         "engine_config": {k: (f.get("engine_config") or {}).get(k)
-                          for k in ("scheduling_policy", "max_consecutive_prefill", "enforce_eager",
+                          for k in ("scheduling_policy", "max_consecutive_prefill", "mixed_batches", "enforce_eager",
                                     "max_num_batched_tokens", "max_num_seqs", "max_model_len", "tensor_parallel_size")}
         if f.get("engine_config") else None,
         "kv_free_at_end_equals_total": f.get("kv_free_at_end_equals_total"),
@@ -227,6 +233,7 @@ def compare_runs(runs: dict[str, list[dict]], expected_tokens: int | None = None
     all_runs = [r for rs in runs.values() for r in rs]
     sets = {tuple(r["request_ids"]) for r in all_runs}
     counts = [r["output_tokens_by_request"] for r in all_runs]
+    ids = [r.get("output_ids_by_request") for r in all_runs]
     sides: dict[str, dict] = {}
     for name, rs in runs.items():
         side: dict[str, Any] = {m: [r.get(m) for r in rs] for m in METRICS}
@@ -237,6 +244,7 @@ def compare_runs(runs: dict[str, list[dict]], expected_tokens: int | None = None
         side["output_tokens"] = [r.get("output_tokens") for r in rs]
         side["rejections"] = [r.get("rejections") for r in rs]
         side["kv_free_at_end"] = [r.get("kv_free_at_end_equals_total") for r in rs]
+        side["mixed_steps"] = [(r.get("steps") or {}).get("mixed", 0) for r in rs]
         side["engine_config"] = rs[0].get("engine_config") if rs else None
         side["repeats"] = len(rs)
         sides[name] = side
@@ -249,6 +257,8 @@ def compare_runs(runs: dict[str, list[dict]], expected_tokens: int | None = None
             "same_request_sets": len(sets) == 1 and bool(all_runs),
             "request_ids": list(next(iter(sets))) if len(sets) == 1 else None,
             "same_token_counts": bool(counts) and all(c == counts[0] for c in counts),
+            # greedy traces: the same token ids per request on every run, whatever the step model
+            "same_output_ids": bool(ids) and None not in ids and all(i == ids[0] for i in ids),
             "total_output_tokens": sum(counts[0].values()) if counts else None,
             "expected_output_tokens": expected_tokens, "runs": len(all_runs)}
 
