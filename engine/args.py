@@ -16,6 +16,7 @@ ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 SCHEDULING_POLICIES = ("prefill_first", "balanced")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+KV_CACHE_DTYPES = ("auto", "fp8")           # engine/attention/kv_quant.py (auto: the model's dtype)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class EngineArgs:
     enforce_eager: bool = True
     device: str = "auto"                  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                   # auto: bfloat16 on CUDA, float32 on CPU
+    kv_cache_dtype: str = "auto"          # auto: the model's dtype | fp8: e4m3 K/V with scales (vLLM's spelling)
     attention_backend: str = "auto"
     scheduling_policy: str = "prefill_first"
     max_consecutive_prefill: int | None = None     # at most N prefill steps in a row while decodes wait (None: the policy's)
@@ -95,6 +97,8 @@ class EngineArgs:
                               f"got {self.scheduling_policy!r}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda")
                                                     or self.device.startswith("cuda:")):
             raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention import kv_quant
 from engine.config import Config
 
 
 def bytes_per_block(config: Config, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """K and V of one block of tokens over every layer, on one rank."""
-    elem = torch.tensor([], dtype=dtype).element_size()
+    """K and V of one block of tokens over every layer, on one rank, in the cache's dtype (``dtype``, the
+    model's, unless ``kv_cache_dtype`` is fp8: one byte a value)."""
+    elem = torch.tensor([], dtype=kv_quant.cache_dtype(config.kv_cache_dtype, dtype)).element_size()
     return config.kvcache_block_size * config.shape.kv_bytes_per_token(elem, tp_size)
 
 
@@ -45,12 +47,17 @@ def gpu_blocks(config: Config, block_bytes: int, model: torch.nn.Module) -> tupl
 
 def allocate(layers: list, num_blocks: int, config: Config, dtype: torch.dtype, device: str,
              tp_size: int = 1) -> torch.Tensor:
-    """The pool [2, layers, blocks, block_size, kv heads on this rank, head dim]; each attention layer
-    gets its views of it (k_cache, v_cache)."""
+    """The pool [2, layers, blocks, block_size, kv heads on this rank, head dim] in the cache's dtype (the
+    model's ``dtype``, or e4m3 for ``kv_cache_dtype`` fp8); each attention layer gets its views of it (k_cache,
+    v_cache). FP8 views carry their scale (engine/attention/kv_quant.py: fixed, DEFAULT_SCALE)."""
     shape = config.shape
+    cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, dtype)
     kv_cache = torch.zeros(2, len(layers), num_blocks, config.kvcache_block_size, shape.num_kv_heads // tp_size,
-                           shape.head_dim, dtype=dtype, device=device)
+                           shape.head_dim, dtype=cache_dtype, device=device)
     for i, layer in enumerate(layers):
         layer.k_cache = kv_cache[0, i]
         layer.v_cache = kv_cache[1, i]
+        if cache_dtype == kv_quant.FP8:
+            kv_quant.mark(layer.k_cache, kv_quant.DEFAULT_SCALE, dtype)
+            kv_quant.mark(layer.v_cache, kv_quant.DEFAULT_SCALE, dtype)
     return kv_cache

@@ -156,6 +156,7 @@ class LLMEngine:
             "model": self.runner.model.describe(),      # the family and its q/k-norm + RoPE route
             "pdl": self.runner.pdl,
             "num_kvcache_blocks": self.runner.num_kvcache_blocks,
+            "kv_cache": self._kv_cache_info(),
             "memory": self.runner.memory,
             "graph": {"enabled": self.runner.graphs is not None,
                       "buckets": self.runner.graphs.buckets if self.runner.graphs else [],
@@ -169,6 +170,19 @@ class LLMEngine:
             "load_seconds": round(self.runner.load_seconds, 4),
             "init_seconds": round(self.init_seconds, 4),
         }
+
+    def _kv_cache_info(self) -> dict:
+        """The KV pool's dtype as asked (kv_cache_dtype) and as held, and an FP8 pool's K and V scales
+        (engine/attention/kv_quant.py; None for a pool in the model's dtype)."""
+        from engine.attention import kv_quant
+
+        layer = next(iter(self.runner.model.attention_layers()), None) if self.runner.model is not None else None
+        k, v = (layer.k_cache, layer.v_cache) if layer is not None else (torch.empty(0), torch.empty(0))
+        scales = {"k": kv_quant.scale_of(k), "v": kv_quant.scale_of(v)} if kv_quant.is_fp8(k) else None
+        return {"kv_cache_dtype": self.config.kv_cache_dtype, "dtype": str(k.dtype).replace("torch.", ""),
+                "bytes_per_token": self.config.shape.kv_bytes_per_token(k.element_size(),
+                                                                         self.config.tensor_parallel_size),
+                "scales": scales}
 
     def add_hooks(self, hooks: StepHooks) -> Callable[[], None]:
         """Register step hooks (see engine/observe.py); returns the function that removes them."""

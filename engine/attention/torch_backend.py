@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.attention import kv_quant
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 
@@ -14,10 +15,11 @@ except ImportError:          # no triton (CPU machines): boolean-mask writes
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` positions of one sequence from the paged cache: [length, Hk, D]."""
+    """The first `length` positions of one sequence from the paged cache: [length, Hk, D] (dequantized where
+    the cache is FP8: engine/attention/kv_quant.py)."""
     block_size = cache.shape[1]
     n = (length + block_size - 1) // block_size
-    return cache[block_table[:n].long()].flatten(0, 1)[:length]
+    return kv_quant.read(cache, block_table[:n].long()).flatten(0, 1)[:length]
 
 
 class TorchAttention(AttentionBackend):
@@ -31,8 +33,8 @@ class TorchAttention(AttentionBackend):
         slots = slot_mapping[keep]
         if slots.numel() == 0:
             return
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+        kv_quant.write(k_cache, slots, k[keep])         # quantized where the cache is FP8
+        kv_quant.write(v_cache, slots, v[keep])
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if not meta.is_prefill:
@@ -77,8 +79,8 @@ class TorchAttention(AttentionBackend):
         n, max_blocks = meta.block_tables.shape
         block_size = k_cache.shape[1]
         tables = meta.block_tables.long().clamp_min(0)
-        keys = k_cache[tables].flatten(1, 2)        # [N, max_blocks*B, Hk, D]
-        vals = v_cache[tables].flatten(1, 2)
+        keys = kv_quant.read(k_cache, tables).flatten(1, 2)        # [N, max_blocks*B, Hk, D], dequantized
+        vals = kv_quant.read(v_cache, tables).flatten(1, 2)
         lens = meta.context_lens.long()
         mask = torch.arange(max_blocks * block_size, device=q.device)[None, :] < lens[:, None]
         out = F.scaled_dot_product_attention(

@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from engine import pdl
+from engine.attention import kv_quant
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG, DECODE_NUM_STAGES, DECODE_NUM_WARPS,  # noqa: F401
                                      DECODE_PAGE_TILE, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
                                      kv_per_program)
@@ -27,8 +28,18 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 # -- KV store --------------------------------------------------------------------------------------
 @triton.jit
+def fp8_quantize(x, scale):
+    """x / scale as e4m3 (what an FP8 cache holds, engine/attention/kv_quant.py): float32 division, saturated at
+    +-448, rounded to nearest even (kv_quant.quantize does the same in torch)."""
+    y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
+    return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_stride, v_stride, kc_ptr, vc_ptr, slot_ptr,
-                     WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                     WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                     k_scale=1.0, v_scale=1.0, KV_FP8: tl.constexpr = False):
+    """KV_FP8: the cache is e4m3; k / k_scale and v / v_scale are what is stored."""
     t = tl.program_id(0)
     pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -38,18 +49,35 @@ def _store_kv_kernel(k_ptr, v_ptr, k_stride, v_stride, kc_ptr, vc_ptr, slot_ptr,
     mask = offs < WIDTH
     k = tl.load(k_ptr + t * k_stride + offs, mask=mask)
     v = tl.load(v_ptr + t * v_stride + offs, mask=mask)
+    if KV_FP8:
+        k = fp8_quantize(k, k_scale)
+        v = fp8_quantize(v, v_scale)
     tl.store(kc_ptr + slot * WIDTH + offs, k, mask=mask)
     tl.store(vc_ptr + slot * WIDTH + offs, v, mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, k_scale: float | None = None, v_scale: float | None = None) -> None:
+    """An FP8 cache (kv_quant) is written quantized, by k_scale and v_scale (None: each cache's own scale)."""
     t, hk, d = k.shape
     width = hk * d
     assert k.stride(-1) == 1 and k.stride(-2) == d and v.stride(-1) == 1 and v.stride(-2) == d
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    fp8 = kv_quant.is_fp8(k_cache)
+    scales = kv_scales(k_cache, v_cache, k_scale, v_scale) if fp8 else {}
     _store_kv_kernel[(t,)](k, v, k.stride(0), v.stride(0), k_cache, v_cache, slot_mapping,
-                           WIDTH=width, BLOCK=triton.next_power_of_2(width), **pdl.launch(k))
+                           WIDTH=width, BLOCK=triton.next_power_of_2(width), **scales, **pdl.launch(k))
+
+
+def kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float | None = None,
+              v_scale: float | None = None) -> dict:
+    """The FP8 launch arguments of a kernel reading or writing these caches: k_scale and v_scale (given, else
+    the caches' own, engine/attention/kv_quant.py) and KV_FP8; {} for caches in the model's dtype."""
+    if not kv_quant.is_fp8(k_cache):
+        return {}
+    assert kv_quant.is_fp8(v_cache), "K and V caches of different dtypes"
+    return {"k_scale": kv_quant.scale_of(k_cache) if k_scale is None else float(k_scale),
+            "v_scale": kv_quant.scale_of(v_cache) if v_scale is None else float(v_scale), "KV_FP8": True}
 
 
 # -- decode -------------------------------------------------------------------------------------------
@@ -62,7 +90,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                          D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, DIRECT: tl.constexpr,
                          HPP: tl.constexpr = 1, PAGE_TILE: tl.constexpr = False, order_ptr=None,
                          ORDERED: tl.constexpr = False, lock_ptr=None, FUSED_REDUCE: tl.constexpr = False,
-                         BLOCK_S: tl.constexpr = 2, PDL: tl.constexpr = False):
+                         BLOCK_S: tl.constexpr = 2, PDL: tl.constexpr = False, v_scale=1.0,
+                         KV_FP8: tl.constexpr = False):
     """One (group of HPP kv heads, sequence, split) program. DIRECT (a single split): write the normalized
     output itself (zeros for a padding row), so no reduce kernel runs.
 
@@ -85,6 +114,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     one split after another: at batch 1 x 1024 a split-by-split loop of dependent loads made the decode
     some 12 us per layer for 1 us of K/V), writes the output and resets the counter to zero for the next
     launch. Split 0 of a padding row (context 0) writes its zeros.
+
+    KV_FP8: the caches hold e4m3 (engine/attention/kv_quant.py); each tile is converted to the query's dtype
+    for its dots, the K scale is already in ``scale`` and the V scale multiplies the accumulator once.
 
     Why one function over the house's 80 lines: a kernel is one program, and its phases share what they
     compute: the program's coordinates (n, s, kvh0, ctx), the offsets and masks (heads, gmask, offs_d,
@@ -140,6 +172,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         kv_off = slot[:, None] * (HK * D) + (kvh0 + r_head)[:, None] * D + offs_d[None, :]
         k = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
         v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
+        if KV_FP8:                              # e4m3 -> the query's dtype: exact
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         scores = _dot(q, tl.trans(k), IEEE) * scale
         keep = valid[None, :]
         if HPP > 1:
@@ -151,6 +186,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m = m_new
+    if KV_FP8:
+        acc = acc * v_scale                     # sum p * (v * s) = s * sum p * v: once per row
     if DIRECT:
         o = tl.where(l[:, None] > 0, acc / tl.maximum(l, 1e-30)[:, None], 0.0)
         tl.store(out_ptr + n * stride_on + heads[:, None] * stride_oh + offs_d[None, :],
@@ -210,8 +247,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  context_lens: torch.Tensor, scale: float, max_len: int, sm_count: int, block_n: int = DECODE_BLOCK_N,
                  num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES, waves: int = DECODE_WAVES,
                  kv_per_prog: int = DECODE_KV_PER_PROG, page_tile: bool = DECODE_PAGE_TILE,
-                 order: torch.Tensor | None = None, fuse_reduce: bool | None = None) -> torch.Tensor:
+                 order: torch.Tensor | None = None, fuse_reduce: bool | None = None,
+                 k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:
     """q [N, Hq, D] -> out [N, Hq, D]; reads context_lens[i] positions of seq i through its block table.
+    FP8 caches (engine/attention/kv_quant.py) are dequantized by k_scale and v_scale (None: the caches' own).
     order (int32 [N], a permutation of the rows): the order in which the rows' programs are launched
     (AttentionMetadata.decode_order: longest context first); the result does not depend on it.
     fuse_reduce: several splits are combined by their last program (no reduce kernel) where the counters
@@ -241,6 +280,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         fuse_reduce = splits.fuse_reduce(programs)
     locks = decode_locks(q.device) if fuse_reduce and not direct else None
     fused = locks is not None and programs <= locks.numel()
+    fp8 = kv_scales(k_cache, v_cache, k_scale, v_scale)
+    if fp8:
+        scale, fp8 = scale * fp8["k_scale"], {"v_scale": fp8["v_scale"], "KV_FP8": True}
     _decode_split_kernel[(hk // hpp, n, num_splits)](                   # a sequence's heads launch together
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, out, scale, split_len, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
@@ -248,7 +290,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         IEEE=q.dtype == torch.float32, DIRECT=direct, HPP=hpp, PAGE_TILE=page_tile and page % block_n == 0,
         order_ptr=order, ORDERED=order is not None, lock_ptr=locks, FUSED_REDUCE=fused,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)) if fused else 2,
-        num_warps=num_warps, num_stages=num_stages, **pdl.launch(q))
+        num_warps=num_warps, num_stages=num_stages, **fp8, **pdl.launch(q))
     if direct or fused:
         return out
     _decode_reduce_kernel[(n, hq)](acc, ml, context_lens, out, num_splits, split_len, out.stride(0), out.stride(1),
@@ -276,9 +318,11 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, 
                     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_k, stride_v,
                     PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    PDL: tl.constexpr = False, v_scale=1.0, KV_FP8: tl.constexpr = False):
     """PAGED: K/V rows are cache slots found through the block table (row stride HK * D).
-    Not PAGED: K/V are this step's new rows [T, HK, D] (row strides stride_k, stride_v), nothing cached before."""
+    Not PAGED: K/V are this step's new rows [T, HK, D] (row strides stride_k, stride_v), nothing cached before.
+    KV_FP8 (PAGED): the caches hold e4m3, read as the decode kernel reads them (the K scale in ``scale``, the
+    V scale on the output)."""
     pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     tile = tl.program_id(0)
     n = tl.program_id(1)
@@ -311,6 +355,9 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, 
         head = kvh * D + offs_d[None, :]
         k = tl.load(kc_ptr + row[:, None] * stride_k + head, mask=valid[:, None], other=0.0)
         v = tl.load(vc_ptr + row[:, None] * stride_v + head, mask=valid[:, None], other=0.0)
+        if KV_FP8:                              # e4m3 -> the query's dtype: exact
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         scores = _dot(q, tl.trans(k), IEEE) * scale
         keep = valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
         scores = tl.where(keep, scores, float("-inf"))
@@ -321,6 +368,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, 
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m = m_new
     out = acc / l[:, None]
+    if KV_FP8:
+        out = out * v_scale
     tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=qmask[:, None])
 
@@ -328,14 +377,18 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                   scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                  num_stages: int = 2) -> torch.Tensor:
+                  num_stages: int = 2, k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:
     """Causal varlen attention of q [T, Hq, D] over every sequence's cached K/V (prefix + this chunk).
+    FP8 caches (engine/attention/kv_quant.py) are dequantized by k_scale and v_scale (None: the caches' own).
 
     The tile sizes, warps and stages are swept by `labkit bench --workload attention --sweep`."""
     _, page, hk, d = k_cache.shape
+    fp8 = kv_scales(k_cache, v_cache, k_scale, v_scale)
+    if fp8:
+        scale, fp8 = scale * fp8["k_scale"], {"v_scale": fp8["v_scale"], "KV_FP8": True}
     return _launch_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
                            page=page, hk=hk, strides_kv=(hk * d, hk * d), stride_bt=block_tables.stride(0), paged=True,
-                           block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+                           block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, fp8=fp8)
 
 
 def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -351,7 +404,7 @@ def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
 
 
 def _launch_prefill(q, kv_k, kv_v, block_tables, cu_q, cu_k, max_seqlen_q, scale, *, page, hk, strides_kv,
-                    stride_bt, paged, block_m, block_n, num_warps, num_stages) -> torch.Tensor:
+                    stride_bt, paged, block_m, block_n, num_warps, num_stages, fp8=None) -> torch.Tensor:
     t, hq, d = q.shape
     n = cu_q.numel() - 1
     out = torch.empty_like(q)
@@ -360,5 +413,5 @@ def _launch_prefill(q, kv_k, kv_v, block_tables, cu_q, cu_k, max_seqlen_q, scale
                           q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_bt, *strides_kv,
                           PAGE=page, HK=hk, G=hq // hk, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
                           IEEE=q.dtype == torch.float32, PAGED=paged, num_warps=num_warps, num_stages=num_stages,
-                          **pdl.launch(q))
+                          **(fp8 or {}), **pdl.launch(q))
     return out

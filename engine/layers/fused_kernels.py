@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from engine import pdl
+from engine.attention.triton_kernels import fp8_quantize, kv_scales
 
 # rms_norm's warp count; the normed GEMV (gemv.py) reduces its row's sum of squares at the same count, since
 # Triton's reduction order (and so the float32 sum) follows the layout
@@ -62,12 +63,14 @@ QK_SPLIT_BELOW = 64
 @triton.jit
 def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
                          stride_qkv, eps, kc_ptr, vc_ptr, slot_ptr, HQ: tl.constexpr, HK: tl.constexpr,
-                         D: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr = False):
+                         D: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr = False,
+                         k_scale=1.0, v_scale=1.0, KV_FP8: tl.constexpr = False):
     """Program (t, g): token t's heads g * BLOCK_H .. (g + 1) * BLOCK_H - 1 of its HQ q heads then HK k heads
     (contiguous in the packed qkv row) as one tile; BLOCK_H is 1 (a head per program) or covers every head.
     STORE: the roped k heads, and the v heads of the same index (the qkv row's columns after q and k), also go
     to the paged cache ([blocks, block_size, HK, D], contiguous) at row slot_mapping[t], as _store_kv_kernel
-    writes them; a padding token (slot < 0) writes nothing there."""
+    writes them; a padding token (slot < 0) writes nothing there. KV_FP8: the cache is e4m3 and gets k / k_scale
+    and v / v_scale (fp8_quantize, as _store_kv_kernel)."""
     pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)     # 0..HQ-1: q heads, HQ..HQ+HK-1: k heads
@@ -103,11 +106,15 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_o
         slot = tl.load(slot_ptr + t).to(tl.int64)
         keep = k_mask & (slot >= 0)
         row = slot * (HK * D) + (h - HQ)[:, None] * D                 # k head j's and v head j's place
-        tl.store(kc_ptr + row + half[None, :], o1, mask=keep)
-        tl.store(kc_ptr + row + D // 2 + half[None, :], o2, mask=keep)
         v_src = qkv_ptr + t * stride_qkv + (HK + h)[:, None] * D      # v head j: column (HQ + HK + j) * D
         v1 = tl.load(v_src + half[None, :], mask=keep)
         v2 = tl.load(v_src + D // 2 + half[None, :], mask=keep)
+        k1, k2 = o1, o2
+        if KV_FP8:
+            k1, k2 = fp8_quantize(o1, k_scale), fp8_quantize(o2, k_scale)
+            v1, v2 = fp8_quantize(v1, v_scale), fp8_quantize(v2, v_scale)
+        tl.store(kc_ptr + row + half[None, :], k1, mask=keep)
+        tl.store(kc_ptr + row + D // 2 + half[None, :], k2, mask=keep)
         tl.store(vc_ptr + row + half[None, :], v1, mask=keep)
         tl.store(vc_ptr + row + D // 2 + half[None, :], v2, mask=keep)
 
@@ -120,9 +127,12 @@ def qk_heads_per_program(tokens: int, heads: int) -> int:
 def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, hq: int, hk: int, d: int, eps: float,
                  k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
-                 slot_mapping: torch.Tensor | None = None, heads_per_program: int | None = None):
+                 slot_mapping: torch.Tensor | None = None, heads_per_program: int | None = None,
+                 k_scale: float | None = None, v_scale: float | None = None):
     """-> q [T, hq, d], k [T, hk, d]. With k_cache, v_cache and slot_mapping, also stores each token's k and v
-    in the paged cache (what backend.store_kv would write; slot -1 skipped), so no store kernel runs.
+    in the paged cache (what backend.store_kv would write, quantized where the cache is FP8, by each cache's
+    own scale unless k_scale/v_scale are given: engine/attention/kv_quant.py; slot -1 skipped), so no store
+    kernel runs.
     heads_per_program: the kernel's tile (default qk_heads_per_program; the tests compare both tiles)."""
     t = qkv.shape[0]
     q = torch.empty(t, hq, d, dtype=qkv.dtype, device=qkv.device)
@@ -135,7 +145,8 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Ten
     _qk_norm_rope_kernel[(t, triton.cdiv(hq + hk, hpp))](
         qkv, positions, q_weight, k_weight, cos, sin, q, k, qkv.stride(0), eps,
         k_cache if store else k, v_cache if store else k, slot_mapping if store else positions,
-        HQ=hq, HK=hk, D=d, BLOCK_H=hpp, STORE=store, num_warps=1 if hpp == 1 else 4, **pdl.launch(qkv))
+        HQ=hq, HK=hk, D=d, BLOCK_H=hpp, STORE=store, num_warps=1 if hpp == 1 else 4,
+        **(kv_scales(k_cache, v_cache, k_scale, v_scale) if store else {}), **pdl.launch(qkv))
     return q, k
 
 

@@ -323,7 +323,6 @@ def quick_walk(
     debug: Annotated[bool, typer.Option("--debug", help="Drop into pdb after initialization (warmup excluded).")] = False,
     inputs: Annotated[bool, typer.Option("--inputs", help="Print each step's runner inputs (input_ids, positions, cu_seqlens, max_seqlen, slot_mapping, context_lens, block_tables) as tables; the steps are stored in the evidence as with --trace.")] = False,
     shuffle_blocks: Annotated[Optional[int], typer.Option("--shuffle-blocks", metavar="SEED", show_default=False, help="Hand out KV blocks in a seeded shuffled order (slot != position); no checkpoint claims such a run.")] = None,
-    num_kvcache_blocks: Annotated[Optional[int], typer.Option("--num-kvcache-blocks", metavar="N", min=1, show_default=False, help="Cases A-D: a KV pool of N blocks (default: sized from memory); a small pool makes decodes preempt (e.g. --case B --kv-cache-block-size 4 --num-kvcache-blocks 2); no checkpoint claims such a run.")] = None,
     fused_ops: FusedOpsOpt = True,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
@@ -336,9 +335,6 @@ def quick_walk(
     if case in (CaseName.LIFECYCLE, CaseName.PREFIX):
         from labkit.cli.walks import walk_case
 
-        if num_kvcache_blocks is not None:
-            raise UserError("--num-kvcache-blocks is for cases A-D")
-
         record = walk_case(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
                            budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
                            trace=trace or inputs, debug=debug, shapes=shapes, json_out=json_out,
@@ -350,7 +346,7 @@ def quick_walk(
     record = run_quick_walk(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
                             budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
                             trace=trace or inputs, debug=debug, shuffle_blocks=shuffle_blocks, shapes=shapes,
-                            fused_ops=fused_ops, num_kvcache_blocks=num_kvcache_blocks)
+                            fused_ops=fused_ops)
     if not json_out:
         render_quick_walk(record)
         if inputs:
@@ -497,7 +493,7 @@ def _bench_serve(path: Path, *, model: Path | None, device: str, attention: str,
     if engine_process is not None and serve_modes is not None:
         raise UserError("give --engine-process or --serve-modes, not both")
     if engine_process is None:
-        from serve.entrypoints.launch import serve_defaults
+        from labkit.service.launch import serve_defaults
 
         engine_process = serve_defaults(detect_device(device))["engine_process"]
     return run_serve_bench(path, model=_model_arg(model), device=device, attention=attention, trace=trace,

@@ -8,8 +8,10 @@ gives Triton a stand-in CUDA driver that names an sm_90 target, makes every laun
 launch) and turns PDL on as on Hopper, then calls the engine's own kernel wrappers on CPU tensors at the
 shapes of the tiny, Qwen3-0.6B and Qwen3-8B presets: the batch-1 GEMVs (plain, normed, SiLU-and-mul, with and
 without the peeled first chunk), every paged-decode variant ``decode_variants`` says a batch of 1..512 can
-meet, the prefills, the KV store, the norms, q/k norm + RoPE and the sampling kernel. Triton's own compiler and
-the ptxas its wheel ships do the rest; nothing runs on a GPU.
+meet, the prefills, the KV store, the norms, q/k norm + RoPE and the sampling kernel, and again every kernel that
+reads or writes the KV cache with an FP8 (e4m3) cache: each decode variant, the paged prefill, the quantizing
+store and q/k norm + RoPE's store. Triton's own compiler and the ptxas its wheel ships do the rest; nothing runs
+on a GPU.
 
 Skipped where triton is not installed or its CUDA backend cannot compile here.
 """
@@ -42,6 +44,13 @@ def test_every_preset_meets_its_decode_variants_and_gemv_tiles(compiled):
         p = compiled["presets"][preset]
         assert p["decode_variants"] >= 3, p          # one split, several with the reduce kernel, the fused reduce
         assert p["decode_calls"] == p["decode_variants"] and p["gemv_calls"] == 2 * 5, p   # 5 projections x peel
+
+
+def test_every_kv_cache_kernel_compiles_with_an_fp8_cache(compiled):
+    for preset in PRESETS:
+        p = compiled["presets"][preset]
+        assert p["fp8_decode_calls"] == p["decode_variants"], p
+        assert p["fp8_other_calls"] == 4, p          # paged prefill, store_kv, q/k norm + RoPE's store at 1 and 64 tokens
 
 
 # -- the compiling process --------------------------------------------------------------------------------------
@@ -131,6 +140,37 @@ def _preset(name: str, calls: list) -> dict:
         fk.qk_norm_rope(qkv, torch.zeros(tokens, dtype=torch.int64), e(d), e(d), cos, cos, hq, hk, d, 1e-6, **rope)
         fk.silu_and_mul(e(tokens, 2 * shape.intermediate_size))
     gumbel_argmax(e(4, shape.vocab_size), torch.ones(4), torch.zeros(4, dtype=torch.int64))
+    out.update(_fp8_cache(calls, e, variants, blocks, page, hq, hk, d, max_len, sm, t, cu))
+    return out
+
+
+def _fp8_cache(calls: list, e, variants: dict, blocks: int, page: int, hq: int, hk: int, d: int, max_len: int,
+               sm: int, t: int, cu) -> dict:
+    """The KV cache's kernels again with e4m3 caches (engine/attention/kv_quant.py): launches that compiled."""
+    import torch
+
+    import engine.attention.triton_kernels as tk
+    from engine.attention import kv_quant
+    from engine.layers import fused_kernels as fk
+
+    bf16 = torch.bfloat16
+    kc, vc = (kv_quant.mark(e(blocks, page, hk, d, dtype=kv_quant.FP8), 0.5, bf16) for _ in range(2))
+    out = {"fp8_decode_calls": 0}
+    for batch, length in variants.values():
+        before = len(calls)
+        tables = torch.zeros(batch, max_len // page, dtype=torch.int32)
+        ctx = torch.full((batch,), length, dtype=torch.int32)
+        tk.paged_decode(e(batch, hq, d), kc, vc, tables, ctx, d ** -0.5, length, sm,
+                        order=torch.arange(batch, dtype=torch.int32))
+        out["fp8_decode_calls"] += len(calls) > before
+    before = len(calls)
+    tk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), cu, cu, 32, d ** -0.5)
+    tk.store_kv(e(t, hk, d), e(t, hk, d), kc, vc, torch.zeros(t, dtype=torch.int64))
+    for tokens in (1, t):
+        cos = e(max_len, d, dtype=torch.float32)
+        fk.qk_norm_rope(e(tokens, (hq + 2 * hk) * d), torch.zeros(tokens, dtype=torch.int64), e(d), e(d), cos, cos,
+                        hq, hk, d, 1e-6, k_cache=kc, v_cache=vc, slot_mapping=torch.zeros(tokens, dtype=torch.int64))
+    out["fp8_other_calls"] = len(calls) - before
     return out
 
 

@@ -118,31 +118,3 @@ def test_picture_step_draws_that_step_and_refuses_a_missing_one(case_c, tmp_path
     assert not (tmp_path / "c.steps.png").exists()          # only the step's slot picture
     res = labkit_in_process("picture", copy, "--step", "9")
     assert res.returncode == 2 and "--step 9: no such step" in res.stderr and "Traceback" not in res.stderr
-
-
-def test_a_small_kv_pool_preempts_and_the_pictures_draw_it(tiny_model_dir, tmp_path, monkeypatch, labkit_in_process):
-    """Case B at block size 4 in a pool of 2 blocks: R2's first decode finds no free block, so the scheduler
-    preempts it; the step log, the engine's own counter, the step grid and the KV pool agree on where."""
-    from labkit.pictures import draw_walk, walkdata
-
-    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
-    res = labkit_in_process("quick-walk", "--case", "B", "--kv-cache-block-size", "4", "--num-kvcache-blocks", "2",
-                            "--trace", "--model", tiny_model_dir, "--device", "cpu")
-    assert res.returncode == 0, res.stdout + res.stderr
-    path = tmp_path / "runs" / "quick-walk-b-bs4-blocks2.json"      # its own file: these options' evidence
-    record = json.loads(path.read_text())
-    facts = record["facts"]
-    assert record["checkpoint"] is None and facts["options"]["num_kvcache_blocks"] == 2
-    assert facts["preemptions"] >= 1 and len(facts["preempted_at"]) == facts["preemptions"]
-    assert facts["output_counts"] == [2, 5]                 # preempted, re-admitted, finished all the same
-    grid = walkdata.step_grid(facts)
-    steps = [st["step"] for st in facts["steps"]]
-    view = walkdata.pool_view(facts)
-    for p in facts["preempted_at"]:
-        j = steps.index(p["step"])
-        assert grid.cells[grid.labels.index(p["label"])][j].kind == "preempted"
-        assert view.preempted[j] == {b: p["label"] for b in p["blocks"]}
-    assert sum(len(g) > 0 for g in view.preempted) == facts["preemptions"]
-    assert any(p.name.endswith(".kv.png") for p in draw_walk(path))
-    res = labkit_in_process("quick-walk", "--case", "prefix", "--num-kvcache-blocks", "2")
-    assert res.returncode == 2 and "--num-kvcache-blocks is for cases A-D" in res.stderr

@@ -1,0 +1,110 @@
+"""A worker's configuration: the engine's arguments (the engine's own ``engine.EngineArgs``, whole) and the
+worker's own options (:class:`WorkerConfig`).
+
+``WorkerConfig(engine=lab_args(...), max_active=...)``, or the engine's options by name:
+``WorkerConfig(model=..., max_num_seqs=8, max_active=8)`` puts each one into ``engine`` (over
+:func:`worker_args`, the lab's defaults with 8 sequences a step). ``dataclasses.replace(config, max_model_len=n)``
+changes an engine option the same way. ``build_engine(config.engine)`` is the one way they reach the engine.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+
+from engine import EngineArgs
+from engine.args import OPTION_NAMES
+from labkit.errors import UserError
+from labkit.lab_engine import lab_args
+from labkit.service.protocol import REQUEST_ID_RE
+
+#: The engine options by name (``engine.EngineArgs``' fields): the only names WorkerConfig takes for them.
+ENGINE_FIELDS = frozenset(OPTION_NAMES)
+#: The engine options a worker's record shows (``flat()``: /config, evidence), under the names it always had:
+#: the record's ``attention`` is ``EngineArgs.attention_backend`` (RECORD_NAMES).
+RECORDED = ("model", "device", "attention", "scheduling_policy", "max_consecutive_prefill", "max_num_batched_tokens",
+            "max_num_seqs", "max_model_len", "gpu_memory_utilization", "enforce_eager", "num_kvcache_blocks",
+            "tensor_parallel_size", "dist_init", "shm_name", "enable_prefix_caching", "overlap")
+RECORD_NAMES = {"attention": "attention_backend"}
+
+
+def _positive(obj, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+def worker_args(**given) -> EngineArgs:
+    """A worker's engine when none is given: the lab's defaults (:func:`labkit.lab_engine.lab_args`) with 8
+    sequences a step (``labkit serve``'s CPU choice), then each engine option ``given``."""
+    return lab_args(**{"max_num_seqs": 8, **given})
+
+
+def recorded(args: EngineArgs) -> dict:
+    """The engine options of :data:`RECORDED` as a worker's record shows them (an unset pool size as None)."""
+    out = {}
+    for key in RECORDED:
+        value = getattr(args, RECORD_NAMES.get(key, key))
+        out[key] = None if key == "num_kvcache_blocks" and value == -1 else value
+    return out
+
+
+@dataclass(init=False)
+class WorkerConfig:
+    """One worker: its engine (``engine.EngineArgs``) and its own admission, queue and stream limits."""
+    engine: EngineArgs
+    max_active: int = 8
+    queue_size: int = 64                    # requests waiting (an n x prompts request is one; labkit.service.fair)
+    max_active_per_request: int | None = None   # running slots one request may hold (None: fair.per_request_cap)
+    worker_id: str = "worker-0"
+    stream_buffer: int = 512
+    load_tokenizer: bool = True             # text prompts and detokenized output need it
+    log_steps: bool = True                  # one "step" record per engine step in the log
+    max_prompt_bytes: int | None = None     # longer text prompts are refused untokenized (None: 32 x max_model_len)
+    special_tokens_in_content: bool = False  # True: special-token text inside chat messages becomes control tokens
+    reasoning_parser: str | None = None     # "qwen3": chat answers' <think> part in the reasoning fields (vLLM's flag)
+    enable_auto_tool_choice: bool = True    # tool_choice "auto" parses tool calls (vLLM needs the flag; here on)
+    tool_call_parser: str = "hermes"        # how tool calls are read (Qwen3's <tool_call> JSON: hermes)
+
+    def __init__(self, engine: EngineArgs | None = None, **options) -> None:
+        """The worker's fields by name; the engine's as ``engine``, by their names, or both (a name given
+        changes that option of ``engine``: ``dataclasses.replace(config, max_model_len=n)`` works)."""
+        mine = {f.name: f for f in fields(self) if f.name != "engine"}
+        unknown = sorted(set(options) - set(mine) - ENGINE_FIELDS)
+        if unknown:
+            raise TypeError(f"WorkerConfig got unknown option(s) {', '.join(unknown)}")
+        engine_options = {k: v for k, v in options.items() if k in ENGINE_FIELDS}
+        if engine is None:
+            self.engine = worker_args(**engine_options)
+        else:
+            self.engine = dataclasses.replace(engine, **engine_options)
+        for name, f in mine.items():
+            setattr(self, name, options.get(name, f.default))
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_active", "queue_size", "stream_buffer")
+        if self.max_active_per_request is not None:
+            _positive(self, "max_active_per_request")
+        if self.max_prompt_bytes is None and self.max_model_len != "auto":   # "auto": set once the engine fitted it
+            self.max_prompt_bytes = max(16 * 1024, 32 * self.max_model_len)
+        if self.max_prompt_bytes is None:
+            pass
+        elif not isinstance(self.max_prompt_bytes, int) or isinstance(self.max_prompt_bytes, bool) \
+                or self.max_prompt_bytes < 1:
+            raise UserError(f"max-prompt-bytes must be a positive integer, got {self.max_prompt_bytes!r}")
+        if self.reasoning_parser not in (None, "qwen3"):
+            raise UserError(f"--reasoning-parser must be qwen3, got {self.reasoning_parser!r}")
+        if self.tool_call_parser != "hermes":
+            raise UserError(f"--tool-call-parser must be hermes (Qwen3's format), got {self.tool_call_parser!r}")
+        if not REQUEST_ID_RE.fullmatch(self.worker_id):
+            raise UserError(f"worker id must match {REQUEST_ID_RE.pattern}, got {self.worker_id!r}")
+
+    @property
+    def max_model_len(self) -> int | str:
+        return self.engine.max_model_len
+
+    def flat(self) -> dict:
+        """The engine's options and the worker's fields in one flat dict (evidence, ``/config``)."""
+        mine = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"}
+        return {**recorded(self.engine), **mine}

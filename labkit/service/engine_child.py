@@ -1,0 +1,185 @@
+"""The engine process's side of ``labkit serve --engine-process`` (the parent's side, and the design,
+are in :mod:`labkit.service.engine_process`).
+
+:func:`_child_main` is the target the parent spawns (``multiprocessing`` "spawn" pickles it by this
+module's path). It runs the existing Worker unchanged, with ``stream=False`` handles (nobody reads them
+here), a sink (:class:`_Sender`) that collects the owner's events, and the Worker's :class:`OwnerHooks`:
+the owner hands a whole step's wake-ups over once per step (``flushed``), and there the step's events go
+to the parent as ONE message; after each loop round (``published``) the owner's snapshot follows. Events
+made outside the owner thread (``submitted`` at submit) go out at once, under the same lock. Its Worker
+keeps no Prometheus stats (:class:`_Uncounted`): the parent counts from the events. It reports ``ready``
+(the :class:`labkit.service.front.ServedEngine` record the parent serves and checks submissions with) or
+its init error, then serves the parent's commands (submit, cancel, the calls of :data:`CHILD_CALLS`,
+close) until the parent closes it or its pipe reads EOF.
+"""
+from __future__ import annotations
+
+import dataclasses
+import signal
+import sys
+import threading
+import types
+from contextlib import contextmanager
+
+from engine import RequestError, SamplingParams
+from labkit.errors import UserError
+from labkit.service.events import make_event
+from labkit.service.config import WorkerConfig
+from labkit.service.front import DuplicateRequest, WorkerUnavailable
+from labkit.service.owner import OwnerHooks
+from labkit.service.worker import Worker
+
+#: The Worker methods a child may be asked to run (test hooks and snapshots), nothing else.
+CHILD_CALLS = ("pause", "resume", "inject_fault", "run_on_owner", "snapshot")
+READY_TIMEOUT_S = 900.0
+
+
+class _Sender:
+    """The child's end of the event pipe: the owner's events batched per step, others sent at once."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.batch: list[dict] = []
+        self.worker: Worker | None = None
+
+    def sink(self, ev: dict) -> None:
+        if self.worker.on_owner_thread():
+            self.batch.append(ev)
+        else:
+            self.send(("events", [ev], None))
+
+    def ship(self, snapshot: dict | None = None) -> None:
+        batch, self.batch = self.batch, []
+        if batch or snapshot is not None:
+            self.send(("events", batch, snapshot))
+
+    def send(self, msg) -> None:
+        with self.lock:
+            self.conn.send(msg)
+
+
+class _Uncounted:
+    """The child Worker's stats: nothing. The parent counts the same from the events, so the engine's process
+    pays no Prometheus counter or histogram per token (about 1 us each)."""
+
+    def count_prompt(self, tokens: int, queue_seconds: float | None = None) -> None:
+        pass
+
+    def count_tokens(self, ttfts: list[float], itls: list[float]) -> None:
+        pass
+
+    def count_step(self, phase: str, seconds: float) -> None:
+        pass
+
+    def count_engine_error(self) -> None:
+        pass
+
+    def count_finished(self, reason: str, e2e_seconds: float | None = None, prompt_tokens: int = 0,
+                       generation_tokens: int = 0) -> None:
+        pass
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """An exception the parent can unpickle with its type and one-line message (else a UserError)."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return UserError(" ".join(f"{type(exc).__name__}: {exc}".split()))
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the engine process (a process-group kill of ``labkit serve``): close in order."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)     # once: the close below must not be cut short
+    raise _Terminated()
+
+
+def _child_main(config: WorkerConfig, commands, events) -> None:
+    """The engine process: build the Worker, report ready (or the init error), then serve commands. SIGTERM
+    closes the Worker in order like the parent's close (its engine's TP ranks, shared memory and semaphores
+    released: no resource_tracker "leaked" warning), instead of killing the process where it stands."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C goes to the parent, which closes us in order
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    sender = _Sender(events)
+    hooks = OwnerHooks(flushed=sender.ship, published=sender.ship)
+    worker = Worker(dataclasses.replace(config, load_tokenizer=False, log_steps=True), sink=sender.sink, hooks=hooks)
+    sender.worker = worker
+    worker.stats = _Uncounted()
+    try:
+        worker.start(READY_TIMEOUT_S)
+    except _Terminated:
+        worker.close(timeout=10.0)
+        return
+    except BaseException as e:
+        sender.send(("init_error", _portable(e)))
+        return
+    sender.send(("ready", {"served": worker.served, "snapshot": worker.snapshot()}))
+    close_timeout = 30.0
+    try:
+        close_timeout = _serve_commands(worker, sender, commands)
+    except _Terminated:
+        close_timeout = 10.0
+    finally:
+        worker.close(timeout=close_timeout)
+        try:
+            sender.send(("closed",))
+        except OSError:
+            pass
+
+
+def _serve_commands(worker: Worker, sender: _Sender, commands) -> float:
+    """The parent's commands until close (its timeout returned) or EOF (the default timeout)."""
+    while True:
+        try:
+            msg = commands.recv()
+        except (EOFError, OSError):           # the parent is gone
+            return 30.0
+        kind = msg[0]
+        if kind == "submit":
+            _child_submit(worker, sender, *msg[1:])
+        elif kind == "cancel":
+            worker.cancel(*msg[1:])
+        elif kind == "call":
+            call_id, name, args = msg[1:]
+            try:
+                if name not in CHILD_CALLS:
+                    raise ValueError(f"{name} is not a call the engine process takes")
+                sender.send(("reply", call_id, True, getattr(worker, name)(*args)))
+            except _Terminated:
+                raise
+            except BaseException as e:
+                sender.send(("reply", call_id, False, _portable(e)))
+        elif kind == "close":
+            return msg[1]
+
+
+def _child_submit(worker: Worker, sender: _Sender, rid: str, token_ids: list[int], params: SamplingParams,
+                  tags: dict, prefill_after: str | None, group: str | None = None) -> None:
+    try:
+        worker.submit(token_ids, params, request_id=rid, tags=tags, stream=False, prefill_after=prefill_after,
+                      group=group)
+    except (RequestError, DuplicateRequest, WorkerUnavailable) as e:     # the parent's checks let it through
+        sender.send(("events", [make_event("finished", rid, worker.worker_id, worker._round, reason="rejected",
+                                           message=" ".join(str(e).split()), num_prompt_tokens=len(token_ids),
+                                           num_completion_tokens=0, admitted=False)], None))
+
+
+@contextmanager
+def _bare_main():
+    """While a child is spawned, ``__main__`` is an empty module: the child needs nothing of the parent's
+    main script (its target, :func:`_child_main`, lives in this module), so it never re-runs a script
+    without a ``__main__`` guard, nor pytest's or the console script's entry."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+

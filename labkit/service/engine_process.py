@@ -1,0 +1,494 @@
+"""The engine in its own process (``labkit serve --engine-process``): vLLM's split, engine loop in one
+process, HTTP front end and detokenization in another.
+
+Why: in one process the owner thread (engine steps, one event dict per token, JSON for the event log) and
+the HTTP loop (detokenize, format, write a chunk per token) share one GIL; at 256 sequences per step the
+front end's per-token work lands between engine steps. Here the owner has a process (and a GIL) of its
+own and the front end's work runs beside it.
+
+Processes and channels
+    :class:`RemoteWorker` (the parent, where the HTTP server runs) has the public surface the server,
+    ``run_serve`` and the tests use from :class:`labkit.service.worker.Worker`. ``start()`` spawns a child
+    (``multiprocessing`` "spawn": nothing of the parent, CUDA included, is inherited) that runs the existing
+    Worker unchanged (:mod:`labkit.service.engine_child`). Two one-way pipes: commands parent -> child
+    (submit, cancel, test-hook calls, close), events child -> parent: a step's events as ONE message (a
+    pickled list), the owner's published snapshot after each loop round (queue, active, KV blocks, round,
+    state), events made outside the owner thread at once.
+
+The parent
+    A reader thread demultiplexes each message into the local :class:`RequestHandle`s (one ``wake_all``
+    per message: one hand-off per event loop per step), writes the event log (the JSON encoding is off the
+    engine's process), and keeps the Prometheus :class:`ServiceStats` from the events: TTFT and ITL from
+    the ``t_ns`` the engine stamped (submitted and token events), step counts and seconds from ``step``
+    records, so /metrics shows the engine's figures as in one process. What the front end reads (the
+    served engine's record, state, snapshot) is answered here, from what the child reported: the
+    :class:`labkit.service.front.ServedEngine` of its ``ready`` message and its last snapshot.
+
+Submission
+    Tokenization and chat templating run in the parent (its own copy of the model's tokenizer, loaded
+    from the directory the child reports). ``submit()`` answers synchronously and without a round trip:
+    the parent checks the prompt with the engine's own admission rule (``LLMEngine.check_request`` over the
+    served record the child reports at start: max_model_len, vocabulary, KV pool), the request id, duplicates
+    (its own table of live requests) and the queue (requests it sent and has not yet seen admitted or
+    finished: never fewer than the child's queue, so the child never rejects one the parent accepted).
+    Token ids go child-ward; the child's Worker checks them again. A request the child still refuses
+    finishes ``rejected`` with its message.
+
+Failures
+    A child init error: ``start()`` raises it (UserError/ConfigError keep their type and one-line message).
+    A child that dies mid-serve: every open handle finishes ``error`` with one line saying so, the worker
+    turns unhealthy (``/health`` 503, ``submit()`` raises :class:`WorkerUnavailable`). ``close()`` asks
+    the child to close its Worker (open requests end cancelled/shutdown, as in one process), joins it
+    within ``timeout``, then terminates it. A parent that dies closes the command pipe: the child closes
+    and exits. A slow consumer (more than ``stream_buffer`` unread events in the parent) is cancelled at
+    the owner with ``cause=slow_consumer``.
+
+Test hooks ``pause``, ``resume``, ``inject_fault``, ``run_on_owner`` (a picklable function) are calls into
+the child, answered on the event pipe (so every event sent before the answer has been handled);
+``set_feeder`` stays with the in-process Worker.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import multiprocessing
+import signal
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from engine import LLMEngine, SamplingParams
+from labkit.errors import UserError
+from labkit.service.config import WorkerConfig
+from labkit.service.engine_child import CHILD_CALLS, READY_TIMEOUT_S, _bare_main, _child_main  # noqa: F401
+from labkit.service.events import Sink, make_event, now_ns
+from labkit.service.fair import Groups
+from labkit.service.front import WorkerFront, WorkerUnavailable
+from labkit.service.stream import RequestHandle, wake_all
+from labkit.service.worker import Worker
+
+
+# --------------------------------------------------------------------------- the parent's request records
+
+
+@dataclass
+class _Remote:
+    handle: RequestHandle
+    prompt_tokens: int
+    submitted_ns: int = 0
+    last_token_ns: int = 0
+    num_tokens: int = 0
+    admitted: bool = False
+    slow: bool = False
+    group: str = ""
+
+
+# --------------------------------------------------------------------------- the parent
+
+
+class RemoteWorker(WorkerFront):
+    """A Worker whose engine and owner thread live in a child process; see the module docstring."""
+
+    def __init__(self, config: WorkerConfig | None = None, sink: Sink | None = None):
+        super().__init__(config, sink)
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self._live: dict[str, _Remote] = {}
+        self._pending: dict[str, None] = {}          # sent, not yet seen admitted or finished (ordered)
+        self._groups = Groups()                       # the same request-group accounting as the child's queue
+        self._snapshot: dict = {"state": "starting"}
+        self._ready = False
+        self._closed = False
+        self._closed_done = threading.Event()
+        self._unhealthy: str | None = None
+        self._commands = None
+        self._events = None
+        self._reader: threading.Thread | None = None
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self, timeout: float | None = READY_TIMEOUT_S) -> "RemoteWorker":
+        """Spawn the engine process and wait until its Worker is built; re-raise its init error."""
+        if self.process is not None:
+            raise RuntimeError("worker already started")
+        ctx = multiprocessing.get_context("spawn")
+        events_r, events_w = ctx.Pipe(duplex=False)
+        commands_r, commands_w = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(target=_child_main, args=(self.config, commands_r, events_w),
+                                   name=f"labkit-engine-{self.worker_id}")
+        with _bare_main():
+            self.process.start()
+        events_w.close()                 # the child's ends: ours closed, so a dead child reads as EOF here
+        commands_r.close()
+        self._commands, self._events = commands_w, events_r
+        try:
+            msg = self._first_message(timeout)
+        except BaseException:
+            self._abandon_child()
+            raise
+        if msg[0] == "init_error":
+            self._abandon_child()
+            raise msg[1]
+        facts = msg[1]
+        self.served = facts["served"]
+        self._snapshot = facts["snapshot"]
+        if self.config.load_tokenizer:
+            path = self.served.config.model
+            try:
+                from transformers import AutoTokenizer
+
+                self._encoder = AutoTokenizer.from_pretrained(path)
+            except Exception as e:
+                self._abandon_child()
+                raise UserError(f"cannot load the tokenizer of {path}: {' '.join(str(e).split())}") from None
+            self.tokenizer = copy.deepcopy(self._encoder)    # the HTTP front decodes with its own copy
+        self._ready = True
+        self._reader = threading.Thread(target=self._read, name=f"labkit-engine-reader-{self.worker_id}",
+                                        daemon=True)
+        self._reader.start()
+        return self
+
+    def _first_message(self, timeout: float | None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while deadline is None or time.monotonic() < deadline:
+            if self._events.poll(0.2):
+                try:
+                    msg = self._events.recv()
+                    if msg[0] in ("ready", "init_error"):
+                        return msg
+                    continue                        # the owner's first snapshot: "ready" carries a newer one
+                except (EOFError, OSError):         # the child closed its end: it is exiting
+                    self.process.join(10.0)
+                    raise UserError(f"worker {self.worker_id}: the engine process exited with code "
+                                    f"{self.process.exitcode} before it was ready") from None
+            if not self.process.is_alive() and not self._events.poll(0.05):
+                raise UserError(f"worker {self.worker_id}: the engine process exited with code "
+                                f"{self.process.exitcode} before it was ready")
+        raise UserError(f"worker {self.worker_id}: engine not ready within {timeout} s")
+
+    def _abandon_child(self) -> None:
+        self._closed = True
+        for conn in (self._commands, self._events):
+            try:
+                conn.close()
+            except Exception:
+                pass
+        self._end_process(5.0)
+        self._closed_done.set()
+
+    def _end_process(self, timeout: float) -> None:
+        proc = self.process
+        if proc is None:
+            return
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Close the child's Worker (open requests end cancelled/shutdown), then the child; bounded, idempotent."""
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+        if not first:
+            self._closed_done.wait(timeout)
+            return
+        try:
+            try:
+                with self._lock:
+                    self._commands.send(("close", timeout))
+            except (OSError, ValueError, AttributeError):
+                pass
+            if self._reader is not None:
+                self._reader.join(timeout + 5.0)
+            self._end_process(5.0)
+            self._fail_open(f"worker {self.worker_id}: the engine process did not finish this request before it "
+                            "closed")
+        finally:
+            for conn in (self._commands, self._events):
+                try:
+                    conn.close()
+                except Exception:
+                    pass
+            self._closed_done.set()
+
+    def __enter__(self) -> "RemoteWorker":
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- requests -------------------------------------------------------------------------
+    def _tokenize(self, prompt, **options) -> list[int]:
+        """``LLMEngine.encode``'s rule with this process's copy of the model's tokenizer."""
+        return LLMEngine.encode_with(self._encoder, prompt, **options)
+
+    def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
+                 prefill_after: str | None, group: str) -> None:
+        """As the Worker's: a full queue (request groups sent, not yet seen admitted) rejects here; the token ids
+        go to the engine process, whose Worker checks them again."""
+        if not self._groups.has_room(group, self.config.queue_size):
+            self._reject_here(handle, token_ids, params, tags)
+            return
+        self._live[rid] = _Remote(handle, len(token_ids), now_ns(), group=group)   # before the child can answer
+        self._pending[rid] = None
+        self._groups.add(group)
+        try:
+            self._commands.send(("submit", rid, token_ids, params, tags, prefill_after, group))
+        except (OSError, ValueError):            # the child is gone; the reader says why in a moment
+            del self._live[rid]
+            self._pending.pop(rid, None)
+            self._groups.finished(group, waiting=True)
+            raise WorkerUnavailable(f"worker {self.worker_id}: the engine process is not reachable") from None
+
+    def _reject_here(self, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict) -> None:
+        """Queue full: the submitted and finished(rejected) events the Worker would have made."""
+        rid, rnd = handle.request_id, self._snapshot.get("round", 0)
+        sub = make_event("submitted", rid, self.worker_id, rnd, prompt_tokens=len(token_ids),
+                         max_tokens=params.max_tokens, queue_depth=len(self._pending))
+        sub.update(tags)
+        fin = make_event("finished", rid, self.worker_id, rnd, reason="rejected",
+                         message=f"queue full ({self.config.queue_size} requests waiting)",
+                         num_prompt_tokens=len(token_ids), num_completion_tokens=0, admitted=False)
+        if self.sink is not None:
+            self.sink(sub)
+            self.sink(fin)
+        handle.rejected = True
+        handle._push(sub)
+        handle._finish(fin)
+        self.stats.count_finished("rejected")
+
+    def _send_cancel(self, request_id: str, cause: str, reason: str) -> bool:
+        if self._closed:
+            return False
+        try:
+            self._commands.send(("cancel", request_id, cause, reason))
+        except (OSError, ValueError):
+            return False
+        return True
+
+    def pending_ids(self) -> list[str]:
+        """Request ids sent to the engine process and not yet seen admitted (or finished), in order."""
+        with self._lock:
+            return list(self._pending)
+
+    # -- test hooks (calls into the child) -------------------------------------------------
+    def _call(self, name: str, *args, timeout: float | None = 60.0) -> Any:
+        fut: Future = Future()
+        with self._lock:
+            if not self._ready or self._closed or self._unhealthy:
+                raise WorkerUnavailable(self._unavailable_reason())
+            call_id = next(self._call_ids)
+            self._calls[call_id] = fut
+            self._commands.send(("call", call_id, name, args))
+        return fut.result(timeout)
+
+    def pause(self) -> None:
+        self._call("pause")
+
+    def resume(self) -> None:
+        if self.accepting:
+            self._call("resume")
+
+    def inject_fault(self, at_step: int | None = None, message: str = "injected fault") -> None:
+        self._call("inject_fault", at_step, message)
+
+    def run_on_owner(self, fn: Callable[[Any], Any], timeout: float | None = 60.0) -> Any:
+        """``fn(engine)`` on the child's owner thread; ``fn`` must be picklable (a module-level function)."""
+        return self._call("run_on_owner", fn, timeout, timeout=None if timeout is None else timeout + 5.0)
+
+    def set_feeder(self, fn) -> None:
+        raise NotImplementedError("a feeder runs on the owner thread: use the in-process Worker")
+
+    # -- state, answered here ---------------------------------------------------------------
+    def _unhealthy_reason(self) -> str | None:
+        if self._unhealthy:
+            return self._unhealthy
+        if self._snapshot.get("state") == "unhealthy":
+            return self._snapshot.get("reason") or "the engine process's worker is unhealthy"
+        return None
+
+    @property
+    def accepting(self) -> bool:
+        return self._ready and not self._closed and self._unhealthy_reason() is None
+
+    def state(self) -> str:
+        if self._closed:
+            return "closed"
+        if not self._ready:
+            return "starting"
+        return "unhealthy" if self._unhealthy_reason() else "ok"
+
+    def snapshot(self) -> dict:
+        """The child's last published state (queue, active, KV blocks, round), with this side's health."""
+        with self._lock:
+            snap = dict(self._snapshot)
+        snap.pop("reason", None)
+        snap["state"] = self.state()
+        reason = self._unhealthy_reason()
+        if reason:
+            snap["reason"] = reason
+        return snap
+
+    def _unavailable_reason(self) -> str:
+        if self._closed:
+            return f"worker {self.worker_id} is shut down"
+        if not self._ready:
+            return f"worker {self.worker_id} is starting"
+        return f"worker {self.worker_id} is unhealthy: {self._unhealthy_reason()}"
+
+    def header(self, **extra) -> dict:
+        return super().header(engine_process={"pid": self.process.pid if self.process else None}, **extra)
+
+    # -- the reader thread -------------------------------------------------------------------
+    def _read(self) -> None:
+        clean = False
+        try:
+            while True:
+                try:
+                    msg = self._events.recv()
+                except (EOFError, OSError):
+                    break
+                kind = msg[0]
+                if kind == "events":
+                    self._deliver(msg[1], msg[2])
+                elif kind == "reply":
+                    fut = self._calls.pop(msg[1], None)
+                    if fut is not None:
+                        fut.set_result(msg[3]) if msg[2] else fut.set_exception(msg[3])
+                elif kind == "closed":
+                    clean = True
+                    break
+        except Exception as e:           # a bug here must not leave streams hanging
+            self._gone(f"the engine process's event reader failed: {type(e).__name__}: {' '.join(str(e).split())}")
+            return
+        if not clean:
+            self._gone(None)
+
+    def _gone(self, why: str | None) -> None:
+        """The child is gone (or unreadable): unless we closed it, every open stream finishes with error."""
+        if why is None:
+            if self._closed:
+                why = "the engine process closed"
+            else:
+                proc = self.process
+                proc.join(2.0)
+                code = proc.exitcode
+                how = (f"signal {signal.Signals(-code).name}" if code is not None and code < 0
+                       else f"exit code {code}")
+                why = f"the engine process exited unexpectedly ({how})"
+        if not self._closed:
+            self._unhealthy = why
+            with self._lock:             # nothing runs any more
+                self._snapshot = {**self._snapshot, "active": 0, "queue_depth": 0, "engine_running": 0,
+                                  "engine_waiting": 0}
+        self._fail_open(f"worker {self.worker_id}: {why}")
+        for fut in list(self._calls.values()):
+            if not fut.done():
+                fut.set_exception(WorkerUnavailable(why))
+        self._calls.clear()
+
+    def _fail_open(self, message: str) -> None:
+        with self._lock:
+            open_ = list(self._live.items())
+            self._live.clear()
+            self._pending.clear()
+            self._groups.clear()
+        handles = []
+        for rid, r in open_:
+            ev = make_event("finished", rid, self.worker_id, self._snapshot.get("round", 0), reason="error",
+                            message=message, num_prompt_tokens=r.prompt_tokens, num_completion_tokens=r.num_tokens,
+                            admitted=r.admitted)
+            if self.sink is not None:
+                self.sink(ev)
+            self.stats.count_finished("error", None)
+            r.handle._finish(ev, wake=False)
+            handles.append(r.handle)
+        wake_all(handles)
+
+    def _deliver(self, batch: list[dict], snapshot: dict | None) -> None:
+        """One message of the child: log, count and hand every event to its stream; one wake-up per loop."""
+        sink, stats, live = self.sink, self.stats, self._live
+        log_steps = self.config.log_steps
+        wakes: list[RequestHandle] = []
+        ttfts: list[float] = []
+        itls: list[float] = []
+        slow: list[str] = []
+        for ev in batch:
+            kind = ev["event"]
+            if kind == "token":
+                if sink is not None:
+                    sink(ev)
+                r = live.get(ev["request_id"])
+                if r is None:
+                    continue
+                r.num_tokens += 1
+                t = ev["t_ns"]
+                if r.num_tokens == 1:
+                    ttfts.append((t - r.submitted_ns) / 1e9)
+                else:
+                    itls.append((t - r.last_token_ns) / 1e9)
+                r.last_token_ns = t
+                if r.handle.keep_tokens and not r.handle._push(ev) and not r.slow:
+                    r.slow = True
+                    slow.append(ev["request_id"])
+                wakes.append(r.handle)
+                continue
+            if kind == "step":
+                stats.count_step(ev["phase"], ev["seconds"])
+                if log_steps and sink is not None:
+                    sink(ev)
+                continue
+            if sink is not None:
+                sink(ev)
+            rid = ev["request_id"]
+            if kind == "worker":
+                if ev.get("what") == "engine_error":
+                    stats.count_engine_error()
+                continue
+            with self._lock:
+                r = live.get(rid)
+                if r is None:
+                    continue
+                if kind == "submitted":
+                    r.submitted_ns = ev["t_ns"]          # the engine's own stamp, as TTFT's start
+                elif kind == "admitted":
+                    r.admitted = True
+                    if self._pending.pop(rid, 0) is None:
+                        self._groups.admitted(r.group)
+                elif kind == "finished":
+                    del live[rid]
+                    self._groups.finished(r.group, waiting=self._pending.pop(rid, 0) is None)
+            if kind == "admitted":
+                stats.count_prompt(r.prompt_tokens, (ev["t_ns"] - r.submitted_ns) / 1e9)
+            if kind == "finished":
+                stats.count_finished(ev["reason"], (ev["t_ns"] - r.submitted_ns) / 1e9 if r.admitted else None,
+                                     ev.get("num_prompt_tokens", 0), ev.get("num_completion_tokens", 0))
+                r.handle._finish(ev, wake=False)
+            else:
+                r.handle._push(ev)
+            wakes.append(r.handle)
+        stats.count_tokens(ttfts, itls)
+        if snapshot is not None:
+            with self._lock:
+                self._snapshot = snapshot
+        wake_all(dict.fromkeys(wakes))
+        for rid in slow:
+            with self._lock:
+                r = live.get(rid)
+                if r is not None:
+                    try:
+                        self._commands.send(("cancel", rid, "slow_consumer", "cancelled"))
+                    except (OSError, ValueError):
+                        pass
+
+
+def worker_class(engine_process: bool) -> type:
+    """The Worker ``labkit serve`` runs: in this process, or in an engine process of its own."""
+    return RemoteWorker if engine_process else Worker
+

@@ -1,0 +1,600 @@
+"""The Worker: one thread creates and owns the engine; everyone else only sends it messages.
+
+Threads and ownership
+    ``start()`` spawns the owner thread, which builds the engine (model load, KV pool) and reports
+    an init error back to the caller of ``start()``. Only the owner touches the engine. Other
+    threads call ``submit()``, ``cancel()``, ``run_on_owner()`` and ``close()``, all thread-safe.
+
+Admission and the queue
+    ``submit()`` (:class:`labkit.service.front.WorkerFront`: the checks, the encoding) appends the request
+    to a queue of ``queue_size`` requests (the sequences of one HTTP request, ``n`` x prompts, are one request:
+    a ``group``); a full queue rejects it (its stream gets ``finished(reason=rejected)`` and ``handle.rejected``
+    is true; no request is ever dropped silently). At each step boundary the owner handles cancels first, then
+    admits queued requests while fewer than ``max_active`` are admitted and unfinished: round-robin across
+    groups, at most ``max_active_per_request`` running per group (:mod:`labkit.service.fair`).
+
+Event streams and slow consumers
+    Each request's handle buffers ``stream_buffer`` events; the owner never blocks on a consumer: a token that
+    would leave more unread cancels the request at that boundary (``cause=slow_consumer``, blocks freed), so a
+    buffer never holds more than ``stream_buffer + 2`` events. ``submit(stream=False)`` keeps only the
+    finished event (in-process load replay, where the JSONL log is the record).
+
+Cancellation
+    ``cancel(request_id)`` is handled by the owner at the next step boundary: a queued request finishes
+    ``cancelled`` unadmitted; an admitted one goes through ``engine.abort`` (blocks freed at once), no token after.
+
+Engine exceptions
+    If ``engine.step()`` raises, the requests of the batch being run (all admitted ones when the batch is
+    unknown) finish with ``reason=error`` and the exception's one-line message. If the engine is still
+    consistent afterwards (scheduler queues match the admitted requests, every used KV block is held, no stale
+    scheduled tokens) the worker keeps serving; if not, or on an exception outside ``engine.step()`` (a bug in
+    the worker or a feeder), every open request finishes with ``error``, the worker turns unhealthy
+    (``submit()`` raises :class:`WorkerUnavailable`, HTTP 503; ``/health`` says why) and the process stays up
+    so the evidence can be read; a restart recovers.
+
+Shutdown
+    ``close()`` is idempotent: the owner stops at the next boundary, finishes every queued and admitted request
+    with ``cancelled``/``cause=shutdown`` (blocks freed), closes the engine and exits; the join is bounded by
+    ``timeout`` (an owner stuck inside a step: the closing thread finishes the handles with ``error``).
+
+Test hooks: ``pause()``/``resume()`` hold the owner at a boundary, ``inject_fault(at_step)`` raises inside
+``engine.step()``, ``set_feeder(fn)`` calls ``fn(round)`` on the owner before each admission (round-mode replay).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+from collections import deque
+from typing import Any, Callable
+
+from engine import RequestError, SamplingParams
+from engine.observe import StepHooks
+from labkit.errors import UserError
+from labkit.service.config import WorkerConfig
+from labkit.service.events import Sink, make_event, now_ns, sink_many
+from labkit.service.fair import Groups, per_request_cap, pick
+from labkit.service.front import ServedEngine, WorkerFront, WorkerUnavailable
+from labkit.service.owner import Fault, HostTime, OwnedRequest, OwnerCall, OwnerHooks, deliver_tokens, step_record
+from labkit.service.stream import RequestHandle, wake_all
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside engine.step() by ``Worker.inject_fault`` (tests and ``labkit simulate``)."""
+
+
+class _WorkerHooks(StepHooks):
+    """The worker's view of the step path: which seqs a step carries (so an engine error names the
+    requests it affects), and the point just before the forward where an injected fault is raised."""
+
+    def __init__(self, worker: "Worker"):
+        self.worker = worker
+
+    def on_scheduled(self, step: int, is_prefill: bool, batch: list[tuple[int, int]]) -> None:
+        self.worker._scheduled_ids.update(sid for sid, _ in batch)
+
+    def before_forward(self, step: int, inputs: Any) -> None:
+        fault = self.worker._fault
+        if fault is not None and step >= fault.at_step:
+            self.worker._fault = None
+            raise InjectedFault(fault.message)
+
+
+class Worker(WorkerFront):
+    def __init__(self, config: WorkerConfig | None = None, sink: Sink | None = None, hooks: OwnerHooks | None = None):
+        super().__init__(config, sink)              # its _lock is re-entrant: _finish may run with it held
+        self.hooks = hooks or OwnerHooks()
+        self.engine = None                      # owned by the owner thread once started
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._init_error: BaseException | None = None
+        self._cv = threading.Condition(self._lock)
+        self._pending: deque[OwnedRequest] = deque()      # submitted, not admitted
+        self._groups = Groups()                           # live and waiting sequences per request group (lock)
+        self._active: dict[str, OwnedRequest] = {}        # admitted, not finished (owner only)
+        self._by_seq: dict[int, OwnedRequest] = {}        # owner only
+        self._cancels: deque[tuple[str, str, str]] = deque()   # (request id, cause, reason)
+        self._calls: deque[OwnerCall] = deque()
+        self._round = 0
+        self._stopping = False
+        self._closed = False
+        self._closed_done = threading.Event()
+        self._paused = False
+        self._unhealthy: str | None = None
+        self._fault: Fault | None = None
+        self._feeder: Callable[[int], None] | None = None
+        self._scheduled_ids: set[int] = set()           # seqs in steps scheduled and not yet delivered
+        self._range = None                            # profiler range factory (profiling.py)
+        self._snapshot: dict = {"state": "starting"}
+        self._wakes: list[RequestHandle] | None = None    # owner: handles to wake at the end of a boundary/step
+        # owner: where its time went since the last step's end (ns), written into the next step record
+        self._host = HostTime()
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def start(self, timeout: float | None = 900.0) -> "Worker":
+        """Start the owner thread and wait until the engine is built; re-raise its init error."""
+        if self._thread is not None:
+            raise RuntimeError("worker already started")
+        self._thread = threading.Thread(target=self._run, name=f"labkit-owner-{self.worker_id}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            self.close(timeout=1.0)
+            raise UserError(f"worker {self.worker_id}: engine not ready within {timeout} s")
+        if self._init_error is not None:
+            self._thread.join(5.0)
+            self._closed = True
+            self._closed_done.set()
+            raise self._init_error
+        return self
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the owner, finish every open request (cancelled/shutdown), close the engine. Idempotent."""
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+            self._stopping = True
+            self._cv.notify_all()
+        if not first:
+            self._closed_done.wait(timeout)
+            return
+        try:
+            thread = self._thread
+            if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+                thread.join(timeout)
+                if thread.is_alive():       # stuck inside a step: finish the streams from here
+                    for req in list(self._live.values()):
+                        self._finish(req, "error", message=f"worker did not stop within {timeout} s")
+        finally:
+            self._publish(state="closed")
+            self._closed_done.set()
+
+    def __enter__(self) -> "Worker":
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def on_owner_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    @property
+    def accepting(self) -> bool:
+        return self._ready.is_set() and self._init_error is None and not self._closed and self._unhealthy is None
+
+    def state(self) -> str:
+        if self._closed:
+            return "closed"
+        if not self._ready.is_set():
+            return "starting"
+        return "unhealthy" if self._unhealthy else "ok"
+
+    # -- the public, thread-safe API (submit and encode: WorkerFront) --------------------------
+    def _tokenize(self, prompt, **options) -> list[int]:
+        return self.engine.encode(prompt, **options)
+
+    def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
+                 prefill_after: str | None, group: str) -> None:
+        req = OwnedRequest(rid, token_ids, params, handle, tags, now_ns(), prefill_after=prefill_after, group=group)
+        ev = make_event("submitted", rid, self.worker_id, self._round, t_ns=req.submitted_ns,
+                        prompt_tokens=len(token_ids), max_tokens=params.max_tokens, queue_depth=len(self._pending))
+        ev.update(tags)                   # never as keyword arguments: a tag may share a parameter's name
+        self._emit(req, ev)
+        if not self._groups.has_room(group, self.config.queue_size):
+            handle.rejected = True
+            self._finish(req, "rejected", message=f"queue full ({self.config.queue_size} requests waiting)")
+            return
+        self._pending.append(req)
+        self._groups.add(group)
+        self._live[rid] = req
+        self._cv.notify_all()
+
+    def _send_cancel(self, request_id: str, cause: str, reason: str) -> bool:
+        self._cancels.append((request_id, cause, reason))
+        self._cv.notify_all()
+        return True
+
+    def run_on_owner(self, fn: Callable[[Any], Any], timeout: float | None = 60.0) -> Any:
+        """Run ``fn(engine)`` on the owner thread at a step boundary and return its result."""
+        if threading.current_thread() is self._thread:
+            return fn(self.engine)
+        call = OwnerCall(fn)
+        with self._lock:
+            if self._closed or self._thread is None or not self._thread.is_alive():
+                raise WorkerUnavailable(self._unavailable_reason())
+            self._calls.append(call)
+            self._cv.notify_all()
+        return call.future.result(timeout)
+
+    def snapshot(self) -> dict:
+        """The owner's last published state (queue, active, KV blocks, round, health); any thread."""
+        with self._lock:
+            snap = dict(self._snapshot)
+        snap["state"] = self.state()
+        if self._unhealthy:
+            snap["reason"] = self._unhealthy
+        return snap
+
+    # -- test hooks ----------------------------------------------------------------------
+    def pause(self) -> None:
+        """Hold the owner at the next step boundary (no cancels, admissions or steps) until resume()."""
+        with self._lock:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._lock:
+            self._paused = False
+            self._cv.notify_all()
+
+    def inject_fault(self, at_step: int | None = None, message: str = "injected fault") -> None:
+        """Make the model runner raise once, inside engine.step(), at step ``at_step`` (default: the next)."""
+        self._fault = Fault(at_step if at_step is not None else self._round + 1, message)
+
+    def set_feeder(self, fn: Callable[[int], None] | None) -> None:
+        """``fn(round)`` runs on the owner before each admission (it may call submit)."""
+        with self._lock:
+            self._feeder = fn
+            self._cv.notify_all()
+
+    def pending_ids(self) -> list[str]:
+        """Request ids queued and not yet admitted, in order (any thread)."""
+        with self._lock:
+            return [r.request_id for r in self._pending]
+
+    def idle(self) -> bool:
+        """No request queued or admitted (meaningful on the owner thread, e.g. inside a feeder)."""
+        return not self._active and not self._pending
+
+    def wake(self) -> None:
+        with self._lock:
+            self._cv.notify_all()
+
+    # -- owner thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._build()
+        except BaseException as e:        # reported to start()'s caller
+            self._init_error = e
+            if self.engine is not None:   # built, then something after it failed
+                with contextlib.suppress(Exception):
+                    self.engine.close()
+            self._ready.set()
+            return
+        self._publish(state="ok")
+        self._ready.set()
+        try:
+            while True:
+                with self._lock:
+                    while not self._stopping and not self._has_work_locked():
+                        self._cv.wait(0.5)
+                    if self._stopping:
+                        break
+                    paused = self._paused
+                try:
+                    if self._calls:
+                        self._run_calls()
+                    if paused:
+                        continue
+                    self._wakes = []
+                    host = self._host
+                    t = now_ns()
+                    self._boundary()
+                    t1 = now_ns()
+                    self._flush_wakes()         # admitted/cancelled streams hear it before the step runs
+                    t2 = now_ns()
+                    host.boundary += t1 - t
+                    host.wakes += t2 - t1
+                    if self._active:
+                        self._step()
+                        t = now_ns()
+                        self._flush_wakes()     # the whole step's tokens: one wake-up hand-off per event loop
+                        host.wakes += now_ns() - t
+                    t = now_ns()
+                    self._publish()
+                    host.publish += now_ns() - t
+                except Exception as exc:      # a bug outside engine.step(): stop taking work, say why
+                    self._internal_error(exc)
+                finally:
+                    self._flush_wakes()
+                    self._wakes = None
+        finally:
+            self._shutdown_owner()
+
+    def _flush_wakes(self) -> None:
+        wakes = self._wakes
+        if wakes:
+            self._wakes = []
+            wake_all(dict.fromkeys(wakes))     # each handle once, in order
+        if self.hooks.flushed is not None and threading.current_thread() is self._thread:
+            self.hooks.flushed()
+
+    def _wake(self, handle: RequestHandle) -> None:
+        """Wake a handle's readers now, or with the step's batch when the owner is collecting one."""
+        if self._wakes is not None and threading.current_thread() is self._thread:
+            self._wakes.append(handle)
+        else:
+            handle._wake()
+
+    def _build(self) -> None:
+        from labkit.lab_engine import build_engine
+
+        cfg = self.config
+        built = build_engine(cfg.engine)
+        self.engine = engine = built.engine
+        self.served = ServedEngine(built.kind, built.device, dict(built.model or {}), built.describe(), engine.config,
+                                   engine.stats().num_blocks)
+        if cfg.load_tokenizer:
+            # the HTTP front decodes on its event loop: its own copy, never the one submit() encodes with
+            self._encoder = self.engine.tokenizer
+            self.tokenizer = copy.deepcopy(self._encoder)
+        self.engine.add_hooks(_WorkerHooks(self))
+        self._grammar_cache = engine.grammars       # submit() compiles constraints into the engine's own cache
+
+    def _has_work_locked(self) -> bool:
+        if self._calls:
+            return True
+        if self._paused:
+            return False
+        return bool(self._pending or self._cancels or self._active or self._feeder)
+
+    def _run_calls(self) -> None:
+        while True:
+            with self._lock:
+                if not self._calls:
+                    return
+                call = self._calls.popleft()
+            if call.future.set_running_or_notify_cancel():
+                try:
+                    call.future.set_result(call.fn(self.engine))
+                except BaseException as e:
+                    call.future.set_exception(e)
+
+    def _boundary(self) -> None:
+        """Between steps: cancels, then the feeder, then admissions."""
+        with self._lock:
+            cancels = list(self._cancels)
+            self._cancels.clear()
+        for rid, cause, reason in cancels:
+            self._cancel_now(rid, cause, reason)
+        feeder = self._feeder
+        if feeder is not None:
+            feeder(self._round)
+        cfg = self.config
+        with self._lock:
+            chosen = pick(self._pending, self._active.values(), cfg.max_active - len(self._active),
+                          per_request_cap(cfg.max_active, cfg.max_active_per_request))
+            if chosen:
+                self._pending = self._groups.take(self._pending, chosen)
+        for req in chosen:
+            self._admit(req)
+
+    def _admit(self, req: OwnedRequest) -> None:
+        try:
+            lead = self._active.get(req.prefill_after) if req.prefill_after else None
+            req.seq = self.engine.add_request(req.token_ids, req.params, validated=True,   # checked at submit
+                                              prefill_after=lead.seq if lead is not None else None)
+        except RequestError as e:
+            self._finish(req, "rejected", message=str(e))
+            return
+        self._active[req.request_id] = req
+        self._by_seq[req.seq.seq_id] = req
+        self.stats.count_prompt(len(req.token_ids), (now_ns() - req.submitted_ns) / 1e9)
+        with self._lock:
+            queue = len(self._pending)
+        self._emit(req, make_event("admitted", req.request_id, self.worker_id, self._round,
+                                   active_before=len(self._active) - 1, active=len(self._active),
+                                   queue_depth=queue, seq_id=req.seq.seq_id))
+        self._wake(req.handle)
+
+    def _cancel_now(self, rid: str, cause: str, reason: str = "cancelled") -> None:
+        with self._lock:
+            req = self._live.get(rid)
+            if req is None:
+                return
+            self._unqueue(req)
+        freed: list[int] = []
+        if req.seq is not None:
+            freed = self.engine.abort(req.seq, reason)
+        self._finish(req, reason, cause=cause, freed_blocks=len(freed))
+
+    def _step(self) -> None:
+        engine = self.engine
+        t0 = now_ns()
+        try:
+            if self._range is not None:
+                with self._range("step"):
+                    out = engine.step()
+            else:
+                out = engine.step()
+        except Exception as exc:
+            self._round = engine.num_steps
+            self._on_engine_error(exc)
+            return
+        self._round = out.step
+        self._scheduled_ids.difference_update(sid for sid, _ in out.scheduled)
+        self._deliver(out, t0)
+        self._host.deliver += now_ns() - self._host.end_ns
+
+    def _deliver(self, out, t0: int) -> None:
+        t = now_ns()
+        phase = "prefill" if out.is_prefill else "decode"
+        self.stats.count_step(phase, out.seconds)
+        before = self._host.record(t0)          # the owner's time since the previous step ended
+        self._host.restart(t)
+        if self.config.log_steps and self.sink is not None:
+            self.sink(step_record(out, self.worker_id, t0, t, before, self._rid_of, self.engine.stats().free_blocks))
+        got = deliver_tokens(out, self._by_seq, self.worker_id, t)
+        slow, ttfts, itls, logged = got.slow, got.ttfts, got.itls, got.logged
+        self.stats.count_tokens(ttfts, itls)     # the step's metrics in one go, not a lock per token
+        sink_many(self.sink, logged)
+        for seq in out.outcome.finished:
+            req = self._by_seq.get(seq.seq_id)
+            if req is not None:
+                by_id = seq.finish_reason == "stop" and seq.token_ids[-1] in req.params.stop_token_ids
+                self._finish(req, seq.finish_reason, cause="stop_token_id" if by_id else None)
+        for req in slow:
+            if req.request_id in self._active:
+                freed = self.engine.abort(req.seq, "cancelled")
+                self._finish(req, "cancelled", cause="slow_consumer", freed_blocks=len(freed),
+                             message=f"more than {req.handle.limit} events unread")
+        wakes = self._wakes if self._wakes is not None else []
+        for seq_id in out.outcome.accepted:
+            req = self._by_seq.get(seq_id)
+            if req is not None:
+                wakes.append(req.handle)
+        if self._wakes is None:
+            wake_all(dict.fromkeys(wakes))
+
+    def _rid_of(self, seq_id: int) -> str | None:
+        req = self._by_seq.get(seq_id)
+        return req.request_id if req else None
+
+    def _finish(self, req: OwnedRequest, reason: str, cause: str | None = None, message: str | None = None,
+                freed_blocks: int | None = None) -> None:
+        """The one place a request ends: finished event, handle closed, bookkeeping, metrics."""
+        if req.handle.finished:
+            return
+        fields: dict[str, Any] = {"reason": reason}
+        if cause is not None:
+            fields["cause"] = cause
+        if message is not None:
+            fields["message"] = message
+        fields.update(num_prompt_tokens=len(req.token_ids), num_completion_tokens=req.num_tokens,
+                      admitted=req.seq is not None)
+        if req.seq is not None and req.seq.num_prefix_hit_tokens is not None:
+            fields["num_cached_tokens"] = req.seq.num_prefix_hit_tokens     # prompt tokens the prefix cache gave
+        if freed_blocks is not None:
+            fields["freed_blocks"] = freed_blocks
+        ev = make_event("finished", req.request_id, self.worker_id, self._round, **fields)
+        self._active.pop(req.request_id, None)
+        if req.seq is not None:
+            self._by_seq.pop(req.seq.seq_id, None)
+        with self._lock:
+            if self._live.get(req.request_id) is req:
+                del self._live[req.request_id]
+                self._groups.finished(req.group, waiting=False)
+        self.stats.count_finished(reason, (now_ns() - req.submitted_ns) / 1e9 if req.seq is not None else None, *req.counts())
+        if self.sink is not None:
+            self.sink(ev)
+        req.handle._finish(ev, wake=False)
+        self._wake(req.handle)
+
+    def _emit(self, req: OwnedRequest, ev: dict) -> None:
+        if self.sink is not None:
+            self.sink(ev)
+        if req.handle.keep_tokens or ev["event"] != "token":
+            req.handle._push(ev)
+
+    # -- failures ----------------------------------------------------------------------------
+    def _on_engine_error(self, exc: BaseException) -> None:
+        message = " ".join(f"{type(exc).__name__}: {exc}".split())
+        if self._scheduled_ids:
+            affected = [self._by_seq[sid] for sid in sorted(self._scheduled_ids) if sid in self._by_seq]
+        else:
+            affected = list(self._active.values())
+        self._scheduled_ids.clear()
+        self.stats.count_engine_error()
+        for req in affected:
+            self._finish(req, "error", message=message, freed_blocks=self._abort_quietly(req, "error"))
+        ok, why = self._consistent()
+        if self.sink is not None:
+            self.sink(make_event("worker", None, self.worker_id, self._round, what="engine_error", message=message,
+                                 affected=[r.request_id for r in affected], consistent=ok, why=why))
+        if not ok:
+            self._unhealthy = f"engine inconsistent after {message}: {why}"
+            self._end_all("error", message=self._unhealthy, count_freed=False)
+
+    def _internal_error(self, exc: BaseException) -> None:
+        message = " ".join(f"{type(exc).__name__}: {exc}".split())
+        self._unhealthy = f"internal error in the owner loop: {message}"
+        with self._lock:
+            self._pending.clear()
+            self._feeder = None
+        for req in list(self._live.values()):
+            self._abort_quietly(req, "error")
+            try:
+                self._finish(req, "error", message=self._unhealthy)
+            except Exception:
+                req.handle._finish({"event": "finished", "request_id": req.request_id, "reason": "error",
+                                    "message": self._unhealthy})
+        with self._lock:
+            self._live.clear()
+            self._groups.clear()
+        self._active.clear()
+        self._by_seq.clear()
+
+    def _unqueue(self, req: OwnedRequest) -> None:      # with the lock held; _finish counts it out of the live
+        if req.seq is None and req in self._pending:
+            self._pending.remove(req)
+            self._groups.admitted(req.group)
+
+    def _abort_quietly(self, req: OwnedRequest, reason: str) -> int:
+        """Abort an admitted request's sequence whatever state the engine is in; the number of blocks freed."""
+        if req.seq is None:
+            return 0
+        try:
+            return len(self.engine.abort(req.seq, reason))
+        except Exception:
+            return 0
+
+    def _end_all(self, reason: str, cause: str | None = None, message: str | None = None,
+                 count_freed: bool = True) -> None:
+        """Every live request out of the queue, aborted and finished with ``reason``."""
+        for req in list(self._live.values()):
+            with self._lock:
+                self._unqueue(req)
+            freed = self._abort_quietly(req, reason)
+            self._finish(req, reason, cause=cause, message=message, freed_blocks=freed if count_freed else None)
+
+    def _consistent(self) -> tuple[bool, str]:
+        ids = self.engine.live_seq_ids()
+        mine = {r.seq.seq_id for r in self._active.values()}
+        if ids != mine:
+            return False, f"scheduler holds seqs {sorted(ids)} but the worker has {sorted(mine)} admitted"
+        return self.engine.check_invariants()
+
+    def _unavailable_reason(self) -> str:
+        if self._closed:
+            return f"worker {self.worker_id} is shut down"
+        if not self._ready.is_set():
+            return f"worker {self.worker_id} is starting"
+        if self._init_error is not None:
+            return f"worker {self.worker_id} failed to start: {self._init_error}"
+        return f"worker {self.worker_id} is unhealthy: {self._unhealthy}"
+
+    def _shutdown_owner(self) -> None:
+        try:
+            self._run_calls()
+            self._end_all("cancelled", cause="shutdown")
+            self._publish()
+            if self.sink is not None:
+                self.sink(make_event("worker", None, self.worker_id, self._round, what="closed",
+                                     free_blocks=self._snapshot.get("kv_blocks_free"),
+                                     total_blocks=self._snapshot.get("kv_blocks_total")))
+        finally:
+            with self._lock:
+                calls, self._calls = list(self._calls), deque()
+            for call in calls:
+                call.future.cancel()
+            try:
+                if self.engine is not None:
+                    self.engine.close()
+            finally:
+                if self.hooks.published is not None:
+                    self.hooks.published(self.snapshot())
+
+    def _publish(self, state: str | None = None) -> None:
+        """Copy the owner's numbers into a snapshot any thread may read."""
+        snap: dict[str, Any] = {"worker_id": self.worker_id, "round": self._round}
+        engine = self.engine
+        if engine is not None and threading.current_thread() is self._thread:
+            st = engine.stats()
+            snap.update(engine_waiting=st.waiting, engine_running=st.running, kv_blocks_total=st.num_blocks,
+                        kv_blocks_free=st.free_blocks, kv_blocks_used=st.num_blocks - st.free_blocks, **st.totals())
+        with self._lock:
+            snap.update(queue_depth=len(self._pending), active=len(self._active))
+            merged = {**self._snapshot, **snap}
+            if state is not None:
+                merged["state"] = state
+            self._snapshot = merged
+        if self.hooks.published is not None and threading.current_thread() is self._thread:
+            self.hooks.published(self.snapshot())
