@@ -12,7 +12,8 @@ from typing import Annotated, Callable, Iterator, Optional
 import typer
 
 from labkit.cli.app import finish
-from labkit.cli.options import AttentionOpt, DeviceOpt, DtypeOpt, ModelOpt, SeedOpt, TensorParallelSizeOpt
+from labkit.cli.options import (AttentionOpt, DeviceOpt, DtypeOpt, KvCacheDtypeOpt, ModelOpt, SeedOpt,
+                                TensorParallelSizeOpt)
 from labkit.console import (
     err_console,
     print_json,
@@ -71,6 +72,7 @@ def logits_collect(
     device: DeviceOpt = "auto",
     seed: SeedOpt = 0,
     dtype: DtypeOpt = "auto",
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
     tensor_parallel_size: TensorParallelSizeOpt = 1,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="PREFIX: writes PREFIX.json and PREFIX.npz (a .json suffix is dropped).")] = None,
     json_out: JsonOpt = False,
@@ -84,7 +86,7 @@ def logits_collect(
         tick = make(f"collect {backend} {suite}", build_suite(suite, seed).expected_rows) if suite in SUITES else None
         record = collect(backend, suite, out, model=str(model) if model else None, device=device, attention=attention,
                             execution=execution, graph_buckets=buckets, expect_uncovered=expect_uncovered, seed=seed,
-                            dtype=dtype, progress=tick, tp=tensor_parallel_size)
+                            dtype=dtype, progress=tick, tp=tensor_parallel_size, kv_cache_dtype=kv_cache_dtype)
     if not json_out:
         render_collect(record)
     paths = record["_paths"]
@@ -119,6 +121,7 @@ def logits_guard(
     graph_buckets: BucketsOpt = None,
     seed: SeedOpt = 0,
     dtype: DtypeOpt = "auto",
+    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="fp8: the FP8 KV cache guard: the engine with an e4m3 KV cache against the same engine with its cache in the model's dtype, baseline suite, held to the kv-fp8 thresholds (checkpoint guardrails.kv-fp8 in bfloat16 on CUDA).")] = "auto",
     max_abs: MaxAbsOpt = None,
     rel_l2: RelL2Opt = None,
     kv_max_abs: KvMaxAbsOpt = 0.1,
@@ -132,7 +135,7 @@ def logits_guard(
     out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Evidence JSON (default: the checkpoint's file).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Collect a suite's guardrail pair and compare it in one go: baseline = nano eager vs hf; graph = nano graph vs nano eager."""
+    """Collect a suite's guardrail pair and compare it in one go: baseline = nano eager vs hf; graph = nano graph vs nano eager; --kv-cache-dtype fp8 = nano eager with an FP8 KV cache vs nano eager."""
     from labkit.guardrails.calibrate import guard
     from labkit.guardrails.suites import parse_buckets
 
@@ -141,7 +144,7 @@ def logits_guard(
         record = guard(suite, out, model=str(model) if model else None, device=device, attention=attention,
                           graph_buckets=buckets, seed=seed, dtype=dtype, max_abs=max_abs, rel_l2=rel_l2, kv_max_abs=kv_max_abs,
                           lhs_out=lhs_out, rhs_out=rhs_out, progress=make, tp=tensor_parallel_size,
-                          rope_scaling=rope_scaling)
+                          rope_scaling=rope_scaling, kv_cache_dtype=kv_cache_dtype)
     if not json_out:
         render_compare(record)
     f = record["facts"]

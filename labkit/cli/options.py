@@ -25,6 +25,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON 
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda[:N].")]
 AttentionOpt = Annotated[str, typer.Option("--attention", help="Attention backend: auto | flash_attn | triton | torch.")]
 DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32.")]
+KvCacheDtypeOpt = Annotated[str, typer.Option("--kv-cache-dtype", help="KV cache dtype: auto (the model's dtype) | fp8 (e4m3 K/V with per-layer scales: half the bytes of bf16; triton and torch attention).")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed (what it seeds: see the command's description).")]
 MaxNumSeqsOpt = Annotated[Optional[int], typer.Option("--max-num-seqs", min=1, help="Sequences in one step at most.")]
 MaxNumBatchedTokensOpt = Annotated[int, typer.Option("--max-num-batched-tokens", min=1, help="Token budget of one step (the prefill budget).")]

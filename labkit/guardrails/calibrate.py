@@ -13,6 +13,7 @@ from labkit.guardrails.suites import (
     CHECKPOINT_BASELINE,
     CHECKPOINT_BF16_GPU,
     CHECKPOINT_GRAPH,
+    CHECKPOINT_KV_FP8,
     CHECKPOINT_ROPE,
     CHECKPOINT_TP_CPU,
     CHECKPOINT_TP_GPU,
@@ -49,6 +50,16 @@ def _guard_checkpoint(suite: str, device: str, dtype: str, tp: int, rope_scaling
     return cp, model, bf16
 
 
+def _kv_fp8_checkpoint(suite: str, device: str, dtype: str, tp: int, rope_scaling: str | None) -> str | None:
+    """The FP8 KV cache guard's checkpoint (the baseline suite in bfloat16 on CUDA, one rank), or None (its
+    evidence then claims none); refuses the combinations it does not compare."""
+    if suite != "baseline":
+        raise UserError("--kv-cache-dtype fp8 applies to the baseline suite (engine fp8 cache vs its own cache)")
+    if tp > 1 or rope_scaling is not None:
+        raise UserError("--kv-cache-dtype fp8 takes no --tp or --rope-scaling")
+    return CHECKPOINT_KV_FP8 if device.startswith("cuda") and dtype == "bfloat16" else None
+
+
 def _guard_paths(suite: str, out: str | Path | None, cp: str | None, tp: int, bf16: bool, rope_scaling: str | None,
                  lhs_out: str | Path | None, rhs_out: str | Path | None) -> tuple[Path, Path, Path]:
     """(the comparison's file, the lhs and rhs collection prefixes): the checkpoint's own files only for
@@ -83,19 +94,28 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
           kv_max_abs: float = DEFAULT_KV_MAX_ABS,
           lhs_out: str | Path | None = None, rhs_out: str | Path | None = None,
           progress: Callable[[str, int], Callable[[int], None]] | None = None, tp: int = 1,
-          rope_scaling: str | None = None) -> dict:
+          rope_scaling: str | None = None, kv_cache_dtype: str = "auto") -> dict:
     """Collect a suite's guardrail pair and compare it (the checkpoint's one command).
 
     baseline: nano eager (lhs, ``tp`` ranks) against hf (rhs). graph: nano graph (lhs) against nano eager (rhs).
     The logits thresholds are the table's (see :func:`compare`) unless ``max_abs``/``rel_l2`` override them.
     ``rope_scaling`` (``yarn:4``, baseline suite only): both sides run a copy of the model whose config.json
     carries that rope scaling (:func:`labkit.assets.rope.with_rope_scaling`); its own checkpoint and files.
+    ``kv_cache_dtype`` fp8 (baseline suite): the engine with an FP8 KV cache (lhs) against the engine with its
+    cache in the model's dtype (rhs), both eager, held to the kv-fp8 threshold table (checkpoints/guardrails.json).
     """
     from labkit.evidence import claim
     from labkit.lab_engine import detect_device
 
     _validate_choices(suite, "nano", "eager", attention, dtype)
     device = detect_device(device)
+    if kv_cache_dtype == "fp8":
+        return _kv_fp8_guard(out, model=model, device=device, attention=attention, seed=seed, dtype=dtype,
+                             max_abs=max_abs, rel_l2=rel_l2, kv_max_abs=kv_max_abs,
+                             cp=_kv_fp8_checkpoint(suite, device, dtype, tp, rope_scaling),
+                             lhs_out=lhs_out, rhs_out=rhs_out, progress=progress)
+    if kv_cache_dtype != "auto":
+        raise UserError(f"--kv-cache-dtype must be auto or fp8, got {kv_cache_dtype!r}")
     cp, model, bf16 = _guard_checkpoint(suite, device, dtype, tp, rope_scaling, model)
     overrides = [n for n, v in (("--max-abs", max_abs), ("--rel-l2", rel_l2)) if v is not None]
     cp, unclaimed = claim(cp, also=f"{' and '.join(overrides)} given (a checkpoint is held to the logits threshold "
@@ -115,6 +135,33 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
                      graph_buckets=graph_buckets, seed=seed, dtype=dtype, progress=tick("nano graph"))
         collect_nano(suite, rhs_p, model=model, device=device, attention=attention, execution="eager", seed=seed,
                      dtype=dtype, progress=tick("nano eager"))
+    return compare(lhs_p, rhs_p, out_path, max_abs=max_abs, rel_l2=rel_l2, kv_max_abs=kv_max_abs, checkpoint=cp,
+                   unclaimed=unclaimed)
+
+
+def _kv_fp8_guard(out, *, model, device, attention, seed, dtype, max_abs, rel_l2, kv_max_abs, cp, lhs_out, rhs_out,
+                  progress) -> dict:
+    """The baseline suite twice, eager, on one engine configuration but the KV cache: e4m3 (lhs) and the
+    model's dtype (rhs); compared row by row (teacher-forced logits and each row's top-1, the greedy token)."""
+    from labkit.checks import get_checkpoint
+    from labkit.evidence import claim
+    from labkit.paths import default_out
+
+    overrides = [n for n, v in (("--max-abs", max_abs), ("--rel-l2", rel_l2)) if v is not None]
+    cp, unclaimed = claim(cp, also=f"{' and '.join(overrides)} given (a checkpoint is held to the kv-fp8 threshold "
+                                   "table)" if overrides else "")
+    out_path = Path(out) if out is not None else (get_checkpoint(cp).evidence_path() if cp is not None
+                                                  else default_out(f"logits-guard-kv-fp8-{dtype}.json"))
+    lhs_p = prefix_of(lhs_out) if lhs_out else out_path.parent / f"{out_path.stem}-engine-nano-fp8"
+    rhs_p = prefix_of(rhs_out) if rhs_out else out_path.parent / f"{out_path.stem}-engine-nano"
+    rows = build_suite("baseline", seed).expected_rows
+
+    def tick(label: str) -> Callable[[int], None] | None:
+        return progress(label, rows) if progress is not None else None
+
+    for prefix, kv, label in ((lhs_p, "fp8", "nano eager, fp8 KV"), (rhs_p, "auto", "nano eager")):
+        collect_nano("baseline", prefix, model=model, device=device, attention=attention, execution="eager", seed=seed,
+                     dtype=dtype, progress=tick(label), kv_cache_dtype=kv)
     return compare(lhs_p, rhs_p, out_path, max_abs=max_abs, rel_l2=rel_l2, kv_max_abs=kv_max_abs, checkpoint=cp,
                    unclaimed=unclaimed)
 

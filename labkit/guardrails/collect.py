@@ -183,6 +183,7 @@ def _nano_facts(run: _NanoRun, suite_name: str, seed: int, execution: str, engin
         "suite": suite_name, "seed": seed, "backend": "nano", "execution": execution,
         "tensor_parallel_size": engine.config.tensor_parallel_size,
         "attention": described["attention_backend"], "dtype": described["dtype"],
+        "kv_cache_dtype": described["kv_cache"]["kv_cache_dtype"], "kv_cache": described["kv_cache"],
         "rope": described["config"].get("rope"),
         "logits_dtype": "float32", "vocab_size": engine.config.vocab_size,
         "num_rows": int(run.got.sum()), "expected_rows": run.suite.expected_rows,
@@ -198,6 +199,20 @@ def _nano_facts(run: _NanoRun, suite_name: str, seed: int, execution: str, engin
         "note": note,
         "logits_finite": _finite(run.logits[run.got]),
     }
+
+
+def _kv_amax(engine) -> dict[str, float]:
+    """The largest |K| and |V| in the pool after the suite, as attention reads them (an FP8 pool's values times
+    its scale): what an FP8 cache's fixed scale of 1.0 must hold (e4m3 saturates at 448, and keeps 3 mantissa
+    bits down to 2^-6; engine/attention/kv_quant.py)."""
+    from engine.attention import kv_quant
+
+    out = {"k": 0.0, "v": 0.0}
+    for layer in engine.runner.model.attention_layers():
+        for name, cache in (("k", layer.k_cache), ("v", layer.v_cache)):
+            if cache.numel():
+                out[name] = max(out[name], float(cache.float().abs().max()) * kv_quant.scale_of(cache))
+    return out
 
 
 def _kv_facts(run: _NanoRun, probe: KVProbe, arrays: dict[str, np.ndarray]) -> tuple[dict, list[dict]]:
@@ -245,11 +260,11 @@ def _uncovered_facts(run: _NanoRun, graph_buckets: tuple[int, ...] | None) -> di
 
 
 def _build_nano(suite_name: str, seed: int, model: str | None, device: str, attention: str, execution: str,
-                graph_buckets: tuple[int, ...] | None, dtype: str, tp: int):
+                graph_buckets: tuple[int, ...] | None, dtype: str, tp: int, kv_cache_dtype: str = "auto"):
     """The engine sized for the suite (its budget, batch, block size, context and pool)."""
     from labkit.lab_engine import build_engine
 
-    overrides: dict[str, Any] = {"tensor_parallel_size": tp}
+    overrides: dict[str, Any] = {"tensor_parallel_size": tp, "kv_cache_dtype": kv_cache_dtype}
     if graph_buckets:
         overrides["graph_buckets"] = tuple(graph_buckets)
     probe_suite = build_suite(suite_name, seed)
@@ -262,15 +277,16 @@ def _build_nano(suite_name: str, seed: int, model: str | None, device: str, atte
 def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str | None = None, device: str = "auto",
                  attention: str = "auto", execution: str = "eager", graph_buckets: tuple[int, ...] | None = None,
                  expect_uncovered: bool = False, seed: int = DEFAULT_SEED, dtype: str = "auto",
-                 progress: Callable[[int], None] | None = None, tp: int = 1) -> dict:
-    """Teacher-forced logits of the embedded engine along ``suite_name``; writes PREFIX.json and PREFIX.npz."""
+                 progress: Callable[[int], None] | None = None, tp: int = 1, kv_cache_dtype: str = "auto") -> dict:
+    """Teacher-forced logits of the embedded engine along ``suite_name``; writes PREFIX.json and PREFIX.npz.
+    ``kv_cache_dtype`` fp8: the engine's KV cache in e4m3 (engine/attention/kv_quant.py)."""
     from labkit.lab_engine import detect_device, synthetic_note
 
     _validate_choices(suite_name, "nano", execution, attention, dtype)
     device = detect_device(device)
     graph_buckets = _check_nano_options(suite_name, device, execution, graph_buckets, expect_uncovered, tp)
     prefix = prefix_of(out) if out is not None else default_collect_prefix("nano", suite_name, execution)
-    built = _build_nano(suite_name, seed, model, device, attention, execution, graph_buckets, dtype, tp)
+    built = _build_nano(suite_name, seed, model, device, attention, execution, graph_buckets, dtype, tp, kv_cache_dtype)
     engine = built.engine
     try:
         suite = build_suite(suite_name, seed, engine.config.vocab_size)
@@ -288,6 +304,7 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
         arrays: dict[str, np.ndarray] = {"logits": run.logits}
         facts = _nano_facts(run, suite_name, seed, execution, engine, described, buckets, prefix,
                             synthetic_note(built.model))
+        facts["kv_amax"] = _kv_amax(engine)
         assertions = _row_assertions(suite.expected_rows) + [
             run_assertion("facts.routes_as_expected", "is_true", name="routes as expected",
                           why="prefill eager; decode replays the smallest covering graph bucket, else eager"),
@@ -441,14 +458,16 @@ def collect_hf(suite_name: str, out: str | Path | None = None, *, model: str | N
 def collect(backend: str, suite: str, out: str | Path | None = None, *, model: str | None = None,
             device: str = "auto", attention: str = "auto", execution: str = "eager",
             graph_buckets: tuple[int, ...] | None = None, expect_uncovered: bool = False, seed: int = DEFAULT_SEED,
-            dtype: str = "auto", progress: Callable[[int], None] | None = None, tp: int = 1) -> dict:
+            dtype: str = "auto", progress: Callable[[int], None] | None = None, tp: int = 1,
+            kv_cache_dtype: str = "auto") -> dict:
     """``labkit logits collect``: dispatch to the nano or hf collector."""
     _validate_choices(suite, backend, execution, attention, dtype)
     if backend == "hf":
-        if execution != "eager" or attention != "auto" or graph_buckets or expect_uncovered or tp != 1:
-            raise UserError("--backend hf takes no --execution/--attention/--graph-buckets/--expect-uncovered "
-                            "(it is transformers with eager attention)")
+        if execution != "eager" or attention != "auto" or graph_buckets or expect_uncovered or tp != 1 \
+                or kv_cache_dtype != "auto":
+            raise UserError("--backend hf takes no --execution/--attention/--graph-buckets/--expect-uncovered/"
+                            "--kv-cache-dtype (it is transformers with eager attention)")
         return collect_hf(suite, out, model=model, device=device, dtype=dtype, seed=seed, progress=progress)
     return collect_nano(suite, out, model=model, device=device, attention=attention, execution=execution,
                         graph_buckets=graph_buckets, expect_uncovered=expect_uncovered, seed=seed, dtype=dtype, tp=tp,
-                        progress=progress)
+                        progress=progress, kv_cache_dtype=kv_cache_dtype)

@@ -55,10 +55,10 @@ class Collection:
         out = {"prefix": str(self.prefix), "backend": f.get("backend"), "execution": f.get("execution"),
                "attention": f.get("attention"), "dtype": f.get("dtype"), "device": r.get("device"),
                "kind": r.get("kind"), "verdict": verdict, "verdict_reason": why, "num_rows": f.get("num_rows"),
-               "rows_follow_trajectory": f.get("rows_follow_trajectory"),
                "engine_source_hash": r.get("engine_source_hash")}
         if f.get("backend") == "nano":
             out["tensor_parallel_size"] = f.get("tensor_parallel_size", 1)
+            out["kv_cache_dtype"] = f.get("kv_cache_dtype", "auto")
             out["routes_as_expected"] = f.get("routes_as_expected")
             out["decode_routes"] = f.get("decode_routes")
         if "kv" in f:
@@ -184,14 +184,24 @@ def compared_dtype(lhs: Collection, rhs: Collection) -> str:
     return ld if ld == rd else f"{ld}+{rd}"
 
 
-def resolve_thresholds(device: Any, dtype: str, max_abs: float | None = None, rel_l2: float | None = None) -> dict:
-    """The logits thresholds a run uses: the table entry for (device class, dtype), each overridden by an
-    explicit value. ``source`` says which; a value is None when neither exists."""
+def threshold_table(lhs: Collection, rhs: Collection) -> str:
+    """The threshold table a comparison is held to: ``kv-fp8`` for the engine with an FP8 KV cache against the
+    engine with its cache in the model's dtype (the FP8 cache's own error), else ``logits``."""
+    kv = (lhs.facts.get("kv_cache_dtype", "auto"), rhs.facts.get("kv_cache_dtype", "auto"))
+    both_nano = lhs.facts.get("backend") == rhs.facts.get("backend") == "nano"
+    return "kv-fp8" if both_nano and kv == ("fp8", "auto") else "logits"
+
+
+def resolve_thresholds(device: Any, dtype: str, max_abs: float | None = None, rel_l2: float | None = None,
+                       table_name: str = "logits") -> dict:
+    """The logits thresholds a run uses: the table entry (``table_name``: logits, or kv-fp8 for the FP8 KV cache)
+    for (device class, dtype), each overridden by an explicit value. ``source`` says which; a value is None
+    when neither exists."""
     from labkit.checks import threshold_entry
 
-    key, entry = threshold_entry("logits", device, dtype)
+    key, entry = threshold_entry(table_name, device, dtype)
     overridden = [n for n, v in (("--max-abs", max_abs), ("--rel-l2", rel_l2)) if v is not None]
-    table = f"table logits {key}" if entry is not None else f"no entry for {key} in the logits table"
+    table = f"table {table_name} {key}" if entry is not None else f"no entry for {key} in the {table_name} table"
     return {"key": key,
             "max_abs": max_abs if max_abs is not None else (entry or {}).get("max_abs"),
             "rel_l2": rel_l2 if rel_l2 is not None else (entry or {}).get("rel_l2"),
@@ -325,7 +335,7 @@ def compare(lhs_path: str | Path, rhs_path: str | Path, out: str | Path | None =
     lhs, rhs = load_collection(lhs_path, "lhs"), load_collection(rhs_path, "rhs")
     _refuse_mismatch(lhs, rhs)
     dtype = compared_dtype(lhs, rhs)
-    thresholds = resolve_thresholds(lhs.record.get("device"), dtype, max_abs, rel_l2)
+    thresholds = resolve_thresholds(lhs.record.get("device"), dtype, max_abs, rel_l2, threshold_table(lhs, rhs))
     thresholds["kv_max_abs"] = kv_max_abs
     max_abs = thresholds["max_abs"] if thresholds["max_abs"] is not None else math.inf
     rel_l2 = thresholds["rel_l2"] if thresholds["rel_l2"] is not None else math.inf
@@ -338,6 +348,7 @@ def compare(lhs_path: str | Path, rhs_path: str | Path, out: str | Path | None =
         "suite": lhs.facts.get("suite"), "seed": lhs.facts.get("seed"),
         "lhs": lhs.summary(), "rhs": rhs.summary(),
         "dtype": dtype, "thresholds": thresholds,
+        "kv_cache_dtype": {"lhs": lhs.facts.get("kv_cache_dtype", "auto"), "rhs": rhs.facts.get("kv_cache_dtype", "auto")},
         "trajectory_sha256": lhs.facts["trajectory_sha256"], "trajectory_match": trajectory_match(lhs, rhs),
         "model_match": model_match(lhs, rhs),
         "rope": {"lhs": lhs.facts.get("rope"), "rhs": rhs.facts.get("rope")},

@@ -50,6 +50,7 @@ CHECKPOINT_BF16_GPU = "guardrails.logits-bf16"       # the baseline guard in bfl
 CHECKPOINT_TP_CPU = "tp.logits-cpu"          # the baseline guard with --tp N on CPU (gloo)
 CHECKPOINT_TP_GPU = "tp.logits-2gpu"         # ... on GPUs (NCCL)
 CHECKPOINT_GRAPH = "guardrails.graph-vs-eager"
+CHECKPOINT_KV_FP8 = "guardrails.kv-fp8"       # the baseline suite, engine with an FP8 KV cache vs its bf16 cache (CUDA)
 CHECKPOINT_UNCOVERED = "guardrails.graph-uncovered"
 CHECKPOINT_ROPE = {"yarn": "models.rope-yarn", "linear": "models.rope-linear"}   # the baseline guard, --rope-scaling
 
