@@ -36,8 +36,13 @@ def course_show(lesson: LessonArg, json_out: JsonOpt = False) -> None:
     missing = [f["anchor"] for f in got["functions"] if f["line"] is None]
     if missing:
         raise UserError(f"docs/COURSE.md names what the code does not define: {', '.join(missing)}")
-    console.print(f"open one: `b {got['functions'][0]['file']}:LINE` needs the absolute path in pdb; "
-                  "`labkit quick-walk --case A --debug` prints them", soft_wrap=True)
+    from labkit.experiments.walk_debug import MODULES
+
+    alias = {m.replace(".", "/") + ".py": name for name, m in MODULES.items()}
+    first = next((f for f in got["functions"] if f["name"] and "." in f["name"] and f["file"] in alias), None)
+    if first:
+        console.print(f"in pdb (`labkit quick-walk --case A --debug`): b {alias[first['file']]}.{first['name']} "
+                      "stops when it is called; the banner prints one file:line breakpoint per lesson", soft_wrap=True)
 
 
 @course_app.command("ex")
@@ -82,9 +87,10 @@ def render_exercise(f: dict) -> None:
     if rows:
         console.print(dict_table(rows, title="engine vs the course's expected output"))
     if "course_text_correct" in f and not f["course_text_correct"]:
-        note(f"the course text says seq_b needs {f['course_text_says']['new_blocks']} new blocks of "
-             f"{f['course_text_says']['num_blocks_b']}; its {len([1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 14])} tokens are "
-             f"{f['expected']['num_blocks_b']} blocks, so {f['expected']['new_blocks']} new (the engine agrees)")
+        said = f["course_text_says"]
+        note(f"the course's comment counts seq_b as {said['num_blocks_b']} blocks, {said['new_blocks']} of them new; "
+             f"by its own rule its tokens make {f['expected']['num_blocks_b']} blocks, so "
+             f"{f['expected']['new_blocks']} new (the engine agrees)")
     console.print(f"agree: {str(f['agree']).lower()}")
 
 

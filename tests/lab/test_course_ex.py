@@ -118,6 +118,7 @@ def test_course_show_prints_each_function_at_its_definition_line(labkit_in_proce
     assert res.returncode == 0, res.stderr
     line = next(f["line"] for f in lesson_functions(4)["functions"] if f["name"] == "BlockManager.allocate")
     assert f"engine/block_manager.py:{line}" in res.stdout
+    assert "b block_manager_mod.BlockManager." in res.stdout      # the module form, a name --debug's prompt offers
 
 
 def test_course_show_reports_a_name_the_code_lacks(tmp_path):
