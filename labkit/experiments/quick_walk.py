@@ -18,10 +18,14 @@ from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
 
 
 def checkpoint_for(case: str, budget: int, max_num_seqs: int | None, block_size: int,
-                   shuffle_blocks: int | None = None, shapes: bool = False) -> str | None:
+                   shuffle_blocks: int | None = None, shapes: bool = False,
+                   num_kvcache_blocks: int | None = None) -> str | None:
     """The checkpoint that states the handbook's expectations for these options, if there is one (none for a
-    shuffled block order: the checkpoints keep the default order 0, 1, 2, ...)."""
-    if block_size != 256 or shuffle_blocks is not None:
+    shuffled block order: the checkpoints keep the default order 0, 1, 2, ...; none for a pool of a given size)."""
+    if (case, block_size, budget, max_num_seqs, shuffle_blocks, shapes, num_kvcache_blocks) == \
+            ("C", 16, 512, None, None, False, None):
+        return "course.quick-walk-c-bs16"        # lesson 6's exercise (docs/COURSE.md)
+    if block_size != 256 or shuffle_blocks is not None or num_kvcache_blocks is not None:
         return None
     if shapes:      # --shapes: case A's model-internal shapes, case D's chunk rows (default options only)
         ok = case in ("A", "D") and budget == 512 and max_num_seqs is None
@@ -63,7 +67,7 @@ class StepRecorder:
                 "max_seqlen_q": d["max_seqlen_q"], "max_seqlen_k": d["max_seqlen_k"],
                 "slot_mapping": d["slot_mapping"], "context_lens": d["context_lens"],
                 "block_tables": d["block_tables"], "has_block_tables": d["block_tables"] is not None}
-            self.steps[-1]["attention"] = attention_branches(self.steps[-1])
+            self.steps[-1]["attention"] = attention_branches(self.steps[-1], d.get("num_decodes") or 0)
         elif event.name == "postprocessed":
             d = event.data
             pool = d["pool"]
@@ -92,20 +96,21 @@ class StepRecorder:
                 return
 
 
-def attention_branches(step: dict) -> list[dict]:
+def attention_branches(step: dict, num_decodes: int = 0) -> list[dict]:
     """Which branch of the attention backend each sequence of a step takes (lesson 7), from the runner's
-    inputs: a decode reads its whole context from the paged cache; a prefill row whose keys are its queries
-    (seqlen_k == seqlen_q) attends to the new K/V alone (fresh); one with more keys than queries reads the
-    cached part through its block table (a prefix hit or a later chunk)."""
+    inputs: a decode reads its whole context from the paged cache (every row of a decode step, the first
+    ``num_decodes`` rows of a mixed one); a prefill row whose keys are its queries (seqlen_k == seqlen_q)
+    attends to the new K/V alone (fresh); one with more keys than queries reads the cached part through its
+    block table (a prefix hit or a later chunk)."""
     inp, before = step["inputs"], step["before"]
     cu_q, cu_k = inp["cu_seqlens_q"], inp["cu_seqlens_k"]
     out = []
     for i, s in enumerate(before):
         if step["phase"] == "decode":
-            q, k, branch = 1, (inp["context_lens"] or [0] * len(before))[i], "decode"
-        else:
+            q, k, branch = 1, (inp["context_lens"] or [s["total"]] * len(before))[i], "decode"
+        else:           # a prefill or mixed step: each row's queries and keys from cu_seqlens
             q, k = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-            branch = "prefill-fresh" if k == q else "prefill-cached"
+            branch = "decode" if i < num_decodes else "prefill-fresh" if k == q else "prefill-cached"
         out.append({"label": s["label"], "branch": branch, "queries": q, "keys": k})
     return out
 
@@ -180,6 +185,34 @@ def derive(steps: list[dict], labels: list[str], block_size: int) -> dict:
     }
 
 
+def custom_name(case: str, budget: int, max_num_seqs: int | None, block_size: int, shuffle_blocks: int | None,
+                shapes: bool, num_kvcache_blocks: int | None) -> str:
+    """The evidence file of a run no checkpoint claims, named by its options so that two option sets keep
+    two files: quick-walk-c-bs16.json, quick-walk-b-bs4-blocks2.json, ... (quick-walk-x-custom.json when
+    only the claim is missing, e.g. a default run without --trace)."""
+    parts = [f"budget{budget}" if budget != 512 else "", f"seqs{max_num_seqs}" if max_num_seqs else "",
+             f"bs{block_size}" if block_size != 256 else "", f"shuffle{shuffle_blocks}" if shuffle_blocks is not None else "",
+             f"blocks{num_kvcache_blocks}" if num_kvcache_blocks is not None else "", "shapes" if shapes else ""]
+    tail = "-".join(p for p in parts if p) or "custom"
+    return f"quick-walk-{case.lower()}-{tail}.json"
+
+
+def preempted_at(steps: list[dict]) -> list[dict]:
+    """Each preemption the step log shows: a request that held blocks, left out of a step's batch and back
+    in waiting after it ({step, label, blocks})."""
+    tables: dict[str, list[int]] = {}
+    out = []
+    for st in steps:
+        batch = {s["label"] for s in st["before"]}
+        for lab in st["after"]["waiting"]:
+            if lab not in batch and tables.get(lab):
+                out.append({"step": st["step"], "label": lab, "blocks": tables[lab]})
+                tables[lab] = []
+        for s in st["before"] + st["after"]["seqs"]:
+            tables[s["label"]] = list(s["block_table"])
+    return out
+
+
 def step_blocks(st: dict) -> dict:
     """A step's block tables by label, before the forward and after postprocess (the console shows ids)."""
     return {"before_blocks": [s["block_table"] for s in st["before"]],
@@ -189,14 +222,15 @@ def step_blocks(st: dict) -> dict:
 def run_quick_walk(case: str, out: Path | None = None, model: str | None = None, device: str = "auto",
                    attention: str = "auto", budget: int = 512, max_num_seqs: int | None = None,
                    block_size: int = 256, trace: bool = False, debug: bool = False,
-                   shuffle_blocks: int | None = None, shapes: bool = False, fused_ops: bool = True) -> dict:
+                   shuffle_blocks: int | None = None, shapes: bool = False, fused_ops: bool = True,
+                   num_kvcache_blocks: int | None = None) -> dict:
     case = case.upper()
     if case not in CASES:
         raise UserError(f"unknown case {case!r}: choose one of {', '.join(CASES)}")
     spec = CASES[case]
     built = build_engine(model, device, attention, max_num_batched_tokens=budget,
                          max_num_seqs=max_num_seqs or 256, kvcache_block_size=block_size,
-                         shuffle_blocks=shuffle_blocks, fused_ops=fused_ops)
+                         shuffle_blocks=shuffle_blocks, fused_ops=fused_ops, num_kvcache_blocks=num_kvcache_blocks)
     engine = built.engine
     install_env_trace(engine)
     if debug:
@@ -219,9 +253,12 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
     facts = {
         "case": case, "title": spec.title,
         "options": {"budget": budget, "max_num_seqs": max_num_seqs or 256, "block_size": block_size,
-                    "max_model_len": engine.config.max_model_len, "shuffle_blocks": engine.config.shuffle_blocks},
+                    "max_model_len": engine.config.max_model_len, "shuffle_blocks": engine.config.shuffle_blocks,
+                    "num_kvcache_blocks": num_kvcache_blocks},
         "requests": [{"label": n, "prompt_len": len(p), "max_tokens": m}
                      for n, p, m in zip(names, spec.prompts, spec.max_tokens)],
+        "preemptions": stats.preemptions,
+        "preempted_at": preempted_at(steps),
         "num_steps": len(steps),
         "output_counts": [s.num_completion_tokens for s in seqs],
         "final": [{"label": n, "cached": s.num_cached_tokens, "block_table": list(s.block_table),
@@ -250,8 +287,8 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
         facts["steps"] = steps
     # the checkpoint these options call for, claimed only when the command line is that checkpoint's command
     # (a plain run without --trace is evidence for no checkpoint, not a FAIL of one, and says so)
-    checkpoint = checkpoint_for(case, budget, max_num_seqs, block_size, shuffle_blocks, shapes)
-    custom = f"quick-walk-{case.lower()}-custom.json"
+    checkpoint = checkpoint_for(case, budget, max_num_seqs, block_size, shuffle_blocks, shapes, num_kvcache_blocks)
+    custom = custom_name(case, budget, max_num_seqs, block_size, shuffle_blocks, shapes, num_kvcache_blocks)
     record = write_claimed(checkpoint, out, f"{checkpoint.split('.', 1)[1]}.json" if checkpoint else custom,
                            unclaimed_name=custom, kind=built.kind, facts=facts, device=built.device,
                            model=built.model, seed=engine.config.seed, engine=built.describe())

@@ -77,12 +77,13 @@ def step_grid(facts: dict) -> StepGrid:
     for j, st in enumerate(steps):
         after = st.get("after", {})
         scheduled = {s["label"]: s for s in st.get("before", [])}
+        decoding = {a["label"] for a in st.get("attention") or [] if a["branch"] == "decode"}   # a mixed step's decodes
         for i, lab in enumerate(labels):
             cell = cells[i][j]
             if lab in scheduled:
                 s = scheduled[lab]
                 cell.tokens = s["scheduled"]
-                if st["phase"] == "decode":
+                if st["phase"] == "decode" or lab in decoding:
                     cell.kind = "decode"
                 elif s["cached"] + s["scheduled"] < s["total"]:
                     cell.kind = "prefill chunk"
@@ -122,6 +123,7 @@ class PoolView:
     from_pool: bool                     # True: after.pool; False: derived from the block tables
     notes: list[str] = field(default_factory=list)
     released: list[dict[int, str]] = field(default_factory=list)   # per step: blocks the batch held, no longer owned after
+    preempted: list[dict[int, str]] = field(default_factory=list)  # per step: blocks a preempted request gave back
 
 
 def _released(steps: list[dict], rows: list[dict[int, BlockState]]) -> list[dict[int, str]]:
@@ -131,6 +133,29 @@ def _released(steps: list[dict], rows: list[dict[int, BlockState]]) -> list[dict
     for st, row in zip(steps, rows):
         held = {b: s["label"] for s in st.get("before", []) for b in s["block_table"]}
         out.append({b: lab for b, lab in held.items() if not (b in row and row[b].owners)})
+    return out
+
+
+def _preempted(steps: list[dict]) -> list[dict[int, str]]:
+    """Per step, the blocks of each request preempted by its schedule (not in the batch, back in waiting
+    after the step while it held blocks before it), with that request's label: Scheduler.preempt freed them."""
+    tables: dict[str, list[int]] = {}
+    out = []
+    for st in steps:
+        after = st.get("after", {})
+        batch = {s["label"] for s in st.get("before", [])}
+        gone = {}
+        for lab in after.get("waiting", []):
+            if lab not in batch and tables.get(lab):
+                gone.update({b: lab for b in tables[lab]})
+                tables[lab] = []
+        for s in st.get("before", []):
+            tables[s["label"]] = list(s["block_table"])
+        for s in after.get("seqs", []):
+            tables[s["label"]] = list(s["block_table"])
+        for lab in after.get("finished", []):
+            tables.pop(lab, None)
+        out.append(gone)
     return out
 
 
@@ -195,7 +220,7 @@ def pool_view(facts: dict, max_blocks: int = 48) -> PoolView:
     used = sorted({b for row in rows for b in row} | {b for st in steps for s in st.get("before", []) for b in s["block_table"]})
     shown, notes = _shown_blocks(used, num_blocks, max_blocks, notes)
     return PoolView([st["step"] for st in steps], rows, num_blocks, block_size, shown, from_pool, notes,
-                    _released(steps, rows))
+                    _released(steps, rows), _preempted(steps))
 
 
 # --------------------------------------------------------------------------- one step's flat batch

@@ -118,3 +118,72 @@ def test_picture_step_draws_that_step_and_refuses_a_missing_one(case_c, tmp_path
     assert not (tmp_path / "c.steps.png").exists()          # only the step's slot picture
     res = labkit_in_process("picture", copy, "--step", "9")
     assert res.returncode == 2 and "--step 9: no such step" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_small_kv_pool_preempts_and_the_pictures_draw_it(tiny_model_dir, tmp_path, monkeypatch, labkit_in_process):
+    """Case B at block size 4 in a pool of 2 blocks: R2's first decode finds no free block, so the scheduler
+    preempts it; the step log, the engine's own counter, the step grid and the KV pool agree on where."""
+    from labkit.pictures import draw_walk, walkdata
+
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
+    res = labkit_in_process("quick-walk", "--case", "B", "--kv-cache-block-size", "4", "--num-kvcache-blocks", "2",
+                            "--trace", "--model", tiny_model_dir, "--device", "cpu")
+    assert res.returncode == 0, res.stdout + res.stderr
+    path = tmp_path / "runs" / "quick-walk-b-bs4-blocks2.json"      # its own file: these options' evidence
+    record = json.loads(path.read_text())
+    facts = record["facts"]
+    assert record["checkpoint"] is None and facts["options"]["num_kvcache_blocks"] == 2
+    assert facts["preemptions"] >= 1 and len(facts["preempted_at"]) == facts["preemptions"]
+    assert facts["output_counts"] == [2, 5]                 # preempted, re-admitted, finished all the same
+    grid = walkdata.step_grid(facts)
+    steps = [st["step"] for st in facts["steps"]]
+    view = walkdata.pool_view(facts)
+    for p in facts["preempted_at"]:
+        j = steps.index(p["step"])
+        assert grid.cells[grid.labels.index(p["label"])][j].kind == "preempted"
+        assert view.preempted[j] == {b: p["label"] for b in p["blocks"]}
+    assert sum(len(g) > 0 for g in view.preempted) == facts["preemptions"]
+    assert any(p.name.endswith(".kv.png") for p in draw_walk(path))
+    res = labkit_in_process("quick-walk", "--case", "prefix", "--num-kvcache-blocks", "2")
+    assert res.returncode == 2 and "--num-kvcache-blocks is for cases A-D" in res.stderr
+
+
+def test_lesson_6_exercise_has_its_checkpoint_and_its_own_file(tiny_model_dir, tmp_path, monkeypatch, labkit_in_process):
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
+    res = labkit_in_process("quick-walk", "--case", "C", "--kv-cache-block-size", "16", "--trace",
+                            "--model", tiny_model_dir, "--device", "cpu")
+    assert res.returncode == 0, res.stdout + res.stderr
+    record = json.loads((tmp_path / "runs" / "quick-walk-c-bs16.json").read_text())
+    assert (record["checkpoint"], record["verdict"]) == ("course.quick-walk-c-bs16", "PASS"), record["checks"]
+    # another option set keeps its own file, claims nothing
+    res = labkit_in_process("quick-walk", "--case", "C", "--kv-cache-block-size", "16", "--shuffle-blocks", "7",
+                            "--trace", "--model", tiny_model_dir, "--device", "cpu")
+    other = json.loads((tmp_path / "runs" / "quick-walk-c-bs16-shuffle7.json").read_text())
+    assert other["checkpoint"] is None
+    assert json.loads((tmp_path / "runs" / "quick-walk-c-bs16.json").read_text())["digest"] == record["digest"]
+
+
+def test_hash_picture_names_the_last_block_rule(prefix_walk):
+    from labkit.pictures import hashes, walkdata
+
+    rows = walkdata.hash_rows(json.loads(prefix_walk.read_text())["facts"])
+    flagged = [(r["label"], b["index"]) for r in rows for b in r["blocks"] if hashes.last_not_looked_up(r, b)]
+    assert flagged == [("D", 1)]      # D is exactly 512 tokens: its full second block is its last, never looked up
+
+
+def test_a_mixed_steps_decode_rows_take_the_decode_branch():
+    """A mixed step (decodes first, then prefill rows): the rows the runner counted as decodes (num_decodes)
+    are decodes in the record and in the step grid, the others are prefill rows."""
+    from labkit.experiments.quick_walk import attention_branches
+    from labkit.pictures import walkdata
+
+    step = {"step": 3, "phase": "mixed",
+            "before": [{"label": "R1", "total": 9, "cached": 8, "scheduled": 1, "block_table": [0, 1]},
+                       {"label": "R2", "total": 6, "cached": 0, "scheduled": 6, "block_table": [2, 3]}],
+            "inputs": {"cu_seqlens_q": [0, 1, 7], "cu_seqlens_k": [0, 9, 15], "context_lens": [8]},
+            "after": {"seqs": [], "running": ["R1", "R2"], "waiting": [], "finished": []}}
+    step["attention"] = attention_branches(step, num_decodes=1)
+    assert [(a["branch"], a["queries"], a["keys"]) for a in step["attention"]] == \
+        [("decode", 1, 9), ("prefill-fresh", 6, 6)]
+    grid = walkdata.step_grid({"steps": [step], "requests": [{"label": "R1"}, {"label": "R2"}]})
+    assert [row[0].kind for row in grid.cells] == ["decode", "prefill"]
