@@ -245,6 +245,7 @@ def compare_runs(runs: dict[str, list[dict]], expected_tokens: int | None = None
         side["rejections"] = [r.get("rejections") for r in rs]
         side["kv_free_at_end"] = [r.get("kv_free_at_end_equals_total") for r in rs]
         side["mixed_steps"] = [(r.get("steps") or {}).get("mixed", 0) for r in rs]
+        side["min_mixed_steps"] = min(side["mixed_steps"], default=None)
         side["engine_config"] = rs[0].get("engine_config") if rs else None
         side["repeats"] = len(rs)
         sides[name] = side

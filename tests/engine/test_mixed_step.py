@@ -215,3 +215,25 @@ def test_mixed_steps_under_preemption_give_the_same_tokens(tiny_engine):
     tight, some = run(12, True)
     assert none == 0 and some > 0
     assert tight == roomy
+
+
+def test_mixed_steps_under_tensor_parallel_give_the_tp1_tokens(tiny_model_dir):
+    """TP=2 (gloo): rank 0 sends the mixed step's plan (its decode rows included) to the other rank, which
+    plans the same attention split; the greedy tokens are TP=1's."""
+    from engine import LLMEngine
+
+    prompts, at = _workload(4)
+    sp = SamplingParams(max_tokens=6, **GREEDY)
+    opts = dict(device="cpu", kvcache_block_size=16, max_num_batched_tokens=64, max_model_len=512, mixed_batches=True)
+    one = LLMEngine(str(tiny_model_dir), **opts)
+    try:
+        tp1, kinds = _arrivals(one, prompts, at, sp)
+    finally:
+        one.close()
+    two = LLMEngine(str(tiny_model_dir), tensor_parallel_size=2, **opts)
+    try:
+        tp2, _ = _arrivals(two, prompts, at, sp)
+    finally:
+        two.close()
+    assert "mixed" in kinds
+    assert tp2 == tp1
