@@ -4,10 +4,14 @@ An assertion is an object over an evidence record::
 
     {"path": "facts.steps.0.seqs.0.total", "op": "eq", "value": 3, "why": "..."}
 
-Paths are dotted keys with integer list indices; ``len(<path>)`` takes a length. A missing path is a
+Paths are dotted keys with integer list indices; ``len(<path>)`` takes a length; a ``*`` segment takes every
+element of a list (or value of an object) and gives the list of what the rest of the path reads in each
+(``facts.per_rate.*.errored`` with ``all_eq`` bounds every rate). A missing path, in any element, is a
 failed check (actual ``"<missing>"``), never an exception. An assertion may carry
 ``"on_fail": "review"`` to turn its failure into REVIEW instead of FAIL, or take its value from a
 threshold table (``"threshold": "table.metric"``, by the record's device class and ``facts.dtype``).
+``"literal"`` says why a fixed value (or one the command line also holds) judges the engine rather than
+echoing the command's inputs; tests/lab/test_verdicts.py asks it of every such assertion of a GPU checkpoint.
 
 The checkpoints (``labkit.checks.spec``), the runs' own assertions (``run_assertion``, stored in the
 evidence file as ``run_assertions``) and the threshold tables all speak this language; ``evaluate`` is
@@ -26,7 +30,8 @@ from typing import Any, Callable
 from labkit.errors import UserError
 
 MISSING_TEXT = "<missing>"
-_ASSERTION_KEYS = {"required": ("path", "op"), "optional": ("value", "threshold", "why", "on_fail", "name")}
+_ASSERTION_KEYS = {"required": ("path", "op"),
+                   "optional": ("value", "threshold", "why", "on_fail", "name", "literal")}
 _THRESHOLD_OPS = ("gt", "ge", "lt", "le")
 
 
@@ -64,6 +69,7 @@ class Assertion:
     on_fail: str = "fail"  # "fail" | "review"
     name: str = ""
     threshold: Threshold | None = None   # the value comes from a threshold table, by the record's device and dtype
+    literal: str = ""   # why a fixed value (or a value the command line also holds) judges the engine
 
     def label(self) -> str:
         return self.name or self.path
@@ -157,9 +163,12 @@ def _parse_assertion(where: str, raw: Any, tables: dict[str, dict] | None = None
     on_fail = raw.get("on_fail", "fail")
     if on_fail not in ("fail", "review"):
         raise _fail(where, f"on_fail must be 'fail' or 'review', got {on_fail!r}")
+    literal = raw.get("literal", "")
+    if not isinstance(literal, str) or ("literal" in raw and not literal.strip()):
+        raise _fail(where, f"literal must say why the fixed value stays, got {literal!r}")
     return Assertion(
         path=raw["path"], op=op, value=value, why=str(raw.get("why", "")), on_fail=on_fail,
-        name=str(raw.get("name", "")), threshold=threshold,
+        name=str(raw.get("name", "")), threshold=threshold, literal=literal,
     )
 
 
@@ -190,17 +199,28 @@ def _resolve(record: Any, path: str) -> Any:
         if not isinstance(value, (list, dict, str)):
             raise _Missing(f"<no length: {type(value).__name__}>")
         return len(value)
-    cur = record
-    for part in path.split("."):
+    return _walk(record, path.split("."))
+
+
+def _walk(cur: Any, parts: list[str]) -> Any:
+    for i, part in enumerate(parts):
+        if part == "*":
+            if isinstance(cur, list):
+                items = cur
+            elif isinstance(cur, dict):
+                items = list(cur.values())
+            else:
+                raise _Missing()
+            return [_walk(item, parts[i + 1:]) for item in items]
         if isinstance(cur, dict):
             if part not in cur:
                 raise _Missing()
             cur = cur[part]
         elif isinstance(cur, list) and _INDEX_RE.fullmatch(part):
-            i = int(part)
-            if not -len(cur) <= i < len(cur):
+            index = int(part)
+            if not -len(cur) <= index < len(cur):
                 raise _Missing()
-            cur = cur[i]
+            cur = cur[index]
         else:
             raise _Missing()
     return cur

@@ -55,6 +55,7 @@ class Collection:
         out = {"prefix": str(self.prefix), "backend": f.get("backend"), "execution": f.get("execution"),
                "attention": f.get("attention"), "dtype": f.get("dtype"), "device": r.get("device"),
                "kind": r.get("kind"), "verdict": verdict, "verdict_reason": why, "num_rows": f.get("num_rows"),
+               "rows_follow_trajectory": f.get("rows_follow_trajectory"),
                "engine_source_hash": r.get("engine_source_hash")}
         if f.get("backend") == "nano":
             out["tensor_parallel_size"] = f.get("tensor_parallel_size", 1)

@@ -319,11 +319,18 @@ def cuda_devices(monkeypatch):
     return set_count
 
 
-def _set(facts: dict, parts: list[str], value) -> None:
-    cur = facts
-    for p in parts[:-1]:
-        cur = cur.setdefault(p, {})
-    cur[parts[-1]] = value
+def _set(facts, parts: list[str], value) -> None:
+    """Set ``value`` at ``parts`` (a ``*`` part: in every element of the list there, one made if none)."""
+    if parts[0] == "*":
+        if not facts:
+            facts.append({})
+        for item in facts:
+            _set(item, parts[1:], value)
+        return
+    if len(parts) == 1:
+        facts[parts[0]] = value
+        return
+    _set(facts.setdefault(parts[0], [] if parts[1] == "*" else {}), parts[1:], value)
 
 
 def _get(facts: dict, parts: list[str]):
@@ -352,7 +359,7 @@ def made_up_facts(cp: checks.Checkpoint, device: str) -> dict:
         value = a.value
         if a.threshold is not None:
             value = a.threshold.lookup(checks.threshold_key(device, record["facts"]["dtype"]))
-        current = _get(record, parts)
+        current = None if "*" in parts else _get(record, parts)
         if current is not None and not length and checks.evaluate(a, record)["passed"]:
             continue
         if length:
@@ -370,7 +377,7 @@ def made_up_facts(cp: checks.Checkpoint, device: str) -> dict:
         elif a.op == "in":
             made = value[0]
         elif a.op == "all_eq":
-            made = [value]
+            made = value if "*" in parts else [value]
         elif a.op == "len_eq":
             made = [0] * value
         elif a.op == "abs_le":
@@ -489,3 +496,172 @@ def test_evidence_the_cpu_really_made_still_passes(runs, labkit_in_process, monk
     assert res.returncode == 0, res.stdout + res.stderr
     code, row = doctor_row()
     assert (code, row["verdict"], row["provenance"]) == (0, "PASS", "unsigned")
+
+
+# --------------------------------------------------------------------------- assertions that can fail
+
+#: Ops that hold a fact to one fixed value: on a GPU checkpoint each says in ``literal`` why that value is what
+#: the engine must produce.
+EQUALITY_OPS = ("eq", "ne", "in", "contains", "len_eq", "all_eq", "abs_le")
+#: Path segments under which a command records the configuration it set: asserting them reads an option back.
+CONFIG_SEGMENTS = ("engine_config", "worker_config", "load_options", "config", "options")
+#: Facts a command writes from its own inputs, whatever the engine does (command words, path): never asserted.
+INPUT_ONLY = {
+    (("logits", "guard"), "facts.num_rows"): "the comparison's row count is the suite's length",
+    (("logits", "guard"), "facts.trajectory_match"): "the comparison refuses files whose trajectories differ",
+    (("logits", "guard"), "facts.suite"): "the --suite option",
+    (("logits", "guard"), "facts.lhs.backend"): "the guard's own choice of sides",
+    (("logits", "guard"), "facts.rhs.backend"): "the guard's own choice of sides",
+    (("scheduler", "compare"), "len(facts.request_ids)"): "the trace's request count",
+    (("quick-walk",), "facts.a.total"): "the walk's own prompt length",
+    (("quick-walk",), "facts.b_first.total"): "the walk's own prompt length",
+    (("bench",), "facts.workload.expected_output_tokens"): "the workload's arithmetic",
+    (("bench",), "facts.trace.expected_output_tokens"): "the trace's arithmetic",
+    (("bench",), "facts.summary.decode_shape"): "the bench's shape table",
+    (("bench",), "facts.summary.kernels_checked"): "the bench's shape table times its backends",
+    (("load",), "facts.target"): "the --serve-process option",
+}
+
+
+def _words(cp: checks.Checkpoint) -> tuple[list[str], dict[str, list[str]]]:
+    from labkit.checks.judging import _parse_words
+
+    head, opts = _parse_words(cp.command)
+    return head[1:], {name.lstrip("-").replace("-", "_"): values for name, values in opts}
+
+
+def _segments(path: str) -> list[str]:
+    inner = path[4:-1] if path.startswith("len(") else path
+    return [p for p in inner.split(".") if p != "*" and not p.lstrip("-").isdigit()]
+
+
+def echo(cp: checks.Checkpoint, a) -> str:
+    """Why assertion ``a`` of ``cp`` reads back an option of its own command ("" when it does not)."""
+    _, opts = _words(cp)
+    segs = _segments(a.path)
+    values = {v for vs in opts.values() for v in vs}
+    if any(s in CONFIG_SEGMENTS for s in segs):
+        return "reads back the configuration the command set"
+    if segs[-1] in opts:
+        return f"reads back --{segs[-1].replace('_', '-')}"
+    if a.op in ("eq", "all_eq", "contains", "in") and isinstance(a.value, str):   # a number may match by chance
+        if a.value in values:
+            return f"{a.value!r} is an option value of the command"
+        if isinstance(a.value, str) and a.value.replace("-", "_") in opts:
+            return f"{a.value!r} names an option of the command"
+    return ""
+
+
+def audit(cps: list[checks.Checkpoint]) -> dict[str, list[str]]:
+    """Assertions that cannot fail, by kind: option echoes (any checkpoint) and fixed values with no stated
+    reason (GPU checkpoints) count unless their ``literal`` says why they stay; input-only facts always count."""
+    found: dict[str, list[str]] = {"echo": [], "unexplained literal": [], "input only": []}
+    for cp in cps:
+        head, _ = _words(cp)
+        for a in cp.assertions:
+            where = f"{cp.id}: {a.path} {a.op} {json.dumps(a.value)}"
+            why = echo(cp, a)
+            if why and not a.literal:
+                found["echo"].append(f"{where} ({why})")
+            if cp.needs != "cpu" and a.op in EQUALITY_OPS and a.threshold is None and not a.literal:
+                found["unexplained literal"].append(where)
+            for (words, path), reason in INPUT_ONLY.items():
+                if a.path == path and head[:len(words)] == list(words):
+                    found["input only"].append(f"{where} ({reason})")
+    return found
+
+
+def test_no_checkpoint_assertion_echoes_an_option_or_a_constant():
+    cps = checks.load_checkpoints()
+    found = audit(cps)
+    gpu = [a for cp in cps if cp.needs != "cpu" for a in cp.assertions]
+    stated = [a for a in gpu if a.literal]
+    assert len(gpu) >= 120 and len(stated) >= 40   # the audit reads the real checkpoints
+    assert found == {"echo": [], "unexplained literal": [], "input only": []}, (
+        "assertions that cannot fail (assert what the engine did instead, or say in the assertion's \"literal\" "
+        "why its fixed value judges the engine): " + json.dumps(found, indent=1))
+
+
+def test_the_audit_finds_each_kind_it_counts():
+    raw = {"id": "cuda.x", "title": "t", "evidence": "runs/x.json", "needs": "cuda", "kind": "gpu-measured",
+           "command": ["labkit", "load", "--max-num-seqs", "4", "--serve-process", "--mode", "wall"]}
+    made = [
+        {"path": "facts.engine_config.max_num_seqs", "op": "eq", "value": 4},    # the configuration read back
+        {"path": "facts.mode", "op": "eq", "value": "wall", "literal": "x"},     # an echo whose reason is stated stays
+        {"path": "facts.warm", "op": "eq", "value": "serve-process", "literal": "stays"},
+        {"path": "facts.completed", "op": "eq", "value": 12},                   # a fixed value with no reason
+        {"path": "facts.target", "op": "exists"},                                # an input-only fact
+        {"path": "facts.completed", "op": "ge", "value": 4},                    # a bound: not a fixed value
+    ]
+    cp = checks.Checkpoint(id=raw["id"], title="t", command=raw["command"], evidence=raw["evidence"], needs="cuda",
+                           kind=["gpu-measured"], stage="cuda",
+                           assertions=[checks.language._parse_assertion("x", a) for a in made])
+    found = audit([cp])
+    assert [w.split(" (")[0] for w in found["echo"]] == ["cuda.x: facts.engine_config.max_num_seqs eq 4"]
+    assert found["unexplained literal"] == ["cuda.x: facts.engine_config.max_num_seqs eq 4", "cuda.x: facts.completed eq 12"]
+    assert found["input only"] == ["cuda.x: facts.target exists null (the --serve-process option)"]
+    assert echo(cp, cp.assertions[1]) == "reads back --mode" and echo(cp, cp.assertions[2]).endswith("names an option of the command")
+
+
+def test_the_rate_sweep_bounds_errored_rejected_and_timed_out_requests(runs, labkit_argv, cuda_devices):
+    cuda_devices(1)   # a machine that can run it judges the file on its content
+    cp = checks.get_checkpoint("cuda.rate-sweep")
+    forge(cp, labkit_argv)
+    path = cp.evidence_path()
+    good = path.read_text()
+    assert checks.check_evidence(cp)[0] == "PASS"
+    for outcome in ("errored", "rejected", "timed_out"):
+        path.write_text(good)
+
+        def five(r, outcome=outcome):
+            r["facts"]["per_rate"][-1][outcome] = 5           # five requests of the last rate end this way
+            r["verdict"] = "FAIL"                             # as the writer would judge it
+
+        reseal(path, five)
+        verdict, res = checks.check_evidence(cp)
+        assert verdict == "FAIL", outcome
+        assert [c["name"] for c in res if c["status"] == "fail"] == [f"facts.per_rate.*.{outcome}"]
+
+
+LOGITS_GUARDS = [cp.id for cp in checks.load_checkpoints() if cp.command[1:3] == ["logits", "guard"]]
+
+
+def _guard_on_a_broken_engine(cli_app, tiny_model_dir, tmp_path, labkit_argv) -> dict:
+    out = tmp_path / "engine-logits-check.json"
+    extra = ("--model", str(tiny_model_dir), "--device", "cpu", "--out", str(out))
+    labkit_argv.checkpoint("guardrails.logits-baseline", *extra)
+    res = CliRunner().invoke(cli_app, [*checks.get_checkpoint("guardrails.logits-baseline").command[1:], *extra])
+    assert res.exit_code in (0, 1), res.output
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("break_, path", [("ends one token early", "facts.lhs.num_rows"),
+                                           ("appends the wrong token", "facts.lhs.rows_follow_trajectory")])
+def test_every_logits_guard_judges_the_engines_rows(break_, path, cli_app, tiny_model_dir, tmp_path, labkit_argv,
+                                                    monkeypatch, one_tokenizer):
+    """The rows of every logits guard are the engine's: a request the engine ends one token early (a row
+    missing) or a token it appends wrong (a row whose input is not the trajectory's) FAILs each guard."""
+    from engine.scheduler import Scheduler
+    from engine.sequence import Sequence
+
+    if break_ == "ends one token early":
+        reached = Scheduler._length_reached
+        monkeypatch.setattr(Scheduler, "_length_reached", lambda self, seq, ahead=0: reached(self, seq, ahead + 1))
+    else:
+        append = Sequence.append_token
+        monkeypatch.setattr(Sequence, "append_token", lambda self, token_id: append(self, token_id + 1))
+    record = _guard_on_a_broken_engine(cli_app, tiny_model_dir, tmp_path, labkit_argv)
+    assert record["facts"]["num_rows"] == 15 and record["facts"]["trajectory_match"] is True   # the old checks: blind
+    assert len(LOGITS_GUARDS) >= 7
+    judged = {cid: [a for a in checks.get_checkpoint(cid).assertions if a.path == path] for cid in LOGITS_GUARDS}
+    assert [cid for cid, found in judged.items() if not found] == [], f"logits guards that do not assert {path}"
+    for cid, found in judged.items():
+        assert not any(checks.evaluate(a, record)["passed"] for a in found), cid
+
+
+def test_a_checkpoint_our_engine_never_runs_says_so_first():
+    from labkit.evidence_format import ENGINE_FREE_KINDS
+
+    free = [cp for cp in checks.load_checkpoints() if set(cp.kind) <= set(ENGINE_FREE_KINDS)]
+    assert "guardrails.cached-forward" in [cp.id for cp in free]
+    assert [cp.id for cp in free if not cp.title.startswith("Not our engine:")] == []
