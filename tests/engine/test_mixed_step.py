@@ -237,3 +237,40 @@ def test_mixed_steps_under_tensor_parallel_give_the_tp1_tokens(tiny_model_dir):
         two.close()
     assert "mixed" in kinds
     assert tp2 == tp1
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["step-model", "mixed"])
+def test_upstream_bug_cases_hold_in_both_step_models(tiny_engine, mixed):
+    """nano-vllm's known failure cases, each against a fresh engine running the request alone: identical
+    prompts in one batch, a prompt of exactly two full blocks met again (the cache holds all of it: the last
+    token must still be computed), and a context that runs into max_model_len while other requests prefill."""
+    sp = SamplingParams(max_tokens=8, **GREEDY)
+    opts = dict(device="cpu", kvcache_block_size=16, max_num_batched_tokens=64, max_model_len=160)
+
+    def alone(prompt, params=sp):
+        eng = tiny_engine(**opts)
+        seq = eng.add_request(prompt, params)
+        while not eng.is_finished():
+            eng.step()
+        return seq.completion_token_ids, seq.finish_reason
+
+    same = list(range(700, 740))
+    full = list(range(900, 932))                   # exactly two blocks of 16
+    long = list(range(2000, 2150))                 # 150 + 10: up to max_model_len 160 exactly
+    engine = tiny_engine(mixed_batches=mixed, **opts)
+    first = [engine.add_request(same, sp) for _ in range(4)] + [engine.add_request(full, sp)]
+    while not engine.is_finished():
+        engine.step()
+    again = engine.add_request(full, sp)
+    far = engine.add_request(long, SamplingParams(max_tokens=10, **GREEDY))
+    late = engine.add_request(same + [5], sp)
+    while not engine.is_finished():
+        engine.step()
+    ref_same = alone(same)[0]
+    assert all(s.completion_token_ids == ref_same for s in first[:4])
+    assert first[4].completion_token_ids == again.completion_token_ids == alone(full)[0]
+    assert again.num_prompt_tokens == 32 and engine.scheduler.prefix_hits >= 16
+    assert (far.completion_token_ids, far.finish_reason) == alone(long, SamplingParams(max_tokens=10, **GREEDY))
+    assert far.finish_reason == "length" and far.num_tokens == 160
+    assert late.completion_token_ids == alone(same + [5])[0]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
