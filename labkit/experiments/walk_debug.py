@@ -52,7 +52,7 @@ LESSON_BREAKPOINTS = (
 # a pdb condition per lesson where an unconditional stop would miss the point: lesson 4 stops only when
 # allocate is handed prefix hits (the scheduler passes the hits cached_prefix found; [] is no hit)
 CONDITIONS = {4: "hits"}
-WHY = {4: "a prefix hit only (hits non-empty): quick-walk --case prefix"}
+WHY = {4: "stops only on a prefix hit, e.g. B's in --case prefix"}
 
 
 def first_body_line(fn) -> int:
@@ -93,7 +93,7 @@ def banner(names: dict[str, object]) -> str:
     return ("debug: engine built and warmed up, no request added yet.\n"
             "  llm = the LLMEngine (llm.scheduler, llm.block_manager, llm.runner)\n"
             f"{mods}\n"
-            f"one breakpoint per lesson (docs/COURSE.md):\n{rows}\n"
+            f"one breakpoint per lesson (docs/COURSE.md; the module form works too: b scheduler_mod.Scheduler.schedule):\n{rows}\n"
             "then `c` runs the walk to the next breakpoint; `q` quits (exit 0, no evidence written)")
 
 
