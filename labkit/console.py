@@ -448,7 +448,7 @@ def render_serving(worker, out) -> None:
 
 def serving_banner(worker, out) -> dict:
     """The banner's rows: the served engine as it was built (max model len as fitted, TP size) and the limits."""
-    from labkit.service.fair import per_request_cap
+    from serve.core.fair import per_request_cap
 
     served, cfg, args = worker.served, worker.config, worker.config.engine
     return {"worker": worker.worker_id, "kind": served.kind,

@@ -92,10 +92,10 @@ def run_host_bench(model_dir: str, api: str = "native", streams: int = 256, max_
     """One measured run; returns its facts (see the module doc)."""
     import tempfile
 
-    from labkit.service.events import EventLog
-    from labkit.service.api_server import ServerThread
-    from labkit.service.config import WorkerConfig
-    from labkit.service.worker import Worker
+    from serve.observe.events import EventLog
+    from serve.entrypoints.api_server import ServerThread
+    from serve.core.config import WorkerConfig
+    from serve.core.worker import Worker
 
     log_dir = Path(log_dir or tempfile.mkdtemp(prefix="labkit-host-"))
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -493,7 +493,7 @@ def _bench_serve(path: Path, *, model: Path | None, device: str, attention: str,
     if engine_process is not None and serve_modes is not None:
         raise UserError("give --engine-process or --serve-modes, not both")
     if engine_process is None:
-        from labkit.service.launch import serve_defaults
+        from serve.entrypoints.launch import serve_defaults
 
         engine_process = serve_defaults(detect_device(device))["engine_process"]
     return run_serve_bench(path, model=_model_arg(model), device=device, attention=attention, trace=trace,

@@ -77,7 +77,7 @@ def _setup_logging(log_level: str, stats_interval: float) -> None:
         raise UserError(f"--log-level must be debug, info, warning, error or critical, got {log_level!r}")
     if stats_interval < 0:
         raise UserError(f"--stats-interval must be >= 0, got {stats_interval!r}")
-    from labkit.service.logsafe import install
+    from serve.observe.logsafe import install
 
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     logging.getLogger("labkit").setLevel(level)
@@ -138,10 +138,10 @@ def serve(
     --event-log-max-mb (256 by default) with --event-log-backups old files; --no-event-log for none."""
     from labkit.console import console, render_served
     from labkit.lab_engine import detect_device
-    from labkit.service.config import WorkerConfig
-    from labkit.service.connections import ConnectionLimits
-    from labkit.service.events import plan_serve_log
-    from labkit.service.launch import run_serve, serve_args
+    from serve.core.config import WorkerConfig
+    from serve.entrypoints.connections import ConnectionLimits
+    from serve.observe.events import plan_serve_log
+    from serve.entrypoints.launch import run_serve, serve_args
 
     model = _one_model(model_arg, model)
     _setup_logging(log_level, stats_interval)
@@ -188,7 +188,7 @@ def client(
 
     Its import path is the console and the HTTP client only (no torch, no engine), so it starts fast."""
     from labkit.console import print_json, render_client
-    from labkit.service.client import run_client
+    from labkit.load.client import run_client
 
     eps = _endpoints(endpoints)
     if not eps:
@@ -333,8 +333,8 @@ def load(
     from labkit.paths import default_out
     from labkit.load.replay import LoadOptions, run_load
     from labkit.lab_engine import lab_args
-    from labkit.service.config import WorkerConfig
-    from labkit.service.events import split_out
+    from serve.core.config import WorkerConfig
+    from serve.observe.events import split_out
 
     out = out or default_out("load.jsonl")
     engine = lab_args(device, model=str(model) if model else None, attention_backend=attention,
@@ -397,7 +397,7 @@ def simulate(
     """The service chain on CPU (Worker → HTTP → client → report) through cancel, overload, faults and shutdown."""
     from labkit.console import render_simulate
     from labkit.load.simulate import run_simulate
-    from labkit.service.events import split_out
+    from serve.observe.events import split_out
 
     record = run_simulate(out, model=str(model) if model else None)
     if not json_out:

@@ -205,14 +205,11 @@ def _kv_amax(engine) -> dict[str, float]:
     """The largest |K| and |V| in the pool after the suite, as attention reads them (an FP8 pool's values times
     its scale): what an FP8 cache's fixed scale of 1.0 must hold (e4m3 saturates at 448, and keeps 3 mantissa
     bits down to 2^-6; engine/attention/kv_quant.py)."""
-    from engine.attention import kv_quant
-
-    out = {"k": 0.0, "v": 0.0}
-    for layer in engine.runner.model.attention_layers():
-        for name, cache in (("k", layer.k_cache), ("v", layer.v_cache)):
-            if cache.numel():
-                out[name] = max(out[name], float(cache.float().abs().max()) * kv_quant.scale_of(cache))
-    return out
+    pool = engine.kv_cache_view()                     # [2, layers, blocks, block size, kv heads, head dim]
+    scales = engine.describe()["kv_cache"]["scales"] or {"k": 1.0, "v": 1.0}
+    if not pool.numel():
+        return {"k": 0.0, "v": 0.0}
+    return {name: float(pool[i].float().abs().max()) * scales[name] for i, name in enumerate(("k", "v"))}
 
 
 def _kv_facts(run: _NanoRun, probe: KVProbe, arrays: dict[str, np.ndarray]) -> tuple[dict, list[dict]]:

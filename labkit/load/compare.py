@@ -345,7 +345,7 @@ def _model_of(events: str | None) -> dict | None:
 def _run_inprocess(side: Side, path: Path, model: str | None, device: str, attention: str, trace: Path,
                    warmup: int) -> dict:
     from labkit.load.replay import LoadOptions, run_load
-    from labkit.service.config import WorkerConfig
+    from serve.core.config import WorkerConfig
 
     worker = WorkerConfig(model=model, device=device, attention_backend=attention, **LOAD_SETTINGS, **side.worker)
     return run_load(LoadOptions(trace=trace, out=path, worker=worker, mode="wall", warmup_requests=warmup,

@@ -40,8 +40,8 @@ from engine import RequestError, SamplingParams
 from labkit.checks import run_assertion
 from labkit.errors import UserError
 from labkit.evidence import envelope, write_evidence, write_json
-from labkit.service.events import EventLog, log_header, split_out
-from labkit.service.config import WorkerConfig
+from serve.observe.events import EventLog, log_header, split_out
+from serve.core.config import WorkerConfig
 from labkit.load.depend import has_deps, replay_async, replay_threads, split_deps
 from labkit.load.trace import read_trace, warmup_requests
 
@@ -135,14 +135,14 @@ def run_load(opts: LoadOptions) -> dict:
             ident: dict[str, Any] = {"model": (healths[0] or {}).get("model") if healths else None,
                                      "device": devices.pop() if len(devices) == 1 else None}
         else:
-            from labkit.service.worker import Worker
+            from serve.core.worker import Worker
 
             worker = Worker(_worker_config(opts), sink=log.write).start()
             kind = "profile" if opts.profile_dir else worker.served.kind
             header = worker.header(role="load", **extra)
             header["kind"] = kind
             if opts.serve_local:
-                from labkit.service.api_server import ServerThread
+                from serve.entrypoints.api_server import ServerThread
 
                 server = ServerThread(worker).start()
                 header["endpoints"] = [server.url]
@@ -377,7 +377,7 @@ class RoundFeeder:
 def _start_profile(opts: LoadOptions, worker):
     if not opts.profile_dir:
         return None
-    from labkit.service.profiling import StepProfiler
+    from serve.observe.profiling import StepProfiler
 
     prof = StepProfiler(opts.profile_dir, worker.served.device)
     prof.prime()
@@ -412,7 +412,7 @@ def _stop_profile(opts: LoadOptions, worker, prof) -> dict | None:
 
 async def _drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], router: Router, log: EventLog,
                       header: tuple[str, dict] | None = None, worker=None, log_server_events: bool = True):
-    from labkit.service import client
+    from labkit.load import client
 
     endpoints = router.endpoints
     async with client.session(opts.timeout_s) as sess:

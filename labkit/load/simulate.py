@@ -31,12 +31,12 @@ from typing import Any, Callable
 from engine import SamplingParams
 from labkit.evidence import write_evidence
 from labkit.paths import default_out
-from labkit.service import client
-from labkit.service.events import EventLog, MemorySink, fan_out, split_out
-from labkit.service.api_server import ServerThread, bind_socket
-from labkit.service.config import WorkerConfig
-from labkit.service.front import WorkerUnavailable
-from labkit.service.worker import Worker
+from labkit.load import client
+from serve.observe.events import EventLog, MemorySink, fan_out, split_out
+from serve.entrypoints.api_server import ServerThread, bind_socket
+from serve.core.config import WorkerConfig
+from serve.core.front import WorkerUnavailable
+from serve.core.worker import Worker
 from labkit.load.trace import token_ids
 
 CHECKPOINT = "service.simulate"

@@ -34,7 +34,7 @@ from labkit.load.replay import LoadOptions, Router, _check, _drive_http, _remote
 from labkit.load.report import read_log, requests_by_observer
 from labkit.load.trace import read_trace, warmup_requests
 from labkit.load.workloads import WorkloadOptions, write_workload
-from labkit.service.events import EventLog, split_out
+from serve.observe.events import EventLog, split_out
 
 #: achieved throughput may fall this far below the best lower rate's and still count as monotone
 MONOTONE_TOLERANCE = 0.10
@@ -121,8 +121,8 @@ class Target:
             self.proc = start_server_process(self.opts, Path(self.log_dir))
             self.endpoints = [self.proc.url]
         elif not self.endpoints:
-            from labkit.service.api_server import ServerThread
-            from labkit.service.worker import Worker
+            from serve.entrypoints.api_server import ServerThread
+            from serve.core.worker import Worker
 
             self.worker = Worker(replace(_worker_config(self.opts), load_tokenizer=True), sink=self.sink).start()
             self.server = ServerThread(self.worker).start()

@@ -52,8 +52,8 @@ def test_doctor_engine_rows_say_gib():
 
 def test_serve_banner_shows_tp_size_and_max_model_len(tiny_model_dir):
     from labkit.console import serving_banner
-    from labkit.service.config import WorkerConfig
-    from labkit.service.front import ServedEngine
+    from serve.core.config import WorkerConfig
+    from serve.core.front import ServedEngine
     from engine import Config
 
     cfg = Config(model=str(tiny_model_dir), max_model_len=384, tensor_parallel_size=1)

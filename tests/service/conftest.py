@@ -30,7 +30,7 @@ def service_worker(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def service_server(service_worker):
-    from labkit.service.api_server import ServerThread
+    from serve.entrypoints.api_server import ServerThread
 
     made = []
 

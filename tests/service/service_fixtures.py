@@ -19,11 +19,11 @@ import pytest
 from testkit import settle
 
 from labkit.load.trace import token_ids
-from labkit.service import client
-from labkit.service.engine_process import worker_class
-from labkit.service.events import MemorySink
-from labkit.service.api_server import ServerThread
-from labkit.service.worker import WorkerConfig
+from labkit.load import client
+from serve.core.proc_client import worker_class
+from serve.observe.events import MemorySink
+from serve.entrypoints.api_server import ServerThread
+from serve.core.worker import WorkerConfig
 
 MODES = ("in-process", "engine-process")
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from labkit.errors import UserError
-from labkit.service.events import EventLog, plan_serve_log
+from serve.observe.events import EventLog, plan_serve_log
 
 
 def lines(path) -> list[dict]:

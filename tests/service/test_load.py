@@ -11,8 +11,8 @@ from labkit.checks import load_checkpoints
 from labkit.errors import UserError
 from labkit.paths import repo_root
 from labkit.load.replay import LoadOptions, Router, run_load
-from labkit.service.events import split_out
-from labkit.service.worker import WorkerConfig
+from serve.observe.events import split_out
+from serve.core.worker import WorkerConfig
 from labkit.load.report import read_log
 from labkit.load.trace import TraceOptions, read_trace, render, warmup_requests, write_trace
 
@@ -214,8 +214,8 @@ def test_serve_local_drives_http_and_records_both_observers(tmp_path, tiny_model
 
 
 def test_endpoints_native_and_openai_against_two_servers(tmp_path, tiny_model_dir):
-    from labkit.service.api_server import ServerThread
-    from labkit.service.worker import Worker, WorkerConfig
+    from serve.entrypoints.api_server import ServerThread
+    from serve.core.worker import Worker, WorkerConfig
 
     trace = small_trace(tmp_path)
     servers = [ServerThread(Worker(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_model_len=256,

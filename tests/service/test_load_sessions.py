@@ -11,7 +11,7 @@ from labkit.load.depend import split_deps
 from labkit.load.replay import LoadOptions, run_load
 from labkit.load.report import read_log
 from labkit.load.workloads import WorkloadOptions, write_workload
-from labkit.service.worker import WorkerConfig
+from serve.core.worker import WorkerConfig
 
 THINK_MS = 30.0
 

@@ -22,11 +22,11 @@ from service_fixtures import MODES, body, ids, kv, queued, ready_url, run, servi
     worker_config
 
 from labkit.errors import UserError
-from labkit.service import client
-from labkit.service.engine_process import RemoteWorker
-from labkit.service.events import MemorySink
-from labkit.service.api_server import ServerThread
-from labkit.service.worker import Worker
+from labkit.load import client
+from serve.core.proc_client import RemoteWorker
+from serve.observe.events import MemorySink
+from serve.entrypoints.api_server import ServerThread
+from serve.core.worker import Worker
 
 MAX_MODEL_LEN = 512
 

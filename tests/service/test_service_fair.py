@@ -14,7 +14,7 @@ import pytest
 from service_fixtures import ids, kv, serving, settle_after
 from testkit import wait_for
 
-from labkit.service.fair import Groups, per_request_cap, pick
+from serve.core.fair import Groups, per_request_cap, pick
 
 BIG_TOKENS = 12
 
@@ -159,8 +159,8 @@ def test_access_log_escapes_client_values(served, caplog, body):
 
 def test_event_log_lines_escape_control_characters(tmp_path):
     """The JSONL event log: one line per record, DEL / C1 / line separators / surrogates as JSON escapes."""
-    from labkit.service.events import dumps_line
-    from labkit.service.logsafe import safe
+    from serve.observe.events import dumps_line
+    from serve.observe.logsafe import safe
 
     rec = {"event": "finished", "request_id": "r", "message": EVIL + "\x9b2J\u2028\ud800"}
     line = dumps_line(rec)

@@ -12,14 +12,15 @@ import pytest
 from engine import ConfigError, EngineArgs, RequestError, SamplingParams
 from labkit.errors import UserError
 from labkit.lab_engine import lab_args
-from labkit.service.config import RECORDED, WorkerConfig
-from labkit.service.launch import serve_args
-from labkit.service.protocol import GenRequest
-from labkit.service.serving import refusal
+from serve.core.config import RECORDED, WorkerConfig
+from serve.entrypoints.launch import serve_args
+from serve.protocol.requests import GenRequest
+from serve.entrypoints.serving import refusal
 
-SERVICE = Path(__file__).resolve().parents[2] / "labkit" / "service"
+SERVE = Path(__file__).resolve().parents[2] / "serve"
 #: the HTTP front and launch: they talk to a WorkerFront and read its ServedEngine record
-FRONT_MODULES = ("api_server", "http", "serving", "serving_native", "serving_openai", "detokenize", "launch", "front")
+FRONT_MODULES = tuple(f"entrypoints/{m}" for m in ("api_server", "http", "serving", "serving_native", "serving_openai",
+                                                     "detokenize", "launch")) + ("core/front",)
 
 
 def test_engine_options_by_name_go_into_one_engine_args():
@@ -81,5 +82,5 @@ def _attribute_reads(path: Path, names: set[str]) -> list[str]:
 def test_the_http_front_never_reads_the_engine():
     """The server, launch and the shared front read ``worker.served`` (a ServedEngine), never ``worker.engine``
     or ``worker.built``: what lets the engine live in another process without stand-ins."""
-    found = [hit for mod in FRONT_MODULES for hit in _attribute_reads(SERVICE / f"{mod}.py", {"engine", "built"})]
+    found = [hit for mod in FRONT_MODULES for hit in _attribute_reads(SERVE / f"{mod}.py", {"engine", "built"})]
     assert not found, found

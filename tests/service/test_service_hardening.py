@@ -19,10 +19,10 @@ from testkit import wait_for
 from service_fixtures import ready_url, settle_after, start_worker
 
 from labkit.paths import repo_root
-from labkit.service import client
-from labkit.service.connections import ConnectionGuard, ConnectionLimits, QuietLog
-from labkit.service.api_server import ServerThread
-from labkit.service.worker import Worker, WorkerConfig
+from labkit.load import client
+from serve.entrypoints.connections import ConnectionGuard, ConnectionLimits, QuietLog
+from serve.entrypoints.api_server import ServerThread
+from serve.core.worker import Worker, WorkerConfig
 
 MAX_MODEL_LEN = 512
 IM_START = 151644

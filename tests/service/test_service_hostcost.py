@@ -12,11 +12,11 @@ import pytest
 
 from engine import SamplingParams
 from labkit.load.trace import token_ids
-from labkit.service.events import EventLog, MemorySink, dumps_line, fan_out, make_event, sink_many
-from labkit.service.api_server import ServerThread
-from labkit.service.detokenize import IncrementalText, text_decoder
-from labkit.service.http import json_bytes as _dumps
-from labkit.service.worker import Worker, WorkerConfig
+from serve.observe.events import EventLog, MemorySink, dumps_line, fan_out, make_event, sink_many
+from serve.entrypoints.api_server import ServerThread
+from serve.entrypoints.detokenize import IncrementalText, text_decoder
+from serve.entrypoints.http import json_bytes as _dumps
+from serve.core.worker import Worker, WorkerConfig
 
 PARTS = ("deliver_us", "wakes_us", "publish_us", "boundary_us", "other_us")
 

@@ -12,9 +12,9 @@ from testkit import wait_for
 
 from engine import SamplingParams
 from labkit.load.trace import token_ids
-from labkit.service import client
-from labkit.service.events import MemorySink
-from labkit.service.worker import Worker
+from labkit.load import client
+from serve.observe.events import MemorySink
+from serve.core.worker import Worker
 
 
 def ids(name: str, n: int = 12) -> list[int]:

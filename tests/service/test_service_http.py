@@ -12,9 +12,9 @@ import pytest
 from service_fixtures import body, ids, openai_client, ready_url, run, serving, settle_after, with_session
 
 from labkit.errors import UserError
-from labkit.service import client
-from labkit.service.api_server import ServerThread, bind_socket
-from labkit.service.worker import Worker, WorkerConfig
+from labkit.load import client
+from serve.entrypoints.api_server import ServerThread, bind_socket
+from serve.core.worker import Worker, WorkerConfig
 
 MAX_MODEL_LEN = 512
 

@@ -11,9 +11,9 @@ from testkit import wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from labkit.load.trace import token_ids
-from labkit.service import client
-from labkit.service.api_server import ServerThread
-from labkit.service.worker import Worker, WorkerConfig
+from labkit.load import client
+from serve.entrypoints.api_server import ServerThread
+from serve.core.worker import Worker, WorkerConfig
 
 PROMPT = token_ids(4, "metrics", 12)
 

@@ -10,9 +10,9 @@ from testkit import wait_for
 from service_fixtures import openai_client, post, ready_url, serving, settle_after
 
 from labkit.load.trace import token_ids
-from labkit.service.protocol import NOOP_PARAMS
-from labkit.service.detokenize import StopStrings
-from labkit.service.worker import Worker, WorkerConfig
+from serve.protocol.requests import NOOP_PARAMS
+from serve.entrypoints.detokenize import StopStrings
+from serve.core.worker import Worker, WorkerConfig
 
 openai = pytest.importorskip("openai")
 MAX_MODEL_LEN = 64
@@ -283,7 +283,7 @@ def test_access_log_line_per_request(api, caplog):
 
 
 def test_null_is_absent_and_metadata_fields_are_accepted(server):
-    from labkit.service.protocol import IGNORED_PARAMS
+    from serve.protocol.requests import IGNORED_PARAMS
 
     body = {"prompt": ids("null"), "max_tokens": 2, "ignore_eos": True, **{k: None for k in NOOP_PARAMS},
             **{k: None for k in IGNORED_PARAMS}, "metadata": {"a": "b"}, "store": False, "parallel_tool_calls": True}
@@ -354,7 +354,7 @@ def test_client_import_path_has_no_torch_or_engine():
     import sys
 
     code = ("import sys; import labkit.cli; import labkit.cli.service; import labkit.console; "
-            "import labkit.service.client; "
+            "import labkit.load.client; "
             "bad = [m for m in ('torch', 'engine', 'transformers') if m in sys.modules]; print(bad); "
             "sys.exit(1 if bad else 0)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -370,7 +370,7 @@ def test_client_import_path_has_no_torch_or_engine():
 
 
 def test_serve_defaults_per_device():
-    from labkit.service.launch import serve_defaults
+    from serve.entrypoints.launch import serve_defaults
 
     assert serve_defaults("cuda") == serve_defaults("cuda:1") == dict(
         enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_active=256, max_model_len=None,
@@ -383,7 +383,7 @@ def test_auto_context_is_fitted_to_the_kv_pool_in_one_build(tiny_model_dir, monk
     """max_model_len "auto": the engine caps the model's context at what its pool holds while sizing it; the
     worker is built once (the old path built a second engine with the cap)."""
     import engine.llm_engine as le
-    from labkit.service.launch import fitted_context
+    from serve.entrypoints.launch import fitted_context
 
     builds = []
     real_init = le.LLMEngine.__init__

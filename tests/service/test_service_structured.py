@@ -1,4 +1,4 @@
-"""Structured outputs through the server (labkit/service/structured.py): OpenAI's response_format, vLLM's
+"""Structured outputs through the server (serve/protocol/structured.py): OpenAI's response_format, vLLM's
 structured_outputs, guided_* and structural_tag, on completions, chat and /generate, through the official
 ``openai`` client and langchain-openai. The tiny model is random: bounded schemas, so it must finish."""
 from __future__ import annotations

@@ -11,10 +11,10 @@ import random
 import pytest
 from service_fixtures import openai_client, post, serving, settle_after
 
-from labkit.service.chat_output import ChatOutput, ChatOutputOptions, read_message
-from labkit.service.chat_render import ChatPrompt, chat_request, parse_messages
-from labkit.service.protocol import Limits, parse_chat
-from labkit.service.wire import ApiError
+from serve.protocol.chat_output import ChatOutput, ChatOutputOptions, read_message
+from serve.protocol.chat import ChatPrompt, chat_request, parse_messages
+from serve.protocol.requests import Limits, parse_chat
+from serve.protocol.wire import ApiError
 
 openai = pytest.importorskip("openai")
 TOOLS_ON = ChatOutputOptions(parse_tools=True)

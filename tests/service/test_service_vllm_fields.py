@@ -1,4 +1,4 @@
-"""vLLM's request fields, each honoured or refused (labkit/service/protocol_fields.py, docs/OPENAI.md "vLLM fields"),
+"""vLLM's request fields, each honoured or refused (serve/protocol/vllm_fields.py, docs/OPENAI.md "vLLM fields"),
 through the official ``openai`` client (``extra_body``) where it applies: return_token_ids, continuous usage
 stats, prompt_logprobs, assistant prefill, chat echo, allowed_token_ids, truncate_prompt_tokens,
 return_tokens_as_token_ids; every other vLLM field a 400 naming it; int64 seeds; completions' max_tokens
@@ -9,8 +9,8 @@ import pytest
 from service_fixtures import openai_client, post, serving, settle_after
 
 from labkit.load.trace import token_ids
-from labkit.service import protocol_fields as vf
-from labkit.service.protocol import DEFAULT_COMPLETION_TOKENS
+from serve.protocol import vllm_fields as vf
+from serve.protocol.requests import DEFAULT_COMPLETION_TOKENS
 
 openai = pytest.importorskip("openai")
 MAX_MODEL_LEN = 64

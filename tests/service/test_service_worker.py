@@ -9,9 +9,9 @@ from service_fixtures import settle_after, start_worker
 
 from engine import RequestError, SamplingParams
 from labkit.errors import UserError
-from labkit.service.events import MemorySink
-from labkit.service.front import DuplicateRequest, WorkerUnavailable
-from labkit.service.worker import Worker, WorkerConfig
+from serve.observe.events import MemorySink
+from serve.core.front import DuplicateRequest, WorkerUnavailable
+from serve.core.worker import Worker, WorkerConfig
 from labkit.load.trace import token_ids
 
 

@@ -16,7 +16,7 @@ from labkit.load.replay import LoadOptions
 from labkit.load.report import Req
 from labkit.load.sweep import SweepOptions, rate_row, run_sweep
 from labkit.load.workloads import WorkloadOptions, write_workload
-from labkit.service.worker import WorkerConfig
+from serve.core.worker import WorkerConfig
 
 RATES = [8.0, 32.0, math.inf]
 REQUESTS = 4

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine import RequestError, StructuredOutputsParams
-from labkit.service.wire import ApiError
+from serve.protocol.wire import ApiError
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 BACKENDS = ("xgrammar", "auto")

@@ -2,7 +2,7 @@
 the worker's refusals to HTTP errors, the answer's headers, a request's events as the batches one wake-up
 brings, and the cancel of a request its client left.
 
-A route reads like mini-sglang's: parse the body (:mod:`labkit.service.protocol`), one call here, respond.
+A route reads like mini-sglang's: parse the body (:mod:`serve.protocol.requests`), one call here, respond.
 Every answer to a generation carries ``X-Request-Id`` and ``X-Cancel-Token``; the token is random and only the
 client that sent a request can cancel it (``/cancel`` needs both). The id is that of the answer's first choice;
 a cancel of it stops every choice of the request (``n`` x prompts), as a client that goes away does.
@@ -15,12 +15,12 @@ import secrets
 from aiohttp import web
 
 from engine import RequestError
-from labkit.service import protocol
-from labkit.service.front import DuplicateRequest, ServedEngine, WorkerFront, WorkerUnavailable
-from labkit.service.http import ClientGone, Middleware, disconnected
-from labkit.service.protocol import GenRequest, Limits
-from labkit.service.stream import RequestHandle
-from labkit.service.wire import ApiError
+from serve.protocol import requests as protocol
+from serve.core.front import DuplicateRequest, ServedEngine, WorkerFront, WorkerUnavailable
+from serve.entrypoints.http import ClientGone, Middleware, disconnected
+from serve.protocol.requests import GenRequest, Limits
+from serve.core.stream import RequestHandle
+from serve.protocol.wire import ApiError
 
 POLL_S = 0.5          # how often a waiting handler checks that its client is still there
 RETRY_AFTER_S = "1"

@@ -5,7 +5,7 @@ lone UTF-16 surrogate. Written raw, one request becomes several log lines or rew
 :func:`safe` shows C0 and C1 control characters, DEL, the Unicode line separators and lone surrogates as
 ``\\r``, ``\\n``, ``\\t``, ``\\xNN`` or ``\\uNNNN``; :class:`EscapeFilter` applies it to a log record's final
 message (the format's arguments included), so a line stays one line whatever a value holds. The JSONL event log
-is escaped the same way by :func:`labkit.service.events.dumps_line` (JSON ``\\uNNNN`` escapes).
+is escaped the same way by :func:`serve.observe.events.dumps_line` (JSON ``\\uNNNN`` escapes).
 """
 from __future__ import annotations
 

@@ -16,14 +16,14 @@ Implemented (docs/OPENAI.md, "vLLM fields"):
 - ``add_special_tokens``, ``truncate_prompt_tokens`` (keep the last k prompt tokens; -1: max_model_len, vLLM's
   meaning; at most max_model_len) with ``truncation_side`` (``left`` default, ``right`` keeps the first k),
   ``return_tokens_as_token_ids`` (``token_id:N`` strings in log-probs). ``allowed_token_ids`` is a sampling
-  parameter (:mod:`labkit.service.sampling_args`).
+  parameter (:mod:`serve.protocol.sampling`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from labkit.service.sampling_args import _bool, _int_check, _is_int, _show, _type_check, bad
+from serve.protocol.sampling import _bool, _int_check, _is_int, _show, _type_check, bad
 
 MAX_PROMPT_LOGPROBS = 20           # as logprobs (engine MAX_LOGPROBS); vLLM's -1 (the whole vocabulary) is refused
 

@@ -1,6 +1,6 @@
 """The one interface the HTTP front talks to, whether the engine runs in this process
-(:class:`labkit.service.worker.Worker`) or in a process of its own
-(:class:`labkit.service.engine_process.RemoteWorker`): vLLM's ``EngineClient`` seam.
+(:class:`serve.core.worker.Worker`) or in a process of its own
+(:class:`serve.core.proc_client.RemoteWorker`): vLLM's ``EngineClient`` seam.
 
 - :class:`ServedEngine`: a frozen record of the served engine (identity, device, kind, limits, KV pool size,
   ``describe()``), made once when the engine is built and published at start (by the engine process in its
@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import Config, LLMEngine, RequestError, SamplingParams
-from labkit.service.chat_render import ChatPrompt, render
-from labkit.service.config import WorkerConfig
-from labkit.service.events import Sink
-from labkit.service.metrics import ServiceStats
-from labkit.service.protocol import REQUEST_ID_RE, RESERVED_FIELDS
-from labkit.service.stream import RequestHandle
+from serve.protocol.chat import ChatPrompt, render
+from serve.core.config import WorkerConfig
+from serve.observe.events import Sink
+from serve.observe.metrics import ServiceStats
+from serve.protocol.requests import REQUEST_ID_RE, RESERVED_FIELDS
+from serve.core.stream import RequestHandle
 
 
 class WorkerUnavailable(RuntimeError):
@@ -117,7 +117,7 @@ class WorkerFront:
     def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
                  prefill_after: str | None, group: str) -> None:
         """Queue a checked request (with the lock held), or finish its handle as rejected (the queue counts
-        groups: :mod:`labkit.service.fair`)."""
+        groups: :mod:`serve.core.fair`)."""
         raise NotImplementedError
 
     def _send_cancel(self, request_id: str, cause: str, reason: str) -> bool:
@@ -150,7 +150,7 @@ class WorkerFront:
         add_special_tokens, truncate_prompt_tokens with truncation_side. ``handle.prompt_token_ids`` is the
         prompt as submitted to the engine.
         ``group``: the id of the first worker request of the same HTTP request (``n`` x prompts); the queue and
-        the running slots are shared fairly among groups (:mod:`labkit.service.fair`). None: its own id.
+        the running slots are shared fairly among groups (:mod:`serve.core.fair`). None: its own id.
         Token events carry ``logprob`` (``[id, log-prob, rank, [[id, log-prob], ...]]``) when
         ``params.logprobs`` is set; the first carries ``prompt_logprobs`` when ``params.prompt_logprobs`` is.
 
@@ -197,7 +197,7 @@ class WorkerFront:
 
     def _grammars(self):
         """The grammar compiler and cache submit() checks constraints with: the engine's own where it runs in
-        this process (:class:`labkit.service.worker.Worker`), else one over the front's tokenizer (None without one:
+        this process (:class:`serve.core.worker.Worker`), else one over the front's tokenizer (None without one:
         the engine then refuses a bad constraint when it admits the request)."""
         if self._grammar_cache is None and self._encoder is not None:
             from engine.sampling.structured import Grammars
@@ -258,7 +258,7 @@ class WorkerFront:
                                "invalid_prompt") from None
 
     def _encode_chat(self, chat: ChatPrompt, limit: int, options: dict) -> list[int]:
-        """The chat template's text (:func:`labkit.service.chat_render.render`: tools, template kwargs, the
+        """The chat template's text (:func:`serve.protocol.chat.render`: tools, template kwargs, the
         template's own thinking default, vLLM's add_generation_prompt / continue_final_message in ``options``),
         tokenized so that only the template's own markers are special tokens.
 

@@ -38,7 +38,7 @@ from typing import Callable
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from labkit.service.logsafe import safe
+from serve.observe.logsafe import safe
 
 SWEEP_S = 0.25
 FD_RESERVE = 32            # descriptors kept free beyond the ones open at start (logs, model files, threads)
@@ -201,7 +201,7 @@ class Connection(RequestHandler):
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
         """A request aiohttp could not parse (or a handler bug): one JSON error, one quiet log line."""
-        from labkit.service.wire import parser_error
+        from serve.protocol.wire import parser_error
 
         if request.writer.output_size > 0:       # a response is under way: the connection is broken
             raise ConnectionError("response already started")

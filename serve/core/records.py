@@ -1,4 +1,4 @@
-"""The owner thread's records (:mod:`labkit.service.worker` runs the thread): a request as the owner holds it,
+"""The owner thread's records (:mod:`serve.core.worker` runs the thread): a request as the owner holds it,
 the host time between steps by part, owner calls, injected faults, the hooks where its output may also go
 (the engine process's pipe), and the event fields made from a step's output.
 """
@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine import SamplingParams
-from labkit.service.events import make_event
-from labkit.service.stream import RequestHandle
+from serve.observe.events import make_event
+from serve.core.stream import RequestHandle
 
 
 @dataclass
@@ -35,7 +35,7 @@ class OwnedRequest:
     num_tokens: int = 0
     last_token_ns: int = 0
     prefill_after: str | None = None      # n > 1: the sibling request whose prompt KV this one reuses
-    group: str = ""                       # the HTTP request it belongs to (labkit.service.fair); "": its own id
+    group: str = ""                       # the HTTP request it belongs to (serve.core.fair); "": its own id
 
     def __post_init__(self) -> None:
         self.group = self.group or self.request_id
@@ -100,7 +100,7 @@ def step_record(out, worker_id: str, t0: int, t: int, before: dict, rid_of: Call
     """A step's record for the event log: phase, batch (request ids and tokens), the chunks it discarded,
     its times (``before``: the owner's time since the previous step ended, by part)."""
     return make_event(
-        "step", None, worker_id, out.step, t_ns=t, phase="prefill" if out.is_prefill else "decode",
+        "step", None, worker_id, out.step, t_ns=t, phase=out.kind,
         num_seqs=len(out.seqs), num_tokens=out.num_tokens, seconds=round(out.seconds, 6), start_ns=t0,
         wait_s=round(getattr(out, "wait_s", 0.0), 6), before=before,
         batch=[[rid_of(sid), n] for sid, n in out.scheduled], chunks=[rid_of(sid) for sid in out.outcome.discarded],

@@ -26,9 +26,9 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from labkit.errors import UserError
-from labkit.service import protocol
-from labkit.service.connections import Connection
-from labkit.service.wire import ApiError, loads_strict, parser_error
+from serve.protocol import requests as protocol
+from serve.entrypoints.connections import Connection
+from serve.protocol.wire import ApiError, loads_strict, parser_error
 
 API_KEY_ENV = "LABKIT_API_KEY"
 JSON_TYPES = ("application/json",)

@@ -6,12 +6,12 @@ Threads and ownership
     threads call ``submit()``, ``cancel()``, ``run_on_owner()`` and ``close()``, all thread-safe.
 
 Admission and the queue
-    ``submit()`` (:class:`labkit.service.front.WorkerFront`: the checks, the encoding) appends the request
+    ``submit()`` (:class:`serve.core.front.WorkerFront`: the checks, the encoding) appends the request
     to a queue of ``queue_size`` requests (the sequences of one HTTP request, ``n`` x prompts, are one request:
     a ``group``); a full queue rejects it (its stream gets ``finished(reason=rejected)`` and ``handle.rejected``
     is true; no request is ever dropped silently). At each step boundary the owner handles cancels first, then
     admits queued requests while fewer than ``max_active`` are admitted and unfinished: round-robin across
-    groups, at most ``max_active_per_request`` running per group (:mod:`labkit.service.fair`).
+    groups, at most ``max_active_per_request`` running per group (:mod:`serve.core.fair`).
 
 Event streams and slow consumers
     Each request's handle buffers ``stream_buffer`` events; the owner never blocks on a consumer: a token that
@@ -51,12 +51,12 @@ from typing import Any, Callable
 from engine import RequestError, SamplingParams
 from engine.observe import StepHooks
 from labkit.errors import UserError
-from labkit.service.config import WorkerConfig
-from labkit.service.events import Sink, make_event, now_ns, sink_many
-from labkit.service.fair import Groups, per_request_cap, pick
-from labkit.service.front import ServedEngine, WorkerFront, WorkerUnavailable
-from labkit.service.owner import Fault, HostTime, OwnedRequest, OwnerCall, OwnerHooks, deliver_tokens, step_record
-from labkit.service.stream import RequestHandle, wake_all
+from serve.core.config import WorkerConfig
+from serve.observe.events import Sink, make_event, now_ns, sink_many
+from serve.core.fair import Groups, per_request_cap, pick
+from serve.core.front import ServedEngine, WorkerFront, WorkerUnavailable
+from serve.core.records import Fault, HostTime, OwnedRequest, OwnerCall, OwnerHooks, deliver_tokens, step_record
+from serve.core.stream import RequestHandle, wake_all
 
 
 class InjectedFault(RuntimeError):
@@ -416,7 +416,7 @@ class Worker(WorkerFront):
 
     def _deliver(self, out, t0: int) -> None:
         t = now_ns()
-        phase = "prefill" if out.is_prefill else "decode"
+        phase = out.kind                    # decode | prefill | mixed
         self.stats.count_step(phase, out.seconds)
         before = self._host.record(t0)          # the owner's time since the previous step ended
         self._host.restart(t)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import aiohttp
 
 from labkit.errors import UserError
-from labkit.service.events import EventLog, now_ns
+from serve.observe.events import EventLog, now_ns
 
 Record = Callable[[dict], None]
 API_KEY_ENV = "LABKIT_API_KEY"
@@ -367,7 +367,7 @@ def run_client(endpoint: str, prompt: str | None = None, max_tokens: int = 32, r
 
 async def _client_main(endpoint, prompt, token_ids, max_tokens, request_id, cancel_after, out, api, temperature,
                        ignore_eos, timeout_s, api_key=None, on_text=None) -> dict:
-    from labkit.service.events import log_header
+    from serve.observe.events import log_header
 
     events: list[dict] = []
     async with session(timeout_s, api_key=api_key) as sess:

@@ -8,9 +8,9 @@ own and the front end's work runs beside it.
 
 Processes and channels
     :class:`RemoteWorker` (the parent, where the HTTP server runs) has the public surface the server,
-    ``run_serve`` and the tests use from :class:`labkit.service.worker.Worker`. ``start()`` spawns a child
+    ``run_serve`` and the tests use from :class:`serve.core.worker.Worker`. ``start()`` spawns a child
     (``multiprocessing`` "spawn": nothing of the parent, CUDA included, is inherited) that runs the existing
-    Worker unchanged (:mod:`labkit.service.engine_child`). Two one-way pipes: commands parent -> child
+    Worker unchanged (:mod:`serve.core.proc_main`). Two one-way pipes: commands parent -> child
     (submit, cancel, test-hook calls, close), events child -> parent: a step's events as ONE message (a
     pickled list), the owner's published snapshot after each loop round (queue, active, KV blocks, round,
     state), events made outside the owner thread at once.
@@ -22,7 +22,7 @@ The parent
     the ``t_ns`` the engine stamped (submitted and token events), step counts and seconds from ``step``
     records, so /metrics shows the engine's figures as in one process. What the front end reads (the
     served engine's record, state, snapshot) is answered here, from what the child reported: the
-    :class:`labkit.service.front.ServedEngine` of its ``ready`` message and its last snapshot.
+    :class:`serve.core.front.ServedEngine` of its ``ready`` message and its last snapshot.
 
 Submission
     Tokenization and chat templating run in the parent (its own copy of the model's tokenizer, loaded
@@ -61,13 +61,13 @@ from typing import Any, Callable
 
 from engine import LLMEngine, SamplingParams
 from labkit.errors import UserError
-from labkit.service.config import WorkerConfig
-from labkit.service.engine_child import CHILD_CALLS, READY_TIMEOUT_S, _bare_main, _child_main  # noqa: F401
-from labkit.service.events import Sink, make_event, now_ns
-from labkit.service.fair import Groups
-from labkit.service.front import WorkerFront, WorkerUnavailable
-from labkit.service.stream import RequestHandle, wake_all
-from labkit.service.worker import Worker
+from serve.core.config import WorkerConfig
+from serve.core.proc_main import CHILD_CALLS, READY_TIMEOUT_S, _bare_main, _child_main  # noqa: F401
+from serve.observe.events import Sink, make_event, now_ns
+from serve.core.fair import Groups
+from serve.core.front import WorkerFront, WorkerUnavailable
+from serve.core.stream import RequestHandle, wake_all
+from serve.core.worker import Worker
 
 
 # --------------------------------------------------------------------------- the parent's request records

@@ -10,7 +10,7 @@ The call's schema is ``{"name": const, "arguments": the tool's parameters}`` (``
 
 It goes to the engine as ``structured_outputs={"grammar": ...}`` (engine/sampling/structured.py), which masks
 every token the grammar does not allow and finishes the request when the grammar is complete. The tool
-parser (labkit/service/tool_parser.py) then reads the calls back. As vLLM for required and named choices,
+parser (serve/protocol/tool_parser.py) then reads the calls back. As vLLM for required and named choices,
 no server flag is needed.
 """
 from __future__ import annotations

@@ -16,11 +16,11 @@ from typing import Callable
 from engine import EngineArgs
 from labkit.errors import UserError
 from labkit.lab_engine import lab_args
-from labkit.service.api_server import HttpServer, bind_socket, make_service, url_of
-from labkit.service.connections import ConnectionLimits
-from labkit.service.front import WorkerFront
-from labkit.service.http import Access
-from labkit.service.logsafe import install as escape_log
+from serve.entrypoints.api_server import HttpServer, bind_socket, make_service, url_of
+from serve.entrypoints.connections import ConnectionLimits
+from serve.core.front import WorkerFront
+from serve.entrypoints.http import Access
+from serve.observe.logsafe import install as escape_log
 
 STATS_LOG = logging.getLogger("labkit.stats")        # one line per interval while busy
 escape_log(STATS_LOG)
@@ -182,11 +182,11 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
               log_plan=None, engine_process: bool = False) -> dict:
     """``labkit serve``: bind first (a port in use fails before the model loads), start the worker,
     serve until SIGINT/SIGTERM, close. Returns what the worker did (finished requests by reason).
-    The event log: ``log_plan`` (:func:`labkit.service.events.plan_serve_log`: path, size cap, rotation),
+    The event log: ``log_plan`` (:func:`serve.observe.events.plan_serve_log`: path, size cap, rotation),
     else ``out`` uncapped, else none. ``engine_process``: the engine and its owner thread in a process of
-    their own (:mod:`labkit.service.engine_process`), this one keeps the HTTP front end."""
-    from labkit.service.engine_process import worker_class
-    from labkit.service.events import LogPlan
+    their own (:mod:`serve.core.proc_client`), this one keeps the HTTP front end."""
+    from serve.core.proc_client import worker_class
+    from serve.observe.events import LogPlan
 
     Access.make(api_key, allowed_origins)                       # option errors before the model loads
     (connections or ConnectionLimits()).check()

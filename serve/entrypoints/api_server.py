@@ -29,15 +29,15 @@ route/model/request, 405 wrong method, 408 a request that did not arrive in time
 ``application/json``, 429 queue full and 503 not accepting work (both with ``Retry-After``). A 500
 means a bug or an engine fault, never bad input.
 
-Who may do what (:mod:`labkit.service.http`): ``--api-key`` on every route but ``/health``, browser origins
+Who may do what (:mod:`serve.entrypoints.http`): ``--api-key`` on every route but ``/health``, browser origins
 only from ``--allowed-origins``, POST bodies only ``application/json``; a generation's answer carries
 ``X-Request-Id`` and ``X-Cancel-Token``, and ``/cancel`` needs both.
 
-The pieces, one module each (vLLM's seams): middleware and access (:mod:`labkit.service.http`), the
-submission path both APIs share (:mod:`labkit.service.serving`), the native routes
-(:mod:`labkit.service.serving_native`), the OpenAI routes (:mod:`labkit.service.serving_openai`),
-detokenizing (:mod:`labkit.service.detokenize`); ``labkit serve`` itself is :mod:`labkit.service.launch`.
-Connections are timed and counted by :mod:`labkit.service.connections` (timeouts per phase, a cap with
+The pieces, one module each (vLLM's seams): middleware and access (:mod:`serve.entrypoints.http`), the
+submission path both APIs share (:mod:`serve.entrypoints.serving`), the native routes
+(:mod:`serve.entrypoints.serving_native`), the OpenAI routes (:mod:`serve.entrypoints.serving_openai`),
+detokenizing (:mod:`serve.entrypoints.detokenize`); ``labkit serve`` itself is :mod:`serve.entrypoints.launch`.
+Connections are timed and counted by :mod:`serve.entrypoints.connections` (timeouts per phase, a cap with
 eviction of idle clients, a quiet log).
 """
 from __future__ import annotations
@@ -50,13 +50,13 @@ import threading
 from aiohttp import web
 
 from labkit.errors import UserError
-from labkit.service.connections import ConnectionGuard, ConnectionLimits, GuardedAppRunner, QuietLog
-from labkit.service.front import WorkerFront
-from labkit.service.http import Access, Middleware
-from labkit.service.protocol import Limits
-from labkit.service.serving import Serving
-from labkit.service.serving_native import NativeRoutes
-from labkit.service.serving_openai import OpenAIRoutes
+from serve.entrypoints.connections import ConnectionGuard, ConnectionLimits, GuardedAppRunner, QuietLog
+from serve.core.front import WorkerFront
+from serve.entrypoints.http import Access, Middleware
+from serve.protocol.requests import Limits
+from serve.entrypoints.serving import Serving
+from serve.entrypoints.serving_native import NativeRoutes
+from serve.entrypoints.serving_openai import OpenAIRoutes
 
 LISTEN_QUEUE = 1024
 

@@ -14,13 +14,13 @@ import time
 
 from aiohttp import web
 
-from labkit.service import protocol
-from labkit.service.connections import ConnectionLimits
-from labkit.service.detokenize import IncrementalText
-from labkit.service.http import ClientGone, is_loopback, json_bytes
-from labkit.service.wire import ApiError
-from labkit.service.serving import Serving
-from labkit.service.stream import RequestHandle
+from serve.protocol import requests as protocol
+from serve.entrypoints.connections import ConnectionLimits
+from serve.entrypoints.detokenize import IncrementalText
+from serve.entrypoints.http import ClientGone, is_loopback, json_bytes
+from serve.protocol.wire import ApiError
+from serve.entrypoints.serving import Serving
+from serve.core.stream import RequestHandle
 
 HEALTH_FIELDS = ("worker_id", "round", "queue_depth", "active", "engine_waiting", "engine_running",
                  "kv_blocks_total", "kv_blocks_free", "kv_blocks_used")

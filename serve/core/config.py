@@ -15,7 +15,7 @@ from engine import EngineArgs
 from engine.args import OPTION_NAMES
 from labkit.errors import UserError
 from labkit.lab_engine import lab_args
-from labkit.service.protocol import REQUEST_ID_RE
+from serve.protocol.requests import REQUEST_ID_RE
 
 #: The engine options by name (``engine.EngineArgs``' fields): the only names WorkerConfig takes for them.
 ENGINE_FIELDS = frozenset(OPTION_NAMES)
@@ -23,7 +23,7 @@ ENGINE_FIELDS = frozenset(OPTION_NAMES)
 #: the record's ``attention`` is ``EngineArgs.attention_backend`` (RECORD_NAMES).
 RECORDED = ("model", "device", "attention", "scheduling_policy", "max_consecutive_prefill", "max_num_batched_tokens",
             "max_num_seqs", "max_model_len", "gpu_memory_utilization", "enforce_eager", "num_kvcache_blocks",
-            "tensor_parallel_size", "dist_init", "shm_name", "enable_prefix_caching", "overlap")
+            "tensor_parallel_size", "dist_init", "shm_name", "enable_prefix_caching", "overlap", "mixed_batches")
 RECORD_NAMES = {"attention": "attention_backend"}
 
 
@@ -54,7 +54,7 @@ class WorkerConfig:
     """One worker: its engine (``engine.EngineArgs``) and its own admission, queue and stream limits."""
     engine: EngineArgs
     max_active: int = 8
-    queue_size: int = 64                    # requests waiting (an n x prompts request is one; labkit.service.fair)
+    queue_size: int = 64                    # requests waiting (an n x prompts request is one; serve.core.fair)
     max_active_per_request: int | None = None   # running slots one request may hold (None: fair.per_request_cap)
     worker_id: str = "worker-0"
     stream_buffer: int = 512

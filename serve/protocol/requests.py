@@ -8,14 +8,14 @@ max_model_len, KV pool size) and they come back as 400 too.
 
 OpenAI parameters the server does not implement are refused with a 400 that names them (``param``),
 unless the value given is a no-op (``suffix=""``, ``tools=[]`` ...): see :data:`NOOP_PARAMS` and
-docs/OPENAI.md; vLLM's are in :mod:`labkit.service.protocol_fields` (implemented ones in
-:class:`~labkit.service.protocol_fields.VllmOptions`, ``GenRequest.vllm``; the others in its ``REFUSED``). The
-shared field checks live in :mod:`labkit.service.sampling_args` (re-exported here). The sampling parameters (:data:`SAMPLING_CHECKS`), ``n``, ``logprobs`` /
+docs/OPENAI.md; vLLM's are in :mod:`serve.protocol.vllm_fields` (implemented ones in
+:class:`~serve.protocol.vllm_fields.VllmOptions`, ``GenRequest.vllm``; the others in its ``REFUSED``). The
+shared field checks live in :mod:`serve.protocol.sampling` (re-exported here). The sampling parameters (:data:`SAMPLING_CHECKS`), ``n``, ``logprobs`` /
 ``top_logprobs`` and ``echo`` (completions) map onto :class:`engine.SamplingParams`. Fields no OpenAI or vLLM request has are ignored, as vLLM
 does by default.
 
-Bodies arrive as strict JSON (:func:`labkit.service.wire.loads_strict`); the error shape is
-:class:`labkit.service.wire.ApiError`. The OpenAI parameter table (supported, no-op, refused) lives next to
+Bodies arrive as strict JSON (:func:`serve.protocol.wire.loads_strict`); the error shape is
+:class:`serve.protocol.wire.ApiError`. The OpenAI parameter table (supported, no-op, refused) lives next to
 the code that enforces it, so the two cannot drift apart.
 """
 from __future__ import annotations
@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine import RequestError, SamplingParams
-from labkit.service import protocol_fields as vf
-from labkit.service.chat_render import chat_request, constrain, parse_messages
-from labkit.service.sampling_args import (SAMPLING_CHECKS, _bool, _int, _int_check, _is_int, _num_check,  # noqa: F401
+from serve.protocol import vllm_fields as vf
+from serve.protocol.chat import chat_request, constrain, parse_messages
+from serve.protocol.sampling import (SAMPLING_CHECKS, _bool, _int, _int_check, _is_int, _num_check,  # noqa: F401
                                           _number, _sampling, _show, _type_check, bad, seed_of)
-from labkit.service.structured import source as structured_source, structured_outputs
-from labkit.service.wire import ApiError
+from serve.protocol.structured import source as structured_source, structured_outputs
+from serve.protocol.wire import ApiError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 TAG_VALUE_TYPES = (str, int, float, bool, type(None))
@@ -77,7 +77,7 @@ class GenRequest:
     logprobs: int | None = None           # alternatives per token in the answer's logprobs objects (None: no logprobs)
     echo: bool = False                    # completions: the prompt (and its log-probs) before the output; chat: vLLM's
     chat_output: Any = None               # chat: how the answer is read (chat_output.ChatOutputOptions)
-    structured_param: str | None = None   # the field its structured-output constraint came from (labkit/service/structured.py)
+    structured_param: str | None = None   # the field its structured-output constraint came from (serve/protocol/structured.py)
     vllm: vf.VllmOptions = field(default_factory=vf.VllmOptions)   # vLLM's extra fields (protocol_fields.py)
 
 

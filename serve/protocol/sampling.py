@@ -12,7 +12,7 @@ import reprlib
 from typing import Any, Callable
 
 from engine import MAX_LOGIT_BIAS
-from labkit.service.wire import ApiError, HugeInt
+from serve.protocol.wire import ApiError, HugeInt
 
 INT64 = (-(2 ** 63), 2 ** 63 - 1)      # seeds: vLLM's range (a signed 64-bit integer); outside it a 400
 

@@ -1,5 +1,5 @@
 """The engine process's side of ``labkit serve --engine-process`` (the parent's side, and the design,
-are in :mod:`labkit.service.engine_process`).
+are in :mod:`serve.core.proc_client`).
 
 :func:`_child_main` is the target the parent spawns (``multiprocessing`` "spawn" pickles it by this
 module's path). It runs the existing Worker unchanged, with ``stream=False`` handles (nobody reads them
@@ -8,7 +8,7 @@ the owner hands a whole step's wake-ups over once per step (``flushed``), and th
 to the parent as ONE message; after each loop round (``published``) the owner's snapshot follows. Events
 made outside the owner thread (``submitted`` at submit) go out at once, under the same lock. Its Worker
 keeps no Prometheus stats (:class:`_Uncounted`): the parent counts from the events. It reports ``ready``
-(the :class:`labkit.service.front.ServedEngine` record the parent serves and checks submissions with) or
+(the :class:`serve.core.front.ServedEngine` record the parent serves and checks submissions with) or
 its init error, then serves the parent's commands (submit, cancel, the calls of :data:`CHILD_CALLS`,
 close) until the parent closes it or its pipe reads EOF.
 """
@@ -23,11 +23,11 @@ from contextlib import contextmanager
 
 from engine import RequestError, SamplingParams
 from labkit.errors import UserError
-from labkit.service.events import make_event
-from labkit.service.config import WorkerConfig
-from labkit.service.front import DuplicateRequest, WorkerUnavailable
-from labkit.service.owner import OwnerHooks
-from labkit.service.worker import Worker
+from serve.observe.events import make_event
+from serve.core.config import WorkerConfig
+from serve.core.front import DuplicateRequest, WorkerUnavailable
+from serve.core.records import OwnerHooks
+from serve.core.worker import Worker
 
 #: The Worker methods a child may be asked to run (test hooks and snapshots), nothing else.
 CHILD_CALLS = ("pause", "resume", "inject_fault", "run_on_owner", "snapshot")

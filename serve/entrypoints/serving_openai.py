@@ -21,16 +21,16 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from labkit.service import protocol
-from labkit.service import protocol_fields as vf
-from labkit.service.chat_output import ChatOutput, read_message
-from labkit.service.detokenize import IncrementalText, LogprobsFormat, StopStrings
-from labkit.service.http import ClientGone, json_bytes
-from labkit.service.logsafe import install as escape_log
-from labkit.service.protocol import GenRequest
-from labkit.service.serving import Serving
-from labkit.service.stream import RequestHandle
-from labkit.service.wire import ApiError
+from serve.protocol import requests as protocol
+from serve.protocol import vllm_fields as vf
+from serve.protocol.chat_output import ChatOutput, read_message
+from serve.entrypoints.detokenize import IncrementalText, LogprobsFormat, StopStrings
+from serve.entrypoints.http import ClientGone, json_bytes
+from serve.observe.logsafe import install as escape_log
+from serve.protocol.requests import GenRequest
+from serve.entrypoints.serving import Serving
+from serve.core.stream import RequestHandle
+from serve.protocol.wire import ApiError
 
 ACCESS_LOG = logging.getLogger("labkit.access")      # one line per generation request (vLLM's habit)
 escape_log(ACCESS_LOG)                               # every value in it escaped: one line per request

@@ -10,7 +10,7 @@ only. A tag cut between two pieces is held back until the next piece decides.
 """
 from __future__ import annotations
 
-from labkit.service.tool_parser import held_prefix
+from serve.protocol.tool_parser import held_prefix
 
 THINK_START, THINK_END = "<think>", "</think>"
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from labkit.evidence import envelope, to_jsonable
-from labkit.service.logsafe import UNSAFE
+from serve.observe.logsafe import UNSAFE
 
 FINISH_REASONS = ("stop", "length", "cancelled", "rejected", "error")
 CANCEL_CAUSES = ("client", "disconnect", "slow_consumer", "shutdown")

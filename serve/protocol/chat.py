@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from labkit.service.chat_output import ChatOutputOptions
-from labkit.service.wire import ApiError
+from serve.protocol.chat_output import ChatOutputOptions
+from serve.protocol.wire import ApiError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 #: apply_chat_template's own arguments: not for chat_template_kwargs.
@@ -270,7 +270,7 @@ def chat_request(body: dict, messages: list[dict], auto_tools: bool = True,
     kwargs = parse_template_kwargs(body.get("chat_template_kwargs"))
     constraint = None
     if choice == "required" or isinstance(choice, dict):
-        from labkit.service.tool_constraint import tool_call_grammar
+        from serve.protocol.tool_constraint import tool_call_grammar
         constraint = tool_call_grammar(tools, choice, parallel is not False)
     options = ChatOutputOptions(reasoning=reasoning_parser is not None, parse_tools=bool(tools) and choice != "none",
                                 max_calls=1 if parallel is False else None, tool_choice=choice, constraint=constraint)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labkit.service.reasoning import Qwen3ReasoningParser
-from labkit.service.tool_parser import HermesToolParser, new_call_id
+from serve.protocol.reasoning import Qwen3ReasoningParser
+from serve.protocol.tool_parser import HermesToolParser, new_call_id
 
 
 @dataclass(frozen=True)
