@@ -23,7 +23,7 @@ from labkit.pictures.explorer_page import CSS, SCRIPT
 def _views(facts: dict) -> tuple[list[dict], walkdata.PoolView]:
     pool = walkdata.pool_view(facts, max_blocks=256)
     out = []
-    for st, row in zip(facts["steps"], pool.rows):
+    for j, (st, row) in enumerate(zip(facts["steps"], pool.rows)):
         blocks = [{"id": b, **asdict(row[b])} if b in row else {"id": b, "owners": [], "ref_count": 0, "hashed": False,
                                                                    "free": True}
                   for b in pool.shown]
@@ -33,7 +33,8 @@ def _views(facts: dict) -> tuple[list[dict], walkdata.PoolView]:
                 spans = [asdict(s) for s in walkdata.slot_view(facts, st).spans]
             except UserError:      # a step whose inputs cannot be cut into spans shows its raw slots only
                 spans = []
-        out.append({"blocks": blocks, "spans": spans})
+        gone = pool.preempted[j] if j < len(pool.preempted) else {}
+        out.append({"blocks": blocks, "spans": spans, "preempted": {str(b): lab for b, lab in gone.items()}})
     return out, pool
 
 

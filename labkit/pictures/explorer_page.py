@@ -125,6 +125,12 @@ SCRIPT = r"""
     nodes.push(el("p", {"class": "note", style: "color:#555",
       text: "block id top left; owner(s) at the bottom (# = hashed, full block); ×N = ref count (shared); " +
             "'cached' = free, hash kept; white = free" + (D.block_size ? "; a block holds " + D.block_size + " tokens" : "")}));
+    var gone = v.preempted || {}, byLab = {};
+    Object.keys(gone).forEach(function (b) { (byLab[gone[b]] = byLab[gone[b]] || []).push(b); });
+    Object.keys(byLab).forEach(function (lab) {
+      nodes.push(el("p", {"class": "note preempted", text: "preempted in this step: " + lab + " (blocks " + byLab[lab].join(", ") +
+        " given back by Scheduler.preempt before the forward; it waits again, cached = 0)"}));
+    });
     D.pool_notes.forEach(function (n) { nodes.push(note(n)); });
     return nodes;
   }

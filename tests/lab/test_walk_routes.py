@@ -143,6 +143,11 @@ def test_a_small_kv_pool_preempts_and_the_pictures_draw_it(tiny_model_dir, tmp_p
         assert grid.cells[grid.labels.index(p["label"])][j].kind == "preempted"
         assert view.preempted[j] == {b: p["label"] for b in p["blocks"]}
     assert sum(len(g) > 0 for g in view.preempted) == facts["preemptions"]
+    from labkit.pictures.explorer import explorer_data
+
+    views = explorer_data(record, facts, "t")["views"]       # the explorer's pool section says it too
+    for p in facts["preempted_at"]:
+        assert views[steps.index(p["step"])]["preempted"] == {str(b): p["label"] for b in p["blocks"]}
     assert any(p.name.endswith(".kv.png") for p in draw_walk(path))
     res = labkit_in_process("quick-walk", "--case", "prefix", "--num-kvcache-blocks", "2")
     assert res.returncode == 2 and "--num-kvcache-blocks is for cases A-D" in res.stderr
