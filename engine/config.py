@@ -237,11 +237,18 @@ class Config:
         device = self.resolved_device()
         if not self.enforce_eager and not device.startswith("cuda"):
             raise ConfigError("graph execution needs CUDA (use enforce_eager on CPU)")
-        resolve_backend_name(self.attention_backend, device, self.kvcache_block_size)
+        resolve_backend_name(self.attention_backend, device, self.kvcache_block_size, self.attention_needs(device))
         if device.startswith("cuda") and self.tensor_parallel_size > torch.cuda.device_count():
             raise ConfigError(f"tensor_parallel_size {self.tensor_parallel_size} needs that many GPUs; "
                               f"this machine has {torch.cuda.device_count()}")
         return device
+
+    def attention_needs(self, device: str):
+        """What the model asks of its attention backend on ``device`` (engine/attention: ModelNeeds)."""
+        from engine.attention import ModelNeeds
+
+        dtype = str(self.resolved_dtype(device)).replace("torch.", "")
+        return ModelNeeds(dtype, self.shape.head_dim, self.kv_cache_dtype)
 
     def resolved_dtype(self, device: str):
         import torch

@@ -84,7 +84,8 @@ class ModelRunner:
             torch.cuda.set_device(torch.device(self.device))
         self.dtype = config.resolved_dtype(self.device)
         self.block_size = config.kvcache_block_size
-        self.attention_backend = resolve_backend_name(config.attention_backend, self.device, self.block_size)
+        self.attention_backend = resolve_backend_name(config.attention_backend, self.device, self.block_size,
+                                                      config.attention_needs(self.device))
         self.backend = create_backend(self.attention_backend, self.block_size)
         self.inputs = InputBuilder(self.block_size, self.device)
         self.on_inputs: Callable[[StepInputs], None] | None = None   # observer hook (tracing)

@@ -222,10 +222,25 @@ def render_doctor(record: dict) -> None:
         "engine": (f"{facts['engine_import']['path']}: {facts['engine_run']['output_tokens']} token in "
                    f"{facts['engine_run']['generate_seconds']} s ({facts['engine_run']['attention_backend']})"
                    if facts["engine_run"]["ok"] else f"{facts['engine_import']['path']}: {facts['engine_run']['error']}"),
+        "flash-attn": _flash_line(facts.get("flash_attn")),
         "evidence kind": record["kind"],
     }, title="machine"))
     if "engine" in facts:
         console.print(kv_table(doctor_engine_rows(facts["engine"]), title="engine KV pool (docs/LAB.md §11)"))
+
+
+def _flash_line(f: dict | None) -> str:
+    """doctor's flash-attn row: what it found and what that can run."""
+    if not f:
+        return "not checked"
+    if not f["found"]:
+        return f["why"]
+    text = f"{f.get('version')} ({f['build']} build, {f['location']}): {f['runs']}"
+    if f.get("imports") is False:
+        text += f"; does not import: {f['import_error']}"
+    if f.get("arch_note"):
+        text += f"; {f['arch_note']}"
+    return text
 
 
 def gib(n: int | float | None, missing: str = "n/a") -> str:

@@ -50,6 +50,35 @@ def check_imports() -> dict[str, dict]:
     return out
 
 
+def check_flash_attn(dev) -> dict:
+    """Which flash-attn this interpreter finds (engine/attention/flash_support.py: where, which version, a full
+    or a minimal tools/build_flash_attn.sh build) and what it can run: its dtypes and head dims, and on CUDA
+    whether it imports and was built for this GPU (the engine run says which backend ``--attention auto`` took)."""
+    from engine.attention import flash_support
+
+    info = flash_support.installed()
+    if info is None:
+        return {"found": False, "why": "not installed (tools/build_flash_attn.sh builds it on a CUDA machine)"}
+    out = {"found": True, **info}
+    if dev.type == "cuda":
+        try:
+            importlib.import_module("flash_attn")
+            out["imports"] = True
+        except Exception as e:  # a build for another torch or CUDA raises anything
+            out["imports"], out["import_error"] = False, _one_line(e)
+        major, minor = __import__("torch").cuda.get_device_capability(dev)
+        out["device_arch"] = f"{major}{minor}"
+        if info.get("archs") and out["device_arch"] not in info["archs"]:
+            out["arch_note"] = f"built for sm_{', sm_'.join(info['archs'])}, this GPU is sm_{out['device_arch']}"
+    out["runs"] = (f"{'/'.join(info['dtypes'])}, head dims {_dims(info['head_dims'])}, causal and not, paged KV "
+                   "in blocks of a multiple of 256 tokens; no float32, no FP8 KV cache")
+    return out
+
+
+def _dims(dims: list[int]) -> str:
+    return "8..256 (multiples of 8)" if len(dims) > 8 else ", ".join(map(str, dims))
+
+
 def project_engine_dir() -> Path:
     """The ``engine/`` directory of this project (next to ``labkit/``)."""
     return (repo_root() / "engine").resolve()
@@ -222,6 +251,7 @@ def run_doctor(out: Path | None = None, device: str = "auto", engine: bool = Fal
         "device": device_facts(device, dev),
         "tensor_check": tensor,
         "runs_writable": check_runs_writable(),
+        "flash_attn": check_flash_attn(dev),
     }
     engine_desc = model_identity = None
     if facts["engine_import"]["ok"]:
