@@ -116,7 +116,7 @@ def test_generate_and_serve_refuse_an_unsupported_type_in_one_line(dynamic_model
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
     assert errors == ["error: rope scaling type 'dynamic' in config.json is not supported "
-                      "(supported: default, linear, yarn)"]
+                      "(supported: default, linear, yarn, llama3)"]
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
