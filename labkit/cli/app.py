@@ -346,7 +346,7 @@ def quick_walk(
     record = run_quick_walk(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
                             budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
                             trace=trace or inputs, debug=debug, shuffle_blocks=shuffle_blocks, shapes=shapes,
-                            fused_ops=fused_ops)
+                            fused_ops=fused_ops, num_kvcache_blocks=num_kvcache_blocks)
     if not json_out:
         render_quick_walk(record)
         if inputs:
@@ -436,6 +436,7 @@ def bench(
         from labkit.bench.step_budget import step_budget_command
 
         record = step_budget_command(out, model=_model_arg(model), device=device, attention=attention,
+    num_kvcache_blocks: Annotated[Optional[int], typer.Option("--num-kvcache-blocks", metavar="N", min=1, show_default=False, help="Cases A-D: a KV pool of N blocks (default: sized from memory); a small pool makes decodes preempt (e.g. --case B --kv-cache-block-size 4 --num-kvcache-blocks 2); no checkpoint claims such a run.")] = None,
                                      sizes=dict(batch=batch, context=context, steps=steps, warm=warm_steps),
                                      others={"--baseline": baseline, "--profile": profile, "--sweep": sweep,
                                              "--overlap/--no-overlap": overlap, "--enforce-eager": enforce_eager,
@@ -448,6 +449,9 @@ def bench(
     if context is not None and workload != "nano-batches":
         raise UserError("--context applies to --workload step-budget and nano-batches")
     if any(v is not None for v in (steps, warm_steps)):
+        if num_kvcache_blocks is not None:
+            raise UserError("--num-kvcache-blocks is for cases A-D")
+
         raise UserError("--steps and --warm-steps apply to --workload step-budget")
     if workload != "serve" and not detect_device(device).startswith("cuda"):   # minutes on a CPU, nothing to show
         raise UserError("bench is a GPU tool and this run would use the CPU (no CUDA here, or --device cpu); "

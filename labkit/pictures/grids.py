@@ -99,6 +99,14 @@ def draw_kv(view: PoolView, labels: list[str], phases: list[str], path: Path, ti
             if b in col:
                 ax.add_patch(Rectangle((col[b] + 0.06, i + 0.08), 0.88, 0.84, facecolor="none",
                                        edgecolor=style.owner_colour(labels, lab), linewidth=2.2))
+    for i, gone in enumerate(view.preempted):         # freed by Scheduler.preempt before this step's forward
+        for b, lab in gone.items():
+            if b in col:
+                ax.add_patch(Rectangle((col[b] + 0.06, i + 0.08), 0.88, 0.84, facecolor="none",
+                                       edgecolor=style.KIND_COLOURS["preempted"], linewidth=2.0, linestyle="--"))
+                if roomy:
+                    ax.text(col[b] + 0.5, i + 0.5, f"{lab} ✗", ha="center", va="center", fontsize=7,
+                            color=style.KIND_COLOURS["preempted"])
     ax.set_xlim(0, n)
     ax.set_ylim(len(view.rows), 0)
     ticks = [x for x in (range(n) if n <= 24 else range(0, n, max(1, n // 12))) if x < len(view.shown)]
@@ -127,6 +135,9 @@ def draw_kv(view: PoolView, labels: list[str], phases: list[str], path: Path, ti
     if any(view.released):
         handles.append(Patch(facecolor="white", edgecolor="#555555", linewidth=2.2,
                              label="outline: held in the step,\ngiven back at its end"))
+    if any(view.preempted):
+        handles.append(Patch(facecolor="white", edgecolor=style.KIND_COLOURS["preempted"], linewidth=2.0,
+                             linestyle="--", label="dashed, ✗: freed by a preemption\n(the request went back to waiting)"))
     handles.append(Patch(facecolor="white", edgecolor="#999999", label="free"))
     fig.legend(handles=handles, loc="outside right upper", fontsize=8, frameon=False)
     style.add_notes(fig, view.notes)

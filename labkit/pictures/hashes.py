@@ -5,6 +5,9 @@ One row per request in admission order, one box per block of its prompt: the blo
 hash and its own tokens, so an arrow goes from each block to the next; green boxes were prefix-cache
 hits (the block was reused, not recomputed), grey ones were misses; the last, partial block has no hash
 (dashed). Change one token in block 0 and every later hash in that row changes: the row turns grey.
+A request's last block is never looked up, even when it is full (BlockManager.cached_prefix walks
+num_blocks - 1 blocks, so one token is always left to compute): such a block says so ("last block: not
+looked up"), since it misses whatever the cache holds (the prefix walk's D: exactly 512 tokens).
 """
 from __future__ import annotations
 
@@ -22,10 +25,17 @@ def hash_size(rows: list[dict]) -> tuple[float, float]:
     return round(style.clamp(width, 6.5, 22.0), 2), round(max(height, 2.8), 2)
 
 
-def _box_text(b: dict) -> str:
+def last_not_looked_up(row: dict, b: dict) -> bool:
+    """The row's last block, full (hashed) and a miss: cached_prefix never looks the last block up."""
+    return b["index"] == len(row["blocks"]) - 1 and b.get("short") is not None and not b.get("hit")
+
+
+def _box_text(b: dict, last: bool = False) -> str:
     tokens = f"tokens {b['first_token']}–{b['last_token']}"
     if b.get("short") is None:
         return f"block {b['block_id']}\npartial: no hash\n{tokens}"
+    if last:
+        return f"block {b['block_id']} #{b['short']}\nlast block:\nnot looked up\n{tokens}"
     return f"block {b['block_id']}\n#{b['short']}\n{tokens}"
 
 
@@ -44,8 +54,9 @@ def draw_hash(rows: list[dict], labels: list[str], path: Path, title: str) -> Pa
             ax.add_patch(FancyBboxPatch((x, y), BOX_W, BOX_H, boxstyle="round,pad=0.02,rounding_size=0.08",
                                         facecolor=face, edgecolor="#333333", linewidth=1.0,
                                         linestyle="--" if partial else "-"))
-            ax.text(x + BOX_W / 2, y + BOX_H / 2, _box_text(b), ha="center", va="center", fontsize=8,
-                    family="monospace")
+            last = last_not_looked_up(row, b)
+            ax.text(x + BOX_W / 2, y + BOX_H / 2, _box_text(b, last), ha="center", va="center",
+                    fontsize=6.5 if last else 8, family="monospace")
             if b["index"] > 0:
                 ax.add_patch(FancyArrowPatch((x - GAP + 0.03, y + BOX_H / 2), (x - 0.03, y + BOX_H / 2),
                                              arrowstyle="-|>", mutation_scale=11, color="#333333"))
@@ -60,5 +71,6 @@ def draw_hash(rows: list[dict], labels: list[str], path: Path, title: str) -> Pa
                Patch(facecolor=style.MISS_COLOUR, edgecolor="#333333", label="miss: computed"),
                Patch(facecolor=style.MISS_COLOUR, edgecolor="#333333", linestyle="--", label="partial block (no hash)")]
     fig.legend(handles=handles, loc="outside lower center", ncols=3, fontsize=8, frameon=False,
-               title="arrow: the child's hash is computed from its parent's", title_fontsize=8)
+               title="arrow: the child's hash is computed from its parent's; a request's last block is never "
+                     "looked up (one token is always left to compute)", title_fontsize=8)
     return style.save(fig, path)
