@@ -77,9 +77,10 @@ def engine_facts(engine: LLMEngine) -> dict:
 # -- workloads -------------------------------------------------------------------------------------
 def bench_nano_vllm(model_dir: str, device: str, attention: str, eager: bool, repeats: int,
                     profile: bool = False, overlap: bool = False, sampling: str = "plain",
-                    json_schema: dict | None = None, num_seqs: int = 256) -> dict:
+                    json_schema: dict | None = None, num_seqs: int = 256, kv_cache_dtype: str = "auto") -> dict:
     prompts, params = nano_vllm_workload(num_seqs, sampling=sampling, json_schema=json_schema)
-    engine = engine_for(model_dir, device, attention, eager, overlap=overlap, **NANO_VLLM_ENGINE)
+    engine = engine_for(model_dir, device, attention, eager, overlap=overlap, kv_cache_dtype=kv_cache_dtype,
+                        **NANO_VLLM_ENGINE)
     facts = {"engine": engine_facts(engine), "overlap": overlap, "workload": {
         "name": "nano-vllm", "num_seqs": len(prompts), "input_tokens": sum(map(len, prompts)),
         "expected_output_tokens": sum(p.max_tokens for p in params), "temperature": 0.6, "ignore_eos": True,
@@ -186,7 +187,8 @@ LATENCY_BATCHES = (1, 8, 64)
 
 
 def bench_latency(model_dir: str, device: str, attention: str, batches=LATENCY_BATCHES, input_len=128,
-                  output_len=128, modes: list[tuple[str, bool, bool]] | None = None, rounds: int = 1) -> dict:
+                  output_len=128, modes: list[tuple[str, bool, bool]] | None = None, rounds: int = 1,
+                  kv_cache_dtype: str = "auto") -> dict:
     """Time per output token at each batch: eager and graph one step at a time (each step timed alone, from
     a synchronized start), and on CUDA graph_overlap, the overlapped decode `labkit serve` runs by default:
     there a step's tokens arrive while the next step computes, so the time per token is the interval
@@ -204,7 +206,7 @@ def bench_latency(model_dir: str, device: str, attention: str, batches=LATENCY_B
             modes.append(("graph_overlap", False, True))
     for mode, eager, overlap in modes:
         engine = engine_for(model_dir, device, attention, eager, max_num_seqs=max(batches), max_model_len=1024,
-                            max_num_batched_tokens=8192, overlap=overlap)
+                            max_num_batched_tokens=8192, overlap=overlap, kv_cache_dtype=kv_cache_dtype)
         facts[mode] = {"engine": engine_facts(engine)}
         for b in batches:
             prompts, params = fixed_workload(b, input_len, output_len)
@@ -304,10 +306,12 @@ def bench_hf_baseline(model_dir: str, device: str, attention: str, num_seqs: int
 def run_bench(workload: str, out: Path | None = None, model: str | None = None, device: str = "auto",
               attention: str = "auto", baseline: str | None = None, repeats: int = 1, eager: bool = False,
               profile: bool = False, sweep: bool = False, overlap: bool | None = None, sampling: str = "plain",
-              json_schema: Path | None = None, batch: int | None = None, context: int | None = None) -> dict:
+              json_schema: Path | None = None, batch: int | None = None, context: int | None = None,
+              kv_cache_dtype: str = "auto") -> dict:
     """batch (latency): that batch only, not LATENCY_BATCHES (evidence no checkpoint judges); batch, context
     (nano-batches): the decode step's shape; repeats: the nano-vllm workload's timed repeats, the latency
-    workload's rounds per batch."""
+    workload's rounds per batch; kv_cache_dtype (nano-vllm, latency): fp8 runs the engine with an FP8 KV cache
+    (its bound follows: the pool's bytes per value), evidence no checkpoint judges (theirs are the default cache's)."""
     from labkit.lab_engine import detect_device
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model
@@ -334,6 +338,10 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
         raise UserError("--context applies to --workload nano-batches (at least 1) and step-budget")
     if repeats != 1 and workload not in ("nano-vllm", "latency"):
         raise UserError("--repeats applies to --workload nano-vllm and latency")
+    if kv_cache_dtype not in ("auto", "fp8"):
+        raise UserError(f"--kv-cache-dtype must be auto or fp8, got {kv_cache_dtype!r}")
+    if kv_cache_dtype != "auto" and workload not in ("nano-vllm", "latency"):
+        raise UserError("--kv-cache-dtype applies to --workload nano-vllm, latency and step-budget")
     schema = load_json_schema(json_schema) if json_schema is not None else None
     device = detect_device(device)
     if overlap is None:     # nano-vllm: overlapped decode by default on CUDA (--no-overlap for the sync path)
@@ -349,7 +357,8 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
     ref = resolve_model(model, device)
     model_dir = str(ref.path)
     if workload == "nano-vllm":
-        facts = bench_nano_vllm(model_dir, device, attention, eager, repeats, profile, overlap, sampling, schema)
+        facts = bench_nano_vllm(model_dir, device, attention, eager, repeats, profile, overlap, sampling, schema,
+                                kv_cache_dtype=kv_cache_dtype)
         # the checkpoint's figure is nano-vllm's workload as it is (plain sampling, unconstrained)
         checkpoint = "cuda.bench-nano-vllm" if device.startswith("cuda") and not eager and sampling == "plain" \
             and schema is None else None
@@ -357,11 +366,15 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
         facts, checkpoint = bench_graph_vs_eager(model_dir, device, attention), "cuda.graph-vs-eager"
     else:
         facts = bench_latency(model_dir, device, attention, batches=(batch,) if batch else LATENCY_BATCHES,
-                              rounds=repeats)
+                              rounds=repeats, kv_cache_dtype=kv_cache_dtype)
         checkpoint = "cuda.latency"
         if batch is not None:
             checkpoint = None
             facts["not_judged"] = f"--batch {batch}: cuda.latency judges batches {', '.join(map(str, LATENCY_BATCHES))}"
+    if kv_cache_dtype != "auto" and checkpoint is not None:
+        facts["not_judged"] = f"--kv-cache-dtype {kv_cache_dtype}: {checkpoint}'s figures are the default cache's"
+        checkpoint = None
+    facts["kv_cache_dtype"] = kv_cache_dtype
     if baseline == "hf":
         facts["baseline_hf"] = bench_hf_baseline(model_dir, device, attention)
     facts["device"] = device

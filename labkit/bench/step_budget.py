@@ -239,7 +239,7 @@ class BudgetSpec:
 
 
 def step_budget(spec: BudgetSpec, out_dir: Path, model: str | None = None, device: str = "auto",
-                attention: str = "auto") -> tuple[dict, "LabEngine"]:
+                attention: str = "auto", kv_cache_dtype: str = "auto") -> tuple[dict, "LabEngine"]:
     """Build the engine, reach a decode batch of spec.batch at spec.context, run the passes of the module
     doc; returns the facts and the engine (still open: the caller describes and closes it). The trace
     files are written to out_dir."""
@@ -256,6 +256,7 @@ def step_budget(spec: BudgetSpec, out_dir: Path, model: str | None = None, devic
     built = build_engine(model, device, attention, max_num_seqs=spec.batch, max_model_len=max_len,
                          max_num_batched_tokens=max(16384, max_len), kvcache_block_size=block,
                          enforce_eager=not cuda, gpu_memory_utilization=0.9 if cuda else None,
+                         kv_cache_dtype=kv_cache_dtype,
                          pdl=False)     # with PDL a kernel's span holds its wait on the one before (engine/pdl.py)
     engine = built.engine
     try:
@@ -365,13 +366,13 @@ def budget_table(passes: dict, primary: str, split_from: str, engine, device: st
 
 # -- evidence and table ----------------------------------------------------------------------------
 def run_step_budget(out: Path, spec: BudgetSpec, model: str | None = None, device: str = "auto",
-                    attention: str = "auto") -> dict:
+                    attention: str = "auto", kv_cache_dtype: str = "auto") -> dict:
     """The step budget as evidence at `out`, its Chrome traces next to it (<stem>.trace-<pass>.json.gz)."""
     from labkit.checks import run_assertion
     from labkit.evidence import write_evidence
 
     out = Path(out)
-    facts, built = step_budget(spec, out.parent / f"{out.stem}.traces", model, device, attention)
+    facts, built = step_budget(spec, out.parent / f"{out.stem}.traces", model, device, attention, kv_cache_dtype)
     try:
         describe = built.describe()
     finally:
@@ -438,7 +439,7 @@ def render_budget(record: dict) -> None:
 
 
 def step_budget_command(out: Path | None, model: str | None, device: str, attention: str, sizes: dict,
-                        others: dict, show: bool = True) -> dict:
+                        others: dict, show: bool = True, kv_cache_dtype: str = "auto") -> dict:
     """`labkit bench --workload step-budget`: the options checked, the evidence written, the table shown.
     The record's ``_paths`` lists the evidence file, then the traces."""
     from labkit.errors import UserError
@@ -450,7 +451,7 @@ def step_budget_command(out: Path | None, model: str | None, device: str, attent
                         f"--attention and --out only (not {', '.join(given)})")
     spec = BudgetSpec(**{k: v for k, v in sizes.items() if v is not None})
     path = Path(out) if out is not None else default_out("bench-step-budget.json")
-    record = run_step_budget(path, spec, model=model, device=device, attention=attention)
+    record = run_step_budget(path, spec, model=model, device=device, attention=attention, kv_cache_dtype=kv_cache_dtype)
     if show:
         render_budget(record)
     record["_paths"] = [path, *(p["profiled"]["trace"] for p in record["facts"]["passes"].values())]

@@ -53,6 +53,7 @@ from labkit.cli.options import (
     FusedOpsOpt,
     JsonOpt,
     KvCacheBlockSizeOpt,
+    KvCacheDtypeOpt,
     MaxConsecutivePrefillOpt,
     MaxModelLenOpt,
     MaxNumBatchedTokensOpt,
@@ -414,6 +415,7 @@ def bench(
     warm_steps: Annotated[Optional[int], typer.Option("--warm-steps", help="step-budget: decode steps run before each pass (default 5).")] = None,
     engine_process: Annotated[Optional[bool], typer.Option("--engine-process/--no-engine-process", show_default=False, help="serve: the server's engine in a process of its own (labkit serve --engine-process). Default: as labkit serve's (on on CUDA, off on CPU).")] = None,
     serve_modes: Annotated[Optional[str], typer.Option("--serve-modes", help="serve: served runs in this order after the one offline pass, e.g. in-process,engine-process,in-process,engine-process (A/B in one run).")] = None,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
@@ -442,7 +444,7 @@ def bench(
                                              "--overlap/--no-overlap": overlap, "--enforce-eager": enforce_eager,
                                              "--repeats": repeats != 1, "--sampling": sampling != "plain",
                                              "--json-schema": json_schema is not None},
-                                     show=not json_out)
+                                     show=not json_out, kv_cache_dtype=kv_cache_dtype)
         finish(record, record["_paths"], json_out=json_out)
     if batch is not None and workload not in ("latency", "nano-batches"):
         raise UserError("--batch applies to --workload step-budget, latency and nano-batches")
@@ -458,7 +460,8 @@ def bench(
                         "try the engine on CPU with `labkit generate` instead (or `--workload serve` with a small trace)")
     path = out or default_out(f"bench-{workload}.json")
     if workload == "serve":
-        if baseline or profile or sweep or enforce_eager or repeats != 1 or sampling != "plain" or json_schema:
+        if baseline or profile or sweep or enforce_eager or repeats != 1 or sampling != "plain" or json_schema \
+                or kv_cache_dtype != "auto":
             raise UserError("--workload serve takes the trace options, --overlap/--no-overlap, --engine-process, "
                             "--serve-modes, --model, --device, --attention and --out only")
         record = _bench_serve(path, model=model, device=device, attention=attention, trace=trace, json_out=json_out,
@@ -467,7 +470,7 @@ def bench(
         record = run_bench(workload, path, model=_model_arg(model), device=device, attention=attention,
                            baseline=baseline, repeats=repeats, eager=enforce_eager, profile=profile, sweep=sweep,
                            overlap=overlap, sampling=sampling, json_schema=json_schema, batch=batch,
-                           context=context)
+                           context=context, kv_cache_dtype=kv_cache_dtype)
     if not json_out and workload == "serve":        # a table; the whole facts are in the evidence file
         console.print(dict_table(bench_serve_rows(record["facts"]), title="bench serve (tok/s of output tokens)"))
     elif not json_out:
