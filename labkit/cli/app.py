@@ -321,6 +321,7 @@ def quick_walk(
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
     max_num_seqs: MaxNumSeqsOpt = None,
     kv_cache_block_size: KvCacheBlockSizeOpt = 256,
+    num_kvcache_blocks: Annotated[Optional[int], typer.Option("--num-kvcache-blocks", metavar="N", min=1, show_default=False, help="Cases A-D: a KV pool of N blocks (default: sized from memory); a small pool makes decodes preempt (e.g. --case B --kv-cache-block-size 4 --num-kvcache-blocks 2); no checkpoint claims such a run.")] = None,
     debug: Annotated[bool, typer.Option("--debug", help="Drop into pdb after initialization (warmup excluded).")] = False,
     inputs: Annotated[bool, typer.Option("--inputs", help="Print each step's runner inputs (input_ids, positions, cu_seqlens, max_seqlen, slot_mapping, context_lens, block_tables) as tables; the steps are stored in the evidence as with --trace.")] = False,
     shuffle_blocks: Annotated[Optional[int], typer.Option("--shuffle-blocks", metavar="SEED", show_default=False, help="Hand out KV blocks in a seeded shuffled order (slot != position); no checkpoint claims such a run.")] = None,
@@ -334,6 +335,9 @@ def quick_walk(
     from labkit.experiments.quick_walk import run_quick_walk
 
     if case in (CaseName.LIFECYCLE, CaseName.PREFIX):
+        if num_kvcache_blocks is not None:
+            raise UserError("--num-kvcache-blocks is for cases A-D")
+
         from labkit.cli.walks import walk_case
 
         record = walk_case(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
@@ -438,7 +442,6 @@ def bench(
         from labkit.bench.step_budget import step_budget_command
 
         record = step_budget_command(out, model=_model_arg(model), device=device, attention=attention,
-    num_kvcache_blocks: Annotated[Optional[int], typer.Option("--num-kvcache-blocks", metavar="N", min=1, show_default=False, help="Cases A-D: a KV pool of N blocks (default: sized from memory); a small pool makes decodes preempt (e.g. --case B --kv-cache-block-size 4 --num-kvcache-blocks 2); no checkpoint claims such a run.")] = None,
                                      sizes=dict(batch=batch, context=context, steps=steps, warm=warm_steps),
                                      others={"--baseline": baseline, "--profile": profile, "--sweep": sweep,
                                              "--overlap/--no-overlap": overlap, "--enforce-eager": enforce_eager,
@@ -451,9 +454,6 @@ def bench(
     if context is not None and workload != "nano-batches":
         raise UserError("--context applies to --workload step-budget and nano-batches")
     if any(v is not None for v in (steps, warm_steps)):
-        if num_kvcache_blocks is not None:
-            raise UserError("--num-kvcache-blocks is for cases A-D")
-
         raise UserError("--steps and --warm-steps apply to --workload step-budget")
     if workload != "serve" and not detect_device(device).startswith("cuda"):   # minutes on a CPU, nothing to show
         raise UserError("bench is a GPU tool and this run would use the CPU (no CUDA here, or --device cpu); "
