@@ -20,7 +20,8 @@ from serve.core.worker import WorkerConfig
 
 RATES = [8.0, 32.0, math.inf]
 REQUESTS = 4
-SWEEP_PATHS = ("facts.unsubmitted", "facts.lost", "facts.latencies_finite", "facts.monotone.violations")
+SWEEP_PATHS = ("facts.unsubmitted", "facts.lost", "facts.per_rate.*.errored", "facts.per_rate.*.rejected",
+               "facts.per_rate.*.timed_out", "facts.latencies_finite", "facts.monotone.violations")
 
 
 @pytest.fixture(scope="module")
