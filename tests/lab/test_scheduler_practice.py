@@ -145,12 +145,13 @@ def test_a_learners_edit_on_disk_does_not_reach_the_upstream_side(tmp_path, upst
     sched.write_text(_learners_edit(sched.read_text()))
 
     edited, error = run_module_in(learner, ["labkit.experiments.scheduler_practice", "--upstream-side"], 300, "edited")
-    assert error is None and edited["ok"]
+    assert error is None and edited["ok"], error or edited.get("error")
     upstream = run_upstream()                          # the real tree's pinned side (run once per module)
     assert edited["prefill_first"]["rotation"] != upstream["prefill_first"]["rotation"]   # the edit shows on its own tree
 
     pinned = run_pinned_upstream(learner)               # the upstream side of the edited tree
-    assert pinned["ok"] and pinned["scheduler_sha256"] == _pin() != edited["scheduler_sha256"]
+    assert pinned["ok"], pinned.get("error")
+    assert pinned["scheduler_sha256"] == _pin() != edited["scheduler_sha256"]
     assert pinned["prefill_first"] == upstream["prefill_first"]
 
 
