@@ -377,6 +377,7 @@ def generate(
     kv_cache_block_size: KvCacheBlockSizeOpt = 256,
     enforce_eager: EnforceEagerOpt = True,
     fused_ops: FusedOpsOpt = True,
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
     max_consecutive_prefill: MaxConsecutivePrefillOpt = None,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
@@ -390,7 +391,8 @@ def generate(
     path = out or default_out("generate.json")
     record = run_generate(prompt, token_ids, chat, max_tokens, temperature, ignore_eos, seed, path,
                           _model_arg(model), device, attention, max_model_len, kv_cache_block_size, enforce_eager,
-                          max_consecutive_prefill=max_consecutive_prefill, fused_ops=fused_ops)
+                          max_consecutive_prefill=max_consecutive_prefill, fused_ops=fused_ops,
+                          kv_cache_dtype=kv_cache_dtype)
     if json_out:
         print_json(record)
     else:

@@ -24,6 +24,7 @@ from labkit.cli.options import (
     EnforceEagerOpt,
     GpuMemoryUtilizationOpt,
     JsonOpt,
+    KvCacheDtypeOpt,
     MixedBatchesOpt,
     MaxModelLenOpt,
     MaxNumBatchedTokensOpt,
@@ -104,6 +105,7 @@ def serve(
     enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--graph", show_default=False, help="Eager execution, or CUDA graphs (decode, and small fresh prefills on the triton backend). Default: graphs on CUDA, eager on CPU.")] = None,
     overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", show_default=False, help="Overlapped decode: launch step k+1 before reading step k's tokens, so the host's per-step work hides behind the GPU. Default: on on CUDA (tensor-parallel-size 1), off on CPU.")] = None,
     attention: AttentionOpt = "auto",
+    kv_cache_dtype: KvCacheDtypeOpt = "auto",
     enable_prefix_caching: EnablePrefixCachingOpt = True,
     mixed_batches: MixedBatchesOpt = None,
     device: DeviceOpt = "auto",
@@ -154,7 +156,7 @@ def serve(
                                 max_consecutive_prefill=max_consecutive_prefill,
                                 gpu_memory_utilization=gpu_memory_utilization, dist_init=dist_init,
                                 shm_name=shm_name, enable_prefix_caching=enable_prefix_caching,
-                                mixed_batches=mixed_batches)
+                                mixed_batches=mixed_batches, kv_cache_dtype=kv_cache_dtype)
     engine_process, max_active = chosen["engine_process"], chosen["max_active"]
     cfg = WorkerConfig(engine, max_active=max_active, queue_size=queue_size, worker_id=worker_id,
                        max_active_per_request=max_active_per_request, stream_buffer=stream_buffer,

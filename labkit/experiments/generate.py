@@ -21,7 +21,7 @@ def run_generate(prompts: list[str] | None = None, token_ids: str | None = None,
                  max_tokens: int = 32, temperature: float = 0.0, ignore_eos: bool = False, seed: int | None = None,
                  out: Path | None = None, model: str | None = None, device: str = "auto", attention: str = "auto",
                  max_model_len: int = 1024, block_size: int = 256, eager: bool = True,
-                 max_consecutive_prefill: int | None = None, fused_ops: bool = True) -> dict:
+                 max_consecutive_prefill: int | None = None, fused_ops: bool = True, kv_cache_dtype: str = "auto") -> dict:
     if bool(prompts) == bool(token_ids):
         raise UserError("give either --prompt (one or more) or --token-ids")
     if chat and token_ids:
@@ -33,7 +33,8 @@ def run_generate(prompts: list[str] | None = None, token_ids: str | None = None,
     inputs = [parse_token_ids(token_ids)] if token_ids else (
         [[{"role": "user", "content": p}] for p in prompts] if chat else list(prompts))
     built = build_engine(model, device, attention, max_model_len=max_model_len, kvcache_block_size=block_size,
-                         enforce_eager=eager, max_consecutive_prefill=max_consecutive_prefill, fused_ops=fused_ops)
+                         enforce_eager=eager, max_consecutive_prefill=max_consecutive_prefill, fused_ops=fused_ops,
+                         kv_cache_dtype=kv_cache_dtype)
     engine = built.engine
     install_env_trace(engine)
     try:

@@ -31,3 +31,15 @@ def test_the_bound_reads_the_pools_bytes_per_value(engine_factory):
     bf16 = step_bound(shape, 2, 2, 256, 1024, 4000.0)
     assert fp8["kv_read_bytes"] * 2 == bf16["kv_read_bytes"] and fp8["weight_bytes"] == bf16["weight_bytes"]
     assert fp8["bound_ms_per_step"] < bf16["bound_ms_per_step"]
+
+
+def test_generate_and_serve_take_the_cache_dtype(tiny_model_dir, tmp_path):
+    from labkit.experiments.generate import run_generate
+    from serve.entrypoints.launch import serve_args
+
+    record = run_generate(token_ids="1,2,3,4,5", max_tokens=3, out=tmp_path / "g.json", model=str(tiny_model_dir),
+                          device="cpu", block_size=16, kv_cache_dtype="fp8")
+    assert record["engine"]["kv_cache"]["dtype"] == "float8_e4m3fn"
+    assert record["engine"]["config"]["kv_cache_dtype"] == "fp8"
+    assert serve_args("cpu", kv_cache_dtype="fp8")[0].kv_cache_dtype == "fp8"
+    assert serve_args("cpu")[0].kv_cache_dtype == "auto"
