@@ -32,6 +32,11 @@ def lab_args(device: str = "auto", **given) -> EngineArgs:
     return EngineArgs(**{**LAB_DEFAULTS, "device": device, **{k: v for k, v in given.items() if v is not None}})
 
 
+#: The ``build`` of every server and worker the lab starts: :func:`build_engine` (model presets and hub
+#: ids resolved, the model's identity recorded for evidence).
+LAB_BUILDER = "labkit.lab_engine:build_engine"
+
+
 def detect_device(device: str = "auto") -> str:
     import torch
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from labkit.bench.serve import GAP_PARTS
 from labkit.bench.spans import percentiles
+from labkit.lab_engine import LAB_BUILDER
 
 WIDE_SHARE = 200 / 256           # a wide step carries at least this share of the streams (issue 13: 200 of 256)
 
@@ -109,7 +110,7 @@ def run_host_bench(model_dir: str, api: str = "native", streams: int = 256, max_
     if switch_interval is not None:
         sys.setswitchinterval(switch_interval)
     sink = EventLog(log_path)
-    worker = Worker(cfg, sink=sink).start()
+    worker = Worker(cfg, sink=sink, build=LAB_BUILDER).start()
     try:
         if instant:
             worker.run_on_owner(instant_forward)

@@ -94,8 +94,9 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     so that ``labkit --help`` does not import torch."""
     from engine.config import ConfigError
     from engine.llm_engine import RequestError
+    from serve.errors import ServeError
 
-    return (UserError, ConfigError, RequestError)
+    return (UserError, ServeError, ConfigError, RequestError)
 
 
 def is_user_error(e: BaseException) -> bool:

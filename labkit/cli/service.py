@@ -139,7 +139,9 @@ def serve(
     Every event goes to a JSONL log: --out, or by default runs/serve-<worker-id>.jsonl, rotated at
     --event-log-max-mb (256 by default) with --event-log-backups old files; --no-event-log for none."""
     from labkit.console import console, render_served
-    from labkit.lab_engine import detect_device
+    from labkit.evidence import envelope
+    from labkit.lab_engine import LAB_BUILDER, detect_device
+    from labkit.paths import runs_dir
     from serve.core.config import WorkerConfig
     from serve.entrypoints.connections import ConnectionLimits
     from serve.observe.events import plan_serve_log
@@ -147,7 +149,7 @@ def serve(
 
     model = _one_model(model_arg, model)
     _setup_logging(log_level, stats_interval)
-    log_plan = plan_serve_log(out, worker_id, event_log, event_log_max_mb, event_log_backups)
+    log_plan = plan_serve_log(out, worker_id, event_log, event_log_max_mb, event_log_backups, runs_dir())
     engine, chosen = serve_args(detect_device(device), tensor_parallel_size, enforce_eager=enforce_eager,
                                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                 max_active=max_active, max_model_len=max_model_len, overlap=overlap,
@@ -169,7 +171,7 @@ def serve(
                         max_body_bytes=max_body_bytes, on_ready=_on_ready(log_plan.path), api_key=api_key,
                         allowed_origins=allowed_origins, connections=connections, stats_interval=stats_interval,
                         on_context=lambda why: console.print(why, soft_wrap=True), log_plan=log_plan,
-                        engine_process=engine_process)
+                        engine_process=engine_process, envelope=envelope, build=LAB_BUILDER)
     render_served(summary)
 
 

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import aiohttp
 
 from labkit.errors import UserError
+from labkit.evidence import envelope
 from serve.observe.events import EventLog, now_ns
 
 Record = Callable[[dict], None]
@@ -367,7 +368,6 @@ def run_client(endpoint: str, prompt: str | None = None, max_tokens: int = 32, r
 
 async def _client_main(endpoint, prompt, token_ids, max_tokens, request_id, cancel_after, out, api, temperature,
                        ignore_eos, timeout_s, api_key=None, on_text=None) -> dict:
-    from serve.observe.events import log_header
 
     events: list[dict] = []
     async with session(timeout_s, api_key=api_key) as sess:
@@ -406,3 +406,20 @@ async def _client_main(endpoint, prompt, token_ids, max_tokens, request_id, canc
     summary["events"] = len(events)
     summary["out"] = str(out) if out else None
     return summary
+
+
+def log_header(role: str, healths: list[dict | None], extra: dict) -> dict:
+    """Header for a log written on the client side: identity as the servers report it."""
+    known = [h for h in healths if h]
+    kinds = sorted({h.get("kind") for h in known if h.get("kind")})
+    env = envelope(kind=kinds[0] if len(kinds) == 1 else "static")
+    env["kind"] = kinds[0] if len(kinds) == 1 else None
+    if len(kinds) > 1:
+        env["kinds"] = kinds
+    first = known[0] if known else {}
+    env["model"] = first.get("model")
+    env["engine"] = first.get("engine")
+    env["device"] = None
+    env["servers"] = [{k: h.get(k) for k in ("worker_id", "kind", "served_model_name", "max_model_len")} if h else None
+                      for h in healths]
+    return {**env, "role": role, **extra}

@@ -40,7 +40,9 @@ from engine import RequestError, SamplingParams
 from labkit.checks import run_assertion
 from labkit.errors import UserError
 from labkit.evidence import envelope, write_evidence, write_json
-from serve.observe.events import EventLog, log_header, split_out
+from labkit.lab_engine import LAB_BUILDER
+from labkit.load.client import log_header
+from serve.observe.events import EventLog, split_out
 from serve.core.config import WorkerConfig
 from labkit.load.depend import has_deps, replay_async, replay_threads, split_deps
 from labkit.load.trace import read_trace, warmup_requests
@@ -137,9 +139,9 @@ def run_load(opts: LoadOptions) -> dict:
         else:
             from serve.core.worker import Worker
 
-            worker = Worker(_worker_config(opts), sink=log.write).start()
+            worker = Worker(_worker_config(opts), sink=log.write, build=LAB_BUILDER).start()
             kind = "profile" if opts.profile_dir else worker.served.kind
-            header = worker.header(role="load", **extra)
+            header = worker.header(envelope, role="load", **extra)
             header["kind"] = kind
             if opts.serve_local:
                 from serve.entrypoints.api_server import ServerThread

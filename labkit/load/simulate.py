@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engine import SamplingParams
-from labkit.evidence import write_evidence
+from labkit.evidence import envelope, write_evidence
+from labkit.lab_engine import LAB_BUILDER
 from labkit.paths import default_out
 from labkit.load import client
 from serve.observe.events import EventLog, MemorySink, fan_out, split_out
@@ -309,12 +310,12 @@ def run_simulate(out: str | Path | None = None, model: str | None = None) -> dic
     log = EventLog(events_path)
     cfg = WorkerConfig(model=model, device="cpu", max_active=MAX_ACTIVE, queue_size=QUEUE_SIZE, max_num_batched_tokens=256,
                        max_num_seqs=4, max_model_len=512, worker_id="sim-0")
-    worker = Worker(cfg, sink=fan_out(log.write, mem))
+    worker = Worker(cfg, sink=fan_out(log.write, mem), build=LAB_BUILDER)
     server = None
     t0 = time.monotonic()
     try:
         worker.start()
-        log.write_header(worker.header(role="simulate", mode="scenarios"))
+        log.write_header(worker.header(envelope, role="simulate", mode="scenarios"))
         server = ServerThread(worker).start()
         facts: dict[str, Any] = {"url": server.url, "scenarios": {}, "worker": cfg.flat()}
         record = log.write

@@ -29,6 +29,7 @@ from typing import Any
 from labkit.checks import run_assertion
 from labkit.errors import UserError
 from labkit.evidence import write_evidence
+from labkit.lab_engine import LAB_BUILDER
 from labkit.load import sweep_metrics as sm
 from labkit.load.replay import LoadOptions, Router, _check, _drive_http, _remote_kind, _worker_config
 from labkit.load.report import read_log, requests_by_observer
@@ -124,7 +125,8 @@ class Target:
             from serve.entrypoints.api_server import ServerThread
             from serve.core.worker import Worker
 
-            self.worker = Worker(replace(_worker_config(self.opts), load_tokenizer=True), sink=self.sink).start()
+            self.worker = Worker(replace(_worker_config(self.opts), load_tokenizer=True), sink=self.sink,
+                                 build=LAB_BUILDER).start()
             self.server = ServerThread(self.worker).start()
             self.endpoints = [self.server.url]
         return self

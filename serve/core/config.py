@@ -13,8 +13,7 @@ from dataclasses import dataclass, fields
 
 from engine import EngineArgs
 from engine.args import OPTION_NAMES
-from labkit.errors import UserError
-from labkit.lab_engine import lab_args
+from serve.errors import ServeError
 from serve.protocol.requests import REQUEST_ID_RE
 
 #: The engine options by name (``engine.EngineArgs``' fields): the only names WorkerConfig takes for them.
@@ -31,13 +30,19 @@ def _positive(obj, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UserError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            raise ServeError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+def engine_args(**given) -> EngineArgs:
+    """The engine's arguments: each option ``given`` (engine names; one given as None keeps the engine's default,
+    engine/args.py)."""
+    return EngineArgs(**{k: v for k, v in given.items() if v is not None})
 
 
 def worker_args(**given) -> EngineArgs:
-    """A worker's engine when none is given: the lab's defaults (:func:`labkit.lab_engine.lab_args`) with 8
-    sequences a step (``labkit serve``'s CPU choice), then each engine option ``given``."""
-    return lab_args(**{"max_num_seqs": 8, **given})
+    """A worker's engine when none is given: the engine's defaults with 8 sequences a step (``labkit serve``'s
+    CPU choice), then each engine option ``given``."""
+    return engine_args(**{"max_num_seqs": 8, **given})
 
 
 def recorded(args: EngineArgs) -> dict:
@@ -92,13 +97,13 @@ class WorkerConfig:
             pass
         elif not isinstance(self.max_prompt_bytes, int) or isinstance(self.max_prompt_bytes, bool) \
                 or self.max_prompt_bytes < 1:
-            raise UserError(f"max-prompt-bytes must be a positive integer, got {self.max_prompt_bytes!r}")
+            raise ServeError(f"max-prompt-bytes must be a positive integer, got {self.max_prompt_bytes!r}")
         if self.reasoning_parser not in (None, "qwen3"):
-            raise UserError(f"--reasoning-parser must be qwen3, got {self.reasoning_parser!r}")
+            raise ServeError(f"--reasoning-parser must be qwen3, got {self.reasoning_parser!r}")
         if self.tool_call_parser != "hermes":
-            raise UserError(f"--tool-call-parser must be hermes (Qwen3's format), got {self.tool_call_parser!r}")
+            raise ServeError(f"--tool-call-parser must be hermes (Qwen3's format), got {self.tool_call_parser!r}")
         if not REQUEST_ID_RE.fullmatch(self.worker_id):
-            raise UserError(f"worker id must match {REQUEST_ID_RE.pattern}, got {self.worker_id!r}")
+            raise ServeError(f"worker id must match {REQUEST_ID_RE.pattern}, got {self.worker_id!r}")
 
     @property
     def max_model_len(self) -> int | str:

@@ -29,7 +29,7 @@ import dataclasses
 import secrets
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from engine import Config, LLMEngine, RequestError, SamplingParams
 from serve.protocol.chat import ChatPrompt, render
@@ -86,8 +86,9 @@ class ServedEngine:
 class WorkerFront:
     """The shared half of both worker kinds; see the module docstring."""
 
-    def __init__(self, config: WorkerConfig | None = None, sink: Sink | None = None):
+    def __init__(self, config: WorkerConfig | None = None, sink: Sink | None = None, build: str | None = None):
         self.config = config or WorkerConfig()
+        self.build = build          # "module:function" that builds the engine (serve.core.engine_build)
         self.worker_id = self.config.worker_id
         self.sink = sink
         self.stats = ServiceStats(self.worker_id)
@@ -315,12 +316,15 @@ class WorkerFront:
             "prefix_cache_hits": s.get("prefix_cache_hits", 0),
         }
 
-    def header(self, **extra) -> dict:
-        """The evidence envelope for a JSONL log written from this worker (after start)."""
-        from labkit.evidence import envelope
+    def header(self, envelope: Callable[..., dict] | None = None, **extra) -> dict:
+        """The header of a JSONL log written from this worker (after start): ``envelope(kind=, device=, model=,
+        seed=, engine=)`` over the served engine's identity (the lab gives its evidence envelope), else
+        :func:`serve.observe.events.basic_envelope`."""
+        from serve.observe.events import basic_envelope
 
         s = self.served
-        env = envelope(kind=s.kind, device=s.device, model=s.model, seed=s.seed, engine=s.describe())
+        env = (envelope or basic_envelope)(kind=s.kind, device=s.device, model=s.model, seed=s.seed,
+                                           engine=s.describe())
         return {**env, "worker": self.config.flat(), **extra}
 
 

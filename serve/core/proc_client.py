@@ -35,7 +35,7 @@ Submission
     finishes ``rejected`` with its message.
 
 Failures
-    A child init error: ``start()`` raises it (UserError/ConfigError keep their type and one-line message).
+    A child init error: ``start()`` raises it (ServeError/ConfigError keep their type and one-line message).
     A child that dies mid-serve: every open handle finishes ``error`` with one line saying so, the worker
     turns unhealthy (``/health`` 503, ``submit()`` raises :class:`WorkerUnavailable`). ``close()`` asks
     the child to close its Worker (open requests end cancelled/shutdown, as in one process), joins it
@@ -60,7 +60,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine import LLMEngine, SamplingParams
-from labkit.errors import UserError
+from serve.errors import ServeError
 from serve.core.config import WorkerConfig
 from serve.core.proc_main import CHILD_CALLS, READY_TIMEOUT_S, _bare_main, _child_main  # noqa: F401
 from serve.observe.events import Sink, make_event, now_ns
@@ -91,8 +91,8 @@ class _Remote:
 class RemoteWorker(WorkerFront):
     """A Worker whose engine and owner thread live in a child process; see the module docstring."""
 
-    def __init__(self, config: WorkerConfig | None = None, sink: Sink | None = None):
-        super().__init__(config, sink)
+    def __init__(self, config: WorkerConfig | None = None, sink: Sink | None = None, build: str | None = None):
+        super().__init__(config, sink, build)
         self.process: multiprocessing.process.BaseProcess | None = None
         self._live: dict[str, _Remote] = {}
         self._pending: dict[str, None] = {}          # sent, not yet seen admitted or finished (ordered)
@@ -116,7 +116,7 @@ class RemoteWorker(WorkerFront):
         ctx = multiprocessing.get_context("spawn")
         events_r, events_w = ctx.Pipe(duplex=False)
         commands_r, commands_w = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_child_main, args=(self.config, commands_r, events_w),
+        self.process = ctx.Process(target=_child_main, args=(self.config, commands_r, events_w, self.build),
                                    name=f"labkit-engine-{self.worker_id}")
         with _bare_main():
             self.process.start()
@@ -142,7 +142,7 @@ class RemoteWorker(WorkerFront):
                 self._encoder = AutoTokenizer.from_pretrained(path)
             except Exception as e:
                 self._abandon_child()
-                raise UserError(f"cannot load the tokenizer of {path}: {' '.join(str(e).split())}") from None
+                raise ServeError(f"cannot load the tokenizer of {path}: {' '.join(str(e).split())}") from None
             self.tokenizer = copy.deepcopy(self._encoder)    # the HTTP front decodes with its own copy
         self._ready = True
         self._reader = threading.Thread(target=self._read, name=f"labkit-engine-reader-{self.worker_id}",
@@ -161,12 +161,12 @@ class RemoteWorker(WorkerFront):
                     continue                        # the owner's first snapshot: "ready" carries a newer one
                 except (EOFError, OSError):         # the child closed its end: it is exiting
                     self.process.join(10.0)
-                    raise UserError(f"worker {self.worker_id}: the engine process exited with code "
+                    raise ServeError(f"worker {self.worker_id}: the engine process exited with code "
                                     f"{self.process.exitcode} before it was ready") from None
             if not self.process.is_alive() and not self._events.poll(0.05):
-                raise UserError(f"worker {self.worker_id}: the engine process exited with code "
+                raise ServeError(f"worker {self.worker_id}: the engine process exited with code "
                                 f"{self.process.exitcode} before it was ready")
-        raise UserError(f"worker {self.worker_id}: engine not ready within {timeout} s")
+        raise ServeError(f"worker {self.worker_id}: engine not ready within {timeout} s")
 
     def _abandon_child(self) -> None:
         self._closed = True
@@ -342,8 +342,8 @@ class RemoteWorker(WorkerFront):
             return f"worker {self.worker_id} is starting"
         return f"worker {self.worker_id} is unhealthy: {self._unhealthy_reason()}"
 
-    def header(self, **extra) -> dict:
-        return super().header(engine_process={"pid": self.process.pid if self.process else None}, **extra)
+    def header(self, envelope: Callable[..., dict] | None = None, **extra) -> dict:
+        return super().header(envelope, engine_process={"pid": self.process.pid if self.process else None}, **extra)
 
     # -- the reader thread -------------------------------------------------------------------
     def _read(self) -> None:

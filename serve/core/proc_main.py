@@ -22,7 +22,7 @@ import types
 from contextlib import contextmanager
 
 from engine import RequestError, SamplingParams
-from labkit.errors import UserError
+from serve.errors import ServeError
 from serve.observe.events import make_event
 from serve.core.config import WorkerConfig
 from serve.core.front import DuplicateRequest, WorkerUnavailable
@@ -81,14 +81,14 @@ class _Uncounted:
 
 
 def _portable(exc: BaseException) -> BaseException:
-    """An exception the parent can unpickle with its type and one-line message (else a UserError)."""
+    """An exception the parent can unpickle with its type and one-line message (else a ServeError)."""
     import pickle
 
     try:
         pickle.loads(pickle.dumps(exc))
         return exc
     except Exception:
-        return UserError(" ".join(f"{type(exc).__name__}: {exc}".split()))
+        return ServeError(" ".join(f"{type(exc).__name__}: {exc}".split()))
 
 
 class _Terminated(Exception):
@@ -100,7 +100,7 @@ def _on_sigterm(signum, frame) -> None:
     raise _Terminated()
 
 
-def _child_main(config: WorkerConfig, commands, events) -> None:
+def _child_main(config: WorkerConfig, commands, events, build: str | None = None) -> None:
     """The engine process: build the Worker, report ready (or the init error), then serve commands. SIGTERM
     closes the Worker in order like the parent's close (its engine's TP ranks, shared memory and semaphores
     released: no resource_tracker "leaked" warning), instead of killing the process where it stands."""
@@ -108,7 +108,8 @@ def _child_main(config: WorkerConfig, commands, events) -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
     sender = _Sender(events)
     hooks = OwnerHooks(flushed=sender.ship, published=sender.ship)
-    worker = Worker(dataclasses.replace(config, load_tokenizer=False, log_steps=True), sink=sender.sink, hooks=hooks)
+    worker = Worker(dataclasses.replace(config, load_tokenizer=False, log_steps=True), sink=sender.sink, hooks=hooks,
+                    build=build)
     sender.worker = worker
     worker.stats = _Uncounted()
     try:

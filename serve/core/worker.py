@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 from engine import RequestError, SamplingParams
 from engine.observe import StepHooks
-from labkit.errors import UserError
+from serve.errors import ServeError
 from serve.core.config import WorkerConfig
 from serve.observe.events import Sink, make_event, now_ns, sink_many
 from serve.core.fair import Groups, per_request_cap, pick
@@ -81,8 +81,9 @@ class _WorkerHooks(StepHooks):
 
 
 class Worker(WorkerFront):
-    def __init__(self, config: WorkerConfig | None = None, sink: Sink | None = None, hooks: OwnerHooks | None = None):
-        super().__init__(config, sink)              # its _lock is re-entrant: _finish may run with it held
+    def __init__(self, config: WorkerConfig | None = None, sink: Sink | None = None, hooks: OwnerHooks | None = None,
+                 build: str | None = None):
+        super().__init__(config, sink, build)              # its _lock is re-entrant: _finish may run with it held
         self.hooks = hooks or OwnerHooks()
         self.engine = None                      # owned by the owner thread once started
         self._thread: threading.Thread | None = None
@@ -119,7 +120,7 @@ class Worker(WorkerFront):
         self._thread.start()
         if not self._ready.wait(timeout):
             self.close(timeout=1.0)
-            raise UserError(f"worker {self.worker_id}: engine not ready within {timeout} s")
+            raise ServeError(f"worker {self.worker_id}: engine not ready within {timeout} s")
         if self._init_error is not None:
             self._thread.join(5.0)
             self._closed = True
@@ -315,10 +316,10 @@ class Worker(WorkerFront):
             handle._wake()
 
     def _build(self) -> None:
-        from labkit.lab_engine import build_engine
+        from serve.core.engine_build import builder
 
         cfg = self.config
-        built = build_engine(cfg.engine)
+        built = builder(self.build)(cfg.engine)
         self.engine = engine = built.engine
         self.served = ServedEngine(built.kind, built.device, dict(built.model or {}), built.describe(), engine.config,
                                    engine.stats().num_blocks)

@@ -49,7 +49,7 @@ import threading
 
 from aiohttp import web
 
-from labkit.errors import UserError
+from serve.errors import ServeError
 from serve.entrypoints.connections import ConnectionGuard, ConnectionLimits, GuardedAppRunner, QuietLog
 from serve.core.front import WorkerFront
 from serve.entrypoints.http import Access, Middleware
@@ -70,7 +70,7 @@ class Service:
         served = worker.served
         name = served_model_name or served.model.get("preset") or _basename(served.model.get("path")) or "model"
         if not isinstance(max_body_bytes, int) or isinstance(max_body_bytes, bool) or max_body_bytes < 1024:
-            raise UserError(f"--max-body-bytes must be an integer of at least 1024, got {max_body_bytes!r}")
+            raise ServeError(f"--max-body-bytes must be an integer of at least 1024, got {max_body_bytes!r}")
         self.worker = worker
         cfg = worker.config
         self.limits = Limits(served.max_model_len, name, max_body_bytes,
@@ -110,9 +110,9 @@ def _basename(path: str | None) -> str | None:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    """A bound socket for ``host:port`` (0: a free port); a port in use is one clear UserError."""
+    """A bound socket for ``host:port`` (0: a free port); a port in use is one clear ServeError."""
     if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port <= 65535:
-        raise UserError(f"--port must be between 0 and 65535 (0 picks a free one), got {port!r}")
+        raise ServeError(f"--port must be between 0 and 65535 (0 picks a free one), got {port!r}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -121,9 +121,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise UserError(f"port {port} on {host} is already in use; stop the other server or pick another "
+            raise ServeError(f"port {port} on {host} is already in use; stop the other server or pick another "
                             f"--port (0 picks a free one)") from None
-        raise UserError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
 
 
@@ -209,7 +209,7 @@ class ServerThread:
         self._thread = threading.Thread(target=self._run, name=f"labkit-http-{self.worker.worker_id}", daemon=True)
         self._thread.start()
         if not self._started.wait(timeout):
-            raise UserError(f"HTTP server did not start within {timeout} s")
+            raise ServeError(f"HTTP server did not start within {timeout} s")
         if self._error is not None:
             raise self._error
         return self

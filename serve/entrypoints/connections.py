@@ -54,15 +54,15 @@ class ConnectionLimits:
     lingering_s: float = 2.0             # after an early answer, how long an unread body is drained
 
     def check(self) -> None:
-        from labkit.errors import UserError
+        from serve.errors import ServeError
 
         for name in ("timeout_keep_alive", "timeout_headers", "timeout_body"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 < v <= 3600:
-                raise UserError(f"--{name.replace('_', '-')} must be between 0 and 3600 seconds, got {v!r}")
+                raise ServeError(f"--{name.replace('_', '-')} must be between 0 and 3600 seconds, got {v!r}")
         if not isinstance(self.max_connections, int) or isinstance(self.max_connections, bool) \
                 or not 1 <= self.max_connections <= 1_000_000:
-            raise UserError(f"--max-connections must be a positive integer, got {self.max_connections!r}")
+            raise ServeError(f"--max-connections must be a positive integer, got {self.max_connections!r}")
 
 
 def open_fds() -> int | None:

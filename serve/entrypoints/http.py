@@ -25,7 +25,7 @@ from typing import Any, Callable
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from labkit.errors import UserError
+from serve.errors import ServeError
 from serve.protocol import requests as protocol
 from serve.entrypoints.connections import Connection
 from serve.protocol.wire import ApiError, loads_strict, parser_error
@@ -46,7 +46,7 @@ class Access:
     def make(cls, api_key: str | None = None, allowed_origins=None) -> "Access":
         key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
         if key is not None and (not key.strip() or any(c.isspace() for c in key)):
-            raise UserError("--api-key must be a non-empty string without spaces")
+            raise ServeError("--api-key must be a non-empty string without spaces")
         if isinstance(allowed_origins, str):
             allowed_origins = allowed_origins.split(",")
         origins = tuple(o.strip().rstrip("/") for o in (allowed_origins or ()) if o.strip())

@@ -14,10 +14,10 @@ import time
 from typing import Callable
 
 from engine import EngineArgs
-from labkit.errors import UserError
-from labkit.lab_engine import lab_args
+from serve.errors import ServeError
 from serve.entrypoints.api_server import HttpServer, bind_socket, make_service, url_of
 from serve.entrypoints.connections import ConnectionLimits
+from serve.core.config import engine_args
 from serve.core.front import WorkerFront
 from serve.entrypoints.http import Access
 from serve.observe.logsafe import install as escape_log
@@ -130,8 +130,8 @@ def serve_args(resolved: str, tensor_parallel_size: int = 1, /, **given) -> tupl
     ``given`` (engine names) goes to the engine as it is (None: the lab's default). Overlap and the engine
     process stay off with tensor parallel (the engine refuses overlap there; the engine process was measured
     with one GPU only); an unset max_model_len (CUDA) is ``"auto"``: the model's own, fitted to the KV pool by
-    the engine while it sizes the pool (one build). Returns the engine's arguments (the lab's defaults under
-    them, :func:`labkit.lab_engine.lab_args`) and the worker's options (``max_active``, ``engine_process``)."""
+    the engine while it sizes the pool (one build). Returns the engine's arguments (the engine's defaults under
+    them, :func:`serve.core.config.engine_args`) and the worker's options (``max_active``, ``engine_process``)."""
     defaults = serve_defaults(resolved)
     if tensor_parallel_size != 1:
         defaults.update(overlap=False, engine_process=False)
@@ -140,7 +140,7 @@ def serve_args(resolved: str, tensor_parallel_size: int = 1, /, **given) -> tupl
         chosen["max_model_len"] = "auto"
     worker = {k: chosen.pop(k) for k in WORKER_CHOICES}
     rest = {k: v for k, v in given.items() if k not in defaults}
-    return lab_args(**rest, **chosen, tensor_parallel_size=tensor_parallel_size), worker
+    return engine_args(**rest, **chosen, tensor_parallel_size=tensor_parallel_size), worker
 
 
 def fitted_context(worker: WorkerFront) -> str:
@@ -171,7 +171,7 @@ def _switch_interval_from_env() -> None:
         if not 0 < ms <= 1000:
             raise ValueError
     except ValueError:
-        raise UserError(f"{SWITCH_INTERVAL_ENV} must be a number of milliseconds in (0, 1000], got {raw!r}") from None
+        raise ServeError(f"{SWITCH_INTERVAL_ENV} must be a number of milliseconds in (0, 1000], got {raw!r}") from None
     sys.setswitchinterval(ms / 1e3)
 
 
@@ -179,7 +179,8 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
               max_body_bytes: int = 1 << 20, on_ready: Callable[[str, WorkerFront], None] | None = None,
               api_key: str | None = None, allowed_origins=None, connections: ConnectionLimits | None = None,
               stats_interval: float = STATS_INTERVAL_S, on_context: Callable[[str], None] | None = None,
-              log_plan=None, engine_process: bool = False) -> dict:
+              log_plan=None, engine_process: bool = False, envelope: Callable[..., dict] | None = None,
+              build: str | None = None) -> dict:
     """``labkit serve``: bind first (a port in use fails before the model loads), start the worker,
     serve until SIGINT/SIGTERM, close. Returns what the worker did (finished requests by reason).
     The event log: ``log_plan`` (:func:`serve.observe.events.plan_serve_log`: path, size cap, rotation),
@@ -208,7 +209,7 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
     write.many = write_many
     sink = write if out is not None else None
     make = worker_class(engine_process)
-    worker = make(config, sink=sink)
+    worker = make(config, sink=sink, build=build)
     try:
         worker.start()
         if config.max_model_len == "auto":
@@ -217,7 +218,7 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
                 on_context(why)
         log = log_plan.open()
         if log is not None:
-            log.write_header(worker.header(role="server", url=url_of(sock)))
+            log.write_header(worker.header(envelope, role="server", url=url_of(sock)))
         asyncio.run(serve_until_signal(worker, sock, served_model_name=served_model_name,
                                        max_body_bytes=max_body_bytes, api_key=api_key,
                                        allowed_origins=allowed_origins, connections=connections,

@@ -19,8 +19,12 @@ went away), ``slow_consumer`` (the stream buffer overflowed) or ``shutdown`` (th
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import enum
 import json
 import os
+import sys
 import threading
 from json.encoder import encode_basestring
 import time
@@ -28,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from labkit.evidence import envelope, to_jsonable
+from serve.errors import ServeError
 from serve.observe.logsafe import UNSAFE
 
 FINISH_REASONS = ("stop", "length", "cancelled", "rejected", "error")
@@ -52,7 +56,20 @@ def make_event(event: str, request_id: str | None, worker_id: str, round_: int, 
             "t_ns": now_ns() if t_ns is None else t_ns, "observer": observer, **fields}
 
 
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=to_jsonable)   # built once, not per line
+def _jsonable(obj: Any) -> Any:
+    """``default=`` of the log's encoder: dataclasses, paths, enums, sets, numpy and torch values."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj, key=repr)
+    if hasattr(obj, "tolist"):                     # numpy arrays and scalars, tensors
+        return obj.tolist()
+    return str(obj)                                # Path, dtype, ...
+
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=_jsonable)   # built once, not per line
 TOKEN_KEYS = ("event", "request_id", "worker_id", "round", "t_ns", "observer", "index", "token_id")
 
 
@@ -101,10 +118,10 @@ class EventLog:
     Lines are buffered and flushed every ``flush_every`` records and on ``flush``/``close``, so the
     owner thread pays for a buffered write, not a syscall, per token.
 
-    ``max_bytes`` caps the file: once it holds that many bytes it is closed and rotated to ``PATH.1``
-    (``PATH.1`` to ``PATH.2``, ..., the oldest beyond ``backups`` deleted; no backups: the file starts
-    over), and a new ``PATH`` begins with the header again (``"rotation": n``), so each file reads on its
-    own. ``rotate_existing`` moves a file already at ``path`` to ``PATH.1`` first instead of overwriting it.
+    ``max_bytes`` caps the file: once it holds that many bytes, the next record closes it and rotates it to
+    ``PATH.1`` (``PATH.1`` to ``PATH.2``, ..., the oldest beyond ``backups`` deleted; no backups: the file starts
+    over), and a new ``PATH`` begins with the header again (``"rotation": n``) and that record, so each file reads
+    on its own. ``rotate_existing`` moves a file already at ``path`` to ``PATH.1`` first instead of overwriting it.
     """
 
     def __init__(self, path: str | Path, flush_every: int = 64, *, max_bytes: int | None = None,
@@ -157,6 +174,8 @@ class EventLog:
         with self._lock:
             if self._f.closed:
                 return
+            if self.max_bytes is not None and self._bytes >= self.max_bytes:
+                self._rotate_locked()       # when a record is due, so a log never ends in a file of a header alone
             self._write_locked(line)
             self._after_write_locked()
 
@@ -180,9 +199,7 @@ class EventLog:
     many = write_many
 
     def _after_write_locked(self) -> None:
-        if self.max_bytes is not None and self._bytes >= self.max_bytes:
-            self._rotate_locked()
-        elif self._pending >= self._flush_every:
+        if self._pending >= self._flush_every:
             self._f.flush()
             self._pending = 0
 
@@ -275,36 +292,43 @@ class LogPlan:
 
 
 def plan_serve_log(out: str | Path | None, worker_id: str, enabled: bool = True, max_mb: float | None = None,
-                   backups: int = DEFAULT_SERVE_LOG_BACKUPS) -> LogPlan:
-    """``labkit serve``'s event log: ``--out`` as given (no cap unless ``max_mb``), else, unless disabled,
-    :func:`default_serve_log` capped at ``max_mb`` (default 256 MB) with ``backups`` old files, the previous
-    run's log kept as the first of them. UserError (one line) for a bad cap or count. The default path is claimed
-    for this process (:class:`LogClaim`): while another live process writes ``serve-<worker_id>.jsonl``, this one
+                   backups: int = DEFAULT_SERVE_LOG_BACKUPS, log_dir: str | Path = "runs") -> LogPlan:
+    """A server's event log: ``--out`` as given (no cap unless ``max_mb``), else, unless disabled,
+    :func:`default_serve_log` in ``log_dir`` capped at ``max_mb`` (default 256 MB) with ``backups`` old files, the
+    previous run's log kept as the first of them. ServeError (one line) for a bad cap or count. The default path is
+    claimed for this process (:class:`LogClaim`): while another live process writes ``serve-<worker_id>.jsonl``, this one
     writes ``serve-<worker_id>-<pid>.jsonl`` and rotates only that."""
-    from labkit.errors import UserError
-
     if max_mb is not None and not (max_mb > 0 and max_mb != float("inf")):
-        raise UserError(f"--event-log-max-mb must be a positive number, got {max_mb!r}")
+        raise ServeError(f"--event-log-max-mb must be a positive number, got {max_mb!r}")
     if backups < 0:
-        raise UserError(f"--event-log-backups must be >= 0, got {backups!r}")
+        raise ServeError(f"--event-log-backups must be >= 0, got {backups!r}")
     if out is not None:
         return LogPlan(Path(out), int(max_mb * 1e6) if max_mb else None, backups)
     if not enabled:
         return LogPlan(None)
     mb = max_mb if max_mb is not None else DEFAULT_SERVE_LOG_MAX_MB
     try:
-        claim = LogClaim.first_free(default_serve_log(worker_id))
+        claim = LogClaim.first_free(default_serve_log(worker_id, log_dir))
     except OSError as e:
-        raise UserError(f"cannot claim an event log under runs/: {e}; give --out or --no-event-log") from None
+        raise ServeError(f"cannot claim an event log under {log_dir}: {e}; give --out or --no-event-log") from None
     return LogPlan(claim.path, max(1, int(mb * 1e6)), backups, rotate_existing=True, claim=claim)
 
 
-def default_serve_log(worker_id: str) -> Path:
-    """Where ``labkit serve`` keeps its event log without ``--out``: ``runs/serve-<worker_id>.jsonl``."""
-    from labkit.paths import default_out
-
+def default_serve_log(worker_id: str, log_dir: str | Path = "runs") -> Path:
+    """Where a server keeps its event log without ``--out``: ``<log_dir>/serve-<worker_id>.jsonl`` (``labkit serve``
+    gives the lab's ``runs/``); creates ``log_dir``."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in worker_id) or "worker"
-    return default_out(f"serve-{safe}.jsonl")
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    return Path(log_dir) / f"serve-{safe}.jsonl"
+
+
+def basic_envelope(*, kind: str, device: str | None = None, model: dict | None = None, seed: int | None = None,
+                   engine: dict | None = None) -> dict:
+    """A log header's identity when the caller gives none: when, which command, what was served. (``labkit
+    serve`` gives the lab's evidence envelope, which adds the tree's identity.)"""
+    return {"created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": [sys.executable, *sys.argv], "device": device, "model": model, "seed": seed, "kind": kind,
+            "engine": engine}
 
 
 class MemorySink:
@@ -352,20 +376,3 @@ def split_out(out: str | Path) -> tuple[Path, Path]:
     if out.suffix == ".json":
         return out.with_suffix(".jsonl"), out
     return out, out.with_suffix(".json")
-
-
-def log_header(role: str, healths: list[dict | None], extra: dict) -> dict:
-    """Header for a log written on the client side: identity as the servers report it."""
-    known = [h for h in healths if h]
-    kinds = sorted({h.get("kind") for h in known if h.get("kind")})
-    env = envelope(kind=kinds[0] if len(kinds) == 1 else "static")
-    env["kind"] = kinds[0] if len(kinds) == 1 else None
-    if len(kinds) > 1:
-        env["kinds"] = kinds
-    first = known[0] if known else {}
-    env["model"] = first.get("model")
-    env["engine"] = first.get("engine")
-    env["device"] = None
-    env["servers"] = [{k: h.get(k) for k in ("worker_id", "kind", "served_model_name", "max_model_len")} if h else None
-                      for h in healths]
-    return {**env, "role": role, **extra}

@@ -1,5 +1,6 @@
-"""The house's rules, read from the code: labkit reaches the engine only through its public API and
-hooks, the engine never imports labkit, and no two modules import each other in a circle."""
+"""The house's rules, read from the code: labkit and the server reach the engine only through its public API
+and hooks, the engine imports neither, the server (serve/) imports the engine and nothing of the lab, and no two
+modules import each other in a circle."""
 from __future__ import annotations
 
 import ast
@@ -44,14 +45,14 @@ def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
 
 
 def graph() -> dict[str, set[str]]:
-    mods = {**modules("engine"), **modules("labkit")}
+    mods = {**modules("engine"), **modules("serve"), **modules("labkit")}
     known = set(mods)
     return {name: imports_of(name, path, known) for name, path in mods.items()}
 
 
 def test_labkit_never_reaches_into_engine_internals():
     offenders = []
-    for name, path in modules("labkit").items():
+    for name, path in {**modules("serve"), **modules("labkit")}.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
@@ -72,8 +73,17 @@ def test_the_rule_catches_a_reach_into_the_engine(tmp_path):
 
 def test_engine_never_imports_labkit():
     g = graph()
-    bad = {m: sorted(t for t in ts if t.startswith("labkit")) for m, ts in g.items() if m.startswith("engine")}
+    bad = {m: sorted(t for t in ts if t.startswith(("labkit", "serve"))) for m, ts in g.items() if m.startswith("engine")}
     assert not {m: ts for m, ts in bad.items() if ts}
+
+
+def test_serve_imports_only_the_engine():
+    """serve/ is a package beside the engine: it imports the engine and itself, nothing of the lab (the lab hands
+    in what only it knows: the engine builder's name, its evidence envelope, where logs go)."""
+    g = graph()
+    bad = {m: sorted(t for t in ts if not t.startswith(("engine", "serve"))) for m, ts in g.items()
+           if m == "serve" or m.startswith("serve.")}
+    assert {m: ts for m, ts in bad.items() if ts} == {}
 
 
 def cycles(g: dict[str, set[str]]) -> list[list[str]]:

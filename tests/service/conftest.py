@@ -10,8 +10,16 @@ What they made is closed at the end of the module, servers first (closing a serv
 a test may close one earlier itself (both closes run once)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 from service_fixtures import start_worker
+
+from labkit.lab_engine import LAB_BUILDER
+from serve.core.engine_build import BUILDER_ENV
+
+# every worker these tests start (in this process or an engine process) builds its engine as labkit does
+os.environ.setdefault(BUILDER_ENV, LAB_BUILDER)
 
 
 @pytest.fixture(scope="module")

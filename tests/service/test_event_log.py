@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from labkit.errors import UserError
+from labkit.paths import runs_dir
+from serve.errors import ServeError
 from serve.observe.events import EventLog, plan_serve_log
 
 
@@ -69,7 +70,7 @@ def test_the_previous_run_moves_to_the_first_backup(tmp_path):
 
 def test_the_plan(tmp_path, monkeypatch):
     monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
-    plan = plan_serve_log(None, "worker-0")
+    plan = plan_serve_log(None, "worker-0", log_dir=runs_dir())       # as labkit serve gives it
     assert plan.path == tmp_path / "runs" / "serve-worker-0.jsonl"
     assert plan.max_bytes == 256_000_000 and plan.backups == 3 and plan.rotate_existing
     assert plan_serve_log(None, "w", enabled=False).path is None
@@ -77,7 +78,7 @@ def test_the_plan(tmp_path, monkeypatch):
     assert given.max_bytes is None and not given.rotate_existing                   # --out: as before, no cap
     assert plan_serve_log(tmp_path / "mine.jsonl", "w", max_mb=1).max_bytes == 1_000_000
     for bad in ({"max_mb": 0}, {"max_mb": -1}, {"backups": -1}):
-        with pytest.raises(UserError):
+        with pytest.raises(ServeError):
             plan_serve_log(None, "w", **bad)
 
 
@@ -91,10 +92,10 @@ def test_two_servers_with_one_worker_id_never_share_a_log(tmp_path, monkeypatch)
             log.write({"event": "token", "seq": i, "pad": "x" * 40})
         log.flush()
 
-    first = plan_serve_log(None, "worker-0", max_mb=0.002, backups=2).open()
+    first = plan_serve_log(None, "worker-0", max_mb=0.002, backups=2, log_dir=runs_dir()).open()
     first.write_header({"role": "first"})
     write(first, 3)
-    second = plan_serve_log(None, "worker-0", max_mb=0.002, backups=2).open()
+    second = plan_serve_log(None, "worker-0", max_mb=0.002, backups=2, log_dir=runs_dir()).open()
     second.write_header({"role": "second"})
     assert second.path != first.path and str(os.getpid()) in second.path.name
     write(second, 40)                                   # rotates: its own file only
@@ -103,7 +104,7 @@ def test_two_servers_with_one_worker_id_never_share_a_log(tmp_path, monkeypatch)
     second.close()
     assert [r.get("role") for r in lines(first.path)] == ["first"] + [None] * 5
     assert not first.backup_path(1).exists() and second.rotations >= 1 and second.backup_path(1).exists()
-    third = plan_serve_log(None, "worker-0").open()    # the first has stopped: its name is free again, rotated
+    third = plan_serve_log(None, "worker-0", log_dir=runs_dir()).open()    # the first has stopped: its name is free again, rotated
     assert third.path == first.path and len(lines(first.backup_path(1))) == 6
     third.close()
 

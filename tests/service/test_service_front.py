@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine import ConfigError, EngineArgs, RequestError, SamplingParams
-from labkit.errors import UserError
+from serve.errors import ServeError
 from labkit.lab_engine import lab_args
 from serve.core.config import RECORDED, WorkerConfig
 from serve.entrypoints.launch import serve_args
@@ -42,7 +42,7 @@ def test_worker_config_refuses_what_it_does_not_know():
         WorkerConfig(max_num_seq=3)
     with pytest.raises(ConfigError, match="max_num_seqs"):
         WorkerConfig(max_num_seqs=0)
-    with pytest.raises(UserError, match="max-active"):
+    with pytest.raises(ServeError, match="max-active"):
         WorkerConfig(max_active=0)
 
 

@@ -11,7 +11,7 @@ import socket
 import pytest
 from service_fixtures import body, ids, openai_client, ready_url, run, serving, settle_after, with_session
 
-from labkit.errors import UserError
+from serve.errors import ServeError
 from labkit.load import client
 from serve.entrypoints.api_server import ServerThread, bind_socket
 from serve.core.worker import Worker, WorkerConfig
@@ -194,7 +194,7 @@ def test_two_servers_on_their_own_ports(tiny_model_dir, server):
 
 def test_port_in_use_is_one_clear_error(server):
     port = int(server.url.rsplit(":", 1)[1])
-    with pytest.raises(UserError, match=f"port {port} on 127.0.0.1 is already in use") as exc:
+    with pytest.raises(ServeError, match=f"port {port} on 127.0.0.1 is already in use") as exc:
         bind_socket("127.0.0.1", port)
     assert "\n" not in str(exc.value)
 
@@ -206,7 +206,7 @@ def test_serve_command_port_in_use_exits_nonzero(server):
     port = server.url.rsplit(":", 1)[1]
     result = CliRunner().invoke(app, ["serve", "--port", port, "--device", "cpu"])
     assert result.exit_code != 0
-    # the app maps the UserError itself (one `error:` line, exit 2), so CliRunner sees the exit, not the exception
+    # the app maps the ServeError itself (one `error:` line, exit 2), so CliRunner sees the exit, not the exception
     assert result.exit_code == 2 and "error: " in result.output and "already in use" in result.output
 
 

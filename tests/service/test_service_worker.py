@@ -9,6 +9,7 @@ from service_fixtures import settle_after, start_worker
 
 from engine import RequestError, SamplingParams
 from labkit.errors import UserError
+from serve.errors import ServeError
 from serve.observe.events import MemorySink
 from serve.core.front import DuplicateRequest, WorkerUnavailable
 from serve.core.worker import Worker, WorkerConfig
@@ -212,9 +213,9 @@ def test_init_error_reaches_start(tmp_path):
 
 
 def test_config_rejects_bad_numbers():
-    with pytest.raises(UserError, match="max-active"):
+    with pytest.raises(ServeError, match="max-active"):
         WorkerConfig(max_active=0)
-    with pytest.raises(UserError, match="worker id"):
+    with pytest.raises(ServeError, match="worker id"):
         WorkerConfig(worker_id="bad id")
 
 
