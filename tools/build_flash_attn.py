@@ -186,11 +186,12 @@ def prepare(sdist: Path, work: Path, head_dims: tuple[int, ...], archs: tuple[st
     (proj / "flash_bwd_stub.cu").write_text(bwd_stub(head_dims))
     for name in ("__init__.py", "flash_attn_interface.py"):
         shutil.copy(src / "flash_attn" / name, proj / "flash_attn" / name)
+    (proj / "csrc").symlink_to(src / "csrc", target_is_directory=True)     # sources by relative path, from here
     gencode = [f for a in archs for f in ("-gencode", f"arch=compute_{a},code=sm_{a}")]
     build = {
         "version": VERSION, "sdist_sha256": SHA256, "head_dims": sorted(head_dims), "dtypes": ["bfloat16"],
         "archs": list(archs), "disabled": [f"FLASHATTENTION_DISABLE_{d}" for d in DISABLE],
-        "sources": [str(csrc / "flash_api.cpp"), *(str(csrc / "src" / f) for f in kernel_files(head_dims)),
+        "sources": ["csrc/flash_attn/flash_api.cpp", *(f"csrc/flash_attn/src/{f}" for f in kernel_files(head_dims)),
                     "flash_bwd_stub.cu"],
         "include_dirs": [str(inc), str(csrc), str(src / "csrc" / "cutlass" / "include")],
         "nvcc_flags": NVCC_FLAGS + [f"-DFLASHATTENTION_DISABLE_{d}" for d in DISABLE] + gencode
