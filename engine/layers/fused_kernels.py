@@ -104,7 +104,10 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_o
     tl.store(k_dst + D // 2 + half[None, :], o2, mask=k_mask)
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        keep = k_mask & (slot >= 0)
+        # the slot test selects the tile's mask rather than being and-ed into it: `k_mask & (slot >= 0)` splats a
+        # scalar into the tile, which Triton's interpreter holds as int32, and the interpreter of triton >= 3.7
+        # refuses a store whose mask is not boolean ("mask has unsupported dtype"); compiled, both are one select
+        keep = tl.where(slot >= 0, k_mask, False)
         row = slot * (HK * D) + (h - HQ)[:, None] * D                 # k head j's and v head j's place
         v_src = qkv_ptr + t * stride_qkv + (HK + h)[:, None] * D      # v head j: column (HQ + HK + j) * D
         v1 = tl.load(v_src + half[None, :], mask=keep)
