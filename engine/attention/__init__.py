@@ -18,11 +18,12 @@ from engine.errors import ConfigError
 
 @dataclass(frozen=True)
 class ModelNeeds:
-    """What a model asks of its attention backend: the activation dtype (torch's name), the head dim and the
-    KV cache dtype (auto | fp8). A field left None is not checked."""
-    dtype: str | None = None
+    """What a model asks of its attention backend: its activations' dtype (torch's name), the head dim and the KV
+    cache's dtype (auto | fp8). A field left None is not checked. (Not the options' names: these are what the
+    options resolved to for one model on one device, Config.attention_needs.)"""
+    activations: str | None = None
     head_dim: int | None = None
-    kv_cache_dtype: str = "auto"
+    cache: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def _flash_unsupported(needs: ModelNeeds | None) -> str | None:
     from engine.attention import flash_support
 
     if needs is not None:
-        why = flash_support.unsupported_model(needs.dtype, needs.head_dim, needs.kv_cache_dtype)
+        why = flash_support.unsupported_model(needs.activations, needs.head_dim, needs.cache)
         if why:
             return why
     try:

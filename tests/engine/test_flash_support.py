@@ -36,7 +36,7 @@ def flash(monkeypatch):
     (ModelNeeds("float32", 128), "triton"),                       # FA2 has no float32
     (ModelNeeds("float16", 128), "triton"),                       # the minimal build is bf16 only
     (ModelNeeds("bfloat16", 96), "triton"),                       # nor this head dim
-    (ModelNeeds("bfloat16", 128, kv_cache_dtype="fp8"), "triton"),  # nor an FP8 cache
+    (ModelNeeds("bfloat16", 128, cache="fp8"), "triton"),  # nor an FP8 cache
 ])
 def test_auto_takes_flash_only_where_its_build_runs_the_model(flash, needs, picked):
     assert resolve_backend_name("auto", "cuda", 256, needs) == picked
@@ -49,7 +49,7 @@ def test_auto_takes_flash_only_where_its_build_runs_the_model(flash, needs, pick
     (ModelNeeds("float32", 128), "FlashAttention-2 has no float32 kernels (use --dtype bfloat16, or --attention triton)"),
     (ModelNeeds("float16", 128), "this flash-attn build runs bfloat16 only, not float16"),
     (ModelNeeds("bfloat16", 96), "this flash-attn build has no kernels for head dim 96 (it has 64, 128;"),
-    (ModelNeeds("bfloat16", 128, kv_cache_dtype="fp8"), "FlashAttention-2 reads no fp8 KV cache"),
+    (ModelNeeds("bfloat16", 128, cache="fp8"), "FlashAttention-2 reads no fp8 KV cache"),
 ])
 def test_asking_for_flash_where_it_cannot_run_is_one_line(flash, needs, message):
     with pytest.raises(ConfigError) as e:
@@ -104,4 +104,4 @@ def test_config_says_what_the_model_needs(tiny_model_dir):
 
     cfg = Config(str(tiny_model_dir), kv_cache_dtype="fp8")
     assert cfg.attention_needs("cpu") == ModelNeeds("float32", cfg.shape.head_dim, "fp8")
-    assert cfg.attention_needs("cuda").dtype == "bfloat16"
+    assert cfg.attention_needs("cuda").activations == "bfloat16"
