@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
-# The FP8 KV cache and FlashAttention-2 on an H200, in two phases of under 10 minutes each (a device call's limit):
+# The FP8 KV cache and FlashAttention-2 on an H200, in four phases, each meant to fit a device call (10 minutes):
 #
-#   tools/gpu/fp8_and_flash.sh fp8     # FP8 cache: GPU kernel tests, the kv-fp8 guard (triton and torch),
-#                                      # nano-vllm workload bf16 cache vs fp8 cache (same lease), step budget
-#   tools/gpu/fp8_and_flash.sh flash   # builds flash-attn from .gpu/wheels/flash_attn-2.8.3.tar.gz (or installs a
-#                                      # wheel built before, if .gpu/wheels holds one), doctor, GPU tests, guards
-#                                      # and the graph suite with flash_attn, its refusals, nano-vllm and the
-#                                      # attention bench flash vs triton
+#   tools/gpu/fp8_and_flash.sh fp8-guards   # GPU kernel tests (fp8 and the default path), the kv-fp8 guard on triton
+#                                           # and torch and as its checkpoint's command, the bf16 guard
+#   tools/gpu/fp8_and_flash.sh fp8-bench    # nano-vllm workload with the bf16 cache, then the fp8 cache (one lease),
+#                                           # the fp8 step budget at 256 x 1024
+#   tools/gpu/fp8_and_flash.sh flash        # flash-attn built from .gpu/wheels/flash_attn-2.8.3.tar.gz (or a wheel
+#                                           # built before, if .gpu/wheels holds one), doctor, GPU tests, the bf16 and
+#                                           # graph guards with flash_attn, its float32/fp8 refusals, auto at float32
+#   tools/gpu/fp8_and_flash.sh flash-bench  # (after flash, same machine) nano-vllm flash vs triton, attention bench
 #
 # Run from the repository root with `.gpu/wheels` carried (the sdist, 8.4 MB; `tools/build_flash_attn.sh --fetch`
 # puts it there where PyPI is reachable). Logs and evidence go under $OUT (default ./gpu-out); the flash phase also
 # leaves the wheel it built in $OUT/wheels (carry it back into .gpu/wheels to skip the build next time).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+case "${1:-}" in
+  fp8-guards|fp8-bench|flash|flash-bench) ;;
+  *) echo "usage: tools/gpu/fp8_and_flash.sh fp8-guards|fp8-bench|flash|flash-bench" >&2; exit 2 ;;
+esac
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT/logs" "$OUT/runs"
 export PYTHONPATH="$PWD:$PWD/.gpu/site${PYTHONPATH:+:$PYTHONPATH}"
@@ -39,7 +45,7 @@ expect_refusal() {  # expect_refusal NAME COMMAND...: exit 2 with one line on st
   [ $rc -eq 2 ] || status=1
 }
 
-fp8() {
+fp8_guards() {
   step gpu-tests-fp8 $PY -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gpu_kv_fp8.py tests/kernels/test_gpu_kernels.py
   step guard-kv-fp8-triton $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
        --attention triton --out "$OUT/runs/kv-fp8-triton.json"
@@ -47,9 +53,17 @@ fp8() {
        --attention torch --out "$OUT/runs/kv-fp8-torch.json"
   step guard-kv-fp8-checkpoint $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda
   step guard-bf16-default $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda
+  summary
+}
+
+fp8_bench() {
   step bench-nano-vllm-bf16 $PY -m labkit bench --workload nano-vllm --out "$OUT/runs/bench-nano-vllm-bf16.json"
   step bench-nano-vllm-fp8 $PY -m labkit bench --workload nano-vllm --kv-cache-dtype fp8 --out "$OUT/runs/bench-nano-vllm-fp8.json"
   step step-budget-fp8 $PY -m labkit bench --workload step-budget --kv-cache-dtype fp8 --out "$OUT/runs/step-budget-fp8.json"
+  summary
+}
+
+summary() {
   $PY - "$OUT/runs" <<'PY' 2>&1 | tee -a "$OUT/steps.txt"
 import json, sys
 from pathlib import Path
@@ -93,15 +107,20 @@ from engine import LLMEngine
 from labkit.assets.resolve import resolve_model
 e = LLMEngine(str(resolve_model(None, 'cuda').path), device='cuda', dtype='float32', kvcache_block_size=256, max_model_len=512)
 print('auto with float32 ->', e.describe()['attention_backend']); assert e.describe()['attention_backend'] == 'triton'"
+}
+
+flash_bench() {
+  if ! $PY -c "import flash_attn" 2>/dev/null; then flash; fi
   step bench-nano-vllm-flash $PY -m labkit bench --workload nano-vllm --attention flash_attn --out "$OUT/runs/bench-nano-vllm-flash.json"
   step bench-nano-vllm-triton $PY -m labkit bench --workload nano-vllm --attention triton --out "$OUT/runs/bench-nano-vllm-triton.json"
   step bench-attention $PY -m labkit bench --workload attention --out "$OUT/runs/bench-attention.json"
 }
 
 case "${1:-}" in
-  fp8) fp8 ;;
+  fp8-guards) fp8_guards ;;
+  fp8-bench) fp8_bench ;;
   flash) flash ;;
-  *) echo "usage: tools/gpu/fp8_and_flash.sh fp8|flash" >&2; exit 2 ;;
+  flash-bench) flash_bench ;;
 esac
 cp -r runs/. "$OUT/runs/" 2>/dev/null || true
 echo "done: status $status (0: every step exited 0), steps in $OUT/steps.txt"
