@@ -241,6 +241,11 @@ class Config:
         if device.startswith("cuda") and self.tensor_parallel_size > torch.cuda.device_count():
             raise ConfigError(f"tensor_parallel_size {self.tensor_parallel_size} needs that many GPUs; "
                               f"this machine has {torch.cuda.device_count()}")
+        if self.kv_cache_dtype == "fp8" and device.startswith("cuda"):
+            major, minor = torch.cuda.get_device_capability(torch.device(device))
+            if (major, minor) < (8, 9):         # Triton converts e4m3 (float8e4nv) from sm_89 on
+                raise ConfigError(f"kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper); "
+                                  f"this one is {major}.{minor}")
         return device
 
     def attention_needs(self, device: str):

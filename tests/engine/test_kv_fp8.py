@@ -141,3 +141,17 @@ def test_the_engine_runs_an_fp8_cache_end_to_end(tame_tiny):
             top = ref["logprobs"][first].top           # the float32 run's top two (log-probs: logit differences)
             assert top[0][1] - top[1][1] <= 2 * entry["max_abs"], (first, top, got["logprobs"][first].top)
     assert same >= 24         # (measured: 29 of 72 tokens before the three first divergences, 24 in one prompt)
+
+
+def test_an_fp8_cache_on_a_gpu_before_sm89_is_refused_in_one_line(tiny_model_dir, monkeypatch):
+    """Triton's e4m3 conversions need compute capability 8.9 (an A800/A100 is 8.0): one line before any load."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    cfg = Config(str(tiny_model_dir), device="cuda", attention_backend="torch", kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError) as e:
+        cfg.check_machine()
+    assert str(e.value) == "kv_cache_dtype fp8 needs a GPU of compute capability 8.9 or later (Ada, Hopper); this one is 8.0"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert cfg.check_machine() == "cuda"
+    assert Config(str(tiny_model_dir), device="cuda", attention_backend="torch").check_machine() == "cuda"
