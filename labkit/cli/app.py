@@ -297,6 +297,7 @@ class CaseName(str, enum.Enum):
     B = "B"
     C = "C"
     D = "D"
+    E = "E"
     LIFECYCLE = "lifecycle"
     PREFIX = "prefix"
 
@@ -327,6 +328,7 @@ def quick_walk(
     inputs: Annotated[bool, typer.Option("--inputs", help="Print each step's runner inputs (input_ids, positions, cu_seqlens, max_seqlen, slot_mapping, context_lens, block_tables) as tables; the steps are stored in the evidence as with --trace.")] = False,
     shuffle_blocks: Annotated[Optional[int], typer.Option("--shuffle-blocks", metavar="SEED", show_default=False, help="Hand out KV blocks in a seeded shuffled order (slot != position); no checkpoint claims such a run.")] = None,
     fused_ops: FusedOpsOpt = True,
+    mixed_batches: Annotated[bool, typer.Option("--mixed-batches/--no-mixed-batches", help="Cases A-E: mixed steps (the running decodes and prefill chunks in one step) instead of nano-vllm's step model; case E shows one.")] = False,
     out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto", attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
@@ -337,7 +339,9 @@ def quick_walk(
 
     if case in (CaseName.LIFECYCLE, CaseName.PREFIX):
         if num_kvcache_blocks is not None:
-            raise UserError("--num-kvcache-blocks is for cases A-D")
+            raise UserError("--num-kvcache-blocks is for cases A-E")
+        if mixed_batches:
+            raise UserError("--mixed-batches is for cases A-E")
 
         from labkit.cli.walks import walk_case
 
@@ -352,7 +356,7 @@ def quick_walk(
     record = run_quick_walk(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
                             budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
                             trace=trace or inputs, debug=debug, shuffle_blocks=shuffle_blocks, shapes=shapes,
-                            fused_ops=fused_ops, num_kvcache_blocks=num_kvcache_blocks)
+                            fused_ops=fused_ops, num_kvcache_blocks=num_kvcache_blocks, mixed_batches=mixed_batches)
     if not json_out:
         render_quick_walk(record)
         if inputs:

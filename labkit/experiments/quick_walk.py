@@ -19,9 +19,14 @@ from labkit.lab_engine import build_engine, install_env_trace, synthetic_note
 
 def checkpoint_for(case: str, budget: int, max_num_seqs: int | None, block_size: int,
                    shuffle_blocks: int | None = None, shapes: bool = False,
-                   num_kvcache_blocks: int | None = None) -> str | None:
+                   num_kvcache_blocks: int | None = None, mixed_batches: bool = False) -> str | None:
     """The checkpoint that states the handbook's expectations for these options, if there is one (none for a
-    shuffled block order: the checkpoints keep the default order 0, 1, 2, ...; none for a pool of a given size)."""
+    shuffled block order: the checkpoints keep the default order 0, 1, 2, ...; none for a pool of a given size).
+    Case E is claimed with --mixed-batches only (scheduler.quick-walk-mixed); cases A-D only without it."""
+    if case == "E" or mixed_batches:
+        defaults = (budget, max_num_seqs, block_size, shuffle_blocks, shapes, num_kvcache_blocks) == \
+            (512, None, 256, None, False, None)
+        return "scheduler.quick-walk-mixed" if case == "E" and mixed_batches and defaults else None
     if (case, block_size, budget, max_num_seqs, shuffle_blocks, shapes, num_kvcache_blocks) == \
             ("C", 16, 512, None, None, False, None):
         return "course.quick-walk-c-bs16"        # lesson 6's exercise (docs/COURSE.md)
@@ -186,13 +191,14 @@ def derive(steps: list[dict], labels: list[str], block_size: int) -> dict:
 
 
 def custom_name(case: str, budget: int, max_num_seqs: int | None, block_size: int, shuffle_blocks: int | None,
-                shapes: bool, num_kvcache_blocks: int | None) -> str:
+                shapes: bool, num_kvcache_blocks: int | None, mixed_batches: bool = False) -> str:
     """The evidence file of a run no checkpoint claims, named by its options so that two option sets keep
     two files: quick-walk-c-bs16.json, quick-walk-b-bs4-blocks2.json, ... (quick-walk-x-custom.json when
     only the claim is missing, e.g. a default run without --trace)."""
     parts = [f"budget{budget}" if budget != 512 else "", f"seqs{max_num_seqs}" if max_num_seqs else "",
              f"bs{block_size}" if block_size != 256 else "", f"shuffle{shuffle_blocks}" if shuffle_blocks is not None else "",
-             f"blocks{num_kvcache_blocks}" if num_kvcache_blocks is not None else "", "shapes" if shapes else ""]
+             f"blocks{num_kvcache_blocks}" if num_kvcache_blocks is not None else "", "shapes" if shapes else "",
+             "mixed" if mixed_batches else ""]
     tail = "-".join(p for p in parts if p) or "custom"
     return f"quick-walk-{case.lower()}-{tail}.json"
 
@@ -223,14 +229,15 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
                    attention: str = "auto", budget: int = 512, max_num_seqs: int | None = None,
                    block_size: int = 256, trace: bool = False, debug: bool = False,
                    shuffle_blocks: int | None = None, shapes: bool = False, fused_ops: bool = True,
-                   num_kvcache_blocks: int | None = None) -> dict:
+                   num_kvcache_blocks: int | None = None, mixed_batches: bool = False) -> dict:
     case = case.upper()
     if case not in CASES:
         raise UserError(f"unknown case {case!r}: choose one of {', '.join(CASES)}")
     spec = CASES[case]
     built = build_engine(model, device, attention, max_num_batched_tokens=budget,
                          max_num_seqs=max_num_seqs or 256, kvcache_block_size=block_size,
-                         shuffle_blocks=shuffle_blocks, fused_ops=fused_ops, num_kvcache_blocks=num_kvcache_blocks)
+                         shuffle_blocks=shuffle_blocks, fused_ops=fused_ops, num_kvcache_blocks=num_kvcache_blocks,
+                         mixed_batches=mixed_batches)
     engine = built.engine
     install_env_trace(engine)
     if debug:
@@ -254,12 +261,14 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
         "case": case, "title": spec.title,
         "options": {"budget": budget, "max_num_seqs": max_num_seqs or 256, "block_size": block_size,
                     "max_model_len": engine.config.max_model_len, "shuffle_blocks": engine.config.shuffle_blocks,
-                    "num_kvcache_blocks": num_kvcache_blocks},
+                    "num_kvcache_blocks": num_kvcache_blocks, "mixed_batches": mixed_batches},
         "requests": [{"label": n, "prompt_len": len(p), "max_tokens": m}
                      for n, p, m in zip(names, spec.prompts, spec.max_tokens)],
         "preemptions": stats.preemptions,
         "preempted_at": preempted_at(steps),
         "num_steps": len(steps),
+        "step_kinds": [st["phase"] for st in steps],
+        "num_mixed_steps": sum(st["phase"] == "mixed" for st in steps),
         "output_counts": [s.num_completion_tokens for s in seqs],
         "final": [{"label": n, "cached": s.num_cached_tokens, "block_table": list(s.block_table),
                    "status": s.status.name, "finish_reason": s.finish_reason} for n, s in zip(names, seqs)],
@@ -287,8 +296,10 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
         facts["steps"] = steps
     # the checkpoint these options call for, claimed only when the command line is that checkpoint's command
     # (a plain run without --trace is evidence for no checkpoint, not a FAIL of one, and says so)
-    checkpoint = checkpoint_for(case, budget, max_num_seqs, block_size, shuffle_blocks, shapes, num_kvcache_blocks)
-    custom = custom_name(case, budget, max_num_seqs, block_size, shuffle_blocks, shapes, num_kvcache_blocks)
+    checkpoint = checkpoint_for(case, budget, max_num_seqs, block_size, shuffle_blocks, shapes, num_kvcache_blocks,
+                                mixed_batches)
+    custom = custom_name(case, budget, max_num_seqs, block_size, shuffle_blocks, shapes, num_kvcache_blocks,
+                         mixed_batches)
     record = write_claimed(checkpoint, out, f"{checkpoint.split('.', 1)[1]}.json" if checkpoint else custom,
                            unclaimed_name=custom, kind=built.kind, facts=facts, device=built.device,
                            model=built.model, seed=engine.config.seed, engine=built.describe())

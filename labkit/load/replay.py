@@ -113,7 +113,7 @@ class Router:
 
 def run_load(opts: LoadOptions) -> dict:
     """Replay the trace; returns the evidence record (also written next to the log)."""
-    _check(opts)
+    check_options(opts)
     head, reqs = read_trace(opts.trace)
     if has_deps(reqs):
         if opts.mode == "round":
@@ -131,15 +131,15 @@ def run_load(opts: LoadOptions) -> dict:
     try:
         if opts.endpoints:
             router = Router(opts.endpoints, opts.router)
-            healths, _ = asyncio.run(_drive_http(opts, reqs, warm, router, log, header=("load", extra)))
-            kind = _remote_kind(healths)
+            healths, _ = asyncio.run(drive_http(opts, reqs, warm, router, log, header=("load", extra)))
+            kind = remote_kind(healths)
             devices = {(h or {}).get("device") for h in healths}
             ident: dict[str, Any] = {"model": (healths[0] or {}).get("model") if healths else None,
                                      "device": devices.pop() if len(devices) == 1 else None}
         else:
             from serve.core.worker import Worker
 
-            worker = Worker(_worker_config(opts), sink=log.write, build=LAB_BUILDER).start()
+            worker = Worker(worker_config(opts), sink=log.write, build=LAB_BUILDER).start()
             kind = "profile" if opts.profile_dir else worker.served.kind
             header = worker.header(envelope, role="load", **extra)
             header["kind"] = kind
@@ -150,7 +150,7 @@ def run_load(opts: LoadOptions) -> dict:
                 header["endpoints"] = [server.url]
                 log.write_header(header)
                 router = Router([server.url], opts.router)
-                _, profile = asyncio.run(_drive_http(opts, reqs, warm, router, log, worker=worker,
+                _, profile = asyncio.run(drive_http(opts, reqs, warm, router, log, worker=worker,
                                                      log_server_events=False))
             else:
                 log.write_header(header)
@@ -205,7 +205,8 @@ def _sanity(facts: dict) -> list[dict]:
     return out
 
 
-def _check(opts: LoadOptions) -> None:
+def check_options(opts: LoadOptions) -> None:
+    """The load options' refusals, one line each, before anything runs (the rate sweep's too)."""
     if opts.checkpoint is not None:
         _check_claim(opts.checkpoint)
     if opts.mode not in MODES:
@@ -242,11 +243,11 @@ def _check_claim(checkpoint: str) -> None:
         raise UserError(f"--checkpoint {checkpoint}: {problem}; its command is `{' '.join(cp.command)}`")
 
 
-def _worker_config(opts: LoadOptions) -> WorkerConfig:
+def worker_config(opts: LoadOptions) -> WorkerConfig:
     return replace(opts.worker, load_tokenizer=opts.serve_local)
 
 
-def _remote_kind(healths: list[dict | None]) -> str | None:
+def remote_kind(healths: list[dict | None]) -> str | None:
     kinds = {(h or {}).get("kind") for h in healths}
     return kinds.pop() if len(kinds) == 1 and None not in kinds else None
 
@@ -412,8 +413,8 @@ def _stop_profile(opts: LoadOptions, worker, prof) -> dict | None:
 # --------------------------------------------------------------------------- over HTTP
 
 
-async def _drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], router: Router, log: EventLog,
-                      header: tuple[str, dict] | None = None, worker=None, log_server_events: bool = True):
+async def drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], router: Router, log: EventLog,
+                     header: tuple[str, dict] | None = None, worker=None, log_server_events: bool = True):
     from labkit.load import client
 
     endpoints = router.endpoints

@@ -31,7 +31,7 @@ from labkit.errors import UserError
 from labkit.evidence import write_evidence
 from labkit.lab_engine import LAB_BUILDER
 from labkit.load import sweep_metrics as sm
-from labkit.load.replay import LoadOptions, Router, _check, _drive_http, _remote_kind, _worker_config
+from labkit.load.replay import LoadOptions, Router, check_options, drive_http, remote_kind, worker_config
 from labkit.load.report import read_log, requests_by_observer
 from labkit.load.trace import read_trace, warmup_requests
 from labkit.load.workloads import WorkloadOptions, write_workload
@@ -125,7 +125,7 @@ class Target:
             from serve.entrypoints.api_server import ServerThread
             from serve.core.worker import Worker
 
-            self.worker = Worker(replace(_worker_config(self.opts), load_tokenizer=True), sink=self.sink,
+            self.worker = Worker(replace(worker_config(self.opts), load_tokenizer=True), sink=self.sink,
                                  build=LAB_BUILDER).start()
             self.server = ServerThread(self.worker).start()
             self.endpoints = [self.server.url]
@@ -144,7 +144,7 @@ class Target:
         self.sink.log = log
         try:
             router = Router(self.endpoints, opts.router)
-            self.healths, _ = asyncio.run(_drive_http(opts, reqs, warm, router, log, header=("load", extra),
+            self.healths, _ = asyncio.run(drive_http(opts, reqs, warm, router, log, header=("load", extra),
                                                       log_server_events=self.worker is None))
             if self.proc is not None and self.proc.proc.poll() is not None:
                 raise UserError(f"the labkit serve process exited (code {self.proc.proc.returncode}); "
@@ -224,7 +224,7 @@ def rate_row(events: Path, reqs: list[dict], rate: float, slos: dict[str, float]
 def run_sweep(opts: SweepOptions) -> dict:
     """Drive every rate; returns the evidence record (written to ``--out``'s .json, the picture beside it)."""
     lo = opts.load if opts.load.endpoints else replace(opts.load, serve_local=True)    # always over HTTP
-    _check(lo)
+    check_options(lo)
     if lo.mode != "wall" or lo.profile_dir:
         raise UserError("--request-rates replays on the wall clock over HTTP; leave out --mode round and --profile-dir")
     if opts.offline_baseline and lo.endpoints:
@@ -281,7 +281,7 @@ def _identity(healths: list[dict | None], served) -> tuple[str | None, dict]:
         return served.kind, {"model": served.model, "device": served.device, "engine": served.describe(),
                              "seed": served.seed}
     devices = {(h or {}).get("device") for h in healths}
-    return _remote_kind(healths), {"model": (healths[0] or {}).get("model") if healths else None,
+    return remote_kind(healths), {"model": (healths[0] or {}).get("model") if healths else None,
                                    "device": devices.pop() if len(devices) == 1 else None}
 
 

@@ -62,7 +62,7 @@ from typing import Any, Callable
 from engine import LLMEngine, SamplingParams
 from serve.errors import ServeError
 from serve.core.config import WorkerConfig
-from serve.core.proc_main import CHILD_CALLS, READY_TIMEOUT_S, _bare_main, _child_main  # noqa: F401
+from serve.core.proc_main import CHILD_CALLS, READY_TIMEOUT_S, bare_main, child_main  # noqa: F401
 from serve.observe.events import Sink, make_event, now_ns
 from serve.core.fair import Groups
 from serve.core.front import WorkerFront, WorkerUnavailable
@@ -116,9 +116,9 @@ class RemoteWorker(WorkerFront):
         ctx = multiprocessing.get_context("spawn")
         events_r, events_w = ctx.Pipe(duplex=False)
         commands_r, commands_w = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=_child_main, args=(self.config, commands_r, events_w, self.build),
+        self.process = ctx.Process(target=child_main, args=(self.config, commands_r, events_w, self.build),
                                    name=f"labkit-engine-{self.worker_id}")
-        with _bare_main():
+        with bare_main():
             self.process.start()
         events_w.close()                 # the child's ends: ours closed, so a dead child reads as EOF here
         commands_r.close()

@@ -1,7 +1,7 @@
 """The engine process's side of ``labkit serve --engine-process`` (the parent's side, and the design,
 are in :mod:`serve.core.proc_client`).
 
-:func:`_child_main` is the target the parent spawns (``multiprocessing`` "spawn" pickles it by this
+:func:`child_main` is the target the parent spawns (``multiprocessing`` "spawn" pickles it by this
 module's path). It runs the existing Worker unchanged, with ``stream=False`` handles (nobody reads them
 here), a sink (:class:`_Sender`) that collects the owner's events, and the Worker's :class:`OwnerHooks`:
 the owner hands a whole step's wake-ups over once per step (``flushed``), and there the step's events go
@@ -100,7 +100,7 @@ def _on_sigterm(signum, frame) -> None:
     raise _Terminated()
 
 
-def _child_main(config: WorkerConfig, commands, events, build: str | None = None) -> None:
+def child_main(config: WorkerConfig, commands, events, build: str | None = None) -> None:
     """The engine process: build the Worker, report ready (or the init error), then serve commands. SIGTERM
     closes the Worker in order like the parent's close (its engine's TP ranks, shared memory and semaphores
     released: no resource_tracker "leaked" warning), instead of killing the process where it stands."""
@@ -172,9 +172,9 @@ def _child_submit(worker: Worker, sender: _Sender, rid: str, token_ids: list[int
 
 
 @contextmanager
-def _bare_main():
+def bare_main():
     """While a child is spawned, ``__main__`` is an empty module: the child needs nothing of the parent's
-    main script (its target, :func:`_child_main`, lives in this module), so it never re-runs a script
+    main script (its target, :func:`child_main`, lives in this module), so it never re-runs a script
     without a ``__main__`` guard, nor pytest's or the console script's entry."""
     main = sys.modules.get("__main__")
     sys.modules["__main__"] = types.ModuleType("__main__")

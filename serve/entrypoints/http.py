@@ -102,7 +102,7 @@ def is_loopback(request: web.Request) -> bool:
 
 
 def _refused_origin(origin: str, close: bool) -> ApiError:
-    return ApiError(403, f"requests from the web origin {protocol._show(origin)} are not allowed "
+    return ApiError(403, f"requests from the web origin {protocol.show(origin)} are not allowed "
                          "(start the server with --allowed-origins to allow it)", "origin_not_allowed", "Origin",
                     close=close)
 
@@ -133,11 +133,11 @@ class Middleware:
             return
         ctype = request.headers.get("Content-Type", "")
         if ctype.split(";", 1)[0].strip().lower() not in JSON_TYPES:
-            raise ApiError(415, f"the body must be application/json, got Content-Type {protocol._show(ctype or None)}",
+            raise ApiError(415, f"the body must be application/json, got Content-Type {protocol.show(ctype or None)}",
                            "unsupported_media_type", "Content-Type", close=True)
         encoding = request.headers.get("Content-Encoding", "").strip().lower()
         if encoding not in BODY_ENCODINGS:
-            raise ApiError(415, f"Content-Encoding {protocol._show(encoding)} is not supported (send identity, gzip "
+            raise ApiError(415, f"Content-Encoding {protocol.show(encoding)} is not supported (send identity, gzip "
                                 "or deflate)", "unsupported_content_encoding", "Content-Encoding", close=True)
         limit = self.max_body_bytes
         length = request.content_length
@@ -160,7 +160,7 @@ class Middleware:
             return resp
         expect = request.headers.get("Expect", "")
         if expect.lower() != "100-continue":
-            resp = error_response(ApiError(417, f"unsupported Expect: {protocol._show(expect)}", "expectation_failed",
+            resp = error_response(ApiError(417, f"unsupported Expect: {protocol.show(expect)}", "expectation_failed",
                                            "Expect", close=True))
             if conn is not None:
                 conn.enter("idle")
@@ -205,7 +205,7 @@ class Middleware:
             if e.status < 400:
                 raise
             code = {404: "not_found", 405: "method_not_allowed"}.get(e.status, "http_error")
-            text = f"{request.method} {protocol._show(request.path)}: {e.reason}"
+            text = f"{request.method} {protocol.show(request.path)}: {e.reason}"
             return error_response(ApiError(e.status, text, code, headers={k: v for k, v in e.headers.items()
                                                                           if k == "Allow"}))
 

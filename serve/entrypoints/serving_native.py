@@ -131,7 +131,7 @@ class NativeRoutes:
         model_id = request.match_info["model_id"]
         name = self.serving.limits.served_model_name
         if model_id != name:
-            raise ApiError(404, f"the model {protocol._show(model_id)} does not exist; this server serves "
+            raise ApiError(404, f"the model {protocol.show(model_id)} does not exist; this server serves "
                                 f"{name!r}", "model_not_found", "model")
         return web.json_response(self._model_card())
 

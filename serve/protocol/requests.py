@@ -29,8 +29,8 @@ from typing import Any, Callable
 from engine import RequestError, SamplingParams
 from serve.protocol import vllm_fields as vf
 from serve.protocol.chat import chat_request, constrain, parse_messages
-from serve.protocol.sampling import (SAMPLING_CHECKS, _bool, _int, _int_check, _is_int, _num_check,  # noqa: F401
-                                          _number, _sampling, _show, _type_check, bad, seed_of)
+from serve.protocol.sampling import (SAMPLING_CHECKS, bad, int_check, is_int, number_check, read_bool,  # noqa: F401
+                                     read_int, read_number, sampling_fields, seed_of, show, type_check)
 from serve.protocol.structured import source as structured_source, structured_outputs
 from serve.protocol.wire import ApiError
 
@@ -78,11 +78,11 @@ class GenRequest:
     echo: bool = False                    # completions: the prompt (and its log-probs) before the output; chat: vLLM's
     chat_output: Any = None               # chat: how the answer is read (chat_output.ChatOutputOptions)
     structured_param: str | None = None   # the field its structured-output constraint came from (serve/protocol/structured.py)
-    vllm: vf.VllmOptions = field(default_factory=vf.VllmOptions)   # vLLM's extra fields (protocol_fields.py)
+    vllm: vf.VllmOptions = field(default_factory=vf.VllmOptions)   # vLLM's extra fields (vllm_fields.py)
 
 
 def _token_ids(value: Any, param: str) -> list[int]:
-    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+    if not isinstance(value, list) or not all(is_int(t) for t in value):
         raise bad(f"{param} must be a list of integer token ids", param, "invalid_type")
     if not value:
         raise bad(f"{param} is empty", param, "empty_prompt")
@@ -120,7 +120,7 @@ def _tags(body: dict) -> dict:
         raise bad("tags must be an object of at most 16 fields", "tags", "invalid_type")
     for k, v in tags.items():
         if not isinstance(k, str) or not TAG_NAME_RE.fullmatch(k) or k in RESERVED_FIELDS:
-            raise bad(f"tag name {_show(k)} is not allowed (a letter, then letters, digits, '_', '.', '-', "
+            raise bad(f"tag name {show(k)} is not allowed (a letter, then letters, digits, '_', '.', '-', "
                       f"at most 64; not an event field)", "tags")
         if not isinstance(v, TAG_VALUE_TYPES) or (isinstance(v, str) and len(v) > 256) \
                 or (isinstance(v, float) and not math.isfinite(v)) or (isinstance(v, int) and abs(v) >= 2 ** 63):
@@ -141,27 +141,27 @@ _ANY = lambda name, v: None   # noqa: E731  (any value is well-formed; only the 
 #: A value outside the no-op set is refused with 400 ``unsupported_parameter`` naming the parameter;
 #: a malformed one with 400 ``invalid_value``/``invalid_type``.
 NOOP_PARAMS: dict[str, tuple[tuple, Callable[[str, Any], None], str]] = {
-    "length_penalty": ((1, 1.0), _num_check(-2 ** 31, 2 ** 31), "no beam search"),
-    "use_beam_search": ((False,), _type_check(bool, what="true or false"), "no beam search"),
-    "bad_words": (([],), _type_check(list, what="a list of strings"), "the sampler has temperature only"),
-    "top_logprobs": ((0,), _int_check(0, 20), "completions take the count in logprobs"),
-    "suffix": (("",), _type_check(str, what="a string"), "no insertion mode"),
-    "tools": (([],), _type_check(list, what="a list"), "tool calling is a chat feature"),
+    "length_penalty": ((1, 1.0), number_check(-2 ** 31, 2 ** 31), "no beam search"),
+    "use_beam_search": ((False,), type_check(bool, what="true or false"), "no beam search"),
+    "bad_words": (([],), type_check(list, what="a list of strings"), "the sampler has temperature only"),
+    "top_logprobs": ((0,), int_check(0, 20), "completions take the count in logprobs"),
+    "suffix": (("",), type_check(str, what="a string"), "no insertion mode"),
+    "tools": (([],), type_check(list, what="a list"), "tool calling is a chat feature"),
     "tool_choice": (("none",), _ANY, "tool calling is a chat feature"),
     "functions": ((), _ANY, "the legacy functions API: send tools"),
     "function_call": ((), _ANY, "the legacy functions API: send tool_choice"),
-    "skip_special_tokens": ((True,), _type_check(bool, what="true or false"), "special tokens are always skipped"),
-    "spaces_between_special_tokens": ((True,), _type_check(bool, what="true or false"),
+    "skip_special_tokens": ((True,), type_check(bool, what="true or false"), "special tokens are always skipped"),
+    "spaces_between_special_tokens": ((True,), type_check(bool, what="true or false"),
                                       "special tokens are always skipped"),
     "chat_template": ((), _ANY, "the model's own chat template only"),
-    "chat_template_kwargs": (({},), _type_check(dict, what="an object"), "a chat feature"),
+    "chat_template_kwargs": (({},), type_check(dict, what="an object"), "a chat feature"),
     "audio": ((), _ANY, "text only"),
-    "modalities": ((["text"],), _type_check(list, what="a list"), "text only"),
+    "modalities": ((["text"],), type_check(list, what="a list"), "text only"),
     "prediction": ((), _ANY, "no predicted outputs"),
     "web_search_options": ((), _ANY, "no web search"),
 }
 #: Accepted and without effect on generation (metadata, or a choice that has no alternative here;
-#: parallel_tool_calls only on completions: chat honours it). priority is vLLM's, refused unless 0 (protocol_fields).
+#: parallel_tool_calls only on completions: chat honours it). priority is vLLM's, refused unless 0 (vllm_fields).
 IGNORED_PARAMS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
                   "documents")
 
@@ -193,7 +193,7 @@ def _refuse_unsupported(body: dict, api: str) -> None:
         if _is_noop(value, noops):
             continue
         noop_text = " or ".join(json.dumps(n) for n in noops)
-        raise bad(f"{name}={_show(value)} is not supported by this server ({why}); "
+        raise bad(f"{name}={show(value)} is not supported by this server ({why}); "
                   + (f"omit it or send {noop_text}" if noops else "omit it"), name, "unsupported_parameter")
 
 
@@ -208,7 +208,7 @@ def _stops(body: dict) -> tuple[list[str], list[int], bool]:
     elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         stops = list(stop)
     else:
-        raise bad(f"stop must be a string or a list of strings, got {_show(stop)}", "stop", "invalid_type")
+        raise bad(f"stop must be a string or a list of strings, got {show(stop)}", "stop", "invalid_type")
     if len(stops) > MAX_STOPS:
         raise bad(f"stop may hold at most {MAX_STOPS} strings, got {len(stops)}", "stop")
     if any(not s for s in stops):
@@ -218,20 +218,20 @@ def _stops(body: dict) -> tuple[list[str], list[int], bool]:
     ids = body.get("stop_token_ids")
     if ids is None:
         ids = []
-    if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
-        raise bad(f"stop_token_ids must be a list of integer token ids, got {_show(ids)}", "stop_token_ids",
+    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
+        raise bad(f"stop_token_ids must be a list of integer token ids, got {show(ids)}", "stop_token_ids",
                   "invalid_type")
     if len(ids) > 64:
         raise bad(f"stop_token_ids may hold at most 64 ids, got {len(ids)}", "stop_token_ids")
-    include = _bool(body, "include_stop_str_in_output", False)
+    include = read_bool(body, "include_stop_str_in_output", False)
     return stops, list(dict.fromkeys(ids)), include
 
 
 def _choices_per_prompt(body: dict) -> int:
-    n = _int(body, "n", 1, 1, MAX_CHOICES)
+    n = read_int(body, "n", 1, 1, MAX_CHOICES)
     best_of = body.get("best_of")
     if best_of is not None:
-        _int_check(1, MAX_CHOICES)("best_of", best_of)
+        int_check(1, MAX_CHOICES)("best_of", best_of)
         if best_of != n:
             raise bad(f"best_of must equal n ({n}): there is no ranking of extra samples, got {best_of}", "best_of",
                       "unsupported_parameter")
@@ -244,15 +244,15 @@ def _logprobs(body: dict, api: str) -> int | None:
     if api == "completions":
         if value is None:
             return None
-        if not _is_int(value):
-            raise bad(f"logprobs must be an integer or null, got {_show(value)}", "logprobs", "invalid_type")
-        _int_check(0, 20)("logprobs", value)
+        if not is_int(value):
+            raise bad(f"logprobs must be an integer or null, got {show(value)}", "logprobs", "invalid_type")
+        int_check(0, 20)("logprobs", value)
         return value
     if value is not None:
-        _type_check(bool, what="true or false")("logprobs", value)
+        type_check(bool, what="true or false")("logprobs", value)
     top = body.get("top_logprobs")
     if top is not None:
-        _int_check(0, 20)("top_logprobs", top)
+        int_check(0, 20)("top_logprobs", top)
     if not value:
         if top:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
@@ -265,26 +265,26 @@ def _params(body: dict, limits: Limits, default_temperature: float, max_tokens_n
             prompt_logprobs: int | None = None) -> tuple[SamplingParams, bool]:
     """The sampling parameters and whether max_tokens was given. Without it: ``default_max_tokens``, or
     (None) the rest of the context, which the worker fills in once it knows the prompt's length. Every route
-    checks the sampling parameters with the same function (sampling_args._sampling); log-probs are the OpenAI
+    checks the sampling parameters with the same function (sampling.sampling_fields); log-probs are the OpenAI
     routes'. ``prompt_logprobs``: vLLM's field (else echo with logprobs asks for them)."""
     hi = limits.max_model_len - 1
     max_tokens = None
     for name in max_tokens_names:
         if body.get(name) is not None:
-            max_tokens = _int(body, name, None, 1, hi)
+            max_tokens = read_int(body, name, None, 1, hi)
             break
     given = max_tokens is not None
     if max_tokens is None:
         max_tokens = min(default_max_tokens or hi, hi)
-    temperature = _number(body, "temperature", default_temperature, 0.0, 100.0)
+    temperature = read_number(body, "temperature", default_temperature, 0.0, 100.0)
     seed = seed_of(body)
-    ignore_eos = _bool(body, "ignore_eos", False)
-    extra: dict[str, Any] = {"structured_outputs": structured_outputs(body), **_sampling(body)}   # one parser
+    ignore_eos = read_bool(body, "ignore_eos", False)
+    extra: dict[str, Any] = {"structured_outputs": structured_outputs(body), **sampling_fields(body)}   # one parser
     if api != "native":
         logprobs = _logprobs(body, api)
         if logprobs is not None:
             extra["logprobs"] = logprobs
-            if api == "completions" and _bool(body, "echo", False):
+            if api == "completions" and read_bool(body, "echo", False):
                 extra["prompt_logprobs"] = logprobs
         if prompt_logprobs is not None:
             extra["prompt_logprobs"] = prompt_logprobs
@@ -345,8 +345,8 @@ def parse_native(body: Any, limits: Limits) -> GenRequest:
     else:
         prompt = _messages(body["messages"])
     params, _ = _params(body, limits, default_temperature=0.0, default_max_tokens=64)
-    return GenRequest("native", prompt, params, stream=_bool(body, "stream", True), request_id=_request_id(body),
-                      tags=_tags(body), detokenize=_bool(body, "detokenize", True),
+    return GenRequest("native", prompt, params, stream=read_bool(body, "stream", True), request_id=_request_id(body),
+                      tags=_tags(body), detokenize=read_bool(body, "detokenize", True),
                       structured_param=structured_source(body))
 
 
@@ -373,7 +373,7 @@ def parse_completion(body: Any, limits: Limits) -> GenRequest:
     n = _choices_per_prompt(body)
     if n * len(prompts) > MAX_CHOICES:
         raise bad(f"prompts x n may be at most {MAX_CHOICES}, got {len(prompts)} x {n}", "n")
-    stream = _bool(body, "stream", False)
+    stream = read_bool(body, "stream", False)
     usage = _include_usage(body, stream)
     opts = vf.parse(body, "completions", stream, limits.max_model_len)
     params, given = _params(body, limits, default_temperature=1.0, api="completions",       # max_tokens: 16,
@@ -383,7 +383,7 @@ def parse_completion(body: Any, limits: Limits) -> GenRequest:
     return GenRequest("completions", prompts[0], params, stream=stream, request_id=_request_id(body),
                       include_usage=usage, model=model, fill_context=not given,
                       stop=stop, include_stop_str_in_output=include, prompts=prompts,
-                      n=n, logprobs=params.logprobs, echo=_bool(body, "echo", False), vllm=opts,
+                      n=n, logprobs=params.logprobs, echo=read_bool(body, "echo", False), vllm=opts,
                       structured_param=structured_source(body))
 
 
@@ -406,7 +406,7 @@ def parse_chat(body: Any, limits: Limits) -> GenRequest:
     chat, chat_output = chat_request(body, _messages(body["messages"]), limits.enable_auto_tool_choice,
                                      limits.reasoning_parser)
     n = _choices_per_prompt(body)
-    stream = _bool(body, "stream", False)
+    stream = read_bool(body, "stream", False)
     usage = _include_usage(body, stream)
     opts = vf.parse(body, "chat", stream, limits.max_model_len)
     params, given = _params(body, limits, default_temperature=1.0, prompt_logprobs=opts.prompt_logprobs,
@@ -416,7 +416,7 @@ def parse_chat(body: Any, limits: Limits) -> GenRequest:
     return GenRequest("chat", chat, params, stream=stream, request_id=_request_id(body),
                       include_usage=usage, model=model, fill_context=not given,
                       stop=stop, include_stop_str_in_output=include, n=n,
-                      logprobs=params.logprobs, echo=_bool(body, "echo", False), vllm=opts, chat_output=chat_output,
+                      logprobs=params.logprobs, echo=read_bool(body, "echo", False), vllm=opts, chat_output=chat_output,
                       structured_param="tool_choice" if chat_output.constraint else structured_source(body))
 
 
@@ -428,7 +428,7 @@ def _include_usage(body: dict, stream: bool) -> bool:
         raise bad("stream_options must be an object", "stream_options", "invalid_type")
     if not stream:
         raise bad("stream_options is only allowed with stream=true", "stream_options")
-    return _bool(opts, "include_usage", False)
+    return read_bool(opts, "include_usage", False)
 
 
 def parse_cancel(body: Any) -> tuple[str, str | None]:

@@ -1,7 +1,7 @@
-"""The checks of request fields that every route shares (moved out of protocol.py, which re-exports them):
-the error constructor :func:`bad`, typed readers (``_int``, ``_number``, ``_bool``), the bounded rendering of a
-client's value (``_show``), value checks (``_num_check``, ``_int_check``, ``_type_check``), and the sampling
-parameters (:data:`SAMPLING_CHECKS`, :func:`_sampling`) that map onto :class:`engine.SamplingParams` on
+"""The checks of request fields that every route shares (:mod:`serve.protocol.requests` re-exports them): the
+error constructor :func:`bad`, typed readers (``read_int``, ``read_number``, ``read_bool``), the bounded rendering of a
+client's value (``show``), value checks (``number_check``, ``int_check``, ``type_check``), and the sampling
+parameters (:data:`SAMPLING_CHECKS`, :func:`sampling_fields`) that map onto :class:`engine.SamplingParams` on
 ``/generate``, ``/v1/completions`` and ``/v1/chat/completions`` alike: one validator, so a value one route
 refuses every route refuses (tests/service/test_service_vllm_fields.py runs a table of bad values on all three).
 """
@@ -21,42 +21,42 @@ def bad(message: str, param: str | None = None, code: str = "invalid_value") -> 
     return ApiError(400, message, code, param)
 
 
-def _is_int(x: Any) -> bool:
+def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
+def read_int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
     value = body.get(name, default)
     if value is None:
         return default
     if isinstance(value, HugeInt):
         raise bad(f"{name} must be between {lo} and {hi}, got {value!r}", name)
-    if not _is_int(value):
-        raise bad(f"{name} must be an integer, got {_show(value)}", name, "invalid_type")
+    if not is_int(value):
+        raise bad(f"{name} must be an integer, got {show(value)}", name, "invalid_type")
     if not lo <= value <= hi:
         raise bad(f"{name} must be between {lo} and {hi}, got {value}", name)
     return value
 
 
-def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
+def read_number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
     value = body.get(name, default)
     if value is None:
         return default
     if isinstance(value, HugeInt):
         raise bad(f"{name} must be between {lo:g} and {hi:g}, got {value!r}", name)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise bad(f"{name} must be a number, got {_show(value)}", name, "invalid_type")
+        raise bad(f"{name} must be a number, got {show(value)}", name, "invalid_type")
     if not lo <= value <= hi:
-        raise bad(f"{name} must be between {lo:g} and {hi:g}, got {_show(value)}", name)
+        raise bad(f"{name} must be between {lo:g} and {hi:g}, got {show(value)}", name)
     return float(value)
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
+def read_bool(body: dict, name: str, default: bool) -> bool:
     value = body.get(name, default)
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise bad(f"{name} must be true or false, got {_show(value)}", name, "invalid_type")
+        raise bad(f"{name} must be true or false, got {show(value)}", name, "invalid_type")
     return value
 
 
@@ -64,72 +64,72 @@ _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 40, 40, 40
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     """A short, safe rendering of a client's value for a message (bounded depth and length)."""
     text = repr(value) if isinstance(value, HugeInt) else _REPR.repr(value)
     text = text.encode("ascii", "backslashreplace").decode("ascii")
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _num_check(lo: float, hi: float, lo_open: bool = False):
+def number_check(lo: float, hi: float, lo_open: bool = False):
     def check(name: str, v: Any) -> None:
         if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise bad(f"{name} must be a number, got {_show(v)}", name, "invalid_type")
+            raise bad(f"{name} must be a number, got {show(v)}", name, "invalid_type")
         if not (lo < v if lo_open else lo <= v) or not v <= hi:
-            raise bad(f"{name} must be {'>' if lo_open else '>='} {lo:g} and <= {hi:g}, got {_show(v)}", name)
+            raise bad(f"{name} must be {'>' if lo_open else '>='} {lo:g} and <= {hi:g}, got {show(v)}", name)
     return check
 
 
-def _int_check(lo: int, hi: int = 2 ** 31):
+def int_check(lo: int, hi: int = 2 ** 31):
     def check(name: str, v: Any) -> None:
-        if not _is_int(v):
-            raise bad(f"{name} must be an integer, got {_show(v)}", name, "invalid_type")
+        if not is_int(v):
+            raise bad(f"{name} must be an integer, got {show(v)}", name, "invalid_type")
         if not lo <= v <= hi:
-            raise bad(f"{name} must be between {lo} and {hi}, got {_show(v)}", name)
+            raise bad(f"{name} must be between {lo} and {hi}, got {show(v)}", name)
     return check
 
 
-def _type_check(*types: type, what: str):
+def type_check(*types: type, what: str):
     def check(name: str, v: Any) -> None:
         if not isinstance(v, types) or (bool not in types and isinstance(v, bool)):
-            raise bad(f"{name} must be {what}, got {_show(v)}", name, "invalid_type")
+            raise bad(f"{name} must be {what}, got {show(v)}", name, "invalid_type")
     return check
 
 
 def _logit_bias_check(name: str, v: Any) -> None:
     if not isinstance(v, dict):
-        raise bad(f"{name} must be an object of token id -> bias, got {_show(v)}", name, "invalid_type")
+        raise bad(f"{name} must be an object of token id -> bias, got {show(v)}", name, "invalid_type")
     if len(v) > MAX_LOGIT_BIAS:
         raise bad(f"{name} may hold at most {MAX_LOGIT_BIAS} entries, got {len(v)}", name)
     for k, b in v.items():
         if not (isinstance(k, str) and k.lstrip("-").isdigit()):
-            raise bad(f"{name} keys must be token ids, got {_show(k)}", name, "invalid_type")
+            raise bad(f"{name} keys must be token ids, got {show(k)}", name, "invalid_type")
         if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100:
-            raise bad(f"{name} values must be numbers in [-100, 100], got {_show(b)}", name)
+            raise bad(f"{name} values must be numbers in [-100, 100], got {show(b)}", name)
 
 
 def _allowed_check(name: str, v: Any) -> None:
-    if not isinstance(v, list) or not all(_is_int(t) for t in v):
-        raise bad(f"{name} must be a list of integer token ids, got {_show(v)}", name, "invalid_type")
+    if not isinstance(v, list) or not all(is_int(t) for t in v):
+        raise bad(f"{name} must be a list of integer token ids, got {show(v)}", name, "invalid_type")
     if not v:
         raise bad(f"{name} must not be empty (omit it to allow every token)", name)
 
 
 #: The sampling parameters of OpenAI / vLLM requests that map onto SamplingParams, with their checks.
 SAMPLING_CHECKS: dict[str, Callable[[str, Any], None]] = {
-    "top_p": _num_check(0, 1, lo_open=True),
-    "top_k": _int_check(-1),
-    "min_p": _num_check(0, 1),
-    "presence_penalty": _num_check(-2, 2),
-    "frequency_penalty": _num_check(-2, 2),
-    "repetition_penalty": _num_check(0, 2 ** 31, lo_open=True),
-    "min_tokens": _int_check(0),
+    "top_p": number_check(0, 1, lo_open=True),
+    "top_k": int_check(-1),
+    "min_p": number_check(0, 1),
+    "presence_penalty": number_check(-2, 2),
+    "frequency_penalty": number_check(-2, 2),
+    "repetition_penalty": number_check(0, 2 ** 31, lo_open=True),
+    "min_tokens": int_check(0),
     "logit_bias": _logit_bias_check,
     "allowed_token_ids": _allowed_check,
 }
 
 
-def _sampling(body: dict) -> dict:
+def sampling_fields(body: dict) -> dict:
     """SamplingParams keyword arguments from the body's sampling parameters (null = absent): the one validator
     of the native and the OpenAI routes."""
     kw: dict[str, Any] = {}
@@ -148,7 +148,7 @@ def seed_of(body: dict) -> int | None:
     if seed is None:
         return None
     if not isinstance(seed, (int, HugeInt)) or isinstance(seed, bool):
-        raise bad(f"seed must be an integer, got {_show(seed)}", "seed", "invalid_type")
+        raise bad(f"seed must be an integer, got {show(seed)}", "seed", "invalid_type")
     if isinstance(seed, HugeInt) or not INT64[0] <= seed <= INT64[1]:
-        raise bad(f"seed must be a signed 64-bit integer in [-2^63, 2^63 - 1], got {_show(seed)}", "seed")
+        raise bad(f"seed must be a signed 64-bit integer in [-2^63, 2^63 - 1], got {show(seed)}", "seed")
     return int(seed)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from serve.protocol.sampling import _bool, _int_check, _is_int, _show, _type_check, bad
+from serve.protocol.sampling import read_bool, int_check, is_int, show, type_check, bad
 
 MAX_PROMPT_LOGPROBS = 20           # as logprobs (engine MAX_LOGPROBS); vLLM's -1 (the whole vocabulary) is refused
 
@@ -60,31 +60,31 @@ _ANY = lambda name, v: None   # noqa: E731
 
 
 def _dict_check(name: str, v: Any) -> None:
-    _type_check(dict, what="an object")(name, v)
+    type_check(dict, what="an object")(name, v)
 
 
 #: vLLM request fields this server does not implement: name -> (no-op values, well-formedness check, why).
 #: Same rule as protocol.NOOP_PARAMS (which covers OpenAI's): absent, null or a no-op value passes; else 400.
 REFUSED: dict[str, tuple[tuple, Any, str]] = {
     "prompt_embeds": ((), _ANY, "prompts are text or token ids"),
-    "cache_salt": ((), _type_check(str, what="a string"), "one prefix cache for every request of this server"),
+    "cache_salt": ((), type_check(str, what="a string"), "one prefix cache for every request of this server"),
     "kv_transfer_params": (({},), _dict_check, "no disaggregated prefill"),
     "ec_transfer_params": (({},), _dict_check, "no disaggregated encoder cache"),
     "vllm_xargs": (({},), _dict_check, "no custom extensions"),
     "mm_processor_kwargs": (({},), _dict_check, "text only"),
     "media_io_kwargs": (({},), _dict_check, "text only"),
-    "logits_processors": (([],), _type_check(list, what="a list"), "no custom logits processors"),
-    "logprob_token_ids": ((), _type_check(list, what="a list of token ids"), "log-probs of the top alternatives only"),
-    "min_characters": ((0,), _int_check(0), "no minimum output length in characters"),
-    "thinking_token_budget": ((-1,), _int_check(-1), "no thinking budget"),
+    "logits_processors": (([],), type_check(list, what="a list"), "no custom logits processors"),
+    "logprob_token_ids": ((), type_check(list, what="a list of token ids"), "log-probs of the top alternatives only"),
+    "min_characters": ((0,), int_check(0), "no minimum output length in characters"),
+    "thinking_token_budget": ((-1,), int_check(-1), "no thinking budget"),
     "repetition_detection": ((), _ANY, "no repetition detection"),
-    "watermarking": ((False,), _type_check(bool, what="true or false"), "no watermarking"),
-    "stream_interval": ((1,), _int_check(1), "one chunk per token"),
-    "return_prompt_text": ((False,), _type_check(bool, what="true or false"), "the rendered prompt is not returned"),
-    "return_token_offsets": ((False,), _type_check(bool, what="true or false"), "vLLM's render endpoints only"),
-    "return_mm_kwargs": ((True,), _type_check(bool, what="true or false"), "vLLM's render endpoints only"),
-    "routed_experts_prompt_start": ((0,), _int_check(0), "no expert routing data"),
-    "priority": ((0,), _type_check(int, what="an integer"), "no priority scheduling (vLLM refuses it too "
+    "watermarking": ((False,), type_check(bool, what="true or false"), "no watermarking"),
+    "stream_interval": ((1,), int_check(1), "one chunk per token"),
+    "return_prompt_text": ((False,), type_check(bool, what="true or false"), "the rendered prompt is not returned"),
+    "return_token_offsets": ((False,), type_check(bool, what="true or false"), "vLLM's render endpoints only"),
+    "return_mm_kwargs": ((True,), type_check(bool, what="true or false"), "vLLM's render endpoints only"),
+    "routed_experts_prompt_start": ((0,), int_check(0), "no expert routing data"),
+    "priority": ((0,), type_check(int, what="an integer"), "no priority scheduling (vLLM refuses it too "
                                                             "without --scheduling-policy priority)"),
 }
 
@@ -96,8 +96,8 @@ def _prompt_logprobs(body: dict, stream: bool) -> int | None:
     value = body.get("prompt_logprobs")
     if value is None:
         return None
-    if not _is_int(value):
-        raise bad(f"prompt_logprobs must be an integer, got {_show(value)}", "prompt_logprobs", "invalid_type")
+    if not is_int(value):
+        raise bad(f"prompt_logprobs must be an integer, got {show(value)}", "prompt_logprobs", "invalid_type")
     if not 0 <= value <= MAX_PROMPT_LOGPROBS:
         raise bad(f"prompt_logprobs must be between 0 and {MAX_PROMPT_LOGPROBS} (the whole vocabulary, -1, is not "
                   f"served), got {value}", "prompt_logprobs")
@@ -110,11 +110,11 @@ def _truncate(body: dict, max_model_len: int) -> tuple[int | None, str]:
     k = body.get("truncate_prompt_tokens")
     side = body.get("truncation_side")
     if side is not None and side not in ("left", "right"):
-        raise bad(f"truncation_side must be left or right, got {_show(side)}", "truncation_side")
+        raise bad(f"truncation_side must be left or right, got {show(side)}", "truncation_side")
     if k is None:
         return None, side or "left"
-    if not _is_int(k):
-        raise bad(f"truncate_prompt_tokens must be an integer, got {_show(k)}", "truncate_prompt_tokens",
+    if not is_int(k):
+        raise bad(f"truncate_prompt_tokens must be an integer, got {show(k)}", "truncate_prompt_tokens",
                   "invalid_type")
     if k == -1:
         k = max_model_len
@@ -127,24 +127,24 @@ def _truncate(body: dict, max_model_len: int) -> tuple[int | None, str]:
 def parse(body: dict, api: str, stream: bool, max_model_len: int) -> VllmOptions:
     """The vLLM-only options of a completions or chat body (their checks; the refused ones are in REFUSED)."""
     chat = api == "chat"
-    add_gen = _bool(body, "add_generation_prompt", True) if chat else True
-    cont = _bool(body, "continue_final_message", False) if chat else False
+    add_gen = read_bool(body, "add_generation_prompt", True) if chat else True
+    cont = read_bool(body, "continue_final_message", False) if chat else False
     if add_gen and cont:
         raise bad("continue_final_message and add_generation_prompt cannot both be true (send "
                   "add_generation_prompt: false to continue the last message)", "continue_final_message")
     opts = body.get("stream_options")
-    continuous = _bool(opts, "continuous_usage_stats", False) if isinstance(opts, dict) else False
-    if continuous and not _bool(opts, "include_usage", False):
+    continuous = read_bool(opts, "continuous_usage_stats", False) if isinstance(opts, dict) else False
+    if continuous and not read_bool(opts, "include_usage", False):
         raise bad("stream_options.continuous_usage_stats needs include_usage: true", "stream_options")
     k, side = _truncate(body, max_model_len)
     special = body.get("add_special_tokens")
     if special is not None:
-        _type_check(bool, what="true or false")("add_special_tokens", special)
-    return VllmOptions(return_token_ids=_bool(body, "return_token_ids", False), continuous_usage_stats=continuous,
+        type_check(bool, what="true or false")("add_special_tokens", special)
+    return VllmOptions(return_token_ids=read_bool(body, "return_token_ids", False), continuous_usage_stats=continuous,
                        prompt_logprobs=_prompt_logprobs(body, stream), add_generation_prompt=add_gen,
                        continue_final_message=cont, add_special_tokens=special, truncate_prompt_tokens=k,
                        truncation_side=side,
-                       return_tokens_as_token_ids=_bool(body, "return_tokens_as_token_ids", False))
+                       return_tokens_as_token_ids=read_bool(body, "return_tokens_as_token_ids", False))
 
 
 def chat_echo(messages: list[dict], add_generation_prompt: bool) -> str:
