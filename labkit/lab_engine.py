@@ -15,6 +15,7 @@ from engine import EngineArgs, LLMEngine
 from engine.args import OPTION_NAMES
 from engine.observe import EngineEvent
 from labkit.errors import UserError
+from serve.core.engine_build import BuiltEngine
 
 # The handbook's entry defaults: eager, TP=1, KV block 256, context 1024, prefill budget 512, util 0.5;
 # the fused kernels on (they only run on CUDA; --no-fused-ops takes the plain path there). They pin the
@@ -47,20 +48,9 @@ def detect_device(device: str = "auto") -> str:
     return device
 
 
-@dataclass
-class LabEngine:
-    """An engine built for the lab, with the model identity and device its evidence names."""
-
-    engine: LLMEngine
-    model: dict          # identity for evidence
-    device: str
-
-    @property
-    def kind(self) -> str:
-        return "gpu-measured" if self.device.startswith("cuda") else "cpu-real-engine"
-
-    def describe(self) -> dict:
-        return self.engine.describe()
+class LabEngine(BuiltEngine):
+    """An engine built for the lab, with the model identity (for evidence) and device: the record a server's
+    worker is given by its builder (``serve.core.engine_build.BuiltEngine``), so :func:`build_engine` is one."""
 
 
 def build_engine(args: EngineArgs | str | None = None, device: str = "auto", attention: str = "auto",
