@@ -323,7 +323,7 @@ def quick_walk(
     max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
     max_num_seqs: MaxNumSeqsOpt = None,
     kv_cache_block_size: KvCacheBlockSizeOpt = 256,
-    num_kvcache_blocks: Annotated[Optional[int], typer.Option("--num-kvcache-blocks", metavar="N", min=1, show_default=False, help="Cases A-D: a KV pool of N blocks (default: sized from memory); a small pool makes decodes preempt (e.g. --case B --kv-cache-block-size 4 --num-kvcache-blocks 2); no checkpoint claims such a run.")] = None,
+    num_kvcache_blocks: Annotated[Optional[int], typer.Option("--num-kvcache-blocks", metavar="N", min=1, show_default=False, help="Cases A-E: a KV pool of N blocks (default: sized from memory); a small pool makes decodes preempt (e.g. --case B --kv-cache-block-size 4 --num-kvcache-blocks 2); no checkpoint claims such a run.")] = None,
     debug: Annotated[bool, typer.Option("--debug", help="Drop into pdb after initialization (warmup excluded).")] = False,
     inputs: Annotated[bool, typer.Option("--inputs", help="Print each step's runner inputs (input_ids, positions, cu_seqlens, max_seqlen, slot_mapping, context_lens, block_tables) as tables; the steps are stored in the evidence as with --trace.")] = False,
     shuffle_blocks: Annotated[Optional[int], typer.Option("--shuffle-blocks", metavar="SEED", show_default=False, help="Hand out KV blocks in a seeded shuffled order (slot != position); no checkpoint claims such a run.")] = None,

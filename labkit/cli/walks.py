@@ -14,7 +14,7 @@ def walk_case(case: str, *, out, model, device: str, attention: str, budget: int
     """Run the walk and print its tables (unless json_out); returns the record."""
     case = case.lower()
     if shapes and case != "lifecycle":
-        raise UserError("--shapes is for cases A-D and lifecycle")
+        raise UserError("--shapes is for cases A-E and lifecycle")
     if case == "lifecycle":
         from labkit.experiments.lifecycle import run_lifecycle
 

@@ -58,9 +58,9 @@ def test_prompt_longer_than_max_model_len(tiny_model_dir, tmp_path, labkit_in_pr
 
 
 def test_unknown_case_is_a_usage_error_without_traceback(tiny_model_dir, labkit_in_process):
-    res = labkit_in_process("quick-walk", "--case", "E", "--model", str(tiny_model_dir))
+    res = labkit_in_process("quick-walk", "--case", "Z", "--model", str(tiny_model_dir))
     assert res.returncode == 2 and "Traceback" not in res.stdout + res.stderr
-    assert "'e' is not one of" in res.stderr or "is not one of" in res.stderr
+    assert "'z' is not one of" in res.stderr or "is not one of" in res.stderr
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -267,7 +267,7 @@ def test_shapes_is_refused_for_the_prefix_walk(cli_app, tiny_model_dir):
     from typer.testing import CliRunner
 
     res = CliRunner().invoke(cli_app, ["quick-walk", "--case", "prefix", "--shapes", "--model", str(tiny_model_dir)])
-    assert res.exit_code == 2 and "--shapes is for cases A-D and lifecycle" in res.output
+    assert res.exit_code == 2 and "--shapes is for cases A-E and lifecycle" in res.output
 
 
 def test_prefix_walk_records_the_hash_chain(prefix_cache_run):

@@ -150,7 +150,7 @@ def test_a_small_kv_pool_preempts_and_the_pictures_draw_it(tiny_model_dir, tmp_p
         assert views[steps.index(p["step"])]["preempted"] == {str(b): p["label"] for b in p["blocks"]}
     assert any(p.name.endswith(".kv.png") for p in draw_walk(path))
     res = labkit_in_process("quick-walk", "--case", "prefix", "--num-kvcache-blocks", "2")
-    assert res.returncode == 2 and "--num-kvcache-blocks is for cases A-D" in res.stderr
+    assert res.returncode == 2 and "--num-kvcache-blocks is for cases A-E" in res.stderr
 
 
 def test_lesson_6_exercise_has_its_checkpoint_and_its_own_file(tiny_model_dir, tmp_path, monkeypatch, labkit_in_process):
