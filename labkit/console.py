@@ -10,9 +10,11 @@ through them unchanged; styling is done with :class:`rich.text.Text` objects, ne
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -22,8 +24,105 @@ from rich.text import Text
 
 from labkit.evidence import dumps
 
-console = Console(highlight=False, markup=False, emoji=False)
-err_console = Console(stderr=True, highlight=False, markup=False, emoji=False)
+PLAIN_WIDTH = 80
+
+
+def _cell_text(cell: Any) -> str:
+    """A table cell as plain text (a Text's characters, a str as is, any other renderable as rich draws it)."""
+    if cell is None:
+        return ""
+    if isinstance(cell, Text):
+        return cell.plain
+    if isinstance(cell, str):
+        return cell
+    out = Console(width=PLAIN_WIDTH, highlight=False, markup=False, emoji=False, color_system=None,
+                  file=io.StringIO())
+    out.print(cell)
+    return out.file.getvalue().rstrip("\n")
+
+
+def plain_table(table: Table, width: int = PLAIN_WIDTH) -> list[str]:
+    """``table`` as lines that read in a file or a CI log at ``width`` columns, where rich would fold every cell
+    into slices of its share of 80 columns (``runs/pat`` / ``ches/no-`` / ...).
+
+    The leading columns that fit side by side within ``width`` (short ones: ids, verdicts, numbers) make one
+    aligned line per row, under a header line; every other column follows on lines of its own, ``  header:
+    value``, prose wrapped at word boundaries and a path or id never cut. A table without a header whose cells
+    are keys and values reads ``key  value``, one per line."""
+    cols = [(_cell_text(c.header), [_cell_text(x) for x in c.cells], c.justify) for c in table.columns]
+    lines: list[str] = []
+    if table.title:
+        lines.append(_cell_text(table.title))
+    nrows = max((len(cells) for _, cells, _ in cols), default=0)
+    if not cols or not nrows:
+        return lines + ([_cell_text(table.caption)] if table.caption else [])
+
+    def natural(i: int) -> int:
+        head, cells, _ = cols[i]
+        return max([len(head) if table.show_header else 0] + [max(map(len, c.split("\n"))) for c in cells])
+
+    inline, used = [], 0
+    for i in range(len(cols)):
+        w = natural(i)
+        multi = any("\n" in c for c in cols[i][1])
+        if i == 0 or (not multi and used + 2 + w <= width):
+            inline.append(i)
+            used += (2 if i else 0) + w
+    if not table.show_header and len(cols) == 2 and inline == [0]:      # key / value: value after its key
+        key_w = min(natural(0), 32)
+        for key, value in zip(cols[0][1], cols[1][1]):
+            lines.extend(_wrapped(value, width, f"{key:<{key_w}}  " if len(key) <= key_w else f"{key}  ", " " * 4))
+        return lines + ([_cell_text(table.caption)] if table.caption else [])
+    widths = {i: natural(i) for i in inline}
+
+    def row_line(cells: list[str]) -> str:
+        parts = [(cells[k].rjust(widths[i]) if cols[i][2] == "right" else cells[k].ljust(widths[i]))
+                 for k, i in enumerate(inline)]
+        return "  ".join(parts).rstrip()
+
+    if table.show_header:
+        lines.append(row_line([cols[i][0] for i in inline]))
+    for r in range(nrows):
+        cell = lambda i: cols[i][1][r] if r < len(cols[i][1]) else ""  # noqa: E731
+        lines.append(row_line([cell(i) for i in inline]))
+        for i in range(len(cols)):
+            if i in inline or not cell(i):
+                continue
+            label = f"    {cols[i][0]}: " if cols[i][0] else "    "
+            if "\n" in cell(i):
+                lines.append(label.rstrip())
+                lines.extend("        " + ln for ln in cell(i).split("\n"))
+            else:
+                lines.extend(_wrapped(cell(i), width, label, " " * 8))
+    if table.caption:
+        lines.append(_cell_text(table.caption))
+    return lines
+
+
+def _wrapped(text: str, width: int, first: str, rest: str) -> list[str]:
+    """``text`` wrapped at word boundaries after ``first`` (then ``rest``); a word longer than a line (a path)
+    stays whole on a line of its own."""
+    return textwrap.wrap(text, width=width, initial_indent=first, subsequent_indent=rest, break_long_words=False,
+                         break_on_hyphens=False) or [first.rstrip()]
+
+
+class LabConsole(Console):
+    """rich's Console, except that a table printed where there is no terminal (a file, a pipe, a CI log) is laid
+    out by :func:`plain_table` rather than folded into rich's 80-column grid."""
+
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        if self.is_terminal or not any(isinstance(o, Table) for o in objects):
+            return super().print(*objects, **kwargs)
+        for o in objects:
+            if isinstance(o, Table):
+                for line in plain_table(o):
+                    super().print(Text(line), soft_wrap=True)
+            else:
+                super().print(o, **kwargs)
+
+
+console = LabConsole(highlight=False, markup=False, emoji=False)
+err_console = LabConsole(stderr=True, highlight=False, markup=False, emoji=False)
 
 VERDICT_STYLE = {"PASS": "bold green", "FAIL": "bold red", "REVIEW": "bold yellow", "NOT-RUN": "dim"}
 STATUS_STYLE = {"pass": "green", "fail": "red", "review": "yellow", "not-run": "dim"}
