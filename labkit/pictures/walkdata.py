@@ -264,7 +264,8 @@ def step_block_size(facts: dict, st: dict | None = None) -> int | None:
 
 
 def pick_slot_step(steps: list[dict], block_size: int | None = None) -> dict:
-    """The first prefill step with more than one sequence, else the first prefill that starts after a
+    """The first mixed step (decodes and prefill chunks at once), else the first prefill step with more than
+    one sequence, else the first prefill that starts after a
     prefix-cache hit (cached > 0 on its first schedule), else the first decode step that takes a new block
     (case C: position 256 goes to the first slot of the request's second block), else the first prefill,
     else the first step."""
@@ -277,13 +278,14 @@ def pick_slot_step(steps: list[dict], block_size: int | None = None) -> dict:
             hits.append(st)
         seen |= {s["label"] for s in st.get("before", [])}
     new_block = [st for st in steps if takes_new_block(st, block_size)]
-    return (multi or hits or new_block or prefills or steps)[0]
+    mixed = [st for st in steps if st["phase"] == "mixed"]
+    return (mixed or multi or hits or new_block or prefills or steps)[0]
 
 
 def _owners(st: dict) -> list[str]:
     inp, before = st["inputs"], st.get("before", [])
     cu = inp.get("cu_seqlens_q")
-    if st["phase"] == "prefill" and cu:
+    if st["phase"] in ("prefill", "mixed") and cu:       # a mixed step's decode rows are one-token rows of cu
         return [before[i]["label"] for i in range(len(before)) for _ in range(cu[i + 1] - cu[i])]
     return [s["label"] for s in before]
 

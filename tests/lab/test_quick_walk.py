@@ -23,6 +23,7 @@ VARIANTS = [
     ("C", {}, "setup.quick-walk-c"),
     ("D", {}, "setup.quick-walk-d"),
     ("D", {"budget": 256}, "setup.quick-walk-d-256"),
+    ("E", {"mixed_batches": True}, "scheduler.quick-walk-mixed"),
 ]
 
 
@@ -297,3 +298,34 @@ def test_cli_inputs_prints_each_step_and_block_ids(tiny_model_dir, tmp_path, cli
     assert "blocks [0, 1, 2]" in text and "blocks [3]" in text  # the console shows block ids, not counts
     rec = json.loads((tmp_path / "runs" / "quick-walk-d-custom.json").read_text())
     assert len(rec["facts"]["steps"]) == 3                   # what it printed is in the evidence
+
+
+def test_the_mixed_walk_draws_its_mixed_step(walks):
+    """Case E with mixed steps: the slot picture's default step is the mixed one, its flat batch S's one decode
+    token (slot 32, block 0) and then L's 220 tokens across blocks 2 and 3."""
+    from labkit.pictures.walkdata import slot_view
+
+    rec = walk(walks, "scheduler.quick-walk-mixed")
+    view = slot_view(rec["facts"])
+    assert view.step == 2 and view.phase == "mixed"
+    assert [(sp.label, sp.length, sp.position, sp.first_slot) for sp in view.spans] == \
+        [("S", 1, 32, 32), ("L", 32, 480, 736), ("L", 188, 512, 768)]
+
+
+def test_the_mixed_walk_fails_when_a_decode_row_reads_one_position_short(tiny_model_dir, tmp_path, monkeypatch):
+    """Break the subject: the runner plans a mixed step's decode rows one position short."""
+    from engine.step_inputs import InputBuilder
+
+    real = InputBuilder.plan_prefill
+
+    def short(self, seqs):
+        plan = real(self, seqs)
+        if plan.context_lens:
+            plan.context_lens = [n - 1 for n in plan.context_lens]
+        return plan
+
+    monkeypatch.setattr(InputBuilder, "plan_prefill", short)
+    with checkpoint_command("scheduler.quick-walk-mixed"):
+        rec = run_quick_walk("E", out=tmp_path / "e.json", model=str(tiny_model_dir), trace=True, mixed_batches=True)
+    failed = {c["name"] for c in rec["checks"] if not c["passed"]}
+    assert rec["verdict"] == "FAIL" and "facts.step_digest.1.context_lens" in failed
