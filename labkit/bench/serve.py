@@ -27,16 +27,16 @@ from labkit.bench.spans import device_stats, percentiles
 from labkit.errors import UserError
 from labkit.load.server_process import ServerProcess
 from labkit.load.trace import TraceOptions, make_trace, write_trace
+from serve.core.config import SERVE_DEFAULTS
 
 #: The trace of issue 13: 256 requests at once, half 512 and half 1024 prompt tokens, 512 outputs each.
 ISSUE_TRACE = TraceOptions(requests=256, prompt_tokens=512, long_prompt_tokens=1024, long_every=2, max_tokens=512,
                            interval_ms=0.0)
-#: Engine settings, the same offline and served: `labkit serve`'s CUDA defaults with the issue's context;
-#: on CPU the practice settings.
-CUDA_SETTINGS = dict(enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_model_len=4096,
-                     gpu_memory_utilization=0.5, overlap=True)
-CPU_SETTINGS = dict(enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=1024,
-                    gpu_memory_utilization=0.5, overlap=False)
+#: Engine settings, the same offline and served: the engine part of a server's defaults (serve's SERVE_DEFAULTS),
+#: with the trace's context on CUDA.
+SERVED = ("enforce_eager", "max_num_seqs", "max_num_batched_tokens", "overlap")
+CUDA_SETTINGS = {**{k: SERVE_DEFAULTS["cuda"][k] for k in SERVED}, "max_model_len": 4096, "gpu_memory_utilization": 0.5}
+CPU_SETTINGS = {**{k: SERVE_DEFAULTS["cpu"][k] for k in SERVED}, "max_model_len": 1024, "gpu_memory_utilization": 0.5}
 WIDE_BATCH = 200                       # issue 13's "decode phase (batch >= 200)" at 256 sequences
 LOAD_WARMUP_REQUESTS = 2               # `labkit load`'s default
 

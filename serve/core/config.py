@@ -33,6 +33,24 @@ def _positive(obj, *names: str) -> None:
             raise ServeError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
 
 
+#: A server's defaults, the one table of them (``labkit serve`` without options; the serve bench's engine takes
+#: its engine part): on CUDA a server that serves (vLLM's scale: CUDA graphs, 256 sequences per step, a
+#: 16384-token step budget, 256 admitted requests, the model's own context length as far as the KV pool holds
+#: it, overlapped decode, and the engine in a process of its own, which the serve bench measured faster than
+#: one process on an H200); on CPU the handbook's practice settings.
+SERVE_DEFAULTS = {
+    "cuda": dict(enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_active=256,
+                 max_model_len=None, overlap=True, engine_process=True),
+    "cpu": dict(enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=512, max_active=8, max_model_len=1024,
+                overlap=False, engine_process=False),
+}
+
+
+def serve_defaults(device: str) -> dict:
+    """The defaults of ``labkit serve`` on a resolved device (``cpu``, ``cuda``, ``cuda:N``)."""
+    return dict(SERVE_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"])
+
+
 def engine_args(**given) -> EngineArgs:
     """The engine's arguments: each option ``given`` (engine names; one given as None keeps the engine's default,
     engine/args.py)."""

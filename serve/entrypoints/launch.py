@@ -17,7 +17,7 @@ from engine import EngineArgs
 from serve.errors import ServeError
 from serve.entrypoints.api_server import HttpServer, bind_socket, make_service, url_of
 from serve.entrypoints.connections import ConnectionLimits
-from serve.core.config import engine_args
+from serve.core.config import engine_args, serve_defaults
 from serve.core.front import WorkerFront
 from serve.entrypoints.http import Access
 from serve.observe.logsafe import install as escape_log
@@ -102,36 +102,19 @@ async def serve_until_signal(worker: WorkerFront, sock: socket.socket, *, served
 
 
 
-#: ``labkit serve`` without options: on CUDA a server that serves (vLLM's scale: CUDA graphs, 256
-#: sequences per step, a 16384-token step budget, 256 admitted requests, the model's own context
-#: length as far as the KV pool holds it, overlapped decode, and the engine in a process of its own: on an
-#: H200 that served issue 13's trace at 0.97 of the offline engine against 0.82 in one process, same run);
-#: on CPU the handbook's practice settings.
-SERVE_DEFAULTS = {
-    "cuda": dict(enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_active=256,
-                 max_model_len=None, overlap=True, engine_process=True),
-    "cpu": dict(enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=512, max_active=8, max_model_len=1024,
-                overlap=False, engine_process=False),
-}
-
-
-def serve_defaults(device: str) -> dict:
-    """The defaults of ``labkit serve`` on a resolved device (``cpu``, ``cuda``, ``cuda:N``)."""
-    return dict(SERVE_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"])
-
-
-#: What :data:`SERVE_DEFAULTS` holds beside the engine's options: the worker's.
+#: What :data:`serve.core.config.SERVE_DEFAULTS` holds beside the engine's options: the worker's.
 WORKER_CHOICES = ("max_active", "engine_process")
 
 
 def serve_args(resolved: str, tensor_parallel_size: int = 1, /, **given) -> tuple[EngineArgs, dict]:
-    """``labkit serve``'s engine and worker choices: each option of :data:`SERVE_DEFAULTS` ``given`` as None
-    takes the default of the ``resolved`` device (``cpu``, ``cuda``, ``cuda:N``); any other engine option
-    ``given`` (engine names) goes to the engine as it is (None: the lab's default). Overlap and the engine
-    process stay off with tensor parallel (the engine refuses overlap there; the engine process was measured
-    with one GPU only); an unset max_model_len (CUDA) is ``"auto"``: the model's own, fitted to the KV pool by
-    the engine while it sizes the pool (one build). Returns the engine's arguments (the engine's defaults under
-    them, :func:`serve.core.config.engine_args`) and the worker's options (``max_active``, ``engine_process``)."""
+    """``labkit serve``'s engine and worker choices: each option of :data:`serve.core.config.SERVE_DEFAULTS`
+    ``given`` as None takes the default of the ``resolved`` device (``cpu``, ``cuda``, ``cuda:N``); any other
+    engine option ``given`` (engine names) goes to the engine as it is (None: the engine's default). Overlap and
+    the engine process stay off with tensor parallel (the engine refuses overlap there; the engine process was
+    measured with one GPU only); an unset max_model_len (CUDA) is ``"auto"``: the model's own, fitted to the KV
+    pool by the engine while it sizes the pool (one build). Returns the engine's arguments (the engine's
+    defaults under them, :func:`serve.core.config.engine_args`) and the worker's options (``max_active``,
+    ``engine_process``)."""
     defaults = serve_defaults(resolved)
     if tensor_parallel_size != 1:
         defaults.update(overlap=False, engine_process=False)
