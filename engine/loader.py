@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from engine.errors import ConfigError
 from engine.layers.linear import default_weight_loader
 
 
@@ -24,7 +25,11 @@ def load_model(model: nn.Module, path: str | Path) -> list[str]:
     params = dict(model.named_parameters())
     filled: set[str] = set()
     for file in files:
-        with safe_open(str(file), "pt", "cpu") as f:
+        try:
+            opened = safe_open(str(file), "pt", "cpu")
+        except SafetensorError as e:        # a truncated download, an interrupted write: the user's file, not a bug
+            raise ConfigError(f"{file} is not a complete safetensors file ({e}); download or write it again") from None
+        with opened as f:
             for name in f.keys():
                 if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
                     continue        # tied: the head is the embedding (a checkpoint may still hold a copy)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import enum
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -227,10 +228,21 @@ def write_json(path: str | Path, data: Any) -> Path:
     return write_text(path, text)
 
 
+@functools.cache
+def file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0o666 less the umask (read once; Python has no getter that does not
+    set it). mkstemp's temp files are 0600, and a rename keeps that."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def write_text(path: Path, text: str) -> Path:
-    """Write ``text`` atomically (temp file beside it, then rename): a reader never sees half a file."""
+    """Write ``text`` atomically (temp file beside it, then rename): a reader never sees half a file. The file
+    gets the umask's mode like any other (not mkstemp's 0600)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)

@@ -40,8 +40,7 @@ def offline() -> bool:
 
 def resolve_hub_id(repo_id: str) -> Path:
     """The snapshot directory of ``repo_id``: cached, else downloaded (hub reachable), else one ModelError line."""
-    hint = (f"download it first (`labkit model download` for Qwen/Qwen3-0.6B, or `huggingface-cli download "
-            f"{repo_id}` where the hub can be reached), then pass --model DIR")
+    hint = download_hint(repo_id)
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
@@ -56,13 +55,45 @@ def resolve_hub_id(repo_id: str) -> Path:
     except Exception:  # noqa: BLE001 - not cached (or a broken cache entry): try the hub below
         pass
     if offline():
-        raise ModelError(f"{repo_id} is not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set; "
-                         f"{hint}")
+        raise ModelError(f"{repo_id}: not in the Hugging Face cache ({_home(cache)}) and HF_HUB_OFFLINE is set; {hint}")
     try:
         return Path(snapshot_download(repo_id, cache_dir=str(cache), allow_patterns=PATTERNS, etag_timeout=10))
     except KeyboardInterrupt:
         raise
     except Exception as exc:  # noqa: BLE001 - every hub/network failure becomes one line
-        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:160]
-        raise ModelError(f"{repo_id} is not in the local Hugging Face cache ({cache}) and cannot be downloaded "
-                         f"({reason}); {hint}") from None
+        raise ModelError(f"{repo_id}: not in the Hugging Face cache ({_home(cache)}) and not downloadable "
+                         f"({_reason(exc)}); {hint}") from None
+
+
+def download_hint(repo_id: str) -> str:
+    """How to get ``repo_id`` by hand: the hub CLI that is installed (``hf``, formerly ``huggingface-cli``),
+    else labkit's own download of Qwen3-0.6B."""
+    import shutil
+    import sys
+
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])   # the venv's bin too
+    cli = next((c for c in ("hf", "huggingface-cli") if shutil.which(c, path=path)), None)
+    how = f"`{cli} download {repo_id}`" if cli else "`labkit model download` (Qwen/Qwen3-0.6B)"
+    return f"get it with {how} where the hub is reachable, then pass --model DIR"
+
+
+def _home(path: Path) -> str:
+    home = str(Path.home())
+    return "~" + str(path)[len(home):] if str(path).startswith(home + os.sep) else str(path)
+
+
+def _reason(exc: BaseException, limit: int = 60) -> str:
+    """The root cause of a hub failure in a few words, cut at a word, never mid-word: no network, or the innermost
+    exception's first sentence."""
+    chain, e = [], exc
+    while e is not None and len(chain) < 8:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = " ".join(" ".join(str(x) for x in chain).split()).lower()
+    if any(k in text for k in ("name or service not known", "connecterror", "connection", "network is unreachable",
+                               "temporary failure in name resolution", "timed out")):
+        return "the hub cannot be reached"
+    words = " ".join(str(chain[-1]).split()).split(". ")[0] or type(chain[-1]).__name__
+    if len(words) > limit:
+        words = words[:limit].rsplit(" ", 1)[0] + " ..."
+    return words

@@ -25,7 +25,9 @@ user error             2     one red ``error:`` line: :class:`labkit.errors.User
                              machine ("needs CUDA")
 internal error         70    any other exception is a bug: one ``internal error:`` line, or the
                              traceback with ``LABKIT_DEBUG=1``
-interrupted            130   Ctrl-C outside a command
+interrupted            130   Ctrl-C: one ``interrupted`` line naming the command, its evidence not written
+                             and the files it left under runs/
+broken pipe            141   stdout's reader went away (``labkit ... | head``): no line
 =====================  ====  ==========================================================================
 
 Errors are mapped by type, never by message text, in the root group (:class:`LabkitGroup`), so
@@ -37,6 +39,7 @@ from __future__ import annotations
 import bdb
 import enum
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
 
@@ -87,6 +90,7 @@ EXIT_CODES = {"PASS": 0, "REVIEW": 0, "NOT-RUN": 0, "FAIL": 1}
 USER_ERROR_EXIT = 2
 INTERNAL_ERROR_EXIT = 70
 INTERRUPTED_EXIT = 130
+BROKEN_PIPE_EXIT = 141
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
@@ -113,31 +117,168 @@ def _message(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-def end_with_error(e: Exception) -> NoReturn:
+#: engine field names whose flag is not the field spelled with dashes (``--kv-cache-block-size``: vLLM's name)
+FIELD_FLAGS = {"kvcache_block_size": "--kv-cache-block-size", "attention backend": "--attention",
+               "attention_backend": "--attention"}
+
+
+def as_flags(message: str, flags: set[str]) -> str:
+    """An engine or sampling error names its config field (``max_model_len must be a positive integer``); the user
+    typed a flag. Each field the command has as a flag is named by that flag (``--max-model-len must be ...``): an
+    identifier with underscores anywhere, a plain word (``temperature``) only where it opens the message."""
+    import re
+
+    def flag(field: str) -> str | None:
+        name = FIELD_FLAGS.get(field) or "--" + field.replace("_", "-")
+        return name if name in flags else None
+
+    for field in FIELD_FLAGS:
+        if " " in field and message.startswith(field + " ") and flag(field):
+            message = flag(field) + message[len(field):]
+    message = re.sub(r"(?<![-\w.])[a-z][a-z0-9]*(?:_[a-z0-9]+)+(?![\w-])", lambda m: flag(m.group(0)) or m.group(0),
+                     message)
+    first = re.match(r"[a-z][a-z0-9]*(?= )", message)
+    if first and flag(first.group(0)):
+        message = flag(first.group(0)) + message[first.end():]
+    return message
+
+
+def invoked_command(ctx: typer.Context | None) -> tuple[list[str], object | None]:
+    """The names (``["model", "synth"]``) and the command a root context ran, from its argv."""
+    if ctx is None:
+        return [], None
+    cmd, names = ctx.command, []
+    for arg in ctx.meta.get("labkit_argv", []):
+        if not hasattr(cmd, "get_command"):        # a command, not a group (typer carries its own click)
+            break
+        if arg.startswith("-"):
+            continue
+        sub = cmd.get_command(ctx, arg)
+        if sub is None:
+            break
+        cmd, names = sub, [*names, arg]
+    return names, cmd
+
+
+def command_flags(ctx: typer.Context | None) -> set[str]:
+    """The option names of the command a root context ran (``labkit model synth``: synth's)."""
+    cmd = invoked_command(ctx)[1]
+    return {o for p in getattr(cmd, "params", []) for o in (*p.opts, *getattr(p, "secondary_opts", []))}
+
+
+def end_with_error(e: Exception, ctx: typer.Context | None = None) -> NoReturn:
     """A user error: one red line, exit 2. Anything else is a bug: one line and exit 70, or the
-    traceback when LABKIT_DEBUG is set (then a non-UserError user error shows its traceback too)."""
+    traceback when LABKIT_DEBUG is set (then a non-UserError user error shows its traceback too).
+    ``ctx`` (the root context): a field named in the message is named by the command's flag."""
     if debug_enabled() and not isinstance(e, UserError):
         raise e
     if is_user_error(e):
-        error_line(_message(e))
+        error_line(as_flags(_message(e), command_flags(ctx)))
         raise typer.Exit(USER_ERROR_EXIT)
     internal_error_line(f"{type(e).__name__}: {_message(e)}")
     raise typer.Exit(INTERNAL_ERROR_EXIT)
 
 
+#: commands that are silent for seconds before their first output (imports, a model written or loaded, an
+#: engine built): a status line on stderr (a terminal) once their options are parsed (not with --json or --help)
+STARTING = {
+    ("smoke",): "loading the model and building the engine",
+    ("quick-walk",): "loading the model and building the engine",
+    ("model", "synth"): "writing the model's weights and tokenizer",
+    ("simulate",): "building the engine and starting the worker, its HTTP server and the client",
+}
+
+
+def _status_wanted() -> bool:
+    """A status line is for a person watching: stderr a terminal (a script reading stderr gets its lines only)."""
+    return err_console.is_terminal
+
+
+def _announce_start(ctx: typer.Context) -> None:
+    """Wrap the command a root context is about to run so that it prints its STARTING line first."""
+    names, cmd = invoked_command(ctx)
+    what = STARTING.get(tuple(names))
+    if not what or cmd is None or getattr(cmd, "_labkit_announced", False):
+        return
+    run = cmd.invoke
+
+    def invoke(sub_ctx, run=run):
+        if _status_wanted() and not sub_ctx.params.get("json_out"):
+            err_console.print(f"labkit {' '.join(names)}: {what} (seconds on a CPU) ...", style="dim",
+                              markup=False, highlight=False, soft_wrap=True)
+        return run(sub_ctx)
+
+    cmd.invoke = invoke
+    cmd._labkit_announced = True
+
+
+#: evidence files the running command means to write (resolve_out), named when it is interrupted
+PENDING_OUT: list[Path] = []
+
+
+def interrupted_line(ctx: typer.Context | None) -> None:
+    """Ctrl-C in a command: one line naming the command, its evidence that was not written, and the files it
+    wrote under runs/ (or beside --out) before it stopped, which stay."""
+    from labkit.paths import runs_dir
+
+    words = invoked_command(ctx)[0]
+    since = (ctx.meta.get("labkit_start") if ctx else None) or time.time()
+    roots = {runs_dir(), *(p.parent for p in PENDING_OUT)}
+    left: list[Path] = []
+    for root in roots:
+        if root.is_dir():
+            for i, f in enumerate(root.rglob("*")):
+                if i > 20000:
+                    break
+                try:
+                    if f.is_file() and f.stat().st_mtime >= since - 1:
+                        left.append(f)
+                except OSError:
+                    continue
+    left = sorted(set(left))
+    parts = [f"interrupted (Ctrl-C): labkit {' '.join(words)} stopped".rstrip()]
+    unwritten = [p for p in PENDING_OUT if p not in left]
+    if unwritten:
+        parts.append(", ".join(rel(p) for p in unwritten) + " not written"
+                     + (" (the earlier file stays)" if any(p.exists() for p in unwritten) else ""))
+    if left:
+        more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+        parts.append("left behind: " + ", ".join(rel(p) for p in left[:3]) + more)
+    else:
+        parts.append("nothing else written")
+    error_line("; ".join(parts))
+
+
 class LabkitGroup(TyperGroup):
     """The root group: every command's exception ends here and is mapped by :func:`end_with_error`."""
 
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        ctx.meta["labkit_argv"] = list(args)        # which command ran: command_flags, for the error line
+        ctx.meta["labkit_start"] = time.time()      # what an interrupted command left: interrupted_line
+        return super().parse_args(ctx, args)
+
     def invoke(self, ctx: typer.Context):
         try:
+            _announce_start(ctx)
             return super().invoke(ctx)
         except (typer.Exit, typer.Abort, TyperException):   # exits and usage errors: Typer's own
             raise
+        except BrokenPipeError:         # `labkit ... | head`: the reader left; nothing to say, nowhere to say it
+            import os
+
+            try:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())    # no second error at exit's flush
+            except (OSError, ValueError):       # stdout is no file (a test's capture)
+                pass
+            raise typer.Exit(BROKEN_PIPE_EXIT) from None
+        except KeyboardInterrupt:       # Typer would exit 130 without a word
+            interrupted_line(ctx)
+            raise typer.Exit(INTERRUPTED_EXIT) from None
         except bdb.BdbQuit:             # `q` at a --debug prompt: the learner stopped on purpose
             sys.stderr.write("debug: quit (the walk stopped; no evidence written)\n")
             raise typer.Exit(0) from None
         except Exception as e:  # noqa: BLE001 - mapped by type in end_with_error
-            end_with_error(e)
+            end_with_error(e, ctx)
 
 
 _help_format()                            # option names are never cut at 80 columns
@@ -158,10 +299,13 @@ def resolve_out(out: Path | None, checkpoint_id: str) -> Path:
     from labkit.evidence import patched_out
 
     if out is not None:
-        return patched_out(out)
-    from labkit.checks import get_checkpoint
+        path = patched_out(out)
+    else:
+        from labkit.checks import get_checkpoint
 
-    return patched_out(get_checkpoint(checkpoint_id).evidence_path())
+        path = patched_out(get_checkpoint(checkpoint_id).evidence_path())
+    PENDING_OUT.append(Path(path).resolve())
+    return path
 
 
 def finish(record: dict, paths: str | Path | list[str | Path] | None = None, *, json_out: bool = False,
@@ -275,8 +419,8 @@ def run(
     from labkit.paths import runs_dir
     from labkit.run_all import RunInterrupted, run_all
 
-    if model is not None and not model.is_dir():
-        raise UserError(f"--model {model}: not a directory")
+    if model is not None:
+        _refuse_unusable_model(model)       # once, here: not again in every checkpoint's command
     try:
         rows = run_all(stage=stage, model=str(model) if model else None, stop_on_fail=stop_on_fail)
     except RunInterrupted as e:
@@ -290,6 +434,39 @@ def run(
     if not json_out:
         console.print(f"report: {rel(runs_dir() / 'report.md')}")
     finish_rows(rows, json_out=json_out, title="labkit run")
+
+
+def _refuse_unusable_model(model: Path) -> None:
+    """``labkit run --model M``: M resolved (a directory, a fetched name, a hub id in the cache) and validated as
+    the checkpoints' commands will, and its weight files' headers read, so that a bad model is one error line
+    before the first checkpoint rather than the same failure in each of them."""
+    from safetensors import SafetensorError, safe_open
+
+    from labkit.assets.resolve import resolve_model
+
+    ref = resolve_model(str(model), "cpu")
+    for file in sorted(ref.path.glob("*.safetensors")):
+        try:
+            safe_open(str(file), "pt", "cpu")
+        except SafetensorError as e:
+            raise UserError(f"--model {model}: {file.name} is not a complete safetensors file ({e}); "
+                            "download or write it again") from None
+
+
+def _spell_out_defaults(ctx: typer.Context, names: tuple[str, ...], trace: bool = False) -> None:
+    """The command line the evidence records (sys.argv) with the options ``names`` that were left at their
+    defaults written out with those values, and ``--trace`` where another flag implies it (``--inputs`` stores
+    the steps as ``--trace`` does): ``quick-walk --case D --trace`` ran the checkpoint's command (``--case D
+    --max-num-batched-tokens 512 --trace``, 512 being the default) and is judged as it, not left to REVIEW."""
+    extra: list[str] = []
+    for p in ctx.command.params:
+        source = ctx.get_parameter_source(p.name)
+        if p.name in names and getattr(source, "name", "") == "DEFAULT" and ctx.params.get(p.name) is not None:
+            extra += [p.opts[0], str(ctx.params[p.name])]
+    if trace:
+        extra.append("--trace")
+    if extra and sys.argv and sys.argv[1:2] == ["quick-walk"]:
+        sys.argv = [*sys.argv, *extra]
 
 
 class CaseName(str, enum.Enum):
@@ -317,6 +494,7 @@ def smoke(out: OutOpt = None, model: ModelOpt = None, device: DeviceOpt = "auto"
 
 @app.command("quick-walk")
 def quick_walk(
+    ctx: typer.Context,
     case: Annotated[CaseName, typer.Option("--case", case_sensitive=False, help="Quick-walk case (docs/LAB.md §3): A, B, C or D; lifecycle (docs/LAB.md §4: 64+96 tokens) or prefix (§18: a 512-token prefix hit).")],
     trace: Annotated[bool, typer.Option("--trace", help="Store every step (before the forward, the runner's inputs, after postprocess) in the evidence (cases lifecycle and prefix always do).")] = False,
     shapes: Annotated[bool, typer.Option("--shapes", help="Cases A-D: every layer's embedding/Q/K/V shapes per step against the model's config and the rows the LM head reads; case lifecycle: layer 0's tensor shapes (forward hooks).")] = False,
@@ -353,6 +531,7 @@ def quick_walk(
             render_inputs(record)
         walk_pictures(record, json_out)
         finish(record, record["_paths"]["json"], json_out=json_out)
+    _spell_out_defaults(ctx, ("max_num_batched_tokens", "kv_cache_block_size"), trace=inputs and not trace)
     record = run_quick_walk(case.value, out=out, model=_model_arg(model), device=device, attention=attention,
                             budget=max_num_batched_tokens, max_num_seqs=max_num_seqs, block_size=kv_cache_block_size,
                             trace=trace or inputs, debug=debug, shuffle_blocks=shuffle_blocks, shapes=shapes,
@@ -436,10 +615,13 @@ def bench(
     (native and OpenAI APIs); on CPU it runs with a small trace (``--requests 8 --prompt-tokens 32 ...``).
     ``--workload step-budget`` says what each ms of a decode step at ``--batch`` x ``--context`` goes to
     (per kernel category, with bounds; on CPU with small sizes: ``--batch 4 --context 32 --steps 3``)."""
-    from labkit.bench.run import run_bench
+    from labkit.bench.run import WORKLOADS, run_bench
     from labkit.lab_engine import detect_device
     from labkit.paths import default_out
 
+    if workload not in (*WORKLOADS, "serve", "step-budget"):      # before the device is looked at
+        raise UserError(f"--workload {workload}: no such workload; one of "
+                        f"{', '.join((*WORKLOADS, 'serve', 'step-budget'))}")
     trace = _bench_trace(workload, dict(requests=requests, prompt_tokens=prompt_tokens,
                                         long_prompt_tokens=long_prompt_tokens, long_every=long_every,
                                         max_tokens=max_tokens))

@@ -8,6 +8,9 @@ a flag: ``--trace``/``--no-trace`` style, never ``--trace true``).
 """
 from __future__ import annotations
 
+import inspect
+import re
+
 import typer.rich_utils
 from rich.table import Table
 from rich.text import Text
@@ -52,5 +55,48 @@ def _text(part) -> str:
     return part.plain if isinstance(part, Text) else str(part or "")
 
 
+_RST_LITERAL = re.compile(r"``([^`]+)``")
+_LIST_LINE = re.compile(r"\s*([-*|]|\d+[.)])\s")
+
+
+def plain_help_text(text: str) -> str:
+    """A command's or option's help as the words it says. Our help strings are plain text (labkit/console.py's
+    rule: no rich markup), so ``[len*(1-r), len*(1+r)]`` is an interval, not a markup tag to drop; ``x``
+    (reStructuredText, from a docstring) reads `x`; a paragraph's line breaks (a docstring's source lines) are
+    spaces, so rich wraps it at the terminal's width instead of at the source's."""
+    text = _RST_LITERAL.sub(r"`\1`", inspect.cleandoc(text))
+    paragraphs = []
+    for para in text.split("\n\n"):
+        lines = para.split("\n")
+        if para.startswith("\b") or any(_LIST_LINE.match(ln) for ln in lines[1:]):
+            paragraphs.append(para)             # click's "\b": keep this paragraph's lines as they are
+        else:
+            paragraphs.append(" ".join(ln.strip() for ln in lines))
+    return "\n\n".join(paragraphs)
+
+
+def _argument_name(param, usage: bool) -> str:
+    """An argument's name, the same way everywhere: upper case (``PATH``, ``EVIDENCE``), optional in brackets
+    on the usage line (``[TARGET]``), never ``{path}`` or a metavar bracketed twice (``[[MODEL]]``)."""
+    name = str(param.display_name_raw).strip("[]{}<>").upper()
+    if usage and not param.required:
+        name = f"[{name}]"
+    return name + ("..." if param.nargs != 1 else "")
+
+
 def install() -> None:
     typer.rich_utils.Table = _HelpTable
+    make_rich_text = getattr(typer.rich_utils, "_make_rich_text", None)
+    if make_rich_text is not None:
+        def _make_rich_text(*, text: str, style: str = "", markup_mode=None):
+            if markup_mode != "rich":
+                return make_rich_text(text=text, style=style, markup_mode=markup_mode)
+            return Text(plain_help_text(text), style=style)
+
+        typer.rich_utils._make_rich_text = _make_rich_text
+    from typer.core import TyperArgument
+
+    if hasattr(TyperArgument, "_usage_display_name"):         # typer >= 0.16's usage line and argument panel
+        TyperArgument._usage_display_name = lambda self: _argument_name(self, usage=True)
+    if hasattr(TyperArgument, "_rich_display_name"):
+        TyperArgument._rich_display_name = lambda self: _argument_name(self, usage=False)

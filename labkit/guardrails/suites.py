@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from labkit.errors import UserError
+from labkit.evidence import file_mode
 from labkit.paths import default_out
 
 
@@ -199,6 +200,7 @@ def save_npz(path: Path, arrays: dict[str, np.ndarray]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, file_mode())          # the umask's mode, not mkstemp's 0600
         with os.fdopen(fd, "wb") as f:
             np.savez(f, **arrays)
         os.replace(tmp, path)

@@ -31,7 +31,7 @@ def test_generate_max_tokens_beyond_max_model_len_is_refused(cli_app, tiny_model
     result = CliRunner().invoke(cli_app, ["generate", "-p", "Hello", "--max-tokens", "5000", "--model",
                                           str(tiny_model_dir), "--device", "cpu", "--out", str(tmp_path / "g.json")])
     line = _one_error_line(result)
-    assert "5000" in line and "max_model_len" in line
+    assert "5000" in line and "--max-model-len" in line     # the flag that sets the limit, not the config field
     assert not (tmp_path / "g.json").exists()
 
 
@@ -91,3 +91,53 @@ def test_run_labels_keep_unique_stems_short():
 
     assert run_labels([Path("x/a.jsonl"), Path("y/b.jsonl")]) == ["a", "b"]
     assert run_labels([Path("p/x/load.jsonl"), Path("q/x/load.jsonl")]) == ["p/x/load", "q/x/load"]
+
+
+# -- issue 48: help that says what it means, walks typed with default values judged -------------------------------
+def _help_text(cli_app, *argv):
+    return CliRunner().invoke(cli_app, [*argv, "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": ""}).output
+
+
+def test_help_keeps_brackets_and_shows_no_rst_backticks(cli_app):
+    assert "[len*(1-r), len*(1+r)]" in " ".join(_help_text(cli_app, "trace").split())   # the interval, not markup
+    bench = _help_text(cli_app, "bench")
+    assert "``" not in bench and "`--workload serve`" in bench, bench
+
+
+def test_argument_metavars_are_one_style(cli_app):
+    """Usage lines name arguments in upper case, optional ones in brackets: not {path}, [[MODEL]] or [target]."""
+    import re
+
+    import typer
+
+    root = typer.main.get_command(cli_app)
+    seen = 0
+    stack = [((), root)]
+    while stack:
+        names, cmd = stack.pop()
+        subs = getattr(cmd, "commands", None)
+        if subs:
+            stack += [((*names, n), c) for n, c in subs.items()]
+            continue
+        if not any(getattr(p, "param_type_name", "") == "argument" for p in cmd.params):
+            continue
+        usage = next(line for line in _help_text(cli_app, *names).splitlines() if "Usage:" in line)
+        seen += 1
+        assert "{" not in usage and "[[" not in usage, usage
+        for arg in re.findall(r"\[OPTIONS\] (.*)$", usage.strip())[0].split():
+            assert arg.strip("[].") == arg.strip("[].").upper(), usage
+    assert seen >= 5
+
+
+@pytest.mark.parametrize("argv,checkpoint", [
+    (("--case", "D", "--trace"), "setup.quick-walk-d"),        # --max-num-batched-tokens 512 is the default
+    (("--case", "A", "--inputs"), "setup.quick-walk-a"),       # --inputs stores the steps as --trace does
+])
+def test_quick_walk_typed_with_default_values_is_judged_as_its_checkpoint(cli_app, tiny_model_dir, tmp_path,
+                                                                          monkeypatch, argv, checkpoint):
+    monkeypatch.setenv("LABKIT_RUNS_DIR", str(tmp_path / "runs"))
+    res = CliRunner().invoke(cli_app, ["quick-walk", *argv, "--model", str(tiny_model_dir), "--device", "cpu",
+                                       "--json"])
+    record = json.loads(res.stdout)
+    assert record["checkpoint"] == checkpoint and record["verdict"] == "PASS", (record["checkpoint"], record["verdict"],
+                                                                              record["facts"].get("checkpoint_not_claimed"))

@@ -296,8 +296,9 @@ def test_cli_inputs_prints_each_step_and_block_ids(tiny_model_dir, tmp_path, cli
     assert "[0, 1, 2, … 511] (512)" in text                 # step 1's positions, elided with their count
     assert "A: [0, 1, 2]" in text and "B: [3, -1, -1]" in text
     assert "blocks [0, 1, 2]" in text and "blocks [3]" in text  # the console shows block ids, not counts
-    rec = json.loads((tmp_path / "runs" / "quick-walk-d-custom.json").read_text())
+    rec = json.loads((tmp_path / "runs" / "quick-walk-d.json").read_text())
     assert len(rec["facts"]["steps"]) == 3                   # what it printed is in the evidence
+    assert rec["checkpoint"] == "setup.quick-walk-d"         # --inputs stores the steps as --trace: D's own command
 
 
 def test_the_mixed_walk_draws_its_mixed_step(walks):
