@@ -70,7 +70,12 @@ def machine() -> dict:
 
 
 def can_run(cp: Checkpoint) -> tuple[bool, str]:
-    """Whether this machine meets ``cp.needs``; the reason when it does not."""
+    """Whether this machine meets ``cp.needs``; the reason when it does not. ``real-model``: the CPU and a real
+    model fetched from the package index (labkit/assets/fetch.py)."""
+    if cp.needs == "real-model":
+        from labkit.assets.fetch import find_fetched
+
+        return (True, "") if find_fetched("smollm2") is not None else (False, NEEDS_REASON[cp.needs])
     have = machine()["cuda_device_count"]
     need = {"cpu": 0, "cuda": 1, "2gpu": 2}[cp.needs]
     return (True, "") if have >= need else (False, NEEDS_REASON[cp.needs])

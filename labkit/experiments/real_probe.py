@@ -1,4 +1,4 @@
-"""`labkit model probe smollm2`: the engine on real weights against transformers at one prompt (issue 44).
+"""`labkit model probe smollm2`: the engine on real weights against transformers at one prompt.
 
 "The capital of France is" -> " Paris" is SmolLM2-135M-Instruct's sturdiest probe (p = 0.77; the chat question's
 first token wins by 0.08 logits only). The engine (eager, float32 on the CPU, the lab's engine options otherwise)
@@ -15,6 +15,7 @@ from pathlib import Path
 PROMPT = "The capital of France is"
 EXPECTED = " Paris"
 LOGITS_TOL = 1e-3
+CHECKPOINT = "models.real-paris"     # the probe's default prompt on smollm2 (checkpoints/models.json)
 
 
 def run_probe(name: str = "smollm2", prompt: str = PROMPT, expected: str = EXPECTED, out: Path | None = None,
@@ -70,6 +71,9 @@ def run_probe(name: str = "smollm2", prompt: str = PROMPT, expected: str = EXPEC
         run_assertion("facts.max_abs_logit_diff", "le", LOGITS_TOL,
                       why="float32 on the CPU: the engine's next-token logits within 1e-3 of transformers'"),
     ]
-    return write_evidence(out or default_out("models-real-probe.json"), checkpoint=None, kind=built.kind,
-                          facts=facts, device=built.device, model=built.model, engine=describe,
-                          run_assertions=checks)
+    claimed = (name.lower(), prompt, expected) == ("smollm2", PROMPT, EXPECTED)
+    # the default probe is the checkpoint's command (its assertions are the same four, as data); another prompt
+    # judges itself by the run assertions above
+    return write_evidence(out or default_out("models-real-probe.json"), checkpoint=CHECKPOINT if claimed else None,
+                          kind=built.kind, facts=facts, device=built.device, model=built.model, engine=describe,
+                          run_assertions=None if claimed else checks)

@@ -212,3 +212,18 @@ def test_the_real_model_says_paris(tmp_path_factory):
 
     record = run_probe(out=tmp_path_factory.mktemp("probe") / "probe.json")     # `labkit model probe smollm2`
     assert record["verdict"] == "PASS", record["checks"]
+
+
+def test_the_real_model_checkpoint_runs_only_where_the_model_is_fetched(monkeypatch, tmp_path):
+    """models.real-paris needs the fetched model: NOT-RUN naming the fetch command without it, runnable with it."""
+    import labkit.assets.fetch as fetch
+    from labkit.checks import get_checkpoint
+    from labkit.run_all import can_run
+
+    cp = get_checkpoint("models.real-paris")
+    assert cp.needs == "real-model" and cp.command[1:] == ["model", "probe", "smollm2"]
+    monkeypatch.setattr(fetch, "find_fetched", lambda name: None)
+    ok, why = can_run(cp)
+    assert not ok and "labkit model fetch smollm2" in why
+    monkeypatch.setattr(fetch, "find_fetched", lambda name: tmp_path)
+    assert can_run(cp) == (True, "")

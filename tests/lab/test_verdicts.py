@@ -301,7 +301,7 @@ def test_a_bad_key_setting_is_one_error_line(runs, monkeypatch, env, message):
 
 # --------------------------------------------------------------------------- evidence this machine cannot make
 
-GPU_CPS = [cp for cp in checks.load_checkpoints() if cp.needs != "cpu"]
+GPU_CPS = [cp for cp in checks.load_checkpoints() if cp.needs in ("cuda", "2gpu")]
 H200 = "cuda:0 NVIDIA H200"
 
 
