@@ -10,10 +10,10 @@ Processes and channels
     :class:`RemoteWorker` (the parent, where the HTTP server runs) has the public surface the server,
     ``run_serve`` and the tests use from :class:`serve.core.worker.Worker`. ``start()`` spawns a child
     (``multiprocessing`` "spawn": nothing of the parent, CUDA included, is inherited) that runs the existing
-    Worker unchanged (:mod:`serve.core.proc_main`). Two one-way pipes: commands parent -> child
-    (submit, cancel, test-hook calls, close), events child -> parent: a step's events as ONE message (a
-    pickled list), the owner's published snapshot after each loop round (queue, active, KV blocks, round,
-    state), events made outside the owner thread at once.
+    Worker unchanged (:mod:`serve.core.proc_main`). Two one-way pipes of typed messages
+    (:mod:`serve.core.messages`): commands parent -> child (Submit, Cancel, Call: the test hooks, Close),
+    child -> parent: a step's events as ONE Events message, the owner's published snapshot after each loop
+    round (queue, active, KV blocks, round, state), events made outside the owner thread at once.
 
 The parent
     A reader thread demultiplexes each message into the local :class:`RequestHandle`s (one ``wake_all``
@@ -22,7 +22,7 @@ The parent
     the ``t_ns`` the engine stamped (submitted and token events), step counts and seconds from ``step``
     records, so /metrics shows the engine's figures as in one process. What the front end reads (the
     served engine's record, state, snapshot) is answered here, from what the child reported: the
-    :class:`serve.core.front.ServedEngine` of its ``ready`` message and its last snapshot.
+    :class:`serve.core.front.ServedEngine` of its Ready message and its last snapshot.
 
 Submission
     Tokenization and chat templating run in the parent (its own copy of the model's tokenizer, loaded
@@ -66,6 +66,7 @@ from serve.core.proc_main import CHILD_CALLS, READY_TIMEOUT_S, bare_main, child_
 from serve.observe.events import Sink, make_event, now_ns
 from serve.core.fair import Groups
 from serve.core.front import WorkerFront, WorkerUnavailable
+from serve.core.messages import Call, Cancel, Close, Closed, Events, InitError, Ready, Reply, Submit
 from serve.core.stream import RequestHandle, wake_all
 from serve.core.worker import Worker
 
@@ -128,12 +129,11 @@ class RemoteWorker(WorkerFront):
         except BaseException:
             self._abandon_child()
             raise
-        if msg[0] == "init_error":
+        if isinstance(msg, InitError):
             self._abandon_child()
-            raise msg[1]
-        facts = msg[1]
-        self.served = facts["served"]
-        self._snapshot = facts["snapshot"]
+            raise msg.error
+        self.served = msg.served
+        self._snapshot = msg.snapshot
         if self.config.load_tokenizer:
             path = self.served.config.model
             try:
@@ -150,15 +150,15 @@ class RemoteWorker(WorkerFront):
         self._reader.start()
         return self
 
-    def _first_message(self, timeout: float | None):
+    def _first_message(self, timeout: float | None) -> Ready | InitError:
         deadline = None if timeout is None else time.monotonic() + timeout
         while deadline is None or time.monotonic() < deadline:
             if self._events.poll(0.2):
                 try:
                     msg = self._events.recv()
-                    if msg[0] in ("ready", "init_error"):
+                    if isinstance(msg, (Ready, InitError)):
                         return msg
-                    continue                        # the owner's first snapshot: "ready" carries a newer one
+                    continue                        # the owner's first snapshot: Ready carries a newer one
                 except (EOFError, OSError):         # the child closed its end: it is exiting
                     self.process.join(10.0)
                     raise ServeError(f"worker {self.worker_id}: the engine process exited with code "
@@ -201,7 +201,7 @@ class RemoteWorker(WorkerFront):
         try:
             try:
                 with self._lock:
-                    self._commands.send(("close", timeout))
+                    self._commands.send(Close(timeout))
             except (OSError, ValueError, AttributeError):
                 pass
             if self._reader is not None:
@@ -239,7 +239,7 @@ class RemoteWorker(WorkerFront):
         self._pending[rid] = None
         self._groups.add(group)
         try:
-            self._commands.send(("submit", rid, token_ids, params, tags, prefill_after, group))
+            self._commands.send(Submit(rid, token_ids, params, tags, prefill_after, group))
         except (OSError, ValueError):            # the child is gone; the reader says why in a moment
             del self._live[rid]
             self._pending.pop(rid, None)
@@ -267,7 +267,7 @@ class RemoteWorker(WorkerFront):
         if self._closed:
             return False
         try:
-            self._commands.send(("cancel", request_id, cause, reason))
+            self._commands.send(Cancel(request_id, cause, reason))
         except (OSError, ValueError):
             return False
         return True
@@ -285,7 +285,7 @@ class RemoteWorker(WorkerFront):
                 raise WorkerUnavailable(self._unavailable_reason())
             call_id = next(self._call_ids)
             self._calls[call_id] = fut
-            self._commands.send(("call", call_id, name, args))
+            self._commands.send(Call(call_id, name, args))
         return fut.result(timeout)
 
     def pause(self) -> None:
@@ -354,14 +354,13 @@ class RemoteWorker(WorkerFront):
                     msg = self._events.recv()
                 except (EOFError, OSError):
                     break
-                kind = msg[0]
-                if kind == "events":
-                    self._deliver(msg[1], msg[2])
-                elif kind == "reply":
-                    fut = self._calls.pop(msg[1], None)
+                if isinstance(msg, Events):
+                    self._deliver(msg.events, msg.snapshot)
+                elif isinstance(msg, Reply):
+                    fut = self._calls.pop(msg.call_id, None)
                     if fut is not None:
-                        fut.set_result(msg[3]) if msg[2] else fut.set_exception(msg[3])
-                elif kind == "closed":
+                        fut.set_result(msg.value) if msg.ok else fut.set_exception(msg.value)
+                elif isinstance(msg, Closed):
                     clean = True
                     break
         except Exception as e:           # a bug here must not leave streams hanging
@@ -483,7 +482,7 @@ class RemoteWorker(WorkerFront):
                 r = live.get(rid)
                 if r is not None:
                     try:
-                        self._commands.send(("cancel", rid, "slow_consumer", "cancelled"))
+                        self._commands.send(Cancel(rid, "slow_consumer", "cancelled"))
                     except (OSError, ValueError):
                         pass
 

@@ -7,10 +7,10 @@ here), a sink (:class:`_Sender`) that collects the owner's events, and the Worke
 the owner hands a whole step's wake-ups over once per step (``flushed``), and there the step's events go
 to the parent as ONE message; after each loop round (``published``) the owner's snapshot follows. Events
 made outside the owner thread (``submitted`` at submit) go out at once, under the same lock. Its Worker
-keeps no Prometheus stats (:class:`_Uncounted`): the parent counts from the events. It reports ``ready``
+keeps no Prometheus stats (:class:`_Uncounted`): the parent counts from the events. It reports Ready
 (the :class:`serve.core.front.ServedEngine` record the parent serves and checks submissions with) or
-its init error, then serves the parent's commands (submit, cancel, the calls of :data:`CHILD_CALLS`,
-close) until the parent closes it or its pipe reads EOF.
+its InitError, then serves the parent's commands (Submit, Cancel, the Calls of :data:`CHILD_CALLS`,
+Close; :mod:`serve.core.messages`) until the parent closes it or its pipe reads EOF.
 """
 from __future__ import annotations
 
@@ -21,11 +21,12 @@ import threading
 import types
 from contextlib import contextmanager
 
-from engine import RequestError, SamplingParams
+from engine import RequestError
 from serve.errors import ServeError
 from serve.observe.events import make_event
 from serve.core.config import WorkerConfig
 from serve.core.front import DuplicateRequest, WorkerUnavailable
+from serve.core.messages import Call, Cancel, Close, Closed, Events, InitError, Ready, Reply, Submit
 from serve.core.records import OwnerHooks
 from serve.core.worker import Worker
 
@@ -47,12 +48,12 @@ class _Sender:
         if self.worker.on_owner_thread():
             self.batch.append(ev)
         else:
-            self.send(("events", [ev], None))
+            self.send(Events([ev]))
 
     def ship(self, snapshot: dict | None = None) -> None:
         batch, self.batch = self.batch, []
         if batch or snapshot is not None:
-            self.send(("events", batch, snapshot))
+            self.send(Events(batch, snapshot))
 
     def send(self, msg) -> None:
         with self.lock:
@@ -118,9 +119,9 @@ def child_main(config: WorkerConfig, commands, events, build: str | None = None)
         worker.close(timeout=10.0)
         return
     except BaseException as e:
-        sender.send(("init_error", _portable(e)))
+        sender.send(InitError(_portable(e)))
         return
-    sender.send(("ready", {"served": worker.served, "snapshot": worker.snapshot()}))
+    sender.send(Ready(worker.served, worker.snapshot()))
     close_timeout = 30.0
     try:
         close_timeout = _serve_commands(worker, sender, commands)
@@ -129,7 +130,7 @@ def child_main(config: WorkerConfig, commands, events, build: str | None = None)
     finally:
         worker.close(timeout=close_timeout)
         try:
-            sender.send(("closed",))
+            sender.send(Closed())
         except OSError:
             pass
 
@@ -141,34 +142,31 @@ def _serve_commands(worker: Worker, sender: _Sender, commands) -> float:
             msg = commands.recv()
         except (EOFError, OSError):           # the parent is gone
             return 30.0
-        kind = msg[0]
-        if kind == "submit":
-            _child_submit(worker, sender, *msg[1:])
-        elif kind == "cancel":
-            worker.cancel(*msg[1:])
-        elif kind == "call":
-            call_id, name, args = msg[1:]
+        if isinstance(msg, Submit):
+            _child_submit(worker, sender, msg)
+        elif isinstance(msg, Cancel):
+            worker.cancel(msg.request_id, msg.cause, msg.reason)
+        elif isinstance(msg, Call):
             try:
-                if name not in CHILD_CALLS:
-                    raise ValueError(f"{name} is not a call the engine process takes")
-                sender.send(("reply", call_id, True, getattr(worker, name)(*args)))
+                if msg.name not in CHILD_CALLS:
+                    raise ValueError(f"{msg.name} is not a call the engine process takes")
+                sender.send(Reply(msg.call_id, True, getattr(worker, msg.name)(*msg.args)))
             except _Terminated:
                 raise
             except BaseException as e:
-                sender.send(("reply", call_id, False, _portable(e)))
-        elif kind == "close":
-            return msg[1]
+                sender.send(Reply(msg.call_id, False, _portable(e)))
+        elif isinstance(msg, Close):
+            return msg.timeout
 
 
-def _child_submit(worker: Worker, sender: _Sender, rid: str, token_ids: list[int], params: SamplingParams,
-                  tags: dict, prefill_after: str | None, group: str | None = None) -> None:
+def _child_submit(worker: Worker, sender: _Sender, msg: Submit) -> None:
     try:
-        worker.submit(token_ids, params, request_id=rid, tags=tags, stream=False, prefill_after=prefill_after,
-                      group=group)
+        worker.submit(msg.token_ids, msg.params, request_id=msg.request_id, tags=msg.tags, stream=False,
+                      prefill_after=msg.prefill_after, group=msg.group)
     except (RequestError, DuplicateRequest, WorkerUnavailable) as e:     # the parent's checks let it through
-        sender.send(("events", [make_event("finished", rid, worker.worker_id, worker._round, reason="rejected",
-                                           message=" ".join(str(e).split()), num_prompt_tokens=len(token_ids),
-                                           num_completion_tokens=0, admitted=False)], None))
+        sender.send(Events([make_event("finished", msg.request_id, worker.worker_id, worker._round, reason="rejected",
+                                       message=" ".join(str(e).split()), num_prompt_tokens=len(msg.token_ids),
+                                       num_completion_tokens=0, admitted=False)]))
 
 
 @contextmanager
