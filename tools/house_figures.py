@@ -19,6 +19,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "lab"))
+from test_layout import cycles  # noqa: E402  (the circle finder of the house rules)
+
 PACKAGES = ("engine", "serve", "labkit")
 BIG = 450
 
@@ -70,41 +73,6 @@ def folder(module: str, packages: set[str]) -> str:
     if len(parts) >= 3 or module in packages and len(parts) == 2:
         return ".".join(parts[:2])
     return module
-
-
-def loops(g: dict[str, set[str]]) -> list[list[str]]:
-    """Strongly connected components with more than one node (Tarjan, iterative over sorted nodes)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in sorted(g.get(v, ())):
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(g):
-        if v not in index:
-            visit(v)
-    return out
 
 
 def default_homes(path: Path, tree: ast.AST, repo: Path) -> list[str]:
@@ -172,7 +140,7 @@ def figures(repo: Path) -> dict:
         "labkit_plus_serve_lines": sum(v["lines"] for k, v in per_package.items() if k in ("labkit", "serve")),
         "files_over_450": [f"{p} {n}" for n, p in big],
         "private_names_imported_across_modules": sorted(private),
-        "folder_loops": loops(folder_graph),
+        "folder_loops": cycles(folder_graph),
         "max_num_seqs_default_homes": homes,
     }
 
