@@ -108,14 +108,15 @@ def _wrapped(text: str, width: int, first: str, rest: str) -> list[str]:
 
 class LabConsole(Console):
     """rich's Console, except that a table printed where there is no terminal (a file, a pipe, a CI log) is laid
-    out by :func:`plain_table` rather than folded into rich's 80-column grid."""
+    out by :func:`plain_table` rather than folded into rich's grid, at the console's width (80 columns, or
+    $COLUMNS where it is set)."""
 
     def print(self, *objects: Any, **kwargs: Any) -> None:
         if self.is_terminal or not any(isinstance(o, Table) for o in objects):
             return super().print(*objects, **kwargs)
         for o in objects:
             if isinstance(o, Table):
-                for line in plain_table(o):
+                for line in plain_table(o, width=self.width):      # 80, or $COLUMNS where it is set
                     super().print(Text(line), soft_wrap=True)
             else:
                 super().print(o, **kwargs)
