@@ -13,9 +13,9 @@ DECODE_WAVES = 2             # split so that batch x kv heads x splits fills the
                              # one split, 10-11% faster than 4 in two H200 sweeps, neutral on the other shapes)
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
-# The two knobs of issue 13 (`labkit bench --workload attention --sweep` ranks them with the four above,
-# labkit.bench.attention.sweep_kernel); the defaults keep today's kernel. Switching to the sweep's winner
-# is a change of these six lines: the kernel, the backend and the warmup plan (decode_variants) read them.
+# Two more knobs (`labkit bench --workload attention --sweep` ranks them with the four above,
+# labkit.bench.attention.sweep_kernel). Switching to the sweep's winner is a change of these six lines: the
+# kernel, the backend and the warmup plan (decode_variants) read them.
 DECODE_KV_PER_PROG = 1       # kv heads per decode program (kv_per_program: the largest divisor not above it)
 DECODE_PAGE_TILE = False     # one block-table load per tile where block_n divides the page size
 DECODE_MAX_SPLIT = 512       # positions per split at most (see choose_splits; fewer at small batches) ...
@@ -23,10 +23,8 @@ DECODE_MAX_SPLITS = 64       # ... unless that makes more splits than this (a ve
 DECODE_SPLIT_PER_PROGRAM = 4     # a small batch's splits: at most this many positions per program of the batch
 DECODE_FUSE_REDUCE_FROM = 33     # several splits: combined by each row's last program (the fused reduce) from this
 # many programs per split (batch x kv-head programs) up; below it by the reduce kernel, which PDL (engine/pdl.py)
-# starts under the split kernel's tail. H200, 28 calls in a graph, ctx 1024, max_len 4096, page 256, us per call,
-# fused -> reduce kernel: 16 q / 8 kv heads batch 1 10.2 -> 8.0, batch 4 14.1 -> 12.3; 32 q / 8 kv heads batch 1
-# 14.5 -> 8.4, batch 4 17.2 -> 11.8; the same outputs (session 13's .gpu micro). Wider batches were not measured
-# and keep the fused reduce.
+# starts under the split kernel's tail: at batch 1-4 on an H200 the reduce kernel was 20-40% faster per call than
+# the fused reduce (docs/MEASURED.md, "Tuning history"). Wider batches were not measured and keep the fused reduce.
 
 
 def fuse_reduce(programs: int) -> bool:
@@ -66,8 +64,8 @@ def choose_splits(batch: int, kv_heads: int, max_len: int, block_n: int, sm_coun
 
     Inside a CUDA graph max_len is the model's max length, not the batch's longest context: splits sized
     from it (1408 positions at batch 16 and max_len 4096) left most contexts in one split per head. With the
-    cap, splits past a row's context exit at once. The nano-vllm workload's decode steps at batch 1-31 went
-    from 2.56 to 2.17-2.18 ms (H200, issue 13 session 7 runs B-D). At small batches the cap is lower
+    cap, splits past a row's context exit at once (about 15% off the nano-vllm workload's small-batch decode
+    steps on an H200: docs/MEASURED.md, "Tuning history"). At small batches the cap is lower
     (:func:`max_split_len`)."""
     chunks = max(1, cdiv(max_len, block_n))
     want = max(1, cdiv(waves * sm_count, batch * kv_heads))

@@ -96,8 +96,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     output itself (zeros for a padding row), so no reduce kernel runs.
 
     The grid's fastest axis is the head group, so a sequence's programs start together and read the same
-    pages at about the same time (the nano-vllm workload's decode steps at batch 128-256: 6.15-6.22 ms with
-    the sequence fastest, 6.02-6.03 ms with the heads fastest; H200, issue 13 session 7 run D).
+    pages at about the same time (2% off the nano-vllm workload's wide decode steps on an H200 against the
+    sequence fastest: docs/MEASURED.md, "Tuning history").
 
     HPP kv heads per program: a tile holds BLOCK_N positions x HPP heads as HPP * BLOCK_N rows (position
     major, so one position's heads are one contiguous HPP * D run); the HPP * G query rows share one dot

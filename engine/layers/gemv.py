@@ -2,7 +2,7 @@
 
 At one row a projection is a read of its weight: the time is the weight's bytes over the memory bandwidth.
 cuBLAS reaches 0.49-0.81 of the copy roof on Qwen3-8B's qkv, o and down shapes at M = 1 on an H200
-(issue 13's step budget); this kernel streams the weight in [BLOCK_N, BLOCK_K] tiles, every program a
+(`labkit bench --workload step-budget`); this kernel streams the weight in [BLOCK_N, BLOCK_K] tiles, every program a
 band of BLOCK_N output features over the whole K, products and sums in float32, one rounding at the end.
 
 ``silu_mul``: the input is the gate_up output [1, 2K] (gate then up) and the kernel reads silu(gate) * up,
@@ -77,10 +77,9 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
     weight tile loaded before pdl.enter (with PDL it streams in while the kernel before this one finishes), the
     loop over the other chunks one body. Rows of more chunks run one loop from 0 after the wait. The tile chosen
     inside the loop instead (``w = w_first if k0 == 0 else load``) made PDL a loss at K = 4096+, where the loop
-    runs 4-12 chunks. H200, PDL on, overlapped batch-1 decode (session 14, two runs each, one lease): peeled at
-    every row, Qwen3-8B 5.18 -> 4.33 ms per token, Qwen3-0.6B (one or two chunks a row) 0.801 -> 0.785; with no
-    first tile before the wait at any row, 4.26 and 0.857. Both ways acc starts from the first chunk's products
-    (0 + p = p): the same sums in the same order."""
+    runs 4-12 chunks; peeling only rows of one or two chunks was the fastest of the three ways at both Qwen3 sizes
+    (docs/MEASURED.md, "Tuning history"). Both ways acc starts from the first chunk's products (0 + p = p): the
+    same sums in the same order."""
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
@@ -123,16 +122,11 @@ def peel_first_chunk(k: int, block_k: int) -> bool:
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for an [n, k] weight: wide tiles along K, and enough bands of output features
-    that every SM streams several. The rows for K >= 4096 are the fastest of 54 settings per shape in a 36-call
-    graph on an H200 (issue 13, session 8): Qwen3-8B's o [4096, 4096] 10.96 -> 10.50 us (a row since replaced,
-    below) and down [4096, 12288] 27.98 -> 26.24 us (0.74 -> 0.77 and 0.87 -> 0.92 of the weight read at the copy
-    roof); its qkv [6144, 4096] was fastest at the general row (15.51 us, 0.78). The two rows for K <= 3072 are the
-    fastest of 60-72 settings at Qwen3-0.6B's shapes, 28 calls (distinct weights) in a graph with PDL on, on an H200
-    (session 11, .gpu/gemv_sweep.py): 0.176 ms less per batch-1 step; its qkv [4096, 1024] stays at the general row
-    (4.41 us, within 6% of the best). The two rows of 2 x 4096 tiles (one chunk, peeled) are the fastest of 58
-    settings at Qwen3-8B's LM head [151936, 4096] and o [4096, 4096], 8 and 36 calls in a graph with PDL on, on an
-    H200 (session 16, a probe whose method `labkit bench --workload gemv --sweep` now runs): 282.7 -> 273.6 us and
-    9.89 -> 9.20 us; there its qkv, gate_up (both normed) and down kept the rows they had (the fastest of 29-58)."""
+    that every SM streams several. Each row is the fastest setting an H200 sweep found for the shapes it serves
+    (`labkit bench --workload gemv --sweep`: every tile setting per projection, its calls in a CUDA graph with PDL
+    on): K >= 4096 at Qwen3-8B's shapes, K <= 3072 at Qwen3-0.6B's, and the 2 x 4096 tiles (one chunk, peeled) at
+    Qwen3-8B's LM head and o; the shapes a sweep left at the general row were within a few percent of their best.
+    The sweeps' figures: docs/MEASURED.md, "Tuning history"."""
     if n >= 65536 and k >= 4096:        # an LM head at K = 4096
         return 2, 4096, 8
     if n >= 16384:

@@ -258,7 +258,7 @@ def run_upstream(root: Path | None = None) -> dict:
 
 
 def _upstream_main() -> int:
-    import engine.scheduler
+    import engine
     from engine.config import SCHEDULING_POLICIES
     from labkit.evidence_format import engine_dir, source_hash
 
@@ -268,7 +268,7 @@ def _upstream_main() -> int:
         out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     out["engine_source_hash"] = source_hash(engine_dir())
     # the scheduler this process imported, by content: the judge holds it to the pin
-    out["scheduler_sha256"] = hashlib.sha256(Path(engine.scheduler.__file__).read_bytes()).hexdigest()
+    out["scheduler_sha256"] = hashlib.sha256((Path(engine.__file__).parent / "scheduler.py").read_bytes()).hexdigest()
     print("\n" + json.dumps(out))
     return 0
 
