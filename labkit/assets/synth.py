@@ -131,7 +131,7 @@ PRESETS.update({
     ),
 })
 
-# SmolLM2-135M(-Instruct)'s shapes (issue 44): a Llama, as the model `labkit model fetch smollm2` converts
+# SmolLM2-135M(-Instruct)'s shapes: a Llama, as the model `labkit model fetch smollm2` converts
 # (its config.json: 30 layers, hidden 576, 9 q / 3 kv heads of 64, intermediate 1536, vocab 49,152, tied
 # embeddings, rope_theta 1e5, rms_norm_eps 1e-5, context 8192, bos 1 / eos 2). The synthetic directory's
 # tokenizer is Qwen's BPE cut to 49,152 ids with the added tokens first (labkit/assets/tokenizer.py:

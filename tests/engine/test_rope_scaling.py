@@ -1,4 +1,4 @@
-"""Rope scaling (issue 14 item 4, llama3 issue 44): default, linear, yarn and llama3 as transformers computes them,
+"""Rope scaling: default, linear, yarn and llama3 as transformers computes them,
 other types refused.
 
 The frequencies and the cos/sin scaling are compared with transformers' own Qwen3 rotary embedding; the

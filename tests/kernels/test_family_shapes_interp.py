@@ -1,4 +1,4 @@
-"""Our Triton kernels at the shapes of the Llama and Qwen2 families (issue 44), on the CPU through Triton's
+"""Our Triton kernels at the shapes of the Llama and Qwen2 families, on the CPU through Triton's
 interpreter: head_dim 64 and GQA groups of 3 (SmolLM2-135M: 9 q / 3 kv heads) and 7 (Qwen2-0.5B: 14 q / 2 kv
 heads, and its TP-2 share of 7 q / 1 kv head), the kernels of the plain route those families take on CUDA:
 

@@ -25,7 +25,7 @@ from interp import interpreted
 
 KERNELS = {"_gemv_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_store_kv_kernel",
            "_rms_norm_kernel", "_qk_norm_rope_kernel", "_silu_mul_kernel", "_gumbel_argmax_kernel"}
-PRESETS = ("tiny", "qwen3-0.6b", "qwen3-8b", "smollm2-135m")    # smollm2: head_dim 64, GQA 3 (issue 44)
+PRESETS = ("tiny", "qwen3-0.6b", "qwen3-8b", "smollm2-135m")    # smollm2: head_dim 64, GQA 3
 
 
 @pytest.fixture(scope="module")

@@ -191,7 +191,7 @@ def test_attention_backend_unavailable_is_a_user_error(tiny_model_dir, tmp_path,
                                      str(tiny_model_dir), "--out", str(tmp_path / "s.json")), "not available")
 
 
-# -- issue 48: the newcomer's bad inputs, each one line and exit 2 -------------------------------------------------
+# -- the newcomer's bad inputs, each one line and exit 2 -------------------------------------------------
 def _truncated_copy(tiny_model_dir, tmp_path):
     import os
     import shutil

@@ -93,7 +93,7 @@ def test_run_labels_keep_unique_stems_short():
     assert run_labels([Path("p/x/load.jsonl"), Path("q/x/load.jsonl")]) == ["p/x/load", "q/x/load"]
 
 
-# -- issue 48: help that says what it means, walks typed with default values judged -------------------------------
+# -- help that says what it means, walks typed with default values judged -------------------------------
 def _help_text(cli_app, *argv):
     return CliRunner().invoke(cli_app, [*argv, "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": ""}).output
 

@@ -6,7 +6,7 @@ yet), the second run finding the directory, the portability fixes on a directory
 minute of CPU) is opt-in: ``LABKIT_REAL_MODEL=1 pytest -m slow tests/lab/test_fetch.py``; it converts the wheel,
 then checks that the engine completes "The capital of France is" with " Paris" greedily in float32 and that its
 top-5 there are transformers' own, and that ``labkit model probe smollm2`` PASSes (broken on purpose, rope theta
-10,000 instead of 100,000, the silent misread of issue 44: FAIL, top-5 differs, max abs 0.79).
+10,000 instead of 100,000, the silent misread the fetch fixes: FAIL, top-5 differs, max abs 0.79).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 48: output that reads in a file or a CI log. With stdout piped (`labkit run > out.txt`, a CI log) rich laid
+"""Output that reads in a file or a CI log. With stdout piped (`labkit run > out.txt`, a CI log) rich laid
 every table at 80 columns and folded each cell into slices of its share (`runs/pat` / `ches/no-` / ...); without a
 terminal a table is now laid out by labkit.console.plain_table."""
 from __future__ import annotations

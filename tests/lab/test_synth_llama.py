@@ -1,4 +1,4 @@
-"""The ``smollm2-135m`` synthetic preset (issue 44): a Llama of SmolLM2-135M's exact shapes, with Qwen's BPE cut to
+"""The ``smollm2-135m`` synthetic preset: a Llama of SmolLM2-135M's exact shapes, with Qwen's BPE cut to
 its 49,152 ids (labkit/assets/tokenizer.py: cut_layout). The weight list is transformers' own LlamaForCausalLM's;
 the tokenizer never gives an id outside the vocabulary, keeps <|endoftext|> 0 / <|im_start|> 1 / <|im_end|> 2 where
 SmolLM2 has them and round-trips text; a 2-layer copy of the preset (every width as is) generates through the engine
