@@ -33,13 +33,11 @@ from engine.step_inputs import StepInputs
 
 
 def step_kind(seqs: list[Sequence], is_prefill: bool) -> str:
-    """decode, prefill, or mixed: a step (read before it runs) that prefills and also decodes a sequence
-    already past its prompt (one new token after a completion token)."""
+    """decode, prefill, or mixed: a step (read before it runs) that prefills and also decodes sequences the
+    scheduler scheduled as decodes (``Sequence.decoding``; a preempted request's recompute is a prefill)."""
     if not is_prefill:
         return "decode"
-    decoding = any(s.num_completion_tokens and s.num_scheduled_tokens == 1 and s.num_cached_tokens == s.num_tokens - 1
-                   for s in seqs)
-    return "mixed" if decoding else "prefill"
+    return "mixed" if any(s.decoding for s in seqs) else "prefill"
 
 
 @dataclass
@@ -153,7 +151,7 @@ class LLMEngine:
             "dtype": str(self.runner.dtype).replace("torch.", ""),
             "attention_backend": self.runner.attention_backend,
             "fused_ops": self.runner.fused_ops,
-            "model": self.runner.model.describe(),      # the family and its q/k-norm + RoPE route
+            "model": self.runner.model.describe() if self.runner.model is not None else None,   # family, q/k route
             "pdl": self.runner.pdl,
             "num_kvcache_blocks": self.runner.num_kvcache_blocks,
             "kv_cache": self._kv_cache_info(),

@@ -113,6 +113,7 @@ class Scheduler:
             if scheduled and remaining > budget and not chunk_any:
                 break
             seq.num_scheduled_tokens = min(remaining, budget)
+            seq.decoding = False
             budget -= seq.num_scheduled_tokens
             scheduled.append(seq)
             if seq.num_scheduled_tokens < remaining:
@@ -138,6 +139,7 @@ class Scheduler:
             else:
                 self.block_manager.may_append(seq)
                 seq.num_scheduled_tokens = 1
+                seq.decoding = True
                 scheduled.append(seq)
         if self.policy == "balanced":
             self.running.extend(scheduled)             # served requests go to the back

@@ -24,6 +24,7 @@ class Sequence:
         self.num_cached_tokens = 0       # positions whose KV is in the cache
         self.num_prefix_hit_tokens: int | None = None   # prompt tokens the prefix cache gave at first admission
         self.num_scheduled_tokens = 0    # positions this step computes
+        self.decoding = False            # scheduled as a decode this step (not a prompt chunk or a recompute)
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0       # full blocks already registered in the prefix cache
         self.last_block_hash = -1

@@ -105,8 +105,8 @@ class InputBuilder:
                 slots += [-1] * (end - start)
         if sum(lens_k) == sum(lens_q):         # nothing read from the cache: attention on the new K/V alone
             return StepPlan(True, input_ids, positions, slots, lens_q, lens_k)
-        # a mixed step's decodes (scheduled first: one new token after a completion) go to the decode kernel
-        decodes = next((i for i, s in enumerate(seqs) if not (lens_q[i] == 1 and s.num_completion_tokens)), len(seqs))
+        # a mixed step's decodes (the scheduler puts them first) go to the decode kernel
+        decodes = next((i for i, s in enumerate(seqs) if not (s.decoding and lens_q[i] == 1)), len(seqs))
         return StepPlan(True, input_ids, positions, slots, lens_q, lens_k, block_tables=self._padded_tables(seqs),
                         context_lens=lens_k[:decodes] if decodes else None, num_decodes=decodes)
 

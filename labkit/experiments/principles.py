@@ -304,7 +304,7 @@ def _engine_pool_block(shape, dtype) -> dict:
     from engine.kv_pool import allocate
 
     layers = [SimpleNamespace() for _ in range(shape.num_layers)]
-    cfg = SimpleNamespace(shape=shape, kvcache_block_size=MEMORY_BLOCK)
+    cfg = SimpleNamespace(shape=shape, kvcache_block_size=MEMORY_BLOCK, kv_cache_dtype="auto")   # the model's dtype
     t = allocate(layers, 1, cfg, dtype, "meta")
     return {"tensor_shape": list(t.shape), "bytes": t.numel() * t.element_size(), "kv_heads_in_pool": t.shape[4]}
 

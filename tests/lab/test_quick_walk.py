@@ -330,3 +330,14 @@ def test_the_mixed_walk_fails_when_a_decode_row_reads_one_position_short(tiny_mo
         rec = run_quick_walk("E", out=tmp_path / "e.json", model=str(tiny_model_dir), trace=True, mixed_batches=True)
     failed = {c["name"] for c in rec["checks"] if not c["passed"]}
     assert rec["verdict"] == "FAIL" and "facts.step_digest.1.context_lens" in failed
+
+
+def test_a_preempted_requests_recompute_is_a_prefill_step_not_a_mixed_one(tiny_model_dir, tmp_path):
+    """Case B in a pool of 2 blocks of 4: R2 is preempted, then re-admitted with a prefix hit and one token to
+    compute. That step prefills (a recompute), it decodes nothing: its kind is prefill, and its inputs carry no
+    decode context lengths."""
+    rec = run_quick_walk("B", out=tmp_path / "b.json", model=str(tiny_model_dir), trace=True, block_size=4,
+                         num_kvcache_blocks=2)
+    facts = rec["facts"]
+    assert facts["preemptions"] >= 1 and "mixed" not in facts["step_kinds"]
+    assert facts["derived"]["inputs_consistent"]
