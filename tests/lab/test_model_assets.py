@@ -405,7 +405,8 @@ def test_a_hub_id_resolves_from_the_local_hf_cache(tiny_model_dir, tmp_path, mon
 
 def test_serve_a_hub_id_not_cached_offline_is_one_line_naming_model_download(tmp_path, monkeypatch):
     """`labkit serve ORG/NAME` (the command's own function, as the CLI calls it) with the id not cached and
-    HF_HUB_OFFLINE=1: one UserError line (exit 2, `error:`) that names `labkit model download`."""
+    HF_HUB_OFFLINE=1: one UserError line (exit 2, `error:`) naming how to get it: the installed hub CLI's
+    `download ORG/NAME` (labkit.assets.hub.download_hint), else `labkit model download`."""
     from labkit.cli.service import serve
     from labkit.errors import UserError
 
@@ -416,4 +417,5 @@ def test_serve_a_hub_id_not_cached_offline_is_one_line_naming_model_download(tmp
     with pytest.raises(UserError) as got:
         serve("acme/not-cached", port=0, device="cpu", event_log=False, log_level="warning")
     text = str(got.value)
-    assert "\n" not in text and "acme/not-cached" in text and "labkit model download" in text, text
+    assert "\n" not in text and "acme/not-cached" in text, text
+    assert "download acme/not-cached`" in text or "labkit model download" in text, text
