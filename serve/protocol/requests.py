@@ -223,6 +223,8 @@ def _stops(body: dict) -> tuple[list[str], list[int], bool]:
                   "invalid_type")
     if len(ids) > 64:
         raise bad(f"stop_token_ids may hold at most 64 ids, got {len(ids)}", "stop_token_ids")
+    if any(t < 0 for t in ids):
+        raise bad(f"stop_token_ids must be token ids >= 0, got {show(ids)}", "stop_token_ids")
     include = read_bool(body, "include_stop_str_in_output", False)
     return stops, list(dict.fromkeys(ids)), include
 

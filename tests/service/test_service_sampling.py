@@ -202,7 +202,7 @@ OUT_OF_RANGE = [
     ("repetition_penalty", -1), ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}), ("logit_bias", "x"),
     ("logit_bias", {"999999999": 1}), ("logit_bias", {"-3": 1}), ("min_tokens", -1), ("min_tokens", 9),
     ("n", 0), ("n", 129), ("n", 1.5), ("best_of", 2), ("logprobs", 21), ("logprobs", -1), ("logprobs", True),
-    ("seed", 1.5), ("stop_token_ids", [10 ** 7]), ("echo", "yes"),
+    ("seed", 1.5), ("stop_token_ids", [10 ** 7]), ("stop_token_ids", [-1]), ("echo", "yes"),
 ]
 
 
@@ -214,7 +214,7 @@ def test_completions_out_of_range_values_are_400_naming_the_parameter(server, na
 
 
 CHAT_OUT_OF_RANGE = [("logprobs", 2), ("top_logprobs", 21), ("top_logprobs", 3), ("top_p", -1), ("n", 0),
-                     ("logit_bias", {"1": -101})]
+                     ("logit_bias", {"1": -101}), ("stop_token_ids", [-1])]
 
 
 @pytest.mark.parametrize("name,value", CHAT_OUT_OF_RANGE, ids=[f"{n}={v}" for n, v in CHAT_OUT_OF_RANGE])
