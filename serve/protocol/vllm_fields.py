@@ -134,8 +134,8 @@ def parse(body: dict, api: str, stream: bool, max_model_len: int) -> VllmOptions
                   "add_generation_prompt: false to continue the last message)", "continue_final_message")
     opts = body.get("stream_options")
     continuous = read_bool(opts, "continuous_usage_stats", False) if isinstance(opts, dict) else False
-    if continuous and not read_bool(opts, "include_usage", False):
-        raise bad("stream_options.continuous_usage_stats needs include_usage: true", "stream_options")
+    # vLLM's rule: usage on every chunk only where include_usage is on too; alone it asks for nothing
+    continuous = continuous and read_bool(opts, "include_usage", False)
     k, side = _truncate(body, max_model_len)
     special = body.get("add_special_tokens")
     if special is not None:

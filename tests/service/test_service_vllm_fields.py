@@ -84,6 +84,15 @@ def test_continuous_usage_stats_on_every_chunk(api):
     assert {u.prompt_tokens for u in usages} == {12}
 
 
+def test_continuous_usage_stats_without_include_usage_is_accepted_and_adds_no_usage(api):
+    """vLLM's rule: continuous usage only where include_usage is on; with it off the request is served as usual."""
+    chunks = list(api.completions.create(
+        model="tiny", prompt=ids("cux"), stream=True, temperature=0, max_tokens=3,
+        extra_body={"ignore_eos": True, "stream_options": {"include_usage": False, "continuous_usage_stats": True}}))
+    assert chunks and all(c.usage is None for c in chunks)
+    assert sum(len(c.choices[0].text) > 0 for c in chunks if c.choices) >= 1
+
+
 # --------------------------------------------------------------------------- prompt_logprobs
 
 
