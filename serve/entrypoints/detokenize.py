@@ -145,7 +145,7 @@ class StopStrings:
 class LogprobsFormat:
     """Token log-probs (the worker's ``[id, log-prob, rank, [[id, log-prob], ...]]``) in OpenAI's shapes:
     completions ``{tokens, token_logprobs, top_logprobs, text_offset}`` (top_logprobs maps token text to
-    log-prob, the chosen token included, as vLLM), chat ``{content: [{token, logprob, bytes,
+    log-prob, the chosen token first, as vLLM), chat ``{content: [{token, logprob, bytes,
     top_logprobs: [{token, logprob, bytes}]}]}``. A token's text is its own decode; -inf (a token a
     processor removed, processed_logprobs only) is sent as -9999.0, as vLLM does."""
 
@@ -174,8 +174,9 @@ class LogprobsFormat:
         c.text_offset += len(text)
         if entry is None:
             return (text, None, None, offset)
-        top = {self._text(i): self._num(v) for i, v in entry[3]}
-        top.setdefault(text, self._num(entry[1]))
+        top = {text: self._num(entry[1])}          # vLLM's order: the chosen token first, then the alternatives
+        for i, v in entry[3]:
+            top.setdefault(self._text(i), self._num(v))
         return (text, self._num(entry[1]), top, offset)
 
     def obj(self, items: list) -> dict:

@@ -57,6 +57,9 @@ def test_completions_logprobs_shape_and_values(api, server, reference):
     assert "".join(lp.tokens) == out.choices[0].text
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
     assert all(len(d) in (3, 4) for d in lp.top_logprobs)               # 3 alternatives, the chosen one added
+    # vLLM's order: the chosen token first, then the alternatives
+    assert all(next(iter(d)) == t and d[t] == pytest.approx(v) for d, t, v in zip(lp.top_logprobs, lp.tokens,
+                                                                                  lp.token_logprobs))
     # the values: the teacher-forced log-softmax of the chosen tokens (vLLM's raw_logprobs)
     tok = server.worker.tokenizer
     ids = list(PROMPT)
