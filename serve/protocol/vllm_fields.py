@@ -86,6 +86,8 @@ REFUSED: dict[str, tuple[tuple, Any, str]] = {
     "routed_experts_prompt_start": ((0,), int_check(0), "no expert routing data"),
     "priority": ((0,), type_check(int, what="an integer"), "no priority scheduling (vLLM refuses it too "
                                                             "without --scheduling-policy priority)"),
+    "include_reasoning": ((True,), type_check(bool, what="true or false"),
+                          "the reasoning parser's output is always returned (reasoning_content)"),
 }
 
 #: vLLM fields with no server-side meaning here, accepted and ignored (as OpenAI's user, metadata ...).

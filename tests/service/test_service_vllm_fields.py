@@ -191,7 +191,7 @@ REFUSED_VALUES = {"prompt_embeds": "AAAA", "cache_salt": "salt", "kv_transfer_pa
                   "min_characters": 5, "thinking_token_budget": 10, "repetition_detection": {"n": 2},
                   "watermarking": True, "stream_interval": 4, "return_prompt_text": True,
                   "return_token_offsets": True, "return_mm_kwargs": False, "routed_experts_prompt_start": 2,
-                  "priority": 1}
+                  "priority": 1, "include_reasoning": False}
 
 
 def test_every_other_vllm_field_is_refused_naming_it_and_its_noop_accepted(server):
