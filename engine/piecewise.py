@@ -78,6 +78,7 @@ class PiecewiseGraphs:
         self.capture_seconds = 0.0
         self._tokens = 0                            # the bucket being captured or emulated
         self._live: tuple[AttentionMetadata, int] | None = None    # emulate: the step's metadata and tokens
+        self._layer = 0                             # emulate: the attention layer the next cut runs
         self._capture: dict | None = None           # while capturing: the graph, the pieces so far, the pool
 
     def rows(self, bucket: int) -> int:
@@ -93,23 +94,25 @@ class PiecewiseGraphs:
     # -- the cut -----------------------------------------------------------------------------------
     def _cut(self, q, k, v):
         t = self._tokens
+        self.q[:t].copy_(q), self.k[:t].copy_(k), self.v[:t].copy_(v)
         if self._live is not None:                  # emulated step: the attention runs here
             meta, n = self._live
-            self.q[:t].copy_(q), self.k[:t].copy_(k), self.v[:t].copy_(v)
-            layer = self.layers[self._layer]
+            self._attend(self.layers[self._layer], meta, n)
             self._layer += 1
-            self._attend(layer, meta, n)
-            return self.out[:t]
-        self.q[:t].copy_(q), self.k[:t].copy_(k), self.v[:t].copy_(v)
-        if self._capture is not None:               # end this piece, begin the next
-            cap = self._capture
-            cap["graph"].capture_end()
-            cap["pieces"].append(cap["graph"])
-            if cap["pool"] is None:
-                cap["pool"] = cap["graph"].pool()
-            cap["graph"] = torch.cuda.CUDAGraph()
-            cap["graph"].capture_begin(pool=cap["pool"])
+        elif self._capture is not None:             # end this piece, begin the next in the same pool
+            self._end_piece()
+            self._capture["graph"] = torch.cuda.CUDAGraph()
+            self._capture["graph"].capture_begin(pool=self._capture["pool"])
         return self.out[:t]
+
+    def _end_piece(self) -> None:
+        """End the graph being captured and keep it as the bucket's next piece (the first one's pool is the pool
+        of every piece after it)."""
+        cap = self._capture
+        cap["graph"].capture_end()
+        cap["pieces"].append(cap["graph"])
+        if cap["pool"] is None:
+            cap["pool"] = cap["graph"].pool()
 
     def _attend(self, layer, meta: AttentionMetadata, n: int) -> None:
         out = self.backend.forward(self.q[:n], self.k[:n], self.v[:n], layer.k_cache, layer.v_cache, meta, layer.scale)
@@ -146,10 +149,9 @@ class PiecewiseGraphs:
                     graph.capture_begin(pool=pool)
                     self._capture = {"graph": graph, "pieces": [], "pool": pool}
                     logits = self._forward(t)
+                    self._end_piece()
                     cap = self._capture
-                    cap["graph"].capture_end()
-                    cap["pieces"].append(cap["graph"])
-                    pool = cap["pool"] if cap["pool"] is not None else cap["graph"].pool()
+                    pool = cap["pool"]
                 torch.cuda.synchronize()
                 self._capture = None
                 assert len(cap["pieces"]) == len(self.layers) + 1, "a piece per attention call, and the last"
@@ -160,7 +162,7 @@ class PiecewiseGraphs:
         self.capture_seconds = time.perf_counter() - t0
 
     # -- a step -------------------------------------------------------------------------------------
-    def _load(self, bucket: int, input_ids, positions, meta: AttentionMetadata) -> tuple[int, int]:
+    def _load(self, input_ids, positions, meta: AttentionMetadata) -> tuple[int, int]:
         t = input_ids.shape[0]
         n = meta.cu_seqlens_q.shape[0] - 1
         self.input_ids[:t].copy_(input_ids)
@@ -174,7 +176,7 @@ class PiecewiseGraphs:
     @torch.inference_mode()
     def replay(self, bucket: int, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         """Logits [n, vocab] of the last position of each of the step's n sequences."""
-        t, n = self._load(bucket, input_ids, positions, meta)
+        t, n = self._load(input_ids, positions, meta)
         if self.emulate:
             return self._emulated(bucket, t, meta)[:n]
         pieces = self.pieces[bucket]

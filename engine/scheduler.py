@@ -64,10 +64,14 @@ class Scheduler:
             if seqs:
                 self._prefill_run = self._prefill_run + 1 if is_prefill else 0
                 return seqs, is_prefill
-        if self.waiting:
+        self._check_schedulable([])
+        return [], False
+
+    def _check_schedulable(self, seqs: list[Sequence]) -> None:
+        """A step that schedules nothing while requests wait: the KV pool cannot hold the first of them."""
+        if not seqs and self.waiting:
             raise RuntimeError(f"cannot schedule request {self.waiting[0].seq_id}: the KV pool "
                                f"({self.block_manager.num_blocks} blocks) cannot hold it")
-        return [], False
 
     def _schedule_mixed(self) -> tuple[list[Sequence], bool]:
         """Decodes first (each one token of the budget), then prefill chunks in what is left. A step that
@@ -80,9 +84,7 @@ class Scheduler:
             prefills = self._schedule_prefill(budget=self.max_num_batched_tokens - len(decodes),
                                               seats=self.max_num_seqs - len(decodes), chunk_any=True)
         seqs = decodes + prefills
-        if not seqs and self.waiting:
-            raise RuntimeError(f"cannot schedule request {self.waiting[0].seq_id}: the KV pool "
-                               f"({self.block_manager.num_blocks} blocks) cannot hold it")
+        self._check_schedulable(seqs)
         return seqs, bool(prefills)
 
     def _schedule_prefill(self, budget: int | None = None, seats: int | None = None,

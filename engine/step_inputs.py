@@ -38,13 +38,6 @@ class StepPlan:
     context_lens: list[int] | None = None
     num_decodes: int = 0                  # a prefill step's leading one-token rows read through the decode kernel
 
-    @property
-    def kind(self) -> str:
-        """decode, prefill, or mixed (a step that prefills and decodes at once)."""
-        if not self.is_prefill:
-            return "decode"
-        return "mixed" if 0 < self.num_decodes < len(self.seqlens_q) else "prefill"
-
 
 @dataclass
 class StepInputs:

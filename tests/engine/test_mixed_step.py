@@ -151,16 +151,17 @@ def test_prefix_cache_hits_are_counted_in_tokens(mixed):
 # -- the engine, tiny model, float32 ----------------------------------------------------------------------
 
 def _arrivals(engine, prompts, at, sp):
-    """Run prompts[i] added before step at[i]; returns the completions and the step kinds the runner planned."""
+    """Run prompts[i] added before step at[i]; returns the completions and the kind of each step run."""
     kinds = []
-    engine.runner.on_inputs = lambda inputs: kinds.append(inputs.plan.kind)
     seqs, step = {}, 0
     while len(seqs) < len(prompts) or not engine.is_finished():
         for i, p in enumerate(prompts):
             if at[i] == step:
                 seqs[i] = engine.add_request(p, sp)
         if not engine.is_finished():
-            engine.step()
+            out = engine.step()
+            if out.seqs:
+                kinds.append(out.kind)
         step += 1
     return [seqs[i].completion_token_ids for i in range(len(prompts))], kinds
 
