@@ -149,14 +149,19 @@ def _preempted(steps: list[dict]) -> list[dict[int, str]]:
             if lab not in batch and tables.get(lab):
                 gone.update({b: lab for b in tables[lab]})
                 tables[lab] = []
-        for s in st.get("before", []):
-            tables[s["label"]] = list(s["block_table"])
-        for s in after.get("seqs", []):
-            tables[s["label"]] = list(s["block_table"])
-        for lab in after.get("finished", []):
-            tables.pop(lab, None)
+        _follow_tables(tables, st)
         out.append(gone)
     return out
+
+
+def _follow_tables(tables: dict[str, list[int]], st: dict) -> None:
+    """Each request's latest block table after step ``st`` (as scheduled, then after postprocess); a finished
+    request's is dropped."""
+    after = st.get("after", {})
+    for s in st.get("before", []) + after.get("seqs", []):
+        tables[s["label"]] = list(s["block_table"])
+    for lab in after.get("finished", []):
+        tables.pop(lab, None)
 
 
 def _derived_rows(steps: list[dict]) -> list[dict[int, BlockState]]:
@@ -165,13 +170,7 @@ def _derived_rows(steps: list[dict]) -> list[dict[int, BlockState]]:
     tables: dict[str, list[int]] = {}
     rows = []
     for st in steps:
-        after = st.get("after", {})
-        for s in st.get("before", []):
-            tables[s["label"]] = list(s["block_table"])
-        for s in after.get("seqs", []):
-            tables[s["label"]] = list(s["block_table"])
-        for lab in after.get("finished", []):
-            tables.pop(lab, None)
+        _follow_tables(tables, st)
         row: dict[int, BlockState] = {}
         for lab, table in tables.items():
             for b in table:

@@ -118,13 +118,7 @@ def _preset(name: str, calls: list) -> dict:
     blocks = 8
     kc, vc = e(blocks, page, hk, d), e(blocks, page, hk, d)
     variants = decode_variants(512, hk, max_len, sm)
-    for batch, length in variants.values():
-        before = len(calls)
-        tables = torch.zeros(batch, max_len // page, dtype=torch.int32)
-        ctx = torch.full((batch,), length, dtype=torch.int32)
-        tk.paged_decode(e(batch, hq, d), kc, vc, tables, ctx, d ** -0.5, length, sm,
-                        order=torch.arange(batch, dtype=torch.int32))
-        out["decode_calls"] += len(calls) > before
+    out["decode_calls"] += _decode_launches(calls, e, variants, kc, vc, page, hq, d, max_len, sm)
     out["decode_variants"] = len(variants)
     t = 64
     cu = torch.tensor([0, 32, 64], dtype=torch.int32)
@@ -144,6 +138,23 @@ def _preset(name: str, calls: list) -> dict:
     return out
 
 
+def _decode_launches(calls: list, e, variants: dict, kc, vc, page: int, hq: int, d: int, max_len: int, sm: int) -> int:
+    """The paged decode at each of ``variants``' (batch, length) over the caches kc/vc: how many launches compiled."""
+    import torch
+
+    import engine.attention.triton_kernels as tk
+
+    compiled = 0
+    for batch, length in variants.values():
+        before = len(calls)
+        tables = torch.zeros(batch, max_len // page, dtype=torch.int32)
+        ctx = torch.full((batch,), length, dtype=torch.int32)
+        tk.paged_decode(e(batch, hq, d), kc, vc, tables, ctx, d ** -0.5, length, sm,
+                        order=torch.arange(batch, dtype=torch.int32))
+        compiled += len(calls) > before
+    return compiled
+
+
 def _fp8_cache(calls: list, e, variants: dict, blocks: int, page: int, hq: int, hk: int, d: int, max_len: int,
                sm: int, t: int, cu) -> dict:
     """The KV cache's kernels again with e4m3 caches (engine/attention/kv_quant.py): launches that compiled."""
@@ -155,14 +166,7 @@ def _fp8_cache(calls: list, e, variants: dict, blocks: int, page: int, hq: int, 
 
     bf16 = torch.bfloat16
     kc, vc = (kv_quant.mark(e(blocks, page, hk, d, dtype=kv_quant.FP8), 0.5, bf16) for _ in range(2))
-    out = {"fp8_decode_calls": 0}
-    for batch, length in variants.values():
-        before = len(calls)
-        tables = torch.zeros(batch, max_len // page, dtype=torch.int32)
-        ctx = torch.full((batch,), length, dtype=torch.int32)
-        tk.paged_decode(e(batch, hq, d), kc, vc, tables, ctx, d ** -0.5, length, sm,
-                        order=torch.arange(batch, dtype=torch.int32))
-        out["fp8_decode_calls"] += len(calls) > before
+    out = {"fp8_decode_calls": _decode_launches(calls, e, variants, kc, vc, page, hq, d, max_len, sm)}
     before = len(calls)
     tk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), cu, cu, 32, d ** -0.5)
     tk.store_kv(e(t, hk, d), e(t, hk, d), kc, vc, torch.zeros(t, dtype=torch.int64))
