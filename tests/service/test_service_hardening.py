@@ -369,7 +369,7 @@ def test_api_key_on_every_route_but_health(worker):
             async with client.session(30, api_key="s3cret") as sess:
                 h = await client.fetch_health(sess, srv.url)
                 res = await client.stream_native(sess, srv.url, {"request_id": "key-1", "prompt_token_ids": [1000],
-                                                                 "max_tokens": 4, "ignore_eos": True}, cancel_after=2)
+                                                                 "max_tokens": 400, "ignore_eos": True}, cancel_after=2)
                 return h, res
 
         health, res = asyncio.run(via_client())
