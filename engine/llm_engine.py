@@ -368,11 +368,12 @@ class LLMEngine:
             if after is None:
                 seqs, is_prefill = self.scheduler.schedule()
             else:
-                seqs, is_prefill = self.scheduler.schedule_lookahead(after), False
+                seqs, is_prefill = self.scheduler.schedule_lookahead(after)
         if not seqs:
             return seqs, is_prefill, []
         self.num_steps += 1
-        batch = [(s.seq_id, s.num_scheduled_tokens) for s in seqs]
+        # a decode row computes one position (a lookahead's row still holds its in-flight step's count)
+        batch = [(s.seq_id, 1 if s.decoding else s.num_scheduled_tokens) for s in seqs]
         if self.hooks:
             self.hooks.scheduled(self.num_steps, is_prefill, batch)
         if self.events:
@@ -431,11 +432,12 @@ class LLMEngine:
         return _InFlight(step, seqs, is_prefill, self.runner.launch(seqs, is_prefill, feed, step), batch, kind)
 
     def _step_overlapped(self) -> StepOutput:
-        """step() with decode steps overlapped: launch step k+1 (its input ids fed on the device from
+        """step() with steps overlapped: launch step k+1 (its decode rows' input ids fed on the device from
         step k's samples) before reading step k's tokens, so the host's bookkeeping for k runs while the
-        GPU computes k+1. Returns step k's output; one decode step may stay in flight between calls.
-        Prefill steps, and any step the lookahead cannot take (see Scheduler.schedule_lookahead), run
-        one by one as in step()."""
+        GPU computes k+1. Returns step k's output; one step may stay in flight between calls. With mixed
+        batches step k+1 may also admit prefill chunks, and step k may itself have prefilled; in
+        nano-vllm's step model only decode steps overlap. Any step the lookahead cannot take (see
+        Scheduler.schedule_lookahead) runs one by one as in step()."""
         t0 = time.perf_counter()
         prev = self._inflight
         self._inflight = None
@@ -444,13 +446,15 @@ class LLMEngine:
             if not seqs:
                 return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
             prev = self._launch(seqs, is_prefill, batch)
-        if not prev.is_prefill and not any(s.sampling_params.needs_history(s.num_completion_tokens)
-                                             for s in prev.seqs):
+        if (self.scheduler.mixed or not prev.is_prefill) and \
+                not any(s.sampling_params.needs_history(s.num_completion_tokens) for s in prev.seqs):
             # (penalties, min_tokens and a grammar's mask read the token still in flight: those batches run
             # one by one; the other requests of such a batch keep going, one step per call)
-            nxt, _, batch = self._schedule_step(after=prev.seqs)
+            nxt, is_prefill, batch = self._schedule_step(after=prev.seqs)
             if nxt:
-                self._inflight = self._launch(nxt, False, batch, self._feed(prev, nxt))
+                decodes = [s for s in nxt if s.decoding]
+                feed = self._feed(prev, decodes) if decodes else None
+                self._inflight = self._launch(nxt, is_prefill, batch, feed)
         t_wait = time.perf_counter()
         token_ids = prev.tokens.tolist()
         wait_s = time.perf_counter() - t_wait
@@ -460,7 +464,7 @@ class LLMEngine:
         kept = self._keep_logprobs(prev.seqs, row_logprobs, outcome)
         if self._inflight is not None:
             for s in self._inflight.seqs:
-                if not s.is_finished:
+                if not s.is_finished and s.decoding:
                     s.num_scheduled_tokens = 1       # postprocess cleared it; the in-flight step computes 1
         return StepOutput(prev.step, prev.is_prefill, prev.seqs, outcome, prev.num_tokens,
                           time.perf_counter() - t0, prev.scheduled, prev.tokens.route, kept, wait_s,

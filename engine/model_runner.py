@@ -220,15 +220,15 @@ class ModelRunner:
     def forward(self, seqs: list[Sequence], is_prefill: bool, feed: torch.Tensor | None = None,
                 step: int = 0) -> tuple[torch.Tensor, Route, "torch.cuda.Event | None"]:
         """The step's logits, the route they took and the mark where the GPU began the step (None without
-        a device clock). feed (decode only): the input ids as a device tensor, from a step still in
-        flight; positions are then one further than the host's token lists."""
+        a device clock). feed: the leading decode rows' input ids as a device tensor, from a step still in
+        flight; those rows' positions are then one further than the host's token lists (plan_ahead)."""
         hooks = self.hooks
         with hooks.phase("prepare", step):
             if feed is None:
                 inputs = self.inputs.prepare(seqs, is_prefill)
             else:
-                inputs = self.inputs.to_inputs(self.inputs.plan_decode(seqs, ahead=1))
-                inputs.input_ids.copy_(feed)
+                inputs = self.inputs.to_inputs(self.inputs.plan_ahead(seqs))
+                inputs.input_ids[:feed.shape[0]].copy_(feed)
             if self.workers is not None:
                 self.workers.send("run", inputs.plan)   # the other ranks replay the same forward
             if self.on_inputs is not None:

@@ -149,23 +149,35 @@ class Scheduler:
             self.running.extendleft(reversed(scheduled))
         return scheduled
 
-    def schedule_lookahead(self, inflight: list[Sequence]) -> list[Sequence]:
-        """The decode step after `inflight` (a decode step whose tokens are not on the host yet).
+    def schedule_lookahead(self, inflight: list[Sequence]) -> tuple[list[Sequence], bool]:
+        """The step after `inflight` (a step whose tokens are not on the host yet), and whether it prefills.
 
-        Its sequences are the in-flight ones that will not finish by length when those tokens arrive
-        (one that stops on EOS is found out later and its extra row discarded); each gets room for one
-        position more than it holds. Empty (run the steps one by one) when anything else could need
-        the step: requests waiting, running sequences outside the batch, or too few free blocks.
+        Its decode rows are the in-flight sequences that end their prompt or decode in that step and will
+        not finish by length when its tokens arrive (one that stops on EOS is found out later and its
+        extra row discarded); each gets room for one position more than it holds. In a mixed step model
+        the step also admits prefill chunks of waiting requests in what is left of the budget (their
+        tokens are on the host already). Empty (run the steps one by one) when the lookahead cannot
+        take the step: running sequences outside the batch, too few free blocks, a prompt still
+        being chunked in flight, or (nano-vllm's step model) requests waiting.
         """
-        if self.waiting or len(self.running) != len(inflight):
-            return []
+        ahead = set(map(id, inflight))
+        if len(self.running) != len(inflight) or not all(id(s) in ahead for s in self.running):
+            return [], False
+        if self.waiting and (not self.mixed or id(self.waiting[0]) in ahead):
+            return [], False
         nxt = [s for s in inflight if not s.is_finished and not self._length_reached(s, ahead=1)]
         bm = self.block_manager
-        if sum(bm.blocks_needed_to_append(s, ahead=1) for s in nxt) > bm.num_free_blocks:
-            return []
+        if len(nxt) > self.max_num_batched_tokens or \
+                sum(bm.blocks_needed_to_append(s, ahead=1) for s in nxt) > bm.num_free_blocks:
+            return [], False
         for s in nxt:
             bm.may_append(s, ahead=1)
-        return nxt
+            s.decoding = True
+        prefills: list[Sequence] = []
+        if self.waiting:
+            prefills = self._schedule_prefill(budget=self.max_num_batched_tokens - len(nxt),
+                                              seats=self.max_num_seqs - len(nxt), chunk_any=True)
+        return nxt + prefills, bool(prefills)
 
     def _length_reached(self, seq: Sequence, ahead: int = 0) -> bool:
         """Whether seq is at its length limit (max_tokens or max_model_len) with `ahead` more tokens."""

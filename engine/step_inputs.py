@@ -114,6 +114,22 @@ class InputBuilder:
                         [1] * len(seqs), context_lens, block_tables=self._padded_tables(seqs),
                         context_lens=context_lens)
 
+    def plan_ahead(self, seqs: list[Sequence]) -> StepPlan:
+        """A step launched while the previous one is in flight: its leading decode rows
+        (``Sequence.decoding``) are planned as plan_decode(ahead=1), placeholders for the ids the device
+        feeds; the prefill chunks after them (a mixed step) as plan_prefill plans them."""
+        d = next((i for i, s in enumerate(seqs) if not s.decoding), len(seqs))
+        if d == len(seqs):
+            return self.plan_decode(seqs, ahead=1)
+        chunks = self.plan_prefill(seqs[d:])
+        if not d:
+            return chunks
+        dec = self.plan_decode(seqs[:d], ahead=1)
+        return StepPlan(True, dec.input_ids + chunks.input_ids, dec.positions + chunks.positions,
+                        dec.slot_mapping + chunks.slot_mapping, dec.seqlens_q + chunks.seqlens_q,
+                        dec.seqlens_k + chunks.seqlens_k, block_tables=self._padded_tables(seqs),
+                        context_lens=dec.context_lens, num_decodes=d)
+
     def to_inputs(self, plan: StepPlan) -> StepInputs:
         """Two host-to-device copies per step: one int64 pack (ids, positions, slots), one int32 pack
         (cumulative lengths or context lengths, then the block table rows); the tensors are views of them.

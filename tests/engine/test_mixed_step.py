@@ -185,6 +185,31 @@ def test_mixed_steps_give_the_step_models_greedy_tokens(tiny_engine, overlap):
     assert mixed == step_model
 
 
+def test_overlap_launches_mixed_steps_ahead_with_the_same_tokens(tiny_engine):
+    """With overlap, a step that also admits prefill chunks is launched while the step before it (decode,
+    prefill or mixed) is still in flight: its decode rows' ids fed on the device, the chunks' from the host."""
+    prompts, at = _workload()
+    sp = SamplingParams(max_tokens=12, **GREEDY)
+    opts = dict(device="cpu", kvcache_block_size=16, max_num_batched_tokens=64, max_model_len=512,
+                mixed_batches=True)
+    serial, _ = _arrivals(tiny_engine(**opts), prompts, at, sp)
+    engine = tiny_engine(overlap=True, **opts)
+    ahead = []                         # the kind of the step left in flight after each call
+    seqs, step = {}, 0
+    while len(seqs) < len(prompts) or not engine.is_finished():
+        for i, p in enumerate(prompts):
+            if at[i] == step:
+                seqs[i] = engine.add_request(p, sp)
+        if not engine.is_finished():
+            engine.step()
+            if engine._inflight is not None:
+                ahead.append(engine._inflight.kind)
+        step += 1
+    assert [seqs[i].completion_token_ids for i in range(len(prompts))] == serial
+    assert ahead.count("mixed") >= 3 and "decode" in ahead
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
 def test_mixed_steps_match_transformers_greedy(tiny_engine, tiny_model_dir):
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), attn_implementation="eager",
