@@ -33,7 +33,7 @@ def log_injection_bodies(rng, i: int) -> bytes:
 
 
 def sampling_bodies(rng, i: int) -> tuple[str, bytes]:
-    """Issue 29 items 3, 5 and 6: a logit_bias past its bound (1024 entries; a 400 before any work), a long
+    """A logit_bias past its bound (1024 entries; a 400 before any work), a long
     prompt's log-probs (echo + logprobs: computed in bounded chunks, the server stays healthy), and bad sampling
     values on the native /generate (refused as the OpenAI routes refuse them)."""
     pick = i % 3

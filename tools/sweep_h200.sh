@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 27's H200 figures in one command (qwen3-0.6b synthetic unless MODEL_DIR is set), each server a
+# The serving figures on an H200 in one command (qwen3-0.6b synthetic unless MODEL_DIR is set), each server a
 # `labkit serve` process of its own (--serve-process):
 #   1. the rate sweep on workloads/sweep-random.jsonl at 8..128 req/s and all at once, then the same
 #      requests offline on an engine with the same options (the cuda.rate-sweep checkpoint's command):

@@ -91,7 +91,7 @@ PRESETS: dict[str, dict] = {
     ),
 }
 
-# Larger members of the Qwen3 family, so scale can be measured (issue 13). The shape values (hidden /
+# Larger members of the Qwen3 family, so scale can be measured. The shape values (hidden /
 # intermediate / layers / q heads / kv heads / head_dim / tied embeddings) are those of the published
 # Hugging Face configs of Qwen/Qwen3-1.7B, Qwen/Qwen3-4B and Qwen/Qwen3-8B. No machine here reaches the
 # hub; they were checked against copies of those config.json files quoted in public repositories (4B:

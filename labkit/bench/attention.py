@@ -5,7 +5,7 @@ over memory bandwidth. Each shape (batch, context) is timed with CUDA events (me
 every available backend, next to two baselines measured in the same run: a device-to-device copy (the
 bandwidth roof actually reachable here) and PyTorch's fused SDPA on the same K/V laid out densely (no
 paging). With `--sweep` the Triton kernel's knobs (positions per tile, warps, stages, split waves) are
-timed too, so a tuning choice comes with its evidence; :func:`sweep_kernel` adds issue 13's decode
+timed too, so a tuning choice comes with its evidence; :func:`sweep_kernel` adds the decode
 variants (kv heads per program, one block-table load per tile) on five shapes with the share of roof.
 
 A fast wrong kernel is no result: before a kernel is timed its output is compared with dense SDPA in
@@ -25,8 +25,8 @@ PREFILL_SHAPES = ((30, 0, 540), (16, 512, 512), (118, 512, 128))
 PREFILL_SWEEP = {"block_m": (32, 64, 128), "block_n": (32, 64), "num_warps": (4, 8), "num_stages": (1, 2, 3)}
 SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (1, 2, 3), "waves": (1, 2, 4)}
 SWEEP_SHAPES = ((1, 4096), (256, 1024))
-# issue 13's sweep (sweep_kernel): the decode variants (kv heads per program, one block-table load per
-# tile) with the tile / warps / stages / waves knobs, on the shapes the issue names
+# the kernel sweep (sweep_kernel): the decode variants (kv heads per program, one block-table load per
+# tile) with the tile / warps / stages / waves knobs, on the wide, long, batch-1 and mid shapes
 KERNEL_SWEEP_SHAPES = ((256, 1024), (256, 2048), (1, 4096), (64, 1024), (32, 512))
 # (kv_per_prog, page_tile, block_n): the tile is kv_per_prog * block_n rows of head_dim
 KERNEL_SWEEP_TILES = ((1, False, 64), (1, False, 32), (1, True, 32), (1, True, 64), (1, True, 128),
@@ -390,7 +390,7 @@ def rank_kernel_sweep(shapes: list[dict]) -> dict:
 
 
 def sweep_kernel(shapes=KERNEL_SWEEP_SHAPES, settings: list[dict] | None = None, repeats: int = 10) -> dict:
-    """Issue 13's sweep: every decode setting on every shape, each as a share of the copy roof measured in
+    """The kernel sweep: every decode setting on every shape, each as a share of the copy roof measured in
     this run and with its max abs error against the float32 reference (a wrong output never ranks)."""
     import torch
     from engine.attention import triton_kernels as tk

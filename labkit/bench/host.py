@@ -1,4 +1,4 @@
-"""The served path's host time per token, measured on this machine (issue 13, host).
+"""The served path's host time per token, measured on this machine.
 
 ``python -m labkit.bench.host --model DIR [--api native|openai] [--streams 256] ...`` runs a real Worker
 (real scheduler, block manager, postprocess, event log) and the real aiohttp Service in this process,
@@ -27,7 +27,7 @@ from labkit.bench.serve import GAP_PARTS
 from labkit.bench.spans import percentiles
 from labkit.lab_engine import LAB_BUILDER
 
-WIDE_SHARE = 200 / 256           # a wide step carries at least this share of the streams (issue 13: 200 of 256)
+WIDE_SHARE = 200 / 256           # a wide step carries at least this share of the streams (200 of 256)
 
 
 def thread_cpu_s(thread: threading.Thread) -> float:

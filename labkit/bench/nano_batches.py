@@ -1,4 +1,4 @@
-"""What overlap inside a decode step could give, measured before it is built (NanoFlow's idea, issue 28).
+"""What overlap inside a decode step could give, measured before it is built (NanoFlow's idea).
 
 NanoFlow splits a step's batch into nano-batches and runs them at once, so one's GEMMs run under the other's
 attention. Before the engine learns to do that, this bench times the unscheduled version of it: one decode
@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 
-#: the bench's default shape: the nano-vllm workload's wide decode (issue 28's step budget, 256 x 1024)
+#: the bench's default shape: the nano-vllm workload's wide decode (the step budget's wide shape, 256 x 1024)
 BATCH, CONTEXT = 256, 1024
 
 

@@ -1,4 +1,4 @@
-"""`labkit bench --workload serve`: one trace, offline and served, in one run (issue 13).
+"""`labkit bench --workload serve`: one trace, offline and served, in one run.
 
 (a) Offline: the trace's requests through ``LLMEngine.generate`` (what ``LLM.generate`` runs) on a freshly
     built engine: a first (cold) pass right after start-up, then, with the prefix cache reset, a warm pass.
@@ -29,7 +29,7 @@ from labkit.load.server_process import ServerProcess
 from labkit.load.trace import TraceOptions, make_trace, write_trace
 from serve.core.config import SERVE_DEFAULTS
 
-#: The trace of issue 13: 256 requests at once, half 512 and half 1024 prompt tokens, 512 outputs each.
+#: The serve bench's trace: 256 requests at once, half 512 and half 1024 prompt tokens, 512 outputs each.
 ISSUE_TRACE = TraceOptions(requests=256, prompt_tokens=512, long_prompt_tokens=1024, long_every=2, max_tokens=512,
                            interval_ms=0.0)
 #: Engine settings, the same offline and served: the engine part of a server's defaults (serve's SERVE_DEFAULTS),
@@ -37,7 +37,7 @@ ISSUE_TRACE = TraceOptions(requests=256, prompt_tokens=512, long_prompt_tokens=1
 SERVED = ("enforce_eager", "max_num_seqs", "max_num_batched_tokens", "overlap")
 CUDA_SETTINGS = {**{k: SERVE_DEFAULTS["cuda"][k] for k in SERVED}, "max_model_len": 4096, "gpu_memory_utilization": 0.5}
 CPU_SETTINGS = {**{k: SERVE_DEFAULTS["cpu"][k] for k in SERVED}, "max_model_len": 1024, "gpu_memory_utilization": 0.5}
-WIDE_BATCH = 200                       # issue 13's "decode phase (batch >= 200)" at 256 sequences
+WIDE_BATCH = 200                       # the "decode phase (batch >= 200)" at 256 sequences
 LOAD_WARMUP_REQUESTS = 2               # `labkit load`'s default
 
 
@@ -385,7 +385,7 @@ def run_serve_bench(out: Path | None = None, model: str | None = None, device: s
                     trace: TraceOptions | None = None, show_progress: bool = False,
                     overlap: bool | None = None, modes: list[bool] | None = None) -> dict:
     """`labkit bench --workload serve`: the evidence (runs/bench-serve.json, logs in runs/bench-serve/). On
-    CUDA with issue 13's trace it is judged as cuda.bench-serve; on a CPU (tiny model, a small trace) it is
+    CUDA with the default trace it is judged as cuda.bench-serve; on a CPU (tiny model, a small trace) it is
     evidence of the mechanism (cpu-real-engine) for no checkpoint, judged by its run assertions."""
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model

@@ -9,7 +9,7 @@ import torch
 from engine import SamplingParams
 from labkit.guardrails.forcing import teacher_forced
 
-TOLERANCE = 1e-4     # measured worst on the tiny model: ~1e-6 (see the closing note of issue 2)
+TOLERANCE = 1e-4     # measured worst on the tiny model: ~1e-6
 
 
 @pytest.fixture(scope="module")

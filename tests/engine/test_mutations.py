@@ -49,7 +49,7 @@ MUTATIONS = {
         "                target, shard = name, None\n"
         "                target = target.replace('q_norm', '@').replace('k_norm', 'q_norm').replace('@', 'k_norm')  # MUTANT\n",
         ("guardrails.logits-baseline",)),
-    # issue 14 item 4: an engine that reads rope_scaling but builds plain RoPE tables
+    # an engine that reads rope_scaling but builds plain RoPE tables
     "rope-scaling-ignored": (
         "engine/models/qwen3.py",
         "        rope = RopeScaling.from_hf(cfg)\n",

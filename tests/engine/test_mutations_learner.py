@@ -1,4 +1,4 @@
-"""Mutation tests a learner cares about (issue 29 item 10): a fault in a mechanism the lab teaches must turn
+"""Mutation tests a learner cares about: a fault in a mechanism the lab teaches must turn
 the checkpoint that judges it FAIL.
 
 ``test_mutations.py`` breaks numerics in a copy of the tree and runs each checkpoint as a subprocess; the

@@ -1,5 +1,5 @@
 """The Triton paged decode kernel on the CPU through Triton's interpreter (TRITON_INTERPRET=1): every
-variant of issue 13 (kv heads per program, one block-table load per tile, tile sizes) against the float32
+decode variant (kv heads per program, one block-table load per tile, tile sizes) against the float32
 dense reference, for pages smaller and larger than a tile, 1, 2 and 4 query heads per kv head, ragged
 contexts with padding rows (context 0) and single positions, bf16 and float32, one split and several.
 

@@ -1,7 +1,7 @@
 """Every Triton kernel variant the engine launches compiles for an H100/H200 (sm_90) on this CPU.
 
 Triton's interpreter (the *_interp.py tests) runs a kernel's Python body without compiling it, so a kernel that
-fails only in code generation passed every CPU test before: in session 17 a decode kernel variant whose loop
+fails only in code generation passed every CPU test before: once a decode kernel variant whose loop
 re-assigned a name the prologue had used as a scalar ("loop-carried variable ... has initial type int64 but is
 re-assigned") failed on the H200 at its first launch, a device call spent for nothing. Here a fresh process
 gives Triton a stand-in CUDA driver that names an sm_90 target, makes every launch a warmup (compile, no

@@ -1,4 +1,4 @@
-"""Issue 15 item 10: model text, paths and user input print literally (no rich markup, no emoji codes)."""
+"""Model text, paths and user input print literally (no rich markup, no emoji codes)."""
 from __future__ import annotations
 
 import pytest

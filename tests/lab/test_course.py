@@ -18,9 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 COURSE = REPO / "docs" / "COURSE.md"
 
-# Names the course uses that other branches of issue 24 add (/work/briefs/schema.md): skipped by the checks
-# below until they exist. The lead empties this set after merging them (test_pending_names_are_still_pending
-# fails as soon as one of them resolves, so none stays skipped by accident).
+# Names the course may use before the code has them: skipped by the checks below until they exist
+# (test_pending_names_are_still_pending fails as soon as one of them resolves, so none stays skipped by accident).
 PENDING: set[str] = set()   # names the doc uses before they exist (empty: every name exists)
 
 ANCHOR = re.compile(r"`([\w./-]+\.py)(?::([\w.]+))?`")

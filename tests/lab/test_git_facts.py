@@ -1,4 +1,4 @@
-"""Issue 15 item 12: evidence records git facts only when the project root is the repository's root."""
+"""Evidence records git facts only when the project root is the repository's root."""
 from __future__ import annotations
 
 import shutil

@@ -1,4 +1,4 @@
-"""docs/LAB.md's commands land on the checkpoints the guide names next to them (issue 29, item 13).
+"""docs/LAB.md's commands land on the checkpoints the guide names next to them.
 
 Nothing is run: each ``labkit ...`` command written in a bullet that names checkpoints (or, for a bullet
 with no command of its own, in its section's ``Run:`` bullet) is matched against the named checkpoints'

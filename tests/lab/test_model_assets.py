@@ -389,7 +389,7 @@ def _fake_hf_cache(root, repo_id: str, model_dir) -> "Path":
 
 
 def test_a_hub_id_resolves_from_the_local_hf_cache(tiny_model_dir, tmp_path, monkeypatch):
-    """Issue 29 item 15: `serve Qwen/Qwen3-0.6B` habit: an org/name that is no path comes from the HF cache;
+    """The `serve Qwen/Qwen3-0.6B` habit: an org/name that is no path comes from the HF cache;
     an existing directory of that name still wins. Nothing is downloaded (HF_HUB_OFFLINE)."""
     snap = _fake_hf_cache(tmp_path / "hf", "acme/tiny-qwen3", tiny_model_dir)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))

@@ -55,7 +55,7 @@ def test_large_presets_grow_and_8b_is_untied():
     assert sizes == sorted(sizes) and len(set(sizes)) == 4
     assert synth.PRESETS["qwen3-8b"]["tie_word_embeddings"] is False
     assert all(synth.PRESETS[n]["tie_word_embeddings"] for n in ("qwen3-1.7b", "qwen3-4b"))
-    # 8B: about 8.2e9 parameters, i.e. ~16.4 GB at bf16 (issue 13's figure)
+    # 8B: about 8.2e9 parameters, i.e. ~16.4 GB at bf16
     params = sum(__import__("math").prod(s) for _, s, _, _ in synth._param_specs(synth.PRESETS["qwen3-8b"]))
     assert 8.0e9 < params < 8.3e9
 

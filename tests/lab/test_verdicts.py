@@ -1,4 +1,4 @@
-"""Verdicts that cannot be miscounted (issue 29, items 7, 11, 12, 8): strict checking, an interrupted
+"""Verdicts that cannot be miscounted: strict checking, an interrupted
 ``labkit run``, evidence of a patched engine kept apart, and signed evidence. CPU, fast: evidence is
 written by the real writer, never by a model run."""
 
