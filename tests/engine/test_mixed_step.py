@@ -150,8 +150,9 @@ def test_prefix_cache_hits_are_counted_in_tokens(mixed):
 
 # -- the engine, tiny model, float32 ----------------------------------------------------------------------
 
-def _arrivals(engine, prompts, at, sp):
-    """Run prompts[i] added before step at[i]; returns the completions and the kind of each step run."""
+def _arrivals(engine, prompts, at, sp, after_step=None):
+    """Run prompts[i] added before step at[i]; returns the completions and the kind of each step run.
+    after_step(engine), if given, looks at the engine after each step."""
     kinds = []
     seqs, step = {}, 0
     while len(seqs) < len(prompts) or not engine.is_finished():
@@ -162,6 +163,8 @@ def _arrivals(engine, prompts, at, sp):
             out = engine.step()
             if out.seqs:
                 kinds.append(out.kind)
+            if after_step is not None:
+                after_step(engine)
         step += 1
     return [seqs[i].completion_token_ids for i in range(len(prompts))], kinds
 
@@ -195,17 +198,9 @@ def test_overlap_launches_mixed_steps_ahead_with_the_same_tokens(tiny_engine):
     serial, _ = _arrivals(tiny_engine(**opts), prompts, at, sp)
     engine = tiny_engine(overlap=True, **opts)
     ahead = []                         # the kind of the step left in flight after each call
-    seqs, step = {}, 0
-    while len(seqs) < len(prompts) or not engine.is_finished():
-        for i, p in enumerate(prompts):
-            if at[i] == step:
-                seqs[i] = engine.add_request(p, sp)
-        if not engine.is_finished():
-            engine.step()
-            if engine._inflight is not None:
-                ahead.append(engine._inflight.kind)
-        step += 1
-    assert [seqs[i].completion_token_ids for i in range(len(prompts))] == serial
+    overlapped, _ = _arrivals(engine, prompts, at, sp,
+                              lambda e: e._inflight is not None and ahead.append(e._inflight.kind))
+    assert overlapped == serial
     assert ahead.count("mixed") >= 3 and "decode" in ahead
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
