@@ -2,7 +2,9 @@
 weights: Qwen3's hermes format around a JSON schema of the call.
 
 The call's schema is ``{"name": const, "arguments": the tool's parameters}`` (``required``: any of the tools,
-``anyOf`` of one such schema per tool); xgrammar writes it as EBNF with compact separators (``", "`` and
+``anyOf`` of one such schema per tool). A tool's parameters keep their own scope there: each local ``$ref``
+(``#``, ``#/$defs/...``, any ``#/...`` pointer, as pydantic's nested models write them) is rewritten to point
+where the parameters now sit (``#/properties/arguments/...``, ``#/anyOf/i/properties/arguments/...``). xgrammar writes it as EBNF with compact separators (``", "`` and
 ``": "``, the form Qwen3's template writes calls in), and the grammar wraps it in the tags::
 
     root ::= call ("\\n" call)*           (one call when parallel_tool_calls is false, or a named function)
@@ -19,13 +21,38 @@ import json
 import re
 
 _ROOT = re.compile(r"(?<![\w-])root(?![\w-])")
+#: Keywords whose values are data, not schemas: a "$ref" inside them is not a reference.
+_DATA = frozenset({"const", "enum", "default", "examples"})
+#: Keywords whose values map names (any names, "const" too) to schemas.
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
-def call_schema(tool: dict) -> dict:
-    """One tool's call as a JSON schema: its name as a constant, its parameters as the arguments."""
+def in_scope(schema, base: str):
+    """``schema`` with its local ``$ref`` pointers (``#`` or ``#/...``) moved under the JSON pointer ``base``
+    (``#/properties/arguments``): the references a schema makes to itself, valid again once it is nested."""
+    if isinstance(schema, list):
+        return [in_scope(x, base) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in _NAMED and isinstance(v, dict):
+            out[k] = {name: in_scope(sub, base) for name, sub in v.items()}
+        else:
+            out[k] = v if k in _DATA else in_scope(v, base)
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
+    return out
+
+
+def call_schema(tool: dict, at: str = "#") -> dict:
+    """One tool's call as a JSON schema: its name as a constant, its parameters as the arguments; ``at``: the
+    pointer of this schema in the whole (its parameters' references are rewritten to stay in their scope)."""
     fn = tool["function"]
     params = fn.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+    return {"type": "object", "properties": {"name": {"const": fn["name"]},
+                                             "arguments": in_scope(params, at + "/properties/arguments")},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
@@ -40,8 +67,10 @@ def tool_call_grammar(tools: list[dict], choice: "str | dict", parallel: bool = 
         parallel = False
     else:
         chosen = list(tools)
-    schemas = [call_schema(t) for t in chosen]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    if len(chosen) == 1:
+        schema = call_schema(chosen[0])
+    else:
+        schema = {"anyOf": [call_schema(t, f"#/anyOf/{i}") for i, t in enumerate(chosen)]}
     ebnf = str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
     body = _ROOT.sub("call_json", ebnf)
     root = 'root ::= call ("\\n" call)*' if parallel else "root ::= call"

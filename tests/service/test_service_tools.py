@@ -268,6 +268,46 @@ def test_required_and_named_give_valid_calls_from_the_random_model(api, hf_tok, 
 
 
 @structured
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_tools_with_defs_and_refs_give_valid_calls(api, choice):
+    # pydantic writes a nested model as $defs + $ref: each tool's refs must resolve in its own scope, not the
+    # call's (both tools below name a definition Reading, with different fields)
+    from pydantic import BaseModel, Field
+
+    class Reading(BaseModel):
+        n: int = Field(ge=0, le=9)
+
+    class Log(BaseModel):
+        first: Reading
+        more: list[Reading] = Field(max_length=1)
+
+    log_reading = Reading
+
+    class Reading(BaseModel):         # noqa: F811 (the second tool's own Reading)
+        unit: str = Field(pattern="^[CF]$")
+
+    class Check(BaseModel):
+        at: Reading
+
+    models = {"Log": Log, "Check": Check}
+    tools = [openai.pydantic_function_tool(m) for m in models.values()]
+    assert all("$defs" in t["function"]["parameters"] for t in tools) and log_reading is not Reading
+    tc = "required" if choice == "required" else {"type": "function", "function": {"name": "Log"}}
+    kw = dict(model="", messages=[{"role": "user", "content": "log it"}], tools=tools, tool_choice=tc,
+              max_tokens=100, seed=2, parallel_tool_calls=False)
+    ch = api.chat.completions.create(**kw).choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch
+    fn = ch.message.tool_calls[0].function
+    assert fn.name == "Log" or choice == "required"
+    models[fn.name].model_validate_json(fn.arguments)
+    stream = assemble([c.choices[0].delta.model_dump(exclude_none=True)
+                       for c in api.chat.completions.create(**kw, stream=True) if c.choices])
+    assert len(stream["calls"]) == 1 and not stream["leaked"] and stream["content"] is None, stream
+    name, args = stream["calls"][0]
+    models[name].model_validate(args)
+
+
+@structured
 def test_langchain_bind_tools_and_structured_output(server):
     lc = pytest.importorskip("langchain_openai")
     from pydantic import BaseModel, Field
