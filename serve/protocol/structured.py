@@ -15,13 +15,18 @@ Sources (at most one per request; two is a 400 naming the second):
 JSON is compact by default here (``disable_any_whitespace`` on, vLLM's switch): with free whitespace between
 tokens a model can spend its whole budget on blanks, and a random synthetic model always does. A request may
 send ``structured_outputs: {..., "disable_any_whitespace": false}`` for any whitespace.
+
+A schema or structural tag sent as JSON text is parsed here under the body's own rules
+(:func:`serve.protocol.wire.loads_strict`: at most ``MAX_DEPTH`` levels, strict numbers, UTF-8 text), and an
+integer too long for any field (a ``HugeInt``) anywhere in a constraint is refused: each a 400 naming the field.
+Its size is bounded by the body's.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from engine import RequestError, StructuredOutputsParams
-from serve.protocol.wire import ApiError
+from serve.protocol.wire import ApiError, HugeInt, loads_strict
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 BACKENDS = ("xgrammar", "auto")
@@ -92,6 +97,26 @@ def _check_backend(body: dict) -> None:
                    "unsupported_parameter" if isinstance(backend, str) else "invalid_type")
 
 
+def _parsed(name: str, spec: dict) -> dict:
+    """``spec`` with a schema or tag given as JSON text parsed (the body's rules); a HugeInt in it refused."""
+    for kind, what in (("json", "schema"), ("structural_tag", "structural tag")):
+        if isinstance(spec.get(kind), str):
+            try:
+                spec[kind] = loads_strict(spec[kind].encode("utf-8"), f"{name}: the {what} text")
+            except ApiError as e:
+                raise _bad(e.message, name) from None
+    stack: list = [spec]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, HugeInt):
+            raise _bad(f"{name} holds {v!r}, which no constraint can take", name)
+        if isinstance(v, dict):
+            stack += v.values()
+        elif isinstance(v, list):
+            stack += v
+    return spec
+
+
 def source(body: dict) -> str | None:
     """The body field a constraint came from (names the param of a refusal the engine finds later)."""
     return next((name for name in SOURCES if body.get(name) is not None
@@ -106,6 +131,7 @@ def structured_outputs(body: dict) -> StructuredOutputsParams | None:
     if found is None:
         return None
     name, spec = found
+    spec = _parsed(name, spec)
     spec.setdefault("disable_any_whitespace", COMPACT_DEFAULT)
     try:
         return StructuredOutputsParams.of(spec)

@@ -14,11 +14,17 @@ It goes to the engine as ``structured_outputs={"grammar": ...}`` (engine/samplin
 every token the grammar does not allow and finishes the request when the grammar is complete. The tool
 parser (serve/protocol/tool_parser.py) then reads the calls back. As vLLM for required and named choices,
 no server flag is needed.
+
+The grammar is built when the request is parsed, before admission: a tool whose parameters xgrammar cannot
+take (an unsupported type, a ``$ref`` that does not resolve or only loops, an invalid ``pattern``, an integer
+too long for any field) is a 400 naming ``tools[i].function.parameters``.
 """
 from __future__ import annotations
 
 import json
 import re
+
+from serve.protocol.wire import ApiError
 
 _ROOT = re.compile(r"(?<![\w-])root(?![\w-])")
 #: Keywords whose values are data, not schemas: a "$ref" inside them is not a reference.
@@ -71,7 +77,34 @@ def tool_call_grammar(tools: list[dict], choice: "str | dict", parallel: bool = 
         schema = call_schema(chosen[0])
     else:
         schema = {"anyOf": [call_schema(t, f"#/anyOf/{i}") for i, t in enumerate(chosen)]}
-    ebnf = str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    try:
+        ebnf = _ebnf(schema)
+    except _REFUSED:
+        raise _refusal(tools, chosen) from None
     body = _ROOT.sub("call_json", ebnf)
     root = 'root ::= call ("\\n" call)*' if parallel else "root ::= call"
     return f'{root}\ncall ::= "<tool_call>\\n" call_json "\\n</tool_call>"\n{body}'
+
+
+#: What xgrammar (and json.dumps, on a HugeInt) raise for a schema they cannot take.
+_REFUSED = (RuntimeError, ValueError, TypeError, RecursionError)
+
+
+def _ebnf(schema: dict) -> str:
+    import xgrammar
+
+    return str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+
+
+def _refusal(tools: list[dict], chosen: list[dict]) -> ApiError:
+    """The 400 naming the first chosen tool whose call schema xgrammar refuses on its own."""
+    from engine.sampling.structured import _XGR_PREFIX
+
+    for tool in chosen:
+        try:
+            _ebnf(call_schema(tool))
+        except _REFUSED as e:
+            at = f"tools[{tools.index(tool)}].function.parameters"
+            message = _XGR_PREFIX.sub("", " ".join(str(e).split())).replace("#/properties/arguments", "#")[:300]
+            return ApiError(400, f"{at} cannot be compiled to a grammar: {message}", "invalid_value", at)
+    return ApiError(400, "the tools cannot be compiled to one grammar of calls", "invalid_value", "tool_choice")

@@ -72,27 +72,28 @@ def _no_constants(name: str):
     raise ValueError(f"{name} is not valid JSON (use a number or null)")
 
 
-def loads_strict(raw: bytes) -> Any:
-    """The body as JSON, or an ApiError 400 that says what is wrong (and where, when it can)."""
+def loads_strict(raw: bytes, what: str = "the request body") -> Any:
+    """The body as JSON, or an ApiError 400 that says what is wrong (and where, when it can). ``what``: how the
+    messages name the text (JSON text inside a body, e.g. a schema sent as a string, is held to the same rules)."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ApiError(400, f"the request body is not UTF-8 ({e.reason} at byte {e.start})", "invalid_json") from None
+        raise ApiError(400, f"{what} is not UTF-8 ({e.reason} at byte {e.start})", "invalid_json") from None
     try:
         value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_no_constants)
     except RecursionError:
-        raise ApiError(400, f"the request body is nested too deeply (at most {MAX_DEPTH} levels)",
+        raise ApiError(400, f"{what} is nested too deeply (at most {MAX_DEPTH} levels)",
                        "invalid_json") from None
     except json.JSONDecodeError as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})",
+        raise ApiError(400, f"{what} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})",
                        "invalid_json") from None
     except ValueError as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e})", "invalid_json") from None
-    _check_tree(value)
+        raise ApiError(400, f"{what} is not valid JSON ({e})", "invalid_json") from None
+    _check_tree(value, what)
     return value
 
 
-def _check_tree(value: Any) -> None:
+def _check_tree(value: Any, what: str = "the request body") -> None:
     """Depth and strings of a parsed body, iteratively (no recursion a deep body could exhaust)."""
     stack: list[tuple[Any, str, int]] = [(value, "", 0)]
     while stack:
@@ -102,7 +103,7 @@ def _check_tree(value: Any) -> None:
         elif isinstance(v, (dict, list)):
             if depth >= MAX_DEPTH:
                 field = re.split(r"[.\[]", path, maxsplit=1)[0] if path else ""
-                raise ApiError(400, f"the request body is nested too deeply (at most {MAX_DEPTH} levels)"
+                raise ApiError(400, f"{what} is nested too deeply (at most {MAX_DEPTH} levels)"
                                + (f" in {field}" if field else ""), "invalid_json", _param(field))
             if isinstance(v, dict):
                 for k, item in v.items():

@@ -81,6 +81,29 @@ def test_bad_constraints_are_400_naming_the_field(server, body, param):
     assert status == 400 and err["error"]["param"] == param, err
 
 
+DEEP_TEXT = '{"type": "object", "properties": {"a": ' * 2500 + '{"type": "integer"}' + "}}" * 2500
+HUGE = {"type": "integer", "maximum": 10 ** 60}     # an integer literal no field takes (kept as a HugeInt)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"messages": CHAT, "structured_outputs": {"json": DEEP_TEXT}}, "structured_outputs"),
+    ("/v1/chat/completions", {"messages": CHAT, "guided_json": DEEP_TEXT}, "guided_json"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": DEEP_TEXT}}}, "response_format"),
+    ("/generate", {"prompt": "x", "stream": False, "structured_outputs": {"json": DEEP_TEXT}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "guided_json": DEEP_TEXT}, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "structural_tag": "[" * 5000 + "]" * 5000}, "structural_tag"),
+    ("/v1/completions", {"prompt": "x", "guided_json": HUGE}, "guided_json"),
+    ("/v1/completions", {"prompt": "x", "guided_json": json.dumps(HUGE)}, "guided_json"),
+], ids=["structured_outputs", "guided_json", "response_format", "generate", "completions", "tag", "huge-int",
+        "huge-int-text"])
+def test_hostile_schema_text_is_one_400_naming_the_field(server, path, body, param):
+    # a schema sent as JSON text is held to the body's own rules (depth 32, no integer of 40+ digits)
+    status, err = post(server, path, {"max_tokens": 4, **body})
+    assert status == 400 and err["error"]["param"] == param, err
+    assert "nested too deeply (at most 32 levels)" in err["error"]["message"] or "61 digits" in err["error"]["message"]
+
+
 def test_langchain_with_structured_output(server):
     lc = pytest.importorskip("langchain_openai")
     from typing import Literal
