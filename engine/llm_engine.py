@@ -24,6 +24,7 @@ from engine.errors import RequestError
 from engine.graph import EAGER, Route
 from engine.model_runner import Launched, ModelRunner
 from engine.observe import EngineEvent, EventBus, HookSet, StepHooks
+from engine.sampling import feasible
 from engine.sampling.params import SamplingParams
 from engine.sampling.processors import to_device
 from engine.sampling.structured import Grammars
@@ -298,6 +299,7 @@ class LLMEngine:
         admission.check_request(self.config, self.block_manager.num_blocks, token_ids, sampling_params)
         if sampling_params is not None and sampling_params.structured_outputs is not None:
             self.grammars.compile(sampling_params.structured_outputs)     # compiled here, kept for add_request
+            feasible.check(self.grammars, sampling_params)                # a grammar that leaves no token
 
     #: validate()'s rule over an engine's config and KV pool size alone, and encode()'s over a given
     #: tokenizer, for a front end in another process that checks and encodes requests itself with the

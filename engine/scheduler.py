@@ -202,11 +202,16 @@ class Scheduler:
             if not completes:
                 out.discarded.append(seq.seq_id)   # an intermediate chunk's candidate is not an output
                 continue
+            done = seq.grammar is not None and seq.grammar.accept(int(token_id))
+            if done and seq.grammar.rejected:     # the mask left no token (min_tokens, allowed_token_ids): the
+                out.freed_blocks += self.finish(seq, "abort")      # draw is no output; the request ends here
+                out.finished.append(seq)
+                continue
             seq.append_token(int(token_id))
             out.accepted[seq.seq_id] = int(token_id)
             reason = self._finish_reason(seq, int(token_id))
-            if seq.grammar is not None and seq.grammar.accept(int(token_id)) and reason is None:
-                reason = "abort" if seq.grammar.rejected else "stop"     # the grammar is complete
+            if done and reason is None:
+                reason = "stop"                   # the grammar is complete
             if reason:
                 out.freed_blocks += self.finish(seq, reason)
                 out.finished.append(seq)

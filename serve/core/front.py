@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine import Config, LLMEngine, RequestError, SamplingParams
+from engine.sampling import feasible
 from serve.protocol.chat import ChatPrompt, render
 from serve.core.config import WorkerConfig
 from serve.observe.events import Sink
@@ -190,6 +191,7 @@ class WorkerFront:
         self.served.check(token_ids, params)
         if params.structured_outputs is not None:
             self._check_grammar(params.structured_outputs)
+            feasible.check(self._grammars(), params)        # a grammar that leaves no token: refused here
         tags = dict(tags or {})
         clash = sorted(set(tags) & RESERVED_FIELDS)
         if clash:

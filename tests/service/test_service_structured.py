@@ -104,6 +104,26 @@ def test_hostile_schema_text_is_one_400_naming_the_field(server, path, body, par
     assert "nested too deeply (at most 32 levels)" in err["error"]["message"] or "61 digits" in err["error"]["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("extra, param", [
+    ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs"),
+    ({"guided_choice": ["left", "right"], "allowed_token_ids": [0, 1, 2]}, "allowed_token_ids"),
+    ({"guided_choice": ["left", "right"], "min_tokens": 6}, "min_tokens"),
+], ids=["empty-regex", "choice-vs-allowed", "min-tokens-past-choices"])
+def test_impossible_constraints_are_refused_up_front(server, extra, param, stream):
+    status, err = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 10, "stream": stream, **extra})
+    assert status == 400 and err["error"]["param"] == param, err
+
+
+def test_a_grammar_that_leaves_no_token_ends_without_one(api):
+    # min_tokens 4 can be met ("r", "i", "g", "h", "t"), but the model may spell a choice in fewer tokens: the
+    # grammar then allows only the end, which min_tokens holds back; the request ends there, its text a choice
+    for seed in range(3):
+        c = api.completions.create(model="tiny", prompt="x", max_tokens=12, seed=seed,
+                                   extra_body={"guided_choice": ["left", "right"], "min_tokens": 4}).choices[0]
+        assert c.text in ("left", "right") and c.finish_reason in ("stop", "abort"), c
+
+
 def test_langchain_with_structured_output(server):
     lc = pytest.importorskip("langchain_openai")
     from typing import Literal
