@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from engine.errors import RequestError
+from engine.sampling import json_strings
 
 #: xgrammar's C++ message prefixes: "[19:46:40] /project/cpp/file.cc:94: ", "Check failed: (...) is false: "
 _XGR_PREFIX = re.compile(r"^(\[[\d:]+\] )?(\S+\.cc:\d+: )?(Check failed: .*? is false: )?")
@@ -146,7 +147,11 @@ def _compile(compiler, so: StructuredOutputsParams):
     kind = so.kind
     ws = dict(any_whitespace=not so.disable_any_whitespace)
     if kind == "json":
-        return compiler.compile_json_schema(json.dumps(so.json), **ws)
+        text = json.dumps(so.json)
+        if json_strings.affected(text):             # length-bounded strings: control characters kept out
+            import xgrammar as xgr
+            return compiler.compile_grammar(json_strings.guard(str(xgr.Grammar.from_json_schema(text, **ws))))
+        return compiler.compile_json_schema(text, **ws)
     if kind == "json_object":
         return compiler.compile_json_schema('{"type": "object"}', **ws)
     if kind == "regex":
@@ -160,7 +165,11 @@ def _compile(compiler, so: StructuredOutputsParams):
         return _legacy_structural_tag(compiler, tag)
     if so.disable_any_whitespace:
         tag = _bounded_whitespace(tag)
-    return compiler.compile_structural_tag(json.dumps(tag))
+    text = json.dumps(tag)
+    if json_strings.affected(text):
+        import xgrammar as xgr
+        return compiler.compile_grammar(json_strings.guard(str(xgr.Grammar.from_structural_tag(text))))
+    return compiler.compile_structural_tag(text)
 
 
 def _bounded_whitespace(node: Any) -> Any:

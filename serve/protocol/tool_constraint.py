@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 
+from engine.sampling import json_strings
 from serve.protocol.wire import ApiError
 
 _ROOT = re.compile(r"(?<![\w-])root(?![\w-])")
@@ -91,9 +92,10 @@ _REFUSED = (RuntimeError, ValueError, TypeError, RecursionError)
 
 
 def _ebnf(schema: dict) -> str:
+    """The schema's EBNF, its length-bounded strings kept free of raw control characters (json_strings.py)."""
     import xgrammar
 
-    return str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    return json_strings.guard(str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)))
 
 
 def _refusal(tools: list[dict], chosen: list[dict]) -> ApiError:

@@ -124,6 +124,23 @@ def test_a_grammar_that_leaves_no_token_ends_without_one(api):
         assert c.text in ("left", "right") and c.finish_reason in ("stop", "abort"), c
 
 
+def test_length_bounded_strings_stay_valid_json(server, api, tiny_model_dir):
+    # xgrammar 0.2.9 lets raw control characters into a string with maxLength / minLength (upstream issue 800):
+    # a tab pushed by logit_bias must stay out, so the output is JSON whatever the model prefers
+    from transformers import AutoTokenizer
+
+    tab = AutoTokenizer.from_pretrained(tiny_model_dir).encode("\t")
+    assert len(tab) == 1
+    schema = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 8},
+                                               "t": {"type": "string", "minLength": 2, "maxLength": 4}},
+              "required": ["s", "t"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    out = api.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, response_format=rf,
+                                      logit_bias={str(tab[0]): 100})
+    obj = json.loads(out.choices[0].message.content)
+    assert len(obj["s"]) <= 8 and 2 <= len(obj["t"]) <= 4 and "\t" not in obj["s"] + obj["t"], obj
+
+
 def test_langchain_with_structured_output(server):
     lc = pytest.importorskip("langchain_openai")
     from typing import Literal

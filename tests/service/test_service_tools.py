@@ -329,6 +329,20 @@ def test_langchain_bind_tools_and_structured_output(server):
     assert llm.bind_tools([Add]).invoke("hi", max_tokens=4).tool_calls == []
 
 
+@structured
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_length_bounded_argument_keeps_the_call_a_call(api, hf_tok, choice):
+    # get_weather's city has maxLength 6: xgrammar 0.2.9 let raw tabs into it (invalid JSON, so the call came
+    # back as <tool_call> text in content); a tab pushed by logit_bias must stay out
+    tab = hf_tok.encode("\t")[0]
+    kw = dict(model="", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER], tool_choice=choice,
+              max_tokens=60, parallel_tool_calls=False, logit_bias={str(tab): 100})
+    ch = api.chat.completions.create(**kw).choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+    assert valid_args(WEATHER, json.loads(ch.message.tool_calls[0].function.arguments))
+
+
 def with_property(schema: dict, defs: dict | None = None) -> dict:
     return {"type": "object", "properties": {"a": schema}, "required": ["a"], **({"$defs": defs} if defs else {})}
 
