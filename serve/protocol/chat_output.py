@@ -36,7 +36,8 @@ class ChatOutput:
     def __init__(self, options: ChatOutputOptions):
         self.options = options
         self._reasoning = Qwen3ReasoningParser() if options.reasoning else None
-        self._tools = HermesToolParser(options.max_calls) if options.parse_tools else None
+        self._tools = HermesToolParser(options.max_calls, options.constraint is not None) \
+            if options.parse_tools else None
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.calls: list[dict] = []

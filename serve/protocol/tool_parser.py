@@ -11,7 +11,10 @@ so a stream's deltas, put together, are the non-stream result by construction:
   written, tags included; a block the output ends inside is read the same way (vLLM's unterminated match);
 - whitespace between content and a call, or after the last call, is dropped (content that is only the
   newlines around calls is empty); an answer without calls keeps its text exactly;
-- ``max_calls`` (``parallel_tool_calls: false``: 1) keeps the first calls and drops the rest, as vLLM does.
+- ``max_calls`` (``parallel_tool_calls: false``: 1) keeps the first calls and drops the rest, as vLLM does;
+- ``constrained`` (``tool_choice`` required or named: the grammar allows only calls): what the output ends inside
+  (``max_tokens``) is dropped unless it is a whole call, a tag's first characters and a cut block included, so
+  no tag text reaches ``content``.
 """
 from __future__ import annotations
 
@@ -52,8 +55,9 @@ class HermesToolParser:
     """Feed text with :meth:`push`, end with :meth:`finish`; both return events ``("content", text)`` or
     ``("call", {"name", "arguments"})`` in order."""
 
-    def __init__(self, max_calls: int | None = None):
+    def __init__(self, max_calls: int | None = None, constrained: bool = False):
         self.max_calls = max_calls
+        self.constrained = constrained  # the output is calls only: an unfinished one at the end is dropped
         self.calls = 0                  # calls emitted
         self._buf = ""                  # text not decided yet
         self._inside = False            # after <tool_call>, before </tool_call>
@@ -83,6 +87,11 @@ class HermesToolParser:
     def finish(self) -> list[tuple[str, object]]:
         out: list[tuple[str, object]] = []
         rest, self._buf = self._buf, ""
+        if self.constrained:            # a cut call: a whole call's JSON is still a call, anything else goes
+            if self._inside and parse_call(rest) is not None:
+                self._block(rest, "", out)
+            self._inside, self._ws = False, ""
+            return out
         if self._inside:
             self._inside = False
             self._block(rest, "", out)

@@ -343,6 +343,33 @@ def test_a_length_bounded_argument_keeps_the_call_a_call(api, hf_tok, choice):
     assert valid_args(WEATHER, json.loads(ch.message.tool_calls[0].function.arguments))
 
 
+@structured
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_call_cut_by_max_tokens_leaves_no_tag_text_in_content(server, choice):
+    # 1, 3, 8, 12 tokens end in "<", "<tool", "<tool_call>", '<tool_call>\n{"name': none of it is content
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": choice}
+    for max_tokens in (1, 3, 8, 12):
+        status, out = post(server, "/v1/chat/completions", {**body, "max_tokens": max_tokens, "seed": max_tokens})
+        ch = out["choices"][0]
+        assert status == 200 and ch["message"]["content"] is None and ch["finish_reason"] == "length", out
+        deltas = [d["choices"][0]["delta"] for d in sse(server, {**body, "max_tokens": max_tokens,
+                                                                 "seed": max_tokens, "stream": True})]
+        assert not any(d.get("content") for d in deltas), (max_tokens, deltas)
+
+
+def sse(server, body: dict) -> list[dict]:
+    """A chat stream's chunks that carry a choice."""
+    import urllib.request
+
+    req = urllib.request.Request(f"{server.url}/v1/chat/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        lines = resp.read().decode().splitlines()
+    chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    return [c for c in chunks if c.get("choices")]
+
+
 def with_property(schema: dict, defs: dict | None = None) -> dict:
     return {"type": "object", "properties": {"a": schema}, "required": ["a"], **({"$defs": defs} if defs else {})}
 
