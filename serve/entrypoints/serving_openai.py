@@ -24,6 +24,7 @@ from aiohttp import web
 from serve.protocol import requests as protocol
 from serve.protocol import vllm_fields as vf
 from serve.protocol.chat_output import ChatOutput, read_message
+from serve.protocol.reasoning import opened_in_prompt
 from serve.entrypoints.detokenize import IncrementalText, LogprobsFormat, StopStrings
 from serve.entrypoints.http import ClientGone, json_bytes
 from serve.observe.logsafe import install as escape_log
@@ -189,6 +190,11 @@ class OpenAIResponse:
         self._templated = not (req.vllm.return_token_ids or req.vllm.continuous_usage_stats)
         self.read = req.chat_output if fmt.chat and req.chat_output is not None and req.chat_output.active else None
         if self.read is not None:
+            # the template opened <think>: the answer starts in the reasoning, unless a grammar shapes it from
+            # its first token (structured outputs, a required / named tool call: that text is the answer)
+            if self.read.reasoning and req.params.structured_outputs is None \
+                    and opened_in_prompt(tok, handles[0].prompt_token_ids):
+                self.read = dataclasses.replace(self.read, think_opened=True)
             for c in self.choices:
                 c.output = ChatOutput(self.read)
         self.prompts = req.prompts or [req.prompt]

@@ -24,6 +24,7 @@ class ChatOutputOptions:
     max_calls: int | None = None
     tool_choice: "str | dict" = "none"     # none | auto | required | {type: function, function: {name}}
     constraint: str | None = None           # required / named: the grammar of the calls (tool_constraint.py)
+    think_opened: bool = False              # the prompt opened <think>: the answer starts in the reasoning
 
     @property
     def active(self) -> bool:
@@ -35,7 +36,7 @@ class ChatOutput:
 
     def __init__(self, options: ChatOutputOptions):
         self.options = options
-        self._reasoning = Qwen3ReasoningParser() if options.reasoning else None
+        self._reasoning = Qwen3ReasoningParser(options.think_opened) if options.reasoning else None
         self._tools = HermesToolParser(options.max_calls, options.constraint is not None) \
             if options.parse_tools else None
         self.reasoning: list[str] = []

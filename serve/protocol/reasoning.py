@@ -7,6 +7,10 @@ byte is content (the ``\\n\\n`` the model writes after the tag included, as vLLM
 output ends inside (max_tokens) stays reasoning, as vLLM's stream has sent it. Without ``<think>`` the whole
 text is content, so ``enable_thinking: false`` (the template's empty block is in the prompt) gives content
 only. A tag cut between two pieces is held back until the next piece decides.
+
+A template that opens the block itself (Qwen3's thinking models write ``<think>\n`` after the generation
+prompt) leaves the output to start inside it: ``reasoning</think>answer``. :func:`opened_in_prompt` finds that
+in the prompt's token ids, and the parser built with ``opened=True`` starts in the reasoning.
 """
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ THINK_START, THINK_END = "<think>", "</think>"
 class Qwen3ReasoningParser:
     """Feed text with :meth:`push`, end with :meth:`finish`; both return ``("reasoning" | "content", text)``."""
 
-    def __init__(self):
-        self._state = "before"          # before <think> | reasoning | after </think>
+    def __init__(self, opened: bool = False):
+        self._state = "reasoning" if opened else "before"     # before <think> | reasoning | after </think>
         self._buf = ""
 
     def push(self, text: str) -> list[tuple[str, str]]:
@@ -50,3 +54,21 @@ class Qwen3ReasoningParser:
         if not rest:
             return []
         return [("reasoning" if self._state == "reasoning" else "content", rest)]
+
+
+def opened_in_prompt(tokenizer, prompt_token_ids) -> bool:
+    """Whether the prompt ends inside a think block its template opened: a ``<think>`` token with no
+    ``</think>`` after it (special-token text a client writes in a message stays text, so only the template
+    makes these ids)."""
+    if not prompt_token_ids or tokenizer is None:
+        return False
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in (THINK_START, THINK_END)]
+    if any(not isinstance(i, int) or i == getattr(tokenizer, "unk_token_id", None) for i in ids):
+        return False
+    start, end = ids
+    for t in reversed(prompt_token_ids):
+        if t == end:
+            return False
+        if t == start:
+            return True
+    return False

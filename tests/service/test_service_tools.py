@@ -116,6 +116,10 @@ def test_qwen3_reasoning_parser_splits_the_think_block():
     assert read_message(on, "no thinking here")[0]["content"] == "no thinking here"
     assert stream_of(on, list("<think>ab</think>cd")) == {"content": "cd", "reasoning": "ab", "calls": [],
                                                          "leaked": False}
+    opened = ChatOutputOptions(reasoning=True, think_opened=True)     # the prompt opened <think>
+    assert stream_of(opened, list("ab</think>cd")) == {"content": "cd", "reasoning": "ab", "calls": [],
+                                                       "leaked": False}
+    assert read_message(opened, "ab")[0]["reasoning_content"] == "ab"
     # without --reasoning-parser the answer is read as text: nothing active, no reader
     _, plain = chat_request({"messages": []}, [{"role": "user", "content": "x"}], True, None)
     assert not plain.active
@@ -233,6 +237,56 @@ def valid_args(tool: dict, args: dict) -> bool:
 BY_NAME = {t["function"]["name"]: t for t in TOOLS}
 structured = pytest.mark.skipif(not hasattr(__import__("engine").SamplingParams(), "structured_outputs"),
                                 reason="the engine has no structured outputs yet")
+
+
+THINKING_OFF = "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a thinking model's template (Qwen3-Thinking's style): the generation prompt ends in
+    ``<think>\\n``, so the answer starts inside the reasoning (``enable_thinking: false`` still closes it)."""
+    import shutil
+
+    model = tmp_path_factory.mktemp("thinking") / "tiny"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    assert config["chat_template"].endswith(THINKING_OFF + "{%- endif %}")
+    config["chat_template"] = config["chat_template"].replace(
+        THINKING_OFF, "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}")
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    yield from serving(model, record=False, max_active=2, queue_size=4, worker_id="thinking-test",
+                       reasoning_parser="qwen3")
+
+
+@pytest.mark.parametrize("thinking", [True, False], ids=["template-opens-think", "enable_thinking-false"])
+def test_reasoning_when_the_template_opens_think(thinking_server, hf_tok, thinking):
+    # the output mixes "a" and "</think>" (allowed_token_ids): with <think> in the prompt, the text before the
+    # first </think> is the reasoning, the rest the content; with the block closed in the prompt, all content
+    api = openai_client(thinking_server.url, timeout=120)
+    close = hf_tok.convert_tokens_to_ids("</think>")
+    for seed in range(20):          # the first seed whose mix is "a...</think>..." (any mix when thinking is off)
+        kw = dict(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=8, seed=seed,
+                  extra_body={"allowed_token_ids": [hf_tok.encode("a")[0], close], "return_token_ids": True,
+                              "chat_template_kwargs": {} if thinking else {"enable_thinking": False}})
+        res = api.chat.completions.create(**kw)
+        text = hf_tok.decode(res.choices[0].model_extra["token_ids"])
+        if not thinking or (text.startswith("a") and "</think>" in text):
+            break
+    else:
+        pytest.fail(f"no seed mixed the two tokens: {text!r}")
+    before, after = text.split("</think>", 1)
+    want = (before, after) if thinking else (None, text)
+    msg = res.choices[0].message
+    assert (msg.model_extra["reasoning_content"], msg.content) == want, (text, msg)
+    deltas = [ch.choices[0].delta.model_dump(exclude_none=True)
+              for ch in api.chat.completions.create(**kw, stream=True) if ch.choices]
+    streamed = assemble(deltas)
+    assert (streamed["reasoning"], streamed["content"]) == want, deltas
+    # a grammar from the first token (here a required tool call) shapes the answer: not reasoning
+    call = api.chat.completions.create(model="", messages=[{"role": "user", "content": "add"}], tools=[ADD],
+                                       tool_choice="required", max_tokens=60, parallel_tool_calls=False)
+    assert call.choices[0].finish_reason == "tool_calls", call
 
 
 @structured
