@@ -19,28 +19,30 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import torch
 
 from engine.errors import RequestError
 
 
-def _ids(bitmask: torch.Tensor, vocab_size: int) -> set[int]:
-    """The token ids a one-row xgrammar bitmask allows."""
-    bits = (bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    return set(bits.flatten()[:vocab_size].nonzero().flatten().tolist())
+def _allowed(bitmask: torch.Tensor, vocab_size: int) -> np.ndarray:
+    """A one-row xgrammar bitmask (int32 words, token i at bit i % 32 of word i // 32) as one bool per token id."""
+    bits = np.unpackbits(bitmask[0].numpy().view(np.uint8), bitorder="little")
+    return bits[:vocab_size].astype(bool)
 
 
 _SPELLINGS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()     # Grammars -> its _spellings
 
 
-def _spellings(grammars, info) -> tuple[dict[bytes, int], int]:
-    """Each ordinary token's bytes -> a token id, and the longest token (special tokens cannot spell a choice);
-    made once per engine's Grammars."""
+def _spellings(grammars, info) -> tuple[list[bytes], dict[bytes, int], int]:
+    """Each token's bytes, each ordinary token's bytes -> a token id, and the longest token (special tokens
+    cannot spell a choice); made once per engine's Grammars."""
     hit = _SPELLINGS.get(grammars)
     if hit is None:
+        decoded = list(info.decoded_vocab)
         special = set(info.special_token_ids) | set(info.stop_token_ids)
-        vocab = {b: i for i, b in enumerate(info.decoded_vocab) if b and i not in special}
-        hit = _SPELLINGS[grammars] = (vocab, max(map(len, vocab), default=1))
+        vocab = {b: i for i, b in enumerate(decoded) if b and i not in special}
+        hit = _SPELLINGS[grammars] = (decoded, vocab, max(map(len, vocab), default=1))
     return hit
 
 
@@ -58,40 +60,44 @@ def _most_tokens(text: bytes, vocab: dict[bytes, int], longest: int, allowed: se
 
 
 def _most_tokens_any(text: bytes, grammars, info, allowed: set[int] | None) -> int | None:
-    vocab, longest = _spellings(grammars, info)
+    decoded, vocab, longest = _spellings(grammars, info)
     if allowed is not None:         # a few allowed ids: their own spellings (one token may share another's bytes)
-        vocab = {info.decoded_vocab[t]: t for t in allowed if 0 <= t < len(info.decoded_vocab)}
-        vocab = {b: t for b, t in vocab.items() if b}
+        vocab = {decoded[t]: t for t in allowed if t < len(decoded) and decoded[t]}
         longest = max(map(len, vocab), default=1)
     return _most_tokens(text, vocab, longest, allowed)
 
 
 def check(grammars, params) -> None:
     """Refuse ``params`` (a SamplingParams with structured_outputs) when it can produce nothing; see the module
-    docstring. ``grammars``: the engine's :class:`~engine.sampling.structured.Grammars` (None: not checked)."""
+    docstring. ``grammars``: the engine's :class:`~engine.sampling.structured.Grammars` (None: not checked).
+    One mask of the grammar's first step; the choice spellings only when min_tokens or allowed_token_ids ask."""
     so = params.structured_outputs
     if grammars is None or so is None or params.max_tokens == 0:
         return
     import xgrammar as xgr
 
     compiled = grammars.compile(so)
-    matcher = grammars.matcher(so).matcher
     mask = xgr.allocate_token_bitmask(1, grammars.vocab_size)
-    matcher.fill_next_token_bitmask(mask, 0)
-    first = _ids(mask, grammars.vocab_size)
-    if not first:
+    grammars.matcher(so).matcher.fill_next_token_bitmask(mask, 0)
+    first = _allowed(mask, grammars.vocab_size)
+    if not bool(first.any()):
         raise RequestError(f"structured_outputs.{so.kind} allows no output at all (its language is empty)",
                            "invalid_structured_outputs")
-    allowed = set(params.allowed_token_ids) if params.allowed_token_ids is not None else None
-    if allowed is not None and not first & allowed:
-        raise RequestError(f"allowed_token_ids holds none of the tokens structured_outputs.{so.kind} allows "
-                           f"first: the output could not start", "invalid_allowed_token_ids")
-    held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(grammars.eos_token_ids))
-    usable = first if allowed is None else first & allowed
-    if params.min_tokens > 0 and usable <= held:
+    allowed = None
+    if params.allowed_token_ids is not None:
+        allowed = {t for t in params.allowed_token_ids if 0 <= t < grammars.vocab_size}
+        keep = np.zeros_like(first)
+        keep[sorted(allowed)] = True
+        first = first & keep
+        if not bool(first.any()):
+            raise RequestError(f"allowed_token_ids holds none of the tokens structured_outputs.{so.kind} allows "
+                               f"first: the output could not start", "invalid_allowed_token_ids")
+    held = {t for t in set(params.stop_token_ids) | (set() if params.ignore_eos else set(grammars.eos_token_ids))
+            if 0 <= t < grammars.vocab_size}
+    if params.min_tokens > 0 and int(first.sum()) == sum(bool(first[t]) for t in held):
         raise RequestError(f"min_tokens={params.min_tokens} holds back the end of output, the only token "
                            f"structured_outputs.{so.kind} allows first", "invalid_min_tokens")
-    if so.kind != "choice":
+    if so.kind != "choice" or (allowed is None and params.min_tokens == 0):
         return
     info = compiled.tokenizer_info
     counts = [_most_tokens_any(c.encode("utf-8"), grammars, info, allowed) for c in so.choice]
