@@ -4,8 +4,9 @@ weights: Qwen3's hermes format around a JSON schema of the call.
 The call's schema is ``{"name": const, "arguments": the tool's parameters}`` (``required``: any of the tools,
 ``anyOf`` of one such schema per tool). A tool's parameters keep their own scope there: each local ``$ref``
 (``#``, ``#/$defs/...``, any ``#/...`` pointer, as pydantic's nested models write them) is rewritten to point
-where the parameters now sit (``#/properties/arguments/...``, ``#/anyOf/i/properties/arguments/...``). xgrammar writes it as EBNF with compact separators (``", "`` and
-``": "``, the form Qwen3's template writes calls in), and the grammar wraps it in the tags::
+where the parameters now sit (``#/properties/arguments/...``, ``#/anyOf/i/properties/arguments/...``).
+xgrammar writes it as EBNF with compact separators (``", "`` and ``": "``, the form Qwen3's template writes
+calls in), and the grammar wraps it in the tags::
 
     root ::= call ("\\n" call)*           (one call when parallel_tool_calls is false, or a named function)
     call ::= "<tool_call>\\n" call_json "\\n</tool_call>"
@@ -66,8 +67,6 @@ def call_schema(tool: dict, at: str = "#") -> dict:
 def tool_call_grammar(tools: list[dict], choice: "str | dict", parallel: bool = True) -> str:
     """EBNF (xgrammar's dialect) for ``choice`` (``required`` or ``{type: function, function: {name}}``) over
     ``tools``: one or more hermes blocks (one for a named function or ``parallel=False``)."""
-    import xgrammar
-
     if isinstance(choice, dict):
         name = choice["function"]["name"]
         chosen = [t for t in tools if t["function"]["name"] == name]
