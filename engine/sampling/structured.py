@@ -140,6 +140,8 @@ def _legacy_structural_tag(compiler, tag: dict):
         if not isinstance(s, dict) or set(s) != {"begin", "schema", "end"}:
             raise ValueError("each structure needs exactly begin, schema and end")
         items.append(xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]))
+    if json_strings.affected(json.dumps(structures)):
+        return compiler.compile_grammar(json_strings.guard(str(xgr.Grammar.from_structural_tag(items, triggers))))
     return compiler.compile_structural_tag(items, triggers)
 
 

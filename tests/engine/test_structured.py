@@ -113,6 +113,23 @@ def test_legacy_structural_tag_form_compiles(shared):
     shared.validate([1, 2, 3], SamplingParams(structured_outputs={"structural_tag": tag}))
 
 
+LENGTH_BOUNDED = {"type": "string", "maxLength": 3}
+
+
+@pytest.mark.parametrize("so, wrap", [
+    ({"json": LENGTH_BOUNDED}, "{}"),
+    ({"structural_tag": {"type": "structural_tag", "format": {"type": "tag", "begin": "<f>", "end": "</f>", "content": {
+        "type": "json_schema", "json_schema": LENGTH_BOUNDED}}}}, "<f>{}</f>"),
+    ({"structural_tag": {"structures": [{"begin": "<f>", "schema": LENGTH_BOUNDED, "end": "</f>"}],
+                         "triggers": ["<f"]}}, "<f>{}</f>"),
+], ids=["json", "tag", "legacy-tag"])
+def test_length_bounded_strings_take_no_raw_control_characters(shared, so, wrap):
+    """xgrammar 0.2.9 lets raw control characters into a string with maxLength (upstream issue 800)."""
+    sp = SamplingParams(structured_outputs=so)
+    assert shared.grammars.matcher(sp.structured_outputs).matcher.accept_string(wrap.format('"ab"'))
+    assert not shared.grammars.matcher(sp.structured_outputs).matcher.accept_string(wrap.format('"a\tb"'))
+
+
 BAD = [({"json": '{"type": 3}'}, "json"), ({"json": "{not json"}, "json"), ({"regex": "(("}, "regex"),
        ({"grammar": "root ::= "}, "grammar"), ({"structural_tag": {"format": 1}}, "structural_tag"),
        ({"choice": []}, "choice"), ({"json": {}, "regex": "a"}, "exactly one"), ({"jsn": {}}, "unknown field")]
