@@ -1,7 +1,9 @@
 """The engine's options, declared once: :class:`EngineArgs` (vLLM's ``EngineArgs``: its names, one frozen record).
 
-Every option a user may set and its engine default lives here and nowhere else; ``LLMEngine(args)`` takes it
-as it is, ``engine.config.Config(args)`` adds what the model directory says (shape, rope, eos ids, the context
+Every option a user may set and its engine default lives here and nowhere else, with its command-line
+spelling and help (:data:`FLAGS`, vLLM's flag names; the lab's commands build their options from it) and the
+named settings that change several defaults at once (:data:`PRESETS`, the one table of them). ``LLMEngine(args)``
+takes it as it is, ``engine.config.Config(args)`` adds what the model directory says (shape, rope, eos ids, the context
 length capped or fitted) and reads every option from ``config.args``. Plain-value checks (positive integers,
 the choices, a power-of-two block size) run here, at construction, as one-line ``ConfigError``s; the checks that
 need the model (TP dividing the heads) or the machine (CUDA present) stay in ``Config``.
@@ -116,3 +118,82 @@ class EngineArgs:
 OPTION_NAMES = tuple(f.name for f in fields(EngineArgs))
 #: The engine's defaults (read, never re-declared: ``SchedulerLimits`` takes its from here).
 DEFAULTS = EngineArgs()
+
+
+@dataclass(frozen=True)
+class Flag:
+    """An option's command line: its spellings (the first is the one help and errors name; vLLM's are among them)
+    and help text, and the type the command line parses (the field's, where the field admits more)."""
+    names: tuple[str, ...]
+    help: str
+    type: type = int
+    min: float | None = None            # the command line refuses a value below (above) these
+    max: float | None = None
+
+
+#: Each option a command line may set: spellings and help. ``--enforce-eager/--graph`` style names are switches.
+FLAGS: dict[str, Flag] = {
+    "device": Flag(("--device",), "auto | cpu | cuda[:N].", str),
+    "attention_backend": Flag(("--attention", "--attention-backend"),
+                              "Attention backend: auto | flash_attn | triton | torch.", str),
+    "dtype": Flag(("--dtype",), "Weights and activations: auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | "
+                                "float16 | float32.", str),
+    "kv_cache_dtype": Flag(("--kv-cache-dtype",), "KV cache dtype: auto (the model's dtype) | fp8 (e4m3 K/V with "
+                                                  "per-layer scales: half the bytes of bf16; triton and torch "
+                                                  "attention).", str),
+    "seed": Flag(("--seed",), "The engine's sampling seed (a request's own seed wins)."),
+    "max_num_seqs": Flag(("--max-num-seqs",), "Sequences in one step at most.", min=1),
+    "max_num_batched_tokens": Flag(("--max-num-batched-tokens",), "Token budget of one step (the prefill budget).",
+                                   min=1),
+    "max_model_len": Flag(("--max-model-len",), "Context length (prompt + output) at most (auto: the model's, "
+                                                "capped by what the KV pool holds, printed at start)."),
+    "gpu_memory_utilization": Flag(("--gpu-memory-utilization",), "Fraction of GPU memory the engine may use "
+                                   "(weights, work memory, KV cache).", float, 0.0, 1.0),
+    "enforce_eager": Flag(("--enforce-eager/--graph",), "Eager execution, or CUDA graphs (decode, and small fresh "
+                                                         "prefills on the triton backend; CUDA only).", bool),
+    "overlap": Flag(("--overlap/--no-overlap",), "Overlapped decode (CUDA, tensor-parallel-size 1): launch step k+1 "
+                    "before reading step k's tokens, so the host's per-step work hides behind the GPU.", bool),
+    "enable_prefix_caching": Flag(("--enable-prefix-caching/--no-enable-prefix-caching",),
+                                  "Reuse the KV blocks of a prompt's cached full-block prefix (vLLM's switch); off: "
+                                  "every prompt is computed in full.", bool),
+    "mixed_batches": Flag(("--mixed-batches/--no-mixed-batches",), "Mixed steps: the running decodes and prefill "
+                          "chunks share one step under the token budget (vLLM's step); off: nano-vllm's step model, "
+                          "each step all-prefill or all-decode.", bool),
+    "fused_ops": Flag(("--fused-ops/--no-fused-ops",), "CUDA: the fused Triton RMSNorm, q/k-norm + RoPE (which also "
+                      "writes K/V into the cache) and SiLU-mul kernels, or the plain path where the attention "
+                      "backend's store_kv writes K/V. CPU always runs the plain path.", bool),
+    "tensor_parallel_size": Flag(("--tensor-parallel-size", "--tp"), "Tensor-parallel ranks of the engine.", min=1),
+    "kvcache_block_size": Flag(("--kv-cache-block-size", "--block-size"), "KV block size in tokens (a power of two).",
+                               min=1),
+    "num_kvcache_blocks": Flag(("--num-kvcache-blocks",), "KV pool size in blocks (default: sized from memory).",
+                               min=1),
+    "scheduling_policy": Flag(("--scheduling-policy",), "prefill_first | balanced.", str),
+    "max_consecutive_prefill": Flag(("--max-consecutive-prefill",), "At most N prefill steps in a row while "
+                                    "requests wait to decode (default: the policy's own: balanced 1, prefill_first "
+                                    "no limit).", min=1),
+    "dist_init": Flag(("--dist-init",), "tcp://HOST:PORT of this engine's TP group (default: a free port).", str),
+    "shm_name": Flag(("--shm-name",), "Shared-memory name of this engine's TP channel (default: unique).", str),
+}
+
+#: Named settings: the options each changes from the defaults above (the one table of them; a command or an
+#: experiment that wants one of these settings names it, :func:`preset`).
+PRESETS: dict[str, dict] = {
+    # labkit serve on CUDA: a server that serves, at vLLM's scale (CUDA graphs, a 16384-token step budget, the
+    # model's own context length as far as the KV pool holds it, overlapped decode)
+    "serve-cuda": dict(enforce_eager=False, max_num_batched_tokens=16384, max_model_len="auto", overlap=True),
+    # the handbook's practice worker: 8 sequences a step (labkit serve on CPU, labkit load's in-process engine,
+    # a worker configured without an engine)
+    "practice": dict(max_num_seqs=8),
+    # the scheduler comparisons of labkit load (handbook 5.3, 5.4.3): a 256-token budget, 4 sequences a step
+    "load-compare": dict(max_num_batched_tokens=256, max_num_seqs=4),
+    # nano-vllm's bench.py
+    "nano-vllm": dict(max_model_len=4096, max_num_batched_tokens=16384, max_num_seqs=512, gpu_memory_utilization=0.9),
+}
+
+
+def preset(name: str, **given) -> EngineArgs:
+    """The arguments of preset ``name`` (:data:`PRESETS`), then each option ``given`` (one given as None keeps
+    the preset's or the engine's default)."""
+    if name not in PRESETS:
+        raise ConfigError(f"no engine preset {name!r}; one of {', '.join(PRESETS)}")
+    return EngineArgs(**{**PRESETS[name], **{k: v for k, v in given.items() if v is not None}})

@@ -1,4 +1,4 @@
-"""The lab's engine session: the lab's defaults as an engine ``EngineArgs`` (:func:`lab_args`), model
+"""The lab's engine session: an engine ``EngineArgs`` from given options (:func:`lab_args`), model
 resolution and engine construction (:func:`build_engine`), evidence identity, a timed ``generate``
 (:func:`timed_generate`, used by the benches and the rate sweep) and releasing an engine (:func:`release_engine`)."""
 from __future__ import annotations
@@ -17,20 +17,14 @@ from engine.observe import EngineEvent
 from labkit.errors import UserError
 from serve.core.engine_build import BuiltEngine
 
-# The handbook's entry defaults: eager, TP=1, KV block 256, context 1024, prefill budget 512, util 0.5;
-# the fused kernels on (they only run on CUDA; --no-fused-ops takes the plain path there). They pin the
-# handbook's values over the engine's own defaults (engine/args.py), which they equal today.
-LAB_DEFAULTS = dict(kvcache_block_size=256, max_model_len=1024, max_num_batched_tokens=512,
-                    gpu_memory_utilization=0.5, enforce_eager=True, tensor_parallel_size=1, fused_ops=True)
-
-
 def lab_args(device: str = "auto", **given) -> EngineArgs:
-    """The engine's arguments with the lab's defaults: :data:`LAB_DEFAULTS`, then each option ``given``
-    (engine names; one given as None keeps the lab's or the engine's default)."""
+    """The engine's arguments: the engine's defaults (engine/args.py, the handbook's entry settings: eager,
+    TP 1, KV block 256, context 1024, prefill budget 512, util 0.5, the fused kernels on where they run), then
+    each option ``given`` (engine names; one given as None keeps the engine's default)."""
     unknown = sorted(set(given) - set(OPTION_NAMES))
     if unknown:
         raise TypeError(f"lab_args got unknown option(s) {', '.join(unknown)}")
-    return EngineArgs(**{**LAB_DEFAULTS, "device": device, **{k: v for k, v in given.items() if v is not None}})
+    return EngineArgs(**{"device": device, **{k: v for k, v in given.items() if v is not None}})
 
 
 #: The ``build`` of every server and worker the lab starts: :func:`build_engine` (model presets and hub

@@ -10,6 +10,7 @@ from pathlib import Path
 from random import randint, seed
 
 from engine import LLMEngine, RequestError, SamplingParams, StructuredOutputsParams
+from engine.args import PRESETS
 from labkit.errors import UserError
 from labkit.evidence import write_evidence
 from labkit.lab_engine import release_engine, sync_device, timed_generate
@@ -18,9 +19,8 @@ from labkit.paths import default_out
 #: the model the bench checkpoints' figures are for (a synthetic run of another preset is judged by none)
 CHECKPOINT_PRESET = "qwen3-0.6b"
 WORKLOADS = ("nano-vllm", "graph-vs-eager", "latency", "attention", "gemv", "nano-batches")
-# nano-vllm's bench.py engine settings
-NANO_VLLM_ENGINE = dict(max_model_len=4096, max_num_batched_tokens=16384, max_num_seqs=512,
-                        gpu_memory_utilization=0.9)
+# nano-vllm's bench.py engine settings (engine/args.py's preset)
+NANO_VLLM_ENGINE = PRESETS["nano-vllm"]
 
 
 #: --sampling: "plain" is nano-vllm's (temperature only); "heavy" adds the processors on every request

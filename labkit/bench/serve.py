@@ -27,16 +27,27 @@ from labkit.bench.spans import device_stats, percentiles
 from labkit.errors import UserError
 from labkit.load.server_process import ServerProcess
 from labkit.load.trace import TraceOptions, make_trace, write_trace
-from serve.core.config import SERVE_DEFAULTS
+from engine.args import DEFAULTS
+from serve.core.config import serve_defaults
 
 #: The serve bench's trace: 256 requests at once, half 512 and half 1024 prompt tokens, 512 outputs each.
 ISSUE_TRACE = TraceOptions(requests=256, prompt_tokens=512, long_prompt_tokens=1024, long_every=2, max_tokens=512,
                            interval_ms=0.0)
-#: Engine settings, the same offline and served: the engine part of a server's defaults (serve's SERVE_DEFAULTS),
-#: with the trace's context on CUDA.
-SERVED = ("enforce_eager", "max_num_seqs", "max_num_batched_tokens", "overlap")
-CUDA_SETTINGS = {**{k: SERVE_DEFAULTS["cuda"][k] for k in SERVED}, "max_model_len": 4096, "gpu_memory_utilization": 0.5}
-CPU_SETTINGS = {**{k: SERVE_DEFAULTS["cpu"][k] for k in SERVED}, "max_model_len": 1024, "gpu_memory_utilization": 0.5}
+#: Engine settings, the same offline and served: the engine part of a server's defaults (serve_defaults), with
+#: the trace's context on CUDA (the served engine's context is not fitted to the pool, so both runs hold the same).
+SERVED = ("enforce_eager", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "overlap")
+CUDA_CONTEXT = 4096
+
+
+def _settings(device: str) -> dict:
+    chosen = {k: v for k, v in serve_defaults(device).items() if k in SERVED}
+    if chosen["max_model_len"] == "auto":
+        chosen["max_model_len"] = CUDA_CONTEXT
+    return {**chosen, "gpu_memory_utilization": DEFAULTS.gpu_memory_utilization}
+
+
+CUDA_SETTINGS = _settings("cuda")
+CPU_SETTINGS = _settings("cpu")
 WIDE_BATCH = 200                       # the "decode phase (batch >= 200)" at 256 sequences
 LOAD_WARMUP_REQUESTS = 2               # `labkit load`'s default
 

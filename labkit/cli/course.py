@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from labkit.cli.app import finish
-from labkit.cli.options import JsonOpt, ModelOpt, OutOpt
+from labkit.cli.options import PRESETS, JsonOpt, ModelOpt, OutOpt, engine_flag
 from labkit.console import console, dict_table, note, print_json, rel
 from labkit.errors import UserError
 
@@ -99,8 +99,8 @@ def course_replay(
     batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="Comma-separated batch sizes (decode: sequences; prefill: tokens).")] = "1,3,8,100,128,512,513",
     buckets: Annotated[Optional[str], typer.Option("--buckets", help="Comma-separated decode graph buckets (default: the engine's default_buckets(--max-num-seqs)).")] = None,
     prefill_buckets: Annotated[Optional[str], typer.Option("--prefill-buckets", help="Comma-separated prefill graph buckets (tokens); default none (the engine captures them for the triton backend only).")] = None,
-    max_num_seqs: Annotated[int, typer.Option("--max-num-seqs", min=1, help="The engine's max_num_seqs, which sets the default buckets.")] = 512,
-    enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="No graphs captured: every step eager.")] = False,
+    max_num_seqs: engine_flag("max_num_seqs", "Here: it sets the default buckets (default nano-vllm's).") = PRESETS["nano-vllm"]["max_num_seqs"],
+    enforce_eager: engine_flag("enforce_eager", "Here: no graphs captured, every step eager.") = False,
     out: OutOpt = None, json_out: JsonOpt = False,
 ) -> None:
     """Lesson 8's replay rule on a CPU: ModelRunner.route_for and the graphs' bucket_for on real step inputs, per

@@ -13,7 +13,7 @@ import typer
 
 from labkit.cli.app import finish
 from labkit.cli.options import (AttentionOpt, DeviceOpt, DtypeOpt, KvCacheDtypeOpt, ModelOpt, SeedOpt,
-                                TensorParallelSizeOpt)
+                                TensorParallelSizeOpt, engine_flag)
 from labkit.console import (
     err_console,
     print_json,
@@ -121,7 +121,7 @@ def logits_guard(
     graph_buckets: BucketsOpt = None,
     seed: SeedOpt = 0,
     dtype: DtypeOpt = "auto",
-    kv_cache_dtype: Annotated[str, typer.Option("--kv-cache-dtype", help="fp8: the FP8 KV cache guard: the engine with an e4m3 KV cache against the same engine with its cache in the model's dtype, baseline suite, held to the kv-fp8 thresholds (checkpoint guardrails.kv-fp8 in bfloat16 on CUDA).")] = "auto",
+    kv_cache_dtype: engine_flag("kv_cache_dtype", "Here fp8 runs the FP8 KV cache guard: the engine with an e4m3 KV cache against the same engine with its cache in the model's dtype, baseline suite, held to the kv-fp8 thresholds (checkpoint guardrails.kv-fp8 in bfloat16 on CUDA).") = "auto",
     max_abs: MaxAbsOpt = None,
     rel_l2: RelL2Opt = None,
     kv_max_abs: KvMaxAbsOpt = 0.1,

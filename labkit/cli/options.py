@@ -1,15 +1,57 @@
-"""Typer option types shared by the command modules (setup, model, guardrails, service).
+"""Typer option types shared by the command modules (setup, model, guardrails, service), and the engine's options
+as Typer options.
 
-Engine options are declared once, here, under vLLM's names (``--max-num-seqs``,
-``--max-num-batched-tokens``, ``--enforce-eager/--graph``, ``--tensor-parallel-size``, ...); each
-command that takes one reuses it with its own default.
+The engine's options are declared once, in engine/args.py (``FLAGS``: vLLM's spellings and the help;
+``PRESETS``: the named settings). :func:`engine_flag` makes one of them a Typer option type;
+:func:`engine_options` adds several to a command at once, their defaults named in ``--help`` from the presets the
+command starts from, their given values handed to it as one dict.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+import inspect
+import sys
+import typing
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+
+def _engine_args():
+    """engine/args.py. Where another package named ``engine`` comes first on the path, this project's file is
+    read by its path instead (with its one import, engine/errors.py), so that the command line still starts and ``labkit
+    doctor`` can say which engine Python imports."""
+    here = Path(__file__).resolve().parents[2] / "engine"
+    try:
+        from engine import args
+
+        if Path(args.__file__).resolve() == here / "args.py":
+            return args
+    except ImportError:
+        pass
+
+    def load(name: str, file: str):
+        spec = importlib.util.spec_from_file_location(name, here / file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        return module
+
+    saved = sys.modules.get("engine.errors")
+    sys.modules["engine.errors"] = load("labkit_project_engine_errors", "errors.py")
+    try:
+        return load("labkit_project_engine_args", "args.py")
+    finally:
+        if saved is None:
+            del sys.modules["engine.errors"]
+        else:
+            sys.modules["engine.errors"] = saved
+
+
+_args = _engine_args()
+DEFAULTS, FLAGS, PRESETS, preset = _args.DEFAULTS, _args.FLAGS, _args.PRESETS, _args.preset
 
 OutOpt = Annotated[
     Optional[Path],
@@ -21,21 +63,85 @@ ModelOpt = Annotated[
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables.")]
 
-# engine options, under the engine's (and vLLM's) names
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda[:N].")]
-AttentionOpt = Annotated[str, typer.Option("--attention", help="Attention backend: auto | flash_attn | triton | torch.")]
-DtypeOpt = Annotated[str, typer.Option("--dtype", help="auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float16 | float32.")]
-KvCacheDtypeOpt = Annotated[str, typer.Option("--kv-cache-dtype", help="KV cache dtype: auto (the model's dtype) | fp8 (e4m3 K/V with per-layer scales: half the bytes of bf16; triton and torch attention).")]
+
+
+def engine_flag(name: str, note: str = "", **option):
+    """Engine option ``name`` (engine/args.py's FLAGS) as a Typer option type: its spellings and help, ``note``
+    after the help (what this command does with it), ``option`` passed to ``typer.Option`` (``show_default``...)."""
+    flag = FLAGS[name]
+    text = " ".join(t for t in (flag.help, note.strip()) if t)
+    option.update({k: getattr(flag, k) for k in ("min", "max") if getattr(flag, k) is not None})
+    return Annotated[Optional[flag.type], typer.Option(*flag.names, help=text, **option)]
+
+
+def _shown(name: str, value) -> str:
+    if isinstance(value, bool):
+        on, _, off = FLAGS[name].names[0].partition("/")
+        return on if value else off
+    return str(value)
+
+
+def _default_text(name: str, presets: dict[str, str | None]) -> str:
+    """Where the command's default comes from: the engine's, or per machine the preset's."""
+    values = {where: getattr(preset(p) if p else DEFAULTS, name) for where, p in presets.items()}
+    if all(v is None for v in values.values()):         # unset: the flag's help says what happens
+        return ""
+    if len(set(map(repr, values.values()))) == 1:
+        return f"Default: {_shown(name, next(iter(values.values())))}."
+    return "Default: " + ", ".join(f"{_shown(name, v)} {where}" for where, v in values.items()) + "."
+
+
+def engine_options(*names: str, presets: dict[str, str | None] | None = None, notes: dict[str, str] | None = None):
+    """Decorator: the command takes the engine options ``names`` (engine/args.py's FLAGS) after its own, as
+    Typer options, and receives those given on the command line as one dict, its parameter ``engine`` (an option
+    left out is absent: the command's preset or the engine's default applies). ``presets`` says where that
+    default comes from, for ``--help`` (``{"on CUDA": "serve-cuda", "on CPU": "practice"}``; None: the engine's
+    own); ``notes`` adds a line of the command's own to an option's help."""
+    presets = presets or {"": None}
+    notes = notes or {}
+
+    def wrap(command):
+        hints = typing.get_type_hints(command, include_extras=True)
+        sig = inspect.signature(command)
+        own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()
+               if p.name != "engine"]
+        added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                   annotation=engine_flag(n, " ".join(t for t in (notes.get(n), _default_text(n, presets)) if t),
+                                                          show_default=False))
+                 for n in names]
+
+        @functools.wraps(command)
+        def run(*args, **kwargs):
+            given = {n: kwargs.pop(n) for n in names if kwargs.get(n) is not None}
+            kwargs.pop("engine", None)
+            for n in names:
+                kwargs.pop(n, None)
+            return command(*args, engine=given, **kwargs)
+
+        run.__signature__ = sig.replace(parameters=[*own, *added])
+        run.__annotations__ = {p.name: p.annotation for p in (*own, *added)}
+        del run.__wrapped__                  # Typer reads the signature above, not the command's
+        return run
+
+    return wrap
+
+
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed (what it seeds: see the command's description).")]
-MaxNumSeqsOpt = Annotated[Optional[int], typer.Option("--max-num-seqs", min=1, help="Sequences in one step at most.")]
-MaxNumBatchedTokensOpt = Annotated[int, typer.Option("--max-num-batched-tokens", min=1, help="Token budget of one step (the prefill budget).")]
-MaxModelLenOpt = Annotated[int, typer.Option("--max-model-len", help="Context length (prompt + output) at most.")]
-GpuMemoryUtilizationOpt = Annotated[float, typer.Option("--gpu-memory-utilization", min=0.0, max=1.0, help="Fraction of GPU memory the engine may use (weights, work memory, KV cache).")]
-EnforceEagerOpt = Annotated[bool, typer.Option("--enforce-eager/--graph", help="Eager execution, or CUDA graphs for decode and small fresh prefills (CUDA only).")]
-EnablePrefixCachingOpt = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching", help="Reuse the KV blocks of a prompt's cached full-block prefix (vLLM's switch); off: every prompt is computed in full.")]
-MixedBatchesOpt = Annotated[Optional[bool], typer.Option("--mixed-batches/--no-mixed-batches", show_default=False, help="Mixed steps: the running decodes and prefill chunks share one step under the token budget (vLLM's step); off: nano-vllm's step model, each step all-prefill or all-decode. Default: the engine's (EngineArgs.mixed_batches).")]
-FusedOpsOpt = Annotated[bool, typer.Option("--fused-ops/--no-fused-ops", help="CUDA: the fused Triton RMSNorm, q/k-norm + RoPE (which also writes K/V into the cache) and SiLU-mul kernels, or the plain path where the attention backend's store_kv writes K/V. CPU always runs the plain path.")]
-TensorParallelSizeOpt = Annotated[int, typer.Option("--tensor-parallel-size", "--tp", min=1, help="Tensor-parallel ranks of the engine.")]
-KvCacheBlockSizeOpt = Annotated[int, typer.Option("--kv-cache-block-size", min=1, help="KV block size in tokens (a power of two).")]
-SchedulingPolicyOpt = Annotated[str, typer.Option("--scheduling-policy", help="prefill_first | balanced.")]
-MaxConsecutivePrefillOpt = Annotated[Optional[int], typer.Option("--max-consecutive-prefill", min=1, show_default=False, help="At most N prefill steps in a row while requests wait to decode (default: the policy's own: balanced 1, prefill_first no limit).")]
+
+# engine options, one at a time (a command's own default after ``=``)
+DeviceOpt = engine_flag("device")
+AttentionOpt = engine_flag("attention_backend")
+DtypeOpt = engine_flag("dtype")
+KvCacheDtypeOpt = engine_flag("kv_cache_dtype")
+MaxNumSeqsOpt = engine_flag("max_num_seqs")
+MaxNumBatchedTokensOpt = engine_flag("max_num_batched_tokens")
+MaxModelLenOpt = engine_flag("max_model_len")
+GpuMemoryUtilizationOpt = engine_flag("gpu_memory_utilization")
+EnforceEagerOpt = engine_flag("enforce_eager")
+EnablePrefixCachingOpt = engine_flag("enable_prefix_caching")
+MixedBatchesOpt = engine_flag("mixed_batches", "Default: the engine's (EngineArgs.mixed_batches).", show_default=False)
+FusedOpsOpt = engine_flag("fused_ops")
+TensorParallelSizeOpt = engine_flag("tensor_parallel_size")
+KvCacheBlockSizeOpt = engine_flag("kvcache_block_size")
+SchedulingPolicyOpt = engine_flag("scheduling_policy")
+MaxConsecutivePrefillOpt = engine_flag("max_consecutive_prefill", show_default=False)

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from labkit.cli.options import JsonOpt, ModelOpt, OutOpt
+from labkit.cli.options import AttentionOpt, JsonOpt, ModelOpt, OutOpt, engine_flag
 
 scheduler_app = typer.Typer(help="Scheduler practice on the real scheduler, and before/after comparisons on the mixed trace "
                                  "(docs/LAB.md §14).", no_args_is_help=True)
@@ -97,8 +97,8 @@ def compare(
     pair: Annotated[str, typer.Argument(help="policy | prefill-knob | execution (CUDA) | deployments (2 GPUs).")],
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs per side (sides alternate: A1 B1 A2 B2 ...).")] = 3,
     out: OutOpt = None, model: ModelOpt = None,
-    device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda[:N] (in-process pairs).")] = "auto",
-    attention: Annotated[str, typer.Option("--attention", help="Attention backend: auto | flash_attn | triton | torch.")] = "auto",
+    device: engine_flag("device", "In-process pairs.") = "auto",
+    attention: AttentionOpt = "auto",
     json_out: JsonOpt = False,
 ) -> None:
     """Replay workloads/mixed.jsonl on both sides of one change, with repeats; judged on equal work first."""

@@ -17,32 +17,21 @@ import typer
 
 from labkit.cli.app import finish
 from labkit.errors import UserError
-from labkit.cli.options import (
-    AttentionOpt,
-    DeviceOpt,
-    EnablePrefixCachingOpt,
-    EnforceEagerOpt,
-    GpuMemoryUtilizationOpt,
-    JsonOpt,
-    KvCacheDtypeOpt,
-    MixedBatchesOpt,
-    MaxModelLenOpt,
-    MaxNumBatchedTokensOpt,
-    MaxNumSeqsOpt,
-    ModelOpt,
-    MaxConsecutivePrefillOpt,
-    SchedulingPolicyOpt,
-    SeedOpt,
-    TensorParallelSizeOpt,
-)
+from labkit.cli.options import JsonOpt, ModelOpt, SeedOpt, engine_options
 
 # --------------------------------------------------------------------------- shared options
 
 MaxActiveOpt = Annotated[int, typer.Option("--max-active", help="Admitted, unfinished requests at most (admission limit).")]
 QueueSizeOpt = Annotated[int, typer.Option("--queue-size", help="Queued, not yet admitted requests at most (an n x prompts request counts once); beyond: rejected (HTTP 429).")]
 WorkerIdOpt = Annotated[str, typer.Option("--worker-id", help="Name of this worker in every event.")]
-DistInitOpt = Annotated[Optional[str], typer.Option("--dist-init", help="tcp://HOST:PORT of this engine's TP group (default: a free port).")]
-ShmNameOpt = Annotated[Optional[str], typer.Option("--shm-name", help="Shared-memory name of this engine's TP channel (default: unique).")]
+#: The engine options (engine/args.py's FLAGS) each command takes.
+SERVE_ENGINE_OPTIONS = ("scheduling_policy", "max_consecutive_prefill", "max_num_batched_tokens", "max_num_seqs",
+                        "max_model_len", "gpu_memory_utilization", "enforce_eager", "overlap", "attention_backend",
+                        "kv_cache_dtype", "enable_prefix_caching", "mixed_batches", "device",
+                        "tensor_parallel_size", "dist_init", "shm_name")
+LOAD_ENGINE_OPTIONS = ("scheduling_policy", "max_consecutive_prefill", "max_num_batched_tokens", "max_num_seqs",
+                       "max_model_len", "gpu_memory_utilization", "enforce_eager", "attention_backend", "device",
+                       "tensor_parallel_size", "enable_prefix_caching", "mixed_batches", "overlap")
 
 
 def _endpoints(text: str | None) -> list[str]:
@@ -88,31 +77,17 @@ def _setup_logging(log_level: str, stats_interval: float) -> None:
 # --------------------------------------------------------------------------- commands
 
 
+@engine_options(*SERVE_ENGINE_OPTIONS, presets={"on CUDA": "serve-cuda", "on CPU": "practice"},
+                notes={"overlap": "Off with tensor parallel."})
 def serve(
     model_arg: Annotated[Optional[str], typer.Argument(metavar="[MODEL]", show_default=False, help="The model, as vLLM's `serve MODEL` (same as --model).")] = None,
     model: ModelOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on (127.0.0.1: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="Port; 0 picks a free one and prints the URL.")] = 8801,
-    scheduling_policy: SchedulingPolicyOpt = "prefill_first",
-    max_consecutive_prefill: MaxConsecutivePrefillOpt = None,
-    max_num_batched_tokens: Annotated[Optional[int], typer.Option("--max-num-batched-tokens", show_default=False, help="Tokens per step at most. Default: 16384 on CUDA, 512 on CPU.")] = None,
-    max_num_seqs: Annotated[Optional[int], typer.Option("--max-num-seqs", show_default=False, help="Sequences per step at most. Default: 256 on CUDA, 8 on CPU.")] = None,
-    max_active: Annotated[Optional[int], typer.Option("--max-active", show_default=False, help="Admitted, unfinished requests at most (admission limit). Default: 256 on CUDA, 8 on CPU.")] = None,
+    max_active: Annotated[Optional[int], typer.Option("--max-active", show_default=False, help="Admitted, unfinished requests at most (admission limit). Default: --max-num-seqs' default.")] = None,
     queue_size: QueueSizeOpt = 64,
     max_active_per_request: Annotated[Optional[int], typer.Option("--max-active-per-request", show_default=False, help="Running slots one request (n x prompts) may hold, so others start while it runs. Default: all but a quarter of --max-active.")] = None,
-    max_model_len: Annotated[Optional[int], typer.Option("--max-model-len", show_default=False, help="Context length (prompt + output) at most. Default on CUDA: the model's, capped by what the KV pool holds (printed); on CPU 1024.")] = None,
-    gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.5,
-    enforce_eager: Annotated[Optional[bool], typer.Option("--enforce-eager/--graph", show_default=False, help="Eager execution, or CUDA graphs (decode, and small fresh prefills on the triton backend). Default: graphs on CUDA, eager on CPU.")] = None,
-    overlap: Annotated[Optional[bool], typer.Option("--overlap/--no-overlap", show_default=False, help="Overlapped decode: launch step k+1 before reading step k's tokens, so the host's per-step work hides behind the GPU. Default: on on CUDA (tensor-parallel-size 1), off on CPU.")] = None,
-    attention: AttentionOpt = "auto",
-    kv_cache_dtype: KvCacheDtypeOpt = "auto",
-    enable_prefix_caching: EnablePrefixCachingOpt = True,
-    mixed_batches: MixedBatchesOpt = None,
-    device: DeviceOpt = "auto",
     worker_id: WorkerIdOpt = "worker-0",
-    tensor_parallel_size: TensorParallelSizeOpt = 1,
-    dist_init: DistInitOpt = None,
-    shm_name: ShmNameOpt = None,
     stream_buffer: Annotated[int, typer.Option("--stream-buffer", help="Unread events per stream before the request is cancelled as a slow consumer.")] = 512,
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", help="Largest request body (HTTP 413 beyond).")] = 1 << 20,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="Model id for the OpenAI API (default: the preset or directory name).")] = None,
@@ -134,6 +109,7 @@ def serve(
     log_level: Annotated[str, typer.Option("--log-level", help="debug | info | warning | error: info prints an access line per request and a stats line every --stats-interval while busy.")] = "info",
     stats_interval: Annotated[float, typer.Option("--stats-interval", help="Seconds between stats lines while busy (0: none).")] = 10.0,
     engine_process: Annotated[Optional[bool], typer.Option("--engine-process/--no-engine-process", show_default=False, help="Run the engine and its owner thread in a process of their own; this one keeps the HTTP front end, detokenization and the event log. Default: on on CUDA (tensor-parallel-size 1), off on CPU.")] = None,
+    engine: dict | None = None,
 ) -> None:
     """Serve the engine over HTTP: /generate (NDJSON), /cancel, /health, /config, /metrics, OpenAI /v1/*.
     Every event goes to a JSONL log: --out, or by default runs/serve-<worker-id>.jsonl, rotated at
@@ -150,17 +126,11 @@ def serve(
     model = _one_model(model_arg, model)
     _setup_logging(log_level, stats_interval)
     log_plan = plan_serve_log(out, worker_id, event_log, event_log_max_mb, event_log_backups, runs_dir())
-    engine, chosen = serve_args(detect_device(device), tensor_parallel_size, enforce_eager=enforce_eager,
-                                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_active=max_active, max_model_len=max_model_len, overlap=overlap,
-                                engine_process=engine_process, model=model, device=device,
-                                attention_backend=attention, scheduling_policy=scheduling_policy,
-                                max_consecutive_prefill=max_consecutive_prefill,
-                                gpu_memory_utilization=gpu_memory_utilization, dist_init=dist_init,
-                                shm_name=shm_name, enable_prefix_caching=enable_prefix_caching,
-                                mixed_batches=mixed_batches, kv_cache_dtype=kv_cache_dtype)
+    given = dict(engine or {})
+    args, chosen = serve_args(detect_device(given.get("device", "auto")), given.pop("tensor_parallel_size", 1),
+                              model=model, max_active=max_active, engine_process=engine_process, **given)
     engine_process, max_active = chosen["engine_process"], chosen["max_active"]
-    cfg = WorkerConfig(engine, max_active=max_active, queue_size=queue_size, worker_id=worker_id,
+    cfg = WorkerConfig(args, max_active=max_active, queue_size=queue_size, worker_id=worker_id,
                        max_active_per_request=max_active_per_request, stream_buffer=stream_buffer,
                        max_prompt_bytes=max_prompt_bytes,
                        special_tokens_in_content=special_tokens_in_content, reasoning_parser=reasoning_parser,
@@ -291,6 +261,7 @@ def _refuse_foreign(given: dict) -> None:
         raise UserError("--dataset prefix-repetition prompts are --prefix-len + --suffix-len; leave out --input-len")
 
 
+@engine_options(*LOAD_ENGINE_OPTIONS, presets={"": "practice"})
 def load(
     trace: Annotated[Path, typer.Option("--trace", dir_okay=False, help="Arrival trace (labkit trace).")] = Path("workloads/mixed.jsonl"),
     out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Event log X.jsonl (evidence goes to X.json); default runs/load.jsonl.")] = None,
@@ -301,32 +272,20 @@ def load(
     warmup_requests: Annotated[int, typer.Option("--warmup-requests", help="Warmup requests per target, excluded from the window.")] = 2,
     api: Annotated[str, typer.Option("--api", help="native | openai (any OpenAI-compatible server).")] = "native",
     router: Annotated[str, typer.Option("--router", help="round-robin | least-work (least assigned prompt+max_tokens).")] = "round-robin",
-    scheduling_policy: SchedulingPolicyOpt = "prefill_first",
-    max_consecutive_prefill: MaxConsecutivePrefillOpt = None,
-    max_num_batched_tokens: MaxNumBatchedTokensOpt = 512,
-    max_num_seqs: MaxNumSeqsOpt = 8,
     max_active: MaxActiveOpt = 8,
     queue_size: QueueSizeOpt = 64,
-    max_model_len: MaxModelLenOpt = 1024,
-    gpu_memory_utilization: GpuMemoryUtilizationOpt = 0.5,
-    enforce_eager: EnforceEagerOpt = True,
-    attention: AttentionOpt = "auto",
-    device: DeviceOpt = "auto",
     worker_id: WorkerIdOpt = "worker-0",
-    tensor_parallel_size: TensorParallelSizeOpt = 1,
     profile_dir: Annotated[Optional[Path], typer.Option("--profile-dir", file_okay=False, help="torch.profiler after warmup: Chrome trace + operator table here.")] = None,
     openai_model: Annotated[Optional[str], typer.Option("--openai-model", help="Model id for --api openai (default: the server's first).")] = None,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Give up on a request after this long.")] = 600.0,
     checkpoint: Annotated[Optional[str], typer.Option("--checkpoint", help="Judge the evidence against this checkpoint id.")] = None,
-    enable_prefix_caching: EnablePrefixCachingOpt = True,
-    mixed_batches: MixedBatchesOpt = None,
-    overlap: Annotated[bool, typer.Option("--overlap/--no-overlap", help="Overlapped decode (CUDA, tensor-parallel-size 1): step k+1 launched before step k's tokens are read.")] = False,
     request_rates: Annotated[Optional[str], typer.Option("--request-rates", help="Sweep: 1,2,4,inf requests/s, one trace per rate from --trace's header options (a `labkit trace --dataset` trace), over HTTP (our server on 127.0.0.1 unless --endpoints).")] = None,
     goodput: Annotated[Optional[list[str]], typer.Option("--goodput", help="Sweep: SLOs for goodput, vLLM's 'ttft:MS tpot:MS e2e:MS' (quoted, or repeat the option).")] = None,
     stop_at_saturation: Annotated[bool, typer.Option("--stop-at-saturation", help="Sweep: skip the rates above the first one the server did not keep up with (< 0.9 of it).")] = False,
     offline_baseline: Annotated[bool, typer.Option("--offline-baseline", help="Sweep: then run the last rate's requests offline on the same engine (served / offline throughput).")] = False,
     serve_process: Annotated[bool, typer.Option("--serve-process", help="Sweep: our server as a `labkit serve` process of its own (its own GIL; its engine in a process of its own on CUDA) instead of in this one.")] = False,
     json_out: JsonOpt = False,
+    engine: dict | None = None,
 ) -> None:
     """Replay an arrival trace in process or against servers; events to JSONL, evidence next to it.
 
@@ -336,18 +295,13 @@ def load(
     from labkit.console import render_load
     from labkit.paths import default_out
     from labkit.load.replay import LoadOptions, run_load
-    from labkit.lab_engine import lab_args
+    from engine.args import preset
     from serve.core.config import WorkerConfig
     from serve.observe.events import split_out
 
     out = out or default_out("load.jsonl")
-    engine = lab_args(device, model=str(model) if model else None, attention_backend=attention,
-                      scheduling_policy=scheduling_policy, max_consecutive_prefill=max_consecutive_prefill,
-                      max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                      max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                      enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-                      enable_prefix_caching=enable_prefix_caching, overlap=overlap, mixed_batches=mixed_batches)
-    worker = WorkerConfig(engine, max_active=max_active, queue_size=queue_size, worker_id=worker_id)
+    args = preset("practice", model=str(model) if model else None, **(engine or {}))
+    worker = WorkerConfig(args, max_active=max_active, queue_size=queue_size, worker_id=worker_id)
     opts = LoadOptions(trace=trace, out=out, worker=worker, endpoints=_endpoints(endpoints),
                        serve_local=serve_local, mode=mode, warmup_requests=warmup_requests, api=api, router=router,
                        profile_dir=profile_dir, openai_model=openai_model, timeout_s=timeout_s,

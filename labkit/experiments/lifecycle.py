@@ -95,7 +95,7 @@ def run_lifecycle(out: Path | None = None, model: str | None = None, device: str
     model_note = None
     if model is None:
         model, model_note = default_lifecycle_model(device)
-    built = build_engine(model, device, attention, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs or 256,
+    built = build_engine(model, device, attention, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                          kvcache_block_size=block_size, shuffle_blocks=shuffle_blocks)
     engine = built.engine
     install_env_trace(engine)
@@ -122,7 +122,7 @@ def run_lifecycle(out: Path | None = None, model: str | None = None, device: str
     decode = next((st for st in steps if st["phase"] == "decode"), None)
     facts = {
         "case": "lifecycle", "title": "two prompts of 64 and 96 tokens, outputs 2 and 3 (B.2.1, B.3)",
-        "options": {"budget": budget, "max_num_seqs": max_num_seqs or 256, "block_size": block_size,
+        "options": {"budget": budget, "max_num_seqs": engine.config.max_num_seqs, "block_size": block_size,
                     "max_model_len": engine.config.max_model_len, "shuffle_blocks": engine.config.shuffle_blocks},
         "model_shape": {"hidden": shape.hidden_size, "layers": shape.num_layers, "q_heads": shape.num_heads,
                         "kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,

@@ -50,7 +50,7 @@ def run_prefix(out: Path | None = None, model: str | None = None, device: str = 
                budget: int = 512, max_num_seqs: int | None = None, block_size: int = 256, trace: bool = False,
                shuffle_blocks: int | None = None, debug: bool = False) -> dict:
     built = build_engine(model, device, attention, max_num_batched_tokens=budget,
-                         max_num_seqs=max_num_seqs or 256, kvcache_block_size=block_size,
+                         max_num_seqs=max_num_seqs, kvcache_block_size=block_size,
                          shuffle_blocks=shuffle_blocks)
     engine = built.engine
     install_env_trace(engine)
@@ -101,7 +101,7 @@ def run_prefix(out: Path | None = None, model: str | None = None, device: str = 
     inp = b_step["inputs"]
     facts = {
         "case": "prefix", "title": "a 620-token prompt after a cached 512-token prefix; ref counts (B.6)",
-        "options": {"budget": budget, "max_num_seqs": max_num_seqs or 256, "block_size": block_size,
+        "options": {"budget": budget, "max_num_seqs": engine.config.max_num_seqs, "block_size": block_size,
                     "max_model_len": engine.config.max_model_len, "shuffle_blocks": engine.config.shuffle_blocks},
         "requests": [{"label": k, "prompt_len": s.num_prompt_tokens,
                       "max_tokens": MAX_TOKENS[k]} for k, s in seqs.items()],

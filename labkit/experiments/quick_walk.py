@@ -235,7 +235,7 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
         raise UserError(f"unknown case {case!r}: choose one of {', '.join(CASES)}")
     spec = CASES[case]
     built = build_engine(model, device, attention, max_num_batched_tokens=budget,
-                         max_num_seqs=max_num_seqs or 256, kvcache_block_size=block_size,
+                         max_num_seqs=max_num_seqs, kvcache_block_size=block_size,
                          shuffle_blocks=shuffle_blocks, fused_ops=fused_ops, num_kvcache_blocks=num_kvcache_blocks,
                          mixed_batches=mixed_batches)
     engine = built.engine
@@ -259,7 +259,7 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
     stats = engine.stats()
     facts = {
         "case": case, "title": spec.title,
-        "options": {"budget": budget, "max_num_seqs": max_num_seqs or 256, "block_size": block_size,
+        "options": {"budget": budget, "max_num_seqs": engine.config.max_num_seqs, "block_size": block_size,
                     "max_model_len": engine.config.max_model_len, "shuffle_blocks": engine.config.shuffle_blocks,
                     "num_kvcache_blocks": num_kvcache_blocks, "mixed_batches": mixed_batches},
         "requests": [{"label": n, "prompt_len": len(p), "max_tokens": m}

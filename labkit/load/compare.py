@@ -35,13 +35,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from engine.args import preset
 from labkit.errors import UserError
 from labkit.load.server_process import ServerProcess
 
 TRACE = Path("workloads/mixed.jsonl")
-#: The handbook's load settings (5.3, 5.4.3): 1024 context, 256-token budget, 4 per batch, 8 active.
 READY_S = 180.0      # a served deployment's start, model load included
-LOAD_SETTINGS = dict(max_model_len=1024, max_num_batched_tokens=256, max_num_seqs=4, max_active=8)
+#: The handbook's load settings (5.3, 5.4.3): engine/args.py's load-compare preset (1024 context, 256-token
+#: budget, 4 per batch) and 8 active requests.
+LOAD_SETTINGS = {**{k: getattr(preset("load-compare"), k)
+                    for k in ("max_model_len", "max_num_batched_tokens", "max_num_seqs")}, "max_active": 8}
 
 
 @dataclass(frozen=True)
@@ -83,7 +86,9 @@ PAIRS: dict[str, Pair] = {p.name: p for p in (
           Side("replicas", {"scheduling_policy": "balanced"},
                [{"gpus": "0", "id": "replica-a"}, {"gpus": "1", "id": "replica-b"}]),
           Side("tp2", {"scheduling_policy": "balanced"},
-               [{"gpus": "0,1", "id": "tp-two", "tp": 2, "max_num_seqs": 8, "max_active": 16}])),
+               # the two replicas' capacity in one engine: twice the sequences a step and the admitted requests
+               [{"gpus": "0,1", "id": "tp-two", "tp": 2, "max_num_seqs": 2 * LOAD_SETTINGS["max_num_seqs"],
+                 "max_active": 2 * LOAD_SETTINGS["max_active"]}])),
          "5.6: one engine vs two replicas vs one TP=2 engine (balanced)"),
 )}
 

@@ -3,7 +3,7 @@ worker's own options (:class:`WorkerConfig`).
 
 ``WorkerConfig(engine=lab_args(...), max_active=...)``, or the engine's options by name:
 ``WorkerConfig(model=..., max_num_seqs=8, max_active=8)`` puts each one into ``engine`` (over
-:func:`worker_args`, the lab's defaults with 8 sequences a step). ``dataclasses.replace(config, max_model_len=n)``
+:func:`worker_args`, the practice preset of engine/args.py). ``dataclasses.replace(config, max_model_len=n)``
 changes an engine option the same way. ``build_engine(config.engine)`` is the one way they reach the engine.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, fields
 
 from engine import EngineArgs
-from engine.args import OPTION_NAMES
+from engine.args import OPTION_NAMES, preset
 from serve.errors import ServeError
 from serve.protocol.requests import REQUEST_ID_RE
 
@@ -33,22 +33,20 @@ def _positive(obj, *names: str) -> None:
             raise ServeError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
 
 
-#: A server's defaults, the one table of them (``labkit serve`` without options; the serve bench's engine takes
-#: its engine part): on CUDA a server that serves (vLLM's scale: CUDA graphs, 256 sequences per step, a
-#: 16384-token step budget, 256 admitted requests, the model's own context length as far as the KV pool holds
-#: it, overlapped decode, and the engine in a process of its own, which the serve bench measured faster than
-#: one process on an H200); on CPU the handbook's practice settings.
-SERVE_DEFAULTS = {
-    "cuda": dict(enforce_eager=False, max_num_seqs=256, max_num_batched_tokens=16384, max_active=256,
-                 max_model_len=None, overlap=True, engine_process=True),
-    "cpu": dict(enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=512, max_active=8, max_model_len=1024,
-                overlap=False, engine_process=False),
-}
+#: The engine preset ``labkit serve`` starts from per device (engine/args.py's PRESETS): on CUDA a server that
+#: serves (vLLM's scale), on CPU the handbook's practice settings. Beside the engine's options a server chooses
+#: its admission limit (as many requests as a step holds) and where its engine runs (on CUDA in a process of its
+#: own, which the serve bench measured faster than one process on an H200).
+SERVE_PRESETS = {"cuda": "serve-cuda", "cpu": "practice"}
+#: The engine options a server's defaults show (``serve_defaults``), beside the worker's.
+SERVE_CHOICES = ("enforce_eager", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "overlap")
 
 
 def serve_defaults(device: str) -> dict:
     """The defaults of ``labkit serve`` on a resolved device (``cpu``, ``cuda``, ``cuda:N``)."""
-    return dict(SERVE_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"])
+    cuda = device.startswith("cuda")
+    args = preset(SERVE_PRESETS["cuda" if cuda else "cpu"])
+    return {**{k: getattr(args, k) for k in SERVE_CHOICES}, "max_active": args.max_num_seqs, "engine_process": cuda}
 
 
 def engine_args(**given) -> EngineArgs:
@@ -58,9 +56,9 @@ def engine_args(**given) -> EngineArgs:
 
 
 def worker_args(**given) -> EngineArgs:
-    """A worker's engine when none is given: the engine's defaults with 8 sequences a step (``labkit serve``'s
-    CPU choice), then each engine option ``given``."""
-    return engine_args(**{"max_num_seqs": 8, **given})
+    """A worker's engine when none is given: the practice preset (``labkit serve``'s CPU choice), then each
+    engine option ``given``."""
+    return preset("practice", **given)
 
 
 def recorded(args: EngineArgs) -> dict:

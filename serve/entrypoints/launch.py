@@ -102,16 +102,16 @@ async def serve_until_signal(worker: WorkerFront, sock: socket.socket, *, served
 
 
 
-#: What :data:`serve.core.config.SERVE_DEFAULTS` holds beside the engine's options: the worker's.
+#: What :func:`serve.core.config.serve_defaults` holds beside the engine's options: the worker's.
 WORKER_CHOICES = ("max_active", "engine_process")
 
 
 def serve_args(resolved: str, tensor_parallel_size: int = 1, /, **given) -> tuple[EngineArgs, dict]:
-    """``labkit serve``'s engine and worker choices: each option of :data:`serve.core.config.SERVE_DEFAULTS`
+    """``labkit serve``'s engine and worker choices: each option of :func:`serve.core.config.serve_defaults`
     ``given`` as None takes the default of the ``resolved`` device (``cpu``, ``cuda``, ``cuda:N``); any other
     engine option ``given`` (engine names) goes to the engine as it is (None: the engine's default). Overlap and
     the engine process stay off with tensor parallel (the engine refuses overlap there; the engine process was
-    measured with one GPU only); an unset max_model_len (CUDA) is ``"auto"``: the model's own, fitted to the KV
+    measured with one GPU only); CUDA's max_model_len is ``"auto"``: the model's own, fitted to the KV
     pool by the engine while it sizes the pool (one build). Returns the engine's arguments (the engine's
     defaults under them, :func:`serve.core.config.engine_args`) and the worker's options (``max_active``,
     ``engine_process``)."""
@@ -119,8 +119,6 @@ def serve_args(resolved: str, tensor_parallel_size: int = 1, /, **given) -> tupl
     if tensor_parallel_size != 1:
         defaults.update(overlap=False, engine_process=False)
     chosen = {k: (given[k] if given.get(k) is not None else v) for k, v in defaults.items()}
-    if chosen["max_model_len"] is None:
-        chosen["max_model_len"] = "auto"
     worker = {k: chosen.pop(k) for k in WORKER_CHOICES}
     rest = {k: v for k, v in given.items() if k not in defaults}
     return engine_args(**rest, **chosen, tensor_parallel_size=tensor_parallel_size), worker
