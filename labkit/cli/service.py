@@ -27,8 +27,8 @@ WorkerIdOpt = Annotated[str, typer.Option("--worker-id", help="Name of this work
 #: The engine options (engine/args.py's FLAGS) each command takes.
 SERVE_ENGINE_OPTIONS = ("scheduling_policy", "max_consecutive_prefill", "max_num_batched_tokens", "max_num_seqs",
                         "max_model_len", "gpu_memory_utilization", "enforce_eager", "overlap", "attention_backend",
-                        "kv_cache_dtype", "enable_prefix_caching", "mixed_batches", "device",
-                        "tensor_parallel_size", "dist_init", "shm_name")
+                        "kv_cache_dtype", "enable_prefix_caching", "mixed_batches", "device", "dtype", "seed",
+                        "kvcache_block_size", "tensor_parallel_size", "dist_init", "shm_name")
 LOAD_ENGINE_OPTIONS = ("scheduling_policy", "max_consecutive_prefill", "max_num_batched_tokens", "max_num_seqs",
                        "max_model_len", "gpu_memory_utilization", "enforce_eager", "attention_backend", "device",
                        "tensor_parallel_size", "enable_prefix_caching", "mixed_batches", "overlap")
@@ -194,14 +194,14 @@ def trace(
     long_every: Annotated[Optional[int], typer.Option("--long-every", help="Every N-th request is long (0: none; default 4).")] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Output tokens of every request (ignore_eos; default 64).")] = None,
     interval_ms: Annotated[Optional[float], typer.Option("--interval-ms", help="Planned gap between arrivals (default 40).")] = None,
-    dataset: Annotated[Optional[str], typer.Option("--dataset", help="random | prefix-repetition | multi-turn (a production-shaped trace; see the options below).")] = None,
+    dataset: Annotated[Optional[str], typer.Option("--dataset", "--dataset-name", help="random | prefix-repetition | multi-turn (a production-shaped trace; see the options below; vLLM's prefix_repetition spelling too).")] = None,
     request_rate: Annotated[Optional[float], typer.Option("--request-rate", help="Requests/s (inf: all at once; default inf).")] = None,
     burstiness: Annotated[Optional[float], typer.Option("--burstiness", help="Gamma shape of the gaps (1: Poisson; <1 burstier).")] = None,
-    num_requests: Annotated[Optional[int], typer.Option("--num-requests", help="Requests (default 100), or give --duration.")] = None,
+    num_requests: Annotated[Optional[int], typer.Option("--num-requests", "--num-prompts", help="Requests (default 100), or give --duration.")] = None,
     duration: Annotated[Optional[float], typer.Option("--duration", help="Seconds of arrivals (needs a finite --request-rate).")] = None,
-    input_len: Annotated[Optional[int], typer.Option("--input-len", help="Prompt length (random; a user message in multi-turn; default 128).")] = None,
-    output_len: Annotated[Optional[int], typer.Option("--output-len", help="Output tokens (ignore_eos; default 64).")] = None,
-    range_ratio: Annotated[Optional[float], typer.Option("--range-ratio", help="Lengths uniform in [len*(1-r), len*(1+r)] (default 0).")] = None,
+    input_len: Annotated[Optional[int], typer.Option("--input-len", "--random-input-len", help="Prompt length (random; a user message in multi-turn; default 128).")] = None,
+    output_len: Annotated[Optional[int], typer.Option("--output-len", "--random-output-len", help="Output tokens (ignore_eos; default 64).")] = None,
+    range_ratio: Annotated[Optional[float], typer.Option("--range-ratio", help="Lengths drawn uniformly from the interval [len*(1-r), len*(1+r)] (default 0).")] = None,
     length_dist: Annotated[Optional[str], typer.Option("--length-dist", help="uniform | lognormal (median len, --sigma).")] = None,
     sigma: Annotated[Optional[float], typer.Option("--sigma", help="Lognormal sigma (default 0.5).")] = None,
     num_prefixes: Annotated[Optional[int], typer.Option("--num-prefixes", help="prefix-repetition: shared prefixes (default 4).")] = None,
@@ -230,6 +230,8 @@ def trace(
            "suffix_len": suffix_len, "sessions": sessions, "turns": turns, "think_time_ms": think_time_ms}
     given_old = [k for k, v in old.items() if v is not None]
     given_new = {k: v for k, v in new.items() if v is not None}
+    if given_new.get("dataset") == "prefix_repetition":          # vLLM's spelling
+        given_new["dataset"] = "prefix-repetition"
     path = out or default_out("trace.jsonl")
     if given_new:
         if given_old:
@@ -266,7 +268,7 @@ def load(
     trace: Annotated[Path, typer.Option("--trace", dir_okay=False, help="Arrival trace (labkit trace).")] = Path("workloads/mixed.jsonl"),
     out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Event log X.jsonl (evidence goes to X.json); default runs/load.jsonl.")] = None,
     model: ModelOpt = None,
-    endpoints: Annotated[Optional[str], typer.Option("--endpoints", help="Running servers a,b,... instead of the in-process engine.")] = None,
+    endpoints: Annotated[Optional[str], typer.Option("--endpoints", "--base-url", help="Running servers a,b,... instead of the in-process engine.")] = None,
     serve_local: Annotated[bool, typer.Option("--serve-local", help="Serve the in-process engine on 127.0.0.1 and drive it over HTTP.")] = False,
     mode: Annotated[str, typer.Option("--mode", help="wall (planned times) | round (per scheduler round, in process).")] = "wall",
     warmup_requests: Annotated[int, typer.Option("--warmup-requests", help="Warmup requests per target, excluded from the window.")] = 2,
@@ -278,6 +280,7 @@ def load(
     profile_dir: Annotated[Optional[Path], typer.Option("--profile-dir", file_okay=False, help="torch.profiler after warmup: Chrome trace + operator table here.")] = None,
     openai_model: Annotated[Optional[str], typer.Option("--openai-model", help="Model id for --api openai (default: the server's first).")] = None,
     timeout_s: Annotated[float, typer.Option("--timeout-s", help="Give up on a request after this long.")] = 600.0,
+    max_concurrency: Annotated[Optional[int], typer.Option("--max-concurrency", min=1, show_default=False, help="Requests in flight at most (vLLM bench serve's): one arriving while all are taken is sent when one finishes. Default: no cap.")] = None,
     checkpoint: Annotated[Optional[str], typer.Option("--checkpoint", help="Judge the evidence against this checkpoint id.")] = None,
     request_rates: Annotated[Optional[str], typer.Option("--request-rates", help="Sweep: 1,2,4,inf requests/s, one trace per rate from --trace's header options (a `labkit trace --dataset` trace), over HTTP (our server on 127.0.0.1 unless --endpoints).")] = None,
     goodput: Annotated[Optional[list[str]], typer.Option("--goodput", help="Sweep: SLOs for goodput, vLLM's 'ttft:MS tpot:MS e2e:MS' (quoted, or repeat the option).")] = None,
@@ -305,7 +308,7 @@ def load(
     opts = LoadOptions(trace=trace, out=out, worker=worker, endpoints=_endpoints(endpoints),
                        serve_local=serve_local, mode=mode, warmup_requests=warmup_requests, api=api, router=router,
                        profile_dir=profile_dir, openai_model=openai_model, timeout_s=timeout_s,
-                       checkpoint=checkpoint, show_progress=not json_out)
+                       checkpoint=checkpoint, show_progress=not json_out, max_concurrency=max_concurrency)
     if request_rates is not None:
         from labkit.cli.sweep import render_sweep, sweep_command
 

@@ -16,6 +16,8 @@ Modes
     ``after`` (a multi-turn trace) ``think_time_ms`` after that request finished (``load.depend``).
     ``round`` (in process only): request k enters at scheduler round ``arrival_round`` (counted from
     the replay's first round; idle rounds are skipped): a mechanism view, not a performance run.
+    ``--max-concurrency N`` (wall mode): at most N requests in flight, vLLM bench serve's semaphore; a
+    request due while all N are taken is sent when one finishes.
 
 Warmup
     ``--warmup-requests N`` requests per target, shaped like the trace's classes but with their
@@ -30,6 +32,7 @@ Output
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
@@ -69,6 +72,7 @@ class LoadOptions:
     checkpoint: str | None = None
     show_progress: bool = True
     progress_label: str = "load"
+    max_concurrency: int | None = None      # requests in flight at most (vLLM bench serve's); None: no cap
 
 
 def sampling(r: dict) -> SamplingParams:
@@ -226,6 +230,13 @@ def check_options(opts: LoadOptions) -> None:
         raise UserError("--api openai talks HTTP: give --endpoints or --serve-local")
     if opts.warmup_requests < 0:
         raise UserError(f"--warmup-requests must be >= 0, got {opts.warmup_requests}")
+    if opts.max_concurrency is not None:
+        if isinstance(opts.max_concurrency, bool) or not isinstance(opts.max_concurrency, int) \
+                or opts.max_concurrency < 1:
+            raise UserError(f"--max-concurrency must be a positive integer, got {opts.max_concurrency!r}")
+        if opts.mode == "round":
+            raise UserError("--max-concurrency holds requests back until one finishes; --mode round injects per "
+                            "scheduler round: use --mode wall")
     for ep in opts.endpoints:
         if not ep.startswith(("http://", "https://")):
             raise UserError(f"endpoint {ep!r} must start with http:// or https://")
@@ -296,6 +307,33 @@ def _submit(worker, r: dict):
         raise UserError(f"trace request {r['request_id']}: {e}") from None
 
 
+class Slots:
+    """``--max-concurrency`` in process: at most ``n`` requests in flight (vLLM bench serve's semaphore); a
+    request that arrives while all are taken is submitted when one finishes (None: no cap)."""
+
+    def __init__(self, n: int | None, timeout_s: float):
+        self.sem = threading.BoundedSemaphore(n) if n else None
+        self.timeout_s = timeout_s
+
+    def submit(self, worker, r: dict):
+        if self.sem is None:
+            return _submit(worker, r)
+        if not self.sem.acquire(timeout=self.timeout_s):
+            raise UserError(f"request {r['request_id']} found no free slot (--max-concurrency) within "
+                            f"{self.timeout_s:g} s")
+        try:
+            h = _submit(worker, r)
+        except BaseException:
+            self.sem.release()
+            raise
+        threading.Thread(target=self._release_when_done, args=(h,), daemon=True).start()   # at most n of these
+        return h
+
+    def _release_when_done(self, handle) -> None:
+        handle.done.wait(self.timeout_s)
+        self.sem.release()
+
+
 def _wait_all(handles: list, timeout_s: float, progress=None) -> None:
     deadline = time.monotonic() + timeout_s
     for h in handles:
@@ -307,18 +345,20 @@ def _wait_all(handles: list, timeout_s: float, progress=None) -> None:
 
 
 def _progress(opts: LoadOptions, total: int, label: str):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from labkit.console import err_console
 
-    return Progress(f"[bold]{label}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console,
-                    transient=True, disable=not opts.show_progress)
+    # the label as a styled column: a markup string column would be drawn by the console, which has markup off
+    return Progress(TextColumn(label, style="bold", markup=False), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), console=err_console, transient=True, disable=not opts.show_progress)
 
 
 def _drive_inprocess(opts: LoadOptions, worker, reqs: list[dict], warm: list[dict]) -> dict | None:
     if warm:
         _wait_all([_submit(worker, r) for r in warm], opts.timeout_s)
     profiler = _start_profile(opts, worker)
+    slots = Slots(opts.max_concurrency, opts.timeout_s)
     with _progress(opts, len(reqs), "load") as bar:
         task = bar.add_task("load", total=len(reqs))
         if opts.mode == "round":
@@ -330,7 +370,7 @@ def _drive_inprocess(opts: LoadOptions, worker, reqs: list[dict], warm: list[dic
             if feeder.error is not None:
                 raise feeder.error
         elif has_deps(reqs):
-            replay_threads(reqs, lambda r: _submit(worker, r), opts.timeout_s, on_done=lambda: bar.advance(task))
+            replay_threads(reqs, lambda r: slots.submit(worker, r), opts.timeout_s, on_done=lambda: bar.advance(task))
             handles = []            # every one finished already (a follower waits on its request's handle)
         else:
             handles = []
@@ -339,7 +379,7 @@ def _drive_inprocess(opts: LoadOptions, worker, reqs: list[dict], warm: list[dic
                 delay = t0 + r["arrival_ms"] / 1000.0 - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
-                handles.append(_submit(worker, r))
+                handles.append(slots.submit(worker, r))
         _wait_all(handles, opts.timeout_s, progress=lambda: bar.advance(task))
     return _stop_profile(opts, worker, profiler)
 
@@ -455,12 +495,20 @@ async def drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], rout
             await asyncio.gather(*jobs)
         prof = _start_profile(opts, worker) if worker is not None else None
         loop = asyncio.get_running_loop()
+        slots = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
+
+        async def measured(k: int, r: dict, routed: dict | None = None):
+            if slots is None:
+                return await send(k, r, routed)
+            async with slots:               # vLLM bench serve's semaphore: a request is sent when a slot is free
+                return await send(k, r, routed)
+
         with _progress(opts, len(reqs), opts.progress_label) as bar:
             task = bar.add_task("load", total=len(reqs))
             if has_deps(reqs):
                 async def routed(r: dict):
                     k = router.pick(r)
-                    return await send(k, r, {"endpoint": endpoints[k], "router": router.policy})
+                    return await measured(k, r, {"endpoint": endpoints[k], "router": router.policy})
 
                 await replay_async(reqs, routed, on_done=lambda: bar.advance(task))
             else:
@@ -471,7 +519,7 @@ async def drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], rout
                     if delay > 0:
                         await asyncio.sleep(delay)
                     k = router.pick(r)
-                    t = asyncio.create_task(send(k, r, {"endpoint": endpoints[k], "router": router.policy}))
+                    t = asyncio.create_task(measured(k, r, {"endpoint": endpoints[k], "router": router.policy}))
                     t.add_done_callback(lambda _: bar.advance(task))
                     tasks.append(t)
                 await asyncio.gather(*tasks)

@@ -308,3 +308,33 @@ def test_the_checkpoint_judges_what_the_served_engine_did(tmp_path, tiny_model_d
         bad.write_text(json.dumps(rec))
         v, res = check_evidence(cp, bad)
         assert v == "FAIL" and f"facts.{key}.{path_in_facts[1]}" in [c["name"] for c in res if c["status"] == "fail"]
+
+
+def _overlaps(events: list[dict], observer: str) -> int:
+    """The most requests of ``observer`` in flight at once (submitted, not yet finished), from the log."""
+    marks = sorted((e["t_ns"], 1 if e["event"] == "submitted" else -1) for e in events
+                   if e.get("observer") == observer and e["event"] in ("submitted", "finished") and not e.get("warmup"))
+    most = now = 0
+    for _, step in sorted(marks, key=lambda m: (m[0], m[1])):      # a finish before a submit at the same ns
+        now += step
+        most = max(most, now)
+    return most
+
+
+@pytest.mark.parametrize("serve_local", [False, True], ids=["in-process", "http"])
+def test_max_concurrency_holds_requests_until_one_finishes(tmp_path, tiny_model_dir, serve_local):
+    """vLLM bench serve's --max-concurrency: 4 requests arriving at once, at most 2 in flight; without it all 4."""
+    path = tmp_path / "burst.jsonl"
+    write_trace(path, TraceOptions(requests=4, prompt_tokens=12, long_prompt_tokens=40, long_every=2, max_tokens=6,
+                                   interval_ms=0, seed=3))
+    observer = "client" if serve_local else "engine"
+    for cap, want in ((2, 2), (None, 4)):
+        rec = run_load(opts(tmp_path, path, tiny_model_dir, warmup_requests=0, serve_local=serve_local,
+                            max_concurrency=cap, out=tmp_path / f"c{cap}.jsonl"))
+        assert rec["verdict"] == "PASS" and rec["facts"]["completed"][observer] == 4
+        assert _overlaps(read_log(tmp_path / f"c{cap}.jsonl").events, observer) == want, cap
+
+
+def test_max_concurrency_is_refused_in_round_mode(tmp_path, tiny_model_dir):
+    with pytest.raises(UserError, match="--max-concurrency"):
+        run_load(opts(tmp_path, small_trace(tmp_path), tiny_model_dir, mode="round", max_concurrency=2))
