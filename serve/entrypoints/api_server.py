@@ -20,6 +20,9 @@ Routes:
 ``POST /v1/completions``  OpenAI-compatible; stream (SSE ``data: {...}`` ... ``data: [DONE]``) or JSON
 ``POST /v1/chat/completions``  the same through the chat template
 ``GET  /v1/models``       the one served model
+``POST /tokenize``        vLLM's: a prompt or chat messages → ``{count, max_model_len, tokens, token_strs}``
+``POST /detokenize``      vLLM's: ``{tokens}`` → ``{prompt}``
+``GET  /version``         ``{version}`` of the server
 ========================  ======================================================================
 
 Errors are JSON ``{"error": {"message", "type", "param", "code"}}`` on every route (also for what
@@ -57,6 +60,7 @@ from serve.protocol.requests import Limits
 from serve.entrypoints.serving import Serving
 from serve.entrypoints.serving_native import NativeRoutes
 from serve.entrypoints.serving_openai import OpenAIRoutes
+from serve.entrypoints.serving_tokens import TokenRoutes
 
 LISTEN_QUEUE = 1024
 
@@ -73,8 +77,13 @@ class Service:
             raise ServeError(f"--max-body-bytes must be an integer of at least 1024, got {max_body_bytes!r}")
         self.worker = worker
         cfg = worker.config
+        # as vLLM's `serve MODEL`: without --served-model-name, requests may name the model as it was given
+        # (a path, a fetched name such as smollm2, a hub id) or by its directory, beside the name shown
+        aliases = frozenset() if served_model_name else \
+            frozenset(str(a) for a in (cfg.flat()["model"], served.model.get("path")) if a) - {name}
         self.limits = Limits(served.max_model_len, name, max_body_bytes,
-                             enable_auto_tool_choice=cfg.enable_auto_tool_choice, reasoning_parser=cfg.reasoning_parser)
+                             enable_auto_tool_choice=cfg.enable_auto_tool_choice, reasoning_parser=cfg.reasoning_parser,
+                             model_aliases=aliases)
         worker.stats.set_model_name(name)          # vLLM's /metrics series, labelled model_name as vLLM's
         self.access = access or Access.make()
         self.connections = connections or ConnectionLimits()
@@ -84,6 +93,7 @@ class Service:
         serving = Serving(worker, self.limits, self.http)
         self.native = NativeRoutes(serving, self.connections)
         self.openai = OpenAIRoutes(serving)
+        self.tokens = TokenRoutes(serving)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.limits.max_body_bytes, middlewares=[self.http.errors])
@@ -97,6 +107,9 @@ class Service:
         app.router.add_post("/v1/chat/completions", openai.chat, expect_handler=expect)
         app.router.add_get("/v1/models", native.models)
         app.router.add_get("/v1/models/{model_id:.+}", native.model)
+        app.router.add_post("/tokenize", self.tokens.tokenize, expect_handler=expect)
+        app.router.add_post("/detokenize", self.tokens.detokenize, expect_handler=expect)
+        app.router.add_get("/version", self.tokens.version)
         return app
 
 

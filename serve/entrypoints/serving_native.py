@@ -130,7 +130,7 @@ class NativeRoutes:
         """``GET /v1/models/{id}``: the served model, or a 404 error object."""
         model_id = request.match_info["model_id"]
         name = self.serving.limits.served_model_name
-        if model_id != name:
+        if model_id == "" or not self.serving.limits.serves(model_id):
             raise ApiError(404, f"the model {protocol.show(model_id)} does not exist; this server serves "
                                 f"{name!r}", "model_not_found", "model")
         return web.json_response(self._model_card())

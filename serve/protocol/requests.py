@@ -55,6 +55,11 @@ class Limits:
     max_body_bytes: int = 1 << 20
     enable_auto_tool_choice: bool = True   # tool_choice auto (vLLM: --enable-auto-tool-choice --tool-call-parser)
     reasoning_parser: str | None = None    # qwen3: the <think> part goes to the message's reasoning fields
+    model_aliases: frozenset = frozenset()  # other ids of the served model (the path or name it was started with)
+
+    def serves(self, model: str) -> bool:
+        """Whether a request's ``model`` names the served model (empty: any)."""
+        return model in ("", self.served_model_name) or model in self.model_aliases
 
 
 @dataclass
@@ -317,7 +322,7 @@ def _check_model(body: dict, limits: Limits) -> str | None:
         return None
     if not isinstance(model, str):
         raise bad("model must be a string", "model", "invalid_type")
-    if model not in (limits.served_model_name, ""):
+    if not limits.serves(model):
         raise ApiError(404, f"the model {model!r} does not exist; this server serves {limits.served_model_name!r}",
                        "model_not_found", "model")
     return model
