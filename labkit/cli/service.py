@@ -111,7 +111,8 @@ def serve(
     engine_process: Annotated[Optional[bool], typer.Option("--engine-process/--no-engine-process", show_default=False, help="Run the engine and its owner thread in a process of their own; this one keeps the HTTP front end, detokenization and the event log. Default: on on CUDA (tensor-parallel-size 1), off on CPU.")] = None,
     engine: dict | None = None,
 ) -> None:
-    """Serve the engine over HTTP: /generate (NDJSON), /cancel, /health, /config, /metrics, OpenAI /v1/*.
+    """Serve the engine over HTTP: /generate (NDJSON), /cancel, /health, /config, /metrics, OpenAI /v1/*,
+    vLLM's /tokenize, /detokenize and /version (docs/OPENAI.md).
     Every event goes to a JSONL log: --out, or by default runs/serve-<worker-id>.jsonl, rotated at
     --event-log-max-mb (256 by default) with --event-log-backups old files; --no-event-log for none."""
     from labkit.console import console, render_served
