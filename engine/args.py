@@ -162,7 +162,8 @@ FLAGS: dict[str, Flag] = {
     "fused_ops": Flag(("--fused-ops/--no-fused-ops",), "CUDA: the fused Triton RMSNorm, q/k-norm + RoPE (which also "
                       "writes K/V into the cache) and SiLU-mul kernels, or the plain path where the attention "
                       "backend's store_kv writes K/V. CPU always runs the plain path.", bool),
-    "tensor_parallel_size": Flag(("--tensor-parallel-size", "-tp", "--tp"), "Tensor-parallel ranks of the engine.", min=1),
+    "tensor_parallel_size": Flag(("--tensor-parallel-size", "-tp", "--tp"), "Tensor-parallel ranks of the engine.",
+                                 min=1),
     "kvcache_block_size": Flag(("--kv-cache-block-size", "--block-size"), "KV block size in tokens (a power of two).",
                                min=1),
     "num_kvcache_blocks": Flag(("--num-kvcache-blocks",), "KV pool size in blocks (default: sized from memory).",

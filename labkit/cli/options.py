@@ -21,8 +21,8 @@ import typer
 
 def _engine_args():
     """engine/args.py. Where another package named ``engine`` comes first on the path, this project's file is
-    read by its path instead (with its one import, engine/errors.py), so that the command line still starts and ``labkit
-    doctor`` can say which engine Python imports."""
+    read by its path instead (with its one import, engine/errors.py), so that the command line still starts
+    and ``labkit doctor`` can say which engine Python imports."""
     here = Path(__file__).resolve().parents[2] / "engine"
     try:
         from engine import args
@@ -62,7 +62,6 @@ ModelOpt = Annotated[
     typer.Option("--model", help="Model directory (Hugging Face layout) or a hub id ORG/NAME (from the local HF cache); default $MODEL_DIR, else a synthetic model."),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout instead of tables.")]
-
 
 
 def engine_flag(name: str, note: str = "", **option):
@@ -105,9 +104,11 @@ def engine_options(*names: str, presets: dict[str, str | None] | None = None, no
         sig = inspect.signature(command)
         own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in sig.parameters.values()
                if p.name != "engine"]
-        added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                   annotation=engine_flag(n, " ".join(t for t in (notes.get(n), _default_text(n, presets)) if t),
-                                                          show_default=False))
+        def option(n: str):
+            note = " ".join(t for t in (notes.get(n), _default_text(n, presets)) if t)
+            return engine_flag(n, note, show_default=False)
+
+        added = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=option(n))
                  for n in names]
 
         @functools.wraps(command)
@@ -133,15 +134,10 @@ DeviceOpt = engine_flag("device")
 AttentionOpt = engine_flag("attention_backend")
 DtypeOpt = engine_flag("dtype")
 KvCacheDtypeOpt = engine_flag("kv_cache_dtype")
-MaxNumSeqsOpt = engine_flag("max_num_seqs")
 MaxNumBatchedTokensOpt = engine_flag("max_num_batched_tokens")
 MaxModelLenOpt = engine_flag("max_model_len")
-GpuMemoryUtilizationOpt = engine_flag("gpu_memory_utilization")
 EnforceEagerOpt = engine_flag("enforce_eager")
-EnablePrefixCachingOpt = engine_flag("enable_prefix_caching")
-MixedBatchesOpt = engine_flag("mixed_batches", "Default: the engine's (EngineArgs.mixed_batches).", show_default=False)
 FusedOpsOpt = engine_flag("fused_ops")
 TensorParallelSizeOpt = engine_flag("tensor_parallel_size")
 KvCacheBlockSizeOpt = engine_flag("kvcache_block_size")
-SchedulingPolicyOpt = engine_flag("scheduling_policy")
 MaxConsecutivePrefillOpt = engine_flag("max_consecutive_prefill", show_default=False)
