@@ -20,7 +20,7 @@ OTHER_MEANING = {
     "TraceOptions.seed": "the trace generator's seed",
     "WorkloadOptions.seed": "the workload generator's seed",
     "GenRequest.model": "the served model name a request names (OpenAI's model field)",
-    "Suite.max_model_len": "a guardrail suite's own choice of the option, lab data like LAB_DEFAULTS",
+    "Suite.max_model_len": "a guardrail suite's own choice of the option, lab data like engine/args.py's PRESETS",
 }
 
 
