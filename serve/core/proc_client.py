@@ -64,6 +64,7 @@ from serve.errors import ServeError
 from serve.core.config import WorkerConfig
 from serve.core.proc_main import CHILD_CALLS, READY_TIMEOUT_S, bare_main, child_main  # noqa: F401
 from serve.observe.events import Sink, make_event, now_ns
+from serve.observe.metrics import RequestTimes
 from serve.core.fair import Groups
 from serve.core.front import WorkerFront, WorkerUnavailable
 from serve.core.messages import Call, Cancel, Close, Closed, Events, InitError, Ready, Reply, Submit
@@ -84,6 +85,10 @@ class _Remote:
     admitted: bool = False
     slow: bool = False
     group: str = ""
+    scheduled_ns: int = 0          # the engine's stamps, for vLLM's phase metrics
+    first_token_ns: int = 0
+    max_tokens: int = 0
+    n: int = 0                     # the request's n if this is its first sample, else 0 (counted once)
 
 
 # --------------------------------------------------------------------------- the parent
@@ -235,7 +240,8 @@ class RemoteWorker(WorkerFront):
         if not self._groups.has_room(group, self.config.queue_size):
             self._reject_here(handle, token_ids, params, tags)
             return
-        self._live[rid] = _Remote(handle, len(token_ids), now_ns(), group=group)   # before the child can answer
+        self._live[rid] = _Remote(handle, len(token_ids), now_ns(), group=group, max_tokens=params.max_tokens,
+                                  n=params.n if prefill_after is None else 0)   # before the child can answer
         self._pending[rid] = None
         self._groups.add(group)
         try:
@@ -417,6 +423,7 @@ class RemoteWorker(WorkerFront):
         wakes: list[RequestHandle] = []
         ttfts: list[float] = []
         itls: list[float] = []
+        first_prompt_tokens = 0
         slow: list[str] = []
         for ev in batch:
             kind = ev["event"]
@@ -430,6 +437,8 @@ class RemoteWorker(WorkerFront):
                 t = ev["t_ns"]
                 if r.num_tokens == 1:
                     ttfts.append((t - r.submitted_ns) / 1e9)
+                    r.first_token_ns = t
+                    first_prompt_tokens += r.prompt_tokens
                 else:
                     itls.append((t - r.last_token_ns) / 1e9)
                 r.last_token_ns = t
@@ -440,6 +449,11 @@ class RemoteWorker(WorkerFront):
                 continue
             if kind == "step":
                 stats.count_step(ev["phase"], ev["seconds"])
+                if ev["phase"] != "decode":       # a request's first step prefills: when it was scheduled
+                    for rid, _ in ev["batch"]:
+                        r = live.get(rid)
+                        if r is not None and not r.scheduled_ns:
+                            r.scheduled_ns = ev["start_ns"]
                 if log_steps and sink is not None:
                     sink(ev)
                 continue
@@ -464,15 +478,19 @@ class RemoteWorker(WorkerFront):
                     del live[rid]
                     self._groups.finished(r.group, waiting=self._pending.pop(rid, 0) is None)
             if kind == "admitted":
-                stats.count_prompt(r.prompt_tokens, (ev["t_ns"] - r.submitted_ns) / 1e9)
+                stats.count_prompt(r.prompt_tokens)
             if kind == "finished":
-                stats.count_finished(ev["reason"], (ev["t_ns"] - r.submitted_ns) / 1e9 if r.admitted else None,
-                                     ev.get("num_prompt_tokens", 0), ev.get("num_completion_tokens", 0))
+                t = ev["t_ns"]
+                stats.count_finished(ev["reason"], (t - r.submitted_ns) / 1e9 if r.admitted else None,
+                                     ev.get("num_prompt_tokens", 0), ev.get("num_completion_tokens", 0),
+                                     times=RequestTimes(r.submitted_ns, r.scheduled_ns, r.first_token_ns,
+                                                        r.last_token_ns, t),
+                                     max_tokens=r.max_tokens, n=r.n)
                 r.handle._finish(ev, wake=False)
             else:
                 r.handle._push(ev)
             wakes.append(r.handle)
-        stats.count_tokens(ttfts, itls)
+        stats.count_tokens(ttfts, itls, first_prompt_tokens)
         if snapshot is not None:
             with self._lock:
                 self._snapshot = snapshot

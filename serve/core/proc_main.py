@@ -64,10 +64,10 @@ class _Uncounted:
     """The child Worker's stats: nothing. The parent counts the same from the events, so the engine's process
     pays no Prometheus counter or histogram per token (about 1 us each)."""
 
-    def count_prompt(self, tokens: int, queue_seconds: float | None = None) -> None:
+    def count_prompt(self, tokens: int) -> None:
         pass
 
-    def count_tokens(self, ttfts: list[float], itls: list[float]) -> None:
+    def count_tokens(self, ttfts: list[float], itls: list[float], first_prompt_tokens: int = 0) -> None:
         pass
 
     def count_step(self, phase: str, seconds: float) -> None:
@@ -77,7 +77,7 @@ class _Uncounted:
         pass
 
     def count_finished(self, reason: str, e2e_seconds: float | None = None, prompt_tokens: int = 0,
-                       generation_tokens: int = 0) -> None:
+                       generation_tokens: int = 0, *, times=None, max_tokens: int = 0, n: int = 0) -> None:
         pass
 
 

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from engine import SamplingParams
 from serve.observe.events import make_event
+from serve.observe.metrics import RequestTimes
 from serve.core.stream import RequestHandle
 
 
@@ -34,6 +35,8 @@ class OwnedRequest:
     seq: Any = None
     num_tokens: int = 0
     last_token_ns: int = 0
+    scheduled_ns: int = 0                 # the start of the first step that scheduled it (vLLM's phase metrics)
+    first_token_ns: int = 0
     prefill_after: str | None = None      # n > 1: the sibling request whose prompt KV this one reuses
     group: str = ""                       # the HTTP request it belongs to (serve.core.fair); "": its own id
 
@@ -43,6 +46,9 @@ class OwnedRequest:
     def counts(self) -> tuple[int, int]:
         """(prompt tokens, output tokens so far): what the metrics count at its finish."""
         return len(self.token_ids), self.num_tokens
+
+    def times(self, finished_ns: int) -> RequestTimes:
+        return RequestTimes(self.submitted_ns, self.scheduled_ns, self.first_token_ns, self.last_token_ns, finished_ns)
 
 
 def device_fields(out) -> dict:
@@ -109,12 +115,14 @@ def step_record(out, worker_id: str, t0: int, t: int, before: dict, rid_of: Call
 
 @dataclass
 class StepTokens:
-    """What a step's tokens made: their events (to the log in one hand-off), TTFTs and ITLs (s), and the
-    requests whose stream now holds more than its limit (slow consumers)."""
+    """What a step's tokens made: their events (to the log in one hand-off), TTFTs and ITLs (s), the prompt
+    tokens of the requests it gave a first token, and the requests whose stream now holds more than its limit
+    (slow consumers)."""
     logged: list[dict]
     ttfts: list[float]
     itls: list[float]
     slow: list[OwnedRequest]
+    first_prompt_tokens: int = 0
 
 
 def deliver_tokens(out, by_seq: dict[int, OwnedRequest], worker_id: str, t: int) -> StepTokens:
@@ -123,6 +131,7 @@ def deliver_tokens(out, by_seq: dict[int, OwnedRequest], worker_id: str, t: int)
     ttfts: list[float] = []
     itls: list[float] = []
     logged: list[dict] = []
+    first_prompt_tokens = 0
     wid, step = worker_id, out.step
     for seq_id, token_id in out.outcome.accepted.items():
         req = by_seq.get(seq_id)
@@ -139,10 +148,12 @@ def deliver_tokens(out, by_seq: dict[int, OwnedRequest], worker_id: str, t: int)
             ev["prompt_logprobs"] = [None if r is None else lp_entry(r) for r in req.seq.prompt_logprobs]
         if req.num_tokens == 1:
             ttfts.append((t - req.submitted_ns) / 1e9)
+            req.first_token_ns = t
+            first_prompt_tokens += len(req.token_ids)
         else:
             itls.append((t - req.last_token_ns) / 1e9)
         req.last_token_ns = t
         logged.append(ev)
         if req.handle.keep_tokens and not req.handle._push(ev):
             slow.append(req)
-    return StepTokens(logged, ttfts, itls, slow)
+    return StepTokens(logged, ttfts, itls, slow, first_prompt_tokens)

@@ -378,7 +378,7 @@ class Worker(WorkerFront):
             return
         self._active[req.request_id] = req
         self._by_seq[req.seq.seq_id] = req
-        self.stats.count_prompt(len(req.token_ids), (now_ns() - req.submitted_ns) / 1e9)
+        self.stats.count_prompt(len(req.token_ids))
         with self._lock:
             queue = len(self._pending)
         self._emit(req, make_event("admitted", req.request_id, self.worker_id, self._round,
@@ -423,9 +423,14 @@ class Worker(WorkerFront):
         self._host.restart(t)
         if self.config.log_steps and self.sink is not None:
             self.sink(step_record(out, self.worker_id, t0, t, before, self._rid_of, self.engine.stats().free_blocks))
+        if phase != "decode":                   # a request's first step prefills: stamp when it was scheduled
+            for sid, _ in out.scheduled:
+                req = self._by_seq.get(sid)
+                if req is not None and not req.scheduled_ns:
+                    req.scheduled_ns = t0
         got = deliver_tokens(out, self._by_seq, self.worker_id, t)
         slow, ttfts, itls, logged = got.slow, got.ttfts, got.itls, got.logged
-        self.stats.count_tokens(ttfts, itls)     # the step's metrics in one go, not a lock per token
+        self.stats.count_tokens(ttfts, itls, got.first_prompt_tokens)     # the step's metrics in one go
         sink_many(self.sink, logged)
         for seq in out.outcome.finished:
             req = self._by_seq.get(seq.seq_id)
@@ -473,7 +478,10 @@ class Worker(WorkerFront):
             if self._live.get(req.request_id) is req:
                 del self._live[req.request_id]
                 self._groups.finished(req.group, waiting=False)
-        self.stats.count_finished(reason, (now_ns() - req.submitted_ns) / 1e9 if req.seq is not None else None, *req.counts())
+        t = now_ns()
+        self.stats.count_finished(reason, (t - req.submitted_ns) / 1e9 if req.seq is not None else None, *req.counts(),
+                                  times=req.times(t), max_tokens=req.params.max_tokens,
+                                  n=req.params.n if req.prefill_after is None else 0)
         if self.sink is not None:
             self.sink(ev)
         req.handle._finish(ev, wake=False)

@@ -56,6 +56,7 @@ from serve.errors import ServeError
 from serve.entrypoints.connections import ConnectionGuard, ConnectionLimits, GuardedAppRunner, QuietLog
 from serve.core.front import WorkerFront
 from serve.entrypoints.http import Access, Middleware
+from serve.observe.metrics import cache_config_info
 from serve.protocol.requests import Limits
 from serve.entrypoints.serving import Serving
 from serve.entrypoints.serving_native import NativeRoutes
@@ -84,7 +85,7 @@ class Service:
         self.limits = Limits(served.max_model_len, name, max_body_bytes,
                              enable_auto_tool_choice=cfg.enable_auto_tool_choice, reasoning_parser=cfg.reasoning_parser,
                              model_aliases=aliases)
-        worker.stats.set_model_name(name)          # vLLM's /metrics series, labelled model_name as vLLM's
+        worker.stats.set_model_name(name, cache_config_info(served))   # vLLM's /metrics series, as vLLM labels them
         self.access = access or Access.make()
         self.connections = connections or ConnectionLimits()
         self.connections.check()

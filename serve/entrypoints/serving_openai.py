@@ -145,7 +145,7 @@ class OpenAIRoutes:
                 for j in range(req.n):
                     k = i * req.n + j
                     rid = req.request_id if k == 0 or req.request_id is None else f"{req.request_id}-{k}"
-                    params = req.params
+                    params = req.params if req.n == 1 else dataclasses.replace(req.params, n=req.n)   # the metrics' n
                     if j:
                         params = dataclasses.replace(params, prompt_logprobs=None,
                                                      seed=None if params.seed is None else params.seed + j)

@@ -12,11 +12,14 @@ token, or that ended the request). docs/METRICS.md lists every name with its typ
 Beside them, once the server names its model (:meth:`ServiceStats.set_model_name`), vLLM's own series
 (:class:`VllmSeries`: ``vllm:num_requests_running``, ``vllm:prompt_tokens_total``,
 ``vllm:request_success_total{finished_reason}``, ...), labelled ``model_name`` and ``engine`` as vLLM's, for every
-quantity this server measures the way vLLM does, so that vLLM's dashboards and scrapers read it.
+quantity this server measures the way vLLM does, so that vLLM's dashboards and scrapers read it. A finished
+request's phases (queue, prefill, decode, inference) come from its moments (:class:`RequestTimes`), which each
+worker kind stamps on its own request records.
 """
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
@@ -42,13 +45,38 @@ PHASES = ("prefill", "decode", "mixed")      # engine.llm_engine.step_kind
 #: the worker's finish reasons as vLLM's finished_reason label (rejected requests never ran: not counted there)
 VLLM_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)     # vLLM's, tokens per step
+N_BUCKETS = (1, 2, 5, 10, 20)                                                            # vLLM's, the n parameter
+
+
+@dataclass(frozen=True)
+class RequestTimes:
+    """A finished request's moments (monotonic ns; 0: it never got there), for vLLM's phase histograms."""
+    submitted_ns: int
+    scheduled_ns: int            # the start of the first engine step that scheduled it
+    first_token_ns: int
+    last_token_ns: int
+    finished_ns: int
+
+    def phases(self) -> tuple[float, float, float, float]:
+        """(queue, prefill, decode, inference) seconds, vLLM's intervals: queue from submit to first scheduled,
+        prefill from first scheduled to the first token, decode from the first to the last token, inference from
+        first scheduled to the last token (a preemption inside one counts in it). A request that ended before a
+        moment (cancelled while queued or mid-prefill) has that interval end at its finish; an interval whose
+        start never came is 0."""
+        end = self.finished_ns
+        scheduled = self.scheduled_ns or end
+        first = self.first_token_ns or end
+        last = self.last_token_ns or end
+        return (max(0, scheduled - self.submitted_ns) / 1e9, max(0, first - scheduled) / 1e9,
+                max(0, last - first) / 1e9 if self.first_token_ns else 0.0, max(0, last - scheduled) / 1e9)
 
 
 class VllmSeries:
     """vLLM's names for what the worker measures as vLLM does (labels ``model_name``, ``engine``="0", as vLLM's,
     and ``worker_id``, as every series here)."""
 
-    def __init__(self, reg: CollectorRegistry, model_name: str, worker_id: str):
+    def __init__(self, reg: CollectorRegistry, model_name: str, worker_id: str, cache_config: dict[str, str]):
         lab, v = ("model_name", "engine", "worker_id"), (model_name, "0", worker_id)
 
         def gauge(name, help_):
@@ -75,10 +103,25 @@ class VllmSeries:
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
         self.e2e = hist("vllm:e2e_request_latency_seconds", "End-to-end request latency (engine-observed).",
                         E2E_BUCKETS)
-        self.queue = hist("vllm:request_queue_time_seconds", "Submit to admission into the engine.", E2E_BUCKETS)
+        self.queue = hist("vllm:request_queue_time_seconds", "Submit to the first step that scheduled the request.",
+                          E2E_BUCKETS)
+        self.prefill = hist("vllm:request_prefill_time_seconds", "First scheduled to the first token.", E2E_BUCKETS)
+        self.decode = hist("vllm:request_decode_time_seconds", "First token to the last token.", E2E_BUCKETS)
+        self.inference = hist("vllm:request_inference_time_seconds", "First scheduled to the last token.",
+                              E2E_BUCKETS)
+        self.tpot = hist("vllm:request_time_per_output_token_seconds", "A request's decode time per output token "
+                         "after the first.", ITL_BUCKETS)
         self.req_prompt = hist("vllm:request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
         self.req_generation = hist("vllm:request_generation_tokens", "Output tokens per finished request.",
                                    TOKEN_BUCKETS)
+        self.req_max_tokens = hist("vllm:request_params_max_tokens", "The max_tokens parameter per finished request.",
+                                   TOKEN_BUCKETS)
+        self.req_n = hist("vllm:request_params_n", "The n parameter, once per prompt of a request.", N_BUCKETS)
+        self.iteration = hist("vllm:iteration_tokens_total", "Tokens per engine step: the prompts whose prefill it "
+                              "ended, plus the tokens it produced.", ITERATION_BUCKETS)
+        # vLLM's info gauge: the KV cache's settings as labels, value 1
+        Gauge("vllm:cache_config_info", "The engine's KV cache settings.", (*cache_config, "engine", "worker_id"),
+              registry=reg).labels(*cache_config.values(), "0", worker_id).set(1)
         self._totals = {"engine_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def scrape(self, gauges: dict[str, float]) -> None:
@@ -93,6 +136,15 @@ class VllmSeries:
             now, last = int(gauges.get(key, 0)), self._totals[key]
             series.inc(now - last if now >= last else now)
             self._totals[key] = now
+
+
+def cache_config_info(served) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info`` for a served engine (``serve.core.front.ServedEngine``): the fields
+    of vLLM's CacheConfig this engine has, as strings."""
+    cfg = served.config
+    return {"block_size": str(cfg.kvcache_block_size), "cache_dtype": str(cfg.kv_cache_dtype),
+            "enable_prefix_caching": str(cfg.enable_prefix_caching),
+            "gpu_memory_utilization": str(cfg.gpu_memory_utilization), "num_gpu_blocks": str(served.num_blocks)}
 
 
 class ServiceStats:
@@ -132,23 +184,24 @@ class ServiceStats:
                              "admitted request.", w, buckets=E2E_BUCKETS, registry=reg).labels(worker_id)
         self.vllm: VllmSeries | None = None
 
-    def set_model_name(self, name: str) -> None:
-        """Add vLLM's series, labelled with the served model name (once; the server calls it at start)."""
+    def set_model_name(self, name: str, cache_config: dict[str, str] | None = None) -> None:
+        """Add vLLM's series, labelled with the served model name (once; the server calls it at start).
+        ``cache_config``: the labels of ``vllm:cache_config_info`` (:func:`cache_config_info`)."""
         with self.lock:
             if self.vllm is None:
-                self.vllm = VllmSeries(self.registry, name, self.worker_id)
+                self.vllm = VllmSeries(self.registry, name, self.worker_id, cache_config or {})
 
     # -- counting (the owner thread) ---------------------------------------------------------
-    def count_prompt(self, tokens: int, queue_seconds: float | None = None) -> None:
-        """An admitted request: its prompt tokens and how long it queued (submit to admission)."""
+    def count_prompt(self, tokens: int) -> None:
+        """An admitted request's prompt tokens."""
         self._prompt.inc(tokens)
         if self.vllm is not None:
             self.vllm.prompt.inc(tokens)
-            if queue_seconds is not None:
-                self.vllm.queue.observe(queue_seconds)
 
-    def count_tokens(self, ttfts: list[float], itls: list[float]) -> None:
-        """A step's output tokens in one go, under one lock: first tokens' TTFTs, later tokens' ITLs (seconds)."""
+    def count_tokens(self, ttfts: list[float], itls: list[float], first_prompt_tokens: int = 0) -> None:
+        """A step's output tokens in one go, under one lock: first tokens' TTFTs, later tokens' ITLs (seconds);
+        ``first_prompt_tokens``: the prompt tokens of the requests whose first token the step made (vLLM counts
+        a prompt in the step that ends its prefill)."""
         if not ttfts and not itls:
             return
         vllm = self.vllm
@@ -164,6 +217,7 @@ class ServiceStats:
                     vllm.ttft.observe(v)
                 for v in itls:
                     vllm.itl.observe(v)
+                vllm.iteration.observe(first_prompt_tokens + len(ttfts) + len(itls))
 
     def count_step(self, phase: str, seconds: float) -> None:
         self._steps[phase].inc()
@@ -173,8 +227,11 @@ class ServiceStats:
         self._errors.inc()
 
     def count_finished(self, reason: str, e2e_seconds: float | None = None, prompt_tokens: int = 0,
-                       generation_tokens: int = 0) -> None:
-        """A finished request; ``e2e_seconds`` only for one that was admitted (vLLM counts only those)."""
+                       generation_tokens: int = 0, *, times: RequestTimes | None = None, max_tokens: int = 0,
+                       n: int = 0) -> None:
+        """A finished request; ``e2e_seconds`` only for one that was admitted (vLLM counts only those).
+        ``times``: its moments (vLLM's phase histograms); ``max_tokens``: its max_tokens parameter; ``n``: the n
+        parameter of the request whose first sample this is (0: a later sample, its prompt already counted)."""
         self._finished.labels(self.worker_id, reason).inc()
         if reason == "rejected":
             self._rejected.inc()
@@ -186,6 +243,15 @@ class ServiceStats:
                 vllm.e2e.observe(e2e_seconds)
                 vllm.req_prompt.observe(prompt_tokens)
                 vllm.req_generation.observe(generation_tokens)
+                if times is not None:
+                    phases = times.phases()
+                    for series, seconds in zip((vllm.queue, vllm.prefill, vllm.decode, vllm.inference), phases):
+                        series.observe(seconds)
+                    vllm.tpot.observe(phases[2] / (generation_tokens - 1) if generation_tokens > 1 else 0.0)
+                if max_tokens:
+                    vllm.req_max_tokens.observe(max_tokens)
+                if n:
+                    vllm.req_n.observe(n)
 
     # -- reading ------------------------------------------------------------------------------
     def _value(self, name: str, **labels: str) -> float:
