@@ -149,7 +149,7 @@ class SchedulerLimits:
 
 def read_model_dir(model: str | Path) -> dict:
     """The one model-directory check: the directory, a readable config.json, a supported architecture
-    (engine/models/families.py: Llama, Qwen2, Qwen3), a supported rope scaling. Returns the parsed config;
+    (engine/families.py: Llama, Qwen2, Qwen3), a supported rope scaling. Returns the parsed config;
     raises ConfigError with one line otherwise."""
     path = Path(model)
     if not path.is_dir():
@@ -163,7 +163,7 @@ def read_model_dir(model: str | Path) -> dict:
         raise ConfigError(f"cannot read {cfg_file}: {exc}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{cfg_file} is not a JSON object")
-    from engine.models.families import family_for
+    from engine.families import family_for
 
     family_for(cfg)                 # an unsupported architecture fails here, with what is supported
     RopeScaling.from_hf(cfg)        # an unsupported rope scaling fails here, before any weights load

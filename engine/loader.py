@@ -1,6 +1,6 @@
 """Load Hugging Face safetensors into the engine's packed, shard-aware parameters.
 
-The names are Hugging Face's for every family (engine/models/families.py): ``model.layers.N.self_attn.{q,k,v}_proj``
+The names are Hugging Face's for every family (engine/families.py): ``model.layers.N.self_attn.{q,k,v}_proj``
 (weights and, Qwen2 and biased Llamas, biases) into the packed ``qkv_proj``, ``mlp.{gate,up}_proj`` into
 ``gate_up_proj``, ``o_proj``/``down_proj`` (and their biases) as they are, ``q_norm``/``k_norm`` for Qwen3 only. A
 tied model's ``lm_head.weight`` is skipped (its head is the embedding); an untied model without one is reported

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "lab"))
-from test_layout import cycles  # noqa: E402  (the circle finder of the house rules)
+from test_layout import cycles, folder  # noqa: E402  (the circle finder and the boxes of the house rules)
 
 PACKAGES = ("engine", "serve", "labkit")
 BIG = 450
@@ -65,14 +65,6 @@ def imported(name: str, path: Path, tree: ast.AST, known: set[str]) -> list[tupl
                 if t:
                     found.append((t, a.name))
     return found
-
-
-def folder(module: str, packages: set[str]) -> str:
-    """The box a module sits in: its package below the top one, or the module itself at the top."""
-    parts = module.split(".")
-    if len(parts) >= 3 or module in packages and len(parts) == 2:
-        return ".".join(parts[:2])
-    return module
 
 
 def default_homes(path: Path, tree: ast.AST, repo: Path) -> list[str]:

@@ -1,9 +1,9 @@
-"""The models the engine runs: one registry (:mod:`engine.models.families`: config.json's architecture picks
+"""The models the engine runs: one registry (:mod:`engine.families`: config.json's architecture picks
 the family, what differs is declared there) and one decoder (:mod:`engine.models.qwen3`) that every family
 builds. :func:`build_model` is what the model runner calls."""
 from __future__ import annotations
 
-from engine.models.families import FAMILIES, ModelFamily, family_for, supported  # noqa: F401
+from engine.families import FAMILIES, ModelFamily, family_for, supported  # noqa: F401
 
 
 def build_model(cfg: dict, backend, tp=None):

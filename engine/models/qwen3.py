@@ -1,6 +1,6 @@
 """The decoder every family builds (Qwen3's, whose names it keeps): GQA attention with RoPE, q/k RMSNorm where
 the family has it (Qwen3), SiLU-gated MLP, tied or untied head. What a family changes (q/k norm, the q/k/v, o
-and MLP biases) is declared in engine/models/families.py and read here once per layer."""
+and MLP biases) is declared in engine/families.py and read here once per layer."""
 from __future__ import annotations
 
 import torch
@@ -14,7 +14,7 @@ from engine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.families import family_for
+from engine.families import family_for
 
 
 class Attention(nn.Module):
@@ -162,7 +162,7 @@ class Qwen3Model(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The causal LM of any family (engine/models/families.py), built by ``engine.models.build_model``;
+    """The causal LM of any family (engine/families.py), built by ``engine.models.build_model``;
     ``Qwen3ForCausalLM`` is the same class under the name the lab's lessons use."""
     # checkpoint name fragment -> (packed parameter fragment, shard id)
     packed_modules_mapping = {

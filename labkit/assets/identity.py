@@ -36,7 +36,7 @@ def _read_config(path: Path) -> dict:
 
 
 def validate_model_dir(path: str | Path) -> Path:
-    """Check that ``path`` is a usable model directory of a family the engine runs (engine/models/families.py:
+    """Check that ``path`` is a usable model directory of a family the engine runs (engine/families.py:
     Llama, Qwen2, Qwen3); return it resolved.
 
     Raises :class:`ModelError` (one line) when the directory is missing, has no/malformed
@@ -52,7 +52,7 @@ def validate_model_dir(path: str | Path) -> Path:
     p = p.resolve()
     cfg = _read_config(p)
     from engine.errors import ConfigError
-    from engine.models.families import family_for
+    from engine.families import family_for
 
     try:
         family_for(cfg)             # the engine's families (Llama, Qwen2, Qwen3): one line naming them otherwise

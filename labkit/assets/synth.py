@@ -205,7 +205,7 @@ def _param_specs(cfg: dict) -> list[tuple[str, tuple[int, ...], str, float]]:
     # like sqrt(layers), harmless in bf16 behind RMSNorm). The final norm weight turns the unit-RMS
     # hidden state into logits with std ~SYNTH_LOGIT_STD against N(0, SYNTH_EMBED_STD) rows.
     final_norm = SYNTH_LOGIT_STD / (SYNTH_EMBED_STD * h**0.5)
-    from engine.models.families import family_for
+    from engine.families import family_for
 
     qk_norm = family_for(cfg).qk_norm             # Qwen3's q/k norm; the Llama presets have none
     specs: list[tuple[str, tuple[int, ...], str, float]] = [

@@ -12,12 +12,12 @@ the ``file:line`` where each is defined, read from the source when it runs.
 """
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
 from labkit.errors import UserError
 from labkit.evidence import write_claimed
+from labkit.paths import definition_line
 
 LESSONS = range(1, 9)
 ANCHOR = re.compile(r"`([\w./-]+\.py)(?::([\w.]+))?`")
@@ -37,21 +37,6 @@ def course_doc() -> Path:
     from labkit.paths import repo_root
 
     return repo_root() / "docs" / "COURSE.md"
-
-
-def definition_line(file: Path, name: str | None) -> int | None:
-    """The line where ``name`` (Name or Class.method) is defined in ``file`` (1 for the file alone), else None."""
-    if not name:
-        return 1
-    scope: list[ast.stmt] = ast.parse(file.read_text(encoding="utf-8")).body
-    node = None
-    for part in name.split("."):
-        node = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                     and n.name == part), None)
-        if node is None:
-            return None
-        scope = node.body if isinstance(node, ast.ClassDef) else []
-    return node.lineno
 
 
 def lesson_functions(n: int, doc: Path | None = None) -> dict:

@@ -55,8 +55,7 @@ def built_by(page_dir=None) -> dict[str, list[dict]]:
     the page's folder (the page sits in runs/ of the clone)."""
     import os
 
-    from labkit.experiments.course import definition_line
-    from labkit.paths import repo_root
+    from labkit.paths import definition_line, repo_root
 
     root = repo_root()
     out: dict[str, list[dict]] = {}

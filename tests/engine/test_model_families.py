@@ -1,4 +1,4 @@
-"""The model families (engine/models/families.py) against transformers, on tiny random models that transformers
+"""The model families (engine/families.py) against transformers, on tiny random models that transformers
 itself writes (``LlamaConfig``/``Qwen2Config``/``Qwen3Config`` + ``save_pretrained``), in float32 on the CPU.
 
 Each family: the engine's teacher-forced logits through the real scheduler (paged KV, chunked prefill at two
@@ -248,7 +248,7 @@ def _break_rope_theta(monkeypatch):
 
 
 def _break_qkv_bias(monkeypatch):
-    from engine.models import families
+    from engine import families
 
     rows = tuple(f if f.name != "qwen2" else families.ModelFamily(**{**f.__dict__, "qkv_bias": False})
                  for f in families.FAMILIES)
@@ -256,7 +256,7 @@ def _break_qkv_bias(monkeypatch):
 
 
 def _break_qk_norm(monkeypatch):
-    from engine.models import families
+    from engine import families
 
     rows = tuple(f if f.name != "qwen3" else families.ModelFamily(**{**f.__dict__, "qk_norm": False})
                  for f in families.FAMILIES)

@@ -1,6 +1,7 @@
 """The house's rules, read from the code: labkit and the server reach the engine only through its public API
 and hooks, the engine imports neither, the server (serve/) imports the engine and nothing of the lab, and no two
-modules import each other in a circle."""
+modules import each other in a circle, nor two folders (a package below the top one, e.g. ``labkit.load``; a
+module at a package's top level is a box of its own)."""
 from __future__ import annotations
 
 import ast
@@ -131,3 +132,37 @@ def test_no_import_circles():
 
 def test_the_circle_finder_finds_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def folder(module: str, packages: set[str]) -> str:
+    """The box a module sits in: its package below the top one, or the module itself at the top."""
+    parts = module.split(".")
+    if len(parts) >= 3 or module in packages and len(parts) == 2:
+        return ".".join(parts[:2])
+    return module
+
+
+def folder_graph(g: dict[str, set[str]], packages: set[str]) -> dict[str, set[str]]:
+    """The arrows between boxes of a module graph; a package's face (its __init__) re-exporting its own
+    modules is not one."""
+    out: dict[str, set[str]] = {}
+    for m, ts in g.items():
+        for t in ts:
+            a, b = folder(m, packages), folder(t, packages)
+            if a != b and not (m in packages and t.startswith(m + ".")):
+                out.setdefault(a, set()).add(b)
+    return out
+
+
+def test_no_import_loops_between_folders():
+    packages = {m for pkg in ("engine", "serve", "labkit") for m, p in modules(pkg).items() if p.name == "__init__.py"}
+    assert cycles(folder_graph(graph(), packages)) == []
+
+
+def test_the_folder_rule_catches_a_loop_no_module_circle_shows():
+    # two modules of each folder, no module imports back the one that imports it: a loop of folders only
+    g = {"labkit.load.sweep": {"labkit.pictures.sweep"}, "labkit.pictures.explorer": {"labkit.load.report"},
+         "engine.config": {"engine.models.families"}, "engine.models.qwen3": {"engine.config"}}
+    packages = {"labkit", "labkit.load", "labkit.pictures", "engine", "engine.models"}
+    assert cycles(g) == []
+    assert cycles(folder_graph(g, packages)) == [["engine.config", "engine.models"], ["labkit.load", "labkit.pictures"]]

@@ -18,8 +18,8 @@ q/k-norm + RoPE + KV-store kernel (engine/layers/fused_kernels.py) is Qwen3's q/
 q/k norm take the plain route there (RoPE in torch, ``backend.store_kv``); ``LLMEngine.describe()["model"]``
 says which route each engine took.
 
-This module imports nothing heavy: engine/config.py reads it to refuse an unsupported model before any
-weights load.
+This module imports nothing of the engine but its errors: engine/config.py reads it to refuse an unsupported
+model before any weights load, and engine/models builds each family's layers from it.
 """
 from __future__ import annotations
 
