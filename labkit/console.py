@@ -139,6 +139,27 @@ def short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def readable(value: Any) -> str:
+    """A value as it reads in a line or a table cell, never as Python writes it (``None``, ``True``,
+    ``{'a': 1}``): text as is, ``-`` for none, ``yes``/``no``, a list in brackets and a mapping as
+    ``key: value`` pairs, each item readable in turn (``[A, B]``; ``status: WAITING, blocks: []``; a mapping
+    inside another in parentheses)."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        if not value:
+            return "-"
+        return ", ".join(f"{k}: {f'({readable(v)})' if isinstance(v, dict) and v else readable(v)}"
+                         for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(f"({readable(v)})" if isinstance(v, dict) and v else readable(v) for v in value) + "]"
+    return str(value)
+
+
 def rel(path: str | Path | None) -> str:
     """``path`` relative to the working directory when it lies below it."""
     if path is None:
@@ -335,7 +356,7 @@ def _flash_line(f: dict | None) -> str:
         return "not checked"
     if not f["found"]:
         return f["why"]
-    text = f"{f.get('version')} ({f['build']} build, {f['location']}): {f['runs']}"
+    text = f"{readable(f.get('version'))} ({f['build']} build, {f['location']}): {f['runs']}"
     if f.get("imports") is False:
         text += f"; does not import: {f['import_error']}"
     if f.get("arch_note"):
@@ -522,7 +543,7 @@ def render_cached_forward(record: dict) -> None:
 def render_tp_shapes(record: dict) -> None:
     for r in record["facts"]["ranks"]:
         console.print(f"rank {r['rank']}: {r['q_heads']} q heads, {r['kv_heads']} kv heads, "
-                      f"rows of the TP=1 qkv weight {r['rows_of_tp1_packed_qkv']}")
+                      f"rows of the TP=1 qkv weight {readable(r['rows_of_tp1_packed_qkv'])}")
     rows = record["facts"].get("qkv_rows_tp1")
     if rows:
         table = Table(title="TP=1 packed qkv weight: rows of q_proj, k_proj, v_proj", title_justify="left")

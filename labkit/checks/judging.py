@@ -135,7 +135,8 @@ def _envelope_checks(cp: Checkpoint | None, record: dict) -> list[dict]:
     synthetic = model.get("synthetic") if isinstance(model, dict) else None
     if isinstance(model, dict) and isinstance(synthetic, bool) and "preset" in model:
         made = model.get("preset") is not None
-        out.append(_result("model.synthetic", synthetic == made, f"{made} (preset {model.get('preset')!r})",
+        out.append(_result("model.synthetic", synthetic == made,
+                           f"true (preset {model['preset']})" if made else "false (no preset)",
                            synthetic, "a synthesized model names its preset; real weights name none",
                            source="envelope"))
     if cp is None:

@@ -13,7 +13,7 @@ import typer
 
 from labkit.cli.app import finish
 from labkit.cli.options import AttentionOpt, DeviceOpt, JsonOpt, ModelOpt, OutOpt
-from labkit.console import console, dict_table, kv_table, note
+from labkit.console import console, dict_table, kv_table, note, readable
 
 EXIT_HELP = "Exit codes: 0 PASS/REVIEW, 1 FAIL, 2 user error."
 
@@ -69,7 +69,7 @@ def principles_attention(out: OutOpt = None, json_out: JsonOpt = False) -> None:
               "unmasked earlier delta": round(f["unmasked_earlier_delta"], 5),
               "cached last output": rnd(f["cache"]["cached_last_output"]),
               "cache max error": f["cache"]["max_error"],
-              "query positions (full, cached) / KV": f"{f['cache']['query_positions']} / {f['cache']['kv_positions']}",
+              "query positions (full, cached) / KV": f"{readable(f['cache']['query_positions'])} / {f['cache']['kv_positions']}",
               "engine decode: query rows / K/V slots written": f"{f['cache']['decode_output_rows']} / {f['cache']['kv_slots_written']}",
               "V != Q/K: last output": [round(x, 6) for x in f["v_differs"]["last_output"]]},
           "causal attention", json_out)

@@ -20,7 +20,7 @@ scheduler_app = typer.Typer(help="Scheduler practice on the real scheduler, and 
 def _render_practice(record: dict) -> None:
     from rich.table import Table
 
-    from labkit.console import console
+    from labkit.console import console, readable
 
     facts = record.get("facts") or {}
     t = Table(title="labkit scheduler practice (real scheduler, synthetic token ids)")
@@ -35,17 +35,20 @@ def _render_practice(record: dict) -> None:
         t.add_row("rotation", pol, short(r.get("phases")),
                   f"served in 3 decodes: {', '.join(r.get('served_in_3_decodes') or [])}")
         t.add_row("kv_short", pol, short(k.get("phases")),
-                  f"decode while R2 waits for KV: rounds {k.get('decode_while_prefill_waits')}, R2 prefilled in round {k.get('r2_prefill_round')}")
+                  f"decode while R2 waits for KV: rounds {readable(k.get('decode_while_prefill_waits'))}, "
+                  f"R2 prefilled in round {readable(k.get('r2_prefill_round'))}")
         t.add_row("preempt", pol, short([p.get("phase")] if p.get("phase") else []),
-                  f"selected {p.get('selected')}, waiting {p.get('waiting')}, C {p.get('C')}")
+                  f"selected {readable(p.get('selected'))}, waiting {readable(p.get('waiting'))}, "
+                  f"C {readable(p.get('C'))}")
     for key, s in (facts.get("knob_summary") or {}).items():
-        t.add_row("knob", key.replace("/", " --max-consecutive-prefill ").replace(" None", " unset"), short(s.get("phases")),
+        t.add_row("knob", key.replace("/", " --max-consecutive-prefill "), short(s.get("phases")),
                   f"longest prefill run {s.get('longest_prefill_run')}, shorts' longest gap {s.get('short_max_gap_rounds')}, "
                   f"long's first token in round {s.get('long_first_token_round')}")
     console.print(t)
     same = (facts.get("prefill_first_vs_upstream") or {}).get("same_per_case")
     if same is not None:
-        console.print(f"prefill_first vs upstream (the pinned patches/upstream/scheduler.py): {same}", soft_wrap=True)
+        console.print(f"prefill_first vs upstream (the pinned patches/upstream/scheduler.py), the same per case: "
+                      f"{readable(same)}", soft_wrap=True)
 
 
 @scheduler_app.command()
@@ -64,7 +67,7 @@ def practice(out: OutOpt = None, json_out: JsonOpt = False) -> None:
 def _render_compare(record: dict) -> None:
     from rich.table import Table
 
-    from labkit.console import console
+    from labkit.console import console, readable
 
     f = record.get("facts") or {}
     t = Table(title=f"labkit scheduler compare {f.get('pair')}: {f.get('what')} ({f.get('repeats')} repeats, "
@@ -81,8 +84,8 @@ def _render_compare(record: dict) -> None:
                   f"{fmt(s['throughput_tok_s'])}", fmt(s["longest_prefill_run_while_decoding"]),
                   f"{fmt(s['completed'])} / {fmt(s['output_tokens'])}")
     console.print(t)
-    console.print(f"same request sets: {f.get('same_request_sets')}; same output tokens per request: "
-                  f"{f.get('same_token_counts')}; event logs in {f.get('logs')}", soft_wrap=True)
+    console.print(f"same request sets: {readable(f.get('same_request_sets'))}; same output tokens per request: "
+                  f"{readable(f.get('same_token_counts'))}; event logs in {readable(f.get('logs'))}", soft_wrap=True)
     w = f.get("who_pays")
     if w:
         a, b = w["sides"]

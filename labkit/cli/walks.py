@@ -5,7 +5,7 @@ themselves are plain functions in labkit/experiments/lifecycle.py and prefix_wal
 """
 from __future__ import annotations
 
-from labkit.console import console, dict_table, kv_table, note, render_quick_walk
+from labkit.console import console, dict_table, kv_table, note, readable, render_quick_walk
 from labkit.errors import UserError
 
 
@@ -43,7 +43,7 @@ def render_prefix(record: dict) -> None:
         "B first schedule (total/cached/scheduled)": f"{b['total']}/{b['cached']}/{b['scheduled']}, blocks {b['block_table']}",
         "cu_seqlens_q / cu_seqlens_k": f"{i['cu_seqlens_q']} / {i['cu_seqlens_k']}",
         "positions": f"{i['first_position']}..{i['last_position']}",
-        "block_tables given": str(i["has_block_tables"]),
+        "block_tables given": readable(i["has_block_tables"]),
         f"ref counts of blocks {f['watched_blocks']}": " -> ".join(str(c) for c in f["ref_count_trace"]),
         "exactly 512 tokens (total/cached/scheduled)": f"{f['exact_512']['total']}/{f['exact_512']['cached']}/{f['exact_512']['scheduled']}",
     }, title=f"quick-walk prefix: {f['title']}"))
@@ -113,8 +113,9 @@ def render_walk_shapes(record: dict) -> None:
     console.print("Q, K, V of layer 0; every layer's are recorded ("
                   f"{'the same in all layers' if all(s['layers_same_as_layer0'] for s in sh['steps']) else 'they differ'}); "
                   "rule: cu_seqlens_q[1:] - 1 on a prefill, every row on a decode")
-    console.print(f"shapes match the model's config: {sh['shapes_match_config']} "
-                  f"({len(sh['mismatches'])} mismatches); LM head rows follow the rule: {sh['lm_head_rows_follow_rule']}")
+    console.print(f"shapes match the model's config: {readable(sh['shapes_match_config'])} "
+                  f"({len(sh['mismatches'])} mismatches); LM head rows follow the rule: "
+                  f"{readable(sh['lm_head_rows_follow_rule'])}")
 
 
 def _dims(shape) -> str:

@@ -226,8 +226,9 @@ def side(policies: list[str], knob: bool = True) -> dict:
         out[p] = {"interference": case_interference(p), "rotation": case_rotation(p), "chunk": case_chunk(p),
                   "kv_short": case_kv_short(p), "preempt": case_preempt(p)}
     if knob:
-        out["knob"] = {"prefill_first": {str(n): case_interference("prefill_first", n) for n in (None, 2, 1)},
-                       "balanced": {str(n): case_interference("balanced", n) for n in (None, 2)}}
+        key = lambda n: "unset" if n is None else str(n)  # noqa: E731  (the knob's value; unset: the policy's own)
+        out["knob"] = {"prefill_first": {key(n): case_interference("prefill_first", n) for n in (None, 2, 1)},
+                       "balanced": {key(n): case_interference("balanced", n) for n in (None, 2)}}
     return out
 
 

@@ -60,8 +60,8 @@ def test_practice_passes_and_rejudges(tmp_path, labkit_argv, upstream_once):
                                                               ("interference", "rotation", "chunk", "kv_short", "preempt")}
     # who pays for the knob: the shorts wait less, the long request's first token comes later
     s = f["knob_summary"]
-    assert s["prefill_first/2"]["short_max_gap_rounds"] < s["prefill_first/None"]["short_max_gap_rounds"]
-    assert s["prefill_first/2"]["long_first_token_round"] > s["prefill_first/None"]["long_first_token_round"]
+    assert s["prefill_first/2"]["short_max_gap_rounds"] < s["prefill_first/unset"]["short_max_gap_rounds"]
+    assert s["prefill_first/2"]["long_first_token_round"] > s["prefill_first/unset"]["long_first_token_round"]
 
 
 def test_practice_fails_without_rotation(tmp_path, labkit_argv, upstream_once, monkeypatch):
