@@ -15,6 +15,7 @@ engine, the evidence header of a log, where logs go). Cut by role, along vLLM's 
 - :mod:`serve.entrypoints`: the HTTP front (aiohttp): the app and its routes, middleware and access, the
   submission path both APIs share, the native and OpenAI routes, detokenizing, connections, launch.
 - :mod:`serve.observe`: the event records and their JSONL log, Prometheus ``/metrics``, the profiler, log escaping.
+- :mod:`serve.process_exit`: a process that has closed in order ends without the interpreter's module teardown.
 
 Server stack: aiohttp. It is installed on the GPU image (which has no fastapi/uvicorn/starlette), it streams
 with back-pressure (``await response.write`` waits for the socket to drain), and it can cancel a handler when

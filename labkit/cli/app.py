@@ -705,6 +705,17 @@ def _model_arg(model: Path | None) -> str | None:
 # --------------------------------------------------------------------------- entry point
 
 
+#: set by a command that has shut down in order (``serve``): :func:`main` ends the process without the
+#: interpreter's teardown (:func:`serve.process_exit.end_without_teardown`)
+_END_WITHOUT_TEARDOWN = False
+
+
+def skip_teardown() -> None:
+    """Ask :func:`main` to end the process without the interpreter's teardown once the command returns."""
+    global _END_WITHOUT_TEARDOWN
+    _END_WITHOUT_TEARDOWN = True
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry: run the app (errors are mapped by :class:`LabkitGroup`); Ctrl-C exits 130."""
     try:
@@ -712,3 +723,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         error_line("interrupted")
         sys.exit(INTERRUPTED_EXIT)
+    except SystemExit as e:
+        if not _END_WITHOUT_TEARDOWN:
+            raise
+        from serve.process_exit import end_without_teardown
+
+        end_without_teardown(e.code if isinstance(e.code, int) else 0 if e.code is None else 1)

@@ -15,7 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from labkit.cli.app import finish
+from labkit.cli.app import finish, skip_teardown
 from labkit.errors import UserError
 from labkit.cli.options import JsonOpt, ModelOpt, SeedOpt, engine_options
 
@@ -144,6 +144,7 @@ def serve(
                         on_context=lambda why: console.print(why, soft_wrap=True), log_plan=log_plan,
                         engine_process=engine_process, envelope=envelope, build=LAB_BUILDER)
     render_served(summary)
+    skip_teardown()               # closed in order: the process ends without the interpreter's teardown
 
 
 def client(

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 from engine import RequestError
 from serve.errors import ServeError
+from serve.process_exit import end_without_teardown
 from serve.observe.events import make_event
 from serve.core.config import WorkerConfig
 from serve.core.front import DuplicateRequest, WorkerUnavailable
@@ -104,7 +105,8 @@ def _on_sigterm(signum, frame) -> None:
 def child_main(config: WorkerConfig, commands, events, build: str | None = None) -> None:
     """The engine process: build the Worker, report ready (or the init error), then serve commands. SIGTERM
     closes the Worker in order like the parent's close (its engine's TP ranks, shared memory and semaphores
-    released: no resource_tracker "leaked" warning), instead of killing the process where it stands."""
+    released: no resource_tracker "leaked" warning), instead of killing the process where it stands. Closed in
+order, the process ends without the interpreter's module teardown (:mod:`serve.process_exit`)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C goes to the parent, which closes us in order
     signal.signal(signal.SIGTERM, _on_sigterm)
     sender = _Sender(events)
@@ -133,6 +135,7 @@ def child_main(config: WorkerConfig, commands, events, build: str | None = None)
             sender.send(Closed())
         except OSError:
             pass
+    end_without_teardown(0)           # closed in order: the parent's join need not wait for the module teardown
 
 
 def _serve_commands(worker: Worker, sender: _Sender, commands) -> float:
