@@ -411,8 +411,8 @@ def render_md(r: dict) -> str:
     if "error" in t:
         lines.append(f"| torch | {t['error']} |")
     else:
-        lines.append(f"| torch | {t.get('version')}, CUDA build {t.get('cuda_build')}, "
-                     f"CUDA available: {t.get('cuda_available')} |")
+        lines.append(f"| torch | {t.get('version')}, CUDA build {t.get('cuda_build') or 'none'}, "
+                     f"CUDA available: {'yes' if t.get('cuda_available') else 'no'} |")
         lines.append(f"| GPUs | {', '.join(t.get('devices') or []) or 'none'} |")
     smi = env["nvidia_smi"]
     lines.append(f"| driver | {smi.get('driver') if smi.get('available') else smi.get('reason')} |")

@@ -44,3 +44,9 @@ def test_the_judge_states_a_synthetic_model_as_text():
     record = {"model": {"synthetic": True, "preset": "tiny"}, "kind": "cpu-real-engine", "device": "cpu"}
     rows = [c for c in judge(None, record) if c["name"] == "model.synthetic"]
     assert [c["expected"] for c in rows] == ["true (preset tiny)"]
+
+
+def test_the_final_report_has_no_python_repr(labkit_in_process, tmp_path):
+    res = labkit_in_process("report", env={"LABKIT_RUNS_DIR": str(tmp_path)})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert reprs((tmp_path / "final-report.md").read_text()) == []
