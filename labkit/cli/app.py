@@ -67,7 +67,6 @@ from labkit.cli.options import (
     engine_flag,
 )
 from labkit.console import (
-    bench_serve_rows,
     console,
     dict_table,
     debug_enabled,
@@ -76,12 +75,15 @@ from labkit.console import (
     internal_error_line,
     print_json,
     rel,
+    render_record,
+    render_rows,
+)
+from labkit.console.setup import (
+    bench_serve_rows,
     render_doctor,
     render_facts_json,
     render_generate,
     render_quick_walk,
-    render_record,
-    render_rows,
     render_smoke,
 )
 from labkit.errors import UserError

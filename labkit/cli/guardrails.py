@@ -14,9 +14,8 @@ import typer
 from labkit.cli.app import finish
 from labkit.cli.options import (AttentionOpt, DeviceOpt, DtypeOpt, KvCacheDtypeOpt, ModelOpt, SeedOpt,
                                 TensorParallelSizeOpt, engine_flag)
-from labkit.console import (
-    err_console,
-    print_json,
+from labkit.console import err_console, print_json
+from labkit.console.guardrails import (
     render_calibration,
     render_cached_forward,
     render_collect,

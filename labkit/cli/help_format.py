@@ -60,7 +60,7 @@ _LIST_LINE = re.compile(r"\s*([-*|]|\d+[.)])\s")
 
 
 def plain_help_text(text: str) -> str:
-    """A command's or option's help as the words it says. Our help strings are plain text (labkit/console.py's
+    """A command's or option's help as the words it says. Our help strings are plain text (labkit.console's
     rule: no rich markup), so ``[len*(1-r), len*(1+r)]`` is an interval, not a markup tag to drop; ``x``
     (reStructuredText, from a docstring) reads `x`; a paragraph's line breaks (a docstring's source lines) are
     spaces, so rich wraps it at the terminal's width instead of at the source's."""

@@ -48,7 +48,8 @@ def _one_model(model_arg: str | None, model) -> str | None:
 
 def _on_ready(out):
     """What ``labkit serve`` prints once the worker is up: its banner and the URL."""
-    from labkit.console import console, render_serving
+    from labkit.console import console
+    from labkit.console.serving import render_serving
 
     def ready(url: str, worker) -> None:
         render_serving(worker, out)
@@ -115,7 +116,8 @@ def serve(
     vLLM's /tokenize, /detokenize and /version (docs/OPENAI.md).
     Every event goes to a JSONL log: --out, or by default runs/serve-<worker-id>.jsonl, rotated at
     --event-log-max-mb (256 by default) with --event-log-backups old files; --no-event-log for none."""
-    from labkit.console import console, render_served
+    from labkit.console import console
+    from labkit.console.serving import render_served
     from labkit.evidence import envelope
     from labkit.lab_engine import LAB_BUILDER, detect_device
     from labkit.paths import runs_dir
@@ -163,7 +165,8 @@ def client(
     """Send one streamed request, print its text as it arrives, and record what the client observed.
 
     Its import path is the console and the HTTP client only (no torch, no engine), so it starts fast."""
-    from labkit.console import print_json, render_client
+    from labkit.console import print_json
+    from labkit.console.serving import render_client
     from labkit.load.client import run_client
 
     eps = _endpoints(endpoints)
@@ -297,7 +300,7 @@ def load(
     With --request-rates: a rate sweep (vLLM bench serve's --request-rate, swept): per rate throughput,
     TTFT/TPOT/ITL/E2E p50/p90/p99, goodput, prefix-cache hit rate and every request accounted for; a
     latency-throughput picture next to the evidence."""
-    from labkit.console import render_load
+    from labkit.console.serving import render_load
     from labkit.paths import default_out
     from labkit.load.replay import LoadOptions, run_load
     from engine.args import preset
@@ -339,7 +342,8 @@ def report(
         from labkit.cli.final import final_report_command
 
         final_report_command(out, plots, json_out)
-    from labkit.console import print_json, render_report
+    from labkit.console import print_json
+    from labkit.console.serving import render_report
     from labkit.paths import default_out
     from labkit.load.report import compare
 
@@ -358,7 +362,7 @@ def simulate(
     json_out: JsonOpt = False,
 ) -> None:
     """The service chain on CPU (Worker → HTTP → client → report) through cancel, overload, faults and shutdown."""
-    from labkit.console import render_simulate
+    from labkit.console.serving import render_simulate
     from labkit.load.simulate import run_simulate
     from serve.observe.events import split_out
 

@@ -5,7 +5,8 @@ themselves are plain functions in labkit/experiments/lifecycle.py and prefix_wal
 """
 from __future__ import annotations
 
-from labkit.console import console, dict_table, kv_table, note, readable, render_quick_walk
+from labkit.console import console, dict_table, kv_table, note, readable
+from labkit.console.setup import render_quick_walk
 from labkit.errors import UserError
 
 

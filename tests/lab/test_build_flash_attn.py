@@ -126,7 +126,7 @@ def test_doctor_says_which_flash_attn_it_found_and_what_it_runs(tmp_path, monkey
     import torch
 
     from engine.attention import flash_support
-    from labkit.console import _flash_line
+    from labkit.console.setup import _flash_line
     from labkit.doctor import check_flash_attn
 
     monkeypatch.setattr(flash_support, "installed", lambda: None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import console as con
+from labkit.console import setup as con_setup
 
 NASTY = ["Hello [/", "[/]", "[the docs](url)", "a [bold]b[/bold] c", "x :smile: y", "[optional]", "[link=http://e]z"]
 
@@ -13,7 +14,7 @@ def test_generate_output_prints_literally(text):
     record = {"facts": {"requests": [{"prompt_tokens": 2, "output_token_ids": [1, 2], "text": text,
                                       "finish_reason": "length"}], "note": f"note {text}"}}
     with con.console.capture() as cap:
-        con.render_generate(record, f"/tmp/{text}/g.json")
+        con_setup.render_generate(record, f"/tmp/{text}/g.json")
     assert text in cap.get()
 
 
@@ -41,7 +42,7 @@ def test_doctor_optional_label_is_shown():
                                        "attention_backend": "torch"}},
               "device": "cpu", "kind": "cpu-real-engine"}
     with con.console.capture() as cap:
-        con.render_doctor(record)
+        con_setup.render_doctor(record)
     out = cap.get()
     assert "[optional]" in out and "/x/[y]/python" in out and "/x/[engine]" in out
 

@@ -40,7 +40,7 @@ def test_help_at_80_columns_keeps_option_names_and_hints_no_bool(cli_app, comman
 
 
 def test_doctor_engine_rows_say_gib():
-    from labkit.console import doctor_engine_rows, gib
+    from labkit.console.setup import doctor_engine_rows, gib
 
     budget = 3 * 2**30 + 2**29
     rows = doctor_engine_rows({"attention_backend": "torch", "dtype": "float32", "block_size": 256, "num_blocks": 7,
@@ -51,7 +51,7 @@ def test_doctor_engine_rows_say_gib():
 
 
 def test_serve_banner_shows_tp_size_and_max_model_len(tiny_model_dir):
-    from labkit.console import serving_banner
+    from labkit.console.serving import serving_banner
     from serve.core.config import WorkerConfig
     from serve.core.front import ServedEngine
     from engine import Config
