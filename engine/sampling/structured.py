@@ -211,18 +211,31 @@ class SequenceGrammar:
 class Grammars:
     """The engine's grammar compiler and compile cache (key: kind + text). Built on first use: an engine that
     never sees a constrained request never loads xgrammar. Thread-safe: the service compiles at submit, on
-    its HTTP threads, while the step loop runs."""
+    its HTTP threads, while the step loop runs.
 
-    CACHE = 256          # compiled grammars kept (least recently used goes first)
+    The cache is bounded by the compiled grammars' size (xgrammar's ``memory_size_bytes``: the token masks it
+    keeps per grammar state, tens of MB for a schema of a few hundred KB over a 150k vocabulary), not by their
+    count: ``cache_bytes`` in all, the least recently used going first; a grammar larger than the whole budget
+    is not kept."""
 
-    def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: tuple[int, ...]):
+    CACHE_BYTES = 512 << 20      # compiled grammars kept, in bytes (labkit serve --grammar-cache-mb)
+
+    def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: tuple[int, ...],
+                 cache_bytes: int | None = None):
         self._tokenizer = tokenizer            # called once, on first use
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
+        self.cache_bytes = self.CACHE_BYTES if cache_bytes is None else cache_bytes
         self._compiler = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cached_bytes = 0
         self._lock = threading.Lock()
         self._compiler_lock = threading.Lock()
+
+    @property
+    def cached_bytes(self) -> int:
+        """What the cached compiled grammars hold, in bytes."""
+        return self._cached_bytes
 
     @property
     def compiler(self):
@@ -247,15 +260,29 @@ class Grammars:
         except (RuntimeError, ValueError, TypeError) as e:
             msg = _XGR_PREFIX.sub("", " ".join(str(e).split()))
             raise _bad(so.kind, f"cannot be compiled: {msg[:300]}") from None
-        with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > self.CACHE:
-                self._cache.popitem(last=False)
+        self._keep(key, compiled)
         return compiled
+
+    def _keep(self, key: tuple[str, str], compiled) -> None:
+        """Cache compiled under key, then drop the least recently used until the cache fits its byte budget."""
+        size = _size(compiled)
+        with self._lock:
+            if key in self._cache or size > self.cache_bytes:
+                return
+            self._cache[key] = compiled
+            self._cached_bytes += size
+            while self._cached_bytes > self.cache_bytes:
+                _, old = self._cache.popitem(last=False)
+                self._cached_bytes -= _size(old)
 
     def matcher(self, so: StructuredOutputsParams) -> SequenceGrammar:
         import xgrammar as xgr
         return SequenceGrammar(xgr.GrammarMatcher(self.compile(so), override_stop_tokens=self.eos_token_ids or None))
+
+
+def _size(compiled) -> int:
+    """A compiled grammar's memory in bytes (xgrammar's own count)."""
+    return int(compiled.memory_size_bytes)
 
 
 class GrammarMask:

@@ -99,6 +99,7 @@ def serve(
     reasoning_parser: Annotated[Optional[str], typer.Option("--reasoning-parser", help="qwen3: a chat answer's <think> part goes to message.reasoning_content (and reasoning) and to the stream's deltas, as vLLM's flag. Default: none, the text unchanged.")] = None,
     enable_auto_tool_choice: Annotated[bool, typer.Option("--enable-auto-tool-choice/--no-enable-auto-tool-choice", help="tool_choice auto (the default when tools are sent): parse the model's tool calls. vLLM needs this flag; here it is on, so agent frameworks work out of the box.")] = True,
     tool_call_parser: Annotated[str, typer.Option("--tool-call-parser", help="How tool calls are read: hermes (Qwen3's <tool_call> JSON), the only one.")] = "hermes",
+    grammar_cache_mb: Annotated[int, typer.Option("--grammar-cache-mb", help="Compiled grammars (structured outputs, required tool calls) kept for reuse, in MiB in all; the least recently used go first.")] = 512,
     max_connections: Annotated[int, typer.Option("--max-connections", help="Open connections at most (lowered to fit the file limit); beyond, idle ones are closed, then 503.")] = 512,
     timeout_keep_alive: Annotated[float, typer.Option("--timeout-keep-alive", help="Seconds a connection may wait for the first byte of a request.")] = 5.0,
     timeout_headers: Annotated[float, typer.Option("--timeout-headers", help="Seconds for a request line and headers to arrive (then 408).")] = 10.0,
@@ -137,7 +138,8 @@ def serve(
                        max_active_per_request=max_active_per_request, stream_buffer=stream_buffer,
                        max_prompt_bytes=max_prompt_bytes,
                        special_tokens_in_content=special_tokens_in_content, reasoning_parser=reasoning_parser,
-                       enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser)
+                       enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
+                       grammar_cache_mb=grammar_cache_mb)
     connections = ConnectionLimits(timeout_keep_alive=timeout_keep_alive, timeout_headers=timeout_headers,
                                    timeout_body=timeout_body, max_connections=max_connections)
     summary = run_serve(cfg, host, port, log_plan.path, served_model_name=served_model_name,

@@ -86,6 +86,7 @@ class WorkerConfig:
     reasoning_parser: str | None = None     # "qwen3": chat answers' <think> part in the reasoning fields (vLLM's flag)
     enable_auto_tool_choice: bool = True    # tool_choice "auto" parses tool calls (vLLM needs the flag; here on)
     tool_call_parser: str = "hermes"        # how tool calls are read (Qwen3's <tool_call> JSON: hermes)
+    grammar_cache_mb: int = 512             # compiled grammars kept, in MiB (engine/sampling/structured.py)
 
     def __init__(self, engine: EngineArgs | None = None, **options) -> None:
         """The worker's fields by name; the engine's as ``engine``, by their names, or both (a name given
@@ -104,7 +105,7 @@ class WorkerConfig:
         self.__post_init__()
 
     def __post_init__(self) -> None:
-        _positive(self, "max_active", "queue_size", "stream_buffer")
+        _positive(self, "max_active", "queue_size", "stream_buffer", "grammar_cache_mb")
         if self.max_active_per_request is not None:
             _positive(self, "max_active_per_request")
         if self.max_prompt_bytes is None and self.max_model_len != "auto":   # "auto": set once the engine fitted it

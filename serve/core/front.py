@@ -205,7 +205,8 @@ class WorkerFront:
         if self._grammar_cache is None and self._encoder is not None:
             from engine.sampling.structured import Grammars
             cfg = self.served.config
-            self._grammar_cache = Grammars(lambda: self._encoder, cfg.vocab_size, tuple(cfg.eos_token_ids))
+            self._grammar_cache = Grammars(lambda: self._encoder, cfg.vocab_size, tuple(cfg.eos_token_ids),
+                                           cache_bytes=self.config.grammar_cache_mb << 20)
         return self._grammar_cache
 
     def _check_grammar(self, so) -> None:

@@ -329,6 +329,7 @@ class Worker(WorkerFront):
             self.tokenizer = copy.deepcopy(self._encoder)
         self.engine.add_hooks(_WorkerHooks(self))
         self._grammar_cache = engine.grammars       # submit() compiles constraints into the engine's own cache
+        engine.grammars.cache_bytes = cfg.grammar_cache_mb << 20
 
     def _has_work_locked(self) -> bool:
         if self._calls:
