@@ -298,7 +298,7 @@ class LLMEngine:
         engine's config and KV pool."""
         admission.check_request(self.config, self.block_manager.num_blocks, token_ids, sampling_params)
         if sampling_params is not None and sampling_params.structured_outputs is not None:
-            self.grammars.compile(sampling_params.structured_outputs)     # compiled here, kept for add_request
+            self.grammars.compile(sampling_params.structured_outputs)     # compiled here, pinned for add_request
             feasible.check(self.grammars, sampling_params)                # a grammar that leaves no token
 
     #: validate()'s rule over an engine's config and KV pool size alone, and encode()'s over a given
@@ -318,7 +318,7 @@ class LLMEngine:
             self.validate(token_ids, sampling_params)
         seq = Sequence(self._next_id(), token_ids, sampling_params, self.config.kvcache_block_size)
         seq.prefill_after = prefill_after
-        if sampling_params.structured_outputs is not None:     # its own matcher (the compiled grammar is cached)
+        if sampling_params.structured_outputs is not None:     # its own matcher (over the grammar validate pinned)
             seq.grammar = self.grammars.matcher(sampling_params.structured_outputs)
         self.scheduler.add(seq)
         return seq

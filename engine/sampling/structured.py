@@ -7,8 +7,10 @@ grammar in xgrammar's GBNF dialect (``grammar``), or an xgrammar structural tag 
 Where each part runs:
 - admission (``LLMEngine.validate`` / ``add_request``, never the step): :class:`Grammars` compiles the
   constraint once per (kind, text) with the engine's one ``xgrammar.GrammarCompiler`` (built on first use from
-  the engine's tokenizer) and keeps it; a constraint xgrammar cannot compile is a ``RequestError``
-  (``invalid_structured_outputs``). Each sequence gets its own :class:`SequenceGrammar` (a GrammarMatcher).
+  the engine's tokenizer) and keeps it (a cache bounded by bytes), pinned on the request's params for the
+  request's lifetime; a constraint xgrammar cannot compile is a ``RequestError`` (``invalid_structured_outputs``).
+  Each sequence gets its own :class:`SequenceGrammar` (a GrammarMatcher) over its pinned grammar: the step loop
+  never compiles, even when the cache dropped the grammar while the request waited.
 - the sampler (engine/sampling/sampler.py): :class:`GrammarMask` fills the bitmask of the step's constrained
   rows and sets their disallowed logits to -inf before anything else reads them (both sampling paths, greedy
   included, and the log-probs: vLLM applies the bitmask before its sampler too).
@@ -109,6 +111,13 @@ class StructuredOutputsParams:
     @property
     def kind(self) -> str:
         return self._kind
+
+    def __getstate__(self) -> dict:
+        """Pickled (to an engine process) without the compiled grammar pinned here: that one belongs to this
+        process's compiler (:meth:`Grammars.compile` pins it)."""
+        state = dict(self.__dict__)
+        state.pop("_pinned", None)
+        return state
 
     def key(self) -> tuple[str, str]:
         """(kind, canonical text): the compile cache's key."""
@@ -248,7 +257,19 @@ class Grammars:
             return self._compiler
 
     def compile(self, so: StructuredOutputsParams):
-        """The compiled grammar of so (cached); RequestError naming the field when xgrammar refuses it."""
+        """The compiled grammar of so (cached); RequestError naming the field when xgrammar refuses it.
+
+        The result is pinned on ``so`` (so on the request's params) for as long as the request lives: the
+        cache may drop it meanwhile, the request's own matcher (:meth:`matcher`, made at admission, on the step
+        loop) still finds it there and never compiles."""
+        pinned = so.__dict__.get("_pinned")
+        if pinned is not None and pinned[0] is self:
+            return pinned[1]
+        compiled = self._compiled(so)
+        so._pinned = (self, compiled)
+        return compiled
+
+    def _compiled(self, so: StructuredOutputsParams):
         key = so.key()
         with self._lock:
             hit = self._cache.get(key)
