@@ -24,10 +24,14 @@ Where each part runs:
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields
 from typing import Any, Callable
 
@@ -219,25 +223,42 @@ class SequenceGrammar:
 
 class Grammars:
     """The engine's grammar compiler and compile cache (key: kind + text). Built on first use: an engine that
-    never sees a constrained request never loads xgrammar. Thread-safe: the service compiles at submit, on
-    its HTTP threads, while the step loop runs.
+    never sees a constrained request never loads xgrammar. Thread-safe: the service compiles at submit while
+    the step loop runs.
 
     The cache is bounded by the compiled grammars' size (xgrammar's ``memory_size_bytes``: the token masks it
     keeps per grammar state, tens of MB for a schema of a few hundred KB over a 150k vocabulary), not by their
     count: ``cache_bytes`` in all, the least recently used going first; a grammar larger than the whole budget
-    is not kept."""
+    is not kept.
+
+    Compiles run in workers of their own (``WORKERS`` threads, one compile each: never a thread of the pool
+    that prepares text requests), under a budget: a compile that has not finished ``compile_timeout_s``
+    after it was asked for (queued behind others included), or whose grammar holds more than
+    ``max_grammar_bytes``, is a ``RequestError`` naming the field. xgrammar cannot stop a compile: one past
+    its budget runs on to its end in its worker, its result dropped (one not yet started is cancelled once
+    nobody waits for it); the same constraint asked again is refused at once, without a second compile."""
 
     CACHE_BYTES = 512 << 20      # compiled grammars kept, in bytes (labkit serve --grammar-cache-mb)
+    COMPILE_TIMEOUT_S = 10.0     # a compile's time budget (labkit serve --grammar-compile-timeout)
+    MAX_GRAMMAR_BYTES = 128 << 20   # one compiled grammar's size budget (labkit serve --grammar-max-mb)
+    WORKERS = 1                  # compiles at once (each may use xgrammar's two threads)
+    REFUSED = 1024               # constraints remembered as over budget (by digest)
 
     def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: tuple[int, ...],
-                 cache_bytes: int | None = None):
+                 cache_bytes: int | None = None, compile_timeout_s: float | None = None,
+                 max_grammar_bytes: int | None = None):
         self._tokenizer = tokenizer            # called once, on first use
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.cache_bytes = self.CACHE_BYTES if cache_bytes is None else cache_bytes
+        self.compile_timeout_s = self.COMPILE_TIMEOUT_S if compile_timeout_s is None else compile_timeout_s
+        self.max_grammar_bytes = self.MAX_GRAMMAR_BYTES if max_grammar_bytes is None else max_grammar_bytes
         self._compiler = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._cached_bytes = 0
+        self._inflight: dict[tuple[str, str], _Job] = {}
+        self._refused: OrderedDict[bytes, str] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._compiler_lock = threading.Lock()
 
@@ -257,31 +278,104 @@ class Grammars:
             return self._compiler
 
     def compile(self, so: StructuredOutputsParams):
-        """The compiled grammar of so (cached); RequestError naming the field when xgrammar refuses it.
+        """The compiled grammar of so (cached); RequestError naming the field when xgrammar refuses it or its
+        compile is past its budget. Waits in the calling thread; :meth:`compile_async` waits on an event loop.
 
         The result is pinned on ``so`` (so on the request's params) for as long as the request lives: the
         cache may drop it meanwhile, the request's own matcher (:meth:`matcher`, made at admission, on the step
         loop) still finds it there and never compiles."""
+        found, job = self._start(so)
+        if job is not None:
+            try:
+                found = job.future.result(self.compile_timeout_s)
+            except FutureTimeout:
+                raise self._late(so, job) from None
+        return self._pin(so, found)
+
+    async def compile_async(self, so: StructuredOutputsParams):
+        """:meth:`compile` awaited: the event loop waits for the compile worker, no thread blocks."""
+        import asyncio
+
+        found, job = self._start(so)
+        if job is not None:
+            waiting = asyncio.wrap_future(job.future)
+            waiting.add_done_callback(lambda f: f.cancelled() or f.exception())    # read, even once left
+            try:
+                found = await asyncio.wait_for(asyncio.shield(waiting), self.compile_timeout_s)
+            except asyncio.TimeoutError:
+                raise self._late(so, job) from None
+        return self._pin(so, found)
+
+    def _start(self, so: StructuredOutputsParams):
+        """(the compiled grammar, None) when pinned or cached, else (None, the compile job it waits for)."""
         pinned = so.__dict__.get("_pinned")
         if pinned is not None and pinned[0] is self:
-            return pinned[1]
-        compiled = self._compiled(so)
-        so._pinned = (self, compiled)
-        return compiled
-
-    def _compiled(self, so: StructuredOutputsParams):
+            return pinned[1], None
         key = so.key()
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
-                return hit
+                return hit, None
+            refused = self._refused.get(_digest(key))
+            if refused is not None:
+                raise _bad(so.kind, refused)
+            job = self._inflight.get(key)
+            if job is None:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.WORKERS, thread_name_prefix="grammar-compile")
+                job = self._inflight[key] = _Job()
+                job.future = self._pool.submit(self._run, so, key, job)
+            job.waiters += 1
+        return None, job
+
+    def _run(self, so: StructuredOutputsParams, key: tuple[str, str], job: "_Job"):
+        """A compile worker's job: compile, check the budgets, cache."""
         try:
-            compiled = _compile(self.compiler, so)
-        except (RuntimeError, ValueError, TypeError) as e:
-            msg = _XGR_PREFIX.sub("", " ".join(str(e).split()))
-            raise _bad(so.kind, f"cannot be compiled: {msg[:300]}") from None
-        self._keep(key, compiled)
+            job.started = t0 = time.monotonic()
+            try:
+                compiled = _compile(self.compiler, so)
+            except (RuntimeError, ValueError, TypeError) as e:
+                msg = _XGR_PREFIX.sub("", " ".join(str(e).split()))
+                raise _bad(so.kind, f"cannot be compiled: {msg[:300]}") from None
+            took, size = time.monotonic() - t0, _size(compiled)
+            if took > self.compile_timeout_s:
+                raise self._refuse(so, key, self._time_message())
+            if size > self.max_grammar_bytes:
+                raise self._refuse(so, key, f"compiles to a grammar of {size / 2**20:.0f} MiB, past the "
+                                            f"{self.max_grammar_bytes / 2**20:.0f} MiB budget (--grammar-max-mb)")
+            self._keep(key, compiled)
+            return compiled
+        finally:
+            with self._lock:
+                self._inflight.pop(key, None)
+
+    def _late(self, so: StructuredOutputsParams, job: "_Job") -> RequestError:
+        """A waiter's budget ran out: the refusal. A compile that has run past the budget itself is remembered as
+        refused (it runs on: xgrammar cannot stop it); one nobody waits for any more that has not started (it
+        was queued behind others) is cancelled."""
+        with self._lock:
+            job.waiters -= 1
+            if job.waiters == 0 and job.future.cancel():
+                self._inflight.pop(so.key(), None)
+        if job.started is not None and time.monotonic() - job.started >= self.compile_timeout_s:
+            return self._refuse(so, so.key(), self._time_message())
+        return _bad(so.kind, self._time_message())
+
+    def _time_message(self) -> str:
+        return (f"was not compiled within the grammar compiler's {self.compile_timeout_s:g} s budget "
+                f"(--grammar-compile-timeout)")
+
+    def _refuse(self, so: StructuredOutputsParams, key: tuple[str, str], message: str) -> RequestError:
+        """Remember key as over budget (asked again: refused at once) and give the refusal."""
+        with self._lock:
+            self._refused[_digest(key)] = message
+            while len(self._refused) > self.REFUSED:
+                self._refused.popitem(last=False)
+        return _bad(so.kind, message)
+
+    def _pin(self, so: StructuredOutputsParams, compiled):
+        so._pinned = (self, compiled)
         return compiled
 
     def _keep(self, key: tuple[str, str], compiled) -> None:
@@ -299,6 +393,20 @@ class Grammars:
     def matcher(self, so: StructuredOutputsParams) -> SequenceGrammar:
         import xgrammar as xgr
         return SequenceGrammar(xgr.GrammarMatcher(self.compile(so), override_stop_tokens=self.eos_token_ids or None))
+
+
+class _Job:
+    """One compile in a worker: its future, how many requests wait for it, when it started (None: queued)."""
+    __slots__ = ("future", "waiters", "started")
+
+    def __init__(self):
+        self.future: Future | None = None
+        self.waiters = 0
+        self.started: float | None = None
+
+
+def _digest(key: tuple[str, str]) -> bytes:
+    return hashlib.sha256("\0".join(key).encode("utf-8", "surrogatepass")).digest()
 
 
 def _size(compiled) -> int:

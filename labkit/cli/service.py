@@ -100,6 +100,8 @@ def serve(
     enable_auto_tool_choice: Annotated[bool, typer.Option("--enable-auto-tool-choice/--no-enable-auto-tool-choice", help="tool_choice auto (the default when tools are sent): parse the model's tool calls. vLLM needs this flag; here it is on, so agent frameworks work out of the box.")] = True,
     tool_call_parser: Annotated[str, typer.Option("--tool-call-parser", help="How tool calls are read: hermes (Qwen3's <tool_call> JSON), the only one.")] = "hermes",
     grammar_cache_mb: Annotated[int, typer.Option("--grammar-cache-mb", help="Compiled grammars (structured outputs, required tool calls) kept for reuse, in MiB in all; the least recently used go first.")] = 512,
+    grammar_compile_timeout: Annotated[float, typer.Option("--grammar-compile-timeout", help="Seconds a grammar compile may take (queued behind others included); past it the request is a 400 naming the field.")] = 10.0,
+    grammar_max_mb: Annotated[int, typer.Option("--grammar-max-mb", help="Largest compiled grammar, in MiB; a larger one is a 400 naming the field.")] = 128,
     max_connections: Annotated[int, typer.Option("--max-connections", help="Open connections at most (lowered to fit the file limit); beyond, idle ones are closed, then 503.")] = 512,
     timeout_keep_alive: Annotated[float, typer.Option("--timeout-keep-alive", help="Seconds a connection may wait for the first byte of a request.")] = 5.0,
     timeout_headers: Annotated[float, typer.Option("--timeout-headers", help="Seconds for a request line and headers to arrive (then 408).")] = 10.0,
@@ -139,7 +141,8 @@ def serve(
                        max_prompt_bytes=max_prompt_bytes,
                        special_tokens_in_content=special_tokens_in_content, reasoning_parser=reasoning_parser,
                        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
-                       grammar_cache_mb=grammar_cache_mb)
+                       grammar_cache_mb=grammar_cache_mb, grammar_compile_timeout=grammar_compile_timeout,
+                       grammar_max_mb=grammar_max_mb)
     connections = ConnectionLimits(timeout_keep_alive=timeout_keep_alive, timeout_headers=timeout_headers,
                                    timeout_body=timeout_body, max_connections=max_connections)
     summary = run_serve(cfg, host, port, log_plan.path, served_model_name=served_model_name,

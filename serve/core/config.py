@@ -87,6 +87,8 @@ class WorkerConfig:
     enable_auto_tool_choice: bool = True    # tool_choice "auto" parses tool calls (vLLM needs the flag; here on)
     tool_call_parser: str = "hermes"        # how tool calls are read (Qwen3's <tool_call> JSON: hermes)
     grammar_cache_mb: int = 512             # compiled grammars kept, in MiB (engine/sampling/structured.py)
+    grammar_compile_timeout: float = 10.0   # a grammar compile's time budget, seconds (then a 400)
+    grammar_max_mb: int = 128               # one compiled grammar's size budget, MiB (then a 400)
 
     def __init__(self, engine: EngineArgs | None = None, **options) -> None:
         """The worker's fields by name; the engine's as ``engine``, by their names, or both (a name given
@@ -105,7 +107,11 @@ class WorkerConfig:
         self.__post_init__()
 
     def __post_init__(self) -> None:
-        _positive(self, "max_active", "queue_size", "stream_buffer", "grammar_cache_mb")
+        _positive(self, "max_active", "queue_size", "stream_buffer", "grammar_cache_mb", "grammar_max_mb")
+        if not isinstance(self.grammar_compile_timeout, (int, float)) or isinstance(self.grammar_compile_timeout, bool) \
+                or not self.grammar_compile_timeout > 0:
+            raise ServeError(f"grammar-compile-timeout must be a positive number of seconds, "
+                             f"got {self.grammar_compile_timeout!r}")
         if self.max_active_per_request is not None:
             _positive(self, "max_active_per_request")
         if self.max_prompt_bytes is None and self.max_model_len != "auto":   # "auto": set once the engine fitted it

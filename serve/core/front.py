@@ -205,19 +205,38 @@ class WorkerFront:
         if self._grammar_cache is None and self._encoder is not None:
             from engine.sampling.structured import Grammars
             cfg = self.served.config
+            mine = self.config
             self._grammar_cache = Grammars(lambda: self._encoder, cfg.vocab_size, tuple(cfg.eos_token_ids),
-                                           cache_bytes=self.config.grammar_cache_mb << 20)
+                                           cache_bytes=mine.grammar_cache_mb << 20,
+                                           compile_timeout_s=mine.grammar_compile_timeout,
+                                           max_grammar_bytes=mine.grammar_max_mb << 20)
         return self._grammar_cache
 
     def _check_grammar(self, so) -> None:
-        """Compile a structured-output constraint at submit, off the step loop (cached: the engine's admission
-        finds it compiled); one xgrammar refuses is the engine's RequestError (400)."""
+        """Compile a structured-output constraint at submit, off the step loop (pinned on the request: the
+        engine's admission finds it compiled); one xgrammar refuses, or past the compile budget, is the engine's
+        RequestError (400). A constraint :meth:`compile_grammar` compiled is found pinned at once."""
         grammars = self._grammars()
         if grammars is None:
             return
+        self._build_compiler(grammars)
+        grammars.compile(so)
+
+    def _build_compiler(self, grammars) -> None:
         with self._encode_lock:             # building the compiler reads (and encodes with) the tokenizer
             grammars.compiler
-        grammars.compile(so)
+
+    async def compile_grammar(self, so) -> None:
+        """Compile a structured-output constraint in the grammar compiler's own workers while the event loop
+        waits (no thread of the pool that prepares text requests is held), so that submit() finds it pinned;
+        the same refusals as submit()."""
+        grammars = self._grammars()
+        if grammars is None:
+            return
+        if grammars._compiler is None:
+            import asyncio
+            await asyncio.get_running_loop().run_in_executor(None, self._build_compiler, grammars)
+        await grammars.compile_async(so)
 
     def _new_id(self) -> str:
         while True:

@@ -330,6 +330,8 @@ class Worker(WorkerFront):
         self.engine.add_hooks(_WorkerHooks(self))
         self._grammar_cache = engine.grammars       # submit() compiles constraints into the engine's own cache
         engine.grammars.cache_bytes = cfg.grammar_cache_mb << 20
+        engine.grammars.compile_timeout_s = cfg.grammar_compile_timeout
+        engine.grammars.max_grammar_bytes = cfg.grammar_max_mb << 20
 
     def _has_work_locked(self) -> bool:
         if self._calls:

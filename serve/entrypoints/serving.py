@@ -49,6 +49,8 @@ class Serving:
                                       prompt_options=req.vllm.prompt_options(req.api == "chat") or None, group=group)
 
         try:
+            if req.params.structured_outputs is not None:     # compiled in the grammar workers, pinned on the params
+                await self.worker.compile_grammar(req.params.structured_outputs)
             if isinstance(req.prompt, list) and (not req.prompt or isinstance(req.prompt[0], int)) \
                     and req.params.structured_outputs is None:
                 handle = call()               # token ids: no tokenizer (nor grammar compiler) work, keep arrival order

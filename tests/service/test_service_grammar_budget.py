@@ -72,3 +72,38 @@ def test_a_grammar_evicted_while_queued_is_not_compiled_in_the_step_loop(server,
         worker.resume()
     assert status == 200, res
     assert compiled_on.count(worker._thread.name) == 0, compiled_on
+
+
+def costly_schema(tag: str, n: int = 400) -> dict:
+    """n optional properties: xgrammar's compile time grows with their square (seconds at 400 on a CPU)."""
+    return {"type": "object", "properties": {f"{tag}_{i}": {"type": "string", "maxLength": 20} for i in range(n)}}
+
+
+def timed_post(server, path: str, body: dict) -> tuple[int, dict, float]:
+    t0 = time.monotonic()
+    status, res = post(server, path, body)
+    return status, res, time.monotonic() - t0
+
+
+def test_compiles_past_their_budget_are_400s_and_never_hold_text_requests(server, monkeypatch):
+    """Schemas that take seconds to compile: each is a 400 naming its field once the compile budget passes
+    (one asked again is refused at once, without a second compile), and a plain text request sent while eight
+    of them arrive together is answered without waiting for a compile (compiles run in their own worker, not
+    in the pool that prepares text requests)."""
+    monkeypatch.setattr(server.worker.engine.grammars, "compile_timeout_s", 0.5, raising=False)
+    hostile = [{"prompt": "x", "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "h", "schema": costly_schema(f"h{i}")}}} for i in range(9)]
+    for took_at_most in (30.0, 0.4):                        # compiled once past its budget, then refused at once
+        st, err, took = timed_post(server, "/v1/completions", hostile[8])
+        assert st == 400 and err["error"]["param"] == "response_format", err
+        assert "budget" in err["error"]["message"] and took < took_at_most, (err, took)
+    with ThreadPoolExecutor(8) as pool:
+        answers = [pool.submit(timed_post, server, "/v1/completions", b) for b in hostile[:8]]
+        time.sleep(0.3)
+        status, res, plain_s = timed_post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 8})
+        hostile_answers = [a.result(120) for a in answers]
+    assert status == 200, res
+    for st, err, took in hostile_answers:
+        assert st == 400 and err["error"]["param"] == "response_format", err
+        assert "budget" in err["error"]["message"], err
+    assert plain_s < 2.0, f"a plain 8-token request took {plain_s:.2f} s while grammars compiled"
