@@ -211,7 +211,7 @@ class Scheduler:
             out.accepted[seq.seq_id] = int(token_id)
             reason = self._finish_reason(seq, int(token_id))
             if done and reason is None:
-                reason = "stop"                   # the grammar is complete
+                reason = seq.grammar.end_reason     # complete (stop), or its mask work past its budget (abort)
             if reason:
                 out.freed_blocks += self.finish(seq, reason)
                 out.finished.append(seq)

@@ -15,7 +15,8 @@ Where each part runs:
   rows and sets their disallowed logits to -inf before anything else reads them (both sampling paths, greedy
   included, and the log-probs: vLLM applies the bitmask before its sampler too).
 - postprocess (engine/scheduler.py): the matcher takes each accepted token; a matcher that terminates finishes
-  the request with ``stop``. EOS is in the mask only where the grammar may end (the matcher's stop tokens are
+  the request with ``stop``; one whose mask and accept took more than its per-step budget of CPU time
+  (:class:`SequenceGrammar`) finishes it with ``abort`` (the worker's cause ``grammar_budget``). EOS is in the mask only where the grammar may end (the matcher's stop tokens are
   the engine's EOS ids).
 
 ``structural_tag`` takes what xgrammar 0.2.9 compiles: the current format ``{"type": "structural_tag",
@@ -201,24 +202,49 @@ def _bounded_whitespace(node: Any) -> Any:
 
 
 class SequenceGrammar:
-    """One sequence's matcher: fills its row of the step's bitmask, takes its accepted tokens."""
+    """One sequence's matcher: fills its row of the step's bitmask, takes its accepted tokens, and counts the
+    CPU time both take in each step (the thread's own time, so a busy machine does not count against it).
+    A step past ``budget_s`` marks it ``over_budget``: some grammars (an ambiguous EBNF) cost more with every
+    token, and the whole batch waits for each row's mask, so the engine ends such a request (``end_reason``)
+    before it slows everyone else more."""
 
-    __slots__ = ("matcher", "rejected")
+    __slots__ = ("matcher", "rejected", "budget_s", "step_s", "over_budget")
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, budget_s: float | None = None):
         self.matcher = matcher
         self.rejected = False
+        self.budget_s = budget_s               # None: no budget
+        self.step_s = 0.0                      # this step's mask work so far
+        self.over_budget = False
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        t0 = time.thread_time()
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        self.step_s = 0.0                      # a step starts with its mask
+        self._charge(time.thread_time() - t0)
 
     def accept(self, token_id: int) -> bool:
         """Advance by one accepted token; True when the grammar is done (terminated, or the token was not
-        one it allows: ``rejected``, which the mask makes impossible unless the engine is broken)."""
-        if not self.matcher.accept_token(token_id):
-            self.rejected = True
-            return True
-        return self.matcher.is_terminated()
+        one it allows: ``rejected``, which the mask makes impossible unless the engine is broken), or its
+        step's mask work went past its budget (``over_budget``)."""
+        t0 = time.thread_time()
+        try:
+            if not self.matcher.accept_token(token_id):
+                self.rejected = True
+                return True
+            return self.matcher.is_terminated() or self.over_budget
+        finally:
+            self._charge(time.thread_time() - t0)
+
+    def _charge(self, seconds: float) -> None:
+        self.step_s += seconds
+        if self.budget_s is not None and self.step_s > self.budget_s:
+            self.over_budget = True
+
+    @property
+    def end_reason(self) -> str:
+        """How a done grammar ends its request: ``stop`` when complete, else ``abort``."""
+        return "abort" if self.rejected or not self.matcher.is_terminated() else "stop"
 
 
 class Grammars:
@@ -242,17 +268,19 @@ class Grammars:
     COMPILE_TIMEOUT_S = 10.0     # a compile's time budget (labkit serve --grammar-compile-timeout)
     MAX_GRAMMAR_BYTES = 128 << 20   # one compiled grammar's size budget (labkit serve --grammar-max-mb)
     WORKERS = 1                  # compiles at once (each may use xgrammar's two threads)
+    STEP_BUDGET_S = 0.010        # a request's mask work per step, CPU seconds (labkit serve --grammar-step-budget-ms)
     REFUSED = 1024               # constraints remembered as over budget (by digest)
 
     def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: tuple[int, ...],
                  cache_bytes: int | None = None, compile_timeout_s: float | None = None,
-                 max_grammar_bytes: int | None = None):
+                 max_grammar_bytes: int | None = None, step_budget_s: float | None = None):
         self._tokenizer = tokenizer            # called once, on first use
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.cache_bytes = self.CACHE_BYTES if cache_bytes is None else cache_bytes
         self.compile_timeout_s = self.COMPILE_TIMEOUT_S if compile_timeout_s is None else compile_timeout_s
         self.max_grammar_bytes = self.MAX_GRAMMAR_BYTES if max_grammar_bytes is None else max_grammar_bytes
+        self.step_budget_s = self.STEP_BUDGET_S if step_budget_s is None else step_budget_s
         self._compiler = None
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._cached_bytes = 0
@@ -392,7 +420,8 @@ class Grammars:
 
     def matcher(self, so: StructuredOutputsParams) -> SequenceGrammar:
         import xgrammar as xgr
-        return SequenceGrammar(xgr.GrammarMatcher(self.compile(so), override_stop_tokens=self.eos_token_ids or None))
+        return SequenceGrammar(xgr.GrammarMatcher(self.compile(so), override_stop_tokens=self.eos_token_ids or None),
+                               self.step_budget_s)
 
 
 class _Job:

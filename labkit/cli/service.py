@@ -102,6 +102,7 @@ def serve(
     grammar_cache_mb: Annotated[int, typer.Option("--grammar-cache-mb", help="Compiled grammars (structured outputs, required tool calls) kept for reuse, in MiB in all; the least recently used go first.")] = 512,
     grammar_compile_timeout: Annotated[float, typer.Option("--grammar-compile-timeout", help="Seconds a grammar compile may take (queued behind others included); past it the request is a 400 naming the field.")] = 10.0,
     grammar_max_mb: Annotated[int, typer.Option("--grammar-max-mb", help="Largest compiled grammar, in MiB; a larger one is a 400 naming the field.")] = 128,
+    grammar_step_budget_ms: Annotated[float, typer.Option("--grammar-step-budget-ms", help="CPU milliseconds one request's grammar mask may take in one step; past it the request finishes (finish_reason abort), so one costly grammar cannot slow every step.")] = 10.0,
     max_connections: Annotated[int, typer.Option("--max-connections", help="Open connections at most (lowered to fit the file limit); beyond, idle ones are closed, then 503.")] = 512,
     timeout_keep_alive: Annotated[float, typer.Option("--timeout-keep-alive", help="Seconds a connection may wait for the first byte of a request.")] = 5.0,
     timeout_headers: Annotated[float, typer.Option("--timeout-headers", help="Seconds for a request line and headers to arrive (then 408).")] = 10.0,
@@ -142,7 +143,7 @@ def serve(
                        special_tokens_in_content=special_tokens_in_content, reasoning_parser=reasoning_parser,
                        enable_auto_tool_choice=enable_auto_tool_choice, tool_call_parser=tool_call_parser,
                        grammar_cache_mb=grammar_cache_mb, grammar_compile_timeout=grammar_compile_timeout,
-                       grammar_max_mb=grammar_max_mb)
+                       grammar_max_mb=grammar_max_mb, grammar_step_budget_ms=grammar_step_budget_ms)
     connections = ConnectionLimits(timeout_keep_alive=timeout_keep_alive, timeout_headers=timeout_headers,
                                    timeout_body=timeout_body, max_connections=max_connections)
     summary = run_serve(cfg, host, port, log_plan.path, served_model_name=served_model_name,

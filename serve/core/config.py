@@ -89,6 +89,7 @@ class WorkerConfig:
     grammar_cache_mb: int = 512             # compiled grammars kept, in MiB (engine/sampling/structured.py)
     grammar_compile_timeout: float = 10.0   # a grammar compile's time budget, seconds (then a 400)
     grammar_max_mb: int = 128               # one compiled grammar's size budget, MiB (then a 400)
+    grammar_step_budget_ms: float = 10.0    # a request's mask work per step, CPU ms (then it finishes: abort)
 
     def __init__(self, engine: EngineArgs | None = None, **options) -> None:
         """The worker's fields by name; the engine's as ``engine``, by their names, or both (a name given
@@ -112,6 +113,9 @@ class WorkerConfig:
                 or not self.grammar_compile_timeout > 0:
             raise ServeError(f"grammar-compile-timeout must be a positive number of seconds, "
                              f"got {self.grammar_compile_timeout!r}")
+        if not isinstance(self.grammar_step_budget_ms, (int, float)) or isinstance(self.grammar_step_budget_ms, bool) \
+                or not self.grammar_step_budget_ms > 0:
+            raise ServeError(f"grammar-step-budget-ms must be a positive number, got {self.grammar_step_budget_ms!r}")
         if self.max_active_per_request is not None:
             _positive(self, "max_active_per_request")
         if self.max_prompt_bytes is None and self.max_model_len != "auto":   # "auto": set once the engine fitted it

@@ -332,6 +332,7 @@ class Worker(WorkerFront):
         engine.grammars.cache_bytes = cfg.grammar_cache_mb << 20
         engine.grammars.compile_timeout_s = cfg.grammar_compile_timeout
         engine.grammars.max_grammar_bytes = cfg.grammar_max_mb << 20
+        engine.grammars.step_budget_s = cfg.grammar_step_budget_ms / 1e3
 
     def _has_work_locked(self) -> bool:
         if self._calls:
@@ -439,6 +440,12 @@ class Worker(WorkerFront):
             req = self._by_seq.get(seq.seq_id)
             if req is not None:
                 by_id = seq.finish_reason == "stop" and seq.token_ids[-1] in req.params.stop_token_ids
+                g = seq.grammar
+                if g is not None and g.over_budget and seq.finish_reason == "abort":
+                    self._finish(req, "abort", cause="grammar_budget",
+                                 message=f"the grammar's mask work took {g.step_s * 1e3:.0f} ms of CPU in one step, "
+                                         f"past its {g.budget_s * 1e3:g} ms budget (--grammar-step-budget-ms)")
+                    continue
                 self._finish(req, seq.finish_reason, cause="stop_token_id" if by_id else None)
         for req in slow:
             if req.request_id in self._active:

@@ -107,3 +107,23 @@ def test_compiles_past_their_budget_are_400s_and_never_hold_text_requests(server
         assert st == 400 and err["error"]["param"] == "response_format", err
         assert "budget" in err["error"]["message"], err
     assert plain_s < 2.0, f"a plain 8-token request took {plain_s:.2f} s while grammars compiled"
+
+
+AMBIGUOUS = 'root ::= (s)*\ns ::= s s | [a-z] | s'      # its matcher's work grows with every character
+
+
+def test_a_grammar_whose_mask_work_grows_is_finished_at_its_step_budget(server):
+    """An ambiguous EBNF whose mask costs more with every token finishes (finish_reason abort) once one step's
+    mask work passes the per-request budget, while a plain request beside it answers at its usual pace."""
+    body = {"prompt": "x", "max_tokens": 64, "temperature": 1.0, "seed": 1,
+            "structured_outputs": {"grammar": AMBIGUOUS}}
+    with ThreadPoolExecutor(1) as pool:
+        hostile = pool.submit(timed_post, server, "/v1/completions", body)
+        time.sleep(0.5)
+        status, res, plain_s = timed_post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 8,
+                                                                      "ignore_eos": True})
+        st, out, took = hostile.result(300)
+    assert status == 200 and st == 200, (res, out)
+    assert out["choices"][0]["finish_reason"] == "abort", out
+    assert out["usage"]["completion_tokens"] < 64, out
+    assert plain_s < 2.0 and took < 10.0, (plain_s, took)
