@@ -68,11 +68,12 @@ def _setup_logging(log_level: str, stats_interval: float) -> None:
         raise UserError(f"--log-level must be debug, info, warning, error or critical, got {log_level!r}")
     if stats_interval < 0:
         raise UserError(f"--stats-interval must be >= 0, got {stats_interval!r}")
-    from serve.observe.logsafe import install
+    from serve.observe.logsafe import capture_native_stderr, install
 
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     logging.getLogger("labkit").setLevel(level)
     install(*logging.getLogger().handlers)        # every line on stderr escaped, aiohttp's too
+    capture_native_stderr()                       # and what native code (xgrammar's C++) writes there
 
 
 # --------------------------------------------------------------------------- commands

@@ -6,11 +6,20 @@ lone UTF-16 surrogate. Written raw, one request becomes several log lines or rew
 ``\\r``, ``\\n``, ``\\t``, ``\\xNN`` or ``\\uNNNN``; :class:`EscapeFilter` applies it to a log record's final
 message (the format's arguments included), so a line stays one line whatever a value holds. The JSONL event log
 is escaped the same way by :func:`serve.observe.events.dumps_line` (JSON ``\\uNNNN`` escapes).
+
+Native code writes to file descriptor 2 itself, around Python's logging: xgrammar's C++ warnings quote the
+schema they compile (a ``$ref`` URI holding CR and ESC forged a whole line). :func:`capture_native_stderr`
+makes descriptor 2 a pipe whose lines reach the real stderr escaped by :func:`safe`, each behind
+``native: `` (an LF inside a native message cannot be told from a line end, so no line from there can pass
+for one of the server's own).
 """
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
+import threading
 
 UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 _SHORT = {"\r": "\\r", "\n": "\\n", "\t": "\\t"}
@@ -45,3 +54,56 @@ def install(*loggers: logging.Logger | logging.Handler) -> None:
     for target in loggers:
         if not any(isinstance(f, EscapeFilter) for f in target.filters):
             target.addFilter(EscapeFilter())
+
+
+_CAPTURED: list[int] = []          # the real stderr's descriptor, once captured
+_LINE_MAX = 64 * 1024              # a longer unfinished line is written (escaped) as it is
+NATIVE = "native: "                # what every line written to descriptor 2 by native code starts with
+
+
+def capture_native_stderr() -> None:
+    """From now on what anything writes to file descriptor 2 (native libraries, child processes that inherit
+    it) reaches the real stderr one escaped line at a time behind ``native: ``, through a pipe and a thread
+    that reads it.
+    Python's own ``sys.stderr`` (and the root logger's handlers on it) move to the real stderr: their lines
+    are escaped already (:class:`EscapeFilter`). Once per process, and only where ``sys.stderr`` is descriptor 2
+    itself (not under a test runner that replaced it)."""
+    try:
+        direct = sys.stderr.fileno() == 2
+    except (AttributeError, OSError, ValueError):
+        direct = False
+    if _CAPTURED or not direct:
+        return
+    sys.stderr.flush()
+    real = os.dup(2)
+    r, w = os.pipe()
+    os.dup2(w, 2)
+    os.close(w)
+    _CAPTURED.append(real)
+    old = sys.stderr
+    sys.stderr = open(real, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is old:
+            handler.setStream(sys.stderr)
+    threading.Thread(target=_forward, args=(r, real), name="native-stderr", daemon=True).start()
+
+
+def _forward(r: int, real: int) -> None:
+    rest = b""
+    while True:
+        try:
+            chunk = os.read(r, 65536)
+        except OSError:
+            return
+        if not chunk:
+            return
+        *lines, rest = (rest + chunk).split(b"\n")
+        if len(rest) > _LINE_MAX:
+            lines.append(rest)
+            rest = b""
+        if lines:
+            text = "".join(NATIVE + safe(line.decode("utf-8", "backslashreplace")) + "\n" for line in lines)
+            try:
+                os.write(real, text.encode("utf-8"))
+            except OSError:
+                return

@@ -1,14 +1,19 @@
 """Constrained decoding that one client cannot turn against the others (engine/sampling/structured.py,
 serve/core/front.py), through the running server on the tiny model: the compiled-grammar cache bounded by
-bytes; a request's compiled grammar pinned while it lives, so the step loop never compiles."""
+bytes; a request's compiled grammar pinned while it lives, so the step loop never compiles; compiles with a
+time and size budget in their own worker; a per-step budget on each request's mask work; the grammar
+compiler's own stderr escaped."""
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from service_fixtures import post, serving, settle_after
+from service_fixtures import Served, post, ready_url, serving, settle_after
 
 pytest.importorskip("xgrammar")
 
@@ -127,3 +132,31 @@ def test_a_grammar_whose_mask_work_grows_is_finished_at_its_step_budget(server):
     assert out["choices"][0]["finish_reason"] == "abort", out
     assert out["usage"]["completion_tokens"] < 64, out
     assert plain_s < 2.0 and took < 10.0, (plain_s, took)
+
+
+def test_the_grammar_compilers_own_warnings_reach_stderr_escaped(tiny_model_dir, tmp_path):
+    """xgrammar's C++ warnings quote the schema (a $ref URI with CR and ESC in it): `labkit serve` writes them
+    to its stderr escaped like its own log lines, so no raw control character and no forged line gets there."""
+    err_path = tmp_path / "stderr"
+    with open(err_path, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "labkit", "serve", str(tiny_model_dir), "--port", "0",
+                                 "--device", "cpu", "--max-model-len", "256", "--no-event-log",
+                                 "--worker-id", "native-log"],
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        url = ready_url(proc, 120)
+        assert url, err_path.read_text(errors="replace")
+        evil = {"type": "object", "properties": {"a": {"$ref": "http://x\r\nINFO forged line\x1b[2J"}}}
+        status, _ = post(Served(url, None, None, "subprocess", None), "/v1/completions",
+                         {"prompt": "x", "max_tokens": 2, "structured_outputs": {"json": evil}})
+        assert status in (200, 400)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    raw = err_path.read_bytes()
+    assert b"URI should" in raw, raw[-2000:]                         # the warning was written, escaped
+    assert b"\r" not in raw and b"\x1b" not in raw, raw[-2000:]
+    assert not any(line.startswith(b"INFO forged") for line in raw.split(b"\n")), raw[-2000:]
