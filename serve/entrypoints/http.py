@@ -30,6 +30,9 @@ from serve.protocol import requests as protocol
 from serve.entrypoints.connections import Connection
 from serve.protocol.wire import ApiError, loads_strict, parser_error
 
+INLINE_BODY_BYTES = 16 * 1024     # a larger JSON body is parsed off the event loop
+BODY_BYTES = web.RequestKey("labkit_body_bytes", int)   # a request's body size, once read
+
 API_KEY_ENV = "LABKIT_API_KEY"
 JSON_TYPES = ("application/json",)
 BODY_ENCODINGS = ("", "identity", "gzip", "deflate")
@@ -249,4 +252,7 @@ class Middleware:
                 conn.enter("busy")
         if len(raw) > limit:
             raise _too_large(limit, close=False)
+        request[BODY_BYTES] = len(raw)
+        if len(raw) > INLINE_BODY_BYTES:              # parsed in a worker thread: the event loop goes on answering
+            return await asyncio.get_running_loop().run_in_executor(None, loads_strict, raw)
         return loads_strict(raw)

@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
 
 from aiohttp import web
 
 from engine import RequestError
 from serve.protocol import requests as protocol
 from serve.core.front import DuplicateRequest, ServedEngine, WorkerFront, WorkerUnavailable
-from serve.entrypoints.http import ClientGone, Middleware, disconnected
+from serve.entrypoints.http import BODY_BYTES, INLINE_BODY_BYTES, ClientGone, Middleware, disconnected
 from serve.protocol.requests import GenRequest, Limits
 from serve.core.stream import RequestHandle
 from serve.protocol.wire import ApiError
 
 POLL_S = 0.5          # how often a waiting handler checks that its client is still there
+#: fields whose reading can take long (tools' schemas, the tool-call grammar built from them, constraints)
+HEAVY_FIELDS = ("tools", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                "guided_grammar", "structural_tag")
 RETRY_AFTER_S = "1"
 _CODE_PARAMS = {"invalid_request_id": "request_id", "invalid_tags": "tags", "invalid_sampling_params": None}
 
@@ -38,6 +43,17 @@ class Serving:
         self._cancel_tokens: dict[str, str] = {}          # live HTTP requests: request id -> cancel token
         self._members: dict[str, list[str]] = {}          # first choice's id -> every live choice's id
         self._group_of: dict[str, str] = {}               # a live choice's id -> its first choice's id
+
+    async def parse(self, request: web.Request, parse: Callable[[Any, Limits], GenRequest]) -> GenRequest:
+        """The request's body read and parsed (``parse(body, limits)``, ApiError when refused). A large body,
+        or one with tools or a constraint, is parsed in a worker thread, so the event loop goes on answering
+        (``/health`` and every other request) while the JSON, the tools' schemas and the tool-call grammar
+        are read; a small plain one is parsed at once, in arrival order."""
+        body = await self.http.read_json(request)
+        if request.get(BODY_BYTES, 0) > INLINE_BODY_BYTES or \
+                (isinstance(body, dict) and any(k in body for k in HEAVY_FIELDS)):
+            return await asyncio.get_running_loop().run_in_executor(_preparer(), parse, body, self.limits)
+        return parse(body, self.limits)
 
     async def submit(self, req: GenRequest, prefill_after: str | None = None,
                      group: str | None = None) -> RequestHandle:
@@ -124,6 +140,17 @@ class Serving:
                 del self._members[lead]
         if not handle.finished:
             self.worker.cancel(handle.request_id, cause="disconnect")
+
+
+_PREPARE: list[ThreadPoolExecutor] = []
+
+
+def _preparer() -> ThreadPoolExecutor:
+    """The one thread that parses heavy bodies: that work is pure Python, so more threads would not finish
+    it sooner, only keep the event loop waiting longer for the interpreter lock."""
+    if not _PREPARE:
+        _PREPARE.append(ThreadPoolExecutor(1, thread_name_prefix="prepare"))
+    return _PREPARE[0]
 
 
 def refusal(e: RequestError, req: GenRequest) -> ApiError:

@@ -36,7 +36,7 @@ class NativeRoutes:
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         sv = self.serving
-        req = protocol.parse_native(await sv.http.read_json(request), sv.limits)
+        req = await sv.parse(request, protocol.parse_native)
         handle = await sv.submit(req)
         text = IncrementalText(sv.worker.tokenizer if req.detokenize else None)
         if not req.stream:

@@ -125,7 +125,7 @@ class OpenAIRoutes:
     async def _route(self, request: web.Request, parse: Callable, fmt) -> web.StreamResponse:
         t0 = time.monotonic()
         try:
-            req = parse(await self.serving.http.read_json(request), self.serving.limits)
+            req = await self.serving.parse(request, parse)
         except ApiError as e:          # refused before it became a request: still one access line
             if ACCESS_LOG.isEnabledFor(logging.INFO):
                 ACCESS_LOG.info("%s - status=%d total=%.1fms error=%s param=%s", req_api(fmt), e.status,

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -160,3 +161,44 @@ def test_the_grammar_compilers_own_warnings_reach_stderr_escaped(tiny_model_dir,
     assert b"URI should" in raw, raw[-2000:]                         # the warning was written, escaped
     assert b"\r" not in raw and b"\x1b" not in raw, raw[-2000:]
     assert not any(line.startswith(b"INFO forged") for line in raw.split(b"\n")), raw[-2000:]
+
+
+def large_tool_body(i: int, kb: int = 850) -> dict:
+    """A chat request with tool_choice required over four tools whose schemas hold about ``kb`` KB in all."""
+    n = kb * 1024 // 200
+    props = [(f"t{i}_field_{j}", {"type": "string", "description": "d" * 150}) for j in range(n)]
+    tools = [{"type": "function", "function": {"name": f"f{i}_{k}", "description": "a tool",
+                                               "parameters": {"type": "object", "properties": dict(props[k::4]),
+                                                              "required": [p for p, _ in props[k::4]]}}}
+             for k in range(4)]
+    return {"messages": [{"role": "user", "content": f"call one {i}"}], "tools": tools, "tool_choice": "required",
+            "max_tokens": 4}
+
+
+def test_health_answers_while_large_constrained_requests_are_prepared(server, monkeypatch):
+    """/health keeps answering within milliseconds while eight chat requests of 900 KB with tool_choice
+    required arrive at once: their preparation (the JSON, the tools' schemas, the tool-call grammar, the
+    chat template) runs off the event loop."""
+    monkeypatch.setattr(server.worker.engine.grammars, "compile_timeout_s", 0.5)
+    bodies = [large_tool_body(i) for i in range(8)]
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def health():
+        while not done.is_set():
+            t0 = time.monotonic()
+            with urllib.request.urlopen(f"{server.url}/health", timeout=60) as resp:
+                resp.read()
+            latencies.append(time.monotonic() - t0)
+            time.sleep(0.01)
+
+    with ThreadPoolExecutor(9) as pool:
+        watcher = pool.submit(health)
+        time.sleep(0.1)
+        answers = [pool.submit(post, server, "/v1/chat/completions", b) for b in bodies]
+        statuses = [a.result(300)[0] for a in answers]
+        done.set()
+        watcher.result(60)
+    assert all(s in (200, 400) for s in statuses), statuses
+    worst = max(latencies)
+    assert worst < 0.5, f"/health took up to {worst * 1e3:.0f} ms while the requests were prepared"
