@@ -12,9 +12,16 @@ fixed prompt, sends ``--per-class`` requests of each class below over raw socket
   character in the server log; ``fair-n64`` (a 1-token request answers while an n=64 runs, a concurrent n=16 is
   not 429) and ``cancel-all-choices`` (one /cancel ends every choice of an n=3 and a two-prompt stream) hold;
   ``sampling-bounds`` sends a logit_bias past its 1,024-entry bound, a long prompt's echo log-probs and bad
-  sampling values on the native /generate (items 3, 5, 6: the table shows their status codes).
+  sampling values on the native /generate (items 3, 5, 6: the table shows their status codes);
+- structured outputs (tools/fuzz_grammar.py): the ``schemas``, ``grammars``, ``regexes``, ``choices`` and ``tools``
+  classes (hostile constraints, streamed or not, on every route that takes them), and three scenarios that check
+  one client's constraint does not slow or endanger the others: ``large-constrained`` (``/health`` p99 under
+  50 ms while 8 large chat requests with tool_choice required arrive), ``hostile-latency`` (a plain 8-token
+  request within 2x its idle latency while costly grammars run) and ``distinct-schemas`` (the server's RSS
+  over ``--distinct-schemas`` distinct large schemas; 0 skips it).
 
 usage: tools/fuzz_service.py [--model DIR] [--device cpu] [--per-class N] [--seed S] [--json OUT]
+                             [--distinct-schemas N] [--no-grammar-scenarios]
 Exit 0 when all of that holds, 1 otherwise. Prints a table: class, requests, status codes, 5xx, healthy.
 """
 from __future__ import annotations
@@ -33,6 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fuzz_grammar as grammar_fuzz  # noqa: E402
 import fuzz_scenarios as scenarios  # noqa: E402
 
 ROUTES_POST = ("/generate", "/cancel", "/v1/completions", "/v1/chat/completions")
@@ -130,8 +138,9 @@ def _j(obj) -> bytes:
     return json.dumps(obj).encode()
 
 
-def classes(rng: random.Random) -> dict:
-    """name -> a function of i giving (request bytes, options for exchange)."""
+def classes(rng: random.Random, evil_refs: bool = False) -> dict:
+    """name -> a function of i giving (request bytes, options for exchange); ``evil_refs``: see
+    tools/fuzz_grammar.py."""
     post = lambda: rng.choice(ROUTES_POST)                                    # noqa: E731
     gen = lambda: rng.choice(("/generate", "/v1/completions"))                # noqa: E731
 
@@ -284,7 +293,8 @@ def classes(rng: random.Random) -> dict:
             "log-injection": lambda i: (http("POST", rng.choice(("/v1/completions", "/v1/chat/completions",
                                                                  "/generate")),
                                              scenarios.log_injection_bodies(rng, i)), {}),
-            "sampling-bounds": lambda i: (http("POST", *scenarios.sampling_bodies(rng, i)), {})}
+            "sampling-bounds": lambda i: (http("POST", *scenarios.sampling_bodies(rng, i)), {}),
+            **grammar_fuzz.classes(rng, http, _j, evil_refs)}
 
 
 # --------------------------------------------------------------------------- the run
@@ -337,16 +347,20 @@ def _shape_ok(status: int | None, head: bytes, body: bytes) -> bool:
 
 
 async def fuzz(url: str, per_class: int, seed: int, only: list[str] | None = None, concurrency: int = 16,
-               fair_tokens: int = 48) -> dict:
+               fair_tokens: int = 48, grammar_scenarios: bool = False, distinct_schemas: int = 256,
+               server_pid: int | None = None, evil_refs: bool = False) -> dict:
     """Every class ``per_class`` times, then the scenarios (``fair_tokens``: max_tokens of the fair-n64 scenario's
-    64 choices; fewer make it cheaper, the small request must still finish first)."""
+    64 choices; fewer make it cheaper, the small request must still finish first). ``grammar_scenarios``: also
+    tools/fuzz_grammar.py's (``distinct_schemas`` schemas, the RSS of ``server_pid``), or with ``only``
+    naming ``grammar-scenarios``. ``evil_refs``: schemas whose ``$ref`` carries CR/LF/ESC (a `labkit serve`
+    subprocess only: see tools/fuzz_grammar.py)."""
     m = re.match(r"http://\[?([^\]/]+?)\]?:(\d+)", url)
     host, port = m.group(1), int(m.group(2))
     rng = random.Random(seed)
     before = await _greedy(host, port)
     table = []
     sem = asyncio.Semaphore(concurrency)
-    for name, make in classes(rng).items():
+    for name, make in classes(rng, evil_refs).items():
         if only and name not in only:
             continue
         statuses: dict[str, int] = {}
@@ -380,6 +394,12 @@ async def fuzz(url: str, per_class: int, seed: int, only: list[str] | None = Non
         table.append(await scenarios.fair_admission(url, lambda: _health(host, port), fair_tokens))
         table.append(await scenarios.cancel_all_choices(url, lambda: _health(host, port),
                                                         lambda: _kv_when_idle(host, port)))
+    if (grammar_scenarios and not only) or (only and "grammar-scenarios" in only):
+        health = lambda: _health(host, port)                                    # noqa: E731
+        if distinct_schemas:
+            table.append(await grammar_fuzz.distinct_schemas(url, health, server_pid, distinct_schemas))
+        table.append(await grammar_fuzz.hostile_latency(url, health))
+        table.append(await grammar_fuzz.large_constrained(url, health))
     for _ in range(100):                       # let cancels of disconnected requests land
         health = await _health(host, port)
         if health and health.get("active") == 0 and health.get("queue_depth") == 0:
@@ -434,12 +454,16 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma list of classes")
     ap.add_argument("--json", default=None, help="write the result here")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `labkit serve` argument (repeat)")
+    ap.add_argument("--distinct-schemas", type=int, default=256, help="distinct large schemas sent (0: none)")
+    ap.add_argument("--no-grammar-scenarios", action="store_true", help="skip tools/fuzz_grammar.py's scenarios")
     args = ap.parse_args()
     extra = ["--max-model-len", "512", "--timeout-headers", "3", "--timeout-body", "3", "--timeout-keep-alive", "2",
              *args.serve_arg]
     proc, url, log = start_server(args.model, args.device, extra)
     try:
-        result = asyncio.run(fuzz(url, args.per_class, args.seed, [c for c in args.only.split(",") if c]))
+        result = asyncio.run(fuzz(url, args.per_class, args.seed, [c for c in args.only.split(",") if c],
+                                  grammar_scenarios=not args.no_grammar_scenarios,
+                                  distinct_schemas=args.distinct_schemas, server_pid=proc.pid, evil_refs=True))
     finally:
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
