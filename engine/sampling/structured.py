@@ -31,7 +31,8 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields
 from typing import Any, Callable
@@ -286,7 +287,7 @@ class Grammars:
         self._cached_bytes = 0
         self._inflight: dict[tuple[str, str], _Job] = {}
         self._refused: OrderedDict[bytes, str] = OrderedDict()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: _Workers | None = None
         self._lock = threading.Lock()
         self._compiler_lock = threading.Lock()
 
@@ -351,7 +352,7 @@ class Grammars:
             job = self._inflight.get(key)
             if job is None:
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self.WORKERS, thread_name_prefix="grammar-compile")
+                    self._pool = _Workers(self.WORKERS, "grammar-compile")
                 job = self._inflight[key] = _Job()
                 job.future = self._pool.submit(self._run, so, key, job)
             job.waiters += 1
@@ -422,6 +423,31 @@ class Grammars:
         import xgrammar as xgr
         return SequenceGrammar(xgr.GrammarMatcher(self.compile(so), override_stop_tokens=self.eos_token_ids or None),
                                self.step_budget_s)
+
+
+class _Workers:
+    """Daemon threads that run submitted calls in order: a compile past its budget that runs on never holds
+    the process at exit (a ThreadPoolExecutor's threads are joined then)."""
+
+    def __init__(self, n: int, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(n):
+            threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _loop(self) -> None:
+        while True:
+            future, fn, args = self._queue.get()
+            if not future.set_running_or_notify_cancel():      # cancelled while queued
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:                         # the waiter gets it (a RequestError, mostly)
+                future.set_exception(e)
 
 
 class _Job:

@@ -163,6 +163,29 @@ def test_the_grammar_compilers_own_warnings_reach_stderr_escaped(tiny_model_dir,
     assert not any(line.startswith(b"INFO forged") for line in raw.split(b"\n")), raw[-2000:]
 
 
+def test_labkit_serve_exits_promptly_while_a_compile_past_its_budget_runs(tiny_model_dir):
+    """A compile past its budget runs on (xgrammar cannot stop it) in a daemon worker: SIGINT still ends
+    `labkit serve` at once, not when that compile ends minutes later."""
+    proc = subprocess.Popen([sys.executable, "-m", "labkit", "serve", str(tiny_model_dir), "--port", "0",
+                             "--device", "cpu", "--max-model-len", "256", "--no-event-log", "--worker-id", "exit",
+                             "--grammar-compile-timeout", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = ready_url(proc, 120)
+        assert url
+        status, err = post(Served(url, None, None, "subprocess", None), "/v1/completions",
+                           {"prompt": "x", "max_tokens": 2, "structured_outputs": {"json": costly_schema("x", 3000)}})
+        assert status == 400 and "budget" in err["error"]["message"], err
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=45)
+        assert time.monotonic() - t0 < 45
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def large_tool_body(i: int, kb: int = 850) -> dict:
     """A chat request with tool_choice required over four tools whose schemas hold about ``kb`` KB in all."""
     n = kb * 1024 // 200
