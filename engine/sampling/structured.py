@@ -374,20 +374,23 @@ class Grammars:
                 raise self._refuse(so, key, f"compiles to a grammar of {size / 2**20:.0f} MiB, past the "
                                             f"{self.max_grammar_bytes / 2**20:.0f} MiB budget (--grammar-max-mb)")
             self._keep(key, compiled)
+            with self._lock:
+                self._refused.pop(_digest(key), None)
             return compiled
         finally:
             with self._lock:
                 self._inflight.pop(key, None)
 
     def _late(self, so: StructuredOutputsParams, job: "_Job") -> RequestError:
-        """A waiter's budget ran out: the refusal. A compile that has run past the budget itself is remembered as
-        refused (it runs on: xgrammar cannot stop it); one nobody waits for any more that has not started (it
-        was queued behind others) is cancelled."""
+        """A waiter's budget ran out: the refusal. A compile already running then is remembered as refused (it
+        runs on: xgrammar cannot stop it; should it still end within the budget, it is cached and no longer
+        refused); one nobody waits for any more that has not started (it was queued behind others) is
+        cancelled."""
         with self._lock:
             job.waiters -= 1
             if job.waiters == 0 and job.future.cancel():
                 self._inflight.pop(so.key(), None)
-        if job.started is not None and time.monotonic() - job.started >= self.compile_timeout_s:
+        if job.started is not None:
             return self._refuse(so, so.key(), self._time_message())
         return _bad(so.kind, self._time_message())
 

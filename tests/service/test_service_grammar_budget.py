@@ -98,7 +98,7 @@ def test_compiles_past_their_budget_are_400s_and_never_hold_text_requests(server
     in the pool that prepares text requests)."""
     monkeypatch.setattr(server.worker.engine.grammars, "compile_timeout_s", 0.5, raising=False)
     hostile = [{"prompt": "x", "max_tokens": 2, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "h", "schema": costly_schema(f"h{i}")}}} for i in range(9)]
+        "type": "json_schema", "json_schema": {"name": "h", "schema": costly_schema(f"h{i}", 800)}}} for i in range(9)]
     for took_at_most in (30.0, 0.4):                        # compiled once past its budget, then refused at once
         st, err, took = timed_post(server, "/v1/completions", hostile[8])
         assert st == 400 and err["error"]["param"] == "response_format", err
