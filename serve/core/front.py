@@ -8,10 +8,12 @@
 - :class:`WorkerFront`: what both worker kinds share and do the same: prompt encoding (text, chat template,
   special tokens in chat content kept as text, the prompt-size limit before tokenizing), the checks of a
   submission (request id, the engine's one admission rule over the served record, tags), new request ids,
-  duplicate and availability checks, the ``/metrics`` gauges and the evidence header. A kind supplies the
+  duplicate and availability checks, the queue's room (a full queue rejects here), the request's stream and
+  accounting (:class:`serve.core.output.OutputProcessor`), the ``/metrics`` gauges and the evidence header.
+  A request is checked here once: whoever runs the engine queues it as it is. A kind supplies the
   hooks :meth:`WorkerFront._tokenize` (the engine's encoding of text and messages), :meth:`WorkerFront._enqueue`
-  (queue the checked request, or reject it when the queue is full), :meth:`WorkerFront._send_cancel`, and
-  its lifecycle and state.
+  (queue the checked request), :meth:`WorkerFront._send_cancel`, its queue (``_pending``: requests queued and
+  not yet admitted), and its lifecycle and state.
 
 Admission: ``submit()`` validates the prompt at once (``engine.RequestError`` for a text prompt of more than
 ``max_prompt_bytes`` UTF-8 bytes, refused before the tokenizer sees it; an empty prompt, a token id outside
@@ -35,7 +37,10 @@ from engine import Config, LLMEngine, RequestError, SamplingParams
 from engine.sampling import feasible
 from serve.protocol.chat import ChatPrompt, render
 from serve.core.config import WorkerConfig
-from serve.observe.events import Sink
+from serve.core.fair import Groups
+from serve.core.messages import Finished, Submitted
+from serve.core.output import OutputProcessor
+from serve.observe.events import Sink, now_ns
 from serve.observe.metrics import ServiceStats
 from serve.protocol.requests import REQUEST_ID_RE, RESERVED_FIELDS
 from serve.core.stream import RequestHandle
@@ -93,12 +98,14 @@ class WorkerFront:
         self.worker_id = self.config.worker_id
         self.sink = sink
         self.stats = ServiceStats(self.worker_id)
+        self.output = OutputProcessor(self.worker_id, self.stats, sink, self.config.log_steps)
         self.served: ServedEngine | None = None     # published once the engine is built
         self.tokenizer = None                       # the HTTP front's own copy, for decoding
         self._encoder = None                        # the tokenizer encode() uses, one thread at a time
         self._lock = threading.RLock()
         self._encode_lock = threading.Lock()
         self._live: dict[str, Any] = {}             # live requests by id
+        self._groups = Groups()                     # queued and live sequences per request group (lock)
         self._grammar_cache = None                  # structured outputs: see _grammars()
 
     # -- the kind's hooks and state ----------------------------------------------------------
@@ -116,25 +123,29 @@ class WorkerFront:
         """The engine's encoding of text or chat messages (through the chat template; options: admission.encode's)."""
         raise NotImplementedError
 
-    def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
-                 prefill_after: str | None, group: str) -> None:
-        """Queue a checked request (with the lock held), or finish its handle as rejected (the queue counts
-        groups: :mod:`serve.core.fair`)."""
+    def _enqueue(self, rid: str, token_ids: list[int], params: SamplingParams, prefill_after: str | None,
+                 group: str) -> None:
+        """Queue a checked and accepted request (with the lock held); WorkerUnavailable when it cannot."""
         raise NotImplementedError
 
-    def _send_cancel(self, request_id: str, cause: str, reason: str) -> bool:
+    def _current_round(self) -> int:
+        """The number of engine steps done, as far as this side knows."""
+        raise NotImplementedError
+
+    def _send_cancel(self, request_id: str, cause: str, reason: str, message: str | None = None) -> bool:
         """Hand a live request's cancel to the owner (with the lock held); False when it cannot be sent."""
         raise NotImplementedError
 
-    def cancel(self, request_id: str, cause: str = "client", reason: str = "cancelled") -> bool:
+    def cancel(self, request_id: str, cause: str = "client", reason: str = "cancelled",
+               message: str | None = None) -> bool:
         """Ask the owner to cancel at its next step boundary; False if no such live request.
 
         ``reason="stop"`` (with e.g. ``cause="stop_string"``) ends a request that its reader found complete:
-        it finishes ``stop``, not ``cancelled``."""
+        it finishes ``stop``, not ``cancelled``. ``message`` goes into its finished event."""
         if reason not in ("cancelled", "stop"):
             raise ValueError(f"a request can be ended as cancelled or stop, not {reason!r}")
         with self._lock:
-            return request_id in self._live and self._send_cancel(request_id, cause, reason)
+            return request_id in self._live and self._send_cancel(request_id, cause, reason, message)
 
     # -- submission ----------------------------------------------------------------------------
     def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
@@ -169,7 +180,21 @@ class WorkerFront:
                 raise DuplicateRequest(f"request_id {rid!r} is already in flight")
             handle = RequestHandle(rid, stream_buffer or self.config.stream_buffer, keep_tokens=stream)
             handle.prompt_token_ids = token_ids
-            self._enqueue(rid, handle, token_ids, params, tags, prefill_after, str(group) if group else rid)
+            group = str(group) if group else rid
+            step, size = self._current_round(), self.config.queue_size
+            submitted = Submitted(rid, step, now_ns(), len(token_ids), params.max_tokens, len(self._pending), tags)
+            self.output.add(handle, len(token_ids), submitted.t_ns, group)
+            if not self._groups.has_room(group, size):      # the queue counts groups: serve.core.fair
+                handle.rejected = True
+                self.output.process([submitted, Finished(rid, step, now_ns(), "rejected",
+                                                         message=f"queue full ({size} requests waiting)")])
+                return handle
+            try:
+                self._enqueue(rid, token_ids, params, prefill_after, group)
+            except BaseException:
+                self.output.requests.pop(rid, None)
+                raise
+            self.output.process([submitted])
         return handle
 
     def _checked(self, prompt, params: SamplingParams | None, request_id, tags: dict | None, fill_context: bool,

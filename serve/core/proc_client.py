@@ -12,17 +12,17 @@ Processes and channels
     (``multiprocessing`` "spawn": nothing of the parent, CUDA included, is inherited) that runs the existing
     Worker unchanged (:mod:`serve.core.proc_main`). Two one-way pipes of typed messages
     (:mod:`serve.core.messages`): commands parent -> child (Submit, Cancel, Call: the test hooks, Close),
-    child -> parent: a step's events as ONE Events message, the owner's published snapshot after each loop
-    round (queue, active, KV blocks, round, state), events made outside the owner thread at once.
+    child -> parent: the owner's outputs of a step (or a boundary) as ONE Outputs message, the owner's
+    published snapshot after each loop round (queue, active, KV blocks, round, state).
 
 The parent
-    A reader thread demultiplexes each message into the local :class:`RequestHandle`s (one ``wake_all``
-    per message: one hand-off per event loop per step), writes the event log (the JSON encoding is off the
-    engine's process), and keeps the Prometheus :class:`ServiceStats` from the events: TTFT and ITL from
-    the ``t_ns`` the engine stamped (submitted and token events), step counts and seconds from ``step``
-    records, so /metrics shows the engine's figures as in one process. What the front end reads (the
-    served engine's record, state, snapshot) is answered here, from what the child reported: the
-    :class:`serve.core.front.ServedEngine` of its Ready message and its last snapshot.
+    A reader thread hands each Outputs message to the same :class:`serve.core.output.OutputProcessor` the
+    in-process Worker feeds: the local :class:`RequestHandle`s (one ``wake_all`` per message: one hand-off per
+    event loop per step), the event log (the JSON encoding is off the engine's process) and the Prometheus
+    :class:`ServiceStats` (TTFT and ITL from the submit stamp and the ``t_ns`` the engine stamped on each step's
+    tokens), so /metrics shows the engine's figures as in one process; the engine process counts nothing.
+    What the front end reads (the served engine's record, state, snapshot) is answered here, from what the
+    child reported: the :class:`serve.core.front.ServedEngine` of its Ready message and its last snapshot.
 
 Submission
     Tokenization and chat templating run in the parent (its own copy of the model's tokenizer, loaded
@@ -31,8 +31,9 @@ Submission
     served record the child reports at start: max_model_len, vocabulary, KV pool), the request id, duplicates
     (its own table of live requests) and the queue (requests it sent and has not yet seen admitted or
     finished: never fewer than the child's queue, so the child never rejects one the parent accepted).
-    Token ids go child-ward; the child's Worker checks them again. A request the child still refuses
-    finishes ``rejected`` with its message.
+    The request is checked once, here: the token ids go child-ward and the child's Worker queues them as they
+    are (``Worker.enqueue_checked``: no second admission check, no second grammar compile). A request the
+    engine still refuses when it admits it finishes ``rejected`` with its message.
 
 Failures
     A child init error: ``start()`` raises it (ServeError/ConfigError keep their type and one-line message).
@@ -56,42 +57,17 @@ import signal
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from engine import LLMEngine, SamplingParams
 from serve.errors import ServeError
 from serve.core.config import WorkerConfig
 from serve.core.proc_main import CHILD_CALLS, READY_TIMEOUT_S, bare_main, child_main  # noqa: F401
-from serve.observe.events import Sink, make_event, now_ns
-from serve.observe.metrics import RequestTimes
-from serve.core.fair import Groups
+from serve.observe.events import Sink, now_ns
 from serve.core.front import WorkerFront, WorkerUnavailable
-from serve.core.messages import Call, Cancel, Close, Closed, Events, InitError, Ready, Reply, Submit
-from serve.core.stream import RequestHandle, wake_all
+from serve.core.messages import (Admitted, Call, Cancel, Close, Closed, Finished, InitError, Outputs, Ready, Reply,
+                                 Submit)
 from serve.core.worker import Worker
-
-
-# --------------------------------------------------------------------------- the parent's request records
-
-
-@dataclass
-class _Remote:
-    handle: RequestHandle
-    prompt_tokens: int
-    submitted_ns: int = 0
-    last_token_ns: int = 0
-    num_tokens: int = 0
-    admitted: bool = False
-    slow: bool = False
-    group: str = ""
-    scheduled_ns: int = 0          # the engine's stamps, for vLLM's phase metrics
-    first_token_ns: int = 0
-    max_tokens: int = 0
-    n: int = 0                     # the request's n if this is its first sample, else 0 (counted once)
-
-
-# --------------------------------------------------------------------------- the parent
 
 
 class RemoteWorker(WorkerFront):
@@ -100,9 +76,8 @@ class RemoteWorker(WorkerFront):
     def __init__(self, config: WorkerConfig | None = None, sink: Sink | None = None, build: str | None = None):
         super().__init__(config, sink, build)
         self.process: multiprocessing.process.BaseProcess | None = None
-        self._live: dict[str, _Remote] = {}
+        self._live = self.output.requests              # open requests: the output side's records
         self._pending: dict[str, None] = {}          # sent, not yet seen admitted or finished (ordered)
-        self._groups = Groups()                       # the same request-group accounting as the child's queue
         self._snapshot: dict = {"state": "starting"}
         self._ready = False
         self._closed = False
@@ -233,50 +208,20 @@ class RemoteWorker(WorkerFront):
         """``LLMEngine.encode``'s rule with this process's copy of the model's tokenizer."""
         return LLMEngine.encode_with(self._encoder, prompt, **options)
 
-    def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
-                 prefill_after: str | None, group: str) -> None:
-        """As the Worker's: a full queue (request groups sent, not yet seen admitted) rejects here; the token ids
-        go to the engine process, whose Worker checks them again."""
-        if not self._groups.has_room(group, self.config.queue_size):
-            self._reject_here(handle, token_ids, params, tags)
-            return
-        self._live[rid] = _Remote(handle, len(token_ids), now_ns(), group=group, max_tokens=params.max_tokens,
-                                  n=params.n if prefill_after is None else 0)   # before the child can answer
+    def _current_round(self) -> int:
+        return self._snapshot.get("round", 0)
+
+    def _enqueue(self, rid: str, token_ids: list[int], params: SamplingParams, prefill_after: str | None,
+                 group: str) -> None:
+        """The request, checked and accepted here, to the engine process, which queues it as it is."""
         self._pending[rid] = None
         self._groups.add(group)
         try:
-            self._commands.send(Submit(rid, token_ids, params, tags, prefill_after, group))
+            self._commands.send(Submit(rid, token_ids, params, prefill_after, group))
         except (OSError, ValueError):            # the child is gone; the reader says why in a moment
-            del self._live[rid]
             self._pending.pop(rid, None)
             self._groups.finished(group, waiting=True)
             raise WorkerUnavailable(f"worker {self.worker_id}: the engine process is not reachable") from None
-
-    def _reject_here(self, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict) -> None:
-        """Queue full: the submitted and finished(rejected) events the Worker would have made."""
-        rid, rnd = handle.request_id, self._snapshot.get("round", 0)
-        sub = make_event("submitted", rid, self.worker_id, rnd, prompt_tokens=len(token_ids),
-                         max_tokens=params.max_tokens, queue_depth=len(self._pending))
-        sub.update(tags)
-        fin = make_event("finished", rid, self.worker_id, rnd, reason="rejected",
-                         message=f"queue full ({self.config.queue_size} requests waiting)",
-                         num_prompt_tokens=len(token_ids), num_completion_tokens=0, admitted=False)
-        if self.sink is not None:
-            self.sink(sub)
-            self.sink(fin)
-        handle.rejected = True
-        handle._push(sub)
-        handle._finish(fin)
-        self.stats.count_finished("rejected")
-
-    def _send_cancel(self, request_id: str, cause: str, reason: str) -> bool:
-        if self._closed:
-            return False
-        try:
-            self._commands.send(Cancel(request_id, cause, reason))
-        except (OSError, ValueError):
-            return False
-        return True
 
     def pending_ids(self) -> list[str]:
         """Request ids sent to the engine process and not yet seen admitted (or finished), in order."""
@@ -360,8 +305,8 @@ class RemoteWorker(WorkerFront):
                     msg = self._events.recv()
                 except (EOFError, OSError):
                     break
-                if isinstance(msg, Events):
-                    self._deliver(msg.events, msg.snapshot)
+                if isinstance(msg, Outputs):
+                    self._receive(msg)
                 elif isinstance(msg, Reply):
                     fut = self._calls.pop(msg.call_id, None)
                     if fut is not None:
@@ -401,108 +346,39 @@ class RemoteWorker(WorkerFront):
     def _fail_open(self, message: str) -> None:
         with self._lock:
             open_ = list(self._live.items())
-            self._live.clear()
             self._pending.clear()
             self._groups.clear()
-        handles = []
-        for rid, r in open_:
-            ev = make_event("finished", rid, self.worker_id, self._snapshot.get("round", 0), reason="error",
-                            message=message, num_prompt_tokens=r.prompt_tokens, num_completion_tokens=r.num_tokens,
-                            admitted=r.admitted)
-            if self.sink is not None:
-                self.sink(ev)
-            self.stats.count_finished("error", None)
-            r.handle._finish(ev, wake=False)
-            handles.append(r.handle)
-        wake_all(handles)
+        step, t = self._current_round(), now_ns()
+        self.output.process([Finished(rid, step, t, "error", message=message, admitted=r.admitted) for rid, r in open_])
 
-    def _deliver(self, batch: list[dict], snapshot: dict | None) -> None:
-        """One message of the child: log, count and hand every event to its stream; one wake-up per loop."""
-        sink, stats, live = self.sink, self.stats, self._live
-        log_steps = self.config.log_steps
-        wakes: list[RequestHandle] = []
-        ttfts: list[float] = []
-        itls: list[float] = []
-        first_prompt_tokens = 0
-        slow: list[str] = []
-        for ev in batch:
-            kind = ev["event"]
-            if kind == "token":
-                if sink is not None:
-                    sink(ev)
-                r = live.get(ev["request_id"])
-                if r is None:
-                    continue
-                r.num_tokens += 1
-                t = ev["t_ns"]
-                if r.num_tokens == 1:
-                    ttfts.append((t - r.submitted_ns) / 1e9)
-                    r.first_token_ns = t
-                    first_prompt_tokens += r.prompt_tokens
-                else:
-                    itls.append((t - r.last_token_ns) / 1e9)
-                r.last_token_ns = t
-                if r.handle.keep_tokens and not r.handle._push(ev) and not r.slow:
-                    r.slow = True
-                    slow.append(ev["request_id"])
-                wakes.append(r.handle)
-                continue
-            if kind == "step":
-                stats.count_step(ev["phase"], ev["seconds"])
-                if ev["phase"] != "decode":       # a request's first step prefills: when it was scheduled
-                    for rid, _ in ev["batch"]:
-                        r = live.get(rid)
-                        if r is not None and not r.scheduled_ns:
-                            r.scheduled_ns = ev["start_ns"]
-                if log_steps and sink is not None:
-                    sink(ev)
-                continue
-            if sink is not None:
-                sink(ev)
-            rid = ev["request_id"]
-            if kind == "worker":
-                if ev.get("what") == "engine_error":
-                    stats.count_engine_error()
-                continue
-            with self._lock:
-                r = live.get(rid)
-                if r is None:
-                    continue
-                if kind == "submitted":
-                    r.submitted_ns = ev["t_ns"]          # the engine's own stamp, as TTFT's start
-                elif kind == "admitted":
-                    r.admitted = True
-                    if self._pending.pop(rid, 0) is None:
+    def _receive(self, msg: Outputs) -> None:
+        """One message of the engine process: the queue's accounting, then the output processor (streams,
+        metrics, log); a slow consumer it reports is cancelled at the owner."""
+        with self._lock:                 # before any stream hears of it: a finished request's place is free
+            for out in msg.outputs:
+                kind = type(out)
+                if kind is Admitted or kind is Finished:
+                    r = self._live.get(out.request_id)
+                    if r is None:
+                        continue
+                    waiting = self._pending.pop(out.request_id, 0) is None
+                    if kind is Finished:
+                        self._groups.finished(r.group, waiting=waiting)
+                    elif waiting:
                         self._groups.admitted(r.group)
-                elif kind == "finished":
-                    del live[rid]
-                    self._groups.finished(r.group, waiting=self._pending.pop(rid, 0) is None)
-            if kind == "admitted":
-                stats.count_prompt(r.prompt_tokens)
-            if kind == "finished":
-                t = ev["t_ns"]
-                stats.count_finished(ev["reason"], (t - r.submitted_ns) / 1e9 if r.admitted else None,
-                                     ev.get("num_prompt_tokens", 0), ev.get("num_completion_tokens", 0),
-                                     times=RequestTimes(r.submitted_ns, r.scheduled_ns, r.first_token_ns,
-                                                        r.last_token_ns, t),
-                                     max_tokens=r.max_tokens, n=r.n)
-                r.handle._finish(ev, wake=False)
-            else:
-                r.handle._push(ev)
-            wakes.append(r.handle)
-        stats.count_tokens(ttfts, itls, first_prompt_tokens)
-        if snapshot is not None:
-            with self._lock:
-                self._snapshot = snapshot
-        wake_all(dict.fromkeys(wakes))
-        for rid in slow:
-            with self._lock:
-                r = live.get(rid)
-                if r is not None:
-                    try:
-                        self._commands.send(Cancel(rid, "slow_consumer", "cancelled"))
-                    except (OSError, ValueError):
-                        pass
+            if msg.snapshot is not None:
+                self._snapshot = msg.snapshot
+        for c in self.output.process(msg.outputs):
+            self._send_cancel(c.request_id, c.cause, c.reason, c.message)
+
+    def _send_cancel(self, request_id: str, cause: str, reason: str, message: str | None = None) -> bool:
+        if self._closed:
+            return False
+        try:
+            self._commands.send(Cancel(request_id, cause, reason, message))
+        except (OSError, ValueError):
+            return False
+        return True
 
 
 def worker_class(engine_process: bool) -> type:

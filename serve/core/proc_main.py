@@ -2,15 +2,15 @@
 are in :mod:`serve.core.proc_client`).
 
 :func:`child_main` is the target the parent spawns (``multiprocessing`` "spawn" pickles it by this
-module's path). It runs the existing Worker unchanged, with ``stream=False`` handles (nobody reads them
-here), a sink (:class:`_Sender`) that collects the owner's events, and the Worker's :class:`OwnerHooks`:
-the owner hands a whole step's wake-ups over once per step (``flushed``), and there the step's events go
-to the parent as ONE message; after each loop round (``published``) the owner's snapshot follows. Events
-made outside the owner thread (``submitted`` at submit) go out at once, under the same lock. Its Worker
-keeps no Prometheus stats (:class:`_Uncounted`): the parent counts from the events. It reports Ready
-(the :class:`serve.core.front.ServedEngine` record the parent serves and checks submissions with) or
-its InitError, then serves the parent's commands (Submit, Cancel, the Calls of :data:`CHILD_CALLS`,
-Close; :mod:`serve.core.messages`) until the parent closes it or its pipe reads EOF.
+module's path). It runs the existing Worker with the Worker's :class:`OwnerHooks` pointed at the pipe
+(:class:`_Sender`): the owner hands its outputs over once per step and once per boundary (``outputs``), and
+they go to the parent as ONE message, whose output processor makes the streams, metrics and log lines of them;
+after each loop round (``published``) the owner's snapshot follows. Nothing is counted or logged here. It
+reports Ready (the :class:`serve.core.front.ServedEngine` record the parent serves and checks submissions
+with) or its InitError, then serves the parent's commands (Submit, Cancel, the Calls of :data:`CHILD_CALLS`,
+Close; :mod:`serve.core.messages`) until the parent closes it or its pipe reads EOF. A Submit was checked by
+the parent: it is queued as it is (a structured-output constraint's grammar is compiled into the engine's
+cache on this thread first, off the step loop: the parent's compile checked it over the parent's tokenizer).
 """
 from __future__ import annotations
 
@@ -18,16 +18,15 @@ import dataclasses
 import signal
 import sys
 import threading
+import time
 import types
 from contextlib import contextmanager
 
 from engine import RequestError
 from serve.errors import ServeError
-from serve.process_exit import end_without_teardown
-from serve.observe.events import make_event
 from serve.core.config import WorkerConfig
-from serve.core.front import DuplicateRequest, WorkerUnavailable
-from serve.core.messages import Call, Cancel, Close, Closed, Events, InitError, Ready, Reply, Submit
+from serve.core.front import WorkerUnavailable
+from serve.core.messages import Call, Cancel, Close, Closed, Finished, InitError, Outputs, Ready, Reply, Submit
 from serve.core.records import OwnerHooks
 from serve.core.worker import Worker
 
@@ -37,49 +36,21 @@ READY_TIMEOUT_S = 900.0
 
 
 class _Sender:
-    """The child's end of the event pipe: the owner's events batched per step, others sent at once."""
+    """The child's end of the event pipe: the owner's outputs and snapshots, one message per hand-off."""
 
     def __init__(self, conn):
         self.conn = conn
         self.lock = threading.Lock()
-        self.batch: list[dict] = []
-        self.worker: Worker | None = None
 
-    def sink(self, ev: dict) -> None:
-        if self.worker.on_owner_thread():
-            self.batch.append(ev)
-        else:
-            self.send(Events([ev]))
+    def outputs(self, batch: list) -> None:
+        self.send(Outputs(batch))
 
-    def ship(self, snapshot: dict | None = None) -> None:
-        batch, self.batch = self.batch, []
-        if batch or snapshot is not None:
-            self.send(Events(batch, snapshot))
+    def published(self, snapshot: dict) -> None:
+        self.send(Outputs([], snapshot))
 
     def send(self, msg) -> None:
         with self.lock:
             self.conn.send(msg)
-
-
-class _Uncounted:
-    """The child Worker's stats: nothing. The parent counts the same from the events, so the engine's process
-    pays no Prometheus counter or histogram per token (about 1 us each)."""
-
-    def count_prompt(self, tokens: int) -> None:
-        pass
-
-    def count_tokens(self, ttfts: list[float], itls: list[float], first_prompt_tokens: int = 0) -> None:
-        pass
-
-    def count_step(self, phase: str, seconds: float) -> None:
-        pass
-
-    def count_engine_error(self) -> None:
-        pass
-
-    def count_finished(self, reason: str, e2e_seconds: float | None = None, prompt_tokens: int = 0,
-                       generation_tokens: int = 0, *, times=None, max_tokens: int = 0, n: int = 0) -> None:
-        pass
 
 
 def _portable(exc: BaseException) -> BaseException:
@@ -110,11 +81,8 @@ order, the process ends without the interpreter's module teardown (:mod:`serve.p
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # Ctrl-C goes to the parent, which closes us in order
     signal.signal(signal.SIGTERM, _on_sigterm)
     sender = _Sender(events)
-    hooks = OwnerHooks(flushed=sender.ship, published=sender.ship)
-    worker = Worker(dataclasses.replace(config, load_tokenizer=False, log_steps=True), sink=sender.sink, hooks=hooks,
-                    build=build)
-    sender.worker = worker
-    worker.stats = _Uncounted()
+    hooks = OwnerHooks(outputs=sender.outputs, published=sender.published)
+    worker = Worker(dataclasses.replace(config, load_tokenizer=False), hooks=hooks, build=build)
     try:
         worker.start(READY_TIMEOUT_S)
     except _Terminated:
@@ -148,7 +116,7 @@ def _serve_commands(worker: Worker, sender: _Sender, commands) -> float:
         if isinstance(msg, Submit):
             _child_submit(worker, sender, msg)
         elif isinstance(msg, Cancel):
-            worker.cancel(msg.request_id, msg.cause, msg.reason)
+            worker.cancel(msg.request_id, msg.cause, msg.reason, msg.message)
         elif isinstance(msg, Call):
             try:
                 if msg.name not in CHILD_CALLS:
@@ -163,13 +131,14 @@ def _serve_commands(worker: Worker, sender: _Sender, commands) -> float:
 
 
 def _child_submit(worker: Worker, sender: _Sender, msg: Submit) -> None:
+    so = msg.params.structured_outputs
     try:
-        worker.submit(msg.token_ids, msg.params, request_id=msg.request_id, tags=msg.tags, stream=False,
-                      prefill_after=msg.prefill_after, group=msg.group)
-    except (RequestError, DuplicateRequest, WorkerUnavailable) as e:     # the parent's checks let it through
-        sender.send(Events([make_event("finished", msg.request_id, worker.worker_id, worker._round, reason="rejected",
-                                       message=" ".join(str(e).split()), num_prompt_tokens=len(msg.token_ids),
-                                       num_completion_tokens=0, admitted=False)]))
+        if so is not None:
+            worker.engine.grammars.compile(so)       # the engine's own compiled grammar, off the step loop
+        worker.enqueue_checked(msg.request_id, msg.token_ids, msg.params, msg.prefill_after, msg.group)
+    except (RequestError, WorkerUnavailable) as e:   # the parent's compiler took it, or the worker just stopped
+        sender.outputs([Finished(msg.request_id, worker.snapshot().get("round", 0), time.monotonic_ns(), "rejected",
+                                 message=" ".join(str(e).split()))])
 
 
 @contextmanager

@@ -1,6 +1,6 @@
 """The owner thread's records (:mod:`serve.core.worker` runs the thread): a request as the owner holds it,
-the host time between steps by part, owner calls, injected faults, the hooks where its output may also go
-(the engine process's pipe), and the event fields made from a step's output.
+the host time between steps by part, owner calls, injected faults, the hooks where its outputs may go instead
+(the engine process's pipe), and the log fields made from a step's output.
 """
 from __future__ import annotations
 
@@ -9,46 +9,35 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from engine import SamplingParams
+from serve.core.messages import Tokens
 from serve.observe.events import make_event
-from serve.observe.metrics import RequestTimes
-from serve.core.stream import RequestHandle
 
 
 @dataclass
 class OwnerHooks:
-    """Where the owner's output may also go, called on the owner thread: ``flushed()`` after each hand-off of
-    wake-ups (once per step and once per boundary), ``published(snapshot)`` after each snapshot and once more
-    when the owner has shut down (the engine process sends its events and snapshots to the parent there)."""
-    flushed: Callable[[], None] | None = None
+    """Where the owner's outputs go instead of this process's output processor, called on the owner thread:
+    ``outputs(batch)`` once per step and once per boundary (a list of :mod:`serve.core.messages` outputs),
+    ``published(snapshot)`` after each snapshot and once more when the owner has shut down (the engine process
+    sends both to the parent there)."""
+    outputs: Callable[[list], None] | None = None
     published: Callable[[dict], None] | None = None
 
 
 @dataclass
 class OwnedRequest:
-    """A request as the owner thread holds it: its checked tokens and params, its stream, its sequence."""
+    """A request as the owner thread holds it: its checked tokens and params, its sequence (its stream and counts
+    are the output side's: :class:`serve.core.output.RequestState`)."""
     request_id: str
     token_ids: list[int]
     params: SamplingParams
-    handle: RequestHandle
-    tags: dict
-    submitted_ns: int
     seq: Any = None
-    num_tokens: int = 0
-    last_token_ns: int = 0
-    scheduled_ns: int = 0                 # the start of the first step that scheduled it (vLLM's phase metrics)
-    first_token_ns: int = 0
     prefill_after: str | None = None      # n > 1: the sibling request whose prompt KV this one reuses
     group: str = ""                       # the HTTP request it belongs to (serve.core.fair); "": its own id
+    started: bool = False                 # its first token went out (prompt log-probs go with it)
+    done: bool = False                    # its Finished went out
 
     def __post_init__(self) -> None:
         self.group = self.group or self.request_id
-
-    def counts(self) -> tuple[int, int]:
-        """(prompt tokens, output tokens so far): what the metrics count at its finish."""
-        return len(self.token_ids), self.num_tokens
-
-    def times(self, finished_ns: int) -> RequestTimes:
-        return RequestTimes(self.submitted_ns, self.scheduled_ns, self.first_token_ns, self.last_token_ns, finished_ns)
 
 
 def device_fields(out) -> dict:
@@ -113,47 +102,26 @@ def step_record(out, worker_id: str, t0: int, t: int, before: dict, rid_of: Call
         free_blocks=free_blocks, **device_fields(out))
 
 
-@dataclass
-class StepTokens:
-    """What a step's tokens made: their events (to the log in one hand-off), TTFTs and ITLs (s), the prompt
-    tokens of the requests it gave a first token, and the requests whose stream now holds more than its limit
-    (slow consumers)."""
-    logged: list[dict]
-    ttfts: list[float]
-    itls: list[float]
-    slow: list[OwnedRequest]
-    first_prompt_tokens: int = 0
-
-
-def deliver_tokens(out, by_seq: dict[int, OwnedRequest], worker_id: str, t: int) -> StepTokens:
-    """Each accepted token of ``out`` as a token event pushed to its request's stream (the hot path)."""
-    slow: list[OwnedRequest] = []
-    ttfts: list[float] = []
-    itls: list[float] = []
-    logged: list[dict] = []
-    first_prompt_tokens = 0
-    wid, step = worker_id, out.step
+def step_tokens(out, by_seq: dict[int, OwnedRequest], t: int) -> Tokens:
+    """The accepted tokens of a step's output as one :class:`Tokens` record (the hot path: a column per field)."""
+    rids: list[str] = []
+    toks: list[int] = []
+    logprobs: dict[int, list] = {}
+    prompt_logprobs: dict[int, list] = {}
+    lps = out.logprobs
     for seq_id, token_id in out.outcome.accepted.items():
         req = by_seq.get(seq_id)
         if req is None:
             continue
-        req.num_tokens += 1
-        # make_event's fields in its order, as a literal (one per token: the hot path)
-        ev = {"event": "token", "request_id": req.request_id, "worker_id": wid, "round": step, "t_ns": t,
-              "observer": "engine", "index": req.num_tokens, "token_id": token_id}
-        rec = out.logprobs.get(seq_id)
-        if rec is not None:
-            ev["logprob"] = lp_entry(rec)
-        if req.num_tokens == 1 and req.seq.prompt_logprobs is not None:
-            ev["prompt_logprobs"] = [None if r is None else lp_entry(r) for r in req.seq.prompt_logprobs]
-        if req.num_tokens == 1:
-            ttfts.append((t - req.submitted_ns) / 1e9)
-            req.first_token_ns = t
-            first_prompt_tokens += len(req.token_ids)
-        else:
-            itls.append((t - req.last_token_ns) / 1e9)
-        req.last_token_ns = t
-        logged.append(ev)
-        if req.handle.keep_tokens and not req.handle._push(ev):
-            slow.append(req)
-    return StepTokens(logged, ttfts, itls, slow, first_prompt_tokens)
+        row = len(rids)
+        rids.append(req.request_id)
+        toks.append(token_id)
+        if lps:
+            rec = lps.get(seq_id)
+            if rec is not None:
+                logprobs[row] = lp_entry(rec)
+        if not req.started:
+            req.started = True
+            if req.seq.prompt_logprobs is not None:
+                prompt_logprobs[row] = [None if r is None else lp_entry(r) for r in req.seq.prompt_logprobs]
+    return Tokens(out.step, t, rids, toks, logprobs, prompt_logprobs)

@@ -52,10 +52,11 @@ from engine import RequestError, SamplingParams
 from engine.observe import StepHooks
 from serve.errors import ServeError
 from serve.core.config import WorkerConfig
-from serve.observe.events import Sink, make_event, now_ns, sink_many
-from serve.core.fair import Groups, per_request_cap, pick
+from serve.observe.events import Sink, now_ns
+from serve.core.fair import per_request_cap, pick
 from serve.core.front import ServedEngine, WorkerFront, WorkerUnavailable
-from serve.core.records import Fault, HostTime, OwnedRequest, OwnerCall, OwnerHooks, deliver_tokens, step_record
+from serve.core.messages import Admitted, Cancel, Finished, StepDone, WorkerNote
+from serve.core.records import Fault, HostTime, OwnedRequest, OwnerCall, OwnerHooks, step_record, step_tokens
 from serve.core.stream import RequestHandle, wake_all
 
 
@@ -91,10 +92,9 @@ class Worker(WorkerFront):
         self._init_error: BaseException | None = None
         self._cv = threading.Condition(self._lock)
         self._pending: deque[OwnedRequest] = deque()      # submitted, not admitted
-        self._groups = Groups()                           # live and waiting sequences per request group (lock)
         self._active: dict[str, OwnedRequest] = {}        # admitted, not finished (owner only)
         self._by_seq: dict[int, OwnedRequest] = {}        # owner only
-        self._cancels: deque[tuple[str, str, str]] = deque()   # (request id, cause, reason)
+        self._cancels: deque[Cancel] = deque()
         self._calls: deque[OwnerCall] = deque()
         self._round = 0
         self._stopping = False
@@ -108,6 +108,7 @@ class Worker(WorkerFront):
         self._range = None                            # profiler range factory (profiling.py)
         self._snapshot: dict = {"state": "starting"}
         self._wakes: list[RequestHandle] | None = None    # owner: handles to wake at the end of a boundary/step
+        self._out: list = []                              # owner: outputs not yet handed to the output side
         # owner: where its time went since the last step's end (ns), written into the next step record
         self._host = HostTime()
 
@@ -173,24 +174,28 @@ class Worker(WorkerFront):
     def _tokenize(self, prompt, **options) -> list[int]:
         return self.engine.encode(prompt, **options)
 
-    def _enqueue(self, rid: str, handle: RequestHandle, token_ids: list[int], params: SamplingParams, tags: dict,
-                 prefill_after: str | None, group: str) -> None:
-        req = OwnedRequest(rid, token_ids, params, handle, tags, now_ns(), prefill_after=prefill_after, group=group)
-        ev = make_event("submitted", rid, self.worker_id, self._round, t_ns=req.submitted_ns,
-                        prompt_tokens=len(token_ids), max_tokens=params.max_tokens, queue_depth=len(self._pending))
-        ev.update(tags)                   # never as keyword arguments: a tag may share a parameter's name
-        self._emit(req, ev)
-        if not self._groups.has_room(group, self.config.queue_size):
-            handle.rejected = True
-            self._finish(req, "rejected", message=f"queue full ({self.config.queue_size} requests waiting)")
-            return
-        self._pending.append(req)
-        self._groups.add(group)
-        self._live[rid] = req
-        self._cv.notify_all()
+    def _current_round(self) -> int:
+        return self._round
 
-    def _send_cancel(self, request_id: str, cause: str, reason: str) -> bool:
-        self._cancels.append((request_id, cause, reason))
+    def _enqueue(self, rid: str, token_ids: list[int], params: SamplingParams, prefill_after: str | None,
+                 group: str) -> None:
+        self.enqueue_checked(rid, token_ids, params, prefill_after, group)
+
+    def enqueue_checked(self, rid: str, token_ids: list[int], params: SamplingParams, prefill_after: str | None = None,
+                        group: str | None = None) -> None:
+        """Queue a request a front has checked and accepted (``submit`` here; the parent of an engine process)
+        as it is: nothing is checked again."""
+        req = OwnedRequest(rid, token_ids, params, prefill_after=prefill_after, group=group or rid)
+        with self._lock:
+            if not self.accepting:
+                raise WorkerUnavailable(self._unavailable_reason())
+            self._pending.append(req)
+            self._groups.add(req.group)
+            self._live[rid] = req
+            self._cv.notify_all()
+
+    def _send_cancel(self, request_id: str, cause: str, reason: str, message: str | None = None) -> bool:
+        self._cancels.append(Cancel(request_id, cause, reason, message))
         self._cv.notify_all()
         return True
 
@@ -301,19 +306,32 @@ class Worker(WorkerFront):
             self._shutdown_owner()
 
     def _flush_wakes(self) -> None:
+        self._handoff()
         wakes = self._wakes
         if wakes:
             self._wakes = []
             wake_all(dict.fromkeys(wakes))     # each handle once, in order
-        if self.hooks.flushed is not None and threading.current_thread() is self._thread:
-            self.hooks.flushed()
 
-    def _wake(self, handle: RequestHandle) -> None:
-        """Wake a handle's readers now, or with the step's batch when the owner is collecting one."""
-        if self._wakes is not None and threading.current_thread() is self._thread:
-            self._wakes.append(handle)
+    def _emit(self, out) -> None:
+        """An output of the owner: batched on the owner thread (handed off once per step and per boundary),
+        handed off at once from any other thread."""
+        if threading.current_thread() is self._thread:
+            self._out.append(out)
         else:
-            handle._wake()
+            self._hand([out], None)
+
+    def _handoff(self) -> None:
+        """The owner's batch of outputs to the output side; a slow consumer it reports is cancelled now."""
+        while self._out:
+            batch, self._out = self._out, []
+            for c in self._hand(batch, self._wakes):
+                self._cancel_now(c.request_id, c.cause, c.reason, c.message)
+
+    def _hand(self, batch: list, wakes: list | None) -> list[Cancel]:
+        if self.hooks.outputs is not None:          # the engine process: to the parent's output processor
+            self.hooks.outputs(batch)
+            return []
+        return self.output.process(batch, wakes)
 
     def _build(self) -> None:
         from serve.core.engine_build import builder
@@ -358,8 +376,8 @@ class Worker(WorkerFront):
         with self._lock:
             cancels = list(self._cancels)
             self._cancels.clear()
-        for rid, cause, reason in cancels:
-            self._cancel_now(rid, cause, reason)
+        for c in cancels:
+            self._cancel_now(c.request_id, c.cause, c.reason, c.message)
         feeder = self._feeder
         if feeder is not None:
             feeder(self._round)
@@ -371,6 +389,7 @@ class Worker(WorkerFront):
                 self._pending = self._groups.take(self._pending, chosen)
         for req in chosen:
             self._admit(req)
+        self._handoff()
 
     def _admit(self, req: OwnedRequest) -> None:
         try:
@@ -382,15 +401,12 @@ class Worker(WorkerFront):
             return
         self._active[req.request_id] = req
         self._by_seq[req.seq.seq_id] = req
-        self.stats.count_prompt(len(req.token_ids))
         with self._lock:
             queue = len(self._pending)
-        self._emit(req, make_event("admitted", req.request_id, self.worker_id, self._round,
-                                   active_before=len(self._active) - 1, active=len(self._active),
-                                   queue_depth=queue, seq_id=req.seq.seq_id))
-        self._wake(req.handle)
+        self._emit(Admitted(req.request_id, self._round, now_ns(), len(self._active) - 1, len(self._active), queue,
+                            req.seq.seq_id))
 
-    def _cancel_now(self, rid: str, cause: str, reason: str = "cancelled") -> None:
+    def _cancel_now(self, rid: str, cause: str, reason: str = "cancelled", message: str | None = None) -> None:
         with self._lock:
             req = self._live.get(rid)
             if req is None:
@@ -399,7 +415,7 @@ class Worker(WorkerFront):
         freed: list[int] = []
         if req.seq is not None:
             freed = self.engine.abort(req.seq, reason)
-        self._finish(req, reason, cause=cause, freed_blocks=len(freed))
+        self._finish(req, reason, cause=cause, message=message, freed_blocks=len(freed))
 
     def _step(self) -> None:
         engine = self.engine
@@ -420,22 +436,15 @@ class Worker(WorkerFront):
         self._host.deliver += now_ns() - self._host.end_ns
 
     def _deliver(self, out, t0: int) -> None:
+        """A step's outputs (its record, its tokens, the requests it finished), handed off at once."""
         t = now_ns()
-        phase = out.kind                    # decode | prefill | mixed
-        self.stats.count_step(phase, out.seconds)
         before = self._host.record(t0)          # the owner's time since the previous step ended
         self._host.restart(t)
-        if self.config.log_steps and self.sink is not None:
-            self.sink(step_record(out, self.worker_id, t0, t, before, self._rid_of, self.engine.stats().free_blocks))
-        if phase != "decode":                   # a request's first step prefills: stamp when it was scheduled
-            for sid, _ in out.scheduled:
-                req = self._by_seq.get(sid)
-                if req is not None and not req.scheduled_ns:
-                    req.scheduled_ns = t0
-        got = deliver_tokens(out, self._by_seq, self.worker_id, t)
-        slow, ttfts, itls, logged = got.slow, got.ttfts, got.itls, got.logged
-        self.stats.count_tokens(ttfts, itls, got.first_prompt_tokens)     # the step's metrics in one go
-        sink_many(self.sink, logged)
+        record = None
+        if self.config.log_steps:
+            record = step_record(out, self.worker_id, t0, t, before, self._rid_of, self.engine.stats().free_blocks)
+        self._emit(StepDone(out.kind, out.seconds, record))           # kind: decode | prefill | mixed
+        self._emit(step_tokens(out, self._by_seq, t))
         for seq in out.outcome.finished:
             req = self._by_seq.get(seq.seq_id)
             if req is not None:
@@ -447,18 +456,7 @@ class Worker(WorkerFront):
                                          f"past its {g.budget_s * 1e3:g} ms budget (--grammar-step-budget-ms)")
                     continue
                 self._finish(req, seq.finish_reason, cause="stop_token_id" if by_id else None)
-        for req in slow:
-            if req.request_id in self._active:
-                freed = self.engine.abort(req.seq, "cancelled")
-                self._finish(req, "cancelled", cause="slow_consumer", freed_blocks=len(freed),
-                             message=f"more than {req.handle.limit} events unread")
-        wakes = self._wakes if self._wakes is not None else []
-        for seq_id in out.outcome.accepted:
-            req = self._by_seq.get(seq_id)
-            if req is not None:
-                wakes.append(req.handle)
-        if self._wakes is None:
-            wake_all(dict.fromkeys(wakes))
+        self._handoff()
 
     def _rid_of(self, seq_id: int) -> str | None:
         req = self._by_seq.get(seq_id)
@@ -466,21 +464,10 @@ class Worker(WorkerFront):
 
     def _finish(self, req: OwnedRequest, reason: str, cause: str | None = None, message: str | None = None,
                 freed_blocks: int | None = None) -> None:
-        """The one place a request ends: finished event, handle closed, bookkeeping, metrics."""
-        if req.handle.finished:
+        """The one place a request ends on the owner's side: bookkeeping, then its Finished output."""
+        if req.done:
             return
-        fields: dict[str, Any] = {"reason": reason}
-        if cause is not None:
-            fields["cause"] = cause
-        if message is not None:
-            fields["message"] = message
-        fields.update(num_prompt_tokens=len(req.token_ids), num_completion_tokens=req.num_tokens,
-                      admitted=req.seq is not None)
-        if req.seq is not None and req.seq.num_prefix_hit_tokens is not None:
-            fields["num_cached_tokens"] = req.seq.num_prefix_hit_tokens     # prompt tokens the prefix cache gave
-        if freed_blocks is not None:
-            fields["freed_blocks"] = freed_blocks
-        ev = make_event("finished", req.request_id, self.worker_id, self._round, **fields)
+        req.done = True
         self._active.pop(req.request_id, None)
         if req.seq is not None:
             self._by_seq.pop(req.seq.seq_id, None)
@@ -488,20 +475,9 @@ class Worker(WorkerFront):
             if self._live.get(req.request_id) is req:
                 del self._live[req.request_id]
                 self._groups.finished(req.group, waiting=False)
-        t = now_ns()
-        self.stats.count_finished(reason, (t - req.submitted_ns) / 1e9 if req.seq is not None else None, *req.counts(),
-                                  times=req.times(t), max_tokens=req.params.max_tokens,
-                                  n=req.params.n if req.prefill_after is None else 0)
-        if self.sink is not None:
-            self.sink(ev)
-        req.handle._finish(ev, wake=False)
-        self._wake(req.handle)
-
-    def _emit(self, req: OwnedRequest, ev: dict) -> None:
-        if self.sink is not None:
-            self.sink(ev)
-        if req.handle.keep_tokens or ev["event"] != "token":
-            req.handle._push(ev)
+        cached = req.seq.num_prefix_hit_tokens if req.seq is not None else None
+        self._emit(Finished(req.request_id, self._round, now_ns(), reason, cause, message, req.seq is not None, cached,
+                            freed_blocks))
 
     # -- failures ----------------------------------------------------------------------------
     def _on_engine_error(self, exc: BaseException) -> None:
@@ -511,13 +487,12 @@ class Worker(WorkerFront):
         else:
             affected = list(self._active.values())
         self._scheduled_ids.clear()
-        self.stats.count_engine_error()
         for req in affected:
             self._finish(req, "error", message=message, freed_blocks=self._abort_quietly(req, "error"))
         ok, why = self._consistent()
-        if self.sink is not None:
-            self.sink(make_event("worker", None, self.worker_id, self._round, what="engine_error", message=message,
-                                 affected=[r.request_id for r in affected], consistent=ok, why=why))
+        self._emit(WorkerNote("engine_error", self._round, {"message": message,
+                                                            "affected": [r.request_id for r in affected],
+                                                            "consistent": ok, "why": why}))
         if not ok:
             self._unhealthy = f"engine inconsistent after {message}: {why}"
             self._end_all("error", message=self._unhealthy, count_freed=False)
@@ -530,11 +505,13 @@ class Worker(WorkerFront):
             self._feeder = None
         for req in list(self._live.values()):
             self._abort_quietly(req, "error")
-            try:
-                self._finish(req, "error", message=self._unhealthy)
-            except Exception:
-                req.handle._finish({"event": "finished", "request_id": req.request_id, "reason": "error",
-                                    "message": self._unhealthy})
+            self._finish(req, "error", message=self._unhealthy)
+        try:
+            self._handoff()
+        except Exception:               # the output side itself failed: close the streams with a bare event
+            self._out = []
+            for rid in list(self.output.requests):
+                self.output.abandon(rid, self._unhealthy)
         with self._lock:
             self._live.clear()
             self._groups.clear()
@@ -584,12 +561,12 @@ class Worker(WorkerFront):
         try:
             self._run_calls()
             self._end_all("cancelled", cause="shutdown")
+            self._handoff()
             self._publish()
-            if self.sink is not None:
-                self.sink(make_event("worker", None, self.worker_id, self._round, what="closed",
-                                     free_blocks=self._snapshot.get("kv_blocks_free"),
-                                     total_blocks=self._snapshot.get("kv_blocks_total")))
+            self._emit(WorkerNote("closed", self._round, {"free_blocks": self._snapshot.get("kv_blocks_free"),
+                                                          "total_blocks": self._snapshot.get("kv_blocks_total")}))
         finally:
+            self._handoff()
             with self._lock:
                 calls, self._calls = list(self._calls), deque()
             for call in calls:

@@ -89,6 +89,16 @@ def _params(n: int):
     return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
 
 
+def test_a_slow_consumer_finishes_alike_in_both_modes(served):
+    """One output processor for both worker kinds: the same finished event, whichever side the engine runs on."""
+    h = served.worker.submit(ids("slow-both"), _params(150), request_id="slow-both", stream_buffer=4)
+    fin = h.wait(30)
+    assert (fin["reason"], fin["cause"], fin["message"]) == ("cancelled", "slow_consumer", "more than 4 events unread")
+    assert 0 < fin["num_completion_tokens"] < 150
+    logged = [e for e in served.sink.snapshot() if e["request_id"] == "slow-both"]
+    assert [e["event"] for e in logged][:2] == ["submitted", "admitted"] and logged[-1] == fin
+
+
 def test_openai_completion_stream_over_raw_sse(served):
     res = run(with_session(lambda s: client.stream_openai(
         s, served.url, {"model": "tiny", "prompt": ids("sse", 10), "max_tokens": 4, "temperature": 0,
@@ -304,6 +314,20 @@ def test_a_killed_engine_process_ends_every_open_stream_with_error(tiny_model_di
     assert all(0 < r.tokens < 400 and "\n" not in r.message for r in results)
     assert health[0] == 503 and health[1]["status"] == "unhealthy"
     assert after[0] == 503 and after[1]["error"]["code"] == "unavailable"
+
+
+def test_the_engine_process_queues_what_the_parent_checked_as_it_is(tiny_model_dir):
+    """A request is checked once, in the parent: the engine process does not run the admission rule again (made
+    to fail there, it changes nothing)."""
+    import functools
+
+    from serve.core.front import ServedEngine
+
+    with RemoteWorker(config(tiny_model_dir, worker_id="trust")).start() as w:
+        w.run_on_owner(functools.partial(setattr, ServedEngine, "check"))     # the child's check: not callable
+        fin = w.submit(ids("trusted"), _params(3), request_id="trusted").wait(30)
+        assert fin["reason"] == "length" and fin["num_completion_tokens"] == 3
+        assert w.state() == "ok"
 
 
 def test_init_error_is_the_same_line_as_in_process(tmp_path):
