@@ -10,7 +10,7 @@ class ConfigError(ValueError):
 class RequestError(ValueError):
     """A request the engine cannot accept; one-line message and a machine-readable code the service
     maps to HTTP (every code is a client error): empty_prompt, token_out_of_vocabulary,
-    context_length_exceeded, pool_too_small, invalid_sampling_params, invalid_request."""
+    context_length_exceeded, pool_too_small, invalid_<field> (a sampling parameter), invalid_request."""
 
     def __init__(self, message: str, code: str = "invalid_request"):
         super().__init__(message)

@@ -22,6 +22,8 @@ MAX_LOGIT_BIAS = 1024
 
 
 def _bad(name: str, message: str) -> RequestError:
+    """A refused field: its name leads the message and names the code (``invalid_<name>``), which the server's
+    400 names as the request's field. The ranges are stated here only; the server checks JSON types."""
     return RequestError(f"{name} {message}", f"invalid_{name}")
 
 
@@ -57,9 +59,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not _is_num(self.temperature) or self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}", "invalid_sampling_params")
+            raise _bad("temperature", f"must be >= 0, got {self.temperature}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}", "invalid_sampling_params")
+            raise _bad("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise _bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < -1:

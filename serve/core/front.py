@@ -208,11 +208,14 @@ class WorkerFront:
             raise RequestError(f"request_id must match {REQUEST_ID_RE.pattern}, got {request_id!r}",
                                "invalid_request_id")
         token_ids = self.encode(prompt, prompt_options)
+        changes: dict[str, Any] = {}
         if fill_context:
-            params = dataclasses.replace(params, max_tokens=max(1, self.served.max_model_len - len(token_ids)))
+            changes["max_tokens"] = max(1, self.served.max_model_len - len(token_ids))
         extra = [t for t in stop_token_ids if t not in params.stop_token_ids]
         if extra:
-            params = dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
+            changes["stop_token_ids"] = [*params.stop_token_ids, *extra]
+        if changes:                                 # one rebuild (and one validation), not one per change
+            params = dataclasses.replace(params, **changes)
         self.served.check(token_ids, params)
         if params.structured_outputs is not None:
             self._check_grammar(params.structured_outputs)

@@ -29,7 +29,7 @@ from typing import Any, Callable
 from engine import RequestError, SamplingParams
 from serve.protocol import vllm_fields as vf
 from serve.protocol.chat import chat_request, constrain, parse_messages
-from serve.protocol.sampling import (SAMPLING_CHECKS, bad, int_check, is_int, number_check, read_bool,  # noqa: F401
+from serve.protocol.sampling import (PARAM_FIELDS, SAMPLING_CHECKS, bad, int_check, is_int, number_check, read_bool,  # noqa: F401
                                      read_int, read_number, sampling_fields, seed_of, show, type_check)
 from serve.protocol.structured import source as structured_source, structured_outputs
 from serve.protocol.wire import ApiError
@@ -306,8 +306,7 @@ def _params(body: dict, limits: Limits, default_temperature: float, max_tokens_n
 def param_of(code: str) -> str | None:
     """The request parameter an engine RequestError code (``invalid_<param>``) names, if any."""
     name = code[len("invalid_"):] if code.startswith("invalid_") else ""
-    return name if name in SAMPLING_CHECKS or name in ("stop_token_ids", "logprobs", "seed",
-                                                      "prompt_logprobs") else None
+    return name if name in PARAM_FIELDS else None
 
 
 def _object(body: Any) -> dict:

@@ -4,6 +4,10 @@ client's value (``show``), value checks (``number_check``, ``int_check``, ``type
 parameters (:data:`SAMPLING_CHECKS`, :func:`sampling_fields`) that map onto :class:`engine.SamplingParams` on
 ``/generate``, ``/v1/completions`` and ``/v1/chat/completions`` alike: one validator, so a value one route
 refuses every route refuses (tests/service/test_service_vllm_fields.py runs a table of bad values on all three).
+
+Their ranges are stated once, by ``SamplingParams`` (engine/sampling/params.py): here each value's JSON type is
+checked (``invalid_type``); the engine's refusal of a value out of range (its ``RequestError`` code
+``invalid_<field>``) is the 400's message, word for word, naming the field (:data:`PARAM_FIELDS`).
 """
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ import math
 import reprlib
 from typing import Any, Callable
 
-from engine import MAX_LOGIT_BIAS
 from serve.protocol.wire import ApiError, HugeInt
 
 INT64 = (-(2 ** 63), 2 ** 63 - 1)      # seeds: vLLM's range (a signed 64-bit integer); outside it a 400
@@ -99,47 +102,52 @@ def type_check(*types: type, what: str):
 def _logit_bias_check(name: str, v: Any) -> None:
     if not isinstance(v, dict):
         raise bad(f"{name} must be an object of token id -> bias, got {show(v)}", name, "invalid_type")
-    if len(v) > MAX_LOGIT_BIAS:
-        raise bad(f"{name} may hold at most {MAX_LOGIT_BIAS} entries, got {len(v)}", name)
     for k, b in v.items():
         if not (isinstance(k, str) and k.lstrip("-").isdigit()):
             raise bad(f"{name} keys must be token ids, got {show(k)}", name, "invalid_type")
-        if not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100:
-            raise bad(f"{name} values must be numbers in [-100, 100], got {show(b)}", name)
+        if not isinstance(b, (int, float)) or isinstance(b, bool):
+            raise bad(f"{name} values must be numbers, got {show(b)}", name, "invalid_type")
 
 
-def _allowed_check(name: str, v: Any) -> None:
+def _token_list_check(name: str, v: Any) -> None:
     if not isinstance(v, list) or not all(is_int(t) for t in v):
         raise bad(f"{name} must be a list of integer token ids, got {show(v)}", name, "invalid_type")
-    if not v:
-        raise bad(f"{name} must not be empty (omit it to allow every token)", name)
 
 
-#: The sampling parameters of OpenAI / vLLM requests that map onto SamplingParams, with their checks.
+_number = type_check(int, float, what="a number")
+_integer = type_check(int, what="an integer")
+
+#: The sampling parameters of OpenAI / vLLM requests that map onto SamplingParams, with their JSON type checks
+#: (their ranges: SamplingParams').
 SAMPLING_CHECKS: dict[str, Callable[[str, Any], None]] = {
-    "top_p": number_check(0, 1, lo_open=True),
-    "top_k": int_check(-1),
-    "min_p": number_check(0, 1),
-    "presence_penalty": number_check(-2, 2),
-    "frequency_penalty": number_check(-2, 2),
-    "repetition_penalty": number_check(0, 2 ** 31, lo_open=True),
-    "min_tokens": int_check(0),
+    "top_p": _number,
+    "top_k": _integer,
+    "min_p": _number,
+    "presence_penalty": _number,
+    "frequency_penalty": _number,
+    "repetition_penalty": _number,
+    "min_tokens": _integer,
     "logit_bias": _logit_bias_check,
-    "allowed_token_ids": _allowed_check,
+    "allowed_token_ids": _token_list_check,
 }
 
 
 def sampling_fields(body: dict) -> dict:
-    """SamplingParams keyword arguments from the body's sampling parameters (null = absent): the one validator
-    of the native and the OpenAI routes."""
+    """SamplingParams keyword arguments from the body's sampling parameters (null = absent), each of its JSON
+    type: the one reader of the native and the OpenAI routes."""
     kw: dict[str, Any] = {}
     for name, check in SAMPLING_CHECKS.items():
         value = body.get(name)
         if value is None:
             continue
         check(name, value)
-        kw[name] = {int(k): float(b) for k, b in value.items()} if name == "logit_bias" else value
+        kw[name] = {int(k): b for k, b in value.items()} if name == "logit_bias" else value
     return kw
+
+
+#: The request fields an engine refusal can name (its RequestError code is ``invalid_<field>``).
+PARAM_FIELDS = frozenset(SAMPLING_CHECKS) | {"temperature", "max_tokens", "stop_token_ids", "logprobs",
+                                             "prompt_logprobs", "seed", "n", "best_of"}
 
 
 def seed_of(body: dict) -> int | None:

@@ -246,6 +246,27 @@ def test_generate_refuses_bad_sampling_values_as_the_openai_routes(server):
     assert status == status2 == 200 and out["token_ids"] == out2["token_ids"]      # top_k 1 is greedy: honoured
 
 
+RANGES = [("top_p", 0), ("top_k", -2), ("min_p", 2), ("presence_penalty", 3), ("frequency_penalty", -2.5),
+          ("repetition_penalty", 0), ("logit_bias", {"5": 101}), ("logit_bias", {str(i): 1 for i in range(1025)}),
+          ("allowed_token_ids", []), ("min_tokens", 3)]
+
+
+def test_a_value_out_of_range_is_refused_in_the_engines_words(server):
+    """A sampling range is stated once, by SamplingParams: the 400 names the field and says the engine's message."""
+    from engine import RequestError, SamplingParams
+
+    for name, value in RANGES:
+        arg = {int(k): b for k, b in value.items()} if name == "logit_bias" else value
+        with pytest.raises(RequestError) as e:
+            SamplingParams(max_tokens=2, **{name: arg})
+        for path, base in (("/generate", {"prompt_token_ids": ids("rng"), "stream": False}),
+                           ("/v1/chat/completions", {"messages": USER})):
+            status, err = post(server, path, {**base, "max_tokens": 2, name: value})
+            assert status == 400, (path, name, err)
+            assert (err["error"]["param"], err["error"]["code"], err["error"]["message"]) == \
+                (name, "invalid_value", str(e.value)), (path, name)
+
+
 # --------------------------------------------------------------------------- vLLM's metric names
 
 
