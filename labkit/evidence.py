@@ -52,7 +52,7 @@ _VERSIONED = ("python", "torch", "triton", "transformers", "flash_attn")
 # --------------------------------------------------------------------------- envelope pieces
 
 
-def _now() -> str:
+def utc_stamp() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
@@ -173,7 +173,7 @@ def envelope(
     edir = engine_dir()
     return {
         "schema_version": SCHEMA_VERSION,
-        "created_at": _now(),
+        "created_at": utc_stamp(),
         "command": command_line(),
         "cwd": os.getcwd(),
         "git_head": git_head(),

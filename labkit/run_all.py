@@ -31,7 +31,7 @@ from labkit.console import err_console, verdict_text
 from labkit.evidence import (
     PATCHED_DIR,
     SCHEMA_VERSION,
-    _now,
+    utc_stamp,
     command_line,
     engine_source_hash,
     git_head,
@@ -267,7 +267,7 @@ def write_report(rows: list[dict], *, stage: str | None = None, model: str | Non
     ``interrupted_at``) is a field and a line of both."""
     report = {
         "schema_version": SCHEMA_VERSION,
-        "created_at": _now(),
+        "created_at": utc_stamp(),
         "command": command_line(),
         "git_head": git_head(),
         "engine_source_hash": engine_source_hash(),

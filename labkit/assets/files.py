@@ -41,7 +41,7 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "labkit"
 
 
-def _sha256_file(path: Path, h: "hashlib._Hash | None" = None) -> "hashlib._Hash":
+def sha256_file(path: Path, h: "hashlib._Hash | None" = None) -> "hashlib._Hash":
     h = h or hashlib.sha256()
     with open(path, "rb") as f:
         while True:
@@ -52,11 +52,11 @@ def _sha256_file(path: Path, h: "hashlib._Hash | None" = None) -> "hashlib._Hash
     return h
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -71,7 +71,7 @@ def _atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def _apply_umask(directory: Path) -> None:
+def apply_umask(directory: Path) -> None:
     """mkdtemp/mkstemp create private (0700/0600) entries; give them the usual permissions."""
     mask = os.umask(0)
     os.umask(mask)
@@ -81,7 +81,7 @@ def _apply_umask(directory: Path) -> None:
             os.chmod(f, 0o666 & ~mask)
 
 
-def _read_marker(path: Path) -> dict | None:
+def read_marker(path: Path) -> dict | None:
     marker = path / SYNTH_MARKER
     if not marker.is_file():
         return None

@@ -6,7 +6,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from labkit.assets.files import ModelError, _atomic_write_text, _read_marker, _sha256_file, default_cache_dir
+from labkit.assets.files import ModelError, atomic_write_text, read_marker, sha256_file, default_cache_dir
 
 
 _REQUIRED_CONFIG_KEYS = (
@@ -120,7 +120,7 @@ def inspect_model(path: str | Path) -> dict:
     except Exception as exc:  # noqa: BLE001 - any loader failure is a malformed directory
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"{p}: cannot load the tokenizer: {msg}") from None
-    marker = _read_marker(p)
+    marker = read_marker(p)
     n_heads = cfg.get("num_attention_heads")
     return {
         "path": str(p),
@@ -142,7 +142,7 @@ def inspect_model(path: str | Path) -> dict:
         "preset": (marker or {}).get("preset"),
         "seed": (marker or {}).get("seed"),
         "init": (marker or {}).get("init", "random") if marker is not None else None,
-        "config_sha256": _sha256_file(p / "config.json").hexdigest(),
+        "config_sha256": sha256_file(p / "config.json").hexdigest(),
         "weights_sha256": _weights_sha256(p),
     }
 
@@ -181,14 +181,14 @@ def _weights_sha256(path: Path) -> str:
         return disk[key]
     h = hashlib.sha256()
     for f in _weight_files(path):
-        _sha256_file(f, h)
+        sha256_file(f, h)
     digest = h.hexdigest()
     _HASH_CACHE[key] = digest
     disk[key] = digest
     if len(disk) > 256:  # keep the file small
         disk = dict(list(disk.items())[-256:])
     try:
-        _atomic_write_text(cache_file, json.dumps(disk, indent=1) + "\n")
+        atomic_write_text(cache_file, json.dumps(disk, indent=1) + "\n")
     except OSError:
         pass
     return digest
@@ -197,10 +197,10 @@ def _weights_sha256(path: Path) -> str:
 def model_identity(path: str | Path) -> dict:
     """Fingerprint of a model directory for evidence files."""
     p = validate_model_dir(path)
-    marker = _read_marker(p)
+    marker = read_marker(p)
     return {
         "path": str(p),
-        "config_sha256": _sha256_file(p / "config.json").hexdigest(),
+        "config_sha256": sha256_file(p / "config.json").hexdigest(),
         "weights_sha256": _weights_sha256(p),
         "synthetic": marker is not None,
         "preset": (marker or {}).get("preset"),

@@ -10,7 +10,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from labkit.assets.files import SYNTH_FORMAT_VERSION, ModelError, _read_marker, default_cache_dir
+from labkit.assets.files import SYNTH_FORMAT_VERSION, ModelError, read_marker, default_cache_dir
 from labkit.assets.hub import is_hub_id, resolve_hub_id
 from labkit.assets.identity import validate_model_dir
 from labkit.assets.synth import default_init, synth_model
@@ -36,7 +36,7 @@ def _usable_default(path: Path, preset: str) -> bool:
         validate_model_dir(path)
     except ModelError:
         return False
-    marker = _read_marker(path)
+    marker = read_marker(path)
     return bool(
         marker
         and marker.get("preset") == preset
@@ -75,7 +75,7 @@ def default_model(preset: str) -> ModelRef:
 
 
 def _ref_for(path: Path, source: str) -> ModelRef:
-    marker = _read_marker(path)
+    marker = read_marker(path)
     return ModelRef(
         path=path,
         synthetic=marker is not None,

@@ -17,14 +17,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from labkit.assets.files import SYNTH_FORMAT_VERSION, SYNTH_MARKER, ModelError, _apply_umask, _write_json
+from labkit.assets.files import SYNTH_FORMAT_VERSION, SYNTH_MARKER, ModelError, apply_umask, write_json
 from labkit.assets.tokenizer import (
     QWEN_BOS_ID,
     QWEN_EOS_ID,
     QWEN_VOCAB_SIZE,
-    _cached_tokenizer_json,
-    _generation_config,
-    _tokenizer_config,
+    cached_tokenizer_json,
+    generation_config_doc,
+    tokenizer_config_doc,
 )
 
 
@@ -318,18 +318,18 @@ def _write_synth_files(directory: Path, preset: str, seed: int, dtype: str | Non
         cfg["torch_dtype"] = dtype
         cfg["dtype"] = dtype
     vocab = int(cfg["vocab_size"])       # Qwen's 151,936, or a cut of Qwen's BPE (tokenizer.cut_layout)
-    tok_json = _cached_tokenizer_json(vocab)
+    tok_json = cached_tokenizer_json(vocab)
     shutil.copyfile(tok_json, directory / "tokenizer.json")
-    _write_json(directory / "tokenizer_config.json", _tokenizer_config(vocab))
-    _write_json(directory / "generation_config.json", _generation_config(vocab))
+    write_json(directory / "tokenizer_config.json", tokenizer_config_doc(vocab))
+    write_json(directory / "generation_config.json", generation_config_doc(vocab))
     # like save_pretrained: without it, transformers 5.x (before 5.2x) takes a local tokenizer for a
     # possibly broken Mistral one and warns about its regex on every load
     cfg = {**cfg, "transformers_version": _transformers_version()}
-    _write_json(directory / "config.json", cfg)
+    write_json(directory / "config.json", cfg)
     weights = _make_weights(cfg, seed, cfg["dtype"], init, device if init == "random" else "cpu")
     save_file(weights, str(directory / "model.safetensors"), metadata={"format": "pt"})
     del weights
-    _write_json(
+    write_json(
         directory / SYNTH_MARKER,
         {
             "synthetic": True,
@@ -422,7 +422,7 @@ def synth_model(
         raise ModelError(f"cannot create model directory {out}: {exc.strerror or exc}") from None
     try:
         _write_synth_files(tmp, preset, seed, dtype, rope_scaling, device, init)
-        _apply_umask(tmp)
+        apply_umask(tmp)
         _move_into_place(tmp, out, non_empty)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from labkit.assets.files import ModelError, _atomic_write_text, _sha256_file, default_cache_dir
+from labkit.assets.files import ModelError, atomic_write_text, sha256_file, default_cache_dir
 
 
 #: Bumped whenever the tokenizer.json conversion changes (part of the tokenizer cache key).
@@ -268,10 +268,10 @@ def _build_tokenizer_json(tiktoken_path: Path, vocab_size: int = QWEN_VOCAB_SIZE
 _TOKENIZER_LOCK = threading.Lock()
 
 
-def _cached_tokenizer_json(vocab_size: int = QWEN_VOCAB_SIZE) -> Path:
+def cached_tokenizer_json(vocab_size: int = QWEN_VOCAB_SIZE) -> Path:
     """Path of the converted tokenizer.json, built once per qwen.tiktoken content (and vocabulary size)."""
     src = _tiktoken_file()
-    digest = _sha256_file(src).hexdigest()
+    digest = sha256_file(src).hexdigest()
     size = "" if vocab_size == QWEN_VOCAB_SIZE else f"-cut{vocab_size}"
     cache = default_cache_dir() / "tokenizer" / f"qwen3-v{TOKENIZER_FORMAT_VERSION}-{digest[:24]}{size}.json"
     with _TOKENIZER_LOCK:
@@ -279,7 +279,7 @@ def _cached_tokenizer_json(vocab_size: int = QWEN_VOCAB_SIZE) -> Path:
             return cache
         text = _build_tokenizer_json(src, vocab_size)
         try:
-            _atomic_write_text(cache, text)
+            atomic_write_text(cache, text)
             return cache
         except OSError:
             # Cache not writable: keep the result in a private temp file for this process.
@@ -346,7 +346,7 @@ QWEN3_CHAT_TEMPLATE = "".join((
 ))
 
 
-def _tokenizer_config(vocab_size: int = QWEN_VOCAB_SIZE) -> dict[str, Any]:
+def tokenizer_config_doc(vocab_size: int = QWEN_VOCAB_SIZE) -> dict[str, Any]:
     """tokenizer_config.json; a cut vocabulary (not Qwen's layout) names the generic fast tokenizer class."""
     specials = cut_layout(vocab_size)[0]
     return {
@@ -377,7 +377,7 @@ def _tokenizer_config(vocab_size: int = QWEN_VOCAB_SIZE) -> dict[str, Any]:
     }
 
 
-def _generation_config(vocab_size: int = QWEN_VOCAB_SIZE) -> dict[str, Any]:
+def generation_config_doc(vocab_size: int = QWEN_VOCAB_SIZE) -> dict[str, Any]:
     bos, eos = special_id("<|endoftext|>", vocab_size), special_id("<|im_end|>", vocab_size)
     return {
         "bos_token_id": bos,

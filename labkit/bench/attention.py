@@ -79,7 +79,7 @@ def max_abs_error(out, ref) -> float:
     return err if err == err else float("inf")      # NaN -> inf
 
 
-def _time_ms(fn, repeats: int = 20, warmups: int = 5) -> float:
+def time_ms(fn, repeats: int = 20, warmups: int = 5) -> float:
     import torch
     for _ in range(warmups):
         fn()
@@ -99,7 +99,7 @@ def copy_roof_gbs(nbytes: int = 1 << 30) -> float:
     import torch
     x = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    ms = _time_ms(lambda: y.copy_(x), repeats=10, warmups=3)
+    ms = time_ms(lambda: y.copy_(x), repeats=10, warmups=3)
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
 
@@ -109,7 +109,7 @@ def matmul_peak_tflops(n: int = 8192, dtype: str = "bfloat16") -> float:
     import torch
     a = torch.randn(n, n, dtype=getattr(torch, dtype), device="cuda")
     b = torch.randn(n, n, dtype=getattr(torch, dtype), device="cuda")
-    ms = _time_ms(lambda: a @ b, repeats=10, warmups=3)
+    ms = time_ms(lambda: a @ b, repeats=10, warmups=3)
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
@@ -164,12 +164,12 @@ def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES) -> 
         for name in backends:
             be = create_backend(name, case.k_cache.shape[1])
             err = max_abs_error(be.forward(case.q, None, None, case.k_cache, case.v_cache, meta, case.scale), ref)
-            ms = _time_ms(lambda: be.forward(case.q, None, None, case.k_cache, case.v_cache, meta, case.scale))
+            ms = time_ms(lambda: be.forward(case.q, None, None, case.k_cache, case.v_cache, meta, case.scale))
             row["backends"][name] = _figures(ms, case.bytes, roof) | {"max_abs_err": err}
         k, v = case.dense()
         q4 = case.q.unsqueeze(2)
         err = max_abs_error(F.scaled_dot_product_attention(q4, k, v, scale=case.scale, enable_gqa=True), ref)
-        ms = _time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=case.scale, enable_gqa=True))
+        ms = time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=case.scale, enable_gqa=True))
         row["sdpa_dense"] = _figures(ms, case.bytes, roof) | {"max_abs_err": err}
         rows.append(row)
         del case, k, v, ref
@@ -251,7 +251,7 @@ def bench_prefill(backends: list[str], seqs: int, prefix: int, new: int) -> dict
         for route, paged in routes:
             meta = case.prefill_meta(paged)
             err = max_abs_error(be.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale), ref)
-            ms = _time_ms(lambda: be.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale),
+            ms = time_ms(lambda: be.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale),
                           repeats=10, warmups=2)
             row["backends"][f"{name}:{route}"] = {"us": round(ms * 1e3, 1),
                                                   "tflop_s": round(case.flops / (ms * 1e-3) / 1e12, 1),
@@ -278,7 +278,7 @@ def sweep_prefill(shape=(30, 0, 540)) -> dict:
                                     meta.cu_seqlens_k, meta.max_seqlen_q, case.scale, **knobs)
         try:
             err = max_abs_error(run(), ref)
-            ms = _time_ms(run, repeats=5, warmups=1)
+            ms = time_ms(run, repeats=5, warmups=1)
         except Exception as e:           # a configuration the compiler refuses (e.g. shared memory)
             results.append(knobs | {"error": str(e).splitlines()[0][:120]})
             continue
@@ -313,7 +313,7 @@ def sweep_triton(shapes=SWEEP_SHAPES) -> list[dict]:
                                        waves=waves)
             try:
                 err = max_abs_error(run(), ref)
-                ms = _time_ms(run, repeats=10, warmups=2)
+                ms = time_ms(run, repeats=10, warmups=2)
             except Exception as e:           # a configuration the compiler refuses (e.g. shared memory)
                 results.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves,
                                 "error": str(e).splitlines()[0][:120]})
@@ -410,7 +410,7 @@ def sweep_kernel(shapes=KERNEL_SWEEP_SHAPES, settings: list[dict] | None = None,
                                        case.scale, ctx, sm, **knobs)
             try:
                 err = max_abs_error(run(), ref)
-                ms = _time_ms(run, repeats=repeats, warmups=2)
+                ms = time_ms(run, repeats=repeats, warmups=2)
             except Exception as e:           # a configuration the compiler refuses (e.g. shared memory)
                 results.append(knobs | {"error": str(e).splitlines()[0][:120]})
                 continue

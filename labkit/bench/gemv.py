@@ -71,14 +71,14 @@ def _graph_us(fn, calls: int, replays: int = 10) -> float:
     """Median µs per call of ``fn`` (``calls`` launches) captured in one CUDA graph."""
     import torch
 
-    from labkit.bench.attention import _time_ms
+    from labkit.bench.attention import time_ms
 
     fn()                                        # compiles this setting outside the capture
     torch.cuda.synchronize()
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     with torch.cuda.stream(stream), torch.cuda.graph(graph):
         fn()
-    return _time_ms(graph.replay, repeats=replays, warmups=3) * 1e3 / calls
+    return time_ms(graph.replay, repeats=replays, warmups=3) * 1e3 / calls
 
 
 def _time_setting(n: int, k: int, mode: str, weights, config: tuple[int, int, int], peel: bool) -> float:

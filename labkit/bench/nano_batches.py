@@ -109,7 +109,7 @@ def bench_nano_batches(engine, batch: int = BATCH, context: int = CONTEXT, repla
     `rounds` x `replays` replays, the ways alternated round by round."""
     import torch
 
-    from labkit.bench.attention import _time_ms
+    from labkit.bench.attention import time_ms
 
     if batch < 2:
         raise ValueError("the overlap splits the batch in two: --batch must be at least 2")
@@ -130,7 +130,7 @@ def bench_nano_batches(engine, batch: int = BATCH, context: int = CONTEXT, repla
         ms = {name: [] for name in graphs}
         for _ in range(rounds):
             for name, g in graphs.items():
-                ms[name].append(round(_time_ms(g.replay, replays), 4))
+                ms[name].append(round(time_ms(g.replay, replays), 4))
     med = {name: statistics.median(v) for name, v in ms.items()}
     return {"batch": batch, "context": context, "rounds_ms": ms, "median_ms": med,
             "halves_over_full": round(med["halves"] / med["full"], 4),

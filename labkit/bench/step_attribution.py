@@ -72,7 +72,7 @@ def name_category(name: str, cat: str) -> str:
     return "other"
 
 
-def _innermost(spans: list[tuple[float, float, str]], points: list[float]) -> list[list[str]]:
+def innermost_spans(spans: list[tuple[float, float, str]], points: list[float]) -> list[list[str]]:
     """For each point, the names of the (properly nested) spans containing it, outermost first."""
     order = sorted(range(len(points)), key=lambda i: points[i])
     spans = sorted(spans, key=lambda s: (s[0], -s[1]))
@@ -120,7 +120,7 @@ def trace_items(events: list[dict], device_is_cuda: bool) -> tuple[list[Item], l
             if e["ts"] >= end.get(e["tid"], float("-inf")):
                 items.append(Item(e["name"], e["ts"], e["dur"], e["ts"], e["name"], "cpu_op"))
                 end[e["tid"]] = e["ts"] + e["dur"]
-    enclosing = _innermost(spans, [it.launch for it in items])
+    enclosing = innermost_spans(spans, [it.launch for it in items])
     for it, names in zip(items, enclosing):
         it.ranges = names
         it.category = range_category(it)
@@ -204,7 +204,7 @@ def align_graph_step(graph_items: list[Item], eager_forward: list[Item]) -> floa
 
 
 # -- a pass's steps -------------------------------------------------------------------------------
-def _attribute(passes: dict, steps_of: dict) -> dict:
+def attribute_steps(passes: dict, steps_of: dict) -> dict:
     """Graph steps: align each replay's kernels with an eager step's forward kernels (module doc)."""
     eager_steps = steps_of["eager"]
     out = {"eager": "module ranges (forward pre/post hooks) and phase ranges"}
@@ -238,7 +238,7 @@ def _attribute(passes: dict, steps_of: dict) -> dict:
     return out
 
 
-def _mean_steps(steps: list[dict]) -> dict:
+def mean_steps(steps: list[dict]) -> dict:
     n = len(steps) or 1
     ms = lambda f: round(sum(f(s) for s in steps) / n / 1e3, 4)  # noqa: E731
     return {"wall_ms": ms(lambda s: s["wall_us"]), "device_ms": ms(lambda s: s["device_us"]),
@@ -248,7 +248,7 @@ def _mean_steps(steps: list[dict]) -> dict:
             "host_outside_total_ms": ms(lambda s: s["host_outside_total_us"])}
 
 
-def _top_kernels(steps: list[dict], top: int = 12) -> list[dict]:
+def top_kernels(steps: list[dict], top: int = 12) -> list[dict]:
     agg: dict[tuple[str, str], list[float]] = {}
     for s in steps:
         for it in s["_items"]:

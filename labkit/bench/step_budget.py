@@ -33,10 +33,10 @@ from typing import TYPE_CHECKING
 
 from engine.observe import PHASES, StepHooks
 from labkit.bench.step_attribution import (CATEGORIES, GEMM_ROLES, HOST_PARTS, PHASE_RANGE, RANGE, STEP_RANGE,
-                                           _attribute, _mean_steps, _top_kernels, load_trace, split_steps,
+                                           attribute_steps, mean_steps, top_kernels, load_trace, split_steps,
                                            trace_items)
 # names the tests read here: the trace side of one budget
-from labkit.bench.step_attribution import Item, _innermost, align_graph_step, is_graph_launch  # noqa: F401
+from labkit.bench.step_attribution import Item, innermost_spans, align_graph_step, is_graph_launch  # noqa: F401
 
 if TYPE_CHECKING:
     from labkit.lab_engine import LabEngine
@@ -287,10 +287,10 @@ def step_budget(spec: BudgetSpec, out_dir: Path, model: str | None = None, devic
                                              modules=mode == "eager")
             passes[mode] = {"timed": timed, "profiled": prof}
             steps_of[mode] = steps
-        attribution = _attribute(passes, steps_of)
+        attribution = attribute_steps(passes, steps_of)
         for mode, steps in steps_of.items():
-            passes[mode]["profiled"] |= _mean_steps(steps)
-            passes[mode]["profiled"]["top_items"] = _top_kernels(steps)
+            passes[mode]["profiled"] |= mean_steps(steps)
+            passes[mode]["profiled"]["top_items"] = top_kernels(steps)
         facts = {"workload": {"name": "step-budget", "batch": spec.batch, "prompt_tokens": spec.context,
                               "warm_steps": spec.warm, "profiled_steps": spec.steps, "temperature": spec.temperature,
                               "ignore_eos": True, "step_path": "synchronous (engine overlap off): each step reads its tokens back",

@@ -19,7 +19,7 @@ from labkit.guardrails.suites import (
     CHECKPOINT_TP_GPU,
     DEFAULT_KV_MAX_ABS,
     DEFAULT_SEED,
-    _validate_choices,
+    validate_choices,
     build_suite,
     prefix_of,
 )
@@ -107,7 +107,7 @@ def guard(suite: str, out: str | Path | None = None, *, model: str | None = None
     from labkit.evidence import claim
     from labkit.lab_engine import detect_device
 
-    _validate_choices(suite, "nano", "eager", attention, dtype)
+    validate_choices(suite, "nano", "eager", attention, dtype)
     device = detect_device(device)
     if kv_cache_dtype == "fp8":
         return _kv_fp8_guard(out, model=model, device=device, attention=attention, seed=seed, dtype=dtype,
@@ -220,7 +220,7 @@ def calibrate(suites: tuple[str, ...] = ("baseline", "graph"), backends: tuple[s
     for suite in suites:
         for backend in backends:
             for dtype in dtypes:
-                _validate_choices(suite, "nano", "eager", backend, dtype)
+                validate_choices(suite, "nano", "eager", backend, dtype)
     work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="labkit-calibrate-"))
     work.mkdir(parents=True, exist_ok=True)
     results = []

@@ -33,9 +33,9 @@ from labkit.guardrails.suites import (
     UNCOVERED_BATCH,
     UNCOVERED_BUCKETS,
     CHECKPOINT_UNCOVERED,
-    _json_of,
-    _npz_of,
-    _validate_choices,
+    json_of,
+    npz_of,
+    validate_choices,
     build_suite,
     default_collect_prefix,
     prefix_of,
@@ -195,7 +195,7 @@ def _nano_facts(run: _NanoRun, suite_name: str, seed: int, execution: str, engin
         "routes_as_expected": bool(step_log) and all(s["route_as_expected"] for s in step_log),
         "decode_routes": {str(s["batch"]): {k: s[k] for k in ("route", "bucket", "expected_route", "expected_bucket")}
                           for s in step_log if s["phase"] == "decode"},
-        "npz": str(_npz_of(prefix)),
+        "npz": str(npz_of(prefix)),
         "note": note,
         "logits_finite": _finite(run.logits[run.got]),
     }
@@ -279,7 +279,7 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
     ``kv_cache_dtype`` fp8: the engine's KV cache in e4m3 (engine/attention/kv_quant.py)."""
     from labkit.lab_engine import detect_device, synthetic_note
 
-    _validate_choices(suite_name, "nano", execution, attention, dtype)
+    validate_choices(suite_name, "nano", execution, attention, dtype)
     device = detect_device(device)
     graph_buckets = _check_nano_options(suite_name, device, execution, graph_buckets, expect_uncovered, tp)
     prefix = prefix_of(out) if out is not None else default_collect_prefix("nano", suite_name, execution)
@@ -315,14 +315,14 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
             if unclaimed:
                 facts["checkpoint_not_claimed"] = unclaimed
             facts["expect_uncovered"] = _uncovered_facts(run, graph_buckets)
-        arrays_path = save_npz(_npz_of(prefix), arrays)
+        arrays_path = save_npz(npz_of(prefix), arrays)
         facts["npz_arrays"] = {k: list(v.shape) for k, v in arrays.items()}
         engine_info = {**built.describe(), "execution": execution, "graph_buckets": buckets,
                        "capture_seconds": described["graph"]["capture_seconds"]}
-        record = write_evidence(_json_of(prefix), checkpoint=checkpoint, kind=built.kind, facts=facts,
+        record = write_evidence(json_of(prefix), checkpoint=checkpoint, kind=built.kind, facts=facts,
                                 device=built.device, model=built.model, seed=seed, engine=engine_info,
                                 run_assertions=assertions)
-        record["_paths"] = {"json": str(_json_of(prefix)), "npz": str(arrays_path)}
+        record["_paths"] = {"json": str(json_of(prefix)), "npz": str(arrays_path)}
         return record
     finally:
         engine.close()
@@ -404,7 +404,7 @@ def collect_hf(suite_name: str, out: str | Path | None = None, *, model: str | N
     from labkit.assets.identity import model_identity
     from labkit.assets.resolve import resolve_model
 
-    _validate_choices(suite_name, "hf", "eager", "auto", dtype)
+    validate_choices(suite_name, "hf", "eager", "auto", dtype)
     device = detect_device(device)
     prefix = prefix_of(out) if out is not None else default_collect_prefix("hf", suite_name, "eager")
     ref = resolve_model(model, device)
@@ -431,19 +431,19 @@ def collect_hf(suite_name: str, out: str | Path | None = None, *, model: str | N
             "groups": [{"name": g.name, "title": g.title, "requests": len(g.requests)} for g in suite.groups],
             "steps": [{"row": r.id, "phase": r.phase, "width": len(ids), "backend": "hf-eager", "route": "eager",
                        "bucket": None} for r, ids in zip(rows, received)],
-            "npz": str(_npz_of(prefix)), "note": synthetic_note(identity),
+            "npz": str(npz_of(prefix)), "note": synthetic_note(identity),
             "logits_finite": _finite(logits),
         }
-        path = save_npz(_npz_of(prefix), {"logits": logits})
+        path = save_npz(npz_of(prefix), {"logits": logits})
         facts["npz_arrays"] = {"logits": list(logits.shape)}
         engine_info = {"implementation": "transformers", "version": transformers.__version__,
                        "class": type(hf).__name__, "attn_implementation": "eager", "use_cache": False,
                        "position_ids": "0..n-1", "dtype": dtype, "device": device}
         # transformers made these rows, not our engine: reference evidence (engine edits do not make it stale)
-        record = write_evidence(_json_of(prefix), checkpoint=None, kind="reference", facts=facts, device=device,
+        record = write_evidence(json_of(prefix), checkpoint=None, kind="reference", facts=facts, device=device,
                                 model=identity, seed=seed, engine=engine_info,
                                 run_assertions=_row_assertions(suite.expected_rows))
-        record["_paths"] = {"json": str(_json_of(prefix)), "npz": str(path)}
+        record["_paths"] = {"json": str(json_of(prefix)), "npz": str(path)}
         return record
     finally:
         del hf
@@ -458,7 +458,7 @@ def collect(backend: str, suite: str, out: str | Path | None = None, *, model: s
             dtype: str = "auto", progress: Callable[[int], None] | None = None, tp: int = 1,
             kv_cache_dtype: str = "auto") -> dict:
     """``labkit logits collect``: dispatch to the nano or hf collector."""
-    _validate_choices(suite, backend, execution, attention, dtype)
+    validate_choices(suite, backend, execution, attention, dtype)
     if backend == "hf":
         if execution != "eager" or attention != "auto" or graph_buckets or expect_uncovered or tp != 1 \
                 or kv_cache_dtype != "auto":

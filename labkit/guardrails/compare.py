@@ -16,8 +16,8 @@ from labkit.evidence import read_json, write_evidence
 from labkit.paths import default_out
 from labkit.guardrails.suites import (
     DEFAULT_KV_MAX_ABS,
-    _json_of,
-    _npz_of,
+    json_of,
+    npz_of,
     prefix_of,
     trajectory_sha256,
 )
@@ -46,7 +46,7 @@ class Collection:
         assertions, freshness): its stored verdict is never taken at its word."""
         from labkit.checks import check_file, reason
 
-        verdict, checks = check_file(_json_of(self.prefix))
+        verdict, checks = check_file(json_of(self.prefix))
         return verdict, reason(verdict, checks)
 
     def summary(self) -> dict:
@@ -70,7 +70,7 @@ class Collection:
 
 def load_collection(path: str | Path, side: str = "") -> Collection:
     prefix = prefix_of(path)
-    jpath, npath = _json_of(prefix), _npz_of(prefix)
+    jpath, npath = json_of(prefix), npz_of(prefix)
     where = f"--{side} " if side else ""
     for p in (jpath, npath):
         if not p.is_file():

@@ -182,11 +182,11 @@ def prefix_of(path: str | Path) -> Path:
     return p.with_suffix("") if p.suffix in (".json", ".npz") else p
 
 
-def _json_of(prefix: Path) -> Path:
+def json_of(prefix: Path) -> Path:
     return prefix.with_name(prefix.name + ".json")
 
 
-def _npz_of(prefix: Path) -> Path:
+def npz_of(prefix: Path) -> Path:
     return prefix.with_name(prefix.name + ".npz")
 
 
@@ -223,7 +223,7 @@ def parse_buckets(text: str | None) -> tuple[int, ...] | None:
     return tuple(sorted(set(values)))
 
 
-def _validate_choices(suite: str, backend: str, execution: str, attention: str, dtype: str = "auto") -> None:
+def validate_choices(suite: str, backend: str, execution: str, attention: str, dtype: str = "auto") -> None:
     if suite not in SUITES:
         raise UserError(f"unknown suite {suite!r}: choose one of {', '.join(SUITES)}")
     if backend not in BACKENDS:

@@ -330,10 +330,10 @@ def compare(inputs: list[str | Path], out: str | Path, plots: bool = True) -> di
     summaries = [summarize_log(log) for log in logs]
     out.parent.mkdir(parents=True, exist_ok=True)
     primary = _primary_observer(summaries)
-    from labkit.evidence import _now, command_line, git_head
+    from labkit.evidence import utc_stamp, command_line, git_head
 
     result: dict[str, Any] = {
-        "schema_version": 1, "created_at": _now(), "command": command_line(), "git_head": git_head(),
+        "schema_version": 1, "created_at": utc_stamp(), "command": command_line(), "git_head": git_head(),
         "definitions": {"queue_wait": "admitted - submitted", "ttft": "first token - submitted", "itl": "gap between consecutive tokens",
                         "tpot": "(t_last - t_first) / (G - 1)", "throughput": "output tokens / common window",
                         "percentiles": list(PERCENTILES)},

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from labkit.errors import UserError
-from labkit.evidence import _now, read_json
+from labkit.evidence import utc_stamp, read_json
 from labkit.paths import repo_root, runs_dir
 
 NOTES_DIR_ENV = "LABKIT_NOTES_DIR"
@@ -136,7 +136,7 @@ def evidence_facts(t: Template) -> dict:
 
 
 def render_facts(t: Template, ev: dict) -> str:
-    lines = [f"## From the evidence (filled by `labkit notes new {t.step}` at {_now()}; runs: `{runs_dir()}`)", ""]
+    lines = [f"## From the evidence (filled by `labkit notes new {t.step}` at {utc_stamp()}; runs: `{runs_dir()}`)", ""]
     if t.guide:
         lines += [f"Lab guide: [{t.guide}](../{t.guide})", ""]
     if not ev["checkpoints"]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from labkit.checks import Checkpoint, check_evidence, load_checkpoints, reason, resolve
-from labkit.evidence import _now, command_line, git_dirty, git_head, read_json, write_json
+from labkit.evidence import utc_stamp, command_line, git_dirty, git_head, read_json, write_json
 from labkit.evidence_format import SCHEMA_VERSION, engine_dir, source_hash
 from labkit.paths import repo_root, runs_dir
 
@@ -307,7 +307,7 @@ def build_report() -> dict:
                       "verdict": _item_verdict(fs), "findings": fs})
     changes = engine_changes()
     report: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION, "created_at": _now(), "command": command_line(),
+        "schema_version": SCHEMA_VERSION, "created_at": utc_stamp(), "command": command_line(),
         "git_head": git_head(), "git_dirty": git_dirty(), "runs_dir": str(runs_dir()),
         "environment": environment(),
         "engine_changes": {k: v for k, v in changes.items() if not k.startswith("_")},

@@ -38,7 +38,7 @@ def tok(tiny_model_dir):
 @pytest.fixture
 def isolated_cache(tmp_path, monkeypatch):
     """LABKIT_CACHE in tmp_path, pre-seeded with the converted tokenizer (saves a rebuild)."""
-    built = tokenizer._cached_tokenizer_json()
+    built = tokenizer.cached_tokenizer_json()
     cache = tmp_path / "cache"
     (cache / "tokenizer").mkdir(parents=True)
     shutil.copyfile(built, cache / "tokenizer" / built.name)
@@ -167,7 +167,7 @@ def test_chat_template_with_and_without_thinking(tok):
 
 
 def test_tokenizer_json_is_cached_by_tiktoken_sha(tiny_model_dir):
-    cached = tokenizer._cached_tokenizer_json()
+    cached = tokenizer.cached_tokenizer_json()
     digest = hashlib.sha256(tokenizer._tiktoken_file().read_bytes()).hexdigest()
     assert digest[:24] in cached.name
     assert cached.read_bytes() == (tiny_model_dir / "tokenizer.json").read_bytes()
@@ -253,8 +253,8 @@ def test_model_identity_caches_and_notices_changes(tiny_model_dir, tmp_path, mon
     assert ident["weights_sha256"] == model_identity(tiny_model_dir)["weights_sha256"]
     # second call: served from the cache, no hashing of the weights
     calls = []
-    real = identity._sha256_file
-    monkeypatch.setattr(identity, "_sha256_file", lambda p, h=None: (calls.append(Path(p).name), real(p, h))[1])
+    real = identity.sha256_file
+    monkeypatch.setattr(identity, "sha256_file", lambda p, h=None: (calls.append(Path(p).name), real(p, h))[1])
     assert model_identity(d) == ident
     assert "model.safetensors" not in calls
     # the on-disk cache survives a new process (simulated by clearing the in-memory one)

@@ -157,7 +157,7 @@ def test_graph_kernels_take_their_eager_twins_categories():
 def test_innermost_ranges_follow_nesting():
     spans = [(0.0, 100.0, "budget.step"), (10.0, 50.0, "budget.phase:forward"), (12.0, 5.0, "budget:gemm.qkv"),
              (20.0, 10.0, "budget:attention"), (22.0, 2.0, "budget:kv_store"), (70.0, 20.0, "budget.phase:sample")]
-    got = sb._innermost(spans, [13.0, 23.0, 28.0, 40.0, 75.0, 95.0])
+    got = sb.innermost_spans(spans, [13.0, 23.0, 28.0, 40.0, 75.0, 95.0])
     assert [g[-1] for g in got] == ["budget:gemm.qkv", "budget:kv_store", "budget:attention",
                                     "budget.phase:forward", "budget.phase:sample", "budget.step"]
 
