@@ -128,8 +128,8 @@ class WorkerFront:
         """Queue a checked and accepted request (with the lock held); WorkerUnavailable when it cannot."""
         raise NotImplementedError
 
-    def _current_round(self) -> int:
-        """The number of engine steps done, as far as this side knows."""
+    def current_round(self) -> int:
+        """The number of engine steps done: the owner's count in process, the last snapshot's with an engine process."""
         raise NotImplementedError
 
     def _send_cancel(self, request_id: str, cause: str, reason: str, message: str | None = None) -> bool:
@@ -181,7 +181,7 @@ class WorkerFront:
             handle = RequestHandle(rid, stream_buffer or self.config.stream_buffer, keep_tokens=stream)
             handle.prompt_token_ids = token_ids
             group = str(group) if group else rid
-            step, size = self._current_round(), self.config.queue_size
+            step, size = self.current_round(), self.config.queue_size
             submitted = Submitted(rid, step, now_ns(), len(token_ids), params.max_tokens, len(self._pending), tags)
             self.output.add(handle, len(token_ids), submitted.t_ns, group)
             if not self._groups.has_room(group, size):      # the queue counts groups: serve.core.fair

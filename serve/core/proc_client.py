@@ -208,7 +208,7 @@ class RemoteWorker(WorkerFront):
         """``LLMEngine.encode``'s rule with this process's copy of the model's tokenizer."""
         return LLMEngine.encode_with(self._encoder, prompt, **options)
 
-    def _current_round(self) -> int:
+    def current_round(self) -> int:
         return self._snapshot.get("round", 0)
 
     def _enqueue(self, rid: str, token_ids: list[int], params: SamplingParams, prefill_after: str | None,
@@ -348,7 +348,7 @@ class RemoteWorker(WorkerFront):
             open_ = list(self._live.items())
             self._pending.clear()
             self._groups.clear()
-        step, t = self._current_round(), now_ns()
+        step, t = self.current_round(), now_ns()
         self.output.process([Finished(rid, step, t, "error", message=message, admitted=r.admitted) for rid, r in open_])
 
     def _receive(self, msg: Outputs) -> None:

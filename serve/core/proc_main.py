@@ -137,7 +137,7 @@ def _child_submit(worker: Worker, sender: _Sender, msg: Submit) -> None:
             worker.engine.grammars.compile(so)       # the engine's own compiled grammar, off the step loop
         worker.enqueue_checked(msg.request_id, msg.token_ids, msg.params, msg.prefill_after, msg.group)
     except (RequestError, WorkerUnavailable) as e:   # the parent's compiler took it, or the worker just stopped
-        sender.outputs([Finished(msg.request_id, worker.snapshot().get("round", 0), time.monotonic_ns(), "rejected",
+        sender.outputs([Finished(msg.request_id, worker.current_round(), time.monotonic_ns(), "rejected",
                                  message=" ".join(str(e).split()))])
 
 

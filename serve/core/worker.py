@@ -174,7 +174,7 @@ class Worker(WorkerFront):
     def _tokenize(self, prompt, **options) -> list[int]:
         return self.engine.encode(prompt, **options)
 
-    def _current_round(self) -> int:
+    def current_round(self) -> int:
         return self._round
 
     def _enqueue(self, rid: str, token_ids: list[int], params: SamplingParams, prefill_after: str | None,

@@ -63,7 +63,7 @@ def test_a_step_wakes_the_http_loop_once_not_once_per_token(service_worker):
         real = loop.call_soon_threadsafe
 
         def counting(cb, *args, **kw):
-            calls[w._round] += 1
+            calls[w.current_round()] += 1
             return real(cb, *args, **kw)
 
         loop.call_soon_threadsafe = counting
