@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from engine import RequestError, SamplingParams
+from engine import MAX_LOGPROBS, RequestError, SamplingParams
 from serve.protocol import vllm_fields as vf
 from serve.protocol.chat import chat_request, constrain, parse_messages
 from serve.protocol.sampling import (PARAM_FIELDS, SAMPLING_CHECKS, bad, int_check, is_int, number_check, read_bool,  # noqa: F401
@@ -253,13 +253,12 @@ def _logprobs(body: dict, api: str) -> int | None:
             return None
         if not is_int(value):
             raise bad(f"logprobs must be an integer or null, got {show(value)}", "logprobs", "invalid_type")
-        int_check(0, 20)("logprobs", value)
-        return value
+        return value                # its range: SamplingParams.logprobs'
     if value is not None:
         type_check(bool, what="true or false")("logprobs", value)
     top = body.get("top_logprobs")
     if top is not None:
-        int_check(0, 20)("top_logprobs", top)
+        int_check(0, MAX_LOGPROBS)("top_logprobs", top)      # SamplingParams.logprobs' range, under chat's name
     if not value:
         if top:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")

@@ -23,9 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from engine import MAX_LOGPROBS
 from serve.protocol.sampling import read_bool, int_check, is_int, show, type_check, bad
 
-MAX_PROMPT_LOGPROBS = 20           # as logprobs (engine MAX_LOGPROBS); vLLM's -1 (the whole vocabulary) is refused
+MAX_PROMPT_LOGPROBS = MAX_LOGPROBS   # as logprobs; vLLM's -1 (the whole vocabulary) is refused
 
 
 @dataclass

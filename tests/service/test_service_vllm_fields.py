@@ -265,6 +265,10 @@ def test_a_value_out_of_range_is_refused_in_the_engines_words(server):
             assert status == 400, (path, name, err)
             assert (err["error"]["param"], err["error"]["code"], err["error"]["message"]) == \
                 (name, "invalid_value", str(e.value)), (path, name)
+    with pytest.raises(RequestError) as e:                  # completions' logprobs is SamplingParams.logprobs
+        SamplingParams(max_tokens=2, logprobs=21)
+    status, err = post(server, "/v1/completions", {"prompt": ids("rng"), "max_tokens": 2, "logprobs": 21})
+    assert (status, err["error"]["param"], err["error"]["message"]) == (400, "logprobs", str(e.value))
 
 
 # --------------------------------------------------------------------------- vLLM's metric names
