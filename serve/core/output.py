@@ -106,22 +106,24 @@ class OutputProcessor:
     def _tokens(self, out: Tokens, wakes: list, cancels: list) -> None:
         requests, wid, step, t = self.requests, self.worker_id, out.step, out.t_ns
         logprobs, prompt_logprobs = out.logprobs, out.prompt_logprobs
+        rare = bool(logprobs or prompt_logprobs)
         ttfts: list[float] = []
         itls: list[float] = []
         logged: list[dict] = []
-        for row, (rid, token_id) in enumerate(zip(out.request_ids, out.token_ids)):
+        for row, rid in enumerate(out.request_ids):
             state = requests.get(rid)
             if state is None:
                 continue
-            state.num_tokens += 1
+            n = state.num_tokens = state.num_tokens + 1
             # make_event's fields in its order, as a literal (one per token: the hot path)
             ev = {"event": "token", "request_id": rid, "worker_id": wid, "round": step, "t_ns": t,
-                  "observer": "engine", "index": state.num_tokens, "token_id": token_id}
-            if logprobs and row in logprobs:
-                ev["logprob"] = logprobs[row]
-            if prompt_logprobs and row in prompt_logprobs:
-                ev["prompt_logprobs"] = prompt_logprobs[row]
-            if state.num_tokens == 1:
+                  "observer": "engine", "index": n, "token_id": out.token_ids[row]}
+            if rare:
+                if row in logprobs:
+                    ev["logprob"] = logprobs[row]
+                if row in prompt_logprobs:
+                    ev["prompt_logprobs"] = prompt_logprobs[row]
+            if n == 1:
                 ttfts.append((t - state.submitted_ns) / 1e9)
             else:
                 itls.append((t - state.last_token_ns) / 1e9)

@@ -108,20 +108,20 @@ def step_tokens(out, by_seq: dict[int, OwnedRequest], t: int) -> Tokens:
     toks: list[int] = []
     logprobs: dict[int, list] = {}
     prompt_logprobs: dict[int, list] = {}
-    lps = out.logprobs
+    lps, get = out.logprobs, by_seq.get
     for seq_id, token_id in out.outcome.accepted.items():
-        req = by_seq.get(seq_id)
+        req = get(seq_id)
         if req is None:
             continue
-        row = len(rids)
-        rids.append(req.request_id)
-        toks.append(token_id)
-        if lps:
-            rec = lps.get(seq_id)
+        if lps or not req.started:        # the rare fields: log-probs, and the prompt's with the first token
+            row = len(rids)
+            rec = lps.get(seq_id) if lps else None
             if rec is not None:
                 logprobs[row] = lp_entry(rec)
-        if not req.started:
-            req.started = True
-            if req.seq.prompt_logprobs is not None:
-                prompt_logprobs[row] = [None if r is None else lp_entry(r) for r in req.seq.prompt_logprobs]
+            if not req.started:
+                req.started = True
+                if req.seq.prompt_logprobs is not None:
+                    prompt_logprobs[row] = [None if r is None else lp_entry(r) for r in req.seq.prompt_logprobs]
+        rids.append(req.request_id)
+        toks.append(token_id)
     return Tokens(out.step, t, rids, toks, logprobs, prompt_logprobs)
