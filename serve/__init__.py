@@ -8,7 +8,8 @@ engine, the evidence header of a log, where logs go). Cut by role, along vLLM's 
   sampling and structured-output fields, chat rendering and the answer's readers (tool calls, reasoning), the
   error shape (``ApiError``) and strict JSON. Pure: no engine, no I/O.
 - :mod:`serve.core`: the engine's side. ``Worker`` (one thread creates and owns the engine; requests queue and
-  are admitted at step boundaries), the owner's records, fair admission, a request's stream, the worker's
+  are admitted at step boundaries), the owner's records and typed outputs, the one output processor both worker
+  kinds feed (streams, metrics, log lines), fair admission, a request's stream, the worker's
   configuration, ``WorkerFront`` and ``ServedEngine`` (the one interface the HTTP front talks to, whether the
   engine runs in this process or its own) and the engine process (``proc_client`` the parent side,
   ``proc_main`` the child).
