@@ -176,7 +176,7 @@ class WorkerFront:
             if not self.accepting:
                 raise WorkerUnavailable(self._unavailable_reason())
             rid = str(request_id) if request_id is not None else self._new_id()
-            if rid in self._live:
+            if rid in self._live or rid in self.output.requests:     # the owner's, or its outputs not yet out
                 raise DuplicateRequest(f"request_id {rid!r} is already in flight")
             handle = RequestHandle(rid, stream_buffer or self.config.stream_buffer, keep_tokens=stream)
             handle.prompt_token_ids = token_ids

@@ -110,6 +110,34 @@ def test_cancel_waiting_is_never_admitted(worker, sink):
     assert worker.cancel("wait-c") is False          # finished: nothing to cancel
 
 
+def test_a_request_id_stays_taken_until_its_finish_is_out(worker):
+    """The owner ends a request, then hands its outputs over at the end of the boundary: until its finished event
+    is out, its id is still in flight (a feeder runs in between)."""
+    h = worker.submit(ids("race", 20), greedy(200), request_id="id-race")
+    wait_for(lambda: h.buffered or h.finished, 20)
+    tried: list = []
+
+    def feeder(round_: int) -> None:
+        if not tried:
+            try:
+                tried.append(worker.submit(ids("race", 20), greedy(2), request_id="id-race"))
+            except DuplicateRequest as e:
+                tried.append(e)
+
+    worker.pause()
+    try:
+        worker.cancel("id-race")
+        worker.set_feeder(feeder)
+    finally:
+        worker.resume()
+    try:
+        assert h.wait(20)["reason"] == "cancelled"
+        wait_for(lambda: tried, 20)
+    finally:
+        worker.set_feeder(None)
+    assert isinstance(tried[0], DuplicateRequest), tried
+
+
 def test_cancel_running_frees_blocks_and_stops_tokens(worker, sink):
     h = worker.submit(ids("r", 40), greedy(200), request_id="run-c")
     evs = []
