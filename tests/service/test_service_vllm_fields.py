@@ -276,16 +276,19 @@ def test_a_value_out_of_range_is_refused_in_the_engines_words(server):
 
 def _scrape(server) -> dict[tuple[str, str], float]:
     """/metrics' vLLM samples: (sample name, finished_reason or "") -> value, for this server's model_name."""
+    import json
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
+    with urllib.request.urlopen(f"{server.url}/v1/models", timeout=30) as r:
+        name = json.loads(r.read())["data"][0]["id"]            # the served model name
     with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as r:
         text = r.read().decode()
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name.startswith("vllm:") and s.labels.get("model_name") == server.thread._service.limits.served_model_name:
+            if s.name.startswith("vllm:") and s.labels.get("model_name") == name:
                 if "le" not in s.labels:
                     out[(s.name, s.labels.get("finished_reason", ""))] = s.value
     return out
