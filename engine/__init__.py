@@ -7,19 +7,14 @@ admission in ``admission.py``), ``scheduler.py`` and ``block_manager.py``, ``mod
 ``tp_workers.py``. Its options: ``args.py`` (``EngineArgs``, each option and default once), read by ``config.py``
 (``Config``: the options plus what the model directory says). Watching it: ``observe.py`` (hooks, events), ``device_clock.py`` (each step on the GPU).
 """
-from engine.args import EngineArgs
-from engine.config import Config, ConfigError
-from engine.llm import LLM
-from engine.errors import RequestError
-from engine.llm_engine import LLMEngine
-from engine.sampling.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
-from engine.sampling.structured import StructuredOutputsParams
+import importlib
 
 #: What ``from engine import X`` gives, and the module each comes from. They are imported on first use, so that
 #: reading the options (``engine.args``: a command line's flags) does not import torch and the model code.
 _EXPORTS = {
     "LLM": "engine.llm", "LLMEngine": "engine.llm_engine", "EngineArgs": "engine.args",
     "SamplingParams": "engine.sampling.params", "MAX_LOGIT_BIAS": "engine.sampling.params",
+    "MAX_LOGPROBS": "engine.sampling.params",
     "StructuredOutputsParams": "engine.sampling.structured", "Config": "engine.config",
     "ConfigError": "engine.errors", "RequestError": "engine.errors",
     # The scheduler and its paged block manager also run on their own, built from plain limits, with no model
@@ -30,6 +25,13 @@ _EXPORTS = {
     "ModelRunner": "engine.model_runner",
 }
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "Config", "ConfigError", "RequestError",
-           "Scheduler", "BlockManager", "SchedulerLimits", "chain_hash", "MAX_LOGIT_BIAS", "MAX_LOGPROBS",
-           "ModelRunner"]
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -43,7 +43,7 @@ from engine.errors import RequestError
 from engine.sampling import json_strings
 
 #: xgrammar's C++ message prefixes: "[19:46:40] /project/cpp/file.cc:94: ", "Check failed: (...) is false: "
-_XGR_PREFIX = re.compile(r"^(\[[\d:]+\] )?(\S+\.cc:\d+: )?(Check failed: .*? is false: )?")
+XGR_PREFIX = re.compile(r"^(\[[\d:]+\] )?(\S+\.cc:\d+: )?(Check failed: .*? is false: )?")
 KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 CODE = "invalid_structured_outputs"
 
@@ -365,7 +365,7 @@ class Grammars:
             try:
                 compiled = _compile(self.compiler, so)
             except (RuntimeError, ValueError, TypeError) as e:
-                msg = _XGR_PREFIX.sub("", " ".join(str(e).split()))
+                msg = XGR_PREFIX.sub("", " ".join(str(e).split()))
                 raise _bad(so.kind, f"cannot be compiled: {msg[:300]}") from None
             took, size = time.monotonic() - t0, _size(compiled)
             if took > self.compile_timeout_s:

@@ -183,7 +183,8 @@ class WorkerFront:
             group = str(group) if group else rid
             step, size = self.current_round(), self.config.queue_size
             submitted = Submitted(rid, step, now_ns(), len(token_ids), params.max_tokens, len(self._pending), tags)
-            self.output.add(handle, len(token_ids), submitted.t_ns, group)
+            self.output.add(handle, len(token_ids), submitted.t_ns, group, params.max_tokens,
+                            params.n if prefill_after is None else 0)
             if not self._groups.has_room(group, size):      # the queue counts groups: serve.core.fair
                 handle.rejected = True
                 self.output.process([submitted, Finished(rid, step, now_ns(), "rejected",

@@ -142,10 +142,13 @@ class Finished:
 
 @dataclass
 class StepDone:
-    """An engine step: its phase and seconds (metrics) and, with ``log_steps``, its log record."""
+    """An engine step: its phase and seconds (metrics) and, with ``log_steps``, its log record; a step that
+    prefilled also names the requests it scheduled and when it began (vLLM's queue and prefill phases)."""
     phase: str
     seconds: float
     record: dict | None = None
+    start_ns: int = 0
+    request_ids: tuple = ()
 
 
 @dataclass

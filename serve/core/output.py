@@ -19,7 +19,7 @@ from typing import Any
 from serve.core.messages import Admitted, Cancel, Finished, StepDone, Submitted, Tokens, WorkerNote
 from serve.core.stream import RequestHandle, wake_all
 from serve.observe.events import Sink, make_event, sink_many
-from serve.observe.metrics import ServiceStats
+from serve.observe.metrics import RequestTimes, ServiceStats
 
 
 @dataclass
@@ -33,6 +33,10 @@ class RequestState:
     num_tokens: int = 0
     admitted: bool = False
     slow: bool = False
+    max_tokens: int = 0
+    n: int = 0                      # the request's n if it is its first sample, else 0 (counted once)
+    scheduled_ns: int = 0           # the start of the first step that scheduled it (vLLM's phase metrics)
+    first_token_ns: int = 0
 
 
 class OutputProcessor:
@@ -45,8 +49,9 @@ class OutputProcessor:
         self.log_steps = log_steps
         self.requests: dict[str, RequestState] = {}     # open requests by id (submitted, not finished)
 
-    def add(self, handle: RequestHandle, prompt_tokens: int, submitted_ns: int, group: str) -> RequestState:
-        state = RequestState(handle, prompt_tokens, submitted_ns, group)
+    def add(self, handle: RequestHandle, prompt_tokens: int, submitted_ns: int, group: str, max_tokens: int = 0,
+            n: int = 0) -> RequestState:
+        state = RequestState(handle, prompt_tokens, submitted_ns, group, max_tokens=max_tokens, n=n)
         self.requests[handle.request_id] = state
         return state
 
@@ -64,6 +69,10 @@ class OutputProcessor:
                 self._finished(out, wakes)
             elif kind is StepDone:
                 self.stats.count_step(out.phase, out.seconds)
+                for rid in out.request_ids:
+                    state = self.requests.get(rid)
+                    if state is not None and not state.scheduled_ns:
+                        state.scheduled_ns = out.start_ns
                 if out.record is not None and self.log_steps and self.sink is not None:
                     self.sink(out.record)
             elif kind is Admitted:
@@ -98,7 +107,7 @@ class OutputProcessor:
         state = self.requests.get(out.request_id)
         if state is not None:
             state.admitted = True
-            self.stats.count_prompt(state.prompt_tokens, (out.t_ns - state.submitted_ns) / 1e9)
+            self.stats.count_prompt(state.prompt_tokens)
         self._event(state, make_event("admitted", out.request_id, self.worker_id, out.step, t_ns=out.t_ns,
                                       active_before=out.active_before, active=out.active,
                                       queue_depth=out.queue_depth, seq_id=out.seq_id), wakes)
@@ -110,6 +119,7 @@ class OutputProcessor:
         ttfts: list[float] = []
         itls: list[float] = []
         logged: list[dict] = []
+        first_prompt_tokens = 0
         for row, rid in enumerate(out.request_ids):
             state = requests.get(rid)
             if state is None:
@@ -125,6 +135,8 @@ class OutputProcessor:
                     ev["prompt_logprobs"] = prompt_logprobs[row]
             if n == 1:
                 ttfts.append((t - state.submitted_ns) / 1e9)
+                state.first_token_ns = t
+                first_prompt_tokens += state.prompt_tokens
             else:
                 itls.append((t - state.last_token_ns) / 1e9)
             state.last_token_ns = t
@@ -134,7 +146,7 @@ class OutputProcessor:
                 state.slow = True
                 cancels.append(Cancel(rid, "slow_consumer", "cancelled", f"more than {handle.limit} events unread"))
             wakes.append(handle)
-        self.stats.count_tokens(ttfts, itls)     # the step's metrics in one go, not a lock per token
+        self.stats.count_tokens(ttfts, itls, first_prompt_tokens)     # the step's metrics in one go
         sink_many(self.sink, logged)
 
     def _finished(self, out: Finished, wakes: list) -> None:
@@ -154,7 +166,10 @@ class OutputProcessor:
             fields["freed_blocks"] = out.freed_blocks
         ev = make_event("finished", out.request_id, self.worker_id, out.step, t_ns=out.t_ns, **fields)
         self.stats.count_finished(out.reason, (out.t_ns - state.submitted_ns) / 1e9 if out.admitted else None,
-                                  state.prompt_tokens, state.num_tokens)
+                                  state.prompt_tokens, state.num_tokens,
+                                  times=RequestTimes(state.submitted_ns, state.scheduled_ns, state.first_token_ns,
+                                                     state.last_token_ns, out.t_ns),
+                                  max_tokens=state.max_tokens, n=state.n)
         if self.sink is not None:
             self.sink(ev)
         state.handle._finish(ev, wake=False)

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 from engine import RequestError
 from serve.errors import ServeError
+from serve.process_exit import end_without_teardown
 from serve.core.config import WorkerConfig
 from serve.core.front import WorkerUnavailable
 from serve.core.messages import Call, Cancel, Close, Closed, Finished, InitError, Outputs, Ready, Reply, Submit

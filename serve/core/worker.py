@@ -443,7 +443,9 @@ class Worker(WorkerFront):
         record = None
         if self.config.log_steps:
             record = step_record(out, self.worker_id, t0, t, before, self._rid_of, self.engine.stats().free_blocks)
-        self._emit(StepDone(out.kind, out.seconds, record))           # kind: decode | prefill | mixed
+        # kind: decode | prefill | mixed; a step that prefills may be a request's first (its scheduled moment)
+        rids = () if out.kind == "decode" else tuple(filter(None, map(self._rid_of, (s for s, _ in out.scheduled))))
+        self._emit(StepDone(out.kind, out.seconds, record, t0, rids))
         self._emit(step_tokens(out, self._by_seq, t))
         for seq in out.outcome.finished:
             req = self._by_seq.get(seq.seq_id)

@@ -99,13 +99,13 @@ def _ebnf(schema: dict) -> str:
 
 def _refusal(tools: list[dict], chosen: list[dict]) -> ApiError:
     """The 400 naming the first chosen tool whose call schema xgrammar refuses on its own."""
-    from engine.sampling.structured import _XGR_PREFIX
+    from engine.sampling.structured import XGR_PREFIX
 
     for tool in chosen:
         try:
             _ebnf(call_schema(tool))
         except _REFUSED as e:
             at = f"tools[{tools.index(tool)}].function.parameters"
-            message = _XGR_PREFIX.sub("", " ".join(str(e).split())).replace("#/properties/arguments", "#")[:300]
+            message = XGR_PREFIX.sub("", " ".join(str(e).split())).replace("#/properties/arguments", "#")[:300]
             return ApiError(400, f"{at} cannot be compiled to a grammar: {message}", "invalid_value", at)
     return ApiError(400, "the tools cannot be compiled to one grammar of calls", "invalid_value", "tool_choice")

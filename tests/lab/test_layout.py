@@ -134,6 +134,40 @@ def test_the_circle_finder_finds_a_circle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def folder(module: str, packages: set[str]) -> str:
+    """The box a module sits in: its package below the top one, or the module itself at the top."""
+    parts = module.split(".")
+    if len(parts) >= 3 or module in packages and len(parts) == 2:
+        return ".".join(parts[:2])
+    return module
+
+
+def folder_graph(g: dict[str, set[str]], packages: set[str]) -> dict[str, set[str]]:
+    """The arrows between boxes of a module graph; a package's face (its __init__) re-exporting its own
+    modules is not one."""
+    out: dict[str, set[str]] = {}
+    for m, ts in g.items():
+        for t in ts:
+            a, b = folder(m, packages), folder(t, packages)
+            if a != b and not (m in packages and t.startswith(m + ".")):
+                out.setdefault(a, set()).add(b)
+    return out
+
+
+def test_no_import_loops_between_folders():
+    packages = {m for pkg in ("engine", "serve", "labkit") for m, p in modules(pkg).items() if p.name == "__init__.py"}
+    assert cycles(folder_graph(graph(), packages)) == []
+
+
+def test_the_folder_rule_catches_a_loop_no_module_circle_shows():
+    # two modules of each folder, no module imports back the one that imports it: a loop of folders only
+    g = {"labkit.load.sweep": {"labkit.pictures.sweep"}, "labkit.pictures.explorer": {"labkit.load.report"},
+         "engine.config": {"engine.models.families"}, "engine.models.qwen3": {"engine.config"}}
+    packages = {"labkit", "labkit.load", "labkit.pictures", "engine", "engine.models"}
+    assert cycles(g) == []
+    assert cycles(folder_graph(g, packages)) == [["engine.config", "engine.models"], ["labkit.load", "labkit.pictures"]]
+
+
 def test_private_names_stay_inside_their_module():
     """A name another module imports is that module's API and is named so (public): fewer than 15 private names
     (``_x``) cross a module boundary in engine/, serve/ and labkit/, as tools/house_figures.py counts them."""
