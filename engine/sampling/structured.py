@@ -268,7 +268,8 @@ class Grammars:
     CACHE_BYTES = 512 << 20      # compiled grammars kept, in bytes (labkit serve --grammar-cache-mb)
     COMPILE_TIMEOUT_S = 10.0     # a compile's time budget (labkit serve --grammar-compile-timeout)
     MAX_GRAMMAR_BYTES = 128 << 20   # one compiled grammar's size budget (labkit serve --grammar-max-mb)
-    WORKERS = 1                  # compiles at once (each may use xgrammar's two threads)
+    WORKERS = 1                  # compiles at once, each on one thread (xgrammar's max_threads=1): a costly
+                                 # compile takes one core at most, the step loop keeps another
     STEP_BUDGET_S = 0.010        # a request's mask work per step, CPU seconds (labkit serve --grammar-step-budget-ms)
     REFUSED = 1024               # constraints remembered as over budget (by digest)
 
@@ -303,7 +304,7 @@ class Grammars:
                 import xgrammar as xgr
                 info = xgr.TokenizerInfo.from_huggingface(self._tokenizer(), vocab_size=self.vocab_size,
                                                           stop_token_ids=self.eos_token_ids or None)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 
     def compile(self, so: StructuredOutputsParams):
