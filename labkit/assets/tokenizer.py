@@ -295,7 +295,7 @@ def cached_tokenizer_json(vocab_size: int = QWEN_VOCAB_SIZE) -> Path:
 # <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>; consecutive tool results in one user turn of
 # <tool_response> blocks; assistant turns after the last real user query keep their <think> block, earlier
 # ones lose it; add_generation_prompt opens an assistant turn and enable_thinking=false pre-fills an empty
-# think block. Written out here; tests/lab/test_model_assets.py checks its renderings.
+# think block. Written out here; tests/lab/assets/test_model_assets.py checks its renderings.
 QWEN3_CHAT_TEMPLATE = "".join((
     "{%- if tools %}{{- '<|im_start|>system\\n' }}",
     "{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}",

@@ -11,7 +11,7 @@ failed check (actual ``"<missing>"``), never an exception. An assertion may carr
 ``"on_fail": "review"`` to turn its failure into REVIEW instead of FAIL, or take its value from a
 threshold table (``"threshold": "table.metric"``, by the record's device class and ``facts.dtype``).
 ``"literal"`` says why a fixed value (or one the command line also holds) judges the engine rather than
-echoing the command's inputs; tests/lab/test_verdicts.py asks it of every such assertion of a GPU checkpoint.
+echoing the command's inputs; tests/lab/checks/test_verdicts.py asks it of every such assertion of a GPU checkpoint.
 
 The checkpoints (``labkit.checks.spec``), the runs' own assertions (``run_assertion``, stored in the
 evidence file as ``run_assertions``) and the threshold tables all speak this language; ``evaluate`` is

@@ -2,7 +2,7 @@
 float32, the torch backend's quantizing store and dequantizing reads against float32 attention, the pool's bytes,
 the option's refusal, and the tiny model end to end (greedy tokens against the same engine with its float32
 cache). The Triton kernels' side: tests/kernels/test_kv_fp8_interp.py; the FP8 guard's (teacher-forced logits):
-tests/lab/test_kv_fp8_guard.py.
+tests/lab/guardrails/test_kv_fp8_guard.py.
 """
 from __future__ import annotations
 

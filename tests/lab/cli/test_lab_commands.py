@@ -18,7 +18,7 @@ import pytest
 from labkit.checks import command_mismatch, load_checkpoints
 from labkit.checks.judging import _parse_words
 
-LAB = Path(__file__).resolve().parents[2] / "docs" / "LAB.md"
+LAB = Path(__file__).resolve().parents[3] / "docs" / "LAB.md"
 _CODE_RE = re.compile(r"`([^`]+)`")
 _LABEL_RE = re.compile(r"\b[Cc]heckpoints?:?\s")
 

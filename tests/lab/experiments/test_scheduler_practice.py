@@ -127,7 +127,7 @@ def test_the_pinned_upstream_scheduler_is_the_file_the_checkpoint_pins():
     import hashlib
     from pathlib import Path
 
-    pinned = Path(__file__).resolve().parents[2] / UPSTREAM_SCHEDULER
+    pinned = Path(__file__).resolve().parents[3] / UPSTREAM_SCHEDULER
     assert hashlib.sha256(pinned.read_bytes()).hexdigest() == _pin()
 
 
@@ -138,7 +138,7 @@ def test_a_learners_edit_on_disk_does_not_reach_the_upstream_side(tmp_path, upst
     from labkit.experiments.patch_check import run_module_in
     from labkit.experiments.scheduler_practice import run_upstream
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]
     learner = tmp_path / "learner"
     shutil.copytree(repo / "engine", learner / "engine", ignore=shutil.ignore_patterns("__pycache__"))
     sched = learner / "engine" / "scheduler.py"

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from labkit import checks, evidence, evidence_format
 from labkit.checks import CheckpointError, check_evidence, reason, run_assertion
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(autouse=True)

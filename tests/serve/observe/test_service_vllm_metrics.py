@@ -15,7 +15,7 @@ from service_fixtures import MODES, post, serving, settle_after
 
 from labkit.load.trace import token_ids
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "METRICS.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "METRICS.md"
 
 # vLLM's expected series (its metrics test, v1 engine, hidden deprecated ones aside), by family and type
 VLLM_FAMILIES = {

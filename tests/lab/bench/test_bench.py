@@ -9,7 +9,7 @@ from labkit.bench.run import fixed_workload, judged_checkpoint, run_bench
 from labkit.bench.profile import PARTS, profile_run
 from labkit.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 #: the engine's own defaults where the factory's (testkit.ENGINE_DEFAULTS) differ: these runs are the bench's engine
 ENGINE_OWN = dict(attention_backend="auto", kvcache_block_size=256)
 

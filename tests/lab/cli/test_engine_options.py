@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine.args import FLAGS, PRESETS, DEFAULTS, preset
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 #: Same spelling, another thing: not the engine's option (each with what it is).
 OTHER_MEANING = {
     ("labkit/cli/model.py", "--dtype"): "the dtype of the weights model synth writes, model fetch converts to",

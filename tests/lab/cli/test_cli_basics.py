@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from labkit import checks, paths
 from labkit.cli import app
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def cli(*args: str):

