@@ -3,7 +3,7 @@ error constructor :func:`bad`, typed readers (``read_int``, ``read_number``, ``r
 client's value (``show``), value checks (``number_check``, ``int_check``, ``type_check``), and the sampling
 parameters (:data:`SAMPLING_CHECKS`, :func:`sampling_fields`) that map onto :class:`engine.SamplingParams` on
 ``/generate``, ``/v1/completions`` and ``/v1/chat/completions`` alike: one validator, so a value one route
-refuses every route refuses (tests/serve/entrypoints/test_service_vllm_fields.py runs a table of bad values on all three).
+refuses every route refuses (tests/service/entrypoints/test_service_vllm_fields.py runs a table of bad values on all three).
 
 Their ranges are stated once, by ``SamplingParams`` (engine/sampling/params.py): here each value's JSON type is
 checked (``invalid_type``); the engine's refusal of a value out of range (its ``RequestError`` code

@@ -16,7 +16,7 @@ import pytest
 from labkit_forks import LabkitForks
 
 REPO = Path(__file__).resolve().parents[2]
-COPIED = ("engine", "labkit", "checkpoints", "workloads", "pyproject.toml", "CHECKPOINTS.md")
+COPIED = ("engine", "serve", "labkit", "checkpoints", "workloads", "pyproject.toml", "CHECKPOINTS.md")
 
 # name -> (file, text, replacement, checkpoints that must FAIL)
 MUTATIONS = {

@@ -1,6 +1,6 @@
 """Issue 29 item 16, a newcomer's rough edges: --help at 80 columns (option names whole, no <bool> after a flag),
 doctor --engine in GiB, the serve banner's TP size and max-model-len, and the TP shutdown that left a
-"resource_tracker: leaked shared_memory" warning after a SIGTERM. (The bench serve table: tests/serve/
+"resource_tracker: leaked shared_memory" warning after a SIGTERM. (The bench serve table: tests/service/
 test_bench_serve.py.)"""
 from __future__ import annotations
 
