@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Hostile-client fuzz of `labkit serve` (issue 15): bad requests of every class against every route.
+"""Hostile-client fuzz of `labkit serve`: bad requests of every class against every route.
 
 Starts `labkit serve` as a subprocess (its stderr is the server log), records the greedy output of a
 fixed prompt, sends ``--per-class`` requests of each class below over raw sockets, then checks:
@@ -8,11 +8,11 @@ fixed prompt, sends ``--per-class`` requests of each class below over raw socket
 - the server log holds no traceback;
 - ``/health`` answered 200 after every class, and at the end every KV block is free;
 - the greedy output of the fixed prompt is the same as before;
-- issue 29 (tools/fuzz_scenarios.py): the ``log-injection`` class leaves no forged line and no raw control
+- the scenarios (tools/fuzz_scenarios.py): the ``log-injection`` class leaves no forged line and no raw control
   character in the server log; ``fair-n64`` (a 1-token request answers while an n=64 runs, a concurrent n=16 is
   not 429) and ``cancel-all-choices`` (one /cancel ends every choice of an n=3 and a two-prompt stream) hold;
   ``sampling-bounds`` sends a logit_bias past its 1,024-entry bound, a long prompt's echo log-probs and bad
-  sampling values on the native /generate (items 3, 5, 6: the table shows their status codes);
+  sampling values on the native /generate (the table shows their status codes);
 - structured outputs (tools/fuzz_grammar.py): the ``schemas``, ``grammars``, ``regexes``, ``choices`` and ``tools``
   classes (hostile constraints, streamed or not, on every route that takes them), and three scenarios that check
   one client's constraint does not slow or endanger the others: ``large-constrained`` (``/health`` p99 under
