@@ -9,6 +9,8 @@ import sys
 import threading
 from typing import NoReturn
 
+from serve.observe.logsafe import release_native_stderr
+
 
 def end_without_teardown(code: int) -> NoReturn:
     """End the process now: other threads joined (bounded), the atexit handlers run (logging flushed, executor
@@ -23,4 +25,5 @@ def end_without_teardown(code: int) -> NoReturn:
             stream.flush()
         except (AttributeError, OSError, ValueError):
             pass
+    release_native_stderr()          # what native code wrote last, still in the pipe, reaches stderr
     os._exit(code)

@@ -57,6 +57,7 @@ def install(*loggers: logging.Logger | logging.Handler) -> None:
 
 
 _CAPTURED: list[int] = []          # the real stderr's descriptor, once captured
+_READERS: list[threading.Thread] = []   # the thread that forwards the pipe's lines
 _LINE_MAX = 64 * 1024              # a longer unfinished line is written (escaped) as it is
 NATIVE = "native: "                # what every line written to descriptor 2 by native code starts with
 
@@ -85,7 +86,21 @@ def capture_native_stderr() -> None:
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.StreamHandler) and handler.stream is old:
             handler.setStream(sys.stderr)
-    threading.Thread(target=_forward, args=(r, real), name="native-stderr", daemon=True).start()
+    reader = threading.Thread(target=_forward, args=(r, real), name="native-stderr", daemon=True)
+    _READERS.append(reader)
+    reader.start()
+
+
+def release_native_stderr(timeout: float = 1.0) -> None:
+    """Give descriptor 2 back to the real stderr and wait (``timeout`` s at most) until the reader has written
+    out what the pipe still held: a process that ends with ``os._exit`` would drop those lines. The pipe ends
+    when no process holds its writing end any more (a child that inherited descriptor 2 and still runs keeps it
+    open: then the wait is cut at ``timeout``)."""
+    if not _CAPTURED:
+        return
+    os.dup2(_CAPTURED[0], 2)
+    for reader in _READERS:
+        reader.join(timeout)
 
 
 def _forward(r: int, real: int) -> None:
