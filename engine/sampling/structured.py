@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -288,7 +290,7 @@ class Grammars:
         self._cached_bytes = 0
         self._inflight: dict[tuple[str, str], _Job] = {}
         self._refused: OrderedDict[bytes, str] = OrderedDict()
-        self._pool: _Workers | None = None
+        self._pool: DaemonWorkers | None = None
         self._lock = threading.Lock()
         self._compiler_lock = threading.Lock()
 
@@ -353,7 +355,7 @@ class Grammars:
             job = self._inflight.get(key)
             if job is None:
                 if self._pool is None:
-                    self._pool = _Workers(self.WORKERS, "grammar-compile")
+                    self._pool = DaemonWorkers(self.WORKERS, "grammar-compile", nice=10)
                 job = self._inflight[key] = _Job()
                 job.future = self._pool.submit(self._run, so, key, job)
             job.waiters += 1
@@ -429,12 +431,16 @@ class Grammars:
                                self.step_budget_s)
 
 
-class _Workers:
-    """Daemon threads that run submitted calls in order: a compile past its budget that runs on never holds
-    the process at exit (a ThreadPoolExecutor's threads are joined then)."""
+class DaemonWorkers:
+    """Daemon threads that run submitted calls in order (``submit`` gives a concurrent Future, so an event loop's
+    ``run_in_executor`` takes them): a call that runs on past its budget, or a thread idle on its queue, never
+    holds the process at exit (a ThreadPoolExecutor's threads are joined then). ``nice`` (Linux, per thread
+    there): a lower CPU priority, so that where cores are few a long grammar compile yields to the step loop and
+    the event loop instead of sharing a core with them evenly."""
 
-    def __init__(self, n: int, name: str):
+    def __init__(self, n: int, name: str, nice: int = 0):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._nice = nice
         for i in range(n):
             threading.Thread(target=self._loop, name=f"{name}-{i}", daemon=True).start()
 
@@ -444,6 +450,12 @@ class _Workers:
         return future
 
     def _loop(self) -> None:
+        if self._nice and sys.platform.startswith("linux"):
+            try:
+                tid = threading.get_native_id()                   # Linux: the priority is this thread's only
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self._nice)
+            except OSError:
+                pass
         while True:
             future, fn, args = self._queue.get()
             if not future.set_running_or_notify_cancel():      # cancelled while queued

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from aiohttp import web
 
 from engine import RequestError
+from engine.sampling.structured import DaemonWorkers
 from serve.protocol import requests as protocol
 from serve.core.front import DuplicateRequest, ServedEngine, WorkerFront, WorkerUnavailable
 from serve.entrypoints.http import BODY_BYTES, INLINE_BODY_BYTES, ClientGone, Middleware, disconnected
@@ -142,14 +142,15 @@ class Serving:
             self.worker.cancel(handle.request_id, cause="disconnect")
 
 
-_PREPARE: list[ThreadPoolExecutor] = []
+_PREPARE: list[DaemonWorkers] = []
 
 
-def _preparer() -> ThreadPoolExecutor:
+def _preparer() -> DaemonWorkers:
     """The one thread that parses heavy bodies: that work is pure Python, so more threads would not finish
-    it sooner, only keep the event loop waiting longer for the interpreter lock."""
+    it sooner, only keep the event loop waiting longer for the interpreter lock. A daemon thread: idle on its
+    queue, it never holds a closing server's process (a ThreadPoolExecutor's thread is joined at exit)."""
     if not _PREPARE:
-        _PREPARE.append(ThreadPoolExecutor(1, thread_name_prefix="prepare"))
+        _PREPARE.append(DaemonWorkers(1, "prepare"))
     return _PREPARE[0]
 
 

@@ -563,3 +563,15 @@ def test_sigterm_exits_within_2s_with_half_sent_requests(limited_server):
     # the interpreter's teardown of torch's and xgrammar's modules took 0.7-4 s after the server had closed
     # (the more, the busier the machine): serve ends without it
     assert "interpreter teardown" not in err, err
+
+
+def test_the_body_preparer_never_holds_a_closing_server():
+    """The thread that parses heavy bodies off the event loop is a daemon: a server that has parsed one and
+    then closes in order ends at once (an idle ThreadPoolExecutor thread was joined for 5 s at its exit)."""
+    import threading
+
+    from serve.entrypoints import serving
+
+    assert serving._preparer().submit(lambda: 1).result(timeout=10) == 1
+    threads = [t for t in threading.enumerate() if t.name.startswith("prepare")]
+    assert threads and all(t.daemon for t in threads)
