@@ -160,10 +160,9 @@ class Scheduler:
         take the step: running sequences outside the batch, too few free blocks, a prompt still
         being chunked in flight, or (nano-vllm's step model) requests waiting.
         """
-        ahead = set(map(id, inflight))
-        if len(self.running) != len(inflight) or not all(id(s) in ahead for s in self.running):
-            return [], False
-        if self.waiting and (not self.mixed or id(self.waiting[0]) in ahead):
+        # the running requests are the in-flight step's (a prompt still being chunked in flight is waiting,
+        # not running, and an aborted one is in neither: both break the equality)
+        if set(self.running) != set(inflight) or (self.waiting and not self.mixed):
             return [], False
         nxt = [s for s in inflight if not s.is_finished and not self._length_reached(s, ahead=1)]
         bm = self.block_manager
