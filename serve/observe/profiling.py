@@ -93,16 +93,10 @@ class StepProfiler:
                 "ranges": _ranges(averages), "top_operators": _top(averages, self.row_limit)}
 
 
-def _device_us(evt) -> float:
-    for attr in ("device_time_total", "cuda_time_total"):
-        v = getattr(evt, attr, None)
-        if v is not None:
-            return float(v)
-    return 0.0
-
-
-def _self_device_us(evt) -> float:
-    for attr in ("self_device_time_total", "self_cuda_time_total"):
+def _device_us(evt, prefix: str = "") -> float:
+    """An event's device time (``prefix="self_"``: its own, without its children), under torch's current name
+    or the older cuda one; 0 where neither is there."""
+    for attr in (f"{prefix}device_time_total", f"{prefix}cuda_time_total"):
         v = getattr(evt, attr, None)
         if v is not None:
             return float(v)
@@ -120,6 +114,6 @@ def _ranges(averages) -> dict[str, Any]:
 
 def _top(averages, n: int) -> list[dict]:
     ops = [e for e in averages if e.key not in RANGES]
-    ops.sort(key=lambda e: (_self_device_us(e), e.self_cpu_time_total), reverse=True)
+    ops.sort(key=lambda e: (_device_us(e, "self_"), e.self_cpu_time_total), reverse=True)
     return [{"name": e.key, "count": e.count, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3),
-             "self_device_ms": round(_self_device_us(e) / 1e3, 3)} for e in ops[:n]]
+             "self_device_ms": round(_device_us(e, "self_") / 1e3, 3)} for e in ops[:n]]
