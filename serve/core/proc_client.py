@@ -150,13 +150,16 @@ class RemoteWorker(WorkerFront):
 
     def _abandon_child(self) -> None:
         self._closed = True
+        self._close_pipes()
+        self._end_process(5.0)
+        self._closed_done.set()
+
+    def _close_pipes(self) -> None:
         for conn in (self._commands, self._events):
             try:
                 conn.close()
             except Exception:
                 pass
-        self._end_process(5.0)
-        self._closed_done.set()
 
     def _end_process(self, timeout: float) -> None:
         proc = self.process
@@ -190,11 +193,7 @@ class RemoteWorker(WorkerFront):
             self._fail_open(f"worker {self.worker_id}: the engine process did not finish this request before it "
                             "closed")
         finally:
-            for conn in (self._commands, self._events):
-                try:
-                    conn.close()
-                except Exception:
-                    pass
+            self._close_pipes()
             self._closed_done.set()
 
     def __enter__(self) -> "RemoteWorker":
