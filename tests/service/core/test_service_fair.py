@@ -150,10 +150,11 @@ def test_access_log_escapes_client_values(served, caplog, body):
 
     status = asyncio.run(main())
     assert status == 400
-    # a refusal's line names its param (an earlier test's request may log its own line late: not this one's)
-    refusals = lambda: [m for m in (r.getMessage() for r in caplog.records if r.name == "labkit.access")  # noqa: E731
-                        if "param=" in m]
-    wait_for(lambda: refusals(), 5)
+    def refusals() -> list[str]:
+        """The access lines of refusals (they name a param); an earlier test's request may log its line late."""
+        return [m for m in (r.getMessage() for r in caplog.records if r.name == "labkit.access") if "param=" in m]
+
+    wait_for(refusals, 5)
     lines = refusals()
     assert len(lines) == 1, lines
     assert not re.search("[\x00-\x1f\x7f-\x9f\ud800-\udfff]", lines[0]), lines
