@@ -297,8 +297,12 @@ def test_a_killed_engine_process_ends_every_open_stream_with_error(tiny_model_di
         async def go(sess):
             tasks = [asyncio.create_task(client.stream_native(sess, srv.url, body(f"kill-{i}", 400)))
                      for i in range(2)]
+            def first_tokens() -> float:                   # both streams must have begun before the kill
+                return w.stats.registry.get_sample_value("labkit_time_to_first_token_seconds_count",
+                                                         {"worker_id": "crash"}) or 0
+
             wait = time.monotonic() + 30
-            while w.stats.generation_tokens < 4 and time.monotonic() < wait:
+            while (w.stats.generation_tokens < 4 or first_tokens() < 2) and time.monotonic() < wait:
                 await asyncio.sleep(0.01)
             os.kill(w.process.pid, signal.SIGKILL)
             results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
