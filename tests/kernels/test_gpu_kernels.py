@@ -5,6 +5,9 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 HQ, HK, D = 16, 8, 128
+# (q heads, kv heads, head_dim): Qwen3-0.6B's (GQA 2), SmolLM2-135M's (GQA 3, head_dim 64), a Qwen2-7B-style GQA 7
+SHAPES = [(16, 8, 128), (9, 3, 64), (28, 4, 128)]
+SHAPE_IDS = ["qwen3-16x8x128", "smollm2-9x3x64", "gqa7-28x4x128"]
 
 
 def backends():
@@ -12,10 +15,10 @@ def backends():
     return [b for b in available_backends("cuda") if b != "torch"]
 
 
-def make_cache(num_blocks, page, dtype=torch.bfloat16):
+def make_cache(num_blocks, page, dtype=torch.bfloat16, hk=HK, d=D):
     g = torch.Generator(device="cuda").manual_seed(0)
-    k = torch.randn(num_blocks, page, HK, D, device="cuda", dtype=dtype, generator=g)
-    v = torch.randn(num_blocks, page, HK, D, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(num_blocks, page, hk, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(num_blocks, page, hk, d, device="cuda", dtype=dtype, generator=g)
     return k, v
 
 
@@ -48,18 +51,20 @@ def get(name):
     return create_backend(name, 256)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("page", [16, 256])
 @pytest.mark.parametrize("name", backends())
-def test_decode_matches_torch(name, page):
+def test_decode_matches_torch(name, page, shape):
+    hq, hk, d = shape
     if name == "flash_attn" and page % 256:
         pytest.skip("flash_attn needs page % 256 == 0")
     lengths = [1, 17, 255, 256, 257, 1000, 3000]
-    kc, vc = make_cache(400 if page == 16 else 40, page)
+    kc, vc = make_cache(400 if page == 16 else 40, page, hk=hk, d=d)
     tables = tables_for(lengths, page, kc.shape[0])
-    q = torch.randn(len(lengths), HQ, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(len(lengths), hq, d, device="cuda", dtype=torch.bfloat16)
     meta = build_meta([1] * len(lengths), lengths, tables, False)
-    ref = get("torch").forward(q, None, None, kc, vc, meta, D ** -0.5)
-    out = get(name).forward(q, None, None, kc, vc, meta, D ** -0.5)
+    ref = get("torch").forward(q, None, None, kc, vc, meta, d ** -0.5)
+    out = get(name).forward(q, None, None, kc, vc, meta, d ** -0.5)
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
 
 
@@ -82,42 +87,46 @@ def test_decode_single_split_writes_output_directly(name):
     assert out[3].abs().max().item() == 0
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("page", [16, 256])
 @pytest.mark.parametrize("name", backends())
-def test_prefill_with_prefix_and_chunk_matches_torch(name, page):
+def test_prefill_with_prefix_and_chunk_matches_torch(name, page, shape):
+    hq, hk, d = shape
     if name == "flash_attn" and page % 256:
         pytest.skip("flash_attn needs page % 256 == 0")
     q_lens, k_lens = [37, 188, 300, 5], [37 + 512, 700, 300, 5 + 256]   # prefix hits, a continuation, fresh
-    kc, vc = make_cache(400 if page == 16 else 40, page)
+    kc, vc = make_cache(400 if page == 16 else 40, page, hk=hk, d=d)
     tables = tables_for(k_lens, page, kc.shape[0], seed=1)
-    q = torch.randn(sum(q_lens), HQ, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(sum(q_lens), hq, d, device="cuda", dtype=torch.bfloat16)
     meta = build_meta(q_lens, k_lens, tables, True)
     # this chunk's K/V, as the model would have stored them: the last q_len positions of each sequence
     from engine.attention.torch_backend import gather_kv
     k = torch.cat([gather_kv(kc, tables[i], kl)[kl - ql:] for i, (ql, kl) in enumerate(zip(q_lens, k_lens))])
     v = torch.cat([gather_kv(vc, tables[i], kl)[kl - ql:] for i, (ql, kl) in enumerate(zip(q_lens, k_lens))])
-    ref = get("torch").forward(q, k, v, kc, vc, meta, D ** -0.5)
-    out = get(name).forward(q, k, v, kc, vc, meta, D ** -0.5)
+    ref = get("torch").forward(q, k, v, kc, vc, meta, d ** -0.5)
+    out = get(name).forward(q, k, v, kc, vc, meta, d ** -0.5)
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("name", backends())
-def test_fresh_prefill_matches_torch(name, strided):
-    """Fresh prefill; strided: q, k, v are views of one fused qkv projection (row stride (HQ + 2 HK) * D)."""
+def test_fresh_prefill_matches_torch(name, strided, shape):
+    """Fresh prefill; strided: q, k, v are views of one fused qkv projection (row stride (hq + 2 hk) * d)."""
+    hq, hk, d = shape
     q_lens = [1, 64, 300]
     t = sum(q_lens)
     if strided:
-        qkv = torch.randn(t, (HQ + 2 * HK) * D, device="cuda", dtype=torch.bfloat16)
-        q, k, v = (x.view(t, -1, D) for x in qkv.split([HQ * D, HK * D, HK * D], -1))
+        qkv = torch.randn(t, (hq + 2 * hk) * d, device="cuda", dtype=torch.bfloat16)
+        q, k, v = (x.view(t, -1, d) for x in qkv.split([hq * d, hk * d, hk * d], -1))
     else:
-        q = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(t, HK, D, device="cuda", dtype=torch.bfloat16)
-        v = torch.randn(t, HK, D, device="cuda", dtype=torch.bfloat16)
-    kc, vc = make_cache(8, 256)
+        q = torch.randn(t, hq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(t, hk, d, device="cuda", dtype=torch.bfloat16)
+    kc, vc = make_cache(8, 256, hk=hk, d=d)
     meta = build_meta(q_lens, q_lens, None, True)
-    ref = get("torch").forward(q, k, v, kc, vc, meta, D ** -0.5)
-    out = get(name).forward(q, k, v, kc, vc, meta, D ** -0.5)
+    ref = get("torch").forward(q, k, v, kc, vc, meta, d ** -0.5)
+    out = get(name).forward(q, k, v, kc, vc, meta, d ** -0.5)
     assert (out.float() - ref.float()).abs().max().item() < 2e-2
 
 
@@ -142,19 +151,25 @@ def gpu_model_dir(tmp_path_factory):
     return synth_model("tiny", tmp_path_factory.mktemp("tiny") / "m", dtype="float32")
 
 
-@pytest.mark.parametrize("name", ["torch"] + backends())
-def test_graph_decode_matches_eager(kernel_engine, gpu_model_dir, name):
+@pytest.fixture(scope="module")
+def smollm2_model_dir(tmp_path_factory):
+    """A synthetic Llama of SmolLM2-135M's shapes (9 q / 3 kv heads of 64, 30 layers, vocab 49,152)."""
+    from labkit.assets.synth import synth_model
+    return synth_model("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "m", dtype="float32")
+
+
+def graph_decode_matches_eager(kernel_engine, model_dir, name, vocab):
     """Batches 1, 9, 16, 17, 20 (max_num_seqs 20): replayed graphs give the eager logits."""
     from engine import SamplingParams
 
     kw = dict(device="cuda", dtype="float32", attention_backend=name, max_num_seqs=20, kvcache_block_size=256,
               num_kvcache_blocks=64, max_model_len=1024, max_num_batched_tokens=8192)
-    eager = kernel_engine(gpu_model_dir, enforce_eager=True, **kw)
-    graph = kernel_engine(gpu_model_dir, enforce_eager=False, **kw)
+    eager = kernel_engine(model_dir, enforce_eager=True, **kw)
+    graph = kernel_engine(model_dir, enforce_eager=False, **kw)
     assert 17 <= max(graph.describe()["graph"]["buckets"])
     for batch in (1, 9, 16, 17, 20):
         g = torch.Generator().manual_seed(batch)
-        prompts = [torch.randint(0, 150000, (int(n),), generator=g).tolist()
+        prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist()
                    for n in torch.randint(3, 300, (batch,), generator=g)]
         rows = {}
         for eng in (eager, graph):
@@ -171,7 +186,18 @@ def test_graph_decode_matches_eager(kernel_engine, gpu_model_dir, name):
         diff = rows[True] - rows[False]
         rel_l2 = (diff.norm(dim=-1) / rows[False].norm(dim=-1)).max().item()
         # float32 (Triton's dots use tf32): padding and fixed-width block tables change reduction order only
-        assert diff.abs().max().item() < 0.05 and rel_l2 < 2e-3, (diff.abs().max().item(), rel_l2)
+        assert diff.abs().max().item() < 0.05 and rel_l2 < 2e-3, (batch, diff.abs().max().item(), rel_l2)
+
+
+@pytest.mark.parametrize("name", ["torch"] + backends())
+def test_graph_decode_matches_eager(kernel_engine, gpu_model_dir, name):
+    graph_decode_matches_eager(kernel_engine, gpu_model_dir, name, 150000)
+
+
+@pytest.mark.parametrize("name", ["torch"] + backends())
+def test_graph_decode_matches_eager_on_smollm2_shapes(kernel_engine, smollm2_model_dir, name):
+    """The same on a Llama with head_dim 64 and 3 q heads per kv head (the batch-1 GEMV at hidden 576 included)."""
+    graph_decode_matches_eager(kernel_engine, smollm2_model_dir, name, 49152)
 
 
 @pytest.mark.parametrize("name", backends())
@@ -374,8 +400,9 @@ def test_gemv_matches_cublas_on_qwen3_shapes(dtype):
     from engine.layers.gemv import gemv
 
     shapes = [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072), (6144, 4096), (4096, 12288)]
+    smollm2 = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
     g = torch.Generator(device="cuda").manual_seed(0)
-    for n, k in shapes + [(151936, 1024), (151936, 4096)]:
+    for n, k in shapes + smollm2 + [(151936, 1024), (151936, 4096)]:
         w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(dtype)
         x = torch.randn(1, k, device="cuda", generator=g).to(dtype)
         gate_up = torch.randn(1, 2 * k, device="cuda", generator=g).to(dtype)
@@ -394,7 +421,7 @@ def test_normed_gemv_is_rms_norm_then_gemv_bit_for_bit_on_qwen3_shapes(residual)
     from engine.layers.gemv import gemv, normed_gemv
 
     g = torch.Generator(device="cuda").manual_seed(1)
-    for n, k in [(6144, 4096), (24576, 4096), (4096, 1024), (6144, 1024)]:
+    for n, k in [(6144, 4096), (24576, 4096), (4096, 1024), (6144, 1024), (960, 576), (3072, 576)]:
         w = (torch.randn(n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
         nw = (1 + 0.2 * torch.randn(k, device="cuda", generator=g)).to(torch.bfloat16)
         for _ in range(8):

@@ -1,0 +1,142 @@
+#!/usr/bin/env bash
+# One device call's worth of H200 work, by phase, each meant to end inside a 10-minute call:
+#
+#   tools/gpu/h200_session.sh serve   # both step models under load (tools/step_models_h200.sh's figures): the rate
+#                                     # sweep and the prefix-cache A/B on multi-turn and prefix-repetition, mixed
+#                                     # steps first; the eager batch-1 profile (tools/gpu/eager_profile.py), the
+#                                     # step model's rate sweep last
+#   tools/gpu/h200_session.sh check   # pytest -m gpu, the bf16 / graph / kv-fp8 guards, the same at SmolLM2's
+#                                     # shapes, flash-attn built from its sdist (in the background) and its guards
+#   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), batch-1 latency
+#                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
+#
+# Environment: OUT (default ./gpu-out), BUDGET_S (seconds after which no step starts: default 540), BEFORE (a
+# `git archive` of the tree to compare against, default .lead/before), WHEELS (wheels to pip install --target
+# /tmp/site first: default .lead/whl). A step is skipped, and says so, when its estimate would pass the budget.
+# Everything a phase writes (logs, evidence JSON, pictures) is packed into $OUT/evidence-PHASE.tgz after each step,
+# so what ran comes back even if the call is cut short; $OUT/steps-PHASE.txt is the summary. The check phase also
+# leaves the flash-attn wheel it built in $OUT (carry it into .gpu/wheels to skip the build next time).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+phase=${1:-}
+case "$phase" in serve|check|bench) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench" >&2; exit 2 ;; esac
+OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
+W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
+export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+BUDGET_S=${BUDGET_S:-540}
+BEFORE=${BEFORE:-.lead/before}
+T0=$SECONDS
+STEPS="$OUT/steps-$phase.txt"
+
+if ls "${WHEELS:-.lead/whl}"/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS:-.lead/whl}"/*.whl || exit 1
+fi
+export PYTHONPATH="$PWD:/tmp/site:$PWD/.gpu/site"
+
+pack() { (cd "$W" && tar czf "$OUT/evidence-$phase.tgz" --exclude='*.npz' logs runs 2>/dev/null); }
+step() {            # step NAME ESTIMATE_S COMMAND...: run it unless the budget says no; log, summary, pack
+  local name=$1 est=$2; shift 2
+  local used=$((SECONDS - T0))
+  if [ $((used + est)) -gt "$BUDGET_S" ]; then
+    echo "== $name: SKIPPED (at ${used} s, estimate ${est} s, budget ${BUDGET_S} s)" | tee -a "$STEPS"; return 0
+  fi
+  echo "== $name (at ${used} s): $*" | tee -a "$STEPS"
+  local t=$SECONDS
+  "$@" > "$W/logs/$name.log" 2>&1
+  local rc=$?
+  echo "   rc=$rc, $((SECONDS - t)) s; last lines:" | tee -a "$STEPS"
+  tail -n 6 "$W/logs/$name.log" | cut -c1-400 | sed 's/^/   | /' | tee -a "$STEPS"
+  pack
+}
+before() { (cd "$BEFORE" && PYTHONPATH="$PWD:/tmp/site" "$@"); }   # the BEFORE tree, no flash-attn on its path
+synth() {           # synth PRESET DIR: seeded synthetic weights drawn on the GPU (fast)
+  [ -f "$2/config.json" ] || $PY -m labkit model synth --preset "$1" --device cuda --out "$2" > "$W/logs/synth-$1.log" 2>&1
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$W/logs/gpu.txt" 2>&1
+git log -1 --format='%H %s' > "$W/logs/tree.txt" 2>/dev/null || echo "no git here" > "$W/logs/tree.txt"
+synth qwen3-0.6b /tmp/m06
+export MODEL_DIR=/tmp/m06
+echo "phase $phase, model $MODEL_DIR, synth done at $((SECONDS - T0)) s" | tee "$STEPS"
+
+serve_phase() {
+  local engine="--max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-batched-tokens 16384 --max-model-len 2048 --graph --overlap"
+  # mixed steps first (the candidate default), then nano-vllm's step model; the step model's rate sweep last
+  for side in mixed step-model; do
+    local flag=--mixed-batches; [ "$side" = step-model ] && flag=--no-mixed-batches
+    [ "$side" = mixed ] && step "$side-sweep" 150 $PY -m labkit load --trace workloads/sweep-random.jsonl \
+         --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 $engine $flag --offline-baseline --serve-process \
+         --out "$W/runs/$side-sweep.json"
+    for ds in multi-turn prefix; do
+      step "$side-$ds" 100 env ENGINE="$engine $flag" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/$side-$ds"
+    done
+  done
+  step eager-profile 75 timeout 100 $PY tools/gpu/eager_profile.py --attention triton --steps 40
+  step step-model-sweep 150 $PY -m labkit load --trace workloads/sweep-random.jsonl \
+       --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 $engine --no-mixed-batches --offline-baseline \
+       --serve-process --out "$W/runs/step-model-sweep.json"
+}
+
+check_phase() {
+  synth smollm2-135m /tmp/smol
+  local flash_pid=""
+  if ! $PY -c "import flash_attn" 2>/dev/null; then
+    if ls .gpu/wheels/flash_attn-2.8.3+labkit-*.whl >/dev/null 2>&1; then
+      $PY -m pip install -q --no-deps --no-index --force-reinstall --no-compile --target .gpu/site \
+          .gpu/wheels/flash_attn-2.8.3+labkit-*.whl > "$W/logs/flash-build.log" 2>&1
+    else
+      (nice -n 5 tools/build_flash_attn.sh --arch 90 --head-dims 128,64 --jobs 10 --out "$W/wheels" --target .gpu/site \
+         > "$W/logs/flash-build.log" 2>&1; echo "build rc=$? at $((SECONDS - T0)) s" >> "$W/logs/flash-build.log") &
+      flash_pid=$!
+    fi
+  fi
+  # without flash-attn on the path yet: the triton and torch backends
+  step pytest-gpu 200 $PY -m pytest -q -m gpu -p no:cacheprovider -x --timeout 300 \
+       tests/kernels/test_gpu_kernels.py tests/kernels/test_gpu_kv_fp8.py tests/kernels/test_gpu_sampling.py \
+       tests/engine/test_gpu_mixed.py tests/engine/test_rope_scaling.py tests/lab/guardrails/test_logits.py
+  step guard-bf16 45 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda --attention triton
+  step guard-graph 60 $PY -m labkit logits guard --suite graph --dtype float32 --attention torch
+  step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda --attention triton
+  step smollm2-guard-bf16 40 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda --attention triton \
+       --model /tmp/smol --out "$W/runs/smollm2-guard-bf16.json"
+  step smollm2-guard-graph 50 $PY -m labkit logits guard --suite graph --dtype float32 --attention triton \
+       --model /tmp/smol --out "$W/runs/smollm2-guard-graph.json"
+  if [ -n "$flash_pid" ]; then
+    echo "   waiting for the flash-attn build (pid $flash_pid) at $((SECONDS - T0)) s" | tee -a "$STEPS"; wait "$flash_pid"
+  fi
+  tail -n 3 "$W/logs/flash-build.log" | sed 's/^/   build | /' | tee -a "$STEPS"
+  cp "$W"/wheels/flash_attn-*.whl "$OUT/" 2>/dev/null
+  step flash-doctor 30 $PY -m labkit doctor --device cuda --out "$W/runs/doctor.json"
+  step flash-pytest 90 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py -k flash
+  step flash-guard-bf16 45 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda --attention flash_attn \
+       --out "$W/runs/flash-guard-bf16.json"
+  step flash-guard-graph 60 $PY -m labkit logits guard --suite graph --dtype bfloat16 --device cuda --attention flash_attn \
+       --out "$W/runs/flash-guard-graph.json"
+  step flash-refuses-float32 20 $PY -m labkit logits guard --suite baseline --dtype float32 --device cuda --attention flash_attn \
+       --out "$W/runs/refused.json"
+  step checks 30 $PY -m labkit check
+}
+
+bench_phase() {
+  synth smollm2-135m /tmp/smol
+  if ls .gpu/wheels/flash_attn-2.8.3+labkit-*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-deps --no-index --force-reinstall --no-compile --target .gpu/site \
+        .gpu/wheels/flash_attn-2.8.3+labkit-*.whl > "$W/logs/flash-install.log" 2>&1
+  fi
+  step nano-vllm-after 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-after.json"
+  step nano-vllm-before 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-before.json"
+  step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 --out "$W/runs/nano-vllm-fp8.json"
+  step latency-after 60 $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-after.json"
+  step serve-after 110 $PY -m labkit bench --workload serve --attention triton --out "$W/runs/serve-after.json"
+  step serve-before 110 before $PY -m labkit bench --workload serve --attention triton --out "$W/runs/serve-before.json"
+  step nano-vllm-flash 60 $PY -m labkit bench --workload nano-vllm --attention flash_attn --repeats 3 --out "$W/runs/nano-vllm-flash.json"
+  step smollm2-nano-vllm 50 $PY -m labkit bench --workload nano-vllm --attention triton --model /tmp/smol --out "$W/runs/smollm2-nano-vllm.json"
+  step smollm2-latency 50 $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton --model /tmp/smol --out "$W/runs/smollm2-latency.json"
+  step latency-before 60 before $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-before.json"
+  step attention-bench 60 $PY -m labkit bench --workload attention --out "$W/runs/attention.json"
+}
+
+"${phase}_phase"
+pack
+echo "phase $phase done at $((SECONDS - T0)) s; evidence $OUT/evidence-$phase.tgz" | tee -a "$STEPS"
