@@ -595,7 +595,7 @@ def bench(
     profile: Annotated[bool, typer.Option("--profile", help="nano-vllm: one more, instrumented pass: time by phase and part, top GPU kernels of a decode window.")] = False,
     sweep: Annotated[bool, typer.Option("--sweep", help="attention: also time every knob setting of the Triton decode kernel; gemv: every tile setting of the batch-1 GEMV.")] = False,
     overlap: engine_flag("overlap", "Workloads nano-vllm and serve. Default: on on CUDA, off on CPU.", show_default=False) = None,
-    requests: Annotated[Optional[int], typer.Option("--requests", help="serve: trace requests (default 256, issue 13's trace).")] = None,
+    requests: Annotated[Optional[int], typer.Option("--requests", help="serve: trace requests (default 256).")] = None,
     prompt_tokens: Annotated[Optional[int], typer.Option("--prompt-tokens", help="serve: short prompt tokens (default 512).")] = None,
     long_prompt_tokens: Annotated[Optional[int], typer.Option("--long-prompt-tokens", help="serve: long prompt tokens (default 1024).")] = None,
     long_every: Annotated[Optional[int], typer.Option("--long-every", help="serve: every Nth request is long (default 2).")] = None,
