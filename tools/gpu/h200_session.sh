@@ -92,41 +92,43 @@ check_phase() {
     fi
   fi
   # without flash-attn on the path yet: the triton and torch backends
-  step pytest-gpu 200 $PY -m pytest -q -m gpu -p no:cacheprovider -x --timeout 300 \
+  step pytest-gpu 200 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 \
        tests/kernels/test_gpu_kernels.py tests/kernels/test_gpu_kv_fp8.py tests/kernels/test_gpu_sampling.py \
        tests/engine/test_gpu_mixed.py tests/engine/test_rope_scaling.py tests/lab/guardrails/test_logits.py
   step guard-bf16 45 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda --attention triton
-  step guard-graph 60 $PY -m labkit logits guard --suite graph --dtype float32 --attention torch
   step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda --attention triton
-  step smollm2-guard-bf16 40 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda --attention triton \
-       --model /tmp/smol --out "$W/runs/smollm2-guard-bf16.json"
-  step smollm2-guard-graph 50 $PY -m labkit logits guard --suite graph --dtype float32 --attention triton \
-       --model /tmp/smol --out "$W/runs/smollm2-guard-graph.json"
   if [ -n "$flash_pid" ]; then
     echo "   waiting for the flash-attn build (pid $flash_pid) at $((SECONDS - T0)) s" | tee -a "$STEPS"; wait "$flash_pid"
   fi
   tail -n 3 "$W/logs/flash-build.log" | sed 's/^/   build | /' | tee -a "$STEPS"
   cp "$W"/wheels/flash_attn-*.whl "$OUT/" 2>/dev/null
-  step flash-doctor 30 $PY -m labkit doctor --device cuda --out "$W/runs/doctor.json"
-  step flash-pytest 90 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py -k flash
   step flash-guard-bf16 45 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda --attention flash_attn \
        --out "$W/runs/flash-guard-bf16.json"
+  step smollm2-guard-bf16 40 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda --attention triton \
+       --model /tmp/smol --out "$W/runs/smollm2-guard-bf16.json"
+  step guard-graph 60 $PY -m labkit logits guard --suite graph --dtype float32 --attention torch
+  step flash-pytest 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py -k flash
+  step smollm2-guard-graph 50 $PY -m labkit logits guard --suite graph --dtype float32 --attention triton \
+       --model /tmp/smol --out "$W/runs/smollm2-guard-graph.json"
   step flash-guard-graph 60 $PY -m labkit logits guard --suite graph --dtype bfloat16 --device cuda --attention flash_attn \
        --out "$W/runs/flash-guard-graph.json"
-  step flash-refuses-float32 20 $PY -m labkit logits guard --suite baseline --dtype float32 --device cuda --attention flash_attn \
+  step flash-doctor 25 $PY -m labkit doctor --device cuda --out "$W/runs/doctor.json"
+  step flash-refuses-float32 15 $PY -m labkit logits guard --suite baseline --dtype float32 --device cuda --attention flash_attn \
        --out "$W/runs/refused.json"
-  step checks 30 $PY -m labkit check
 }
 
 bench_phase() {
   synth smollm2-135m /tmp/smol
-  if ls .gpu/wheels/flash_attn-2.8.3+labkit-*.whl >/dev/null 2>&1; then
-    $PY -m pip install -q --no-deps --no-index --force-reinstall --no-compile --target .gpu/site \
-        .gpu/wheels/flash_attn-2.8.3+labkit-*.whl > "$W/logs/flash-install.log" 2>&1
+  local whl
+  whl=$(ls .gpu/wheels/flash_attn-2.8.3+labkit-*.whl /tmp/h200-check/wheels/flash_attn-2.8.3+labkit-*.whl 2>/dev/null | tail -n 1)
+  if ! $PY -c "import flash_attn" 2>/dev/null && [ -n "$whl" ]; then   # (a check phase on this machine left it installed)
+    $PY -m pip install -q --no-deps --no-index --force-reinstall --no-compile --target .gpu/site "$whl" \
+        > "$W/logs/flash-install.log" 2>&1
   fi
+  $PY -c "import flash_attn; print('flash_attn', flash_attn.__version__)" >> "$STEPS" 2>&1
   step nano-vllm-after 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-after.json"
-  step nano-vllm-before 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-before.json"
   step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 --out "$W/runs/nano-vllm-fp8.json"
+  step nano-vllm-before 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-before.json"
   step latency-after 60 $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-after.json"
   step serve-after 110 $PY -m labkit bench --workload serve --attention triton --out "$W/runs/serve-after.json"
   step serve-before 110 before $PY -m labkit bench --workload serve --attention triton --out "$W/runs/serve-before.json"
