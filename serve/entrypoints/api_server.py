@@ -192,7 +192,8 @@ class ServerThread:
     """A worker's HTTP server on its own event-loop thread (tests, simulate, ``load --serve-local``).
 
     ``close()`` closes the worker first (open streams end with cancelled/shutdown) and then the
-    server; it is idempotent and every join is bounded.
+    server; it is idempotent and every join is bounded. ``close(close_worker=False)`` stops only the HTTP
+    server, for a worker that outlives it (one worker served by several servers in turn).
     """
 
     def __init__(self, worker: WorkerFront, host: str = "127.0.0.1", port: int = 0, *,
@@ -247,12 +248,13 @@ class ServerThread:
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
 
-    def close(self, timeout: float = 15.0) -> None:
+    def close(self, timeout: float = 15.0, *, close_worker: bool = True) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        self.worker.close(timeout=timeout)
+        if close_worker:
+            self.worker.close(timeout=timeout)
         loop, server = self._loop, self._server
         if loop is not None and server is not None and loop.is_running():
             fut = asyncio.run_coroutine_threadsafe(server.stop(), loop)

@@ -275,17 +275,7 @@ def test_connection_cap_evicts_idle_clients_then_answers_503(worker):
             s.close()
     finally:
         worker.resume()
-        srv._closed = False
-        _stop_server_only(srv)
-
-
-def _stop_server_only(srv: ServerThread) -> None:
-    """Close a ServerThread that shares the module's worker, leaving the worker running."""
-    loop, server = srv._loop, srv._server
-    asyncio.run_coroutine_threadsafe(server.stop(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    srv._thread.join(10)
-    srv.sock.close()
+        srv.close(close_worker=False)
 
 
 def test_quiet_log_one_line_per_class_per_interval():
@@ -375,7 +365,7 @@ def test_api_key_on_every_route_but_health(worker):
         health, res = asyncio.run(via_client())
         assert health["model"]["path"] and res.reason == "cancelled" and res.cause == "client"
     finally:
-        _stop_server_only(srv)
+        srv.close(close_worker=False)
 
 
 # --------------------------------------------------------------------------- item 5: browsers
@@ -413,7 +403,7 @@ def test_allowed_origin_gets_cors_headers(worker):
         assert_error(send(srv.url, fuzz.http("OPTIONS", "/generate", b"", {
             "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})), 403, "origin_not_allowed")
     finally:
-        _stop_server_only(srv)
+        srv.close(close_worker=False)
 
 
 # --------------------------------------------------------------------------- item 6: prompt size before tokenizing
