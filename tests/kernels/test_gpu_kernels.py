@@ -15,6 +15,12 @@ def backends():
     return [b for b in available_backends("cuda") if b != "torch"]
 
 
+def float32_backends():
+    """The backends a float32 engine can take: FlashAttention-2 has no float32 kernels (the engine refuses it
+    there with one line; the bf16 guards cover flash_attn)."""
+    return [b for b in backends() if b != "flash_attn"]
+
+
 def make_cache(num_blocks, page, dtype=torch.bfloat16, hk=HK, d=D):
     g = torch.Generator(device="cuda").manual_seed(0)
     k = torch.randn(num_blocks, page, hk, d, device="cuda", dtype=dtype, generator=g)
@@ -189,21 +195,22 @@ def graph_decode_matches_eager(kernel_engine, model_dir, name, vocab):
         assert diff.abs().max().item() < 0.05 and rel_l2 < 2e-3, (batch, diff.abs().max().item(), rel_l2)
 
 
-@pytest.mark.parametrize("name", ["torch"] + backends())
+@pytest.mark.parametrize("name", ["torch"] + float32_backends())
 def test_graph_decode_matches_eager(kernel_engine, gpu_model_dir, name):
     graph_decode_matches_eager(kernel_engine, gpu_model_dir, name, 150000)
 
 
-@pytest.mark.parametrize("name", ["torch"] + backends())
+@pytest.mark.parametrize("name", ["torch"] + float32_backends())
 def test_graph_decode_matches_eager_on_smollm2_shapes(kernel_engine, smollm2_model_dir, name):
     """The same on a Llama with head_dim 64 and 3 q heads per kv head (the batch-1 GEMV at hidden 576 included)."""
     graph_decode_matches_eager(kernel_engine, smollm2_model_dir, name, 49152)
 
 
-@pytest.mark.parametrize("name", backends())
+@pytest.mark.parametrize("name", float32_backends())
 def test_prefill_graph_matches_eager(kernel_engine, gpu_model_dir, name):
     """Fresh prefills of 1, 3 and 16 ragged prompts replay a prefill graph and give the eager logits; a prefill
-    that reads a cached prefix, or that has more sequences than a prefill graph takes, runs eagerly."""
+    that has more sequences than a prefill graph takes, or that reads a cached prefix, replays a piecewise graph
+    (attention eager between the pieces) and gives the eager logits too."""
     from engine import SamplingParams
     from engine.graph import PREFILL_GRAPH_SEQS
 
@@ -217,7 +224,7 @@ def test_prefill_graph_matches_eager(kernel_engine, gpu_model_dir, name):
     assert graph.describe()["graph"]["prefill_buckets"][-1] == 1024
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for batch, expect in ((1, "prefill-graph"), (3, "prefill-graph"), (PREFILL_GRAPH_SEQS, "prefill-graph"),
-                          (PREFILL_GRAPH_SEQS + 1, "eager")):
+                          (PREFILL_GRAPH_SEQS + 1, "piecewise")):
         g = torch.Generator().manual_seed(batch)
         prompts = [torch.randint(0, 150000, (int(n),), generator=g).tolist()
                    for n in torch.randint(1, 60, (batch,), generator=g)]
@@ -237,7 +244,7 @@ def test_prefill_graph_matches_eager(kernel_engine, gpu_model_dir, name):
         diff = rows[True] - rows[False]
         rel_l2 = (diff.norm(dim=-1) / rows[False].norm(dim=-1)).max().item()
         assert diff.abs().max().item() < 0.05 and rel_l2 < 2e-3, (batch, diff.abs().max().item(), rel_l2)
-    # a prompt whose first block is cached: a prefix-reading prefill, eager
+    # a prompt whose first block is cached: a prefix-reading prefill, piecewise
     prompt = list(range(1000, 1040))
     for _ in range(2):
         graph.add_request(prompt, sp)
@@ -247,7 +254,7 @@ def test_prefill_graph_matches_eager(kernel_engine, gpu_model_dir, name):
         graph.postprocess(s, [0] * len(s), pf)
         while not graph.is_finished():
             graph.step()
-    assert cached > 0 and route.kind == "eager", (cached, route)
+    assert cached > 0 and route.kind == "piecewise", (cached, route)
 
 
 def test_uncovered_batch_falls_back_to_eager(kernel_engine, gpu_model_dir):
@@ -259,7 +266,8 @@ def test_uncovered_batch_falls_back_to_eager(kernel_engine, gpu_model_dir):
     routes = []
     while not eng.is_finished():
         routes.append(eng.step().route.kind)
-    assert routes == ["eager", "eager"]      # prefill, then batch 17: no covering bucket -> eager
+    # the prefill of 17 prompts replays a piecewise graph; the decode of 17 has no covering decode bucket: eager
+    assert routes == ["piecewise", "eager"]
 
 
 def test_fused_ops_match_the_torch_layers():

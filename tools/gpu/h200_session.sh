@@ -34,7 +34,7 @@ if ls "${WHEELS:-.lead/whl}"/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD:/tmp/site:$PWD/.gpu/site"
 
-pack() { (cd "$W" && tar czf "$OUT/evidence-$phase.tgz" --exclude='*.npz' logs runs 2>/dev/null); }
+pack() { (cd "$W" && tar czf "$OUT/evidence-$phase.tgz" --exclude='*.npz' --exclude='*.jsonl' logs runs 2>/dev/null); }
 step() {            # step NAME ESTIMATE_S COMMAND...: run it unless the budget says no; log, summary, pack
   local name=$1 est=$2; shift 2
   local used=$((SECONDS - T0))
