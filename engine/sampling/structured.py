@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 from engine.errors import RequestError
-from engine.sampling import json_strings
+from engine.sampling import json_strings, string_bounds
 
 #: xgrammar's C++ message prefixes: "[19:46:40] /project/cpp/file.cc:94: ", "Check failed: (...) is false: "
 XGR_PREFIX = re.compile(r"^(\[[\d:]+\] )?(\S+\.cc:\d+: )?(Check failed: .*? is false: )?")
@@ -149,6 +149,7 @@ def _legacy_structural_tag(compiler, tag: dict):
     (deprecated) two-argument form."""
     import xgrammar as xgr
 
+    tag = string_bounds.bound(tag)
     structures, triggers = tag.get("structures"), tag.get("triggers")
     if not isinstance(structures, list) or not isinstance(triggers, list) or set(tag) - {"structures", "triggers"}:
         raise ValueError("the older form is {structures: [{begin, schema, end}], triggers: [...]}")
@@ -166,7 +167,7 @@ def _compile(compiler, so: StructuredOutputsParams):
     kind = so.kind
     ws = dict(any_whitespace=not so.disable_any_whitespace)
     if kind == "json":
-        text = json.dumps(so.json)
+        text = json.dumps(string_bounds.bound(so.json))
         if json_strings.affected(text):             # length-bounded strings: control characters kept out
             import xgrammar as xgr
             return compiler.compile_grammar(json_strings.guard(str(xgr.Grammar.from_json_schema(text, **ws))))
@@ -182,6 +183,7 @@ def _compile(compiler, so: StructuredOutputsParams):
     tag = so.structural_tag
     if "structures" in tag:
         return _legacy_structural_tag(compiler, tag)
+    tag = string_bounds.bound(tag)
     if so.disable_any_whitespace:
         tag = _bounded_whitespace(tag)
     text = json.dumps(tag)

@@ -17,7 +17,8 @@ parser (serve/protocol/tool_parser.py) then reads the calls back. As vLLM for re
 no server flag is needed.
 
 The grammar is built when the request is parsed, before admission: a tool whose parameters xgrammar cannot
-take (an unsupported type, a ``$ref`` that does not resolve or only loops, an invalid ``pattern``, an integer
+take (an unsupported type, a ``$ref`` that does not resolve or only loops, an invalid ``pattern``, a ``pattern``
+whose ``minLength`` / ``maxLength`` cannot be written into it (engine/sampling/string_bounds.py), an integer
 too long for any field) is a 400 naming ``tools[i].function.parameters``.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 
-from engine.sampling import json_strings
+from engine.sampling import json_strings, string_bounds
 from serve.protocol.wire import ApiError
 
 _ROOT = re.compile(r"(?<![\w-])root(?![\w-])")
@@ -91,10 +92,12 @@ _REFUSED = (RuntimeError, ValueError, TypeError, RecursionError)
 
 
 def _ebnf(schema: dict) -> str:
-    """The schema's EBNF, its length-bounded strings kept free of raw control characters (json_strings.py)."""
+    """The schema's EBNF, its length-bounded strings kept free of raw control characters (json_strings.py) and
+    a pattern's length bounds written into the pattern (string_bounds.py)."""
     import xgrammar
 
-    return json_strings.guard(str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)))
+    text = json.dumps(string_bounds.bound(schema))
+    return json_strings.guard(str(xgrammar.Grammar.from_json_schema(text, any_whitespace=False)))
 
 
 def _refusal(tools: list[dict], chosen: list[dict]) -> ApiError:
@@ -106,6 +109,8 @@ def _refusal(tools: list[dict], chosen: list[dict]) -> ApiError:
             _ebnf(call_schema(tool))
         except _REFUSED as e:
             at = f"tools[{tools.index(tool)}].function.parameters"
-            message = XGR_PREFIX.sub("", " ".join(str(e).split())).replace("#/properties/arguments", "#")[:300]
+            message = XGR_PREFIX.sub("", " ".join(str(e).split())).replace("#/properties/arguments", "#")
+            message = message.replace("at properties.arguments.", "at ").replace("at properties.arguments:",
+                                                                                   "at the root:")[:300]
             return ApiError(400, f"{at} cannot be compiled to a grammar: {message}", "invalid_value", at)
     return ApiError(400, "the tools cannot be compiled to one grammar of calls", "invalid_value", "tool_choice")

@@ -133,6 +133,23 @@ def test_length_bounded_strings_take_no_raw_control_characters(shared, so, wrap)
     assert not shared.grammars.matcher(sp.structured_outputs).matcher.accept_string(wrap.format('"a\tb"'))
 
 
+PATTERN_BOUNDED = {"type": "string", "pattern": "^[a-z]+$", "minLength": 3, "maxLength": 5}
+
+
+@pytest.mark.parametrize("so, wrap", [
+    ({"json": PATTERN_BOUNDED}, "{}"),
+    ({"structural_tag": {"type": "structural_tag", "format": {"type": "tag", "begin": "<f>", "end": "</f>", "content": {
+        "type": "json_schema", "json_schema": PATTERN_BOUNDED}}}}, "<f>{}</f>"),
+    ({"structural_tag": {"structures": [{"begin": "<f>", "schema": PATTERN_BOUNDED, "end": "</f>"}],
+                         "triggers": ["<f"]}}, "<f>{}</f>"),
+], ids=["json", "tag", "legacy-tag"])
+def test_a_pattern_keeps_its_length_bounds(shared, so, wrap):
+    """xgrammar drops minLength / maxLength beside a pattern; the pattern is rewritten to carry them."""
+    sp = SamplingParams(structured_outputs=so)
+    for text, ok in (("abc", True), ("abcde", True), ("ab", False), ("abcdef", False), ("ab1", False)):
+        assert shared.grammars.matcher(sp.structured_outputs).matcher.accept_string(wrap.format(f'"{text}"')) == ok, text
+
+
 BAD = [({"json": '{"type": 3}'}, "json"), ({"json": "{not json"}, "json"), ({"regex": "(("}, "regex"),
        ({"grammar": "root ::= "}, "grammar"), ({"structural_tag": {"format": 1}}, "structural_tag"),
        ({"choice": []}, "choice"), ({"json": {}, "regex": "a"}, "exactly one"), ({"jsn": {}}, "unknown field")]

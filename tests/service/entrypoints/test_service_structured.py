@@ -141,6 +141,43 @@ def test_length_bounded_strings_stay_valid_json(server, api, tiny_model_dir):
     assert len(obj["s"]) <= 8 and 2 <= len(obj["t"]) <= 4 and "\t" not in obj["s"] + obj["t"], obj
 
 
+def _one_token(tiny_model_dir, text: str) -> int:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tiny_model_dir).encode(text)
+    assert len(ids) == 1, ids
+    return ids[0]
+
+
+def test_a_pattern_and_its_length_bounds_both_hold(server, tiny_model_dir):
+    # xgrammar takes a string's pattern and drops minLength / maxLength: the bounds are written into the pattern.
+    # logit_bias pushes "a" (the string would run on past maxLength) in one request, and the closing quote (it
+    # would end before minLength) in the other
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-z]+$", "minLength": 3,
+                                                     "maxLength": 5}},
+              "required": ["s"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    for pushed in ("a", '"'):
+        status, res = post(server, "/v1/chat/completions", {
+            "messages": CHAT, "max_tokens": 30, "response_format": rf,
+            "logit_bias": {str(_one_token(tiny_model_dir, pushed)): 100}})
+        assert status == 200, res
+        obj = json.loads(res["choices"][0]["message"]["content"])
+        assert re.fullmatch("[a-z]{3,5}", obj["s"]) and res["choices"][0]["finish_reason"] == "stop", (pushed, obj)
+
+
+@pytest.mark.parametrize("pattern, bounds, says", [
+    (r"^\w+@\w+$", {"maxLength": 8}, "more than one part of varying length"),
+    (r"^[0-9]{4}$", {"minLength": 5}, "matches no string of length 5 or more"),
+], ids=["two-varying-parts", "disjoint"])
+def test_a_pattern_whose_length_bounds_cannot_hold_is_a_400(server, pattern, bounds, says):
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern, **bounds}}}
+    status, err = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
+    assert status == 400 and err["error"]["param"] == "response_format", err
+    assert "properties.s" in err["error"]["message"] and says in err["error"]["message"], err
+
+
 def test_langchain_with_structured_output(server):
     lc = pytest.importorskip("langchain_openai")
     from typing import Literal

@@ -397,6 +397,25 @@ def test_a_length_bounded_argument_keeps_the_call_a_call(api, hf_tok, choice):
     assert valid_args(WEATHER, json.loads(ch.message.tool_calls[0].function.arguments))
 
 
+CODE = {"type": "function", "function": {"name": "code", "parameters": {
+    "type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-z]+$", "minLength": 3, "maxLength": 5}},
+    "required": ["code"]}}}
+
+
+@structured
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "code"}}],
+                         ids=["required", "named"])
+def test_a_patterned_argument_keeps_its_length_bounds(api, hf_tok, choice):
+    # xgrammar drops minLength / maxLength beside a pattern; with "a" pushed by logit_bias the string would run on
+    a = hf_tok.encode("a")[0]
+    ch = api.chat.completions.create(model="", messages=[{"role": "user", "content": "code?"}], tools=[CODE],
+                                     tool_choice=choice, max_tokens=120, parallel_tool_calls=False,
+                                     logit_bias={str(a): 100}).choices[0]
+    assert ch.finish_reason == "tool_calls", ch
+    code = json.loads(ch.message.tool_calls[0].function.arguments)["code"]
+    assert 3 <= len(code) <= 5 and code.isalpha(), code
+
+
 @structured
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
                          ids=["required", "named"])
@@ -435,7 +454,8 @@ def with_property(schema: dict, defs: dict | None = None) -> dict:
     with_property({"$ref": "#/$defs/A"}, {"A": {"$ref": "#/$defs/B"}, "B": {"$ref": "#/$defs/A"}}),
     with_property({"type": "string", "pattern": "(("}),
     with_property({"type": "integer", "maximum": 10 ** 60}),
-], ids=["type", "missing-ref", "circular-ref", "pattern", "huge-int"])
+    with_property({"type": "string", "pattern": r"^\w+@\w+$", "maxLength": 8}),
+], ids=["type", "missing-ref", "circular-ref", "pattern", "huge-int", "pattern-and-length"])
 def test_a_tool_the_grammar_cannot_take_is_one_400_naming_it(server, params, choice):
     tools = [ADD, {"type": "function", "function": {"name": "f", "parameters": params}}]
     tc = "required" if choice == "required" else {"type": "function", "function": {"name": "f"}}
