@@ -236,7 +236,7 @@ class OpenAIResponse:
         """A chat choice's piece of text through its reasoning / tool-call reader: a chunk per delta (the
         first carries the piece's log-probs and token ids; an empty content delta when the reader holds the
         piece back)."""
-        deltas = c.output.push(piece) + (c.output.finish() if end else [])
+        deltas = c.output.push(piece) + (c.output.finish(cut=c.finish == "length") if end else [])
         if not deltas and not end:
             deltas = [{"content": ""}]
         lp = self.logprobs.obj(logprobs) if self.logprobs is not None and logprobs else None
@@ -405,7 +405,8 @@ class OpenAIResponse:
                                      c.finish) for c in self.choices]
         if self.read is not None:          # the message as the reasoning / tool-call reader sees the text
             for choice in out:
-                choice["message"], reader = read_message(self.read, choice["message"]["content"])
+                choice["message"], reader = read_message(self.read, choice["message"]["content"],
+                                                         cut=choice["finish_reason"] == "length")
                 choice["finish_reason"] = reader.finish_reason(choice["finish_reason"])
         body = {**self.head, "object": self.fmt.final_object, "choices": out, "usage": self.usage()}
         self._vllm_fields(body)

@@ -48,12 +48,13 @@ class ChatOutput:
         parts = self._reasoning.push(text) if self._reasoning is not None else [("content", text)]
         return self._deltas(parts, final=False)
 
-    def finish(self) -> list[dict]:
-        """The deltas of the text still held back, at the end of the answer."""
+    def finish(self, cut: bool = False) -> list[dict]:
+        """The deltas of the text still held back, at the end of the answer; ``cut``: the answer was cut by
+        ``max_tokens`` (a tool call's tag or block it ends inside is not content)."""
         parts = self._reasoning.finish() if self._reasoning is not None else []
-        return self._deltas(parts, final=True)
+        return self._deltas(parts, final=True, cut=cut)
 
-    def _deltas(self, parts: list[tuple[str, str]], final: bool) -> list[dict]:
+    def _deltas(self, parts: list[tuple[str, str]], final: bool, cut: bool = False) -> list[dict]:
         out: list[dict] = []
         for kind, text in parts:
             if kind == "reasoning":
@@ -62,7 +63,7 @@ class ChatOutput:
             else:
                 out += self._content(self._tools.push(text) if self._tools is not None else [("content", text)])
         if final and self._tools is not None:
-            out += self._content(self._tools.finish())
+            out += self._content(self._tools.finish(cut))
         return out
 
     def _content(self, events: list[tuple[str, object]]) -> list[dict]:
@@ -96,9 +97,9 @@ class ChatOutput:
         return "tool_calls" if self.calls and reason in ("stop", "length") else reason
 
 
-def read_message(options: ChatOutputOptions, text: str) -> tuple[dict, "ChatOutput"]:
-    """A whole answer's text as one message (the stream's parser over one piece)."""
+def read_message(options: ChatOutputOptions, text: str, cut: bool = False) -> tuple[dict, "ChatOutput"]:
+    """A whole answer's text as one message (the stream's parser over one piece); ``cut``: by ``max_tokens``."""
     out = ChatOutput(options)
     out.push(text)
-    out.finish()
+    out.finish(cut)
     return out.message(), out

@@ -14,7 +14,9 @@ so a stream's deltas, put together, are the non-stream result by construction:
 - ``max_calls`` (``parallel_tool_calls: false``: 1) keeps the first calls and drops the rest, as vLLM does;
 - ``constrained`` (``tool_choice`` required or named: the grammar allows only calls): what the output ends inside
   (``max_tokens``) is dropped unless it is a whole call, a tag's first characters and a cut block included, so
-  no tag text reaches ``content``.
+  no tag text reaches ``content``; the same for any output cut by ``max_tokens`` (``finish(cut=True)``,
+  ``tool_choice`` auto), where the held tag start or the open block may be a call the limit cut (an output
+  that ends by itself inside a block keeps it as content, as vLLM does).
 """
 from __future__ import annotations
 
@@ -84,10 +86,12 @@ class HermesToolParser:
                 self._content(self._buf[:i], out)
                 self._buf, self._inside = self._buf[i + len(TOOL_START):], True
 
-    def finish(self) -> list[tuple[str, object]]:
+    def finish(self, cut: bool = False) -> list[tuple[str, object]]:
+        """The events of the text held back; ``cut``: the output was cut by ``max_tokens``."""
         out: list[tuple[str, object]] = []
         rest, self._buf = self._buf, ""
-        if self.constrained:            # a cut call: a whole call's JSON is still a call, anything else goes
+        if self.constrained or (cut and (rest or self._inside)):
+            # a cut call: a whole call's JSON is still a call, anything else goes (the whitespace before it too)
             if self._inside and parse_call(rest) is not None:
                 self._block(rest, "", out)
             self._inside, self._ws = False, ""

@@ -104,6 +104,23 @@ def test_stream_pieces_read_as_the_whole_text(name):
         assert stream_of(BOTH, pieces) == whole
 
 
+@pytest.mark.parametrize("text, content, calls", [
+    ("Sure.\n<tool_cal", "Sure.", []),
+    ("Sure.\n<tool_call>\n{\"name\": \"add\", \"argu", "Sure.", []),
+    (TEXTS["unterminated"], None, EXPECTED["unterminated"][1]),        # a whole call's JSON is still a call
+    ("no tag at all\n", "no tag at all\n", []),
+], ids=["tag-start", "cut-block", "whole-call", "plain"])
+def test_an_answer_cut_by_max_tokens_drops_a_cut_tag_or_block(text, content, calls):
+    msg, reader = read_message(TOOLS_ON, text, cut=True)
+    assert msg["content"] == content and calls_of(msg) == calls, msg
+    assert reader.finish_reason("length") == ("tool_calls" if calls else "length")
+    out = ChatOutput(TOOLS_ON)
+    deltas = [d for ch in text for d in out.push(ch)] + out.finish(cut=True)
+    assert assemble(deltas)["content"] == content and assemble(deltas)["calls"] == calls, deltas
+    uncut, _ = read_message(TOOLS_ON, text)                # an answer that ends by itself keeps its text
+    assert uncut["content"] == (None if calls else text), uncut
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     msg, _ = read_message(ChatOutputOptions(parse_tools=True, max_calls=1), TEXTS["two calls"])
     assert calls_of(msg) == EXPECTED["two calls"][1][:1]
@@ -429,6 +446,21 @@ def test_a_call_cut_by_max_tokens_leaves_no_tag_text_in_content(server, choice):
         deltas = [d["choices"][0]["delta"] for d in sse(server, {**body, "max_tokens": max_tokens,
                                                                  "seed": max_tokens, "stream": True})]
         assert not any(d.get("content") for d in deltas), (max_tokens, deltas)
+
+
+@pytest.mark.parametrize("text, max_tokens", [("<", 1), ("<tool_call>", 1), ("<tool_call>", 2)],
+                         ids=["tag-start", "tag", "cut-block"])
+def test_an_auto_call_cut_by_max_tokens_leaves_no_tag_text_in_content(server, hf_tok, text, max_tokens):
+    # tool_choice auto: logit_bias makes the answer start a call ("<", "<tool_call>", "<tool_call><tool_call>")
+    # that max_tokens cuts; the cut tag or block is not content, whole or streamed (its last delta included)
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], "tool_choice": "auto",
+            "max_tokens": max_tokens, "logit_bias": {str(hf_tok.encode(text)[0]): 100}}
+    status, out = post(server, "/v1/chat/completions", body)
+    ch = out["choices"][0]
+    assert status == 200 and ch["finish_reason"] == "length", out
+    assert ch["message"]["content"] is None and not ch["message"].get("tool_calls"), out
+    deltas = [c["choices"][0]["delta"] for c in sse(server, {**body, "stream": True})]
+    assert not any(d.get("content") or d.get("tool_calls") for d in deltas), deltas
 
 
 def sse(server, body: dict) -> list[dict]:
