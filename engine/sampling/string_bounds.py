@@ -1,31 +1,37 @@
-"""String schemas with both a ``pattern`` and ``minLength`` / ``maxLength``, as one pattern xgrammar enforces whole.
+"""String schemas with both a ``pattern`` and ``minLength`` / ``maxLength``, bounded whole.
 
 xgrammar 0.2.9 takes a string schema's ``pattern`` and drops its length bounds (it warns "pattern combined with
 minLength/maxLength is not supported"). :func:`bound` rewrites each such string schema of a JSON schema (or of
-anything holding schemas, e.g. a structural tag) so that the pattern itself carries the bound, and drops the
-bound: the intersection of the pattern's language with the lengths allowed, written as a pattern.
+anything holding schemas, e.g. a structural tag) so that its strings are exactly those the pattern matches whose
+length is within the bounds, and drops the bounds (the pattern as xgrammar reads it: the whole string must match,
+``^`` / ``$`` at its ends change nothing, and the string holds no ``"``, ``\\`` or control character):
 
-How (the pattern as xgrammar reads it: the whole string must match, ``^`` / ``$`` at its ends change nothing):
 - the pattern's lengths already within the bounds: the bound says nothing more and is dropped;
 - none of them within the bounds: refused (the pattern matches no string of those lengths);
-- otherwise the part of the pattern whose length varies is bounded: a sequence with exactly one part of varying
-  length (the rest of fixed length) bounds that part with what the rest leaves; that part may be a repetition of
-  something of fixed length (its counts narrowed, e.g. ``^[A-Z]{2}-\\d+$`` with maxLength 6 gives
-  ``[A-Z]{2}-\\d{1,3}``) or a choice between alternatives (each bounded the same way, those that cannot fit
-  dropped). A pattern with two or more parts of varying length in one sequence (``[a-z]+@[a-z]+``), a repetition
-  of something of varying length, inline flags (``(?i)``), back references or lookarounds is refused: each a
-  ``ValueError`` naming where in the schema the string is, which the caller turns into a 400.
+- a sequence with exactly one part of varying length (the rest of fixed length): that part is bounded with what
+  the rest leaves, as a pattern; that part may be a repetition of something of fixed length (its counts
+  narrowed, e.g. ``^[A-Z]{2}-\\d+$`` with maxLength 6 gives ``[A-Z]{2}-\\d{1,3}``) or a choice between
+  alternatives (each bounded the same way, those that cannot fit dropped);
+- any other pattern (``^\\w+@\\w+\\.com$``: two parts of varying length) gets a grammar of its own: the product of
+  the pattern's position automaton (its repetitions unrolled) with a count of the characters so far, as EBNF
+  rules, one per state from which the string can still end. The schema then carries a placeholder pattern,
+  and :func:`splice` puts the rules in place of the placeholder's rule in the EBNF xgrammar writes for it.
+  At most ``MAX_POSITIONS`` positions and ``MAX_STATES`` states (a maxLength of a few hundred over a pattern of
+  a few parts is a few thousand); past them, refused.
 
-The pattern is read with Python's own regex parser (``re._parser``) and written back from what it parsed; a
-pattern that does not come back the same when written and read again is refused rather than changed.
+Inline flags (``(?i)``), back references and lookarounds are refused. Each refusal is a ``ValueError`` naming
+where in the schema the string is, which the caller turns into a 400. The pattern is read with Python's own
+regex parser (``re._parser``) and written back from what it parsed; a pattern that does not come back the same
+when written and read again is refused rather than changed.
 """
 from __future__ import annotations
 
 import re
+import secrets
 import warnings
 from re import _constants as C
 from re import _parser as sre
-from typing import Any
+from typing import Any, Callable
 
 #: Schema keywords whose values are data, not schemas (never rewritten).
 DATA = frozenset({"const", "enum", "default", "examples"})
@@ -39,18 +45,38 @@ class _Refused(Exception):
     """The pattern cannot be bounded (the reason in the message)."""
 
 
-def bound(node: Any, path: str = "") -> Any:
-    """``node`` (a schema, or anything holding schemas) with every string schema that has both a ``pattern`` and
-    a length bound rewritten as one pattern; the rest unchanged (a new object only where something changed)."""
+def bound(node: Any) -> tuple[Any, dict[str, Callable[[str], str]]]:
+    """``node`` (a schema, or anything holding schemas) with every string schema that has both a ``pattern`` and a
+    length bound rewritten (the rest unchanged: a new object only where something changed), and the grammars of
+    the strings that no pattern can bound: {the placeholder pattern standing for the string: rules(name)}, for
+    :func:`splice` (empty: the schema alone says it all)."""
+    grammars: dict[str, Callable[[str], str]] = {}
+    return _bound(node, "", grammars), grammars
+
+
+def splice(ebnf: str, grammars: dict[str, Callable[[str], str]]) -> str:
+    """The EBNF xgrammar wrote for a schema :func:`bound` gave, with each placeholder string's rule replaced by its
+    grammar of bounded length."""
+    for placeholder, rules in grammars.items():
+        found = re.compile(rf'^([\w-]+) ::= \(*Regex\("{placeholder}", json_string=true\)\)*$', re.M)
+        names = set(found.findall(ebnf))
+        taken = set(re.findall(r"^([\w-]+) ::=", ebnf, re.M))
+        if not names or any(re.fullmatch(rf"{re.escape(name)}_bl\d+", t) for name in names for t in taken):
+            raise ValueError("a string with a pattern and a length bound has no rule of its own in the grammar")
+        ebnf = found.sub(lambda m: rules(m.group(1)), ebnf)
+    return ebnf
+
+
+def _bound(node: Any, path: str, grammars: dict) -> Any:
     if isinstance(node, list):
-        out = [bound(v, f"{path}[{i}]") for i, v in enumerate(node)]
+        out = [_bound(v, f"{path}[{i}]", grammars) for i, v in enumerate(node)]
         return node if all(a is b for a, b in zip(out, node)) else out
     if not isinstance(node, dict):
         return node
-    out = {k: v if k in DATA else bound(v, f"{path}.{k}" if path else str(k)) for k, v in node.items()}
+    out = {k: v if k in DATA else _bound(v, f"{path}.{k}" if path else str(k), grammars) for k, v in node.items()}
     if _bounded_string(node):
         m, n = node.get("minLength", 0), node.get("maxLength")
-        out["pattern"] = _bound_pattern(node["pattern"], m, n, path)
+        out["pattern"] = _bound_pattern(node["pattern"], m, n, path, grammars)
         out.pop("minLength", None)
         out.pop("maxLength", None)
     return node if out.keys() == node.keys() and all(out[k] is node[k] for k in node) else out
@@ -64,13 +90,23 @@ def _bounded_string(node: dict) -> bool:
             and all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in bounds))
 
 
-def _bound_pattern(pattern: str, m: int, n: int | None, path: str) -> str:
+def _bound_pattern(pattern: str, m: int, n: int | None, path: str, grammars: dict) -> str:
+    """The pattern that carries the bounds: narrowed, or a placeholder whose grammar goes to ``grammars``."""
     where = f"the string schema at {path or 'the root'}"
     shown = pattern if len(pattern) <= 80 else pattern[:77] + "..."
     lengths = f"length {m} to {n}" if n is not None else f"length {m} or more"
     try:
         seq = _read(pattern)
-        bounded = _bound_seq(seq, m, n)
+        try:
+            bounded = _bound_seq(seq, m, n)
+        except _Refused:                                   # no pattern says it: a grammar of its own
+            rules = product_rules(seq, m, n, "s")
+            if rules is None:
+                bounded = None
+            else:
+                placeholder = f"xgrbound{secrets.token_hex(8)}"
+                grammars[placeholder] = lambda name: product_rules(seq, m, n, name)
+                return placeholder
     except _Refused as e:
         raise ValueError(f"{where}: its pattern {shown!r} cannot be combined with minLength/maxLength ({e}); "
                          f"put the length in the pattern instead (e.g. [a-z]{{3,8}})") from None
@@ -256,3 +292,169 @@ def _char(code: int, special: frozenset) -> str:
     if ch == " " or (ch.isprintable() and not ch.isspace()):
         return ch
     return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
+
+
+# --- a pattern no narrowing can bound: the product of its automaton with a length counter, as EBNF -------------
+
+#: Most positions (characters of the pattern, repetitions unrolled) and most states of the product.
+MAX_POSITIONS = 2048
+MAX_STATES = 8192
+_TOP = 0x10FFFF
+#: xgrammar's classes (its regex reads \d, \w, \s so, whatever Python's re does).
+_CLASS_RANGES = {r"\d": [(0x30, 0x39)], r"\w": [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)],
+                 r"\s": [(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A),
+                         (0x2028, 0x2029), (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)]}
+#: What a JSON string cannot hold raw (xgrammar's patterned strings take no escapes: these never appear).
+_NOT_JSON = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]
+
+
+def _merge(ranges: list) -> list:
+    out: list = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _complement(ranges: list) -> list:
+    out, at = [], 0
+    for lo, hi in _merge(ranges):
+        if lo > at:
+            out.append((at, lo - 1))
+        at = hi + 1
+    return out + ([(at, _TOP)] if at <= _TOP else [])
+
+
+def _chars(unit: tuple) -> list:
+    """The code points a unit node matches as xgrammar reads it, less those a JSON string cannot hold raw."""
+    kind = unit[0]
+    if kind == "lit":
+        ranges = [(unit[1], unit[1])]
+    elif kind == "notlit":
+        ranges = _complement([(unit[1], unit[1])])
+    elif kind == "any":
+        ranges = [(0, _TOP)]
+    else:
+        ranges = []
+        for item in unit[2]:
+            if item[0] == "lit":
+                ranges.append((item[1], item[1]))
+            elif item[0] == "range":
+                ranges.append((item[1], item[2]))
+            else:
+                cat = item[1]
+                ranges += _CLASS_RANGES[cat.lower()] if cat.islower() else _complement(_CLASS_RANGES[cat.lower()])
+        if unit[1]:
+            ranges = _complement(ranges)
+    return _complement(_complement(ranges) + _NOT_JSON)              # ranges less _NOT_JSON
+
+
+def _ebnf_class(ranges: list) -> str:
+    def esc(c: int) -> str:
+        return chr(c) if chr(c).isascii() and chr(c).isalnum() else (f"\\u{c:04x}" if c <= 0xFFFF else f"\\U{c:08x}")
+    return "[" + "".join(esc(lo) if lo == hi else f"{esc(lo)}-{esc(hi)}" for lo, hi in ranges) + "]"
+
+
+class _Glushkov:
+    """The position automaton of a pattern tree: each unit node (a character or class) a position; ``units`` its
+    characters as an EBNF class (None: none a JSON string holds), ``follow`` the positions that may come next."""
+
+    def __init__(self):
+        self.units: list[str | None] = []
+        self.follow: list[set[int]] = []
+
+    def build(self, seq: tuple) -> tuple[set[int], set[int], bool]:
+        """(first positions, last positions, matches the empty string) of ``seq``, positions made as needed."""
+        first: set[int] = set()
+        last: set[int] = set()
+        nullable = True
+        for node in seq:
+            f, l, n = self._node(node)
+            for p in last:
+                self.follow[p] |= f
+            first = first | f if nullable else first
+            last = l | last if n else l
+            nullable = nullable and n
+        return first, last, nullable
+
+    def _node(self, node: tuple) -> tuple[set[int], set[int], bool]:
+        kind = node[0]
+        if kind == "branch":
+            parts = [self.build(alt) for alt in node[1]]
+            return (set().union(*(f for f, _, _ in parts)), set().union(*(l for _, l, _ in parts)),
+                    any(n for _, _, n in parts))
+        if kind == "repeat":
+            _, lo, hi, sub = node
+            more = (("opt", sub, hi - lo),) if hi is not None else (("star", sub),)
+            return self.build((("group", sub),) * lo + more)
+        if kind == "group":
+            return self.build(node[1])
+        if kind == "star":
+            f, l, _ = self.build(node[1])
+            for p in l:
+                self.follow[p] |= f
+            return f, l, True
+        if kind == "opt":                        # up to k more copies, in order: (x (x (x)?)?)?
+            _, sub, k = node
+            if k == 0:
+                return set(), set(), True
+            f, l, _ = self.build(sub + (("opt", sub, k - 1),))
+            return f, l, True
+        if len(self.units) >= MAX_POSITIONS:
+            raise _Refused(f"it has more than {MAX_POSITIONS} character positions once its repetitions are unrolled")
+        chars = _chars(node)
+        self.units.append(_ebnf_class(chars) if chars else None)
+        self.follow.append(set())
+        p = len(self.units) - 1
+        return {p}, {p}, False
+
+
+def product_rules(seq: tuple, m: int, n: int | None, name: str) -> str | None:
+    """EBNF rules (the first named ``name``) for the content of a JSON string that ``seq`` matches whole and whose
+    length is m to n (n None: no limit): states (position, characters so far), the count held at m when there is
+    no upper bound; only states from which the string can still end. None: no such string."""
+    g = _Glushkov()
+    first, last, nullable = g.build(seq)
+    start = -1
+
+    def step(k: int) -> int | None:
+        if n is None:
+            return min(k + 1, m)
+        return k + 1 if k + 1 <= n else None
+
+    states, edges, todo = {(start, 0): 0}, {}, [(start, 0)]
+    while todo:
+        p, k = todo.pop()
+        k2 = step(k)
+        out = []
+        for q in sorted(first if p == start else g.follow[p]) if k2 is not None else ():
+            if g.units[q] is None:
+                continue
+            if (q, k2) not in states:
+                if len(states) >= MAX_STATES:
+                    raise _Refused(f"bounding its length takes more than {MAX_STATES} grammar states")
+                states[(q, k2)] = len(states)
+                todo.append((q, k2))
+            out.append((q, k2))
+        edges[(p, k)] = out
+    accepting = {s for s in states if (nullable if s[0] == start else s[0] in last) and s[1] >= m}
+    live, changed = set(accepting), True          # the states from which an accepting one can be reached
+    while changed:
+        changed = False
+        for s, out in edges.items():
+            if s not in live and any(t in live for t in out):
+                live.add(s)
+                changed = True
+    if (start, 0) not in live:
+        return None
+
+    def rule(s: tuple) -> str:
+        return name if s == (start, 0) else f"{name}_bl{states[s]}"
+
+    lines = []
+    for s in sorted(live, key=states.get):
+        alts = [f"({g.units[t[0]]} {rule(t)})" for t in edges[s] if t in live]
+        lines.append(f"{rule(s)} ::= " + " | ".join(alts + (['""'] if s in accepting else [])))
+    return "\n".join(lines)

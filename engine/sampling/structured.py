@@ -149,7 +149,7 @@ def _legacy_structural_tag(compiler, tag: dict):
     (deprecated) two-argument form."""
     import xgrammar as xgr
 
-    tag = string_bounds.bound(tag)
+    tag, bounded = string_bounds.bound(tag)
     structures, triggers = tag.get("structures"), tag.get("triggers")
     if not isinstance(structures, list) or not isinstance(triggers, list) or set(tag) - {"structures", "triggers"}:
         raise ValueError("the older form is {structures: [{begin, schema, end}], triggers: [...]}")
@@ -158,8 +158,9 @@ def _legacy_structural_tag(compiler, tag: dict):
         if not isinstance(s, dict) or set(s) != {"begin", "schema", "end"}:
             raise ValueError("each structure needs exactly begin, schema and end")
         items.append(xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]))
-    if json_strings.affected(json.dumps(structures)):
-        return compiler.compile_grammar(json_strings.guard(str(xgr.Grammar.from_structural_tag(items, triggers))))
+    if bounded or json_strings.affected(json.dumps(structures)):
+        ebnf = string_bounds.splice(str(xgr.Grammar.from_structural_tag(items, triggers)), bounded)
+        return compiler.compile_grammar(json_strings.guard(ebnf))
     return compiler.compile_structural_tag(items, triggers)
 
 
@@ -167,10 +168,12 @@ def _compile(compiler, so: StructuredOutputsParams):
     kind = so.kind
     ws = dict(any_whitespace=not so.disable_any_whitespace)
     if kind == "json":
-        text = json.dumps(string_bounds.bound(so.json))
-        if json_strings.affected(text):             # length-bounded strings: control characters kept out
+        schema, bounded = string_bounds.bound(so.json)      # a pattern's length bounds kept (string_bounds.py)
+        text = json.dumps(schema)
+        if bounded or json_strings.affected(text):  # length-bounded strings: control characters kept out
             import xgrammar as xgr
-            return compiler.compile_grammar(json_strings.guard(str(xgr.Grammar.from_json_schema(text, **ws))))
+            ebnf = string_bounds.splice(str(xgr.Grammar.from_json_schema(text, **ws)), bounded)
+            return compiler.compile_grammar(json_strings.guard(ebnf))
         return compiler.compile_json_schema(text, **ws)
     if kind == "json_object":
         return compiler.compile_json_schema('{"type": "object"}', **ws)
@@ -183,13 +186,14 @@ def _compile(compiler, so: StructuredOutputsParams):
     tag = so.structural_tag
     if "structures" in tag:
         return _legacy_structural_tag(compiler, tag)
-    tag = string_bounds.bound(tag)
+    tag, bounded = string_bounds.bound(tag)
     if so.disable_any_whitespace:
         tag = _bounded_whitespace(tag)
     text = json.dumps(tag)
-    if json_strings.affected(text):
+    if bounded or json_strings.affected(text):
         import xgrammar as xgr
-        return compiler.compile_grammar(json_strings.guard(str(xgr.Grammar.from_structural_tag(text))))
+        ebnf = string_bounds.splice(str(xgr.Grammar.from_structural_tag(text)), bounded)
+        return compiler.compile_grammar(json_strings.guard(ebnf))
     return compiler.compile_structural_tag(text)
 
 

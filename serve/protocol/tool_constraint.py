@@ -18,7 +18,7 @@ no server flag is needed.
 
 The grammar is built when the request is parsed, before admission: a tool whose parameters xgrammar cannot
 take (an unsupported type, a ``$ref`` that does not resolve or only loops, an invalid ``pattern``, a ``pattern``
-whose ``minLength`` / ``maxLength`` cannot be written into it (engine/sampling/string_bounds.py), an integer
+whose ``minLength`` / ``maxLength`` cannot hold (engine/sampling/string_bounds.py), an integer
 too long for any field) is a 400 naming ``tools[i].function.parameters``.
 """
 from __future__ import annotations
@@ -93,11 +93,12 @@ _REFUSED = (RuntimeError, ValueError, TypeError, RecursionError)
 
 def _ebnf(schema: dict) -> str:
     """The schema's EBNF, its length-bounded strings kept free of raw control characters (json_strings.py) and
-    a pattern's length bounds written into the pattern (string_bounds.py)."""
+    a pattern's length bounds kept (string_bounds.py)."""
     import xgrammar
 
-    text = json.dumps(string_bounds.bound(schema))
-    return json_strings.guard(str(xgrammar.Grammar.from_json_schema(text, any_whitespace=False)))
+    schema, bounded = string_bounds.bound(schema)
+    ebnf = str(xgrammar.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False))
+    return json_strings.guard(string_bounds.splice(ebnf, bounded))
 
 
 def _refusal(tools: list[dict], chosen: list[dict]) -> ApiError:

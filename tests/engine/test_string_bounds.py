@@ -1,5 +1,6 @@
-"""A string schema's pattern and length bounds written as one pattern (engine/sampling/string_bounds.py): the
-rewritten pattern matches exactly the strings of the original whose length is within the bounds."""
+"""A string schema's pattern and length bounds bounded whole (engine/sampling/string_bounds.py): the rewritten
+pattern, or the grammar of its own, matches exactly the strings of the original whose length is within the
+bounds."""
 from __future__ import annotations
 
 import itertools
@@ -7,12 +8,12 @@ import re
 
 import pytest
 
-from engine.sampling.string_bounds import bound
+from engine.sampling.string_bounds import bound, splice
 
 
 def rewritten(pattern: str, **bounds) -> str:
-    out = bound({"type": "string", "pattern": pattern, **bounds})
-    assert "minLength" not in out and "maxLength" not in out, out
+    out, grammars = bound({"type": "string", "pattern": pattern, **bounds})
+    assert "minLength" not in out and "maxLength" not in out and not grammars, out
     return out["pattern"]
 
 
@@ -41,13 +42,38 @@ def test_the_rewrite_is_the_intersection(pattern, lo, hi):
             assert bool(re.fullmatch(new, s)) == want, (s, new)
 
 
+@pytest.mark.parametrize("pattern, lo, hi", [(r"^\w+@\w+\.c$", 0, 6), (r"[a-c]+-[a-c]*", 2, 4),
+                                             (r"(a|bc)+", 3, 5), (r"a*b*c*", 2, None), (r"(ab?)+c", 0, 4)])
+def test_a_grammar_of_its_own_is_the_intersection(pattern, lo, hi):
+    """Patterns no narrowing bounds: their grammar, compiled by xgrammar, against re.fullmatch on every string of
+    up to 7 characters over the pattern's own alphabet."""
+    import json
+
+    import xgrammar as xgr
+
+    bounds = {"minLength": lo, **({"maxLength": hi} if hi is not None else {})}
+    schema, grammars = bound({"type": "string", "pattern": pattern, **bounds})
+    assert len(grammars) == 1 and "minLength" not in schema and "maxLength" not in schema, schema
+    grammar = xgr.Grammar.from_ebnf(splice(str(xgr.Grammar.from_json_schema(json.dumps(schema))), grammars))
+    alphabet = sorted(set(re.sub(r"\\w", "a", pattern)) & set("abcom@.-_"))
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo(['"', *alphabet]))
+    compiled = compiler.compile_grammar(grammar)
+    for n in range(0, 8):
+        for chars in itertools.product(alphabet, repeat=n):
+            s = "".join(chars)
+            want = bool(re.fullmatch(pattern, s)) and lo <= n and (hi is None or n <= hi)
+            m = xgr.GrammarMatcher(compiled)
+            got = m.accept_string('"' + s) and m.accept_string('"')
+            assert got == want, (s, pattern)
+
+
 @pytest.mark.parametrize("pattern, bounds, says", [
-    (r"^\w+@\w+$", {"maxLength": 8}, "more than one part of varying length"),
-    (r"(a|bc)+", {"maxLength": 8}, "repeats something of varying length"),
     (r"(?i)a+", {"maxLength": 8}, "inline flags"),
     (r"(a)\1+", {"maxLength": 8}, "not supported"),
     (r"^[0-9]{4}$", {"minLength": 5}, "matches no string of length 5 or more"),
-], ids=["two-varying", "varying-repeat", "flags", "backref", "disjoint"])
+    (r"^a+b+$", {"maxLength": 1}, "matches no string of length 0 to 1"),
+    (r"^\w+@\w+$", {"maxLength": 5000}, "grammar states"),
+], ids=["flags", "backref", "disjoint", "disjoint-grammar", "too-large"])
 def test_refusals_name_the_string(pattern, bounds, says):
     schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern, **bounds}}}
     with pytest.raises(ValueError, match="at properties.s: ") as e:
@@ -59,4 +85,4 @@ def test_data_and_other_types_are_left_alone():
     schema = {"type": "object", "properties": {"n": {"type": "integer", "pattern": "a+", "maxLength": 2}},
               "default": {"type": "string", "pattern": "a+", "maxLength": 2},
               "enum": [{"type": "string", "pattern": "a+", "maxLength": 2}]}
-    assert bound(schema) is schema
+    assert bound(schema) == (schema, {}) and bound(schema)[0] is schema

@@ -133,20 +133,30 @@ def test_length_bounded_strings_take_no_raw_control_characters(shared, so, wrap)
     assert not shared.grammars.matcher(sp.structured_outputs).matcher.accept_string(wrap.format('"a\tb"'))
 
 
-PATTERN_BOUNDED = {"type": "string", "pattern": "^[a-z]+$", "minLength": 3, "maxLength": 5}
+PATTERN_BOUNDED = {"type": "string", "pattern": "^[a-z]+$", "minLength": 3, "maxLength": 5}      # narrowed
+TWO_PARTS = {"type": "string", "pattern": "^[a-z]+-[a-z]+$", "minLength": 4, "maxLength": 5}   # a grammar
+CASES = {"narrowed": (PATTERN_BOUNDED, [("abc", True), ("abcde", True), ("ab", False), ("abcdef", False),
+                                        ("ab1", False)]),
+         "grammar": (TWO_PARTS, [("ab-c", True), ("a-bcd", True), ("a-b", False), ("abc-de", False),
+                                 ("abcd", False), ("a-b-c", False)])}
 
 
-@pytest.mark.parametrize("so, wrap", [
-    ({"json": PATTERN_BOUNDED}, "{}"),
-    ({"structural_tag": {"type": "structural_tag", "format": {"type": "tag", "begin": "<f>", "end": "</f>", "content": {
-        "type": "json_schema", "json_schema": PATTERN_BOUNDED}}}}, "<f>{}</f>"),
-    ({"structural_tag": {"structures": [{"begin": "<f>", "schema": PATTERN_BOUNDED, "end": "</f>"}],
-                         "triggers": ["<f"]}}, "<f>{}</f>"),
-], ids=["json", "tag", "legacy-tag"])
-def test_a_pattern_keeps_its_length_bounds(shared, so, wrap):
-    """xgrammar drops minLength / maxLength beside a pattern; the pattern is rewritten to carry them."""
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("form", ["json", "tag", "legacy-tag"])
+def test_a_pattern_keeps_its_length_bounds(shared, form, case):
+    """xgrammar drops minLength / maxLength beside a pattern; they are written into the pattern, or the string
+    gets a grammar of its own."""
+    schema, texts = CASES[case]
+    so, wrap = {
+        "json": ({"json": schema}, "{}"),
+        "tag": ({"structural_tag": {"type": "structural_tag", "format": {"type": "tag", "begin": "<f>", "end": "</f>",
+                                                                         "content": {"type": "json_schema",
+                                                                                     "json_schema": schema}}}},
+                "<f>{}</f>"),
+        "legacy-tag": ({"structural_tag": {"structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}],
+                                           "triggers": ["<f"]}}, "<f>{}</f>")}[form]
     sp = SamplingParams(structured_outputs=so)
-    for text, ok in (("abc", True), ("abcde", True), ("ab", False), ("abcdef", False), ("ab1", False)):
+    for text, ok in texts:
         assert shared.grammars.matcher(sp.structured_outputs).matcher.accept_string(wrap.format(f'"{text}"')) == ok, text
 
 
