@@ -299,6 +299,12 @@ def _char(code: int, special: frozenset) -> str:
 #: Most positions (characters of the pattern, repetitions unrolled) and most states of the product.
 MAX_POSITIONS = 2048
 MAX_STATES = 8192
+#: The most compile work a grammar of its own may ask for: each alternative of each rule counts 1, or
+#: ``WIDE_COST`` when its class holds more than ``WIDE`` characters (xgrammar's token masks for such a class take
+#: about 8 times as long to compile: a token walks deep into the rules after it). 3,000 is about 7 s of one
+#: thread over Qwen3's vocabulary on a small CPU, within the compile budget.
+MAX_COST = 3000
+WIDE, WIDE_COST = 128, 8
 _TOP = 0x10FFFF
 #: xgrammar's classes (its regex reads \d, \w, \s so, whatever Python's re does).
 _CLASS_RANGES = {r"\d": [(0x30, 0x39)], r"\w": [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)],
@@ -363,6 +369,7 @@ class _Glushkov:
 
     def __init__(self):
         self.units: list[str | None] = []
+        self.cost: list[int] = []
         self.follow: list[set[int]] = []
 
     def build(self, seq: tuple) -> tuple[set[int], set[int], bool]:
@@ -406,6 +413,7 @@ class _Glushkov:
             raise _Refused(f"it has more than {MAX_POSITIONS} character positions once its repetitions are unrolled")
         chars = _chars(node)
         self.units.append(_ebnf_class(chars) if chars else None)
+        self.cost.append(WIDE_COST if sum(hi - lo + 1 for lo, hi in chars) > WIDE else 1)
         self.follow.append(set())
         p = len(self.units) - 1
         return {p}, {p}, False
@@ -449,6 +457,10 @@ def product_rules(seq: tuple, m: int, n: int | None, name: str) -> str | None:
                 changed = True
     if (start, 0) not in live:
         return None
+    cost = sum(g.cost[t[0]] for s in live for t in edges[s] if t in live)
+    if cost > MAX_COST:
+        raise _Refused(f"bounding its length takes a grammar of {cost} units of compile work, past {MAX_COST} "
+                       f"(a smaller maxLength, or narrower classes than . or [^...], fit)")
 
     def rule(s: tuple) -> str:
         return name if s == (start, 0) else f"{name}_bl{states[s]}"
