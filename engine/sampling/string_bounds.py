@@ -41,6 +41,12 @@ _SPECIAL = frozenset(r"\.^$*+?{}[]|()")
 _SPECIAL_IN_CLASS = frozenset("\\]^-[")
 
 
+#: What the regex parser's other nodes are, in a refusal's words.
+_UNSUPPORTED = {"GROUPREF": "back references", "GROUPREF_EXISTS": "conditional groups", "ASSERT": "lookarounds",
+                "ASSERT_NOT": "lookarounds", "AT": "anchors inside the pattern and word boundaries",
+                "ATOMIC_GROUP": "atomic groups", "POSSESSIVE_REPEAT": "possessive repetitions"}
+
+
 class _Refused(Exception):
     """The pattern cannot be bounded (the reason in the message)."""
 
@@ -107,6 +113,9 @@ def _bound_pattern(pattern: str, m: int, n: int | None, path: str, grammars: dic
                 placeholder = f"xgrbound{secrets.token_hex(8)}"
                 grammars[placeholder] = lambda name: product_rules(seq, m, n, name)
                 return placeholder
+    except RecursionError:
+        raise ValueError(f"{where}: its pattern {shown!r} is nested too deeply to combine with "
+                         f"minLength/maxLength") from None
     except _Refused as e:
         raise ValueError(f"{where}: its pattern {shown!r} cannot be combined with minLength/maxLength ({e}); "
                          f"put the length in the pattern instead (e.g. [a-z]{{3,8}})") from None
@@ -125,7 +134,7 @@ def _read(pattern: str) -> tuple:
         warnings.simplefilter("ignore")
         try:
             parsed = sre.parse(pattern)
-        except re.error as e:
+        except (re.error, OverflowError, RecursionError) as e:
             raise _Refused(f"it is not a regular expression Python reads: {e}") from None
     if parsed.state.flags & ~C.SRE_FLAG_UNICODE:
         raise _Refused("inline flags are not supported")
@@ -137,7 +146,10 @@ def _read(pattern: str) -> tuple:
     seq = _seq(items)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        again = _seq(list(sre.parse(_write(seq)).data))
+        try:
+            again = _seq(list(sre.parse(_write(seq)).data))
+        except (re.error, OverflowError) as e:
+            raise _Refused(f"it could not be rewritten faithfully: {e}") from None
     if again != seq:
         raise _Refused("it could not be rewritten faithfully")
     return seq
@@ -169,7 +181,7 @@ def _seq(items: list) -> tuple:
             lo, hi, sub = av
             out.append(("repeat", lo, None if hi is C.MAXREPEAT else hi, _seq(list(sub.data))))
         else:
-            raise _Refused(f"{str(op).lower()} is not supported")
+            raise _Refused(f"{_UNSUPPORTED.get(str(op), str(op).lower())} are not supported")
     return tuple(out)
 
 

@@ -171,7 +171,8 @@ def test_a_pattern_and_its_length_bounds_both_hold(server, tiny_model_dir, patte
 @pytest.mark.parametrize("pattern, bounds, says", [
     (r"^[0-9]{4}$", {"minLength": 5}, "matches no string of length 5 or more"),
     (r"^a+b+$", {"maxLength": 1}, "matches no string of length 0 to 1"),
-], ids=["disjoint", "disjoint-grammar"])
+    ("a{4294967295}", {"maxLength": 3}, "not a regular expression Python reads"),
+], ids=["disjoint", "disjoint-grammar", "repeat-overflow"])
 def test_a_pattern_whose_length_bounds_cannot_hold_is_a_400(server, pattern, bounds, says):
     schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": pattern, **bounds}}}
     status, err = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "response_format": {

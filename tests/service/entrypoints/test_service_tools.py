@@ -492,7 +492,8 @@ def with_property(schema: dict, defs: dict | None = None) -> dict:
     with_property({"type": "string", "pattern": "(("}),
     with_property({"type": "integer", "maximum": 10 ** 60}),
     with_property({"type": "string", "pattern": r"^\w+@\w+$", "maxLength": 2}),
-], ids=["type", "missing-ref", "circular-ref", "pattern", "huge-int", "pattern-and-length"])
+    with_property({"type": "string", "pattern": "a{4294967295}", "maxLength": 2}),
+], ids=["type", "missing-ref", "circular-ref", "pattern", "huge-int", "pattern-and-length", "repeat-overflow"])
 def test_a_tool_the_grammar_cannot_take_is_one_400_naming_it(server, params, choice):
     tools = [ADD, {"type": "function", "function": {"name": "f", "parameters": params}}]
     tc = "required" if choice == "required" else {"type": "function", "function": {"name": "f"}}
