@@ -36,6 +36,12 @@ def wide_schema(tag: str, n: int, required: bool = True) -> dict:
     return schema
 
 
+#: Patterns beside length bounds (engine/sampling/string_bounds.py): narrowed, a grammar of their own, past its
+#: compile-work bound, refused, overflowing Python's parser.
+PATTERNS = (r"^[a-z]+$", r"^\w+@\w+\.com$", r"^.+ .+$", r"^[^@\s]+@[^@\s]+$", r"(?i)a+", r"(a)\1", r"a{4294967295}",
+            r"(a+){1000}", "(" * 200 + "a+b+" + ")" * 200, r"[^\s\S]+")
+
+
 def hostile_schema(rng, evil_refs: bool) -> dict | str:
     return rng.choice((
         lambda: deep_schema_text(rng.choice((64, 1000, 5000))),
@@ -43,6 +49,8 @@ def hostile_schema(rng, evil_refs: bool) -> dict | str:
         lambda: {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
         lambda: {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
         lambda: {"type": "string", "pattern": "(("},
+        lambda: {"type": "string", "pattern": rng.choice(PATTERNS), "minLength": rng.choice((0, 3, 10 ** 6)),
+                 "maxLength": rng.choice((1, 8, 254, 10 ** 6))},
         lambda: {"type": "object", "properties": {"a": {"$ref": "http://x/" + (EVIL if evil_refs else "y")}}},
         lambda: {"type": "string", "format": EVIL},
         lambda: wide_schema(f"o{rng.randrange(10 ** 6)}", rng.choice((50, 200, 300)), required=False),
@@ -130,6 +138,8 @@ def classes(rng, http, j, evil_refs: bool = False) -> dict:
             {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
             {"type": "object", "$defs": {"n": {"$ref": "#/$defs/n"}}, "properties": {"a": {"$ref": "#/$defs/n"}}},
             {"type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}},
+            {"type": "object", "properties": {"a": {"type": "string", "pattern": rng.choice(PATTERNS),
+                                                    "maxLength": rng.choice((2, 40, 10 ** 6))}}},
             {"type": "object", "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}}}},
              "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"]},
             {"type": "object", "properties": {"a": {"$ref": "http://x/" + (EVIL if evil_refs else "y")}}},
