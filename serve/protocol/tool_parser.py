@@ -16,7 +16,8 @@ so a stream's deltas, put together, are the non-stream result by construction:
   (``max_tokens``) is dropped unless it is a whole call, a tag's first characters and a cut block included, so
   no tag text reaches ``content``; the same for any output cut by ``max_tokens`` (``finish(cut=True)``,
   ``tool_choice`` auto), where the held tag start or the open block may be a call the limit cut (an output
-  that ends by itself inside a block keeps it as content, as vLLM does).
+  that ends by itself inside a block keeps it as content, as vLLM does); a block the output ends inside whose
+  end tag was begun (``</tool_ca``) is read without that part, so a whole call cut in its end tag is a call.
 """
 from __future__ import annotations
 
@@ -90,6 +91,8 @@ class HermesToolParser:
         """The events of the text held back; ``cut``: the output was cut by ``max_tokens``."""
         out: list[tuple[str, object]] = []
         rest, self._buf = self._buf, ""
+        if self._inside:                # an end tag the output ends inside: the block's JSON may be whole
+            rest = rest[:len(rest) - held_prefix(rest, TOOL_END)]
         if self.constrained or (cut and (rest or self._inside)):
             # a cut call: a whole call's JSON is still a call, anything else goes (the whitespace before it too)
             if self._inside and parse_call(rest) is not None:

@@ -122,6 +122,20 @@ def test_an_answer_cut_by_max_tokens_drops_a_cut_tag_or_block(text, content, cal
     assert uncut["content"] == (None if calls else text), uncut
 
 
+@pytest.mark.parametrize("options", [TOOLS_ON, ChatOutputOptions(parse_tools=True, constraint="root ::= x")],
+                         ids=["auto", "required"])
+@pytest.mark.parametrize("cut", [False, True], ids=["ends", "cut"])
+def test_a_whole_call_cut_in_its_end_tag_is_a_call(options, cut):
+    whole = call("add", {"a": 1, "b": 2})
+    for j in range(1, len("</tool_call>")):
+        msg, reader = read_message(options, "Sure.\n" + whole[:-j], cut=cut)
+        assert calls_of(msg) == [("add", {"a": 1, "b": 2})] and msg["content"] == "Sure.", (j, msg)
+        assert reader.finish_reason("length") == "tool_calls"
+        out = ChatOutput(options)
+        deltas = [d for ch in "Sure.\n" + whole[:-j] for d in out.push(ch)] + out.finish(cut=cut)
+        assert assemble(deltas)["calls"] == [("add", {"a": 1, "b": 2})], (j, deltas)
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     msg, _ = read_message(ChatOutputOptions(parse_tools=True, max_calls=1), TEXTS["two calls"])
     assert calls_of(msg) == EXPECTED["two calls"][1][:1]
