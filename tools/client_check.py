@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from typing import Callable, Literal
 
 from pydantic import BaseModel, Field
@@ -32,6 +33,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 
 def check(client: str):
+    """Register the decorated function as one of ``client``'s checks."""
     def add(fn: Callable) -> Callable:
         CHECKS[client].append((fn.__name__, fn))
         return fn
@@ -47,6 +49,10 @@ class Pick(BaseModel):
 
 class Code(BaseModel):
     code: str = Field(pattern=r"^[a-z]+$", min_length=2, max_length=4)
+
+
+class Mail(BaseModel):
+    email: str = Field(pattern=r"^\w+@\w+\.com$", max_length=16)
 
 
 class Item(BaseModel):
@@ -158,6 +164,13 @@ def parse_pattern_with_length_bounds(ctx):
     out = _parse(_openai(ctx))(model=ctx.model, messages=CHAT, max_tokens=40, response_format=Code)
     code = out.choices[0].message.parsed
     expect(isinstance(code, Code) and 2 <= len(code.code) <= 4, out.choices[0].message)
+
+
+@check("openai")
+def parse_two_part_pattern_with_max_length(ctx):
+    out = _parse(_openai(ctx))(model=ctx.model, messages=CHAT, max_tokens=40, response_format=Mail)
+    mail = out.choices[0].message.parsed
+    expect(isinstance(mail, Mail) and len(mail.email) <= 16, out.choices[0].message)
 
 
 @check("openai")
@@ -328,6 +341,12 @@ def structured_output_function_calling(ctx):
 
 
 @check("langchain")
+def structured_output_streamed(ctx):
+    parts = list(_lc(ctx, max_tokens=40).with_structured_output(Pick, method="json_schema").stream("pick"))
+    expect(parts and isinstance(parts[-1], Pick), parts)
+
+
+@check("langchain")
 def structured_output_include_raw(ctx):
     out = _lc(ctx, max_tokens=120).with_structured_output(Order, method="function_calling",
                                                           include_raw=True).invoke("order")
@@ -424,6 +443,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma list of clients (openai, langchain, litellm)")
     ap.add_argument("-v", "--verbose", action="store_true", help="a failure's traceback")
     ctx = ap.parse_args()
+    warnings.filterwarnings("ignore", module="pydantic")        # langchain's own serializer warnings
     clients = [c for c in ctx.only.split(",") if c] or list(CHECKS)
     counts = {}
     for client in clients:
