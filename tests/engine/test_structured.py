@@ -157,7 +157,8 @@ def test_a_pattern_keeps_its_length_bounds(shared, form, case):
                                            "triggers": ["<f"]}}, "<f>{}</f>")}[form]
     sp = SamplingParams(structured_outputs=so)
     for text, ok in texts:
-        assert shared.grammars.matcher(sp.structured_outputs).matcher.accept_string(wrap.format(f'"{text}"')) == ok, text
+        matcher = shared.grammars.matcher(sp.structured_outputs).matcher
+        assert matcher.accept_string(wrap.format(f'"{text}"')) == ok, text
 
 
 BAD = [({"json": '{"type": 3}'}, "json"), ({"json": "{not json"}, "json"), ({"regex": "(("}, "regex"),
