@@ -149,8 +149,12 @@ FLAGS: dict[str, Flag] = {
                                                 "capped by what the KV pool holds, printed at start)."),
     "gpu_memory_utilization": Flag(("--gpu-memory-utilization",), "Fraction of GPU memory the engine may use "
                                    "(weights, work memory, KV cache).", float, 0.0, 1.0),
-    "enforce_eager": Flag(("--enforce-eager/--graph",), "Eager execution, or CUDA graphs (decode, and small fresh "
-                                                         "prefills on the triton backend; CUDA only).", bool),
+    "enforce_eager": Flag(("--enforce-eager/--graph",), "Eager execution, or CUDA graphs (decode, fresh prefills on "
+                          "the triton backend, piecewise graphs around attention for the other steps; CUDA only). "
+                          "Eager on CUDA is for debugging, not speed: a batch-1 decode step launches about 200 "
+                          "Triton kernels one by one from Python, tens of microseconds of host time each, for under "
+                          "a millisecond of GPU work, so it runs about ten times slower than graphs (docs/MEASURED.md).",
+                          bool),
     "overlap": Flag(("--overlap/--no-overlap",), "Overlapped decode (CUDA, tensor-parallel-size 1): launch step k+1 "
                     "before reading step k's tokens, so the host's per-step work hides behind the GPU.", bool),
     "enable_prefix_caching": Flag(("--enable-prefix-caching/--no-enable-prefix-caching",),
