@@ -553,6 +553,8 @@ def quick_walk(
 
 @app.command()
 def generate(
+    prompts: Annotated[Optional[list[str]], typer.Argument(metavar="[PROMPT]...", show_default=False,
+                                                            help="Prompt text, as many as you like (the same as --prompt).")] = None,
     prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="Prompt text (repeat for a batch).")] = None,
     token_ids: Annotated[Optional[str], typer.Option("--token-ids", help="One prompt as comma-separated token ids.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each --prompt as a user message through the chat template.")] = False,
@@ -576,6 +578,7 @@ def generate(
     from labkit.experiments.generate import run_generate
 
     path = out or default_out("generate.json")
+    prompt = [*(prompts or []), *(prompt or [])] or None
     record = run_generate(prompt, token_ids, chat, max_tokens, temperature, ignore_eos, seed, path,
                           _model_arg(model), device, attention, max_model_len, kv_cache_block_size, enforce_eager,
                           max_consecutive_prefill=max_consecutive_prefill, fused_ops=fused_ops,

@@ -93,3 +93,14 @@ def test_the_progress_bar_shows_its_label_not_markup(monkeypatch):
         bar.advance(bar.add_task("load", total=2))
     text = out.getvalue()
     assert "load" in text and "[bold]" not in text
+
+
+def test_generate_takes_its_prompts_as_arguments(cli_app, tiny_model_dir, tmp_path):
+    """`labkit generate --model M "PROMPT"` as well as `-p PROMPT`: positional prompts first, then --prompt's."""
+    out = tmp_path / "g.json"
+    res = CliRunner().invoke(cli_app, ["generate", "Hello there", "--model", str(tiny_model_dir), "--device", "cpu",
+                                       "-p", "Bye", "--max-tokens", "2", "--out", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    facts = json.loads(out.read_text())["facts"]
+    texts = [r["prompt"] for r in facts["requests"]]
+    assert texts == ["Hello there", "Bye"], texts
