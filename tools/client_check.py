@@ -173,15 +173,19 @@ def parse_two_part_pattern_with_max_length(ctx):
     expect(isinstance(mail, Mail) and len(mail.email) <= 16, out.choices[0].message)
 
 
-@check("openai")
-def tools_required(ctx):
-    out = _openai(ctx).chat.completions.create(model=ctx.model, messages=CHAT, max_tokens=120, tools=[WEATHER, ADD],
-                                               tool_choice="required", seed=3)
-    c = out.choices[0]
+def expect_tool_calls(c):
+    """A choice that ends in tool calls, each of a known tool with arguments it takes."""
     expect(c.finish_reason == "tool_calls" and c.message.tool_calls, c)
     for tc in c.message.tool_calls:
         args = json.loads(tc.function.arguments)
         expect(weather_ok(args) if tc.function.name == "get_weather" else add_ok(args), tc)
+
+
+@check("openai")
+def tools_required(ctx):
+    out = _openai(ctx).chat.completions.create(model=ctx.model, messages=CHAT, max_tokens=120, tools=[WEATHER, ADD],
+                                               tool_choice="required", seed=3)
+    expect_tool_calls(out.choices[0])
 
 
 @check("openai")
@@ -387,11 +391,7 @@ def completion_stream(ctx):
 @check("litellm")
 def tools_required(ctx):
     out = _litellm(ctx, messages=CHAT, max_tokens=120, tools=[WEATHER, ADD], tool_choice="required")
-    c = out.choices[0]
-    expect(c.finish_reason == "tool_calls" and c.message.tool_calls, c)
-    for tc in c.message.tool_calls:
-        args = json.loads(tc.function.arguments)
-        expect(weather_ok(args) if tc.function.name == "get_weather" else add_ok(args), tc)
+    expect_tool_calls(out.choices[0])
 
 
 @check("litellm")
