@@ -1,18 +1,19 @@
-"""Request bodies of the native and the OpenAI-compatible API: parse, validate, or say why not.
+"""Request bodies of the native and the OpenAI-compatible API as pydantic models (vLLM's field names):
+:class:`GenerateRequest` (``/generate``), :class:`CompletionRequest`, :class:`ChatCompletionRequest`,
+:class:`CancelRequest`; each ``parse_*`` validates a body and returns the one :class:`GenRequest` the routes serve.
 
 Every problem a client can cause becomes an :class:`ApiError` with an HTTP status (400, 404, 413,
 429, 503) and an OpenAI-style body ``{"error": {"message", "type", "param", "code"}}``; the server
-never answers a bad input with 500. Checks here are the ones that need no engine (types, ranges,
-shapes); the worker adds the ones that do (token ids vs the vocabulary, prompt length vs
-max_model_len, KV pool size) and they come back as 400 too.
+never answers a bad input with 500. pydantic's errors become one line naming the field
+(:func:`serve.protocol.sampling.api_error`). Checks here are the ones that need no engine (types, shapes);
+the sampling ranges are ``SamplingParams``' (its refusal is the 400's message), and the worker adds the checks
+that need the engine (token ids vs the vocabulary, prompt length vs max_model_len, KV pool size).
 
 OpenAI parameters the server does not implement are refused with a 400 that names them (``param``),
 unless the value given is a no-op (``suffix=""``, ``tools=[]`` ...): see :data:`NOOP_PARAMS` and
 docs/OPENAI.md; vLLM's are in :mod:`serve.protocol.vllm_fields` (implemented ones in
-:class:`~serve.protocol.vllm_fields.VllmOptions`, ``GenRequest.vllm``; the others in its ``REFUSED``). The
-shared field checks live in :mod:`serve.protocol.sampling` (re-exported here). The sampling parameters (:data:`SAMPLING_CHECKS`), ``n``, ``logprobs`` /
-``top_logprobs`` and ``echo`` (completions) map onto :class:`engine.SamplingParams`. Fields no OpenAI or vLLM request has are ignored, as vLLM
-does by default.
+:class:`~serve.protocol.vllm_fields.VllmFields`, ``GenRequest.vllm``; the others in its ``REFUSED``). Fields no
+OpenAI or vLLM request has are ignored, as vLLM does by default; ``null`` is a field's absence.
 
 Bodies arrive as strict JSON (:func:`serve.protocol.wire.loads_strict`); the error shape is
 :class:`serve.protocol.wire.ApiError`. The OpenAI parameter table (supported, no-op, refused) lives next to
@@ -20,28 +21,31 @@ the code that enforces it, so the two cannot drift apart.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, ClassVar, Literal, Optional, Union
+
+from pydantic import (AfterValidator, Discriminator, Field, StringConstraints, Tag, create_model, field_validator,
+                      model_validator)
+from pydantic_core import PydanticCustomError
+from typing_extensions import Annotated
 
 from engine import MAX_LOGPROBS, RequestError, SamplingParams
 from serve.protocol import vllm_fields as vf
 from serve.protocol.chat import chat_request, constrain, parse_messages
-from serve.protocol.sampling import (PARAM_FIELDS, SAMPLING_CHECKS, bad, int_check, is_int, number_check, read_bool,  # noqa: F401
-                                     read_int, read_number, sampling_fields, seed_of, show, type_check)
+from serve.protocol.sampling import PARAM_FIELDS, SamplingFields, StrictBody, bad, show  # noqa: F401
 from serve.protocol.structured import source as structured_source, structured_outputs
 from serve.protocol.wire import ApiError
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
-TAG_VALUE_TYPES = (str, int, float, bool, type(None))
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}")
 #: Event field names a request's tags may not use.
 RESERVED_FIELDS = frozenset({"event", "request_id", "worker_id", "round", "round_", "t_ns", "observer",
                              "prompt_tokens", "max_tokens", "queue_depth", "index", "token_id", "reason", "cause",
                              "message", "logprob", "prompt_logprobs"})
 TAG_NAME_RE = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")
+TAG_VALUE_TYPES = (str, int, float, bool, type(None))
 MAX_STOPS = 4                  # stop strings per request, as OpenAI
 MAX_PROMPTS = 64               # prompts in one /v1/completions request
 MAX_CHOICES = 128              # prompts x n in one request
@@ -86,41 +90,42 @@ class GenRequest:
     vllm: vf.VllmOptions = field(default_factory=vf.VllmOptions)   # vLLM's extra fields (vllm_fields.py)
 
 
-def _token_ids(value: Any, param: str) -> list[int]:
-    if not isinstance(value, list) or not all(is_int(t) for t in value):
-        raise bad(f"{param} must be a list of integer token ids", param, "invalid_type")
+# --------------------------------------------------------------------------- field types
+
+
+def _not_empty(value):
     if not value:
-        raise bad(f"{param} is empty", param, "empty_prompt")
+        raise PydanticCustomError("empty_prompt", "is empty")
     return value
 
 
-def _text(value: Any, param: str) -> str:
-    if not isinstance(value, str):
-        raise bad(f"{param} must be a string", param, "invalid_type")
-    if not value:
-        raise bad(f"{param} is empty", param, "empty_prompt")
-    return value
+Text = Annotated[str, AfterValidator(_not_empty)]
+TokenIds = Annotated[list[int], AfterValidator(_not_empty)]
+RequestId = Annotated[str, StringConstraints(pattern=f"^{REQUEST_ID_RE.pattern}$")]
 
 
-def _messages(value: Any) -> list[dict]:
-    return parse_messages(value)
+def _one_or_many(kind_one: str):
+    return lambda v: kind_one if not isinstance(v, list) or not v or not all(isinstance(p, (str, list)) for p in v) \
+        else "many"
 
 
-def _request_id(body: dict) -> str | None:
-    rid = body.get("request_id")
-    if rid is None:
-        return None
-    if not isinstance(rid, str) or not rid:
-        raise bad("request_id must be a non-empty string", "request_id", "invalid_type")
-    if not REQUEST_ID_RE.fullmatch(rid):
-        raise bad(f"request_id must match {REQUEST_ID_RE.pattern}", "request_id")
-    return rid
+OnePrompt = Annotated[Union[Annotated[Text, Tag("text")], Annotated[TokenIds, Tag("ids")]],
+                      Discriminator(lambda v: "text" if isinstance(v, str) else "ids")]
+#: /v1/completions' prompt: text, token ids, or a list of either (one choice per prompt).
+Prompts = Annotated[Union[Annotated[OnePrompt, Tag("one")],
+                          Annotated[list[OnePrompt], Field(max_length=MAX_PROMPTS), Tag("many")]],
+                    Discriminator(_one_or_many("one"))]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=256)]
+Stops = Annotated[Union[Annotated[StopString, Tag("one")], Annotated[list[StopString], Field(max_length=MAX_STOPS),
+                                                                     Tag("many")]],
+                  Discriminator(lambda v: "one" if isinstance(v, str) else "many")]
+TokenId = Annotated[int, Field(ge=0)]
 
 
-def _tags(body: dict) -> dict:
-    tags = body.get("tags", {})
-    if tags is None:
-        return {}
+def _tags(tags: Any) -> dict:
+    """Tags: up to 16 short scalars. By hand: pydantic words an integer outside int64 as a value out of range,
+    where a tag's value is refused by its type (tests/service/entrypoints/test_service_hardening.py, tag-big-int),
+    and names a bad key by the map, not the tag."""
     if not isinstance(tags, dict) or len(tags) > 16:
         raise bad("tags must be an object of at most 16 fields", "tags", "invalid_type")
     for k, v in tags.items():
@@ -128,7 +133,7 @@ def _tags(body: dict) -> dict:
             raise bad(f"tag name {show(k)} is not allowed (a letter, then letters, digits, '_', '.', '-', "
                       f"at most 64; not an event field)", "tags")
         if not isinstance(v, TAG_VALUE_TYPES) or (isinstance(v, str) and len(v) > 256) \
-                or (isinstance(v, float) and not math.isfinite(v)) or (isinstance(v, int) and abs(v) >= 2 ** 63):
+                or (isinstance(v, int) and abs(v) >= 2 ** 63):
             raise bad(f"tag {k} must be a short scalar (a string of at most 256 characters, a finite number, "
                       f"true, false or null)", f"tags.{k}", "invalid_type")
     return dict(tags)
@@ -136,168 +141,171 @@ def _tags(body: dict) -> dict:
 
 # --------------------------------------------------------------------------- parameters we do not implement
 
-
-
-
-_ANY = lambda name, v: None   # noqa: E731  (any value is well-formed; only the no-op ones are accepted)
+NonNegative = Annotated[int, Field(ge=0)]
 
 #: Parameters of OpenAI's and vLLM's completion requests that this server does not implement:
-#: name -> (the values that change nothing and are accepted, the well-formedness check, why refused).
+#: name -> (the values that change nothing and are accepted, the field's type, why refused).
 #: A value outside the no-op set is refused with 400 ``unsupported_parameter`` naming the parameter;
 #: a malformed one with 400 ``invalid_value``/``invalid_type``.
-NOOP_PARAMS: dict[str, tuple[tuple, Callable[[str, Any], None], str]] = {
-    "length_penalty": ((1, 1.0), number_check(-2 ** 31, 2 ** 31), "no beam search"),
-    "use_beam_search": ((False,), type_check(bool, what="true or false"), "no beam search"),
-    "bad_words": (([],), type_check(list, what="a list of strings"), "the sampler has temperature only"),
-    "top_logprobs": ((0,), int_check(0, 20), "completions take the count in logprobs"),
-    "suffix": (("",), type_check(str, what="a string"), "no insertion mode"),
-    "tools": (([],), type_check(list, what="a list"), "tool calling is a chat feature"),
-    "tool_choice": (("none",), _ANY, "tool calling is a chat feature"),
-    "functions": ((), _ANY, "the legacy functions API: send tools"),
-    "function_call": ((), _ANY, "the legacy functions API: send tool_choice"),
-    "skip_special_tokens": ((True,), type_check(bool, what="true or false"), "special tokens are always skipped"),
-    "spaces_between_special_tokens": ((True,), type_check(bool, what="true or false"),
-                                      "special tokens are always skipped"),
-    "chat_template": ((), _ANY, "the model's own chat template only"),
-    "chat_template_kwargs": (({},), type_check(dict, what="an object"), "a chat feature"),
-    "audio": ((), _ANY, "text only"),
-    "modalities": ((["text"],), type_check(list, what="a list"), "text only"),
-    "prediction": ((), _ANY, "no predicted outputs"),
-    "web_search_options": ((), _ANY, "no web search"),
+NOOP_PARAMS: dict[str, tuple[tuple, Any, str]] = {
+    "length_penalty": ((1.0,), float, "no beam search"),
+    "use_beam_search": ((False,), bool, "no beam search"),
+    "bad_words": (([],), list[str], "the sampler has temperature only"),
+    "top_logprobs": ((0,), Annotated[int, Field(ge=0, le=MAX_LOGPROBS)], "completions take the count in logprobs"),
+    "suffix": (("",), str, "no insertion mode"),
+    "tools": (([],), list, "tool calling is a chat feature"),
+    "tool_choice": (("none",), Any, "tool calling is a chat feature"),
+    "functions": ((), Any, "the legacy functions API: send tools"),
+    "function_call": ((), Any, "the legacy functions API: send tool_choice"),
+    "skip_special_tokens": ((True,), bool, "special tokens are always skipped"),
+    "spaces_between_special_tokens": ((True,), bool, "special tokens are always skipped"),
+    "chat_template": ((), Any, "the model's own chat template only"),
+    "chat_template_kwargs": (({},), dict, "a chat feature"),
+    "audio": ((), Any, "text only"),
+    "modalities": ((["text"],), list, "text only"),
+    "prediction": ((), Any, "no predicted outputs"),
+    "web_search_options": ((), Any, "no web search"),
 }
 #: Accepted and without effect on generation (metadata, or a choice that has no alternative here;
 #: parallel_tool_calls only on completions: chat honours it). priority is vLLM's, refused unless 0 (vllm_fields).
 IGNORED_PARAMS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls", "reasoning_effort",
                   "documents")
 
-
-def _is_noop(value: Any, noops: tuple) -> bool:
-    for n in noops:
-        if isinstance(n, bool) or isinstance(value, bool):
-            if value is n:
-                return True
-        elif isinstance(n, (int, float)):
-            if isinstance(value, (int, float)) and value == n:
-                return True
-        elif value == n:
-            return True
-    return False
+_REFUSABLE = {**NOOP_PARAMS, **vf.REFUSED}         # OpenAI's, then vLLM's
+#: Every refusable field, typed: a malformed value is refused as malformed (invalid_type/invalid_value).
+Refusable = create_model("Refusable", __base__=StrictBody,
+                         **{name: (Optional[kind], None) for name, (_, kind, _) in _REFUSABLE.items()})
 
 
-#: Per route, the NOOP_PARAMS entries that the route implements (parsed by _params / _logprobs).
-SUPPORTED_HERE = {"completions": {"echo"}, "chat": {"top_logprobs", "tools", "tool_choice", "chat_template_kwargs"}}
+class OpenAIRequest(SamplingFields, vf.VllmFields, Refusable):
+    """What /v1/completions and /v1/chat/completions share (vLLM's field names)."""
+    #: the refusable fields a route implements (its own model states their type)
+    implemented: ClassVar[frozenset] = frozenset()
+    model: Optional[str] = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    best_of: Optional[Annotated[int, Field(ge=1, le=MAX_CHOICES)]] = None
+    stop: Optional[Stops] = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] = []
+    include_stop_str_in_output: bool = False
+    echo: bool = False
+    request_id: Optional[RequestId] = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        """Each refusable field: absent, null or a no-op value passes; anything else is refused, naming it."""
+        for name, (noops, _, why) in _REFUSABLE.items():
+            value = getattr(self, name)
+            if value is None or name in self.implemented or value in noops:
+                continue
+            noop_text = " or ".join(json.dumps(n) for n in noops)
+            raise bad(f"{name}={show(value)} is not supported by this server ({why}); "
+                      + (f"omit it or send {noop_text}" if noops else "omit it"), name, "unsupported_parameter")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad(f"best_of must equal n ({self.n}): there is no ranking of extra samples, got {self.best_of}",
+                      "best_of", "unsupported_parameter")
+        return self
+
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    def served_model(self, limits: Limits) -> str | None:
+        if self.model is not None and not limits.serves(self.model):
+            raise ApiError(404, f"the model {self.model!r} does not exist; this server serves "
+                                f"{limits.served_model_name!r}", "model_not_found", "model")
+        return self.model
 
 
-def _refuse_unsupported(body: dict, api: str) -> None:
-    """Each NOOP_PARAMS field: absent, null or a no-op value passes; malformed is invalid; anything else refused."""
-    for name, (noops, check, why) in {**NOOP_PARAMS, **vf.REFUSED}.items():     # OpenAI's, then vLLM's
-        if name not in body or body[name] is None or name in SUPPORTED_HERE.get(api, ()):
-            continue
-        value = body[name]
-        check(name, value)
-        if _is_noop(value, noops):
-            continue
-        noop_text = " or ".join(json.dumps(n) for n in noops)
-        raise bad(f"{name}={show(value)} is not supported by this server ({why}); "
-                  + (f"omit it or send {noop_text}" if noops else "omit it"), name, "unsupported_parameter")
+class CompletionRequest(OpenAIRequest):
+    """``POST /v1/completions``."""
+    prompt: Prompts
+    logprobs: Optional[int] = None          # its range: SamplingParams.logprobs'
+
+    def prompts(self) -> list:
+        many = isinstance(self.prompt, list) and self.prompt and all(isinstance(p, (str, list)) for p in self.prompt)
+        return list(self.prompt) if many else [self.prompt]
 
 
-def _stops(body: dict) -> tuple[list[str], list[int], bool]:
-    """Stop strings, stop token ids (their vocabulary is the engine's check, at submit) and
-    include_stop_str_in_output."""
-    stop = body.get("stop")
-    if stop is None:
-        stops: list[str] = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stops = list(stop)
-    else:
-        raise bad(f"stop must be a string or a list of strings, got {show(stop)}", "stop", "invalid_type")
-    if len(stops) > MAX_STOPS:
-        raise bad(f"stop may hold at most {MAX_STOPS} strings, got {len(stops)}", "stop")
-    if any(not s for s in stops):
-        raise bad("stop strings must not be empty", "stop")
-    if any(len(s) > 256 for s in stops):
-        raise bad("stop strings may be at most 256 characters", "stop")
-    ids = body.get("stop_token_ids")
-    if ids is None:
-        ids = []
-    if not isinstance(ids, list) or not all(is_int(t) for t in ids):
-        raise bad(f"stop_token_ids must be a list of integer token ids, got {show(ids)}", "stop_token_ids",
-                  "invalid_type")
-    if len(ids) > 64:
-        raise bad(f"stop_token_ids may hold at most 64 ids, got {len(ids)}", "stop_token_ids")
-    if any(t < 0 for t in ids):
-        raise bad(f"stop_token_ids must be token ids >= 0, got {show(ids)}", "stop_token_ids")
-    include = read_bool(body, "include_stop_str_in_output", False)
-    return stops, list(dict.fromkeys(ids)), include
+class ChatCompletionRequest(OpenAIRequest):
+    """``POST /v1/chat/completions``: messages through the model's chat template."""
+    implemented: ClassVar[frozenset] = frozenset({"top_logprobs", "tools", "tool_choice", "chat_template_kwargs"})
+    messages: Any
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, value):
+        return parse_messages(value)
 
-def _choices_per_prompt(body: dict) -> int:
-    n = read_int(body, "n", 1, 1, MAX_CHOICES)
-    best_of = body.get("best_of")
-    if best_of is not None:
-        int_check(1, MAX_CHOICES)("best_of", best_of)
-        if best_of != n:
-            raise bad(f"best_of must equal n ({n}): there is no ranking of extra samples, got {best_of}", "best_of",
-                      "unsupported_parameter")
-    return n
-
-
-def _logprobs(body: dict, api: str) -> int | None:
-    """How many alternatives per token the answer's logprobs carry; None: no logprobs."""
-    value = body.get("logprobs")
-    if api == "completions":
-        if value is None:
-            return None
-        if not is_int(value):
-            raise bad(f"logprobs must be an integer or null, got {show(value)}", "logprobs", "invalid_type")
-        return value                # its range: SamplingParams.logprobs'
-    if value is not None:
-        type_check(bool, what="true or false")("logprobs", value)
-    top = body.get("top_logprobs")
-    if top is not None:
-        int_check(0, MAX_LOGPROBS)("top_logprobs", top)      # SamplingParams.logprobs' range, under chat's name
-    if not value:
-        if top:
+    @model_validator(mode="after")
+    def _chat_rules(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise bad("continue_final_message and add_generation_prompt cannot both be true (send "
+                      "add_generation_prompt: false to continue the last message)", "continue_final_message")
+        if not self.logprobs and self.top_logprobs:
             raise bad("top_logprobs needs logprobs: true", "top_logprobs")
-        return None
-    return top or 0
+        return self
 
 
-def _params(body: dict, limits: Limits, default_temperature: float, max_tokens_names=("max_tokens",),
-            default_max_tokens: int | None = None, api: str = "native",
-            prompt_logprobs: int | None = None) -> tuple[SamplingParams, bool]:
+class GenerateRequest(SamplingFields):
+    """``POST /generate``: one of prompt (text), prompt_token_ids, messages; greedy by default."""
+    prompt: Optional[Text] = None
+    prompt_token_ids: Optional[TokenIds] = None
+    messages: Any = None
+    stream: bool = True
+    request_id: Optional[RequestId] = None
+    tags: dict = {}
+    detokenize: bool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, value):
+        return parse_messages(value)
+
+    @field_validator("tags", mode="before")
+    @classmethod
+    def _tags(cls, value):
+        return _tags(value)
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        given = [k for k in ("prompt", "prompt_token_ids", "messages") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise bad("give exactly one of prompt, prompt_token_ids, messages" +
+                      (f" (got {', '.join(given)})" if given else ""), None,
+                      "missing_prompt" if not given else "invalid_value")
+        return self
+
+
+class CancelRequest(StrictBody):
+    """``POST /cancel``: the request's id and the X-Cancel-Token of its answer."""
+    request_id: RequestId
+    cancel_token: Optional[Annotated[str, StringConstraints(min_length=1, max_length=256)]] = None
+
+
+# --------------------------------------------------------------------------- one SamplingParams per request
+
+
+def _params(req: SamplingFields, limits: Limits, default_temperature: float, max_tokens_name: str = "max_tokens",
+            default_max_tokens: int | None = None, **extra) -> tuple[SamplingParams, bool]:
     """The sampling parameters and whether max_tokens was given. Without it: ``default_max_tokens``, or
     (None) the rest of the context, which the worker fills in once it knows the prompt's length. Every route
-    checks the sampling parameters with the same function (sampling.sampling_fields); log-probs are the OpenAI
-    routes'. ``prompt_logprobs``: vLLM's field (else echo with logprobs asks for them)."""
+    builds them from the same model (SamplingFields); a range the engine refuses is a 400 in its words."""
     hi = limits.max_model_len - 1
-    max_tokens = None
-    for name in max_tokens_names:
-        if body.get(name) is not None:
-            max_tokens = read_int(body, name, None, 1, hi)
-            break
+    max_tokens = getattr(req, max_tokens_name)
+    if max_tokens is not None and not 1 <= max_tokens <= hi:
+        raise bad(f"{max_tokens_name} must be between 1 and {hi}, got {max_tokens}", max_tokens_name)
     given = max_tokens is not None
     if max_tokens is None:
         max_tokens = min(default_max_tokens or hi, hi)
-    temperature = read_number(body, "temperature", default_temperature, 0.0, 100.0)
-    seed = seed_of(body)
-    ignore_eos = read_bool(body, "ignore_eos", False)
-    extra: dict[str, Any] = {"structured_outputs": structured_outputs(body), **sampling_fields(body)}   # one parser
-    if api != "native":
-        logprobs = _logprobs(body, api)
-        if logprobs is not None:
-            extra["logprobs"] = logprobs
-            if api == "completions" and read_bool(body, "echo", False):
-                extra["prompt_logprobs"] = logprobs
-        if prompt_logprobs is not None:
-            extra["prompt_logprobs"] = prompt_logprobs
+    temperature = default_temperature if req.temperature is None else req.temperature
     try:
-        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=ignore_eos, seed=seed,
-                                **extra)
-    except RequestError as e:        # a combination the ranges alone do not catch (min_tokens > max_tokens)
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
+                                seed=req.seed, structured_outputs=structured_outputs(req.constraint_fields()),
+                                **req.sampling_kwargs(), **{k: v for k, v in extra.items() if v is not None})
+    except RequestError as e:        # a range (SamplingParams states them), or min_tokens > max_tokens
         raise bad(str(e), param_of(e.code)) from None
     return params, given or default_max_tokens is not None
 
@@ -308,142 +316,66 @@ def param_of(code: str) -> str | None:
     return name if name in PARAM_FIELDS else None
 
 
-def _object(body: Any) -> dict:
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object", None, "invalid_body")
-    return body
-
-
-def _check_model(body: dict, limits: Limits) -> str | None:
-    model = body.get("model")
-    if model is None:
-        return None
-    if not isinstance(model, str):
-        raise bad("model must be a string", "model", "invalid_type")
-    if not limits.serves(model):
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves {limits.served_model_name!r}",
-                       "model_not_found", "model")
-    return model
-
-
 # --------------------------------------------------------------------------- the three APIs
 
 
 def parse_native(body: Any, limits: Limits) -> GenRequest:
     """``POST /generate``: one of prompt (text), prompt_token_ids, messages; greedy by default.
 
-    Optional: max_tokens, temperature, seed, ignore_eos, the sampling parameters of SAMPLING_CHECKS (top_p,
-    top_k, min_p, penalties, min_tokens, logit_bias, allowed_token_ids: the OpenAI routes' checks, the same
-    function), stream (default true), request_id, tags
-    (short scalars copied into the submitted event, e.g. the trace's class), detokenize (default
+    Optional: max_tokens, temperature, seed, ignore_eos, the sampling parameters (top_p, top_k, min_p, penalties,
+    min_tokens, logit_bias, allowed_token_ids: the OpenAI routes' model, SamplingFields), stream (default true),
+    request_id, tags (short scalars copied into the submitted event, e.g. the trace's class), detokenize (default
     true: token events carry their text piece; load replay turns it off)."""
-    body = _object(body)
-    given = [k for k in ("prompt", "prompt_token_ids", "messages") if body.get(k) is not None]
-    if len(given) != 1:
-        raise bad("give exactly one of prompt, prompt_token_ids, messages" +
-                  (f" (got {', '.join(given)})" if given else ""), None, "missing_prompt" if not given else "invalid_value")
-    key = given[0]
-    if key == "prompt":
-        prompt: Any = _text(body["prompt"], "prompt")
-    elif key == "prompt_token_ids":
-        prompt = _token_ids(body["prompt_token_ids"], "prompt_token_ids")
-    else:
-        prompt = _messages(body["messages"])
-    params, _ = _params(body, limits, default_temperature=0.0, default_max_tokens=64)
-    return GenRequest("native", prompt, params, stream=read_bool(body, "stream", True), request_id=_request_id(body),
-                      tags=_tags(body), detokenize=read_bool(body, "detokenize", True),
-                      structured_param=structured_source(body))
+    req = GenerateRequest.parse(body)
+    prompt = next(p for p in (req.prompt, req.prompt_token_ids, req.messages) if p is not None)
+    params, _ = _params(req, limits, default_temperature=0.0, default_max_tokens=64)
+    return GenRequest("native", prompt, params, stream=req.stream, request_id=req.request_id, tags=req.tags,
+                      detokenize=req.detokenize, structured_param=structured_source(req.constraint_fields()))
 
 
-def _prompt_one(prompt: Any, param: str) -> Any:
-    if isinstance(prompt, str):
-        return _text(prompt, param)
-    return _token_ids(prompt, param)
+def _stop_ids(params: SamplingParams, stop_ids: list[int]) -> SamplingParams:
+    """stop_token_ids are the engine's (SamplingParams.stop_token_ids): it finishes the request with reason stop
+    at one, and min_tokens holds them back like EOS."""
+    return dataclasses.replace(params, stop_token_ids=list(stop_ids)) if stop_ids else params
 
 
 def parse_completion(body: Any, limits: Limits) -> GenRequest:
     """``POST /v1/completions``: prompt is a string, token ids, or a list of either (one choice per prompt)."""
-    body = _object(body)
-    model = _check_model(body, limits)
-    _refuse_unsupported(body, "completions")
-    if "prompt" not in body or body["prompt"] is None:
-        raise bad("prompt is required", "prompt", "missing_prompt")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) > MAX_PROMPTS:
-            raise bad(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}", "prompt")
-        prompts = [_prompt_one(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
-    else:
-        prompts = [_prompt_one(prompt, "prompt")]
-    n = _choices_per_prompt(body)
-    if n * len(prompts) > MAX_CHOICES:
-        raise bad(f"prompts x n may be at most {MAX_CHOICES}, got {len(prompts)} x {n}", "n")
-    stream = read_bool(body, "stream", False)
-    usage = _include_usage(body, stream)
-    opts = vf.parse(body, "completions", stream, limits.max_model_len)
-    params, given = _params(body, limits, default_temperature=1.0, api="completions",       # max_tokens: 16,
-                            default_max_tokens=DEFAULT_COMPLETION_TOKENS, prompt_logprobs=opts.prompt_logprobs)
-    stop, stop_ids, include = _stops(body)
-    params = _with_stop_ids(params, stop_ids)
-    return GenRequest("completions", prompts[0], params, stream=stream, request_id=_request_id(body),
-                      include_usage=usage, model=model, fill_context=not given,
-                      stop=stop, include_stop_str_in_output=include, prompts=prompts,
-                      n=n, logprobs=params.logprobs, echo=read_bool(body, "echo", False), vllm=opts,
-                      structured_param=structured_source(body))
-
-
-def _with_stop_ids(params: SamplingParams, stop_ids: list[int]) -> SamplingParams:
-    """stop_token_ids are the engine's (SamplingParams.stop_token_ids): it finishes the request with reason stop
-    at one, and min_tokens holds them back like EOS."""
-    if not stop_ids:
-        return params
-    import dataclasses
-    return dataclasses.replace(params, stop_token_ids=list(stop_ids))
+    req = CompletionRequest.parse(body)
+    model = req.served_model(limits)
+    prompts = req.prompts()
+    if req.n * len(prompts) > MAX_CHOICES:
+        raise bad(f"prompts x n may be at most {MAX_CHOICES}, got {len(prompts)} x {req.n}", "n")
+    opts = req.options(limits.max_model_len)
+    params, given = _params(req, limits, default_temperature=1.0, default_max_tokens=DEFAULT_COMPLETION_TOKENS,
+                            logprobs=req.logprobs, prompt_logprobs=opts.prompt_logprobs
+                            if opts.prompt_logprobs is not None else req.logprobs if req.echo else None)
+    return GenRequest("completions", prompts[0], _stop_ids(params, req.stop_token_ids), stream=req.stream,
+                      request_id=req.request_id, include_usage=bool(req.stream_options and req.stream_options.include_usage),
+                      model=model, fill_context=not given, stop=req.stops(),
+                      include_stop_str_in_output=req.include_stop_str_in_output, prompts=prompts, n=req.n,
+                      logprobs=params.logprobs, echo=req.echo, vllm=opts, structured_param=structured_source(req.constraint_fields()))
 
 
 def parse_chat(body: Any, limits: Limits) -> GenRequest:
     """``POST /v1/chat/completions``: messages through the model's chat template."""
-    body = _object(body)
-    model = _check_model(body, limits)
-    _refuse_unsupported(body, "chat")
-    if "messages" not in body:
-        raise bad("messages is required", "messages", "missing_prompt")
-    chat, chat_output = chat_request(body, _messages(body["messages"]), limits.enable_auto_tool_choice,
-                                     limits.reasoning_parser)
-    n = _choices_per_prompt(body)
-    stream = read_bool(body, "stream", False)
-    usage = _include_usage(body, stream)
-    opts = vf.parse(body, "chat", stream, limits.max_model_len)
-    params, given = _params(body, limits, default_temperature=1.0, prompt_logprobs=opts.prompt_logprobs,
-                            max_tokens_names=("max_completion_tokens", "max_tokens"), api="chat")
-    stop, stop_ids, include = _stops(body)
-    params = constrain(_with_stop_ids(params, stop_ids), chat_output)
-    return GenRequest("chat", chat, params, stream=stream, request_id=_request_id(body),
-                      include_usage=usage, model=model, fill_context=not given,
-                      stop=stop, include_stop_str_in_output=include, n=n,
-                      logprobs=params.logprobs, echo=read_bool(body, "echo", False), vllm=opts, chat_output=chat_output,
-                      structured_param="tool_choice" if chat_output.constraint else structured_source(body))
-
-
-def _include_usage(body: dict, stream: bool) -> bool:
-    opts = body.get("stream_options")
-    if opts is None:
-        return False
-    if not isinstance(opts, dict):
-        raise bad("stream_options must be an object", "stream_options", "invalid_type")
-    if not stream:
-        raise bad("stream_options is only allowed with stream=true", "stream_options")
-    return read_bool(opts, "include_usage", False)
+    req = ChatCompletionRequest.parse(body)
+    model = req.served_model(limits)
+    chat, chat_output = chat_request(body, req.messages, limits.enable_auto_tool_choice, limits.reasoning_parser)
+    opts = req.options(limits.max_model_len, req.add_generation_prompt, req.continue_final_message)
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    params, given = _params(req, limits, default_temperature=1.0, max_tokens_name=name,
+                            logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+                            prompt_logprobs=opts.prompt_logprobs)
+    params = constrain(_stop_ids(params, req.stop_token_ids), chat_output)
+    return GenRequest("chat", chat, params, stream=req.stream, request_id=req.request_id,
+                      include_usage=bool(req.stream_options and req.stream_options.include_usage), model=model,
+                      fill_context=not given, stop=req.stops(), include_stop_str_in_output=req.include_stop_str_in_output,
+                      n=req.n, logprobs=params.logprobs, echo=req.echo, vllm=opts, chat_output=chat_output,
+                      structured_param="tool_choice" if chat_output.constraint else structured_source(req.constraint_fields()))
 
 
 def parse_cancel(body: Any) -> tuple[str, str | None]:
     """``POST /cancel``: (request_id, cancel_token); the token is the X-Cancel-Token of the request's answer."""
-    body = _object(body)
-    rid = _request_id(body)
-    if rid is None:
-        raise bad("request_id is required", "request_id", "missing_request_id")
-    token = body.get("cancel_token")
-    if token is not None and (not isinstance(token, str) or not 0 < len(token) <= 256):
-        raise bad("cancel_token must be the X-Cancel-Token string of the request's answer", "cancel_token",
-                  "invalid_type")
-    return rid, token
+    req = CancelRequest.parse(body)
+    return req.request_id, req.cancel_token

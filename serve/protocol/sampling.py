@@ -1,19 +1,21 @@
-"""The checks of request fields that every route shares (:mod:`serve.protocol.requests` re-exports them): the
-error constructor :func:`bad`, typed readers (``read_int``, ``read_number``, ``read_bool``), the bounded rendering of a
-client's value (``show``), value checks (``number_check``, ``int_check``, ``type_check``), and the sampling
-parameters (:data:`SAMPLING_CHECKS`, :func:`sampling_fields`) that map onto :class:`engine.SamplingParams` on
-``/generate``, ``/v1/completions`` and ``/v1/chat/completions`` alike: one validator, so a value one route
-refuses every route refuses (tests/service/entrypoints/test_service_vllm_fields.py runs a table of bad values on all three).
+"""What every route's body shares, as pydantic models: :class:`StrictBody` (strict JSON types, null is absent,
+unknown fields ignored as vLLM does) with :meth:`StrictBody.parse`, the one translation of pydantic's
+``ValidationError`` into the server's 400 (:func:`api_error`: one line naming the field), and
+:class:`SamplingFields`, the sampling parameters that map onto :class:`engine.SamplingParams` on ``/generate``,
+``/v1/completions`` and ``/v1/chat/completions`` alike: one model, so a value one route refuses every route
+refuses (tests/service/entrypoints/test_service_vllm_fields.py runs a table of bad values on all three).
 
-Their ranges are stated once, by ``SamplingParams`` (engine/sampling/params.py): here each value's JSON type is
-checked (``invalid_type``); the engine's refusal of a value out of range (its ``RequestError`` code
+Their ranges are stated once, by ``SamplingParams`` (engine/sampling/params.py): the model states each value's
+JSON type (``invalid_type``); the engine's refusal of a value out of range (its ``RequestError`` code
 ``invalid_<field>``) is the 400's message, word for word, naming the field (:data:`PARAM_FIELDS`).
 """
 from __future__ import annotations
 
-import math
 import reprlib
-from typing import Any, Callable
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, WrapValidator, model_validator
+from typing_extensions import Annotated
 
 from serve.protocol.wire import ApiError, HugeInt
 
@@ -28,41 +30,6 @@ def is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def read_int(body: dict, name: str, default: int | None, lo: int, hi: int) -> int | None:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, HugeInt):
-        raise bad(f"{name} must be between {lo} and {hi}, got {value!r}", name)
-    if not is_int(value):
-        raise bad(f"{name} must be an integer, got {show(value)}", name, "invalid_type")
-    if not lo <= value <= hi:
-        raise bad(f"{name} must be between {lo} and {hi}, got {value}", name)
-    return value
-
-
-def read_number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, HugeInt):
-        raise bad(f"{name} must be between {lo:g} and {hi:g}, got {value!r}", name)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise bad(f"{name} must be a number, got {show(value)}", name, "invalid_type")
-    if not lo <= value <= hi:
-        raise bad(f"{name} must be between {lo:g} and {hi:g}, got {show(value)}", name)
-    return float(value)
-
-
-def read_bool(body: dict, name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise bad(f"{name} must be true or false, got {show(value)}", name, "invalid_type")
-    return value
-
-
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 40, 40, 40
 
@@ -74,89 +41,145 @@ def show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def number_check(lo: float, hi: float, lo_open: bool = False):
-    def check(name: str, v: Any) -> None:
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            raise bad(f"{name} must be a number, got {show(v)}", name, "invalid_type")
-        if not (lo < v if lo_open else lo <= v) or not v <= hi:
-            raise bad(f"{name} must be {'>' if lo_open else '>='} {lo:g} and <= {hi:g}, got {show(v)}", name)
-    return check
+# --------------------------------------------------------------------------- pydantic's errors as one 400
+
+#: What a value of each JSON type is called in a message (pydantic's type errors).
+_WHAT = {"int_type": "an integer", "int_parsing": "an integer", "float_type": "a number", "bool_type": "true or false",
+         "string_type": "a string", "list_type": "a list", "dict_type": "an object", "model_type": "an object",
+         "model_attributes_type": "an object"}
+#: The codes of the errors the validators raise (``PydanticCustomError(code, what the field must be)``).
+CODES = frozenset({"invalid_value", "invalid_type", "empty_prompt", "unsupported_content", "unsupported_parameter"})
+#: The error code of a missing required field.
+_MISSING = {"prompt": "missing_prompt", "messages": "missing_prompt", "request_id": "missing_request_id"}
+#: pydantic's value errors, as this server words them (ctx: pydantic's context of the error).
+_SAYS = {"greater_than_equal": "must be >= {ge}", "greater_than": "must be > {gt}",
+         "less_than_equal": "must be <= {le}", "less_than": "must be < {lt}",
+         "too_long": "may hold at most {max_length} items", "too_short": "must hold at least {min_length} items",
+         "string_too_long": "may be at most {max_length} characters", "string_too_short": "must not be empty",
+         "string_pattern_mismatch": "must match {pattern}", "literal_error": "must be {expected}"}
 
 
-def int_check(lo: int, hi: int = 2 ** 31):
-    def check(name: str, v: Any) -> None:
-        if not is_int(v):
-            raise bad(f"{name} must be an integer, got {show(v)}", name, "invalid_type")
-        if not lo <= v <= hi:
-            raise bad(f"{name} must be between {lo} and {hi}, got {show(v)}", name)
-    return check
+def _param(loc: tuple, body: Any) -> tuple[str | None, Any]:
+    """The field an error's ``loc`` names, as the client wrote it (``messages[0].role``, ``tools[1].function.name``),
+    and the value there. pydantic's own steps (a union member's tag, ``[key]``) are not in the body and are left out;
+    an item of a list of scalars is named by its list (``stop_token_ids``, not ``stop_token_ids[3]``), an entry of a
+    map by its key (``tags.a``) unless its key is what is wrong (``logit_bias``)."""
+    parts: list = []
+    value = body
+    for i, step in enumerate(loc):
+        if isinstance(value, dict) and isinstance(step, str) and step in value:
+            if i + 1 < len(loc) and loc[i + 1] == "[key]":
+                break
+            parts.append(step)
+            value = value[step]
+        elif isinstance(value, list) and isinstance(step, int) and 0 <= step < len(value):
+            if not isinstance(value[step], (dict, list)):
+                break
+            parts.append(step)
+            value = value[step]
+    if not parts and loc and isinstance(loc[0], str):
+        parts = [loc[0]]                 # a missing field
+    text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
+    return text or None, value
 
 
-def type_check(*types: type, what: str):
-    def check(name: str, v: Any) -> None:
-        if not isinstance(v, types) or (bool not in types and isinstance(v, bool)):
-            raise bad(f"{name} must be {what}, got {show(v)}", name, "invalid_type")
-    return check
+def api_error(e: ValidationError, body: Any) -> ApiError:
+    """The first error pydantic found, as the server's 400: ``<field> must be ..., got <value>``."""
+    err = e.errors(include_url=False)[0]
+    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
+    if not err["loc"] and kind in ("model_type", "dict_type"):
+        return bad("the request body must be a JSON object", None, "invalid_body")
+    param, _ = _param(err["loc"], body)
+    name = (param or "the request body") + (" keys" if "[key]" in err["loc"] else "")
+    if kind == "missing":
+        return bad(f"{name} is required", param, _MISSING.get(param or "", "invalid_value"))
+    if kind in _WHAT:
+        if isinstance(value, HugeInt) and kind in ("int_type", "float_type") and isinstance(err["loc"][-1], str):
+            return bad(f"{name} is out of range, got {show(value)}", param)
+        return bad(f"{name} must be {_WHAT[kind]}, got {show(value)}", param, "invalid_type")
+    if kind in _SAYS:
+        says = _SAYS[kind].format(**ctx)
+        return bad(f"{name} {says}, got {show(value)}" if kind not in ("too_long", "too_short") else f"{name} {says}",
+                   param)
+    if kind in CODES:                    # raised by a validator here (PydanticCustomError): the code, what it says
+        return bad(f"{name} {err['msg']}", param, kind)
+    return bad(f"{name}: {err['msg']}", param)                     # pragma: no cover (no field raises another)
 
 
-def _logit_bias_check(name: str, v: Any) -> None:
-    if not isinstance(v, dict):
-        raise bad(f"{name} must be an object of token id -> bias, got {show(v)}", name, "invalid_type")
-    for k, b in v.items():
-        if not (isinstance(k, str) and k.lstrip("-").isdigit()):
-            raise bad(f"{name} keys must be token ids, got {show(k)}", name, "invalid_type")
-        if not isinstance(b, (int, float)) or isinstance(b, bool):
-            raise bad(f"{name} values must be numbers, got {show(b)}", name, "invalid_type")
+class StrictBody(BaseModel):
+    """A JSON object of a request: strict JSON types (no ``"5"`` for 5, no 1 for true), ``null`` is the field's
+    absence (its default), and a field no model states is ignored (vLLM's default)."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, body: Any) -> Any:
+        return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
+
+    @classmethod
+    def parse(cls, body: Any):
+        """The body as this model, or the :class:`ApiError` 400 naming the first field that is wrong."""
+        try:
+            return cls.model_validate(body)
+        except ValidationError as e:
+            raise api_error(e, body) from None
 
 
-def _token_list_check(name: str, v: Any) -> None:
-    if not isinstance(v, list) or not all(is_int(t) for t in v):
-        raise bad(f"{name} must be a list of integer token ids, got {show(v)}", name, "invalid_type")
+# --------------------------------------------------------------------------- the sampling parameters
+
+#: A token id as a JSON object's key (logit_bias): a string of digits, read as an integer.
+KeyTokenId = Annotated[int, Strict(False)]
 
 
-_number = type_check(int, float, what="a number")
-_integer = type_check(int, what="an integer")
-
-#: The sampling parameters of OpenAI / vLLM requests that map onto SamplingParams, with their JSON type checks
-#: (their ranges: SamplingParams').
-SAMPLING_CHECKS: dict[str, Callable[[str, Any], None]] = {
-    "top_p": _number,
-    "top_k": _integer,
-    "min_p": _number,
-    "presence_penalty": _number,
-    "frequency_penalty": _number,
-    "repetition_penalty": _number,
-    "min_tokens": _integer,
-    "logit_bias": _logit_bias_check,
-    "allowed_token_ids": _token_list_check,
-}
+def _as_given(value: Any, handler) -> Any:
+    out = handler(value)
+    return value if is_int(value) else out
 
 
-def sampling_fields(body: dict) -> dict:
-    """SamplingParams keyword arguments from the body's sampling parameters (null = absent), each of its JSON
-    type: the one reader of the native and the OpenAI routes."""
-    kw: dict[str, Any] = {}
-    for name, check in SAMPLING_CHECKS.items():
-        value = body.get(name)
-        if value is None:
-            continue
-        check(name, value)
-        kw[name] = {int(k): b for k, b in value.items()} if name == "logit_bias" else value
-    return kw
+#: A JSON number, an integer kept as given (the engine's message quotes the value as the client wrote it).
+Number = Annotated[float, WrapValidator(_as_given)]
 
 
+class SamplingFields(StrictBody):
+    """The sampling parameters of every route (vLLM's names) and the structured-output sources
+    (:mod:`serve.protocol.structured` reads them). Types here; ranges: ``SamplingParams``'."""
+    max_tokens: Optional[int] = None          # its range is the route's: 1 .. max_model_len - 1
+    temperature: Optional[Annotated[Number, Field(le=100)]] = None    # the default is the route's
+    seed: Optional[Annotated[int, Field(ge=INT64[0], le=INT64[1])]] = None
+    ignore_eos: bool = False
+    top_p: Optional[Number] = None
+    top_k: Optional[int] = None
+    min_p: Optional[Number] = None
+    presence_penalty: Optional[Number] = None
+    frequency_penalty: Optional[Number] = None
+    repetition_penalty: Optional[Number] = None
+    min_tokens: Optional[int] = None
+    logit_bias: Optional[dict[KeyTokenId, Number]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    # structured outputs (serve/protocol/structured.py reads these from the body)
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    structural_tag: Any = None
+
+    def constraint_fields(self) -> dict:
+        """The structured-output sources as :mod:`serve.protocol.structured` reads them."""
+        return {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
+
+    def sampling_kwargs(self) -> dict:
+        """SamplingParams keyword arguments of the sampling parameters given."""
+        return {name: getattr(self, name) for name in SAMPLING_FIELDS if getattr(self, name) is not None}
+
+
+#: The sampling parameters that go to SamplingParams as given (its ranges check them).
+SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "min_tokens", "logit_bias", "allowed_token_ids")
+CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "guided_decoding_backend", "structural_tag")
 #: The request fields an engine refusal can name (its RequestError code is ``invalid_<field>``).
-PARAM_FIELDS = frozenset(SAMPLING_CHECKS) | {"temperature", "max_tokens", "stop_token_ids", "logprobs",
+PARAM_FIELDS = frozenset(SAMPLING_FIELDS) | {"temperature", "max_tokens", "stop_token_ids", "logprobs",
                                              "prompt_logprobs", "seed", "n", "best_of"}
-
-
-def seed_of(body: dict) -> int | None:
-    """The request's seed, an integer in int64 as vLLM takes it (no folding: outside is a 400)."""
-    seed = body.get("seed")
-    if seed is None:
-        return None
-    if not isinstance(seed, (int, HugeInt)) or isinstance(seed, bool):
-        raise bad(f"seed must be an integer, got {show(seed)}", "seed", "invalid_type")
-    if isinstance(seed, HugeInt) or not INT64[0] <= seed <= INT64[1]:
-        raise bad(f"seed must be a signed 64-bit integer in [-2^63, 2^63 - 1], got {show(seed)}", "seed")
-    return int(seed)

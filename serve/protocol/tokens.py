@@ -9,10 +9,12 @@ list of ids of the model's vocabulary. ``model``, when given, must name the serv
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
+
+from pydantic import field_validator, model_validator
 
 from serve.protocol.chat import ChatPrompt, parse_messages, parse_template_kwargs, parse_tools
-from serve.protocol.sampling import bad, is_int, read_bool, show
+from serve.protocol.sampling import StrictBody, bad, show
 from serve.protocol.wire import ApiError
 
 
@@ -27,49 +29,64 @@ class TokenizeRequest:
         return "messages" if isinstance(self.prompt, ChatPrompt) else "prompt"
 
 
-def _body(body: Any, limits) -> dict:
-    if not isinstance(body, dict):
-        raise bad("the request body must be a JSON object", None, "invalid_body")
-    model = body.get("model")
-    if model is not None:
-        if not isinstance(model, str):
-            raise bad("model must be a string", "model", "invalid_type")
-        if not limits.serves(model):
-            raise ApiError(404, f"the model {show(model)} does not exist; this server serves "
+class _ModelBody(StrictBody):
+    model: Optional[str] = None
+
+    def check_model(self, limits) -> None:
+        if self.model is not None and not limits.serves(self.model):
+            raise ApiError(404, f"the model {show(self.model)} does not exist; this server serves "
                                 f"{limits.served_model_name!r}", "model_not_found", "model")
-    return body
+
+
+class TokenizeBody(_ModelBody):
+    prompt: Optional[str] = None
+    messages: Any = None
+    tools: Any = None
+    chat_template_kwargs: Any = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: Optional[bool] = None       # default: true for a prompt, false for messages (vLLM's)
+    return_token_strs: bool = False
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, value):
+        return parse_messages(value)
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if self.messages is not None and self.prompt is not None:
+            raise bad("give prompt or messages, not both", "prompt")
+        if self.messages is None and self.prompt is None:
+            raise bad("prompt (text) or messages is required", "prompt", "missing_prompt")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise bad("continue_final_message and add_generation_prompt cannot both be true",
+                      "continue_final_message")
+        return self
+
+
+class DetokenizeBody(_ModelBody):
+    tokens: list[int]
 
 
 def parse_tokenize(body: Any, limits) -> TokenizeRequest:
-    body = _body(body, limits)
-    strs = read_bool(body, "return_token_strs", False)
-    if "messages" in body:
-        if "prompt" in body:
-            raise bad("give prompt or messages, not both", "prompt")
-        generation = read_bool(body, "add_generation_prompt", True)
-        cont = read_bool(body, "continue_final_message", False)
-        if generation and cont:
-            raise bad("continue_final_message and add_generation_prompt cannot both be true",
-                      "continue_final_message")
-        chat = ChatPrompt(parse_messages(body["messages"]), parse_tools(body.get("tools")),
-                          parse_template_kwargs(body.get("chat_template_kwargs")))
-        options = {"add_generation_prompt": generation, "continue_final_message": cont,
-                   "add_special_tokens": read_bool(body, "add_special_tokens", False)}
-        return TokenizeRequest(chat, options, strs)
-    if "prompt" not in body:
-        raise bad("prompt (text) or messages is required", "prompt", "missing_prompt")
-    if not isinstance(body["prompt"], str):
-        raise bad(f"prompt must be a string, got {show(body['prompt'])}", "prompt", "invalid_type")
-    return TokenizeRequest(body["prompt"], {"add_special_tokens": read_bool(body, "add_special_tokens", True)}, strs)
+    req = TokenizeBody.parse(body)
+    req.check_model(limits)
+    if req.messages is not None:
+        chat = ChatPrompt(req.messages, parse_tools(req.tools), parse_template_kwargs(req.chat_template_kwargs))
+        options = {"add_generation_prompt": req.add_generation_prompt,
+                   "continue_final_message": req.continue_final_message,
+                   "add_special_tokens": bool(req.add_special_tokens)}
+        return TokenizeRequest(chat, options, req.return_token_strs)
+    special = True if req.add_special_tokens is None else req.add_special_tokens
+    return TokenizeRequest(req.prompt, {"add_special_tokens": special}, req.return_token_strs)
 
 
 def parse_detokenize(body: Any, limits, vocab_size: int) -> list[int]:
-    body = _body(body, limits)
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
-        raise bad("tokens must be a list of integer token ids", "tokens", "invalid_type")
-    wrong = [t for t in tokens if not 0 <= t < vocab_size]
+    req = DetokenizeBody.parse(body)
+    req.check_model(limits)
+    wrong = [t for t in req.tokens if not 0 <= t < vocab_size]
     if wrong:
         raise bad(f"tokens: {wrong[0]} is not a token id of this model (0 .. {vocab_size - 1})", "tokens",
                   "token_out_of_vocabulary")
-    return tokens
+    return req.tokens

@@ -1,6 +1,7 @@
-"""vLLM's request fields beyond OpenAI's: the ones this server implements, parsed into :class:`VllmOptions`, and
-every other one of vLLM's ``ChatCompletionRequest`` / ``CompletionRequest`` fields in :data:`REFUSED` (a 400
-naming it unless its value changes nothing), so that no vLLM field is accepted and silently ignored.
+"""vLLM's request fields beyond OpenAI's: the ones this server implements (:class:`VllmFields`, resolved into
+:class:`VllmOptions`), and every other one of vLLM's ``ChatCompletionRequest`` / ``CompletionRequest`` fields in
+:data:`REFUSED` (a 400 naming it unless its value changes nothing), so that no vLLM field is accepted and
+silently ignored.
 
 Implemented (docs/OPENAI.md, "vLLM fields"):
 
@@ -21,12 +22,12 @@ Implemented (docs/OPENAI.md, "vLLM fields"):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, Optional
 
-from engine import MAX_LOGPROBS
-from serve.protocol.sampling import read_bool, int_check, is_int, show, type_check, bad
+from pydantic import Field, model_validator
+from typing_extensions import Annotated
 
-MAX_PROMPT_LOGPROBS = MAX_LOGPROBS   # as logprobs; vLLM's -1 (the whole vocabulary) is refused
+from serve.protocol.sampling import StrictBody, bad
 
 
 @dataclass
@@ -57,97 +58,77 @@ class VllmOptions:
         return out
 
 
-_ANY = lambda name, v: None   # noqa: E731
+NonNegative = Annotated[int, Field(ge=0)]
 
-
-def _dict_check(name: str, v: Any) -> None:
-    type_check(dict, what="an object")(name, v)
-
-
-#: vLLM request fields this server does not implement: name -> (no-op values, well-formedness check, why).
+#: vLLM request fields this server does not implement: name -> (no-op values, the field's type, why).
 #: Same rule as protocol.NOOP_PARAMS (which covers OpenAI's): absent, null or a no-op value passes; else 400.
 REFUSED: dict[str, tuple[tuple, Any, str]] = {
-    "prompt_embeds": ((), _ANY, "prompts are text or token ids"),
-    "cache_salt": ((), type_check(str, what="a string"), "one prefix cache for every request of this server"),
-    "kv_transfer_params": (({},), _dict_check, "no disaggregated prefill"),
-    "ec_transfer_params": (({},), _dict_check, "no disaggregated encoder cache"),
-    "vllm_xargs": (({},), _dict_check, "no custom extensions"),
-    "mm_processor_kwargs": (({},), _dict_check, "text only"),
-    "media_io_kwargs": (({},), _dict_check, "text only"),
-    "logits_processors": (([],), type_check(list, what="a list"), "no custom logits processors"),
-    "logprob_token_ids": ((), type_check(list, what="a list of token ids"), "log-probs of the top alternatives only"),
-    "min_characters": ((0,), int_check(0), "no minimum output length in characters"),
-    "thinking_token_budget": ((-1,), int_check(-1), "no thinking budget"),
-    "repetition_detection": ((), _ANY, "no repetition detection"),
-    "watermarking": ((False,), type_check(bool, what="true or false"), "no watermarking"),
-    "stream_interval": ((1,), int_check(1), "one chunk per token"),
-    "return_prompt_text": ((False,), type_check(bool, what="true or false"), "the rendered prompt is not returned"),
-    "return_token_offsets": ((False,), type_check(bool, what="true or false"), "vLLM's render endpoints only"),
-    "return_mm_kwargs": ((True,), type_check(bool, what="true or false"), "vLLM's render endpoints only"),
-    "routed_experts_prompt_start": ((0,), int_check(0), "no expert routing data"),
-    "priority": ((0,), type_check(int, what="an integer"), "no priority scheduling (vLLM refuses it too "
-                                                            "without --scheduling-policy priority)"),
-    "include_reasoning": ((True,), type_check(bool, what="true or false"),
-                          "the reasoning parser's output is always returned (reasoning_content)"),
+    "prompt_embeds": ((), Any, "prompts are text or token ids"),
+    "cache_salt": ((), str, "one prefix cache for every request of this server"),
+    "kv_transfer_params": (({},), dict, "no disaggregated prefill"),
+    "ec_transfer_params": (({},), dict, "no disaggregated encoder cache"),
+    "vllm_xargs": (({},), dict, "no custom extensions"),
+    "mm_processor_kwargs": (({},), dict, "text only"),
+    "media_io_kwargs": (({},), dict, "text only"),
+    "logits_processors": (([],), list, "no custom logits processors"),
+    "logprob_token_ids": ((), list, "log-probs of the top alternatives only"),
+    "min_characters": ((0,), NonNegative, "no minimum output length in characters"),
+    "thinking_token_budget": ((-1,), Annotated[int, Field(ge=-1)], "no thinking budget"),
+    "repetition_detection": ((), Any, "no repetition detection"),
+    "watermarking": ((False,), bool, "no watermarking"),
+    "stream_interval": ((1,), Annotated[int, Field(ge=1)], "one chunk per token"),
+    "return_prompt_text": ((False,), bool, "the rendered prompt is not returned"),
+    "return_token_offsets": ((False,), bool, "vLLM's render endpoints only"),
+    "return_mm_kwargs": ((True,), bool, "vLLM's render endpoints only"),
+    "routed_experts_prompt_start": ((0,), NonNegative, "no expert routing data"),
+    "priority": ((0,), int, "no priority scheduling (vLLM refuses it too without --scheduling-policy priority)"),
+    "include_reasoning": ((True,), bool, "the reasoning parser's output is always returned (reasoning_content)"),
 }
 
 #: vLLM fields with no server-side meaning here, accepted and ignored (as OpenAI's user, metadata ...).
 IGNORED = ("session_id",)
 
 
-def _prompt_logprobs(body: dict, stream: bool) -> int | None:
-    value = body.get("prompt_logprobs")
-    if value is None:
-        return None
-    if not is_int(value):
-        raise bad(f"prompt_logprobs must be an integer, got {show(value)}", "prompt_logprobs", "invalid_type")
-    if not 0 <= value <= MAX_PROMPT_LOGPROBS:
-        raise bad(f"prompt_logprobs must be between 0 and {MAX_PROMPT_LOGPROBS} (the whole vocabulary, -1, is not "
-                  f"served), got {value}", "prompt_logprobs")
-    if stream:
-        raise bad("prompt_logprobs are not available with stream=true (as vLLM)", "prompt_logprobs")
-    return value
+class StreamOptions(StrictBody):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
-def _truncate(body: dict, max_model_len: int) -> tuple[int | None, str]:
-    k = body.get("truncate_prompt_tokens")
-    side = body.get("truncation_side")
-    if side is not None and side not in ("left", "right"):
-        raise bad(f"truncation_side must be left or right, got {show(side)}", "truncation_side")
-    if k is None:
-        return None, side or "left"
-    if not is_int(k):
-        raise bad(f"truncate_prompt_tokens must be an integer, got {show(k)}", "truncate_prompt_tokens",
-                  "invalid_type")
-    if k == -1:
-        k = max_model_len
-    if not 1 <= k <= max_model_len:
-        raise bad(f"truncate_prompt_tokens must be -1 (max_model_len) or in [1, max_model_len={max_model_len}], "
-                  f"got {k}", "truncate_prompt_tokens")
-    return k, side or "left"
+class VllmFields(StrictBody):
+    """vLLM's fields of a completions or chat request that this server implements (the refused ones: REFUSED)."""
+    return_token_ids: bool = False
+    prompt_logprobs: Optional[int] = None       # its range: SamplingParams.prompt_logprobs' (vLLM's -1 is refused)
+    add_special_tokens: Optional[bool] = None
+    truncate_prompt_tokens: Optional[int] = None   # -1: max_model_len; its range: the route's (options())
+    truncation_side: Literal["left", "right"] = "left"
+    return_tokens_as_token_ids: bool = False
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
 
+    @model_validator(mode="after")
+    def _stream_rules(self):
+        if self.stream_options is not None and not self.stream:
+            raise bad("stream_options is only allowed with stream=true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise bad("prompt_logprobs are not available with stream=true (as vLLM)", "prompt_logprobs")
+        return self
 
-def parse(body: dict, api: str, stream: bool, max_model_len: int) -> VllmOptions:
-    """The vLLM-only options of a completions or chat body (their checks; the refused ones are in REFUSED)."""
-    chat = api == "chat"
-    add_gen = read_bool(body, "add_generation_prompt", True) if chat else True
-    cont = read_bool(body, "continue_final_message", False) if chat else False
-    if add_gen and cont:
-        raise bad("continue_final_message and add_generation_prompt cannot both be true (send "
-                  "add_generation_prompt: false to continue the last message)", "continue_final_message")
-    opts = body.get("stream_options")
-    continuous = read_bool(opts, "continuous_usage_stats", False) if isinstance(opts, dict) else False
-    # vLLM's rule: usage on every chunk only where include_usage is on too; alone it asks for nothing
-    continuous = continuous and read_bool(opts, "include_usage", False)
-    k, side = _truncate(body, max_model_len)
-    special = body.get("add_special_tokens")
-    if special is not None:
-        type_check(bool, what="true or false")("add_special_tokens", special)
-    return VllmOptions(return_token_ids=read_bool(body, "return_token_ids", False), continuous_usage_stats=continuous,
-                       prompt_logprobs=_prompt_logprobs(body, stream), add_generation_prompt=add_gen,
-                       continue_final_message=cont, add_special_tokens=special, truncate_prompt_tokens=k,
-                       truncation_side=side,
-                       return_tokens_as_token_ids=read_bool(body, "return_tokens_as_token_ids", False))
+    def options(self, max_model_len: int, add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> VllmOptions:
+        """The resolved options (truncate_prompt_tokens: a count of tokens to keep)."""
+        k = self.truncate_prompt_tokens
+        k = max_model_len if k == -1 else k
+        if k is not None and not 1 <= k <= max_model_len:
+            raise bad(f"truncate_prompt_tokens must be -1 (max_model_len) or in [1, max_model_len={max_model_len}], "
+                      f"got {k}", "truncate_prompt_tokens")
+        so = self.stream_options
+        # vLLM's rule: usage on every chunk only where include_usage is on too; alone it asks for nothing
+        continuous = so is not None and so.continuous_usage_stats and so.include_usage
+        return VllmOptions(return_token_ids=self.return_token_ids, continuous_usage_stats=continuous,
+                           prompt_logprobs=self.prompt_logprobs, add_generation_prompt=add_generation_prompt,
+                           continue_final_message=continue_final_message, add_special_tokens=self.add_special_tokens,
+                           truncate_prompt_tokens=k, truncation_side=self.truncation_side,
+                           return_tokens_as_token_ids=self.return_tokens_as_token_ids)
 
 
 def chat_echo(messages: list[dict], add_generation_prompt: bool) -> str:
