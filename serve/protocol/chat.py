@@ -1,10 +1,11 @@
 """A chat request as the model's chat template sees it (vLLM's ``chat_utils``): messages (text, an assistant's
 ``tool_calls``, ``tool`` results), ``tools``, ``tool_choice``, ``parallel_tool_calls`` and
-``chat_template_kwargs``, validated; and :func:`render`, the one rendering of them the server uses.
+``chat_template_kwargs``, as pydantic models (:class:`ChatMessage`, :class:`Tool`, :class:`ChatTools`, vLLM's
+names); and :func:`render`, the one rendering of them the server uses.
 
 The prompt is exactly ``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-tokenize=False, **chat_template_kwargs)`` (a ``developer`` message as ``system``): the template's own default for thinking (Qwen3: on), as vLLM
-serves it. ``chat_template_kwargs`` go to the template as given (a key the template does not read changes
+tokenize=False, **chat_template_kwargs)`` (a ``developer`` message as ``system``): the template's own default
+for thinking (Qwen3: on), as vLLM serves it. ``chat_template_kwargs`` go to the template as given (a key the template does not read changes
 nothing, as in vLLM), except the names of ``apply_chat_template``'s own arguments, which are refused.
 An assistant's ``tool_calls[j].function.arguments`` (a JSON string, as OpenAI sends it) is parsed into an
 object before rendering, as vLLM does, so the template writes it with its own ``tojson``.
@@ -14,10 +15,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, TypeAdapter,
+                      ValidationError, WrapValidator, field_validator, model_validator)
+from pydantic_core import PydanticCustomError
 
 from serve.protocol.chat_output import ChatOutputOptions
-from serve.protocol.wire import ApiError
+from serve.protocol.sampling import StrictBody, api_error, bad
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 #: apply_chat_template's own arguments: not for chat_template_kwargs.
@@ -27,10 +32,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "docu
                                       "return_assistant_tokens_mask", "tokenizer_kwargs"})
 TOOL_CHOICES = ("none", "auto", "required")
 MAX_TOOLS = 128
-
-
-def bad(message: str, param: str | None, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, message, code, param)
 
 
 def _short(value: Any) -> str:
@@ -81,173 +82,221 @@ def template_messages(messages: list[dict]) -> list[dict]:
 # --------------------------------------------------------------------------- messages
 
 
-def parse_messages(value: Any) -> list[dict]:
-    """Validated messages: role, text content (string or text parts), an assistant's tool_calls, a tool's
-    tool_call_id; each a 400 naming ``messages[i]...`` when malformed."""
-    if not isinstance(value, list) or not value:
-        raise bad("messages must be a non-empty list of {role, content} objects", "messages", "invalid_type")
-    return [_message(m, f"messages[{i}]") for i, m in enumerate(value)]
+class TextPart(StrictBody):
+    """A content part: text only."""
+    type: Literal["text"]
+    text: str
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _text_only(cls, value, handler):
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("unsupported_content", "must be a text part {type: text, text}") from None
 
 
-def _message(m: Any, where: str) -> dict:
-    if not isinstance(m, dict):
-        raise bad(f"{where} must be an object", where, "invalid_type")
-    role = m.get("role")
-    if role not in ROLES:
-        raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {_short(role)}", f"{where}.role")
-    content = _content(m.get("content"), where)
-    calls = m.get("tool_calls")
-    if content is None and role == "assistant":
-        content = ""
-    if content is None:
-        raise bad(f"{where}.content must be a string", f"{where}.content", "invalid_type")
-    out: dict[str, Any] = {"role": role, "content": content}
-    if calls is not None:
-        if role != "assistant":
-            raise bad(f"{where}.tool_calls is only allowed in assistant messages", f"{where}.tool_calls")
-        out["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
-    if role == "tool" and m.get("tool_call_id") is not None:
-        if not isinstance(m["tool_call_id"], str):
-            raise bad(f"{where}.tool_call_id must be a string", f"{where}.tool_call_id", "invalid_type")
-        out["tool_call_id"] = m["tool_call_id"]
-    for key in ("name", "reasoning_content"):
-        if isinstance(m.get(key), str):
-            out[key] = m[key]
-    return out
+class CallFunction(StrictBody):
+    name: Annotated[str, StringConstraints(min_length=1)]
+    arguments: Union[str, dict] = "{}"
 
-
-def _content(content: Any, where: str) -> str | None:
-    if isinstance(content, list):        # content parts: only text is understood
-        texts = []
-        for j, part in enumerate(content):
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad(f"{where}.content[{j}] must be a text part {{type: text, text}}", f"{where}.content",
-                          "unsupported_content")
-            texts.append(part["text"])
-        return "".join(texts)
-    if content is not None and not isinstance(content, str):
-        raise bad(f"{where}.content must be a string", f"{where}.content", "invalid_type")
-    return content
-
-
-def _tool_calls(calls: Any, where: str) -> list[dict]:
-    if not isinstance(calls, list):
-        raise bad(f"{where} must be a list", where, "invalid_type")
-    out = []
-    for j, call in enumerate(calls):
-        at = f"{where}[{j}]"
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad(f"{at} must be {{id, type: function, function: {{name, arguments}}}}", at, "invalid_type")
-        args = fn.get("arguments", "{}")
+    @field_validator("arguments")
+    @classmethod
+    def _object(cls, args):
+        """A JSON object string, as OpenAI sends it, read into the object the template writes (vLLM's)."""
         if isinstance(args, str):
             try:
                 args = json.loads(args or "{}")
             except ValueError:
-                raise bad(f"{at}.function.arguments must be a JSON object string, got {_short(args)}",
-                          f"{at}.function.arguments") from None
+                raise PydanticCustomError("invalid_value", "must be a JSON object string, got {value}",
+                                          {"value": _short(args)}) from None
         if not isinstance(args, dict):
-            raise bad(f"{at}.function.arguments must be a JSON object", f"{at}.function.arguments", "invalid_type")
-        one = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
-        if isinstance(call.get("id"), str):
-            one["id"] = call["id"]
-        out.append(one)
-    return out
+            raise PydanticCustomError("invalid_type", "must be a JSON object")
+        return args
+
+
+class ToolCall(StrictBody):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
+Content = Annotated[Union[Annotated[str, Tag("text")], Annotated[list[TextPart], Tag("parts")]],
+                    Discriminator(lambda v: "parts" if isinstance(v, list) else "text")]
+
+
+class ChatMessage(StrictBody):
+    """One message: role, text content (a string or text parts), an assistant's tool_calls, a tool's
+    tool_call_id."""
+    role: Literal[ROLES]
+    content: Optional[Content] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+    name: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _by_role(self):
+        if self.content is None and self.role != "assistant":
+            raise PydanticCustomError("invalid_type", "must have a string content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise PydanticCustomError("invalid_value", "has tool_calls, which only assistant messages may")
+        return self
+
+    def as_template_reads(self) -> dict:
+        """The message as the chat template reads it (text parts joined, arguments as objects)."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        if self.tool_calls is not None:
+            out["tool_calls"] = [{"type": "function", "function": {"name": c.function.name,
+                                                                   "arguments": c.function.arguments},
+                                  **({"id": c.id} if c.id is not None else {})} for c in self.tool_calls]
+        if self.role == "tool" and self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        for key in ("name", "reasoning_content"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+def _non_empty(value, handler):
+    if isinstance(value, list) and not value:
+        raise PydanticCustomError("invalid_type", "must be a non-empty list of {role, content} objects")
+    return [m.as_template_reads() for m in handler(value)]
+
+
+#: ``messages``: validated, as the template reads them (a list of dicts).
+Messages = Annotated[list[ChatMessage], WrapValidator(_non_empty)]
+_MESSAGES = TypeAdapter(Messages)
+
+
+def parse_messages(value: Any) -> list[dict]:
+    """Validated messages as the template reads them; a 400 naming ``messages[i]...`` when malformed."""
+    try:
+        return _MESSAGES.validate_python(value)
+    except ValidationError as e:
+        raise api_error(e, value, at="messages") from None
 
 
 # --------------------------------------------------------------------------- tools and template kwargs
 
 
-def parse_tools(value: Any) -> list[dict] | None:
-    """``tools``: a list of {type: function, function: {name, description?, parameters? (a JSON schema object),
-    strict?}}; None or [] for none."""
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise bad(f"tools must be a list, got {_short(value)}", "tools", "invalid_type")
-    if len(value) > MAX_TOOLS:
-        raise bad(f"tools may hold at most {MAX_TOOLS} functions, got {len(value)}", "tools")
-    out, names = [], set()
-    for i, tool in enumerate(value):
-        at = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise bad(f"{at} must be {{type: function, function: {{name, description, parameters}}}}", at,
-                      "invalid_type")
-        fn = tool.get("function")
-        if not isinstance(fn, dict):
-            raise bad(f"{at}.function must be an object {{name, description, parameters}}", f"{at}.function",
-                      "invalid_type")
-        name = fn.get("name")
-        if not isinstance(name, str) or not name or len(name) > 64 or not all(c.isalnum() or c in "_-" for c in name):
-            raise bad(f"{at}.function.name must be 1-64 letters, digits, '_' or '-', got {_short(name)}",
-                      f"{at}.function.name")
-        if name in names:
-            raise bad(f"{at}.function.name {name!r} is given twice", f"{at}.function.name")
-        names.add(name)
-        if fn.get("description") is not None and not isinstance(fn["description"], str):
-            raise bad(f"{at}.function.description must be a string", f"{at}.function.description", "invalid_type")
-        params = fn.get("parameters")
-        if params is not None:
-            _check_schema(params, f"{at}.function.parameters")
-        clean = {k: fn[k] for k in ("name", "description", "parameters", "strict") if fn.get(k) is not None}
-        out.append({"type": "function", "function": clean})
-    return out or None
+class _Shape(BaseModel):
+    """The shape of a JSON schema object (no validator library in the project): ``type``, ``properties`` and
+    ``required`` well-formed where given; every other key as the client wrote it."""
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Union[str, list[str], None] = None
+    properties: Optional[dict[str, Union[dict, bool]]] = None
+    required: Optional[list[str]] = None
 
 
-def _check_schema(schema: Any, where: str) -> None:
-    """The shape of a JSON schema object (no validator library in the project): an object whose ``type``,
-    ``properties`` and ``required`` are well-formed where given."""
-    if not isinstance(schema, dict):
-        raise bad(f"{where} must be a JSON schema object", where, "invalid_type")
-    kind = schema.get("type")
-    if kind is not None and not (isinstance(kind, str) or (isinstance(kind, list) and
-                                                           all(isinstance(k, str) for k in kind))):
-        raise bad(f"{where}.type must be a string or a list of strings", f"{where}.type", "invalid_type")
-    props = schema.get("properties")
-    if props is not None and not (isinstance(props, dict) and all(isinstance(v, (dict, bool)) for v in props.values())):
-        raise bad(f"{where}.properties must be an object of schemas", f"{where}.properties", "invalid_type")
-    required = schema.get("required")
-    if required is not None and not (isinstance(required, list) and all(isinstance(r, str) for r in required)):
-        raise bad(f"{where}.required must be a list of property names", f"{where}.required", "invalid_type")
+def _as_written(value, handler):
+    handler(value)               # the checks; the value goes on as the client wrote it (key order, nulls)
+    return value
 
 
-def parse_template_kwargs(value: Any) -> dict:
-    """``chat_template_kwargs``: an object passed to the chat template (``enable_thinking`` ...)."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise bad(f"chat_template_kwargs must be an object, got {_short(value)}", "chat_template_kwargs",
-                  "invalid_type")
-    clash = sorted(k for k in value if k in RESERVED_TEMPLATE_KWARGS)
-    if clash:
-        raise bad(f"chat_template_kwargs may not set {', '.join(clash)} (arguments of the rendering itself)",
-                  "chat_template_kwargs")
-    if "enable_thinking" in value and not isinstance(value["enable_thinking"], bool):
-        raise bad("chat_template_kwargs.enable_thinking must be true or false", "chat_template_kwargs.enable_thinking",
-                  "invalid_type")
-    return dict(value)
+JsonSchema = Annotated[_Shape, WrapValidator(_as_written)]
 
 
-def parse_tool_choice(value: Any, tools: list[dict] | None) -> str | dict:
-    """``tool_choice``: none | auto | required | {type: function, function: {name}} naming one of ``tools``.
-    Absent: auto when tools are given, else none (OpenAI's and vLLM's default)."""
-    if value is None:
-        return "auto" if tools else "none"
-    if isinstance(value, str):
-        if value not in TOOL_CHOICES:
-            raise bad(f"tool_choice must be none, auto, required or {{type: function, function: {{name}}}}, "
-                      f"got {_short(value)}", "tool_choice")
-        if value != "none" and not tools:
-            raise bad(f"tool_choice={value!r} needs tools", "tool_choice")
-        return value
-    fn = value.get("function") if isinstance(value, dict) and value.get("type") == "function" else None
-    name = fn.get("name") if isinstance(fn, dict) else None
-    if not isinstance(name, str):
-        raise bad(f"tool_choice must be none, auto, required or {{type: function, function: {{name}}}}, "
-                  f"got {_short(value)}", "tool_choice", "invalid_type")
-    if name not in {t["function"]["name"] for t in tools or []}:
-        raise bad(f"tool_choice names the function {name!r}, which is not in tools", "tool_choice")
-    return {"type": "function", "function": {"name": name}}
+class FunctionDef(StrictBody):
+    name: Annotated[str, StringConstraints(pattern=r"^[\p{L}\p{N}_-]{1,64}$")]
+    description: Optional[str] = None
+    parameters: Optional[JsonSchema] = None
+    strict: Optional[bool] = None
+
+
+class Tool(StrictBody):
+    """``{type: function, function: {name, description?, parameters? (a JSON schema object), strict?}}``."""
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+    def as_template_reads(self) -> dict:
+        fn = self.function
+        return {"type": "function", "function": {k: getattr(fn, k) for k in ("name", "description", "parameters",
+                                                                             "strict") if getattr(fn, k) is not None}}
+
+
+class _FunctionName(StrictBody):
+    name: str
+
+
+class NamedToolChoice(StrictBody):
+    type: Literal["function"]
+    function: _FunctionName
+
+
+ToolChoice = Annotated[Union[Annotated[Literal[TOOL_CHOICES], Tag("mode")], Annotated[NamedToolChoice, Tag("named")]],
+                       Discriminator(lambda v: "mode" if isinstance(v, str) else "named")]
+
+
+class _TemplateKwargs(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    enable_thinking: bool = True
+
+    @model_validator(mode="after")
+    def _not_rendering_arguments(self):
+        clash = sorted(k for k in self.model_extra or {} if k in RESERVED_TEMPLATE_KWARGS)
+        if clash:
+            raise PydanticCustomError("invalid_value", "may not set {names} (arguments of the rendering itself)",
+                                      {"names": ", ".join(clash)})
+        return self
+
+
+#: ``chat_template_kwargs``: an object passed to the chat template as given (``enable_thinking`` ...).
+TemplateKwargs = Annotated[_TemplateKwargs, WrapValidator(_as_written)]
+
+
+class ChatTools(StrictBody):
+    """A chat body's tools, tool_choice, parallel_tool_calls and chat_template_kwargs (vLLM's names)."""
+    tools: Optional[Annotated[list[Tool], Field(max_length=MAX_TOOLS)]] = None
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[TemplateKwargs] = None
+
+    @model_validator(mode="after")
+    def _tools_and_choice(self):
+        names: set[str] = set()
+        for i, tool in enumerate(self.tools or []):
+            if tool.function.name in names:
+                raise bad(f"tools[{i}].function.name {tool.function.name!r} is given twice", f"tools[{i}].function.name")
+            names.add(tool.function.name)
+        choice = self.tool_choice
+        if isinstance(choice, str) and choice != "none" and not self.tools:
+            raise bad(f"tool_choice={choice!r} needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise bad(f"tool_choice names the function {choice.function.name!r}, which is not in tools", "tool_choice")
+        return self
+
+    def tool_list(self) -> list[dict] | None:
+        return [t.as_template_reads() for t in self.tools] if self.tools else None
+
+    def choice(self) -> str | dict:
+        """none | auto | required | {type: function, function: {name}}; absent: auto when tools are given, else
+        none (OpenAI's and vLLM's default)."""
+        if self.tool_choice is None:
+            return "auto" if self.tools else "none"
+        if isinstance(self.tool_choice, str):
+            return self.tool_choice
+        return {"type": "function", "function": {"name": self.tool_choice.function.name}}
+
+    def chat_prompt(self, messages: list[dict], auto_tools: bool = True,
+               reasoning_parser: str | None = None) -> tuple[ChatPrompt, ChatOutputOptions]:
+        """The chat prompt and how its answer is read (vLLM's rules: tools are rendered whatever tool_choice
+        says, ``none`` included, and parsed unless it is ``none``; ``auto`` needs the server's auto tool
+        choice)."""
+        tools, choice, parallel = self.tool_list(), self.choice(), self.parallel_tool_calls
+        if choice == "auto" and not auto_tools:
+            raise bad('"auto" tool choice needs the server started with --enable-auto-tool-choice '
+                      '--tool-call-parser hermes (as vLLM)', "tool_choice")
+        constraint = None
+        if choice == "required" or isinstance(choice, dict):
+            from serve.protocol.tool_constraint import tool_call_grammar
+            constraint = tool_call_grammar(tools, choice, parallel is not False)
+        options = ChatOutputOptions(reasoning=reasoning_parser is not None,
+                                    parse_tools=bool(tools) and choice != "none",
+                                    max_calls=1 if parallel is False else None, tool_choice=choice,
+                                    constraint=constraint)
+        return ChatPrompt(messages, tools, dict(self.chat_template_kwargs or {})), options
 
 
 # --------------------------------------------------------------------------- one chat request
@@ -256,25 +305,8 @@ def parse_tool_choice(value: Any, tools: list[dict] | None) -> str | dict:
 def chat_request(body: dict, messages: list[dict], auto_tools: bool = True,
                  reasoning_parser: str | None = None) -> tuple[ChatPrompt, ChatOutputOptions]:
     """The chat prompt and how its answer is read, from a chat body's tools, tool_choice, parallel_tool_calls and
-    chat_template_kwargs (vLLM's rules: tools are rendered whatever tool_choice says, ``none`` included, and
-    parsed unless it is ``none``; ``auto`` needs the server's auto tool choice)."""
-    tools = parse_tools(body.get("tools"))
-    choice = parse_tool_choice(body.get("tool_choice"), tools)
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise bad(f"parallel_tool_calls must be true or false, got {_short(parallel)}", "parallel_tool_calls",
-                  "invalid_type")
-    if choice == "auto" and not auto_tools:
-        raise bad('"auto" tool choice needs the server started with --enable-auto-tool-choice '
-                  '--tool-call-parser hermes (as vLLM)', "tool_choice")
-    kwargs = parse_template_kwargs(body.get("chat_template_kwargs"))
-    constraint = None
-    if choice == "required" or isinstance(choice, dict):
-        from serve.protocol.tool_constraint import tool_call_grammar
-        constraint = tool_call_grammar(tools, choice, parallel is not False)
-    options = ChatOutputOptions(reasoning=reasoning_parser is not None, parse_tools=bool(tools) and choice != "none",
-                                max_calls=1 if parallel is False else None, tool_choice=choice, constraint=constraint)
-    return ChatPrompt(messages, tools, kwargs), options
+    chat_template_kwargs (:meth:`ChatTools.chat_prompt`)."""
+    return ChatTools.parse(body).chat_prompt(messages, auto_tools, reasoning_parser)
 
 
 def constrain(params, options: ChatOutputOptions):

@@ -25,16 +25,15 @@ import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Optional, Union
 
 from pydantic import (AfterValidator, Discriminator, Field, StringConstraints, Tag, create_model, field_validator,
                       model_validator)
 from pydantic_core import PydanticCustomError
-from typing_extensions import Annotated
 
 from engine import MAX_LOGPROBS, RequestError, SamplingParams
 from serve.protocol import vllm_fields as vf
-from serve.protocol.chat import chat_request, constrain, parse_messages
+from serve.protocol.chat import ChatTools, Messages, constrain
 from serve.protocol.sampling import PARAM_FIELDS, SamplingFields, StrictBody, bad, show  # noqa: F401
 from serve.protocol.structured import source as structured_source, structured_outputs
 from serve.protocol.wire import ApiError
@@ -225,19 +224,14 @@ class CompletionRequest(OpenAIRequest):
         return list(self.prompt) if many else [self.prompt]
 
 
-class ChatCompletionRequest(OpenAIRequest):
+class ChatCompletionRequest(ChatTools, OpenAIRequest):
     """``POST /v1/chat/completions``: messages through the model's chat template."""
     implemented: ClassVar[frozenset] = frozenset({"top_logprobs", "tools", "tool_choice", "chat_template_kwargs"})
-    messages: Any
+    messages: Messages
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-
-    @field_validator("messages")
-    @classmethod
-    def _messages(cls, value):
-        return parse_messages(value)
 
     @model_validator(mode="after")
     def _chat_rules(self):
@@ -253,16 +247,11 @@ class GenerateRequest(SamplingFields):
     """``POST /generate``: one of prompt (text), prompt_token_ids, messages; greedy by default."""
     prompt: Optional[Text] = None
     prompt_token_ids: Optional[TokenIds] = None
-    messages: Any = None
+    messages: Optional[Messages] = None
     stream: bool = True
     request_id: Optional[RequestId] = None
     tags: dict = {}
     detokenize: bool = True
-
-    @field_validator("messages")
-    @classmethod
-    def _messages(cls, value):
-        return parse_messages(value)
 
     @field_validator("tags", mode="before")
     @classmethod
@@ -361,7 +350,7 @@ def parse_chat(body: Any, limits: Limits) -> GenRequest:
     """``POST /v1/chat/completions``: messages through the model's chat template."""
     req = ChatCompletionRequest.parse(body)
     model = req.served_model(limits)
-    chat, chat_output = chat_request(body, req.messages, limits.enable_auto_tool_choice, limits.reasoning_parser)
+    chat, chat_output = req.chat_prompt(req.messages, limits.enable_auto_tool_choice, limits.reasoning_parser)
     opts = req.options(limits.max_model_len, req.add_generation_prompt, req.continue_final_message)
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params, given = _params(req, limits, default_temperature=1.0, max_tokens_name=name,

@@ -12,10 +12,9 @@ JSON type (``invalid_type``); the engine's refusal of a value out of range (its 
 from __future__ import annotations
 
 import reprlib
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, WrapValidator, model_validator
-from typing_extensions import Annotated
 
 from serve.protocol.wire import ApiError, HugeInt
 
@@ -59,11 +58,12 @@ _SAYS = {"greater_than_equal": "must be >= {ge}", "greater_than": "must be > {gt
          "string_pattern_mismatch": "must match {pattern}", "literal_error": "must be {expected}"}
 
 
-def _param(loc: tuple, body: Any) -> tuple[str | None, Any]:
+def _param(loc: tuple, body: Any, kind: str = "") -> tuple[str | None, Any]:
     """The field an error's ``loc`` names, as the client wrote it (``messages[0].role``, ``tools[1].function.name``),
     and the value there. pydantic's own steps (a union member's tag, ``[key]``) are not in the body and are left out;
-    an item of a list of scalars is named by its list (``stop_token_ids``, not ``stop_token_ids[3]``), an entry of a
-    map by its key (``tags.a``) unless its key is what is wrong (``logit_bias``)."""
+    an item of a list of scalars is named by its list (``stop_token_ids``, not ``stop_token_ids[3]``) unless it
+    should have been an object (``messages[0]``), an entry of a map by its key (``tags.a``) unless its key is
+    what is wrong (``logit_bias``)."""
     parts: list = []
     value = body
     for i, step in enumerate(loc):
@@ -73,7 +73,7 @@ def _param(loc: tuple, body: Any) -> tuple[str | None, Any]:
             parts.append(step)
             value = value[step]
         elif isinstance(value, list) and isinstance(step, int) and 0 <= step < len(value):
-            if not isinstance(value[step], (dict, list)):
+            if not isinstance(value[step], (dict, list)) and kind not in ("model_type", "dict_type"):
                 break
             parts.append(step)
             value = value[step]
@@ -83,18 +83,21 @@ def _param(loc: tuple, body: Any) -> tuple[str | None, Any]:
     return text or None, value
 
 
-def api_error(e: ValidationError, body: Any) -> ApiError:
-    """The first error pydantic found, as the server's 400: ``<field> must be ..., got <value>``."""
+def api_error(e: ValidationError, body: Any, at: str | None = None) -> ApiError:
+    """The first error pydantic found, as the server's 400: ``<field> must be ..., got <value>``. ``at``: the
+    field ``body`` is the value of (a TypeAdapter's errors start inside it)."""
     err = e.errors(include_url=False)[0]
-    kind, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
-    if not err["loc"] and kind in ("model_type", "dict_type"):
+    kind, ctx, value, loc = err["type"], err.get("ctx") or {}, err.get("input"), err["loc"]
+    if at is not None:
+        body, loc = {at: body}, (at, *loc)
+    if not loc and kind in ("model_type", "dict_type"):
         return bad("the request body must be a JSON object", None, "invalid_body")
-    param, _ = _param(err["loc"], body)
-    name = (param or "the request body") + (" keys" if "[key]" in err["loc"] else "")
+    param, _ = _param(loc, body, kind)
+    name = (param or "the request body") + (" keys" if "[key]" in loc else "")
     if kind == "missing":
         return bad(f"{name} is required", param, _MISSING.get(param or "", "invalid_value"))
     if kind in _WHAT:
-        if isinstance(value, HugeInt) and kind in ("int_type", "float_type") and isinstance(err["loc"][-1], str):
+        if isinstance(value, HugeInt) and kind in ("int_type", "float_type") and isinstance(loc[-1], str):
             return bad(f"{name} is out of range, got {show(value)}", param)
         return bad(f"{name} must be {_WHAT[kind]}, got {show(value)}", param, "invalid_type")
     if kind in _SAYS:

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pydantic import field_validator, model_validator
+from pydantic import model_validator
 
-from serve.protocol.chat import ChatPrompt, parse_messages, parse_template_kwargs, parse_tools
+from serve.protocol.chat import ChatPrompt, ChatTools, Messages
 from serve.protocol.sampling import StrictBody, bad, show
 from serve.protocol.wire import ApiError
 
@@ -38,20 +38,13 @@ class _ModelBody(StrictBody):
                                 f"{limits.served_model_name!r}", "model_not_found", "model")
 
 
-class TokenizeBody(_ModelBody):
+class TokenizeBody(ChatTools, _ModelBody):
     prompt: Optional[str] = None
-    messages: Any = None
-    tools: Any = None
-    chat_template_kwargs: Any = None
+    messages: Optional[Messages] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: Optional[bool] = None       # default: true for a prompt, false for messages (vLLM's)
     return_token_strs: bool = False
-
-    @field_validator("messages")
-    @classmethod
-    def _messages(cls, value):
-        return parse_messages(value)
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -73,7 +66,7 @@ def parse_tokenize(body: Any, limits) -> TokenizeRequest:
     req = TokenizeBody.parse(body)
     req.check_model(limits)
     if req.messages is not None:
-        chat = ChatPrompt(req.messages, parse_tools(req.tools), parse_template_kwargs(req.chat_template_kwargs))
+        chat = ChatPrompt(req.messages, req.tool_list(), dict(req.chat_template_kwargs or {}))
         options = {"add_generation_prompt": req.add_generation_prompt,
                    "continue_final_message": req.continue_final_message,
                    "add_special_tokens": bool(req.add_special_tokens)}

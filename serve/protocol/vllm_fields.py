@@ -22,10 +22,9 @@ Implemented (docs/OPENAI.md, "vLLM fields"):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import Field, model_validator
-from typing_extensions import Annotated
 
 from serve.protocol.sampling import StrictBody, bad
 
