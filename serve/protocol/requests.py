@@ -35,7 +35,7 @@ from engine import MAX_LOGPROBS, RequestError, SamplingParams
 from serve.protocol import vllm_fields as vf
 from serve.protocol.chat import ChatTools, Messages, constrain
 from serve.protocol.sampling import PARAM_FIELDS, SamplingFields, StrictBody, bad, show  # noqa: F401
-from serve.protocol.structured import source as structured_source, structured_outputs
+from serve.protocol.structured import StructuredFields
 from serve.protocol.wire import ApiError
 
 REQUEST_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}")
@@ -176,7 +176,7 @@ Refusable = create_model("Refusable", __base__=StrictBody,
                          **{name: (Optional[kind], None) for name, (_, kind, _) in _REFUSABLE.items()})
 
 
-class OpenAIRequest(SamplingFields, vf.VllmFields, Refusable):
+class OpenAIRequest(SamplingFields, StructuredFields, vf.VllmFields, Refusable):
     """What /v1/completions and /v1/chat/completions share (vLLM's field names)."""
     #: the refusable fields a route implements (its own model states their type)
     implemented: ClassVar[frozenset] = frozenset()
@@ -243,7 +243,7 @@ class ChatCompletionRequest(ChatTools, OpenAIRequest):
         return self
 
 
-class GenerateRequest(SamplingFields):
+class GenerateRequest(SamplingFields, StructuredFields):
     """``POST /generate``: one of prompt (text), prompt_token_ids, messages; greedy by default."""
     prompt: Optional[Text] = None
     prompt_token_ids: Optional[TokenIds] = None
@@ -277,7 +277,7 @@ class CancelRequest(StrictBody):
 # --------------------------------------------------------------------------- one SamplingParams per request
 
 
-def _params(req: SamplingFields, limits: Limits, default_temperature: float, max_tokens_name: str = "max_tokens",
+def _params(req: SamplingFields | StructuredFields, limits: Limits, default_temperature: float, max_tokens_name: str = "max_tokens",
             default_max_tokens: int | None = None, **extra) -> tuple[SamplingParams, bool]:
     """The sampling parameters and whether max_tokens was given. Without it: ``default_max_tokens``, or
     (None) the rest of the context, which the worker fills in once it knows the prompt's length. Every route
@@ -292,7 +292,7 @@ def _params(req: SamplingFields, limits: Limits, default_temperature: float, max
     temperature = default_temperature if req.temperature is None else req.temperature
     try:
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
-                                seed=req.seed, structured_outputs=structured_outputs(req.constraint_fields()),
+                                seed=req.seed, structured_outputs=req.constraint(),
                                 **req.sampling_kwargs(), **{k: v for k, v in extra.items() if v is not None})
     except RequestError as e:        # a range (SamplingParams states them), or min_tokens > max_tokens
         raise bad(str(e), param_of(e.code)) from None
@@ -319,7 +319,7 @@ def parse_native(body: Any, limits: Limits) -> GenRequest:
     prompt = next(p for p in (req.prompt, req.prompt_token_ids, req.messages) if p is not None)
     params, _ = _params(req, limits, default_temperature=0.0, default_max_tokens=64)
     return GenRequest("native", prompt, params, stream=req.stream, request_id=req.request_id, tags=req.tags,
-                      detokenize=req.detokenize, structured_param=structured_source(req.constraint_fields()))
+                      detokenize=req.detokenize, structured_param=req.constraint_source())
 
 
 def _stop_ids(params: SamplingParams, stop_ids: list[int]) -> SamplingParams:
@@ -343,7 +343,7 @@ def parse_completion(body: Any, limits: Limits) -> GenRequest:
                       request_id=req.request_id, include_usage=bool(req.stream_options and req.stream_options.include_usage),
                       model=model, fill_context=not given, stop=req.stops(),
                       include_stop_str_in_output=req.include_stop_str_in_output, prompts=prompts, n=req.n,
-                      logprobs=params.logprobs, echo=req.echo, vllm=opts, structured_param=structured_source(req.constraint_fields()))
+                      logprobs=params.logprobs, echo=req.echo, vllm=opts, structured_param=req.constraint_source())
 
 
 def parse_chat(body: Any, limits: Limits) -> GenRequest:
@@ -361,7 +361,7 @@ def parse_chat(body: Any, limits: Limits) -> GenRequest:
                       include_usage=bool(req.stream_options and req.stream_options.include_usage), model=model,
                       fill_context=not given, stop=req.stops(), include_stop_str_in_output=req.include_stop_str_in_output,
                       n=req.n, logprobs=params.logprobs, echo=req.echo, vllm=opts, chat_output=chat_output,
-                      structured_param="tool_choice" if chat_output.constraint else structured_source(req.constraint_fields()))
+                      structured_param="tool_choice" if chat_output.constraint else req.constraint_source())
 
 
 def parse_cancel(body: Any) -> tuple[str, str | None]:

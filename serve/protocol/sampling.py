@@ -55,7 +55,8 @@ _SAYS = {"greater_than_equal": "must be >= {ge}", "greater_than": "must be > {gt
          "less_than_equal": "must be <= {le}", "less_than": "must be < {lt}",
          "too_long": "may hold at most {max_length} items", "too_short": "must hold at least {min_length} items",
          "string_too_long": "may be at most {max_length} characters", "string_too_short": "must not be empty",
-         "string_pattern_mismatch": "must match {pattern}", "literal_error": "must be {expected}"}
+         "string_pattern_mismatch": "must match {pattern}", "literal_error": "must be {expected}",
+         "union_tag_invalid": "must have {discriminator} one of {expected_tags}", "union_tag_not_found": "needs {discriminator}"}
 
 
 def _param(loc: tuple, body: Any, kind: str = "") -> tuple[str | None, Any]:
@@ -95,6 +96,8 @@ def api_error(e: ValidationError, body: Any, at: str | None = None) -> ApiError:
     param, _ = _param(loc, body, kind)
     name = (param or "the request body") + (" keys" if "[key]" in loc else "")
     if kind == "missing":
+        if len(loc) > 1 and isinstance(loc[-1], str):         # a field of an object inside the body
+            param = name = f"{param}.{loc[-1]}" if param else loc[-1]
         return bad(f"{name} is required", param, _MISSING.get(param or "", "invalid_value"))
     if kind in _WHAT:
         if isinstance(value, HugeInt) and kind in ("int_type", "float_type") and isinstance(loc[-1], str):
@@ -144,8 +147,7 @@ Number = Annotated[float, WrapValidator(_as_given)]
 
 
 class SamplingFields(StrictBody):
-    """The sampling parameters of every route (vLLM's names) and the structured-output sources
-    (:mod:`serve.protocol.structured` reads them). Types here; ranges: ``SamplingParams``'."""
+    """The sampling parameters of every route (vLLM's names). Types here; ranges: ``SamplingParams``'."""
     max_tokens: Optional[int] = None          # its range is the route's: 1 .. max_model_len - 1
     temperature: Optional[Annotated[Number, Field(le=100)]] = None    # the default is the route's
     seed: Optional[Annotated[int, Field(ge=INT64[0], le=INT64[1])]] = None
@@ -159,19 +161,6 @@ class SamplingFields(StrictBody):
     min_tokens: Optional[int] = None
     logit_bias: Optional[dict[KeyTokenId, Number]] = None
     allowed_token_ids: Optional[list[int]] = None
-    # structured outputs (serve/protocol/structured.py reads these from the body)
-    response_format: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_decoding_backend: Any = None
-    structural_tag: Any = None
-
-    def constraint_fields(self) -> dict:
-        """The structured-output sources as :mod:`serve.protocol.structured` reads them."""
-        return {name: getattr(self, name) for name in CONSTRAINT_FIELDS}
 
     def sampling_kwargs(self) -> dict:
         """SamplingParams keyword arguments of the sampling parameters given."""
@@ -181,8 +170,6 @@ class SamplingFields(StrictBody):
 #: The sampling parameters that go to SamplingParams as given (its ranges check them).
 SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                    "min_tokens", "logit_bias", "allowed_token_ids")
-CONSTRAINT_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar", "guided_decoding_backend", "structural_tag")
 #: The request fields an engine refusal can name (its RequestError code is ``invalid_<field>``).
 PARAM_FIELDS = frozenset(SAMPLING_FIELDS) | {"temperature", "max_tokens", "stop_token_ids", "logprobs",
                                              "prompt_logprobs", "seed", "n", "best_of"}

@@ -1,5 +1,6 @@
-"""Structured outputs in a request body: every spelling OpenAI and vLLM clients send, as one
-:class:`engine.StructuredOutputsParams` (the engine compiles it with xgrammar and constrains the output).
+"""Structured outputs in a request body: every spelling OpenAI and vLLM clients send (:class:`StructuredFields`,
+``response_format`` as pydantic models), as one :class:`engine.StructuredOutputsParams` (the engine compiles it
+with xgrammar and constrains the output).
 
 Sources (at most one per request; two is a 400 naming the second):
 - ``response_format`` (OpenAI): ``{"type": "text"}`` (nothing), ``{"type": "json_object"}``,
@@ -23,13 +24,15 @@ Its size is bounded by the body's.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import ConfigDict, Field
 
 from engine import RequestError, StructuredOutputsParams
+from serve.protocol.sampling import StrictBody
 from serve.protocol.wire import ApiError, HugeInt, loads_strict
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-BACKENDS = ("xgrammar", "auto")
 #: The body fields that carry a constraint, in the order they are looked at.
 SOURCES = ("response_format", "structured_outputs", *GUIDED, "structural_tag")
 COMPACT_DEFAULT = True
@@ -39,66 +42,105 @@ def _bad(message: str, param: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, message, code, param)
 
 
-def _from_response_format(rf: Any) -> dict | None:
-    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-        raise _bad("response_format must be an object {type: ...}", "response_format", "invalid_type")
-    kind = rf["type"]
-    if kind == "text":
+# --------------------------------------------------------------------------- response_format (OpenAI's)
+
+
+class TextFormat(StrictBody):
+    type: Literal["text"]
+
+    def spec(self) -> dict | None:
         return None
-    if kind == "json_object":
+
+
+class JsonObjectFormat(StrictBody):
+    type: Literal["json_object"]
+
+    def spec(self) -> dict | None:
         return {"json_object": True}
-    if kind == "json_schema":
-        js = rf.get("json_schema")
-        if not isinstance(js, dict):
-            raise _bad("response_format.json_schema must be an object {name, schema, strict}",
-                       "response_format", "invalid_type")
-        if "name" in js and not isinstance(js["name"], str):
-            raise _bad("response_format.json_schema.name must be a string", "response_format", "invalid_type")
-        schema = js.get("schema", js.get("json_schema"))
+
+
+class JsonSchema(StrictBody):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    schema_: Any = Field(None, alias="schema")
+    json_schema: Any = None               # an older client's nesting of the schema
+    strict: Any = None
+
+
+class JsonSchemaFormat(StrictBody):
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+    def spec(self) -> dict | None:
+        js = self.json_schema
+        schema = js.schema_ if js.schema_ is not None else js.json_schema
         return {"json_object": True} if schema is None else {"json": schema}
-    if kind == "structural_tag":
-        tag = {k: v for k, v in rf.items() if k != "type"}
-        if "format" in tag:
-            tag = {"type": "structural_tag", **tag}
-        return {"structural_tag": tag}
-    raise _bad(f"response_format.type must be text, json_object, json_schema or structural_tag, got {kind!r}"[:200],
-               "response_format")
 
 
-def _one_source(body: dict) -> tuple[str, dict] | None:
-    """(the field it came from, the StructuredOutputsParams fields) of the body's constraint, if any."""
-    found: list[tuple[str, dict | None]] = []
-    for name in SOURCES:
-        value = body.get(name)
-        if value is None:
-            continue
-        if name == "response_format":
-            found.append((name, _from_response_format(value)))
-        elif name == "structured_outputs":
-            if not isinstance(value, dict):
-                raise _bad("structured_outputs must be an object", name, "invalid_type")
-            found.append((name, dict(value)))
-        elif name in GUIDED:
-            found.append((name, {GUIDED[name]: value}))
-        else:
-            found.append((name, {"structural_tag": value}))
-    found = [(n, f) for n, f in found if f is not None]
-    if len(found) > 1:
-        raise _bad(f"{found[1][0]} cannot be combined with {found[0][0]}: give one structured-output constraint",
-                   found[1][0])
-    return found[0] if found else None
+class StructuralTagFormat(StrictBody):
+    """vLLM's: the structural tag itself (``format``, or the older ``structures`` + ``triggers``)."""
+    model_config = ConfigDict(extra="allow")
+    type: Literal["structural_tag"]
+
+    def spec(self) -> dict | None:
+        tag = dict(self.model_extra or {})
+        return {"structural_tag": {"type": "structural_tag", **tag} if "format" in tag else tag}
 
 
-def _check_backend(body: dict) -> None:
-    backend = body.get("guided_decoding_backend")
-    if backend is not None and backend not in BACKENDS:
-        raise _bad(f"guided_decoding_backend must be one of {', '.join(BACKENDS)} (the one backend here), "
-                   f"got {str(backend)[:60]!r}", "guided_decoding_backend",
-                   "unsupported_parameter" if isinstance(backend, str) else "invalid_type")
+ResponseFormat = Annotated[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat, StructuralTagFormat],
+                           Field(discriminator="type")]
+
+
+class StructuredFields(StrictBody):
+    """The fields a constraint can come from (at most one per request) and vLLM's backend switch."""
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[dict] = None       # its keys: StructuredOutputsParams' (the engine checks them)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Optional[Literal["xgrammar", "auto"]] = None    # the one backend here
+    structural_tag: Any = None
+
+    def constraint_source(self) -> str | None:
+        """The body field a constraint came from (names the param of a refusal the engine finds later)."""
+        return next((name for name in SOURCES if getattr(self, name) is not None
+                     and not isinstance(getattr(self, name), TextFormat)), None)
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The request's constraint as engine params, or None. Two sources are a 400 naming the second; one
+        xgrammar cannot compile is refused at submit (the engine's RequestError ``invalid_structured_outputs``)."""
+        found: list[tuple[str, dict]] = []
+        for name in SOURCES:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            spec = value.spec() if name == "response_format" else dict(value) if name == "structured_outputs" \
+                else {GUIDED[name]: value} if name in GUIDED else {"structural_tag": value}
+            if spec is not None:
+                found.append((name, spec))
+        if len(found) > 1:
+            raise _bad(f"{found[1][0]} cannot be combined with {found[0][0]}: give one structured-output constraint",
+                       found[1][0])
+        if not found:
+            return None
+        name, spec = found[0]
+        spec = _parsed(name, spec)
+        spec.setdefault("disable_any_whitespace", COMPACT_DEFAULT)
+        try:
+            return StructuredOutputsParams.of(spec)
+        except (RequestError, TypeError) as e:
+            message = str(e)
+            if name != "structured_outputs":       # say it in the client's own field's terms
+                message = f"{name}: {message}"
+            raise _bad(message, name) from None
 
 
 def _parsed(name: str, spec: dict) -> dict:
-    """``spec`` with a schema or tag given as JSON text parsed (the body's rules); a HugeInt in it refused."""
+    """``spec`` with a schema or tag given as JSON text parsed (the body's rules); a HugeInt in it refused. By
+    hand: the JSON text inside a field is held to the body's strict-JSON rules (loads_strict), and a schema is
+    free-form (any JSON), so no model can say that an integer deep inside it is too long
+    (tests/service/entrypoints/test_service_structured.py, the hostile-schema cases)."""
     for kind, what in (("json", "schema"), ("structural_tag", "structural tag")):
         if isinstance(spec.get(kind), str):
             try:
@@ -115,28 +157,3 @@ def _parsed(name: str, spec: dict) -> dict:
         elif isinstance(v, list):
             stack += v
     return spec
-
-
-def source(body: dict) -> str | None:
-    """The body field a constraint came from (names the param of a refusal the engine finds later)."""
-    return next((name for name in SOURCES if body.get(name) is not None
-                 and body.get(name) != {"type": "text"}), None)
-
-
-def structured_outputs(body: dict) -> StructuredOutputsParams | None:
-    """The request's constraint as engine params, or None. A malformed one is a 400 naming its field; one
-    xgrammar cannot compile is refused at submit (the engine's RequestError ``invalid_structured_outputs``)."""
-    _check_backend(body)
-    found = _one_source(body)
-    if found is None:
-        return None
-    name, spec = found
-    spec = _parsed(name, spec)
-    spec.setdefault("disable_any_whitespace", COMPACT_DEFAULT)
-    try:
-        return StructuredOutputsParams.of(spec)
-    except (RequestError, TypeError) as e:
-        message = str(e)
-        if name != "structured_outputs":       # say it in the client's own field's terms
-            message = f"{name}: {message}"
-        raise _bad(message, name) from None
