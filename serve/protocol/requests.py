@@ -176,11 +176,21 @@ Refusable = create_model("Refusable", __base__=StrictBody,
                          **{name: (Optional[kind], None) for name, (_, kind, _) in _REFUSABLE.items()})
 
 
-class OpenAIRequest(SamplingFields, StructuredFields, vf.VllmFields, Refusable):
+class ServedModel(StrictBody):
+    """``model``: when given, the served model's name or one of its aliases (404 otherwise)."""
+    model: Optional[str] = None
+
+    def served_model(self, limits: Limits) -> str | None:
+        if self.model is not None and not limits.serves(self.model):
+            raise ApiError(404, f"the model {show(self.model)} does not exist; this server serves "
+                                f"{limits.served_model_name!r}", "model_not_found", "model")
+        return self.model
+
+
+class OpenAIRequest(ServedModel, SamplingFields, StructuredFields, vf.VllmFields, Refusable):
     """What /v1/completions and /v1/chat/completions share (vLLM's field names)."""
     #: the refusable fields a route implements (its own model states their type)
     implemented: ClassVar[frozenset] = frozenset()
-    model: Optional[str] = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     best_of: Optional[Annotated[int, Field(ge=1, le=MAX_CHOICES)]] = None
     stop: Optional[Stops] = None
@@ -206,13 +216,6 @@ class OpenAIRequest(SamplingFields, StructuredFields, vf.VllmFields, Refusable):
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-
-    def served_model(self, limits: Limits) -> str | None:
-        if self.model is not None and not limits.serves(self.model):
-            raise ApiError(404, f"the model {self.model!r} does not exist; this server serves "
-                                f"{limits.served_model_name!r}", "model_not_found", "model")
-        return self.model
-
 
 class CompletionRequest(OpenAIRequest):
     """``POST /v1/completions``."""

@@ -14,8 +14,8 @@ from typing import Any, Optional
 from pydantic import model_validator
 
 from serve.protocol.chat import ChatPrompt, ChatTools, Messages
-from serve.protocol.sampling import StrictBody, bad, show
-from serve.protocol.wire import ApiError
+from serve.protocol.requests import ServedModel
+from serve.protocol.sampling import bad
 
 
 @dataclass
@@ -29,16 +29,7 @@ class TokenizeRequest:
         return "messages" if isinstance(self.prompt, ChatPrompt) else "prompt"
 
 
-class _ModelBody(StrictBody):
-    model: Optional[str] = None
-
-    def check_model(self, limits) -> None:
-        if self.model is not None and not limits.serves(self.model):
-            raise ApiError(404, f"the model {show(self.model)} does not exist; this server serves "
-                                f"{limits.served_model_name!r}", "model_not_found", "model")
-
-
-class TokenizeBody(ChatTools, _ModelBody):
+class TokenizeBody(ChatTools, ServedModel):
     prompt: Optional[str] = None
     messages: Optional[Messages] = None
     add_generation_prompt: bool = True
@@ -58,13 +49,13 @@ class TokenizeBody(ChatTools, _ModelBody):
         return self
 
 
-class DetokenizeBody(_ModelBody):
+class DetokenizeBody(ServedModel):
     tokens: list[int]
 
 
 def parse_tokenize(body: Any, limits) -> TokenizeRequest:
     req = TokenizeBody.parse(body)
-    req.check_model(limits)
+    req.served_model(limits)
     if req.messages is not None:
         chat = ChatPrompt(req.messages, req.tool_list(), dict(req.chat_template_kwargs or {}))
         options = {"add_generation_prompt": req.add_generation_prompt,
@@ -77,7 +68,7 @@ def parse_tokenize(body: Any, limits) -> TokenizeRequest:
 
 def parse_detokenize(body: Any, limits, vocab_size: int) -> list[int]:
     req = DetokenizeBody.parse(body)
-    req.check_model(limits)
+    req.served_model(limits)
     wrong = [t for t in req.tokens if not 0 <= t < vocab_size]
     if wrong:
         raise bad(f"tokens: {wrong[0]} is not a token id of this model (0 .. {vocab_size - 1})", "tokens",

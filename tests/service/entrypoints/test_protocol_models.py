@@ -1,0 +1,42 @@
+"""The request bodies as pydantic models (serve/protocol): pydantic's first error is one 400 naming the field as
+the client wrote it, inside nested objects too; types are strict at every depth; null is absent and unknown
+fields are ignored at every depth. No server: the parse functions the routes call."""
+from __future__ import annotations
+
+import pytest
+
+from serve.protocol.requests import Limits, parse_chat, parse_completion, parse_native
+from serve.protocol.wire import ApiError
+
+LIMITS = Limits(64, "tiny")
+USER = [{"role": "user", "content": "hi"}]
+
+
+def refusal(parse, body: dict) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        parse(body, LIMITS)
+    return e.value
+
+
+@pytest.mark.parametrize("parse,body,param,code", [
+    (parse_completion, {"prompt": "hi", "stream": True, "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage", "invalid_type"),
+    (parse_completion, {"prompt": "hi", "response_format": {"type": "json_schema"}}, "response_format.json_schema",
+     "invalid_value"),
+    (parse_completion, {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"name": 3}}},
+     "response_format.json_schema.name", "invalid_type"),
+    (parse_chat, {"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name", "invalid_type"),
+    (parse_chat, {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
+     "messages[0].tool_calls[0].function.name", "invalid_value"),
+    (parse_native, {"messages": [USER[0], 7]}, "messages[1]", "invalid_type"),
+], ids=["stream_options", "json_schema-missing", "json_schema-name", "message-name", "call-name", "message-item"])
+def test_a_nested_field_is_named_as_the_client_wrote_it(parse, body, param, code):
+    err = refusal(parse, body)
+    assert (err.status, err.param, err.code) == (400, param, code), err.message
+    assert err.message.startswith(param) and "\n" not in err.message
+
+
+def test_null_is_absent_and_unknown_fields_are_ignored_inside_objects_too():
+    req = parse_chat({"messages": [{"role": "user", "content": "hi", "no_such": 1, "name": None}], "stream": True,
+                      "stream_options": {"include_usage": None, "no_such": 2}, "n": None}, LIMITS)
+    assert req.prompt.messages == [{"role": "user", "content": "hi"}] and not req.include_usage and req.n == 1
