@@ -5,8 +5,9 @@ names); and :func:`render`, the one rendering of them the server uses.
 
 The prompt is exactly ``tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
 tokenize=False, **chat_template_kwargs)`` (a ``developer`` message as ``system``): the template's own default
-for thinking (Qwen3: on), as vLLM serves it. ``chat_template_kwargs`` go to the template as given (a key the template does not read changes
-nothing, as in vLLM), except the names of ``apply_chat_template``'s own arguments, which are refused.
+for thinking (Qwen3: on), as vLLM serves it. ``chat_template_kwargs`` go to the template as given (a key the
+template does not read changes nothing, as in vLLM), except the names of ``apply_chat_template``'s own
+arguments, which are refused.
 An assistant's ``tool_calls[j].function.arguments`` (a JSON string, as OpenAI sends it) is parsed into an
 object before rendering, as vLLM does, so the template writes it with its own ``tojson``.
 """
@@ -258,7 +259,8 @@ class ChatTools(StrictBody):
         names: set[str] = set()
         for i, tool in enumerate(self.tools or []):
             if tool.function.name in names:
-                raise bad(f"tools[{i}].function.name {tool.function.name!r} is given twice", f"tools[{i}].function.name")
+                at = f"tools[{i}].function.name"
+                raise bad(f"{at} {tool.function.name!r} is given twice", at)
             names.add(tool.function.name)
         choice = self.tool_choice
         if isinstance(choice, str) and choice != "none" and not self.tools:

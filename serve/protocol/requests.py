@@ -21,7 +21,6 @@ the code that enforces it, so the two cannot drift apart.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -103,9 +102,9 @@ TokenIds = Annotated[list[int], AfterValidator(_not_empty)]
 RequestId = Annotated[str, StringConstraints(pattern=f"^{REQUEST_ID_RE.pattern}$")]
 
 
-def _one_or_many(kind_one: str):
-    return lambda v: kind_one if not isinstance(v, list) or not v or not all(isinstance(p, (str, list)) for p in v) \
-        else "many"
+def _many(value: Any) -> bool:
+    """Whether a completions prompt is a list of prompts (rather than one text or one list of token ids)."""
+    return isinstance(value, list) and bool(value) and all(isinstance(p, (str, list)) for p in value)
 
 
 OnePrompt = Annotated[Union[Annotated[Text, Tag("text")], Annotated[TokenIds, Tag("ids")]],
@@ -113,10 +112,10 @@ OnePrompt = Annotated[Union[Annotated[Text, Tag("text")], Annotated[TokenIds, Ta
 #: /v1/completions' prompt: text, token ids, or a list of either (one choice per prompt).
 Prompts = Annotated[Union[Annotated[OnePrompt, Tag("one")],
                           Annotated[list[OnePrompt], Field(max_length=MAX_PROMPTS), Tag("many")]],
-                    Discriminator(_one_or_many("one"))]
+                    Discriminator(lambda v: "many" if _many(v) else "one")]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=256)]
-Stops = Annotated[Union[Annotated[StopString, Tag("one")], Annotated[list[StopString], Field(max_length=MAX_STOPS),
-                                                                     Tag("many")]],
+Stops = Annotated[Union[Annotated[StopString, Tag("one")],
+                        Annotated[list[StopString], Field(max_length=MAX_STOPS), Tag("many")]],
                   Discriminator(lambda v: "one" if isinstance(v, str) else "many")]
 TokenId = Annotated[int, Field(ge=0)]
 
@@ -214,8 +213,14 @@ class OpenAIRequest(ServedModel, SamplingFields, StructuredFields, vf.VllmFields
                       "best_of", "unsupported_parameter")
         return self
 
-    def stops(self) -> list[str]:
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+    def gen_request(self, api: str, prompt: Any, params: SamplingParams, given: bool, opts: vf.VllmOptions,
+                    limits: Limits, **more) -> GenRequest:
+        """The validated request as the routes serve it (``given``: whether max_tokens was)."""
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return GenRequest(api, prompt, params, stream=self.stream, request_id=self.request_id,
+                          include_usage=self.include_usage, model=self.served_model(limits), fill_context=not given,
+                          stop=stops, include_stop_str_in_output=self.include_stop_str_in_output, n=self.n,
+                          logprobs=params.logprobs, echo=self.echo, vllm=opts, **more)
 
 class CompletionRequest(OpenAIRequest):
     """``POST /v1/completions``."""
@@ -223,8 +228,7 @@ class CompletionRequest(OpenAIRequest):
     logprobs: Optional[int] = None          # its range: SamplingParams.logprobs'
 
     def prompts(self) -> list:
-        many = isinstance(self.prompt, list) and self.prompt and all(isinstance(p, (str, list)) for p in self.prompt)
-        return list(self.prompt) if many else [self.prompt]
+        return list(self.prompt) if _many(self.prompt) else [self.prompt]
 
 
 class ChatCompletionRequest(ChatTools, OpenAIRequest):
@@ -280,8 +284,9 @@ class CancelRequest(StrictBody):
 # --------------------------------------------------------------------------- one SamplingParams per request
 
 
-def _params(req: SamplingFields | StructuredFields, limits: Limits, default_temperature: float, max_tokens_name: str = "max_tokens",
-            default_max_tokens: int | None = None, **extra) -> tuple[SamplingParams, bool]:
+def _params(req: SamplingFields | StructuredFields, limits: Limits, default_temperature: float,
+            max_tokens_name: str = "max_tokens", default_max_tokens: int | None = None,
+            **extra) -> tuple[SamplingParams, bool]:
     """The sampling parameters and whether max_tokens was given. Without it: ``default_max_tokens``, or
     (None) the rest of the context, which the worker fills in once it knows the prompt's length. Every route
     builds them from the same model (SamplingFields); a range the engine refuses is a 400 in its words."""
@@ -296,7 +301,7 @@ def _params(req: SamplingFields | StructuredFields, limits: Limits, default_temp
     try:
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
                                 seed=req.seed, structured_outputs=req.constraint(),
-                                **req.sampling_kwargs(), **{k: v for k, v in extra.items() if v is not None})
+                                **req.sampling_kwargs(), **{k: v for k, v in extra.items() if v not in (None, [])})
     except RequestError as e:        # a range (SamplingParams states them), or min_tokens > max_tokens
         raise bad(str(e), param_of(e.code)) from None
     return params, given or default_max_tokens is not None
@@ -325,46 +330,34 @@ def parse_native(body: Any, limits: Limits) -> GenRequest:
                       detokenize=req.detokenize, structured_param=req.constraint_source())
 
 
-def _stop_ids(params: SamplingParams, stop_ids: list[int]) -> SamplingParams:
-    """stop_token_ids are the engine's (SamplingParams.stop_token_ids): it finishes the request with reason stop
-    at one, and min_tokens holds them back like EOS."""
-    return dataclasses.replace(params, stop_token_ids=list(stop_ids)) if stop_ids else params
-
-
 def parse_completion(body: Any, limits: Limits) -> GenRequest:
     """``POST /v1/completions``: prompt is a string, token ids, or a list of either (one choice per prompt)."""
     req = CompletionRequest.parse(body)
-    model = req.served_model(limits)
+    req.served_model(limits)
     prompts = req.prompts()
     if req.n * len(prompts) > MAX_CHOICES:
         raise bad(f"prompts x n may be at most {MAX_CHOICES}, got {len(prompts)} x {req.n}", "n")
     opts = req.options(limits.max_model_len)
+    echoed = req.logprobs if req.echo else None           # echo with logprobs: the prompt's too (vLLM's field wins)
     params, given = _params(req, limits, default_temperature=1.0, default_max_tokens=DEFAULT_COMPLETION_TOKENS,
-                            logprobs=req.logprobs, prompt_logprobs=opts.prompt_logprobs
-                            if opts.prompt_logprobs is not None else req.logprobs if req.echo else None)
-    return GenRequest("completions", prompts[0], _stop_ids(params, req.stop_token_ids), stream=req.stream,
-                      request_id=req.request_id, include_usage=bool(req.stream_options and req.stream_options.include_usage),
-                      model=model, fill_context=not given, stop=req.stops(),
-                      include_stop_str_in_output=req.include_stop_str_in_output, prompts=prompts, n=req.n,
-                      logprobs=params.logprobs, echo=req.echo, vllm=opts, structured_param=req.constraint_source())
+                            logprobs=req.logprobs, stop_token_ids=req.stop_token_ids,
+                            prompt_logprobs=echoed if opts.prompt_logprobs is None else opts.prompt_logprobs)
+    return req.gen_request("completions", prompts[0], params, given, opts, limits, prompts=prompts,
+                           structured_param=req.constraint_source())
 
 
 def parse_chat(body: Any, limits: Limits) -> GenRequest:
     """``POST /v1/chat/completions``: messages through the model's chat template."""
     req = ChatCompletionRequest.parse(body)
-    model = req.served_model(limits)
+    req.served_model(limits)
     chat, chat_output = req.chat_prompt(req.messages, limits.enable_auto_tool_choice, limits.reasoning_parser)
     opts = req.options(limits.max_model_len, req.add_generation_prompt, req.continue_final_message)
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params, given = _params(req, limits, default_temperature=1.0, max_tokens_name=name,
                             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
-                            prompt_logprobs=opts.prompt_logprobs)
-    params = constrain(_stop_ids(params, req.stop_token_ids), chat_output)
-    return GenRequest("chat", chat, params, stream=req.stream, request_id=req.request_id,
-                      include_usage=bool(req.stream_options and req.stream_options.include_usage), model=model,
-                      fill_context=not given, stop=req.stops(), include_stop_str_in_output=req.include_stop_str_in_output,
-                      n=req.n, logprobs=params.logprobs, echo=req.echo, vllm=opts, chat_output=chat_output,
-                      structured_param="tool_choice" if chat_output.constraint else req.constraint_source())
+                            stop_token_ids=req.stop_token_ids, prompt_logprobs=opts.prompt_logprobs)
+    return req.gen_request("chat", chat, constrain(params, chat_output), given, opts, limits, chat_output=chat_output,
+                           structured_param="tool_choice" if chat_output.constraint else req.constraint_source())
 
 
 def parse_cancel(body: Any) -> tuple[str, str | None]:

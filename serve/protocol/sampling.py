@@ -56,7 +56,8 @@ _SAYS = {"greater_than_equal": "must be >= {ge}", "greater_than": "must be > {gt
          "too_long": "may hold at most {max_length} items", "too_short": "must hold at least {min_length} items",
          "string_too_long": "may be at most {max_length} characters", "string_too_short": "must not be empty",
          "string_pattern_mismatch": "must match {pattern}", "literal_error": "must be {expected}",
-         "union_tag_invalid": "must have {discriminator} one of {expected_tags}", "union_tag_not_found": "needs {discriminator}"}
+         "union_tag_invalid": "must have {discriminator} one of {expected_tags}",
+         "union_tag_not_found": "needs {discriminator}"}
 
 
 def _param(loc: tuple, body: Any, kind: str = "") -> tuple[str | None, Any]:

@@ -112,6 +112,10 @@ class VllmFields(StrictBody):
             raise bad("prompt_logprobs are not available with stream=true (as vLLM)", "prompt_logprobs")
         return self
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
     def options(self, max_model_len: int, add_generation_prompt: bool = True,
                 continue_final_message: bool = False) -> VllmOptions:
         """The resolved options (truncate_prompt_tokens: a count of tokens to keep)."""
