@@ -201,9 +201,10 @@ class OpenAIRequest(ServedModel, SamplingFields, StructuredFields, vf.VllmFields
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         """Each refusable field: absent, null or a no-op value passes; anything else is refused, naming it."""
-        for name, (noops, _, why) in _REFUSABLE.items():
+        for name in self.model_fields_set & _REFUSABLE.keys() - self.implemented:
+            noops, _, why = _REFUSABLE[name]
             value = getattr(self, name)
-            if value is None or name in self.implemented or value in noops:
+            if value in noops:
                 continue
             noop_text = " or ".join(json.dumps(n) for n in noops)
             raise bad(f"{name}={show(value)} is not supported by this server ({why}); "
