@@ -26,8 +26,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Optional, Union
 
-from pydantic import (AfterValidator, Discriminator, Field, StringConstraints, Tag, create_model, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, Discriminator, Field, StringConstraints, Tag, ValidationInfo, create_model,
+                      field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from engine import MAX_LOGPROBS, RequestError, SamplingParams
@@ -176,14 +176,18 @@ Refusable = create_model("Refusable", __base__=StrictBody,
 
 
 class ServedModel(StrictBody):
-    """``model``: when given, the served model's name or one of its aliases (404 otherwise)."""
+    """``model``: when given, the served model's name or one of its aliases. Another is a 404, raised as the field
+    is read, so it comes before any 400 of the body (a request for another model is answered as such)."""
     model: Optional[str] = None
 
-    def served_model(self, limits: Limits) -> str | None:
-        if self.model is not None and not limits.serves(self.model):
-            raise ApiError(404, f"the model {show(self.model)} does not exist; this server serves "
+    @field_validator("model")
+    @classmethod
+    def _served(cls, model: str, info: ValidationInfo) -> str:
+        limits = (info.context or {}).get("limits")
+        if limits is not None and not limits.serves(model):
+            raise ApiError(404, f"the model {show(model)} does not exist; this server serves "
                                 f"{limits.served_model_name!r}", "model_not_found", "model")
-        return self.model
+        return model
 
 
 class OpenAIRequest(ServedModel, SamplingFields, StructuredFields, vf.VllmFields, Refusable):
@@ -215,11 +219,11 @@ class OpenAIRequest(ServedModel, SamplingFields, StructuredFields, vf.VllmFields
         return self
 
     def gen_request(self, api: str, prompt: Any, params: SamplingParams, given: bool, opts: vf.VllmOptions,
-                    limits: Limits, **more) -> GenRequest:
+                    **more) -> GenRequest:
         """The validated request as the routes serve it (``given``: whether max_tokens was)."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return GenRequest(api, prompt, params, stream=self.stream, request_id=self.request_id,
-                          include_usage=self.include_usage, model=self.served_model(limits), fill_context=not given,
+                          include_usage=self.include_usage, model=self.model, fill_context=not given,
                           stop=stops, include_stop_str_in_output=self.include_stop_str_in_output, n=self.n,
                           logprobs=params.logprobs, echo=self.echo, vllm=opts, **more)
 
@@ -333,8 +337,7 @@ def parse_native(body: Any, limits: Limits) -> GenRequest:
 
 def parse_completion(body: Any, limits: Limits) -> GenRequest:
     """``POST /v1/completions``: prompt is a string, token ids, or a list of either (one choice per prompt)."""
-    req = CompletionRequest.parse(body)
-    req.served_model(limits)
+    req = CompletionRequest.parse(body, limits)
     prompts = req.prompts()
     if req.n * len(prompts) > MAX_CHOICES:
         raise bad(f"prompts x n may be at most {MAX_CHOICES}, got {len(prompts)} x {req.n}", "n")
@@ -343,21 +346,20 @@ def parse_completion(body: Any, limits: Limits) -> GenRequest:
     params, given = _params(req, limits, default_temperature=1.0, default_max_tokens=DEFAULT_COMPLETION_TOKENS,
                             logprobs=req.logprobs, stop_token_ids=req.stop_token_ids,
                             prompt_logprobs=echoed if opts.prompt_logprobs is None else opts.prompt_logprobs)
-    return req.gen_request("completions", prompts[0], params, given, opts, limits, prompts=prompts,
+    return req.gen_request("completions", prompts[0], params, given, opts, prompts=prompts,
                            structured_param=req.constraint_source())
 
 
 def parse_chat(body: Any, limits: Limits) -> GenRequest:
     """``POST /v1/chat/completions``: messages through the model's chat template."""
-    req = ChatCompletionRequest.parse(body)
-    req.served_model(limits)
+    req = ChatCompletionRequest.parse(body, limits)
     chat, chat_output = req.chat_prompt(req.messages, limits.enable_auto_tool_choice, limits.reasoning_parser)
     opts = req.options(limits.max_model_len, req.add_generation_prompt, req.continue_final_message)
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     params, given = _params(req, limits, default_temperature=1.0, max_tokens_name=name,
                             logprobs=(req.top_logprobs or 0) if req.logprobs else None,
                             stop_token_ids=req.stop_token_ids, prompt_logprobs=opts.prompt_logprobs)
-    return req.gen_request("chat", chat, constrain(params, chat_output), given, opts, limits, chat_output=chat_output,
+    return req.gen_request("chat", chat, constrain(params, chat_output), given, opts, chat_output=chat_output,
                            structured_param="tool_choice" if chat_output.constraint else req.constraint_source())
 
 

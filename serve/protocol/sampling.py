@@ -124,10 +124,11 @@ class StrictBody(BaseModel):
         return {k: v for k, v in body.items() if v is not None} if isinstance(body, dict) else body
 
     @classmethod
-    def parse(cls, body: Any):
-        """The body as this model, or the :class:`ApiError` 400 naming the first field that is wrong."""
+    def parse(cls, body: Any, limits: Any = None):
+        """The body as this model, or the :class:`ApiError` 400 naming the first field that is wrong. ``limits``:
+        the server's (serve.protocol.requests.Limits), for the validators that need them."""
         try:
-            return cls.model_validate(body)
+            return cls.model_validate(body, context={"limits": limits})
         except ValidationError as e:
             raise api_error(e, body) from None
 

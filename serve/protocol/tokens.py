@@ -54,8 +54,7 @@ class DetokenizeBody(ServedModel):
 
 
 def parse_tokenize(body: Any, limits) -> TokenizeRequest:
-    req = TokenizeBody.parse(body)
-    req.served_model(limits)
+    req = TokenizeBody.parse(body, limits)
     if req.messages is not None:
         chat = ChatPrompt(req.messages, req.tool_list(), dict(req.chat_template_kwargs or {}))
         options = {"add_generation_prompt": req.add_generation_prompt,
@@ -67,8 +66,7 @@ def parse_tokenize(body: Any, limits) -> TokenizeRequest:
 
 
 def parse_detokenize(body: Any, limits, vocab_size: int) -> list[int]:
-    req = DetokenizeBody.parse(body)
-    req.served_model(limits)
+    req = DetokenizeBody.parse(body, limits)
     wrong = [t for t in req.tokens if not 0 <= t < vocab_size]
     if wrong:
         raise bad(f"tokens: {wrong[0]} is not a token id of this model (0 .. {vocab_size - 1})", "tokens",

@@ -40,3 +40,13 @@ def test_null_is_absent_and_unknown_fields_are_ignored_inside_objects_too():
     req = parse_chat({"messages": [{"role": "user", "content": "hi", "no_such": 1, "name": None}], "stream": True,
                       "stream_options": {"include_usage": None, "no_such": 2}, "n": None}, LIMITS)
     assert req.prompt.messages == [{"role": "user", "content": "hi"}] and not req.include_usage and req.n == 1
+
+
+@pytest.mark.parametrize("parse,body", [
+    (parse_completion, {"model": "other", "prompt": "hi", "stop": [{"x": 1}]}),
+    (parse_chat, {"model": "other", "messages": "hi", "top_p": "x"}),
+    (parse_chat, {"model": "other", "messages": USER, "suffix": "x"}),
+], ids=["completions", "chat", "chat-refused-field"])
+def test_another_model_is_404_before_any_400_of_the_body(parse, body):
+    err = refusal(parse, body)
+    assert (err.status, err.code, err.param) == (404, "model_not_found", "model"), err.message
