@@ -117,7 +117,6 @@ StopString = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 Stops = Annotated[Union[Annotated[StopString, Tag("one")],
                         Annotated[list[StopString], Field(max_length=MAX_STOPS), Tag("many")]],
                   Discriminator(lambda v: "one" if isinstance(v, str) else "many")]
-TokenId = Annotated[int, Field(ge=0)]
 
 
 def _tags(tags: Any) -> dict:
@@ -138,8 +137,6 @@ def _tags(tags: Any) -> dict:
 
 
 # --------------------------------------------------------------------------- parameters we do not implement
-
-NonNegative = Annotated[int, Field(ge=0)]
 
 #: Parameters of OpenAI's and vLLM's completion requests that this server does not implement:
 #: name -> (the values that change nothing and are accepted, the field's type, why refused).
@@ -197,7 +194,7 @@ class OpenAIRequest(ServedModel, SamplingFields, StructuredFields, vf.VllmFields
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     best_of: Optional[Annotated[int, Field(ge=1, le=MAX_CHOICES)]] = None
     stop: Optional[Stops] = None
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] = []
+    stop_token_ids: Annotated[list[int], Field(max_length=64)] = []     # ids: SamplingParams' check
     include_stop_str_in_output: bool = False
     echo: bool = False
     request_id: Optional[RequestId] = None
