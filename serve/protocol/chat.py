@@ -91,6 +91,8 @@ class TextPart(StrictBody):
     @model_validator(mode="wrap")
     @classmethod
     def _text_only(cls, value, handler):
+        """Any part pydantic refuses is one unsupported_content (an image part is not a malformed text part;
+        tests/service/entrypoints/test_service_http.py asserts the code)."""
         try:
             return handler(value)
         except ValidationError:
@@ -161,6 +163,8 @@ class ChatMessage(StrictBody):
 
 
 def _non_empty(value, handler):
+    """By hand: an empty list is refused as invalid_type (tests/service/entrypoints/test_service_http.py), where
+    pydantic's min_length says too_short."""
     if isinstance(value, list) and not value:
         raise PydanticCustomError("invalid_type", "must be a non-empty list of {role, content} objects")
     return [m.as_template_reads() for m in handler(value)]

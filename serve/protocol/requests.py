@@ -92,6 +92,8 @@ class GenRequest:
 
 
 def _not_empty(value):
+    """By hand: pydantic's min_length refusal has its own type (too_short), where an empty prompt's code is
+    empty_prompt (tests/service/entrypoints/test_service_http.py)."""
     if not value:
         raise PydanticCustomError("empty_prompt", "is empty")
     return value
