@@ -85,6 +85,13 @@ def _param(loc: tuple, body: Any, kind: str = "") -> tuple[str | None, Any]:
     return text or None, value
 
 
+def _says(kind: str, ctx: dict) -> str | None:
+    try:
+        return _SAYS[kind].format(**ctx) if kind in _SAYS else None
+    except KeyError:                     # a pydantic release that names the error's context otherwise
+        return None
+
+
 def api_error(e: ValidationError, body: Any, at: str | None = None) -> ApiError:
     """The first error pydantic found, as the server's 400: ``<field> must be ..., got <value>``. ``at``: the
     field ``body`` is the value of (a TypeAdapter's errors start inside it)."""
@@ -104,13 +111,13 @@ def api_error(e: ValidationError, body: Any, at: str | None = None) -> ApiError:
         if isinstance(value, HugeInt) and kind in ("int_type", "float_type") and isinstance(loc[-1], str):
             return bad(f"{name} is out of range, got {show(value)}", param)
         return bad(f"{name} must be {_WHAT[kind]}, got {show(value)}", param, "invalid_type")
-    if kind in _SAYS:
-        says = _SAYS[kind].format(**ctx)
+    says = _says(kind, ctx)
+    if says is not None:
         return bad(f"{name} {says}, got {show(value)}" if kind not in ("too_long", "too_short") else f"{name} {says}",
                    param)
     if kind in CODES:                    # raised by a validator here (PydanticCustomError): the code, what it says
         return bad(f"{name} {err['msg']}", param, kind)
-    return bad(f"{name}: {err['msg']}", param)                     # pragma: no cover (no field raises another)
+    return bad(f"{name}: {err['msg']}", param)          # any other refusal of pydantic's, in its own words
 
 
 class StrictBody(BaseModel):

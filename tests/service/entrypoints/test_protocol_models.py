@@ -50,3 +50,25 @@ def test_null_is_absent_and_unknown_fields_are_ignored_inside_objects_too():
 def test_another_model_is_404_before_any_400_of_the_body(parse, body):
     err = refusal(parse, body)
     assert (err.status, err.code, err.param) == (404, "model_not_found", "model"), err.message
+
+
+ODD_VALUES = [True, 0, -1, 2 ** 70, 1.5, "", "x", [], [1], ["a"], [[]], [{}], {}, {"a": 1}, {"type": "x"},
+              [{"role": "user"}], {"[key]": {"type": None}}]
+
+
+def test_any_odd_value_in_any_field_is_a_4xx_or_accepted_never_another_exception():
+    """Every field the three models know, and a few they do not, each given each odd value (a HugeInt too): the
+    parse answers or raises ApiError 4xx, never anything else (which the server would answer with a 500)."""
+    from serve.protocol.requests import ChatCompletionRequest, CompletionRequest, GenerateRequest
+    from serve.protocol.wire import loads_strict
+
+    huge = loads_strict(b"1" + b"0" * 60)
+    routes = ((parse_native, GenerateRequest, {"prompt": "hi"}), (parse_completion, CompletionRequest, {"prompt": "hi"}),
+              (parse_chat, ChatCompletionRequest, {"messages": USER}))
+    for parse, model, base in routes:
+        for name in [*model.model_fields, "no_such_field"]:
+            for value in [*ODD_VALUES, huge]:
+                try:
+                    parse({**base, name: value}, LIMITS)
+                except ApiError as e:
+                    assert 400 <= e.status < 500 and e.message and "\n" not in e.message, (name, value, e.message)
