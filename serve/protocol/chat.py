@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, TypeAdapter,
-                      ValidationError, WrapValidator, field_validator, model_validator)
+                      ValidationError, ValidationInfo, WrapValidator, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from serve.protocol.chat_output import ChatOutputOptions
@@ -132,19 +132,25 @@ class ChatMessage(StrictBody):
     """One message: role, text content (a string or text parts), an assistant's tool_calls, a tool's
     tool_call_id."""
     role: Literal[ROLES]
-    content: Optional[Content] = None
+    content: Optional[Content] = Field(None, validate_default=True)
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = None
     name: Optional[str] = None
     reasoning_content: Optional[str] = None
 
-    @model_validator(mode="after")
-    def _by_role(self):
-        if self.content is None and self.role != "assistant":
-            raise PydanticCustomError("invalid_type", "must have a string content")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise PydanticCustomError("invalid_value", "has tool_calls, which only assistant messages may")
-        return self
+    @field_validator("content")
+    @classmethod
+    def _content_by_role(cls, content, info: ValidationInfo):
+        if content is None and info.data.get("role", "assistant") != "assistant":     # an assistant's may be null
+            raise PydanticCustomError("invalid_type", "must be a string")
+        return content
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls_by_role(cls, calls, info: ValidationInfo):
+        if info.data.get("role", "assistant") != "assistant":
+            raise PydanticCustomError("invalid_value", "is only allowed in assistant messages")
+        return calls
 
     def as_template_reads(self) -> dict:
         """The message as the chat template reads it (text parts joined, arguments as objects)."""

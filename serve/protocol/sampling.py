@@ -79,8 +79,11 @@ def _param(loc: tuple, body: Any, kind: str = "") -> tuple[str | None, Any]:
                 break
             parts.append(step)
             value = value[step]
-    if not parts and loc and isinstance(loc[0], str):
-        parts = [loc[0]]                 # a missing field
+    if loc and isinstance(loc[-1], str) and loc[-1] != "[key]" and isinstance(value, dict) \
+            and loc[-1] not in value and (not parts or parts[-1] != loc[-1]):
+        parts.append(loc[-1])            # a field the object lacks (missing, or its default refused)
+    elif not parts and loc and isinstance(loc[0], str):
+        parts = [loc[0]]
     text = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
     return text or None, value
 
@@ -104,8 +107,6 @@ def api_error(e: ValidationError, body: Any, at: str | None = None) -> ApiError:
     param, _ = _param(loc, body, kind)
     name = (param or "the request body") + (" keys" if "[key]" in loc else "")
     if kind == "missing":
-        if len(loc) > 1 and isinstance(loc[-1], str):         # a field of an object inside the body
-            param = name = f"{param}.{loc[-1]}" if param else loc[-1]
         return bad(f"{name} is required", param, _MISSING.get(param or "", "invalid_value"))
     if kind in _WHAT:
         if isinstance(value, HugeInt) and kind in ("int_type", "float_type") and isinstance(loc[-1], str):

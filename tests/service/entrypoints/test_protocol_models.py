@@ -29,7 +29,11 @@ def refusal(parse, body: dict) -> ApiError:
     (parse_chat, {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]},
      "messages[0].tool_calls[0].function.name", "invalid_value"),
     (parse_native, {"messages": [USER[0], 7]}, "messages[1]", "invalid_type"),
-], ids=["stream_options", "json_schema-missing", "json_schema-name", "message-name", "call-name", "message-item"])
+    (parse_chat, {"messages": [{"role": "user"}]}, "messages[0].content", "invalid_type"),
+    (parse_chat, {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages[0].tool_calls",
+     "invalid_value"),
+], ids=["stream_options", "json_schema-missing", "json_schema-name", "message-name", "call-name", "message-item",
+        "no-content", "user-tool_calls"])
 def test_a_nested_field_is_named_as_the_client_wrote_it(parse, body, param, code):
     err = refusal(parse, body)
     assert (err.status, err.param, err.code) == (400, param, code), err.message
