@@ -18,12 +18,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag, TypeAdapter,
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, Tag, TypeAdapter,
                       ValidationError, ValidationInfo, WrapValidator, field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
 from serve.protocol.chat_output import ChatOutputOptions
-from serve.protocol.sampling import StrictBody, api_error, bad
+from serve.protocol.sampling import StrictBody, api_error, bad, by_type
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 #: apply_chat_template's own arguments: not for chat_template_kwargs.
@@ -125,7 +125,7 @@ class ToolCall(StrictBody):
 
 
 Content = Annotated[Union[Annotated[str, Tag("text")], Annotated[list[TextPart], Tag("parts")]],
-                    Discriminator(lambda v: "parts" if isinstance(v, list) else "text")]
+                    by_type("a string or a list of text parts", text=str, parts=list)]
 
 
 class ChatMessage(StrictBody):
@@ -237,7 +237,7 @@ class NamedToolChoice(StrictBody):
 
 
 ToolChoice = Annotated[Union[Annotated[Literal[TOOL_CHOICES], Tag("mode")], Annotated[NamedToolChoice, Tag("named")]],
-                       Discriminator(lambda v: "mode" if isinstance(v, str) else "named")]
+                       by_type("none, auto, required or {type: function, function: {name}}", mode=str, named=dict)]
 
 
 class _TemplateKwargs(BaseModel):

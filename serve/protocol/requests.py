@@ -33,7 +33,7 @@ from pydantic_core import PydanticCustomError
 from engine import MAX_LOGPROBS, RequestError, SamplingParams
 from serve.protocol import vllm_fields as vf
 from serve.protocol.chat import ChatTools, Messages, constrain
-from serve.protocol.sampling import PARAM_FIELDS, SamplingFields, StrictBody, bad, show  # noqa: F401
+from serve.protocol.sampling import PARAM_FIELDS, SamplingFields, StrictBody, bad, by_type, show  # noqa: F401
 from serve.protocol.structured import StructuredFields
 from serve.protocol.wire import ApiError
 
@@ -110,15 +110,15 @@ def _many(value: Any) -> bool:
 
 
 OnePrompt = Annotated[Union[Annotated[Text, Tag("text")], Annotated[TokenIds, Tag("ids")]],
-                      Discriminator(lambda v: "text" if isinstance(v, str) else "ids")]
+                      by_type("a string or a list of token ids", text=str, ids=list)]
 #: /v1/completions' prompt: text, token ids, or a list of either (one choice per prompt).
 Prompts = Annotated[Union[Annotated[OnePrompt, Tag("one")],
                           Annotated[list[OnePrompt], Field(max_length=MAX_PROMPTS), Tag("many")]],
-                    Discriminator(lambda v: "many" if _many(v) else "one")]
+                    Discriminator(lambda v: "many" if _many(v) else "one")]      # "one" says what a prompt is
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 Stops = Annotated[Union[Annotated[StopString, Tag("one")],
                         Annotated[list[StopString], Field(max_length=MAX_STOPS), Tag("many")]],
-                  Discriminator(lambda v: "one" if isinstance(v, str) else "many")]
+                  by_type("a string or a list of strings", one=str, many=list)]
 
 
 def _tags(tags: Any) -> dict:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import reprlib
 from typing import Annotated, Any, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError, WrapValidator, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Strict, ValidationError, WrapValidator,
+                      model_validator)
 
 from serve.protocol.wire import ApiError, HugeInt
 
@@ -117,8 +118,15 @@ def api_error(e: ValidationError, body: Any, at: str | None = None) -> ApiError:
         return bad(f"{name} {says}, got {show(value)}" if kind not in ("too_long", "too_short") else f"{name} {says}",
                    param)
     if kind in CODES:                    # raised by a validator here (PydanticCustomError): the code, what it says
-        return bad(f"{name} {err['msg']}", param, kind)
+        return bad(f"{name} {err['msg']}" + (f", got {show(value)}" if kind == "invalid_type" else ""), param, kind)
     return bad(f"{name}: {err['msg']}", param)          # any other refusal of pydantic's, in its own words
+
+
+def by_type(what: str, **tags: type) -> Discriminator:
+    """A union's member chosen by the value's JSON type (tag -> type); a value of none of them is one
+    ``invalid_type`` saying ``what`` the field must be (not one error per member)."""
+    return Discriminator(lambda v: next((tag for tag, kind in tags.items() if isinstance(v, kind)), None),
+                         custom_error_type="invalid_type", custom_error_message=f"must be {what}")
 
 
 class StrictBody(BaseModel):

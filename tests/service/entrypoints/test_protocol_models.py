@@ -76,3 +76,15 @@ def test_any_odd_value_in_any_field_is_a_4xx_or_accepted_never_another_exception
                     parse({**base, name: value}, LIMITS)
                 except ApiError as e:
                     assert 400 <= e.status < 500 and e.message and "\n" not in e.message, (name, value, e.message)
+
+
+@pytest.mark.parametrize("parse,body,says", [
+    (parse_completion, {"prompt": "hi", "stop": 5}, "stop must be a string or a list of strings, got 5"),
+    (parse_chat, {"messages": USER, "tool_choice": 5},
+     "tool_choice must be none, auto, required or {type: function, function: {name}}, got 5"),
+    (parse_chat, {"messages": [{"role": "user", "content": 5}]},
+     "messages[0].content must be a string or a list of text parts, got 5"),
+], ids=["stop", "tool_choice", "content"])
+def test_a_field_of_several_types_says_all_of_them(parse, body, says):
+    err = refusal(parse, body)
+    assert (err.code, err.message) == ("invalid_type", says)
