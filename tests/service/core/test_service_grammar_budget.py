@@ -113,6 +113,13 @@ def test_compiles_past_their_budget_are_400s_and_never_hold_text_requests(server
         assert st == 400 and err["error"]["param"] == "response_format", err
         assert "budget" in err["error"]["message"], err
     assert plain_s < 2.0, f"a plain 8-token request took {plain_s:.2f} s while grammars compiled"
+    # a compile past its budget runs on in the one compile worker (xgrammar cannot stop it): let it end, so the
+    # next test's compile does not queue behind it (on a loaded machine that wait alone passed 10 s)
+    grammars = server.worker.engine.grammars
+    deadline = time.monotonic() + 300
+    while grammars._inflight and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not grammars._inflight, "a compile past its budget was still running after 300 s"
 
 
 AMBIGUOUS = 'root ::= (s)*\ns ::= s s | [a-z] | s'      # its matcher's work grows with every character
