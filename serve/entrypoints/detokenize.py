@@ -52,6 +52,10 @@ class IncrementalText:
     (an incomplete multi-byte sequence) is held back until the next token. Once the window is longer
     than ``WINDOW`` ids it restarts at the previous emit boundary (one more decode then), so a decode
     never covers more than about WINDOW ids and always keeps one emitted piece of left context.
+
+    Hand-written rather than tokenizers' ``DecodeStream``, which gives the same pieces but has no flush: an
+    output cut inside a multi-byte character (max_tokens) never streams the U+FFFD its full decode ends with, so
+    the streamed text would differ from the whole answer's (test_detokenize_library.py shows it).
     """
 
     WINDOW = 8

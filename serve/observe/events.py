@@ -122,6 +122,7 @@ class EventLog:
     ``PATH.1`` (``PATH.1`` to ``PATH.2``, ..., the oldest beyond ``backups`` deleted; no backups: the file starts
     over), and a new ``PATH`` begins with the header again (``"rotation": n``) and that record, so each file reads
     on its own. ``rotate_existing`` moves a file already at ``path`` to ``PATH.1`` first instead of overwriting it.
+    (``logging.handlers.RotatingFileHandler`` rotates the same way but cannot begin each file with the header.)
     """
 
     def __init__(self, path: str | Path, flush_every: int = 64, *, max_bytes: int | None = None,
