@@ -3,7 +3,8 @@
 #
 #   tools/gpu/h200_session.sh serve   # both step models under load (tools/step_models_h200.sh's figures): the rate
 #                                     # sweep and the prefix-cache A/B on multi-turn and prefix-repetition, mixed
-#                                     # steps first; the eager batch-1 profile (tools/gpu/eager_profile.py), the
+#                                     # steps first; the eager batch-1 profile (tools/gpu/eager_profile.py), both step
+#                                     # models on the engine's step clock (tools/step_clock.py), the
 #                                     # step model's rate sweep last
 #   tools/gpu/h200_session.sh check   # pytest -m gpu, the bf16 / graph / kv-fp8 guards, the same at SmolLM2's
 #                                     # shapes, flash-attn built from its sdist (in the background) and its guards
@@ -73,6 +74,7 @@ serve_phase() {
     done
   done
   step eager-profile 75 timeout 100 $PY tools/gpu/eager_profile.py --attention triton --steps 40
+  step step-clock 120 timeout 200 $PY tools/step_clock.py --model "$MODEL_DIR" --device cuda
   step step-model-sweep 150 $PY -m labkit load --trace workloads/sweep-random.jsonl \
        --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 $engine --no-mixed-batches --offline-baseline \
        --serve-process --out "$W/runs/step-model-sweep.json"

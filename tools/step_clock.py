@@ -1,0 +1,104 @@
+"""Both step models on a multi-turn workload, offline, on the engine's own step clock: where a step model's time
+goes when requests arrive while others decode.
+
+One engine per step model (``--mixed-batches`` and nano-vllm's step model), the same requests: ``--sessions``
+conversations of ``--turns`` turns; turn 0 of session i arrives at step ``i * --every``, each later turn at the
+step its previous turn finished, its prompt the previous prompt, the previous answer and ``--suffix`` new tokens
+(the multi-turn workload's shape, with a cached prefix to hit). Per step model it prints the steps taken, steps
+from arrival to first token (p50 / p90 / max), step kinds, routes (decode graph, prefill graph, piecewise,
+eager) and the wall time per step of each route (median, total); on CUDA the engine runs with graphs and the
+overlapped decode, as `labkit serve` does.
+
+    python tools/step_clock.py --model DIR [--device cuda] [--sessions 32] [--turns 4] [--every 10] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import statistics
+import time
+
+
+def run(model: str, device: str, mixed: bool, cache: bool, sessions: int, turns: int, every: int, prefix: int,
+        suffix: int, output: int, seed: int) -> dict:
+    from engine import LLMEngine, SamplingParams
+
+    cuda = device.startswith("cuda")
+    engine = LLMEngine(model, device=device, max_num_seqs=256, max_num_batched_tokens=16384, max_model_len=2048,
+                       mixed_batches=mixed, enable_prefix_caching=cache, enforce_eager=not cuda, overlap=cuda)
+    vocab = engine.config.shape.vocab_size
+    rng = random.Random(seed)
+    shared = [[rng.randrange(1000, vocab) for _ in range(prefix)] for _ in range(4)]
+    pending = [(i * every, i, 0, shared[i % 4] + [rng.randrange(1000, vocab) for _ in range(suffix)])
+               for i in range(sessions)]
+    sp = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
+    live: dict[int, tuple] = {}
+    first: dict[int, int] = {}
+    kinds, routes = collections.Counter(), collections.Counter()
+    route_ms: dict[str, list[float]] = collections.defaultdict(list)
+    step = 0
+    while pending or not engine.is_finished():
+        for item in sorted(p for p in pending if p[0] <= step):
+            pending.remove(item)
+            seq = engine.add_request(item[3], sp)
+            live[seq.seq_id] = (item[1], item[2], item[3], step, seq)
+        if engine.is_finished():
+            step += 1
+            continue
+        t0 = time.perf_counter()
+        out = engine.step()
+        ms = (time.perf_counter() - t0) * 1e3
+        step += 1
+        kinds[out.kind] += 1
+        routes[out.route.kind] += 1
+        route_ms[out.route.kind].append(ms)
+        for sid, (s, t, prompt, arrived, seq) in list(live.items()):
+            if sid not in first and seq.num_completion_tokens > 0:
+                first[sid] = step - arrived
+            if seq.is_finished:
+                del live[sid]
+                if t + 1 < turns:
+                    nxt = prompt + list(seq.completion_token_ids) + [rng.randrange(1000, vocab) for _ in range(suffix)]
+                    pending.append((step, s, t + 1, nxt))
+    engine.close()
+    waits = sorted(first.values())
+    return {"step_model": "mixed" if mixed else "nano-vllm", "prefix_cache": cache, "steps": step,
+            "requests": len(waits),
+            "first_token_steps": {"p50": waits[len(waits) // 2], "p90": waits[int(len(waits) * 0.9)], "max": waits[-1]},
+            "kinds": dict(kinds), "routes": dict(routes),
+            "route_ms": {k: {"median": round(statistics.median(v), 3), "total": round(sum(v), 1)}
+                         for k, v in route_ms.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--sessions", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--every", type=int, default=10, help="steps between two sessions' first turns")
+    ap.add_argument("--prefix", type=int, default=256, help="tokens of the prefix four sessions share")
+    ap.add_argument("--suffix", type=int, default=32, help="new tokens of each turn")
+    ap.add_argument("--output", type=int, default=128, help="answer tokens of each turn")
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--seed", type=int, default=17)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    rows = [run(a.model, a.device, mixed, not a.no_prefix_caching, a.sessions, a.turns, a.every, a.prefix,
+                a.suffix, a.output, a.seed) for mixed in (True, False)]
+    if a.json:
+        print(json.dumps(rows, indent=1))
+        return
+    for r in rows:
+        f = r["first_token_steps"]
+        print(f"{r['step_model']:9s} prefix cache {'on' if r['prefix_cache'] else 'off'}: {r['steps']} steps, "
+              f"{r['requests']} requests, first token after {f['p50']} / {f['p90']} / {f['max']} steps (p50/p90/max)")
+        print(f"          kinds {r['kinds']}; routes {r['routes']}")
+        print("          ms per step by route: " + ", ".join(f"{k} {v['median']} (total {v['total']})"
+                                                         for k, v in r["route_ms"].items()))
+
+
+if __name__ == "__main__":
+    main()
