@@ -2,7 +2,7 @@
 and split-KV kernel files for the asked head dims with FA2's DISABLE switches and the sm targets, and the pinned
 dtype/head-dim switches and the backward stub are valid C++ that dispatch as asked (compiled and run with the
 host compiler against stand-ins for torch and cutlass). The CUDA build itself runs on a GPU machine
-(tools/gpu/fp8_and_flash.sh)."""
+(tools/gpu/h200_session.sh check)."""
 from __future__ import annotations
 
 import importlib.util

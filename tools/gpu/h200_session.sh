@@ -7,8 +7,9 @@
 #                                     # models on the engine's step clock (tools/step_clock.py), the
 #                                     # step model's rate sweep last
 #   tools/gpu/h200_session.sh check   # pytest -m gpu, the bf16 / graph / kv-fp8 guards, the same at SmolLM2's
-#                                     # shapes, flash-attn built from its sdist (in the background) and its guards
-#   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), batch-1 latency
+#                                     # shapes, flash-attn built from its sdist (in the background), its guards
+#                                     # and refusals (float32, the fp8 cache), auto at float32 taking triton
+#   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
 # Environment: OUT (default ./gpu-out), BUDGET_S (seconds after which no step starts: default 540), BEFORE (a
@@ -51,6 +52,12 @@ step() {            # step NAME ESTIMATE_S COMMAND...: run it unless the budget 
   pack
 }
 before() { (cd "$BEFORE" && PYTHONPATH="$PWD:/tmp/site" "$@"); }   # the BEFORE tree, no flash-attn on its path
+install_flash() {   # install_flash LOG: a flash-attn wheel built before (.gpu/wheels, or a check phase's on this
+  local whl          # machine) into .gpu/site, unless flash_attn imports already; non-zero when there is none
+  $PY -c "import flash_attn" 2>/dev/null && return 0
+  whl=$(ls .gpu/wheels/flash_attn-2.8.3+labkit-*.whl /tmp/h200-check/wheels/flash_attn-2.8.3+labkit-*.whl 2>/dev/null | tail -n 1)
+  [ -n "$whl" ] && $PY -m pip install -q --no-deps --no-index --force-reinstall --no-compile --target .gpu/site "$whl" > "$1" 2>&1
+}
 synth() {           # synth PRESET DIR: seeded synthetic weights drawn on the GPU (fast)
   [ -f "$2/config.json" ] || $PY -m labkit model synth --preset "$1" --device cuda --out "$2" > "$W/logs/synth-$1.log" 2>&1
 }
@@ -83,15 +90,10 @@ serve_phase() {
 check_phase() {
   synth smollm2-135m /tmp/smol
   local flash_pid=""
-  if ! $PY -c "import flash_attn" 2>/dev/null; then
-    if ls .gpu/wheels/flash_attn-2.8.3+labkit-*.whl >/dev/null 2>&1; then
-      $PY -m pip install -q --no-deps --no-index --force-reinstall --no-compile --target .gpu/site \
-          .gpu/wheels/flash_attn-2.8.3+labkit-*.whl > "$W/logs/flash-build.log" 2>&1
-    else
-      (nice -n 5 tools/build_flash_attn.sh --arch 90 --head-dims 128,64 --jobs 10 --out "$W/wheels" --target .gpu/site \
-         > "$W/logs/flash-build.log" 2>&1; echo "build rc=$? at $((SECONDS - T0)) s" >> "$W/logs/flash-build.log") &
-      flash_pid=$!
-    fi
+  if ! install_flash "$W/logs/flash-build.log"; then     # no wheel yet: build one in the background of the tests
+    (nice -n 5 tools/build_flash_attn.sh --arch 90 --head-dims 128,64 --jobs 10 --out "$W/wheels" --target .gpu/site \
+       > "$W/logs/flash-build.log" 2>&1; echo "build rc=$? at $((SECONDS - T0)) s" >> "$W/logs/flash-build.log") &
+    flash_pid=$!
   fi
   # without flash-attn on the path yet: the triton and torch backends
   step pytest-gpu 200 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 \
@@ -99,6 +101,8 @@ check_phase() {
        tests/engine/test_gpu_mixed.py tests/engine/test_rope_scaling.py tests/lab/guardrails/test_logits.py
   step guard-bf16 45 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda --attention triton
   step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda --attention triton
+  step guard-kv-fp8-torch 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
+       --attention torch --out "$W/runs/kv-fp8-torch.json"
   if [ -n "$flash_pid" ]; then
     echo "   waiting for the flash-attn build (pid $flash_pid) at $((SECONDS - T0)) s" | tee -a "$STEPS"; wait "$flash_pid"
   fi
@@ -116,21 +120,23 @@ check_phase() {
        --out "$W/runs/flash-guard-graph.json"
   step flash-doctor 25 $PY -m labkit doctor --device cuda --out "$W/runs/doctor.json"
   step flash-refuses-float32 15 $PY -m labkit logits guard --suite baseline --dtype float32 --device cuda --attention flash_attn \
-       --out "$W/runs/refused.json"
+       --out "$W/runs/refused.json"                       # rc=2 and one line expected, as for the next
+  step flash-refuses-fp8 15 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
+       --attention flash_attn --out "$W/runs/refused.json"
+  step auto-float32-takes-triton 30 $PY -c "
+from engine import LLMEngine
+e = LLMEngine('$MODEL_DIR', device='cuda', dtype='float32', kvcache_block_size=256, max_model_len=512)
+print('auto with float32 ->', e.describe()['attention_backend']); assert e.describe()['attention_backend'] == 'triton'"
 }
 
 bench_phase() {
   synth smollm2-135m /tmp/smol
-  local whl
-  whl=$(ls .gpu/wheels/flash_attn-2.8.3+labkit-*.whl /tmp/h200-check/wheels/flash_attn-2.8.3+labkit-*.whl 2>/dev/null | tail -n 1)
-  if ! $PY -c "import flash_attn" 2>/dev/null && [ -n "$whl" ]; then   # (a check phase on this machine left it installed)
-    $PY -m pip install -q --no-deps --no-index --force-reinstall --no-compile --target .gpu/site "$whl" \
-        > "$W/logs/flash-install.log" 2>&1
-  fi
+  install_flash "$W/logs/flash-install.log"
   $PY -c "import flash_attn; print('flash_attn', flash_attn.__version__)" >> "$STEPS" 2>&1
   step nano-vllm-after 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-after.json"
   step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 --out "$W/runs/nano-vllm-fp8.json"
   step nano-vllm-before 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-before.json"
+  step step-budget-fp8 60 $PY -m labkit bench --workload step-budget --kv-cache-dtype fp8 --out "$W/runs/step-budget-fp8.json"
   step latency-after 60 $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-after.json"
   step serve-after 110 $PY -m labkit bench --workload serve --attention triton --out "$W/runs/serve-after.json"
   step serve-before 110 before $PY -m labkit bench --workload serve --attention triton --out "$W/runs/serve-before.json"
