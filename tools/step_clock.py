@@ -36,7 +36,7 @@ def run(model: str, device: str, mixed: bool, cache: bool, sessions: int, turns:
     sp = SamplingParams(temperature=0, max_tokens=output, ignore_eos=True)
     live: dict[int, tuple] = {}
     first: dict[int, int] = {}
-    kinds, routes = collections.Counter(), collections.Counter()
+    kinds = collections.Counter()
     route_ms: dict[str, list[float]] = collections.defaultdict(list)
     step = 0
     while pending or not engine.is_finished():
@@ -52,7 +52,6 @@ def run(model: str, device: str, mixed: bool, cache: bool, sessions: int, turns:
         ms = (time.perf_counter() - t0) * 1e3
         step += 1
         kinds[out.kind] += 1
-        routes[out.route.kind] += 1
         route_ms[out.route.kind].append(ms)
         for sid, (s, t, prompt, arrived, seq) in list(live.items()):
             if sid not in first and seq.num_completion_tokens > 0:
@@ -67,7 +66,7 @@ def run(model: str, device: str, mixed: bool, cache: bool, sessions: int, turns:
     return {"step_model": "mixed" if mixed else "nano-vllm", "prefix_cache": cache, "steps": step,
             "requests": len(waits),
             "first_token_steps": {"p50": waits[len(waits) // 2], "p90": waits[int(len(waits) * 0.9)], "max": waits[-1]},
-            "kinds": dict(kinds), "routes": dict(routes),
+            "kinds": dict(kinds), "routes": {k: len(v) for k, v in route_ms.items()},
             "route_ms": {k: {"median": round(statistics.median(v), 3), "total": round(sum(v), 1)}
                          for k, v in route_ms.items()}}
 
