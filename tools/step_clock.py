@@ -22,7 +22,8 @@ import time
 
 
 def run(model: str, device: str, mixed: bool, cache: bool, sessions: int, turns: int, every: int, prefix: int,
-        suffix: int, output: int, seed: int) -> dict:
+        suffix: int, output: int, seed: int, profile: tuple[int, int] | None = None) -> dict:
+    """profile (first step, steps): torch's profiler over those steps; its tables go in the result's "profile"."""
     from engine import LLMEngine, SamplingParams
 
     cuda = device.startswith("cuda")
@@ -38,6 +39,8 @@ def run(model: str, device: str, mixed: bool, cache: bool, sessions: int, turns:
     first: dict[int, int] = {}
     kinds = collections.Counter()
     route_ms: dict[str, list[float]] = collections.defaultdict(list)
+    steps: list[dict] = []                  # every step: wall ms, GPU ms, route, kind, tokens, rows
+    prof = None
     step = 0
     while pending or not engine.is_finished():
         for item in sorted(p for p in pending if p[0] <= step):
@@ -47,12 +50,20 @@ def run(model: str, device: str, mixed: bool, cache: bool, sessions: int, turns:
         if engine.is_finished():
             step += 1
             continue
+        if profile is not None and step == profile[0]:
+            prof = _profiler(cuda)
+            prof.__enter__()
         t0 = time.perf_counter()
         out = engine.step()
         ms = (time.perf_counter() - t0) * 1e3
+        if prof is not None and step == profile[0] + profile[1] - 1:
+            prof.__exit__(None, None, None)
         step += 1
         kinds[out.kind] += 1
         route_ms[out.route.kind].append(ms)
+        span = out.device_span
+        steps.append({"step": step - 1, "ms": round(ms, 3), "gpu_ms": None if span is None else round((span[1] - span[0]) / 1e6, 3),
+                      "route": str(out.route), "kind": out.kind, "tokens": out.num_tokens, "rows": len(out.seqs)})
         for sid, (s, t, prompt, arrived, seq) in list(live.items()):
             if sid not in first and seq.num_completion_tokens > 0:
                 first[sid] = step - arrived
@@ -62,13 +73,36 @@ def run(model: str, device: str, mixed: bool, cache: bool, sessions: int, turns:
                     nxt = prompt + list(seq.completion_token_ids) + [rng.randrange(1000, vocab) for _ in range(suffix)]
                     pending.append((step, s, t + 1, nxt))
     engine.close()
+    if prof is not None and step < profile[0] + profile[1]:
+        prof.__exit__(None, None, None)
     waits = sorted(first.values())
     return {"step_model": "mixed" if mixed else "nano-vllm", "prefix_cache": cache, "steps": step,
             "requests": len(waits),
             "first_token_steps": {"p50": waits[len(waits) // 2], "p90": waits[int(len(waits) * 0.9)], "max": waits[-1]},
             "kinds": dict(kinds), "routes": {k: len(v) for k, v in route_ms.items()},
-            "route_ms": {k: {"median": round(statistics.median(v), 3), "total": round(sum(v), 1)}
-                         for k, v in route_ms.items()}}
+            "route_ms": {k: {"median": round(statistics.median(v), 3), "p90": round(_pct(v, 0.9), 3),
+                             "max": round(max(v), 3), "total": round(sum(v), 1)} for k, v in route_ms.items()},
+            "slowest": sorted(steps, key=lambda s: -s["ms"])[:8],
+            "profile": None if prof is None else _tables(prof, cuda)}
+
+
+def _pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(len(v) * q))]
+
+
+def _profiler(cuda: bool):
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+
+
+def _tables(prof, cuda: bool) -> dict:
+    """The profiled steps' top operators by host time and (CUDA) by device time."""
+    avg = prof.key_averages()
+    out = {"by_cpu": avg.table(sort_by="self_cpu_time_total", row_limit=25)}
+    if cuda:
+        out["by_cuda"] = avg.table(sort_by="self_cuda_time_total", row_limit=25)
+    return out
 
 
 def main() -> None:
@@ -83,10 +117,12 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=128, help="answer tokens of each turn")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--seed", type=int, default=17)
+    ap.add_argument("--profile", type=int, nargs=2, metavar=("FIRST", "STEPS"),
+                    help="torch's profiler over STEPS steps from step FIRST (each step model); its tables are printed")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     rows = [run(a.model, a.device, mixed, not a.no_prefix_caching, a.sessions, a.turns, a.every, a.prefix,
-                a.suffix, a.output, a.seed) for mixed in (True, False)]
+                a.suffix, a.output, a.seed, tuple(a.profile) if a.profile else None) for mixed in (True, False)]
     if a.json:
         print(json.dumps(rows, indent=1))
         return
@@ -95,8 +131,13 @@ def main() -> None:
         print(f"{r['step_model']:9s} prefix cache {'on' if r['prefix_cache'] else 'off'}: {r['steps']} steps, "
               f"{r['requests']} requests, first token after {f['p50']} / {f['p90']} / {f['max']} steps (p50/p90/max)")
         print(f"          kinds {r['kinds']}; routes {r['routes']}")
-        print("          ms per step by route: " + ", ".join(f"{k} {v['median']} (total {v['total']})"
-                                                         for k, v in r["route_ms"].items()))
+        print("          ms per step by route (median / p90 / max, total): " + ", ".join(
+            f"{k} {v['median']} / {v['p90']} / {v['max']} ({v['total']})" for k, v in r["route_ms"].items()))
+        print("          slowest steps: " + "; ".join(
+            f"#{s['step']} {s['ms']} ms (GPU {s['gpu_ms']}) {s['route']} {s['kind']} {s['tokens']} tok {s['rows']} rows"
+            for s in r["slowest"][:5]))
+        for name, table in (r["profile"] or {}).items():
+            print(f"--- profile, {r['step_model']}, {name}\n{table}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@
 #   tools/gpu/h200_session.sh check   # pytest -m gpu, the bf16 / graph / kv-fp8 guards, the same at SmolLM2's
 #                                     # shapes, flash-attn built from its sdist (in the background), its guards
 #                                     # and refusals (float32, the fp8 cache), auto at float32 taking triton
+#   tools/gpu/h200_session.sh diag    # where a step's time goes: both step models on the engine's step clock
+#                                     # (tools/step_clock.py) with torch's profiler over ten steps, cache on and off;
+#                                     # the GPU tests of the graph routes
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -21,7 +24,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in serve|check|bench) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench" >&2; exit 2 ;; esac
+case "$phase" in serve|check|bench|diag) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -127,6 +130,13 @@ check_phase() {
 from engine import LLMEngine
 e = LLMEngine('$MODEL_DIR', device='cuda', dtype='float32', kvcache_block_size=256, max_model_len=512)
 print('auto with float32 ->', e.describe()['attention_backend']); assert e.describe()['attention_backend'] == 'triton'"
+}
+
+diag_phase() {
+  step step-clock 150 timeout 240 $PY tools/step_clock.py --model "$MODEL_DIR" --device cuda --profile 150 10
+  step step-clock-no-cache 120 timeout 200 $PY tools/step_clock.py --model "$MODEL_DIR" --device cuda --no-prefix-caching
+  step pytest-gpu-routes 120 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
+       tests/engine/test_gpu_mixed.py -k "not flash"
 }
 
 bench_phase() {
