@@ -1,11 +1,13 @@
-"""CUDA Graphs: small fresh prefills by token-count bucket, and decode by batch-size bucket.
+"""CUDA Graphs: small prefills by token-count bucket, and decode by batch-size bucket.
 
 Prefill (PrefillGraphs): a short prompt's prefill is bound by launches, not by the GPU (a 32-token
 prefill of the 0.6B model on an H200: 322 kernels, 1.1 ms of GPU work, 17 ms as an eager step), so a
-prefill of at most PREFILL_GRAPH_SEQS fresh sequences (nothing read from the cache) and at most the
-largest token bucket replays the graph of the smallest covering bucket. Padding sequences have length 0
-(the attention kernel's programs return at once), padding tokens belong to no sequence and write no KV
-(slot -1); only each real sequence's last row reaches the LM head.
+prefill of at most PREFILL_GRAPH_SEQS sequences and at most the largest token bucket replays the graph of
+the smallest covering bucket. Two sets: fresh prefills (nothing read from the cache: attention on the new
+K/V) and paged ones (a prefix-cache hit or a chunk continuation, no decode rows: attention through the block
+table, whose width is the model's longest sequence). Padding sequences have length 0 (the attention kernel's
+programs return at once), padding tokens belong to no sequence and write no KV (slot -1); only each real
+sequence's last row reaches the LM head.
 
 Decode (DecodeGraphs): capture one graph per batch-size bucket, replay the smallest covering bucket.
 Each graph runs the whole decode forward including the LM head, so a replay returns logits and no
@@ -119,10 +121,16 @@ def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
 
 
 class PrefillGraphs:
-    def __init__(self, model, buckets: list[int], max_seqs: int, device: str):
+    """max_blocks 0: fresh prefills; else paged ones (block tables of at most max_blocks blocks, max_model_len
+    positions)."""
+
+    def __init__(self, model, buckets: list[int], max_seqs: int, device: str, max_blocks: int = 0,
+                 max_model_len: int = 0):
         self.model = model
         self.buckets = sorted(buckets)
         self.max_seqs = max_seqs
+        self.paged = max_blocks > 0
+        self.max_model_len = max_model_len
         t = self.buckets[-1]
         with torch.device(device):
             self.input_ids = torch.zeros(t, dtype=torch.int64)
@@ -130,11 +138,18 @@ class PrefillGraphs:
             self.slot_mapping = torch.full((t,), -1, dtype=torch.int64)
             self.cu_seqlens = torch.zeros(max_seqs + 1, dtype=torch.int32)   # padding sequences: length 0
             self.last = torch.zeros(max_seqs, dtype=torch.int64)             # each sequence's last row
+            if self.paged:                                                   # prefix + new positions
+                self.cu_seqlens_k = torch.zeros(max_seqs + 1, dtype=torch.int32)
+                self.block_tables = torch.zeros(max_seqs, max_blocks, dtype=torch.int32)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
 
     def _meta(self, t: int) -> AttentionMetadata:
+        if self.paged:
+            return AttentionMetadata(is_prefill=True, slot_mapping=self.slot_mapping[:t], cu_seqlens_q=self.cu_seqlens,
+                                     cu_seqlens_k=self.cu_seqlens_k, max_seqlen_q=t, max_seqlen_k=self.max_model_len,
+                                     block_tables=self.block_tables)
         return AttentionMetadata(is_prefill=True, slot_mapping=self.slot_mapping[:t], cu_seqlens_q=self.cu_seqlens,
                                  cu_seqlens_k=self.cu_seqlens, max_seqlen_q=t, max_seqlen_k=t)
 
@@ -163,6 +178,11 @@ class PrefillGraphs:
         self.slot_mapping[:t].copy_(meta.slot_mapping)
         self.cu_seqlens.fill_(t)
         self.cu_seqlens[:n + 1].copy_(meta.cu_seqlens_q)
+        if self.paged:              # padding sequences: no new tokens, so their programs return before reading
+            self.cu_seqlens_k.fill_(0)
+            self.cu_seqlens_k[:n + 1].copy_(meta.cu_seqlens_k)
+            width = meta.block_tables.shape[1]
+            self.block_tables[:n, :width].copy_(meta.block_tables)
         self.last.zero_()
         torch.sub(meta.cu_seqlens_q[1:], 1, out=self.last[:n])
         self.graphs[bucket].replay()
@@ -171,9 +191,10 @@ class PrefillGraphs:
 
 @dataclass(frozen=True)
 class Route:
-    """How a forward ran: eagerly, by replaying the decode graph of `bucket` sequences, or the prefill
-    graph of `bucket` tokens (ModelRunner.route_for picks it)."""
-    kind: str = "eager"                   # "eager" | "graph" | "prefill-graph"
+    """How a forward ran: eagerly, by replaying the decode graph of `bucket` sequences, a prefill graph of
+    `bucket` tokens (fresh, or paged: reading a cached prefix) or a piecewise graph of `bucket` tokens
+    (ModelRunner.route_for picks it)."""
+    kind: str = "eager"                   # "eager" | "graph" | "prefill-graph" | "paged-prefill-graph" | "piecewise"
     bucket: int | None = None
 
     def __str__(self) -> str:

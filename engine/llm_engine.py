@@ -161,6 +161,7 @@ class LLMEngine:
                       "buckets": self.runner.graphs.buckets if self.runner.graphs else [],
                       "prefill_buckets": self.runner.prefill_graphs.buckets if self.runner.prefill_graphs else [],
                       "prefill_seqs": self.runner.prefill_graphs.max_seqs if self.runner.prefill_graphs else 0,
+                      "paged_prefill": self.runner.paged_prefill_graphs is not None,
                       "piecewise_buckets": self.runner.piecewise.buckets if self.runner.piecewise else [],
                       "piecewise_seqs": self.runner.piecewise.max_seqs if self.runner.piecewise else 0,
                       "capture_seconds": round(self.runner.capture_seconds, 4)},

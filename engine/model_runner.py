@@ -33,7 +33,7 @@ from engine.sampling.logprobs import SampledLogprobs, TokenLogprob, record_promp
 from engine.sampling.sampler import Sampler
 from engine.sequence import Sequence
 from engine.step_inputs import InputBuilder, StepInputs
-from engine.warmup import graph_buckets, profile_run, warm_paths
+from engine.warmup import CompileWatch, graph_buckets, profile_run, warm_paths
 
 
 @contextmanager
@@ -106,6 +106,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed, config.eos_token_ids, config.logprobs_mode)
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.paged_prefill_graphs: PrefillGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.warmed: list[dict] = []      # the shapes start-up ran (engine/warmup.py), for describe()
@@ -117,6 +118,8 @@ class ModelRunner:
             self.capture_graphs()
         if self.device.startswith("cuda") and self.tp.rank == 0:   # the other TP ranks' steps are nobody's to read
             self.clock = self.inputs.clock = DeviceClock()
+        # Triton kernels compiled after start-up (engine/warmup.py): a variant the warm-up missed
+        self.late_compiles = CompileWatch() if self.device.startswith("cuda") else None
 
     def _enable_fused_ops(self) -> bool:
         if not self.config.fused_ops:      # --no-fused-ops: the plain path (backend.store_kv runs)
@@ -162,14 +165,20 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, buckets, max_blocks, cfg.max_model_len, self.device)
         self.graphs.capture()
         self.warmed += [{"path": "decode-graph", "seqs": b, "tokens": cfg.max_model_len} for b in self.graphs.buckets]
-        # prefill graphs: the triton backend's fresh prefill reads only device tensors (the grid follows the
-        # bucket); one rank only, since the other ranks route their replayed inputs on their own
+        # prefill graphs: the triton backend's prefills read only device tensors (the grid follows the bucket),
+        # fresh ones and ones reading a cached prefix through the block table (prefix hits, chunk continuations);
+        # one rank only, since the other ranks route their replayed inputs on their own
         if cfg.prefill_graphs and self.attention_backend == "triton" and self.tp.world_size == 1:
             seqs = min(PREFILL_GRAPH_SEQS, cfg.max_num_seqs)
             self.prefill_graphs = PrefillGraphs(self.model, prefill_buckets(cfg.max_num_batched_tokens), seqs,
                                                 self.device)
             self.prefill_graphs.capture()
-            self.warmed += [{"path": "prefill-graph", "seqs": seqs, "tokens": t} for t in self.prefill_graphs.buckets]
+            self.paged_prefill_graphs = PrefillGraphs(self.model, prefill_buckets(cfg.max_num_batched_tokens), seqs,
+                                                      self.device, max_blocks=max_blocks, max_model_len=cfg.max_model_len)
+            self.paged_prefill_graphs.capture()
+            self.warmed += [{"path": path, "seqs": seqs, "tokens": t}
+                            for path, g in (("prefill-graph", self.prefill_graphs),
+                                            ("paged-prefill-graph", self.paged_prefill_graphs)) for t in g.buckets]
         # piecewise graphs (engine/piecewise.py): every other step of at most the largest bucket (mixed steps,
         # prefix-cache hits, chunks), attention eager between the pieces; one rank only, as above
         if cfg.piecewise_graphs and self.tp.world_size == 1:
@@ -181,7 +190,8 @@ class ModelRunner:
 
     @property
     def capture_seconds(self) -> float:
-        return sum(g.capture_seconds for g in (self.graphs, self.prefill_graphs, self.piecewise) if g is not None)
+        return sum(g.capture_seconds for g in (self.graphs, self.prefill_graphs, self.paged_prefill_graphs, self.piecewise)
+                   if g is not None)
 
     # -- a step ------------------------------------------------------------------------------
     def run(self, seqs: list[Sequence], is_prefill: bool, step: int = 0
@@ -242,10 +252,11 @@ class ModelRunner:
             return self.run_model(inputs, route), route, inputs.started
 
     def route_for(self, inputs: StepInputs) -> Route:
-        """A decode replays the smallest captured graph that covers its batch; a fresh prefill (nothing
-        read from the cache) the smallest prefill graph that covers its tokens and sequences; any other
-        step (mixed, prefix hits, chunks) the smallest piecewise graph that covers its tokens, attention
-        eager between its pieces; a step larger than every bucket is eager."""
+        """A decode replays the smallest captured graph that covers its batch; a prefill without decode rows
+        the smallest prefill graph that covers its tokens and sequences (fresh, or paged where it reads a cached
+        prefix); any other step (a mixed one, a prefill of more sequences or tokens) the smallest piecewise
+        graph that covers its tokens, attention eager between its pieces; a step larger than every bucket is
+        eager."""
         tokens, seqs = inputs.input_ids.shape[0], len(inputs.meta.seqlens_q)
         if self.graphs is not None and not inputs.is_prefill:
             bucket = self.graphs.bucket_for(tokens)
@@ -255,6 +266,10 @@ class ModelRunner:
             bucket = self.prefill_graphs.bucket_for(tokens, seqs)
             if bucket is not None:
                 return Route("prefill-graph", bucket)
+        if self.paged_prefill_graphs is not None and inputs.is_prefill and not inputs.meta.num_decodes:
+            bucket = self.paged_prefill_graphs.bucket_for(tokens, seqs)
+            if bucket is not None:
+                return Route("paged-prefill-graph", bucket)
         if self.piecewise is not None and inputs.is_prefill:
             bucket = self.piecewise.bucket_for(tokens, seqs)
             if bucket is not None:
@@ -269,6 +284,8 @@ class ModelRunner:
             return self.graphs.replay(route.bucket, inputs.input_ids, inputs.positions, inputs.meta)
         if route.kind == "prefill-graph":
             return self.prefill_graphs.replay(route.bucket, inputs.input_ids, inputs.positions, inputs.meta)
+        if route.kind == "paged-prefill-graph":
+            return self.paged_prefill_graphs.replay(route.bucket, inputs.input_ids, inputs.positions, inputs.meta)
         if route.kind == "piecewise":
             return self.piecewise.replay(route.bucket, inputs.input_ids, inputs.positions, inputs.meta)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
@@ -289,8 +306,10 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = torch.empty(0)
-        self.graphs = self.prefill_graphs = self.piecewise = None
+        self.graphs = self.prefill_graphs = self.paged_prefill_graphs = self.piecewise = None
         self.model = None
+        if self.late_compiles is not None:
+            self.late_compiles.close()
         if self.workers is not None:
             self.workers.close()
         if self.device.startswith("cuda"):

@@ -33,9 +33,10 @@ SAMPLER_MODES = ("greedy", "sampled", "mixed", "seeded")
 @dataclass(frozen=True)
 class WarmShape:
     """One warm forward. path: prefill (fresh: nothing cached), prefill-paged (a cached prefix read
-    through the block table: chunk continuations, prefix hits), decode-eager, decode-graph (a captured
-    bucket), sample (a sampler path on `seqs` rows). tokens: new tokens per sequence (prefill) or the
-    context length (decode)."""
+    through the block table: chunk continuations, prefix hits), mixed (`seqs` - 1 decode rows, then one
+    chunk after a cached prefix), decode-eager, decode-graph (a captured bucket), sample (a sampler path on
+    `seqs` rows). tokens: new tokens per sequence (prefill, mixed: the chunk's) or the context length
+    (decode)."""
     path: str
     seqs: int
     tokens: int
@@ -79,11 +80,16 @@ def warmup_plan(config, backend: str, sm_count: int = 0, tp_size: int = 1) -> li
         # a chunk continuation: one and several sequences reading a cached prefix through the block table
         for seqs in sorted({1, min(3, max_seqs)}):
             plan.append(WarmShape("prefill-paged", seqs, 16, cached=8, why="cached prefix through the block table"))
+    mixed = getattr(config, "mixed_batches", False)
+    if mixed and max_len > 16 and max_seqs > 1:
+        for seqs in sorted({2, min(4, max_seqs)}):
+            plan.append(WarmShape("mixed", seqs, 16, cached=8, why="decode rows and a chunk in one step"))
     buckets = graph_buckets(config)
     for b in buckets:
         plan.append(WarmShape("decode-graph", b, max_len, why="captured graph bucket"))
-    if not buckets or max(buckets) < max_seqs:
-        # eager decode happens: every batch-size class, and every compiled variant of the decode kernel
+    if not buckets or max(buckets) < max_seqs or mixed:
+        # eager decode happens (a batch no graph covers; a mixed step's decode rows, whose attention runs between
+        # its graph pieces): every batch-size class, and every compiled variant of the decode kernel
         for b in default_buckets(max_seqs):
             plan.append(WarmShape("decode-eager", b, 16, why="batch size class"))
         if backend == "triton" and sm_count > 0:
@@ -125,6 +131,23 @@ def scratch_decode(inputs: InputBuilder, num: int, context: int) -> StepInputs:
         s.block_table = [0] * ((context + bs - 1) // bs)
         seqs.append(s)
     step = inputs.prepare_decode(seqs)
+    step.meta.slot_mapping.fill_(-1)
+    return step
+
+
+def scratch_mixed(inputs: InputBuilder, decodes: int, length: int, cached: int) -> StepInputs:
+    """A mixed step's inputs that write nothing (slots -1): `decodes` one-token rows reading `cached` + 1
+    positions of block 0, then one chunk of `length` - `cached` new tokens after a `cached`-token prefix."""
+    bs = inputs.block_size
+    seqs = []
+    for i in range(decodes + 1):
+        s = Sequence(-1, [0] * (cached + 1 if i < decodes else length), None, bs)  # type: ignore[arg-type]
+        s.block_table = [0] * ((s.num_tokens + bs - 1) // bs)
+        s.num_cached_tokens = s.num_tokens - 1 if i < decodes else cached
+        s.num_scheduled_tokens = s.num_tokens - s.num_cached_tokens
+        s.decoding = i < decodes
+        seqs.append(s)
+    step = inputs.prepare_prefill(seqs)
     step.meta.slot_mapping.fill_(-1)
     return step
 
@@ -174,6 +197,8 @@ def run_warmup(runner, plan: list[WarmShape]) -> list[dict]:
         elif shape.path == "prefill-paged":
             runner.run_model(scratch_prefill(inputs, shape.seqs, shape.tokens + shape.cached, cached=shape.cached),
                              EAGER)
+        elif shape.path == "mixed":
+            runner.run_model(scratch_mixed(inputs, shape.seqs - 1, shape.tokens + shape.cached, shape.cached), EAGER)
         elif shape.path == "decode-eager":
             runner.run_model(scratch_decode(inputs, shape.seqs, shape.tokens), EAGER)
         elif shape.path == "sample":
@@ -191,3 +216,29 @@ def run_warmup(runner, plan: list[WarmShape]) -> list[dict]:
     runner.warm_seconds += time.perf_counter() - t0
     runner.warmed += ran
     return ran
+
+
+class CompileWatch:
+    """The Triton kernels this process compiles from now on (or loads from Triton's disk cache: a first call at
+    a new specialization either way), by name. Start-up opens one after it has warmed every path; a serving
+    engine whose watch fills has met a kernel variant the plan missed, and paid for it inside a step.
+    Chains a hook installed before it; without Triton (or before Triton 3.4's knobs) it sees nothing."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        try:
+            from triton import knobs
+        except ImportError:
+            self._knobs = None
+            return
+        self._knobs, self._prev = knobs, knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = self._hook
+
+    def _hook(self, **kw):
+        self.names.append(getattr(kw.get("fn"), "name", "?"))
+        return self._prev(**kw) if self._prev is not None else None
+
+    def close(self) -> None:
+        if self._knobs is not None and self._knobs.runtime.jit_cache_hook == self._hook:
+            self._knobs.runtime.jit_cache_hook = self._prev
+        self._knobs = None

@@ -72,6 +72,8 @@ def run(model: str, device: str, mixed: bool, cache: bool, sessions: int, turns:
                 if t + 1 < turns:
                     nxt = prompt + list(seq.completion_token_ids) + [rng.randrange(1000, vocab) for _ in range(suffix)]
                     pending.append((step, s, t + 1, nxt))
+    watch = engine.runner.late_compiles
+    late = list(watch.names) if watch is not None else None
     engine.close()
     if prof is not None and step < profile[0] + profile[1]:
         prof.__exit__(None, None, None)
@@ -82,6 +84,7 @@ def run(model: str, device: str, mixed: bool, cache: bool, sessions: int, turns:
             "kinds": dict(kinds), "routes": {k: len(v) for k, v in route_ms.items()},
             "route_ms": {k: {"median": round(statistics.median(v), 3), "p90": round(_pct(v, 0.9), 3),
                              "max": round(max(v), 3), "total": round(sum(v), 1)} for k, v in route_ms.items()},
+            "compiled_after_start": late,
             "slowest": sorted(steps, key=lambda s: -s["ms"])[:8],
             "profile": None if prof is None else _tables(prof, cuda)}
 
@@ -133,6 +136,9 @@ def main() -> None:
         print(f"          kinds {r['kinds']}; routes {r['routes']}")
         print("          ms per step by route (median / p90 / max, total): " + ", ".join(
             f"{k} {v['median']} / {v['p90']} / {v['max']} ({v['total']})" for k, v in r["route_ms"].items()))
+        if r["compiled_after_start"] is not None:
+            print(f"          Triton kernels compiled after start-up: {len(r['compiled_after_start'])} "
+                  f"{sorted(set(r['compiled_after_start']))}")
         print("          slowest steps: " + "; ".join(
             f"#{s['step']} {s['ms']} ms (GPU {s['gpu_ms']}) {s['route']} {s['kind']} {s['tokens']} tok {s['rows']} rows"
             for s in r["slowest"][:5]))

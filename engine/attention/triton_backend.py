@@ -34,9 +34,10 @@ class TritonAttention(AttentionBackend):
                                     meta.cu_seqlens_k, meta.max_seqlen_q, scale)
         if d == q.shape[0]:
             return self._decode(q, k_cache, v_cache, meta.decode_part(), scale)
-        part = meta.prefill_part()      # writes rows d.. of its output (its offsets count from the step's first token)
-        out = tk.paged_prefill(q, k_cache, v_cache, part.block_tables, part.cu_seqlens_q, part.cu_seqlens_k,
-                               part.max_seqlen_q, scale)
+        # the sequences from d on (their offsets count from the step's first token): the whole metadata and a first
+        # sequence, not slices of it, so the kernel compiled for a plain prefix-reading prefill serves this too
+        out = tk.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.cu_seqlens_k,
+                               max(meta.seqlens_q[d:]), scale, first_seq=d)
         out[:d] = self._decode(q[:d], k_cache, v_cache, meta.decode_part(), scale)
         return out
 

@@ -313,19 +313,22 @@ def decode_locks(device: torch.device) -> torch.Tensor | None:
 
 
 # -- prefill: through the block table (prefix hits, chunk continuations) or on the new K/V (fresh) ----
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "seq0"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_k, stride_v,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_k, stride_v, seq0,
                     PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr,
                     PDL: tl.constexpr = False, v_scale=1.0, KV_FP8: tl.constexpr = False):
     """PAGED: K/V rows are cache slots found through the block table (row stride HK * D).
     Not PAGED: K/V are this step's new rows [T, HK, D] (row strides stride_k, stride_v), nothing cached before.
     KV_FP8 (PAGED): the caches hold e4m3, read as the decode kernel reads them (the K scale in ``scale``, the
-    V scale on the output)."""
+    V scale on the output).
+    seq0: the grid's first sequence (a mixed step's prefill rows after its decodes): the same compiled kernel
+    whatever it is, where a slice of cu_seqlens and the block table would change their pointers' alignment and
+    compile a new variant mid-serving."""
     pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     tile = tl.program_id(0)
-    n = tl.program_id(1)
+    n = seq0 + tl.program_id(1)
     h = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + n)
     q_len = tl.load(cu_q_ptr + n + 1) - q_start
@@ -377,9 +380,11 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                   scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                  num_stages: int = 2, k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:
+                  num_stages: int = 2, k_scale: float | None = None, v_scale: float | None = None,
+                  first_seq: int = 0) -> torch.Tensor:
     """Causal varlen attention of q [T, Hq, D] over every sequence's cached K/V (prefix + this chunk).
     FP8 caches (engine/attention/kv_quant.py) are dequantized by k_scale and v_scale (None: the caches' own).
+    first_seq: only the sequences from this one on (their output rows; the rows before are left unwritten).
 
     The tile sizes, warps and stages are swept by `labkit bench --workload attention --sweep`."""
     _, page, hk, d = k_cache.shape
@@ -388,7 +393,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         scale, fp8 = scale * fp8["k_scale"], {"v_scale": fp8["v_scale"], "KV_FP8": True}
     return _launch_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
                            page=page, hk=hk, strides_kv=(hk * d, hk * d), stride_bt=block_tables.stride(0), paged=True,
-                           block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, fp8=fp8)
+                           block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, fp8=fp8,
+                           first_seq=first_seq)
 
 
 def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -404,13 +410,13 @@ def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
 
 
 def _launch_prefill(q, kv_k, kv_v, block_tables, cu_q, cu_k, max_seqlen_q, scale, *, page, hk, strides_kv,
-                    stride_bt, paged, block_m, block_n, num_warps, num_stages, fp8=None) -> torch.Tensor:
+                    stride_bt, paged, block_m, block_n, num_warps, num_stages, fp8=None, first_seq=0) -> torch.Tensor:
     t, hq, d = q.shape
-    n = cu_q.numel() - 1
+    n = cu_q.numel() - 1 - first_seq
     out = torch.empty_like(q)
     grid = (triton.cdiv(max_seqlen_q, block_m), n, hq)
     _prefill_kernel[grid](q, kv_k, kv_v, block_tables, cu_q, cu_k, out, scale,
-                          q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_bt, *strides_kv,
+                          q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_bt, *strides_kv, first_seq,
                           PAGE=page, HK=hk, G=hq // hk, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
                           IEEE=q.dtype == torch.float32, PAGED=paged, num_warps=num_warps, num_stages=num_stages,
                           **(fp8 or {}), **pdl.launch(q))

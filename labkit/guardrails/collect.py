@@ -78,18 +78,20 @@ def _row_assertions(expected_rows: int) -> list[dict]:
 def expected_route(execution: str, phase: str, batch: int, buckets: list[int] | None, tokens: int = 0,
                    fresh: bool = False, prefill_buckets: list[int] | None = None,
                    prefill_seqs: int = 0, piecewise_buckets: list[int] | None = None,
-                   piecewise_seqs: int = 0) -> tuple[str, int | None]:
+                   piecewise_seqs: int = 0, paged_prefill: bool = False, decodes: int = 0) -> tuple[str, int | None]:
     """Eager execution runs eagerly. Under graph execution a decode replays the smallest covering batch
     bucket, a fresh prefill (nothing cached) of at most ``prefill_seqs`` sequences the smallest covering
-    token bucket; any other prefill (a prefix read, a chunk, a mixed step) the smallest piecewise token
-    bucket whose rows (the bucket, at most ``piecewise_seqs``) hold its sequences; anything uncovered runs
-    eagerly."""
+    token bucket, and so does a prefill that reads a cached prefix where paged prefill graphs were captured
+    (``paged_prefill``) and it has no decode rows; any other prefill (a mixed step, more sequences or tokens)
+    the smallest piecewise token bucket whose rows (the bucket, at most ``piecewise_seqs``) hold its
+    sequences; anything uncovered runs eagerly."""
     if execution != "graph":
         return "eager", None
     if phase == "prefill":
-        covering = [t for t in (prefill_buckets or []) if t >= tokens] if fresh and batch <= prefill_seqs else []
+        graphed = fresh or (paged_prefill and not decodes)
+        covering = [t for t in (prefill_buckets or []) if t >= tokens] if graphed and batch <= prefill_seqs else []
         if covering:
-            return "prefill-graph", min(covering)
+            return ("prefill-graph" if fresh else "paged-prefill-graph"), min(covering)
         pieces = [t for t in (piecewise_buckets or []) if t >= tokens and min(t, piecewise_seqs) >= batch]
         return ("piecewise", min(pieces)) if pieces else ("eager", None)
     covering = [b for b in (buckets or []) if b >= batch]
@@ -139,7 +141,7 @@ def _step_entry(group, st, execution: str, buckets: list[int] | None, prefill_gr
     """One engine step of a group: its batch and route, against the route the graph buckets predict."""
     batch = len(st.requests)
     exp_route, exp_bucket = expected_route(execution, st.phase, batch, buckets, st.route["tokens"],
-                                           st.route["fresh"], **prefill_graphs)
+                                           st.route["fresh"], decodes=st.route.get("decodes", 0), **prefill_graphs)
     return {"group": group.name, "engine_step": st.engine_step, "phase": st.phase,
             "batch": batch, "requests": [group.requests[i].label for i in st.requests],
             "discarded": [group.requests[i].label for i, c in zip(st.requests, st.completing) if not c],
@@ -296,7 +298,8 @@ def collect_nano(suite_name: str, out: str | Path | None = None, *, model: str |
         prefill_graphs = dict(prefill_buckets=sorted(described["graph"].get("prefill_buckets", [])),
                               prefill_seqs=described["graph"].get("prefill_seqs", 0),
                               piecewise_buckets=sorted(described["graph"].get("piecewise_buckets", [])),
-                              piecewise_seqs=described["graph"].get("piecewise_seqs", 0))
+                              piecewise_seqs=described["graph"].get("piecewise_seqs", 0),
+                              paged_prefill=described["graph"].get("paged_prefill", False))
         _drive_suite(engine, run, probe, execution, buckets, prefill_graphs, expect_uncovered, progress)
         arrays: dict[str, np.ndarray] = {"logits": run.logits}
         facts = _nano_facts(run, suite_name, seed, execution, engine, described, buckets, prefix,

@@ -77,8 +77,10 @@ def drive_teacher_forced(engine, prompts, continuations, *, probe: StepProbe | N
         if probe is not None:
             probe.before(engine, seqs, is_prefill, requests)
         tokens, fresh = sum(s.num_scheduled_tokens for s in seqs), all(s.num_cached_tokens == 0 for s in seqs)
+        decodes = sum(1 for s in seqs if s.decoding) if is_prefill else 0     # a mixed step's decode rows
         logits, taken = engine.forward_logits(seqs, is_prefill)
-        route = {"backend": backend, "route": taken.kind, "bucket": taken.bucket, "tokens": tokens, "fresh": fresh}
+        route = {"backend": backend, "route": taken.kind, "bucket": taken.bucket, "tokens": tokens, "fresh": fresh,
+                 "decodes": decodes}
         if probe is not None:
             probe.after(engine, seqs, is_prefill, requests, logits)
         phase = "prefill" if is_prefill else "decode"

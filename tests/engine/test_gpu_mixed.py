@@ -1,6 +1,7 @@
-"""CUDA-only: mixed steps and piecewise graphs on the tiny model. With graphs on, every step a full graph does
-not take (mixed steps, prefix hits, chunks) replays piecewise graphs (engine/piecewise.py); the tokens must be
-the eager engine's, step for step, and each piecewise step's logits the eager forward's of the same inputs."""
+"""CUDA-only: mixed steps and piecewise graphs on the tiny model. With graphs on, a prefix-reading prefill without
+decode rows (prefix hits, chunks) replays a paged prefill graph (triton) and every other step a full graph does not
+take (mixed steps) piecewise graphs (engine/piecewise.py); the tokens must be the eager engine's, step for step,
+and each such step's logits the eager forward's of the same inputs."""
 import pytest
 import torch
 
@@ -11,17 +12,19 @@ from test_mixed_step import _arrivals, _workload
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+SPIED = ("piecewise", "paged-prefill-graph")
 
 
 def _spy(engine, routes: list, tol: float):
-    """Record each step's route; check each piecewise step's logits against the eager forward of its inputs."""
+    """Record each step's route; check each piecewise or paged prefill step's logits against the eager forward of
+    its inputs."""
     runner, real = engine.runner, engine.runner.run_model
 
     def run_model(inputs, route=None):
         route = runner.route_for(inputs) if route is None else route
         routes.append(route.kind)
         out = real(inputs, route)
-        if route.kind == "piecewise":
+        if route.kind in SPIED:
             with torch.inference_mode():
                 hidden = runner.model(inputs.input_ids, inputs.positions, inputs.meta)
                 ref = runner.model.compute_logits(hidden[inputs.meta.cu_seqlens_q[1:].long() - 1])
@@ -46,8 +49,12 @@ def test_piecewise_graphs_give_the_eager_tokens_in_float32(tiny_engine, attentio
     routes: list = []
     _spy(engine, routes, 1e-4)
     graphs, kinds = _arrivals(engine, prompts, at, sp)
-    assert routes.count("piecewise") >= 3 and "graph" in routes
+    assert sum(routes.count(k) for k in SPIED) >= 3 and "graph" in routes
     assert ("mixed" in kinds) == mixed
+    if mixed:
+        assert routes.count("piecewise") >= 3
+    if attention == "triton" and not mixed:
+        assert "paged-prefill-graph" in routes
     assert graphs == eager
 
 

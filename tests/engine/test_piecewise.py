@@ -61,3 +61,46 @@ def test_a_step_larger_than_every_bucket_runs_eagerly(tiny_engine):
     inputs = engine.runner.inputs.prepare(seqs, is_prefill)
     assert engine.runner.route_for(inputs).kind == "eager"        # 40 tokens > 16
     assert seq.num_scheduled_tokens == 40
+
+
+def test_a_prefix_reading_prefill_without_decode_rows_takes_a_paged_prefill_graph(tiny_engine):
+    """route_for: a prefill that reads a cached prefix replays a paged prefill graph when it has no decode rows
+    and at most that graph set's sequences; a mixed step (decode rows first) and a wider prefill take piecewise.
+    (CUDA graphs cannot be captured on a CPU: the paged set's buckets are marked captured and only routed.)"""
+    from engine.graph import PrefillGraphs, Route
+
+    engine = _emulated(tiny_engine(device="cpu", kvcache_block_size=16, max_num_batched_tokens=64,
+                                   max_model_len=512, mixed_batches=True, max_num_seqs=8))
+    runner = engine.runner
+    paged = PrefillGraphs(None, [16, 64], 2, "cpu", max_blocks=32, max_model_len=512)
+    paged.graphs = dict.fromkeys(paged.buckets)
+
+    def route(seqs, is_prefill):
+        runner.paged_prefill_graphs = paged
+        try:
+            return runner.route_for(runner.inputs.prepare(seqs, is_prefill))
+        finally:
+            runner.paged_prefill_graphs = None
+
+    sp = SamplingParams(max_tokens=4, **GREEDY)
+    prompt = list(range(100, 141))
+    engine.add_request(prompt, sp)
+    while not engine.is_finished():
+        engine.step()
+    engine.add_request(prompt + [7], sp)                  # 32 positions cached, 10 new
+    seqs, is_prefill = engine.schedule()
+    assert [s.num_cached_tokens for s in seqs] == [32]
+    assert route(seqs, is_prefill) == Route("paged-prefill-graph", 16)
+    engine.postprocess(seqs, [0], is_prefill)
+    engine.add_request(prompt + [8], sp)                  # arrives while the first decodes: a mixed step
+    seqs, is_prefill = engine.schedule()
+    assert is_prefill and seqs[0].decoding and not seqs[1].decoding
+    assert route(seqs, is_prefill) == Route("piecewise", 16)
+    engine.postprocess(seqs, [0, 0], is_prefill)
+    while not engine.is_finished():
+        engine.step()
+    for i in range(3):                                    # three prefix readers: more than the set's 2 sequences
+        engine.add_request(prompt + [9, i], sp)
+    seqs, is_prefill = engine.schedule()
+    assert len(seqs) == 3 and all(s.num_cached_tokens == 32 for s in seqs)
+    assert route(seqs, is_prefill) == Route("piecewise", 64)

@@ -51,6 +51,20 @@ def test_eager_plan_meets_every_decode_kernel_variant(tiny_model_dir):
     assert not [w for w in plan if w.path == "decode-graph"]
 
 
+def test_mixed_plan_meets_a_mixed_step_and_every_decode_kernel_variant(tiny_model_dir):
+    """Graphs cover every decode batch, but a mixed step's decode rows run the decode kernel eagerly between its
+    graph pieces: with mixed steps on, every variant it can compile is warmed, and a mixed step itself."""
+    cfg = serve_config(tiny_model_dir, max_model_len=2048, max_num_seqs=64, mixed_batches=True)
+    kv_heads = cfg.shape.num_kv_heads
+    plan = warmup_plan(cfg, "triton", SM)
+    warmed = {decode_variant(w.seqs, kv_heads, w.tokens, SM) for w in plan if w.path == "decode-eager"}
+    reachable = {decode_variant(b, kv_heads, n, SM) for b in range(1, 65) for n in range(1, 2049, 7)}
+    assert reachable and reachable <= warmed
+    assert {(w.seqs, w.tokens, w.cached) for w in plan if w.path == "mixed"} == {(2, 16, 8), (4, 16, 8)}
+    off = warmup_plan(serve_config(tiny_model_dir, max_model_len=2048, max_num_seqs=64), "triton", SM)
+    assert not [w for w in off if w.path in ("mixed", "decode-eager")]
+
+
 def test_plan_is_rank_independent_and_follows_kv_heads_per_rank(tiny_model_dir):
     cfg = serve_config(tiny_model_dir, enforce_eager=True, max_num_seqs=32, max_model_len=1024)
     one, two = warmup_plan(cfg, "triton", SM, 1), warmup_plan(cfg, "triton", SM, 2)
@@ -135,7 +149,7 @@ def test_run_warmup_on_cpu_writes_nothing_and_keeps_the_generator(tiny_engine, t
     runner = eng.runner
     try:
         cfg = Config(str(tiny_model_dir), enforce_eager=True, max_num_seqs=8, max_num_batched_tokens=256,
-                     max_model_len=256)
+                     max_model_len=256, mixed_batches=True)
         plan = warmup_plan(cfg, "triton", SM)          # the CUDA plan's shapes, run on the CPU backend
         runner.kv_cache.normal_()
         before = runner.kv_cache.clone()
@@ -143,7 +157,7 @@ def test_run_warmup_on_cpu_writes_nothing_and_keeps_the_generator(tiny_engine, t
         ran = run_warmup(runner, plan)
         assert torch.equal(runner.kv_cache, before)
         assert torch.equal(runner.sampler.generator.get_state(), state)
-        assert {r["path"] for r in ran} == {"prefill", "prefill-paged", "decode-eager", "sample"}
+        assert {r["path"] for r in ran} == {"prefill", "prefill-paged", "mixed", "decode-eager", "sample"}
         assert len(ran) == len([w for w in plan if w.path != "decode-graph"])
         assert eng.describe()["warmup"]["shapes"] == len(ran)
     finally:
@@ -178,3 +192,28 @@ def test_step_hands_one_batch_list_to_hooks_and_output(tiny_engine, overlap):
             assert out.num_tokens == sum(n for _, n in batch)
     finally:
         eng.close()
+
+
+def test_compile_watch_counts_triton_compiles_and_hands_the_hook_back():
+    """CompileWatch sits on Triton's jit_cache_hook (called before each compile or disk-cache load; the CPU's
+    interpreter compiles nothing, so the hook is called here as Triton calls it), chains the hook before it, and
+    close() puts that one back."""
+    knobs = pytest.importorskip("triton").knobs
+    from types import SimpleNamespace
+
+    from engine.warmup import CompileWatch
+
+    seen = []
+    before = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = lambda **kw: seen.append(kw["fn"].name)
+    outer = knobs.runtime.jit_cache_hook
+    try:
+        watch = CompileWatch()
+        knobs.runtime.jit_cache_hook(key=1, fn=SimpleNamespace(name="_prefill_kernel"))
+        knobs.runtime.jit_cache_hook(key=2, fn=SimpleNamespace(name="_decode_split_kernel"))
+        assert watch.names == ["_prefill_kernel", "_decode_split_kernel"]
+        assert seen == watch.names                           # the earlier hook still hears every call
+        watch.close()
+        assert knobs.runtime.jit_cache_hook is outer
+    finally:
+        knobs.runtime.jit_cache_hook = before

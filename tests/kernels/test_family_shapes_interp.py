@@ -4,7 +4,8 @@ heads, and its TP-2 share of 7 q / 1 kv head), the kernels of the plain route th
 
 - the paged decode (one split, several splits with the fused reduce and with the reduce kernel; pages of 16 and
   256; a padding row, one position, a partial tile, a page boundary) against the float32 dense reference;
-- the paged prefill (a cached prefix plus new tokens, and the fresh varlen prefill) against the reference;
+- the paged prefill (a cached prefix plus new tokens, and the fresh varlen prefill) against the reference, and
+  from a first sequence on (a mixed step's chunks) equal to the whole batch's rows;
 - the KV store (the plain route's backend.store_kv) against indexing;
 - the batch-1 GEMV at SmolLM2's projections (qkv [960, 576], o [576, 576], gate_up [3072, 576], down with the
   SiLU-and-mul prologue [576, 1536]) and the normed GEMV against rms_norm then F.linear.
@@ -56,7 +57,7 @@ def test_prefill_and_store(results, shape, dtype):
     r = results["prefill"][f"{shape}/{dtype}"]
     assert "error" not in r, r
     assert r["paged_err"] <= _tol(dtype) and r["varlen_err"] <= _tol(dtype), r
-    assert r["store_equal"], r
+    assert r["store_equal"] and r["first_seq_equal"], r
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -129,6 +130,8 @@ def _prefill(hk: int, g: int, d: int, dtype: str) -> dict:
         cu_k = torch.arange(0, seqs * (prefix + new) + 1, prefix + new, dtype=torch.int32)
         out = tk.paged_prefill(q, kc, vc, perm, cu_q, cu_k, new, d ** -0.5)
         ref = prefill_reference(q, kc, vc, perm, seqs, prefix, new, d ** -0.5)
+        # the sequences from the second on (a mixed step's chunks after its decode rows): their rows, bit for bit
+        tail = tk.paged_prefill(q, kc, vc, perm, cu_q, cu_k, new, d ** -0.5, first_seq=1)
         # the fresh prefill: the new tokens only, nothing cached
         kf, vf = (t.view(seqs, prefix + new, hk, d)[:, prefix:].reshape(-1, hk, d).contiguous() for t in (k_new, v_new))
         fresh = tk.varlen_prefill(q, kf, vf, cu_q, new, d ** -0.5)
@@ -137,7 +140,7 @@ def _prefill(hk: int, g: int, d: int, dtype: str) -> dict:
     except Exception as e:                                  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {str(e)[:300]}"}
     return {"paged_err": (out.float() - ref).abs().max().item(), "varlen_err": (fresh.float() - fresh_ref).abs().max().item(),
-            "store_equal": store_equal}
+            "store_equal": store_equal, "first_seq_equal": bool(torch.equal(tail[new:], out[new:]))}
 
 
 def _gemv(n: int, k: int, mode: str, dtype: str) -> dict:

@@ -209,8 +209,8 @@ def test_graph_decode_matches_eager_on_smollm2_shapes(kernel_engine, smollm2_mod
 @pytest.mark.parametrize("name", float32_backends())
 def test_prefill_graph_matches_eager(kernel_engine, gpu_model_dir, name):
     """Fresh prefills of 1, 3 and 16 ragged prompts replay a prefill graph and give the eager logits; a prefill
-    that has more sequences than a prefill graph takes, or that reads a cached prefix, replays a piecewise graph
-    (attention eager between the pieces) and gives the eager logits too."""
+    that has more sequences than a prefill graph takes replays a piecewise graph (attention eager between the
+    pieces), and one that reads a cached prefix a paged prefill graph; both give the eager logits too."""
     from engine import SamplingParams
     from engine.graph import PREFILL_GRAPH_SEQS
 
@@ -244,17 +244,33 @@ def test_prefill_graph_matches_eager(kernel_engine, gpu_model_dir, name):
         diff = rows[True] - rows[False]
         rel_l2 = (diff.norm(dim=-1) / rows[False].norm(dim=-1)).max().item()
         assert diff.abs().max().item() < 0.05 and rel_l2 < 2e-3, (batch, diff.abs().max().item(), rel_l2)
-    # a prompt whose first block is cached: a prefix-reading prefill, piecewise
-    prompt = list(range(1000, 1040))
-    for _ in range(2):
-        graph.add_request(prompt, sp)
-        s, pf = graph.schedule()
-        cached = s[0].num_cached_tokens
-        logits, route = graph.forward_logits(s, pf)
-        graph.postprocess(s, [0] * len(s), pf)
-        while not graph.is_finished():
-            graph.step()
-    assert cached > 0 and route.kind == "piecewise", (cached, route)
+    # prompts whose first blocks are cached: prefix-reading prefills of 1 and 3 sequences replay a paged prefill
+    # graph (attention through the block table inside the graph) and give the eager logits
+    for batch in (1, 3):
+        g = torch.Generator().manual_seed(100 + batch)
+        firsts = [torch.randint(0, 150000, (int(n),), generator=g).tolist()
+                  for n in torch.randint(20, 90, (batch,), generator=g)]
+        rows, cached = {}, {}
+        for eng in (eager, graph):
+            eng.reset_prefix_cache()
+            for p in firsts:                               # fills the cache
+                eng.add_request(p, sp)
+            while not eng.is_finished():
+                eng.step()
+            for p in firsts:                               # the same prompts and more: a prefix to read
+                eng.add_request(p + list(range(2000, 2000 + len(p) // 2)), sp)
+            s, pf = eng.schedule()
+            cached[eng is graph] = [q.num_cached_tokens for q in s]
+            logits, route = eng.forward_logits(s, pf)
+            rows[eng is graph] = logits.float()
+            assert route.kind == ("paged-prefill-graph" if eng is graph else "eager"), (batch, route)
+            eng.postprocess(s, [0] * len(s), pf)
+            while not eng.is_finished():
+                eng.step()
+        assert cached[True] == cached[False] and min(cached[True]) > 0, cached
+        diff = rows[True] - rows[False]
+        rel_l2 = (diff.norm(dim=-1) / rows[False].norm(dim=-1)).max().item()
+        assert diff.abs().max().item() < 0.05 and rel_l2 < 2e-3, (batch, diff.abs().max().item(), rel_l2)
 
 
 def test_uncovered_batch_falls_back_to_eager(kernel_engine, gpu_model_dir):

@@ -103,6 +103,11 @@ def test_expected_route_picks_the_smallest_covering_bucket_else_eager():
     pw = dict(pg, piecewise_buckets=[16, 32, 64], piecewise_seqs=4)
     assert expected_route("graph", "prefill", 2, b, tokens=40, fresh=False, **pw) == ("piecewise", 64)
     assert expected_route("graph", "prefill", 5, b, tokens=40, fresh=True, **pw) == ("eager", None)     # 5 > 4 rows
+    # paged prefill graphs: a prefix-reading prefill without decode rows takes a prefill bucket, a mixed step not
+    pp = dict(pw, paged_prefill=True)
+    assert expected_route("graph", "prefill", 2, b, tokens=40, fresh=False, **pp) == ("paged-prefill-graph", 64)
+    assert expected_route("graph", "prefill", 2, b, tokens=40, fresh=False, decodes=1, **pp) == ("piecewise", 64)
+    assert expected_route("graph", "prefill", 5, b, tokens=40, fresh=False, **pp) == ("eager", None)
     assert expected_route("graph", "prefill", 3, b, tokens=3, fresh=False, **pw) == ("piecewise", 16)
     assert expected_route("graph", "prefill", 1, b, tokens=65, fresh=False, **pw) == ("eager", None)
     assert expected_route("graph", "prefill", 2, b, tokens=40, fresh=True, **pw) == ("prefill-graph", 64)
