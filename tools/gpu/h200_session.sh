@@ -9,6 +9,10 @@
 #   tools/gpu/h200_session.sh check   # pytest -m gpu, the bf16 / graph / kv-fp8 guards, the same at SmolLM2's
 #                                     # shapes, flash-attn built from its sdist (in the background), its guards
 #                                     # and refusals (float32, the fp8 cache), auto at float32 taking triton
+#   tools/gpu/h200_session.sh ab      # the prefix-cache A/B of both step models, this tree against BEFORE (the step
+#                                     # model), after the step clock; then the mixed-step rate sweep
+#   tools/gpu/h200_session.sh verify  # the GPU route tests, the bf16 guard, nano-vllm against BEFORE, both step
+#                                     # models' rate sweeps
 #   tools/gpu/h200_session.sh diag    # where a step's time goes: both step models on the engine's step clock
 #                                     # (tools/step_clock.py) with torch's profiler over ten steps, cache on and off;
 #                                     # the GPU tests of the graph routes
@@ -24,7 +28,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in serve|check|bench|diag) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag" >&2; exit 2 ;; esac
+case "$phase" in serve|check|bench|diag|ab|verify) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -130,6 +134,35 @@ check_phase() {
 from engine import LLMEngine
 e = LLMEngine('$MODEL_DIR', device='cuda', dtype='float32', kvcache_block_size=256, max_model_len=512)
 print('auto with float32 ->', e.describe()['attention_backend']); assert e.describe()['attention_backend'] == 'triton'"
+}
+
+ab_phase() {
+  local engine="--max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-batched-tokens 16384 --max-model-len 2048 --graph --overlap"
+  step step-clock 60 timeout 200 $PY tools/step_clock.py --model "$MODEL_DIR" --device cuda
+  for ds in multi-turn prefix; do
+    step "step-model-$ds" 90 env ENGINE="$engine --no-mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/step-model-$ds"
+    step "before-step-model-$ds" 90 before env ENGINE="$engine --no-mixed-batches" RATE=32 DATASETS=$ds MODEL_DIR=$MODEL_DIR \
+         tools/prefix_cache_ab.sh "$W/runs/before-step-model-$ds"
+    step "mixed-$ds" 90 env ENGINE="$engine --mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/mixed-$ds"
+  done
+  step mixed-sweep 120 $PY -m labkit load --trace workloads/sweep-random.jsonl \
+       --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 $engine --mixed-batches --offline-baseline --serve-process \
+       --out "$W/runs/mixed-sweep.json"
+}
+
+verify_phase() {
+  local engine="--max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-batched-tokens 16384 --max-model-len 2048 --graph --overlap"
+  step pytest-gpu-routes 100 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
+       tests/engine/test_gpu_mixed.py -k "not flash"
+  step guard-bf16 45 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda --attention triton
+  step nano-vllm-after 50 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-after.json"
+  step nano-vllm-before 50 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-before.json"
+  for side in mixed step-model; do
+    local flag=--mixed-batches; [ "$side" = step-model ] && flag=--no-mixed-batches
+    step "$side-sweep" 115 $PY -m labkit load --trace workloads/sweep-random.jsonl \
+         --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 $engine $flag --offline-baseline --serve-process \
+         --out "$W/runs/$side-sweep.json"
+  done
 }
 
 diag_phase() {
