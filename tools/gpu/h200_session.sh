@@ -10,7 +10,7 @@
 #                                     # shapes, flash-attn built from its sdist (in the background), its guards
 #                                     # and refusals (float32, the fp8 cache), auto at float32 taking triton
 #   tools/gpu/h200_session.sh ab      # the prefix-cache A/B of both step models, this tree against BEFORE (the step
-#                                     # model), after the step clock; then the mixed-step rate sweep
+#                                     # model); then the mixed-step rate sweep and the step clock
 #   tools/gpu/h200_session.sh verify  # the GPU route tests, the bf16 guard, nano-vllm against BEFORE, both step
 #                                     # models' rate sweeps
 #   tools/gpu/h200_session.sh diag    # where a step's time goes: both step models on the engine's step clock
@@ -138,7 +138,6 @@ print('auto with float32 ->', e.describe()['attention_backend']); assert e.descr
 
 ab_phase() {
   local engine="--max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-batched-tokens 16384 --max-model-len 2048 --graph --overlap"
-  step step-clock 60 timeout 200 $PY tools/step_clock.py --model "$MODEL_DIR" --device cuda
   for ds in multi-turn prefix; do
     step "step-model-$ds" 90 env ENGINE="$engine --no-mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/step-model-$ds"
     step "before-step-model-$ds" 90 before env ENGINE="$engine --no-mixed-batches" RATE=32 DATASETS=$ds MODEL_DIR=$MODEL_DIR \
