@@ -28,7 +28,21 @@ class AttentionMetadata:
     num_decodes: int = 0
 
     def decode_part(self) -> "AttentionMetadata":
-        """The first num_decodes rows as a decode step's metadata."""
+        """The first num_decodes rows as a decode step's metadata (made once per step: every layer asks)."""
+        part = self.__dict__.get("_decode_part")
+        if part is None:
+            part = self.__dict__["_decode_part"] = self._decode_part()
+        return part
+
+    @property
+    def chunk_max_seqlen_q(self) -> int:
+        """The longest query of the rows after the first num_decodes (made once per step)."""
+        longest = self.__dict__.get("_chunk_max_q")
+        if longest is None:
+            longest = self.__dict__["_chunk_max_q"] = max(self.seqlens_q[self.num_decodes:])
+        return longest
+
+    def _decode_part(self) -> "AttentionMetadata":
         d = self.num_decodes
         return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:d], max_seqlen_q=1,
                                  max_seqlen_k=max(self.seqlens_k[:d]), block_tables=self.block_tables[:d],

@@ -37,7 +37,7 @@ class TritonAttention(AttentionBackend):
         # the sequences from d on (their offsets count from the step's first token): the whole metadata and a first
         # sequence, not slices of it, so the kernel compiled for a plain prefix-reading prefill serves this too
         out = tk.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.cu_seqlens_k,
-                               max(meta.seqlens_q[d:]), scale, first_seq=d)
+                               meta.chunk_max_seqlen_q, scale, first_seq=d)
         out[:d] = self._decode(q[:d], k_cache, v_cache, meta.decode_part(), scale)
         return out
 

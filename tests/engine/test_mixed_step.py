@@ -295,3 +295,22 @@ def test_upstream_bug_cases_hold_in_both_step_models(tiny_engine, mixed):
     assert far.finish_reason == "length" and far.num_tokens == 160
     assert late.completion_token_ids == alone(same + [5])[0]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_mixed_steps_parts_are_made_once_per_step():
+    """Every layer's attention asks for the decode rows' metadata and the chunks' longest query: the step's
+    metadata makes them once and hands the same ones back."""
+    from engine.step_inputs import InputBuilder
+    from engine.sequence import Sequence
+
+    seqs = []
+    for i, (total, cached, decoding) in enumerate(((20, 19, True), (33, 32, True), (40, 16, False), (25, 0, False))):
+        s = Sequence(i, list(range(100, 100 + total)), None, 16)  # type: ignore[arg-type]
+        s.block_table = list(range(4 * i, 4 * i + 3))
+        s.num_cached_tokens, s.num_scheduled_tokens, s.decoding = cached, total - cached, decoding
+        seqs.append(s)
+    meta = InputBuilder(16, "cpu").prepare_prefill(seqs).meta
+    assert meta.num_decodes == 2
+    part = meta.decode_part()
+    assert part is meta.decode_part() and part.seqlens_k == [20, 33] and part.max_seqlen_k == 33
+    assert meta.chunk_max_seqlen_q == 25 == meta.chunk_max_seqlen_q
