@@ -9,8 +9,8 @@
 #   tools/gpu/h200_session.sh check   # pytest -m gpu, the bf16 / graph / kv-fp8 guards, the same at SmolLM2's
 #                                     # shapes, flash-attn built from its sdist (in the background), its guards
 #                                     # and refusals (float32, the fp8 cache), auto at float32 taking triton
-#   tools/gpu/h200_session.sh ab      # the prefix-cache A/B of both step models, this tree against BEFORE (the step
-#                                     # model); then the mixed-step rate sweep and the step clock
+#   tools/gpu/h200_session.sh ab      # the GPU route tests, then the prefix-cache A/B of both step models, this tree
+#                                     # against BEFORE (the step model); then the mixed-step rate sweep
 #   tools/gpu/h200_session.sh verify  # the GPU route tests, the bf16 guard, nano-vllm against BEFORE, both step
 #                                     # models' rate sweeps
 #   tools/gpu/h200_session.sh diag    # where a step's time goes: both step models on the engine's step clock
@@ -138,11 +138,15 @@ print('auto with float32 ->', e.describe()['attention_backend']); assert e.descr
 
 ab_phase() {
   local engine="--max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-batched-tokens 16384 --max-model-len 2048 --graph --overlap"
-  for ds in multi-turn prefix; do
-    step "step-model-$ds" 90 env ENGINE="$engine --no-mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/step-model-$ds"
-    step "before-step-model-$ds" 90 before env ENGINE="$engine --no-mixed-batches" RATE=32 DATASETS=$ds MODEL_DIR=$MODEL_DIR \
+  step pytest-gpu-routes 100 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
+       tests/engine/test_gpu_mixed.py -k "not flash"
+  for ds in prefix multi-turn; do
+    step "step-model-$ds" 85 env ENGINE="$engine --no-mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/step-model-$ds"
+    step "before-step-model-$ds" 85 before env ENGINE="$engine --no-mixed-batches" RATE=32 DATASETS=$ds MODEL_DIR=$MODEL_DIR \
          tools/prefix_cache_ab.sh "$W/runs/before-step-model-$ds"
-    step "mixed-$ds" 90 env ENGINE="$engine --mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/mixed-$ds"
+  done
+  for ds in prefix multi-turn; do
+    step "mixed-$ds" 85 env ENGINE="$engine --mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/mixed-$ds"
   done
   step mixed-sweep 120 $PY -m labkit load --trace workloads/sweep-random.jsonl \
        --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 $engine --mixed-batches --offline-baseline --serve-process \
