@@ -79,11 +79,12 @@ class EngineStats:
     preemptions: int = 0          # sequences preempted so far (vLLM's num_preemptions)
     prefix_queries: int = 0       # prompt tokens looked up in the prefix cache at admission (vLLM's)
     prefix_hits: int = 0          # of them, tokens found cached
+    late_compiles: int = 0        # Triton kernels compiled after start-up (engine/warmup.py: CompileWatch)
 
     def totals(self) -> dict[str, int]:
         """The running totals under the names the service's snapshot and metrics use."""
         return {"engine_preemptions": self.preemptions, "prefix_cache_queries": self.prefix_queries,
-                "prefix_cache_hits": self.prefix_hits}
+                "prefix_cache_hits": self.prefix_hits, "triton_compiles_after_startup": self.late_compiles}
 
 
 @dataclass
@@ -201,9 +202,10 @@ class LLMEngine:
     # -- reading and driving the engine from outside ------------------------------------
     def stats(self) -> EngineStats:
         bm, sch = self.block_manager, self.scheduler
+        watch = self.runner.late_compiles
         return EngineStats(len(sch.waiting), len(sch.running), bm.num_blocks, bm.num_free_blocks,
                            len(bm.used_block_ids), self.num_steps, sch.num_preemptions, sch.prefix_queries,
-                           sch.prefix_hits)
+                           sch.prefix_hits, len(watch.names) if watch is not None else 0)
 
     def live_seq_ids(self) -> set[int]:
         return {s.seq_id for s in (*self.scheduler.waiting, *self.scheduler.running)}

@@ -361,6 +361,7 @@ class WorkerFront:
             "labkit_kv_blocks_free": s.get("kv_blocks_free", 0),
             "labkit_round": s.get("round", 0),
             "labkit_healthy": 1 if s["state"] == "ok" else 0,
+            "labkit_triton_compiles_after_startup": s.get("triton_compiles_after_startup", 0),
             # the engine's running totals, turned into vLLM's counters at each scrape (metrics.VllmSeries)
             "engine_preemptions": s.get("engine_preemptions", 0),
             "prefix_cache_queries": s.get("prefix_cache_queries", 0),

@@ -39,6 +39,8 @@ GAUGES = {
     "labkit_kv_blocks_free": "KV blocks on the free list.",
     "labkit_round": "Engine steps done by this worker.",
     "labkit_healthy": "1 while the worker accepts work, else 0.",
+    "labkit_triton_compiles_after_startup": "Triton kernels compiled after start-up (each stalled a step; start-up "
+                                            "warms every variant it knows, so this stays 0).",
 }
 KV_USAGE = "labkit_kv_cache_usage_perc"
 PHASES = ("prefill", "decode", "mixed")      # engine.llm_engine.step_kind

@@ -103,7 +103,7 @@ def test_standard_exposition_with_every_documented_family(servers):
         "labkit_num_requests_running": "gauge", "labkit_num_requests_waiting": "gauge",
         "labkit_kv_cache_usage_perc": "gauge", "labkit_kv_blocks_used": "gauge", "labkit_kv_blocks_free": "gauge",
         "labkit_kv_blocks_total": "gauge", "labkit_engine_running": "gauge", "labkit_engine_waiting": "gauge",
-        "labkit_round": "gauge", "labkit_healthy": "gauge",
+        "labkit_round": "gauge", "labkit_healthy": "gauge", "labkit_triton_compiles_after_startup": "gauge",
     }
     assert {n: types.get(n) for n in expected} == expected
 
@@ -166,3 +166,27 @@ def test_gauges_show_a_request_in_flight(servers):
     idle(srv)
     _, _, end = scrape(srv)
     assert end[("labkit_num_requests_running", ())] == 0 and end[("labkit_kv_cache_usage_perc", ())] == 0
+
+
+def test_late_triton_compiles_reach_the_gauge(engine_factory):
+    """The engine counts Triton compiles after start-up (engine/warmup.py: CompileWatch; nothing compiles on a
+    CPU, so a watch with three names stands in); the worker's snapshot carries the total and /metrics shows it."""
+    from types import SimpleNamespace
+
+    from serve.core.front import WorkerFront
+
+    eng = engine_factory(device="cpu", enforce_eager=True, max_model_len=128, max_num_seqs=2)
+    assert eng.stats().totals()["triton_compiles_after_startup"] == 0
+    eng.runner.late_compiles = SimpleNamespace(names=["_prefill_kernel"] * 3, close=lambda: None)
+    totals = eng.stats().totals()
+    assert totals["triton_compiles_after_startup"] == 3
+
+    class Front(WorkerFront):
+        def snapshot(self):
+            return {"state": "ok", **totals}
+
+    front = Front()
+    gauges = front.gauges()
+    assert gauges["labkit_triton_compiles_after_startup"] == 3
+    text = front.stats.render(gauges)[0].decode()
+    assert f'labkit_triton_compiles_after_startup{{worker_id="{front.worker_id}"}} 3.0' in text
