@@ -21,7 +21,9 @@
 #
 # Environment: OUT (default ./gpu-out), BUDGET_S (seconds after which no step starts: default 540), BEFORE (a
 # `git archive` of the tree to compare against, default .lead/before), WHEELS (wheels to pip install --target
-# /tmp/site first: default .lead/whl). A step is skipped, and says so, when its estimate would pass the budget.
+# /tmp/site first: default .lead/whl; the H200 image lacks pydantic, which `labkit serve` needs: put pydantic's wheels
+# there for CPython 3.12, `pip download pydantic --python-version 3.12 --only-binary=:all: --platform
+# manylinux2014_x86_64 -d DIR`). A step is skipped, and says so, when its estimate would pass the budget.
 # Everything a phase writes (logs, evidence JSON, pictures) is packed into $OUT/evidence-PHASE.tgz after each step,
 # so what ran comes back even if the call is cut short; $OUT/steps-PHASE.txt is the summary. The check phase also
 # leaves the flash-attn wheel it built in $OUT (carry it into .gpu/wheels to skip the build next time).
@@ -42,6 +44,7 @@ if ls "${WHEELS:-.lead/whl}"/*.whl >/dev/null 2>&1; then
   $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS:-.lead/whl}"/*.whl || exit 1
 fi
 export PYTHONPATH="$PWD:/tmp/site:$PWD/.gpu/site"
+$PY -c "import pydantic" 2>/dev/null || echo "WARNING: no pydantic here: every labkit serve step will fail (see WHEELS above)" >&2
 
 pack() { (cd "$W" && tar czf "$OUT/evidence-$phase.tgz" --exclude='*.npz' --exclude='*.jsonl' logs runs 2>/dev/null); }
 step() {            # step NAME ESTIMATE_S COMMAND...: run it unless the budget says no; log, summary, pack
