@@ -5,11 +5,13 @@ One engine per step model (``--mixed-batches`` and nano-vllm's step model), the 
 conversations of ``--turns`` turns; turn 0 of session i arrives at step ``i * --every``, each later turn at the
 step its previous turn finished, its prompt the previous prompt, the previous answer and ``--suffix`` new tokens
 (the multi-turn workload's shape, with a cached prefix to hit). Per step model it prints the steps taken, steps
-from arrival to first token (p50 / p90 / max), step kinds, routes (decode graph, prefill graph, piecewise,
-eager) and the wall time per step of each route (median, total); on CUDA the engine runs with graphs and the
-overlapped decode, as `labkit serve` does.
+from arrival to first token (p50 / p90 / max), step kinds, routes (decode graph, prefill graphs, piecewise,
+eager), the wall time per step of each route (median, p90, max, total) and on CUDA its GPU span, the Triton
+kernels compiled after start-up and the slowest steps; on CUDA the engine runs with graphs and the overlapped
+decode, as `labkit serve` does.
 
     python tools/step_clock.py --model DIR [--device cuda] [--sessions 32] [--turns 4] [--every 10] [--json]
+                               [--profile FIRST STEPS]
 """
 from __future__ import annotations
 
@@ -84,9 +86,20 @@ def run(model: str, device: str, mixed: bool, cache: bool, sessions: int, turns:
             "kinds": dict(kinds), "routes": {k: len(v) for k, v in route_ms.items()},
             "route_ms": {k: {"median": round(statistics.median(v), 3), "p90": round(_pct(v, 0.9), 3),
                              "max": round(max(v), 3), "total": round(sum(v), 1)} for k, v in route_ms.items()},
+            "route_gpu_ms": _gpu_by_route(steps),
             "compiled_after_start": late,
             "slowest": sorted(steps, key=lambda s: -s["ms"])[:8],
             "profile": None if prof is None else _tables(prof, cuda)}
+
+
+def _gpu_by_route(steps: list[dict]) -> dict:
+    """Per route, the steps' spans on the GPU (CUDA: from the step's first kernel to its sampled ids), median and
+    p90: with the overlapped decode a step's wall time holds the wait for the step before it, its GPU span not."""
+    spans: dict[str, list[float]] = collections.defaultdict(list)
+    for s in steps:
+        if s["gpu_ms"] is not None:
+            spans[s["route"].split(":")[0]].append(s["gpu_ms"])
+    return {k: {"median": round(statistics.median(v), 3), "p90": round(_pct(v, 0.9), 3)} for k, v in spans.items()}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -136,6 +149,9 @@ def main() -> None:
         print(f"          kinds {r['kinds']}; routes {r['routes']}")
         print("          ms per step by route (median / p90 / max, total): " + ", ".join(
             f"{k} {v['median']} / {v['p90']} / {v['max']} ({v['total']})" for k, v in r["route_ms"].items()))
+        if r["route_gpu_ms"]:
+            print("          GPU ms per step by route (median / p90): " + ", ".join(
+                f"{k} {v['median']} / {v['p90']}" for k, v in r["route_gpu_ms"].items()))
         if r["compiled_after_start"] is not None:
             print(f"          Triton kernels compiled after start-up: {len(r['compiled_after_start'])} "
                   f"{sorted(set(r['compiled_after_start']))}")
