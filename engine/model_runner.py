@@ -180,7 +180,8 @@ class ModelRunner:
                             for path, g in (("prefill-graph", self.prefill_graphs),
                                             ("paged-prefill-graph", self.paged_prefill_graphs)) for t in g.buckets]
         # piecewise graphs (engine/piecewise.py): every other step of at most the largest bucket (mixed steps,
-        # prefix-cache hits, chunks), attention eager between the pieces; one rank only, as above
+        # prefills of more sequences or tokens than a prefill graph holds, other backends' prefix hits and chunks),
+        # attention eager between the pieces; one rank only, as above
         if cfg.piecewise_graphs and self.tp.world_size == 1:
             self.piecewise = PiecewiseGraphs(self.model, self.backend, piecewise_buckets(cfg.max_num_batched_tokens),
                                              cfg.max_num_seqs, self.device)
