@@ -47,20 +47,39 @@ def _draw_batch(top, view: SlotView, labels: list[str]) -> None:
 
     T = view.num_tokens
     inch_per_token = 9.0 / max(T, 1)
-    for s in view.spans:
+    thin: list = []                # consecutive spans too narrow for their text (a mixed step's decode rows)
+    for s in view.spans + [None]:
+        text = _span_text(s, s.length * inch_per_token) if s is not None else ""
+        if s is not None and not text:
+            thin.append(s)
+        elif thin:                 # one name for the run, above the bar beside it
+            name = "  ".join(f"{t.label} pos {t.position}" + (f"–{t.position + t.length - 1}" if t.length > 1 else "")
+                             for t in thin)
+            end = thin[-1].batch_start + thin[-1].length
+            top.text(end + T * 0.004, 1.08, name, ha="left", va="bottom", fontsize=8,
+                     color=style.owner_colour(labels, thin[0].label) if len(thin) == 1 else "black",
+                     bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
+            thin = []
+        if s is None:
+            break
         colour = style.owner_colour(labels, s.label)
         top.add_patch(Rectangle((s.batch_start, 0), s.length, 1, facecolor=colour, edgecolor="white", linewidth=1.2))
-        text = _span_text(s, s.length * inch_per_token)
         if text:
             top.text(s.batch_start + s.length / 2, 0.5, text, ha="center", va="center", fontsize=8, color="white")
     if T <= 96:                    # token boundaries: short white ticks at the bar's bottom edge
         for k in range(1, T):
             top.plot([k, k], [0, 0.18], color="white", linewidth=0.8)
     ends = (0, len(view.cu_seqlens_q) - 1)
+    groups: list[list[int]] = []           # boundaries closer than 0.2 inch (one-token rows) share one label
     for k, c in enumerate(view.cu_seqlens_q):
         top.plot([c, c], [-0.05, 1.35], color="black", linewidth=1.4 if k in ends else 1.0,
                  linestyle="-" if k in ends else "--")
-        top.text(c, 1.4, str(c), ha="center", va="bottom", fontsize=8)
+        if groups and (c - groups[-1][-1]) * inch_per_token < 0.2:
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    for g in groups:
+        top.text(g[0], 1.4, ", ".join(map(str, g)), ha="center" if len(g) == 1 else "left", va="bottom", fontsize=8)
     top.set_xlim(-T * 0.01, T * 1.01)
     top.set_ylim(-0.1, 1.75)
     top.axis("off")

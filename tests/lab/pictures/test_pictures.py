@@ -312,3 +312,30 @@ def test_quick_walk_writes_its_pictures_next_to_the_evidence(tiny_model_dir, tmp
     from labkit.checks import check_evidence, get_checkpoint
 
     assert check_evidence(get_checkpoint("setup.quick-walk-a"), evidence)[0] == "PASS"
+
+
+def test_the_slot_picture_names_one_token_rows_and_keeps_crowded_boundaries_readable():
+    """A mixed step's decode rows are one token each, too narrow for a name inside the bar: they are named above it,
+    and their cu_seqlens boundaries (closer than 0.2 inch) share one label instead of printing over each other."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from labkit.pictures.slots import _draw_batch
+    from labkit.pictures.walkdata import SlotView, Span
+
+    labels = ["A", "B", "C", "D"]
+    spans = [Span("A", 0, 1, 40, 0, 40), Span("B", 1, 1, 55, 1, 567), Span("C", 2, 1, 70, 2, 1094),
+             Span("D", 3, 300, 0, 3, 1536)]
+    view = SlotView(step=5, phase="mixed", num_tokens=303, block_size=512, labels=labels,
+                    cu_seqlens_q=[0, 1, 2, 3, 303], spans=spans, tables={k: [i] for i, k in enumerate(labels)},
+                    cached={"A": 40, "B": 55, "C": 70, "D": 0})
+    fig, ax = plt.subplots()
+    try:
+        _draw_batch(ax, view, labels)
+        texts = [t.get_text() for t in ax.texts]
+    finally:
+        plt.close(fig)
+    assert "A pos 40  B pos 55  C pos 70" in texts
+    assert "0, 1, 2, 3" in texts and "303" in texts
+    assert "D  pos 0–299\n300 tokens" in texts
