@@ -34,14 +34,6 @@ class AttentionMetadata:
             part = self.__dict__["_decode_part"] = self._decode_part()
         return part
 
-    @property
-    def chunk_max_seqlen_q(self) -> int:
-        """The longest query of the rows after the first num_decodes (made once per step)."""
-        longest = self.__dict__.get("_chunk_max_q")
-        if longest is None:
-            longest = self.__dict__["_chunk_max_q"] = max(self.seqlens_q[self.num_decodes:])
-        return longest
-
     def _decode_part(self) -> "AttentionMetadata":
         d = self.num_decodes
         return AttentionMetadata(is_prefill=False, slot_mapping=self.slot_mapping[:d], max_seqlen_q=1,

@@ -35,9 +35,10 @@ class TritonAttention(AttentionBackend):
         if d == q.shape[0]:
             return self._decode(q, k_cache, v_cache, meta.decode_part(), scale)
         # the sequences from d on (their offsets count from the step's first token): the whole metadata and a first
-        # sequence, not slices of it, so the kernel compiled for a plain prefix-reading prefill serves this too
+        # sequence, not slices of it, so the kernel compiled for a plain prefix-reading prefill serves this too;
+        # the step's longest query is a chunk's (each decode row has one)
         out = tk.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.cu_seqlens_k,
-                               meta.chunk_max_seqlen_q, scale, first_seq=d)
+                               meta.max_seqlen_q, scale, first_seq=d)
         out[:d] = self._decode(q[:d], k_cache, v_cache, meta.decode_part(), scale)
         return out
 

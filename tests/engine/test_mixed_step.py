@@ -298,8 +298,8 @@ def test_upstream_bug_cases_hold_in_both_step_models(tiny_engine, mixed):
 
 
 def test_a_mixed_steps_parts_are_made_once_per_step():
-    """Every layer's attention asks for the decode rows' metadata and the chunks' longest query: the step's
-    metadata makes them once and hands the same ones back."""
+    """Every layer's attention asks for the decode rows' metadata: the step's metadata makes it once and hands the
+    same one back. The chunks' longest query is the step's (each decode row has one)."""
     from engine.step_inputs import InputBuilder
     from engine.sequence import Sequence
 
@@ -313,4 +313,4 @@ def test_a_mixed_steps_parts_are_made_once_per_step():
     assert meta.num_decodes == 2
     part = meta.decode_part()
     assert part is meta.decode_part() and part.seqlens_k == [20, 33] and part.max_seqlen_k == 33
-    assert meta.chunk_max_seqlen_q == 25 == meta.chunk_max_seqlen_q
+    assert meta.max_seqlen_q == 25 == max(meta.seqlens_q[meta.num_decodes:])
