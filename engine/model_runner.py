@@ -267,7 +267,8 @@ class ModelRunner:
             bucket = self.prefill_graphs.bucket_for(tokens, seqs)
             if bucket is not None:
                 return Route("prefill-graph", bucket)
-        if self.paged_prefill_graphs is not None and inputs.is_prefill and not inputs.meta.num_decodes:
+        if (self.paged_prefill_graphs is not None and inputs.is_prefill and inputs.meta.block_tables is not None
+                and not inputs.meta.num_decodes):
             bucket = self.paged_prefill_graphs.bucket_for(tokens, seqs)
             if bucket is not None:
                 return Route("paged-prefill-graph", bucket)

@@ -80,7 +80,7 @@ def warmup_plan(config, backend: str, sm_count: int = 0, tp_size: int = 1) -> li
         # a chunk continuation: one and several sequences reading a cached prefix through the block table
         for seqs in sorted({1, min(3, max_seqs)}):
             plan.append(WarmShape("prefill-paged", seqs, 16, cached=8, why="cached prefix through the block table"))
-    mixed = getattr(config, "mixed_batches", False)
+    mixed = config.mixed_batches
     if mixed and max_len > 16 and max_seqs > 1:
         for seqs in sorted({2, min(4, max_seqs)}):
             plan.append(WarmShape("mixed", seqs, 16, cached=8, why="decode rows and a chunk in one step"))
