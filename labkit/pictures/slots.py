@@ -12,6 +12,7 @@ the cache before the step (an earlier chunk, a prefix hit) is hatched.
 """
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from labkit.pictures import style
@@ -47,25 +48,21 @@ def _draw_batch(top, view: SlotView, labels: list[str]) -> None:
 
     T = view.num_tokens
     inch_per_token = 9.0 / max(T, 1)
-    thin: list = []                # consecutive spans too narrow for their text (a mixed step's decode rows)
-    for s in view.spans + [None]:
-        text = _span_text(s, s.length * inch_per_token) if s is not None else ""
-        if s is not None and not text:
-            thin.append(s)
-        elif thin:                 # one name for the run, above the bar beside it
-            name = "  ".join(f"{t.label} pos {t.position}" + (f"–{t.position + t.length - 1}" if t.length > 1 else "")
-                             for t in thin)
-            end = thin[-1].batch_start + thin[-1].length
-            top.text(end + T * 0.004, 1.08, name, ha="left", va="bottom", fontsize=8,
-                     color=style.owner_colour(labels, thin[0].label) if len(thin) == 1 else "black",
-                     bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
-            thin = []
-        if s is None:
-            break
-        colour = style.owner_colour(labels, s.label)
-        top.add_patch(Rectangle((s.batch_start, 0), s.length, 1, facecolor=colour, edgecolor="white", linewidth=1.2))
+    texts = [_span_text(s, s.length * inch_per_token) for s in view.spans]
+    for s, text in zip(view.spans, texts):
+        top.add_patch(Rectangle((s.batch_start, 0), s.length, 1, facecolor=style.owner_colour(labels, s.label),
+                                edgecolor="white", linewidth=1.2))
         if text:
             top.text(s.batch_start + s.length / 2, 0.5, text, ha="center", va="center", fontsize=8, color="white")
+    # runs of spans too narrow for their text (a mixed step's decode rows): one name each, above the bar beside it
+    for narrow, run in itertools.groupby(zip(view.spans, texts), key=lambda st: not st[1]):
+        if narrow:
+            thin = [t for t, _ in run]
+            name = "  ".join(f"{t.label} pos {t.position}" + (f"–{t.position + t.length - 1}" if t.length > 1 else "")
+                             for t in thin)
+            top.text(thin[-1].batch_start + thin[-1].length + T * 0.004, 1.08, name, ha="left", va="bottom",
+                     fontsize=8, color=style.owner_colour(labels, thin[0].label) if len(thin) == 1 else "black",
+                     bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
     if T <= 96:                    # token boundaries: short white ticks at the bar's bottom edge
         for k in range(1, T):
             top.plot([k, k], [0, 0.18], color="white", linewidth=0.8)
