@@ -78,23 +78,29 @@ synth qwen3-0.6b /tmp/m06
 export MODEL_DIR=/tmp/m06
 echo "phase $phase, model $MODEL_DIR, synth done at $((SECONDS - T0)) s" | tee "$STEPS"
 
+# the rate sweep's engine options (tools/sweep_h200.sh's), for every serve step
+SERVE_ENGINE="--max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-batched-tokens 16384 --max-model-len 2048 --graph --overlap"
+sweep() {           # sweep NAME ESTIMATE_S STEP_MODEL_FLAG: the rate sweep on sweep-random.jsonl through labkit serve
+  step "$1" "$2" $PY -m labkit load --trace workloads/sweep-random.jsonl --request-rates 8,16,32,64,128,inf \
+       --goodput ttft:1000,tpot:50 $SERVE_ENGINE "$3" --offline-baseline --serve-process --out "$W/runs/$1.json"
+}
+route_tests() {     # the GPU tests of the graph routes (flash-attn's need its build: the check phase)
+  step pytest-gpu-routes 100 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
+       tests/engine/test_gpu_mixed.py -k "not flash"
+}
+
 serve_phase() {
-  local engine="--max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-batched-tokens 16384 --max-model-len 2048 --graph --overlap"
   # mixed steps first (the candidate default), then nano-vllm's step model; the step model's rate sweep last
   for side in mixed step-model; do
     local flag=--mixed-batches; [ "$side" = step-model ] && flag=--no-mixed-batches
-    [ "$side" = mixed ] && step "$side-sweep" 150 $PY -m labkit load --trace workloads/sweep-random.jsonl \
-         --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 $engine $flag --offline-baseline --serve-process \
-         --out "$W/runs/$side-sweep.json"
+    [ "$side" = mixed ] && sweep "$side-sweep" 150 $flag
     for ds in multi-turn prefix; do
-      step "$side-$ds" 100 env ENGINE="$engine $flag" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/$side-$ds"
+      step "$side-$ds" 100 env ENGINE="$SERVE_ENGINE $flag" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/$side-$ds"
     done
   done
   step eager-profile 75 timeout 100 $PY tools/gpu/eager_profile.py --attention triton --steps 40
   step step-clock 120 timeout 200 $PY tools/step_clock.py --model "$MODEL_DIR" --device cuda
-  step step-model-sweep 150 $PY -m labkit load --trace workloads/sweep-random.jsonl \
-       --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 $engine --no-mixed-batches --offline-baseline \
-       --serve-process --out "$W/runs/step-model-sweep.json"
+  sweep step-model-sweep 150 --no-mixed-batches
 }
 
 check_phase() {
@@ -140,42 +146,33 @@ print('auto with float32 ->', e.describe()['attention_backend']); assert e.descr
 }
 
 ab_phase() {
-  local engine="--max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-batched-tokens 16384 --max-model-len 2048 --graph --overlap"
-  step pytest-gpu-routes 100 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
-       tests/engine/test_gpu_mixed.py -k "not flash"
+  route_tests
   for ds in prefix multi-turn; do
-    step "step-model-$ds" 85 env ENGINE="$engine --no-mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/step-model-$ds"
-    step "before-step-model-$ds" 85 before env ENGINE="$engine --no-mixed-batches" RATE=32 DATASETS=$ds MODEL_DIR=$MODEL_DIR \
+    step "step-model-$ds" 85 env ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/step-model-$ds"
+    step "before-step-model-$ds" 85 before env ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 DATASETS=$ds MODEL_DIR=$MODEL_DIR \
          tools/prefix_cache_ab.sh "$W/runs/before-step-model-$ds"
   done
   for ds in prefix multi-turn; do
-    step "mixed-$ds" 85 env ENGINE="$engine --mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/mixed-$ds"
+    step "mixed-$ds" 85 env ENGINE="$SERVE_ENGINE --mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/mixed-$ds"
   done
-  step mixed-sweep 120 $PY -m labkit load --trace workloads/sweep-random.jsonl \
-       --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 $engine --mixed-batches --offline-baseline --serve-process \
-       --out "$W/runs/mixed-sweep.json"
+  sweep mixed-sweep 120 --mixed-batches
 }
 
 verify_phase() {
-  local engine="--max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-batched-tokens 16384 --max-model-len 2048 --graph --overlap"
-  step pytest-gpu-routes 100 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
-       tests/engine/test_gpu_mixed.py -k "not flash"
+  route_tests
   step guard-bf16 45 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda --attention triton
   step nano-vllm-after 50 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-after.json"
   step nano-vllm-before 50 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-before.json"
   for side in mixed step-model; do
     local flag=--mixed-batches; [ "$side" = step-model ] && flag=--no-mixed-batches
-    step "$side-sweep" 115 $PY -m labkit load --trace workloads/sweep-random.jsonl \
-         --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 $engine $flag --offline-baseline --serve-process \
-         --out "$W/runs/$side-sweep.json"
+    sweep "$side-sweep" 115 $flag
   done
 }
 
 diag_phase() {
   step step-clock 150 timeout 240 $PY tools/step_clock.py --model "$MODEL_DIR" --device cuda --profile 150 10
   step step-clock-no-cache 120 timeout 200 $PY tools/step_clock.py --model "$MODEL_DIR" --device cuda --no-prefix-caching
-  step pytest-gpu-routes 120 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
-       tests/engine/test_gpu_mixed.py -k "not flash"
+  route_tests
 }
 
 bench_phase() {
