@@ -53,6 +53,7 @@ class EngineArgs:
     graph_buckets: tuple[int, ...] | None = None   # None: buckets covering every batch up to max_num_seqs
     overlap: bool = False                          # decode: launch step k+1 before reading step k's tokens
     prefill_graphs: bool = True                    # with graphs (TP 1, triton): small fresh prefills replay a graph too
+    mixed_graphs: bool = True                      # with graphs and mixed steps (TP 1, triton): a mixed step replays one graph
     piecewise_graphs: bool = True                  # with graphs (TP 1): other steps replay graphs between attention calls
     logprobs_mode: str = "raw_logprobs"            # vLLM's: raw_logprobs (the model's) | processed_logprobs
     eos_token_ids: tuple[int, ...] = ()            # (): the model's (generation_config.json, then config.json)

@@ -192,13 +192,17 @@ class PrefillGraphs:
 @dataclass(frozen=True)
 class Route:
     """How a forward ran: eagerly, by replaying the decode graph of `bucket` sequences, a prefill graph of
-    `bucket` tokens (fresh, or paged: reading a cached prefix) or a piecewise graph of `bucket` tokens
-    (ModelRunner.route_for picks it)."""
-    kind: str = "eager"                   # "eager" | "graph" | "prefill-graph" | "paged-prefill-graph" | "piecewise"
+    `bucket` tokens (fresh, or paged: reading a cached prefix), a mixed graph of `rows` decode rows within
+    `bucket` tokens (engine/mixed_graphs.py) or a piecewise graph of `bucket` tokens (ModelRunner.route_for
+    picks it)."""
+    kind: str = "eager"     # "eager" | "graph" | "prefill-graph" | "paged-prefill-graph" | "mixed-graph" | "piecewise"
     bucket: int | None = None
+    rows: int | None = None               # mixed-graph: its decode rows
 
     def __str__(self) -> str:
-        return "eager" if self.kind == "eager" else f"{self.kind}:{self.bucket}"
+        if self.kind == "eager":
+            return "eager"
+        return f"{self.kind}:{self.rows}/{self.bucket}" if self.rows is not None else f"{self.kind}:{self.bucket}"
 
 
 EAGER = Route()

@@ -163,6 +163,8 @@ class LLMEngine:
                       "prefill_buckets": self.runner.prefill_graphs.buckets if self.runner.prefill_graphs else [],
                       "prefill_seqs": self.runner.prefill_graphs.max_seqs if self.runner.prefill_graphs else 0,
                       "paged_prefill": self.runner.paged_prefill_graphs is not None,
+                      "mixed_buckets": [list(k) for k in self.runner.mixed_graphs.buckets] if self.runner.mixed_graphs
+                      else [],
                       "piecewise_buckets": self.runner.piecewise.buckets if self.runner.piecewise else [],
                       "piecewise_seqs": self.runner.piecewise.max_seqs if self.runner.piecewise else 0,
                       "capture_seconds": round(self.runner.capture_seconds, 4)},

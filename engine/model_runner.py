@@ -26,6 +26,7 @@ from engine.device_clock import DeviceClock
 from engine.distributed import SINGLE, ParallelContext
 from engine.graph import EAGER, PREFILL_GRAPH_SEQS, DecodeGraphs, PrefillGraphs, Route, prefill_buckets
 from engine.loader import load_model
+from engine.mixed_graphs import MixedGraphs, mixed_buckets
 from engine.models import build_model
 from engine.observe import HookSet
 from engine.piecewise import PiecewiseGraphs, piecewise_buckets
@@ -107,6 +108,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.paged_prefill_graphs: PrefillGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         self.num_kvcache_blocks = self.allocate_kv_cache()
         self.warmed: list[dict] = []      # the shapes start-up ran (engine/warmup.py), for describe()
@@ -179,6 +181,13 @@ class ModelRunner:
             self.warmed += [{"path": path, "seqs": seqs, "tokens": t}
                             for path, g in (("prefill-graph", self.prefill_graphs),
                                             ("paged-prefill-graph", self.paged_prefill_graphs)) for t in g.buckets]
+        # mixed graphs (engine/mixed_graphs.py): a mixed step's decode rows and chunks in one graph, for the same
+        # reasons (the triton kernels' grids follow the bucket; one rank)
+        if cfg.mixed_batches and cfg.mixed_graphs and self.attention_backend == "triton" and self.tp.world_size == 1:
+            self.mixed_graphs = MixedGraphs(self.model, mixed_buckets(cfg.max_num_seqs, cfg.max_num_batched_tokens),
+                                            max_blocks, cfg.max_model_len, self.device)
+            self.mixed_graphs.capture()
+            self.warmed += [{"path": "mixed-graph", "seqs": d, "tokens": t} for d, t in self.mixed_graphs.buckets]
         # piecewise graphs (engine/piecewise.py): every other step of at most the largest bucket (mixed steps,
         # prefills of more sequences or tokens than a prefill graph holds, other backends' prefix hits and chunks),
         # attention eager between the pieces; one rank only, as above
@@ -191,8 +200,8 @@ class ModelRunner:
 
     @property
     def capture_seconds(self) -> float:
-        return sum(g.capture_seconds for g in (self.graphs, self.prefill_graphs, self.paged_prefill_graphs, self.piecewise)
-                   if g is not None)
+        return sum(g.capture_seconds for g in (self.graphs, self.prefill_graphs, self.paged_prefill_graphs,
+                                               self.mixed_graphs, self.piecewise) if g is not None)
 
     # -- a step ------------------------------------------------------------------------------
     def run(self, seqs: list[Sequence], is_prefill: bool, step: int = 0
@@ -255,9 +264,9 @@ class ModelRunner:
     def route_for(self, inputs: StepInputs) -> Route:
         """A decode replays the smallest captured graph that covers its batch; a prefill without decode rows
         the smallest prefill graph that covers its tokens and sequences (fresh, or paged where it reads a cached
-        prefix); any other step (a mixed one, a prefill of more sequences or tokens) the smallest piecewise
-        graph that covers its tokens, attention eager between its pieces; a step larger than every bucket is
-        eager."""
+        prefix); a mixed step the smallest mixed graph that holds its decode rows and chunks; any other step (a
+        prefill of more sequences or tokens, a mixed step no mixed graph holds) the smallest piecewise graph that
+        covers its tokens, attention eager between its pieces; a step larger than every bucket is eager."""
         tokens, seqs = inputs.input_ids.shape[0], len(inputs.meta.seqlens_q)
         if self.graphs is not None and not inputs.is_prefill:
             bucket = self.graphs.bucket_for(tokens)
@@ -272,6 +281,10 @@ class ModelRunner:
             bucket = self.paged_prefill_graphs.bucket_for(tokens, seqs)
             if bucket is not None:
                 return Route("paged-prefill-graph", bucket)
+        if self.mixed_graphs is not None and inputs.is_prefill and inputs.meta.num_decodes:
+            key = self.mixed_graphs.bucket_for(tokens, seqs, inputs.meta.num_decodes)
+            if key is not None:
+                return Route("mixed-graph", key[1], rows=key[0])
         if self.piecewise is not None and inputs.is_prefill:
             bucket = self.piecewise.bucket_for(tokens, seqs)
             if bucket is not None:
@@ -288,6 +301,8 @@ class ModelRunner:
             return self.prefill_graphs.replay(route.bucket, inputs.input_ids, inputs.positions, inputs.meta)
         if route.kind == "paged-prefill-graph":
             return self.paged_prefill_graphs.replay(route.bucket, inputs.input_ids, inputs.positions, inputs.meta)
+        if route.kind == "mixed-graph":
+            return self.mixed_graphs.replay((route.rows, route.bucket), inputs.input_ids, inputs.positions, inputs.meta)
         if route.kind == "piecewise":
             return self.piecewise.replay(route.bucket, inputs.input_ids, inputs.positions, inputs.meta)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)
@@ -308,7 +323,7 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             layer.k_cache = layer.v_cache = torch.empty(0)
         self.kv_cache = torch.empty(0)
-        self.graphs = self.prefill_graphs = self.paged_prefill_graphs = self.piecewise = None
+        self.graphs = self.prefill_graphs = self.paged_prefill_graphs = self.mixed_graphs = self.piecewise = None
         self.model = None
         if self.late_compiles is not None:
             self.late_compiles.close()
