@@ -16,6 +16,8 @@
 #   tools/gpu/h200_session.sh diag    # where a step's time goes: both step models on the engine's step clock
 #                                     # (tools/step_clock.py) with torch's profiler over ten steps, cache on and off;
 #                                     # the GPU tests of the graph routes
+#   tools/gpu/h200_session.sh mixed   # mixed graphs: the GPU route tests, the step clock, the mixed step model's
+#                                     # multi-turn A/B against BEFORE, its prefix A/B, the mixed rate sweep
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -30,7 +32,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in serve|check|bench|diag|ab|verify) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify" >&2; exit 2 ;; esac
+case "$phase" in serve|check|bench|diag|ab|verify|mixed) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -167,6 +169,17 @@ verify_phase() {
     local flag=--mixed-batches; [ "$side" = step-model ] && flag=--no-mixed-batches
     sweep "$side-sweep" 115 $flag
   done
+}
+
+mixed_phase() {
+  route_tests
+  step step-clock 120 timeout 200 $PY tools/step_clock.py --model "$MODEL_DIR" --device cuda
+  for ds in multi-turn prefix; do
+    step "mixed-$ds" 85 env ENGINE="$SERVE_ENGINE --mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/mixed-$ds"
+  done
+  step before-mixed-multi-turn 85 before env ENGINE="$SERVE_ENGINE --mixed-batches" RATE=32 DATASETS=multi-turn \
+       MODEL_DIR=$MODEL_DIR tools/prefix_cache_ab.sh "$W/runs/before-mixed-multi-turn"
+  sweep mixed-sweep 120 --mixed-batches
 }
 
 diag_phase() {
