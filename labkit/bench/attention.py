@@ -32,14 +32,19 @@ KERNEL_SWEEP_SHAPES = ((256, 1024), (256, 2048), (1, 4096), (64, 1024), (32, 512
 KERNEL_SWEEP_TILES = ((1, False, 64), (1, False, 32), (1, True, 32), (1, True, 64), (1, True, 128),
                       (2, True, 32), (2, True, 64), (2, False, 32), (4, True, 16), (4, True, 32))
 KERNEL_SWEEP = {"num_warps": (4, 8), "num_stages": (2, 3, 4), "waves": (2, 4, 16)}
+#: what the evidence's shape line adds for each cache dtype
+CACHE_NOTE = {"auto": "", "fp8": ", KV cache e4m3 at scale 1.0"}
 #: Max abs error a bf16 kernel output may have against the float32 dense reference (outputs are
 #: softmax-weighted means of N(0, 1) values; bf16 rounding of the output alone is up to ~8e-3 here).
 OUTPUT_TOL = 3e-2
 
 
 def _gather(cache, block_tables, length: int):
-    """[N, length, Hk, D] float32: each sequence's first ``length`` positions read through its block table."""
-    return cache[block_tables.long()].flatten(1, 2)[:, :length].float()
+    """[N, length, Hk, D] float32: each sequence's first ``length`` positions read through its block table (an
+    FP8 cache dequantized by its scale, as the kernels read it)."""
+    from engine.attention import kv_quant
+
+    return kv_quant.read(cache, block_tables.long()).flatten(1, 2)[:, :length].float()
 
 
 def decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale: float):
@@ -114,11 +119,15 @@ def matmul_peak_tflops(n: int = 8192, dtype: str = "bfloat16") -> float:
 
 
 class PagedCase:
-    """Random paged K/V for `batch` sequences of `ctx` positions, pages scattered through the pool."""
+    """Random paged K/V for `batch` sequences of `ctx` positions, pages scattered through the pool.
+    kv_cache_dtype fp8: the caches hold the same values as e4m3 at scale 1.0 (engine/attention/kv_quant.py), and
+    the reference reads them dequantized, so an output's error is the kernel's, not the quantization's."""
 
     def __init__(self, batch: int, ctx: int, hq: int = 16, hk: int = 8, d: int = 128, page: int = 256,
-                 dtype=None, seed: int = 0, device: str = "cuda"):
+                 dtype=None, seed: int = 0, device: str = "cuda", kv_cache_dtype: str = "auto"):
         import torch
+        from engine.attention import kv_quant
+
         dtype = dtype or torch.bfloat16
         g = torch.Generator(device=device).manual_seed(seed)
         pages = (ctx + page - 1) // page
@@ -126,6 +135,10 @@ class PagedCase:
         self.device = device
         self.k_cache = torch.randn(num_blocks, page, hk, d, dtype=dtype, device=device, generator=g)
         self.v_cache = torch.randn(num_blocks, page, hk, d, dtype=dtype, device=device, generator=g)
+        if kv_cache_dtype == "fp8":
+            self.k_cache, self.v_cache = (kv_quant.mark(kv_quant.quantize(c, kv_quant.DEFAULT_SCALE),
+                                                        kv_quant.DEFAULT_SCALE, dtype)
+                                          for c in (self.k_cache, self.v_cache))
         perm = torch.randperm(num_blocks, device=device, generator=g).to(torch.int32)
         self.block_tables = perm.view(batch, pages)
         self.context_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
@@ -143,13 +156,19 @@ class PagedCase:
         return decode_reference(self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens, self.scale)
 
     def dense(self):
-        """The same K/V gathered into [batch, hk, ctx, d] for the unpaged SDPA baseline."""
+        """The same K/V gathered into [batch, hk, ctx, d] for the unpaged SDPA baseline (an FP8 cache's values
+        in the model's dtype)."""
+        from engine.attention import kv_quant
+
         def gather(cache):
-            return cache[self.block_tables.long()].flatten(1, 2)[:, :self.ctx].transpose(1, 2).contiguous()
+            return kv_quant.read(cache, self.block_tables.long()).flatten(1, 2)[:, :self.ctx].transpose(1, 2).contiguous()
         return gather(self.k_cache), gather(self.v_cache)
 
 
-def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES) -> dict:
+def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES, kv_cache_dtype: str = "auto") -> dict:
+    """kv_cache_dtype fp8: every case's cache in e4m3 (the backends that read one: triton, torch), its bytes and so
+    its share of the copy roof counted at one byte a value; the dense SDPA baseline reads the same values in
+    bf16 (twice the bytes, its figures over the bytes it reads)."""
     import torch
     import torch.nn.functional as F
     from engine.attention import create_backend
@@ -157,7 +176,7 @@ def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES) -> 
     roof = copy_roof_gbs()
     rows = []
     for batch, ctx in shapes:
-        case = PagedCase(batch, ctx)
+        case = PagedCase(batch, ctx, kv_cache_dtype=kv_cache_dtype)
         meta = case.meta()
         ref = case.reference()
         row = {"batch": batch, "context": ctx, "kv_bytes": case.bytes, "backends": {}}
@@ -170,16 +189,18 @@ def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES) -> 
         q4 = case.q.unsqueeze(2)
         err = max_abs_error(F.scaled_dot_product_attention(q4, k, v, scale=case.scale, enable_gqa=True), ref)
         ms = time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=case.scale, enable_gqa=True))
-        row["sdpa_dense"] = _figures(ms, case.bytes, roof) | {"max_abs_err": err}
+        dense_bytes = 2 * k.numel() * k.element_size()
+        row["sdpa_dense"] = _figures(ms, dense_bytes, roof) | {"max_abs_err": err}
         rows.append(row)
         del case, k, v, ref
         torch.cuda.empty_cache()
-    prefill_rows = [bench_prefill(backends, *shape) for shape in PREFILL_SHAPES]
+    prefill_rows = [bench_prefill(backends, *shape, kv_cache_dtype=kv_cache_dtype) for shape in PREFILL_SHAPES]
     big = rows[-1]                       # the largest decode shape: the one a throughput run lives in
     decode_errs = {f"{r['batch']}x{r['context']}:{b}": f["max_abs_err"] for r in rows for b, f in r["backends"].items()}
     prefill_errs = {f"{r['seqs']}x{r['prefix']}+{r['new']}:{b}": f["max_abs_err"]
                     for r in prefill_rows for b, f in r["backends"].items()}
-    facts = {"copy_roof_gb_s": round(roof, 1), "shape": "16 q heads, 8 kv heads, head_dim 128, page 256, bf16",
+    facts = {"copy_roof_gb_s": round(roof, 1), "kv_cache_dtype": kv_cache_dtype,
+             "shape": f"16 q heads, 8 kv heads, head_dim 128, page 256, bf16{CACHE_NOTE[kv_cache_dtype]}",
              "output_check": {"reference": "dense SDPA in float32 on the K/V gathered through the block table",
                               "tolerance": OUTPUT_TOL, "decode_max_abs_err": decode_errs,
                               "prefill_max_abs_err": prefill_errs,
@@ -193,9 +214,9 @@ def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES) -> 
                          "prefill_shape": list(PREFILL_SHAPES[0]),
                          "prefill_tflop_s": {k: f["tflop_s"] for k, f in prefill_rows[0]["backends"].items()}}}
     if sweep and "triton" in backends:
-        facts["triton_sweep"] = sweep_triton()
-        facts["triton_prefill_sweep"] = sweep_prefill()
-        facts["triton_kernel_sweep"] = sweep_kernel()
+        facts["triton_sweep"] = sweep_triton(kv_cache_dtype=kv_cache_dtype)
+        facts["triton_prefill_sweep"] = sweep_prefill(kv_cache_dtype=kv_cache_dtype)
+        facts["triton_kernel_sweep"] = sweep_kernel(kv_cache_dtype=kv_cache_dtype)
     return facts
 
 
@@ -204,9 +225,11 @@ class PrefillCase(PagedCase):
 
     def __init__(self, seqs: int, prefix: int, new: int, **kw):
         import torch
+        from engine.attention import kv_quant
+
         super().__init__(seqs, prefix + new, **kw)
         g = torch.Generator(device=self.device).manual_seed(1)
-        dev, dt = self.device, self.k_cache.dtype
+        dev, dt = self.device, self.q.dtype
         self.q = torch.randn(seqs * new, self.hq, self.d, dtype=dt, device=dev, generator=g)
         self.k = torch.randn(seqs * new, self.hk, self.d, dtype=dt, device=dev, generator=g)
         self.v = torch.randn(seqs * new, self.hk, self.d, dtype=dt, device=dev, generator=g)
@@ -218,8 +241,8 @@ class PrefillCase(PagedCase):
         pos = torch.arange(prefix, prefix + new, device=dev)
         blocks = self.block_tables[:, pos // page].long()                       # [seqs, new]
         slots = (blocks * page + pos % page).reshape(-1)
-        self.k_cache.view(-1, self.hk, self.d)[slots] = self.k
-        self.v_cache.view(-1, self.hk, self.d)[slots] = self.v
+        kv_quant.write(self.k_cache, slots, self.k)                             # quantized in an FP8 cache
+        kv_quant.write(self.v_cache, slots, self.v)
 
     def reference(self):
         return prefill_reference(self.q, self.k_cache, self.v_cache, self.block_tables, self.seqs, self.prefix,
@@ -237,15 +260,16 @@ class PrefillCase(PagedCase):
                                  seqlens_q=[self.new] * self.seqs, seqlens_k=[self.prefix + self.new] * self.seqs)
 
 
-def bench_prefill(backends: list[str], seqs: int, prefix: int, new: int) -> dict:
-    """Prefill attention of one step; without a prefix also the fresh path (new K/V only, no block table)."""
+def bench_prefill(backends: list[str], seqs: int, prefix: int, new: int, kv_cache_dtype: str = "auto") -> dict:
+    """Prefill attention of one step; without a prefix (and with a cache in the model's dtype) also the fresh
+    path (new K/V only, no block table)."""
     import torch
     from engine.attention import create_backend
 
-    case = PrefillCase(seqs, prefix, new)
+    case = PrefillCase(seqs, prefix, new, kv_cache_dtype=kv_cache_dtype)
     ref = case.reference()
     row = {"seqs": seqs, "prefix": prefix, "new": new, "tflop": round(case.flops / 1e12, 4), "backends": {}}
-    routes = [("paged", True)] + ([("fresh", False)] if prefix == 0 else [])
+    routes = [("paged", True)] + ([("fresh", False)] if prefix == 0 and kv_cache_dtype == "auto" else [])
     for name in backends:
         be = create_backend(name, case.k_cache.shape[1])
         for route, paged in routes:
@@ -261,12 +285,12 @@ def bench_prefill(backends: list[str], seqs: int, prefix: int, new: int) -> dict
     return row
 
 
-def sweep_prefill(shape=(30, 0, 540)) -> dict:
+def sweep_prefill(shape=(30, 0, 540), kv_cache_dtype: str = "auto") -> dict:
     """Every knob combination of the Triton paged prefill on one shape; the five fastest."""
     import torch
     from engine.attention import triton_kernels as tk
 
-    case = PrefillCase(*shape)
+    case = PrefillCase(*shape, kv_cache_dtype=kv_cache_dtype)
     meta = case.prefill_meta(True)
     ref = case.reference()
     results = []
@@ -295,7 +319,7 @@ def _figures(ms: float, nbytes: int, roof: float) -> dict:
     return {"us": round(ms * 1e3, 2), "gb_s": round(gbs, 1), "share_of_roof": round(gbs / roof, 3)}
 
 
-def sweep_triton(shapes=SWEEP_SHAPES) -> list[dict]:
+def sweep_triton(shapes=SWEEP_SHAPES, kv_cache_dtype: str = "auto") -> list[dict]:
     """Every knob combination of the Triton paged decode on the sweep shapes; fastest first per shape."""
     import torch
     from engine.attention import triton_kernels as tk
@@ -303,7 +327,7 @@ def sweep_triton(shapes=SWEEP_SHAPES) -> list[dict]:
     sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     out = []
     for batch, ctx in shapes:
-        case = PagedCase(batch, ctx)
+        case = PagedCase(batch, ctx, kv_cache_dtype=kv_cache_dtype)
         ref = case.reference()
         results = []
         for block_n, warps, stages, waves in itertools.product(*SWEEP.values()):
@@ -389,7 +413,8 @@ def rank_kernel_sweep(shapes: list[dict]) -> dict:
     return {"robust": robust}
 
 
-def sweep_kernel(shapes=KERNEL_SWEEP_SHAPES, settings: list[dict] | None = None, repeats: int = 10) -> dict:
+def sweep_kernel(shapes=KERNEL_SWEEP_SHAPES, settings: list[dict] | None = None, repeats: int = 10,
+                 kv_cache_dtype: str = "auto") -> dict:
     """The kernel sweep: every decode setting on every shape, each as a share of the copy roof measured in
     this run and with its max abs error against the float32 reference (a wrong output never ranks)."""
     import torch
@@ -401,7 +426,7 @@ def sweep_kernel(shapes=KERNEL_SWEEP_SHAPES, settings: list[dict] | None = None,
     roof = copy_roof_gbs()
     out = []
     for batch, ctx in shapes:
-        case = PagedCase(batch, ctx)
+        case = PagedCase(batch, ctx, kv_cache_dtype=kv_cache_dtype)
         ref = case.reference()
         results = []
         for knobs in settings:
@@ -424,4 +449,5 @@ def sweep_kernel(shapes=KERNEL_SWEEP_SHAPES, settings: list[dict] | None = None,
         del case, ref
         torch.cuda.empty_cache()
     return {"copy_roof_gb_s": round(roof, 1), "default": default, "settings": len(settings),
-            "shape": "16 q heads, 8 kv heads, head_dim 128, page 256, bf16", "shapes": out} | rank_kernel_sweep(out)
+            "shape": f"16 q heads, 8 kv heads, head_dim 128, page 256, bf16{CACHE_NOTE[kv_cache_dtype]}",
+            "shapes": out} | rank_kernel_sweep(out)

@@ -340,14 +340,14 @@ def run_bench(workload: str, out: Path | None = None, model: str | None = None, 
         raise UserError("--repeats applies to --workload nano-vllm and latency")
     if kv_cache_dtype not in ("auto", "fp8"):
         raise UserError(f"--kv-cache-dtype must be auto or fp8, got {kv_cache_dtype!r}")
-    if kv_cache_dtype != "auto" and workload not in ("nano-vllm", "latency"):
-        raise UserError("--kv-cache-dtype applies to --workload nano-vllm, latency and step-budget")
+    if kv_cache_dtype != "auto" and workload not in ("nano-vllm", "latency", "attention"):
+        raise UserError("--kv-cache-dtype applies to --workload nano-vllm, latency, attention and step-budget")
     schema = load_json_schema(json_schema) if json_schema is not None else None
     device = detect_device(device)
     if overlap is None:     # nano-vllm: overlapped decode by default on CUDA (--no-overlap for the sync path)
         overlap = workload == "nano-vllm" and device.startswith("cuda")
     if workload == "attention":
-        return _run_attention_bench(out, device, attention, sweep)
+        return _run_attention_bench(out, device, attention, sweep, kv_cache_dtype)
     if workload == "gemv":
         return _run_gemv_bench(out, model, device, sweep)
     if workload == "nano-batches":
@@ -436,7 +436,10 @@ def _run_nano_batches_bench(out: Path | None, model: str | None, device: str, at
                           facts=facts, device=device, model=dict(model_identity(ref.path)))
 
 
-def _run_attention_bench(out: Path | None, device: str, attention: str, sweep: bool) -> dict:
+def _run_attention_bench(out: Path | None, device: str, attention: str, sweep: bool,
+                         kv_cache_dtype: str = "auto") -> dict:
+    """kv_cache_dtype fp8: the backends that read an FP8 cache (not flash_attn), evidence no checkpoint judges
+    (cuda.attention-bandwidth's figures are the default cache's)."""
     from engine.attention import available_backends
     from labkit.bench.attention import bench_attention
 
@@ -447,7 +450,15 @@ def _run_attention_bench(out: Path | None, device: str, attention: str, sweep: b
         if attention not in backends:
             raise UserError(f"attention backend {attention!r} is not available here (available: {', '.join(backends)})")
         backends = [attention]
-    facts = bench_attention(backends, sweep=sweep)
+    if kv_cache_dtype == "fp8":
+        if attention == "flash_attn":
+            raise UserError("--kv-cache-dtype fp8 needs the triton or torch backend (flash_attn reads no FP8 cache)")
+        backends = [b for b in backends if b != "flash_attn"]
+    facts = bench_attention(backends, sweep=sweep, kv_cache_dtype=kv_cache_dtype)
     facts["device"] = device
-    return write_evidence(out or default_out("bench-attention.json"), checkpoint="cuda.attention-bandwidth",
+    checkpoint = "cuda.attention-bandwidth"
+    if kv_cache_dtype != "auto":
+        facts["not_judged"] = f"--kv-cache-dtype {kv_cache_dtype}: {checkpoint}'s figures are the default cache's"
+        checkpoint = None
+    return write_evidence(out or default_out("bench-attention.json"), checkpoint=checkpoint,
                           kind="gpu-measured", facts=facts, device=device)

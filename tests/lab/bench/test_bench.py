@@ -168,6 +168,31 @@ def test_prefill_reference_agrees_with_both_routes_and_catches_a_non_causal_kern
     assert max_abs_error(full.transpose(1, 2).reshape(60, 4, 16), ref) > OUTPUT_TOL
 
 
+def test_an_fp8_case_holds_its_values_in_e4m3_and_its_reference_reads_them_by_the_scale():
+    """--kv-cache-dtype fp8: the case's caches are e4m3 (a quarter of float32's bytes), the reference reads them
+    dequantized (not the values before quantization), so the torch backend on the same cache matches it; a
+    reference that dropped a scale other than 1.0 would not."""
+    import torch
+    from engine.attention import create_backend, kv_quant
+    from labkit.bench.attention import OUTPUT_TOL, PagedCase, PrefillCase, max_abs_error
+
+    plain = _small_decode()
+    case = PagedCase(3, 40, hq=4, hk=2, d=16, page=16, dtype=torch.float32, device="cpu", kv_cache_dtype="fp8")
+    assert kv_quant.is_fp8(case.k_cache) and kv_quant.is_fp8(case.v_cache) and case.bytes * 4 == plain.bytes
+    ref = case.reference()
+    be = create_backend("torch", 16)
+    assert max_abs_error(be.forward(case.q, None, None, case.k_cache, case.v_cache, case.meta(), case.scale), ref) < 1e-5
+    assert max_abs_error(plain.reference(), ref) > 1e-3          # the e4m3 values, not the float32 ones
+    kv_quant.mark(case.v_cache, 2.0, torch.float32)               # V now stands for twice its stored values
+    assert max_abs_error(case.reference(), 2 * ref) < 1e-5
+    prefill = PrefillCase(3, 24, 20, hq=4, hk=2, d=16, page=16, dtype=torch.float32, device="cpu", kv_cache_dtype="fp8")
+    out = be.forward(prefill.q, prefill.k, prefill.v, prefill.k_cache, prefill.v_cache, prefill.prefill_meta(True),
+                     prefill.scale)
+    assert max_abs_error(out, prefill.reference()) < 1e-5
+    assert OUTPUT_TOL < max_abs_error(out, PrefillCase(3, 24, 20, hq=4, hk=2, d=16, page=16, dtype=torch.float32,
+                                                       device="cpu").reference()) < 1.0
+
+
 # -- the bandwidth bound (pure, CPU) ------------------------------------------------------------------
 def test_decode_bound_from_the_model_shape_and_the_workload():
     from engine.config import ModelShape

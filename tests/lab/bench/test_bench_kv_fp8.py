@@ -11,10 +11,13 @@ from labkit.bench.run import run_bench
 from labkit.errors import UserError
 
 
+APPLIES = "--kv-cache-dtype applies to --workload nano-vllm, latency, attention and step-budget"
+
+
 @pytest.mark.parametrize("kw, message", [
-    (dict(workload="gemv"), "--kv-cache-dtype applies to --workload nano-vllm, latency and step-budget"),
-    (dict(workload="attention"), "--kv-cache-dtype applies to --workload nano-vllm, latency and step-budget"),
-    (dict(workload="nano-batches"), "--kv-cache-dtype applies to --workload nano-vllm, latency and step-budget"),
+    (dict(workload="gemv"), APPLIES),
+    (dict(workload="nano-batches"), APPLIES),
+    (dict(workload="attention", device="cpu"), "bench --workload attention needs CUDA"),
 ])
 def test_bench_refuses_the_cache_dtype_where_it_does_not_apply(kw, message, tmp_path):
     with pytest.raises(UserError, match=message):
