@@ -18,6 +18,8 @@
 #                                     # the GPU tests of the graph routes
 #   tools/gpu/h200_session.sh mixed   # mixed graphs: the GPU route tests, the step clock, the mixed step model's
 #                                     # multi-turn A/B against BEFORE, its prefix A/B, the mixed rate sweep
+#   tools/gpu/h200_session.sh fp8     # where the FP8 cache's time goes: the attention bench on a bf16 and an e4m3 cache,
+#                                     # the step budget at 256 x 1024 on each, nano-vllm on each, the fp8 knob sweep last
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -32,7 +34,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in serve|check|bench|diag|ab|verify|mixed) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed" >&2; exit 2 ;; esac
+case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -180,6 +182,19 @@ mixed_phase() {
   step before-mixed-multi-turn 85 before env ENGINE="$SERVE_ENGINE --mixed-batches" RATE=32 DATASETS=multi-turn \
        MODEL_DIR=$MODEL_DIR tools/prefix_cache_ab.sh "$W/runs/before-mixed-multi-turn"
   sweep mixed-sweep 120 --mixed-batches
+}
+
+fp8_phase() {
+  step attention-bf16 60 $PY -m labkit bench --workload attention --attention triton --out "$W/runs/attention-bf16.json"
+  step attention-fp8 60 $PY -m labkit bench --workload attention --attention triton --kv-cache-dtype fp8 \
+       --out "$W/runs/attention-fp8.json"
+  step step-budget-bf16 60 $PY -m labkit bench --workload step-budget --out "$W/runs/step-budget-bf16.json"
+  step step-budget-fp8 60 $PY -m labkit bench --workload step-budget --kv-cache-dtype fp8 --out "$W/runs/step-budget-fp8.json"
+  step nano-vllm-bf16 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-bf16.json"
+  step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 \
+       --out "$W/runs/nano-vllm-fp8.json"
+  step attention-fp8-sweep 200 $PY -m labkit bench --workload attention --attention triton --kv-cache-dtype fp8 --sweep \
+       --out "$W/runs/attention-fp8-sweep.json"
 }
 
 diag_phase() {
