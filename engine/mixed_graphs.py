@@ -15,11 +15,15 @@ A graph is keyed by (D, T): D decode rows within T tokens. Its flat batch:
 - rows D..T-1 are the chunks' tokens, sequences D..D+s-1 of cu_seqlens, then padding tokens that belong to
   no sequence (slot -1); padding sequences start and end where the chunks end, so their prefill programs
   return at once;
-- the LM head reads ``last``: the d decode rows, then each chunk's last token, so the first d + s rows of
-  logits are the step's, in its order.
+- the graph ends by gathering the rows the LM head reads into one static buffer (``last``: the d decode
+  rows, then each chunk's last token); the LM head runs after the replay on the step's d + s rows only, so
+  no padding row costs its vocabulary GEMM and no graph keeps logits of its own (every graph writes the
+  same buffer: their memory does not grow with their number).
 
 A step takes the smallest D >= d, then the smallest T >= D + its chunk tokens, with at most
-MIXED_GRAPH_CHUNKS chunk sequences; any other mixed step takes piecewise graphs.
+MIXED_GRAPH_CHUNKS chunk sequences; any other mixed step takes piecewise graphs. The token buckets are
+finer than powers of two above 256 (MIXED_GRAPH_TOKENS): a step of decodes beside a 1,024-token prompt
+would otherwise pad to 2,048 tokens, nearly twice the GEMM work of the step itself.
 
 Without CUDA (tests) ``emulate=True`` runs each bucket's forward live on the same static buffers and
 metadata, so the layout is checked on the CPU (through Triton's interpreter) with nothing captured.
@@ -30,20 +34,31 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.graph import capture_buckets, default_buckets
-from engine.piecewise import piecewise_buckets
 
 #: chunk sequences a mixed graph holds at most (its padding sequences cost a returning program each)
 MIXED_GRAPH_CHUNKS = 16
+#: token buckets of mixed graphs: powers of two to 256, then every 128 to 1,024 and every 256 to 2,048 (a step
+#: pads at most half of itself below 256 tokens, an eighth to a quarter above); larger steps take piecewise graphs
+#: or run eagerly, where the GPU's work outweighs the launches
+MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
+
+
+def mixed_token_buckets(max_num_batched_tokens: int) -> list[int]:
+    """The token buckets a step budget can use, and the budget itself where it falls between two."""
+    buckets = [t for t in MIXED_GRAPH_TOKENS if t <= max_num_batched_tokens]
+    if max_num_batched_tokens < MIXED_GRAPH_TOKENS[-1] and max_num_batched_tokens not in buckets:
+        buckets.append(max_num_batched_tokens)
+    return sorted(buckets)
 
 
 def mixed_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:
     """(decode rows, tokens) of every mixed graph: decode rows in powers of two up to max_num_seqs (and
-    max_num_seqs itself), tokens the piecewise buckets of the step budget; a graph has at least one chunk
+    max_num_seqs itself), tokens the mixed token buckets of the step budget; a graph has at least one chunk
     token after its decode rows."""
     rows = [b for b in default_buckets(max_num_seqs) if b & (b - 1) == 0]
     if max_num_seqs not in rows:
         rows.append(max_num_seqs)
-    return [(d, t) for d in rows for t in piecewise_buckets(max_num_batched_tokens) if t > d]
+    return [(d, t) for d in rows for t in mixed_token_buckets(max_num_batched_tokens) if t > d]
 
 
 class MixedGraphs:
@@ -68,8 +83,9 @@ class MixedGraphs:
             self.rows = torch.arange(seqs + 1, dtype=torch.int32)
             self.decode_order = self.rows[:rows].clone()
             self.last = torch.zeros(seqs, dtype=torch.int64)
+            head = model.lm_head.weight if model is not None else None                 # (None: routing tests)
+            self.hidden = torch.zeros(seqs, head.shape[1], dtype=head.dtype) if head is not None else None
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_seconds = 0.0
 
     def _meta(self, key: tuple[int, int]) -> AttentionMetadata:
@@ -83,12 +99,14 @@ class MixedGraphs:
                                  seqlens_k=[self.max_model_len] * d, num_decodes=d)
 
     def _forward(self, key: tuple[int, int]) -> torch.Tensor:
+        """The bucket's forward, its LM-head rows gathered into the static ``hidden`` buffer."""
         d, t = key
+        rows = d + self.max_chunks
         hidden = self.model(self.input_ids[:t], self.positions[:t], self._meta(key))
-        return self.model.compute_logits(hidden[self.last[:d + self.max_chunks]])
+        return torch.index_select(hidden, 0, self.last[:rows], out=self.hidden[:rows])
 
     def capture(self) -> None:
-        self.capture_seconds = capture_buckets(self.buckets, self._forward, self.graphs, self.outputs)
+        self.capture_seconds = capture_buckets(self.buckets, self._forward, self.graphs, {})
 
     def bucket_for(self, num_tokens: int, num_seqs: int, num_decodes: int) -> tuple[int, int] | None:
         """The smallest (decode rows, tokens) that holds a step's decodes and, after the padded decode rows,
@@ -141,6 +159,7 @@ class MixedGraphs:
         """Logits [n, vocab]: each decode row's, then each chunk's last position's, as the eager step's."""
         n = self._load(key, input_ids, positions, meta)
         if self.emulate:
-            return self._forward(key)[:n]
-        self.graphs[key].replay()
-        return self.outputs[key][:n]
+            self._forward(key)
+        else:
+            self.graphs[key].replay()
+        return self.model.compute_logits(self.hidden[:n])

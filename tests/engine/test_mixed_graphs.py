@@ -7,7 +7,7 @@ import torch
 from engine import SamplingParams
 from engine.attention import AttentionMetadata
 from engine.graph import Route
-from engine.mixed_graphs import MixedGraphs, mixed_buckets
+from engine.mixed_graphs import MixedGraphs, mixed_buckets, mixed_token_buckets
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -18,6 +18,10 @@ def test_buckets_pair_decode_rows_with_token_buckets_that_leave_room_for_a_chunk
                        (8, 16), (8, 32), (8, 64)]
     assert (16, 16) not in mixed_buckets(16, 64) and (16, 32) in mixed_buckets(16, 64)
     assert {d for d, _ in mixed_buckets(100, 512)} == {1, 2, 4, 8, 16, 32, 64, 100}
+    # above 256 tokens finer than powers of two: decodes beside a 1,024-token prompt pad to 1,280, not 2,048
+    assert mixed_token_buckets(16384)[-5:] == [1024, 1280, 1536, 1792, 2048]
+    assert min(t for t in mixed_token_buckets(16384) if t >= 64 + 1024) == 1280
+    assert mixed_token_buckets(100) == [16, 32, 64, 100]
 
 
 def _graphs(buckets, max_chunks=3):
