@@ -111,7 +111,12 @@ class DecodeGraphs:
         return self.outputs[bucket][:n]
 
 
-PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
+#: token buckets of whole-step graphs (prefill graphs up to PREFILL_GRAPH_MAX_TOKENS, mixed graphs): powers of two
+#: to 256, then every 128 to 1,024 and every 256 to 2,048, so a step pads at most an eighth to a quarter of itself
+#: above 256 tokens (a 544-token prefill on power-of-two buckets ran the GEMMs of 1,024)
+GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
+PREFILL_GRAPH_MAX_TOKENS = 1024
+PREFILL_GRAPH_TOKENS = tuple(t for t in GRAPH_TOKENS if t <= PREFILL_GRAPH_MAX_TOKENS)
 PREFILL_GRAPH_SEQS = 16
 
 

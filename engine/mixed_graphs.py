@@ -22,8 +22,8 @@ A graph is keyed by (D, T): D decode rows within T tokens. Its flat batch:
 
 A step takes the smallest D >= d, then the smallest T >= D + its chunk tokens, with at most
 MIXED_GRAPH_CHUNKS chunk sequences; any other mixed step takes piecewise graphs. The token buckets are
-finer than powers of two above 256 (MIXED_GRAPH_TOKENS): a step of decodes beside a 1,024-token prompt
-would otherwise pad to 2,048 tokens, nearly twice the GEMM work of the step itself.
+finer than powers of two above 256 (engine/graph.py's GRAPH_TOKENS): a step of decodes beside a
+1,024-token prompt would otherwise pad to 2,048 tokens, nearly twice the GEMM work of the step itself.
 
 Without CUDA (tests) ``emulate=True`` runs each bucket's forward live on the same static buffers and
 metadata, so the layout is checked on the CPU (through Triton's interpreter) with nothing captured.
@@ -33,14 +33,13 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.graph import capture_buckets, default_buckets
+from engine.graph import GRAPH_TOKENS, capture_buckets, default_buckets
 
 #: chunk sequences a mixed graph holds at most (its padding sequences cost a returning program each)
 MIXED_GRAPH_CHUNKS = 16
-#: token buckets of mixed graphs: powers of two to 256, then every 128 to 1,024 and every 256 to 2,048 (a step
-#: pads at most half of itself below 256 tokens, an eighth to a quarter above); larger steps take piecewise graphs
-#: or run eagerly, where the GPU's work outweighs the launches
-MIXED_GRAPH_TOKENS = (16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
+#: token buckets of mixed graphs (engine/graph.py's GRAPH_TOKENS); larger steps take piecewise graphs or run
+#: eagerly, where the GPU's work outweighs the launches
+MIXED_GRAPH_TOKENS = GRAPH_TOKENS
 
 
 def mixed_token_buckets(max_num_batched_tokens: int) -> list[int]:

@@ -24,6 +24,14 @@ def test_buckets_pair_decode_rows_with_token_buckets_that_leave_room_for_a_chunk
     assert mixed_token_buckets(100) == [16, 32, 64, 100]
 
 
+def test_prefill_graphs_take_the_same_finer_buckets_up_to_1024_tokens():
+    from engine.graph import prefill_buckets
+
+    assert prefill_buckets(16384) == [16, 32, 64, 128, 256, 384, 512, 640, 768, 896, 1024]
+    assert min(t for t in prefill_buckets(16384) if t >= 544) == 640     # a 544-token prefill: 640 rows, not 1,024
+    assert prefill_buckets(300) == [16, 32, 64, 128, 256] and prefill_buckets(8) == [16]
+
+
 def _graphs(buckets, max_chunks=3):
     return MixedGraphs(None, buckets, max_blocks=4, max_model_len=64, device="cpu", max_chunks=max_chunks, emulate=True)
 
