@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.attention.splits import decode_variants
+from engine.attention.splits import PREFILL_PACKED_SEQS, decode_variants
 from engine.graph import EAGER, default_buckets
 from engine.sampling.sampler import sample
 from engine.sequence import Sequence
@@ -80,6 +80,13 @@ def warmup_plan(config, backend: str, sm_count: int = 0, tp_size: int = 1) -> li
         # a chunk continuation: one and several sequences reading a cached prefix through the block table
         for seqs in sorted({1, min(3, max_seqs)}):
             plan.append(WarmShape("prefill-paged", seqs, 16, cached=8, why="cached prefix through the block table"))
+    wide = PREFILL_PACKED_SEQS + 1
+    if backend == "triton" and max_seqs >= wide and budget >= wide:
+        # the prefill kernel's other grid: a prefill of more sequences than it packs (fresh, and through the table)
+        tokens = min(16, budget // wide)
+        plan.append(WarmShape("prefill", wide, tokens, why="prefill grid past the packed sequences"))
+        if max_len > tokens + 8:
+            plan.append(WarmShape("prefill-paged", wide, tokens, cached=8, why="prefill grid past the packed sequences"))
     mixed = config.mixed_batches
     if mixed and max_len > 16 and max_seqs > 1:
         for seqs in sorted({2, min(4, max_seqs)}):

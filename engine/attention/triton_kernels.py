@@ -313,23 +313,56 @@ def decode_locks(device: torch.device) -> torch.Tensor | None:
 
 
 # -- prefill: through the block table (prefix hits, chunk continuations) or on the new K/V (fresh) ----
-@triton.jit(do_not_specialize=["stride_bt", "seq0"])
+#: a prefill of at most this many sequences launches one program per (query tile of any sequence, head), its
+#: tiles packed: a step's or a graph bucket's sequences x its longest query in tiles would be mostly empty
+#: programs (a paged prefill graph holds 16 sequences: at 1,024 tokens 4,096 programs, 256 with work for one
+#: 1,024-token prompt); wider prefills keep the (tile, sequence, head) grid
+PACKED_SEQS = splits.PREFILL_PACKED_SEQS
+_PACKED_BLOCK_S = 32            # the sequences' offsets one packed program reads (at least PACKED_SEQS + 1)
+
+
+@triton.jit
+def _packed_tile(cu_q_ptr, seq0, num_seqs, g, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Packed grid: program g's sequence (counted from seq0; num_seqs or more where g is past every tile) and its
+    query tile in that sequence. The sequences' tiles are numbered one after another, in order."""
+    offs = tl.arange(0, BLOCK_S)
+    smask = offs < num_seqs
+    lo = tl.load(cu_q_ptr + seq0 + offs, mask=smask, other=0)
+    hi = tl.load(cu_q_ptr + seq0 + offs + 1, mask=smask, other=0)
+    tiles = tl.where(smask, (hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
+    ends = tl.cumsum(tiles, 0)                                  # past each sequence's last tile
+    n = tl.sum((ends <= g).to(tl.int32), 0)                     # the sequences whose tiles all come before g
+    first = tl.sum(tl.where(offs < n, tiles, 0), 0)             # g's sequence's first tile
+    return n, g - first
+
+
+@triton.jit(do_not_specialize=["stride_bt", "seq0", "num_seqs"])
 def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_k, stride_v, seq0,
+                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_k, stride_v, seq0, num_seqs,
                     PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr,
-                    PDL: tl.constexpr = False, v_scale=1.0, KV_FP8: tl.constexpr = False):
+                    PDL: tl.constexpr = False, v_scale=1.0, KV_FP8: tl.constexpr = False,
+                    PACKED: tl.constexpr = False, BLOCK_S: tl.constexpr = 32):
     """PAGED: K/V rows are cache slots found through the block table (row stride HK * D).
     Not PAGED: K/V are this step's new rows [T, HK, D] (row strides stride_k, stride_v), nothing cached before.
     KV_FP8 (PAGED): the caches hold e4m3, read as the decode kernel reads them (the K scale in ``scale``, the
     V scale on the output).
     seq0: the grid's first sequence (a mixed step's prefill rows after its decodes): the same compiled kernel
     whatever it is, where a slice of cu_seqlens and the block table would change their pointers' alignment and
-    compile a new variant mid-serving."""
+    compile a new variant mid-serving. num_seqs: the sequences from seq0 on.
+    PACKED (num_seqs < BLOCK_S): the grid is (a bound on the sequences' query tiles, heads), each program finds
+    its sequence and tile (:func:`_packed_tile`); else (query tiles of the longest, sequences, heads)."""
     pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
-    tile = tl.program_id(0)
-    n = seq0 + tl.program_id(1)
-    h = tl.program_id(2)
+    if PACKED:
+        rel, tile = _packed_tile(cu_q_ptr, seq0, num_seqs, tl.program_id(0), BLOCK_M, BLOCK_S)
+        if rel >= num_seqs:                    # past the last sequence's last tile
+            return
+        n = seq0 + rel
+        h = tl.program_id(1)
+    else:
+        tile = tl.program_id(0)
+        n = seq0 + tl.program_id(1)
+        h = tl.program_id(2)
     q_start = tl.load(cu_q_ptr + n)
     q_len = tl.load(cu_q_ptr + n + 1) - q_start
     k_len = tl.load(cu_k_ptr + n + 1) - tl.load(cu_k_ptr + n)
@@ -414,10 +447,14 @@ def _launch_prefill(q, kv_k, kv_v, block_tables, cu_q, cu_k, max_seqlen_q, scale
     t, hq, d = q.shape
     n = cu_q.numel() - 1 - first_seq
     out = torch.empty_like(q)
-    grid = (triton.cdiv(max_seqlen_q, block_m), n, hq)
+    packed = n <= PACKED_SEQS
+    if packed:          # every sequence's tiles: at most one partial tile per sequence beyond t / block_m
+        grid = (min(triton.cdiv(t, block_m) + n, n * triton.cdiv(max_seqlen_q, block_m)), hq)
+    else:
+        grid = (triton.cdiv(max_seqlen_q, block_m), n, hq)
     _prefill_kernel[grid](q, kv_k, kv_v, block_tables, cu_q, cu_k, out, scale,
-                          q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_bt, *strides_kv, first_seq,
+                          q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_bt, *strides_kv, first_seq, n,
                           PAGE=page, HK=hk, G=hq // hk, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
                           IEEE=q.dtype == torch.float32, PAGED=paged, num_warps=num_warps, num_stages=num_stages,
-                          **(fp8 or {}), **pdl.launch(q))
+                          PACKED=packed, BLOCK_S=_PACKED_BLOCK_S, **(fp8 or {}), **pdl.launch(q))
     return out

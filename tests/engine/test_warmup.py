@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.attention.splits import (DECODE_BLOCK_N, DECODE_WAVES, choose_splits, decode_variant, decode_variants,
-                                     max_split_len, next_power_of_2)
+from engine.attention.splits import (DECODE_BLOCK_N, DECODE_WAVES, PREFILL_PACKED_SEQS, choose_splits, decode_variant,
+                                     decode_variants, max_split_len, next_power_of_2)
 from engine.config import Config
 from engine.graph import default_buckets
 from engine.observe import StepHooks
@@ -35,8 +35,15 @@ def test_plan_covers_every_decode_bucket_prefill_size_and_sampler_path(tiny_mode
     assert max(prefill) >= 16384 - 4                                 # up to the step budget (4 x 4095)
     assert any(p % 2 for p in prefill)                               # an odd token count
     assert {w.mode for w in plan if w.path == "sample"} == set(SAMPLER_MODES)
-    assert {w.seqs for w in plan if w.path == "prefill-paged"} == {1, 3}
+    assert {w.seqs for w in plan if w.path == "prefill-paged"} == {1, 3, PREFILL_PACKED_SEQS + 1}
     assert not [w for w in plan if w.path == "decode-eager"]        # graphs cover every decode batch
+    # the prefill kernel's two grids (packed up to PREFILL_PACKED_SEQS sequences, the full grid past them), fresh
+    # and through the block table
+    for path in ("prefill", "prefill-paged"):
+        seqs = {w.seqs for w in plan if w.path == path}
+        assert min(seqs) <= PREFILL_PACKED_SEQS < max(seqs), (path, seqs)
+    assert max(w.seqs for w in warmup_plan(serve_config(tiny_model_dir, max_num_seqs=31), "triton", SM)
+               if w.path.startswith("prefill")) <= PREFILL_PACKED_SEQS      # nothing wider can be scheduled
 
 
 def test_eager_plan_meets_every_decode_kernel_variant(tiny_model_dir):

@@ -39,6 +39,9 @@ KERNELS = {
                       {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "ctx_ptr": "*i32"}),
     "prefill": (tk._prefill_kernel, dict(PAGE=256, HK=8, G=2, D=128, BLOCK_M=64, BLOCK_N=64, IEEE=False, PAGED=True),
                 {"bt_ptr": "*i32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}),
+    "prefill_packed": (tk._prefill_kernel, dict(PAGE=256, HK=8, G=2, D=128, BLOCK_M=64, BLOCK_N=64, IEEE=False,
+                                                PAGED=True, PACKED=True),
+                       {"bt_ptr": "*i32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}),
     "gumbel": (gk._gumbel_argmax_kernel, dict(BLOCK=2048), {"temp_ptr": "*fp32", "seed_ptr": "*i64",
                                                               "val_ptr": "*fp32", "idx_ptr": "*i32"}),
 }

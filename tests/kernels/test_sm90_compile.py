@@ -124,6 +124,9 @@ def _preset(name: str, calls: list) -> dict:
     cu = torch.tensor([0, 32, 64], dtype=torch.int32)
     tk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), cu, cu, 32, d ** -0.5)
     tk.varlen_prefill(e(t, hq, d), e(t, hk, d), e(t, hk, d), cu, 32, d ** -0.5)
+    wide = torch.arange(0, t + 1, 2, dtype=torch.int32)              # 32 sequences: the prefill's full grid
+    tk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(32, 4, dtype=torch.int32), wide, wide, 2, d ** -0.5)
+    tk.varlen_prefill(e(t, hq, d), e(t, hk, d), e(t, hk, d), wide, 2, d ** -0.5)
     tk.store_kv(e(t, hk, d), e(t, hk, d), kc, vc, torch.zeros(t, dtype=torch.int64))
     for tokens in (1, t):
         fk.rms_norm(e(tokens, h), e(h), 1e-6)
