@@ -80,6 +80,13 @@ def kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float | Non
             "v_scale": kv_quant.scale_of(v_cache) if v_scale is None else float(v_scale), "KV_FP8": True}
 
 
+@triton.jit
+def _to_f16(x):
+    """A bf16 query as float16 for dots with an e4m3 tile converted to float16: exact within float16's range
+    (bf16 has the fewer mantissa bits), saturated at its bounds (+-65504) past them."""
+    return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+
 # -- decode -------------------------------------------------------------------------------------------
 # Arguments that change from step to step (split sizes, block-table width) are not specialized on, so
 # one compiled variant serves every step instead of a compile on the first step of each new value.
@@ -115,8 +122,11 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     some 12 us per layer for 1 us of K/V), writes the output and resets the counter to zero for the next
     launch. Split 0 of a padding row (context 0) writes its zeros.
 
-    KV_FP8: the caches hold e4m3 (engine/attention/kv_quant.py); each tile is converted to the query's dtype
-    for its dots, the K scale is already in ``scale`` and the V scale multiplies the accumulator once.
+    KV_FP8: the caches hold e4m3 (engine/attention/kv_quant.py); each tile is converted for its dots, the K
+    scale is already in ``scale`` and the V scale multiplies the accumulator once. A bf16 or f16 query's dots
+    run in float16 (:func:`_to_f16`): sm_90 converts e4m3 pairs to f16 pairs in one instruction, and the
+    compiled bf16 path added an f16 -> bf16 conversion per value (PTX of the 256 x 1,024 decode: 64
+    e4m3x2 -> f16x2 and 128 f16 -> bf16 conversions per thread and tile, the latter gone in float16).
 
     Why one function over the house's 80 lines: a kernel is one program, and its phases share what they
     compute: the program's coordinates (n, s, kvh0, ctx), the offsets and masks (heads, gmask, offs_d,
@@ -153,6 +163,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     end = tl.minimum(ctx, start + split_len)
     q = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=gmask[:, None], other=0.0)
+    if KV_FP8 and not IEEE:     # the dots in float16: e4m3 -> f16 is one conversion per pair, -> bf16 two more
+        q = _to_f16(q)
     offs_r = tl.arange(0, ROWS)
     r_pos = offs_r // HPP                       # the tile's position of each row
     r_head = offs_r % HPP                       # its kv head within the program's group
@@ -172,7 +184,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         kv_off = slot[:, None] * (HK * D) + (kvh0 + r_head)[:, None] * D + offs_d[None, :]
         k = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
         v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
-        if KV_FP8:                              # e4m3 -> the query's dtype: exact
+        if KV_FP8:                              # e4m3 -> the dots' dtype (float16, or float32): exact
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         scores = _dot(q, tl.trans(k), IEEE) * scale
@@ -375,6 +387,8 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, 
     qmask = offs_m < q_len
     q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=qmask[:, None], other=0.0)
+    if KV_FP8 and not IEEE:     # the dots in float16, as the decode kernel's
+        q = _to_f16(q)
     q_pos = prefix + offs_m
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -391,7 +405,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, 
         head = kvh * D + offs_d[None, :]
         k = tl.load(kc_ptr + row[:, None] * stride_k + head, mask=valid[:, None], other=0.0)
         v = tl.load(vc_ptr + row[:, None] * stride_v + head, mask=valid[:, None], other=0.0)
-        if KV_FP8:                              # e4m3 -> the query's dtype: exact
+        if KV_FP8:                              # e4m3 -> the dots' dtype (float16, or float32): exact
             k = k.to(q.dtype)
             v = v.to(q.dtype)
         scores = _dot(q, tl.trans(k), IEEE) * scale
