@@ -18,6 +18,8 @@ DECODE_NUM_STAGES = 3
 # kernel, the backend and the warmup plan (decode_variants) read them.
 DECODE_KV_PER_PROG = 1       # kv heads per decode program (kv_per_program: the largest divisor not above it)
 DECODE_PAGE_TILE = False     # one block-table load per tile where block_n divides the page size
+DECODE_FP8_V_IN_TILE = False  # FP8 cache: the V scale on each V tile, not the accumulator (the kernel's V_IN_TILE;
+                             # `labkit bench --workload attention --kv-cache-dtype fp8` times both)
 DECODE_MAX_SPLIT = 512       # positions per split at most (see choose_splits; fewer at small batches) ...
 DECODE_MAX_SPLITS = 64       # ... unless that makes more splits than this (a very long max_len: longer splits)
 DECODE_SPLIT_PER_PROGRAM = 4     # a small batch's splits: at most this many positions per program of the batch

@@ -10,7 +10,8 @@ import triton.language as tl
 
 from engine import pdl
 from engine.attention import kv_quant
-from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG, DECODE_NUM_STAGES, DECODE_NUM_WARPS,  # noqa: F401
+from engine.attention.splits import (DECODE_BLOCK_N, DECODE_FP8_V_IN_TILE, DECODE_KV_PER_PROG,  # noqa: F401
+                                     DECODE_NUM_STAGES, DECODE_NUM_WARPS,
                                      DECODE_PAGE_TILE, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
                                      kv_per_program)
 from engine.attention import splits
@@ -98,7 +99,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                          HPP: tl.constexpr = 1, PAGE_TILE: tl.constexpr = False, order_ptr=None,
                          ORDERED: tl.constexpr = False, lock_ptr=None, FUSED_REDUCE: tl.constexpr = False,
                          BLOCK_S: tl.constexpr = 2, PDL: tl.constexpr = False, v_scale=1.0,
-                         KV_FP8: tl.constexpr = False):
+                         KV_FP8: tl.constexpr = False, V_IN_TILE: tl.constexpr = False):
     """One (group of HPP kv heads, sequence, split) program. DIRECT (a single split): write the normalized
     output itself (zeros for a padding row), so no reduce kernel runs.
 
@@ -127,6 +128,11 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     run in float16 (:func:`_to_f16`): sm_90 converts e4m3 pairs to f16 pairs in one instruction, and the
     compiled bf16 path added an f16 -> bf16 conversion per value (PTX of the 256 x 1,024 decode: 64
     e4m3x2 -> f16x2 and 128 f16 -> bf16 conversions per thread and tile, the latter gone in float16).
+    V_IN_TILE (FP8): the V scale multiplies each converted V tile instead of the accumulator. The compiled
+    kernel then converts V before it crosses shared memory into the P.V dot's transposed operand (16-bit
+    ldmatrix.trans); without it, V crosses as bytes and each thread gathers them one byte load at a time (64
+    ld.shared.b8 per thread and tile in the same PTX), for 64 f16 multiplies instead. Which is faster is the
+    attention bench's to say (`--kv-cache-dtype fp8`); a scale rounded to float16 on the way.
 
     Why one function over the house's 80 lines: a kernel is one program, and its phases share what they
     compute: the program's coordinates (n, s, kvh0, ctx), the offsets and masks (heads, gmask, offs_d,
@@ -186,7 +192,10 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
         if KV_FP8:                              # e4m3 -> the dots' dtype (float16, or float32): exact
             k = k.to(q.dtype)
-            v = v.to(q.dtype)
+            if V_IN_TILE:
+                v = v.to(q.dtype) * tl.cast(v_scale, q.dtype)
+            else:
+                v = v.to(q.dtype)
         scores = _dot(q, tl.trans(k), IEEE) * scale
         keep = valid[None, :]
         if HPP > 1:
@@ -198,7 +207,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
         m = m_new
-    if KV_FP8:
+    if KV_FP8 and not V_IN_TILE:
         acc = acc * v_scale                     # sum p * (v * s) = s * sum p * v: once per row
     if DIRECT:
         o = tl.where(l[:, None] > 0, acc / tl.maximum(l, 1e-30)[:, None], 0.0)
@@ -260,9 +269,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES, waves: int = DECODE_WAVES,
                  kv_per_prog: int = DECODE_KV_PER_PROG, page_tile: bool = DECODE_PAGE_TILE,
                  order: torch.Tensor | None = None, fuse_reduce: bool | None = None,
-                 k_scale: float | None = None, v_scale: float | None = None) -> torch.Tensor:
+                 k_scale: float | None = None, v_scale: float | None = None,
+                 fp8_v_in_tile: bool = DECODE_FP8_V_IN_TILE) -> torch.Tensor:
     """q [N, Hq, D] -> out [N, Hq, D]; reads context_lens[i] positions of seq i through its block table.
-    FP8 caches (engine/attention/kv_quant.py) are dequantized by k_scale and v_scale (None: the caches' own).
+    FP8 caches (engine/attention/kv_quant.py) are dequantized by k_scale and v_scale (None: the caches' own);
+    fp8_v_in_tile: the V scale on each V tile, not on the accumulator (the kernel's V_IN_TILE).
     order (int32 [N], a permutation of the rows): the order in which the rows' programs are launched
     (AttentionMetadata.decode_order: longest context first); the result does not depend on it.
     fuse_reduce: several splits are combined by their last program (no reduce kernel) where the counters
@@ -294,7 +305,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     fused = locks is not None and programs <= locks.numel()
     fp8 = kv_scales(k_cache, v_cache, k_scale, v_scale)
     if fp8:
-        scale, fp8 = scale * fp8["k_scale"], {"v_scale": fp8["v_scale"], "KV_FP8": True}
+        scale, fp8 = scale * fp8["k_scale"], {"v_scale": fp8["v_scale"], "KV_FP8": True, "V_IN_TILE": fp8_v_in_tile}
     _decode_split_kernel[(hk // hpp, n, num_splits)](                   # a sequence's heads launch together
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, out, scale, split_len, num_splits,
         q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),

@@ -168,7 +168,8 @@ class PagedCase:
 def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES, kv_cache_dtype: str = "auto") -> dict:
     """kv_cache_dtype fp8: every case's cache in e4m3 (the backends that read one: triton, torch), its bytes and so
     its share of the copy roof counted at one byte a value; the dense SDPA baseline reads the same values in
-    bf16 (twice the bytes, its figures over the bytes it reads)."""
+    bf16 (twice the bytes, its figures over the bytes it reads); the Triton decode also with the V scale in its
+    other place (:func:`fp8_v_variant`)."""
     import torch
     import torch.nn.functional as F
     from engine.attention import create_backend
@@ -185,6 +186,9 @@ def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES, kv_
             err = max_abs_error(be.forward(case.q, None, None, case.k_cache, case.v_cache, meta, case.scale), ref)
             ms = time_ms(lambda: be.forward(case.q, None, None, case.k_cache, case.v_cache, meta, case.scale))
             row["backends"][name] = _figures(ms, case.bytes, roof) | {"max_abs_err": err}
+        if kv_cache_dtype == "fp8" and "triton" in backends:
+            name, run = fp8_v_variant(case)
+            row["backends"][name] = _figures(time_ms(run), case.bytes, roof) | {"max_abs_err": max_abs_error(run(), ref)}
         k, v = case.dense()
         q4 = case.q.unsqueeze(2)
         err = max_abs_error(F.scaled_dot_product_attention(q4, k, v, scale=case.scale, enable_gqa=True), ref)
@@ -218,6 +222,22 @@ def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES, kv_
         facts["triton_prefill_sweep"] = sweep_prefill(kv_cache_dtype=kv_cache_dtype)
         facts["triton_kernel_sweep"] = sweep_kernel(kv_cache_dtype=kv_cache_dtype)
     return facts
+
+
+def fp8_v_variant(case: PagedCase):
+    """The Triton decode on an e4m3 case with the V scale in its other place (engine/attention/splits.py's
+    DECODE_FP8_V_IN_TILE: on each V tile or on the accumulator): its row name and a call."""
+    import torch
+    from engine.attention import splits
+    from engine.attention import triton_kernels as tk
+
+    sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    other = not splits.DECODE_FP8_V_IN_TILE
+
+    def run():
+        return tk.paged_decode(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale,
+                               case.ctx, sm, fp8_v_in_tile=other)
+    return f"triton:fp8_v_in_tile={other}", run
 
 
 class PrefillCase(PagedCase):

@@ -6,7 +6,7 @@ references built from engine/attention/kv_quant.py:
 - the fused q/k norm + RoPE store writes the same bytes as the kernel without the store followed by the
   quantizing store_kv;
 - the paged decode (one split, several splits with the reduce kernel and with the fused reduce, 1 and 2 kv heads
-  per program) and the paged prefill read e4m3 caches: their outputs against float32 attention on the
+  per program, the V scale on the accumulator or on each V tile) and the paged prefill read e4m3 caches: their outputs against float32 attention on the
   dequantized caches (value * scale).
 
 The scales are 0.05 (K) and 0.02 (V), not 1.0, and the values span e4m3's range at those scales, so a kernel
@@ -24,9 +24,10 @@ from interp import interpreted, interpreter_ready
 
 K_SCALE, V_SCALE = 0.05, 0.02
 DTYPES = ("float32", "bfloat16")
-# decode: (kv heads per program, sm_count, fuse_reduce); sm_count 1: one split (the kernel writes the output),
-# 16: several splits, combined by the reduce kernel (False) or the last split (True)
-DECODE = [(1, 1, None), (1, 16, False), (2, 16, True), (2, 1, None)]
+# decode: (kv heads per program, sm_count, fuse_reduce, V scale on each tile); sm_count 1: one split (the kernel
+# writes the output), 16: several splits, combined by the reduce kernel (False) or the last split (True)
+DECODE = [(1, 1, None, False), (1, 16, False, False), (2, 16, True, False), (2, 1, None, False),
+          (1, 1, None, True), (2, 16, True, True)]
 HQ, HK, D, PAGE = 4, 2, 32, 16
 LENGTHS = [0, 1, 37, 70]              # a padding row, one position, partial tiles, across pages
 # decode tolerance: float32 queries reach the reference to float32 rounding; bfloat16 queries (and P rounded to
@@ -58,8 +59,8 @@ def test_fused_qk_norm_rope_store_quantizes_as_store_kv(results, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_reads_fp8_against_float32(results, dtype):
-    for hpp, sms, fuse in DECODE:
-        r = results["decode"][f"{dtype}-{hpp}-{sms}-{fuse}"]
+    for hpp, sms, fuse, v_in_tile in DECODE:
+        r = results["decode"][f"{dtype}-{hpp}-{sms}-{fuse}-{v_in_tile}"]
         assert (r["splits"] == 1) == (sms == 1), r      # one split, or several (reduce kernel / fused reduce)
         assert r["max_abs"] <= DECODE_TOL[dtype], r
         assert r["padding_row_zero"], r
@@ -159,7 +160,7 @@ def _caches(torch, kv_quant, blocks: int, g):
     return kc, vc, kc.float() * K_SCALE, vc.float() * V_SCALE
 
 
-def _decode(torch, tk, kv_quant, dtype, hpp, sms, fuse) -> dict:
+def _decode(torch, tk, kv_quant, dtype, hpp, sms, fuse, v_in_tile) -> dict:
     from labkit.bench.attention import decode_reference
 
     g = torch.Generator().manual_seed(3)
@@ -170,7 +171,8 @@ def _decode(torch, tk, kv_quant, dtype, hpp, sms, fuse) -> dict:
     lens = torch.tensor(LENGTHS, dtype=torch.int32)
     q = torch.randn(n, HQ, D, generator=g).to(dtype)
     scale = D ** -0.5
-    out = tk.paged_decode(q, kc, vc, tables, lens, scale, max(LENGTHS), sms, kv_per_prog=hpp, fuse_reduce=fuse)
+    out = tk.paged_decode(q, kc, vc, tables, lens, scale, max(LENGTHS), sms, kv_per_prog=hpp, fuse_reduce=fuse,
+                          fp8_v_in_tile=v_in_tile)
     ref = decode_reference(q, kf, vf, tables, lens, scale)
     live = lens > 0
     err = float((out.float() - ref)[live].abs().max())
@@ -224,8 +226,8 @@ def main() -> None:
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     out = {"store": {d: _store(torch, tk, kv_quant, dt[d]) for d in DTYPES},
            "fused_store": {d: _fused_store(torch, tk, kv_quant, dt[d]) for d in DTYPES},
-           "decode": {f"{d}-{hpp}-{sms}-{fuse}": _decode(torch, tk, kv_quant, dt[d], hpp, sms, fuse)
-                      for d in DTYPES for hpp, sms, fuse in DECODE},
+           "decode": {f"{d}-{hpp}-{sms}-{fuse}-{vt}": _decode(torch, tk, kv_quant, dt[d], hpp, sms, fuse, vt)
+                      for d in DTYPES for hpp, sms, fuse, vt in DECODE},
            "prefill": {d: _prefill(torch, tk, kv_quant, dt[d]) for d in DTYPES}}
     print(json.dumps(out))
 
