@@ -5,9 +5,10 @@ A full graph (engine/graph.py) fixes the attention call's shape: a decode graph 
 prefill graph fresh prompts only. A step that mixes decodes with prefill chunks, or prefills after a
 prefix-cache hit, has a different attention shape every time, so it ran eagerly: hundreds of kernel launches
 from Python (a cache hit cost more than the prefill it saved). Here the forward is cut at each layer's
-attention call: the pieces between (embedding, norms, projections, q/k norm + RoPE + KV store, MLP, the LM
-head) are captured per token bucket, and attention runs eagerly between their replays on the step's own
-metadata. A step is then ~2 x layers launches instead of ~10 x layers.
+attention call: the pieces between (embedding, norms, projections, q/k norm + RoPE + KV store, MLP, and at the
+end the gather of each sequence's last row) are captured per token bucket, and attention runs eagerly between
+their replays on the step's own metadata; the LM head runs after the last piece on the step's sequences. A step
+is then ~2 x layers launches instead of ~10 x layers.
 
 How the cut is made: while a bucket is captured, every attention layer's backend is a :class:`_Cut`: at the
 attention call it copies q/k/v into static buffers, ends the graph being captured, begins the next one, and
@@ -69,12 +70,14 @@ class PiecewiseGraphs:
             self.positions = torch.zeros(t, dtype=torch.int64)
             self.slot_mapping = torch.full((t,), -1, dtype=torch.int64)
             self.last = torch.zeros(min(t, max_seqs), dtype=torch.int64)       # each sequence's last row
+            # those rows' hidden states: the last piece gathers them here and the LM head runs after the replay on
+            # the step's sequences only (not on every row a bucket could hold: 256 rows of vocabulary GEMM a step)
+            self.hidden = torch.zeros(min(t, max_seqs), model.lm_head.weight.shape[1], dtype=dtype)
             self.q = torch.zeros(t, first.num_heads, first.head_dim, dtype=dtype)
             self.k = torch.zeros(t, first.num_kv_heads, first.head_dim, dtype=dtype)
             self.v = torch.zeros_like(self.k)
             self.out = torch.zeros_like(self.q)
         self.pieces: dict[int, list] = {}           # bucket -> its graphs, one more than the layers
-        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> logits [rows, vocab]
         self.capture_seconds = 0.0
         self._tokens = 0                            # the bucket being captured or emulated
         self._live: tuple[AttentionMetadata, int] | None = None    # emulate: the step's metadata and tokens
@@ -119,9 +122,11 @@ class PiecewiseGraphs:
         self.out[:n].copy_(out)
 
     def _forward(self, t: int) -> torch.Tensor:
+        """The bucket's forward, its sequences' last rows gathered into the static ``hidden`` buffer."""
         meta = AttentionMetadata(is_prefill=True, slot_mapping=self.slot_mapping[:t])
         hidden = self.model(self.input_ids[:t], self.positions[:t], meta)
-        return self.model.compute_logits(hidden[self.last[:self.rows(t)]])
+        rows = self.rows(t)
+        return torch.index_select(hidden, 0, self.last[:rows], out=self.hidden[:rows])
 
     def _cut_layers(self):
         cut = _Cut(self, self.backend)
@@ -148,14 +153,14 @@ class PiecewiseGraphs:
                     graph = torch.cuda.CUDAGraph()
                     graph.capture_begin(pool=pool)
                     self._capture = {"graph": graph, "pieces": [], "pool": pool}
-                    logits = self._forward(t)
+                    self._forward(t)
                     self._end_piece()
                     cap = self._capture
                     pool = cap["pool"]
                 torch.cuda.synchronize()
                 self._capture = None
                 assert len(cap["pieces"]) == len(self.layers) + 1, "a piece per attention call, and the last"
-                self.pieces[t], self.outputs[t] = cap["pieces"], logits
+                self.pieces[t] = cap["pieces"]
         finally:
             self._capture = None
             self._restore_layers()
@@ -178,19 +183,20 @@ class PiecewiseGraphs:
         """Logits [n, vocab] of the last position of each of the step's n sequences."""
         t, n = self._load(input_ids, positions, meta)
         if self.emulate:
-            return self._emulated(bucket, t, meta)[:n]
-        pieces = self.pieces[bucket]
-        for layer, piece in zip(self.layers, pieces):
-            piece.replay()
-            self._attend(layer, meta, t)
-        pieces[-1].replay()
-        return self.outputs[bucket][:n]
+            self._emulated(bucket, t, meta)
+        else:
+            pieces = self.pieces[bucket]
+            for layer, piece in zip(self.layers, pieces):
+                piece.replay()
+                self._attend(layer, meta, t)
+            pieces[-1].replay()
+        return self.model.compute_logits(self.hidden[:n])
 
-    def _emulated(self, bucket: int, t: int, meta: AttentionMetadata) -> torch.Tensor:
+    def _emulated(self, bucket: int, t: int, meta: AttentionMetadata) -> None:
         self._cut_layers()
         self._tokens, self._live, self._layer = bucket, (meta, t), 0
         try:
-            return self._forward(bucket)
+            self._forward(bucket)
         finally:
             self._live = None
             self._restore_layers()
