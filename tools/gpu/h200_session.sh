@@ -17,7 +17,7 @@
 #                                     # (tools/step_clock.py) with torch's profiler over ten steps, cache on and off;
 #                                     # the GPU tests of the graph routes
 #   tools/gpu/h200_session.sh mixed   # mixed graphs: the GPU route tests, the step clock, the mixed step model's
-#                                     # multi-turn A/B against BEFORE, its prefix A/B, the mixed rate sweep
+#                                     # prefix-cache A/B (multi-turn, prefix), its rate sweep, multi-turn on BEFORE
 #   tools/gpu/h200_session.sh fp8     # where the FP8 cache's time goes: the attention bench on a bf16 and an e4m3 cache,
 #                                     # the step budget at 256 x 1024 on each, nano-vllm on each, the fp8 knob sweep last
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
@@ -179,9 +179,9 @@ mixed_phase() {
   for ds in multi-turn prefix; do
     step "mixed-$ds" 85 env ENGINE="$SERVE_ENGINE --mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/mixed-$ds"
   done
+  sweep mixed-sweep 120 --mixed-batches
   step before-mixed-multi-turn 85 before env ENGINE="$SERVE_ENGINE --mixed-batches" RATE=32 DATASETS=multi-turn \
        MODEL_DIR=$MODEL_DIR tools/prefix_cache_ab.sh "$W/runs/before-mixed-multi-turn"
-  sweep mixed-sweep 120 --mixed-batches
 }
 
 fp8_phase() {
