@@ -4,9 +4,10 @@ goes when requests arrive while others decode.
 One engine per step model (``--mixed-batches`` and nano-vllm's step model), the same requests: ``--sessions``
 conversations of ``--turns`` turns; turn 0 of session i arrives at step ``i * --every``, each later turn at the
 step its previous turn finished, its prompt the previous prompt, the previous answer and ``--suffix`` new tokens
-(the multi-turn workload's shape, with a cached prefix to hit). Per step model it prints the steps taken, steps
-from arrival to first token (p50 / p90 / max), step kinds, routes (decode graph, prefill graphs, piecewise,
-eager), the wall time per step of each route (median, p90, max, total) and on CUDA its GPU span, the Triton
+(the multi-turn workload's shape, with a cached prefix to hit). Per step model it prints the engine's start-up
+(warm-up and graph capture seconds, graphs captured per set), the steps taken, steps
+from arrival to first token (p50 / p90 / max), step kinds, routes (decode graph, prefill graphs, mixed graphs,
+piecewise, eager), the wall time per step of each route (median, p90, max, total) and on CUDA its GPU span, the Triton
 kernels compiled after start-up and the slowest steps; on CUDA the engine runs with graphs and the overlapped
 decode, as `labkit serve` does.
 
@@ -31,6 +32,13 @@ def run(model: str, device: str, mixed: bool, cache: bool, sessions: int, turns:
     cuda = device.startswith("cuda")
     engine = LLMEngine(model, device=device, max_num_seqs=256, max_num_batched_tokens=16384, max_model_len=2048,
                        mixed_batches=mixed, enable_prefix_caching=cache, enforce_eager=not cuda, overlap=cuda)
+    described = engine.describe()
+    graph = described["graph"]
+    startup = {"init_s": described["init_seconds"], "warmup_s": described["warmup"]["seconds"],
+               "capture_s": graph["capture_seconds"],
+               "graphs": {"decode": len(graph["buckets"]), "prefill": len(graph["prefill_buckets"]),
+                          "paged_prefill": len(graph["prefill_buckets"]) if graph["paged_prefill"] else 0,
+                          "mixed": len(graph["mixed_buckets"]), "piecewise": len(graph["piecewise_buckets"])}}
     vocab = engine.config.shape.vocab_size
     rng = random.Random(seed)
     shared = [[rng.randrange(1000, vocab) for _ in range(prefix)] for _ in range(4)]
@@ -80,7 +88,7 @@ def run(model: str, device: str, mixed: bool, cache: bool, sessions: int, turns:
     if prof is not None and step < profile[0] + profile[1]:
         prof.__exit__(None, None, None)
     waits = sorted(first.values())
-    return {"step_model": "mixed" if mixed else "nano-vllm", "prefix_cache": cache, "steps": step,
+    return {"step_model": "mixed" if mixed else "nano-vllm", "prefix_cache": cache, "startup": startup, "steps": step,
             "requests": len(waits),
             "first_token_steps": {"p50": waits[len(waits) // 2], "p90": waits[int(len(waits) * 0.9)], "max": waits[-1]},
             "kinds": dict(kinds), "routes": {k: len(v) for k, v in route_ms.items()},
@@ -146,6 +154,9 @@ def main() -> None:
         f = r["first_token_steps"]
         print(f"{r['step_model']:9s} prefix cache {'on' if r['prefix_cache'] else 'off'}: {r['steps']} steps, "
               f"{r['requests']} requests, first token after {f['p50']} / {f['p90']} / {f['max']} steps (p50/p90/max)")
+        st = r["startup"]
+        print(f"          start-up {st['init_s']} s (warm-up {st['warmup_s']} s, graph capture {st['capture_s']} s); "
+              "graph buckets captured: " + ", ".join(f"{k} {v}" for k, v in st["graphs"].items()))
         print(f"          kinds {r['kinds']}; routes {r['routes']}")
         print("          ms per step by route (median / p90 / max, total): " + ", ".join(
             f"{k} {v['median']} / {v['p90']} / {v['max']} ({v['total']})" for k, v in r["route_ms"].items()))
