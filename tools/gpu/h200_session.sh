@@ -18,8 +18,9 @@
 #                                     # the GPU tests of the graph routes
 #   tools/gpu/h200_session.sh mixed   # mixed graphs: the GPU route tests, the step clock, the mixed step model's
 #                                     # prefix-cache A/B (multi-turn, prefix), its rate sweep, multi-turn on BEFORE
-#   tools/gpu/h200_session.sh fp8     # where the FP8 cache's time goes: the attention bench on a bf16 and an e4m3 cache,
-#                                     # the step budget at 256 x 1024 on each, nano-vllm on each, the fp8 knob sweep last
+#   tools/gpu/h200_session.sh fp8     # the FP8 cache: its GPU tests and accuracy guard, then where its time goes: the
+#                                     # attention bench on a bf16 and an e4m3 cache, the step budget at 256 x 1024 and
+#                                     # nano-vllm on each, the fp8 knob sweep last
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -185,6 +186,9 @@ mixed_phase() {
 }
 
 fp8_phase() {
+  step pytest-gpu-fp8 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kv_fp8.py
+  step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
+       --attention triton --out "$W/runs/guard-kv-fp8.json"
   step attention-bf16 60 $PY -m labkit bench --workload attention --attention triton --out "$W/runs/attention-bf16.json"
   step attention-fp8 60 $PY -m labkit bench --workload attention --attention triton --kv-cache-dtype fp8 \
        --out "$W/runs/attention-fp8.json"
