@@ -120,6 +120,15 @@ PREFILL_GRAPH_TOKENS = tuple(t for t in GRAPH_TOKENS if t <= PREFILL_GRAPH_MAX_T
 PREFILL_GRAPH_SEQS = 16
 
 
+def budget_buckets(sizes: tuple[int, ...], max_num_batched_tokens: int) -> list[int]:
+    """The token buckets of `sizes` a step budget can use, and the budget itself where it falls between two (up
+    to the largest)."""
+    buckets = [t for t in sizes if t <= max_num_batched_tokens]
+    if max_num_batched_tokens < sizes[-1] and max_num_batched_tokens not in buckets:
+        buckets.append(max_num_batched_tokens)
+    return sorted(buckets)
+
+
 def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
     """The prefill token buckets a step budget can use (a step never holds more tokens than the budget)."""
     return [t for t in PREFILL_GRAPH_TOKENS if t <= max_num_batched_tokens] or [PREFILL_GRAPH_TOKENS[0]]

@@ -33,21 +33,17 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.graph import GRAPH_TOKENS, capture_buckets, default_buckets
+from engine.graph import GRAPH_TOKENS, budget_buckets, capture_buckets, default_buckets
 
 #: chunk sequences a mixed graph holds at most (its padding sequences cost a returning program each)
 MIXED_GRAPH_CHUNKS = 16
-#: token buckets of mixed graphs (engine/graph.py's GRAPH_TOKENS); larger steps take piecewise graphs or run
-#: eagerly, where the GPU's work outweighs the launches
-MIXED_GRAPH_TOKENS = GRAPH_TOKENS
 
 
 def mixed_token_buckets(max_num_batched_tokens: int) -> list[int]:
-    """The token buckets a step budget can use, and the budget itself where it falls between two."""
-    buckets = [t for t in MIXED_GRAPH_TOKENS if t <= max_num_batched_tokens]
-    if max_num_batched_tokens < MIXED_GRAPH_TOKENS[-1] and max_num_batched_tokens not in buckets:
-        buckets.append(max_num_batched_tokens)
-    return sorted(buckets)
+    """The token buckets (engine/graph.py's GRAPH_TOKENS) a step budget can use, and the budget itself where it
+    falls between two; larger steps take piecewise graphs or run eagerly, where the GPU's work outweighs the
+    launches."""
+    return budget_buckets(GRAPH_TOKENS, max_num_batched_tokens)
 
 
 def mixed_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> list[tuple[int, int]]:

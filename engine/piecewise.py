@@ -27,6 +27,7 @@ import time
 import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.graph import budget_buckets
 
 #: token buckets of piecewise steps (at most the step budget; a step of more tokens runs eagerly)
 PIECEWISE_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
@@ -34,10 +35,7 @@ PIECEWISE_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048)
 
 def piecewise_buckets(max_num_batched_tokens: int) -> list[int]:
     """The buckets a step budget can use, and the budget itself where it falls between two (up to the largest)."""
-    buckets = [t for t in PIECEWISE_TOKENS if t <= max_num_batched_tokens]
-    if max_num_batched_tokens < PIECEWISE_TOKENS[-1] and max_num_batched_tokens not in buckets:
-        buckets.append(max_num_batched_tokens)
-    return sorted(buckets)
+    return budget_buckets(PIECEWISE_TOKENS, max_num_batched_tokens)
 
 
 class _Cut(AttentionBackend):

@@ -341,7 +341,7 @@ def decode_locks(device: torch.device) -> torch.Tensor | None:
 #: programs (a paged prefill graph holds 16 sequences: at 1,024 tokens 4,096 programs, 256 with work for one
 #: 1,024-token prompt); wider prefills keep the (tile, sequence, head) grid
 PACKED_SEQS = splits.PREFILL_PACKED_SEQS
-_PACKED_BLOCK_S = 32            # the sequences' offsets one packed program reads (at least PACKED_SEQS + 1)
+_PACKED_BLOCK_S = triton.next_power_of_2(PACKED_SEQS + 1)     # the sequences' offsets one packed program reads
 
 
 @triton.jit

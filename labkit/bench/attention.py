@@ -39,12 +39,17 @@ CACHE_NOTE = {"auto": "", "fp8": ", KV cache e4m3 at scale 1.0"}
 OUTPUT_TOL = 3e-2
 
 
-def _gather(cache, block_tables, length: int):
-    """[N, length, Hk, D] float32: each sequence's first ``length`` positions read through its block table (an
-    FP8 cache dequantized by its scale, as the kernels read it)."""
+def _paged_rows(cache, block_tables, length: int):
+    """[N, length, Hk, D]: each sequence's first ``length`` positions read through its block table (an FP8
+    cache dequantized by its scale to the model's dtype, as the kernels read it)."""
     from engine.attention import kv_quant
 
-    return kv_quant.read(cache, block_tables.long()).flatten(1, 2)[:, :length].float()
+    return kv_quant.read(cache, block_tables.long()).flatten(1, 2)[:, :length]
+
+
+def _gather(cache, block_tables, length: int):
+    """:func:`_paged_rows` in float32 (the references' inputs)."""
+    return _paged_rows(cache, block_tables, length).float()
 
 
 def decode_reference(q, k_cache, v_cache, block_tables, context_lens, scale: float):
@@ -158,11 +163,8 @@ class PagedCase:
     def dense(self):
         """The same K/V gathered into [batch, hk, ctx, d] for the unpaged SDPA baseline (an FP8 cache's values
         in the model's dtype)."""
-        from engine.attention import kv_quant
-
-        def gather(cache):
-            return kv_quant.read(cache, self.block_tables.long()).flatten(1, 2)[:, :self.ctx].transpose(1, 2).contiguous()
-        return gather(self.k_cache), gather(self.v_cache)
+        return tuple(_paged_rows(c, self.block_tables, self.ctx).transpose(1, 2).contiguous()
+                     for c in (self.k_cache, self.v_cache))
 
 
 def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES, kv_cache_dtype: str = "auto") -> dict:
