@@ -12,6 +12,7 @@ engine/kv_pool.py), warm every shape a wide batch meets (engine/warmup.py), capt
 """
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +36,9 @@ from engine.sampling.sampler import Sampler
 from engine.sequence import Sequence
 from engine.step_inputs import InputBuilder, StepInputs
 from engine.warmup import CompileWatch, graph_buckets, profile_run, warm_paths
+
+#: set to 1: decode steps take the decode prologue (see _enable_fused_ops)
+DECODE_PROLOGUE_ENV = "LAB_DECODE_PROLOGUE"
 
 
 @contextmanager
@@ -132,9 +136,16 @@ class ModelRunner:
             import engine.layers.fused_kernels  # noqa: F401
         except ImportError:
             return False
+        # the decode prologue (triton_kernels.NewTokens), off unless LAB_DECODE_PROLOGUE=1: a lever under
+        # measurement (one kernel fewer per layer and decode step). nano-vllm's step model only: with mixed batches
+        # a step's decode rows keep the plain decode kernel, whose compiled variants the warm-up then meets
+        prologue = (os.environ.get(DECODE_PROLOGUE_ENV) == "1" and self.attention_backend == "triton"
+                    and not self.config.mixed_batches)
         for module in self.model.modules():
             if hasattr(module, "fused"):
                 module.fused = True
+            if hasattr(module, "decode_prologue"):
+                module.decode_prologue = prologue
         return True
 
     # -- start-up: the KV pool and the graphs -----------------------------------------------

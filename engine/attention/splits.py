@@ -29,7 +29,7 @@ DECODE_FUSE_REDUCE_FROM = 33     # several splits: combined by each row's last p
 # the fused reduce (docs/MEASURED.md, "Tuning history"). Wider batches were not measured and keep the fused reduce.
 
 
-# the prefill kernel (triton_kernels._prefill_kernel): a prefill of at most this many sequences launches its tiles
+# the prefill kernel (prefill_kernels._prefill_kernel): a prefill of at most this many sequences launches its tiles
 # packed, one program per (query tile of any sequence, head); a wider one the (tile, sequence, head) grid. Two
 # compiled variants, so the warm-up plan meets a prefill past this count too.
 PREFILL_PACKED_SEQS = 31

@@ -10,6 +10,7 @@ import torch
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
+from engine.attention import prefill_kernels as pk
 from engine.attention import triton_kernels as tk
 
 
@@ -30,17 +31,23 @@ class TritonAttention(AttentionBackend):
             return fresh_prefill(q, k, v, meta, scale)
         d = meta.num_decodes
         if not d:
-            return tk.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+            return pk.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
                                     meta.cu_seqlens_k, meta.max_seqlen_q, scale)
         if d == q.shape[0]:
             return self._decode(q, k_cache, v_cache, meta.decode_part(), scale)
         # the sequences from d on (their offsets count from the step's first token): the whole metadata and a first
         # sequence, not slices of it, so the kernel compiled for a plain prefix-reading prefill serves this too;
         # the step's longest query is a chunk's (each decode row has one)
-        out = tk.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.cu_seqlens_k,
+        out = pk.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.cu_seqlens_k,
                                meta.max_seqlen_q, scale, first_seq=d)
         out[:d] = self._decode(q[:d], k_cache, v_cache, meta.decode_part(), scale)
         return out
+
+    def decode_new(self, new: tk.NewTokens, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        """A decode step through the decode prologue: q/k-norm + RoPE and the new token's KV store inside the
+        attention kernel (triton_kernels.NewTokens); no q/k-norm + RoPE kernel ran before it."""
+        return tk.paged_decode(None, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_seqlen_k,
+                               self.sm_count, order=meta.decode_order, new=new)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         return tk.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
@@ -52,4 +59,4 @@ def fresh_prefill(q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tenso
 
     (A per-sequence loop over PyTorch's SDPA with the K/V heads expanded for GQA was 37x slower here:
     10.5 ms vs 0.28 ms per layer for 30 x 540 tokens on an H200, `labkit bench --workload attention`.)"""
-    return tk.varlen_prefill(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale)
+    return pk.varlen_prefill(q, k, v, meta.cu_seqlens_q, meta.max_seqlen_q, scale)

@@ -1,8 +1,11 @@
-"""Our Triton kernels for the paged KV cache: store, paged decode (split along the context), paged prefill.
+"""Our Triton kernels for the paged KV cache: the KV store and the paged decode (split along the context; the
+prefill kernels are engine/attention/prefill_kernels.py).
 
 Cache layout (per layer): [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -18,7 +21,7 @@ from engine.attention import splits
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
+def dot(a, b, IEEE: tl.constexpr):
     """float32 inputs: exact fp32 products when IEEE (Triton's default is tf32); other dtypes ignore it."""
     if IEEE:
         out = tl.dot(a, b, input_precision="ieee")
@@ -82,10 +85,44 @@ def kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float | Non
 
 
 @triton.jit
-def _to_f16(x):
+def to_f16(x):
     """A bf16 query as float16 for dots with an e4m3 tile converted to float16: exact within float16's range
     (bf16 has the fewer mantissa bits), saturated at its bounds (+-65504) past them."""
     return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+
+
+@triton.jit
+def norm_rope(x1, x2, w1, w2, c, s, eps, D: tl.constexpr):
+    """Heads [H, D/2] x 2 (each head's halves) -> RMSNorm by the weight's halves w1, w2 (float32), then neox RoPE
+    by c, s (float32, already rounded to the activation dtype), rounded at the reference's points
+    (layernorm.py, rotary.py): the q/k-norm + RoPE of fused_kernels._qk_norm_rope_kernel and of the decode
+    prologue (:func:`roped_heads`). -> (o1, o2) in x's dtype."""
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / D + eps)
+    dt = x1.dtype
+    n1 = ((f1 * rstd[:, None]).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+    n2 = ((f2 * rstd[:, None]).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    o1 = ((n1 * c).to(dt).to(tl.float32) + (-n2 * s).to(dt).to(tl.float32)).to(dt)
+    o2 = ((n2 * c).to(dt).to(tl.float32) + (n1 * s).to(dt).to(tl.float32)).to(dt)
+    return o1, o2
+
+
+@triton.jit
+def roped_heads(row_ptr, heads, mask, w_ptr, cos_ptr, sin_ptr, pos, eps, D: tl.constexpr):
+    """The heads `heads` [H] of one token's packed qkv row (column head * D) normed by w and roped at `pos`,
+    as one [H, D] tile (rows where ``mask`` is off read zeros)."""
+    half = tl.arange(0, D // 2)
+    base = row_ptr + heads[:, None] * D
+    x1 = tl.load(base + half[None, :], mask=mask[:, None], other=0.0)
+    x2 = tl.load(base + D // 2 + half[None, :], mask=mask[:, None], other=0.0)
+    dt = x1.dtype
+    w1 = tl.load(w_ptr + half).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :]
+    c = tl.load(cos_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
+    o1, o2 = norm_rope(x1, x2, w1, w2, c, s, eps, D)
+    return tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (o1.shape[0], D))
 
 
 # -- decode -------------------------------------------------------------------------------------------
@@ -99,7 +136,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                          HPP: tl.constexpr = 1, PAGE_TILE: tl.constexpr = False, order_ptr=None,
                          ORDERED: tl.constexpr = False, lock_ptr=None, FUSED_REDUCE: tl.constexpr = False,
                          BLOCK_S: tl.constexpr = 2, PDL: tl.constexpr = False, v_scale=1.0,
-                         KV_FP8: tl.constexpr = False, V_IN_TILE: tl.constexpr = False):
+                         KV_FP8: tl.constexpr = False, V_IN_TILE: tl.constexpr = False, qkv_ptr=None,
+                         stride_qkv=0, pos_ptr=None, qw_ptr=None, kw_ptr=None, cos_ptr=None, sin_ptr=None,
+                         slot_ptr=None, eps=0.0, k_scale=1.0, PROLOGUE: tl.constexpr = False):
     """One (group of HPP kv heads, sequence, split) program. DIRECT (a single split): write the normalized
     output itself (zeros for a padding row), so no reduce kernel runs.
 
@@ -125,7 +164,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
 
     KV_FP8: the caches hold e4m3 (engine/attention/kv_quant.py); each tile is converted for its dots, the K
     scale is already in ``scale`` and the V scale multiplies the accumulator once. A bf16 or f16 query's dots
-    run in float16 (:func:`_to_f16`): sm_90 converts e4m3 pairs to f16 pairs in one instruction, and the
+    run in float16 (:func:`to_f16`): sm_90 converts e4m3 pairs to f16 pairs in one instruction, and the
     compiled bf16 path added an f16 -> bf16 conversion per value (PTX of the 256 x 1,024 decode: 64
     e4m3x2 -> f16x2 and 128 f16 -> bf16 conversions per thread and tile, the latter gone in float16).
     V_IN_TILE (FP8): the V scale multiplies each converted V tile instead of the accumulator. The compiled
@@ -134,6 +173,14 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     ld.shared.b8 per thread and tile in the same PTX), for 64 f16 multiplies instead. Which is faster is the
     attention bench's to say (`--kv-cache-dtype fp8`); a scale rounded to float16 on the way.
 
+    PROLOGUE (the decode prologue, :class:`NewTokens`): no q/k-norm + RoPE kernel and no KV store ran before this
+    one. Each program norms and ropes its own query heads from the row's packed qkv (:func:`roped_heads`); the
+    context loop stops before the row's last position (the new token's, not in the cache yet), and the program
+    whose split holds that position makes the new token's k and v, stores them in the cache (quantized where it
+    is FP8) and starts its softmax state from that token (its k and v as the cache now holds them) before the
+    loop: folded in after it, the token's tiles stayed live through the loop (156 registers a thread against the
+    plain kernel's 105 in the sm_90 build, so three programs an SM instead of four).
+
     Why one function over the house's 80 lines: a kernel is one program, and its phases share what they
     compute: the program's coordinates (n, s, kvh0, ctx), the offsets and masks (heads, gmask, offs_d,
     offs_r), the online-softmax state (m, l, acc) carried through the context loop, and the constexpr
@@ -141,7 +188,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     inlines ``@triton.jit`` helpers, so cutting the body into them would cost no speed, but each piece
     would take ten or more of those values and hand the loop state back as a tuple, and the early exit of
     a split past its context must stay here (a ``return`` in a helper ends the helper, not the program).
-    What repeats is a helper already (``_dot``); the rest reads in order: coordinates, early exit, the
+    What repeats is a helper already (``dot``); the rest reads in order: coordinates, early exit, the
     context loop, then the direct write or the partial and the fused reduce."""
     ROWS: tl.constexpr = HPP * BLOCK_N
     kvh0 = tl.program_id(0) * HPP
@@ -166,11 +213,17 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                                  tl.zeros([BLOCK_G, D], tl.float32).to(out_ptr.dtype.element_ty),
                                  mask=gmask[:, None])
             return
-    end = tl.minimum(ctx, start + split_len)
-    q = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=gmask[:, None], other=0.0)
+    if PROLOGUE:            # the new token (position ctx - 1) comes from the qkv row, after the loop
+        row = qkv_ptr + n.to(tl.int64) * stride_qkv
+        new_pos = tl.load(pos_ptr + n)
+        q = roped_heads(row, heads, gmask, qw_ptr, cos_ptr, sin_ptr, new_pos, eps, D)
+        end = tl.minimum(ctx - 1, start + split_len)
+    else:
+        q = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=gmask[:, None], other=0.0)
+        end = tl.minimum(ctx, start + split_len)
     if KV_FP8 and not IEEE:     # the dots in float16: e4m3 -> f16 is one conversion per pair, -> bf16 two more
-        q = _to_f16(q)
+        q = to_f16(q)
     offs_r = tl.arange(0, ROWS)
     r_pos = offs_r // HPP                       # the tile's position of each row
     r_head = offs_r % HPP                       # its kv head within the program's group
@@ -178,6 +231,28 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
+    if PROLOGUE:            # the new token first (its k and v made, stored and folded in), so none of it is live
+        if (ctx > 0) & (ctx - 1 >= start) & (ctx - 1 < start + split_len):     # through the loop
+            kvh = kvh0 + g_head                                 # each query row's kv head
+            k_new = roped_heads(row, HK * G + kvh, gmask, kw_ptr, cos_ptr, sin_ptr, new_pos, eps, D)
+            v_new = tl.load(row + (HK * G + HK + kvh)[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0)
+            slot = tl.load(slot_ptr + n).to(tl.int64)
+            # one writer per kv head (its first query row); a padding row (slot < 0) writes nothing. (The slot test
+            # selects the mask, as in _qk_norm_rope_kernel: the interpreter wants a boolean store mask.)
+            writer = tl.where(slot >= 0, gmask & (offs_g % G == 0), False)
+            dst = slot * (HK * D) + kvh[:, None] * D + offs_d[None, :]
+            if KV_FP8:
+                k_new = fp8_quantize(k_new, k_scale)
+                v_new = fp8_quantize(v_new, v_scale)
+            tl.store(kc_ptr + dst, k_new, mask=writer[:, None])
+            tl.store(vc_ptr + dst, v_new, mask=writer[:, None])
+            k_new = k_new.to(q.dtype)                           # as the loop reads a cached position
+            v_new = v_new.to(q.dtype)
+            if KV_FP8 and V_IN_TILE:
+                v_new = v_new * tl.cast(v_scale, q.dtype)
+            m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale     # its weight exp(m - m) = 1
+            l = tl.full([BLOCK_G], 1.0, tl.float32)
+            acc = v_new.to(tl.float32)
     for kstart in range(start, end, BLOCK_N):
         pos = kstart + r_pos
         valid = pos < end
@@ -196,7 +271,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                 v = v.to(q.dtype) * tl.cast(v_scale, q.dtype)
             else:
                 v = v.to(q.dtype)
-        scores = _dot(q, tl.trans(k), IEEE) * scale
+        scores = dot(q, tl.trans(k), IEEE) * scale
         keep = valid[None, :]
         if HPP > 1:
             keep = keep & (g_head[:, None] == r_head[None, :])
@@ -205,7 +280,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
         m = m_new
     if KV_FP8 and not V_IN_TILE:
         acc = acc * v_scale                     # sum p * (v * s) = s * sum p * v: once per row
@@ -264,14 +339,33 @@ def _decode_reduce_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, num_splits, split_l
     tl.store(out_ptrs, (num / den).to(out_ptr.dtype.element_ty))
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+@dataclass
+class NewTokens:
+    """A decode step's new token per row as the qkv projection left it, for the decode prologue (the split
+    kernel's PROLOGUE): q/k-norm + RoPE of the row's query heads and of its new k, and the store of that k and
+    v in the paged cache, inside the attention kernel; no q/k-norm + RoPE kernel runs before it (at batch 1 a
+    kernel of 24 one-head programs per layer). Qwen3's q/k norm (fused_kernels._qk_norm_rope_kernel's math)."""
+    qkv: torch.Tensor            # [N, (Hq + 2 Hk) * D]: q heads, k heads, v heads (columns contiguous)
+    positions: torch.Tensor      # [N]: each row's position (its context length - 1)
+    q_weight: torch.Tensor       # [D]: q_norm's weight
+    k_weight: torch.Tensor       # [D]: k_norm's weight
+    cos: torch.Tensor            # [max_position, D]: RotaryEmbedding's float32 tables
+    sin: torch.Tensor
+    eps: float
+    slot_mapping: torch.Tensor   # [N]: each row's new k/v slot (-1: written nowhere)
+    num_heads: int               # Hq
+
+
+def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, max_len: int, sm_count: int, block_n: int = DECODE_BLOCK_N,
                  num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES, waves: int = DECODE_WAVES,
                  kv_per_prog: int = DECODE_KV_PER_PROG, page_tile: bool = DECODE_PAGE_TILE,
                  order: torch.Tensor | None = None, fuse_reduce: bool | None = None,
                  k_scale: float | None = None, v_scale: float | None = None,
-                 fp8_v_in_tile: bool = DECODE_FP8_V_IN_TILE) -> torch.Tensor:
+                 fp8_v_in_tile: bool = DECODE_FP8_V_IN_TILE, new: NewTokens | None = None) -> torch.Tensor:
     """q [N, Hq, D] -> out [N, Hq, D]; reads context_lens[i] positions of seq i through its block table.
+    new (q None): the decode prologue; each row's q and its new token's k and v are made from ``new.qkv`` inside
+    the kernel, which also stores that k and v (:class:`NewTokens`).
     FP8 caches (engine/attention/kv_quant.py) are dequantized by k_scale and v_scale (None: the caches' own);
     fp8_v_in_tile: the V scale on each V tile, not on the accumulator (the kernel's V_IN_TILE).
     order (int32 [N], a permutation of the rows): the order in which the rows' programs are launched
@@ -289,15 +383,20 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     tile where block_n divides the page size (else the per-position path). Both are swept by
     `labkit bench --workload attention --sweep` (every default lives in engine/attention/splits.py).
     """
-    n, hq, d = q.shape
-    _, page, hk, _ = k_cache.shape
+    _, page, hk, d = k_cache.shape
+    if new is not None:
+        assert q is None and new.qkv.stride(-1) == 1 and new.qkv.shape[-1] == (new.num_heads + 2 * hk) * d
+        q = new.qkv                                  # (its pointer only: the kernel reads the heads from it)
+        n, hq = q.shape[0], new.num_heads
+    else:
+        n, hq, _ = q.shape
     g = hq // hk
     hpp = kv_per_program(hk, kv_per_prog)
     num_splits, split_len = choose_splits(n, hk // hpp, max_len, block_n, sm_count, waves)
     direct = num_splits == 1
     acc = torch.empty(0 if direct else n * hq * num_splits * d, dtype=torch.float32, device=q.device)
     ml = torch.empty(0 if direct else n * hq * num_splits * 2, dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    out = torch.empty(n, hq, d, dtype=q.dtype, device=q.device)
     programs = n * (hk // hpp)                                           # per split
     if fuse_reduce is None:
         fuse_reduce = splits.fuse_reduce(programs)
@@ -305,15 +404,19 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     fused = locks is not None and programs <= locks.numel()
     fp8 = kv_scales(k_cache, v_cache, k_scale, v_scale)
     if fp8:
-        scale, fp8 = scale * fp8["k_scale"], {"v_scale": fp8["v_scale"], "KV_FP8": True, "V_IN_TILE": fp8_v_in_tile}
+        scale, fp8 = scale * fp8["k_scale"], {"v_scale": fp8["v_scale"], "KV_FP8": True, "V_IN_TILE": fp8_v_in_tile,
+                                              **({"k_scale": fp8["k_scale"]} if new is not None else {})}
+    prologue = {} if new is None else dict(
+        qkv_ptr=new.qkv, stride_qkv=new.qkv.stride(0), pos_ptr=new.positions, qw_ptr=new.q_weight,
+        kw_ptr=new.k_weight, cos_ptr=new.cos, sin_ptr=new.sin, slot_ptr=new.slot_mapping, eps=new.eps, PROLOGUE=True)
     _decode_split_kernel[(hk // hpp, n, num_splits)](                   # a sequence's heads launch together
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, out, scale, split_len, num_splits,
-        q.stride(0), q.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1) if new is None else 0, block_tables.stride(0), out.stride(0), out.stride(1),
         PAGE=page, HK=hk, G=g, BLOCK_G=max(16, triton.next_power_of_2(hpp * g)), D=d, BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32, DIRECT=direct, HPP=hpp, PAGE_TILE=page_tile and page % block_n == 0,
         order_ptr=order, ORDERED=order is not None, lock_ptr=locks, FUSED_REDUCE=fused,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)) if fused else 2,
-        num_warps=num_warps, num_stages=num_stages, **fp8, **pdl.launch(q))
+        num_warps=num_warps, num_stages=num_stages, **fp8, **prologue, **pdl.launch(q))
     if direct or fused:
         return out
     _decode_reduce_kernel[(n, hq)](acc, ml, context_lens, out, num_splits, split_len, out.stride(0), out.stride(1),
@@ -334,152 +437,3 @@ def decode_locks(device: torch.device) -> torch.Tensor | None:
         locks = _locks[device] = torch.zeros(DECODE_LOCKS, dtype=torch.int32, device=device)
     return locks
 
-
-# -- prefill: through the block table (prefix hits, chunk continuations) or on the new K/V (fresh) ----
-#: a prefill of at most this many sequences launches one program per (query tile of any sequence, head), its
-#: tiles packed: a step's or a graph bucket's sequences x its longest query in tiles would be mostly empty
-#: programs (a paged prefill graph holds 16 sequences: at 1,024 tokens 4,096 programs, 256 with work for one
-#: 1,024-token prompt); wider prefills keep the (tile, sequence, head) grid
-PACKED_SEQS = splits.PREFILL_PACKED_SEQS
-_PACKED_BLOCK_S = triton.next_power_of_2(PACKED_SEQS + 1)     # the sequences' offsets one packed program reads
-
-
-@triton.jit
-def _packed_tile(cu_q_ptr, seq0, num_seqs, g, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Packed grid: program g's sequence (counted from seq0; num_seqs or more where g is past every tile) and its
-    query tile in that sequence. The sequences' tiles are numbered one after another, in order."""
-    offs = tl.arange(0, BLOCK_S)
-    smask = offs < num_seqs
-    lo = tl.load(cu_q_ptr + seq0 + offs, mask=smask, other=0)
-    hi = tl.load(cu_q_ptr + seq0 + offs + 1, mask=smask, other=0)
-    tiles = tl.where(smask, (hi - lo + BLOCK_M - 1) // BLOCK_M, 0)
-    ends = tl.cumsum(tiles, 0)                                  # past each sequence's last tile
-    n = tl.sum((ends <= g).to(tl.int32), 0)                     # the sequences whose tiles all come before g
-    first = tl.sum(tl.where(offs < n, tiles, 0), 0)             # g's sequence's first tile
-    return n, g - first
-
-
-@triton.jit(do_not_specialize=["stride_bt", "seq0", "num_seqs"])
-def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, scale,
-                    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_k, stride_v, seq0, num_seqs,
-                    PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr,
-                    PDL: tl.constexpr = False, v_scale=1.0, KV_FP8: tl.constexpr = False,
-                    PACKED: tl.constexpr = False, BLOCK_S: tl.constexpr = 32):
-    """PAGED: K/V rows are cache slots found through the block table (row stride HK * D).
-    Not PAGED: K/V are this step's new rows [T, HK, D] (row strides stride_k, stride_v), nothing cached before.
-    KV_FP8 (PAGED): the caches hold e4m3, read as the decode kernel reads them (the K scale in ``scale``, the
-    V scale on the output).
-    seq0: the grid's first sequence (a mixed step's prefill rows after its decodes): the same compiled kernel
-    whatever it is, where a slice of cu_seqlens and the block table would change their pointers' alignment and
-    compile a new variant mid-serving. num_seqs: the sequences from seq0 on.
-    PACKED (num_seqs < BLOCK_S): the grid is (a bound on the sequences' query tiles, heads), each program finds
-    its sequence and tile (:func:`_packed_tile`); else (query tiles of the longest, sequences, heads)."""
-    pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
-    if PACKED:
-        rel, tile = _packed_tile(cu_q_ptr, seq0, num_seqs, tl.program_id(0), BLOCK_M, BLOCK_S)
-        if rel >= num_seqs:                    # past the last sequence's last tile
-            return
-        n = seq0 + rel
-        h = tl.program_id(1)
-    else:
-        tile = tl.program_id(0)
-        n = seq0 + tl.program_id(1)
-        h = tl.program_id(2)
-    q_start = tl.load(cu_q_ptr + n)
-    q_len = tl.load(cu_q_ptr + n + 1) - q_start
-    k_len = tl.load(cu_k_ptr + n + 1) - tl.load(cu_k_ptr + n)
-    if tile * BLOCK_M >= q_len:
-        return
-    prefix = k_len - q_len                     # positions already in the cache before this chunk
-    kvh = h // G
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    qmask = offs_m < q_len
-    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=qmask[:, None], other=0.0)
-    if KV_FP8 and not IEEE:     # the dots in float16, as the decode kernel's
-        q = _to_f16(q)
-    q_pos = prefix + offs_m
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
-    end = tl.minimum(k_len, prefix + (tile + 1) * BLOCK_M)
-    for kstart in range(0, end, BLOCK_N):
-        offs_n = kstart + tl.arange(0, BLOCK_N)
-        valid = offs_n < end
-        if PAGED:
-            blk = tl.load(bt_ptr + n * stride_bt + offs_n // PAGE, mask=valid, other=0).to(tl.int64)
-            row = blk * PAGE + offs_n % PAGE
-        else:
-            row = (q_start + offs_n).to(tl.int64)
-        head = kvh * D + offs_d[None, :]
-        k = tl.load(kc_ptr + row[:, None] * stride_k + head, mask=valid[:, None], other=0.0)
-        v = tl.load(vc_ptr + row[:, None] * stride_v + head, mask=valid[:, None], other=0.0)
-        if KV_FP8:                              # e4m3 -> the dots' dtype (float16, or float32): exact
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
-        scores = _dot(q, tl.trans(k), IEEE) * scale
-        keep = valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        scores = tl.where(keep, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
-        m = m_new
-    out = acc / l[:, None]
-    if KV_FP8:
-        out = out * v_scale
-    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=qmask[:, None])
-
-
-def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                  scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                  num_stages: int = 2, k_scale: float | None = None, v_scale: float | None = None,
-                  first_seq: int = 0) -> torch.Tensor:
-    """Causal varlen attention of q [T, Hq, D] over every sequence's cached K/V (prefix + this chunk).
-    FP8 caches (engine/attention/kv_quant.py) are dequantized by k_scale and v_scale (None: the caches' own).
-    first_seq: only the sequences from this one on (their output rows; the rows before are left unwritten).
-
-    The tile sizes, warps and stages are swept by `labkit bench --workload attention --sweep`."""
-    _, page, hk, d = k_cache.shape
-    fp8 = kv_scales(k_cache, v_cache, k_scale, v_scale)
-    if fp8:
-        scale, fp8 = scale * fp8["k_scale"], {"v_scale": fp8["v_scale"], "KV_FP8": True}
-    return _launch_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
-                           page=page, hk=hk, strides_kv=(hk * d, hk * d), stride_bt=block_tables.stride(0), paged=True,
-                           block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, fp8=fp8,
-                           first_seq=first_seq)
-
-
-def varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                   max_seqlen_q: int, scale: float, block_m: int = 64, block_n: int = 64, num_warps: int = 4,
-                   num_stages: int = 2) -> torch.Tensor:
-    """Causal varlen attention of q [T, Hq, D] over the new k/v [T, Hk, D] only (nothing cached before):
-    one launch for the whole batch, GQA without expanding K/V."""
-    _, hk, d = k.shape
-    assert k.stride(1) == v.stride(1) == d and k.stride(2) == v.stride(2) == 1
-    return _launch_prefill(q, k, v, cu_seqlens_q, cu_seqlens_q, cu_seqlens_q, max_seqlen_q, scale,
-                           page=1, hk=hk, strides_kv=(k.stride(0), v.stride(0)), stride_bt=0, paged=False,
-                           block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-
-
-def _launch_prefill(q, kv_k, kv_v, block_tables, cu_q, cu_k, max_seqlen_q, scale, *, page, hk, strides_kv,
-                    stride_bt, paged, block_m, block_n, num_warps, num_stages, fp8=None, first_seq=0) -> torch.Tensor:
-    t, hq, d = q.shape
-    n = cu_q.numel() - 1 - first_seq
-    out = torch.empty_like(q)
-    packed = n <= PACKED_SEQS
-    if packed:          # every sequence's tiles: at most one partial tile per sequence beyond t / block_m
-        grid = (min(triton.cdiv(t, block_m) + n, n * triton.cdiv(max_seqlen_q, block_m)), hq)
-    else:
-        grid = (triton.cdiv(max_seqlen_q, block_m), n, hq)
-    _prefill_kernel[grid](q, kv_k, kv_v, block_tables, cu_q, cu_k, out, scale,
-                          q.stride(0), q.stride(1), out.stride(0), out.stride(1), stride_bt, *strides_kv, first_seq, n,
-                          PAGE=page, HK=hk, G=hq // hk, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                          IEEE=q.dtype == torch.float32, PAGED=paged, num_warps=num_warps, num_stages=num_stages,
-                          PACKED=packed, BLOCK_S=_PACKED_BLOCK_S, **(fp8 or {}), **pdl.launch(q))
-    return out

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from engine import pdl
-from engine.attention.triton_kernels import fp8_quantize, kv_scales
+from engine.attention.triton_kernels import fp8_quantize, kv_scales, norm_rope
 
 # rms_norm's warp count; the normed GEMV (gemv.py) reduces its row's sum of squares at the same count, since
 # Triton's reduction order (and so the float32 sum) follows the layout
@@ -80,20 +80,14 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_o
     base = qkv_ptr + t * stride_qkv + h[:, None] * D
     x1 = tl.load(base + half[None, :], mask=live[:, None], other=0.0)
     x2 = tl.load(base + D // 2 + half[None, :], mask=live[:, None], other=0.0)
-    f1 = x1.to(tl.float32)
-    f2 = x2.to(tl.float32)
-    rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / D + eps)
     w1 = tl.where(is_q[:, None], tl.load(qw_ptr + half)[None, :], tl.load(kw_ptr + half)[None, :]).to(tl.float32)
     w2 = tl.where(is_q[:, None], tl.load(qw_ptr + D // 2 + half)[None, :],
                   tl.load(kw_ptr + D // 2 + half)[None, :]).to(tl.float32)
     dt = x1.dtype
-    n1 = ((f1 * rstd[:, None]).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-    n2 = ((f2 * rstd[:, None]).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
     pos = tl.load(pos_ptr + t)
     c = tl.load(cos_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
-    o1 = ((n1 * c).to(dt).to(tl.float32) + (-n2 * s).to(dt).to(tl.float32)).to(dt)
-    o2 = ((n2 * c).to(dt).to(tl.float32) + (n1 * s).to(dt).to(tl.float32)).to(dt)
+    o1, o2 = norm_rope(x1, x2, w1, w2, c, s, eps, D)
     q_dst = q_out_ptr + (t * HQ + h)[:, None] * D
     k_dst = k_out_ptr + (t * HK + h - HQ)[:, None] * D
     q_mask = (is_q & live)[:, None]

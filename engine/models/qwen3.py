@@ -58,6 +58,7 @@ class Qwen3Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
         self._fused = False
+        self.decode_prologue = False    # decode steps: q/k norm + RoPE + KV store inside the attention kernel
 
     @property
     def fused(self) -> bool:
@@ -77,6 +78,8 @@ class Qwen3Attention(nn.Module):
             qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if self.fused and self.decode_prologue and not meta.is_prefill and self.attn.k_cache.numel():
+            return self.o_proj(self._decode_prologue(qkv, positions, meta).flatten(1, -1))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         stored = False
         if self.fused:
@@ -96,6 +99,15 @@ class Qwen3Attention(nn.Module):
             q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v, meta, stored=stored)
         return self.o_proj(o.flatten(1, -1))
+
+    def _decode_prologue(self, qkv, positions, meta):
+        """A decode step's attention with the q/k norm, RoPE and the new K/V's store done by the attention kernel
+        (the Triton backend's decode_new; the runner turns it on: engine/model_runner.py)."""
+        from engine.attention.triton_kernels import NewTokens
+
+        new = NewTokens(qkv, positions, self.q_norm.weight, self.k_norm.weight, self.rotary_emb.cos,
+                        self.rotary_emb.sin, self.q_norm.eps, meta.slot_mapping, self.num_heads)
+        return self.attn.backend.decode_new(new, self.attn.k_cache, self.attn.v_cache, meta, self.attn.scale)
 
 
 class Qwen3MLP(nn.Module):
@@ -196,10 +208,13 @@ class CausalLM(nn.Module):
     def describe(self) -> dict:
         """The family, what its layers hold and the route the q/k-norm + RoPE + KV-store fusion took:
         "fused" (the Triton kernel, Qwen3 on CUDA with fused ops), "plain" (torch RoPE and the backend's
-        store; the families without q/k norm always)."""
-        fused = any(layer.self_attn.fused for layer in self.model.layers)
-        return {"architecture": self.architecture, **self.family.summary(self._cfg),
-                "qk_norm_rope_kv": "fused" if fused else "plain"}
+        store; the families without q/k norm always), "decode-prologue" (the Triton kernel for prefills; a decode
+        step does it inside the attention kernel)."""
+        attn = [layer.self_attn for layer in self.model.layers]
+        route = "plain"
+        if any(a.fused for a in attn):
+            route = "decode-prologue" if any(a.fused and a.decode_prologue for a in attn) else "fused"
+        return {"architecture": self.architecture, **self.family.summary(self._cfg), "qk_norm_rope_kv": route}
 
 
 Qwen3ForCausalLM = CausalLM

@@ -32,6 +32,12 @@ KERNEL_SWEEP_SHAPES = ((256, 1024), (256, 2048), (1, 4096), (64, 1024), (32, 512
 KERNEL_SWEEP_TILES = ((1, False, 64), (1, False, 32), (1, True, 32), (1, True, 64), (1, True, 128),
                       (2, True, 32), (2, True, 64), (2, False, 32), (4, True, 16), (4, True, 32))
 KERNEL_SWEEP = {"num_warps": (4, 8), "num_stages": (2, 3, 4), "waves": (2, 4, 16)}
+# an e4m3 cache's sweep: the knobs that set how many bytes an SM keeps in flight (tools/kernel_resources.py: at the
+# bf16 defaults the FP8 build holds 3 programs an SM to bf16's 4, each buffering half the bytes) and the V scale's
+# place, at the default waves
+KERNEL_SWEEP_FP8_TILES = ((1, True, 32), (1, False, 64), (1, True, 64), (1, True, 128), (2, True, 64))
+KERNEL_SWEEP_FP8 = {"num_warps": (4, 8), "num_stages": (2, 3, 4, 5), "fp8_v_in_tile": (False, True)}
+KNOBS = ("kv_per_prog", "page_tile", "block_n", "num_warps", "num_stages", "waves", "fp8_v_in_tile")
 #: what the evidence's shape line adds for each cache dtype
 CACHE_NOTE = {"auto": "", "fp8": ", KV cache e4m3 at scale 1.0"}
 #: Max abs error a bf16 kernel output may have against the float32 dense reference (outputs are
@@ -310,7 +316,7 @@ def bench_prefill(backends: list[str], seqs: int, prefix: int, new: int, kv_cach
 def sweep_prefill(shape=(30, 0, 540), kv_cache_dtype: str = "auto") -> dict:
     """Every knob combination of the Triton paged prefill on one shape; the five fastest."""
     import torch
-    from engine.attention import triton_kernels as tk
+    from engine.attention import prefill_kernels as pk
 
     case = PrefillCase(*shape, kv_cache_dtype=kv_cache_dtype)
     meta = case.prefill_meta(True)
@@ -320,7 +326,7 @@ def sweep_prefill(shape=(30, 0, 540), kv_cache_dtype: str = "auto") -> dict:
         knobs = {"block_m": block_m, "block_n": block_n, "num_warps": warps, "num_stages": stages}
 
         def run():
-            return tk.paged_prefill(case.q, case.k_cache, case.v_cache, meta.block_tables, meta.cu_seqlens_q,
+            return pk.paged_prefill(case.q, case.k_cache, case.v_cache, meta.block_tables, meta.cu_seqlens_q,
                                     meta.cu_seqlens_k, meta.max_seqlen_q, case.scale, **knobs)
         try:
             err = max_abs_error(run(), ref)
@@ -375,18 +381,26 @@ def sweep_triton(shapes=SWEEP_SHAPES, kv_cache_dtype: str = "auto") -> list[dict
     return out
 
 
-def kernel_sweep_settings() -> list[dict]:
-    """Every setting sweep_kernel times: the tiles of KERNEL_SWEEP_TILES x warps x stages x waves."""
+def kernel_sweep_settings(kv_cache_dtype: str = "auto") -> list[dict]:
+    """Every setting sweep_kernel times: the tiles of KERNEL_SWEEP_TILES x warps x stages x waves; on an e4m3
+    cache KERNEL_SWEEP_FP8_TILES x warps x stages x the V scale's place, at the default waves."""
+    if kv_cache_dtype == "fp8":
+        from engine.attention import splits
+        return [{"kv_per_prog": hpp, "page_tile": tile, "block_n": bn, "num_warps": w, "num_stages": st,
+                 "waves": splits.DECODE_WAVES, "fp8_v_in_tile": vt}
+                for (hpp, tile, bn), w, st, vt in itertools.product(KERNEL_SWEEP_FP8_TILES, *KERNEL_SWEEP_FP8.values())]
     return [{"kv_per_prog": hpp, "page_tile": tile, "block_n": bn, "num_warps": w, "num_stages": st, "waves": wv}
             for (hpp, tile, bn), w, st, wv in itertools.product(KERNEL_SWEEP_TILES, *KERNEL_SWEEP.values())]
 
 
-def default_decode_setting() -> dict:
-    """paged_decode's defaults (engine/attention/splits.py), as a sweep setting."""
+def default_decode_setting(kv_cache_dtype: str = "auto") -> dict:
+    """paged_decode's defaults (engine/attention/splits.py), as a sweep setting (on an e4m3 cache with the V
+    scale's place)."""
     from engine.attention import splits
-    return {"kv_per_prog": splits.DECODE_KV_PER_PROG, "page_tile": splits.DECODE_PAGE_TILE,
-            "block_n": splits.DECODE_BLOCK_N, "num_warps": splits.DECODE_NUM_WARPS,
-            "num_stages": splits.DECODE_NUM_STAGES, "waves": splits.DECODE_WAVES}
+    out = {"kv_per_prog": splits.DECODE_KV_PER_PROG, "page_tile": splits.DECODE_PAGE_TILE,
+           "block_n": splits.DECODE_BLOCK_N, "num_warps": splits.DECODE_NUM_WARPS,
+           "num_stages": splits.DECODE_NUM_STAGES, "waves": splits.DECODE_WAVES}
+    return out | ({"fp8_v_in_tile": splits.DECODE_FP8_V_IN_TILE} if kv_cache_dtype == "fp8" else {})
 
 
 def compile_kernel_sweep(part: int = 0, parts: int = 1) -> int:
@@ -417,7 +431,7 @@ def rank_kernel_sweep(shapes: list[dict]) -> dict:
     """The setting whose worst share of each shape's best is highest (robust across shapes), and the
     default's share of roof per shape, from sweep_kernel's per-shape results."""
     def key(r):
-        return tuple(r[k] for k in ("kv_per_prog", "page_tile", "block_n", "num_warps", "num_stages", "waves"))
+        return tuple(r.get(k) for k in KNOBS)
     best = {}
     for sh in shapes:
         ok = [r for r in sh["results"] if r.get("output_ok")]
@@ -428,8 +442,7 @@ def rank_kernel_sweep(shapes: list[dict]) -> dict:
     if not complete:
         return {"robust": None}
     k, ratios = max(complete.items(), key=lambda kv: min(kv[1].values()))
-    names = ("kv_per_prog", "page_tile", "block_n", "num_warps", "num_stages", "waves")
-    robust = dict(zip(names, k)) | {"worst_share_of_best": round(min(ratios.values()), 3),
+    robust = {n: v for n, v in zip(KNOBS, k) if v is not None} | {"worst_share_of_best": round(min(ratios.values()), 3),
                                     "share_of_roof": {f"{sh['batch']}x{sh['context']}": r["share_of_roof"]
                                                       for sh in shapes for r in sh["results"] if key(r) == k}}
     return {"robust": robust}
@@ -443,8 +456,8 @@ def sweep_kernel(shapes=KERNEL_SWEEP_SHAPES, settings: list[dict] | None = None,
     from engine.attention import triton_kernels as tk
 
     sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    settings = settings or kernel_sweep_settings()
-    default = default_decode_setting()
+    settings = settings or kernel_sweep_settings(kv_cache_dtype)
+    default = default_decode_setting(kv_cache_dtype)
     roof = copy_roof_gbs()
     out = []
     for batch, ctx in shapes:

@@ -71,7 +71,8 @@ def engine_facts(engine: LLMEngine) -> dict:
     return {"init_seconds": d["init_seconds"], "load_seconds": d["load_seconds"],
             "capture_seconds": d["graph"]["capture_seconds"], "graph_buckets": d["graph"]["buckets"],
             "kv_blocks": d["num_kvcache_blocks"], "attention_backend": d["attention_backend"],
-            "memory": d["memory"], "warmup": d["warmup"]}
+            "memory": d["memory"], "warmup": d["warmup"],
+            "qk_norm_rope_kv": (d.get("model") or {}).get("qk_norm_rope_kv")}    # the route: fused, decode-prologue...
 
 
 # -- workloads -------------------------------------------------------------------------------------

@@ -207,6 +207,22 @@ def test_sweep_ranks_the_setting_robust_across_shapes_and_never_a_wrong_output()
     assert robust["worst_share_of_best"] == round(0.88 / 0.95, 3)
 
 
+def test_fp8_sweep_times_the_v_scale_in_both_places_and_ranks_them_apart():
+    """An e4m3 cache's sweep holds its default (with the V scale's place) and each setting with the V scale on
+    the tile and on the accumulator; two settings that differ only there rank as two."""
+    from labkit.bench.attention import default_decode_setting, kernel_sweep_settings, rank_kernel_sweep
+
+    settings = kernel_sweep_settings("fp8")
+    assert default_decode_setting("fp8") in settings
+    assert {s["fp8_v_in_tile"] for s in settings} == {False, True}
+    assert len({tuple(sorted(s.items())) for s in settings}) == len(settings)
+    on_acc, in_tile = _result(0.5, fp8_v_in_tile=False), _result(0.8, fp8_v_in_tile=True)
+    shapes = [{"batch": 256, "context": 1024, "results": [on_acc, in_tile]},
+              {"batch": 1, "context": 4096, "results": [on_acc | {"share_of_roof": 0.6}, in_tile]}]
+    robust = rank_kernel_sweep(shapes)["robust"]
+    assert robust["fp8_v_in_tile"] is True and robust["share_of_roof"] == {"256x1024": 0.8, "1x4096": 0.8}
+
+
 def test_warmup_variants_follow_kv_per_prog():
     """With several kv heads per program the split count follows the programs per sequence; the warmup
     plan's variants (decode_variants) must then be the ones the kernel compiles."""

@@ -106,6 +106,7 @@ def _prefill(hk: int, g: int, d: int, dtype: str) -> dict:
     import torch
 
     import engine.attention.triton_kernels as tk
+    import engine.attention.prefill_kernels as pk
     from labkit.bench.attention import prefill_reference
 
     dt = getattr(torch, dtype)
@@ -128,13 +129,13 @@ def _prefill(hk: int, g: int, d: int, dtype: str) -> dict:
         q = torch.randn(seqs * new, hk * g, d, generator=gen).to(dt)
         cu_q = torch.arange(0, seqs * new + 1, new, dtype=torch.int32)
         cu_k = torch.arange(0, seqs * (prefix + new) + 1, prefix + new, dtype=torch.int32)
-        out = tk.paged_prefill(q, kc, vc, perm, cu_q, cu_k, new, d ** -0.5)
+        out = pk.paged_prefill(q, kc, vc, perm, cu_q, cu_k, new, d ** -0.5)
         ref = prefill_reference(q, kc, vc, perm, seqs, prefix, new, d ** -0.5)
         # the sequences from the second on (a mixed step's chunks after its decode rows): their rows, bit for bit
-        tail = tk.paged_prefill(q, kc, vc, perm, cu_q, cu_k, new, d ** -0.5, first_seq=1)
+        tail = pk.paged_prefill(q, kc, vc, perm, cu_q, cu_k, new, d ** -0.5, first_seq=1)
         # the fresh prefill: the new tokens only, nothing cached
         kf, vf = (t.view(seqs, prefix + new, hk, d)[:, prefix:].reshape(-1, hk, d).contiguous() for t in (k_new, v_new))
-        fresh = tk.varlen_prefill(q, kf, vf, cu_q, new, d ** -0.5)
+        fresh = pk.varlen_prefill(q, kf, vf, cu_q, new, d ** -0.5)
         fresh_ref = prefill_reference(q, kf.view(seqs, new, hk, d), vf.view(seqs, new, hk, d),
                                       torch.arange(seqs, dtype=torch.int32)[:, None], seqs, 0, new, d ** -0.5)
     except Exception as e:                                  # noqa: BLE001

@@ -109,7 +109,7 @@ def test_decode_reads_fp8_against_float32(page, lengths, fuse):
 
 
 def test_prefill_reads_fp8_against_float32():
-    from engine.attention import triton_kernels as tk
+    from engine.attention import prefill_kernels as pk
     from labkit.bench.attention import prefill_reference
 
     seqs, prefix, new, page = 4, 512, 128, 256
@@ -119,7 +119,7 @@ def test_prefill_reads_fp8_against_float32():
     q = torch.randn(seqs * new, HQ, D, device="cuda", dtype=torch.bfloat16)
     cu_q = torch.arange(seqs + 1, dtype=torch.int32, device="cuda") * new
     cu_k = torch.arange(seqs + 1, dtype=torch.int32, device="cuda") * (prefix + new)
-    out = tk.paged_prefill(q, kc, vc, tables, cu_q, cu_k, new, D ** -0.5)
+    out = pk.paged_prefill(q, kc, vc, tables, cu_q, cu_k, new, D ** -0.5)
     ref = prefill_reference(q, kf, vf, tables, seqs, prefix, new, D ** -0.5)
     tol = 3e-2 * max(1.0, ref.abs().max().item())
     assert (out.float() - ref).abs().max().item() <= tol

@@ -184,7 +184,7 @@ def _decode(torch, tk, kv_quant, dtype, hpp, sms, fuse, v_in_tile) -> dict:
             "v_scale_dropped_err": float((no_v - ref)[live].abs().max())}
 
 
-def _prefill(torch, tk, kv_quant, dtype) -> dict:
+def _prefill(torch, pk, kv_quant, dtype) -> dict:
     from labkit.bench.attention import prefill_reference
 
     g = torch.Generator().manual_seed(4)
@@ -196,7 +196,7 @@ def _prefill(torch, tk, kv_quant, dtype) -> dict:
     cu_q = torch.arange(0, seqs + 1, dtype=torch.int32) * new
     cu_k = torch.arange(0, seqs + 1, dtype=torch.int32) * (prefix + new)
     scale = D ** -0.5
-    out = tk.paged_prefill(q, kc, vc, tables, cu_q, cu_k, new, scale, block_m=16, block_n=16)
+    out = pk.paged_prefill(q, kc, vc, tables, cu_q, cu_k, new, scale, block_m=16, block_n=16)
     ref = prefill_reference(q, kf, vf, tables, seqs, prefix, new, scale)
     no_k = prefill_reference(q, kc.float(), vf, tables, seqs, prefix, new, scale)
     no_v = prefill_reference(q, kf, vc.float(), tables, seqs, prefix, new, scale)
@@ -209,6 +209,7 @@ def main() -> None:
     import torch
 
     from engine.attention import kv_quant
+    from engine.attention import prefill_kernels as pk
     from engine.attention import triton_kernels as tk
 
     def probe():
@@ -228,7 +229,7 @@ def main() -> None:
            "fused_store": {d: _fused_store(torch, tk, kv_quant, dt[d]) for d in DTYPES},
            "decode": {f"{d}-{hpp}-{sms}-{fuse}-{vt}": _decode(torch, tk, kv_quant, dt[d], hpp, sms, fuse, vt)
                       for d in DTYPES for hpp, sms, fuse, vt in DECODE},
-           "prefill": {d: _prefill(torch, tk, kv_quant, dt[d]) for d in DTYPES}}
+           "prefill": {d: _prefill(torch, pk, kv_quant, dt[d]) for d in DTYPES}}
     print(json.dumps(out))
 
 

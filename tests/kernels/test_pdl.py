@@ -14,6 +14,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from engine import pdl  # noqa: E402
 from engine.attention import triton_kernels as tk  # noqa: E402
+from engine.attention import prefill_kernels as pk  # noqa: E402
 from engine.layers import fused_kernels as fk, gemv  # noqa: E402
 from engine.sampling import gumbel_kernel as gk  # noqa: E402
 
@@ -37,9 +38,9 @@ KERNELS = {
                 "lock_ptr": "*i32"}),
     "decode_reduce": (tk._decode_reduce_kernel, dict(HQ=16, D=128, BLOCK_S=8),
                       {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "ctx_ptr": "*i32"}),
-    "prefill": (tk._prefill_kernel, dict(PAGE=256, HK=8, G=2, D=128, BLOCK_M=64, BLOCK_N=64, IEEE=False, PAGED=True),
+    "prefill": (pk._prefill_kernel, dict(PAGE=256, HK=8, G=2, D=128, BLOCK_M=64, BLOCK_N=64, IEEE=False, PAGED=True),
                 {"bt_ptr": "*i32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}),
-    "prefill_packed": (tk._prefill_kernel, dict(PAGE=256, HK=8, G=2, D=128, BLOCK_M=64, BLOCK_N=64, IEEE=False,
+    "prefill_packed": (pk._prefill_kernel, dict(PAGE=256, HK=8, G=2, D=128, BLOCK_M=64, BLOCK_N=64, IEEE=False,
                                                 PAGED=True, PACKED=True),
                        {"bt_ptr": "*i32", "cu_q_ptr": "*i32", "cu_k_ptr": "*i32"}),
     "gumbel": (gk._gumbel_argmax_kernel, dict(BLOCK=2048), {"temp_ptr": "*fp32", "seed_ptr": "*i64",

@@ -41,7 +41,7 @@ def test_padding_sequences_and_tokens_leave_the_real_rows_as_they_were(results):
     assert r["equal"], r
 
 
-def _case(tk, lens, first_seq=0, pad_seqs=0, pad_tokens=0, seed=0):
+def _case(pk, lens, first_seq=0, pad_seqs=0, pad_tokens=0, seed=0):
     import torch
     import torch.nn.functional as F
 
@@ -69,14 +69,14 @@ def _case(tk, lens, first_seq=0, pad_seqs=0, pad_tokens=0, seed=0):
     max_q = max(q_lens)
 
     def run(packed: bool):
-        saved = tk.PACKED_SEQS
-        tk.PACKED_SEQS = saved if packed else -1
+        saved = pk.PACKED_SEQS
+        pk.PACKED_SEQS = saved if packed else -1
         try:
-            paged = tk.paged_prefill(q, kc, vc, tables, cu_q, cu_k, max_q, scale, block_m=BLOCK, block_n=BLOCK,
+            paged = pk.paged_prefill(q, kc, vc, tables, cu_q, cu_k, max_q, scale, block_m=BLOCK, block_n=BLOCK,
                                      first_seq=first_seq)
-            fresh = tk.varlen_prefill(q, k_new, v_new, cu_q, max_q, scale, block_m=BLOCK, block_n=BLOCK)
+            fresh = pk.varlen_prefill(q, k_new, v_new, cu_q, max_q, scale, block_m=BLOCK, block_n=BLOCK)
         finally:
-            tk.PACKED_SEQS = saved
+            pk.PACKED_SEQS = saved
         return paged, fresh
 
     rows = torch.cat([torch.arange(int(cu_q[i]), int(cu_q[i + 1])) for i in range(first_seq, n)]).long()
@@ -114,27 +114,27 @@ def _case(tk, lens, first_seq=0, pad_seqs=0, pad_tokens=0, seed=0):
             "paged": p_paged, "rows": rows}
 
 
-def _padded(tk) -> dict:
+def _padded(pk) -> dict:
     """The "mixed" case from its first chunk, alone and as a graph bucket loads it: padding sequences of no
     tokens and padding tokens after the last sequence."""
     import torch
 
-    plain = _case(tk, CASES["mixed"], first_seq=2)
-    padded = _case(tk, CASES["mixed"], first_seq=2, pad_seqs=5, pad_tokens=23)
+    plain = _case(pk, CASES["mixed"], first_seq=2)
+    padded = _case(pk, CASES["mixed"], first_seq=2, pad_seqs=5, pad_tokens=23)
     rows = plain["rows"]
     return {"equal": bool(torch.equal(plain["paged"][rows], padded["paged"][rows]))}
 
 
 def main() -> None:
-    from engine.attention import triton_kernels as tk
+    from engine.attention import prefill_kernels as pk
 
-    if not interpreter_ready(lambda: _case(tk, [(3, 1)])):
+    if not interpreter_ready(lambda: _case(pk, [(3, 1)])):
         return
     out = {}
     for name, lens in CASES.items():
-        r = _case(tk, lens, first_seq=2 if name == "mixed" else 0)
+        r = _case(pk, lens, first_seq=2 if name == "mixed" else 0)
         out[name] = {k: v for k, v in r.items() if k not in ("paged", "rows")}
-    out["padded"] = _padded(tk)
+    out["padded"] = _padded(pk)
     print(json.dumps(out))
 
 

@@ -10,7 +10,8 @@ shapes of the tiny, Qwen3-0.6B and Qwen3-8B presets: the batch-1 GEMVs (plain, n
 without the peeled first chunk), every paged-decode variant ``decode_variants`` says a batch of 1..512 can
 meet, the prefills, the KV store, the norms, q/k norm + RoPE and the sampling kernel, and again every kernel that
 reads or writes the KV cache with an FP8 (e4m3) cache: each decode variant, the paged prefill, the quantizing
-store and q/k norm + RoPE's store. Triton's own compiler and the ptxas its wheel ships do the rest; nothing runs
+store and q/k norm + RoPE's store; and each decode variant through the decode prologue (q/k norm + RoPE and the
+KV store inside the decode kernel), on either cache. Triton's own compiler and the ptxas its wheel ships do the rest; nothing runs
 on a GPU.
 
 Skipped where triton is not installed or its CUDA backend cannot compile here.
@@ -44,12 +45,13 @@ def test_every_preset_meets_its_decode_variants_and_gemv_tiles(compiled):
         p = compiled["presets"][preset]
         assert p["decode_variants"] >= 3, p          # one split, several with the reduce kernel, the fused reduce
         assert p["decode_calls"] == p["decode_variants"] and p["gemv_calls"] == 2 * 5, p   # 5 projections x peel
+        assert p["prologue_decode_calls"] == p["decode_variants"], p      # the decode prologue at each variant
 
 
 def test_every_kv_cache_kernel_compiles_with_an_fp8_cache(compiled):
     for preset in PRESETS:
         p = compiled["presets"][preset]
-        assert p["fp8_decode_calls"] == p["decode_variants"], p
+        assert p["fp8_decode_calls"] == p["fp8_prologue_decode_calls"] == p["decode_variants"], p
         # the decode with the V scale in its other place (two rows at max_len: split and reduce kernels), paged
         # prefill, store_kv, q/k norm + RoPE's store at 1 and 64 tokens
         assert p["fp8_other_calls"] == 6, p
@@ -95,6 +97,7 @@ def _preset(name: str, calls: list) -> dict:
     import torch
 
     import engine.attention.triton_kernels as tk
+    import engine.attention.prefill_kernels as pk
     from engine.attention.splits import decode_variants
     from engine.config import ModelShape
     from engine.layers import fused_kernels as fk
@@ -121,14 +124,15 @@ def _preset(name: str, calls: list) -> dict:
     kc, vc = e(blocks, page, hk, d), e(blocks, page, hk, d)
     variants = decode_variants(512, hk, max_len, sm)
     out["decode_calls"] += _decode_launches(calls, e, variants, kc, vc, page, hq, d, max_len, sm)
+    out["prologue_decode_calls"] = _decode_launches(calls, e, variants, kc, vc, page, hq, d, max_len, sm, prologue=True)
     out["decode_variants"] = len(variants)
     t = 64
     cu = torch.tensor([0, 32, 64], dtype=torch.int32)
-    tk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), cu, cu, 32, d ** -0.5)
-    tk.varlen_prefill(e(t, hq, d), e(t, hk, d), e(t, hk, d), cu, 32, d ** -0.5)
+    pk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), cu, cu, 32, d ** -0.5)
+    pk.varlen_prefill(e(t, hq, d), e(t, hk, d), e(t, hk, d), cu, 32, d ** -0.5)
     wide = torch.arange(0, t + 1, 2, dtype=torch.int32)              # 32 sequences: the prefill's full grid
-    tk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(32, 4, dtype=torch.int32), wide, wide, 2, d ** -0.5)
-    tk.varlen_prefill(e(t, hq, d), e(t, hk, d), e(t, hk, d), wide, 2, d ** -0.5)
+    pk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(32, 4, dtype=torch.int32), wide, wide, 2, d ** -0.5)
+    pk.varlen_prefill(e(t, hq, d), e(t, hk, d), e(t, hk, d), wide, 2, d ** -0.5)
     tk.store_kv(e(t, hk, d), e(t, hk, d), kc, vc, torch.zeros(t, dtype=torch.int64))
     for tokens in (1, t):
         fk.rms_norm(e(tokens, h), e(h), 1e-6)
@@ -143,19 +147,27 @@ def _preset(name: str, calls: list) -> dict:
     return out
 
 
-def _decode_launches(calls: list, e, variants: dict, kc, vc, page: int, hq: int, d: int, max_len: int, sm: int) -> int:
-    """The paged decode at each of ``variants``' (batch, length) over the caches kc/vc: how many launches compiled."""
+def _decode_launches(calls: list, e, variants: dict, kc, vc, page: int, hq: int, d: int, max_len: int, sm: int,
+                     prologue: bool = False) -> int:
+    """The paged decode at each of ``variants``' (batch, length) over the caches kc/vc (prologue: through the decode
+    prologue, q/k norm + RoPE and the KV store inside it): how many launches compiled."""
     import torch
 
     import engine.attention.triton_kernels as tk
 
     compiled = 0
+    hk = kc.shape[2]
     for batch, length in variants.values():
         before = len(calls)
         tables = torch.zeros(batch, max_len // page, dtype=torch.int32)
         ctx = torch.full((batch,), length, dtype=torch.int32)
-        tk.paged_decode(e(batch, hq, d), kc, vc, tables, ctx, d ** -0.5, length, sm,
-                        order=torch.arange(batch, dtype=torch.int32))
+        zeros = torch.zeros(batch, dtype=torch.int64)
+        q, new = e(batch, hq, d), None
+        if prologue:
+            cos = e(max_len, d, dtype=torch.float32)
+            q, new = None, tk.NewTokens(e(batch, (hq + 2 * hk) * d), zeros, e(d), e(d), cos, cos, 1e-6, zeros, hq)
+        tk.paged_decode(q, kc, vc, tables, ctx, d ** -0.5, length, sm, order=torch.arange(batch, dtype=torch.int32),
+                        new=new)
         compiled += len(calls) > before
     return compiled
 
@@ -166,16 +178,19 @@ def _fp8_cache(calls: list, e, variants: dict, blocks: int, page: int, hq: int, 
     import torch
 
     import engine.attention.triton_kernels as tk
+    import engine.attention.prefill_kernels as pk
     from engine.attention import kv_quant
     from engine.layers import fused_kernels as fk
 
     bf16 = torch.bfloat16
     kc, vc = (kv_quant.mark(e(blocks, page, hk, d, dtype=kv_quant.FP8), 0.5, bf16) for _ in range(2))
-    out = {"fp8_decode_calls": _decode_launches(calls, e, variants, kc, vc, page, hq, d, max_len, sm)}
+    out = {"fp8_decode_calls": _decode_launches(calls, e, variants, kc, vc, page, hq, d, max_len, sm),
+           "fp8_prologue_decode_calls": _decode_launches(calls, e, variants, kc, vc, page, hq, d, max_len, sm,
+                                                         prologue=True)}
     before = len(calls)
     tk.paged_decode(e(2, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
                     d ** -0.5, max_len, sm, fp8_v_in_tile=not tk.DECODE_FP8_V_IN_TILE)    # the other V-scale place
-    tk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), cu, cu, 32, d ** -0.5)
+    pk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), cu, cu, 32, d ** -0.5)
     tk.store_kv(e(t, hk, d), e(t, hk, d), kc, vc, torch.zeros(t, dtype=torch.int64))
     for tokens in (1, t):
         cos = e(max_len, d, dtype=torch.float32)

@@ -21,6 +21,8 @@
 #   tools/gpu/h200_session.sh fp8     # the FP8 cache: its GPU tests and accuracy guard, then where its time goes: the
 #                                     # attention bench on a bf16 and an e4m3 cache, the step budget at 256 x 1024 and
 #                                     # nano-vllm on each, the fp8 knob sweep last
+#   tools/gpu/h200_session.sh batch1  # the decode prologue (LAB_DECODE_PROLOGUE): its GPU tests, then batch-1 latency
+#                                     # and the step budget at batch 1 and 256 with it off and on, A/B/A/B
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -35,7 +37,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8" >&2; exit 2 ;; esac
+case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -199,6 +201,23 @@ fp8_phase() {
        --out "$W/runs/nano-vllm-fp8.json"
   step attention-fp8-sweep 200 $PY -m labkit bench --workload attention --attention triton --kv-cache-dtype fp8 --sweep \
        --out "$W/runs/attention-fp8-sweep.json"
+}
+
+batch1_phase() {     # one lever at a time: the decode prologue off (0) and on (1), twice each, in one process tree
+  step pytest-gpu-prologue 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
+       -k "prologue or batch1 or graph_decode_matches_eager"
+  for round in 1 2; do
+    for on in 0 1; do
+      step "latency-b1-prologue$on-r$round" 45 env LAB_DECODE_PROLOGUE=$on $PY -m labkit bench --workload latency --batch 1 \
+           --repeats 3 --attention triton --out "$W/runs/latency-b1-prologue$on-r$round.json"
+    done
+  done
+  for on in 0 1; do
+    step "step-budget-b1-prologue$on" 50 env LAB_DECODE_PROLOGUE=$on $PY -m labkit bench --workload step-budget --batch 1 \
+         --out "$W/runs/step-budget-b1-prologue$on.json"
+    step "step-budget-b256-prologue$on" 60 env LAB_DECODE_PROLOGUE=$on $PY -m labkit bench --workload step-budget \
+         --out "$W/runs/step-budget-b256-prologue$on.json"
+  done
 }
 
 diag_phase() {

@@ -1,0 +1,51 @@
+"""tools/kernel_resources.py: the programs an sm_90 SM holds, and the paged decode's compiled variants read on the
+CPU (Triton's sm_90 build, registers from cuobjdump). The decode prologue must not cost the bf16 decode an SM
+program: its first build kept the new token's tiles live through the context loop (156 registers a thread against
+105, three programs an SM instead of four)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from interp import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+from kernel_resources import programs_per_sm  # noqa: E402
+
+
+@pytest.mark.parametrize("registers, shared, warps, programs", [
+    (105, 39168, 4, 4),      # 112 registers a thread (the granule) x 128 threads: 4 programs in 65,536
+    (157, 22784, 4, 3),      # 160 x 128: 3
+    (64, 21504, 4, 8),       # registers allow 8, shared memory 10
+    (80, 140288, 8, 1),      # shared memory allows 1
+    (32, 0, 1, 32),          # the SM's program limit
+])
+def test_programs_per_sm(registers, shared, warps, programs):
+    assert programs_per_sm(registers, shared, warps) == programs
+
+
+@pytest.fixture(scope="module")
+def rows():
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_resources.py"), "--json"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600)
+    if proc.returncode == 1 and "cannot compile for sm_90 here" in proc.stderr:
+        pytest.skip(proc.stderr.strip()[:200])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {(r["cache"], r["route"]): r for r in json.loads(proc.stdout)}
+
+
+def test_every_default_variant_compiles_and_reads_its_registers(rows):
+    assert set(rows) == {("bf16", "plain"), ("bf16", "prologue"), ("fp8", "plain"), ("fp8", "prologue"),
+                         ("fp8", "v-in-tile")}, sorted(rows)
+    for r in rows.values():
+        assert "error" not in r and r["registers"] > 0 and r["shared_bytes"] > 0 and r["programs_per_sm"] >= 1, r
+
+
+def test_the_prologue_keeps_the_plain_decodes_programs_per_sm(rows):
+    for cache in ("bf16", "fp8"):
+        assert rows[cache, "prologue"]["programs_per_sm"] >= rows[cache, "plain"]["programs_per_sm"], \
+            (rows[cache, "prologue"], rows[cache, "plain"])

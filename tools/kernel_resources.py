@@ -1,0 +1,167 @@
+"""What each Triton paged-decode variant costs an H100/H200 SM, read on this machine without a GPU: the kernel is
+compiled for sm_90 (the stand-in driver of tests/kernels/test_sm90_compile.py), and each build's registers per
+thread (cuobjdump -res-usage on its cubin, the tools Triton's wheel ships) and shared memory give the programs one
+SM holds at once and so the K/V bytes it has in its tiles' buffers. A decode is bound by how many bytes are in
+flight, so a variant that fits fewer programs an SM, or buffers fewer bytes per program, reads its cache slower.
+
+    python tools/kernel_resources.py [--batch 256] [--context 1024] [--cache bf16,fp8] [--sweep] [--json]
+
+Default rows: the decode as the engine launches it (engine/attention/splits.py's knobs) on a bf16 and an e4m3 cache,
+the FP8 path with the V scale in its other place, and the decode prologue (triton_kernels.NewTokens). --sweep adds
+the tile / warps / stages grid. These are compiled figures, not timings: `labkit bench --workload attention
+--sweep` on the GPU times the same variants.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# an sm_90 SM (H100 and H200 alike): what bounds the programs it holds at once
+SM_REGISTERS = 65536
+SM_SHARED = 228 * 1024           # per SM; each resident program also takes 1 KB of the runtime's own
+SM_MAX_PROGRAMS = 32
+SM_MAX_WARPS = 64
+REGISTER_GRANULE = 8             # registers a thread are allocated in steps of 8 (256 a warp)
+
+
+def programs_per_sm(registers: int, shared: int, warps: int) -> int:
+    """Programs (CTAs) one sm_90 SM holds at once with `registers` a thread, `shared` bytes and `warps` warps."""
+    per_warp = -(-registers // REGISTER_GRANULE) * REGISTER_GRANULE * 32
+    by_registers = SM_REGISTERS // (per_warp * warps)
+    by_shared = SM_SHARED // (shared + 1024)
+    return max(0, min(by_registers, by_shared, SM_MAX_PROGRAMS, SM_MAX_WARPS // warps))
+
+
+def cubin_registers(cubin: bytes) -> int:
+    """Registers a thread of the cubin's one kernel, from cuobjdump -res-usage (Triton's wheel ships cuobjdump)."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return next(int(tok[4:]) for tok in out.split() if tok.startswith("REG:"))
+
+
+def _compiler():
+    """Triton's sm_90 stand-in driver (every launch compiles, nothing runs), PDL on as on Hopper; returns the list
+    the compiled decode kernels are appended to."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernels"), str(ROOT / "tests")]
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    import engine.pdl as pdl
+    from test_sm90_compile import _stand_in_driver
+
+    calls, errors, targets = [], [], set()
+    _stand_in_driver(calls, errors, targets)
+    built = []
+    compile_only = JITFunction.run
+
+    def keep(self, *args, **kwargs):
+        kernel = compile_only(self, *args, **kwargs)
+        if self.fn.__name__ == "_decode_split_kernel":
+            built.append(kernel)
+        return kernel
+    JITFunction.run = keep
+    pdl.launch = lambda t: {"PDL": True, "launch_pdl": True}
+    import engine.attention.triton_kernels as tk
+    tk._locks[torch.device("cpu")] = torch.zeros(tk.DECODE_LOCKS, dtype=torch.int32)
+    return built, errors
+
+
+def rows(batch: int, context: int, caches: list[str], sweep: bool, hq: int = 16, hk: int = 8, d: int = 128,
+         page: int = 256) -> list[dict]:
+    """One row per compiled decode variant at Qwen3-0.6B's heads: its knobs, registers, shared bytes, programs an
+    SM and the K/V bytes of their tile buffers."""
+    built, errors = _compiler()
+    import torch
+
+    import engine.attention.triton_kernels as tk
+    from engine.attention import kv_quant, splits
+
+    bf16 = torch.bfloat16
+    e = lambda *s, dtype=bf16: torch.empty(*s, dtype=dtype)          # noqa: E731 (never read: nothing runs)
+    blocks = batch * (-(-context // page)) + 1
+    tables = torch.zeros(batch, -(-context // page), dtype=torch.int32)
+    ctx = torch.full((batch,), context, dtype=torch.int32)
+    default = dict(block_n=splits.DECODE_BLOCK_N, num_warps=splits.DECODE_NUM_WARPS,
+                   num_stages=splits.DECODE_NUM_STAGES)
+    grid = [dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in
+            itertools.product((32, 64, 128), (4, 8), (2, 3, 4, 5))] if sweep else [default]
+    out = []
+    for cache in caches:
+        kc, vc = e(blocks, page, hk, d), e(blocks, page, hk, d)
+        if cache == "fp8":
+            kc, vc = (kv_quant.mark(e(blocks, page, hk, d, dtype=kv_quant.FP8), 1.0, bf16) for _ in range(2))
+        routes = [("plain", {})]
+        if cache == "fp8":
+            routes.append(("v-in-tile" if not splits.DECODE_FP8_V_IN_TILE else "v-on-acc",
+                           {"fp8_v_in_tile": not splits.DECODE_FP8_V_IN_TILE}))
+        routes.append(("prologue", {"new": True}))
+        for knobs, (route, extra) in itertools.product(grid, routes):
+            q, kw = e(batch, hq, d), dict(extra)
+            if kw.pop("new", False):
+                cos, zeros = e(context, d, dtype=torch.float32), torch.zeros(batch, dtype=torch.int64)
+                q, kw["new"] = None, tk.NewTokens(e(batch, (hq + 2 * hk) * d), zeros, e(d), e(d), cos, cos, 1e-6,
+                                                  zeros, hq)
+            before = len(built)
+            tk.paged_decode(q, kc, vc, tables, ctx, d ** -0.5, context, 132, **knobs, **kw)
+            row = {"cache": cache, "route": route, **knobs}
+            if len(built) == before or built[-1] is None:
+                out.append(row | {"error": (errors or ["not compiled"])[-1][:160]})
+                continue
+            kernel = built[-1]
+            regs, shared = cubin_registers(kernel.asm["cubin"]), kernel.metadata.shared
+            n = programs_per_sm(regs, shared, knobs["num_warps"])
+            out.append(row | {"registers": regs, "shared_bytes": shared, "programs_per_sm": n,
+                              "buffered_kb_per_sm": round(n * shared / 1024)})
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--cache", default="bf16,fp8", help="bf16, fp8 or both (comma-separated)")
+    ap.add_argument("--sweep", action="store_true", help="every block_n x warps x stages setting, not only the default")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    caches = a.cache.split(",")
+    if not set(caches) <= {"bf16", "fp8"}:
+        print(f"--cache {a.cache}: bf16, fp8 or bf16,fp8", file=sys.stderr)
+        return 2
+    try:
+        found = rows(a.batch, a.context, caches, a.sweep)
+    except (ImportError, subprocess.CalledProcessError, FileNotFoundError) as e:
+        print(f"cannot compile for sm_90 here: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps(found))
+        return 0
+    print(f"paged decode at batch {a.batch} x context {a.context}, 16 q / 8 kv heads of 128, compiled for sm_90")
+    print(f"{'cache':5} {'route':10} {'block_n':>7} {'warps':>5} {'stages':>6} {'regs':>5} {'shared':>7} "
+          f"{'prog/SM':>7} {'KB/SM':>6}")
+    for r in found:
+        head = f"{r['cache']:5} {r['route']:10} {r['block_n']:>7} {r['num_warps']:>5} {r['num_stages']:>6}"
+        if "error" in r:
+            print(f"{head}  {r['error']}")
+        else:
+            print(f"{head} {r['registers']:>5} {r['shared_bytes']:>7} {r['programs_per_sm']:>7} "
+                  f"{r['buffered_kb_per_sm']:>6}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
