@@ -6,9 +6,10 @@ flight, so a variant that fits fewer programs an SM, or buffers fewer bytes per 
 
     python tools/kernel_resources.py [--batch 256] [--context 1024] [--cache bf16,fp8] [--sweep] [--json]
 
-Default rows: the decode as the engine launches it (engine/attention/splits.py's knobs) on a bf16 and an e4m3 cache,
-the FP8 path with the V scale in its other place, and the decode prologue (triton_kernels.NewTokens). --sweep adds
-the tile / warps / stages grid. These are compiled figures, not timings: `labkit bench --workload attention
+Default rows: the decode as the engine launches it (engine/attention/splits.py's knobs; an e4m3 cache's own
+DECODE_FP8_* ones) on a bf16 and an e4m3 cache, the FP8 path with the V scale in its other place, and the decode
+prologue (triton_kernels.NewTokens). --sweep: the tile / warps / stages grid instead (on an e4m3 cache also the V
+scale's place and a 128-register cap). These are compiled figures, not timings: `labkit bench --workload attention
 --sweep` on the GPU times the same variants.
 """
 from __future__ import annotations
@@ -96,29 +97,37 @@ def rows(batch: int, context: int, caches: list[str], sweep: bool, hq: int = 16,
     blocks = batch * (-(-context // page)) + 1
     tables = torch.zeros(batch, -(-context // page), dtype=torch.int32)
     ctx = torch.full((batch,), context, dtype=torch.int32)
-    default = dict(block_n=splits.DECODE_BLOCK_N, num_warps=splits.DECODE_NUM_WARPS,
-                   num_stages=splits.DECODE_NUM_STAGES)
-    grid = [dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in
-            itertools.product((32, 64, 128), (4, 8), (2, 3, 4, 5))] if sweep else [default]
     out = []
     for cache in caches:
+        fp8 = cache == "fp8"
+        default = dict(block_n=splits.DECODE_BLOCK_N, num_warps=splits.DECODE_NUM_WARPS,
+                       num_stages=splits.DECODE_FP8_NUM_STAGES if fp8 else splits.DECODE_NUM_STAGES)
+        if fp8:
+            default |= dict(fp8_v_in_tile=splits.DECODE_FP8_V_IN_TILE, max_registers=splits.DECODE_FP8_MAX_REGISTERS)
+        grid = [default]
+        if sweep:
+            grid = [dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in
+                    itertools.product((32, 64, 128), (4, 8), (2, 3, 4, 5))]
+            if fp8:             # and the V scale's place and a register cap (the FP8 kernel sweep's knobs)
+                grid = [g | dict(fp8_v_in_tile=vt, max_registers=mr) for g in grid
+                        for vt, mr in itertools.product((False, True), (None, 128))]
         kc, vc = e(blocks, page, hk, d), e(blocks, page, hk, d)
-        if cache == "fp8":
+        if fp8:
             kc, vc = (kv_quant.mark(e(blocks, page, hk, d, dtype=kv_quant.FP8), 1.0, bf16) for _ in range(2))
         routes = [("plain", {})]
-        if cache == "fp8":
+        if fp8 and not sweep:       # the default with the V scale in its other place
             routes.append(("v-in-tile" if not splits.DECODE_FP8_V_IN_TILE else "v-on-acc",
                            {"fp8_v_in_tile": not splits.DECODE_FP8_V_IN_TILE}))
         routes.append(("prologue", {"new": True}))
         for knobs, (route, extra) in itertools.product(grid, routes):
-            q, kw = e(batch, hq, d), dict(extra)
+            q, kw = e(batch, hq, d), knobs | extra
             if kw.pop("new", False):
                 cos, zeros = e(context, d, dtype=torch.float32), torch.zeros(batch, dtype=torch.int64)
                 q, kw["new"] = None, tk.NewTokens(e(batch, (hq + 2 * hk) * d), zeros, e(d), e(d), cos, cos, 1e-6,
                                                   zeros, hq)
             before = len(built)
-            tk.paged_decode(q, kc, vc, tables, ctx, d ** -0.5, context, 132, **knobs, **kw)
-            row = {"cache": cache, "route": route, **knobs}
+            tk.paged_decode(q, kc, vc, tables, ctx, d ** -0.5, context, 132, **kw)
+            row = {"cache": cache, "route": route, **{k: v for k, v in kw.items() if k != "new"}}
             if len(built) == before or built[-1] is None:
                 out.append(row | {"error": (errors or ["not compiled"])[-1][:160]})
                 continue
@@ -151,10 +160,12 @@ def main() -> int:
         print(json.dumps(found))
         return 0
     print(f"paged decode at batch {a.batch} x context {a.context}, 16 q / 8 kv heads of 128, compiled for sm_90")
-    print(f"{'cache':5} {'route':10} {'block_n':>7} {'warps':>5} {'stages':>6} {'regs':>5} {'shared':>7} "
-          f"{'prog/SM':>7} {'KB/SM':>6}")
+    print(f"{'cache':5} {'route':10} {'block_n':>7} {'warps':>5} {'stages':>6} {'v_tile':>6} {'cap':>4} {'regs':>5} "
+          f"{'shared':>7} {'prog/SM':>7} {'KB/SM':>6}")
     for r in found:
-        head = f"{r['cache']:5} {r['route']:10} {r['block_n']:>7} {r['num_warps']:>5} {r['num_stages']:>6}"
+        v_tile = "-" if "fp8_v_in_tile" not in r else ("yes" if r["fp8_v_in_tile"] else "no")
+        head = (f"{r['cache']:5} {r['route']:10} {r['block_n']:>7} {r['num_warps']:>5} {r['num_stages']:>6} {v_tile:>6} "
+                f"{r.get('max_registers') or '-':>4}")
         if "error" in r:
             print(f"{head}  {r['error']}")
         else:

@@ -18,8 +18,16 @@ DECODE_NUM_STAGES = 3
 # kernel, the backend and the warmup plan (decode_variants) read them.
 DECODE_KV_PER_PROG = 1       # kv heads per decode program (kv_per_program: the largest divisor not above it)
 DECODE_PAGE_TILE = False     # one block-table load per tile where block_n divides the page size
-DECODE_FP8_V_IN_TILE = False  # FP8 cache: the V scale on each V tile, not the accumulator (the kernel's V_IN_TILE;
-                             # `labkit bench --workload attention --kv-cache-dtype fp8` times both)
+# An e4m3 cache's own stages, register cap and V scale's place (none of them changes the splits, so the warm-up's
+# decode_variants holds for both caches). At the bf16 knobs its sm_90 build takes 157 registers a thread (the e4m3
+# -> f16 conversions of a whole tile held at once), so an SM holds 3 programs to bf16's 4, each buffering half the
+# bytes: 67 KB in flight an SM to bf16's 153 (tools/kernel_resources.py), at 0.95x bf16's speed on the nano-vllm
+# workload. The V scale on each V tile converts V in registers (110 registers) and 5 stages buffer more tiles:
+# 4 programs of 55 KB, 218 KB an SM. Chosen from those compiled figures, not from timings: `labkit bench --workload
+# attention --kv-cache-dtype fp8 --sweep` times this grid (the register cap too) for the next change of these lines.
+DECODE_FP8_V_IN_TILE = True  # FP8 cache: the V scale on each V tile, not the accumulator (the kernel's V_IN_TILE)
+DECODE_FP8_NUM_STAGES = 5
+DECODE_FP8_MAX_REGISTERS = None  # a cap on registers a thread (Triton's maxnreg; None: the compiler's choice)
 DECODE_MAX_SPLIT = 512       # positions per split at most (see choose_splits; fewer at small batches) ...
 DECODE_MAX_SPLITS = 64       # ... unless that makes more splits than this (a very long max_len: longer splits)
 DECODE_SPLIT_PER_PROGRAM = 4     # a small batch's splits: at most this many positions per program of the batch

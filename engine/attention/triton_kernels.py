@@ -14,7 +14,7 @@ import triton.language as tl
 from engine import pdl
 from engine.attention import kv_quant
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_FP8_V_IN_TILE, DECODE_KV_PER_PROG,  # noqa: F401
-                                     DECODE_NUM_STAGES, DECODE_NUM_WARPS,
+                                     DECODE_NUM_WARPS,
                                      DECODE_PAGE_TILE, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
                                      kv_per_program)
 from engine.attention import splits
@@ -358,16 +358,20 @@ class NewTokens:
 
 def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, max_len: int, sm_count: int, block_n: int = DECODE_BLOCK_N,
-                 num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES, waves: int = DECODE_WAVES,
+                 num_warps: int = DECODE_NUM_WARPS, num_stages: int | None = None, waves: int = DECODE_WAVES,
                  kv_per_prog: int = DECODE_KV_PER_PROG, page_tile: bool = DECODE_PAGE_TILE,
                  order: torch.Tensor | None = None, fuse_reduce: bool | None = None,
                  k_scale: float | None = None, v_scale: float | None = None,
-                 fp8_v_in_tile: bool = DECODE_FP8_V_IN_TILE, new: NewTokens | None = None) -> torch.Tensor:
+                 fp8_v_in_tile: bool | None = None, max_registers: int | None = None,
+                 new: NewTokens | None = None) -> torch.Tensor:
     """q [N, Hq, D] -> out [N, Hq, D]; reads context_lens[i] positions of seq i through its block table.
     new (q None): the decode prologue; each row's q and its new token's k and v are made from ``new.qkv`` inside
     the kernel, which also stores that k and v (:class:`NewTokens`).
     FP8 caches (engine/attention/kv_quant.py) are dequantized by k_scale and v_scale (None: the caches' own);
-    fp8_v_in_tile: the V scale on each V tile, not on the accumulator (the kernel's V_IN_TILE).
+    num_stages, fp8_v_in_tile, max_registers (a cap on registers a thread, Triton's maxnreg): None takes the cache's
+    own default (engine/attention/splits.py: DECODE_NUM_STAGES for a cache in the model's dtype, the DECODE_FP8_*
+    knobs for an e4m3 one); fp8_v_in_tile: the V scale on each V tile, not on the accumulator (the kernel's
+    V_IN_TILE).
     order (int32 [N], a permutation of the rows): the order in which the rows' programs are launched
     (AttentionMetadata.decode_order: longest context first); the result does not depend on it.
     fuse_reduce: several splits are combined by their last program (no reduce kernel) where the counters
@@ -403,6 +407,12 @@ def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.T
     locks = decode_locks(q.device) if fuse_reduce and not direct else None
     fused = locks is not None and programs <= locks.numel()
     fp8 = kv_scales(k_cache, v_cache, k_scale, v_scale)
+    if num_stages is None:
+        num_stages = splits.DECODE_FP8_NUM_STAGES if fp8 else splits.DECODE_NUM_STAGES
+    if max_registers is None and fp8:
+        max_registers = splits.DECODE_FP8_MAX_REGISTERS
+    if fp8_v_in_tile is None:
+        fp8_v_in_tile = splits.DECODE_FP8_V_IN_TILE
     if fp8:
         scale, fp8 = scale * fp8["k_scale"], {"v_scale": fp8["v_scale"], "KV_FP8": True, "V_IN_TILE": fp8_v_in_tile,
                                               **({"k_scale": fp8["k_scale"]} if new is not None else {})}
@@ -416,7 +426,8 @@ def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.T
         IEEE=q.dtype == torch.float32, DIRECT=direct, HPP=hpp, PAGE_TILE=page_tile and page % block_n == 0,
         order_ptr=order, ORDERED=order is not None, lock_ptr=locks, FUSED_REDUCE=fused,
         BLOCK_S=max(2, triton.next_power_of_2(num_splits)) if fused else 2,
-        num_warps=num_warps, num_stages=num_stages, **fp8, **prologue, **pdl.launch(q))
+        num_warps=num_warps, num_stages=num_stages, **fp8, **prologue, **pdl.launch(q),
+        **({"maxnreg": max_registers} if max_registers else {}))
     if direct or fused:
         return out
     _decode_reduce_kernel[(n, hq)](acc, ml, context_lens, out, num_splits, split_len, out.stride(0), out.stride(1),

@@ -33,11 +33,12 @@ KERNEL_SWEEP_TILES = ((1, False, 64), (1, False, 32), (1, True, 32), (1, True, 6
                       (2, True, 32), (2, True, 64), (2, False, 32), (4, True, 16), (4, True, 32))
 KERNEL_SWEEP = {"num_warps": (4, 8), "num_stages": (2, 3, 4), "waves": (2, 4, 16)}
 # an e4m3 cache's sweep: the knobs that set how many bytes an SM keeps in flight (tools/kernel_resources.py: at the
-# bf16 defaults the FP8 build holds 3 programs an SM to bf16's 4, each buffering half the bytes) and the V scale's
-# place, at the default waves
-KERNEL_SWEEP_FP8_TILES = ((1, True, 32), (1, False, 64), (1, True, 64), (1, True, 128), (2, True, 64))
-KERNEL_SWEEP_FP8 = {"num_warps": (4, 8), "num_stages": (2, 3, 4, 5), "fp8_v_in_tile": (False, True)}
-KNOBS = ("kv_per_prog", "page_tile", "block_n", "num_warps", "num_stages", "waves", "fp8_v_in_tile")
+# bf16 knobs the FP8 build holds 3 programs an SM to bf16's 4, each buffering half the bytes), the V scale's place
+# and a register cap, at the default waves (engine/attention/splits.py's DECODE_FP8_* knobs)
+KERNEL_SWEEP_FP8_TILES = ((1, True, 32), (1, False, 64), (1, True, 64), (1, True, 128))
+KERNEL_SWEEP_FP8 = {"num_warps": (4, 8), "num_stages": (3, 4, 5), "fp8_v_in_tile": (False, True),
+                    "max_registers": (None, 128)}
+KNOBS = ("kv_per_prog", "page_tile", "block_n", "num_warps", "num_stages", "waves", "fp8_v_in_tile", "max_registers")
 #: what the evidence's shape line adds for each cache dtype
 CACHE_NOTE = {"auto": "", "fp8": ", KV cache e4m3 at scale 1.0"}
 #: Max abs error a bf16 kernel output may have against the float32 dense reference (outputs are
@@ -383,24 +384,28 @@ def sweep_triton(shapes=SWEEP_SHAPES, kv_cache_dtype: str = "auto") -> list[dict
 
 def kernel_sweep_settings(kv_cache_dtype: str = "auto") -> list[dict]:
     """Every setting sweep_kernel times: the tiles of KERNEL_SWEEP_TILES x warps x stages x waves; on an e4m3
-    cache KERNEL_SWEEP_FP8_TILES x warps x stages x the V scale's place, at the default waves."""
+    cache KERNEL_SWEEP_FP8_TILES x warps x stages x the V scale's place x the register cap, at the default waves."""
     if kv_cache_dtype == "fp8":
         from engine.attention import splits
         return [{"kv_per_prog": hpp, "page_tile": tile, "block_n": bn, "num_warps": w, "num_stages": st,
-                 "waves": splits.DECODE_WAVES, "fp8_v_in_tile": vt}
-                for (hpp, tile, bn), w, st, vt in itertools.product(KERNEL_SWEEP_FP8_TILES, *KERNEL_SWEEP_FP8.values())]
+                 "waves": splits.DECODE_WAVES, "fp8_v_in_tile": vt, "max_registers": mr}
+                for (hpp, tile, bn), w, st, vt, mr in itertools.product(KERNEL_SWEEP_FP8_TILES,
+                                                                        *KERNEL_SWEEP_FP8.values())]
     return [{"kv_per_prog": hpp, "page_tile": tile, "block_n": bn, "num_warps": w, "num_stages": st, "waves": wv}
             for (hpp, tile, bn), w, st, wv in itertools.product(KERNEL_SWEEP_TILES, *KERNEL_SWEEP.values())]
 
 
 def default_decode_setting(kv_cache_dtype: str = "auto") -> dict:
-    """paged_decode's defaults (engine/attention/splits.py), as a sweep setting (on an e4m3 cache with the V
-    scale's place)."""
+    """paged_decode's defaults (engine/attention/splits.py), as a sweep setting (on an e4m3 cache its own stages,
+    V scale's place and register cap)."""
     from engine.attention import splits
     out = {"kv_per_prog": splits.DECODE_KV_PER_PROG, "page_tile": splits.DECODE_PAGE_TILE,
            "block_n": splits.DECODE_BLOCK_N, "num_warps": splits.DECODE_NUM_WARPS,
            "num_stages": splits.DECODE_NUM_STAGES, "waves": splits.DECODE_WAVES}
-    return out | ({"fp8_v_in_tile": splits.DECODE_FP8_V_IN_TILE} if kv_cache_dtype == "fp8" else {})
+    if kv_cache_dtype == "fp8":
+        out |= {"num_stages": splits.DECODE_FP8_NUM_STAGES, "fp8_v_in_tile": splits.DECODE_FP8_V_IN_TILE,
+                "max_registers": splits.DECODE_FP8_MAX_REGISTERS}
+    return out
 
 
 def compile_kernel_sweep(part: int = 0, parts: int = 1) -> int:
@@ -431,7 +436,7 @@ def rank_kernel_sweep(shapes: list[dict]) -> dict:
     """The setting whose worst share of each shape's best is highest (robust across shapes), and the
     default's share of roof per shape, from sweep_kernel's per-shape results."""
     def key(r):
-        return tuple(r.get(k) for k in KNOBS)
+        return tuple((k, r[k]) for k in KNOBS if k in r)
     best = {}
     for sh in shapes:
         ok = [r for r in sh["results"] if r.get("output_ok")]
@@ -442,7 +447,7 @@ def rank_kernel_sweep(shapes: list[dict]) -> dict:
     if not complete:
         return {"robust": None}
     k, ratios = max(complete.items(), key=lambda kv: min(kv[1].values()))
-    robust = {n: v for n, v in zip(KNOBS, k) if v is not None} | {"worst_share_of_best": round(min(ratios.values()), 3),
+    robust = dict(k) | {"worst_share_of_best": round(min(ratios.values()), 3),
                                     "share_of_roof": {f"{sh['batch']}x{sh['context']}": r["share_of_roof"]
                                                       for sh in shapes for r in sh["results"] if key(r) == k}}
     return {"robust": robust}

@@ -18,9 +18,9 @@
 #                                     # the GPU tests of the graph routes
 #   tools/gpu/h200_session.sh mixed   # mixed graphs: the GPU route tests, the step clock, the mixed step model's
 #                                     # prefix-cache A/B (multi-turn, prefix), its rate sweep, multi-turn on BEFORE
-#   tools/gpu/h200_session.sh fp8     # the FP8 cache: its GPU tests and accuracy guard, then where its time goes: the
-#                                     # attention bench on a bf16 and an e4m3 cache, the step budget at 256 x 1024 and
-#                                     # nano-vllm on each, the fp8 knob sweep last
+#   tools/gpu/h200_session.sh fp8     # the FP8 cache: its GPU tests and accuracy guard, nano-vllm on bf16 and e4m3
+#                                     # (this tree's FP8 knobs, then BEFORE's), the step budget on e4m3, the
+#                                     # attention bench with its FP8 knob sweep
 #   tools/gpu/h200_session.sh batch1  # the decode prologue (LAB_DECODE_PROLOGUE): its GPU tests, then batch-1 latency
 #                                     # and the step budget at batch 1 and 256 with it off and on, A/B/A/B
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
@@ -187,19 +187,18 @@ mixed_phase() {
        MODEL_DIR=$MODEL_DIR tools/prefix_cache_ab.sh "$W/runs/before-mixed-multi-turn"
 }
 
-fp8_phase() {
+fp8_phase() {       # the FP8 knobs (engine/attention/splits.py's DECODE_FP8_*) against BEFORE's (the bf16 knobs)
   step pytest-gpu-fp8 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kv_fp8.py
   step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
        --attention triton --out "$W/runs/guard-kv-fp8.json"
-  step attention-bf16 60 $PY -m labkit bench --workload attention --attention triton --out "$W/runs/attention-bf16.json"
-  step attention-fp8 60 $PY -m labkit bench --workload attention --attention triton --kv-cache-dtype fp8 \
-       --out "$W/runs/attention-fp8.json"
-  step step-budget-bf16 60 $PY -m labkit bench --workload step-budget --out "$W/runs/step-budget-bf16.json"
-  step step-budget-fp8 60 $PY -m labkit bench --workload step-budget --kv-cache-dtype fp8 --out "$W/runs/step-budget-fp8.json"
   step nano-vllm-bf16 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-bf16.json"
   step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 \
        --out "$W/runs/nano-vllm-fp8.json"
-  step attention-fp8-sweep 200 $PY -m labkit bench --workload attention --attention triton --kv-cache-dtype fp8 --sweep \
+  step before-nano-vllm-fp8 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 \
+       --kv-cache-dtype fp8 --out "$W/runs/before-nano-vllm-fp8.json"
+  step step-budget-fp8 60 $PY -m labkit bench --workload step-budget --kv-cache-dtype fp8 --out "$W/runs/step-budget-fp8.json"
+  # the attention bench's rows, then its sweeps (the FP8 kernel sweep: KERNEL_SWEEP_FP8's grid, 96 settings)
+  step attention-fp8-sweep 180 $PY -m labkit bench --workload attention --attention triton --kv-cache-dtype fp8 --sweep \
        --out "$W/runs/attention-fp8-sweep.json"
 }
 
