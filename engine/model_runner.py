@@ -37,8 +37,16 @@ from engine.sequence import Sequence
 from engine.step_inputs import InputBuilder, StepInputs
 from engine.warmup import CompileWatch, graph_buckets, profile_run, warm_paths
 
-#: set to 1: decode steps take the decode prologue (see _enable_fused_ops)
+#: set to 1: decode steps take the decode prologue (decode_prologue_on)
 DECODE_PROLOGUE_ENV = "LAB_DECODE_PROLOGUE"
+
+
+def decode_prologue_on(config: Config, attention_backend: str) -> bool:
+    """Whether an engine with fused ops takes the decode prologue (triton_kernels.NewTokens): off unless
+    LAB_DECODE_PROLOGUE=1, a lever under measurement (one kernel fewer per layer and decode step); the Triton
+    backend only, and nano-vllm's step model only: with mixed batches a step's decode rows keep the plain decode
+    kernel, whose compiled variants the warm-up then meets."""
+    return os.environ.get(DECODE_PROLOGUE_ENV) == "1" and attention_backend == "triton" and not config.mixed_batches
 
 
 @contextmanager
@@ -136,11 +144,7 @@ class ModelRunner:
             import engine.layers.fused_kernels  # noqa: F401
         except ImportError:
             return False
-        # the decode prologue (triton_kernels.NewTokens), off unless LAB_DECODE_PROLOGUE=1: a lever under
-        # measurement (one kernel fewer per layer and decode step). nano-vllm's step model only: with mixed batches
-        # a step's decode rows keep the plain decode kernel, whose compiled variants the warm-up then meets
-        prologue = (os.environ.get(DECODE_PROLOGUE_ENV) == "1" and self.attention_backend == "triton"
-                    and not self.config.mixed_batches)
+        prologue = decode_prologue_on(self.config, self.attention_backend)
         for module in self.model.modules():
             if hasattr(module, "fused"):
                 module.fused = True

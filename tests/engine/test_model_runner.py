@@ -58,3 +58,21 @@ def test_slots_of_a_span_are_the_per_position_slots(tiny_engine):
     assert builder._host_tensor([], torch.int64).shape == (0,)
     assert builder._host_tensor([1, -1, 2 ** 40], torch.int64).tolist() == [1, -1, 2 ** 40]
     engine.close()
+
+
+def test_the_decode_prologue_is_on_only_when_asked_on_triton_in_the_step_model(monkeypatch):
+    """LAB_DECODE_PROLOGUE=1 turns the decode prologue on for the Triton backend in nano-vllm's step model; unset,
+    another backend or mixed batches keep the plain route."""
+    from types import SimpleNamespace
+
+    from engine.model_runner import DECODE_PROLOGUE_ENV, decode_prologue_on
+
+    step_model, mixed = SimpleNamespace(mixed_batches=False), SimpleNamespace(mixed_batches=True)
+    monkeypatch.delenv(DECODE_PROLOGUE_ENV, raising=False)
+    assert not decode_prologue_on(step_model, "triton")
+    monkeypatch.setenv(DECODE_PROLOGUE_ENV, "1")
+    assert decode_prologue_on(step_model, "triton")
+    assert not decode_prologue_on(step_model, "flash_attn") and not decode_prologue_on(step_model, "torch")
+    assert not decode_prologue_on(mixed, "triton")
+    monkeypatch.setenv(DECODE_PROLOGUE_ENV, "0")
+    assert not decode_prologue_on(step_model, "triton")
