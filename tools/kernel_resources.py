@@ -9,12 +9,14 @@ flight, so a variant that fits fewer programs an SM, or buffers fewer bytes per 
 Default rows: the decode as the engine launches it (engine/attention/splits.py's knobs; an e4m3 cache's own
 DECODE_FP8_* ones) on a bf16 and an e4m3 cache, the FP8 path with the V scale in its other place, and the decode
 prologue (triton_kernels.NewTokens). --sweep: the tile / warps / stages grid instead (on an e4m3 cache also the V
-scale's place and a 128-register cap). These are compiled figures, not timings: `labkit bench --workload attention
+scale's place and a 128-register cap). Each row also gives its SASS instruction count and a hash of the
+instructions: a refactor that leaves a row's hash alone compiles to the same instructions. These are compiled figures, not timings: `labkit bench --workload attention
 --sweep` on the GPU times the same variants.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import os
@@ -41,18 +43,33 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> int:
     return max(0, min(by_registers, by_shared, SM_MAX_PROGRAMS, SM_MAX_WARPS // warps))
 
 
-def cubin_registers(cubin: bytes) -> int:
-    """Registers a thread of the cubin's one kernel, from cuobjdump -res-usage (Triton's wheel ships cuobjdump)."""
+def _cuobjdump(cubin: bytes, flag: str) -> str:
+    """cuobjdump FLAG on a cubin (Triton's wheel ships cuobjdump)."""
     import triton
 
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
-    return next(int(tok[4:]) for tok in out.split() if tok.startswith("REG:"))
+
+
+def cubin_registers(cubin: bytes) -> int:
+    """Registers a thread of the cubin's one kernel, from cuobjdump -res-usage."""
+    return next(int(tok[4:]) for tok in _cuobjdump(cubin, "-res-usage").split() if tok.startswith("REG:"))
+
+
+def sass_instructions(cubin: bytes) -> list[str]:
+    """The cubin's SASS instructions in order, without their addresses and encodings: two builds with the same
+    list run the same instructions (a refactor that leaves a kernel's list alone cannot change its speed)."""
+    out = []
+    for line in _cuobjdump(cubin, "-sass").splitlines():
+        parts = line.strip().split("*/")
+        if line.strip().startswith("/*") and len(parts) > 1 and parts[1].strip():
+            out.append(parts[1].strip())
+    return out
 
 
 def _compiler():
@@ -134,8 +151,10 @@ def rows(batch: int, context: int, caches: list[str], sweep: bool, hq: int = 16,
             kernel = built[-1]
             regs, shared = cubin_registers(kernel.asm["cubin"]), kernel.metadata.shared
             n = programs_per_sm(regs, shared, knobs["num_warps"])
+            sass = sass_instructions(kernel.asm["cubin"])
             out.append(row | {"registers": regs, "shared_bytes": shared, "programs_per_sm": n,
-                              "buffered_kb_per_sm": round(n * shared / 1024)})
+                              "buffered_kb_per_sm": round(n * shared / 1024), "sass_instructions": len(sass),
+                              "sass_sha": hashlib.sha1("\n".join(sass).encode()).hexdigest()[:12]})
     return out
 
 
@@ -161,7 +180,7 @@ def main() -> int:
         return 0
     print(f"paged decode at batch {a.batch} x context {a.context}, 16 q / 8 kv heads of 128, compiled for sm_90")
     print(f"{'cache':5} {'route':10} {'block_n':>7} {'warps':>5} {'stages':>6} {'v_tile':>6} {'cap':>4} {'regs':>5} "
-          f"{'shared':>7} {'prog/SM':>7} {'KB/SM':>6}")
+          f"{'shared':>7} {'prog/SM':>7} {'KB/SM':>6} {'SASS':>5} {'sha':>12}")
     for r in found:
         v_tile = "-" if "fp8_v_in_tile" not in r else ("yes" if r["fp8_v_in_tile"] else "no")
         head = (f"{r['cache']:5} {r['route']:10} {r['block_n']:>7} {r['num_warps']:>5} {r['num_stages']:>6} {v_tile:>6} "
@@ -170,7 +189,7 @@ def main() -> int:
             print(f"{head}  {r['error']}")
         else:
             print(f"{head} {r['registers']:>5} {r['shared_bytes']:>7} {r['programs_per_sm']:>7} "
-                  f"{r['buffered_kb_per_sm']:>6}")
+                  f"{r['buffered_kb_per_sm']:>6} {r['sass_instructions']:>5} {r['sass_sha']:>12}")
     return 0
 
 

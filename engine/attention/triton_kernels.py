@@ -92,17 +92,23 @@ def to_f16(x):
 
 
 @triton.jit
-def norm_rope(x1, x2, w1, w2, c, s, eps, D: tl.constexpr):
-    """Heads [H, D/2] x 2 (each head's halves) -> RMSNorm by the weight's halves w1, w2 (float32), then neox RoPE
-    by c, s (float32, already rounded to the activation dtype), rounded at the reference's points
-    (layernorm.py, rotary.py): the q/k-norm + RoPE of fused_kernels._qk_norm_rope_kernel and of the decode
-    prologue (:func:`roped_heads`). -> (o1, o2) in x's dtype."""
+def rms_norm_halves(x1, x2, w1, w2, eps, D: tl.constexpr):
+    """Heads [H, D/2] x 2 (each head's halves) -> RMSNorm by the weight's halves w1, w2 (float32), rounded at the
+    reference's points (layernorm.py), as float32 values of the activation dtype: the q/k norm of
+    fused_kernels._qk_norm_rope_kernel and of the decode prologue (:func:`roped_heads`)."""
     f1 = x1.to(tl.float32)
     f2 = x2.to(tl.float32)
     rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / D + eps)
     dt = x1.dtype
     n1 = ((f1 * rstd[:, None]).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
     n2 = ((f2 * rstd[:, None]).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+    return n1, n2
+
+
+@triton.jit
+def rope_halves(n1, n2, c, s, dt: tl.constexpr):
+    """Neox RoPE of heads' halves n1, n2 (float32) by c, s (float32, already rounded to dt), rounded at the
+    reference's points (rotary.py) -> (o1, o2) in dt."""
     o1 = ((n1 * c).to(dt).to(tl.float32) + (-n2 * s).to(dt).to(tl.float32)).to(dt)
     o2 = ((n2 * c).to(dt).to(tl.float32) + (n1 * s).to(dt).to(tl.float32)).to(dt)
     return o1, o2
@@ -119,9 +125,10 @@ def roped_heads(row_ptr, heads, mask, w_ptr, cos_ptr, sin_ptr, pos, eps, D: tl.c
     dt = x1.dtype
     w1 = tl.load(w_ptr + half).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :]
+    n1, n2 = rms_norm_halves(x1, x2, w1, w2, eps, D)
     c = tl.load(cos_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
-    o1, o2 = norm_rope(x1, x2, w1, w2, c, s, eps, D)
+    o1, o2 = rope_halves(n1, n2, c, s, dt)
     return tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (o1.shape[0], D))
 
 

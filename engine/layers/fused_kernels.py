@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from engine import pdl
-from engine.attention.triton_kernels import fp8_quantize, kv_scales, norm_rope
+from engine.attention.triton_kernels import fp8_quantize, kv_scales, rms_norm_halves, rope_halves
 
 # rms_norm's warp count; the normed GEMV (gemv.py) reduces its row's sum of squares at the same count, since
 # Triton's reduction order (and so the float32 sum) follows the layout
@@ -83,11 +83,12 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_o
     w1 = tl.where(is_q[:, None], tl.load(qw_ptr + half)[None, :], tl.load(kw_ptr + half)[None, :]).to(tl.float32)
     w2 = tl.where(is_q[:, None], tl.load(qw_ptr + D // 2 + half)[None, :],
                   tl.load(kw_ptr + D // 2 + half)[None, :]).to(tl.float32)
+    n1, n2 = rms_norm_halves(x1, x2, w1, w2, eps, D)
     dt = x1.dtype
     pos = tl.load(pos_ptr + t)
     c = tl.load(cos_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
-    o1, o2 = norm_rope(x1, x2, w1, w2, c, s, eps, D)
+    o1, o2 = rope_halves(n1, n2, c, s, dt)
     q_dst = q_out_ptr + (t * HQ + h)[:, None] * D
     k_dst = k_out_ptr + (t * HK + h - HQ)[:, None] * D
     q_mask = (is_q & live)[:, None]

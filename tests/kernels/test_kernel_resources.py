@@ -46,6 +46,7 @@ def test_every_default_variant_compiles_and_reads_its_registers(rows):
                          ("fp8", other)}, sorted(rows)
     for r in rows.values():
         assert "error" not in r and r["registers"] > 0 and r["shared_bytes"] > 0 and r["programs_per_sm"] >= 1, r
+        assert r["sass_instructions"] > 100 and len(r["sass_sha"]) == 12, r
 
 
 def test_the_fp8_defaults_keep_as_many_bytes_in_flight_as_bf16(rows):
