@@ -7,8 +7,8 @@ flight, so a variant that fits fewer programs an SM, or buffers fewer bytes per 
     python tools/kernel_resources.py [--batch 256] [--context 1024] [--cache bf16,fp8] [--sweep] [--json]
 
 Default rows: the decode as the engine launches it (engine/attention/splits.py's knobs; an e4m3 cache's own
-DECODE_FP8_* ones) on a bf16 and an e4m3 cache, the FP8 path with the V scale in its other place, and the decode
-prologue (triton_kernels.NewTokens). --sweep: the tile / warps / stages grid instead (on an e4m3 cache also the V
+DECODE_FP8_* ones) on a bf16 and an e4m3 cache, the e4m3 cache at the bf16 cache's knobs (``bf16-knobs``), and the
+decode prologue (triton_kernels.NewTokens). --sweep: the tile / warps / stages grid instead (on an e4m3 cache also the V
 scale's place and a 128-register cap). Each row also gives its SASS instruction count and a hash of the
 instructions: a refactor that leaves a row's hash alone compiles to the same instructions. These are compiled figures, not timings: `labkit bench --workload attention
 --sweep` on the GPU times the same variants.
@@ -132,9 +132,9 @@ def rows(batch: int, context: int, caches: list[str], sweep: bool, hq: int = 16,
         if fp8:
             kc, vc = (kv_quant.mark(e(blocks, page, hk, d, dtype=kv_quant.FP8), 1.0, bf16) for _ in range(2))
         routes = [("plain", {})]
-        if fp8 and not sweep:       # the default with the V scale in its other place
-            routes.append(("v-in-tile" if not splits.DECODE_FP8_V_IN_TILE else "v-on-acc",
-                           {"fp8_v_in_tile": not splits.DECODE_FP8_V_IN_TILE}))
+        if fp8 and not sweep:       # the e4m3 cache at the bf16 cache's knobs
+            routes.append(("bf16-knobs", {"fp8_v_in_tile": False, "num_stages": splits.DECODE_NUM_STAGES,
+                                          "max_registers": None}))
         routes.append(("prologue", {"new": True}))
         for knobs, (route, extra) in itertools.product(grid, routes):
             q, kw = e(batch, hq, d), knobs | extra

@@ -39,11 +39,8 @@ def rows():
 
 
 def test_every_default_variant_compiles_and_reads_its_registers(rows):
-    from engine.attention.splits import DECODE_FP8_V_IN_TILE
-
-    other = "v-on-acc" if DECODE_FP8_V_IN_TILE else "v-in-tile"
     assert set(rows) == {("bf16", "plain"), ("bf16", "prologue"), ("fp8", "plain"), ("fp8", "prologue"),
-                         ("fp8", other)}, sorted(rows)
+                         ("fp8", "bf16-knobs")}, sorted(rows)
     for r in rows.values():
         assert "error" not in r and r["registers"] > 0 and r["shared_bytes"] > 0 and r["programs_per_sm"] >= 1, r
         assert r["sass_instructions"] > 100 and len(r["sass_sha"]) == 12, r
@@ -55,6 +52,9 @@ def test_the_fp8_defaults_keep_as_many_bytes_in_flight_as_bf16(rows):
     fp8, bf16 = rows["fp8", "plain"], rows["bf16", "plain"]
     assert fp8["programs_per_sm"] >= bf16["programs_per_sm"], (fp8, bf16)
     assert fp8["buffered_kb_per_sm"] >= bf16["buffered_kb_per_sm"], (fp8, bf16)
+    at_bf16_knobs = rows["fp8", "bf16-knobs"]
+    assert (at_bf16_knobs["num_stages"], at_bf16_knobs["fp8_v_in_tile"]) == (3, False), at_bf16_knobs
+    assert fp8["buffered_kb_per_sm"] > at_bf16_knobs["buffered_kb_per_sm"], (fp8, at_bf16_knobs)
 
 
 def test_the_prologue_keeps_the_plain_decodes_programs_per_sm(rows):
