@@ -37,16 +37,20 @@ from engine.sequence import Sequence
 from engine.step_inputs import InputBuilder, StepInputs
 from engine.warmup import CompileWatch, graph_buckets, profile_run, warm_paths
 
-#: set to 1: decode steps take the decode prologue (decode_prologue_on)
+#: 1: decode steps take the decode prologue with its first tile prefetched; noprefetch: without (decode_prologue_mode)
 DECODE_PROLOGUE_ENV = "LAB_DECODE_PROLOGUE"
+DECODE_PROLOGUE_MODES = {"1": "prefetch", "noprefetch": "plain"}
 
 
-def decode_prologue_on(config: Config, attention_backend: str) -> bool:
-    """Whether an engine with fused ops takes the decode prologue (triton_kernels.NewTokens): off unless
-    LAB_DECODE_PROLOGUE=1, a lever under measurement (one kernel fewer per layer and decode step); the Triton
-    backend only, and nano-vllm's step model only: with mixed batches a step's decode rows keep the plain decode
-    kernel, whose compiled variants the warm-up then meets."""
-    return os.environ.get(DECODE_PROLOGUE_ENV) == "1" and attention_backend == "triton" and not config.mixed_batches
+def decode_prologue_mode(config: Config, attention_backend: str) -> str:
+    """How an engine with fused ops takes the decode prologue (triton_kernels.NewTokens): "" (off) unless
+    LAB_DECODE_PROLOGUE is 1 ("prefetch": each split's first K/V tile read before the PDL wait) or noprefetch
+    ("plain"): a lever under measurement, one kernel fewer per layer and decode step. The Triton backend only,
+    and nano-vllm's step model only: with mixed batches a step's decode rows keep the plain decode kernel, whose
+    compiled variants the warm-up then meets."""
+    if attention_backend != "triton" or config.mixed_batches:
+        return ""
+    return DECODE_PROLOGUE_MODES.get(os.environ.get(DECODE_PROLOGUE_ENV, ""), "")
 
 
 @contextmanager
@@ -144,7 +148,7 @@ class ModelRunner:
             import engine.layers.fused_kernels  # noqa: F401
         except ImportError:
             return False
-        prologue = decode_prologue_on(self.config, self.attention_backend)
+        prologue = decode_prologue_mode(self.config, self.attention_backend)
         for module in self.model.modules():
             if hasattr(module, "fused"):
                 module.fused = True

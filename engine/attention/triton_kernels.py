@@ -133,6 +133,56 @@ def roped_heads(row_ptr, heads, mask, w_ptr, cos_ptr, sin_ptr, pos, eps, D: tl.c
 
 
 # -- decode -------------------------------------------------------------------------------------------
+@triton.jit
+def _tile_rows(bt_ptr, n, stride_bt, kstart, end, r_pos, r_head, kvh0, offs_d, PAGE: tl.constexpr, HK: tl.constexpr,
+               D: tl.constexpr, PAGE_TILE: tl.constexpr):
+    """The decode tile at kstart: each row's offset in the caches (position-major, HPP heads a position) and whether
+    its position is before `end`."""
+    pos = kstart + r_pos
+    valid = pos < end
+    if PAGE_TILE:
+        blk = tl.load(bt_ptr + n * stride_bt + kstart // PAGE).to(tl.int64)
+        slot = blk * PAGE + kstart % PAGE + r_pos
+    else:
+        blk = tl.load(bt_ptr + n * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        slot = blk * PAGE + pos % PAGE
+    return slot[:, None] * (HK * D) + (kvh0 + r_head)[:, None] * D + offs_d[None, :], valid
+
+
+@triton.jit
+def _decode_row(order_ptr, ORDERED: tl.constexpr):
+    """The sequence a decode program reads: its grid row, or through ``order`` (longest context first)."""
+    if ORDERED:
+        n = tl.load(order_ptr + tl.program_id(1))
+    else:
+        n = tl.program_id(1)
+    return n
+
+
+@triton.jit
+def _tile_update(q, k, v, valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE: tl.constexpr, HPP: tl.constexpr,
+                 KV_FP8: tl.constexpr, V_IN_TILE: tl.constexpr):
+    """One loaded K/V tile into the online softmax state (m, l, acc): e4m3 tiles converted to q's dtype (and V
+    scaled where V_IN_TILE), the scores of each query row's own kv head at the valid positions, p.v added."""
+    if KV_FP8:                              # e4m3 -> the dots' dtype (float16, or float32): exact
+        k = k.to(q.dtype)
+        if V_IN_TILE:
+            v = v.to(q.dtype) * tl.cast(v_scale, q.dtype)
+        else:
+            v = v.to(q.dtype)
+    scores = dot(q, tl.trans(k), IEEE) * scale
+    keep = valid[None, :]
+    if HPP > 1:
+        keep = keep & (g_head[:, None] == r_head[None, :])
+    scores = tl.where(keep, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
+    return m_new, l, acc
+
+
 # Arguments that change from step to step (split sizes, block-table width) are not specialized on, so
 # one compiled variant serves every step instead of a compile on the first step of each new value.
 @triton.jit(do_not_specialize=["split_len", "num_splits", "stride_bt", "stride_on", "stride_oh"])
@@ -145,7 +195,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                          BLOCK_S: tl.constexpr = 2, PDL: tl.constexpr = False, v_scale=1.0,
                          KV_FP8: tl.constexpr = False, V_IN_TILE: tl.constexpr = False, qkv_ptr=None,
                          stride_qkv=0, pos_ptr=None, qw_ptr=None, kw_ptr=None, cos_ptr=None, sin_ptr=None,
-                         slot_ptr=None, eps=0.0, k_scale=1.0, PROLOGUE: tl.constexpr = False):
+                         slot_ptr=None, eps=0.0, k_scale=1.0, PROLOGUE: tl.constexpr = False,
+                         PREFETCH: tl.constexpr = False):
     """One (group of HPP kv heads, sequence, split) program. DIRECT (a single split): write the normalized
     output itself (zeros for a padding row), so no reduce kernel runs.
 
@@ -187,6 +238,10 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     is FP8) and starts its softmax state from that token (its k and v as the cache now holds them) before the
     loop: folded in after it, the token's tiles stayed live through the loop (156 registers a thread against the
     plain kernel's 105 in the sm_90 build, so three programs an SM instead of four).
+    PREFETCH (with PROLOGUE): the split's first K/V tile is loaded before the PDL wait. With the prologue nothing
+    the kernels before this one write is in it (the cache before the new position was written by earlier steps,
+    the block table and context lengths are the step's inputs), so at batch 1, where a split is one tile, the
+    whole read overlaps the qkv projection's tail.
 
     Why one function over the house's 80 lines: a kernel is one program, and its phases share what they
     compute: the program's coordinates (n, s, kvh0, ctx), the offsets and masks (heads, gmask, offs_d,
@@ -199,16 +254,26 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     context loop, then the direct write or the partial and the fused reduce."""
     ROWS: tl.constexpr = HPP * BLOCK_N
     kvh0 = tl.program_id(0) * HPP
-    pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
-    if ORDERED:
-        n = tl.load(order_ptr + tl.program_id(1))
-    else:
-        n = tl.program_id(1)
-    s = tl.program_id(2)
-    ctx = tl.load(ctx_ptr + n)
-    start = s * split_len
-    offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
+    offs_r = tl.arange(0, ROWS)
+    r_pos = offs_r // HPP                       # the tile's position of each row
+    r_head = offs_r % HPP                       # its kv head within the program's group
+    if PREFETCH:            # before the wait: only the step's inputs and the cache of earlier steps (see above)
+        n = _decode_row(order_ptr, ORDERED)
+        ctx = tl.load(ctx_ptr + n)
+        start = tl.program_id(2) * split_len
+        first_end = tl.minimum(ctx - 1, start + split_len)
+        first_off, first_valid = _tile_rows(bt_ptr, n, stride_bt, start, first_end, r_pos, r_head, kvh0, offs_d,
+                                            PAGE, HK, D, PAGE_TILE)
+        first_k = tl.load(kc_ptr + first_off, mask=first_valid[:, None], other=0.0)
+        first_v = tl.load(vc_ptr + first_off, mask=first_valid[:, None], other=0.0)
+    pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
+    if not PREFETCH:
+        n = _decode_row(order_ptr, ORDERED)
+        ctx = tl.load(ctx_ptr + n)
+        start = tl.program_id(2) * split_len
+    s = tl.program_id(2)
+    offs_g = tl.arange(0, BLOCK_G)
     gmask = offs_g < HPP * G
     heads = kvh0 * G + offs_g
     if not DIRECT:
@@ -220,7 +285,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                                  tl.zeros([BLOCK_G, D], tl.float32).to(out_ptr.dtype.element_ty),
                                  mask=gmask[:, None])
             return
-    if PROLOGUE:            # the new token (position ctx - 1) comes from the qkv row, after the loop
+    if PROLOGUE:            # the new token (position ctx - 1) comes from the qkv row, not the cache
         row = qkv_ptr + n.to(tl.int64) * stride_qkv
         new_pos = tl.load(pos_ptr + n)
         q = roped_heads(row, heads, gmask, qw_ptr, cos_ptr, sin_ptr, new_pos, eps, D)
@@ -231,9 +296,6 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         end = tl.minimum(ctx, start + split_len)
     if KV_FP8 and not IEEE:     # the dots in float16: e4m3 -> f16 is one conversion per pair, -> bf16 two more
         q = to_f16(q)
-    offs_r = tl.arange(0, ROWS)
-    r_pos = offs_r // HPP                       # the tile's position of each row
-    r_head = offs_r % HPP                       # its kv head within the program's group
     g_head = tl.minimum(offs_g // G, HPP - 1)   # each query row's kv head (padding rows: the last one)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -260,35 +322,19 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
             m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale     # its weight exp(m - m) = 1
             l = tl.full([BLOCK_G], 1.0, tl.float32)
             acc = v_new.to(tl.float32)
-    for kstart in range(start, end, BLOCK_N):
-        pos = kstart + r_pos
-        valid = pos < end
-        if PAGE_TILE:
-            blk = tl.load(bt_ptr + n * stride_bt + kstart // PAGE).to(tl.int64)
-            slot = blk * PAGE + kstart % PAGE + r_pos
-        else:
-            blk = tl.load(bt_ptr + n * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
-            slot = blk * PAGE + pos % PAGE
-        kv_off = slot[:, None] * (HK * D) + (kvh0 + r_head)[:, None] * D + offs_d[None, :]
+    loop_start = start
+    if PREFETCH:            # the first tile, loaded before the wait
+        if start < end:
+            m, l, acc = _tile_update(q, first_k, first_v, first_valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE,
+                                     HPP, KV_FP8, V_IN_TILE)
+        loop_start = start + BLOCK_N
+    for kstart in range(loop_start, end, BLOCK_N):
+        kv_off, valid = _tile_rows(bt_ptr, n, stride_bt, kstart, end, r_pos, r_head, kvh0, offs_d, PAGE, HK, D,
+                                   PAGE_TILE)
         k = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
         v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
-        if KV_FP8:                              # e4m3 -> the dots' dtype (float16, or float32): exact
-            k = k.to(q.dtype)
-            if V_IN_TILE:
-                v = v.to(q.dtype) * tl.cast(v_scale, q.dtype)
-            else:
-                v = v.to(q.dtype)
-        scores = dot(q, tl.trans(k), IEEE) * scale
-        keep = valid[None, :]
-        if HPP > 1:
-            keep = keep & (g_head[:, None] == r_head[None, :])
-        scores = tl.where(keep, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
-        m = m_new
+        m, l, acc = _tile_update(q, k, v, valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE, HPP, KV_FP8,
+                                 V_IN_TILE)
     if KV_FP8 and not V_IN_TILE:
         acc = acc * v_scale                     # sum p * (v * s) = s * sum p * v: once per row
     if DIRECT:
@@ -361,6 +407,7 @@ class NewTokens:
     eps: float
     slot_mapping: torch.Tensor   # [N]: each row's new k/v slot (-1: written nowhere)
     num_heads: int               # Hq
+    prefetch: bool = True        # each split's first K/V tile loaded before the PDL wait (the kernel's PREFETCH)
 
 
 def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -425,7 +472,8 @@ def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.T
                                               **({"k_scale": fp8["k_scale"]} if new is not None else {})}
     prologue = {} if new is None else dict(
         qkv_ptr=new.qkv, stride_qkv=new.qkv.stride(0), pos_ptr=new.positions, qw_ptr=new.q_weight,
-        kw_ptr=new.k_weight, cos_ptr=new.cos, sin_ptr=new.sin, slot_ptr=new.slot_mapping, eps=new.eps, PROLOGUE=True)
+        kw_ptr=new.k_weight, cos_ptr=new.cos, sin_ptr=new.sin, slot_ptr=new.slot_mapping, eps=new.eps, PROLOGUE=True,
+        PREFETCH=new.prefetch)
     _decode_split_kernel[(hk // hpp, n, num_splits)](                   # a sequence's heads launch together
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, out, scale, split_len, num_splits,
         q.stride(0), q.stride(1) if new is None else 0, block_tables.stride(0), out.stride(0), out.stride(1),

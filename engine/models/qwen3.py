@@ -58,7 +58,9 @@ class Qwen3Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
         self._fused = False
-        self.decode_prologue = False    # decode steps: q/k norm + RoPE + KV store inside the attention kernel
+        # decode steps: q/k norm + RoPE + KV store inside the attention kernel ("prefetch": its first K/V tile read
+        # before the PDL wait, "plain": after it; "": off); the runner sets it (model_runner.decode_prologue_mode)
+        self.decode_prologue = ""
 
     @property
     def fused(self) -> bool:
@@ -106,7 +108,8 @@ class Qwen3Attention(nn.Module):
         from engine.attention.triton_kernels import NewTokens
 
         new = NewTokens(qkv, positions, self.q_norm.weight, self.k_norm.weight, self.rotary_emb.cos,
-                        self.rotary_emb.sin, self.q_norm.eps, meta.slot_mapping, self.num_heads)
+                        self.rotary_emb.sin, self.q_norm.eps, meta.slot_mapping, self.num_heads,
+                        prefetch=self.decode_prologue == "prefetch")
         return self.attn.backend.decode_new(new, self.attn.k_cache, self.attn.v_cache, meta, self.attn.scale)
 
 

@@ -65,14 +65,16 @@ def test_the_decode_prologue_is_on_only_when_asked_on_triton_in_the_step_model(m
     another backend or mixed batches keep the plain route."""
     from types import SimpleNamespace
 
-    from engine.model_runner import DECODE_PROLOGUE_ENV, decode_prologue_on
+    from engine.model_runner import DECODE_PROLOGUE_ENV, decode_prologue_mode
 
     step_model, mixed = SimpleNamespace(mixed_batches=False), SimpleNamespace(mixed_batches=True)
     monkeypatch.delenv(DECODE_PROLOGUE_ENV, raising=False)
-    assert not decode_prologue_on(step_model, "triton")
+    assert decode_prologue_mode(step_model, "triton") == ""
     monkeypatch.setenv(DECODE_PROLOGUE_ENV, "1")
-    assert decode_prologue_on(step_model, "triton")
-    assert not decode_prologue_on(step_model, "flash_attn") and not decode_prologue_on(step_model, "torch")
-    assert not decode_prologue_on(mixed, "triton")
+    assert decode_prologue_mode(step_model, "triton") == "prefetch"
+    assert decode_prologue_mode(step_model, "flash_attn") == decode_prologue_mode(step_model, "torch") == ""
+    assert decode_prologue_mode(mixed, "triton") == ""
+    monkeypatch.setenv(DECODE_PROLOGUE_ENV, "noprefetch")
+    assert decode_prologue_mode(step_model, "triton") == "plain"
     monkeypatch.setenv(DECODE_PROLOGUE_ENV, "0")
-    assert not decode_prologue_on(step_model, "triton")
+    assert decode_prologue_mode(step_model, "triton") == ""

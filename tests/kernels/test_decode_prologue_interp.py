@@ -2,7 +2,8 @@
 inside the split kernel) on the CPU through Triton's interpreter (TRITON_INTERPRET=1), against
 
 - the route it replaces: fused_kernels.qk_norm_rope storing k and v, then paged_decode on its q (the output, and
-  the whole caches bit for bit: the new rows and the rest);
+  the whole caches bit for bit: the new rows and the rest), with each split's first tile read before the PDL wait
+  (PREFETCH) and after it, the two the same;
 - a float32 reference: RMSNorm and RoPE in torch, then softmax attention over the cached positions and the new
   token.
 
@@ -58,6 +59,7 @@ def test_prologue_gives_the_unfused_route_output_and_caches(results, case):
     tol = 2e-6 if case[0] == "float32" else 2e-2
     assert r["vs_unfused"] <= tol, r
     assert r["padding_row_max"] == 0.0, r
+    assert r["prefetch_same"], r          # the first tile read before the PDL wait: the same output and caches
 
 
 @pytest.mark.parametrize("case", CASES, ids=_key)
@@ -130,7 +132,7 @@ def run_case(torch, tk, fk, kv_quant, RotaryEmbedding, dtype_name, cache, hpp, s
     before = (k_cache.clone(), v_cache.clone())
     caches = {}
     outs = {}
-    for route in ("unfused", "prologue"):
+    for route in ("unfused", "prologue-plain", "prologue"):
         kc, vc = (c.clone() for c in before)
         if cache == "fp8":
             kc, vc = (kv_quant.mark(c, s, dtype) for c, s in zip((kc, vc), FP8_SCALES))
@@ -140,7 +142,8 @@ def run_case(torch, tk, fk, kv_quant, RotaryEmbedding, dtype_name, cache, hpp, s
                                    k_cache=kc, v_cache=vc, slot_mapping=slots)
             out = tk.paged_decode(q, kc, vc, tables, contexts, D ** -0.5, **args)
         else:
-            new = tk.NewTokens(qkv, positions, qw, kw, rope.cos, rope.sin, 1e-6, slots, HQ)
+            new = tk.NewTokens(qkv, positions, qw, kw, rope.cos, rope.sin, 1e-6, slots, HQ,
+                               prefetch=route == "prologue")
             out = tk.paged_decode(None, kc, vc, tables, contexts, D ** -0.5, new=new, **args)
         caches[route], outs[route] = (kc, vc), out.float()
     ref = _reference(torch, qkv, positions, qw, kw, rope, *before, tables, CONTEXTS, kv_quant, cache == "fp8")
@@ -149,7 +152,10 @@ def run_case(torch, tk, fk, kv_quant, RotaryEmbedding, dtype_name, cache, hpp, s
                before[0].view(torch.uint8 if cache == "fp8" else dtype)).view(BLOCKS * PAGE, HK, -1).any(-1)
     raw = [c.view(torch.uint8) if cache == "fp8" else c for c in (*caches["unfused"], *caches["prologue"])]
     splits, _ = tk.choose_splits(n, HK // tk.kv_per_program(HK, hpp), MAX_LEN, tk.DECODE_BLOCK_N, sms, tk.DECODE_WAVES)
+    plain = [c.view(torch.uint8) if cache == "fp8" else c for c in caches["prologue-plain"]]
     return {"k_cache_equal": bool(torch.equal(raw[0], raw[2])), "v_cache_equal": bool(torch.equal(raw[1], raw[3])),
+            "prefetch_same": bool(torch.equal(outs["prologue"], outs["prologue-plain"]) and
+                                  all(torch.equal(a, b) for a, b in zip(plain, raw[2:]))),
             "rows_written": int(changed.sum()),
             "stale_before": bool(all((before[0].view(-1, HK, D)[int(slots[i])].float() != 0).any() for i in live)),
             "vs_unfused": float((outs["prologue"] - outs["unfused"]).abs().max()),
@@ -180,7 +186,7 @@ def _generate(model_dir: str, prologue: bool) -> dict:
         if hasattr(module, "fused"):
             module.fused = True
         if hasattr(module, "decode_prologue"):
-            module.decode_prologue = prologue
+            module.decode_prologue = "prefetch" if prologue else ""
     logits = []
     run_model = runner.run_model
 

@@ -21,8 +21,9 @@
 #   tools/gpu/h200_session.sh fp8     # the FP8 cache: its GPU tests and accuracy guard, nano-vllm on bf16 and e4m3
 #                                     # (this tree's FP8 knobs, then BEFORE's), the step budget on e4m3, the
 #                                     # attention bench with its FP8 knob sweep
-#   tools/gpu/h200_session.sh batch1  # the decode prologue (LAB_DECODE_PROLOGUE): its GPU tests, then batch-1 latency
-#                                     # and the step budget at batch 1 and 256 with it off and on, A/B/A/B
+#   tools/gpu/h200_session.sh batch1  # the decode prologue (LAB_DECODE_PROLOGUE): its GPU tests, batch-1 latency off /
+#                                     # on without its prefetch / on, twice; the step budget at batch 1 off and on, at
+#                                     # 256 on (the fp8 phase's bf16 nano-vllm run is the wide decode's off)
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -202,21 +203,22 @@ fp8_phase() {       # the FP8 knobs (engine/attention/splits.py's DECODE_FP8_*) 
        --out "$W/runs/attention-fp8-sweep.json"
 }
 
-batch1_phase() {     # one lever at a time: the decode prologue off (0) and on (1), twice each, in one process tree
+batch1_phase() {     # one lever at a time: the decode prologue off (0), on with its first tile read after the PDL wait
+  # (noprefetch) and before it (1), twice each, in one process tree
   step pytest-gpu-prologue 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
        -k "prologue or batch1 or graph_decode_matches_eager"
   for round in 1 2; do
-    for on in 0 1; do
-      step "latency-b1-prologue$on-r$round" 45 env LAB_DECODE_PROLOGUE=$on $PY -m labkit bench --workload latency --batch 1 \
-           --repeats 3 --attention triton --out "$W/runs/latency-b1-prologue$on-r$round.json"
+    for mode in 0 noprefetch 1; do
+      step "latency-b1-prologue-$mode-r$round" 40 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload latency \
+           --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-b1-prologue-$mode-r$round.json"
     done
   done
-  for on in 0 1; do
-    step "step-budget-b1-prologue$on" 50 env LAB_DECODE_PROLOGUE=$on $PY -m labkit bench --workload step-budget --batch 1 \
-         --out "$W/runs/step-budget-b1-prologue$on.json"
-    step "step-budget-b256-prologue$on" 60 env LAB_DECODE_PROLOGUE=$on $PY -m labkit bench --workload step-budget \
-         --out "$W/runs/step-budget-b256-prologue$on.json"
+  for mode in 0 1; do
+    step "step-budget-b1-prologue-$mode" 45 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload step-budget \
+         --batch 1 --out "$W/runs/step-budget-b1-prologue-$mode.json"
   done
+  step step-budget-b256-prologue-1 60 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget \
+       --out "$W/runs/step-budget-b256-prologue-1.json"
 }
 
 diag_phase() {
