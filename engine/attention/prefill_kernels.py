@@ -12,7 +12,7 @@ import triton.language as tl
 
 from engine import pdl
 from engine.attention import splits
-from engine.attention.triton_kernels import dot, to_f16, kv_scales
+from engine.attention.triton_common import dot, kv_scales, to_f16
 
 
 # -- prefill: through the block table (prefix hits, chunk continuations) or on the new K/V (fresh) ----

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from engine import pdl
 from engine.attention import kv_quant
+from engine.attention.triton_common import dot, fp8_quantize, kv_scales, roped_heads, to_f16
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_FP8_V_IN_TILE, DECODE_KV_PER_PROG,  # noqa: F401
                                      DECODE_NUM_WARPS,
                                      DECODE_PAGE_TILE, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
@@ -20,25 +21,7 @@ from engine.attention.splits import (DECODE_BLOCK_N, DECODE_FP8_V_IN_TILE, DECOD
 from engine.attention import splits
 
 
-@triton.jit
-def dot(a, b, IEEE: tl.constexpr):
-    """float32 inputs: exact fp32 products when IEEE (Triton's default is tf32); other dtypes ignore it."""
-    if IEEE:
-        out = tl.dot(a, b, input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
-
-
 # -- KV store --------------------------------------------------------------------------------------
-@triton.jit
-def fp8_quantize(x, scale):
-    """x / scale as e4m3 (what an FP8 cache holds, engine/attention/kv_quant.py): float32 division, saturated at
-    +-448, rounded to nearest even (kv_quant.quantize does the same in torch)."""
-    y = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -448.0), 448.0)
-    return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
-
-
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_stride, v_stride, kc_ptr, vc_ptr, slot_ptr,
                      WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
@@ -71,65 +54,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     scales = kv_scales(k_cache, v_cache, k_scale, v_scale) if fp8 else {}
     _store_kv_kernel[(t,)](k, v, k.stride(0), v.stride(0), k_cache, v_cache, slot_mapping,
                            WIDTH=width, BLOCK=triton.next_power_of_2(width), **scales, **pdl.launch(k))
-
-
-def kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float | None = None,
-              v_scale: float | None = None) -> dict:
-    """The FP8 launch arguments of a kernel reading or writing these caches: k_scale and v_scale (given, else
-    the caches' own, engine/attention/kv_quant.py) and KV_FP8; {} for caches in the model's dtype."""
-    if not kv_quant.is_fp8(k_cache):
-        return {}
-    assert kv_quant.is_fp8(v_cache), "K and V caches of different dtypes"
-    return {"k_scale": kv_quant.scale_of(k_cache) if k_scale is None else float(k_scale),
-            "v_scale": kv_quant.scale_of(v_cache) if v_scale is None else float(v_scale), "KV_FP8": True}
-
-
-@triton.jit
-def to_f16(x):
-    """A bf16 query as float16 for dots with an e4m3 tile converted to float16: exact within float16's range
-    (bf16 has the fewer mantissa bits), saturated at its bounds (+-65504) past them."""
-    return tl.minimum(tl.maximum(x.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-
-
-@triton.jit
-def rms_norm_halves(x1, x2, w1, w2, eps, D: tl.constexpr):
-    """Heads [H, D/2] x 2 (each head's halves) -> RMSNorm by the weight's halves w1, w2 (float32), rounded at the
-    reference's points (layernorm.py), as float32 values of the activation dtype: the q/k norm of
-    fused_kernels._qk_norm_rope_kernel and of the decode prologue (:func:`roped_heads`)."""
-    f1 = x1.to(tl.float32)
-    f2 = x2.to(tl.float32)
-    rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / D + eps)
-    dt = x1.dtype
-    n1 = ((f1 * rstd[:, None]).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-    n2 = ((f2 * rstd[:, None]).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-    return n1, n2
-
-
-@triton.jit
-def rope_halves(n1, n2, c, s, dt: tl.constexpr):
-    """Neox RoPE of heads' halves n1, n2 (float32) by c, s (float32, already rounded to dt), rounded at the
-    reference's points (rotary.py) -> (o1, o2) in dt."""
-    o1 = ((n1 * c).to(dt).to(tl.float32) + (-n2 * s).to(dt).to(tl.float32)).to(dt)
-    o2 = ((n2 * c).to(dt).to(tl.float32) + (n1 * s).to(dt).to(tl.float32)).to(dt)
-    return o1, o2
-
-
-@triton.jit
-def roped_heads(row_ptr, heads, mask, w_ptr, cos_ptr, sin_ptr, pos, eps, D: tl.constexpr):
-    """The heads `heads` [H] of one token's packed qkv row (column head * D) normed by w and roped at `pos`,
-    as one [H, D] tile (rows where ``mask`` is off read zeros)."""
-    half = tl.arange(0, D // 2)
-    base = row_ptr + heads[:, None] * D
-    x1 = tl.load(base + half[None, :], mask=mask[:, None], other=0.0)
-    x2 = tl.load(base + D // 2 + half[None, :], mask=mask[:, None], other=0.0)
-    dt = x1.dtype
-    w1 = tl.load(w_ptr + half).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :]
-    n1, n2 = rms_norm_halves(x1, x2, w1, w2, eps, D)
-    c = tl.load(cos_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
-    o1, o2 = rope_halves(n1, n2, c, s, dt)
-    return tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (o1.shape[0], D))
 
 
 # -- decode -------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from engine import pdl
-from engine.attention.triton_kernels import fp8_quantize, kv_scales, rms_norm_halves, rope_halves
+from engine.attention.triton_common import fp8_quantize, kv_scales, rms_norm_halves, rope_halves
 
 # rms_norm's warp count; the normed GEMV (gemv.py) reduces its row's sum of squares at the same count, since
 # Triton's reduction order (and so the float32 sum) follows the layout
