@@ -78,10 +78,10 @@ class Qwen3Attention(nn.Module):
         else qkv_proj(x)."""
         if qkv is None:
             qkv = self.qkv_proj(x)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         if self.fused and self.decode_prologue and not meta.is_prefill and self.attn.k_cache.numel():
             return self.o_proj(self._decode_prologue(qkv, positions, meta).flatten(1, -1))
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         stored = False
         if self.fused:
@@ -212,11 +212,13 @@ class CausalLM(nn.Module):
         """The family, what its layers hold and the route the q/k-norm + RoPE + KV-store fusion took:
         "fused" (the Triton kernel, Qwen3 on CUDA with fused ops), "plain" (torch RoPE and the backend's
         store; the families without q/k norm always), "decode-prologue" (the Triton kernel for prefills; a decode
-        step does it inside the attention kernel)."""
+        step does it inside the attention kernel, "decode-prologue-noprefetch" with its first K/V tile read after the
+        PDL wait)."""
         attn = [layer.self_attn for layer in self.model.layers]
         route = "plain"
         if any(a.fused for a in attn):
-            route = "decode-prologue" if any(a.fused and a.decode_prologue for a in attn) else "fused"
+            mode = next((a.decode_prologue for a in attn if a.fused and a.decode_prologue), "")
+            route = {"": "fused", "prefetch": "decode-prologue"}.get(mode, "decode-prologue-noprefetch")
         return {"architecture": self.architecture, **self.family.summary(self._cfg), "qk_norm_rope_kv": route}
 
 
