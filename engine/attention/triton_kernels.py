@@ -162,10 +162,10 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     is FP8) and starts its softmax state from that token (its k and v as the cache now holds them) before the
     loop: folded in after it, the token's tiles stayed live through the loop (156 registers a thread against the
     plain kernel's 105 in the sm_90 build, so three programs an SM instead of four).
-    PREFETCH (with PROLOGUE): the split's first K/V tile is loaded before the PDL wait. With the prologue nothing
-    the kernels before this one write is in it (the cache before the new position was written by earlier steps,
-    the block table and context lengths are the step's inputs), so at batch 1, where a split is one tile, the
-    whole read overlaps the qkv projection's tail.
+    PREFETCH (with PROLOGUE; several splits and the reduce kernel, :class:`NewTokens`): the split's first K/V tile
+    is loaded before the PDL wait. With the prologue nothing the kernels before this one write is in it (the cache
+    before the new position was written by earlier steps, the block table and context lengths are the step's
+    inputs), so at batch 1, where a split is one tile, the whole read overlaps the qkv projection's tail.
 
     Why one function over the house's 80 lines: a kernel is one program, and its phases share what they
     compute: the program's coordinates (n, s, kvh0, ctx), the offsets and masks (heads, gmask, offs_d,
@@ -331,7 +331,11 @@ class NewTokens:
     eps: float
     slot_mapping: torch.Tensor   # [N]: each row's new k/v slot (-1: written nowhere)
     num_heads: int               # Hq
-    prefetch: bool = True        # each split's first K/V tile loaded before the PDL wait (the kernel's PREFETCH)
+    # each split's first K/V tile loaded before the PDL wait (the kernel's PREFETCH), in the small decodes that
+    # combine their splits with the reduce kernel (batch 1-4 at 8 kv heads: splits of one tile each). Not wider:
+    # the tile held through the wait costs registers, at 256 x 1,024 157 a thread under triton 3.9 (3 programs an
+    # SM) against 106 without (tools/kernel_resources.py); the variants stay the decode's own (DIRECT, FUSED_REDUCE)
+    prefetch: bool = True
 
 
 def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -397,7 +401,7 @@ def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.T
     prologue = {} if new is None else dict(
         qkv_ptr=new.qkv, stride_qkv=new.qkv.stride(0), pos_ptr=new.positions, qw_ptr=new.q_weight,
         kw_ptr=new.k_weight, cos_ptr=new.cos, sin_ptr=new.sin, slot_ptr=new.slot_mapping, eps=new.eps, PROLOGUE=True,
-        PREFETCH=new.prefetch)
+        PREFETCH=new.prefetch and not direct and not fused)
     _decode_split_kernel[(hk // hpp, n, num_splits)](                   # a sequence's heads launch together
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, out, scale, split_len, num_splits,
         q.stride(0), q.stride(1) if new is None else 0, block_tables.stride(0), out.stride(0), out.stride(1),

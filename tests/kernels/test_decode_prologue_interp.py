@@ -30,10 +30,13 @@ CONTEXTS = [37, 1, 70, 0]             # the last row is a graph's padding row
 MAX_LEN = 96
 BLOCKS = 24
 FP8_SCALES = (0.5, 2.0)         # an e4m3 cache's k and v scales
-# (dtype, kv cache, heads per program, SMs: 1 gives one split, 64 several, fused reduce)
-CASES = [("float32", "auto", 1, 1, False), ("float32", "auto", 1, 64, False), ("float32", "auto", 2, 64, True),
-         ("bfloat16", "auto", 1, 64, True), ("bfloat16", "auto", 2, 1, False), ("bfloat16", "fp8", 1, 64, False),
-         ("float32", "fp8", 1, 64, True)]
+# (dtype, kv cache, heads per program, SMs: 1 gives one split, 8 and 64 several, fused reduce, positions a tile): the
+# first tile read before the PDL wait (PREFETCH) where several splits go to the reduce kernel; 16-position tiles
+# give those splits two tiles each, the second read in the loop
+CASES = [("float32", "auto", 1, 1, False, 64), ("float32", "auto", 1, 64, False, 64), ("float32", "auto", 2, 64, True, 64),
+         ("bfloat16", "auto", 1, 64, True, 64), ("bfloat16", "auto", 2, 1, False, 64),
+         ("bfloat16", "fp8", 1, 64, False, 64), ("float32", "fp8", 1, 64, True, 64),
+         ("float32", "auto", 1, 8, False, 16), ("bfloat16", "fp8", 1, 8, False, 16)]
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +57,7 @@ def _key(case) -> str:
 def test_prologue_gives_the_unfused_route_output_and_caches(results, case):
     r = results[_key(case)]
     assert r["splits"] > 1 or case[3] == 1, r
+    assert r["tiles_a_split"] == (2 if case[5] == 16 else r["tiles_a_split"]), r
     assert r["k_cache_equal"] and r["v_cache_equal"], r          # the new rows, and nothing else touched
     assert r["rows_written"] == HK * sum(map(bool, CONTEXTS)) and r["stale_before"], r   # live rows x kv heads
     tol = 2e-6 if case[0] == "float32" else 2e-2
@@ -111,7 +115,7 @@ def _reference(torch, qkv, positions, qw, kw, rope, k_cache, v_cache, tables, co
     return torch.stack(rows)
 
 
-def run_case(torch, tk, fk, kv_quant, RotaryEmbedding, dtype_name, cache, hpp, sms, fuse) -> dict:
+def run_case(torch, tk, fk, kv_quant, RotaryEmbedding, dtype_name, cache, hpp, sms, fuse, block_n) -> dict:
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(7)
     n = len(CONTEXTS)
@@ -136,7 +140,7 @@ def run_case(torch, tk, fk, kv_quant, RotaryEmbedding, dtype_name, cache, hpp, s
         kc, vc = (c.clone() for c in before)
         if cache == "fp8":
             kc, vc = (kv_quant.mark(c, s, dtype) for c, s in zip((kc, vc), FP8_SCALES))
-        args = dict(max_len=MAX_LEN, sm_count=sms, kv_per_prog=hpp, fuse_reduce=fuse, order=order)
+        args = dict(max_len=MAX_LEN, sm_count=sms, kv_per_prog=hpp, fuse_reduce=fuse, order=order, block_n=block_n)
         if route == "unfused":
             q, _ = fk.qk_norm_rope(qkv, positions, qw, kw, rope.cos, rope.sin, HQ, HK, D, 1e-6,
                                    k_cache=kc, v_cache=vc, slot_mapping=slots)
@@ -151,7 +155,7 @@ def run_case(torch, tk, fk, kv_quant, RotaryEmbedding, dtype_name, cache, hpp, s
     changed = (caches["prologue"][0].view(torch.uint8 if cache == "fp8" else dtype) !=
                before[0].view(torch.uint8 if cache == "fp8" else dtype)).view(BLOCKS * PAGE, HK, -1).any(-1)
     raw = [c.view(torch.uint8) if cache == "fp8" else c for c in (*caches["unfused"], *caches["prologue"])]
-    splits, _ = tk.choose_splits(n, HK // tk.kv_per_program(HK, hpp), MAX_LEN, tk.DECODE_BLOCK_N, sms, tk.DECODE_WAVES)
+    splits, split_len = tk.choose_splits(n, HK // tk.kv_per_program(HK, hpp), MAX_LEN, block_n, sms, tk.DECODE_WAVES)
     plain = [c.view(torch.uint8) if cache == "fp8" else c for c in caches["prologue-plain"]]
     return {"k_cache_equal": bool(torch.equal(raw[0], raw[2])), "v_cache_equal": bool(torch.equal(raw[1], raw[3])),
             "prefetch_same": bool(torch.equal(outs["prologue"], outs["prologue-plain"]) and
@@ -160,7 +164,8 @@ def run_case(torch, tk, fk, kv_quant, RotaryEmbedding, dtype_name, cache, hpp, s
             "stale_before": bool(all((before[0].view(-1, HK, D)[int(slots[i])].float() != 0).any() for i in live)),
             "vs_unfused": float((outs["prologue"] - outs["unfused"]).abs().max()),
             "vs_reference": float((outs["prologue"][live] - ref[live]).abs().max()),
-            "padding_row_max": float(outs["prologue"][3].abs().max()), "splits": splits}
+            "padding_row_max": float(outs["prologue"][3].abs().max()), "splits": splits,
+            "tiles_a_split": split_len // block_n}
 
 
 def _generate(model_dir: str, prologue: bool) -> dict:
