@@ -14,7 +14,7 @@ import triton.language as tl
 from engine import pdl
 from engine.attention import kv_quant
 from engine.attention.triton_common import dot, fp8_quantize, kv_scales, roped_heads, to_f16
-from engine.attention.splits import (DECODE_BLOCK_N, DECODE_FP8_V_IN_TILE, DECODE_KV_PER_PROG,  # noqa: F401
+from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG,  # noqa: F401
                                      DECODE_NUM_WARPS,
                                      DECODE_PAGE_TILE, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
                                      kv_per_program)

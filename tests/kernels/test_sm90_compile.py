@@ -179,7 +179,7 @@ def _fp8_cache(calls: list, e, variants: dict, blocks: int, page: int, hq: int, 
 
     import engine.attention.triton_kernels as tk
     import engine.attention.prefill_kernels as pk
-    from engine.attention import kv_quant
+    from engine.attention import kv_quant, splits
     from engine.layers import fused_kernels as fk
 
     bf16 = torch.bfloat16
@@ -189,7 +189,7 @@ def _fp8_cache(calls: list, e, variants: dict, blocks: int, page: int, hq: int, 
                                                          prologue=True)}
     before = len(calls)
     tk.paged_decode(e(2, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
-                    d ** -0.5, max_len, sm, fp8_v_in_tile=not tk.DECODE_FP8_V_IN_TILE)    # the other V-scale place
+                    d ** -0.5, max_len, sm, fp8_v_in_tile=not splits.DECODE_FP8_V_IN_TILE)    # the other V-scale place
     pk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), cu, cu, 32, d ** -0.5)
     tk.store_kv(e(t, hk, d), e(t, hk, d), kc, vc, torch.zeros(t, dtype=torch.int64))
     for tokens in (1, t):
