@@ -24,6 +24,10 @@
 #   tools/gpu/h200_session.sh batch1  # the decode prologue (LAB_DECODE_PROLOGUE): its GPU tests, batch-1 latency off /
 #                                     # on without its prefetch / on, twice; the step budget at batch 1 off and on, at
 #                                     # 256 on (the fp8 phase's bf16 nano-vllm run is the wide decode's off)
+#   tools/gpu/h200_session.sh levers  # both batch-1/FP8 levers in one call, the most telling steps first: the FP8 and
+#                                     # prologue GPU tests, the kv-fp8 guard, nano-vllm on bf16 and e4m3, batch-1
+#                                     # latency with the prologue off / on / on without its prefetch, nano-vllm e4m3 on
+#                                     # BEFORE, the step budget at batch 1 with the prologue
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -38,7 +42,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1" >&2; exit 2 ;; esac
+case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -219,6 +223,24 @@ batch1_phase() {     # one lever at a time: the decode prologue off (0), on with
   done
   step step-budget-b256-prologue-1 60 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget \
        --out "$W/runs/step-budget-b256-prologue-1.json"
+}
+
+levers_phase() {     # fp8's and batch1's steps that decide the two defaults, for a lease that may hold one call
+  step pytest-gpu-levers 90 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kv_fp8.py \
+       tests/kernels/test_gpu_kernels.py -k "fp8 or prologue or batch1 or graph_decode_matches_eager"
+  step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
+       --attention triton --out "$W/runs/guard-kv-fp8.json"
+  step nano-vllm-bf16 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-bf16.json"
+  step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 \
+       --out "$W/runs/nano-vllm-fp8.json"
+  for mode in 0 1 noprefetch; do
+    step "latency-b1-prologue-$mode" 40 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload latency \
+         --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-b1-prologue-$mode.json"
+  done
+  step before-nano-vllm-fp8 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 \
+       --kv-cache-dtype fp8 --out "$W/runs/before-nano-vllm-fp8.json"
+  step step-budget-b1-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget \
+       --batch 1 --out "$W/runs/step-budget-b1-prologue-1.json"
 }
 
 diag_phase() {
