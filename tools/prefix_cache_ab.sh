@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prefix cache's effect on served latency: workloads/sweep-prefix.jsonl and workloads/sweep-multi-turn.jsonl
 # at one rate, with and without the prefix cache, each through a `labkit serve` process of its own; then one line
-# per workload (TTFT p50/p99, TPOT p50/p99, hit rate, output tok/s), read from the evidence files.
+# per workload (TTFT p50/p99, TPOT p50/p99, hit rate, output tok/s) and the TTFT's split (ingress, queue, prefill,
+# delivery: labkit/load/sweep_metrics.py), read from the evidence files.
 #
 # usage: tools/prefix_cache_ab.sh OUT_DIR [EXTRA LOAD OPTIONS...]
 # Overrides: MODEL_DIR, RATE (32), DATASETS ("prefix multi-turn"), ENGINE (the sweep's engine options), DEVICE.
@@ -35,4 +36,7 @@ for p in sorted(Path(sys.argv[1]).glob("*.json")):
     print(f"{p.stem:24s} TTFT p50/p99 {r['ttft_ms'].get('p50')}/{r['ttft_ms'].get('p99')} ms  "
           f"TPOT p50/p99 {r['tpot_ms'].get('p50')}/{r['tpot_ms'].get('p99')} ms  hit rate {r['prefix_cache_hit_rate']}  "
           f"out {r['output_throughput_tok_s']} tok/s  {r['completed']}/{r['sent']} completed")
+    split = r.get("ttft_split_ms")
+    if split:
+        print(f"{'':24s} TTFT p50 split: " + ", ".join(f"{k[:-3]} {v.get('p50')}" for k, v in split.items()) + " ms")
 PY

@@ -217,6 +217,8 @@ def rate_row(events: Path, reqs: list[dict], rate: float, slos: dict[str, float]
                 and e.get("request_id") in ids]
     row = sm.rate_facts(rate, [r["request_id"] for r in reqs], by_obs.get(observer, {}), finished, slos)
     row["observer"] = observer
+    if observer == "client" and "engine" in by_obs:
+        row["ttft_split_ms"] = sm.ttft_split([r["request_id"] for r in reqs], by_obs["client"], by_obs["engine"])
     row["events"] = str(events)
     return row
 

@@ -15,6 +15,10 @@ Definitions (vLLM ``bench serve``'s), over the client's observations of the meas
   end at all is lost. ``sent == completed + rejected + errored + timed_out`` exactly when none is lost.
 - Prefix-cache hit rate = prompt tokens the prefix cache gave / prompt tokens, from our server's
   ``finished`` events (``num_cached_tokens``); None for a server that does not report it.
+- TTFT split (our server's native API, whose events the client keeps as ``observer=engine``; both
+  observers read one machine's monotonic clock): per completed request, ingress = the server's submitted -
+  the client's; queue = the server's admitted - its submitted; prefill = the server's first token - its
+  admitted; delivery = the client's first token - the server's. The four add up to the client's TTFT.
 """
 from __future__ import annotations
 
@@ -172,6 +176,26 @@ def rate_facts(offered: float, sent_ids: list[str], client: dict[str, Req], engi
     row["latencies_finite"] = latencies_finite(row)
     row["saturated"] = saturated(row)
     return row
+
+
+TTFT_PARTS = ("ingress_ms", "queue_ms", "prefill_ms", "delivery_ms")
+
+
+def ttft_split(sent_ids: list[str], client: dict[str, Req], engine: dict[str, Req]) -> dict | None:
+    """Where the client's TTFT went (ingress, queue, prefill, delivery: the module's definitions), each a
+    distribution over the completed requests both observers timed; None when no request has both."""
+    parts: dict[str, list[float]] = {k: [] for k in TTFT_PARTS}
+    for rid in sent_ids:
+        c, e = client.get(rid), engine.get(rid)
+        if c is None or e is None or outcome(c) != "completed" or not c.token_ns or not e.token_ns \
+                or None in (c.submitted_ns, e.submitted_ns, e.admitted_ns):
+            continue
+        marks = (c.submitted_ns, e.submitted_ns, e.admitted_ns, e.token_ns[0], c.token_ns[0])
+        for k, a, b in zip(TTFT_PARTS, marks, marks[1:]):
+            parts[k].append((b - a) / 1e6)
+    if not parts["ingress_ms"]:
+        return None
+    return {k: dist(v) for k, v in parts.items()}
 
 
 def latencies_finite(row: dict) -> bool:

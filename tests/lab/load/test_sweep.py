@@ -63,6 +63,10 @@ def test_cpu_sweep_accounts_for_every_request_and_passes_the_checkpoints_sweep_a
         assert row["goodput"]["good_requests"] == 0        # a TPOT SLO of 1 ns: no request meets it
     assert sorted(judged(record).values()) == [True] * len(SWEEP_PATHS)
     assert facts["per_rate"][0]["prefix_cache_hit_rate"] > 0      # the shared prefix hit at 8 req/s
+    for row in facts["per_rate"]:                # the server's own events split every completed request's TTFT
+        split = row["ttft_split_ms"]
+        assert all(split[k]["n"] == row["completed"] and split[k]["min"] >= 0 for k in sm.TTFT_PARTS), split
+        assert sum(split[k]["mean"] for k in sm.TTFT_PARTS) == pytest.approx(row["ttft_ms"]["mean"], abs=0.01)
     assert facts["offline"]["tok_s"] > 0 and facts["summary"]["served_over_offline"] > 0
     assert Path(facts["picture"]).read_bytes()[:4] == b"\x89PNG"
 
@@ -114,6 +118,20 @@ def test_latency_definitions_on_a_hand_made_timeline():
     assert lat["e2e_ms"]["p50"] == 140.0
     many = sm.latencies([req(str(i), [float(i)], float(i)) for i in range(1, 101)])
     assert many["ttft_ms"]["p90"] == pytest.approx(90.1) and many["ttft_ms"]["p99"] == pytest.approx(99.01)
+
+
+def test_ttft_split_on_a_hand_made_timeline():
+    """Client submits at 0 and reads the first token at 40; the server took it at 2, admitted it at 12 and made
+    the token at 37: ingress 2, queue 10, prefill 25, delivery 3, adding up to the TTFT of 40."""
+    ns = lambda ms: int(ms * 1e6)  # noqa: E731
+    client = {"a": req("a", [40.0, 45.0], 46.0), "gone": req("gone", [], 5.0, reason="error")}
+    engine = {"a": Req("a", "engine", submitted_ns=ns(2), admitted_ns=ns(12), token_ns=[ns(37), ns(43)]),
+              "gone": Req("gone", "engine", submitted_ns=ns(2))}
+    split = sm.ttft_split(["a", "gone", "unseen"], client, engine)
+    assert {k: split[k]["p50"] for k in sm.TTFT_PARTS} == \
+        {"ingress_ms": 2.0, "queue_ms": 10.0, "prefill_ms": 25.0, "delivery_ms": 3.0}
+    assert all(split[k]["n"] == 1 for k in sm.TTFT_PARTS)      # the errored and the unseen request left out
+    assert sm.ttft_split(["a"], client, {}) is None            # a server without events of its own: no split
 
 
 def test_goodput_counts_requests_meeting_every_slo():
