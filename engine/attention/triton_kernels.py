@@ -362,9 +362,9 @@ def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.T
     under the split kernel's tail).
 
     block_n positions per tile (each position finds its own page, so any page size works); the tuning
-    knobs (block_n, num_warps, num_stages, waves) are swept by `labkit bench --workload attention --sweep`:
-    the defaults (64, 4, 3, 4) were among the five fastest of 54 settings at both batch 1 x 4096 and
-    batch 256 x 1024 on an H200. kv_per_prog: kv heads per program (the largest divisor of the kv heads
+    knobs (block_n, num_warps, num_stages, waves) are swept by `labkit bench --workload attention --sweep`,
+    and their defaults live in engine/attention/splits.py (docs/MEASURED.md keeps the sweeps that chose
+    them). kv_per_prog: kv heads per program (the largest divisor of the kv heads
     not above it, :func:`engine.attention.splits.kv_per_program`); page_tile: one block-table load per
     tile where block_n divides the page size (else the per-position path). Both are swept by
     `labkit bench --workload attention --sweep` (every default lives in engine/attention/splits.py).
