@@ -28,6 +28,9 @@
 #                                     # prologue GPU tests, the kv-fp8 guard, nano-vllm on bf16 and e4m3, batch-1
 #                                     # latency with the prologue off / on / on without its prefetch, nano-vllm e4m3 on
 #                                     # BEFORE, the step budget at batch 1 with the prologue
+#   tools/gpu/h200_session.sh ttft    # both step models' prefix-cache A/B on prefix-repetition and multi-turn (each line
+#                                     # with its TTFT split: ingress, queue, prefill, delivery), then the rate sweeps,
+#                                     # nano-vllm's step model first
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -42,7 +45,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers" >&2; exit 2 ;; esac
+case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -241,6 +244,17 @@ levers_phase() {     # fp8's and batch1's steps that decide the two defaults, fo
        --kv-cache-dtype fp8 --out "$W/runs/before-nano-vllm-fp8.json"
   step step-budget-b1-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget \
        --batch 1 --out "$W/runs/step-budget-b1-prologue-1.json"
+}
+
+ttft_phase() {
+  for side in step-model mixed; do
+    local flag=--mixed-batches; [ "$side" = step-model ] && flag=--no-mixed-batches
+    for ds in prefix multi-turn; do
+      step "$side-$ds" 90 env ENGINE="$SERVE_ENGINE $flag" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/$side-$ds"
+    done
+  done
+  sweep step-model-sweep 120 --no-mixed-batches
+  sweep mixed-sweep 120 --mixed-batches
 }
 
 diag_phase() {
