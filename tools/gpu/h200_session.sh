@@ -26,8 +26,8 @@
 #                                     # 256 on (the fp8 phase's bf16 nano-vllm run is the wide decode's off)
 #   tools/gpu/h200_session.sh levers  # both batch-1/FP8 levers in one call, the most telling steps first: the FP8 and
 #                                     # prologue GPU tests, the kv-fp8 guard, nano-vllm on bf16 and e4m3, batch-1
-#                                     # latency with the prologue off / on / on without its prefetch, nano-vllm e4m3 on
-#                                     # BEFORE, the step budget at batch 1 with the prologue
+#                                     # latency with the prologue off / on / on without its prefetch, nano-vllm with the
+#                                     # prologue, nano-vllm e4m3 on BEFORE, the step budget at batch 1 with the prologue
 #   tools/gpu/h200_session.sh ttft    # both step models' prefix-cache A/B on prefix-repetition and multi-turn (each line
 #                                     # with its TTFT split: ingress, queue, prefill, delivery), then the rate sweeps,
 #                                     # nano-vllm's step model first
@@ -240,6 +240,8 @@ levers_phase() {     # fp8's and batch1's steps that decide the two defaults, fo
     step "latency-b1-prologue-$mode" 40 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload latency \
          --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-b1-prologue-$mode.json"
   done
+  step nano-vllm-bf16-prologue-1 60 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload nano-vllm --attention triton \
+       --repeats 3 --out "$W/runs/nano-vllm-bf16-prologue-1.json"
   step before-nano-vllm-fp8 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 \
        --kv-cache-dtype fp8 --out "$W/runs/before-nano-vllm-fp8.json"
   step step-budget-b1-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget \
