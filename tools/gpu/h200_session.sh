@@ -31,6 +31,8 @@
 #   tools/gpu/h200_session.sh ttft    # both step models' prefix-cache A/B on prefix-repetition and multi-turn (each line
 #                                     # with its TTFT split: ingress, queue, prefill, delivery), then the rate sweeps,
 #                                     # nano-vllm's step model first
+#   tools/gpu/h200_session.sh b8      # Qwen3-8B's shapes: batch-1 latency with the decode prologue off / on / on without
+#                                     # its prefetch, then the nano-vllm workload off and on
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -45,7 +47,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft" >&2; exit 2 ;; esac
+case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -257,6 +259,18 @@ ttft_phase() {
   done
   sweep step-model-sweep 120 --no-mixed-batches
   sweep mixed-sweep 120 --mixed-batches
+}
+
+b8_phase() {
+  synth qwen3-8b /tmp/m8
+  for mode in 0 1 noprefetch; do
+    step "latency-8b-b1-prologue-$mode" 70 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload latency \
+         --batch 1 --repeats 3 --attention triton --model /tmp/m8 --out "$W/runs/latency-8b-b1-prologue-$mode.json"
+  done
+  for mode in 0 1; do
+    step "nano-vllm-8b-prologue-$mode" 90 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload nano-vllm \
+         --attention triton --model /tmp/m8 --out "$W/runs/nano-vllm-8b-prologue-$mode.json"
+  done
 }
 
 diag_phase() {
