@@ -148,13 +148,15 @@ def step_bound(shape, weight_element_size: int, kv_element_size: int, batch: int
 
 
 def category_bytes_flops(shape, weight_element_size: int, kv_element_size: int, batch: int, mean_context: float,
-                         fused_qk_norm_rope: bool) -> dict[str, tuple[int, int]]:
+                         fused_qk_norm_rope: bool, decode_prologue: bool = False) -> dict[str, tuple[int, int]]:
     """Per category of a decode step of `batch` sequences at mean context `mean_context` (the step budget's,
     labkit.bench.step_budget): (bytes it must read and write at least, FLOPs it must do). Weights are read
     once, activations read and written once, each sequence reads the K/V of its whole context; the q/k norm
     is counted in ``qk_norm_rope`` when the fused kernel runs it, else in ``norm`` (and RoPE in ``rotary``).
     The fused kernel also writes the step's K/V into the cache, so its ``kv_store`` bytes are counted there
-    (engine/layers/fused_kernels.py::qk_norm_rope; no separate store kernel runs)."""
+    (engine/layers/fused_kernels.py::qk_norm_rope; no separate store kernel runs). With the decode prologue
+    (engine/model_runner.py::decode_prologue_mode) the attention kernel does that work, and ``attention`` holds
+    those bytes too."""
     e, ekv, b, n = weight_element_size, kv_element_size, batch, shape.num_layers
     h, hd, inter, vocab = shape.hidden_size, shape.head_dim, shape.intermediate_size, shape.vocab_size
     q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
@@ -177,22 +179,26 @@ def category_bytes_flops(shape, weight_element_size: int, kv_element_size: int, 
         "embedding": (2 * b * h * e, 0),
         "sampler": (b * vocab * e, 0),
     }
-    if fused_qk_norm_rope:
+    if fused_qk_norm_rope or decode_prologue:
         out["qk_norm_rope"] = (qk_io + n * 2 * hd * e + out.pop("kv_store")[0], 0)
+        if decode_prologue:
+            nbytes, flops = out["attention"]
+            out["attention"] = (nbytes + out.pop("qk_norm_rope")[0], flops)
     else:
         out["rotary"] = (qk_io, 0)
     return out
 
 
 def category_bounds(shape, weight_element_size: int, kv_element_size: int, batch: int, mean_context: float,
-                    fused_qk_norm_rope: bool, copy_roof_gb_s: float, matmul_tflops: float) -> dict[str, dict]:
+                    fused_qk_norm_rope: bool, copy_roof_gb_s: float, matmul_tflops: float,
+                    decode_prologue: bool = False) -> dict[str, dict]:
     """Each category's bound: the larger of its bytes at the copy roof and its FLOPs at the matmul peak
     (both measured in the same run), and which of the two binds."""
     if copy_roof_gb_s <= 0 or matmul_tflops <= 0:
         raise ValueError(f"roofs must be positive, got {copy_roof_gb_s} GB/s, {matmul_tflops} TFLOP/s")
     out = {}
     for cat, (nbytes, flops) in category_bytes_flops(shape, weight_element_size, kv_element_size, batch,
-                                                      mean_context, fused_qk_norm_rope).items():
+                                                      mean_context, fused_qk_norm_rope, decode_prologue).items():
         mem_ms = nbytes / (copy_roof_gb_s * 1e9) * 1e3
         flop_ms = flops / (matmul_tflops * 1e12) * 1e3
         out[cat] = {"bytes": nbytes, "flops": flops, "memory_ms": round(mem_ms, 5), "compute_ms": round(flop_ms, 5),

@@ -4,7 +4,7 @@ each device item of a decode step is spent on, and the host time outside the dev
 Attribution. Each device item (kernel, memcpy, memset) is mapped to the host call that launched it
 (the trace's correlation id), and that call to the innermost ``budget:`` range around it: the module
 that launched the kernel. Memcpy and memset are ``copies``; a kernel outside every module range is
-named by its kernel name (qk_norm_rope, copies) or ``other``. On CPU the items are the top-level aten
+named by its kernel name (qk_norm_rope, the paged decode's split and reduce kernels, copies) or ``other``. On CPU the items are the top-level aten
 ops and the "device time" is their host time.
 
 Kernels inside a CUDA graph replay have no module ranges around them (they all launch from one
@@ -67,6 +67,8 @@ def name_category(name: str, cat: str) -> str:
         return "copies"
     if "qk_norm_rope" in low:
         return "qk_norm_rope"
+    if "_decode_split_kernel" in low or "_decode_reduce_kernel" in low:
+        return "attention"             # the decode prologue launches them from self_attn, outside the attn module
     if any(k in low for k in ("copy", "fill", "zero_")):
         return "copies"
     return "other"

@@ -140,6 +140,23 @@ def test_bounds_bytes_at_batch_zero_are_the_decode_weight_bytes(tiny_model_dir):
     assert doubled["attention"][0] - parts["attention"][0] == kv_read
 
 
+def test_the_decode_prologue_counts_its_qk_norm_rope_and_store_in_attention(tiny_model_dir):
+    """With the decode prologue the attention kernel norms, ropes and stores the new K/V: its kernels launch
+    outside the attn module (named by kernel name) and its bound holds the fused kernel's bytes."""
+    from engine.config import Config
+    from labkit.bench.step_attribution import name_category
+
+    assert name_category("_decode_split_kernel", "kernel") == "attention"
+    assert name_category("_decode_reduce_kernel", "kernel") == "attention"
+    assert name_category("_gemv_kernel", "kernel") == "other"
+    shape = Config(str(tiny_model_dir)).shape
+    fused = category_bytes_flops(shape, 2, 2, 8, 100.0, True)
+    prologue = category_bytes_flops(shape, 2, 2, 8, 100.0, True, decode_prologue=True)
+    assert "qk_norm_rope" not in prologue and "kv_store" not in prologue
+    assert prologue["attention"][0] == fused["attention"][0] + fused["qk_norm_rope"][0]
+    assert sum(b for b, _ in prologue.values()) == sum(b for b, _ in fused.values())
+
+
 def test_graph_kernels_take_their_eager_twins_categories():
     eager = [sb.Item(name, float(i), 1.0, float(i), category=cat) for i, (name, cat) in enumerate(
         [("rms", "norm"), ("gemm", "gemm.qkv"), ("qk_norm_rope", "qk_norm_rope"), ("store", "kv_store"),
