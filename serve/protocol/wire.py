@@ -16,6 +16,8 @@ from typing import Any
 
 MAX_DEPTH = 32                 # JSON nesting levels in a request body
 MAX_INT_DIGITS = 40            # longer integers are HugeInt: no field takes them
+_LONG_INT = 10 ** MAX_INT_DIGITS   # the least integer of more than MAX_INT_DIGITS digits (JSON has no leading 0)
+_NUMBER_TYPES = frozenset((int, float, bool, type(None)))   # a list of only these holds nothing to look into
 
 
 class ApiError(Exception):
@@ -79,8 +81,23 @@ def loads_strict(raw: bytes, what: str = "the request body") -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ApiError(400, f"{what} is not UTF-8 ({e.reason} at byte {e.start})", "invalid_json") from None
+    # json's own int() first (a prompt of token ids is a thousand integers: no Python call each); a body with
+    # an integer of more than MAX_INT_DIGITS digits is parsed again with each integer through _parse_int
+    value = _loads(text, what, fast=True)
+    if value is _TOO_LONG or _check_tree(value, what):
+        value = _loads(text, what, fast=False)
+        _check_tree(value, what)
+    return value
+
+
+_TOO_LONG = object()
+
+
+def _loads(text: str, what: str, fast: bool) -> Any:
     try:
-        value = json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_no_constants)
+        if fast:
+            return json.loads(text, parse_float=_parse_float, parse_constant=_no_constants)
+        return json.loads(text, parse_int=_parse_int, parse_float=_parse_float, parse_constant=_no_constants)
     except RecursionError:
         raise ApiError(400, f"{what} is nested too deeply (at most {MAX_DEPTH} levels)",
                        "invalid_json") from None
@@ -88,14 +105,20 @@ def loads_strict(raw: bytes, what: str = "the request body") -> Any:
         raise ApiError(400, f"{what} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})",
                        "invalid_json") from None
     except ValueError as e:
+        if fast:                      # (an integer past Python's own digit limit: the slow parse names it)
+            return _TOO_LONG
         raise ApiError(400, f"{what} is not valid JSON ({e})", "invalid_json") from None
-    _check_tree(value, what)
-    return value
 
 
-def _check_tree(value: Any, what: str = "the request body") -> None:
-    """Depth and strings of a parsed body, iteratively (no recursion a deep body could exhaust)."""
+def _long_int(v: Any) -> bool:
+    return type(v) is int and not -_LONG_INT < v < _LONG_INT
+
+
+def _check_tree(value: Any, what: str = "the request body") -> bool:
+    """Depth and strings of a parsed body, iteratively (no recursion a deep body could exhaust); True when it
+    holds an int of more than MAX_INT_DIGITS digits (json's own parse: loads_strict parses it again)."""
     stack: list[tuple[Any, str, int]] = [(value, "", 0)]
+    long = _long_int(value)
     while stack:
         v, path, depth = stack.pop()
         if isinstance(v, str):
@@ -111,10 +134,21 @@ def _check_tree(value: Any, what: str = "the request body") -> None:
                     _check_str(k, where)
                     if isinstance(item, (str, dict, list)):
                         stack.append((item, where, depth + 1))
+                    elif _long_int(item):
+                        long = True
+                continue
+            types = set(map(type, v))
+            if types == {int}:                           # token ids: passes at C speed only
+                long = long or max(v) >= _LONG_INT or min(v) <= -_LONG_INT
+            elif types <= _NUMBER_TYPES:
+                long = long or any(map(_long_int, v))
             else:
                 for i, item in enumerate(v):
                     if isinstance(item, (str, dict, list)):
                         stack.append((item, f"{path}[{i}]", depth + 1))
+                    elif _long_int(item):
+                        long = True
+    return long
 
 
 def _check_str(s: str, path: str) -> None:
