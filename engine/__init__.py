@@ -8,6 +8,12 @@ admission in ``admission.py``), ``scheduler.py`` and ``block_manager.py``, ``mod
 (``Config``: the options plus what the model directory says). Watching it: ``observe.py`` (hooks, events), ``device_clock.py`` (each step on the GPU).
 """
 import importlib
+import os
+
+# Triton fuses a * b + c into one FMA in our kernels: its default through 3.9, and the setting every figure and
+# test here ran under; Triton 3.10 turns the default off, which would change the kernels' float results. A
+# value set outside the engine wins.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 #: What ``from engine import X`` gives, and the module each comes from. They are imported on first use, so that
 #: reading the options (``engine.args``: a command line's flags) does not import torch and the model code.
