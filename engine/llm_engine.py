@@ -8,6 +8,7 @@ step k's tokens are read."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -31,6 +32,16 @@ from engine.sampling.structured import Grammars
 from engine.scheduler import Scheduler, StepOutcome
 from engine.sequence import Sequence, SequenceCounter
 from engine.step_inputs import StepInputs
+
+
+#: 1: nano-vllm's step model with the overlapped decode launches a waiting prefill behind the decode in flight
+PREFILL_AHEAD_ENV = "LAB_PREFILL_AHEAD"
+
+
+def prefill_ahead(config: Config) -> bool:
+    """Whether the scheduler's lookahead may launch a prefill (Scheduler.prefill_ahead): with the overlapped
+    decode, nano-vllm's step model and LAB_PREFILL_AHEAD=1; a lever under measurement, off by default."""
+    return bool(config.overlap and not config.mixed_batches and os.environ.get(PREFILL_AHEAD_ENV) == "1")
 
 
 def step_kind(seqs: list[Sequence], is_prefill: bool) -> str:
@@ -155,6 +166,7 @@ class LLMEngine:
             "fused_ops": self.runner.fused_ops,
             "model": self.runner.model.describe() if self.runner.model is not None else None,   # family, q/k route
             "pdl": self.runner.pdl,
+            "prefill_ahead": prefill_ahead(self.config),     # a waiting prefill launched behind a decode in flight
             "num_kvcache_blocks": self.runner.num_kvcache_blocks,
             "kv_cache": self._kv_cache_info(),
             "memory": self.runner.memory,
@@ -239,6 +251,7 @@ class LLMEngine:
                                           shuffle_blocks=self.config.shuffle_blocks,
                                           enable_prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler_limits(), self.block_manager)
+        self.scheduler.prefill_ahead = prefill_ahead(self.config)
 
     def forward_logits(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, Route]:
         """The logits of a scheduled batch (from schedule()) without sampling, and the route they took;
@@ -443,7 +456,8 @@ class LLMEngine:
         step k's samples) before reading step k's tokens, so the host's bookkeeping for k runs while the
         GPU computes k+1. Returns step k's output; one step may stay in flight between calls. With mixed
         batches step k+1 may also admit prefill chunks, and step k may itself have prefilled; in
-        nano-vllm's step model only decode steps overlap. Any step the lookahead cannot take (see
+        nano-vllm's step model only decode steps overlap, and with prefill_ahead (LAB_PREFILL_AHEAD=1) a decode
+        step k may have the waiting requests' prefill as its step k+1. Any step the lookahead cannot take (see
         Scheduler.schedule_lookahead) runs one by one as in step()."""
         t0 = time.perf_counter()
         prev = self._inflight

@@ -40,6 +40,10 @@ class Scheduler:
         knob = limits.max_consecutive_prefill
         self.max_consecutive_prefill = knob if knob is not None else (1 if self.policy == "balanced" else None)
         self._prefill_run = 0                      # prefill steps since the last decode step
+        # nano-vllm's step model with the overlapped decode: the prefill of requests waiting behind a decode in
+        # flight is launched as the next step, before that decode's tokens are read (LLMEngine sets it from
+        # LAB_PREFILL_AHEAD; off: they wait for the decode's tokens, then prefill one step at a time)
+        self.prefill_ahead = False
         # totals for the service's metrics (vLLM's num_preemptions, prefix_cache_queries / hits, in tokens)
         self.num_preemptions = self.prefix_queries = self.prefix_hits = 0
 
@@ -158,12 +162,15 @@ class Scheduler:
         the step also admits prefill chunks of waiting requests in what is left of the budget (their
         tokens are on the host already). Empty (run the steps one by one) when the lookahead cannot
         take the step: running sequences outside the batch, too few free blocks, a prompt still
-        being chunked in flight, or (nano-vllm's step model) requests waiting.
+        being chunked in flight, or (nano-vllm's step model) requests waiting: then, with prefill_ahead, the
+        step is their prefill (its rows need nothing of the step in flight).
         """
         # the running requests are the in-flight step's (a prompt still being chunked in flight is waiting,
         # not running, and an aborted one is in neither: both break the equality)
-        if set(self.running) != set(inflight) or (self.waiting and not self.mixed):
+        if set(self.running) != set(inflight):
             return [], False
+        if self.waiting and not self.mixed:
+            return self._prefill_behind()
         nxt = [s for s in inflight if not s.is_finished and not self._length_reached(s, ahead=1)]
         bm = self.block_manager
         if len(nxt) > self.max_num_batched_tokens or \
@@ -177,6 +184,18 @@ class Scheduler:
             prefills = self._schedule_prefill(budget=self.max_num_batched_tokens - len(nxt),
                                               seats=self.max_num_seqs - len(nxt), chunk_any=True)
         return nxt + prefills, bool(prefills)
+
+    def _prefill_behind(self) -> tuple[list[Sequence], bool]:
+        """nano-vllm's step model, requests waiting behind a decode in flight: their prefill as the next step
+        (schedule()'s prefill rule, the policy's cap on prefill steps in a row too), or none without
+        prefill_ahead."""
+        cap = self.max_consecutive_prefill
+        if not self.prefill_ahead or (cap is not None and self._prefill_run >= cap):
+            return [], False
+        seqs = self._schedule_prefill()
+        if seqs:
+            self._prefill_run += 1
+        return seqs, bool(seqs)
 
     def _length_reached(self, seq: Sequence, ahead: int = 0) -> bool:
         """Whether seq is at its length limit (max_tokens or max_model_len) with `ahead` more tokens."""

@@ -33,6 +33,8 @@
 #                                     # nano-vllm's step model first
 #   tools/gpu/h200_session.sh b8      # Qwen3-8B's shapes: batch-1 latency with the decode prologue off / on / on without
 #                                     # its prefetch, then the nano-vllm workload off and on
+#   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD off and on in nano-vllm's step model: the prefix-cache A/B on
+#                                     # prefix-repetition and multi-turn (with the TTFT split), then the rate sweep with it on
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -47,7 +49,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8" >&2; exit 2 ;; esac
+case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -259,6 +261,18 @@ ttft_phase() {
   done
   sweep step-model-sweep 120 --no-mixed-batches
   sweep mixed-sweep 120 --mixed-batches
+}
+
+ahead_phase() {
+  for ds in prefix multi-turn; do
+    for mode in 0 1; do
+      step "prefill-ahead-$mode-$ds" 90 env LAB_PREFILL_AHEAD=$mode ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 \
+           DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$mode-$ds"
+    done
+  done
+  step prefill-ahead-1-sweep 120 env LAB_PREFILL_AHEAD=1 $PY -m labkit load --trace workloads/sweep-random.jsonl \
+       --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 $SERVE_ENGINE --no-mixed-batches --offline-baseline \
+       --serve-process --out "$W/runs/prefill-ahead-1-sweep.json"
 }
 
 b8_phase() {
