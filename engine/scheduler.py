@@ -40,12 +40,12 @@ class Scheduler:
         knob = limits.max_consecutive_prefill
         self.max_consecutive_prefill = knob if knob is not None else (1 if self.policy == "balanced" else None)
         self._prefill_run = 0                      # prefill steps since the last decode step
+        # totals for the service's metrics (vLLM's num_preemptions, prefix_cache_queries / hits, in tokens)
+        self.num_preemptions = self.prefix_queries = self.prefix_hits = 0
         # nano-vllm's step model with the overlapped decode: the prefill of requests waiting behind a decode in
         # flight is launched as the next step, before that decode's tokens are read (LLMEngine sets it from
         # LAB_PREFILL_AHEAD; off: they wait for the decode's tokens, then prefill one step at a time)
         self.prefill_ahead = False
-        # totals for the service's metrics (vLLM's num_preemptions, prefix_cache_queries / hits, in tokens)
-        self.num_preemptions = self.prefix_queries = self.prefix_hits = 0
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
