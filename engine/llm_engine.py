@@ -166,7 +166,7 @@ class LLMEngine:
             "fused_ops": self.runner.fused_ops,
             "model": self.runner.model.describe() if self.runner.model is not None else None,   # family, q/k route
             "pdl": self.runner.pdl,
-            "prefill_ahead": prefill_ahead(self.config),     # a waiting prefill launched behind a decode in flight
+            "prefill_ahead": self.scheduler.prefill_ahead,   # a waiting prefill launched behind a decode in flight
             "num_kvcache_blocks": self.runner.num_kvcache_blocks,
             "kv_cache": self._kv_cache_info(),
             "memory": self.runner.memory,
