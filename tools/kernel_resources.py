@@ -80,10 +80,10 @@ def _compiler():
     from triton.runtime.jit import JITFunction
 
     import engine.pdl as pdl
-    from test_sm90_compile import _stand_in_driver
+    from test_sm90_compile import stand_in_driver
 
     calls, errors, targets = [], [], set()
-    _stand_in_driver(calls, errors, targets)
+    stand_in_driver(calls, errors, targets)
     built = []
     compile_only = JITFunction.run
 

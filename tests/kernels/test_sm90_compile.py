@@ -58,9 +58,9 @@ def test_every_kv_cache_kernel_compiles_with_an_fp8_cache(compiled):
 
 
 # -- the compiling process --------------------------------------------------------------------------------------
-def _stand_in_driver(calls: list, errors: list, targets: set) -> None:
+def stand_in_driver(calls: list, errors: list, targets: set) -> None:
     """Triton sees an sm_90 device; every launch compiles and returns without running (its outputs stay
-    whatever torch.empty gave: nothing reads them)."""
+    whatever torch.empty gave: nothing reads them). tools/kernel_resources.py builds through it too."""
     import torch
     from triton.backends.compiler import GPUTarget
     from triton.runtime import driver
@@ -206,7 +206,7 @@ def main() -> None:
     targets: set = set()
     try:
         import engine.pdl as pdl
-        _stand_in_driver(calls, errors, targets)
+        stand_in_driver(calls, errors, targets)
         pdl.launch = lambda t: {"PDL": True, "launch_pdl": True}     # as on Hopper: PDL's waits compiled in
         import engine.attention.triton_kernels as tk
         import torch
