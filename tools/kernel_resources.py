@@ -95,7 +95,7 @@ def _compiler():
     JITFunction.run = keep
     pdl.launch = lambda t: {"PDL": True, "launch_pdl": True}
     import engine.attention.triton_kernels as tk
-    tk._locks[torch.device("cpu")] = torch.zeros(tk.DECODE_LOCKS, dtype=torch.int32)
+    tk.decode_locks(torch.device("cpu"))
     return built, errors
 
 

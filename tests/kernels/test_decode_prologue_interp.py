@@ -228,7 +228,7 @@ def main() -> None:
     from engine.layers import fused_kernels as fk
     from engine.layers.rotary import RotaryEmbedding
 
-    tk._locks[torch.device("cpu")] = torch.zeros(tk.DECODE_LOCKS, dtype=torch.int32)   # the fused reduce's counters
+    tk.decode_locks(torch.device("cpu"))   # the fused reduce's counters
 
     def one(case):
         return run_case(torch, tk, fk, kv_quant, RotaryEmbedding, *case)

@@ -210,7 +210,7 @@ def main() -> None:
         pdl.launch = lambda t: {"PDL": True, "launch_pdl": True}     # as on Hopper: PDL's waits compiled in
         import engine.attention.triton_kernels as tk
         import torch
-        tk._locks[torch.device("cpu")] = torch.zeros(tk.DECODE_LOCKS, dtype=torch.int32)
+        tk.decode_locks(torch.device("cpu"))
         from engine.layers.gemv import gemv
         gemv(torch.empty(1, 64, dtype=torch.bfloat16), torch.empty(16, 64, dtype=torch.bfloat16))
         if errors or not calls:
