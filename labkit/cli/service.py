@@ -31,7 +31,7 @@ SERVE_ENGINE_OPTIONS = ("scheduling_policy", "max_consecutive_prefill", "max_num
                         "kvcache_block_size", "tensor_parallel_size", "dist_init", "shm_name")
 LOAD_ENGINE_OPTIONS = ("scheduling_policy", "max_consecutive_prefill", "max_num_batched_tokens", "max_num_seqs",
                        "max_model_len", "gpu_memory_utilization", "enforce_eager", "attention_backend", "device",
-                       "tensor_parallel_size", "enable_prefix_caching", "mixed_batches", "overlap")
+                       "tensor_parallel_size", "enable_prefix_caching", "mixed_batches", "overlap", "kv_cache_dtype")
 
 
 def _endpoints(text: str | None) -> list[str]:

@@ -202,7 +202,7 @@ def start_server_process(lo: LoadOptions, log_dir: Path):
     extra = ("--max-active", str(w.max_active), "--queue-size", str(w.queue_size), "--scheduling-policy",
              e.scheduling_policy, "--enable-prefix-caching" if e.enable_prefix_caching else "--no-enable-prefix-caching",
              "--mixed-batches" if e.mixed_batches else "--no-mixed-batches",
-             "--worker-id", w.worker_id)
+             "--kv-cache-dtype", e.kv_cache_dtype, "--worker-id", w.worker_id)
     model = str(resolve_model(e.model, device).path)
     return ServerProcess.start(model, device, e.attention_backend, settings, log_dir / "server.jsonl",
                                log_dir / "server.out", engine_process=device.startswith("cuda"), extra_args=extra)

@@ -35,6 +35,13 @@
 #                                     # its prefetch, then the nano-vllm workload off and on
 #   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD off and on in nano-vllm's step model: the prefix-cache A/B on
 #                                     # prefix-repetition and multi-turn (with the TTFT split), then the rate sweep with it on
+#   tools/gpu/h200_session.sh decide  # the figures the defaults are judged by, in one call: the kv-fp8 guard, nano-vllm on
+#                                     # bf16 and e4m3 and on BEFORE's bf16, batch-1 latency with the decode prologue off /
+#                                     # on and on BEFORE, the bf16 baseline and graph guards with the prologue on, its step
+#                                     # budget at batch 1
+#   tools/gpu/h200_session.sh sweeps  # serving's capacity levers: nano-vllm's step model's rate sweep on the bf16 and the
+#                                     # e4m3 cache, LAB_PREFILL_AHEAD off / on on prefix-repetition, the mixed-step sweep
+#                                     # under a 2048-token step budget (vLLM's chunked-prefill default for serving)
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -49,7 +56,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead" >&2; exit 2 ;; esac
+case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -250,6 +257,42 @@ levers_phase() {     # fp8's and batch1's steps that decide the two defaults, fo
        --kv-cache-dtype fp8 --out "$W/runs/before-nano-vllm-fp8.json"
   step step-budget-b1-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget \
        --batch 1 --out "$W/runs/step-budget-b1-prologue-1.json"
+}
+
+decide_phase() {     # BEFORE here is the tree the defaults are held to (bf16 within 2% of it)
+  step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
+       --attention triton --out "$W/runs/guard-kv-fp8.json"
+  step nano-vllm-bf16 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-bf16.json"
+  step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 \
+       --out "$W/runs/nano-vllm-fp8.json"
+  step before-nano-vllm-bf16 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 \
+       --out "$W/runs/before-nano-vllm-bf16.json"
+  for mode in 0 1; do
+    step "latency-b1-prologue-$mode" 40 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload latency \
+         --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-b1-prologue-$mode.json"
+  done
+  step before-latency-b1 45 before $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton \
+       --out "$W/runs/before-latency-b1.json"
+  step guard-bf16-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit logits guard --suite baseline --dtype bfloat16 \
+       --device cuda --attention triton --out "$W/runs/guard-bf16-prologue-1.json"
+  step guard-graph-prologue-1 60 env LAB_DECODE_PROLOGUE=1 $PY -m labkit logits guard --suite graph --dtype bfloat16 \
+       --device cuda --attention triton --out "$W/runs/guard-graph-prologue-1.json"
+  step step-budget-b1-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget \
+       --batch 1 --out "$W/runs/step-budget-b1-prologue-1.json"
+}
+
+sweeps_phase() {
+  sweep step-model-sweep 120 --no-mixed-batches
+  step step-model-sweep-fp8 120 $PY -m labkit load --trace workloads/sweep-random.jsonl --request-rates 8,16,32,64,128,inf \
+       --goodput ttft:1000,tpot:50 $SERVE_ENGINE --no-mixed-batches --kv-cache-dtype fp8 --offline-baseline --serve-process \
+       --out "$W/runs/step-model-sweep-fp8.json"
+  for mode in 0 1; do
+    step "prefill-ahead-$mode-prefix" 90 env LAB_PREFILL_AHEAD=$mode ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 \
+         DATASETS=prefix tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$mode-prefix"
+  done
+  step mixed-sweep-2048 120 $PY -m labkit load --trace workloads/sweep-random.jsonl --request-rates 8,16,32,64,128,inf \
+       --goodput ttft:1000,tpot:50 ${SERVE_ENGINE/16384/2048} --mixed-batches --offline-baseline --serve-process \
+       --out "$W/runs/mixed-sweep-2048.json"
 }
 
 ttft_phase() {

@@ -213,9 +213,11 @@ def test_the_served_sweep_starts_labkit_serve_with_the_sweeps_engine_options(tmp
     monkeypatch.setattr(server_process.ServerProcess, "start",
                         classmethod(lambda cls, *a, **kw: seen.update(args=a, kw=kw)))
     worker = WorkerConfig(model=str(tiny_model_dir), device="cpu", attention_backend="torch", max_num_seqs=3,
-                          max_model_len=256)
+                          max_model_len=256, kv_cache_dtype="fp8")
     sweep.start_server_process(LoadOptions(trace=tmp_path / "t.jsonl", out=tmp_path / "o.json", worker=worker), tmp_path)
     _, device, attention, settings = seen["args"][:4]
     assert (device, attention) == ("cpu", "torch"), seen
+    extra = list(seen["kw"]["extra_args"])
+    assert extra[extra.index("--kv-cache-dtype") + 1] == "fp8", extra
     assert (settings["max_num_seqs"], settings["max_model_len"]) == (3, 256), settings
     assert seen["kw"]["engine_process"] is False
