@@ -8,6 +8,7 @@ step k's tokens are read."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import time
 from collections import Counter
@@ -34,13 +35,15 @@ from engine.sequence import Sequence, SequenceCounter
 from engine.step_inputs import StepInputs
 
 
-#: 1: nano-vllm's step model with the overlapped decode launches a waiting prefill behind the decode in flight
+#: 1: nano-vllm's step model with the overlapped decode launches a waiting prefill behind the decode in flight,
+#: and the decode after a prefill behind that prefill
 PREFILL_AHEAD_ENV = "LAB_PREFILL_AHEAD"
 
 
 def prefill_ahead(config: Config) -> bool:
-    """Whether the scheduler's lookahead may launch a prefill (Scheduler.prefill_ahead): with the overlapped
-    decode, nano-vllm's step model and LAB_PREFILL_AHEAD=1; a lever under measurement, off by default."""
+    """Whether the scheduler's lookahead may launch a prefill, or a decode behind one (Scheduler.prefill_ahead):
+    with the overlapped decode, nano-vllm's step model and LAB_PREFILL_AHEAD=1; a lever under measurement, off
+    by default."""
     return bool(config.overlap and not config.mixed_batches and os.environ.get(PREFILL_AHEAD_ENV) == "1")
 
 
@@ -379,16 +382,17 @@ class LLMEngine:
         seqs, is_prefill, _ = self._schedule_step()
         return seqs, is_prefill
 
-    def _schedule_step(self, after: list[Sequence] | None = None) -> tuple[list[Sequence], bool, list[tuple[int, int]]]:
-        """The next batch from the scheduler (after: the decode batch still in flight, whose next step
-        is scheduled ahead: Scheduler.schedule_lookahead), counted as a step and announced to the hooks
+    def _schedule_step(self, after: list[Sequence] | None = None,
+                       after_prefill: bool = False) -> tuple[list[Sequence], bool, list[tuple[int, int]]]:
+        """The next batch from the scheduler (after: the batch still in flight, a prefill with after_prefill,
+        whose next step is scheduled ahead: Scheduler.schedule_lookahead), counted as a step and announced to the hooks
         and the events. Returns it with its (seq_id, positions computed) list, built once: the hooks,
         the events and the StepOutput all take this one."""
         with self.hooks.phase("schedule", self.num_steps + 1):
             if after is None:
                 seqs, is_prefill = self.scheduler.schedule()
             else:
-                seqs, is_prefill = self.scheduler.schedule_lookahead(after)
+                seqs, is_prefill = self.scheduler.schedule_lookahead(after, after_prefill)
         if not seqs:
             return seqs, is_prefill, []
         self.num_steps += 1
@@ -457,7 +461,7 @@ class LLMEngine:
         GPU computes k+1. Returns step k's output; one step may stay in flight between calls. With mixed
         batches step k+1 may also admit prefill chunks, and step k may itself have prefilled; in
         nano-vllm's step model only decode steps overlap, and with prefill_ahead (LAB_PREFILL_AHEAD=1) a decode
-        step k may have the waiting requests' prefill as its step k+1. Any step the lookahead cannot take (see
+        step k may have the waiting requests' prefill as its step k+1, and a prefill step k the decode after it. Any step the lookahead cannot take (see
         Scheduler.schedule_lookahead) runs one by one as in step()."""
         t0 = time.perf_counter()
         prev = self._inflight
@@ -467,14 +471,15 @@ class LLMEngine:
             if not seqs:
                 return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
             prev = self._launch(seqs, is_prefill, batch)
-        if (self.scheduler.mixed or not prev.is_prefill) and \
+        if (self.scheduler.mixed or not prev.is_prefill or self.scheduler.prefill_ahead) and \
                 not any(s.sampling_params.needs_history(s.num_completion_tokens) for s in prev.seqs):
             # (penalties, min_tokens and a grammar's mask read the token still in flight: those batches run
             # one by one; the other requests of such a batch keep going, one step per call)
-            nxt, is_prefill, batch = self._schedule_step(after=prev.seqs)
+            nxt, is_prefill, batch = self._schedule_step(after=prev.seqs, after_prefill=prev.is_prefill)
             if nxt:
-                decodes = [s for s in nxt if s.decoding]
-                feed = self._feed(prev, decodes) if decodes else None
+                in_prev = {s.seq_id for s in prev.seqs}     # the decode rows the device feeds lead the batch
+                fed = list(itertools.takewhile(lambda s: s.decoding and s.seq_id in in_prev, nxt))
+                feed = self._feed(prev, fed) if fed else None
                 self._inflight = self._launch(nxt, is_prefill, batch, feed)
         t_wait = time.perf_counter()
         token_ids = prev.tokens.tolist()

@@ -266,7 +266,7 @@ class ModelRunner:
             if feed is None:
                 inputs = self.inputs.prepare(seqs, is_prefill)
             else:
-                inputs = self.inputs.to_inputs(self.inputs.plan_ahead(seqs))
+                inputs = self.inputs.to_inputs(self.inputs.plan_ahead(seqs, fed=feed.shape[0]))
                 inputs.input_ids[:feed.shape[0]].copy_(feed)
             if self.workers is not None:
                 self.workers.send("run", inputs.plan)   # the other ranks replay the same forward

@@ -153,7 +153,7 @@ class Scheduler:
             self.running.extendleft(reversed(scheduled))
         return scheduled
 
-    def schedule_lookahead(self, inflight: list[Sequence]) -> tuple[list[Sequence], bool]:
+    def schedule_lookahead(self, inflight: list[Sequence], inflight_prefill: bool = False) -> tuple[list[Sequence], bool]:
         """The step after `inflight` (a step whose tokens are not on the host yet), and whether it prefills.
 
         Its decode rows are the in-flight sequences that end their prompt or decode in that step and will
@@ -163,8 +163,11 @@ class Scheduler:
         tokens are on the host already). Empty (run the steps one by one) when the lookahead cannot
         take the step: running sequences outside the batch, too few free blocks, a prompt still
         being chunked in flight, or (nano-vllm's step model) requests waiting: then, with prefill_ahead, the
-        step is their prefill (its rows need nothing of the step in flight).
+        step is their prefill (its rows need nothing of the step in flight). With prefill_ahead, a prefill in
+        flight (inflight_prefill) may have the decode after it launched behind it (_behind_prefill).
         """
+        if inflight_prefill and not self.mixed:
+            return self._behind_prefill(inflight) if self.prefill_ahead else ([], False)
         # the running requests are the in-flight step's (a prompt still being chunked in flight is waiting,
         # not running, and an aborted one is in neither: both break the equality)
         if set(self.running) != set(inflight):
@@ -196,6 +199,37 @@ class Scheduler:
         if seqs:
             self._prefill_run += 1
         return seqs, bool(seqs)
+
+    def _behind_prefill(self, inflight: list[Sequence]) -> tuple[list[Sequence], bool]:
+        """nano-vllm's step model, a prefill in flight whose prompts all end in it, and schedule() would
+        decode next (nothing waiting, or the policy's cap on prefills in a row reached): that decode of every
+        running request, launched before the prefill's tokens are read. The in-flight prefill's rows come
+        first, one position ahead (their first token is fed on the device), then the others, whose last
+        token is on the host. Empty (one by one) where requests wait (their prefill waits for the one in
+        flight to register its blocks in the prefix cache), that decode would need a preemption or pass
+        max_num_seqs, or a prompt in flight is still being chunked or was aborted."""
+        running = set(self.running)
+        if not all(s in running for s in inflight):
+            return [], False
+        cap = self.max_consecutive_prefill
+        if self.waiting and (cap is None or self._prefill_run < cap):
+            return [], False
+        fed = [s for s in inflight if not self._length_reached(s, ahead=1)]
+        ids = {s.seq_id for s in inflight}
+        rest = [s for s in self.running if s.seq_id not in ids]
+        bm = self.block_manager
+        if len(fed) + len(rest) > self.max_num_seqs or sum(bm.blocks_needed_to_append(s, ahead=1) for s in fed) + \
+                sum(bm.blocks_needed_to_append(s) for s in rest) > bm.num_free_blocks:
+            return [], False
+        for s in fed:
+            bm.may_append(s, ahead=1)
+            s.decoding = True
+        for s in rest:
+            bm.may_append(s)
+            s.num_scheduled_tokens = 1
+            s.decoding = True
+        self._prefill_run = 0
+        return fed + rest, False
 
     def _length_reached(self, seq: Sequence, ahead: int = 0) -> bool:
         """Whether seq is at its length limit (max_tokens or max_model_len) with `ahead` more tokens."""

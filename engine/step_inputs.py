@@ -103,24 +103,28 @@ class InputBuilder:
         return StepPlan(True, input_ids, positions, slots, lens_q, lens_k, block_tables=self._padded_tables(seqs),
                         context_lens=lens_k[:decodes] if decodes else None, num_decodes=decodes)
 
-    def plan_decode(self, seqs: list[Sequence], ahead: int = 0) -> StepPlan:
-        """ahead=1: one position further than the host's token lists (the previous step is in flight;
-        its tokens are fed on the device, the input ids here are placeholders)."""
+    def plan_decode(self, seqs: list[Sequence], ahead: int = 0, fed: int | None = None) -> StepPlan:
+        """ahead=1: the leading `fed` rows (default: all) one position further than the host's token lists
+        (the previous step is in flight; their tokens are fed on the device, their input ids here are
+        placeholders); the rows after them read their last token from the host."""
         bs = self.block_size
-        context_lens = [s.num_tokens + ahead for s in seqs]
+        fed = len(seqs) if fed is None or not ahead else fed
+        context_lens = [s.num_tokens + (ahead if i < fed else 0) for i, s in enumerate(seqs)]
         slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, context_lens)]
-        ids = [s.token_ids[-1] for s in seqs] if not ahead else [0] * len(seqs)
+        ids = [0 if i < fed and ahead else s.token_ids[-1] for i, s in enumerate(seqs)]
         return StepPlan(False, ids, [n - 1 for n in context_lens], slots,
                         [1] * len(seqs), context_lens, block_tables=self._padded_tables(seqs),
                         context_lens=context_lens)
 
-    def plan_ahead(self, seqs: list[Sequence]) -> StepPlan:
+    def plan_ahead(self, seqs: list[Sequence], fed: int | None = None) -> StepPlan:
         """A step launched while the previous one is in flight: its leading decode rows
         (``Sequence.decoding``) are planned as plan_decode(ahead=1), placeholders for the ids the device
-        feeds; the prefill chunks after them (a mixed step) as plan_prefill plans them."""
+        feeds; the prefill chunks after them (a mixed step) as plan_prefill plans them. fed: how many of
+        the decode rows the device feeds (default: all); the decode rows after them (a decode launched
+        behind a prefill: Scheduler._behind_prefill) are planned from the host's token lists."""
         d = next((i for i, s in enumerate(seqs) if not s.decoding), len(seqs))
         if d == len(seqs):
-            return self.plan_decode(seqs, ahead=1)
+            return self.plan_decode(seqs, ahead=1, fed=fed)
         chunks = self.plan_prefill(seqs[d:])
         if not d:
             return chunks

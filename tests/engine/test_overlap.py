@@ -83,31 +83,34 @@ def test_overlap_refuses_tensor_parallel(tiny_model_dir):
 
 def arrivals(build, ahead: bool, monkeypatch, overlap: bool = True):
     """Requests arriving while others decode, two before every third step() call: each request's tokens and
-    finish, the step() calls that returned with a prefill in flight, and whether every block came back."""
+    finish, the step() calls that returned with a prefill in flight, those that returned a prefill's tokens with
+    the decode after it in flight, and whether every block came back."""
     monkeypatch.setenv("LAB_PREFILL_AHEAD", "1" if ahead else "0")
     engine = build(overlap=overlap, **KW)
     assert engine.describe()["prefill_ahead"] is (ahead and overlap)
     prompts, params = workload(8)
-    seqs, calls, prefill_in_flight = [], 0, 0
+    seqs, calls, prefill_in_flight, decode_behind = [], 0, 0, 0
     while len(seqs) < len(prompts) or not engine.is_finished():
         if calls % 3 == 0 and len(seqs) < len(prompts):
             seqs += [engine.add_request(p, sp) for p, sp in
                      zip(prompts[len(seqs):len(seqs) + 2], params[len(seqs):len(seqs) + 2])]
-        engine.step()
+        out = engine.step()
         calls += 1
         prefill_in_flight += engine._inflight is not None and engine._inflight.is_prefill
+        decode_behind += out.is_prefill and engine._inflight is not None and not engine._inflight.is_prefill
     out = [(list(s.completion_token_ids), s.finish_reason) for s in seqs]
     free = engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     engine.close()
-    return out, prefill_in_flight, free
+    return out, (prefill_in_flight, decode_behind), free
 
 
 def test_prefill_ahead_launches_waiting_prefills_behind_a_decode_and_keeps_the_tokens(tiny_engine, monkeypatch):
     """LAB_PREFILL_AHEAD=1 (nano-vllm's step model, overlapped decode): a request that arrives while a decode is in
-    flight has its prefill launched behind it, before that decode's tokens are read; the greedy tokens are those
-    of one step at a time, and of the overlap without it."""
+    flight has its prefill launched behind it, before that decode's tokens are read, and the decode after a
+    prefill (the prefill's rows fed on the device, the others' ids from the host) behind the prefill; the greedy
+    tokens are those of one step at a time, and of the overlap without it."""
     sync, none_sync, free_sync = arrivals(tiny_engine, True, monkeypatch, overlap=False)
     plain, none_plain, free_plain = arrivals(tiny_engine, False, monkeypatch)
     ahead, launched, free_ahead = arrivals(tiny_engine, True, monkeypatch)
     assert ahead == plain == sync and free_sync and free_plain and free_ahead
-    assert none_sync == none_plain == 0 and launched >= 2
+    assert none_sync == none_plain == (0, 0) and launched[0] >= 2 and launched[1] >= 2, launched

@@ -39,9 +39,9 @@
 #                                     # bf16 and e4m3 and on BEFORE's bf16, batch-1 latency with the decode prologue off /
 #                                     # on and on BEFORE, the bf16 baseline and graph guards with the prologue on, its step
 #                                     # budget at batch 1
-#   tools/gpu/h200_session.sh sweeps  # serving's capacity levers: nano-vllm's step model's rate sweep on the bf16 and the
-#                                     # e4m3 cache, LAB_PREFILL_AHEAD off / on on prefix-repetition, the mixed-step sweep
-#                                     # under a 2048-token step budget (vLLM's chunked-prefill default for serving)
+#   tools/gpu/h200_session.sh sweeps  # serving's capacity levers: nano-vllm's step model's rate sweep, with
+#                                     # LAB_PREFILL_AHEAD=1, on the e4m3 cache; LAB_PREFILL_AHEAD off / on on
+#                                     # prefix-repetition; the mixed-step sweep under a 2048-token step budget
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -283,6 +283,9 @@ decide_phase() {     # BEFORE here is the tree the defaults are held to (bf16 wi
 
 sweeps_phase() {
   sweep step-model-sweep 120 --no-mixed-batches
+  step prefill-ahead-1-sweep 120 env LAB_PREFILL_AHEAD=1 $PY -m labkit load --trace workloads/sweep-random.jsonl \
+       --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 $SERVE_ENGINE --no-mixed-batches --offline-baseline \
+       --serve-process --out "$W/runs/prefill-ahead-1-sweep.json"
   step step-model-sweep-fp8 120 $PY -m labkit load --trace workloads/sweep-random.jsonl --request-rates 8,16,32,64,128,inf \
        --goodput ttft:1000,tpot:50 $SERVE_ENGINE --no-mixed-batches --kv-cache-dtype fp8 --offline-baseline --serve-process \
        --out "$W/runs/step-model-sweep-fp8.json"
