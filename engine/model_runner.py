@@ -37,20 +37,21 @@ from engine.sequence import Sequence
 from engine.step_inputs import InputBuilder, StepInputs
 from engine.warmup import CompileWatch, graph_buckets, profile_run, warm_paths
 
-#: 1: decode steps take the decode prologue with its first tile prefetched; noprefetch: without (decode_prologue_mode)
+#: unset or 1: decode steps take the decode prologue with its first tile prefetched; noprefetch: without; 0: off
+#: (decode_prologue_mode)
 DECODE_PROLOGUE_ENV = "LAB_DECODE_PROLOGUE"
 DECODE_PROLOGUE_MODES = {"1": "prefetch", "noprefetch": "plain"}
 
 
 def decode_prologue_mode(config: Config, attention_backend: str) -> str:
-    """How an engine with fused ops takes the decode prologue (triton_kernels.NewTokens): "" (off) unless
-    LAB_DECODE_PROLOGUE is 1 ("prefetch": each split's first K/V tile read before the PDL wait) or noprefetch
-    ("plain"): a lever under measurement, one kernel fewer per layer and decode step. The Triton backend only,
-    and nano-vllm's step model only: with mixed batches a step's decode rows keep the plain decode kernel, whose
-    compiled variants the warm-up then meets."""
+    """How an engine with fused ops takes the decode prologue (triton_kernels.NewTokens), one kernel fewer per
+    layer and decode step: "prefetch" (each split's first K/V tile read before the PDL wait) unless
+    LAB_DECODE_PROLOGUE says noprefetch ("plain": read after it) or 0 ("": off, the q/k norm + RoPE + store
+    kernel before the decode kernel). The Triton backend only, and nano-vllm's step model only: with mixed
+    batches a step's decode rows keep the plain decode kernel, whose compiled variants the warm-up then meets."""
     if attention_backend != "triton" or config.mixed_batches:
         return ""
-    return DECODE_PROLOGUE_MODES.get(os.environ.get(DECODE_PROLOGUE_ENV, ""), "")
+    return DECODE_PROLOGUE_MODES.get(os.environ.get(DECODE_PROLOGUE_ENV, "1"), "")
 
 
 @contextmanager

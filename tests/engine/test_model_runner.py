@@ -60,16 +60,17 @@ def test_slots_of_a_span_are_the_per_position_slots(tiny_engine):
     engine.close()
 
 
-def test_the_decode_prologue_is_on_only_when_asked_on_triton_in_the_step_model(monkeypatch):
-    """LAB_DECODE_PROLOGUE=1 turns the decode prologue on for the Triton backend in nano-vllm's step model; unset,
-    another backend or mixed batches keep the plain route."""
+def test_the_decode_prologue_is_on_by_default_on_triton_in_the_step_model(monkeypatch):
+    """The Triton backend in nano-vllm's step model takes the decode prologue with its prefetch unless
+    LAB_DECODE_PROLOGUE says noprefetch or 0; another backend or mixed batches keep the plain route."""
     from types import SimpleNamespace
 
     from engine.model_runner import DECODE_PROLOGUE_ENV, decode_prologue_mode
 
     step_model, mixed = SimpleNamespace(mixed_batches=False), SimpleNamespace(mixed_batches=True)
     monkeypatch.delenv(DECODE_PROLOGUE_ENV, raising=False)
-    assert decode_prologue_mode(step_model, "triton") == ""
+    assert decode_prologue_mode(step_model, "triton") == "prefetch"
+    assert decode_prologue_mode(mixed, "triton") == ""
     monkeypatch.setenv(DECODE_PROLOGUE_ENV, "1")
     assert decode_prologue_mode(step_model, "triton") == "prefetch"
     assert decode_prologue_mode(step_model, "flash_attn") == decode_prologue_mode(step_model, "torch") == ""

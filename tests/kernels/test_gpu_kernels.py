@@ -621,8 +621,8 @@ def test_decode_prologue_matches_qk_norm_rope_then_decode(batch, cache):
 
 def test_graph_decode_through_the_prologue_matches_eager(kernel_engine, gpu_model_dir, monkeypatch):
     """LAB_DECODE_PROLOGUE=1: the decode graphs capture the decode prologue (the model says so) and replay the
-    logits of the plain route, eager."""
-    monkeypatch.delenv("LAB_DECODE_PROLOGUE", raising=False)
+    logits of the plain route (LAB_DECODE_PROLOGUE=0), eager."""
+    monkeypatch.setenv("LAB_DECODE_PROLOGUE", "0")
     graph_decode_matches_eager(kernel_engine, gpu_model_dir, "triton", 150000,
                                before_graph=lambda: monkeypatch.setenv("LAB_DECODE_PROLOGUE", "1"))
     eng = kernel_engine(gpu_model_dir, device="cuda", dtype="float32", attention_backend="triton", max_num_seqs=4,
