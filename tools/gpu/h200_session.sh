@@ -206,13 +206,17 @@ mixed_phase() {
        MODEL_DIR=$MODEL_DIR tools/prefix_cache_ab.sh "$W/runs/before-mixed-multi-turn"
 }
 
-fp8_phase() {       # the FP8 knobs (engine/attention/splits.py's DECODE_FP8_*) against BEFORE's (the bf16 knobs)
-  step pytest-gpu-fp8 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kv_fp8.py
+fp8_pair() {        # the kv-fp8 guard, then the nano-vllm workload on the bf16 and on the e4m3 cache
   step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
        --attention triton --out "$W/runs/guard-kv-fp8.json"
   step nano-vllm-bf16 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-bf16.json"
   step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 \
        --out "$W/runs/nano-vllm-fp8.json"
+}
+
+fp8_phase() {       # the FP8 knobs (engine/attention/splits.py's DECODE_FP8_*) against BEFORE's (the bf16 knobs)
+  step pytest-gpu-fp8 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kv_fp8.py
+  fp8_pair
   step before-nano-vllm-fp8 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 \
        --kv-cache-dtype fp8 --out "$W/runs/before-nano-vllm-fp8.json"
   step step-budget-fp8 60 $PY -m labkit bench --workload step-budget --kv-cache-dtype fp8 --out "$W/runs/step-budget-fp8.json"
@@ -242,11 +246,7 @@ batch1_phase() {     # one lever at a time: the decode prologue off (0), on with
 levers_phase() {     # fp8's and batch1's steps that decide the two defaults, for a lease that may hold one call
   step pytest-gpu-levers 90 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kv_fp8.py \
        tests/kernels/test_gpu_kernels.py -k "fp8 or prologue or batch1 or graph_decode_matches_eager"
-  step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
-       --attention triton --out "$W/runs/guard-kv-fp8.json"
-  step nano-vllm-bf16 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-bf16.json"
-  step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 \
-       --out "$W/runs/nano-vllm-fp8.json"
+  fp8_pair
   for mode in 0 1 noprefetch; do
     step "latency-b1-prologue-$mode" 40 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload latency \
          --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-b1-prologue-$mode.json"
@@ -260,11 +260,7 @@ levers_phase() {     # fp8's and batch1's steps that decide the two defaults, fo
 }
 
 decide_phase() {     # BEFORE here is the tree the defaults are held to (bf16 within 2% of it)
-  step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
-       --attention triton --out "$W/runs/guard-kv-fp8.json"
-  step nano-vllm-bf16 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-bf16.json"
-  step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 \
-       --out "$W/runs/nano-vllm-fp8.json"
+  fp8_pair
   step before-nano-vllm-bf16 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 \
        --out "$W/runs/before-nano-vllm-bf16.json"
   for mode in 0 1; do
