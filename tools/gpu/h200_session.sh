@@ -52,7 +52,8 @@
 # manylinux2014_x86_64 -d DIR`). A step is skipped, and says so, when its estimate would pass the budget.
 # Everything a phase writes (logs, evidence JSON, pictures) is packed into $OUT/evidence-PHASE.tgz after each step,
 # so what ran comes back even if the call is cut short; $OUT/steps-PHASE.txt is the summary. The check phase also
-# leaves the flash-attn wheel it built in $OUT (carry it into .gpu/wheels to skip the build next time).
+# builds flash-attn from .gpu/wheels/flash_attn-2.8.3.tar.gz (an ignored folder: carry .gpu/wheels, or the build
+# stops at once) and leaves the wheel it built in $OUT (put it in .gpu/wheels to skip the build next time).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
