@@ -71,3 +71,32 @@ def test_piecewise_graphs_in_bf16_with_overlap(tiny_engine):
     assert routes.count("mixed-graph") >= 3 and "mixed" in kinds
     assert all(len(o) == 16 for o in out)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_prefill_ahead_replays_graphs_with_the_eager_tokens(tiny_engine, monkeypatch):
+    """LAB_PREFILL_AHEAD=1, nano-vllm's step model, graphs and the overlapped decode: prefills launched behind a decode
+    in flight, and decodes behind a prefill (the prefill's rows fed on the device, the other running requests' ids
+    from the host, replayed through the decode graphs), give the eager engine's greedy tokens, one step at a time."""
+    prompts, at = _workload()
+    sp = SamplingParams(max_tokens=12, **GREEDY)
+    opts = dict(device="cuda", dtype="float32", attention_backend="triton", kvcache_block_size=16,
+                max_num_batched_tokens=256, max_model_len=512, max_num_seqs=16, mixed_batches=False,
+                num_kvcache_blocks=256)
+    eager, _ = _arrivals(tiny_engine(enforce_eager=True, **opts), prompts, at, sp)
+    monkeypatch.setenv("LAB_PREFILL_AHEAD", "1")
+    engine = tiny_engine(enforce_eager=False, overlap=True, **opts)
+    assert engine.describe()["prefill_ahead"] is True
+    behind, real = [], engine.scheduler._behind_prefill
+
+    def spy(inflight):
+        seqs, is_prefill = real(inflight)
+        behind.append(sum(s not in inflight for s in seqs))      # rows whose ids come from the host
+        return seqs, is_prefill
+
+    engine.scheduler._behind_prefill = spy
+    routes: list = []
+    _spy(engine, routes, 1e-4)
+    ahead, _ = _arrivals(engine, prompts, at, sp)
+    assert any(behind) and "graph" in routes, (behind, routes)
+    assert ahead == eager
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
