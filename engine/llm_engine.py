@@ -385,8 +385,8 @@ class LLMEngine:
     def _schedule_step(self, after: list[Sequence] | None = None,
                        after_prefill: bool = False) -> tuple[list[Sequence], bool, list[tuple[int, int]]]:
         """The next batch from the scheduler (after: the batch still in flight, a prefill with after_prefill,
-        whose next step is scheduled ahead: Scheduler.schedule_lookahead), counted as a step and announced to the hooks
-        and the events. Returns it with its (seq_id, positions computed) list, built once: the hooks,
+        whose next step is scheduled ahead: Scheduler.schedule_lookahead), counted as a step and announced to
+        the hooks and the events. Returns it with its (seq_id, positions computed) list, built once: the hooks,
         the events and the StepOutput all take this one."""
         with self.hooks.phase("schedule", self.num_steps + 1):
             if after is None:
@@ -461,8 +461,8 @@ class LLMEngine:
         GPU computes k+1. Returns step k's output; one step may stay in flight between calls. With mixed
         batches step k+1 may also admit prefill chunks, and step k may itself have prefilled; in
         nano-vllm's step model only decode steps overlap, and with prefill_ahead (LAB_PREFILL_AHEAD=1) a decode
-        step k may have the waiting requests' prefill as its step k+1, and a prefill step k the decode after it. Any step the lookahead cannot take (see
-        Scheduler.schedule_lookahead) runs one by one as in step()."""
+        step k may have the waiting requests' prefill as its step k+1, and a prefill step k the decode after it.
+        Any step the lookahead cannot take (see Scheduler.schedule_lookahead) runs one by one as in step()."""
         t0 = time.perf_counter()
         prev = self._inflight
         self._inflight = None
@@ -477,9 +477,11 @@ class LLMEngine:
             # one by one; the other requests of such a batch keep going, one step per call)
             nxt, is_prefill, batch = self._schedule_step(after=prev.seqs, after_prefill=prev.is_prefill)
             if nxt:
-                in_prev = {s.seq_id for s in prev.seqs}     # the decode rows the device feeds lead the batch
-                fed = list(itertools.takewhile(lambda s: s.decoding and s.seq_id in in_prev, nxt))
-                feed = self._feed(prev, fed) if fed else None
+                decodes = [s for s in nxt if s.decoding]
+                if prev.is_prefill and not self.scheduler.mixed:   # a decode behind a prefill: the device feeds
+                    in_prev = {s.seq_id for s in prev.seqs}         # the prefill's rows, which lead the batch
+                    decodes = list(itertools.takewhile(lambda s: s.seq_id in in_prev, decodes))
+                feed = self._feed(prev, decodes) if decodes else None
                 self._inflight = self._launch(nxt, is_prefill, batch, feed)
         t_wait = time.perf_counter()
         token_ids = prev.tokens.tolist()

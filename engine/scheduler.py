@@ -153,7 +153,8 @@ class Scheduler:
             self.running.extendleft(reversed(scheduled))
         return scheduled
 
-    def schedule_lookahead(self, inflight: list[Sequence], inflight_prefill: bool = False) -> tuple[list[Sequence], bool]:
+    def schedule_lookahead(self, inflight: list[Sequence],
+                           inflight_prefill: bool = False) -> tuple[list[Sequence], bool]:
         """The step after `inflight` (a step whose tokens are not on the host yet), and whether it prefills.
 
         Its decode rows are the in-flight sequences that end their prompt or decode in that step and will
