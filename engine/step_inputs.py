@@ -109,9 +109,13 @@ class InputBuilder:
         placeholders); the rows after them read their last token from the host."""
         bs = self.block_size
         fed = len(seqs) if fed is None or not ahead else fed
-        context_lens = [s.num_tokens + (ahead if i < fed else 0) for i, s in enumerate(seqs)]
+        if fed == len(seqs):
+            context_lens = [s.num_tokens + ahead for s in seqs]
+            ids = [s.token_ids[-1] for s in seqs] if not ahead else [0] * len(seqs)
+        else:                # a decode behind a prefill: the fed rows lead, one position ahead
+            context_lens = [s.num_tokens + ahead for s in seqs[:fed]] + [s.num_tokens for s in seqs[fed:]]
+            ids = [0] * fed + [s.token_ids[-1] for s in seqs[fed:]]
         slots = [s.block_table[(n - 1) // bs] * bs + (n - 1) % bs for s, n in zip(seqs, context_lens)]
-        ids = [0 if i < fed and ahead else s.token_ids[-1] for i, s in enumerate(seqs)]
         return StepPlan(False, ids, [n - 1 for n in context_lens], slots,
                         [1] * len(seqs), context_lens, block_tables=self._padded_tables(seqs),
                         context_lens=context_lens)
