@@ -43,8 +43,8 @@ class Scheduler:
         # totals for the service's metrics (vLLM's num_preemptions, prefix_cache_queries / hits, in tokens)
         self.num_preemptions = self.prefix_queries = self.prefix_hits = 0
         # nano-vllm's step model with the overlapped decode: the prefill of requests waiting behind a decode in
-        # flight is launched as the next step, before that decode's tokens are read (LLMEngine sets it from
-        # LAB_PREFILL_AHEAD; off: they wait for the decode's tokens, then prefill one step at a time)
+        # flight is launched as the next step, before that decode's tokens are read, and the decode after a
+        # prefill behind it (LLMEngine sets it from LAB_PREFILL_AHEAD; off: each waits for the tokens in flight)
         self.prefill_ahead = False
 
     def is_finished(self) -> bool:
@@ -58,8 +58,7 @@ class Scheduler:
         """The step's sequences (decodes first in a mixed step) and whether any of them prefills."""
         if self.mixed:
             return self._schedule_mixed()
-        cap = self.max_consecutive_prefill
-        if cap is not None and self._prefill_run >= cap and self.running:
+        if self._prefill_capped() and self.running:
             order = (False, True)          # enough prefills in a row: decode gets this turn
         else:
             order = (True, False)
@@ -193,8 +192,7 @@ class Scheduler:
         """nano-vllm's step model, requests waiting behind a decode in flight: their prefill as the next step
         (schedule()'s prefill rule, the policy's cap on prefill steps in a row too), or none without
         prefill_ahead."""
-        cap = self.max_consecutive_prefill
-        if not self.prefill_ahead or (cap is not None and self._prefill_run >= cap):
+        if not self.prefill_ahead or self._prefill_capped():
             return [], False
         seqs = self._schedule_prefill()
         if seqs:
@@ -209,15 +207,11 @@ class Scheduler:
         token is on the host. Empty (one by one) where requests wait (their prefill waits for the one in
         flight to register its blocks in the prefix cache), that decode would need a preemption or pass
         max_num_seqs, or a prompt in flight is still being chunked or was aborted."""
-        running = set(self.running)
-        if not all(s in running for s in inflight):
-            return [], False
-        cap = self.max_consecutive_prefill
-        if self.waiting and (cap is None or self._prefill_run < cap):
+        in_flight = set(inflight)
+        if not in_flight <= set(self.running) or (self.waiting and not self._prefill_capped()):
             return [], False
         fed = [s for s in inflight if not self._length_reached(s, ahead=1)]
-        ids = {s.seq_id for s in inflight}
-        rest = [s for s in self.running if s.seq_id not in ids]
+        rest = [s for s in self.running if s not in in_flight]
         bm = self.block_manager
         if len(fed) + len(rest) > self.max_num_seqs or sum(bm.blocks_needed_to_append(s, ahead=1) for s in fed) + \
                 sum(bm.blocks_needed_to_append(s) for s in rest) > bm.num_free_blocks:
@@ -231,6 +225,11 @@ class Scheduler:
             s.decoding = True
         self._prefill_run = 0
         return fed + rest, False
+
+    def _prefill_capped(self) -> bool:
+        """The policy's cap on prefill steps in a row is reached: decode gets the next turn."""
+        cap = self.max_consecutive_prefill
+        return cap is not None and self._prefill_run >= cap
 
     def _length_reached(self, seq: Sequence, ahead: int = 0) -> bool:
         """Whether seq is at its length limit (max_tokens or max_model_len) with `ahead` more tokens."""
