@@ -107,9 +107,12 @@ echo "phase $phase, model $MODEL_DIR, synth done at $((SECONDS - T0)) s" | tee "
 
 # the rate sweep's engine options (tools/sweep_h200.sh's), for every serve step
 SERVE_ENGINE="--max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-batched-tokens 16384 --max-model-len 2048 --graph --overlap"
-sweep() {           # sweep NAME ESTIMATE_S STEP_MODEL_FLAG: the rate sweep on sweep-random.jsonl through labkit serve
-  step "$1" "$2" $PY -m labkit load --trace workloads/sweep-random.jsonl --request-rates 8,16,32,64,128,inf \
-       --goodput ttft:1000,tpot:50 $SERVE_ENGINE "$3" --offline-baseline --serve-process --out "$W/runs/$1.json"
+sweep() {           # sweep NAME ESTIMATE_S [VAR=VALUE...] OPTION...: the rate sweep on sweep-random.jsonl through
+  local name=$1 est=$2 envs=(); shift 2   # labkit serve, with SWEEP_ENGINE's engine options (default SERVE_ENGINE's)
+  while [[ "${1:-}" == [A-Z]*=* ]]; do envs+=("$1"); shift; done
+  step "$name" "$est" env "${envs[@]}" $PY -m labkit load --trace workloads/sweep-random.jsonl \
+       --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 ${SWEEP_ENGINE:-$SERVE_ENGINE} "$@" \
+       --offline-baseline --serve-process --out "$W/runs/$name.json"
 }
 route_tests() {     # the GPU tests of the graph routes (flash-attn's need its build: the check phase)
   step pytest-gpu-routes 100 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
@@ -280,19 +283,13 @@ decide_phase() {     # BEFORE here is the tree the defaults are held to (bf16 wi
 
 sweeps_phase() {
   sweep step-model-sweep 120 --no-mixed-batches
-  step prefill-ahead-1-sweep 120 env LAB_PREFILL_AHEAD=1 $PY -m labkit load --trace workloads/sweep-random.jsonl \
-       --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 $SERVE_ENGINE --no-mixed-batches --offline-baseline \
-       --serve-process --out "$W/runs/prefill-ahead-1-sweep.json"
-  step step-model-sweep-fp8 120 $PY -m labkit load --trace workloads/sweep-random.jsonl --request-rates 8,16,32,64,128,inf \
-       --goodput ttft:1000,tpot:50 $SERVE_ENGINE --no-mixed-batches --kv-cache-dtype fp8 --offline-baseline --serve-process \
-       --out "$W/runs/step-model-sweep-fp8.json"
+  sweep prefill-ahead-1-sweep 120 LAB_PREFILL_AHEAD=1 --no-mixed-batches
+  sweep step-model-sweep-fp8 120 --no-mixed-batches --kv-cache-dtype fp8
   for mode in 0 1; do
     step "prefill-ahead-$mode-prefix" 90 env LAB_PREFILL_AHEAD=$mode ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 \
          DATASETS=prefix tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$mode-prefix"
   done
-  step mixed-sweep-2048 120 $PY -m labkit load --trace workloads/sweep-random.jsonl --request-rates 8,16,32,64,128,inf \
-       --goodput ttft:1000,tpot:50 ${SERVE_ENGINE/16384/2048} --mixed-batches --offline-baseline --serve-process \
-       --out "$W/runs/mixed-sweep-2048.json"
+  SWEEP_ENGINE="${SERVE_ENGINE/16384/2048}" sweep mixed-sweep-2048 120 --mixed-batches
 }
 
 ttft_phase() {
@@ -313,9 +310,7 @@ ahead_phase() {
            DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$mode-$ds"
     done
   done
-  step prefill-ahead-1-sweep 120 env LAB_PREFILL_AHEAD=1 $PY -m labkit load --trace workloads/sweep-random.jsonl \
-       --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 $SERVE_ENGINE --no-mixed-batches --offline-baseline \
-       --serve-process --out "$W/runs/prefill-ahead-1-sweep.json"
+  sweep prefill-ahead-1-sweep 120 LAB_PREFILL_AHEAD=1 --no-mixed-batches
 }
 
 b8_phase() {
