@@ -39,9 +39,9 @@
 #                                     # bf16 and e4m3 and on BEFORE's bf16, batch-1 latency with the decode prologue off /
 #                                     # on and on BEFORE, the bf16 baseline and graph guards with the prologue on, its step
 #                                     # budget at batch 1
-#   tools/gpu/h200_session.sh sweeps  # serving's capacity levers: nano-vllm's step model's rate sweep, with
-#                                     # LAB_PREFILL_AHEAD=1, on the e4m3 cache; LAB_PREFILL_AHEAD off / on on
-#                                     # prefix-repetition; the mixed-step sweep under a 2048-token step budget
+#   tools/gpu/h200_session.sh sweeps  # serving's capacity levers, rate sweeps: mixed steps under a 2048- and a
+#                                     # 1024-token step budget, nano-vllm's step model on bf16 and on the e4m3
+#                                     # cache, mixed steps at 2048 on the e4m3 cache
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -282,14 +282,13 @@ decide_phase() {     # BEFORE here is the tree the defaults are held to (bf16 wi
 }
 
 sweeps_phase() {
-  sweep step-model-sweep 120 --no-mixed-batches
-  sweep prefill-ahead-1-sweep 120 LAB_PREFILL_AHEAD=1 --no-mixed-batches
-  sweep step-model-sweep-fp8 120 --no-mixed-batches --kv-cache-dtype fp8
-  for mode in 0 1; do
-    step "prefill-ahead-$mode-prefix" 90 env LAB_PREFILL_AHEAD=$mode ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 \
-         DATASETS=prefix tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$mode-prefix"
-  done
+  # mixed steps under small step budgets first (decodes share every step with at most that many prompt tokens), then
+  # nano-vllm's step model on the same lease, on bf16 and on the e4m3 cache
   SWEEP_ENGINE="${SERVE_ENGINE/16384/2048}" sweep mixed-sweep-2048 120 --mixed-batches
+  SWEEP_ENGINE="${SERVE_ENGINE/16384/1024}" sweep mixed-sweep-1024 120 --mixed-batches
+  sweep step-model-sweep 120 --no-mixed-batches
+  sweep step-model-sweep-fp8 120 --no-mixed-batches --kv-cache-dtype fp8
+  SWEEP_ENGINE="${SERVE_ENGINE/16384/2048}" sweep mixed-sweep-2048-fp8 120 --mixed-batches --kv-cache-dtype fp8
 }
 
 ttft_phase() {
