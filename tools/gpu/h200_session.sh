@@ -110,9 +110,13 @@ SERVE_ENGINE="--max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-ba
 sweep() {           # sweep NAME ESTIMATE_S [VAR=VALUE...] OPTION...: the rate sweep on sweep-random.jsonl through
   local name=$1 est=$2 envs=(); shift 2   # labkit serve, with SWEEP_ENGINE's engine options (default SERVE_ENGINE's)
   while [[ "${1:-}" == [A-Z]*=* ]]; do envs+=("$1"); shift; done
+  # every 2 s, each Python process's CPU share (the server, its engine process, the load client): is a host at 100%?
+  top -b -d 2 -w 250 -c 2>/dev/null | grep --line-buffered -E "^top|python" > "$W/logs/$name.top" &
+  local top_pid=$!
   step "$name" "$est" env "${envs[@]}" $PY -m labkit load --trace workloads/sweep-random.jsonl \
        --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 ${SWEEP_ENGINE:-$SERVE_ENGINE} "$@" \
        --offline-baseline --serve-process --out "$W/runs/$name.json"
+  kill "$top_pid" 2>/dev/null; pack
 }
 route_tests() {     # the GPU tests of the graph routes (flash-attn's need its build: the check phase)
   step pytest-gpu-routes 100 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
