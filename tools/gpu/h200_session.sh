@@ -37,8 +37,7 @@
 #                                     # prefix-repetition and multi-turn (with the TTFT split), then the rate sweep with it on
 #   tools/gpu/h200_session.sh decide  # the figures the defaults are judged by, in one call: the kv-fp8 guard, nano-vllm on
 #                                     # bf16 and e4m3 and on BEFORE's bf16, batch-1 latency with the decode prologue off /
-#                                     # on and on BEFORE, the bf16 baseline and graph guards with the prologue on, its step
-#                                     # budget at batch 1
+#                                     # on and on BEFORE, the step budget at batch 1, the GPU tests of the graph routes
 #   tools/gpu/h200_session.sh sweeps  # serving's capacity levers, rate sweeps: mixed steps under a 2048- and a
 #                                     # 1024-token step budget, nano-vllm's step model on bf16 and on the e4m3
 #                                     # cache, mixed steps at 2048 on the e4m3 cache
@@ -265,6 +264,7 @@ levers_phase() {     # fp8's and batch1's steps that decide the two defaults, fo
        --kv-cache-dtype fp8 --out "$W/runs/before-nano-vllm-fp8.json"
   step step-budget-b1-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget \
        --batch 1 --out "$W/runs/step-budget-b1-prologue-1.json"
+  route_tests
 }
 
 decide_phase() {     # BEFORE here is the tree the defaults are held to (bf16 within 2% of it)
@@ -277,12 +277,9 @@ decide_phase() {     # BEFORE here is the tree the defaults are held to (bf16 wi
   done
   step before-latency-b1 45 before $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton \
        --out "$W/runs/before-latency-b1.json"
-  step guard-bf16-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit logits guard --suite baseline --dtype bfloat16 \
-       --device cuda --attention triton --out "$W/runs/guard-bf16-prologue-1.json"
-  step guard-graph-prologue-1 60 env LAB_DECODE_PROLOGUE=1 $PY -m labkit logits guard --suite graph --dtype bfloat16 \
-       --device cuda --attention triton --out "$W/runs/guard-graph-prologue-1.json"
   step step-budget-b1-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget \
        --batch 1 --out "$W/runs/step-budget-b1-prologue-1.json"
+  route_tests
 }
 
 sweeps_phase() {
