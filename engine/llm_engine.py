@@ -26,6 +26,7 @@ from engine.errors import RequestError
 from engine.graph import EAGER, Route
 from engine.model_runner import Launched, ModelRunner
 from engine.observe import EngineEvent, EventBus, HookSet, StepHooks
+from engine.probe import EngineProbe
 from engine.sampling import feasible
 from engine.sampling.params import SamplingParams
 from engine.sampling.processors import to_device
@@ -147,6 +148,7 @@ class LLMEngine:
         self._inflight: _InFlight | None = None
         # structured outputs: one grammar compiler and cache, built on the first constrained request
         self.grammars = Grammars(lambda: self.tokenizer, self.config.vocab_size, tuple(self.config.eos_token_ids))
+        self.probe = EngineProbe(self)      # the lab's read-only views (block ref counts, the pool, modules)
         self.init_seconds = time.perf_counter() - init_start
 
     # -- identity ------------------------------------------------------------------
@@ -261,49 +263,6 @@ class LLMEngine:
         hand the chosen ids to postprocess() to finish the step (teacher forcing)."""
         logits, route, _ = self.runner.forward(seqs, is_prefill, step=self.num_steps)
         return logits, route
-
-    def free_block_ids(self) -> list[int]:
-        return sorted(self.block_manager.free_block_ids)
-
-    def ref_counts(self, block_ids: list[int]) -> list[int]:
-        return self.block_manager.ref_counts(block_ids)
-
-    def block_hashes(self, block_ids: list[int]) -> list[int | None]:
-        """The prefix-cache hash each block holds now (None: none)."""
-        return self.block_manager.block_hashes(block_ids)
-
-    def pool(self) -> dict:
-        """The KV pool now: every block in use or still holding a hash, with its ref count and the live
-        sequences (ids) whose block tables hold it; free blocks without a hash are left out."""
-        owners: dict[int, list[int]] = {}
-        for seq in (*self.scheduler.running, *self.scheduler.waiting):
-            for b in seq.block_table:
-                owners.setdefault(b, []).append(seq.seq_id)
-        bm = self.block_manager
-        return {"num_blocks": bm.num_blocks, "block_size": bm.block_size,
-                "blocks": [{**b, "owners": owners.get(b["id"], [])} for b in bm.pool_snapshot()]}
-
-    def kv_cache_view(self) -> torch.Tensor:
-        """The KV pool [2, layers, blocks, block_size, kv heads, head dim], for probes to read (never write)."""
-        return self.runner.kv_cache
-
-    def named_modules(self):
-        """The model's modules by name (rank 0), for read-only forward hooks (shape probes); never modify them."""
-        return self.runner.model.named_modules()
-
-    def decode_step_fn(self, seqs: list[Sequence]) -> Callable[[], torch.Tensor]:
-        """The decode step of ``seqs`` (their block tables set by the caller) as a function that runs the
-        model's forward and LM head on inputs built once, now, and returns the logits. It writes no K/V (every
-        slot -1) and samples nothing: for benches that time a step their own way (labkit/bench/nano_batches.py
-        captures it in CUDA graphs of its own)."""
-        step = self.runner.inputs.prepare_decode(seqs)
-        step.meta.slot_mapping.fill_(-1)
-        model = self.runner.model
-        return lambda: model.compute_logits(model(step.input_ids, step.positions, step.meta))
-
-    def slot(self, seq: Sequence, position: int) -> int:
-        """Where position's K/V lives in the pool (block_table[p // B] * B + p % B)."""
-        return self.runner.inputs.slot(seq, position)
 
     # -- requests ------------------------------------------------------------------
     def encode(self, prompt, **options) -> list[int]:
@@ -421,7 +380,7 @@ class LLMEngine:
                 "running": [s.seq_id for s in self.scheduler.running],
                 "waiting": [s.seq_id for s in self.scheduler.waiting],
                 "free_blocks": self.block_manager.num_free_blocks,
-                "pool": self.pool(),
+                "pool": self.probe.pool(),
             }))
         return outcome
 

@@ -32,7 +32,7 @@ def decode_rows(engine, first: int, count: int, context: int) -> list:
 
     bs = engine.config.kvcache_block_size
     per_row = -(-context // bs)
-    blocks = engine.kv_cache_view().shape[2]
+    blocks = engine.probe.kv_cache().shape[2]
     if (first + count) * per_row > blocks:
         raise ValueError(f"{first + count} rows x {per_row} blocks do not fit the pool's {blocks}")
     seqs = []
@@ -68,10 +68,10 @@ def ways(engine, batch: int, context: int, side=None) -> dict:
     import torch
 
     half = batch // 2
-    full = engine.decode_step_fn(decode_rows(engine, 0, batch, context))
-    h1 = engine.decode_step_fn(decode_rows(engine, 0, half, context))
-    h2 = engine.decode_step_fn(decode_rows(engine, half, batch - half, context))
-    device = engine.kv_cache_view().device
+    full = engine.probe.decode_step_fn(decode_rows(engine, 0, batch, context))
+    h1 = engine.probe.decode_step_fn(decode_rows(engine, 0, half, context))
+    h2 = engine.probe.decode_step_fn(decode_rows(engine, half, batch - half, context))
+    device = engine.probe.kv_cache().device
     locks2 = None
     if device.type == "cuda":
         import engine.attention.triton_kernels as tk

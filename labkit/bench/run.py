@@ -134,7 +134,7 @@ def workload_bound(engine: LLMEngine, prompts, output_lens: list[int], device: s
 
     dtype = engine.describe()["dtype"]
     weight_element = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-    kv_element = engine.kv_cache_view().element_size()
+    kv_element = engine.probe.kv_cache().element_size()
     out = decode_bound(engine.config.shape, weight_element, kv_element, [len(p) for p in prompts], output_lens,
                        copy_roof_gbs(), matmul_tflops=matmul_peak_tflops(dtype=dtype))
     if tok_s is not None:
@@ -263,7 +263,7 @@ def latency_bound(engine: LLMEngine, device: str, batch: int, context: float) ->
     from labkit.bench.bound import step_bound
 
     weight_element = torch.empty(0, dtype=getattr(torch, engine.describe()["dtype"])).element_size()
-    return step_bound(engine.config.shape, weight_element, engine.kv_cache_view().element_size(), batch, context,
+    return step_bound(engine.config.shape, weight_element, engine.probe.kv_cache().element_size(), batch, context,
                       copy_roof_gbs())
 
 

@@ -120,7 +120,7 @@ def install_module_ranges(engine, ranges: _Ranges) -> "callable":
     store_kv and on each column GEMM's ``normed`` (the one-token path runs its norm inside the qkv and gate_up
     GEMVs through that method, not through forward); returns the function that removes them all."""
     handles, undo = [], []
-    modules = dict(engine.named_modules())
+    modules = dict(engine.probe.named_modules())
     for name, category in module_categories(modules).items():
         mod = modules[name]
         handles.append(mod.register_forward_pre_hook(lambda m, a, c=category: ranges.enter(RANGE + c)))
@@ -332,7 +332,7 @@ def budget_table(passes: dict, primary: str, split_from: str, engine, device: st
         weight_element = torch.empty(0, dtype=getattr(torch, engine.describe()["dtype"])).element_size()
         batch = engine.config.max_num_seqs
         route = str((engine.describe().get("model") or {}).get("qk_norm_rope_kv") or "")
-        bounds = category_bounds(engine.config.shape, weight_element, engine.kv_cache_view().element_size(), batch,
+        bounds = category_bounds(engine.config.shape, weight_element, engine.probe.kv_cache().element_size(), batch,
                                  prof["mean_context"], bool(engine.describe()["fused_ops"]), roofs["copy_roof_gb_s"],
                                  roofs["matmul_peak_tflops"], decode_prologue=route.startswith("decode-prologue"))
     rows = []

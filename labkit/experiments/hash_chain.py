@@ -13,7 +13,7 @@ Through the real engine (block size 16, each request run to its end before the n
 
 The block ids are the sequences' block tables at their first schedule, the hits the engine's cached count
 then (``cached // B`` leading blocks), the hashes ``engine.chain_hash`` over the prompt's blocks; after each
-request the hashes the engine stored for its blocks (``LLMEngine.block_hashes``) are read and compared.
+request the hashes the engine stored for its blocks (``EngineProbe.block_hashes``) are read and compared.
 """
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def _walk(engine) -> tuple[list[dict], dict[str, list[int]], dict[str, list[str 
         while not engine.is_finished():
             engine.step()
         table = first_schedules(recorder.steps)[label]["block_table"]
-        stored[label] = [_hex(h) for h in engine.block_hashes(table)]
+        stored[label] = [_hex(h) for h in engine.probe.block_hashes(table)]
     return recorder.steps, prompts, stored
 
 

@@ -2,7 +2,7 @@
 and 3, followed through the real engine, with layer 0's tensor shapes (``--shapes``).
 
 The runner metadata comes from the engine's step events (scheduled / inputs / postprocessed). The shapes
-come from read-only forward hooks on the model's modules (``LLMEngine.named_modules``): layer 0's
+come from read-only forward hooks on the model's modules (``EngineProbe.named_modules``): layer 0's
 qkv_proj, its attention (q, k, v as the backend receives them), o_proj, gate_up_proj, down_proj, the
 embedding and the LM head. The rows the LM head reads are found by matching its input rows against the
 model's final hidden states (measured, not computed from cu_seqlens), then compared with
@@ -57,7 +57,7 @@ class ShapeProbe:
         self.shapes: dict[int, dict] = {}
         self.last_rows: dict[int, list[int]] = {}
         self._hidden = None
-        modules = dict(engine.named_modules())
+        modules = dict(engine.probe.named_modules())
         missing = [n for n in LAYER0.values() if n not in modules]
         if missing:
             raise RuntimeError(f"the model has no module {missing[0]!r}")
@@ -156,7 +156,7 @@ def run_lifecycle(out: Path | None = None, model: str | None = None, device: str
     if probe is not None:
         cu = first["inputs"]["cu_seqlens_q"]
         facts["shapes"] = {
-            "source": "forward hooks on layer 0 (LLMEngine.named_modules); q/k/v as the attention backend receives them",
+            "source": "forward hooks on layer 0 (EngineProbe.named_modules); q/k/v as the attention backend receives them",
             "prefill": probe.shapes.get(1, {}),
             "first_decode": probe.shapes.get(decode["step"], {}) if decode else {},
             "last_rows": {str(k): v for k, v in sorted(probe.last_rows.items())},

@@ -8,7 +8,7 @@ Through the real engine (block size 256, prefill budget 512):
    event) and the runner's tensors (the ``inputs`` event) show the hit: cached=512, scheduled=108,
    cu_seqlens_q [0,108], cu_seqlens_k [0,620], positions from 512, block_tables given.
 3. C (the same 512 + 108 others) joins while B runs; B finishes first, then C.
-   The ref counts of A's first two blocks (``LLMEngine.ref_counts``), read after every step and kept
+   The ref counts of A's first two blocks (``EngineProbe.ref_counts``), read after every step and kept
    when they change: [0,0] -> [1,1] -> [2,2] -> [1,1] -> [0,0].
 4. D is exactly the 512 shared tokens: only num_blocks - 1 = 1 block is looked up, so cached=256.
 """
@@ -76,7 +76,7 @@ def run_prefix(out: Path | None = None, model: str | None = None, device: str = 
 
     def step_and_read() -> None:
         recorder.route(engine.step(), fused)
-        counts = engine.ref_counts(watched)
+        counts = engine.probe.ref_counts(watched)
         if not trace_counts or trace_counts[-1] != counts:
             trace_counts.append(counts)
 
@@ -86,7 +86,7 @@ def run_prefix(out: Path | None = None, model: str | None = None, device: str = 
     a_first, _ = _first(recorder.steps, "A")
     a_blocks = [s for st in recorder.steps for s in st["before"] if s["label"] == "A"][-1]["block_table"]
     watched[:] = a_blocks[:len(SHARED) // block_size]
-    trace_counts.append(engine.ref_counts(watched))
+    trace_counts.append(engine.probe.ref_counts(watched))
     add("B", [*SHARED, *TAILS["B"]])
     step_and_read()                                    # B's prefill (the hit)
     add("C", [*SHARED, *TAILS["C"]])

@@ -374,7 +374,7 @@ def slots_facts(model: str | None = None, block_size: int = SLOTS_BLOCK_SIZE) ->
         bs = engine.config.kvcache_block_size
         teach = Sequence(-1, list(range(9)), SamplingParams(), bs)
         teach.block_table = list(SLOTS_TABLE)
-        slots = [engine.slot(teach, p) for p in SLOTS_POSITIONS]
+        slots = [engine.probe.slot(teach, p) for p in SLOTS_POSITIONS]
         lengths = (255, 256, 257)
         blocks_256 = [Sequence(-1, [0] * n, SamplingParams(), 256).num_blocks for n in lengths]
         # runtime: the runner's slot_mapping of a real walk against the scheduler's block tables

@@ -3,7 +3,7 @@
 The course writes one decoder layer as h = x + Attn(Norm1(x)), y = h + MLP(Norm2(h)). The engine does not
 keep y: a layer returns two tensors, the MLP's output and the residual stream h, and the next RMSNorm adds
 them (``RMSNorm.forward(x, residual)``: the fused add-and-norm). This walk runs a prompt through the real
-engine with a read-only forward hook on layer 0 (``LLMEngine.named_modules``) and, inside the hook, with
+engine with a read-only forward hook on layer 0 (``EngineProbe.named_modules``) and, inside the hook, with
 the step's own inputs (positions, the embedding x, the attention metadata), recomputes
 
     a = self_attn(input_layernorm(x));  h = x + a;  m = mlp(post_attention_layernorm(h));  y = h + m
@@ -54,7 +54,7 @@ class ResidualProbe:
     """Forward hook on layer 0 that recomputes its residual path by hand, once per engine step."""
 
     def __init__(self, engine):
-        mods = dict(engine.named_modules())
+        mods = dict(engine.probe.named_modules())
         self.layer = mods["model.layers.0"]
         self.next_norm = mods["model.layers.1.input_layernorm"] if "model.layers.1" in mods else mods["model.norm"]
         self.next_norm_name = "model.layers.1.input_layernorm" if "model.layers.1" in mods else "model.norm"

@@ -1,7 +1,7 @@
 """``labkit quick-walk --case A..D --shapes``: the model-internal shapes of every engine step (handbook 5.2.1
 case A, B.3 step 3) and the rows the LM head read.
 
-Read-only forward hooks on the engine's model (``LLMEngine.named_modules``): the embedding's output, every
+Read-only forward hooks on the engine's model (``EngineProbe.named_modules``): the embedding's output, every
 decoder layer's attention inputs (q, k, v as the backend receives them), the model's final hidden states
 and the LM head. Each shape is compared with the one the model's own config gives for the step's T (input
 positions) and N (sequences): embedding [T, hidden], Q [T, heads, head_dim], K/V [T, kv_heads, head_dim],
@@ -26,7 +26,7 @@ class LayerShapeProbe:
         self.shapes: dict[int, dict] = {}
         self.lm_head_rows: dict[int, list[int]] = {}
         self._hidden = None
-        modules = dict(engine.named_modules())
+        modules = dict(engine.probe.named_modules())
         missing = [n for n in _NAMED.values() if n not in modules]
         layers = sorted((int(m.group(1)), name) for name in modules if (m := _ATTN.fullmatch(name)))
         if missing or not layers:
@@ -119,7 +119,7 @@ def shape_facts(probe: LayerShapeProbe, steps: list[dict], model: dict) -> dict:
         mismatches += bad
     prefills = [s for s in per_step if s["phase"] == "prefill"]
     return {
-        "source": "forward hooks (LLMEngine.named_modules): embedding output, every layer's attention inputs "
+        "source": "forward hooks (EngineProbe.named_modules): embedding output, every layer's attention inputs "
                   "q/k/v, final hidden states, LM head; expected shapes from the model's config",
         "model": model,
         "layers_hooked": probe.num_layers,

@@ -207,7 +207,7 @@ def _kv_amax(engine) -> dict[str, float]:
     """The largest |K| and |V| in the pool after the suite, as attention reads them (an FP8 pool's values times
     its scale): what an FP8 cache's fixed scale of 1.0 must hold (e4m3 saturates at 448, and keeps 3 mantissa
     bits down to 2^-6; engine/attention/kv_quant.py)."""
-    pool = engine.kv_cache_view()                     # [2, layers, blocks, block size, kv heads, head dim]
+    pool = engine.probe.kv_cache()                     # [2, layers, blocks, block size, kv heads, head dim]
     scales = engine.describe()["kv_cache"]["scales"] or {"k": 1.0, "v": 1.0}
     if not pool.numel():
         return {"k": 0.0, "v": 0.0}

@@ -110,7 +110,7 @@ def teacher_forced(engine, prompts, continuations) -> list[ForcedRow]:
 
 def _kv_flat(engine):
     """The KV pool as [2, layers, num_blocks * block_size, kv heads, head dim] (a view)."""
-    kv = engine.kv_cache_view()
+    kv = engine.probe.kv_cache()
     return kv.view(kv.shape[0], kv.shape[1], kv.shape[2] * kv.shape[3], kv.shape[4], kv.shape[5])
 
 
@@ -141,13 +141,13 @@ class KVProbe(StepProbe):
         slots = [_slot(s, p, bs) for s in seqs for p in range(s.num_tokens - 1)]
         self._hist_slots = torch.tensor(slots, dtype=torch.long, device=flat.device)
         self._history = flat.index_select(2, self._hist_slots).clone()
-        free = engine.free_block_ids()
+        free = engine.probe.free_block_ids()
         last = engine.stats().num_blocks - 1
         pick = free[: self.free_sample // 2] + free[-(self.free_sample // 2):]
         pick += [b for b in (0, last) if b in free]          # where a padding row with slot 0 / -1 would land
         self._free_ids = sorted(set(pick))
         ids = torch.tensor(self._free_ids, dtype=torch.long, device=flat.device)
-        self._free = engine.kv_cache_view().index_select(2, ids).clone() if self._free_ids else None
+        self._free = engine.probe.kv_cache().index_select(2, ids).clone() if self._free_ids else None
 
     def after(self, engine, seqs, is_prefill, requests, logits):
         if is_prefill:
@@ -159,7 +159,7 @@ class KVProbe(StepProbe):
         history_same = bool(torch.equal(flat.index_select(2, self._hist_slots), self._history))
         if self._free is not None:
             ids = torch.tensor(self._free_ids, dtype=torch.long, device=flat.device)
-            free_same = bool(torch.equal(engine.kv_cache_view().index_select(2, ids), self._free))
+            free_same = bool(torch.equal(engine.probe.kv_cache().index_select(2, ids), self._free))
         else:
             free_same = True
         new_slots = torch.tensor([_slot(s, s.num_tokens - 1, bs) for s in seqs], dtype=torch.long, device=flat.device)

@@ -1,6 +1,6 @@
 """``labkit bench --kv-cache-dtype fp8``: the workloads that take it (nano-vllm, latency, step-budget), one-line
 refusals for the rest, and the bound following the cache: the bench reads the KV bytes per value from the
-engine's pool (engine.kv_cache_view().element_size()), one byte with an FP8 cache, so decode attention's
+engine's pool (engine.probe.kv_cache().element_size()), one byte with an FP8 cache, so decode attention's
 bytes in decode_bound / step_bound halve against bf16's."""
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ def test_bench_refuses_the_cache_dtype_where_it_does_not_apply(kw, message, tmp_
 
 def test_the_bound_reads_the_pools_bytes_per_value(engine_factory):
     eng = engine_factory(kv_cache_dtype="fp8", kvcache_block_size=16, max_model_len=64)
-    assert eng.kv_cache_view().element_size() == 1
+    assert eng.probe.kv_cache().element_size() == 1
     shape = eng.config.shape
-    fp8 = step_bound(shape, 2, eng.kv_cache_view().element_size(), 256, 1024, 4000.0)
+    fp8 = step_bound(shape, 2, eng.probe.kv_cache().element_size(), 256, 1024, 4000.0)
     bf16 = step_bound(shape, 2, 2, 256, 1024, 4000.0)
     assert fp8["kv_read_bytes"] * 2 == bf16["kv_read_bytes"] and fp8["weight_bytes"] == bf16["weight_bytes"]
     assert fp8["bound_ms_per_step"] < bf16["bound_ms_per_step"]

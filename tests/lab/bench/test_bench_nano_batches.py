@@ -31,7 +31,7 @@ def test_half_batches_read_the_full_batchs_rows(engine):
 def test_every_way_gives_the_full_batchs_logits(engine):
     with torch.inference_mode():
         out = {name: fn() for name, fn in ways(engine, 6, 40).items()}
-        step = engine.decode_step_fn(decode_rows(engine, 0, 6, 40))
+        step = engine.probe.decode_step_fn(decode_rows(engine, 0, 6, 40))
         again = step()
     assert out["full"].shape == (6, engine.config.hf_config["vocab_size"])
     for name in ("halves", "overlap"):
@@ -39,7 +39,7 @@ def test_every_way_gives_the_full_batchs_logits(engine):
     # every row its own logits, so halves put back in another order would differ
     assert max_rel_diff(out["full"].flip(0), out["full"]) > 1e-3
     assert torch.equal(again, out["full"])                              # nothing written: a step again is the same
-    assert (engine.kv_cache_view() == 0).all()
+    assert (engine.probe.kv_cache() == 0).all()
 
 
 def test_the_second_halfs_counters_are_swapped_back():
