@@ -4,7 +4,7 @@ Each figure is computed by the code the lab runs elsewhere, never typed in: the 
 tokenizer, the engine's sampler (engine/sampling/sampler.py), the engine's torch attention backend and its
 ``Attention`` layer (paged KV store, causal prefill, decode over the block table), the engine's KV-size
 formula (``ModelShape.kv_bytes_per_token``, what the runner sizes its pool with), the engine's slot
-function (``LLMEngine.slot``) and the runner's slot_mapping, and the latency functions of
+function (``EngineProbe.slot``) and the runner's slot_mapping, and the latency functions of
 ``labkit/load/report.py``. The handbook's numbers live in checkpoints/principles.json as assertions.
 """
 from __future__ import annotations
@@ -387,7 +387,7 @@ def slots_facts(model: str | None = None, block_size: int = SLOTS_BLOCK_SIZE) ->
             engine.step()
         checked, bad = slot_mismatches(rec.steps, bs)
         facts = {
-            "formula": "slot = block_table[position // B] * B + position % B (LLMEngine.slot, the runner's slot function)",
+            "formula": "slot = block_table[position // B] * B + position % B (EngineProbe.slot, the runner's slot function)",
             "block_size": bs,
             "teaching": {"block_table": list(SLOTS_TABLE), "positions": list(SLOTS_POSITIONS), "slots": slots},
             "logical_blocks_at_256": {"lengths": list(lengths), "blocks": blocks_256},
