@@ -496,9 +496,12 @@ def test_qk_norm_rope_store_writes_what_store_kv_writes():
     assert changed == sorted(s for s in slots.tolist() if s >= 0)
 
 
-def test_batch1_decode_takes_both_fusions_and_matches_unfused(kernel_engine, gpu_model_dir):
-    """Fused ops on: a batch-1 decode step runs the normed GEMV in every layer (qkv and gate_up) and the q/k
-    kernel stores k/v (the backend's store_kv is not called); its logits match fused ops off."""
+@pytest.mark.parametrize("prologue", ["0", "1"])
+def test_batch1_decode_takes_both_fusions_and_matches_unfused(kernel_engine, gpu_model_dir, monkeypatch, prologue):
+    """Fused ops on: a batch-1 decode step runs the normed GEMV in every layer (qkv and gate_up), and the backend's
+    store_kv is not called: with the decode prologue off (LAB_DECODE_PROLOGUE=0) the q/k kernel stores k/v, with it
+    on (the default) the attention kernel does and no q/k kernel runs; its logits match fused ops off."""
+    monkeypatch.setenv("LAB_DECODE_PROLOGUE", prologue)
     import engine.layers.fused_kernels as fk
     import engine.layers.gemv as gemv_mod
     from engine import SamplingParams
@@ -541,7 +544,7 @@ def test_batch1_decode_takes_both_fusions_and_matches_unfused(kernel_engine, gpu
     finally:
         gemv_mod.normed_gemv, fk.qk_norm_rope = real_normed, real_qk
     assert rows[False][1] == {"normed": 0, "store": 0, "store_kv": layers}, rows[False][1]
-    assert rows[True][1] == {"normed": 2 * layers, "store": layers, "store_kv": 0}, rows[True][1]
+    assert rows[True][1] == {"normed": 2 * layers, "store": layers if prologue == "0" else 0, "store_kv": 0}, rows[True][1]
     diff = rows[True][0] - rows[False][0]
     rel_l2 = (diff.norm(dim=-1) / rows[False][0].norm(dim=-1)).max().item()
     assert diff.abs().max().item() < 0.05 and rel_l2 < 2e-3, (diff.abs().max().item(), rel_l2)
