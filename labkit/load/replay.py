@@ -137,9 +137,7 @@ def run_load(opts: LoadOptions) -> dict:
             router = Router(opts.endpoints, opts.router)
             healths, _ = asyncio.run(drive_http(opts, reqs, warm, router, log, header=("load", extra)))
             kind = remote_kind(healths)
-            devices = {(h or {}).get("device") for h in healths}
-            ident: dict[str, Any] = {"model": (healths[0] or {}).get("model") if healths else None,
-                                     "device": devices.pop() if len(devices) == 1 else None}
+            ident: dict[str, Any] = remote_identity(healths)
         else:
             from serve.core.worker import Worker
 
@@ -261,6 +259,16 @@ def worker_config(opts: LoadOptions) -> WorkerConfig:
 def remote_kind(healths: list[dict | None]) -> str | None:
     kinds = {(h or {}).get("kind") for h in healths}
     return kinds.pop() if len(kinds) == 1 and None not in kinds else None
+
+
+def remote_identity(healths: list[dict | None]) -> dict:
+    """The served model, device and engine as the servers report them (/health completed with /config): the
+    first server's model, the device where every server names the same one, and the engine's description
+    (``LLMEngine.describe``: its attention backend, graphs, KV cache) where there is exactly one server."""
+    devices = {(h or {}).get("device") for h in healths}
+    return {"model": (healths[0] or {}).get("model") if healths else None,
+            "device": devices.pop() if len(devices) == 1 else None,
+            "engine": (healths[0] or {}).get("engine") if len(healths) == 1 else None}
 
 
 def _facts(summary: dict, reqs: list[dict], opts: LoadOptions, router: "Router | None") -> dict:

@@ -31,7 +31,8 @@ from labkit.errors import UserError
 from labkit.evidence import write_evidence
 from labkit.lab_engine import LAB_BUILDER
 from labkit.load import sweep_metrics as sm
-from labkit.load.replay import LoadOptions, Router, check_options, drive_http, remote_kind, worker_config
+from labkit.load.replay import (LoadOptions, Router, check_options, drive_http, remote_identity, remote_kind,
+                                worker_config)
 from labkit.load.report import read_log, requests_by_observer
 from labkit.load.trace import read_trace, warmup_requests
 from labkit.load.workloads import WorkloadOptions, write_workload
@@ -282,9 +283,7 @@ def _identity(healths: list[dict | None], served) -> tuple[str | None, dict]:
     if served is not None:
         return served.kind, {"model": served.model, "device": served.device, "engine": served.describe(),
                              "seed": served.seed}
-    devices = {(h or {}).get("device") for h in healths}
-    return remote_kind(healths), {"model": (healths[0] or {}).get("model") if healths else None,
-                                   "device": devices.pop() if len(devices) == 1 else None}
+    return remote_kind(healths), remote_identity(healths)
 
 
 def _sweep_facts(opts: SweepOptions, base: WorkloadOptions, rows: list[dict], offline: dict | None) -> dict:

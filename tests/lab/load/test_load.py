@@ -10,7 +10,7 @@ import pytest
 from labkit.checks import load_checkpoints
 from labkit.errors import UserError
 from labkit.paths import repo_root
-from labkit.load.replay import LoadOptions, Router, run_load
+from labkit.load.replay import LoadOptions, Router, remote_identity, run_load
 from serve.observe.events import split_out
 from serve.core.worker import WorkerConfig
 from labkit.load.report import read_log
@@ -235,6 +235,24 @@ def test_endpoints_native_and_openai_against_two_servers(tmp_path, tiny_model_di
     finally:
         for s in servers:
             s.close()
+
+
+def test_load_against_one_server_records_the_served_engine(tmp_path, tiny_model_dir):
+    """--endpoints with one server: the evidence names the engine that server runs (its /config's describe():
+    the attention backend, graphs, KV cache), as an in-process load does; with two servers it names none."""
+    from serve.entrypoints.api_server import ServerThread
+    from serve.core.worker import Worker, WorkerConfig
+
+    trace = small_trace(tmp_path)
+    server = ServerThread(Worker(WorkerConfig(model=str(tiny_model_dir), device="cpu", max_model_len=256,
+                                              attention_backend="torch")).start()).start()
+    try:
+        rec = run_load(opts(tmp_path, trace, None, endpoints=[server.url], warmup_requests=0))
+    finally:
+        server.close()
+    assert rec["verdict"] == "PASS"
+    assert rec["engine"]["attention_backend"] == "torch" and rec["engine"]["num_kvcache_blocks"] > 0
+    assert remote_identity([{"engine": {"attention_backend": "torch"}}] * 2)["engine"] is None
 
 
 def test_profile_dir_writes_trace_and_operator_table(tmp_path, tiny_model_dir):
