@@ -226,7 +226,7 @@ fp8_phase() {       # the FP8 knobs (engine/attention/splits.py's DECODE_FP8_*) 
   fp8_pair
   step before-nano-vllm-fp8 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 \
        --kv-cache-dtype fp8 --out "$W/runs/before-nano-vllm-fp8.json"
-  step step-budget-fp8 60 $PY -m labkit bench --workload step-budget --kv-cache-dtype fp8 --out "$W/runs/step-budget-fp8.json"
+  step step-budget-fp8 60 $PY -m labkit bench --workload step-budget --attention triton --kv-cache-dtype fp8 --out "$W/runs/step-budget-fp8.json"
   # the attention bench's rows, then its sweeps (the FP8 kernel sweep: KERNEL_SWEEP_FP8's grid, 96 settings)
   step attention-fp8-sweep 180 $PY -m labkit bench --workload attention --attention triton --kv-cache-dtype fp8 --sweep \
        --out "$W/runs/attention-fp8-sweep.json"
@@ -243,10 +243,10 @@ batch1_phase() {     # one lever at a time: the decode prologue off (0), on with
     done
   done
   for mode in 0 1; do
-    step "step-budget-b1-prologue-$mode" 45 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload step-budget \
+    step "step-budget-b1-prologue-$mode" 45 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload step-budget --attention triton \
          --batch 1 --out "$W/runs/step-budget-b1-prologue-$mode.json"
   done
-  step step-budget-b256-prologue-1 60 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget \
+  step step-budget-b256-prologue-1 60 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget --attention triton \
        --out "$W/runs/step-budget-b256-prologue-1.json"
 }
 
@@ -262,7 +262,7 @@ levers_phase() {     # fp8's and batch1's steps that decide the two defaults, fo
        --repeats 3 --out "$W/runs/nano-vllm-bf16-prologue-1.json"
   step before-nano-vllm-fp8 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 \
        --kv-cache-dtype fp8 --out "$W/runs/before-nano-vllm-fp8.json"
-  step step-budget-b1-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget \
+  step step-budget-b1-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget --attention triton \
        --batch 1 --out "$W/runs/step-budget-b1-prologue-1.json"
   route_tests
 }
@@ -277,7 +277,7 @@ decide_phase() {     # BEFORE here is the tree the defaults are held to (bf16 wi
   done
   step before-latency-b1 45 before $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton \
        --out "$W/runs/before-latency-b1.json"
-  step step-budget-b1-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget \
+  step step-budget-b1-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget --attention triton \
        --batch 1 --out "$W/runs/step-budget-b1-prologue-1.json"
   route_tests
 }
@@ -338,7 +338,7 @@ bench_phase() {
   step nano-vllm-after 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-after.json"
   step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 --out "$W/runs/nano-vllm-fp8.json"
   step nano-vllm-before 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-before.json"
-  step step-budget-fp8 60 $PY -m labkit bench --workload step-budget --kv-cache-dtype fp8 --out "$W/runs/step-budget-fp8.json"
+  step step-budget-fp8 60 $PY -m labkit bench --workload step-budget --attention triton --kv-cache-dtype fp8 --out "$W/runs/step-budget-fp8.json"
   step latency-after 60 $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-after.json"
   step serve-after 110 $PY -m labkit bench --workload serve --attention triton --out "$W/runs/serve-after.json"
   step serve-before 110 before $PY -m labkit bench --workload serve --attention triton --out "$W/runs/serve-before.json"
