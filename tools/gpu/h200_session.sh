@@ -104,8 +104,10 @@ synth qwen3-0.6b /tmp/m06
 export MODEL_DIR=/tmp/m06
 echo "phase $phase, model $MODEL_DIR, synth done at $((SECONDS - T0)) s" | tee "$STEPS"
 
-# the rate sweep's engine options (tools/sweep_h200.sh's), for every serve step
-SERVE_ENGINE="--max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-batched-tokens 16384 --max-model-len 2048 --graph --overlap"
+# the rate sweep's engine options (tools/sweep_h200.sh's), for every serve step; the attention backend pinned to triton,
+# which auto takes on a machine without flash-attn (after the check phase's build on the same machine auto would take
+# flash_attn, and the serve figures would not compare with earlier leases')
+SERVE_ENGINE="--max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-batched-tokens 16384 --max-model-len 2048 --graph --overlap --attention triton"
 sweep() {           # sweep NAME ESTIMATE_S [VAR=VALUE...] OPTION...: the rate sweep on sweep-random.jsonl through
   local name=$1 est=$2 envs=(); shift 2   # labkit serve, with SWEEP_ENGINE's engine options (default SERVE_ENGINE's)
   while [[ "${1:-}" == [A-Z]*=* ]]; do envs+=("$1"); shift; done
