@@ -31,10 +31,17 @@ def serving_banner(worker, out) -> dict:
     from serve.core.fair import per_request_cap
 
     served, cfg, args = worker.served, worker.config, worker.config.engine
+    desc = served.describe() or {}
+    conf, kv = desc.get("config") or {}, desc.get("kv_cache") or {}
     return {"worker": worker.worker_id, "kind": served.kind,
             "model": served.model.get("path"), "synthetic": served.model.get("synthetic"),
             "tensor parallel size": served.config.tensor_parallel_size,
             "max model len": served.max_model_len,
+            "attention / dtype / KV cache": f"{desc.get('attention_backend', '?')} / {desc.get('dtype', '?')} / "
+                                            f"{'e4m3' if kv.get('kv_cache_dtype') == 'fp8' else kv.get('dtype', '?')}",
+            "steps / graphs / overlap": f"{'mixed' if conf.get('mixed_batches') else 'prefill or decode'} / "
+                                        f"{'on' if (desc.get('graph') or {}).get('enabled') else 'off'} / "
+                                        f"{'on' if conf.get('overlap') else 'off'}",
             "scheduling policy": args.scheduling_policy,
             "max num batched tokens / seqs": f"{args.max_num_batched_tokens} / {args.max_num_seqs}",
             "max active / per request / queue": f"{cfg.max_active} / "

@@ -50,6 +50,26 @@ def test_doctor_engine_rows_say_gib():
     assert gib(5 * 2**20).endswith("(5 MiB)") and rows["weights"] == "n/a (CPU budget)"
 
 
+def test_serve_banner_names_the_attention_backend_the_cache_and_the_step_model(tiny_model_dir):
+    """The banner says what serves: the attention backend auto chose, the activations' and the cache's dtype, the
+    step model, graphs and overlap, from the built engine's describe()."""
+    from labkit.console.serving import serving_banner
+    from serve.core.config import WorkerConfig
+    from serve.core.front import ServedEngine
+    from engine import LLMEngine
+
+    engine = LLMEngine(str(tiny_model_dir), device="cpu", enforce_eager=True, attention_backend="torch",
+                       max_model_len=256, mixed_batches=True)
+    try:
+        served = ServedEngine("cpu-real-engine", "cpu", {"path": "m"}, engine.describe(), engine.config, 9)
+    finally:
+        engine.close()
+    worker = types.SimpleNamespace(served=served, config=WorkerConfig(max_active=8, queue_size=5), worker_id="w")
+    rows = serving_banner(worker, None)
+    assert rows["attention / dtype / KV cache"] == "torch / float32 / float32"
+    assert rows["steps / graphs / overlap"] == "mixed / off / off"
+
+
 def test_serve_banner_shows_tp_size_and_max_model_len(tiny_model_dir):
     from labkit.console.serving import serving_banner
     from serve.core.config import WorkerConfig
