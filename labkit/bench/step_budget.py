@@ -407,8 +407,12 @@ def render_budget(record: dict) -> None:
     b = f["budget"]
     w = f["workload"]
     eager_col = any("eager_ms_per_step" in r for r in b["rows"])
-    t = Table(title=f"decode step budget: batch {w['batch']} x {w['prompt_tokens']} prompt tokens "
-                    f"({b['pass']} pass profiled; {b['primary_route']} step {b['step_ms_timed']:.3f} ms timed)")
+    eng = f.get("engine") or {}
+    attention = eng.get("attention_backend", "?") + (f", q/k norm + RoPE + KV store {eng['qk_norm_rope_kv']}"
+                                                     if eng.get("qk_norm_rope_kv") else "")
+    t = Table(title=f"decode step budget: batch {w['batch']} x {w['prompt_tokens']} prompt tokens, attention "
+                    f"{attention} ({b['pass']} pass profiled; {b['primary_route']} step {b['step_ms_timed']:.3f} ms "
+                    f"timed)")
     t.add_column("category")
     t.add_column("ms/step", justify="right")
     if eager_col:

@@ -33,8 +33,10 @@ def render_sweep(record: dict) -> None:
 
     facts = record["facts"]
     slos = facts.get("goodput_slos_ms") or {}
-    table = Table(title=f"labkit load --request-rates ({record.get('kind') or 'kind unknown'}, {facts['target']})",
-                  title_justify="left")
+    attention = (record.get("engine") or {}).get("attention_backend")
+    served = f", attention {attention}" if attention else ""
+    table = Table(title=f"labkit load --request-rates ({record.get('kind') or 'kind unknown'}, {facts['target']}"
+                        f"{served})", title_justify="left")
     cols = ["rate req/s", "sent", "completed", "rejected", "errored", "timed out", "req/s", "out tok/s",
             "goodput req/s", "prefix hit"]
     for c in cols:

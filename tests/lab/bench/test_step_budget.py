@@ -38,6 +38,15 @@ def test_budget_record_passes_and_names_its_kind(budget):
     assert f["passes"]["eager"]["timed"]["mean_context"] > SPEC["context"]
 
 
+def test_the_budget_table_names_the_attention_backend_it_measured(budget):
+    """The rendered table's title names the attention backend (auto may take flash_attn where it is installed)."""
+    from labkit.console import console
+
+    with console.capture() as cap:
+        sb.render_budget(budget)
+    assert "attention torch" in cap.get().replace("\n", " ")
+
+
 def test_categories_sum_to_the_profiled_op_time(budget):
     """Independently of the attribution: the top-level aten ops inside each step range, from the trace."""
     events, steps = _trace_steps(budget)

@@ -71,6 +71,17 @@ def test_cpu_sweep_accounts_for_every_request_and_passes_the_checkpoints_sweep_a
     assert Path(facts["picture"]).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_sweep_table_names_the_attention_backend_that_served(swept):
+    from labkit.cli.sweep import render_sweep
+    from labkit.console import console
+
+    _, record = swept
+    assert record["engine"]["attention_backend"] == "torch"          # the CPU worker's
+    with console.capture() as cap:
+        render_sweep(record)
+    assert "attention torch" in cap.get().replace("\n", " ")
+
+
 def test_a_lost_request_fails_the_checkpoint(swept):
     """Break: one rate's log loses a request's finished events; the row counts it lost, the assertion FAILs."""
     d, record = swept
