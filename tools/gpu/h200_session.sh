@@ -41,6 +41,10 @@
 #   tools/gpu/h200_session.sh sweeps  # serving's capacity levers, rate sweeps: mixed steps under a 2048- and a
 #                                     # 1024-token step budget, nano-vllm's step model on bf16 and on the e4m3
 #                                     # cache, mixed steps at 2048 on the e4m3 cache
+#   tools/gpu/h200_session.sh steps   # where a served decode's time goes (tools/served_steps.py): the batch-1 GPU tests,
+#                                     # then both step models' sweeps at 8 / 32 / 64 / inf req/s, the step model on e4m3 too
+#   tools/gpu/h200_session.sh pieces  # piecewise graphs past 2,048 tokens against BEFORE: the mixed/piecewise GPU tests,
+#                                     # nano-vllm both trees, the step model's sweeps (8 / 64 / 128 / inf) both trees
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -56,7 +60,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps" >&2; exit 2 ;; esac
+case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -114,10 +118,14 @@ sweep() {           # sweep NAME ESTIMATE_S [VAR=VALUE...] OPTION...: the rate s
   # every 2 s, each Python process's CPU share (the server, its engine process, the load client): is a host at 100%?
   top -b -d 2 -w 250 -c 2>/dev/null | grep --line-buffered -E "^top|python" > "$W/logs/$name.top" &
   local top_pid=$!
-  step "$name" "$est" env "${envs[@]}" $PY -m labkit load --trace workloads/sweep-random.jsonl \
-       --request-rates 8,16,32,64,128,inf --goodput ttft:1000,tpot:50 ${SWEEP_ENGINE:-$SERVE_ENGINE} "$@" \
+  step "$name" "$est" ${SWEEP_IN:-} env "${envs[@]}" $PY -m labkit load --trace workloads/sweep-random.jsonl \
+       --request-rates "${RATES:-8,16,32,64,128,inf}" --goodput ttft:1000,tpot:50 ${SWEEP_ENGINE:-$SERVE_ENGINE} "$@" \
        --offline-baseline --serve-process --out "$W/runs/$name.json"
-  kill "$top_pid" 2>/dev/null; pack
+  kill "$top_pid" 2>/dev/null
+  # the server's steps per rate: GPU span, GPU idle before each step, the interval, by kind and batch
+  [ -f "$W/runs/$name-server/server.jsonl" ] && $PY tools/served_steps.py "$W/runs/$name-server/server.jsonl" \
+       --rate-logs $(ls "$W"/runs/$name-rate*.jsonl | grep -v trace) --json "$W/runs/$name.steps.json" > "$W/logs/$name.steps.txt" 2>&1
+  pack
 }
 route_tests() {     # the GPU tests of the graph routes (flash-attn's need its build: the check phase)
   step pytest-gpu-routes 100 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
@@ -282,6 +290,27 @@ decide_phase() {     # BEFORE here is the tree the defaults are held to (bf16 wi
   step step-budget-b1-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget --attention triton \
        --batch 1 --out "$W/runs/step-budget-b1-prologue-1.json"
   route_tests
+}
+
+steps_phase() {
+  # where a served decode's time goes under load (tools/served_steps.py over the server's step records): both step
+  # models at 8, 32 and 64 req/s and all at once; first the batch-1 decode prologue's GPU tests
+  step pytest-gpu-batch1 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py -k batch1
+  RATES=8,32,64,inf sweep step-model-steps 100 --no-mixed-batches
+  RATES=8,32,64,inf SWEEP_ENGINE="${SERVE_ENGINE/16384/2048}" sweep mixed-2048-steps 100 --mixed-batches
+  RATES=8,32,64,inf sweep step-model-steps-fp8 100 --no-mixed-batches --kv-cache-dtype fp8
+  for f in "$W"/logs/*.steps.txt; do echo "## $f"; cat "$f"; done > "$OUT/served-steps.txt"
+}
+
+pieces_phase() {
+  # piecewise buckets past 2,048 tokens against BEFORE (whose prefills past 2,048 tokens run eagerly): the GPU tests of
+  # the mixed and piecewise routes, the nano-vllm workload, the step model's sweep at 8 / 64 / 128 / inf req/s
+  step pytest-gpu-mixed 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/engine/test_gpu_mixed.py
+  step nano-vllm-after 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-after.json"
+  step nano-vllm-before 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-before.json"
+  RATES=8,64,128,inf sweep step-model-after 110 --no-mixed-batches
+  SWEEP_IN=before RATES=8,64,128,inf sweep step-model-before 110 --no-mixed-batches
+  for f in "$W"/logs/*.steps.txt; do echo "## $f"; cat "$f"; done > "$OUT/served-steps.txt"
 }
 
 sweeps_phase() {
