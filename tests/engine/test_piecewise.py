@@ -17,7 +17,8 @@ def test_buckets_follow_the_step_budget():
     assert piecewise_buckets(512) == [16, 32, 64, 128, 256, 512]
     assert piecewise_buckets(100) == [16, 32, 64, 100]
     assert piecewise_buckets(8) == [8]
-    assert piecewise_buckets(16384)[-1] == 2048
+    assert piecewise_buckets(3000)[-2:] == [2048, 3000]
+    assert piecewise_buckets(16384)[-3:] == [6144, 7168, 8192]     # the serve-cuda budget: larger steps run eagerly
 
 
 def _emulated(engine, buckets=(16, 32, 64)):
