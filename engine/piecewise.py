@@ -31,7 +31,7 @@ from engine.graph import budget_buckets
 
 #: token buckets of piecewise steps (at most the step budget; a step of more tokens runs eagerly): powers of two to
 #: 2,048, then every 1,024 to 8,192 (a step past 2,048 pads less than half of itself). An eager step launches every
-#: kernel from Python: on an H100 prefills of 3,072-7,168 tokens took 29-32 ms of GPU span eagerly, host-bound,
+#: kernel from Python: on an H100 prefills of 3,072-7,168 tokens took 14-43 ms of GPU span eagerly, host-bound,
 #: against 9.6 ms for 3,072 tokens and 14.7 ms for 5,120 replayed; past about 10,000 tokens the GPU's own work
 #: hides the launches (12,288 tokens took 28.9 ms eagerly, 16,384 took 38.4 eagerly and 42.2 replayed), so larger
 #: steps stay eager (docs/MEASURED.md, "piecewise buckets past 2,048 tokens")
