@@ -169,6 +169,7 @@ class LLMEngine:
             "dtype": str(self.runner.dtype).replace("torch.", ""),
             "attention_backend": self.runner.attention_backend,
             "fused_ops": self.runner.fused_ops,
+            "gemv_rows": self.runner.gemv_rows,              # tokens a projection takes through the GEMV (LAB_GEMV_ROWS)
             "model": self.runner.model.describe() if self.runner.model is not None else None,   # family, q/k route
             "pdl": self.runner.pdl,
             "prefill_ahead": self.scheduler.prefill_ahead,   # a waiting prefill launched behind a decode in flight

@@ -54,6 +54,20 @@ def decode_prologue_mode(config: Config, attention_backend: str) -> str:
     return DECODE_PROLOGUE_MODES.get(os.environ.get(DECODE_PROLOGUE_ENV, "1"), "")
 
 
+GEMV_ROWS_ENV = "LAB_GEMV_ROWS"
+
+
+def gemv_rows_setting() -> int:
+    """The most tokens a projection takes through the GEMV kernels (engine/layers/gemv.py) with fused ops:
+    LAB_GEMV_ROWS, 1 (batch-1 decode only) unless it names 2..8 (small decode batches too)."""
+    from engine.layers.linear import MAX_GEMV_ROWS
+
+    text = os.environ.get(GEMV_ROWS_ENV, "1").strip()
+    if not text.isdigit() or not 1 <= int(text) <= MAX_GEMV_ROWS:
+        raise ConfigError(f"{GEMV_ROWS_ENV}={text!r}: expected a whole number from 1 to {MAX_GEMV_ROWS}")
+    return int(text)
+
+
 @contextmanager
 def default_dtype_device(dtype: torch.dtype, device: str):
     old = torch.get_default_dtype()
@@ -118,6 +132,7 @@ class ModelRunner:
         if missing:
             raise ConfigError(f"checkpoint in {config.model} lacks parameters: {', '.join(missing[:4])}")
         self.model.eval()
+        self.gemv_rows = 0                # tokens a projection takes through the GEMV kernels (0: fused ops off)
         self.fused_ops = self._enable_fused_ops()
         self.pdl = pdl.enable(self.device, config.pdl)     # engine/pdl.py: False off CUDA and before Hopper
         self.load_seconds = time.perf_counter() - t0
@@ -150,9 +165,12 @@ class ModelRunner:
         except ImportError:
             return False
         prologue = decode_prologue_mode(self.config, self.attention_backend)
+        self.gemv_rows = gemv_rows_setting()
         for module in self.model.modules():
             if hasattr(module, "fused"):
                 module.fused = True
+            if hasattr(module, "gemv_rows"):
+                module.gemv_rows = self.gemv_rows
             if hasattr(module, "decode_prologue"):
                 module.decode_prologue = prologue
         return True

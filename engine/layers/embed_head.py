@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import SINGLE, ParallelContext
-from engine.layers.linear import default_weight_loader, one_row
+from engine.layers.linear import default_weight_loader, few_rows
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -37,9 +37,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; each rank computes its slice and rank slices are gathered."""
     fused = False               # the runner turns on the Triton GEMV for one-token inputs on CUDA
+    gemv_rows = 1               # ... and for up to this many rows (the runner's LAB_GEMV_ROWS)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.fused and one_row(hidden):         # batch-1 decode: the head is a read of its weight
+        if self.fused and few_rows(hidden, self.gemv_rows):    # batch-1 decode: the head is a read of its weight
             from engine.layers.gemv import gemv
             logits = gemv(hidden, self.weight)
         else:

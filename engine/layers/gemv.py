@@ -8,6 +8,11 @@ band of BLOCK_N output features over the whole K, products and sums in float32, 
 ``silu_mul``: the input is the gate_up output [1, 2K] (gate then up) and the kernel reads silu(gate) * up,
 rounded to the activation dtype as SiluAndMul does, so the down projection needs no activation kernel.
 
+A few rows (a small decode batch, ``LAB_GEMV_ROWS``: linear.gemv_rows) take ``_rows_gemv_kernel``: every weight
+tile is read once and multiplied by each row in turn (per row a [BLOCK_N] partial sum per K chunk, float32), with the
+same prologues; its sums run in another order than the one-row kernel's, so a row's result is the product to
+float32 rounding, not the one-row kernel's bits. One row keeps ``_gemv_kernel``.
+
 ``normed_gemv``: the input is the residual stream before its RMSNorm (input_layernorm before qkv,
 post_attention_layernorm before gate_up) and every program first reads the whole row for its rstd, then
 normalizes each x chunk as it streams its band: the same float32 sums and roundings at the same points as
@@ -114,6 +119,52 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
     tl.store(y_ptr + rn, y.to(y_ptr.dtype.element_ty), mask=nmask)
 
 
+@triton.jit
+def _rows_gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_wn, stride_x, stride_y, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, ROWS: tl.constexpr,
+                      res_ptr=None, nw_ptr=None, h_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+                      HAS_RES: tl.constexpr = False, BLOCK_ROW: tl.constexpr = 1, PDL: tl.constexpr = False):
+    """M rows (2 <= M <= ROWS, ROWS a power of two: one compiled variant per power) of x [M, K] (silu_mul: [M, 2K];
+    row stride stride_x, also the residual's and h's) times a band of BLOCK_N output features: each weight tile
+    loaded once, then each row's chunk (normed or silu(gate) * up as in _x_chunk) multiplies it. Rows past M
+    re-read row M - 1 (no masked loads in the unmasked EVEN_K path) and are never stored."""
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    rows = tl.arange(0, ROWS)
+    pdl.enter(PDL)      # engine/pdl.py: everything below may read what the kernel before this one wrote
+    rstd = tl.zeros([ROWS], dtype=tl.float32)
+    if NORM:        # each row's rstd (h = x + residual, rounded), as _rms_norm_kernel computes it
+        offs = tl.arange(0, BLOCK_ROW)
+        rmask = offs < K
+        for m in tl.static_range(ROWS):
+            r = tl.minimum(m, M - 1) * stride_x
+            row = tl.load(x_ptr + r + offs, mask=rmask, other=0.0)
+            if HAS_RES:
+                row = (row.to(tl.float32) + tl.load(res_ptr + r + offs, mask=rmask, other=0.0).to(tl.float32)
+                       ).to(row.dtype)
+            rf = row.to(tl.float32)
+            rstd = tl.where(rows == m, 1.0 / tl.sqrt(tl.sum(rf * rf, 0) / K + eps), rstd)
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        kmask = rk < K
+        w = _load_w(w_ptr, rn, rk, nmask, kmask, stride_wn, EVEN_K).to(tl.float32)
+        for m in tl.static_range(ROWS):
+            r = tl.minimum(m, M - 1) * stride_x
+            rstd_m = tl.sum(tl.where(rows == m, rstd, 0.0), 0)
+            if HAS_RES:
+                x = _x_chunk(x_ptr + r, res_ptr + r, nw_ptr, h_ptr + r, rk, kmask, rstd_m, pid, K, EVEN_K, SILU_MUL,
+                             NORM, HAS_RES)
+            else:           # no residual: res_ptr and h_ptr are unused (None outside the normed launch)
+                x = _x_chunk(x_ptr + r, res_ptr, nw_ptr, h_ptr, rk, kmask, rstd_m, pid, K, EVEN_K, SILU_MUL, NORM,
+                             HAS_RES)
+            part = tl.sum(w * x.to(tl.float32)[None, :], 1)
+            acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+    tl.store(y_ptr + rows[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & nmask[None, :])
+
+
 def peel_first_chunk(k: int, block_k: int) -> bool:
     """Whether the kernel loads a row's first weight tile before its PDL wait: at one or two K chunks (every
     Qwen3-0.6B row), not at more (every Qwen3-8B row; see _gemv_kernel)."""
@@ -148,15 +199,33 @@ def normed_tile(config: tuple[int, int, int]) -> tuple[int, int, int]:
     return max(1, block_n * NORM_WARPS // warps), block_k, NORM_WARPS
 
 
+#: the most rows the rows kernel takes (linear.MAX_GEMV_ROWS says the same without importing triton)
+MAX_ROWS = 8
+
+
+def _rows_launch(x, weight, y, block_n: int, block_k: int, warps: int, **kw) -> None:
+    """_rows_gemv_kernel over x's rows (2..MAX_ROWS) into y."""
+    m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    assert 2 <= m <= MAX_ROWS, m
+    _rows_gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, m, n, k, weight.stride(0), x.stride(0), y.stride(0),
+                                                  BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+                                                  ROWS=triton.next_power_of_2(m), num_warps=warps, **kw,
+                                                  **pdl.launch(x))
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
          config: tuple[int, int, int] | None = None, peel: bool | None = None) -> torch.Tensor:
-    """x [1, K] (silu_mul: [1, 2K]) @ weight[N, K].T -> [1, N] in x's dtype. config, peel: a tile in place of
-    gemv_config's, the first chunk peeled or not in place of peel_first_chunk's rule (labkit bench --workload
-    gemv)."""
+    """x [M, K] (silu_mul: [M, 2K]; M at most MAX_ROWS) @ weight[N, K].T -> [M, N] in x's dtype. config, peel: a
+    tile in place of gemv_config's, the first chunk peeled or not in place of peel_first_chunk's rule (labkit bench
+    --workload gemv; one row)."""
     n, k = weight.shape
-    assert x.shape == (1, 2 * k if silu_mul else k) and x.is_contiguous() and weight.stride(1) == 1
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    m = x.shape[0]
+    assert x.dim() == 2 and x.shape[1] == (2 * k if silu_mul else k) and x.is_contiguous() and weight.stride(1) == 1
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = config or gemv_config(n, k)
+    if m > 1:
+        _rows_launch(x, weight, y, block_n, block_k, warps, SILU_MUL=silu_mul)
+        return y
     peel = peel_first_chunk(k, block_k) if peel is None else peel
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n,
                                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, SILU_MUL=silu_mul,
@@ -168,16 +237,23 @@ def normed_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor
                 residual: torch.Tensor | None = None,
                 config: tuple[int, int, int] | None = None,
                 peel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """RMSNorm(x [+ residual]) [1, K] @ weight[N, K].T -> ([1, N], the new residual h = x + residual or None);
-    bit-identical to ``rms_norm(x, norm_weight, eps, residual)`` then ``gemv``."""
+    """RMSNorm(x [+ residual]) [M, K] @ weight[N, K].T -> ([M, N], the new residual h = x + residual or None); at
+    one row bit-identical to ``rms_norm(x, norm_weight, eps, residual)`` then ``gemv``."""
     n, k = weight.shape
-    assert x.shape == (1, k) and x.is_contiguous() and weight.stride(1) == 1 and norm_weight.shape == (k,)
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    m = x.shape[0]
+    assert x.dim() == 2 and x.shape[1] == k and x.is_contiguous() and weight.stride(1) == 1
+    assert norm_weight.shape == (k,)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     h = None
     if residual is not None:
-        assert residual.shape == (1, k) and residual.is_contiguous() and residual.dtype == x.dtype
+        assert residual.shape == x.shape and residual.is_contiguous() and residual.dtype == x.dtype
         h = torch.empty_like(x)
     block_n, block_k, _ = normed_tile(config or gemv_config(n, k))
+    if m > 1:
+        _rows_launch(x, weight, y, block_n, block_k, NORM_WARPS, SILU_MUL=False,
+                     res_ptr=x if residual is None else residual, nw_ptr=norm_weight, h_ptr=y if h is None else h,
+                     eps=eps, NORM=True, HAS_RES=residual is not None, BLOCK_ROW=triton.next_power_of_2(k))
+        return y, h
     peel = peel_first_chunk(k, block_k) if peel is None else peel
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n,
                                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, SILU_MUL=False,

@@ -15,13 +15,19 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def one_row(x: torch.Tensor) -> bool:
-    """A single token's activations: the GEMV's case (engine/layers/gemv.py)."""
-    return x.dim() == 2 and x.shape[0] == 1 and x.is_contiguous()
+#: the most rows engine/layers/gemv.py's kernels take (its MAX_ROWS)
+MAX_GEMV_ROWS = 8
+
+
+def few_rows(x: torch.Tensor, rows: int = 1) -> bool:
+    """Activations of at most `rows` tokens (one: batch-1 decode; up to MAX_GEMV_ROWS with LAB_GEMV_ROWS): the
+    GEMV's case (engine/layers/gemv.py)."""
+    return x.dim() == 2 and 1 <= x.shape[0] <= rows and x.is_contiguous()
 
 
 class LinearBase(nn.Module):
     fused = False               # the runner turns on the Triton GEMV for one-token inputs on CUDA
+    gemv_rows = 1               # ... and for up to this many tokens (the runner's LAB_GEMV_ROWS)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelContext):
         super().__init__()
@@ -38,9 +44,9 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
-        """One token on the GEMV path (fused ops on, no bias): the case of ``matmul``'s GEMV and of the
-        prologues that run inside it (a column layer's ``normed``, a row layer's ``silu_mul``)."""
-        return self.fused and self.bias is None and one_row(x)
+        """One token (up to gemv_rows) on the GEMV path (fused ops on, no bias): the case of ``matmul``'s GEMV and
+        of the prologues that run inside it (a column layer's ``normed``, a row layer's ``silu_mul``)."""
+        return self.fused and self.bias is None and few_rows(x, self.gemv_rows)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.takes_gemv(x):
@@ -118,7 +124,7 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded.narrow(1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        """silu_mul (one token, see takes_gemv): x is gate_up and the GEMV reads SiluAndMul()(x)."""
+        """silu_mul (the GEMV's rows, see takes_gemv): x is gate_up and the GEMV reads SiluAndMul()(x)."""
         if silu_mul:
             from engine.layers.gemv import gemv
             return self.tp.all_reduce(gemv(x, self.weight, silu_mul=True))
