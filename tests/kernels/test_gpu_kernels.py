@@ -550,6 +550,64 @@ def test_batch1_decode_takes_both_fusions_and_matches_unfused(kernel_engine, gpu
     assert diff.abs().max().item() < 0.05 and rel_l2 < 2e-3, (diff.abs().max().item(), rel_l2)
 
 
+@pytest.mark.parametrize("rows", [2, 3, 8])
+def test_rows_gemv_matches_linear_on_qwen3_shapes(rows):
+    """engine/layers/gemv.py's rows kernel (a small decode batch, LAB_GEMV_ROWS) on the GPU, bf16, Qwen3-0.6B's
+    projections (plain, normed with a residual, SiLU-and-mul, the LM head): each row within bf16 rounding of F.linear
+    in float32 over the same inputs."""
+    import torch.nn.functional as F
+
+    from engine.layers.fused_kernels import rms_norm
+    from engine.layers.gemv import gemv, normed_gemv
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    bf = torch.bfloat16
+    for n, k, mode in ((4096, 1024, "normed"), (1024, 2048, "plain"), (6144, 1024, "normed"), (1024, 3072, "silu"),
+                       (151936, 1024, "plain")):
+        w = (torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5).to(bf)
+        x = torch.randn(rows, 2 * k if mode == "silu" else k, device="cuda", generator=gen).to(bf)
+        if mode == "normed":
+            res, nw = torch.randn(rows, k, device="cuda", generator=gen).to(bf), torch.rand(k, device="cuda").to(bf)
+            y, h = normed_gemv(x, w, nw, 1e-6, res)
+            ref_in, h_ref = rms_norm(x, nw, 1e-6, res)
+            assert torch.equal(h, h_ref), (n, k)
+        elif mode == "silu":
+            y = gemv(x, w, silu_mul=True)
+            g, u = x.chunk(2, dim=-1)
+            ref_in = (F.silu(g.float()).to(bf).float() * u.float()).to(bf)
+        else:
+            y, ref_in = gemv(x, w), x
+        ref = F.linear(ref_in.float(), w.float())
+        rel = ((y.float() - ref).abs().amax(-1) / ref.abs().amax(-1)).max().item()
+        assert y.shape == (rows, n) and rel < 1e-2, (n, k, mode, rel)
+
+
+def test_a_small_decode_batch_with_gemv_rows_matches_one_row(kernel_engine, gpu_model_dir, monkeypatch):
+    """LAB_GEMV_ROWS=8: a decode of 4 sequences (graphs, the default decode prologue) takes the rows kernel (the
+    engine's describe() says 8) and its logits match LAB_GEMV_ROWS=1's (cuBLAS and the separate norms) in float32."""
+    from engine import SamplingParams
+
+    out = {}
+    for setting in ("1", "8"):
+        monkeypatch.setenv("LAB_GEMV_ROWS", setting)
+        eng = kernel_engine(gpu_model_dir, device="cuda", dtype="float32", attention_backend="triton", max_num_seqs=4,
+                            num_kvcache_blocks=32, max_model_len=256)
+        assert eng.describe()["gemv_rows"] == int(setting)
+        for i in range(4):
+            eng.add_request(list(range(100 + i, 130 + 3 * i)), SamplingParams(temperature=0, max_tokens=2,
+                                                                                ignore_eos=True))
+        s, pf = eng.schedule()
+        eng.postprocess(s, [0] * len(s), pf)
+        s, pf = eng.schedule()
+        assert not pf and len(s) == 4
+        logits, _ = eng.forward_logits(s, pf)
+        out[setting] = logits.float()
+        eng.close()
+    diff = out["8"] - out["1"]
+    rel_l2 = (diff.norm(dim=-1) / out["1"].norm(dim=-1)).max().item()
+    assert diff.abs().max().item() < 1e-3 and rel_l2 < 1e-4, (diff.abs().max().item(), rel_l2)
+
+
 def test_pdl_gives_the_same_tokens_and_logprobs_as_plain_launches(kernel_engine, gpu_model_dir):
     """engine/pdl.py on Hopper: the same kernels with programmatic dependent launch (graphs, overlap, batch 1 and
     a wide batch, bf16) give the tokens and the chosen tokens' log-probs of plain launches, bit for bit (a kernel

@@ -45,6 +45,8 @@
 #                                     # then both step models' sweeps at 8 / 32 / 64 / inf req/s, the step model on e4m3 too
 #   tools/gpu/h200_session.sh pieces  # piecewise graphs past 2,048 tokens against BEFORE: the mixed/piecewise GPU tests,
 #                                     # nano-vllm both trees, the step model's sweeps (8 / 64 / 128 / inf) both trees
+#   tools/gpu/h200_session.sh rows    # LAB_GEMV_ROWS=8 against 1: the rows GEMV's GPU tests, the bf16 graph guard with it,
+#                                     # decode latency at batch 2 / 4 / 8, the step model's sweep at 8 / 32 / 64 req/s
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -60,7 +62,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces" >&2; exit 2 ;; esac
+case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces|rows) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces|rows" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -310,6 +312,24 @@ pieces_phase() {
   step nano-vllm-before 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-before.json"
   RATES=8,64,128,inf sweep step-model-after 110 --no-mixed-batches
   SWEEP_IN=before RATES=8,64,128,inf sweep step-model-before 110 --no-mixed-batches
+  for f in "$W"/logs/*.steps.txt; do echo "## $f"; cat "$f"; done > "$OUT/served-steps.txt"
+}
+
+rows_phase() {
+  # LAB_GEMV_ROWS (engine/layers/gemv.py's rows kernel for decode batches of 2-8): its GPU tests, the bf16 guards with
+  # it, decode latency at batch 2, 4 and 8 with it off (1) and on (8), the step model's sweep at 8 / 32 / 64 req/s both ways
+  step pytest-gpu-rows 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py -k "rows or batch1"
+  step guard-graph-rows 60 env LAB_GEMV_ROWS=8 $PY -m labkit logits guard --suite graph --dtype bfloat16 --device cuda \
+       --attention triton
+  for b in 2 4 8; do
+    for r in 1 8; do
+      step "latency-b$b-rows-$r" 40 env LAB_GEMV_ROWS=$r $PY -m labkit bench --workload latency --batch $b --repeats 3 \
+           --attention triton --out "$W/runs/latency-b$b-rows-$r.json"
+    done
+  done
+  for r in 1 8; do
+    RATES=8,32,64 sweep "step-model-rows-$r" 90 LAB_GEMV_ROWS=$r --no-mixed-batches
+  done
   for f in "$W"/logs/*.steps.txt; do echo "## $f"; cat "$f"; done > "$OUT/served-steps.txt"
 }
 
