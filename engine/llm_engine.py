@@ -21,7 +21,7 @@ import torch
 from engine import admission
 from engine.block_manager import BlockManager
 from engine.args import EngineArgs
-from engine.config import Config
+from engine.config import Config, ConfigError
 from engine.errors import RequestError
 from engine.graph import EAGER, Route
 from engine.model_runner import Launched, ModelRunner
@@ -36,16 +36,24 @@ from engine.sequence import Sequence, SequenceCounter
 from engine.step_inputs import StepInputs
 
 
-#: 1: nano-vllm's step model with the overlapped decode launches a waiting prefill behind the decode in flight,
-#: and the decode after a prefill behind that prefill
+#: nano-vllm's step model with the overlapped decode: "prefill" launches a waiting prefill behind the decode in
+#: flight; "1" that, and the decode after a prefill behind that prefill
 PREFILL_AHEAD_ENV = "LAB_PREFILL_AHEAD"
+PREFILL_AHEAD_MODES = {"0": (False, False), "prefill": (True, False), "1": (True, True)}
 
 
-def prefill_ahead(config: Config) -> bool:
-    """Whether the scheduler's lookahead may launch a prefill, or a decode behind one (Scheduler.prefill_ahead):
-    with the overlapped decode, nano-vllm's step model and LAB_PREFILL_AHEAD=1; a lever under measurement, off
-    by default."""
-    return bool(config.overlap and not config.mixed_batches and os.environ.get(PREFILL_AHEAD_ENV) == "1")
+def prefill_ahead(config: Config) -> tuple[bool, bool]:
+    """(Scheduler.prefill_ahead, Scheduler.decode_behind_prefill): whether the scheduler's lookahead may launch a
+    waiting prefill behind a decode in flight, and the decode after a prefill behind that prefill. With the
+    overlapped decode and nano-vllm's step model only, from LAB_PREFILL_AHEAD (unset: off; levers under
+    measurement). "prefill" keeps the step model's choice of steps and only launches the prefill early; "1" also
+    decides the step after a prefill before its tokens (and so before later arrivals) are in."""
+    text = os.environ.get(PREFILL_AHEAD_ENV, "0").strip() or "0"
+    if text not in PREFILL_AHEAD_MODES:
+        raise ConfigError(f"{PREFILL_AHEAD_ENV}={text!r}: expected one of {', '.join(PREFILL_AHEAD_MODES)}")
+    if not config.overlap or config.mixed_batches:
+        return False, False
+    return PREFILL_AHEAD_MODES[text]
 
 
 def step_kind(seqs: list[Sequence], is_prefill: bool) -> str:
@@ -173,6 +181,7 @@ class LLMEngine:
             "model": self.runner.model.describe() if self.runner.model is not None else None,   # family, q/k route
             "pdl": self.runner.pdl,
             "prefill_ahead": self.scheduler.prefill_ahead,   # a waiting prefill launched behind a decode in flight
+            "decode_behind_prefill": self.scheduler.decode_behind_prefill,   # and the decode after it behind it
             "num_kvcache_blocks": self.runner.num_kvcache_blocks,
             "kv_cache": self._kv_cache_info(),
             "memory": self.runner.memory,
@@ -257,7 +266,7 @@ class LLMEngine:
                                           shuffle_blocks=self.config.shuffle_blocks,
                                           enable_prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler_limits(), self.block_manager)
-        self.scheduler.prefill_ahead = prefill_ahead(self.config)
+        self.scheduler.prefill_ahead, self.scheduler.decode_behind_prefill = prefill_ahead(self.config)
 
     def forward_logits(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, Route]:
         """The logits of a scheduled batch (from schedule()) without sampling, and the route they took;
@@ -420,8 +429,8 @@ class LLMEngine:
         step k's samples) before reading step k's tokens, so the host's bookkeeping for k runs while the
         GPU computes k+1. Returns step k's output; one step may stay in flight between calls. With mixed
         batches step k+1 may also admit prefill chunks, and step k may itself have prefilled; in
-        nano-vllm's step model only decode steps overlap, and with prefill_ahead (LAB_PREFILL_AHEAD=1) a decode
-        step k may have the waiting requests' prefill as its step k+1, and a prefill step k the decode after it.
+        nano-vllm's step model only decode steps overlap, and with LAB_PREFILL_AHEAD (prefill or 1) a decode step k
+        may have the waiting requests' prefill as its step k+1, and (1) a prefill step k the decode after it.
         Any step the lookahead cannot take (see Scheduler.schedule_lookahead) runs one by one as in step()."""
         t0 = time.perf_counter()
         prev = self._inflight
@@ -431,7 +440,7 @@ class LLMEngine:
             if not seqs:
                 return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
             prev = self._launch(seqs, is_prefill, batch)
-        if (self.scheduler.mixed or not prev.is_prefill or self.scheduler.prefill_ahead) and \
+        if (self.scheduler.mixed or not prev.is_prefill or self.scheduler.decode_behind_prefill) and \
                 not any(s.sampling_params.needs_history(s.num_completion_tokens) for s in prev.seqs):
             # (penalties, min_tokens and a grammar's mask read the token still in flight: those batches run
             # one by one; the other requests of such a batch keep going, one step per call)

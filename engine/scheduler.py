@@ -43,9 +43,11 @@ class Scheduler:
         # totals for the service's metrics (vLLM's num_preemptions, prefix_cache_queries / hits, in tokens)
         self.num_preemptions = self.prefix_queries = self.prefix_hits = 0
         # nano-vllm's step model with the overlapped decode: the prefill of requests waiting behind a decode in
-        # flight is launched as the next step, before that decode's tokens are read, and the decode after a
-        # prefill behind it (LLMEngine sets it from LAB_PREFILL_AHEAD; off: each waits for the tokens in flight)
+        # flight is launched as the next step, before that decode's tokens are read (prefill_ahead), and the decode
+        # after a prefill behind it (decode_behind_prefill); LLMEngine sets both from LAB_PREFILL_AHEAD (off: each
+        # waits for the tokens in flight)
         self.prefill_ahead = False
+        self.decode_behind_prefill = False
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -163,11 +165,11 @@ class Scheduler:
         tokens are on the host already). Empty (run the steps one by one) when the lookahead cannot
         take the step: running sequences outside the batch, too few free blocks, a prompt still
         being chunked in flight, or (nano-vllm's step model) requests waiting: then, with prefill_ahead, the
-        step is their prefill (its rows need nothing of the step in flight). With prefill_ahead, a prefill in
-        flight (inflight_prefill) may have the decode after it launched behind it (_behind_prefill).
+        step is their prefill (its rows need nothing of the step in flight). With decode_behind_prefill, a prefill
+        in flight (inflight_prefill) may have the decode after it launched behind it (_behind_prefill).
         """
         if inflight_prefill and not self.mixed:
-            return self._behind_prefill(inflight) if self.prefill_ahead else ([], False)
+            return self._behind_prefill(inflight) if self.decode_behind_prefill else ([], False)
         # the running requests are the in-flight step's (a prompt still being chunked in flight is waiting,
         # not running, and an aborted one is in neither: both break the equality)
         if set(self.running) != set(inflight):

@@ -1,11 +1,12 @@
-"""The steps nano-vllm's step model takes, overlapped, with LAB_PREFILL_AHEAD off and on, while requests arrive:
-how the lookahead changes which step comes next, not only when it is launched.
+"""The steps nano-vllm's step model takes, overlapped, with LAB_PREFILL_AHEAD off, "prefill" and 1, while requests
+arrive: how the lookahead changes which step comes next, not only when it is launched.
 
 One engine per setting, the same greedy requests (``--requests`` random prompts of ``--prompt`` tokens, ``--output``
 tokens each), ``--per-call`` of them added before every ``step()`` call until all are in. Prints, per setting, the
-steps by kind and the mean sequences per prefill step. With it on, the lookahead decides the step after a prefill
+steps by kind and the mean sequences per prefill step. With 1, the lookahead decides the step after a prefill
 before the next request arrives (a decode), where the step model one step at a time would prefill that request
-first: decodes interleave with smaller prefills.
+first: decodes interleave with smaller prefills. With "prefill" only a waiting prefill is launched early, behind
+the decode in flight: the steps are the step model's.
 
     python tools/prefill_ahead_steps.py --model DIR [--per-call 1] [--requests 64] [--json]
 """
@@ -18,12 +19,14 @@ import os
 import random
 
 
-def run(model: str, ahead: bool, per_call: int, requests: int, prompt: int, output: int, seed: int = 0) -> dict:
+def run(model: str, ahead: bool | str, per_call: int, requests: int, prompt: int, output: int, seed: int = 0) -> dict:
+    """ahead: LAB_PREFILL_AHEAD's value ("0", "prefill", "1"; False / True: "0" / "1")."""
+    mode = ahead if isinstance(ahead, str) else "1" if ahead else "0"
     from engine import LLMEngine, SamplingParams
     from engine.llm_engine import PREFILL_AHEAD_ENV
 
     old = os.environ.get(PREFILL_AHEAD_ENV)
-    os.environ[PREFILL_AHEAD_ENV] = "1" if ahead else "0"
+    os.environ[PREFILL_AHEAD_ENV] = mode
     try:
         engine = LLMEngine(model, device="cpu", attention_backend="torch", enforce_eager=True, overlap=True,
                            mixed_batches=False, max_num_seqs=requests, max_num_batched_tokens=max(2048, prompt),
@@ -48,7 +51,9 @@ def run(model: str, ahead: bool, per_call: int, requests: int, prompt: int, outp
                 kinds[out.kind] += 1
                 if out.kind == "prefill":
                     sizes.append(len(out.seqs))
-        return {"prefill_ahead": engine.describe()["prefill_ahead"], "steps": dict(kinds),
+        d = engine.describe()
+        return {"prefill_ahead": d["prefill_ahead"], "decode_behind_prefill": d["decode_behind_prefill"],
+                "mode": mode, "steps": dict(kinds),
                 "mean_prefill_seqs": round(sum(sizes) / max(1, len(sizes)), 2)}
     finally:
         engine.close()
@@ -63,12 +68,12 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=24, help="output tokens")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    rows = [run(a.model, ahead, a.per_call, a.requests, a.prompt, a.output) for ahead in (False, True)]
+    rows = [run(a.model, mode, a.per_call, a.requests, a.prompt, a.output) for mode in ("0", "prefill", "1")]
     if a.json:
         print(json.dumps(rows, indent=1))
         return
     for r in rows:
-        print(f"prefill ahead {'on ' if r['prefill_ahead'] else 'off'}  steps {r['steps']}  "
+        print(f"LAB_PREFILL_AHEAD={r['mode']:7}  steps {r['steps']}  "
               f"mean sequences per prefill step {r['mean_prefill_seqs']}")
 
 

@@ -73,30 +73,40 @@ def test_piecewise_graphs_in_bf16_with_overlap(tiny_engine):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_prefill_ahead_replays_graphs_with_the_eager_tokens(tiny_engine, monkeypatch):
+@pytest.mark.parametrize("mode", ["1", "prefill"])
+def test_prefill_ahead_replays_graphs_with_the_eager_tokens(tiny_engine, monkeypatch, mode):
     """LAB_PREFILL_AHEAD=1, nano-vllm's step model, graphs and the overlapped decode: prefills launched behind a decode
     in flight, and decodes behind a prefill (the prefill's rows fed on the device, the other running requests' ids
-    from the host, replayed through the decode graphs), give the eager engine's greedy tokens, one step at a time."""
+    from the host, replayed through the decode graphs), give the eager engine's greedy tokens, one step at a time;
+    with "prefill" only the prefills are launched early, and the tokens are the same."""
     prompts, at = _workload()
     sp = SamplingParams(max_tokens=12, **GREEDY)
     opts = dict(device="cuda", dtype="float32", attention_backend="triton", kvcache_block_size=16,
                 max_num_batched_tokens=256, max_model_len=512, max_num_seqs=16, mixed_batches=False,
                 num_kvcache_blocks=256)
     eager, _ = _arrivals(tiny_engine(enforce_eager=True, **opts), prompts, at, sp)
-    monkeypatch.setenv("LAB_PREFILL_AHEAD", "1")
+    monkeypatch.setenv("LAB_PREFILL_AHEAD", mode)
     engine = tiny_engine(enforce_eager=False, overlap=True, **opts)
     assert engine.describe()["prefill_ahead"] is True
-    behind, real = [], engine.scheduler._behind_prefill
+    assert engine.describe()["decode_behind_prefill"] is (mode == "1")
+    behind, early = [], []
+    real, real_early = engine.scheduler._behind_prefill, engine.scheduler._prefill_behind
 
     def spy(inflight):
         seqs, is_prefill = real(inflight)
         behind.append(sum(s not in inflight for s in seqs))      # rows whose ids come from the host
         return seqs, is_prefill
 
-    engine.scheduler._behind_prefill = spy
+    def spy_early():
+        seqs, is_prefill = real_early()
+        early.append(len(seqs))                                  # a prefill launched behind a decode in flight
+        return seqs, is_prefill
+
+    engine.scheduler._behind_prefill, engine.scheduler._prefill_behind = spy, spy_early
     routes: list = []
     _spy(engine, routes, 1e-4)
     ahead, _ = _arrivals(engine, prompts, at, sp)
-    assert any(behind) and "graph" in routes, (behind, routes)
+    assert any(early) and "graph" in routes, (early, routes)
+    assert any(behind) if mode == "1" else not behind, behind
     assert ahead == eager
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -84,13 +84,16 @@ def test_overlap_refuses_tensor_parallel(tiny_model_dir):
         LLMEngine(str(tiny_model_dir), overlap=True, tensor_parallel_size=2, device="cpu", enforce_eager=True)
 
 
-def arrivals(build, ahead: bool, monkeypatch, overlap: bool = True):
+def arrivals(build, ahead: bool | str, monkeypatch, overlap: bool = True):
     """Requests arriving while others decode, two before every third step() call: each request's tokens and
     finish, the step() calls that returned with a prefill in flight, those that returned a prefill's tokens with
-    the decode after it in flight, and whether every block came back."""
-    monkeypatch.setenv("LAB_PREFILL_AHEAD", "1" if ahead else "0")
+    the decode after it in flight, and whether every block came back. ahead: LAB_PREFILL_AHEAD ("prefill", or
+    True / False for 1 / 0)."""
+    mode = ahead if isinstance(ahead, str) else "1" if ahead else "0"
+    monkeypatch.setenv("LAB_PREFILL_AHEAD", mode)
     engine = build(overlap=overlap, **KW)
-    assert engine.describe()["prefill_ahead"] is (ahead and overlap)
+    d = engine.describe()
+    assert (d["prefill_ahead"], d["decode_behind_prefill"]) == (mode != "0" and overlap, mode == "1" and overlap)
     prompts, params = workload(8)
     seqs, calls, prefill_in_flight, decode_behind = [], 0, 0, 0
     while len(seqs) < len(prompts) or not engine.is_finished():
@@ -117,6 +120,31 @@ def test_prefill_ahead_launches_waiting_prefills_behind_a_decode_and_keeps_the_t
     ahead, launched, free_ahead = arrivals(tiny_engine, True, monkeypatch)
     assert ahead == plain == sync and free_sync and free_plain and free_ahead
     assert none_sync == none_plain == (0, 0) and launched[0] >= 2 and launched[1] >= 2, launched
+
+
+def test_prefill_ahead_prefill_only_launches_the_prefill_early_and_keeps_the_step_models_steps(tiny_engine,
+                                                                                              tiny_model_dir,
+                                                                                              monkeypatch):
+    """LAB_PREFILL_AHEAD=prefill: a waiting prefill is launched behind the decode in flight (a step() call returns
+    with it in flight), never a decode behind a prefill; the greedy tokens are those without it, and with one
+    arrival per step() call (tools/prefill_ahead_steps.py) the steps are the step model's, kind for kind."""
+    plain, _, _ = arrivals(tiny_engine, False, monkeypatch)
+    ahead, launched, free = arrivals(tiny_engine, "prefill", monkeypatch)
+    assert ahead == plain and free
+    assert launched[0] >= 2 and launched[1] == 0, launched
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+    from prefill_ahead_steps import run
+
+    off, early = (run(str(tiny_model_dir), mode, per_call=1, requests=16, prompt=32, output=8)
+                  for mode in ("0", "prefill"))
+    assert (early["prefill_ahead"], early["decode_behind_prefill"]) == (True, False), early
+    assert early["steps"] == off["steps"] and early["mean_prefill_seqs"] == off["mean_prefill_seqs"], (off, early)
+
+
+def test_prefill_ahead_refuses_an_unknown_setting_in_one_line(tiny_engine, monkeypatch):
+    monkeypatch.setenv("LAB_PREFILL_AHEAD", "yes")
+    with pytest.raises(ConfigError, match=r"LAB_PREFILL_AHEAD='yes': expected one of 0, prefill, 1"):
+        tiny_engine(overlap=True, **KW)
 
 
 def test_prefill_ahead_interleaves_decodes_with_arrivals(tiny_model_dir):

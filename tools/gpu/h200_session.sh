@@ -33,8 +33,8 @@
 #                                     # nano-vllm's step model first
 #   tools/gpu/h200_session.sh b8      # Qwen3-8B's shapes: batch-1 latency with the decode prologue off / on / on without
 #                                     # its prefetch, then the nano-vllm workload off and on
-#   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD off and on in nano-vllm's step model: the prefix-cache A/B on
-#                                     # prefix-repetition and multi-turn (with the TTFT split), then the rate sweep with it on
+#   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD 0, prefill and 1 in nano-vllm's step model: the prefix-cache A/B on
+#                                     # prefix-repetition and multi-turn (with the TTFT split), "prefill"'s rate sweep
 #   tools/gpu/h200_session.sh decide  # the figures the defaults are judged by, in one call: the kv-fp8 guard, nano-vllm on
 #                                     # bf16 and e4m3 and on BEFORE's bf16, batch-1 latency with the decode prologue off /
 #                                     # on and on BEFORE, the step budget at batch 1, the GPU tests of the graph routes
@@ -355,13 +355,18 @@ ttft_phase() {
 }
 
 ahead_phase() {
-  for ds in prefix multi-turn; do
-    for mode in 0 1; do
+  # off and "prefill" first (the candidate: the step model's steps, the prefill launched early), then its sweep, then 1
+  for mode in 0 prefill; do
+    for ds in prefix multi-turn; do
       step "prefill-ahead-$mode-$ds" 90 env LAB_PREFILL_AHEAD=$mode ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 \
            DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$mode-$ds"
     done
   done
-  sweep prefill-ahead-1-sweep 120 LAB_PREFILL_AHEAD=1 --no-mixed-batches
+  RATES=8,64,128,inf sweep prefill-ahead-prefill-sweep 100 LAB_PREFILL_AHEAD=prefill --no-mixed-batches
+  for ds in prefix multi-turn; do
+    step "prefill-ahead-1-$ds" 90 env LAB_PREFILL_AHEAD=1 ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 \
+         DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-1-$ds"
+  done
 }
 
 b8_phase() {
