@@ -132,8 +132,9 @@ class ModelRunner:
         if missing:
             raise ConfigError(f"checkpoint in {config.model} lacks parameters: {', '.join(missing[:4])}")
         self.model.eval()
-        self.gemv_rows = 0                # tokens a projection takes through the GEMV kernels (0: fused ops off)
-        self.fused_ops = self._enable_fused_ops()
+        rows = gemv_rows_setting()        # read (and a bad LAB_GEMV_ROWS refused) on every device
+        self.fused_ops = self._enable_fused_ops(rows)
+        self.gemv_rows = rows if self.fused_ops else 0   # tokens a projection takes through the GEMV kernels
         self.pdl = pdl.enable(self.device, config.pdl)     # engine/pdl.py: False off CUDA and before Hopper
         self.load_seconds = time.perf_counter() - t0
         self.sampler = Sampler(self.device, config.seed, config.eos_token_ids, config.logprobs_mode)
@@ -155,7 +156,7 @@ class ModelRunner:
         # Triton kernels compiled after start-up (engine/warmup.py): a variant the warm-up missed
         self.late_compiles = CompileWatch() if self.device.startswith("cuda") else None
 
-    def _enable_fused_ops(self) -> bool:
+    def _enable_fused_ops(self, gemv_rows: int = 1) -> bool:
         if not self.config.fused_ops:      # --no-fused-ops: the plain path (backend.store_kv runs)
             return False
         if not self.device.startswith("cuda"):
@@ -165,12 +166,11 @@ class ModelRunner:
         except ImportError:
             return False
         prologue = decode_prologue_mode(self.config, self.attention_backend)
-        self.gemv_rows = gemv_rows_setting()
         for module in self.model.modules():
             if hasattr(module, "fused"):
                 module.fused = True
             if hasattr(module, "gemv_rows"):
-                module.gemv_rows = self.gemv_rows
+                module.gemv_rows = gemv_rows
             if hasattr(module, "decode_prologue"):
                 module.decode_prologue = prologue
         return True
