@@ -55,6 +55,9 @@ def render_sweep(record: dict) -> None:
                                               for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")))
     console.print(table)
     console.print(lat)
+    steps = _steps_table(facts["per_rate"])
+    if steps is not None:
+        console.print(steps)
     s = facts["summary"]
     console.print(f"first saturated rate: {s['first_saturated_rate']}; TTFT p99 over {s['ttft_p99_limit_ms']:g} ms "
                   f"from rate: {s['first_rate_ttft_p99_over_limit']}; best throughput "
@@ -67,3 +70,27 @@ def render_sweep(record: dict) -> None:
         note(f"stopped at saturation: rates {', '.join(facts['skipped_rates'])} not run")
     console.print(f"picture: {rel(facts['picture'])}; per-rate logs: {rel(facts['per_rate'][0]['events'])} ...",
                   soft_wrap=True)
+
+
+def _steps_table(rows: list[dict]):
+    """The server's steps per rate (labkit.load.server_steps): decode steps' batch and times, the share of the
+    rate's time in prefill and mixed steps, the GPU's busy fraction; None where no rate has them."""
+    from rich.table import Table
+
+    if not any(r.get("server_steps") for r in rows):
+        return None
+    t = Table(title="server steps per rate (the engine's step records): decode p50s, ms; a decode's TPOT is its step "
+                    "plus the other steps between", title_justify="left")
+    for c in ("rate req/s", "steps", "decode batch", "decode interval", "decode GPU", "prefill/mixed share",
+              "GPU busy"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        st = r.get("server_steps")
+        if not st:
+            continue
+        d = st["decode"]
+        kinds = " / ".join(f"{n} {k}" for k, n in sorted(st["kinds"].items()))
+        share, busy = st["other_kinds_share"], st["gpu_busy_fraction"]
+        t.add_row(str(r["offered_rate"]), kinds, _n(d["batch_p50"]), _q(d, "interval_ms_p50"), _q(d, "gpu_ms_p50"),
+                  "n/a" if share is None else f"{share:.0%}", "n/a (no GPU spans)" if busy is None else f"{busy:.0%}")
+    return t

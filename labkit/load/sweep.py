@@ -267,6 +267,10 @@ def run_sweep(opts: SweepOptions) -> dict:
             facts["offline"] = {"rate": rate_name(opts.rates[len(rows) - 1]), **target.offline(last_reqs)}
         healths = target.healths
         served = target.worker.served if target.worker is not None else None
+    if not lo.endpoints:            # our server's step records: where each rate's step time went
+        from labkit.load.server_steps import per_rate
+
+        per_rate(rows, evidence.with_name(f"{evidence.stem}-server") / "server.jsonl" if opts.serve_process else None)
     facts.update(_sweep_facts(opts, base, rows, facts.get("offline")))
     facts["picture"] = str(evidence.with_name(f"{evidence.stem}.curve.png"))
     kind, ident = _identity(healths, served)

@@ -71,6 +71,70 @@ def test_cpu_sweep_accounts_for_every_request_and_passes_the_checkpoints_sweep_a
     assert Path(facts["picture"]).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_each_rate_says_where_its_step_time_went(swept):
+    """labkit.load.server_steps over the in-process server's step records: every rate's steps, decode and prefill,
+    inside its requests' span; no GPU spans on a CPU; the sweep table prints them."""
+    from labkit.cli.sweep import render_sweep
+    from labkit.console import console
+
+    _, record = swept
+    for row in record["facts"]["per_rate"]:
+        st = row["server_steps"]
+        assert st["kinds"].get("prefill", 0) >= 1 and st["kinds"].get("decode", 0) >= 1, st
+        assert st["steps"] == sum(st["kinds"].values()) == sum(r["steps"] for r in st["by_kind_and_batch"]), st
+        assert st["decode"]["steps"] == st["kinds"]["decode"] and 1 <= st["decode"]["batch_p50"] <= REQUESTS, st
+        assert st["gpu_busy_fraction"] is None and st["decode"]["gpu_ms_p50"] is None, st
+        assert 0 < st["other_kinds_share"] < 1, st
+    with console.capture() as cap:
+        render_sweep(record)
+    assert "server steps per rate" in cap.get()
+
+
+def test_step_summary_on_a_hand_made_timeline():
+    """Two decodes around a prefill, with GPU spans (ms): the decode after the prefill sees its interval, the
+    prefill's own span is the other kinds' share, and the GPU's idle time before each step is what it waited."""
+    from labkit.load.server_steps import summarize
+
+    ms = 1_000_000
+
+    def step(phase, n, start, end, g0, g1):
+        return {"event": "step", "phase": phase, "num_seqs": n, "num_tokens": n if phase == "decode" else 100 * n,
+                "start_ns": start * ms, "t_ns": end * ms, "gpu_start_ns": g0 * ms, "gpu_end_ns": g1 * ms}
+
+    st = summarize([step("decode", 2, 0, 1, 0, 1), step("prefill", 1, 1, 4, 1.5, 3.5),
+                    step("decode", 3, 4.5, 6, 4.5, 6)])
+    assert st["span_s"] == 0.006 and st["kinds"] == {"decode": 2, "prefill": 1}
+    assert st["gpu_busy_fraction"] == 0.75                                 # (1 + 2 + 1.5) ms of 6
+    # the second decode's interval runs from the prefill's end (4 ms) to its own (6 ms): 2.0, not its 1.5 ms span
+    assert st["decode"] == {"steps": 2, "batch_p50": 3, "interval_ms_p50": 2.0, "gpu_ms_p50": 1.5}
+    assert st["other_kinds_share"] == 0.5
+    prefill = next(r for r in st["by_kind_and_batch"] if r["kind"] == "prefill")
+    assert prefill["gpu_idle_ms_p50"] == 0.5 and prefill["interval_ms_p50"] == 3.0 and prefill["tokens_p50"] == 100
+
+
+def test_a_served_sweeps_rates_take_their_steps_from_the_servers_log(tmp_path):
+    """--serve-process: the server's log holds every rate's steps; each rate takes those inside its requests' span
+    (the engine's submitted .. finished in the rate's log), and a rate without engine events gets none."""
+    from labkit.load.server_steps import per_rate
+
+    ms = 1_000_000
+    server = tmp_path / "server.jsonl"
+    server.write_text("".join(json.dumps({"event": "step", "phase": ph, "num_seqs": 1, "num_tokens": 1,
+                                          "start_ns": t * ms, "t_ns": (t + 1) * ms}) + "\n"
+                              for ph, t in (("prefill", 10), ("decode", 11), ("prefill", 50), ("decode", 51),
+                                            ("decode", 52))))
+    rows = []
+    for name, lo, hi, observer in (("a", 10, 12, "engine"), ("b", 50, 53, "engine"), ("c", 10, 53, "client")):
+        events = tmp_path / f"rate-{name}.jsonl"
+        events.write_text("".join(json.dumps({"event": ev, "observer": observer, "t_ns": t * ms}) + "\n"
+                                  for ev, t in (("submitted", lo), ("finished", hi))))
+        rows.append({"events": str(events)})
+    per_rate(rows, server)
+    assert rows[0]["server_steps"]["kinds"] == {"prefill": 1, "decode": 1}, rows[0]
+    assert rows[1]["server_steps"]["kinds"] == {"prefill": 1, "decode": 2}, rows[1]
+    assert "server_steps" not in rows[2]
+
+
 def test_the_sweep_table_names_the_attention_backend_that_served(swept):
     from labkit.cli.sweep import render_sweep
     from labkit.console import console
