@@ -36,18 +36,23 @@ def read_steps(path: Path) -> list[dict]:
 
 
 def request_span(events: Path) -> tuple[int, int] | None:
-    """[first submission, last end] of a rate's requests as the engine saw them (its "submitted" and "finished"
-    events in the rate's event log), or None without engine events."""
-    lo = hi = None
+    """[first submission, last end] of a rate's measured requests (not its warm-up ones) as the engine saw them
+    (its "submitted" and "finished" events in the rate's event log), or None without engine events."""
+    submitted: dict[str, int] = {}
+    finished: dict[str, int] = {}
     with open(events) as f:
         for line in f:
             if '"engine"' not in line:
                 continue
             rec = json.loads(line)
-            if rec.get("observer") == "engine" and rec.get("event") in ("submitted", "finished") and "t_ns" in rec:
-                t = rec["t_ns"]
-                lo, hi = (t if lo is None else min(lo, t)), (t if hi is None else max(hi, t))
-    return None if lo is None else (lo, hi)
+            if rec.get("observer") != "engine" or "t_ns" not in rec:
+                continue
+            if rec.get("event") == "submitted" and not rec.get("warmup"):
+                submitted[rec.get("request_id")] = rec["t_ns"]
+            elif rec.get("event") == "finished":
+                finished[rec.get("request_id")] = rec["t_ns"]
+    ends = [finished[r] for r in submitted if r in finished]
+    return (min(submitted.values()), max(ends)) if submitted and ends else None
 
 
 def inside(steps: list[dict], span: tuple[int, int]) -> list[dict]:

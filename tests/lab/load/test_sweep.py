@@ -113,21 +113,25 @@ def test_step_summary_on_a_hand_made_timeline():
 
 
 def test_a_served_sweeps_rates_take_their_steps_from_the_servers_log(tmp_path):
-    """--serve-process: the server's log holds every rate's steps; each rate takes those inside its requests' span
-    (the engine's submitted .. finished in the rate's log), and a rate without engine events gets none."""
+    """--serve-process: the server's log holds every rate's steps; each rate takes those inside its measured requests'
+    span (the engine's submitted .. finished in the rate's log; a warm-up request's steps before it are not the
+    rate's), and a rate without engine events gets none."""
     from labkit.load.server_steps import per_rate
 
     ms = 1_000_000
     server = tmp_path / "server.jsonl"
     server.write_text("".join(json.dumps({"event": "step", "phase": ph, "num_seqs": 1, "num_tokens": 1,
                                           "start_ns": t * ms, "t_ns": (t + 1) * ms}) + "\n"
-                              for ph, t in (("prefill", 10), ("decode", 11), ("prefill", 50), ("decode", 51),
-                                            ("decode", 52))))
+                              for ph, t in (("prefill", 2), ("prefill", 10), ("decode", 11), ("prefill", 50),
+                                            ("decode", 51), ("decode", 52))))
     rows = []
     for name, lo, hi, observer in (("a", 10, 12, "engine"), ("b", 50, 53, "engine"), ("c", 10, 53, "client")):
         events = tmp_path / f"rate-{name}.jsonl"
-        events.write_text("".join(json.dumps({"event": ev, "observer": observer, "t_ns": t * ms}) + "\n"
-                                  for ev, t in (("submitted", lo), ("finished", hi))))
+        warm = [{"event": "submitted", "observer": observer, "request_id": "w", "t_ns": (lo - 9) * ms,
+                 "warmup": True}, {"event": "finished", "observer": observer, "request_id": "w", "t_ns": lo * ms}]
+        events.write_text("".join(json.dumps(e) + "\n" for e in warm + [
+            {"event": ev, "observer": observer, "request_id": "r", "t_ns": t * ms}
+            for ev, t in (("submitted", lo), ("finished", hi))]))
         rows.append({"events": str(events)})
     per_rate(rows, server)
     assert rows[0]["server_steps"]["kinds"] == {"prefill": 1, "decode": 1}, rows[0]
