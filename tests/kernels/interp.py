@@ -74,15 +74,34 @@ def patch_interpreter() -> None:
     interp._patch_lang = once_per_launch(interp._patch_lang)
 
 
+def _trivial_kernel() -> None:
+    """A kernel that cannot be wrong: x + 1 over 8 floats. Where it fails the interpreter itself cannot run here."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 1.0, mask=mask)
+
+    x = torch.zeros(8)
+    _add_one[(1,)](x, 8, BLOCK=8)
+    assert x.tolist() == [1.0] * 8, x
+
+
 def interpreter_ready(probe) -> bool:
-    """In the interpreted process: patch triton 3.6's interpreter (patch_interpreter) and run one small case;
-    where that fails, print {"skip": why} for the parent and return False."""
+    """In the interpreted process: patch triton 3.6's interpreter (patch_interpreter) and run a trivial kernel; where
+    that fails, print {"skip": why} for the parent and return False. Then the test's own small case: a failure there
+    is the kernel's (a bug, not the machine), so it is raised and the test fails."""
     patch_interpreter()
     try:
-        probe()
+        _trivial_kernel()
     except Exception as e:                              # noqa: BLE001
         print(json.dumps({"skip": f"Triton's interpreter cannot run here: {type(e).__name__}: {str(e)[:160]}"}))
         return False
+    probe()
     return True
 
 
