@@ -47,6 +47,8 @@
 #                                     # nano-vllm both trees, the step model's sweeps (8 / 64 / 128 / inf) both trees
 #   tools/gpu/h200_session.sh rows    # LAB_GEMV_ROWS=8 against 1: the rows GEMV's GPU tests, the bf16 graph guard with it,
 #                                     # decode latency at batch 2 / 4 / 8, the step model's sweep at 8 / 32 / 64 req/s
+#   tools/gpu/h200_session.sh next    # the unmeasured levers, one call: the rows GEMV's GPU tests and batch-4 latency
+#                                     # without / with LAB_GEMV_ROWS=8, then LAB_PREFILL_AHEAD 0 / prefill on both A/Bs
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -62,7 +64,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces|rows) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces|rows" >&2; exit 2 ;; esac
+case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces|rows|next) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces|rows|next" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -331,6 +333,22 @@ rows_phase() {
     RATES=8,32,64 sweep "step-model-rows-$r" 90 LAB_GEMV_ROWS=$r --no-mixed-batches
   done
   for f in "$W"/logs/*.steps.txt; do echo "## $f"; cat "$f"; done > "$OUT/served-steps.txt"
+}
+
+next_phase() {
+  # the two unmeasured levers in one call, the most telling steps first: the rows GEMV's GPU tests and decode latency
+  # at batch 4 without and with it; then LAB_PREFILL_AHEAD 0 against prefill on prefix-repetition and multi-turn
+  step pytest-gpu-rows 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py -k rows
+  for r in 1 8; do
+    step "latency-b4-rows-$r" 40 env LAB_GEMV_ROWS=$r $PY -m labkit bench --workload latency --batch 4 --repeats 3 \
+         --attention triton --out "$W/runs/latency-b4-rows-$r.json"
+  done
+  for ds in prefix multi-turn; do
+    for mode in 0 prefill; do
+      step "prefill-ahead-$mode-$ds" 90 env LAB_PREFILL_AHEAD=$mode ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 \
+           DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$mode-$ds"
+    done
+  done
 }
 
 sweeps_phase() {
