@@ -42,6 +42,7 @@ def serving_banner(worker, out) -> dict:
             "steps / graphs / overlap": f"{'mixed' if conf.get('mixed_batches') else 'prefill or decode'} / "
                                         f"{'on' if (desc.get('graph') or {}).get('enabled') else 'off'} / "
                                         f"{'on' if conf.get('overlap') else 'off'}",
+            **lab_levers(desc),
             "scheduling policy": args.scheduling_policy,
             "max num batched tokens / seqs": f"{args.max_num_batched_tokens} / {args.max_num_seqs}",
             "max active / per request / queue": f"{cfg.max_active} / "
@@ -49,6 +50,16 @@ def serving_banner(worker, out) -> dict:
                                                 f"{cfg.queue_size} requests",
             "KV blocks": served.num_blocks,
             "log": str(out) if out else "(none)"}
+
+
+def lab_levers(desc: dict) -> dict:
+    """A banner row naming the LAB_* levers the engine was built with, where any is on (none by default)."""
+    on = []
+    if desc.get("prefill_ahead"):
+        on.append(f"LAB_PREFILL_AHEAD={'1' if desc.get('decode_behind_prefill') else 'prefill'}")
+    if (desc.get("gemv_rows") or 0) > 1:
+        on.append(f"LAB_GEMV_ROWS={desc['gemv_rows']}")
+    return {"lab levers": ", ".join(on)} if on else {}
 
 
 def render_served(summary: dict) -> None:

@@ -68,6 +68,17 @@ def test_serve_banner_names_the_attention_backend_the_cache_and_the_step_model(t
     rows = serving_banner(worker, None)
     assert rows["attention / dtype / KV cache"] == "torch / float32 / float32"
     assert rows["steps / graphs / overlap"] == "mixed / off / off"
+    assert "lab levers" not in rows                          # none on by default
+
+
+def test_serve_banner_names_the_lab_levers_that_are_on():
+    from labkit.console.serving import lab_levers
+
+    assert lab_levers({"prefill_ahead": False, "decode_behind_prefill": False, "gemv_rows": 1}) == {}
+    assert lab_levers({"prefill_ahead": True, "decode_behind_prefill": False, "gemv_rows": 8}) == \
+        {"lab levers": "LAB_PREFILL_AHEAD=prefill, LAB_GEMV_ROWS=8"}
+    assert lab_levers({"prefill_ahead": True, "decode_behind_prefill": True, "gemv_rows": 0}) == \
+        {"lab levers": "LAB_PREFILL_AHEAD=1"}
 
 
 def test_serve_banner_shows_tp_size_and_max_model_len(tiny_model_dir):
