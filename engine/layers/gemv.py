@@ -29,6 +29,7 @@ import triton.language as tl
 
 from engine import pdl
 from engine.layers.fused_kernels import NORM_WARPS
+from engine.layers.linear import MAX_GEMV_ROWS
 
 
 @triton.jit
@@ -74,6 +75,18 @@ def _x_chunk(x_ptr, res_ptr, nw_ptr, h_ptr, rk, kmask, rstd, pid, K, EVEN_K: tl.
 
 
 @triton.jit
+def _row_rstd(x_ptr, res_ptr, K, eps, BLOCK_ROW: tl.constexpr, HAS_RES: tl.constexpr):
+    """1 / RMS of one whole row (h = x + residual, rounded), as _rms_norm_kernel computes it."""
+    offs = tl.arange(0, BLOCK_ROW)
+    rmask = offs < K
+    row = tl.load(x_ptr + offs, mask=rmask, other=0.0)
+    if HAS_RES:
+        row = (row.to(tl.float32) + tl.load(res_ptr + offs, mask=rmask, other=0.0).to(tl.float32)).to(row.dtype)
+    rf = row.to(tl.float32)
+    return 1.0 / tl.sqrt(tl.sum(rf * rf, 0) / K + eps)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, res_ptr=None, nw_ptr=None, h_ptr=None, eps=0.0,
                  NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, BLOCK_ROW: tl.constexpr = 1,
@@ -94,14 +107,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_wn, BLOCK_N: tl.constexpr, BL
         w = _load_w(w_ptr, rn, rk, nmask, kmask, stride_wn, EVEN_K)     # a weight: nothing earlier writes it
     pdl.enter(PDL)      # engine/pdl.py: everything below may read what the kernel before this one wrote
     rstd = 0.0
-    if NORM:        # rstd of the whole row (h = x + residual, rounded), as _rms_norm_kernel computes it
-        offs = tl.arange(0, BLOCK_ROW)
-        rmask = offs < K
-        row = tl.load(x_ptr + offs, mask=rmask, other=0.0)
-        if HAS_RES:
-            row = (row.to(tl.float32) + tl.load(res_ptr + offs, mask=rmask, other=0.0).to(tl.float32)).to(row.dtype)
-        rf = row.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(rf * rf, 0) / K + eps)
+    if NORM:
+        rstd = _row_rstd(x_ptr, res_ptr, K, eps, BLOCK_ROW, HAS_RES)
     if PEEL:
         x = _x_chunk(x_ptr, res_ptr, nw_ptr, h_ptr, rk, kmask, rstd, pid, K, EVEN_K, SILU_MUL, NORM, HAS_RES)
         acc = w.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -127,24 +134,18 @@ def _rows_gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_wn, stride_x, stride_
     """M rows (2 <= M <= ROWS, ROWS a power of two: one compiled variant per power) of x [M, K] (silu_mul: [M, 2K];
     row stride stride_x, also the residual's and h's) times a band of BLOCK_N output features: each weight tile
     loaded once, then each row's chunk (normed or silu(gate) * up as in _x_chunk) multiplies it. Rows past M
-    re-read row M - 1 (no masked loads in the unmasked EVEN_K path) and are never stored."""
+    re-read row M - 1 (no masked loads in the unmasked EVEN_K path) and are never stored. res_ptr and h_ptr are
+    always pointers (x and y where unused), so every row's offset applies to them alike."""
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
     rows = tl.arange(0, ROWS)
     pdl.enter(PDL)      # engine/pdl.py: everything below may read what the kernel before this one wrote
     rstd = tl.zeros([ROWS], dtype=tl.float32)
-    if NORM:        # each row's rstd (h = x + residual, rounded), as _rms_norm_kernel computes it
-        offs = tl.arange(0, BLOCK_ROW)
-        rmask = offs < K
+    if NORM:        # each row's own rstd
         for m in tl.static_range(ROWS):
             r = tl.minimum(m, M - 1) * stride_x
-            row = tl.load(x_ptr + r + offs, mask=rmask, other=0.0)
-            if HAS_RES:
-                row = (row.to(tl.float32) + tl.load(res_ptr + r + offs, mask=rmask, other=0.0).to(tl.float32)
-                       ).to(row.dtype)
-            rf = row.to(tl.float32)
-            rstd = tl.where(rows == m, 1.0 / tl.sqrt(tl.sum(rf * rf, 0) / K + eps), rstd)
+            rstd = tl.where(rows == m, _row_rstd(x_ptr + r, res_ptr + r, K, eps, BLOCK_ROW, HAS_RES), rstd)
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         rk = k0 + tl.arange(0, BLOCK_K)
@@ -153,12 +154,8 @@ def _rows_gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_wn, stride_x, stride_
         for m in tl.static_range(ROWS):
             r = tl.minimum(m, M - 1) * stride_x
             rstd_m = tl.sum(tl.where(rows == m, rstd, 0.0), 0)
-            if HAS_RES:
-                x = _x_chunk(x_ptr + r, res_ptr + r, nw_ptr, h_ptr + r, rk, kmask, rstd_m, pid, K, EVEN_K, SILU_MUL,
-                             NORM, HAS_RES)
-            else:           # no residual: res_ptr and h_ptr are unused (None outside the normed launch)
-                x = _x_chunk(x_ptr + r, res_ptr, nw_ptr, h_ptr, rk, kmask, rstd_m, pid, K, EVEN_K, SILU_MUL, NORM,
-                             HAS_RES)
+            x = _x_chunk(x_ptr + r, res_ptr + r, nw_ptr, h_ptr + r, rk, kmask, rstd_m, pid, K, EVEN_K, SILU_MUL,
+                         NORM, HAS_RES)
             part = tl.sum(w * x.to(tl.float32)[None, :], 1)
             acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
     tl.store(y_ptr + rows[:, None] * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -199,23 +196,21 @@ def normed_tile(config: tuple[int, int, int]) -> tuple[int, int, int]:
     return max(1, block_n * NORM_WARPS // warps), block_k, NORM_WARPS
 
 
-#: the most rows the rows kernel takes (linear.MAX_GEMV_ROWS says the same without importing triton)
-MAX_ROWS = 8
-
-
-def _rows_launch(x, weight, y, block_n: int, block_k: int, warps: int, **kw) -> None:
-    """_rows_gemv_kernel over x's rows (2..MAX_ROWS) into y."""
+def _rows_launch(x, weight, y, block_n: int, block_k: int, warps: int, res=None, h=None, **kw) -> None:
+    """_rows_gemv_kernel over x's rows (2..MAX_GEMV_ROWS) into y (res, h: the residual and the new one, else x and
+    y stand in)."""
     m, n, k = x.shape[0], weight.shape[0], weight.shape[1]
-    assert 2 <= m <= MAX_ROWS, m
+    assert 2 <= m <= MAX_GEMV_ROWS, m
     _rows_gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, m, n, k, weight.stride(0), x.stride(0), y.stride(0),
                                                   BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-                                                  ROWS=triton.next_power_of_2(m), num_warps=warps, **kw,
+                                                  ROWS=triton.next_power_of_2(m), res_ptr=x if res is None else res,
+                                                  h_ptr=y if h is None else h, num_warps=warps, **kw,
                                                   **pdl.launch(x))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, silu_mul: bool = False,
          config: tuple[int, int, int] | None = None, peel: bool | None = None) -> torch.Tensor:
-    """x [M, K] (silu_mul: [M, 2K]; M at most MAX_ROWS) @ weight[N, K].T -> [M, N] in x's dtype. config, peel: a
+    """x [M, K] (silu_mul: [M, 2K]; M at most MAX_GEMV_ROWS) @ weight[N, K].T -> [M, N] in x's dtype. config, peel: a
     tile in place of gemv_config's, the first chunk peeled or not in place of peel_first_chunk's rule (labkit bench
     --workload gemv; one row)."""
     n, k = weight.shape
@@ -250,8 +245,7 @@ def normed_gemv(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor
         h = torch.empty_like(x)
     block_n, block_k, _ = normed_tile(config or gemv_config(n, k))
     if m > 1:
-        _rows_launch(x, weight, y, block_n, block_k, NORM_WARPS, SILU_MUL=False,
-                     res_ptr=x if residual is None else residual, nw_ptr=norm_weight, h_ptr=y if h is None else h,
+        _rows_launch(x, weight, y, block_n, block_k, NORM_WARPS, residual, h, SILU_MUL=False, nw_ptr=norm_weight,
                      eps=eps, NORM=True, HAS_RES=residual is not None, BLOCK_ROW=triton.next_power_of_2(k))
         return y, h
     peel = peel_first_chunk(k, block_k) if peel is None else peel

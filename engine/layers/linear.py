@@ -15,11 +15,11 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-#: the most rows engine/layers/gemv.py's kernels take (its MAX_ROWS)
+#: the most rows (tokens) engine/layers/gemv.py's kernels take
 MAX_GEMV_ROWS = 8
 
 
-def few_rows(x: torch.Tensor, rows: int = 1) -> bool:
+def few_rows(x: torch.Tensor, rows: int) -> bool:
     """Activations of at most `rows` tokens (one: batch-1 decode; up to MAX_GEMV_ROWS with LAB_GEMV_ROWS): the
     GEMV's case (engine/layers/gemv.py)."""
     return x.dim() == 2 and 1 <= x.shape[0] <= rows and x.is_contiguous()
