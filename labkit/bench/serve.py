@@ -26,6 +26,7 @@ from pathlib import Path
 from labkit.bench.spans import device_stats, percentiles
 from labkit.errors import UserError
 from labkit.load.server_process import ServerProcess
+from labkit.load.server_steps import read_steps
 from labkit.load.trace import TraceOptions, make_trace, write_trace
 from engine.args import DEFAULTS
 from serve.core.config import serve_defaults
@@ -197,13 +198,6 @@ def run_served(model_dir: str, device: str, attention: str, settings: dict, trac
 
 
 # --------------------------------------------------------------------------- the server's steps
-
-
-def read_steps(log: Path) -> list[dict]:
-    from labkit.evidence import read_jsonl
-
-    return [rec for _, rec in read_jsonl(log, missing="server event log not found")
-            if rec.get("event") == "step" and "start_ns" in rec]
 
 
 def step_stats(steps: list[dict], start_ns: int, end_ns: int, wide: int) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from labkit.load.report import percentile
+from labkit.load.server_steps import gpu_busy_ns
 
 
 def percentiles(values: list[float]) -> dict:
@@ -24,12 +25,7 @@ def device_stats(spans: list[tuple[int, int, int]], start_ns: int | None, end_ns
     start_ns = spans[0][0] if start_ns is None else start_ns
     end_ns = spans[-1][1] if end_ns is None else end_ns
     inside = [s for s in spans if s[1] > start_ns and s[0] < end_ns]
-    busy, reach = 0, start_ns
-    for a, b, _ in sorted(inside):
-        a, b = max(a, reach), min(b, end_ns)
-        if b > a:
-            busy += b - a
-            reach = b
+    busy = gpu_busy_ns([(a, b) for a, b, _ in inside], start_ns, end_ns)
     wide_pairs = [(x, y) for x, y in zip(inside, inside[1:]) if x[2] >= wide and y[2] >= wide]
     span = end_ns - start_ns
     return {"gpu_busy_fraction": round(busy / span, 4) if span > 0 else None,

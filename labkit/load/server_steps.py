@@ -13,6 +13,9 @@ import collections
 import json
 from pathlib import Path
 
+from labkit.errors import UserError
+from labkit.load.report import percentile
+
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512)
 
 
@@ -22,7 +25,11 @@ def bucket(n: int) -> int:
 
 
 def read_steps(path: Path) -> list[dict]:
-    """The step records of an event log (a server's, or a sweep rate's where the server wrote into it), by start."""
+    """The step records of an event log (a server's, or a sweep rate's where the server wrote into it), by start;
+    a missing log is one UserError line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"server event log not found: {path}")
     steps = []
     with open(path) as f:
         for line in f:
@@ -42,7 +49,7 @@ def request_span(events: Path) -> tuple[int, int] | None:
     finished: dict[str, int] = {}
     with open(events) as f:
         for line in f:
-            if '"engine"' not in line:
+            if '"submitted"' not in line and '"finished"' not in line:    # not a token or step event
                 continue
             rec = json.loads(line)
             if rec.get("observer") != "engine" or "t_ns" not in rec:
@@ -71,10 +78,20 @@ def idle_windows(steps: list[dict], idle_s: float) -> list[list[dict]]:
 
 
 def p50(values: list[float]) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return round(v[len(v) // 2], 3)
+    """The median by the load report's estimator (labkit.load.report.percentile), or None without values."""
+    return round(percentile(values, 50), 3) if values else None
+
+
+def gpu_busy_ns(spans: list[tuple[int, int]], start_ns: int, end_ns: int) -> int:
+    """Nanoseconds of [start_ns, end_ns] the GPU spent in at least one of the steps' device spans (start, end),
+    overlaps counted once."""
+    busy, reach = 0, start_ns
+    for a, b in sorted(spans):
+        a, b = max(a, reach), min(b, end_ns)
+        if b > a:
+            busy += b - a
+            reach = b
+    return busy
 
 
 def summarize(window: list[dict]) -> dict:
@@ -84,8 +101,8 @@ def summarize(window: list[dict]) -> dict:
     if not window:
         return {"steps": 0}
     span_ns = window[-1]["t_ns"] - window[0]["start_ns"]
-    gpu = [s for s in window if "gpu_start_ns" in s]
-    busy = sum(s["gpu_end_ns"] - s["gpu_start_ns"] for s in gpu)
+    gpu = [(s["gpu_start_ns"], s["gpu_end_ns"]) for s in window if "gpu_start_ns" in s]
+    busy = gpu_busy_ns(gpu, window[0]["start_ns"], window[-1]["t_ns"])
     rows: dict[tuple[str, int], dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     decode: dict[str, list[float]] = collections.defaultdict(list)
     other_ns = 0

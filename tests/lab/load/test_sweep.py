@@ -105,8 +105,9 @@ def test_step_summary_on_a_hand_made_timeline():
                     step("decode", 3, 4.5, 6, 4.5, 6)])
     assert st["span_s"] == 0.006 and st["kinds"] == {"decode": 2, "prefill": 1}
     assert st["gpu_busy_fraction"] == 0.75                                 # (1 + 2 + 1.5) ms of 6
-    # the second decode's interval runs from the prefill's end (4 ms) to its own (6 ms): 2.0, not its 1.5 ms span
-    assert st["decode"] == {"steps": 2, "batch_p50": 3, "interval_ms_p50": 2.0, "gpu_ms_p50": 1.5}
+    # the second decode's interval runs from the prefill's end (4 ms) to its own (6 ms): 2.0, not its 1.5 ms span;
+    # medians by the load report's estimator (linear interpolation: batches 2 and 3, GPU 1.0 and 1.5 ms)
+    assert st["decode"] == {"steps": 2, "batch_p50": 2.5, "interval_ms_p50": 2.0, "gpu_ms_p50": 1.25}
     assert st["other_kinds_share"] == 0.5
     prefill = next(r for r in st["by_kind_and_batch"] if r["kind"] == "prefill")
     assert prefill["gpu_idle_ms_p50"] == 0.5 and prefill["interval_ms_p50"] == 3.0 and prefill["tokens_p50"] == 100
