@@ -19,9 +19,8 @@ import os
 import random
 
 
-def run(model: str, ahead: bool | str, per_call: int, requests: int, prompt: int, output: int, seed: int = 0) -> dict:
-    """ahead: LAB_PREFILL_AHEAD's value ("0", "prefill", "1"; False / True: "0" / "1")."""
-    mode = ahead if isinstance(ahead, str) else "1" if ahead else "0"
+def run(model: str, mode: str, per_call: int, requests: int, prompt: int, output: int, seed: int = 0) -> dict:
+    """mode: LAB_PREFILL_AHEAD's value ("0", "prefill" or "1")."""
     from engine import LLMEngine, SamplingParams
     from engine.llm_engine import PREFILL_AHEAD_ENV
 

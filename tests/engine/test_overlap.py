@@ -84,12 +84,10 @@ def test_overlap_refuses_tensor_parallel(tiny_model_dir):
         LLMEngine(str(tiny_model_dir), overlap=True, tensor_parallel_size=2, device="cpu", enforce_eager=True)
 
 
-def arrivals(build, ahead: bool | str, monkeypatch, overlap: bool = True):
+def arrivals(build, mode: str, monkeypatch, overlap: bool = True):
     """Requests arriving while others decode, two before every third step() call: each request's tokens and
     finish, the step() calls that returned with a prefill in flight, those that returned a prefill's tokens with
-    the decode after it in flight, and whether every block came back. ahead: LAB_PREFILL_AHEAD ("prefill", or
-    True / False for 1 / 0)."""
-    mode = ahead if isinstance(ahead, str) else "1" if ahead else "0"
+    the decode after it in flight, and whether every block came back. mode: LAB_PREFILL_AHEAD's value."""
     monkeypatch.setenv("LAB_PREFILL_AHEAD", mode)
     engine = build(overlap=overlap, **KW)
     d = engine.describe()
@@ -115,9 +113,9 @@ def test_prefill_ahead_launches_waiting_prefills_behind_a_decode_and_keeps_the_t
     flight has its prefill launched behind it, before that decode's tokens are read, and the decode after a
     prefill (the prefill's rows fed on the device, the others' ids from the host) behind the prefill; the greedy
     tokens are those of one step at a time, and of the overlap without it."""
-    sync, none_sync, free_sync = arrivals(tiny_engine, True, monkeypatch, overlap=False)
-    plain, none_plain, free_plain = arrivals(tiny_engine, False, monkeypatch)
-    ahead, launched, free_ahead = arrivals(tiny_engine, True, monkeypatch)
+    sync, none_sync, free_sync = arrivals(tiny_engine, "1", monkeypatch, overlap=False)
+    plain, none_plain, free_plain = arrivals(tiny_engine, "0", monkeypatch)
+    ahead, launched, free_ahead = arrivals(tiny_engine, "1", monkeypatch)
     assert ahead == plain == sync and free_sync and free_plain and free_ahead
     assert none_sync == none_plain == (0, 0) and launched[0] >= 2 and launched[1] >= 2, launched
 
@@ -128,7 +126,7 @@ def test_prefill_ahead_prefill_only_launches_the_prefill_early_and_keeps_the_ste
     """LAB_PREFILL_AHEAD=prefill: a waiting prefill is launched behind the decode in flight (a step() call returns
     with it in flight), never a decode behind a prefill; the greedy tokens are those without it, and with one
     arrival per step() call (tools/prefill_ahead_steps.py) the steps are the step model's, kind for kind."""
-    plain, _, _ = arrivals(tiny_engine, False, monkeypatch)
+    plain, _, _ = arrivals(tiny_engine, "0", monkeypatch)
     ahead, launched, free = arrivals(tiny_engine, "prefill", monkeypatch)
     assert ahead == plain and free
     assert launched[0] >= 2 and launched[1] == 0, launched
@@ -155,7 +153,7 @@ def test_prefill_ahead_interleaves_decodes_with_arrivals(tiny_model_dir):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     from prefill_ahead_steps import run
 
-    off, on = (run(str(tiny_model_dir), ahead, per_call=1, requests=16, prompt=32, output=8) for ahead in (False, True))
+    off, on = (run(str(tiny_model_dir), mode, per_call=1, requests=16, prompt=32, output=8) for mode in ("0", "1"))
     assert (off["prefill_ahead"], on["prefill_ahead"]) == (False, True)
     assert off["steps"]["prefill"] == 16 and off["mean_prefill_seqs"] == 1.0, off
     assert on["steps"]["prefill"] < 16 and on["steps"]["decode"] > off["steps"]["decode"], (off, on)

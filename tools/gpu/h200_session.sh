@@ -131,6 +131,9 @@ sweep() {           # sweep NAME ESTIMATE_S [VAR=VALUE...] OPTION...: the rate s
        --rate-logs $(ls "$W"/runs/$name-rate*.jsonl | grep -v trace) --json "$W/runs/$name.steps.json" > "$W/logs/$name.steps.txt" 2>&1
   pack
 }
+collect_steps() {   # every sweep's tools/served_steps.py table, in one file that comes back beside the summary
+  for f in "$W"/logs/*.steps.txt; do echo "## $f"; cat "$f"; done > "$OUT/served-steps.txt"
+}
 route_tests() {     # the GPU tests of the graph routes (flash-attn's need its build: the check phase)
   step pytest-gpu-routes 100 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
        tests/engine/test_gpu_mixed.py -k "not flash"
@@ -303,7 +306,7 @@ steps_phase() {
   RATES=8,32,64,inf sweep step-model-steps 100 --no-mixed-batches
   RATES=8,32,64,inf SWEEP_ENGINE="${SERVE_ENGINE/16384/2048}" sweep mixed-2048-steps 100 --mixed-batches
   RATES=8,32,64,inf sweep step-model-steps-fp8 100 --no-mixed-batches --kv-cache-dtype fp8
-  for f in "$W"/logs/*.steps.txt; do echo "## $f"; cat "$f"; done > "$OUT/served-steps.txt"
+  collect_steps
 }
 
 pieces_phase() {
@@ -314,7 +317,7 @@ pieces_phase() {
   step nano-vllm-before 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-before.json"
   RATES=8,64,128,inf sweep step-model-after 110 --no-mixed-batches
   SWEEP_IN=before RATES=8,64,128,inf sweep step-model-before 110 --no-mixed-batches
-  for f in "$W"/logs/*.steps.txt; do echo "## $f"; cat "$f"; done > "$OUT/served-steps.txt"
+  collect_steps
 }
 
 rows_phase() {
@@ -332,7 +335,7 @@ rows_phase() {
   for r in 1 8; do
     RATES=8,32,64 sweep "step-model-rows-$r" 90 LAB_GEMV_ROWS=$r --no-mixed-batches
   done
-  for f in "$W"/logs/*.steps.txt; do echo "## $f"; cat "$f"; done > "$OUT/served-steps.txt"
+  collect_steps
 }
 
 next_phase() {
