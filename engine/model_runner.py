@@ -60,7 +60,7 @@ GEMV_ROWS_ENV = "LAB_GEMV_ROWS"
 def gemv_rows_setting() -> int:
     """The most tokens a projection takes through the GEMV kernels (engine/layers/gemv.py) with fused ops:
     LAB_GEMV_ROWS, 1 (batch-1 decode only) unless it names 2..8 (small decode batches too)."""
-    from engine.layers.linear import MAX_GEMV_ROWS
+    from engine.layers import MAX_GEMV_ROWS
 
     text = os.environ.get(GEMV_ROWS_ENV, "1").strip()
     if not text.isdigit() or not 1 <= int(text) <= MAX_GEMV_ROWS:

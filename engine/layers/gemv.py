@@ -29,7 +29,7 @@ import triton.language as tl
 
 from engine import pdl
 from engine.layers.fused_kernels import NORM_WARPS
-from engine.layers.linear import MAX_GEMV_ROWS
+from engine.layers import MAX_GEMV_ROWS
 
 
 @triton.jit

@@ -15,10 +15,6 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-#: the most rows (tokens) engine/layers/gemv.py's kernels take
-MAX_GEMV_ROWS = 8
-
-
 def few_rows(x: torch.Tensor, rows: int) -> bool:
     """Activations of at most `rows` tokens (one: batch-1 decode; up to MAX_GEMV_ROWS with LAB_GEMV_ROWS): the
     GEMV's case (engine/layers/gemv.py)."""
