@@ -49,6 +49,11 @@
 #                                     # decode latency at batch 2 / 4 / 8, the step model's sweep at 8 / 32 / 64 req/s
 #   tools/gpu/h200_session.sh next    # the unmeasured levers, one call: the rows GEMV's GPU tests and batch-4 latency
 #                                     # without / with LAB_GEMV_ROWS=8, then LAB_PREFILL_AHEAD 0 / prefill on both A/Bs
+#   tools/gpu/h200_session.sh serving # the serving figures the default is judged by, this tree against BEFORE: the prefix-cache
+#                                     # A/B on prefix-repetition and multi-turn (nano-vllm's step model), then its rate sweep
+#   tools/gpu/h200_session.sh kernels # the kernel figures the defaults are judged by: the kv-fp8 guard, nano-vllm on bf16 and
+#                                     # e4m3, batch-1 latency, Qwen3-8B's shapes (batch 1, nano-vllm), then BEFORE's bf16
+#                                     # nano-vllm and batch-1 latency, the step budget at batch 1
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -64,7 +69,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces|rows|next) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces|rows|next" >&2; exit 2 ;; esac
+case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces|rows|next|serving|kernels) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces|rows|next|serving|kernels" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -352,6 +357,32 @@ next_phase() {
            DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$mode-$ds"
     done
   done
+}
+
+serving_phase() {
+  # the default step model's prefix-cache A/B, this tree and BEFORE alternating, then this tree's rate sweep
+  for ds in prefix multi-turn; do
+    step "step-model-$ds" 85 env ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/step-model-$ds"
+    step "before-step-model-$ds" 85 before env ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds MODEL_DIR=$MODEL_DIR \
+         tools/prefix_cache_ab.sh "$W/runs/before-step-model-$ds"
+  done
+  sweep step-model-sweep 140
+  collect_steps
+}
+
+kernels_phase() {
+  # the defaults only (the decode prologue on, the bf16 cache unless named); the most telling steps first
+  fp8_pair
+  step latency-b1 40 $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-b1.json"
+  synth qwen3-8b /tmp/m8
+  step latency-8b-b1 70 $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton --model /tmp/m8 \
+       --out "$W/runs/latency-8b-b1.json"
+  step before-nano-vllm-bf16 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 \
+       --out "$W/runs/before-nano-vllm-bf16.json"
+  step before-latency-b1 45 before $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton \
+       --out "$W/runs/before-latency-b1.json"
+  step step-budget-b1 45 $PY -m labkit bench --workload step-budget --attention triton --batch 1 --out "$W/runs/step-budget-b1.json"
+  step nano-vllm-8b 90 $PY -m labkit bench --workload nano-vllm --attention triton --model /tmp/m8 --out "$W/runs/nano-vllm-8b.json"
 }
 
 sweeps_phase() {
