@@ -5,7 +5,8 @@
 # delivery: labkit/load/sweep_metrics.py), read from the evidence files.
 #
 # usage: tools/prefix_cache_ab.sh OUT_DIR [EXTRA LOAD OPTIONS...]
-# Overrides: MODEL_DIR, RATE (32), DATASETS ("prefix multi-turn"), ENGINE (the sweep's engine options), DEVICE.
+# Overrides: MODEL_DIR, RATE (32), DATASETS ("prefix multi-turn"), CACHES ("enable no-enable": the sides run), ENGINE (the
+# sweep's engine options), DEVICE.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$(mkdir -p "$1" && cd "$1" && pwd); shift
@@ -14,7 +15,7 @@ py=${PYTHON:-python3}
 engine=${ENGINE:---max-num-seqs 256 --max-active 256 --queue-size 1024 --max-num-batched-tokens 16384 --max-model-len 2048 --graph --overlap}
 model_args=(); [ -n "${MODEL_DIR:-}" ] && model_args=(--model "$MODEL_DIR")
 for ds in ${DATASETS:-prefix multi-turn}; do
-  for pc in enable no-enable; do
+  for pc in ${CACHES:-enable no-enable}; do
     t0=$(date +%s)
     # shellcheck disable=SC2086  # $engine is a list of options
     $py -m labkit load "${model_args[@]}" --device "${DEVICE:-auto}" --trace "workloads/sweep-$ds.jsonl" \

@@ -50,7 +50,8 @@
 #   tools/gpu/h200_session.sh next    # the unmeasured levers, one call: the rows GEMV's GPU tests and batch-4 latency
 #                                     # without / with LAB_GEMV_ROWS=8, then LAB_PREFILL_AHEAD 0 / prefill on both A/Bs
 #   tools/gpu/h200_session.sh serving # the serving figures the default is judged by, this tree against BEFORE: the prefix-cache
-#                                     # A/B on prefix-repetition and multi-turn (nano-vllm's step model), then its rate sweep
+#                                     # A/B on prefix-repetition and multi-turn (nano-vllm's step model), then its rate sweep,
+#                                     # then the cache-hit side with LAB_PREFILL_AHEAD=prefill
 #   tools/gpu/h200_session.sh kernels # the kernel figures the defaults are judged by: the kv-fp8 guard, nano-vllm on bf16 and
 #                                     # e4m3, batch-1 latency, Qwen3-8B's shapes (batch 1, nano-vllm), then BEFORE's bf16
 #                                     # nano-vllm and batch-1 latency, the step budget at batch 1
@@ -368,6 +369,10 @@ serving_phase() {
   done
   sweep step-model-sweep 140
   collect_steps
+  for ds in prefix multi-turn; do      # LAB_PREFILL_AHEAD=prefill, the cache-hit side only
+    step "prefill-ahead-$ds" 45 env LAB_PREFILL_AHEAD=prefill ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds CACHES=enable \
+         tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$ds"
+  done
 }
 
 kernels_phase() {
