@@ -36,19 +36,22 @@ from engine.sequence import Sequence, SequenceCounter
 from engine.step_inputs import StepInputs
 
 
-#: nano-vllm's step model with the overlapped decode: "prefill" launches a waiting prefill behind the decode in
-#: flight; "1" that, and the decode after a prefill behind that prefill
+#: nano-vllm's step model with the overlapped decode: "prefill" (the default) launches a waiting prefill behind the
+#: decode in flight; "1" that, and the decode after a prefill behind that prefill; "0" neither (nano-vllm's order)
 PREFILL_AHEAD_ENV = "LAB_PREFILL_AHEAD"
 PREFILL_AHEAD_MODES = {"0": (False, False), "prefill": (True, False), "1": (True, True)}
+PREFILL_AHEAD_DEFAULT = "prefill"
 
 
 def prefill_ahead(config: Config) -> tuple[bool, bool]:
     """(Scheduler.prefill_ahead, Scheduler.decode_behind_prefill): whether the scheduler's lookahead may launch a
     waiting prefill behind a decode in flight, and the decode after a prefill behind that prefill. With the
-    overlapped decode and nano-vllm's step model only, from LAB_PREFILL_AHEAD (unset: off; levers under
-    measurement). "prefill" keeps the step model's choice of steps and only launches the prefill early; "1" also
-    decides the step after a prefill before its tokens (and so before later arrivals) are in."""
-    text = os.environ.get(PREFILL_AHEAD_ENV, "0").strip() or "0"
+    overlapped decode and nano-vllm's step model only, from LAB_PREFILL_AHEAD (unset: "prefill"). "prefill" keeps
+    the step model's choice of steps and only launches the prefill early, so a request that arrives during a decode
+    does not also wait for that decode's tokens to be read (docs/MEASURED.md has the TTFT it saved); "1" also
+    decides the step after a prefill before its tokens (and so before later arrivals) are in; "0" launches each
+    prefill once the decode before it has been read, as nano-vllm does."""
+    text = os.environ.get(PREFILL_AHEAD_ENV, PREFILL_AHEAD_DEFAULT).strip() or PREFILL_AHEAD_DEFAULT
     if text not in PREFILL_AHEAD_MODES:
         raise ConfigError(f"{PREFILL_AHEAD_ENV}={text!r}: expected one of {', '.join(PREFILL_AHEAD_MODES)}")
     if not config.overlap or config.mixed_batches:

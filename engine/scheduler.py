@@ -44,8 +44,8 @@ class Scheduler:
         self.num_preemptions = self.prefix_queries = self.prefix_hits = 0
         # nano-vllm's step model with the overlapped decode: the prefill of requests waiting behind a decode in
         # flight is launched as the next step, before that decode's tokens are read (prefill_ahead), and the decode
-        # after a prefill behind it (decode_behind_prefill); LLMEngine sets both from LAB_PREFILL_AHEAD (off: each
-        # waits for the tokens in flight)
+        # after a prefill behind it (decode_behind_prefill); LLMEngine sets both from LAB_PREFILL_AHEAD (default:
+        # the first only; a scheduler built on its own has neither, and each step waits for the tokens in flight)
         self.prefill_ahead = False
         self.decode_behind_prefill = False
 

@@ -53,10 +53,14 @@ def serving_banner(worker, out) -> dict:
 
 
 def lab_levers(desc: dict) -> dict:
-    """A banner row naming the LAB_* levers the engine was built with, where any is on (none by default)."""
-    on = []
-    if desc.get("prefill_ahead"):
-        on.append(f"LAB_PREFILL_AHEAD={'1' if desc.get('decode_behind_prefill') else 'prefill'}")
+    """A banner row naming the LAB_* levers the engine was built with away from their defaults (none by default).
+    LAB_PREFILL_AHEAD applies with the overlapped decode in nano-vllm's step model only."""
+    from engine.llm_engine import PREFILL_AHEAD_DEFAULT
+
+    on, conf = [], desc.get("config") or {}
+    ahead = "1" if desc.get("decode_behind_prefill") else "prefill" if desc.get("prefill_ahead") else "0"
+    if conf.get("overlap") and not conf.get("mixed_batches") and ahead != PREFILL_AHEAD_DEFAULT:
+        on.append(f"LAB_PREFILL_AHEAD={ahead}")
     if (desc.get("gemv_rows") or 0) > 1:
         on.append(f"LAB_GEMV_ROWS={desc['gemv_rows']}")
     return {"lab levers": ", ".join(on)} if on else {}

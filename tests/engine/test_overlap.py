@@ -139,6 +139,22 @@ def test_prefill_ahead_prefill_only_launches_the_prefill_early_and_keeps_the_ste
     assert early["steps"] == off["steps"] and early["mean_prefill_seqs"] == off["mean_prefill_seqs"], (off, early)
 
 
+def test_prefill_ahead_unset_launches_the_prefill_early_with_the_overlapped_decode_only(tiny_engine, monkeypatch):
+    """The default (LAB_PREFILL_AHEAD unset or empty) is "prefill": with the overlapped decode in nano-vllm's step
+    model a waiting prefill goes behind the decode in flight, the decode after it does not; without the overlap,
+    or with mixed steps, neither applies."""
+    for unset in (None, ""):
+        if unset is None:
+            monkeypatch.delenv("LAB_PREFILL_AHEAD", raising=False)
+        else:
+            monkeypatch.setenv("LAB_PREFILL_AHEAD", unset)
+        d = tiny_engine(overlap=True, **KW).describe()
+        assert (d["prefill_ahead"], d["decode_behind_prefill"]) == (True, False)
+    for options in ({"overlap": False}, {"overlap": True, "mixed_batches": True}):
+        d = tiny_engine(**options, **KW).describe()
+        assert (d["prefill_ahead"], d["decode_behind_prefill"]) == (False, False), options
+
+
 def test_prefill_ahead_refuses_an_unknown_setting_in_one_line(tiny_engine, monkeypatch):
     monkeypatch.setenv("LAB_PREFILL_AHEAD", "yes")
     with pytest.raises(ConfigError, match=r"LAB_PREFILL_AHEAD='yes': expected one of 0, prefill, 1"):

@@ -33,7 +33,7 @@
 #                                     # nano-vllm's step model first
 #   tools/gpu/h200_session.sh b8      # Qwen3-8B's shapes: batch-1 latency with the decode prologue off / on / on without
 #                                     # its prefetch, then the nano-vllm workload off and on
-#   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD 0, prefill and 1 in nano-vllm's step model: the prefix-cache A/B on
+#   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD 0, prefill (the default) and 1 in nano-vllm's step model: the prefix-cache A/B on
 #                                     # prefix-repetition and multi-turn (with the TTFT split), "prefill"'s rate sweep
 #   tools/gpu/h200_session.sh decide  # the figures the defaults are judged by, in one call: the kv-fp8 guard, nano-vllm on
 #                                     # bf16 and e4m3 and on BEFORE's bf16, batch-1 latency with the decode prologue off /
@@ -51,7 +51,7 @@
 #                                     # without / with LAB_GEMV_ROWS=8, then LAB_PREFILL_AHEAD 0 / prefill on both A/Bs
 #   tools/gpu/h200_session.sh serving # the serving figures the default is judged by, this tree against BEFORE: the prefix-cache
 #                                     # A/B on prefix-repetition and multi-turn (nano-vllm's step model), then its rate sweep,
-#                                     # then the cache-hit side with LAB_PREFILL_AHEAD=prefill
+#                                     # then the cache-hit side with LAB_PREFILL_AHEAD=0
 #   tools/gpu/h200_session.sh kernels # the kernel figures the defaults are judged by: the kv-fp8 guard, nano-vllm on bf16 and
 #                                     # e4m3, batch-1 latency, Qwen3-8B's shapes (batch 1, nano-vllm), then BEFORE's bf16
 #                                     # nano-vllm and batch-1 latency, the step budget at batch 1
@@ -369,9 +369,9 @@ serving_phase() {
   done
   sweep step-model-sweep 140
   collect_steps
-  for ds in prefix multi-turn; do      # LAB_PREFILL_AHEAD=prefill, the cache-hit side only
-    step "prefill-ahead-$ds" 45 env LAB_PREFILL_AHEAD=prefill ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds CACHES=enable \
-         tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$ds"
+  for ds in prefix multi-turn; do      # LAB_PREFILL_AHEAD=0 (nano-vllm's launch order), the cache-hit side only
+    step "prefill-ahead-0-$ds" 45 env LAB_PREFILL_AHEAD=0 ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds CACHES=enable \
+         tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-0-$ds"
   done
 }
 

@@ -71,14 +71,19 @@ def test_serve_banner_names_the_attention_backend_the_cache_and_the_step_model(t
     assert "lab levers" not in rows                          # none on by default
 
 
-def test_serve_banner_names_the_lab_levers_that_are_on():
+def test_serve_banner_names_the_lab_levers_away_from_their_defaults():
     from labkit.console.serving import lab_levers
 
-    assert lab_levers({"prefill_ahead": False, "decode_behind_prefill": False, "gemv_rows": 1}) == {}
-    assert lab_levers({"prefill_ahead": True, "decode_behind_prefill": False, "gemv_rows": 8}) == \
-        {"lab levers": "LAB_PREFILL_AHEAD=prefill, LAB_GEMV_ROWS=8"}
-    assert lab_levers({"prefill_ahead": True, "decode_behind_prefill": True, "gemv_rows": 0}) == \
-        {"lab levers": "LAB_PREFILL_AHEAD=1"}
+    step_model = {"overlap": True, "mixed_batches": False}
+    assert lab_levers({"config": step_model, "prefill_ahead": True, "decode_behind_prefill": False,
+                       "gemv_rows": 1}) == {}
+    assert lab_levers({"config": step_model, "prefill_ahead": False, "decode_behind_prefill": False,
+                       "gemv_rows": 8}) == {"lab levers": "LAB_PREFILL_AHEAD=0, LAB_GEMV_ROWS=8"}
+    assert lab_levers({"config": step_model, "prefill_ahead": True, "decode_behind_prefill": True,
+                       "gemv_rows": 0}) == {"lab levers": "LAB_PREFILL_AHEAD=1"}
+    # without the overlapped decode, or with mixed steps, there is nothing to launch ahead: no lever to name
+    for conf in ({"overlap": False, "mixed_batches": False}, {"overlap": True, "mixed_batches": True}):
+        assert lab_levers({"config": conf, "prefill_ahead": False, "decode_behind_prefill": False}) == {}
 
 
 def test_serve_banner_shows_tp_size_and_max_model_len(tiny_model_dir):
