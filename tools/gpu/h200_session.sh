@@ -52,9 +52,9 @@
 #   tools/gpu/h200_session.sh serving # the serving figures the default is judged by, this tree against BEFORE: the prefix-cache
 #                                     # A/B on prefix-repetition and multi-turn (nano-vllm's step model), then its rate sweep,
 #                                     # then the cache-hit side with LAB_PREFILL_AHEAD=0
-#   tools/gpu/h200_session.sh kernels # the kernel figures the defaults are judged by: the kv-fp8 guard, nano-vllm on bf16 and
-#                                     # e4m3, batch-1 latency, Qwen3-8B's shapes (batch 1, nano-vllm), then BEFORE's bf16
-#                                     # nano-vllm and batch-1 latency, the step budget at batch 1
+#   tools/gpu/h200_session.sh kernels # the kernel figures the defaults are judged by: the FP8 cache's GPU tests and guard,
+#                                     # nano-vllm on bf16 and e4m3, batch-1 latency, Qwen3-8B's shapes (batch 1, nano-vllm),
+#                                     # then BEFORE's bf16 nano-vllm and batch-1 latency, the step budget at batch 1
 #   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
 #                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
 #
@@ -376,7 +376,9 @@ serving_phase() {
 }
 
 kernels_phase() {
-  # the defaults only (the decode prologue on, the bf16 cache unless named); the most telling steps first
+  # the defaults only (the decode prologue on, the bf16 cache unless named); the most telling steps first, after the
+  # FP8 cache's GPU tests
+  step pytest-gpu-fp8 45 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kv_fp8.py
   fp8_pair
   step latency-b1 40 $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-b1.json"
   synth qwen3-8b /tmp/m8
