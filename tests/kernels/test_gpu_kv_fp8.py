@@ -83,12 +83,12 @@ def test_fused_store_writes_what_store_kv_writes():
         tk.store_kv(k1, v, rk, rv, slots)
         assert torch.equal(kc.view(torch.uint8), rk.view(torch.uint8))
         assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
-        # the kernel compiled without the store gives the same q and k, up to one bf16 rounding step in a rare
+        # the kernel compiled without the store gives the same q and k, up to a bf16 rounding step in a rare
         # element (the two compilations may order the RMSNorm's sum differently; the interpreter test, which has
-        # one order, asks for equal bits)
+        # one order, asks for equal bits): within a step of the RoPE terms (|x| < 4: 2^-6) where two terms cancel
         q2, k2 = qk_norm_rope(qkv, pos, qw, kw, rope.cos, rope.sin, HQ, HK, D, 1e-6, heads_per_program=tile)
         for a, b in ((q1, q2), (k1, k2)):
-            torch.testing.assert_close(a, b, rtol=2 ** -7, atol=0)
+            torch.testing.assert_close(a, b, rtol=2 ** -7, atol=2 ** -5)
             assert (a != b).float().mean().item() < 1e-3
 
 
