@@ -113,7 +113,11 @@ synth() {           # synth PRESET DIR: seeded synthetic weights drawn on the GP
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$W/logs/gpu.txt" 2>&1
+# the tree that ran: the device copy's git metadata may name an older commit than the working tree it copied, so the
+# sources' own digest goes beside it (the same command in a checkout gives the digest to match)
 git log -1 --format='%H %s' > "$W/logs/tree.txt" 2>/dev/null || echo "no git here" > "$W/logs/tree.txt"
+echo "sources sha1 $(find engine serve labkit tools -name '*.py' -o -name '*.sh' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)" \
+  >> "$W/logs/tree.txt"
 synth qwen3-0.6b /tmp/m06
 export MODEL_DIR=/tmp/m06
 echo "phase $phase, model $MODEL_DIR, synth done at $((SECONDS - T0)) s" | tee "$STEPS"
