@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -21,9 +20,10 @@ import torch
 from engine import admission
 from engine.block_manager import BlockManager
 from engine.args import EngineArgs
-from engine.config import Config, ConfigError
+from engine.config import Config
 from engine.errors import RequestError
 from engine.graph import EAGER, Route
+from engine.levers import prefill_ahead
 from engine.model_runner import Launched, ModelRunner
 from engine.observe import EngineEvent, EventBus, HookSet, StepHooks
 from engine.probe import EngineProbe
@@ -34,29 +34,6 @@ from engine.sampling.structured import Grammars
 from engine.scheduler import Scheduler, StepOutcome
 from engine.sequence import Sequence, SequenceCounter
 from engine.step_inputs import StepInputs
-
-
-#: nano-vllm's step model with the overlapped decode: "prefill" (the default) launches a waiting prefill behind the
-#: decode in flight; "1" that, and the decode after a prefill behind that prefill; "0" neither (nano-vllm's order)
-PREFILL_AHEAD_ENV = "LAB_PREFILL_AHEAD"
-PREFILL_AHEAD_MODES = {"0": (False, False), "prefill": (True, False), "1": (True, True)}
-PREFILL_AHEAD_DEFAULT = "prefill"
-
-
-def prefill_ahead(config: Config) -> tuple[bool, bool]:
-    """(Scheduler.prefill_ahead, Scheduler.decode_behind_prefill): whether the scheduler's lookahead may launch a
-    waiting prefill behind a decode in flight, and the decode after a prefill behind that prefill. With the
-    overlapped decode and nano-vllm's step model only, from LAB_PREFILL_AHEAD (unset: "prefill"). "prefill" keeps
-    the step model's choice of steps and only launches the prefill early, so a request that arrives during a decode
-    does not also wait for that decode's tokens to be read (docs/MEASURED.md has the TTFT it saved); "1" also
-    decides the step after a prefill before its tokens (and so before later arrivals) are in; "0" launches each
-    prefill once the decode before it has been read, as nano-vllm does."""
-    text = os.environ.get(PREFILL_AHEAD_ENV, PREFILL_AHEAD_DEFAULT).strip() or PREFILL_AHEAD_DEFAULT
-    if text not in PREFILL_AHEAD_MODES:
-        raise ConfigError(f"{PREFILL_AHEAD_ENV}={text!r}: expected one of {', '.join(PREFILL_AHEAD_MODES)}")
-    if not config.overlap or config.mixed_batches:
-        return False, False
-    return PREFILL_AHEAD_MODES[text]
 
 
 def step_kind(seqs: list[Sequence], is_prefill: bool) -> str:

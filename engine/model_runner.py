@@ -12,7 +12,6 @@ engine/kv_pool.py), warm every shape a wide batch meets (engine/warmup.py), capt
 """
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from engine.config import Config, ConfigError
 from engine.device_clock import DeviceClock
 from engine.distributed import SINGLE, ParallelContext
 from engine.graph import EAGER, PREFILL_GRAPH_SEQS, DecodeGraphs, PrefillGraphs, Route, prefill_buckets
+from engine.levers import decode_prologue_mode, gemv_rows_setting
 from engine.loader import load_model
 from engine.mixed_graphs import MixedGraphs, mixed_buckets
 from engine.models import build_model
@@ -36,36 +36,6 @@ from engine.sampling.sampler import Sampler
 from engine.sequence import Sequence
 from engine.step_inputs import InputBuilder, StepInputs
 from engine.warmup import CompileWatch, graph_buckets, profile_run, warm_paths
-
-#: unset or 1: decode steps take the decode prologue with its first tile prefetched; noprefetch: without; 0: off
-#: (decode_prologue_mode)
-DECODE_PROLOGUE_ENV = "LAB_DECODE_PROLOGUE"
-DECODE_PROLOGUE_MODES = {"1": "prefetch", "noprefetch": "plain"}
-
-
-def decode_prologue_mode(config: Config, attention_backend: str) -> str:
-    """How an engine with fused ops takes the decode prologue (triton_kernels.NewTokens), one kernel fewer per
-    layer and decode step: "prefetch" (each split's first K/V tile read before the PDL wait) unless
-    LAB_DECODE_PROLOGUE says noprefetch ("plain": read after it) or 0 ("": off, the q/k norm + RoPE + store
-    kernel before the decode kernel). The Triton backend only, and nano-vllm's step model only: with mixed
-    batches a step's decode rows keep the plain decode kernel, whose compiled variants the warm-up then meets."""
-    if attention_backend != "triton" or config.mixed_batches:
-        return ""
-    return DECODE_PROLOGUE_MODES.get(os.environ.get(DECODE_PROLOGUE_ENV, "1"), "")
-
-
-GEMV_ROWS_ENV = "LAB_GEMV_ROWS"
-
-
-def gemv_rows_setting() -> int:
-    """The most tokens a projection takes through the GEMV kernels (engine/layers/gemv.py) with fused ops:
-    LAB_GEMV_ROWS, 1 (batch-1 decode only) unless it names 2..8 (small decode batches too)."""
-    from engine.layers import MAX_GEMV_ROWS
-
-    text = os.environ.get(GEMV_ROWS_ENV, "1").strip()
-    if not text.isdigit() or not 1 <= int(text) <= MAX_GEMV_ROWS:
-        raise ConfigError(f"{GEMV_ROWS_ENV}={text!r}: expected a whole number from 1 to {MAX_GEMV_ROWS}")
-    return int(text)
 
 
 @contextmanager

@@ -22,7 +22,7 @@ import random
 def run(model: str, mode: str, per_call: int, requests: int, prompt: int, output: int, seed: int = 0) -> dict:
     """mode: LAB_PREFILL_AHEAD's value ("0", "prefill" or "1")."""
     from engine import LLMEngine, SamplingParams
-    from engine.llm_engine import PREFILL_AHEAD_ENV
+    from engine.levers import PREFILL_AHEAD_ENV
 
     old = os.environ.get(PREFILL_AHEAD_ENV)
     os.environ[PREFILL_AHEAD_ENV] = mode

@@ -59,7 +59,7 @@ class Qwen3Attention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, backend)
         self._fused = False
         # decode steps: q/k norm + RoPE + KV store inside the attention kernel ("prefetch": its first K/V tile read
-        # before the PDL wait, "plain": after it; "": off); the runner sets it (model_runner.decode_prologue_mode)
+        # before the PDL wait, "plain": after it; "": off); the runner sets it (engine/levers.py: decode_prologue_mode)
         self.decode_prologue = ""
 
     @property

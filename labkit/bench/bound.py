@@ -155,7 +155,7 @@ def category_bytes_flops(shape, weight_element_size: int, kv_element_size: int, 
     is counted in ``qk_norm_rope`` when the fused kernel runs it, else in ``norm`` (and RoPE in ``rotary``).
     The fused kernel also writes the step's K/V into the cache, so its ``kv_store`` bytes are counted there
     (engine/layers/fused_kernels.py::qk_norm_rope; no separate store kernel runs). With the decode prologue
-    (engine/model_runner.py::decode_prologue_mode) the attention kernel does that work, and ``attention`` holds
+    (engine/levers.py::decode_prologue_mode) the attention kernel does that work, and ``attention`` holds
     those bytes too."""
     e, ekv, b, n = weight_element_size, kv_element_size, batch, shape.num_layers
     h, hd, inter, vocab = shape.hidden_size, shape.head_dim, shape.intermediate_size, shape.vocab_size

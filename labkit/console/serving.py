@@ -55,7 +55,7 @@ def serving_banner(worker, out) -> dict:
 def lab_levers(desc: dict) -> dict:
     """A banner row naming the LAB_* levers the engine was built with away from their defaults (none by default).
     LAB_PREFILL_AHEAD applies with the overlapped decode in nano-vllm's step model only."""
-    from engine.llm_engine import PREFILL_AHEAD_DEFAULT
+    from engine.levers import PREFILL_AHEAD_DEFAULT
 
     on, conf = [], desc.get("config") or {}
     ahead = "1" if desc.get("decode_behind_prefill") else "prefill" if desc.get("prefill_ahead") else "0"

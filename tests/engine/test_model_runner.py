@@ -65,7 +65,7 @@ def test_the_decode_prologue_is_on_by_default_on_triton_in_the_step_model(monkey
     LAB_DECODE_PROLOGUE says noprefetch or 0; another backend or mixed batches keep the plain route."""
     from types import SimpleNamespace
 
-    from engine.model_runner import DECODE_PROLOGUE_ENV, decode_prologue_mode
+    from engine.levers import DECODE_PROLOGUE_ENV, decode_prologue_mode
 
     step_model, mixed = SimpleNamespace(mixed_batches=False), SimpleNamespace(mixed_batches=True)
     monkeypatch.delenv(DECODE_PROLOGUE_ENV, raising=False)

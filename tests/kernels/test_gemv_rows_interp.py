@@ -65,7 +65,7 @@ def test_a_small_decode_batch_with_the_rows_gemv_gives_the_plain_logits(results)
 
 @pytest.mark.parametrize("text, rows", [(None, 1), ("1", 1), ("4", 4), (" 8 ", 8)])
 def test_the_setting_reads_lab_gemv_rows(monkeypatch, text, rows):
-    from engine.model_runner import GEMV_ROWS_ENV, gemv_rows_setting
+    from engine.levers import GEMV_ROWS_ENV, gemv_rows_setting
 
     if text is None:
         monkeypatch.delenv(GEMV_ROWS_ENV, raising=False)
@@ -77,7 +77,7 @@ def test_the_setting_reads_lab_gemv_rows(monkeypatch, text, rows):
 @pytest.mark.parametrize("text", ["0", "9", "two", "-1", ""])
 def test_the_setting_refuses_anything_else_in_one_line(monkeypatch, text):
     from engine.config import ConfigError
-    from engine.model_runner import GEMV_ROWS_ENV, gemv_rows_setting
+    from engine.levers import GEMV_ROWS_ENV, gemv_rows_setting
 
     monkeypatch.setenv(GEMV_ROWS_ENV, text)
     with pytest.raises(ConfigError, match=r"LAB_GEMV_ROWS=.*: expected a whole number from 1 to 8") as e:
