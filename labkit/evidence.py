@@ -103,15 +103,17 @@ def git_dirty(root: Path | None = None) -> bool | None:
     return None if out is None else bool(out.strip())
 
 
-def read_jsonl(path: str | Path, missing: str = "no such file") -> Iterator[tuple[int, dict]]:
-    """(line number, object) for every non-blank line of a JSONL file. A missing file, a line that is not
-    JSON or not an object is one UserError line: ``{missing}: PATH`` or ``PATH:N: why``."""
+def read_jsonl(path: str | Path, missing: str = "no such file",
+               contains: tuple[str, ...] = ()) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for every non-blank line of a JSONL file; with ``contains``, only the lines holding one
+    of those strings are parsed (a server log's step or request events among its many token events). A missing
+    file, a line that is not JSON or not an object is one UserError line: ``{missing}: PATH`` or ``PATH:N: why``."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{missing}: {path}")
     with path.open(encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
-            if not line.strip():
+            if not line.strip() or (contains and not any(c in line for c in contains)):
                 continue
             try:
                 rec = json.loads(line)

@@ -10,10 +10,9 @@ rate's facts (``server_steps``); ``python tools/served_steps.py SERVER_LOG`` pri
 from __future__ import annotations
 
 import collections
-import json
 from pathlib import Path
 
-from labkit.errors import UserError
+from labkit.evidence import read_jsonl
 from labkit.load.report import percentile
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 512)
@@ -26,18 +25,9 @@ def bucket(n: int) -> int:
 
 def read_steps(path: Path) -> list[dict]:
     """The step records of an event log (a server's, or a sweep rate's where the server wrote into it), by start;
-    a missing log is one UserError line."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"server event log not found: {path}")
-    steps = []
-    with open(path) as f:
-        for line in f:
-            if '"step"' not in line:
-                continue
-            rec = json.loads(line)
-            if rec.get("event") == "step" and "start_ns" in rec:
-                steps.append(rec)
+    a missing log, or a line that is not JSON, is one UserError line."""
+    steps = [rec for _, rec in read_jsonl(path, missing="server event log not found", contains=('"step"',))
+             if rec.get("event") == "step" and "start_ns" in rec]
     steps.sort(key=lambda s: s["start_ns"])
     return steps
 
@@ -47,17 +37,13 @@ def request_span(events: Path) -> tuple[int, int] | None:
     (its "submitted" and "finished" events in the rate's event log), or None without engine events."""
     submitted: dict[str, int] = {}
     finished: dict[str, int] = {}
-    with open(events) as f:
-        for line in f:
-            if '"submitted"' not in line and '"finished"' not in line:    # not a token or step event
-                continue
-            rec = json.loads(line)
-            if rec.get("observer") != "engine" or "t_ns" not in rec:
-                continue
-            if rec.get("event") == "submitted" and not rec.get("warmup"):
-                submitted[rec.get("request_id")] = rec["t_ns"]
-            elif rec.get("event") == "finished":
-                finished[rec.get("request_id")] = rec["t_ns"]
+    for _, rec in read_jsonl(events, missing="rate event log not found", contains=('"submitted"', '"finished"')):
+        if rec.get("observer") != "engine" or "t_ns" not in rec:
+            continue
+        if rec.get("event") == "submitted" and not rec.get("warmup"):
+            submitted[rec.get("request_id")] = rec["t_ns"]
+        elif rec.get("event") == "finished":
+            finished[rec.get("request_id")] = rec["t_ns"]
     ends = [finished[r] for r in submitted if r in finished]
     return (min(submitted.values()), max(ends)) if submitted and ends else None
 

@@ -140,6 +140,22 @@ def test_a_served_sweeps_rates_take_their_steps_from_the_servers_log(tmp_path):
     assert "server_steps" not in rows[2]
 
 
+def test_the_step_reader_parses_only_step_lines_and_refuses_a_broken_one_in_one_line(tmp_path):
+    """read_steps reads a server log through labkit.evidence.read_jsonl with its substring filter: lines without a
+    step are not parsed (a cut token line passes), steps come back by start, and a broken step line is one
+    UserError naming the file and line."""
+    from labkit.errors import UserError
+    from labkit.load.server_steps import read_steps
+
+    log = tmp_path / "server.jsonl"
+    steps = [{"event": "step", "phase": "decode", "start_ns": t, "t_ns": t + 1} for t in (30, 10)]
+    log.write_text(json.dumps(steps[0]) + "\n" + '{"event": "token", "t_ns": 5, "tex\n' + json.dumps(steps[1]) + "\n")
+    assert [s["start_ns"] for s in read_steps(log)] == [10, 30]
+    log.write_text(json.dumps(steps[0]) + "\n" + '{"event": "step", "start_ns": 4\n')
+    with pytest.raises(UserError, match=r"server.jsonl:2: not JSON"):
+        read_steps(log)
+
+
 def test_the_sweep_table_names_the_attention_backend_that_served(swept):
     from labkit.cli.sweep import render_sweep
     from labkit.console import console
