@@ -39,6 +39,11 @@ def prefill_ahead(config: Config) -> tuple[bool, bool]:
     return PREFILL_AHEAD_MODES[text]
 
 
+def prefill_ahead_name(prefill_ahead: bool, decode_behind_prefill: bool) -> str:
+    """The LAB_PREFILL_AHEAD value of a scheduler's two switches (describe()'s prefill_ahead, decode_behind_prefill)."""
+    return next(k for k, v in PREFILL_AHEAD_MODES.items() if v == (prefill_ahead, decode_behind_prefill))
+
+
 #: unset or 1: decode steps take the decode prologue with its first tile prefetched; noprefetch: without; 0: off
 #: (decode_prologue_mode)
 DECODE_PROLOGUE_ENV = "LAB_DECODE_PROLOGUE"

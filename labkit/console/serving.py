@@ -55,10 +55,10 @@ def serving_banner(worker, out) -> dict:
 def lab_levers(desc: dict) -> dict:
     """A banner row naming the LAB_* levers the engine was built with away from their defaults (none by default).
     LAB_PREFILL_AHEAD applies with the overlapped decode in nano-vllm's step model only."""
-    from engine.levers import PREFILL_AHEAD_DEFAULT
+    from engine.levers import PREFILL_AHEAD_DEFAULT, prefill_ahead_name
 
     on, conf = [], desc.get("config") or {}
-    ahead = "1" if desc.get("decode_behind_prefill") else "prefill" if desc.get("prefill_ahead") else "0"
+    ahead = prefill_ahead_name(bool(desc.get("prefill_ahead")), bool(desc.get("decode_behind_prefill")))
     if conf.get("overlap") and not conf.get("mixed_batches") and ahead != PREFILL_AHEAD_DEFAULT:
         on.append(f"LAB_PREFILL_AHEAD={ahead}")
     if (desc.get("gemv_rows") or 0) > 1:
