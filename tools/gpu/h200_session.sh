@@ -149,6 +149,12 @@ route_tests() {     # the GPU tests of the graph routes (flash-attn's need its b
        tests/engine/test_gpu_mixed.py -k "not flash"
 }
 
+ahead_ab() {         # ahead_ab MODE DATASET [ESTIMATE_S] [SIDES]: the prefix-cache A/B (tools/prefix_cache_ab.sh, both
+  # cache sides unless SIDES says) at 32 req/s in nano-vllm's step model with LAB_PREFILL_AHEAD=MODE
+  step "prefill-ahead-$1-$2" "${3:-90}" env LAB_PREFILL_AHEAD=$1 ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 \
+       DATASETS=$2 CACHES="${4:-enable no-enable}" tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$1-$2"
+}
+
 serve_phase() {
   # mixed steps first (the candidate default), then nano-vllm's step model; the step model's rate sweep last
   for side in mixed step-model; do
@@ -358,8 +364,7 @@ next_phase() {
   done
   for ds in prefix multi-turn; do
     for mode in 0 prefill; do
-      step "prefill-ahead-$mode-$ds" 90 env LAB_PREFILL_AHEAD=$mode ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 \
-           DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$mode-$ds"
+      ahead_ab $mode $ds
     done
   done
 }
@@ -374,8 +379,7 @@ serving_phase() {
   sweep step-model-sweep 140
   collect_steps
   for ds in prefix multi-turn; do      # LAB_PREFILL_AHEAD=0 (nano-vllm's launch order), the cache-hit side only
-    step "prefill-ahead-0-$ds" 45 env LAB_PREFILL_AHEAD=0 ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds CACHES=enable \
-         tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-0-$ds"
+    ahead_ab 0 $ds 45 enable
   done
 }
 
@@ -421,14 +425,12 @@ ahead_phase() {
   # off and "prefill" first (the candidate: the step model's steps, the prefill launched early), then its sweep, then 1
   for mode in 0 prefill; do
     for ds in prefix multi-turn; do
-      step "prefill-ahead-$mode-$ds" 90 env LAB_PREFILL_AHEAD=$mode ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 \
-           DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$mode-$ds"
+      ahead_ab $mode $ds
     done
   done
   RATES=8,64,128,inf sweep prefill-ahead-prefill-sweep 100 LAB_PREFILL_AHEAD=prefill --no-mixed-batches
   for ds in prefix multi-turn; do
-    step "prefill-ahead-1-$ds" 90 env LAB_PREFILL_AHEAD=1 ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 \
-         DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-1-$ds"
+    ahead_ab 1 $ds
   done
 }
 
