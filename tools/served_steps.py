@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from labkit.errors import UserError
 from labkit.load.server_steps import idle_windows, inside, read_steps, request_span, summarize
 
 
@@ -24,15 +25,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-s", type=float, default=1.0)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    if not args.log.is_file():
-        print(f"error: {args.log} is not a file", file=sys.stderr)
+    try:            # a missing log or a broken line: one line (labkit.evidence.read_jsonl's), exit 2
+        steps = read_steps(args.log)
+        spans = [(p.stem, request_span(p)) for p in args.rate_logs]
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    steps = read_steps(args.log)
     if not steps:
         print(f"error: {args.log} holds no step records", file=sys.stderr)
         return 2
     if args.rate_logs:
-        spans = [(p.stem, request_span(p)) for p in args.rate_logs]
         named = [(name, inside(steps, span)) for name, span in spans if span is not None]
     else:
         named = [(f"window {i}", w) for i, w in enumerate(idle_windows(steps, args.idle_s))]
