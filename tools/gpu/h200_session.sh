@@ -50,8 +50,8 @@
 #   tools/gpu/h200_session.sh next    # the unmeasured levers, one call: the rows GEMV's GPU tests and batch-4 latency
 #                                     # without / with LAB_GEMV_ROWS=8, then LAB_PREFILL_AHEAD 0 / prefill on both A/Bs
 #   tools/gpu/h200_session.sh serving # the serving figures the default is judged by, this tree against BEFORE: the prefix-cache
-#                                     # A/B on prefix-repetition and multi-turn (nano-vllm's step model), then its rate sweep,
-#                                     # then the cache-hit side with LAB_PREFILL_AHEAD=0
+#                                     # A/B on prefix-repetition and multi-turn (BEFORE with the cache on), then the rate sweep
+#                                     # of each tree
 #   tools/gpu/h200_session.sh kernels # the kernel figures the defaults are judged by: the FP8 cache's GPU tests and guard,
 #                                     # nano-vllm on bf16 and e4m3, batch-1 latency, Qwen3-8B's shapes (batch 1, nano-vllm),
 #                                     # then BEFORE's bf16 nano-vllm and batch-1 latency, the step budget at batch 1
@@ -62,7 +62,8 @@
 # `git archive` of the tree to compare against, default .lead/before), WHEELS (wheels to pip install --target
 # /tmp/site first: default .lead/whl; the H200 image lacks pydantic, which `labkit serve` needs: put pydantic's wheels
 # there for CPython 3.12, `pip download pydantic --python-version 3.12 --only-binary=:all: --platform
-# manylinux2014_x86_64 -d DIR`). A step is skipped, and says so, when its estimate would pass the budget.
+# manylinux2014_x86_64 -d DIR`), SKIP (step names, "a|b", that an earlier call of the lease ran). A step is skipped,
+# and says so, when its estimate would pass the budget or SKIP names it.
 # Everything a phase writes (logs, evidence JSON, pictures) is packed into $OUT/evidence-PHASE.tgz after each step,
 # so what ran comes back even if the call is cut short; $OUT/steps-PHASE.txt is the summary. The check phase also
 # builds flash-attn from .gpu/wheels/flash_attn-2.8.3.tar.gz (an ignored folder: carry .gpu/wheels, or the build
@@ -90,6 +91,9 @@ pack() { (cd "$W" && tar czf "$OUT/evidence-$phase.tgz" --exclude='*.npz' --excl
 step() {            # step NAME ESTIMATE_S COMMAND...: run it unless the budget says no; log, summary, pack
   local name=$1 est=$2; shift 2
   local used=$((SECONDS - T0))
+  if [ -n "${SKIP:-}" ] && [[ "$name" =~ ^(${SKIP})$ ]]; then       # SKIP='a|b': steps an earlier call of the lease ran
+    echo "== $name: SKIPPED (SKIP)" | tee -a "$STEPS"; return 0
+  fi
   if [ $((used + est)) -gt "$BUDGET_S" ]; then
     echo "== $name: SKIPPED (at ${used} s, estimate ${est} s, budget ${BUDGET_S} s)" | tee -a "$STEPS"; return 0
   fi
@@ -370,17 +374,16 @@ next_phase() {
 }
 
 serving_phase() {
-  # the default step model's prefix-cache A/B, this tree and BEFORE alternating, then this tree's rate sweep
+  # the default step model's prefix-cache A/B (both cache sides) and BEFORE's with the cache on, alternating; then the
+  # rate sweep of this tree and of BEFORE
   for ds in prefix multi-turn; do
     step "step-model-$ds" 85 env ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/step-model-$ds"
-    step "before-step-model-$ds" 85 before env ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds MODEL_DIR=$MODEL_DIR \
+    step "before-step-model-$ds" 50 before env ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds CACHES=enable MODEL_DIR=$MODEL_DIR \
          tools/prefix_cache_ab.sh "$W/runs/before-step-model-$ds"
   done
   sweep step-model-sweep 140
+  SWEEP_IN=before sweep before-step-model-sweep 140
   collect_steps
-  for ds in prefix multi-turn; do      # LAB_PREFILL_AHEAD=0 (nano-vllm's launch order), the cache-hit side only
-    ahead_ab 0 $ds 45 enable
-  done
 }
 
 kernels_phase() {
