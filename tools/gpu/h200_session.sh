@@ -381,8 +381,8 @@ serving_phase() {
     step "before-step-model-$ds" 50 before env ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds CACHES=enable MODEL_DIR=$MODEL_DIR \
          tools/prefix_cache_ab.sh "$W/runs/before-step-model-$ds"
   done
-  sweep step-model-sweep 140
-  SWEEP_IN=before sweep before-step-model-sweep 140
+  RATES=${RATES:-8,64,128,inf} sweep step-model-sweep 100
+  RATES=${RATES:-8,64,128,inf} SWEEP_IN=before sweep before-step-model-sweep 100
   collect_steps
 }
 
