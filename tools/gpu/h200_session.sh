@@ -1,62 +1,27 @@
 #!/usr/bin/env bash
-# One device call's worth of H200 work, by phase, each meant to end inside a 10-minute call:
+# One device call's worth of GPU work, by phase, each meant to end inside a 10-minute call. Three phases hold the
+# figures the defaults are judged by; run them in one lease, back to back:
 #
-#   tools/gpu/h200_session.sh serve   # both step models under load (tools/step_models_h200.sh's figures): the rate
-#                                     # sweep and the prefix-cache A/B on multi-turn and prefix-repetition, mixed
-#                                     # steps first; the eager batch-1 profile (tools/gpu/eager_profile.py), both step
-#                                     # models on the engine's step clock (tools/step_clock.py), the
-#                                     # step model's rate sweep last
 #   tools/gpu/h200_session.sh check   # pytest -m gpu, the bf16 / graph / kv-fp8 guards, the same at SmolLM2's
 #                                     # shapes, flash-attn built from its sdist (in the background), its guards
 #                                     # and refusals (float32, the fp8 cache), auto at float32 taking triton
-#   tools/gpu/h200_session.sh ab      # the GPU route tests, then the prefix-cache A/B of both step models, this tree
-#                                     # against BEFORE (the step model); then the mixed-step rate sweep
-#   tools/gpu/h200_session.sh verify  # the GPU route tests, the bf16 guard, nano-vllm against BEFORE, both step
-#                                     # models' rate sweeps
-#   tools/gpu/h200_session.sh diag    # where a step's time goes: both step models on the engine's step clock
-#                                     # (tools/step_clock.py) with torch's profiler over ten steps, cache on and off;
-#                                     # the GPU tests of the graph routes
-#   tools/gpu/h200_session.sh mixed   # mixed graphs: the GPU route tests, the step clock, the mixed step model's
-#                                     # prefix-cache A/B (multi-turn, prefix), its rate sweep, multi-turn on BEFORE
-#   tools/gpu/h200_session.sh fp8     # the FP8 cache: its GPU tests and accuracy guard, nano-vllm on bf16 and e4m3
-#                                     # (this tree's FP8 knobs, then BEFORE's), the step budget on e4m3, the
-#                                     # attention bench with its FP8 knob sweep
-#   tools/gpu/h200_session.sh batch1  # the decode prologue (LAB_DECODE_PROLOGUE): its GPU tests, batch-1 latency off /
-#                                     # on without its prefetch / on, twice; the step budget at batch 1 off and on, at
-#                                     # 256 on (the fp8 phase's bf16 nano-vllm run is the wide decode's off)
-#   tools/gpu/h200_session.sh levers  # both batch-1/FP8 levers in one call, the most telling steps first: the FP8 and
-#                                     # prologue GPU tests, the kv-fp8 guard, nano-vllm on bf16 and e4m3, batch-1
-#                                     # latency with the prologue off / on / on without its prefetch, nano-vllm with the
-#                                     # prologue, nano-vllm e4m3 on BEFORE, the step budget at batch 1 with the prologue
-#   tools/gpu/h200_session.sh ttft    # both step models' prefix-cache A/B on prefix-repetition and multi-turn (each line
-#                                     # with its TTFT split: ingress, queue, prefill, delivery), then the rate sweeps,
-#                                     # nano-vllm's step model first
-#   tools/gpu/h200_session.sh b8      # Qwen3-8B's shapes: batch-1 latency with the decode prologue off / on / on without
-#                                     # its prefetch, then the nano-vllm workload off and on
-#   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD 0, prefill (the default) and 1 in nano-vllm's step model: the prefix-cache A/B on
-#                                     # prefix-repetition and multi-turn (with the TTFT split), "prefill"'s rate sweep
-#   tools/gpu/h200_session.sh decide  # the figures the defaults are judged by, in one call: the kv-fp8 guard, nano-vllm on
-#                                     # bf16 and e4m3 and on BEFORE's bf16, batch-1 latency with the decode prologue off /
-#                                     # on and on BEFORE, the step budget at batch 1, the GPU tests of the graph routes
-#   tools/gpu/h200_session.sh sweeps  # serving's capacity levers, rate sweeps: mixed steps under a 2048- and a
-#                                     # 1024-token step budget, nano-vllm's step model on bf16 and on the e4m3
-#                                     # cache, mixed steps at 2048 on the e4m3 cache
+#   tools/gpu/h200_session.sh kernels # the FP8 cache's GPU tests and guard, nano-vllm on bf16 and e4m3, batch-1 latency,
+#                                     # Qwen3-8B's shapes (batch 1, nano-vllm), BEFORE's bf16 nano-vllm and batch-1
+#                                     # latency, the step budget at batch 1
+#   tools/gpu/h200_session.sh serving # this tree against BEFORE: the prefix-cache A/B on prefix-repetition and
+#                                     # multi-turn (BEFORE with the cache on), then each tree's rate sweep
+#
+# and three that compare serving's levers:
+#
 #   tools/gpu/h200_session.sh steps   # where a served decode's time goes (tools/served_steps.py): the batch-1 GPU tests,
 #                                     # then both step models' sweeps at 8 / 32 / 64 / inf req/s, the step model on e4m3 too
-#   tools/gpu/h200_session.sh pieces  # piecewise graphs past 2,048 tokens against BEFORE: the mixed/piecewise GPU tests,
-#                                     # nano-vllm both trees, the step model's sweeps (8 / 64 / 128 / inf) both trees
-#   tools/gpu/h200_session.sh rows    # LAB_GEMV_ROWS=8 against 1: the rows GEMV's GPU tests, the bf16 graph guard with it,
-#                                     # decode latency at batch 2 / 4 / 8, the step model's sweep at 8 / 32 / 64 req/s
-#   tools/gpu/h200_session.sh next    # the unmeasured levers, one call: the rows GEMV's GPU tests and batch-4 latency
-#                                     # without / with LAB_GEMV_ROWS=8, then LAB_PREFILL_AHEAD 0 / prefill on both A/Bs
-#   tools/gpu/h200_session.sh serving # the serving figures the default is judged by, this tree against BEFORE: the prefix-cache
-#                                     # A/B on prefix-repetition and multi-turn (BEFORE with the cache on), then the rate sweep
-#                                     # of each tree
-#   tools/gpu/h200_session.sh kernels # the kernel figures the defaults are judged by: the FP8 cache's GPU tests and guard,
-#                                     # nano-vllm on bf16 and e4m3, batch-1 latency, Qwen3-8B's shapes (batch 1, nano-vllm),
-#                                     # then BEFORE's bf16 nano-vllm and batch-1 latency, the step budget at batch 1
-#   tools/gpu/h200_session.sh bench   # nano-vllm (bf16, fp8 cache, flash, the BEFORE tree), the fp8 step budget, batch-1 latency
-#                                     # (eager, graphs, overlapped), SmolLM2 shapes, bench serve (this tree and BEFORE)
+#   tools/gpu/h200_session.sh sweeps  # capacity, rate sweeps: mixed steps under a 2048- and a 1024-token step budget,
+#                                     # nano-vllm's step model on bf16 and on the e4m3 cache, mixed steps at 2048 on e4m3
+#   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD 0, prefill (the default) and 1 in nano-vllm's step model: the
+#                                     # prefix-cache A/B on prefix-repetition and multi-turn, "prefill"'s rate sweep
+#
+# (The phases that answered one lease's question are in this file's git history; docs/MEASURED.md names the tree
+# each figure came from.)
 #
 # Environment: OUT (default ./gpu-out), BUDGET_S (seconds after which no step starts: default 540), BEFORE (a
 # `git archive` of the tree to compare against, default .lead/before), WHEELS (wheels to pip install --target
@@ -71,7 +36,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces|rows|next|serving|kernels) ;; *) echo "usage: tools/gpu/h200_session.sh serve|check|bench|diag|ab|verify|mixed|fp8|batch1|levers|ttft|b8|ahead|decide|sweeps|steps|pieces|rows|next|serving|kernels" >&2; exit 2 ;; esac
+case "$phase" in check|kernels|serving|steps|sweeps|ahead) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -146,31 +111,12 @@ sweep() {           # sweep NAME ESTIMATE_S [VAR=VALUE...] OPTION...: the rate s
   pack
 }
 collect_steps() {   # every sweep's tools/served_steps.py table, in one file that comes back beside the summary
-  for f in "$W"/logs/*.steps.txt; do echo "## $f"; cat "$f"; done > "$OUT/served-steps.txt"
+  for f in "$W"/logs/*.steps.txt; do [ -f "$f" ] && { echo "## $f"; cat "$f"; }; done > "$OUT/served-steps.txt"
 }
-route_tests() {     # the GPU tests of the graph routes (flash-attn's need its build: the check phase)
-  step pytest-gpu-routes 100 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
-       tests/engine/test_gpu_mixed.py -k "not flash"
-}
-
 ahead_ab() {         # ahead_ab MODE DATASET [ESTIMATE_S] [SIDES]: the prefix-cache A/B (tools/prefix_cache_ab.sh, both
   # cache sides unless SIDES says) at 32 req/s in nano-vllm's step model with LAB_PREFILL_AHEAD=MODE
   step "prefill-ahead-$1-$2" "${3:-90}" env LAB_PREFILL_AHEAD=$1 ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 \
        DATASETS=$2 CACHES="${4:-enable no-enable}" tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$1-$2"
-}
-
-serve_phase() {
-  # mixed steps first (the candidate default), then nano-vllm's step model; the step model's rate sweep last
-  for side in mixed step-model; do
-    local flag=--mixed-batches; [ "$side" = step-model ] && flag=--no-mixed-batches
-    [ "$side" = mixed ] && sweep "$side-sweep" 150 $flag
-    for ds in multi-turn prefix; do
-      step "$side-$ds" 100 env ENGINE="$SERVE_ENGINE $flag" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/$side-$ds"
-    done
-  done
-  step eager-profile 75 timeout 100 $PY tools/gpu/eager_profile.py --attention triton --steps 40
-  step step-clock 120 timeout 200 $PY tools/step_clock.py --model "$MODEL_DIR" --device cuda
-  sweep step-model-sweep 150 --no-mixed-batches
 }
 
 check_phase() {
@@ -215,108 +161,12 @@ e = LLMEngine('$MODEL_DIR', device='cuda', dtype='float32', kvcache_block_size=2
 print('auto with float32 ->', e.describe()['attention_backend']); assert e.describe()['attention_backend'] == 'triton'"
 }
 
-ab_phase() {
-  route_tests
-  for ds in prefix multi-turn; do
-    step "step-model-$ds" 85 env ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/step-model-$ds"
-    step "before-step-model-$ds" 85 before env ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 DATASETS=$ds MODEL_DIR=$MODEL_DIR \
-         tools/prefix_cache_ab.sh "$W/runs/before-step-model-$ds"
-  done
-  for ds in prefix multi-turn; do
-    step "mixed-$ds" 85 env ENGINE="$SERVE_ENGINE --mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/mixed-$ds"
-  done
-  sweep mixed-sweep 120 --mixed-batches
-}
-
-verify_phase() {
-  route_tests
-  step guard-bf16 45 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda --attention triton
-  step nano-vllm-after 50 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-after.json"
-  step nano-vllm-before 50 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-before.json"
-  for side in mixed step-model; do
-    local flag=--mixed-batches; [ "$side" = step-model ] && flag=--no-mixed-batches
-    sweep "$side-sweep" 115 $flag
-  done
-}
-
-mixed_phase() {
-  route_tests
-  step step-clock 120 timeout 200 $PY tools/step_clock.py --model "$MODEL_DIR" --device cuda
-  for ds in multi-turn prefix; do
-    step "mixed-$ds" 85 env ENGINE="$SERVE_ENGINE --mixed-batches" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/mixed-$ds"
-  done
-  sweep mixed-sweep 120 --mixed-batches
-  step before-mixed-multi-turn 85 before env ENGINE="$SERVE_ENGINE --mixed-batches" RATE=32 DATASETS=multi-turn \
-       MODEL_DIR=$MODEL_DIR tools/prefix_cache_ab.sh "$W/runs/before-mixed-multi-turn"
-}
-
 fp8_pair() {        # the kv-fp8 guard, then the nano-vllm workload on the bf16 and on the e4m3 cache
   step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
        --attention triton --out "$W/runs/guard-kv-fp8.json"
   step nano-vllm-bf16 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-bf16.json"
   step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 \
        --out "$W/runs/nano-vllm-fp8.json"
-}
-
-fp8_phase() {       # the FP8 knobs (engine/attention/splits.py's DECODE_FP8_*) against BEFORE's (the bf16 knobs)
-  step pytest-gpu-fp8 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kv_fp8.py
-  fp8_pair
-  step before-nano-vllm-fp8 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 \
-       --kv-cache-dtype fp8 --out "$W/runs/before-nano-vllm-fp8.json"
-  step step-budget-fp8 60 $PY -m labkit bench --workload step-budget --attention triton --kv-cache-dtype fp8 --out "$W/runs/step-budget-fp8.json"
-  # the attention bench's rows, then its sweeps (the FP8 kernel sweep: KERNEL_SWEEP_FP8's grid, 96 settings)
-  step attention-fp8-sweep 180 $PY -m labkit bench --workload attention --attention triton --kv-cache-dtype fp8 --sweep \
-       --out "$W/runs/attention-fp8-sweep.json"
-}
-
-batch1_phase() {     # one lever at a time: the decode prologue off (0), on with its first tile read after the PDL wait
-  # (noprefetch) and before it (1), twice each, in one process tree
-  step pytest-gpu-prologue 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
-       -k "prologue or batch1 or graph_decode_matches_eager"
-  for round in 1 2; do
-    for mode in 0 noprefetch 1; do
-      step "latency-b1-prologue-$mode-r$round" 40 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload latency \
-           --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-b1-prologue-$mode-r$round.json"
-    done
-  done
-  for mode in 0 1; do
-    step "step-budget-b1-prologue-$mode" 45 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload step-budget --attention triton \
-         --batch 1 --out "$W/runs/step-budget-b1-prologue-$mode.json"
-  done
-  step step-budget-b256-prologue-1 60 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget --attention triton \
-       --out "$W/runs/step-budget-b256-prologue-1.json"
-}
-
-levers_phase() {     # fp8's and batch1's steps that decide the two defaults, for a lease that may hold one call
-  step pytest-gpu-levers 90 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kv_fp8.py \
-       tests/kernels/test_gpu_kernels.py -k "fp8 or prologue or batch1 or graph_decode_matches_eager"
-  fp8_pair
-  for mode in 0 1 noprefetch; do
-    step "latency-b1-prologue-$mode" 40 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload latency \
-         --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-b1-prologue-$mode.json"
-  done
-  step nano-vllm-bf16-prologue-1 60 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload nano-vllm --attention triton \
-       --repeats 3 --out "$W/runs/nano-vllm-bf16-prologue-1.json"
-  step before-nano-vllm-fp8 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 \
-       --kv-cache-dtype fp8 --out "$W/runs/before-nano-vllm-fp8.json"
-  step step-budget-b1-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget --attention triton \
-       --batch 1 --out "$W/runs/step-budget-b1-prologue-1.json"
-  route_tests
-}
-
-decide_phase() {     # BEFORE here is the tree the defaults are held to (bf16 within 2% of it)
-  fp8_pair
-  step before-nano-vllm-bf16 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 \
-       --out "$W/runs/before-nano-vllm-bf16.json"
-  for mode in 0 1; do
-    step "latency-b1-prologue-$mode" 40 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload latency \
-         --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-b1-prologue-$mode.json"
-  done
-  step before-latency-b1 45 before $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton \
-       --out "$W/runs/before-latency-b1.json"
-  step step-budget-b1-prologue-1 45 env LAB_DECODE_PROLOGUE=1 $PY -m labkit bench --workload step-budget --attention triton \
-       --batch 1 --out "$W/runs/step-budget-b1-prologue-1.json"
-  route_tests
 }
 
 steps_phase() {
@@ -327,50 +177,6 @@ steps_phase() {
   RATES=8,32,64,inf SWEEP_ENGINE="${SERVE_ENGINE/16384/2048}" sweep mixed-2048-steps 100 --mixed-batches
   RATES=8,32,64,inf sweep step-model-steps-fp8 100 --no-mixed-batches --kv-cache-dtype fp8
   collect_steps
-}
-
-pieces_phase() {
-  # piecewise buckets past 2,048 tokens against BEFORE (whose prefills past 2,048 tokens run eagerly): the GPU tests of
-  # the mixed and piecewise routes, the nano-vllm workload, the step model's sweep at 8 / 64 / 128 / inf req/s
-  step pytest-gpu-mixed 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/engine/test_gpu_mixed.py
-  step nano-vllm-after 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-after.json"
-  step nano-vllm-before 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-before.json"
-  RATES=8,64,128,inf sweep step-model-after 110 --no-mixed-batches
-  SWEEP_IN=before RATES=8,64,128,inf sweep step-model-before 110 --no-mixed-batches
-  collect_steps
-}
-
-rows_phase() {
-  # LAB_GEMV_ROWS (engine/layers/gemv.py's rows kernel for decode batches of 2-8): its GPU tests, the bf16 guards with
-  # it, decode latency at batch 2, 4 and 8 with it off (1) and on (8), the step model's sweep at 8 / 32 / 64 req/s both ways
-  step pytest-gpu-rows 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py -k "rows or batch1"
-  step guard-graph-rows 60 env LAB_GEMV_ROWS=8 $PY -m labkit logits guard --suite graph --dtype bfloat16 --device cuda \
-       --attention triton
-  for b in 2 4 8; do
-    for r in 1 8; do
-      step "latency-b$b-rows-$r" 40 env LAB_GEMV_ROWS=$r $PY -m labkit bench --workload latency --batch $b --repeats 3 \
-           --attention triton --out "$W/runs/latency-b$b-rows-$r.json"
-    done
-  done
-  for r in 1 8; do
-    RATES=8,32,64 sweep "step-model-rows-$r" 90 LAB_GEMV_ROWS=$r --no-mixed-batches
-  done
-  collect_steps
-}
-
-next_phase() {
-  # the two unmeasured levers in one call, the most telling steps first: the rows GEMV's GPU tests and decode latency
-  # at batch 4 without and with it; then LAB_PREFILL_AHEAD 0 against prefill on prefix-repetition and multi-turn
-  step pytest-gpu-rows 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py -k rows
-  for r in 1 8; do
-    step "latency-b4-rows-$r" 40 env LAB_GEMV_ROWS=$r $PY -m labkit bench --workload latency --batch 4 --repeats 3 \
-         --attention triton --out "$W/runs/latency-b4-rows-$r.json"
-  done
-  for ds in prefix multi-turn; do
-    for mode in 0 prefill; do
-      ahead_ab $mode $ds
-    done
-  done
 }
 
 serving_phase() {
@@ -413,17 +219,6 @@ sweeps_phase() {
   SWEEP_ENGINE="${SERVE_ENGINE/16384/2048}" sweep mixed-sweep-2048-fp8 120 --mixed-batches --kv-cache-dtype fp8
 }
 
-ttft_phase() {
-  for side in step-model mixed; do
-    local flag=--mixed-batches; [ "$side" = step-model ] && flag=--no-mixed-batches
-    for ds in prefix multi-turn; do
-      step "$side-$ds" 90 env ENGINE="$SERVE_ENGINE $flag" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/$side-$ds"
-    done
-  done
-  sweep step-model-sweep 120 --no-mixed-batches
-  sweep mixed-sweep 120 --mixed-batches
-}
-
 ahead_phase() {
   # off and "prefill" first (the candidate: the step model's steps, the prefill launched early), then its sweep, then 1
   for mode in 0 prefill; do
@@ -435,42 +230,6 @@ ahead_phase() {
   for ds in prefix multi-turn; do
     ahead_ab 1 $ds
   done
-}
-
-b8_phase() {
-  synth qwen3-8b /tmp/m8
-  for mode in 0 1 noprefetch; do
-    step "latency-8b-b1-prologue-$mode" 70 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload latency \
-         --batch 1 --repeats 3 --attention triton --model /tmp/m8 --out "$W/runs/latency-8b-b1-prologue-$mode.json"
-  done
-  for mode in 0 1; do
-    step "nano-vllm-8b-prologue-$mode" 90 env LAB_DECODE_PROLOGUE=$mode $PY -m labkit bench --workload nano-vllm \
-         --attention triton --model /tmp/m8 --out "$W/runs/nano-vllm-8b-prologue-$mode.json"
-  done
-}
-
-diag_phase() {
-  step step-clock 150 timeout 240 $PY tools/step_clock.py --model "$MODEL_DIR" --device cuda --profile 150 10
-  step step-clock-no-cache 120 timeout 200 $PY tools/step_clock.py --model "$MODEL_DIR" --device cuda --no-prefix-caching
-  route_tests
-}
-
-bench_phase() {
-  synth smollm2-135m /tmp/smol
-  install_flash "$W/logs/flash-install.log"
-  $PY -c "import flash_attn; print('flash_attn', flash_attn.__version__)" >> "$STEPS" 2>&1
-  step nano-vllm-after 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-after.json"
-  step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 --out "$W/runs/nano-vllm-fp8.json"
-  step nano-vllm-before 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-before.json"
-  step step-budget-fp8 60 $PY -m labkit bench --workload step-budget --attention triton --kv-cache-dtype fp8 --out "$W/runs/step-budget-fp8.json"
-  step latency-after 60 $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-after.json"
-  step serve-after 110 $PY -m labkit bench --workload serve --attention triton --out "$W/runs/serve-after.json"
-  step serve-before 110 before $PY -m labkit bench --workload serve --attention triton --out "$W/runs/serve-before.json"
-  step nano-vllm-flash 60 $PY -m labkit bench --workload nano-vllm --attention flash_attn --repeats 3 --out "$W/runs/nano-vllm-flash.json"
-  step smollm2-nano-vllm 50 $PY -m labkit bench --workload nano-vllm --attention triton --model /tmp/smol --out "$W/runs/smollm2-nano-vllm.json"
-  step smollm2-latency 50 $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton --model /tmp/smol --out "$W/runs/smollm2-latency.json"
-  step latency-before 60 before $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-before.json"
-  step attention-bench 60 $PY -m labkit bench --workload attention --out "$W/runs/attention.json"
 }
 
 "${phase}_phase"
