@@ -109,14 +109,7 @@ def run_lifecycle(out: Path | None = None, model: str | None = None, device: str
     recorder = StepRecorder({s.seq_id: n for s, n in zip(seqs, LABELS)})
     engine.events.subscribe(recorder)
     probe = ShapeProbe(engine, recorder) if shapes else None
-    fused = bool(built.describe().get("fused_ops"))
-    try:
-        while not engine.is_finished():
-            recorder.route(engine.step(), fused)
-    finally:
-        if probe is not None:
-            probe.close()
-    steps = recorder.steps
+    steps = recorder.run(engine, bool(built.describe().get("fused_ops")), probe)
     shape = engine.config.shape
     first = steps[0]
     decode = next((st for st in steps if st["phase"] == "decode"), None)

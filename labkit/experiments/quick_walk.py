@@ -90,6 +90,17 @@ class StepRecorder:
                          "blocks": [{**b, "owners": [self._label(i) for i in b["owners"]]} for b in pool["blocks"]]}}
 
 
+    def run(self, engine, fused: bool, probe=None) -> list[dict]:
+        """Step `engine` until every request finished, each step's route recorded (:meth:`route`); the shape
+        probe, if any, is closed however the steps end. Returns the steps."""
+        try:
+            while not engine.is_finished():
+                self.route(engine.step(), fused)
+        finally:
+            if probe is not None:
+                probe.close()
+        return self.steps
+
     def route(self, out, fused: bool) -> None:
         """The route the step's forward took (``StepOutput.route``, ModelRunner.route_for's choice: eager, a
         decode graph's bucket, a prefill graph) and whether the fused kernels ran in it (CUDA with fused ops;
@@ -248,14 +259,7 @@ def run_quick_walk(case: str, out: Path | None = None, model: str | None = None,
     recorder = StepRecorder({s.seq_id: n for s, n in zip(seqs, names)})
     engine.events.subscribe(recorder)
     probe = _shape_probe(engine) if shapes else None
-    fused = bool(built.describe().get("fused_ops"))
-    try:
-        while not engine.is_finished():
-            recorder.route(engine.step(), fused)
-    finally:
-        if probe is not None:
-            probe.close()
-    steps = recorder.steps
+    steps = recorder.run(engine, bool(built.describe().get("fused_ops")), probe)
     stats = engine.stats()
     facts = {
         "case": case, "title": spec.title,
