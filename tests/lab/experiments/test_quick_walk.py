@@ -83,6 +83,8 @@ def test_a_trace_records_before_and_after_each_step(walks):
     assert [s["before"][0]["scheduled"] for s in steps] == [3, 1, 1]
     assert all(len(s["after"]["accepted"]) == 1 for s in steps)
     assert steps[-1]["after"]["freed_blocks"] and steps[-1]["after"]["seqs"][0]["block_table"] == []
+    # each step names the route its forward took (a CPU runs every step eagerly, the plain kernels)
+    assert [s.get("route") for s in steps] == [{"kind": "eager", "bucket": None, "route": "eager", "fused": False}] * 3
 
 
 def test_without_trace_the_step_log_is_left_out(tiny_model_dir, tmp_path):
