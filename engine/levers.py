@@ -1,7 +1,9 @@
 """The lab's levers: LAB_* environment settings that switch an engine mechanism under measurement, each read
-here once, with its default and a one-line refusal of a bad value (ConfigError). The engine reads them at start-up
-(ModelRunner: the decode prologue and the GEMV rows; LLMEngine: prefill ahead); ``describe()`` reports what each
-took, and ``labkit serve``'s banner names those away from their defaults (labkit/console/serving.py).
+here once, with its default. LAB_PREFILL_AHEAD and LAB_GEMV_ROWS refuse a bad value in one line (ConfigError);
+LAB_DECODE_PROLOGUE takes anything but 1 and noprefetch as off. The engine reads them at start-up (ModelRunner:
+the decode prologue and the GEMV rows; LLMEngine: prefill ahead); ``describe()`` reports what each took, and
+``labkit serve``'s banner names LAB_PREFILL_AHEAD and LAB_GEMV_ROWS where they are away from their defaults
+(labkit/console/serving.py).
 
 - LAB_PREFILL_AHEAD  (prefill_ahead): prefill | 1 | 0, how far nano-vllm's step model launches ahead of the
   overlapped decode

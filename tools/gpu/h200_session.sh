@@ -113,10 +113,10 @@ sweep() {           # sweep NAME ESTIMATE_S [VAR=VALUE...] OPTION...: the rate s
 collect_steps() {   # every sweep's tools/served_steps.py table, in one file that comes back beside the summary
   for f in "$W"/logs/*.steps.txt; do [ -f "$f" ] && { echo "## $f"; cat "$f"; }; done > "$OUT/served-steps.txt"
 }
-ahead_ab() {         # ahead_ab MODE DATASET [ESTIMATE_S] [SIDES]: the prefix-cache A/B (tools/prefix_cache_ab.sh, both
-  # cache sides unless SIDES says) at 32 req/s in nano-vllm's step model with LAB_PREFILL_AHEAD=MODE
-  step "prefill-ahead-$1-$2" "${3:-90}" env LAB_PREFILL_AHEAD=$1 ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 \
-       DATASETS=$2 CACHES="${4:-enable no-enable}" tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$1-$2"
+ahead_ab() {         # ahead_ab MODE DATASET: the prefix-cache A/B (tools/prefix_cache_ab.sh, both cache sides) at 32
+  # req/s in nano-vllm's step model with LAB_PREFILL_AHEAD=MODE
+  step "prefill-ahead-$1-$2" 90 env LAB_PREFILL_AHEAD=$1 ENGINE="$SERVE_ENGINE --no-mixed-batches" RATE=32 \
+       DATASETS=$2 tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$1-$2"
 }
 
 check_phase() {
