@@ -107,6 +107,50 @@ def _tile_update(q, k, v, valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE
     return m_new, l, acc
 
 
+@triton.jit
+def new_token_state(q, row, kvh, offs_g, gmask, slot_at, new_pos, kc_ptr, vc_ptr, kw_ptr, cos_ptr, sin_ptr, eps, scale,
+                    k_scale, v_scale, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
+                    KV_FP8: tl.constexpr, V_IN_TILE: tl.constexpr):
+    """The decode prologue's new token (the split that holds its position): its k (q/k-normed and roped) and v
+    made from the packed qkv ``row``, stored at the slot ``slot_at`` holds in the paged caches (quantized where they are FP8), and the
+    online-softmax state (m, l, acc) of the query rows ``q`` [BLOCK_G, D] started from it as the cache now holds
+    it. kvh [BLOCK_G]: each query row's kv head. One writer per kv head (its first query row); a padding row
+    (slot < 0) writes nothing (the slot test selects the mask, as in _qk_norm_rope_kernel: the interpreter wants
+    a boolean store mask)."""
+    offs_d = tl.arange(0, D)
+    k_new = roped_heads(row, HK * G + kvh, gmask, kw_ptr, cos_ptr, sin_ptr, new_pos, eps, D)
+    v_new = tl.load(row + (HK * G + HK + kvh)[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    slot = tl.load(slot_at).to(tl.int64)
+    writer = tl.where(slot >= 0, gmask & (offs_g % G == 0), False)
+    dst = slot * (HK * D) + kvh[:, None] * D + offs_d[None, :]
+    if KV_FP8:
+        k_new = fp8_quantize(k_new, k_scale)
+        v_new = fp8_quantize(v_new, v_scale)
+    tl.store(kc_ptr + dst, k_new, mask=writer[:, None])
+    tl.store(vc_ptr + dst, v_new, mask=writer[:, None])
+    k_new = k_new.to(q.dtype)                           # as the loop reads a cached position
+    v_new = v_new.to(q.dtype)
+    if KV_FP8 and V_IN_TILE:
+        v_new = v_new * tl.cast(v_scale, q.dtype)
+    m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale     # its weight exp(m - m) = 1
+    l = tl.full([BLOCK_G], 1.0, tl.float32)
+    acc = v_new.to(tl.float32)
+    return m, l, acc
+
+
+@triton.jit
+def combine_splits(acc_ptr, ml_ptr, split_rows, smask, out_at, offs_d, D: tl.constexpr):
+    """The fused reduce of one query head, as the reduce kernel combines it: the partials (acc, m, l) of its splits
+    ``split_rows`` (where ``smask``) in one load each, read past L1 (other programs wrote them), normalized into
+    ``out_at`` [D]."""
+    mj = tl.load(ml_ptr + split_rows * 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
+    lj = tl.load(ml_ptr + split_rows * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
+    aj = tl.load(acc_ptr + split_rows[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0,
+                 cache_modifier=".cg")
+    w = tl.where(smask & (lj > 0), tl.exp(mj - tl.max(mj, 0)), 0.0)
+    tl.store(out_at + offs_d, (tl.sum(aj * w[:, None], 0) / tl.sum(lj * w, 0)).to(out_at.dtype.element_ty))
+
+
 # Arguments that change from step to step (split sizes, block-table width) are not specialized on, so
 # one compiled variant serves every step instead of a compile on the first step of each new value.
 @triton.jit(do_not_specialize=["split_len", "num_splits", "stride_bt", "stride_on", "stride_oh"])
@@ -226,26 +270,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     if PROLOGUE:            # the new token first (its k and v made, stored and folded in), so none of it is live
         if (ctx > 0) & (ctx - 1 >= start) & (ctx - 1 < start + split_len):     # through the loop
-            kvh = kvh0 + g_head                                 # each query row's kv head
-            k_new = roped_heads(row, HK * G + kvh, gmask, kw_ptr, cos_ptr, sin_ptr, new_pos, eps, D)
-            v_new = tl.load(row + (HK * G + HK + kvh)[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0)
-            slot = tl.load(slot_ptr + n).to(tl.int64)
-            # one writer per kv head (its first query row); a padding row (slot < 0) writes nothing. (The slot test
-            # selects the mask, as in _qk_norm_rope_kernel: the interpreter wants a boolean store mask.)
-            writer = tl.where(slot >= 0, gmask & (offs_g % G == 0), False)
-            dst = slot * (HK * D) + kvh[:, None] * D + offs_d[None, :]
-            if KV_FP8:
-                k_new = fp8_quantize(k_new, k_scale)
-                v_new = fp8_quantize(v_new, v_scale)
-            tl.store(kc_ptr + dst, k_new, mask=writer[:, None])
-            tl.store(vc_ptr + dst, v_new, mask=writer[:, None])
-            k_new = k_new.to(q.dtype)                           # as the loop reads a cached position
-            v_new = v_new.to(q.dtype)
-            if KV_FP8 and V_IN_TILE:
-                v_new = v_new * tl.cast(v_scale, q.dtype)
-            m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale     # its weight exp(m - m) = 1
-            l = tl.full([BLOCK_G], 1.0, tl.float32)
-            acc = v_new.to(tl.float32)
+            m, l, acc = new_token_state(q, row, kvh0 + g_head, offs_g, gmask, slot_ptr + n,
+                                        new_pos, kc_ptr, vc_ptr, kw_ptr, cos_ptr, sin_ptr, eps, scale, k_scale,
+                                        v_scale, HK, G, D, BLOCK_G, KV_FP8, V_IN_TILE)
     loop_start = start
     if PREFETCH:            # the first tile, loaded before the wait
         if start < end:
@@ -279,15 +306,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                 tl.atomic_xchg(lock, 0)                 # every split of this launch has counted
                 offs_s = tl.arange(0, BLOCK_S)
                 smask = offs_s < active
-                for gi in tl.static_range(HPP * G):     # each query head: its splits in one load each,
-                    split_rows = (n * (HK * G) + kvh0 * G + gi) * num_splits + offs_s   # as the reduce kernel
-                    mj = tl.load(ml_ptr + split_rows * 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
-                    lj = tl.load(ml_ptr + split_rows * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
-                    aj = tl.load(acc_ptr + split_rows[:, None] * D + offs_d[None, :], mask=smask[:, None],
-                                 other=0.0, cache_modifier=".cg")
-                    w = tl.where(smask & (lj > 0), tl.exp(mj - tl.max(mj, 0)), 0.0)
-                    tl.store(out_ptr + n * stride_on + (kvh0 * G + gi) * stride_oh + offs_d,
-                             (tl.sum(aj * w[:, None], 0) / tl.sum(lj * w, 0)).to(out_ptr.dtype.element_ty))
+                for gi in tl.static_range(HPP * G):     # each query head: its splits in one load each
+                    combine_splits(acc_ptr, ml_ptr, (n * (HK * G) + kvh0 * G + gi) * num_splits + offs_s, smask,
+                                   out_ptr + n * stride_on + (kvh0 * G + gi) * stride_oh, offs_d, D)
 
 
 @triton.jit(do_not_specialize=["num_splits", "split_len"])
