@@ -1,15 +1,16 @@
 """The lab's levers: LAB_* environment settings that switch an engine mechanism under measurement, each read
-here once, with its default. LAB_PREFILL_AHEAD and LAB_GEMV_ROWS refuse a bad value in one line (ConfigError);
-LAB_DECODE_PROLOGUE takes anything but 1 and noprefetch as off. The engine reads them at start-up (ModelRunner:
-the decode prologue and the GEMV rows; LLMEngine: prefill ahead); ``describe()`` reports what each took, and
-``labkit serve``'s banner names LAB_PREFILL_AHEAD and LAB_GEMV_ROWS where they are away from their defaults
-(labkit/console/serving.py).
+here once, with its default, through one reader (:func:`_setting`) that refuses a value it does not know in one line
+(ConfigError). The engine reads them at start-up (ModelRunner: the decode prologue, the GEMV rows and the decode
+layer; LLMEngine: prefill ahead); ``describe()`` reports what each took, and ``labkit serve``'s banner names each
+one away from its default (labkit/console/serving.py).
 
 - LAB_PREFILL_AHEAD  (prefill_ahead): prefill | 1 | 0, how far nano-vllm's step model launches ahead of the
   overlapped decode
 - LAB_DECODE_PROLOGUE  (decode_prologue_mode): 1 | noprefetch | 0, the q/k norm + RoPE + KV store inside the
   Triton decode kernel
 - LAB_GEMV_ROWS  (gemv_rows_setting): 1..8, the decode batches the GEMV kernels take
+- LAB_DECODE_LAYER  (decode_layer_on): 0 | 1, a batch-1 decode step's layers each as one persistent kernel
+  (engine/layers/decode_layer.py)
 """
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ PREFILL_AHEAD_MODES = {"0": (False, False), "prefill": (True, False), "1": (True
 PREFILL_AHEAD_DEFAULT = "prefill"
 
 
+def _setting(env: str, choices, default: str, expected: str = "") -> str:
+    """The value of lever ``env`` (unset or blank: ``default``), refused in one line unless one of ``choices``
+    (the refusal says ``expected``, else lists them)."""
+    text = os.environ.get(env, default).strip() or default
+    if text not in choices:
+        raise ConfigError(f"{env}={text!r}: expected {expected or 'one of ' + ', '.join(choices)}")
+    return text
+
+
 def prefill_ahead(config: Config) -> tuple[bool, bool]:
     """(Scheduler.prefill_ahead, Scheduler.decode_behind_prefill): whether the scheduler's lookahead may launch a
     waiting prefill behind a decode in flight, and the decode after a prefill behind that prefill. With the
@@ -33,9 +43,7 @@ def prefill_ahead(config: Config) -> tuple[bool, bool]:
     does not also wait for that decode's tokens to be read (docs/MEASURED.md has the TTFT it saved); "1" also
     decides the step after a prefill before its tokens (and so before later arrivals) are in; "0" launches each
     prefill once the decode before it has been read, as nano-vllm does."""
-    text = os.environ.get(PREFILL_AHEAD_ENV, PREFILL_AHEAD_DEFAULT).strip() or PREFILL_AHEAD_DEFAULT
-    if text not in PREFILL_AHEAD_MODES:
-        raise ConfigError(f"{PREFILL_AHEAD_ENV}={text!r}: expected one of {', '.join(PREFILL_AHEAD_MODES)}")
+    text = _setting(PREFILL_AHEAD_ENV, PREFILL_AHEAD_MODES, PREFILL_AHEAD_DEFAULT)
     if not config.overlap or config.mixed_batches:
         return False, False
     return PREFILL_AHEAD_MODES[text]
@@ -49,18 +57,20 @@ def prefill_ahead_name(prefill_ahead: bool, decode_behind_prefill: bool) -> str:
 #: unset or 1: decode steps take the decode prologue with its first tile prefetched; noprefetch: without; 0: off
 #: (decode_prologue_mode)
 DECODE_PROLOGUE_ENV = "LAB_DECODE_PROLOGUE"
-DECODE_PROLOGUE_MODES = {"1": "prefetch", "noprefetch": "plain"}
+DECODE_PROLOGUE_MODES = {"1": "prefetch", "noprefetch": "plain", "0": ""}
 
 
 def decode_prologue_mode(config: Config, attention_backend: str) -> str:
     """How an engine with fused ops takes the decode prologue (triton_kernels.NewTokens), one kernel fewer per
     layer and decode step: "prefetch" (each split's first K/V tile read before the PDL wait) unless
     LAB_DECODE_PROLOGUE says noprefetch ("plain": read after it) or 0 ("": off, the q/k norm + RoPE + store
-    kernel before the decode kernel). The Triton backend only, and nano-vllm's step model only: with mixed
-    batches a step's decode rows keep the plain decode kernel, whose compiled variants the warm-up then meets."""
+    kernel before the decode kernel); another value is refused. The Triton backend only, and nano-vllm's step
+    model only: with mixed batches a step's decode rows keep the plain decode kernel, whose compiled variants the
+    warm-up then meets."""
+    mode = DECODE_PROLOGUE_MODES[_setting(DECODE_PROLOGUE_ENV, DECODE_PROLOGUE_MODES, "1")]
     if attention_backend != "triton" or config.mixed_batches:
         return ""
-    return DECODE_PROLOGUE_MODES.get(os.environ.get(DECODE_PROLOGUE_ENV, "1"), "")
+    return mode
 
 
 GEMV_ROWS_ENV = "LAB_GEMV_ROWS"
@@ -68,10 +78,19 @@ GEMV_ROWS_ENV = "LAB_GEMV_ROWS"
 
 def gemv_rows_setting() -> int:
     """The most tokens a projection takes through the GEMV kernels (engine/layers/gemv.py) with fused ops:
-    LAB_GEMV_ROWS, 1 (batch-1 decode only) unless it names 2..8 (small decode batches too)."""
+    LAB_GEMV_ROWS, 1 (batch-1 decode only; unset or blank) unless it names 2..8 (small decode batches too)."""
     from engine.layers import MAX_GEMV_ROWS
 
-    text = os.environ.get(GEMV_ROWS_ENV, "1").strip()
-    if not text.isdigit() or not 1 <= int(text) <= MAX_GEMV_ROWS:
-        raise ConfigError(f"{GEMV_ROWS_ENV}={text!r}: expected a whole number from 1 to {MAX_GEMV_ROWS}")
-    return int(text)
+    return int(_setting(GEMV_ROWS_ENV, [str(n) for n in range(1, MAX_GEMV_ROWS + 1)], "1",
+                        f"a whole number from 1 to {MAX_GEMV_ROWS}"))
+
+
+DECODE_LAYER_ENV = "LAB_DECODE_LAYER"
+
+
+def decode_layer_on(attention_backend: str) -> bool:
+    """Whether a batch-1 decode step runs each decoder layer as one persistent kernel (engine/layers/decode_layer.py;
+    the layer takes it where its case holds: Qwen3DecoderLayer.decode_layer_ok): LAB_DECODE_LAYER=1, with the Triton
+    backend (the kernel's attention is the Triton decode's). Off unless asked: it has not yet been timed against
+    the six kernels a layer it replaces."""
+    return _setting(DECODE_LAYER_ENV, ("0", "1"), "0") == "1" and attention_backend == "triton"

@@ -54,7 +54,8 @@ def serving_banner(worker, out) -> dict:
 
 def lab_levers(desc: dict) -> dict:
     """A banner row naming the LAB_* levers the engine was built with away from their defaults (none by default).
-    LAB_PREFILL_AHEAD applies with the overlapped decode in nano-vllm's step model only."""
+    LAB_PREFILL_AHEAD applies with the overlapped decode in nano-vllm's step model only, LAB_DECODE_PROLOGUE with
+    the Triton backend in that step model (the model's q/k route says which it took)."""
     from engine.levers import PREFILL_AHEAD_DEFAULT, prefill_ahead_name
 
     on, conf = [], desc.get("config") or {}
@@ -63,6 +64,12 @@ def lab_levers(desc: dict) -> dict:
         on.append(f"LAB_PREFILL_AHEAD={ahead}")
     if (desc.get("gemv_rows") or 0) > 1:
         on.append(f"LAB_GEMV_ROWS={desc['gemv_rows']}")
+    model = desc.get("model") or {}
+    prologue = {"fused": "0", "decode-prologue-noprefetch": "noprefetch"}.get(model.get("qk_norm_rope_kv"))
+    if prologue and desc.get("attention_backend") == "triton" and not conf.get("mixed_batches"):
+        on.append(f"LAB_DECODE_PROLOGUE={prologue}")      # (its default takes the route "decode-prologue")
+    if model.get("decode_layer"):
+        on.append("LAB_DECODE_LAYER=1")
     return {"lab levers": ", ".join(on)} if on else {}
 
 

@@ -2,6 +2,8 @@
 and the scratch prefills of start-up (engine/warmup.py)."""
 from __future__ import annotations
 
+import pytest
+
 import torch
 
 from engine import SamplingParams
@@ -79,3 +81,26 @@ def test_the_decode_prologue_is_on_by_default_on_triton_in_the_step_model(monkey
     assert decode_prologue_mode(step_model, "triton") == "plain"
     monkeypatch.setenv(DECODE_PROLOGUE_ENV, "0")
     assert decode_prologue_mode(step_model, "triton") == ""
+
+
+def test_the_levers_refuse_a_value_they_do_not_know_in_one_line(monkeypatch):
+    """Every LAB_* lever refuses a value outside its choices (ConfigError naming them), whatever the backend; the
+    decode layer is off unless LAB_DECODE_LAYER=1, and then on the Triton backend only."""
+    from types import SimpleNamespace
+
+    from engine.config import ConfigError
+    from engine.levers import (DECODE_LAYER_ENV, DECODE_PROLOGUE_ENV, GEMV_ROWS_ENV, PREFILL_AHEAD_ENV,
+                               decode_layer_on, decode_prologue_mode, gemv_rows_setting, prefill_ahead)
+
+    conf = SimpleNamespace(mixed_batches=False, overlap=True)
+    for env, read, bad, named in ((DECODE_PROLOGUE_ENV, lambda: decode_prologue_mode(conf, "torch"), "yes", "noprefetch"),
+                                  (GEMV_ROWS_ENV, gemv_rows_setting, "9", "from 1 to 8"),
+                                  (PREFILL_AHEAD_ENV, lambda: prefill_ahead(conf), "2", "prefill"),
+                                  (DECODE_LAYER_ENV, lambda: decode_layer_on("torch"), "on", "1")):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ConfigError, match=f"{env}='{bad}'.*{named}"):
+            read()
+        monkeypatch.delenv(env)
+    assert not decode_layer_on("triton")
+    monkeypatch.setenv(DECODE_LAYER_ENV, "1")
+    assert decode_layer_on("triton") and not decode_layer_on("torch")

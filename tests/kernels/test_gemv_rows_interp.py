@@ -63,7 +63,7 @@ def test_a_small_decode_batch_with_the_rows_gemv_gives_the_plain_logits(results)
     assert r["max_abs_err"] <= 1e-4, r
 
 
-@pytest.mark.parametrize("text, rows", [(None, 1), ("1", 1), ("4", 4), (" 8 ", 8)])
+@pytest.mark.parametrize("text, rows", [(None, 1), ("", 1), ("1", 1), ("4", 4), (" 8 ", 8)])
 def test_the_setting_reads_lab_gemv_rows(monkeypatch, text, rows):
     from engine.levers import GEMV_ROWS_ENV, gemv_rows_setting
 
@@ -74,7 +74,7 @@ def test_the_setting_reads_lab_gemv_rows(monkeypatch, text, rows):
     assert gemv_rows_setting() == rows
 
 
-@pytest.mark.parametrize("text", ["0", "9", "two", "-1", ""])
+@pytest.mark.parametrize("text", ["0", "9", "two", "-1", "4.0"])
 def test_the_setting_refuses_anything_else_in_one_line(monkeypatch, text):
     from engine.config import ConfigError
     from engine.levers import GEMV_ROWS_ENV, gemv_rows_setting

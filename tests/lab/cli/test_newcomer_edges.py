@@ -84,6 +84,13 @@ def test_serve_banner_names_the_lab_levers_away_from_their_defaults():
     # without the overlapped decode, or with mixed steps, there is nothing to launch ahead: no lever to name
     for conf in ({"overlap": False, "mixed_batches": False}, {"overlap": True, "mixed_batches": True}):
         assert lab_levers({"config": conf, "prefill_ahead": False, "decode_behind_prefill": False}) == {}
+    # the decode prologue's route away from its default on the Triton backend, and the layer kernel
+    triton = {"config": step_model, "prefill_ahead": True, "attention_backend": "triton"}
+    assert lab_levers(triton | {"model": {"qk_norm_rope_kv": "decode-prologue", "decode_layer": False}}) == {}
+    assert lab_levers(triton | {"model": {"qk_norm_rope_kv": "fused"}}) == {"lab levers": "LAB_DECODE_PROLOGUE=0"}
+    assert lab_levers(triton | {"model": {"qk_norm_rope_kv": "decode-prologue-noprefetch", "decode_layer": True}}) \
+        == {"lab levers": "LAB_DECODE_PROLOGUE=noprefetch, LAB_DECODE_LAYER=1"}
+    assert lab_levers(triton | {"attention_backend": "torch", "model": {"qk_norm_rope_kv": "fused"}}) == {}
 
 
 def test_serve_banner_shows_tp_size_and_max_model_len(tiny_model_dir):
