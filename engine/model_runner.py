@@ -25,7 +25,7 @@ from engine.config import Config, ConfigError
 from engine.device_clock import DeviceClock
 from engine.distributed import SINGLE, ParallelContext
 from engine.graph import EAGER, PREFILL_GRAPH_SEQS, DecodeGraphs, PrefillGraphs, Route, prefill_buckets
-from engine.levers import decode_prologue_mode, gemv_rows_setting
+from engine.levers import decode_layer_on, decode_prologue_mode, gemv_rows_setting
 from engine.loader import load_model
 from engine.mixed_graphs import MixedGraphs, mixed_buckets
 from engine.models import build_model
@@ -103,6 +103,8 @@ class ModelRunner:
             raise ConfigError(f"checkpoint in {config.model} lacks parameters: {', '.join(missing[:4])}")
         self.model.eval()
         rows = gemv_rows_setting()        # read (and a bad LAB_GEMV_ROWS refused) on every device
+        decode_prologue_mode(config, self.attention_backend)      # and a bad LAB_DECODE_PROLOGUE
+        layer_kernel = decode_layer_on(self.attention_backend)    # and LAB_DECODE_LAYER
         self.fused_ops = self._enable_fused_ops(rows)
         self.gemv_rows = rows if self.fused_ops else 0   # tokens a projection takes through the GEMV kernels
         self.pdl = pdl.enable(self.device, config.pdl)     # engine/pdl.py: False off CUDA and before Hopper
@@ -114,6 +116,8 @@ class ModelRunner:
         self.mixed_graphs: MixedGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         self.num_kvcache_blocks = self.allocate_kv_cache()
+        if layer_kernel and self.fused_ops:
+            self._enable_decode_layer()
         self.warmed: list[dict] = []      # the shapes start-up ran (engine/warmup.py), for describe()
         self.warm_seconds = 0.0
         warm_paths(self)
@@ -144,6 +148,16 @@ class ModelRunner:
             if hasattr(module, "decode_prologue"):
                 module.decode_prologue = prologue
         return True
+
+    def _enable_decode_layer(self) -> None:
+        """LAB_DECODE_LAYER=1: a batch-1 decode step's layers each as one persistent kernel, its splits sized for
+        max_model_len (known once the pool is); the kernel's counters allocated before any graph capture."""
+        from engine.layers.decode_layer import layer_sync
+
+        layer_sync(torch.device(self.device))
+        for module in self.model.modules():
+            if hasattr(module, "decode_layer"):
+                module.decode_layer = self.config.max_model_len
 
     # -- start-up: the KV pool and the graphs -----------------------------------------------
     def allocate_kv_cache(self) -> int:

@@ -140,8 +140,23 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        # a batch-1 decode step's layer as one persistent kernel (engine/layers/decode_layer.py): the max model
+        # length its attention splits are sized for, 0 off; the runner sets it (engine/levers.py: decode_layer_on)
+        self.decode_layer = 0
+
+    def decode_layer_ok(self, x, meta) -> bool:
+        """The case the layer kernel takes: the runner turned it on; one token of a decode step on the GEMV path
+        (fused ops, no bias); Qwen3's q/k norm (fused); no MLP or o bias; one rank; a cache in the model's dtype."""
+        attn, mlp = self.self_attn, self.mlp
+        cache = attn.attn.k_cache
+        return (self.decode_layer > 0 and not meta.is_prefill and attn.fused and attn.qkv_proj.takes_gemv(x)
+                and x.shape[0] == 1 and cache.numel() > 0 and cache.dtype == x.dtype
+                and attn.o_proj.bias is None and mlp.gate_up_proj.bias is None and mlp.down_proj.bias is None
+                and attn.o_proj.tp.world_size == 1)
 
     def forward(self, positions, x, residual, meta):
+        if self.decode_layer_ok(x, meta):
+            return self._decode_layer(positions, x, residual, meta)
         qkv_proj, gate_up_proj = self.self_attn.qkv_proj, self.mlp.gate_up_proj
         qkv = None
         if qkv_proj.takes_gemv(x):          # one token: the norm runs inside the qkv GEMV
@@ -158,6 +173,21 @@ class Qwen3DecoderLayer(nn.Module):
             return self.mlp(x, gate_up=gate_up), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def _decode_layer(self, positions, x, residual, meta):
+        """The whole layer in one kernel (engine/layers/decode_layer.py): the same math as the route above takes
+        at one token (normed qkv GEMV, the decode prologue, o GEMV, normed gate_up GEMV, SiLU down GEMV)."""
+        from engine.layers.decode_layer import decode_layer
+
+        attn, mlp = self.self_attn, self.mlp
+        return decode_layer(
+            x, residual, in_norm=self.input_layernorm.weight, qkv_w=attn.qkv_proj.weight, q_norm=attn.q_norm.weight,
+            k_norm=attn.k_norm.weight, cos=attn.rotary_emb.cos, sin=attn.rotary_emb.sin, o_w=attn.o_proj.weight,
+            post_norm=self.post_attention_layernorm.weight, gate_up_w=mlp.gate_up_proj.weight,
+            down_w=mlp.down_proj.weight, k_cache=attn.attn.k_cache, v_cache=attn.attn.v_cache,
+            block_tables=meta.block_tables, context_lens=meta.context_lens, positions=positions,
+            slot_mapping=meta.slot_mapping, eps=self.input_layernorm.eps, qk_eps=attn.q_norm.eps,
+            max_len=self.decode_layer, sm_count=attn.attn.backend.sm_count)
 
 
 class Qwen3Model(nn.Module):
@@ -213,13 +243,14 @@ class CausalLM(nn.Module):
         "fused" (the Triton kernel, Qwen3 on CUDA with fused ops), "plain" (torch RoPE and the backend's
         store; the families without q/k norm always), "decode-prologue" (the Triton kernel for prefills; a decode
         step does it inside the attention kernel, "decode-prologue-noprefetch" with its first K/V tile read after the
-        PDL wait)."""
+        PDL wait). decode_layer: a batch-1 decode step runs each layer as one kernel (LAB_DECODE_LAYER)."""
         attn = [layer.self_attn for layer in self.model.layers]
         route = "plain"
         if any(a.fused for a in attn):
             mode = next((a.decode_prologue for a in attn if a.fused and a.decode_prologue), "")
             route = {"": "fused", "prefetch": "decode-prologue"}.get(mode, "decode-prologue-noprefetch")
-        return {"architecture": self.architecture, **self.family.summary(self._cfg), "qk_norm_rope_kv": route}
+        return {"architecture": self.architecture, **self.family.summary(self._cfg), "qk_norm_rope_kv": route,
+                "decode_layer": any(layer.decode_layer for layer in self.model.layers)}
 
 
 Qwen3ForCausalLM = CausalLM

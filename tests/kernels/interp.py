@@ -32,6 +32,20 @@ def interpreted(script: str, *args: str, stdin: str | None = None, timeout: floa
     return out
 
 
+def case_key(case) -> str:
+    """A case tuple's name: the JSON key its interpreted result is printed under, and its pytest id."""
+    return "-".join(map(str, case))
+
+
+def print_results(one, cases, model=None) -> None:
+    """In the interpreted process, its last line for the parent: ``model``'s result on the tiny model's directory
+    where the test passed one (``model_results``), else each case's ``one(case)`` under its case_key."""
+    if len(sys.argv) > 1:
+        print(json.dumps(model(sys.argv[1])))
+        return
+    print(json.dumps({case_key(c): one(c) for c in cases}))
+
+
 def once_per_launch(orig):
     """triton 3.6's interpreter patches triton.language again (inspect.getmembers over its modules) at every call
     of a jit function inside a kernel (tl.randint4x, a kernel's helpers): a quarter of an interpreted decode
@@ -119,3 +133,36 @@ def narrow_head(model, rows: int = HEAD_ROWS) -> None:
     head = model.lm_head
     assert head.weight.shape[0] > rows, head.weight.shape
     head.weight = torch.nn.Parameter(head.weight[:rows].clone(), requires_grad=False)
+
+
+def tiny_triton_engine(model_dir: str, **flags):
+    """In the interpreted process: the tiny model on the CPU (eager, 16-token pages) with the Triton backend (an SM
+    count of 16: its CUDA constructor reads the device's) and every fused kernel on, its LM head narrowed; ``flags``
+    set on each module that has the attribute (decode_prologue, decode_layer). Its runner's ``decode_logits``
+    collects each decode step's logits."""
+    from engine import LLMEngine
+    from engine.attention.triton_backend import TritonAttention
+
+    engine = LLMEngine(model_dir, device="cpu", enforce_eager=True, max_num_seqs=4, max_model_len=128,
+                       num_kvcache_blocks=32, kvcache_block_size=16, max_num_batched_tokens=128)
+    runner = engine.runner
+    narrow_head(runner.model)
+    backend = TritonAttention.__new__(TritonAttention)
+    backend.sm_count = 16
+    runner.backend = backend
+    for layer in runner.model.attention_layers():
+        layer.backend = backend
+    for module in runner.model.modules():
+        for name, value in {"fused": True, **flags}.items():
+            if hasattr(module, name):
+                setattr(module, name, value)
+    runner.decode_logits = []
+    run_model = runner.run_model
+
+    def recorded(inputs, route=None):
+        out = run_model(inputs, route)
+        if not inputs.is_prefill:
+            runner.decode_logits.append(out.float().clone())
+        return out
+    runner.run_model = recorded
+    return engine

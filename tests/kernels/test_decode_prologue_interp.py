@@ -18,12 +18,11 @@ Skipped where triton is not installed or its interpreter cannot run a kernel her
 """
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
 
-from interp import interpreted, interpreter_ready
+from interp import case_key, interpreter_ready, print_results
 
 HQ, HK, D, PAGE = 4, 2, 32, 16
 CONTEXTS = [37, 1, 70, 0]             # the last row is a graph's padding row
@@ -39,23 +38,9 @@ CASES = [("float32", "auto", 1, 1, False, 64), ("float32", "auto", 1, 64, False,
          ("float32", "auto", 1, 8, False, 16), ("bfloat16", "fp8", 1, 8, False, 16)]
 
 
-@pytest.fixture(scope="module")
-def results():
-    return interpreted(__file__)
-
-
-@pytest.fixture(scope="module")
-def model_results(tiny_model_dir):
-    return interpreted(__file__, str(tiny_model_dir))
-
-
-def _key(case) -> str:
-    return "-".join(map(str, case))
-
-
-@pytest.mark.parametrize("case", CASES, ids=_key)
+@pytest.mark.parametrize("case", CASES, ids=case_key)
 def test_prologue_gives_the_unfused_route_output_and_caches(results, case):
-    r = results[_key(case)]
+    r = results[case_key(case)]
     assert r["splits"] > 1 or case[3] == 1, r
     assert r["tiles_a_split"] == (2 if case[5] == 16 else r["tiles_a_split"]), r
     assert r["k_cache_equal"] and r["v_cache_equal"], r          # the new rows, and nothing else touched
@@ -66,9 +51,9 @@ def test_prologue_gives_the_unfused_route_output_and_caches(results, case):
     assert r["prefetch_same"], r          # the first tile read before the PDL wait: the same output and caches
 
 
-@pytest.mark.parametrize("case", CASES, ids=_key)
+@pytest.mark.parametrize("case", CASES, ids=case_key)
 def test_prologue_against_float32_reference(results, case):
-    r = results[_key(case)]
+    r = results[case_key(case)]
     # float32: the kernel's float32 dots against torch's; bfloat16: q, k, v and p rounded to bf16 on the way (the
     # reference reads the e4m3 cache and the new token as the cache holds them, so FP8 adds no error of its own)
     tol = 1e-4 if case[0] == "float32" else 4e-2
@@ -171,39 +156,18 @@ def run_case(torch, tk, fk, kv_quant, RotaryEmbedding, dtype_name, cache, hpp, s
 def _generate(model_dir: str, prologue: bool) -> dict:
     """The tiny model's greedy generation with the Triton backend and every fused kernel on (the decode prologue
     on or off): its tokens, its decode steps' logits and the prologue's calls."""
-    from engine import LLMEngine, SamplingParams
-    from engine.attention.triton_backend import TritonAttention
-    from interp import narrow_head
+    from engine import SamplingParams
+    from interp import tiny_triton_engine
 
-    engine = LLMEngine(model_dir, device="cpu", enforce_eager=True, max_num_seqs=4, max_model_len=128,
-                       num_kvcache_blocks=32, kvcache_block_size=16, max_num_batched_tokens=128)
+    engine = tiny_triton_engine(model_dir, decode_prologue="prefetch" if prologue else "")
     runner = engine.runner
-    narrow_head(runner.model)
-    backend = TritonAttention.__new__(TritonAttention)     # the CUDA constructor reads the device's SM count
-    backend.sm_count = 16
+    backend = runner.backend
     calls = []
     plain_decode_new = backend.decode_new
     backend.decode_new = lambda *a, **k: calls.append(1) or plain_decode_new(*a, **k)
-    runner.backend = backend
-    for layer in runner.model.attention_layers():
-        layer.backend = backend
-    for module in runner.model.modules():
-        if hasattr(module, "fused"):
-            module.fused = True
-        if hasattr(module, "decode_prologue"):
-            module.decode_prologue = "prefetch" if prologue else ""
-    logits = []
-    run_model = runner.run_model
-
-    def recorded(inputs, route=None):
-        out = run_model(inputs, route)
-        if not inputs.is_prefill:
-            logits.append(out.float().clone())
-        return out
-    runner.run_model = recorded
     prompts = [list(range(100 + 9 * i, 100 + 9 * i + n)) for i, n in enumerate((21, 5, 33))]
     outs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
-    return {"tokens": [o["token_ids"] for o in outs], "logits": logits, "calls": len(calls),
+    return {"tokens": [o["token_ids"] for o in outs], "logits": runner.decode_logits, "calls": len(calls),
             "layers": len(runner.model.attention_layers()), "route": runner.model.describe()["qk_norm_rope_kv"]}
 
 
@@ -236,10 +200,7 @@ def main() -> None:
         return
     interp.InterpreterBuilder.create_dot = _bf16_dot_fix(interp.InterpreterBuilder.create_dot)
     interp._convert_float = _fp8_cast_fix(interp._convert_float)      # e4m3 conversions as the GPU rounds them
-    if len(sys.argv) > 1:               # the tiny model's directory: the wiring
-        print(json.dumps(_model(sys.argv[1])))
-        return
-    print(json.dumps({_key(c): one(c) for c in CASES}))
+    print_results(one, CASES, _model)           # (with the tiny model's directory: the wiring)
 
 
 if __name__ == "__main__":

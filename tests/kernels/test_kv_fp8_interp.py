@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from interp import interpreted, interpreter_ready
+from interp import interpreter_ready
 
 K_SCALE, V_SCALE = 0.05, 0.02
 DTYPES = ("float32", "bfloat16")
@@ -33,11 +33,6 @@ LENGTHS = [0, 1, 37, 70]              # a padding row, one position, partial til
 # decode tolerance: float32 queries reach the reference to float32 rounding; bfloat16 queries (and P rounded to
 # bfloat16 before P.V, as every kernel here does) to a few bf16 steps of outputs of magnitude ~1 * V_SCALE * 448
 DECODE_TOL = {"float32": 1e-4, "bfloat16": 3e-2}
-
-
-@pytest.fixture(scope="module")
-def results():
-    return interpreted(__file__)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

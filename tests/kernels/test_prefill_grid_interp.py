@@ -13,17 +13,12 @@ import json
 
 import pytest
 
-from interp import interpreted, interpreter_ready
+from interp import interpreter_ready
 
 HK, G, D, PAGE, BLOCK = 2, 2, 16, 16, 16
 # (new tokens, cached prefix) per sequence; then the same after two one-token rows (first_seq 2)
 CASES = {"ragged": [(70, 10), (0, 0), (1, 0), (64, 5), (33, 40)],
          "mixed": [(1, 20), (1, 7), (45, 16), (17, 0)]}
-
-
-@pytest.fixture(scope="module")
-def results():
-    return interpreted(__file__)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -20,18 +20,13 @@ import sys
 
 import pytest
 
-from interp import interpreted, interpreter_ready
+from interp import interpreter_ready
 
 PROBS = [0.30, 0.05, 0.20, 0.10, 0.15, 0.02, 0.08, 0.10]      # lanes 0-3 and 4-7 of two quads differ
 ROWS = 1000             # sampled rows at T = 0.5: one interpreted program (one tile) each
 SDS = 4                 # a column's frequency may miss its probability by this many binomial sds at ROWS rows
 REPEAT_ROWS = 20        # the rows drawn again (same seeds, then others)
 CHUNK_ROWS = 20         # flat rows over 3 chunks: all 3 chunks won by 20 rows but with chance 3 * (2/3)^20 < 0.001
-
-
-@pytest.fixture(scope="module")
-def results():
-    return interpreted(__file__)
 
 
 def test_greedy_rows_are_the_first_argmax(results):

@@ -11,7 +11,8 @@ without the peeled first chunk), the rows GEMV's variants (2, 4 and 8 rows), eve
 meet, the prefills, the KV store, the norms, q/k norm + RoPE and the sampling kernel, and again every kernel that
 reads or writes the KV cache with an FP8 (e4m3) cache: each decode variant, the paged prefill, the quantizing
 store and q/k norm + RoPE's store; and each decode variant through the decode prologue (q/k norm + RoPE and the
-KV store inside the decode kernel), on either cache. Triton's own compiler and the ptxas its wheel ships do the rest; nothing runs
+KV store inside the decode kernel), on either cache; and the persistent decode layer (engine/layers/decode_layer.py) of each Qwen3 preset, first layer
+and later ones, in its one launch over 132 SMs. Triton's own compiler and the ptxas its wheel ships do the rest; nothing runs
 on a GPU.
 
 Skipped where triton is not installed or its CUDA backend cannot compile here.
@@ -25,7 +26,8 @@ import pytest
 from interp import interpreted
 
 KERNELS = {"_gemv_kernel", "_rows_gemv_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_store_kv_kernel",
-           "_rms_norm_kernel", "_qk_norm_rope_kernel", "_silu_mul_kernel", "_gumbel_argmax_kernel"}
+           "_rms_norm_kernel", "_qk_norm_rope_kernel", "_silu_mul_kernel", "_gumbel_argmax_kernel",
+           "_decode_layer_kernel"}
 PRESETS = ("tiny", "qwen3-0.6b", "qwen3-8b", "smollm2-135m")    # smollm2: head_dim 64, GQA 3
 
 
@@ -47,6 +49,13 @@ def test_every_preset_meets_its_decode_variants_and_gemv_tiles(compiled):
         assert p["decode_calls"] == p["decode_variants"] and p["gemv_calls"] == 2 * 5, p   # 5 projections x peel
         assert p["prologue_decode_calls"] == p["decode_variants"], p      # the decode prologue at each variant
         assert p["rows_gemv_calls"] == 3 * 5, p      # 5 projections x the rows kernel's variants (2, 4 and 8 rows)
+
+
+def test_the_decode_layer_compiles_at_each_qwen3_preset(compiled):
+    for preset in PRESETS:
+        p = compiled["presets"][preset]
+        # the first layer (no residual) and the later ones; SmolLM2 has no q/k norm, so no layer kernel
+        assert p["decode_layer_calls"] == (0 if preset == "smollm2-135m" else 2), p
 
 
 def test_every_kv_cache_kernel_compiles_with_an_fp8_cache(compiled):
@@ -154,6 +163,7 @@ def _preset(name: str, calls: list) -> dict:
         fk.qk_norm_rope(qkv, torch.zeros(tokens, dtype=torch.int64), e(d), e(d), cos, cos, hq, hk, d, 1e-6, **rope)
         fk.silu_and_mul(e(tokens, 2 * shape.intermediate_size))
     gumbel_argmax(e(4, shape.vocab_size), torch.ones(4), torch.zeros(4, dtype=torch.int64))
+    out["decode_layer_calls"] = _decode_layer_launches(calls, e, shape, SYNTH[name], kc, vc, max_len, sm)
     out.update(_fp8_cache(calls, e, variants, blocks, page, hq, hk, d, max_len, sm, t, cu))
     return out
 
@@ -179,6 +189,32 @@ def _decode_launches(calls: list, e, variants: dict, kc, vc, page: int, hq: int,
             q, new = None, tk.NewTokens(e(batch, (hq + 2 * hk) * d), zeros, e(d), e(d), cos, cos, 1e-6, zeros, hq)
         tk.paged_decode(q, kc, vc, tables, ctx, d ** -0.5, length, sm, order=torch.arange(batch, dtype=torch.int32),
                         new=new)
+        compiled += len(calls) > before
+    return compiled
+
+
+def _decode_layer_launches(calls: list, e, shape, cfg: dict, kc, vc, max_len: int, sm: int) -> int:
+    """The persistent decode layer in its one launch (PDL on), without and with a residual: launches that compiled
+    (none for a family without q/k norm)."""
+    import torch
+
+    from engine.families import family_for
+    from engine.layers.decode_layer import decode_layer, layer_sync
+
+    if not family_for(cfg).qk_norm:
+        return 0
+    layer_sync(torch.device("cpu"))
+    h, hq, hk, d, inter = shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, cfg["intermediate_size"]
+    cos = e(max_len, d, dtype=torch.float32)
+    compiled = 0
+    for residual in (None, e(1, h)):
+        before = len(calls)
+        decode_layer(e(1, h), residual, in_norm=e(h), qkv_w=e((hq + 2 * hk) * d, h), q_norm=e(d), k_norm=e(d),
+                     cos=cos, sin=cos, o_w=e(h, hq * d), post_norm=e(h), gate_up_w=e(2 * inter, h),
+                     down_w=e(h, inter), k_cache=kc, v_cache=vc, block_tables=torch.zeros(1, 16, dtype=torch.int32),
+                     context_lens=torch.ones(1, dtype=torch.int32), positions=torch.zeros(1, dtype=torch.int64),
+                     slot_mapping=torch.zeros(1, dtype=torch.int64), eps=1e-6, qk_eps=1e-6, max_len=max_len,
+                     sm_count=sm, phases=False)
         compiled += len(calls) > before
     return compiled
 
