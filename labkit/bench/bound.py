@@ -148,7 +148,8 @@ def step_bound(shape, weight_element_size: int, kv_element_size: int, batch: int
 
 
 def category_bytes_flops(shape, weight_element_size: int, kv_element_size: int, batch: int, mean_context: float,
-                         fused_qk_norm_rope: bool, decode_prologue: bool = False) -> dict[str, tuple[int, int]]:
+                         fused_qk_norm_rope: bool, decode_prologue: bool = False,
+                         decode_layer: bool = False) -> dict[str, tuple[int, int]]:
     """Per category of a decode step of `batch` sequences at mean context `mean_context` (the step budget's,
     labkit.bench.step_budget): (bytes it must read and write at least, FLOPs it must do). Weights are read
     once, activations read and written once, each sequence reads the K/V of its whole context; the q/k norm
@@ -156,7 +157,9 @@ def category_bytes_flops(shape, weight_element_size: int, kv_element_size: int, 
     The fused kernel also writes the step's K/V into the cache, so its ``kv_store`` bytes are counted there
     (engine/layers/fused_kernels.py::qk_norm_rope; no separate store kernel runs). With the decode prologue
     (engine/levers.py::decode_prologue_mode) the attention kernel does that work, and ``attention`` holds
-    those bytes too."""
+    those bytes too. With the decode layer (engine/layers/decode_layer.py: a batch-1 step's layer in one kernel)
+    ``layer`` holds what its kernel does: the four projections, the attention with its prologue, the SiLU and the
+    layers' norms (the model's final norm too, a row's read and write: it runs outside the layers)."""
     e, ekv, b, n = weight_element_size, kv_element_size, batch, shape.num_layers
     h, hd, inter, vocab = shape.hidden_size, shape.head_dim, shape.intermediate_size, shape.vocab_size
     q, kv = shape.num_heads * hd, shape.num_kv_heads * hd
@@ -186,19 +189,24 @@ def category_bytes_flops(shape, weight_element_size: int, kv_element_size: int, 
             out["attention"] = (nbytes + out.pop("qk_norm_rope")[0], flops)
     else:
         out["rotary"] = (qk_io, 0)
+    if decode_layer:
+        parts = [out.pop(c) for c in ("gemm.qkv", "gemm.o", "gemm.gate_up", "gemm.down", "attention", "activation",
+                                      "norm", "qk_norm_rope", "kv_store", "rotary") if c in out]
+        out["layer"] = (sum(p[0] for p in parts), sum(p[1] for p in parts))
     return out
 
 
 def category_bounds(shape, weight_element_size: int, kv_element_size: int, batch: int, mean_context: float,
                     fused_qk_norm_rope: bool, copy_roof_gb_s: float, matmul_tflops: float,
-                    decode_prologue: bool = False) -> dict[str, dict]:
+                    decode_prologue: bool = False, decode_layer: bool = False) -> dict[str, dict]:
     """Each category's bound: the larger of its bytes at the copy roof and its FLOPs at the matmul peak
     (both measured in the same run), and which of the two binds."""
     if copy_roof_gb_s <= 0 or matmul_tflops <= 0:
         raise ValueError(f"roofs must be positive, got {copy_roof_gb_s} GB/s, {matmul_tflops} TFLOP/s")
     out = {}
     for cat, (nbytes, flops) in category_bytes_flops(shape, weight_element_size, kv_element_size, batch,
-                                                      mean_context, fused_qk_norm_rope, decode_prologue).items():
+                                                      mean_context, fused_qk_norm_rope, decode_prologue,
+                                                      decode_layer).items():
         mem_ms = nbytes / (copy_roof_gb_s * 1e9) * 1e3
         flop_ms = flops / (matmul_tflops * 1e12) * 1e3
         out[cat] = {"bytes": nbytes, "flops": flops, "memory_ms": round(mem_ms, 5), "compute_ms": round(flop_ms, 5),

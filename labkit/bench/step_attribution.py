@@ -29,7 +29,7 @@ from pathlib import Path
 from engine.observe import PHASES
 
 GEMM_ROLES = ("qkv", "o", "gate_up", "down", "lm_head")
-CATEGORIES = ("attention", "kv_store", *(f"gemm.{r}" for r in GEMM_ROLES), "norm", "qk_norm_rope", "rotary",
+CATEGORIES = ("layer", "attention", "kv_store", *(f"gemm.{r}" for r in GEMM_ROLES), "norm", "qk_norm_rope", "rotary",
               "activation", "embedding", "sampler", "copies", "other")
 HOST_PARTS = (*PHASES, "between")
 #: the record_function range names step_budget opens (module, phase, step) and the trace is read by
@@ -67,6 +67,8 @@ def name_category(name: str, cat: str) -> str:
         return "copies"
     if "qk_norm_rope" in low:
         return "qk_norm_rope"
+    if "_decode_layer_kernel" in low:
+        return "layer"                 # a whole decoder layer in one kernel (LAB_DECODE_LAYER)
     if "_decode_split_kernel" in low or "_decode_reduce_kernel" in low:
         return "attention"             # the decode prologue launches them from self_attn, outside the attn module
     if any(k in low for k in ("copy", "fill", "zero_")):

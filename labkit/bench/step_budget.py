@@ -331,10 +331,12 @@ def budget_table(passes: dict, primary: str, split_from: str, engine, device: st
                  "matmul_peak_tflops": round(matmul_peak_tflops(dtype=engine.describe()["dtype"]), 3)}
         weight_element = torch.empty(0, dtype=getattr(torch, engine.describe()["dtype"])).element_size()
         batch = engine.config.max_num_seqs
-        route = str((engine.describe().get("model") or {}).get("qk_norm_rope_kv") or "")
+        model = engine.describe().get("model") or {}
+        route = str(model.get("qk_norm_rope_kv") or "")
         bounds = category_bounds(engine.config.shape, weight_element, engine.probe.kv_cache().element_size(), batch,
                                  prof["mean_context"], bool(engine.describe()["fused_ops"]), roofs["copy_roof_gb_s"],
-                                 roofs["matmul_peak_tflops"], decode_prologue=route.startswith("decode-prologue"))
+                                 roofs["matmul_peak_tflops"], decode_prologue=route.startswith("decode-prologue"),
+                                 decode_layer=bool(model.get("decode_layer")) and batch == 1)
     rows = []
     for c in CATEGORIES:
         ms = prof["by_category_ms"][c]

@@ -20,6 +20,12 @@
 #   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD 0, prefill (the default) and 1 in nano-vllm's step model: the
 #                                     # prefix-cache A/B on prefix-repetition and multi-turn, "prefill"'s rate sweep
 #
+# and one that times a kernel lever:
+#
+#   tools/gpu/h200_session.sh layer   # the persistent decode layer (LAB_DECODE_LAYER=1): its GPU tests, batch-1 latency
+#                                     # without and with it at Qwen3-0.6B's and Qwen3-8B's shapes, the step budget with
+#                                     # it, the bf16 baseline and graph guards with it
+#
 # (The phases that answered one lease's question are in this file's git history; docs/MEASURED.md names the tree
 # each figure came from.)
 #
@@ -36,7 +42,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in check|kernels|serving|steps|sweeps|ahead) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead" >&2; exit 2 ;; esac
+case "$phase" in check|kernels|serving|steps|sweeps|ahead|layer) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead|layer" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -69,6 +75,7 @@ step() {            # step NAME ESTIMATE_S COMMAND...: run it unless the budget 
   echo "   rc=$rc, $((SECONDS - t)) s; last lines:" | tee -a "$STEPS"
   tail -n 6 "$W/logs/$name.log" | cut -c1-400 | sed 's/^/   | /' | tee -a "$STEPS"
   pack
+  return $rc          # (no phase stops on it unless it asks: the script runs without set -e)
 }
 before() { (cd "$BEFORE" && PYTHONPATH="$PWD:/tmp/site" "$@"); }   # the BEFORE tree, no flash-attn on its path
 install_flash() {   # install_flash LOG: a flash-attn wheel built before (.gpu/wheels, or a check phase's on this
@@ -230,6 +237,31 @@ ahead_phase() {
   for ds in prefix multi-turn; do
     ahead_ab 1 $ds
   done
+}
+
+layer_phase() {
+  # its GPU tests first (a grid barrier that gives up raises a flag and fails them: wrong numbers, not a hung device),
+  # then each latency without and with it, back to back, the step budget with it, its guards
+  if ! step pytest-gpu-layer 120 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 120 -x tests/kernels/test_gpu_decode_layer.py; then
+    echo "   the layer kernel's GPU tests failed: nothing timed with it" | tee -a "$STEPS"; return
+  fi
+  for on in 0 1; do
+    step latency-b1-layer$on 40 env LAB_DECODE_LAYER=$on $PY -m labkit bench --workload latency --batch 1 --repeats 3 \
+         --attention triton --out "$W/runs/latency-b1-layer$on.json"
+  done
+  step step-budget-b1-layer1 45 env LAB_DECODE_LAYER=1 $PY -m labkit bench --workload step-budget --attention triton \
+       --batch 1 --out "$W/runs/step-budget-b1-layer1.json"
+  step guard-bf16-layer 45 env LAB_DECODE_LAYER=1 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda \
+       --attention triton --out "$W/runs/guard-bf16-layer.json"
+  step guard-graph-layer 60 env LAB_DECODE_LAYER=1 $PY -m labkit logits guard --suite graph --dtype bfloat16 --device cuda \
+       --attention triton --out "$W/runs/guard-graph-layer.json"
+  synth qwen3-8b /tmp/m8
+  for on in 0 1; do
+    step latency-8b-b1-layer$on 70 env LAB_DECODE_LAYER=$on $PY -m labkit bench --workload latency --batch 1 --repeats 3 \
+         --attention triton --model /tmp/m8 --out "$W/runs/latency-8b-b1-layer$on.json"
+  done
+  step step-budget-b1-layer0 45 env LAB_DECODE_LAYER=0 $PY -m labkit bench --workload step-budget --attention triton \
+       --batch 1 --out "$W/runs/step-budget-b1-layer0.json"
 }
 
 "${phase}_phase"

@@ -166,6 +166,23 @@ def test_the_decode_prologue_counts_its_qk_norm_rope_and_store_in_attention(tiny
     assert sum(b for b, _ in prologue.values()) == sum(b for b, _ in fused.values())
 
 
+def test_the_decode_layer_holds_the_layers_bytes_and_flops(tiny_model_dir):
+    """With the decode layer (one kernel a layer at batch 1) its kernel is the ``layer`` category, whose bound holds
+    the projections', the attention's (with its prologue), the activation's and the norms' bytes and FLOPs; the LM
+    head, embedding and sampler keep theirs, and the step's total is unchanged."""
+    from engine.config import Config
+    from labkit.bench.step_attribution import name_category
+
+    assert name_category("_decode_layer_kernel", "kernel") == "layer"
+    shape = Config(str(tiny_model_dir)).shape
+    prologue = category_bytes_flops(shape, 2, 2, 1, 100.0, True, decode_prologue=True)
+    layer = category_bytes_flops(shape, 2, 2, 1, 100.0, True, decode_prologue=True, decode_layer=True)
+    assert set(layer) == {"layer", "gemm.lm_head", "embedding", "sampler"}, layer
+    inside = ("gemm.qkv", "gemm.o", "gemm.gate_up", "gemm.down", "attention", "activation", "norm")
+    assert layer["layer"] == (sum(prologue[c][0] for c in inside), sum(prologue[c][1] for c in inside))
+    assert sum(b for b, _ in layer.values()) == sum(b for b, _ in prologue.values())
+
+
 def test_graph_kernels_take_their_eager_twins_categories():
     eager = [sb.Item(name, float(i), 1.0, float(i), category=cat) for i, (name, cat) in enumerate(
         [("rms", "norm"), ("gemm", "gemm.qkv"), ("qk_norm_rope", "qk_norm_rope"), ("store", "kv_store"),
