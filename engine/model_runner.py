@@ -127,6 +127,8 @@ class ModelRunner:
             self.capture_graphs()
         if self.device.startswith("cuda") and self.tp.rank == 0:   # the other TP ranks' steps are nobody's to read
             self.clock = self.inputs.clock = DeviceClock()
+        if layer_kernel and self.fused_ops:
+            self._check_decode_layer()
         # Triton kernels compiled after start-up (engine/warmup.py): a variant the warm-up missed
         self.late_compiles = CompileWatch() if self.device.startswith("cuda") else None
 
@@ -158,6 +160,17 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "decode_layer"):
                 module.decode_layer = self.config.max_model_len
+
+    def _check_decode_layer(self) -> None:
+        """After the warm-up and the graph captures ran the layer kernel: refuse to serve if one of its grid
+        barriers gave up (its programs were not all resident at once, e.g. another process holds SMs), since
+        its numbers are then wrong."""
+        from engine.layers.decode_layer import FLAG, layer_sync
+
+        sync = layer_sync(torch.device(self.device))
+        if sync is not None and int(sync[FLAG]):
+            raise ConfigError("LAB_DECODE_LAYER=1: a grid barrier of the decode layer kernel gave up during start-up "
+                              "(its programs were not all resident on the GPU at once); unset LAB_DECODE_LAYER")
 
     # -- start-up: the KV pool and the graphs -----------------------------------------------
     def allocate_kv_cache(self) -> int:

@@ -26,7 +26,8 @@ never arrive, hence P at most the SM count and one program an SM. Triton's inter
 after another, so there a spin would never end: on the CPU :func:`decode_layer` launches each phase on its own
 (``phases``), the same device code between the barriers; the GPU test compares the one launch with that.
 A spin gives up after ``MAX_SPIN`` reads and raises the error flag (:func:`layer_sync`), so a barrier that cannot
-complete ends in wrong numbers a test sees, not in a hung device.
+complete ends in wrong numbers a test sees, not in a hung device; the engine reads the flag once its warm-up and
+graph captures have run the kernel and refuses to start if it is up (ModelRunner._check_decode_layer).
 
 The case it takes (Qwen3DecoderLayer.decode_layer_ok): one token, a decode step, Qwen3's q/k norm, no biases, one
 rank, a KV cache in the model's dtype (not FP8), the Triton backend with fused ops.
@@ -44,7 +45,7 @@ from engine.attention.triton_kernels import _tile_rows, _tile_update, combine_sp
 from engine.layers.gemv import _load_w, _row_rstd, _x_chunk
 
 PHASES = 5
-MAX_SPIN = tl.constexpr(1 << 22)     # reads of a barrier's counter before it gives up (seconds of spinning)
+MAX_SPIN = tl.constexpr(1 << 20)     # reads of a barrier's counter before it gives up (about a second)
 NUM_WARPS = 8
 # the layer's counters, per device: four barrier counters, the error flag, and a counter per kv head (the fused
 # reduce) from KV_COUNTERS on

@@ -104,3 +104,26 @@ def test_the_levers_refuse_a_value_they_do_not_know_in_one_line(monkeypatch):
     assert not decode_layer_on("triton")
     monkeypatch.setenv(DECODE_LAYER_ENV, "1")
     assert decode_layer_on("triton") and not decode_layer_on("torch")
+
+
+def test_the_engine_refuses_to_start_when_a_layer_kernel_barrier_gave_up():
+    """LAB_DECODE_LAYER=1: once the warm-up ran the layer kernel, a raised flag (a grid barrier that gave up) stops
+    the start in one line; a lowered one lets it go on."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    import torch
+
+    from engine.config import ConfigError
+    from engine.layers.decode_layer import FLAG, layer_sync
+    from engine.model_runner import ModelRunner
+
+    sync = layer_sync(torch.device("cpu"))
+    runner = SimpleNamespace(device="cpu")
+    ModelRunner._check_decode_layer(runner)
+    sync[FLAG] = 1
+    try:
+        with pytest.raises(ConfigError, match="LAB_DECODE_LAYER=1: a grid barrier .* gave up"):
+            ModelRunner._check_decode_layer(runner)
+    finally:
+        sync[FLAG] = 0

@@ -14,7 +14,8 @@
 # and three that compare serving's levers:
 #
 #   tools/gpu/h200_session.sh steps   # where a served decode's time goes (tools/served_steps.py): the batch-1 GPU tests,
-#                                     # then both step models' sweeps at 8 / 32 / 64 / inf req/s, the step model on e4m3 too
+#                                     # the step budget at 24 x 1,100 (a decode step at 64 req/s), then both step
+#                                     # models' sweeps at 8 / 32 / 64 / inf req/s, the step model on e4m3 too
 #   tools/gpu/h200_session.sh sweeps  # capacity, rate sweeps: mixed steps under a 2048- and a 1024-token step budget,
 #                                     # nano-vllm's step model on bf16 and on the e4m3 cache, mixed steps at 2048 on e4m3
 #   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD 0, prefill (the default) and 1 in nano-vllm's step model: the
@@ -180,6 +181,9 @@ steps_phase() {
   # where a served decode's time goes under load (tools/served_steps.py over the server's step records): both step
   # models at 8, 32 and 64 req/s and all at once; first the batch-1 decode prologue's GPU tests
   step pytest-gpu-batch1 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py -k batch1
+  # a served decode's step at 64 req/s (about 24 sequences at 1,100 tokens of context): where its time goes, by kernel
+  step step-budget-b24 45 $PY -m labkit bench --workload step-budget --attention triton --batch 24 --context 1100 \
+       --out "$W/runs/step-budget-b24.json"
   RATES=8,32,64,inf sweep step-model-steps 100 --no-mixed-batches
   RATES=8,32,64,inf SWEEP_ENGINE="${SERVE_ENGINE/16384/2048}" sweep mixed-2048-steps 100 --mixed-batches
   RATES=8,32,64,inf sweep step-model-steps-fp8 100 --no-mixed-batches --kv-cache-dtype fp8
