@@ -125,7 +125,7 @@ def _generate(model_dir: str, layer_kernel: bool) -> dict:
     dl.decode_layer = lambda *a, **k: calls.append(1) or plain(*a, **k)
     # two requests, then one alone: decode steps of batch 2 (the layer kernel's case is one token) and of batch 1
     prompts = [list(range(100 + 9 * i, 100 + 9 * i + n)) for i, n in enumerate((21, 5))]
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 3)]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (6, 2)]
     outs = engine.generate(prompts, params)
     dl.decode_layer = plain
     return {"tokens": [o["token_ids"] for o in outs], "logits": runner.decode_logits, "calls": len(calls),
