@@ -20,6 +20,9 @@
 #                                     # nano-vllm's step model on bf16 and on the e4m3 cache, mixed steps at 2048 on e4m3
 #   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD 0, prefill (the default) and 1 in nano-vllm's step model: the
 #                                     # prefix-cache A/B on prefix-repetition and multi-turn, "prefill"'s rate sweep
+#   tools/gpu/h200_session.sh policy  # TPOT under load against capacity in nano-vllm's step model: at most 1 and 2
+#                                     # prefill steps in a row while decodes wait, then mixed steps under a 512-token
+#                                     # budget, each swept at 8 / 64 / 128 / inf req/s
 #
 # and one that times a kernel lever:
 #
@@ -43,7 +46,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in check|kernels|serving|steps|sweeps|ahead|layer) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead|layer" >&2; exit 2 ;; esac
+case "$phase" in check|kernels|serving|steps|sweeps|ahead|policy|layer) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead|policy|layer" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -241,6 +244,16 @@ ahead_phase() {
   for ds in prefix multi-turn; do
     ahead_ab 1 $ds
   done
+}
+
+policy_phase() {
+  # the default (prefill_first: any runnable prefill first) is the serving phase's sweep; here the same sweep with the
+  # decodes' turn bounded, and mixed steps whose prompt chunks are small enough to leave decode steps near their size
+  for n in 1 2; do
+    RATES=8,64,128,inf sweep "consecutive-prefill-$n" 100 --no-mixed-batches --max-consecutive-prefill $n
+  done
+  RATES=8,64,128,inf SWEEP_ENGINE="${SERVE_ENGINE/16384/512}" sweep mixed-sweep-512 100 --mixed-batches
+  collect_steps
 }
 
 layer_phase() {
