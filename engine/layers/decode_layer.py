@@ -56,10 +56,14 @@ _FLAG, _KV_COUNTERS = tl.constexpr(FLAG), tl.constexpr(KV_COUNTERS)      # the s
 _sync: dict[torch.device, torch.Tensor] = {}
 
 
-def layer_sync(device: torch.device) -> torch.Tensor | None:
-    """The layer kernel's counters on ``device`` (zeros; every launch leaves its counters at zero): allocated on
+def layer_sync(device: torch.device | str) -> torch.Tensor | None:
+    """The layer kernel's counters on ``device`` (zeros; a launch leaves them at zero, but for its last barrier's,
+    which the next launch resets first): allocated on
     the first call outside a CUDA graph capture (None inside one before that). ``[FLAG]`` turns 1 where a barrier
-    gave up."""
+    gave up. A CUDA device without an index is the current one (the runner names "cuda", a tensor "cuda:0")."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     sync = _sync.get(device)
     if sync is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         sync = _sync[device] = torch.zeros(SYNC_WORDS, dtype=torch.int32, device=device)
