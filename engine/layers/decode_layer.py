@@ -200,24 +200,26 @@ def _decode_layer_kernel(
         PAGE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
         BN_QKV: tl.constexpr, BN_O: tl.constexpr, BN_GU: tl.constexpr, BN_DOWN: tl.constexpr,
         T_QKV: tl.constexpr, T_ATT: tl.constexpr, T_O: tl.constexpr, T_GU: tl.constexpr, T_DOWN: tl.constexpr,
-        C_H: tl.constexpr, C_O: tl.constexpr, C_I: tl.constexpr,
-        BLOCK_K: tl.constexpr, BLOCK_ROW: tl.constexpr, EVEN_H: tl.constexpr, EVEN_O: tl.constexpr,
-        EVEN_I: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr,
+        BK_QKV: tl.constexpr, BK_O: tl.constexpr, BK_GU: tl.constexpr, BK_DOWN: tl.constexpr,
+        C_QKV: tl.constexpr, C_O: tl.constexpr, C_GU: tl.constexpr, C_DOWN: tl.constexpr,
+        E_QKV: tl.constexpr, E_O: tl.constexpr, E_GU: tl.constexpr, E_DOWN: tl.constexpr,
+        BLOCK_ROW: tl.constexpr, HAS_RES: tl.constexpr, IEEE: tl.constexpr,
         NPROG: tl.constexpr, FIRST: tl.constexpr = 1, LAST: tl.constexpr = 5, PDL: tl.constexpr = False):
     """Phases FIRST..LAST of the layer (module docstring), a grid barrier between two of them; NPROG programs (the
-    grid, as a constant: the interpreter's num_programs is no scalar its range takes)."""
+    grid, as a constant: the interpreter's num_programs is no scalar its range takes). Each GEMV phase has its own
+    tile (BN_ rows by BK_ columns), trips T_ and chunks C_ a band, E_: its K a multiple of BK_."""
     pid = tl.program_id(0)
     nprog = NPROG
     NQKV: tl.constexpr = (HQ + 2 * HK) * D
     if FIRST == 1:
-        w_first = _first_tile(qkv_w_ptr, pid, NQKV, H, H, BN_QKV, BLOCK_K, EVEN_H)
+        w_first = _first_tile(qkv_w_ptr, pid, NQKV, H, H, BN_QKV, BK_QKV, E_QKV)
     pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     if (FIRST == 1) & (LAST == 5):     # (PHASES)
         if pid == 0:    # barrier 4's counter, still at nprog from the last launch (barriers 1-3 reset theirs below)
             tl.atomic_xchg(sync_ptr + 3, 0)
     if FIRST == 1:
         _gemv_phase(x_ptr, res_ptr, in_norm_ptr, h_ptr, qkv_w_ptr, qkv_ptr, w_first, NQKV, H, H, eps, pid, nprog,
-                    BN_QKV, BLOCK_K, BLOCK_ROW, EVEN_H, False, True, HAS_RES, T_QKV, C_H)
+                    BN_QKV, BK_QKV, BLOCK_ROW, E_QKV, False, True, HAS_RES, T_QKV, C_QKV)
     if (FIRST <= 1) & (LAST >= 2):
         _grid_barrier(sync_ptr + 0, sync_ptr + _FLAG, nprog)
     if (FIRST <= 2) & (LAST >= 2):
@@ -225,44 +227,48 @@ def _decode_layer_kernel(
                          sin_ptr, acc_ptr, ml_ptr, attn_ptr, sync_ptr + _KV_COUNTERS, scale, qk_eps, split_len, pid,
                          nprog, HK, HQ // HK, BLOCK_G, D, PAGE, BLOCK_N, SPLITS, IEEE, T_ATT)
     if (FIRST <= 3) & (LAST >= 3):
-        w_first = _first_tile(o_w_ptr, pid, H, HQ * D, HQ * D, BN_O, BLOCK_K, EVEN_O)
+        w_first = _first_tile(o_w_ptr, pid, H, HQ * D, HQ * D, BN_O, BK_O, E_O)
     if (FIRST <= 2) & (LAST >= 3):
         _grid_barrier(sync_ptr + 1, sync_ptr + _FLAG, nprog)
         if pid == 0:
             tl.atomic_xchg(sync_ptr + 0, 0)        # every program is past barrier 1
     if (FIRST <= 3) & (LAST >= 3):
         _gemv_phase(attn_ptr, attn_ptr, attn_ptr, attn_ptr, o_w_ptr, o_ptr, w_first, H, HQ * D, HQ * D, eps, pid,
-                    nprog, BN_O, BLOCK_K, 1, EVEN_O, False, False, False, T_O, C_O)
+                    nprog, BN_O, BK_O, 1, E_O, False, False, False, T_O, C_O)
     if (FIRST <= 4) & (LAST >= 4):
-        w_first = _first_tile(gu_w_ptr, pid, 2 * INTER, H, H, BN_GU, BLOCK_K, EVEN_H)
+        w_first = _first_tile(gu_w_ptr, pid, 2 * INTER, H, H, BN_GU, BK_GU, E_GU)
     if (FIRST <= 3) & (LAST >= 4):
         _grid_barrier(sync_ptr + 2, sync_ptr + _FLAG, nprog)
         if pid == 0:
             tl.atomic_xchg(sync_ptr + 1, 0)
     if (FIRST <= 4) & (LAST >= 4):
         _gemv_phase(o_ptr, h_ptr, post_norm_ptr, h2_ptr, gu_w_ptr, gu_ptr, w_first, 2 * INTER, H, H, eps, pid,
-                    nprog, BN_GU, BLOCK_K, BLOCK_ROW, EVEN_H, False, True, True, T_GU, C_H)
+                    nprog, BN_GU, BK_GU, BLOCK_ROW, E_GU, False, True, True, T_GU, C_GU)
     if LAST >= 5:
-        w_first = _first_tile(down_w_ptr, pid, H, INTER, INTER, BN_DOWN, BLOCK_K, EVEN_I)
+        w_first = _first_tile(down_w_ptr, pid, H, INTER, INTER, BN_DOWN, BK_DOWN, E_DOWN)
     if (FIRST <= 4) & (LAST >= 5):
         _grid_barrier(sync_ptr + 3, sync_ptr + _FLAG, nprog)
         if pid == 0:
             tl.atomic_xchg(sync_ptr + 2, 0)
     if LAST >= 5:
         _gemv_phase(gu_ptr, gu_ptr, gu_ptr, gu_ptr, down_w_ptr, y_ptr, w_first, H, INTER, INTER, eps, pid, nprog,
-                    BN_DOWN, BLOCK_K, 1, EVEN_I, True, False, False, T_DOWN, C_I)
+                    BN_DOWN, BK_DOWN, 1, E_DOWN, True, False, False, T_DOWN, C_DOWN)
 
 
 TILE_ELEMENTS = 16384           # a weight tile's elements at most (64 a thread at NUM_WARPS, as the GEMV kernels')
+MAX_BAND_ROWS = 16
 
 
-def band_rows(n: int, programs: int, block_k: int) -> int:
-    """Output features a band: the largest power of two (a tile of at most TILE_ELEMENTS) that still gives every
-    program a band."""
-    rows = max(1, TILE_ELEMENTS // block_k)
+def gemv_tile(n: int, k: int, programs: int, tile_elements: int = TILE_ELEMENTS) -> tuple[int, int]:
+    """(rows, columns) of a GEMV phase's weight tile for an [n, k] weight over ``programs``: the most rows (a power
+    of two, at most MAX_BAND_ROWS) that still give every program a band, then as many columns (a power of two, up
+    to the whole row) as ``tile_elements`` allows. A narrow weight (Qwen3-0.6B's o and down: 4-row bands) so takes its
+    row in one or two chunks, not several small ones: each chunk is a round trip to memory for a program that
+    has only its own loads in flight."""
+    rows = MAX_BAND_ROWS
     while rows > 1 and triton.cdiv(n, rows) < programs:
         rows //= 2
-    return rows
+    return rows, min(next_power_of_2(max(k, 16)), max(16, tile_elements // rows))
 
 
 def decode_layer(x: torch.Tensor, residual: torch.Tensor | None, *, in_norm: torch.Tensor, qkv_w: torch.Tensor,
@@ -271,11 +277,11 @@ def decode_layer(x: torch.Tensor, residual: torch.Tensor | None, *, in_norm: tor
                  k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, eps: float,
                  qk_eps: float, max_len: int, sm_count: int, programs: int | None = None,
-                 phases: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 phases: bool | None = None, tile_elements: int = TILE_ELEMENTS) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer at one token: x, residual [1, H] (residual None: the first layer, h = x) -> (y, h2), the
     next layer's x and residual; the new token's k and v stored at slot_mapping[0]. programs: P (default the SM
-    count, and never above it); phases: one launch a phase (the
-    default on the CPU, where the interpreter cannot spin at a barrier) instead of one launch in all."""
+    count, and never above it); phases: one launch a phase (the default on the CPU, where the interpreter cannot
+    spin at a barrier) instead of one launch in all; tile_elements: the weight tiles' size at most (gemv_tile)."""
     _, page, hk, d = k_cache.shape
     h_size = x.shape[1]
     hq = qkv_w.shape[0] // d - 2 * hk
@@ -295,18 +301,17 @@ def decode_layer(x: torch.Tensor, residual: torch.Tensor | None, *, in_norm: tor
     ml = e(hq * num_splits * 2, dtype=torch.float32)
     sync = layer_sync(device)
     assert sync is not None and KV_COUNTERS + hk <= SYNC_WORDS
-    block_k = min(1024, next_power_of_2(max(h_size, 16)))
     args = (x, x if residual is None else residual, h, h2, y, in_norm, qkv_w, q_norm, k_norm, cos, sin, o_w,
             post_norm, gate_up_w, down_w, k_cache, v_cache, block_tables, context_lens, positions, slot_mapping,
             qkv, attn, o, gu, acc, ml, sync, eps, qk_eps, d ** -0.5, split_len)
-    outputs = {"QKV": qkv_w.shape[0], "O": h_size, "GU": 2 * inter, "DOWN": h_size}     # each GEMV phase's N
-    bands = {name: band_rows(n, p, block_k) for name, n in outputs.items()}
     meta = dict(H=h_size, HQ=hq, HK=hk, D=d, INTER=inter, PAGE=page, BLOCK_G=max(16, next_power_of_2(hq // hk)),
-                BLOCK_N=DECODE_BLOCK_N, SPLITS=num_splits, **{f"BN_{k}": v for k, v in bands.items()},
-                **{f"T_{k}": triton.cdiv(triton.cdiv(n, bands[k]), p) for k, n in outputs.items()},
-                T_ATT=triton.cdiv(hk * num_splits, p), NPROG=p, C_H=triton.cdiv(h_size, block_k),
-                C_O=triton.cdiv(hq * d, block_k), C_I=triton.cdiv(inter, block_k), BLOCK_K=block_k, BLOCK_ROW=next_power_of_2(h_size),
-                EVEN_H=h_size % block_k == 0, EVEN_O=hq * d % block_k == 0, EVEN_I=inter % block_k == 0, HAS_RES=residual is not None, IEEE=x.dtype == torch.float32, num_warps=NUM_WARPS)
+                BLOCK_N=DECODE_BLOCK_N, SPLITS=num_splits, T_ATT=triton.cdiv(hk * num_splits, p), NPROG=p,
+                BLOCK_ROW=next_power_of_2(h_size), HAS_RES=residual is not None, IEEE=x.dtype == torch.float32,
+                num_warps=NUM_WARPS)
+    for name, (n, k) in {"QKV": qkv_w.shape, "O": o_w.shape, "GU": gate_up_w.shape, "DOWN": down_w.shape}.items():
+        rows, cols = gemv_tile(n, k, p, tile_elements)
+        meta |= {f"BN_{name}": rows, f"BK_{name}": cols, f"T_{name}": triton.cdiv(triton.cdiv(n, rows), p),
+                 f"C_{name}": triton.cdiv(k, cols), f"E_{name}": k % cols == 0}
     if phases:
         for phase in range(1, PHASES + 1):
             _decode_layer_kernel[(p,)](*args, **meta, FIRST=phase, LAST=phase)

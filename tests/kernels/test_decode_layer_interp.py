@@ -10,7 +10,8 @@ grid's programs one after another, so a grid barrier could not complete here; th
   step through the kernel.
 
 Cases: one split and several (the combine of the fused reduce), the first layer (no residual), a context of only the
-new token, fewer programs than bands (several bands a program), float32 and bfloat16.
+new token, fewer programs than bands (several bands a program), small tiles (several chunks a band), float32 and
+bfloat16.
 
 Skipped where triton is not installed or its interpreter cannot run a kernel here.
 """
@@ -24,16 +25,18 @@ from interp import case_key, interpreter_ready, print_results
 
 H, HQ, HK, D, INTER, PAGE = 64, 4, 2, 16, 128, 16
 BLOCKS = 12
-# (dtype, context, residual, SMs, programs): 16 SMs give several splits, 1 a single split
-CASES = [("float32", 37, True, 16, None), ("float32", 37, True, 1, None), ("float32", 70, False, 16, None),
-         ("float32", 1, True, 16, None), ("float32", 50, True, 16, 3), ("bfloat16", 37, True, 16, None),
-         ("bfloat16", 70, False, 1, None)]
+# (dtype, context, residual, SMs, programs, weight tile elements): 16 SMs give several splits, 1 a single split; 3
+# programs several bands each; 256-element tiles several chunks a band (the default takes each of these rows whole)
+CASES = [("float32", 37, True, 16, None, None), ("float32", 37, True, 1, None, None),
+         ("float32", 70, False, 16, None, None), ("float32", 1, True, 16, None, None), ("float32", 50, True, 16, 3, None),
+         ("float32", 50, True, 16, 3, 256), ("bfloat16", 37, True, 16, None, None), ("bfloat16", 70, False, 1, None, 256)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_key)
 def test_the_layer_kernel_against_a_float32_layer(results, case):
     r = results[case_key(case)]
     assert r["splits"] > 1 or case[3] == 1, r
+    assert (r["most_chunks"] > 1) == (case[5] is not None), r
     # float32: float32 sums in another order; bfloat16: the activations rounded at each of the layer's steps, as
     # the unfused kernels round them (against values up to about 2)
     tol = 2e-5 if case[0] == "float32" else 6e-2
@@ -53,7 +56,7 @@ def test_tiny_model_decodes_the_same_through_the_layer_kernel(model_results):
 
 
 # -- the interpreter process ---------------------------------------------------------------------------------
-def run_case(torch, decode_layer, RotaryEmbedding, dtype_name, ctx, has_res, sms, programs) -> dict:
+def run_case(torch, decode_layer, RotaryEmbedding, dtype_name, ctx, has_res, sms, programs, tile) -> dict:
     import torch.nn.functional as F
 
     from engine.attention.splits import choose_splits, DECODE_BLOCK_N
@@ -79,7 +82,7 @@ def run_case(torch, decode_layer, RotaryEmbedding, dtype_name, ctx, has_res, sms
                          o_w=o_w, post_norm=post_norm, gate_up_w=gu_w, down_w=down_w, k_cache=kc, v_cache=vc,
                          block_tables=table, context_lens=torch.tensor([ctx], dtype=torch.int32), positions=pos,
                          slot_mapping=torch.tensor([slot]), eps=1e-6, qk_eps=1e-6, max_len=128, sm_count=sms,
-                         programs=programs)
+                         programs=programs, **({"tile_elements": tile} if tile else {}))
 
     def f(t):
         return t.float()
@@ -102,7 +105,10 @@ def run_case(torch, decode_layer, RotaryEmbedding, dtype_name, ctx, has_res, sms
     y_ref = (F.silu(gu[:, :INTER]) * gu[:, INTER:]) @ f(down_w).T
     others = torch.ones(BLOCKS * PAGE, dtype=torch.bool)
     others[slot] = False
-    return {"splits": choose_splits(1, HK, 128, DECODE_BLOCK_N, sms)[0],
+    from engine.layers.decode_layer import TILE_ELEMENTS, gemv_tile
+    chunks = max(-(-k // gemv_tile(n, k, programs or sms, tile or TILE_ELEMENTS)[1])
+                 for n, k in ((HQ * D + 2 * HK * D, H), (H, HQ * D), (2 * INTER, H), (H, INTER)))
+    return {"splits": choose_splits(1, HK, 128, DECODE_BLOCK_N, sms)[0], "most_chunks": chunks,
             "y": float((f(y) - y_ref).abs().max()), "h2": float((f(h2) - h2_ref).abs().max()),
             "k_new": float((f(kc).view(-1, HK, D)[slot] - k[0]).abs().max()),
             "v_new": float((f(vc).view(-1, HK, D)[slot] - v[0]).abs().max()),
