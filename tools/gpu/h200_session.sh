@@ -258,7 +258,7 @@ policy_phase() {
 
 layer_phase() {
   # its GPU tests first (a grid barrier that gives up raises a flag and fails them: wrong numbers, not a hung device),
-  # then each latency without and with it, back to back, the step budget with it, its guards
+  # then each latency without and with it, back to back, the step budgets, Qwen3-8B's shapes, its guards last
   if ! step pytest-gpu-layer 120 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 120 -x tests/kernels/test_gpu_decode_layer.py; then
     echo "   the layer kernel's GPU tests failed: nothing timed with it" | tee -a "$STEPS"; return
   fi
@@ -266,19 +266,19 @@ layer_phase() {
     step latency-b1-layer$on 40 env LAB_DECODE_LAYER=$on $PY -m labkit bench --workload latency --batch 1 --repeats 3 \
          --attention triton --out "$W/runs/latency-b1-layer$on.json"
   done
-  step step-budget-b1-layer1 45 env LAB_DECODE_LAYER=1 $PY -m labkit bench --workload step-budget --attention triton \
-       --batch 1 --out "$W/runs/step-budget-b1-layer1.json"
-  step guard-bf16-layer 45 env LAB_DECODE_LAYER=1 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda \
-       --attention triton --out "$W/runs/guard-bf16-layer.json"
-  step guard-graph-layer 60 env LAB_DECODE_LAYER=1 $PY -m labkit logits guard --suite graph --dtype bfloat16 --device cuda \
-       --attention triton --out "$W/runs/guard-graph-layer.json"
+  for on in 1 0; do
+    step step-budget-b1-layer$on 45 env LAB_DECODE_LAYER=$on $PY -m labkit bench --workload step-budget --attention triton \
+         --batch 1 --out "$W/runs/step-budget-b1-layer$on.json"
+  done
   synth qwen3-8b /tmp/m8
   for on in 0 1; do
     step latency-8b-b1-layer$on 70 env LAB_DECODE_LAYER=$on $PY -m labkit bench --workload latency --batch 1 --repeats 3 \
          --attention triton --model /tmp/m8 --out "$W/runs/latency-8b-b1-layer$on.json"
   done
-  step step-budget-b1-layer0 45 env LAB_DECODE_LAYER=0 $PY -m labkit bench --workload step-budget --attention triton \
-       --batch 1 --out "$W/runs/step-budget-b1-layer0.json"
+  step guard-bf16-layer 45 env LAB_DECODE_LAYER=1 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda \
+       --attention triton --out "$W/runs/guard-bf16-layer.json"
+  step guard-graph-layer 60 env LAB_DECODE_LAYER=1 $PY -m labkit logits guard --suite graph --dtype bfloat16 --device cuda \
+       --attention triton --out "$W/runs/guard-graph-layer.json"
 }
 
 "${phase}_phase"
