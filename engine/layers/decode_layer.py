@@ -17,12 +17,14 @@ program taking the phase's work items pid, pid + P, ...:
 
 Between two phases every program waits at a grid barrier (:func:`_grid_barrier`): four a layer where the six
 kernels had six launches. Before it waits, a program loads the first weight tile of its next phase (weights never
-change in a step), as the GEMV kernels load theirs before their PDL wait. Each GEMV phase computes what the GEMV
-kernels compute (engine/layers/gemv.py's device functions; float32 sums, one rounding a band), and the attention
-phase what the decode prologue computes, in its own split layout (one kv head an item).
+change in a step), as the GEMV kernels load theirs before their PDL wait, and inside a phase each tile one chunk
+ahead of its products (:func:`_gemv_phase`). Each GEMV phase rounds where the GEMV kernels round
+(engine/layers/gemv.py's device functions; float32 sums, in their own order), and the attention phase computes
+what the decode prologue computes, in its own split layout (one kv head an item).
 
 The barrier counts programs in on a counter and spins until all P have: programs that are not resident would
-never arrive, hence P at most the SM count and one program an SM. Triton's interpreter runs a grid's programs one
+never arrive, hence P at most the SM count (the kernel's registers, about 225 a thread at Qwen3's shapes in its
+sm_90 build, leave room for one program an SM). Triton's interpreter runs a grid's programs one
 after another, so there a spin would never end: on the CPU :func:`decode_layer` launches each phase on its own
 (``phases``), the same device code between the barriers; the GPU test compares the one launch with that.
 A spin gives up after ``MAX_SPIN`` reads and raises the error flag (:func:`layer_sync`), so a barrier that cannot
