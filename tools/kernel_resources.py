@@ -5,10 +5,12 @@ SM holds at once and so the K/V bytes it has in its tiles' buffers. A decode is 
 flight, so a variant that fits fewer programs an SM, or buffers fewer bytes per program, reads its cache slower.
 
     python tools/kernel_resources.py [--batch 256] [--context 1024] [--cache bf16,fp8] [--sweep] [--json]
+    python tools/kernel_resources.py --layer [--json]
 
 Default rows: the decode as the engine launches it (engine/attention/splits.py's knobs; an e4m3 cache's own
 DECODE_FP8_* ones) on a bf16 and an e4m3 cache, the e4m3 cache at the bf16 cache's knobs (``bf16-knobs``), and the
-decode prologue (triton_kernels.NewTokens). --sweep: the tile / warps / stages grid instead (on an e4m3 cache also the V
+decode prologue (triton_kernels.NewTokens). --layer: the persistent decode layer at Qwen3-0.6B's and Qwen3-8B's
+shapes instead. --sweep: the tile / warps / stages grid instead (on an e4m3 cache also the V
 scale's place and a 128-register cap). Each row also gives its SASS instruction count and a hash of the
 instructions: a refactor that leaves a row's hash alone compiles to the same instructions. These are compiled figures, not timings: `labkit bench --workload attention
 --sweep` on the GPU times the same variants.
@@ -72,9 +74,9 @@ def sass_instructions(cubin: bytes) -> list[str]:
     return out
 
 
-def _compiler():
+def _compiler(name: str = "_decode_split_kernel"):
     """Triton's sm_90 stand-in driver (every launch compiles, nothing runs), PDL on as on Hopper; returns the list
-    the compiled decode kernels are appended to."""
+    the compiled builds of the kernel ``name`` are appended to."""
     sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernels"), str(ROOT / "tests")]
     import torch
     from triton.runtime.jit import JITFunction
@@ -89,7 +91,7 @@ def _compiler():
 
     def keep(self, *args, **kwargs):
         kernel = compile_only(self, *args, **kwargs)
-        if self.fn.__name__ == "_decode_split_kernel":
+        if self.fn.__name__ == name:
             built.append(kernel)
         return kernel
     JITFunction.run = keep
@@ -158,12 +160,55 @@ def rows(batch: int, context: int, caches: list[str], sweep: bool, hq: int = 16,
     return out
 
 
+def layer_rows(presets=("qwen3-0.6b", "qwen3-8b")) -> list[dict]:
+    """The persistent decode layer (engine/layers/decode_layer.py, LAB_DECODE_LAYER) at each preset's shapes, a
+    later layer's variant over 132 SMs: registers, shared bytes, the programs an SM holds (its grid barriers need
+    every program resident: at least one), and its weight loads before the PDL wait (128-bit LDGs before the first
+    ACQBULK: the first qkv tile, loaded while the kernel before it finishes)."""
+    built, errors = _compiler("_decode_layer_kernel")
+    import torch
+
+    from engine.config import ModelShape
+    from engine.layers.decode_layer import NUM_WARPS, decode_layer, layer_sync
+    from labkit.assets.synth import PRESETS
+
+    bf16 = torch.bfloat16
+    e = lambda *s, dtype=bf16: torch.empty(*s, dtype=dtype)          # noqa: E731 (never read: nothing runs)
+    layer_sync(torch.device("cpu"))
+    out = []
+    for name in presets:
+        cfg = PRESETS[name]
+        shape = ModelShape.from_hf(cfg)
+        h, hq, hk, d, inter = shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, cfg["intermediate_size"]
+        cos = e(4096, d, dtype=torch.float32)
+        before = len(built)
+        decode_layer(e(1, h), e(1, h), in_norm=e(h), qkv_w=e((hq + 2 * hk) * d, h), q_norm=e(d), k_norm=e(d),
+                     cos=cos, sin=cos, o_w=e(h, hq * d), post_norm=e(h), gate_up_w=e(2 * inter, h), down_w=e(h, inter),
+                     k_cache=e(8, 256, hk, d), v_cache=e(8, 256, hk, d), block_tables=torch.zeros(1, 16, dtype=torch.int32),
+                     context_lens=torch.ones(1, dtype=torch.int32), positions=torch.zeros(1, dtype=torch.int64),
+                     slot_mapping=torch.zeros(1, dtype=torch.int64), eps=1e-6, qk_eps=1e-6, max_len=4096, sm_count=132,
+                     phases=False)
+        if len(built) == before or built[-1] is None:
+            out.append({"preset": name, "error": (errors or ["not compiled"])[-1][:160]})
+            continue
+        cubin = built[-1].asm["cubin"]
+        regs, shared = cubin_registers(cubin), built[-1].metadata.shared
+        sass = sass_instructions(cubin)
+        wait = next((i for i, ins in enumerate(sass) if ins.startswith("ACQBULK")), len(sass))
+        out.append({"preset": name, "registers": regs, "shared_bytes": shared,
+                    "programs_per_sm": programs_per_sm(regs, shared, NUM_WARPS),
+                    "weight_loads_before_wait": sum("LDG.E.128 " in ins for ins in sass[:wait]),
+                    "sass_instructions": len(sass), "sass_sha": hashlib.sha1("\n".join(sass).encode()).hexdigest()[:12]})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--cache", default="bf16,fp8", help="bf16, fp8 or both (comma-separated)")
     ap.add_argument("--sweep", action="store_true", help="every block_n x warps x stages setting, not only the default")
+    ap.add_argument("--layer", action="store_true", help="the persistent decode layer (LAB_DECODE_LAYER) instead")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     caches = a.cache.split(",")
@@ -171,12 +216,17 @@ def main() -> int:
         print(f"--cache {a.cache}: bf16, fp8 or bf16,fp8", file=sys.stderr)
         return 2
     try:
-        found = rows(a.batch, a.context, caches, a.sweep)
+        found = layer_rows() if a.layer else rows(a.batch, a.context, caches, a.sweep)
     except (ImportError, subprocess.CalledProcessError, FileNotFoundError) as e:
         print(f"cannot compile for sm_90 here: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     if a.json:
         print(json.dumps(found))
+        return 0
+    if a.layer:
+        print("the persistent decode layer (a later layer, 132 SMs), compiled for sm_90")
+        for r in found:
+            print(" ".join(f"{k}={v}" for k, v in r.items()))
         return 0
     print(f"paged decode at batch {a.batch} x context {a.context}, 16 q / 8 kv heads of 128, compiled for sm_90")
     print(f"{'cache':5} {'route':10} {'block_n':>7} {'warps':>5} {'stages':>6} {'v_tile':>6} {'cap':>4} {'regs':>5} "

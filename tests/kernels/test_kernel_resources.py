@@ -1,7 +1,8 @@
 """tools/kernel_resources.py: the programs an sm_90 SM holds, and the paged decode's compiled variants read on the
 CPU (Triton's sm_90 build, registers from cuobjdump). The decode prologue must not cost the bf16 decode an SM
 program: its first build kept the new token's tiles live through the context loop (156 registers a thread against
-105, three programs an SM instead of four)."""
+105, three programs an SM instead of four). The persistent decode layer (--layer) must fit one program an SM and load its
+first weight tile before its PDL wait."""
 from __future__ import annotations
 
 import json
@@ -61,3 +62,23 @@ def test_the_prologue_keeps_the_plain_decodes_programs_per_sm(rows):
     for cache in ("bf16", "fp8"):
         assert rows[cache, "prologue"]["programs_per_sm"] >= rows[cache, "plain"]["programs_per_sm"], \
             (rows[cache, "prologue"], rows[cache, "plain"])
+
+
+@pytest.fixture(scope="module")
+def layer_rows():
+    pytest.importorskip("triton")
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "kernel_resources.py"), "--layer", "--json"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    if proc.returncode == 1 and "cannot compile for sm_90 here" in proc.stderr:
+        pytest.skip(proc.stderr.strip()[:200])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return {r["preset"]: r for r in json.loads(proc.stdout)}
+
+
+def test_the_layer_kernel_fits_an_sm_and_loads_its_first_tile_before_the_wait(layer_rows):
+    """The persistent decode layer's grid barriers need all its programs resident at once (one an SM, the grid the
+    SM count): its build must leave room for one; and its first qkv tile is loaded before the PDL wait."""
+    assert set(layer_rows) == {"qwen3-0.6b", "qwen3-8b"}, sorted(layer_rows)
+    for r in layer_rows.values():
+        assert "error" not in r and r["programs_per_sm"] >= 1, r
+        assert r["weight_loads_before_wait"] >= 1, r
