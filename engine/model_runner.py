@@ -103,9 +103,9 @@ class ModelRunner:
             raise ConfigError(f"checkpoint in {config.model} lacks parameters: {', '.join(missing[:4])}")
         self.model.eval()
         rows = gemv_rows_setting()        # read (and a bad LAB_GEMV_ROWS refused) on every device
-        decode_prologue_mode(config, self.attention_backend)      # and a bad LAB_DECODE_PROLOGUE
+        prologue = decode_prologue_mode(config, self.attention_backend)   # and a bad LAB_DECODE_PROLOGUE
         layer_kernel = decode_layer_on(self.attention_backend)    # and LAB_DECODE_LAYER
-        self.fused_ops = self._enable_fused_ops(rows)
+        self.fused_ops = self._enable_fused_ops(rows, prologue)
         self.gemv_rows = rows if self.fused_ops else 0   # tokens a projection takes through the GEMV kernels
         self.pdl = pdl.enable(self.device, config.pdl)     # engine/pdl.py: False off CUDA and before Hopper
         self.load_seconds = time.perf_counter() - t0
@@ -132,7 +132,9 @@ class ModelRunner:
         # Triton kernels compiled after start-up (engine/warmup.py): a variant the warm-up missed
         self.late_compiles = CompileWatch() if self.device.startswith("cuda") else None
 
-    def _enable_fused_ops(self, gemv_rows: int = 1) -> bool:
+    def _enable_fused_ops(self, gemv_rows: int = 1, prologue: str = "") -> bool:
+        """Turn the fused Triton kernels on (CUDA, --fused-ops), the GEMVs for up to ``gemv_rows`` tokens and the
+        decode prologue in ``prologue``'s mode (levers.decode_prologue_mode); False where they stay off."""
         if not self.config.fused_ops:      # --no-fused-ops: the plain path (backend.store_kv runs)
             return False
         if not self.device.startswith("cuda"):
@@ -141,7 +143,6 @@ class ModelRunner:
             import engine.layers.fused_kernels  # noqa: F401
         except ImportError:
             return False
-        prologue = decode_prologue_mode(self.config, self.attention_backend)
         for module in self.model.modules():
             if hasattr(module, "fused"):
                 module.fused = True
@@ -156,7 +157,7 @@ class ModelRunner:
         max_model_len (known once the pool is); the kernel's counters allocated before any graph capture."""
         from engine.layers.decode_layer import layer_sync
 
-        layer_sync(torch.device(self.device))
+        layer_sync(self.device)
         for module in self.model.modules():
             if hasattr(module, "decode_layer"):
                 module.decode_layer = self.config.max_model_len
@@ -167,7 +168,7 @@ class ModelRunner:
         its numbers are then wrong."""
         from engine.layers.decode_layer import FLAG, layer_sync
 
-        sync = layer_sync(torch.device(self.device))
+        sync = layer_sync(self.device)
         if sync is not None and int(sync[FLAG]):
             raise ConfigError("LAB_DECODE_LAYER=1: a grid barrier of the decode layer kernel gave up during start-up "
                               "(its programs were not all resident on the GPU at once); unset LAB_DECODE_LAYER")
