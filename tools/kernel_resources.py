@@ -167,27 +167,21 @@ def layer_rows(presets=("qwen3-0.6b", "qwen3-8b")) -> list[dict]:
     ACQBULK: the first qkv tile, loaded while the kernel before it finishes)."""
     built, errors = _compiler("_decode_layer_kernel")
     import torch
+    from test_sm90_compile import launch_decode_layer
 
     from engine.config import ModelShape
-    from engine.layers.decode_layer import NUM_WARPS, decode_layer, layer_sync
+    from engine.layers.decode_layer import NUM_WARPS
     from labkit.assets.synth import PRESETS
 
     bf16 = torch.bfloat16
     e = lambda *s, dtype=bf16: torch.empty(*s, dtype=dtype)          # noqa: E731 (never read: nothing runs)
-    layer_sync(torch.device("cpu"))
     out = []
     for name in presets:
         cfg = PRESETS[name]
         shape = ModelShape.from_hf(cfg)
-        h, hq, hk, d, inter = shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, cfg["intermediate_size"]
-        cos = e(4096, d, dtype=torch.float32)
+        hk, d = shape.num_kv_heads, shape.head_dim
         before = len(built)
-        decode_layer(e(1, h), e(1, h), in_norm=e(h), qkv_w=e((hq + 2 * hk) * d, h), q_norm=e(d), k_norm=e(d),
-                     cos=cos, sin=cos, o_w=e(h, hq * d), post_norm=e(h), gate_up_w=e(2 * inter, h), down_w=e(h, inter),
-                     k_cache=e(8, 256, hk, d), v_cache=e(8, 256, hk, d), block_tables=torch.zeros(1, 16, dtype=torch.int32),
-                     context_lens=torch.ones(1, dtype=torch.int32), positions=torch.zeros(1, dtype=torch.int64),
-                     slot_mapping=torch.zeros(1, dtype=torch.int64), eps=1e-6, qk_eps=1e-6, max_len=4096, sm_count=132,
-                     phases=False)
+        launch_decode_layer(e, shape, cfg, e(8, 256, hk, d), e(8, 256, hk, d), 4096, 132)
         if len(built) == before or built[-1] is None:
             out.append({"preset": name, "error": (errors or ["not compiled"])[-1][:160]})
             continue

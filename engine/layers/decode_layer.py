@@ -54,15 +54,15 @@ NUM_WARPS = 8
 FLAG = 4
 KV_COUNTERS = 8
 SYNC_WORDS = 1024
-_FLAG, _KV_COUNTERS = tl.constexpr(FLAG), tl.constexpr(KV_COUNTERS)      # the same, as the kernel reads them
+# the same, as the kernel reads them
+_PHASES, _FLAG, _KV_COUNTERS = tl.constexpr(PHASES), tl.constexpr(FLAG), tl.constexpr(KV_COUNTERS)
 _sync: dict[torch.device, torch.Tensor] = {}
 
 
 def layer_sync(device: torch.device | str) -> torch.Tensor | None:
     """The layer kernel's counters on ``device`` (zeros; a launch leaves them at zero, but for its last barrier's,
-    which the next launch resets first): allocated on
-    the first call outside a CUDA graph capture (None inside one before that). ``[FLAG]`` turns 1 where a barrier
-    gave up. A CUDA device without an index is the current one (the runner names "cuda", a tensor "cuda:0")."""
+    which the next launch resets first): allocated on the first call outside a CUDA graph capture (None inside one
+    before that). ``[FLAG]`` turns 1 where a barrier gave up. A CUDA device without an index is the current one (the runner names "cuda", a tensor "cuda:0")."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -216,9 +216,10 @@ def _decode_layer_kernel(
     if FIRST == 1:
         w_first = _first_tile(qkv_w_ptr, pid, NQKV, H, H, BN_QKV, BK_QKV, E_QKV)
     pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
-    if (FIRST == 1) & (LAST == 5):     # (PHASES)
-        if pid == 0:    # barrier 4's counter, still at nprog from the last launch (barriers 1-3 reset theirs below)
-            tl.atomic_xchg(sync_ptr + 3, 0)
+    if FIRST == 1:
+        if LAST == _PHASES:     # barrier 4's counter, still at nprog from the last launch (1-3 reset theirs below)
+            if pid == 0:
+                tl.atomic_xchg(sync_ptr + 3, 0)
     if FIRST == 1:
         _gemv_phase(x_ptr, res_ptr, in_norm_ptr, h_ptr, qkv_w_ptr, qkv_ptr, w_first, NQKV, H, H, eps, pid, nprog,
                     BN_QKV, BK_QKV, BLOCK_ROW, E_QKV, False, True, HAS_RES, T_QKV, C_QKV)

@@ -195,28 +195,35 @@ def _decode_launches(calls: list, e, variants: dict, kc, vc, page: int, hq: int,
     return compiled
 
 
+def launch_decode_layer(e, shape, cfg: dict, kc, vc, max_len: int, sm: int, residual: bool = True) -> None:
+    """The persistent decode layer at ``shape`` in its one launch over ``sm`` SMs, on never-read tensors ``e`` makes
+    (with the stand-in driver: a compile). tools/kernel_resources.py --layer launches it the same way."""
+    import torch
+
+    from engine.layers.decode_layer import decode_layer, layer_sync
+
+    layer_sync("cpu")
+    h, hq, hk, d, inter = shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, cfg["intermediate_size"]
+    cos = e(max_len, d, dtype=torch.float32)
+    decode_layer(e(1, h), e(1, h) if residual else None, in_norm=e(h), qkv_w=e((hq + 2 * hk) * d, h), q_norm=e(d),
+                 k_norm=e(d), cos=cos, sin=cos, o_w=e(h, hq * d), post_norm=e(h), gate_up_w=e(2 * inter, h),
+                 down_w=e(h, inter), k_cache=kc, v_cache=vc, block_tables=torch.zeros(1, 16, dtype=torch.int32),
+                 context_lens=torch.ones(1, dtype=torch.int32), positions=torch.zeros(1, dtype=torch.int64),
+                 slot_mapping=torch.zeros(1, dtype=torch.int64), eps=1e-6, qk_eps=1e-6, max_len=max_len,
+                 sm_count=sm, phases=False)
+
+
 def _decode_layer_launches(calls: list, e, shape, cfg: dict, kc, vc, max_len: int, sm: int, variants: int) -> int:
     """The persistent decode layer in its one launch (PDL on), with a residual and (variants 2) without: launches
     that compiled (none for a family without q/k norm)."""
-    import torch
-
     from engine.families import family_for
-    from engine.layers.decode_layer import decode_layer, layer_sync
 
-    if not family_for(cfg).qk_norm or not variants:
+    if not family_for(cfg).qk_norm:
         return 0
-    layer_sync(torch.device("cpu"))
-    h, hq, hk, d, inter = shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim, cfg["intermediate_size"]
-    cos = e(max_len, d, dtype=torch.float32)
     compiled = 0
-    for residual in (e(1, h), None)[:variants]:
+    for residual in (True, False)[:variants]:
         before = len(calls)
-        decode_layer(e(1, h), residual, in_norm=e(h), qkv_w=e((hq + 2 * hk) * d, h), q_norm=e(d), k_norm=e(d),
-                     cos=cos, sin=cos, o_w=e(h, hq * d), post_norm=e(h), gate_up_w=e(2 * inter, h),
-                     down_w=e(h, inter), k_cache=kc, v_cache=vc, block_tables=torch.zeros(1, 16, dtype=torch.int32),
-                     context_lens=torch.ones(1, dtype=torch.int32), positions=torch.zeros(1, dtype=torch.int64),
-                     slot_mapping=torch.zeros(1, dtype=torch.int64), eps=1e-6, qk_eps=1e-6, max_len=max_len,
-                     sm_count=sm, phases=False)
+        launch_decode_layer(e, shape, cfg, kc, vc, max_len, sm, residual)
         compiled += len(calls) > before
     return compiled
 
