@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 
 #: The settings most engine tests share: CPU, eager, the torch attention backend, blocks of 16 tokens.
 ENGINE_DEFAULTS = dict(device="cpu", enforce_eager=True, attention_backend="torch", kvcache_block_size=16)
@@ -114,3 +116,28 @@ def one_tokenizer_per_model():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(AutoTokenizer, "from_pretrained", once)
         yield
+
+
+MS = 1_000_000
+
+
+# A load log by hand (labkit.load.report's input): ``write_log(path, request("r0", 0, [120, 160]))``.
+def ev(event, rid, t_ms, observer="engine", worker="w0", **kw) -> dict:
+    return {"event": event, "request_id": rid, "worker_id": worker, "round": 0, "t_ns": int(t_ms * MS),
+            "observer": observer, **kw}
+
+
+def request(rid, start_ms, token_ms, observer="engine", worker="w0", reason="length", **tags) -> list[dict]:
+    out = [ev("submitted", rid, start_ms, observer, worker, **tags), ev("admitted", rid, start_ms, observer, worker)]
+    out += [ev("token", rid, t, observer, worker, index=i + 1) for i, t in enumerate(token_ms)]
+    out.append(ev("finished", rid, token_ms[-1] if token_ms else start_ms, observer, worker, reason=reason,
+                  num_completion_tokens=len(token_ms)))
+    return out
+
+
+def write_log(path: Path, events: list[dict], kind: str = "cpu-real-engine", **header) -> Path:
+    with path.open("w") as f:
+        f.write(json.dumps({"event": "header", "kind": kind, **header}) + "\n")
+        for e in events:
+            f.write(json.dumps(e) + "\n")
+    return path

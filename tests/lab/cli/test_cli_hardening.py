@@ -10,6 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from labkit.paths import repo_root
+from testkit import request, write_log
 
 
 def _one_error_line(result) -> str:
@@ -59,8 +60,6 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 
 def _log(path: Path, n: int) -> Path:
-    from test_report import request, write_log
-
     events = []
     for i in range(n):
         events += request(f"r{i:03d}", i * 5, [i * 5 + 20, i * 5 + 30], observer="engine", **{"class": "short"})

@@ -9,30 +9,7 @@ import pytest
 
 from labkit.errors import UserError
 from labkit.load.report import compare, percentile, summarize
-
-MS = 1_000_000
-
-
-def ev(event, rid, t_ms, observer="engine", worker="w0", **kw) -> dict:
-    return {"event": event, "request_id": rid, "worker_id": worker, "round": 0, "t_ns": int(t_ms * MS),
-            "observer": observer, **kw}
-
-
-def request(rid, start_ms, token_ms, observer="engine", worker="w0", reason="length", **tags) -> list[dict]:
-    out = [ev("submitted", rid, start_ms, observer, worker, **tags), ev("admitted", rid, start_ms, observer, worker)]
-    out += [ev("token", rid, t, observer, worker, index=i + 1) for i, t in enumerate(token_ms)]
-    out.append(ev("finished", rid, token_ms[-1] if token_ms else start_ms, observer, worker, reason=reason,
-                  num_completion_tokens=len(token_ms)))
-    return out
-
-
-def write_log(path: Path, events: list[dict], kind: str = "cpu-real-engine", **header) -> Path:
-    with path.open("w") as f:
-        f.write(json.dumps({"event": "header", "kind": kind, **header}) + "\n")
-        for e in events:
-            f.write(json.dumps(e) + "\n")
-    return path
-
+from testkit import MS, ev, request, write_log
 
 def test_b83_worked_example(tmp_path):
     # handbook B.8.3: sent at 0 s, 4 outputs at 0.12, 0.16, 0.21, 0.25 s
