@@ -23,6 +23,8 @@ import random
 import statistics
 import time
 
+from labkit.load.report import percentile
+
 
 def run(model: str, device: str, mixed: bool, cache: bool, sessions: int, turns: int, every: int, prefix: int,
         suffix: int, output: int, seed: int, profile: tuple[int, int] | None = None) -> dict:
@@ -92,7 +94,7 @@ def run(model: str, device: str, mixed: bool, cache: bool, sessions: int, turns:
             "requests": len(waits),
             "first_token_steps": {"p50": waits[len(waits) // 2], "p90": waits[int(len(waits) * 0.9)], "max": waits[-1]},
             "kinds": dict(kinds), "routes": {k: len(v) for k, v in route_ms.items()},
-            "route_ms": {k: {"median": round(statistics.median(v), 3), "p90": round(_pct(v, 0.9), 3),
+            "route_ms": {k: {"median": round(statistics.median(v), 3), "p90": round(percentile(v, 90), 3),
                              "max": round(max(v), 3), "total": round(sum(v), 1)} for k, v in route_ms.items()},
             "route_gpu_ms": _gpu_by_route(steps),
             "compiled_after_start": late,
@@ -107,12 +109,7 @@ def _gpu_by_route(steps: list[dict]) -> dict:
     for s in steps:
         if s["gpu_ms"] is not None:
             spans[s["route"].split(":")[0]].append(s["gpu_ms"])
-    return {k: {"median": round(statistics.median(v), 3), "p90": round(_pct(v, 0.9), 3)} for k, v in spans.items()}
-
-
-def _pct(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, int(len(v) * q))]
+    return {k: {"median": round(statistics.median(v), 3), "p90": round(percentile(v, 90), 3)} for k, v in spans.items()}
 
 
 def _profiler(cuda: bool):
