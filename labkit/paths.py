@@ -32,10 +32,8 @@ def default_out(name: str) -> Path:
     return base / name
 
 
-def definition_line(file: Path, name: str | None) -> int | None:
-    """The line where ``name`` (Name or Class.method) is defined in ``file`` (1 for the file alone), else None."""
-    if not name:
-        return 1
+def _definition(file: Path, name: str) -> ast.stmt | None:
+    """The def or class statement of ``name`` (Name or Class.method) in ``file``, else None."""
     scope: list[ast.stmt] = ast.parse(file.read_text(encoding="utf-8")).body
     node = None
     for part in name.split("."):
@@ -44,4 +42,23 @@ def definition_line(file: Path, name: str | None) -> int | None:
         if node is None:
             return None
         scope = node.body if isinstance(node, ast.ClassDef) else []
-    return node.lineno
+    return node
+
+
+def definition_line(file: Path, name: str | None) -> int | None:
+    """The line where ``name`` (Name or Class.method) is defined in ``file`` (1 for the file alone), else None."""
+    if not name:
+        return 1
+    node = _definition(file, name)
+    return None if node is None else node.lineno
+
+
+def definition_span(file: Path, name: str | None) -> tuple[int, int] | None:
+    """The lines (first, last) of ``name``'s definition in ``file``, its decorators included (the whole file for
+    ``name`` None), else None."""
+    if not name:
+        return 1, max(1, len(file.read_text(encoding="utf-8").splitlines()))
+    node = _definition(file, name)
+    if node is None:
+        return None
+    return min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno or node.lineno

@@ -6,6 +6,7 @@ Thin shells over labkit/experiments/course.py and replay.py; the commands that w
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -14,6 +15,7 @@ from labkit.cli.app import finish
 from labkit.cli.options import PRESETS, JsonOpt, ModelOpt, OutOpt, engine_flag
 from labkit.console import console, dict_table, note, print_json, rel
 from labkit.errors import UserError
+from labkit.paths import default_out
 
 course_app = typer.Typer(help="The companion course's lessons on this engine (docs/COURSE.md): each lesson's "
                               "functions with file:line, its exercise run and judged, lesson 8's replay rule.",
@@ -21,12 +23,27 @@ course_app = typer.Typer(help="The companion course's lessons on this engine (do
 LessonArg = Annotated[int, typer.Argument(metavar="N", help="The lesson, 1 to 8.", show_default=False)]
 
 
+SourceOpt = Annotated[bool, typer.Option("--source", help="Also write the functions' source, numbered as in their "
+                                          "files, to runs/course-lesson-N-source.txt (or --out).")]
+SourceOutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False,
+                                                      help="With --source: the text file to write.")]
+
+
 @course_app.command("show")
-def course_show(lesson: LessonArg, json_out: JsonOpt = False) -> None:
-    """Lesson N's functions in this engine (docs/COURSE.md's `- ours:` anchors) with the file:line of each."""
-    from labkit.experiments.course import lesson_functions
+def course_show(lesson: LessonArg, source: SourceOpt = False, out: SourceOutOpt = None,
+                json_out: JsonOpt = False) -> None:
+    """Lesson N's functions in this engine (docs/COURSE.md's `- ours:` anchors) with the file:line of each;
+    --source writes their source to runs/course-lesson-N-source.txt."""
+    from labkit.experiments.course import lesson_functions, lesson_source
 
     got = lesson_functions(lesson)
+    if out is not None and not source:
+        raise UserError("--out names the file --source writes: add --source")
+    if source:
+        path = out or default_out(f"course-lesson-{lesson}-source.txt")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(lesson_source(lesson) + "\n", encoding="utf-8")
+        got["source"] = str(path)
     if json_out:
         print_json(got)
         return
@@ -36,6 +53,8 @@ def course_show(lesson: LessonArg, json_out: JsonOpt = False) -> None:
     missing = [f["anchor"] for f in got["functions"] if f["line"] is None]
     if missing:
         raise UserError(f"docs/COURSE.md names what the code does not define: {', '.join(missing)}")
+    if source:
+        console.print(f"the lesson's source, numbered as in its files: {rel(got['source'])}", soft_wrap=True)
     from labkit.experiments.walk_debug import MODULES
 
     alias = {m.replace(".", "/") + ".py": name for name, m in MODULES.items()}

@@ -8,7 +8,8 @@ restatement of what the lesson's snippet computes, never a copy of our code). Th
 expects, what the engine gave, and whether they agree; the checkpoint ``course.ex-N`` asserts that.
 
 ``labkit course show N`` prints lesson N's functions of ours (the ``- ours:`` anchors of docs/COURSE.md) with
-the ``file:line`` where each is defined, read from the source when it runs.
+the ``file:line`` where each is defined, read from the source when it runs; with ``--source`` it also writes their
+source, numbered as the files are, to ``runs/course-lesson-N-source.txt`` (the handbook's source walk).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from labkit.errors import UserError
 from labkit.evidence import write_claimed
-from labkit.paths import definition_line
+from labkit.paths import definition_line, definition_span
 
 LESSONS = range(1, 9)
 ANCHOR = re.compile(r"`([\w./-]+\.py)(?::([\w.]+))?`")
@@ -61,6 +62,26 @@ def lesson_functions(n: int, doc: Path | None = None) -> dict:
             rows.append({"anchor": f"{path}:{name}" if name else path, "file": path, "name": name,
                          "line": definition_line(file, name) if file.is_file() else None})
     return {"lesson": n, "title": head.group(2).strip(), "functions": rows}
+
+
+def lesson_source(n: int, doc: Path | None = None) -> str:
+    """Lesson n's functions (:func:`lesson_functions`) as one text: a header per function (``file:first-last``
+    and its name) and its source lines, decorators included, each numbered as in the file, so a line read here
+    is a breakpoint there (``b engine/scheduler.py:NN``)."""
+    got = lesson_functions(n, doc)
+    root = (doc or course_doc()).parent.parent
+    out = [f"# lesson {n}: {got['title']}", "# this engine's functions for the lesson (docs/COURSE.md's `- ours:` "
+           "anchors), read from the source by `labkit course show " f"{n} --source`", ""]
+    for f in got["functions"]:
+        file = root / f["file"]
+        span = definition_span(file, f["name"]) if file.is_file() else None
+        if span is None:
+            raise UserError(f"docs/COURSE.md names what the code does not define: {f['anchor']}")
+        lines = file.read_text(encoding="utf-8").splitlines()[span[0] - 1:span[1]]
+        out.append(f"## {f['file']}:{span[0]}-{span[1]}  {f['name'] or '(the file)'}")
+        out += [f"{i:5d}  {line}".rstrip() for i, line in enumerate(lines, span[0])]
+        out.append("")
+    return "\n".join(out)
 
 
 # --------------------------------------------------------------------------- the course's rules

@@ -121,6 +121,38 @@ def test_course_show_prints_each_function_at_its_definition_line(labkit_in_proce
     assert "b block_manager_mod.BlockManager." in res.stdout      # the module form, a name --debug's prompt offers
 
 
+def test_course_show_source_writes_each_function_numbered_as_in_its_file(labkit_in_process, tmp_path):
+    import re
+
+    from labkit.experiments.course import lesson_functions, lesson_source
+
+    for lesson in range(1, 9):
+        text = lesson_source(lesson)
+        heads = re.findall(r"^## (\S+):(\d+)-(\d+)  (\S+)$", text, re.M)
+        assert [h[3] for h in heads] == [f["name"] for f in lesson_functions(lesson)["functions"]]
+        for file, first, last, name in heads:
+            src = (REPO / file).read_text(encoding="utf-8").splitlines()
+            body = text.split(f"## {file}:{first}-{last}  {name}\n")[1].split("\n\n## ")[0]
+            numbered = {int(m[0]): m[1] for m in re.findall(r"^ *(\d+)(?:  (.*))?$", body, re.M)}
+            first, last = int(first), int(last)
+            assert sorted(numbered) == list(range(first, last + 1)), name
+            assert all(numbered[i] == src[i - 1].rstrip() for i in numbered), name
+            word = name.split(".")[-1]
+            assert any(src[i - 1].lstrip().startswith((f"def {word}(", f"class {word}", f"async def {word}("))
+                       for i in numbered), name
+            assert first == 1 or not src[first - 2].lstrip().startswith("@"), name   # its decorators too
+            indent = len(src[first - 1]) - len(src[first - 1].lstrip())
+            after = next((line for line in src[last:] if line.strip()), "")
+            assert len(after) - len(after.lstrip()) <= indent, name       # the definition ends where its block does
+    out = tmp_path / "walk" / "l4.txt"
+    res = labkit_in_process("course", "show", "4", "--source", "--out", out)
+    assert res.returncode == 0, res.stderr
+    assert out.read_text(encoding="utf-8") == lesson_source(4) + "\n"
+    assert "def allocate(" in out.read_text(encoding="utf-8")
+    res = labkit_in_process("course", "show", "4", "--out", out)
+    assert res.returncode == 2 and "--source" in res.stderr and "Traceback" not in res.stderr
+
+
 def test_course_show_reports_a_name_the_code_lacks(tmp_path):
     from labkit.experiments.course import lesson_functions
 
