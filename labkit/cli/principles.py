@@ -1,5 +1,6 @@
-"""``labkit principles tokenizer|softmax|attention|memory|slots|timing|residual|hash`` (docs/LAB.md §2, §6, §8, §9, §11, §18)
-and ``labkit multiturn`` (§18). Thin shells over labkit/experiments/principles.py and multiturn.py; every
+"""``labkit principles tokenizer|softmax|attention|uncached|memory|slots|timing|residual|hash`` (docs/LAB.md §2, §6, §8,
+§9, §11, §18) and ``labkit multiturn`` (§18). Thin shells over labkit/experiments/principles.py, uncached_walk.py and
+multiturn.py; every
 command ends through :func:`labkit.cli.app.finish`.
 
 ``register_principles(group)`` adds the principle commands to the ``principles`` group (made in
@@ -73,6 +74,45 @@ def principles_attention(out: OutOpt = None, json_out: JsonOpt = False) -> None:
               "engine decode: query rows / K/V slots written": f"{f['cache']['decode_output_rows']} / {f['cache']['kv_slots_written']}",
               "V != Q/K: last output": [round(x, 6) for x in f["v_differs"]["last_output"]]},
           "causal attention", json_out)
+
+
+def principles_uncached(out: OutOpt = None, json_out: JsonOpt = False) -> None:
+    """A toy network with no KV cache: three rounds of 3, 4, 5 input positions, one position traced through
+    every layer; the causal prefix error; the same three tokens from the cached path (docs/LAB.md §8)."""
+    from labkit.experiments.uncached_walk import run_uncached
+
+    r = run_uncached(out)
+    f = r["facts"]
+    if not json_out:
+        console.print(dict_table([{"round": x["round"], "input ids": readable(x["input_ids"]),
+                                   "hidden rows x cols": " ".join("x".join(map(str, s)) for s in x["hidden_shapes"]),
+                                   "scores, each block": " ".join("x".join(map(str, s)) for s in x["score_shapes"]),
+                                   "next id": x["next_id"]} for x in f["rounds"]],
+                                 title="uncached: every round feeds the whole sequence"), soft_wrap=True)
+        stages = ["embedding"] + [f"block{b}.{k}" for b in range(f["network"]["blocks"])
+                                  for k in ("norm", "q", "k", "v", "attention", "residual", "mlp", "output")]
+        rows = []
+        for stage in stages + ["logits"]:
+            values = []
+            for x in f["rounds"]:
+                value = x["trace"]
+                for part in stage.split("."):
+                    value = value[part]
+                values.append(value)
+            moved = max(abs(a - b) for later in values[1:] for a, b in zip(later, values[0]))
+            rows.append({"stage": stage, "round 1": readable([round(v, 3) for v in values[0]]),
+                         "moved later": f"{moved:.3g}"})
+        console.print(dict_table(rows, title=f"position {f['traced_position']} (the prompt's last): round 1's vectors, and the most any moved in rounds 2-3"),
+                      soft_wrap=True)
+    _show(r, {"input widths": f["input_widths"], "total input positions": f["total_input_positions"],
+              "causal prefix error": f"{f['causal_prefix_error']:.3g}",
+              "attention by hand vs the engine layer": f"{f['attention_hand_vs_engine_max_error']:.3g}",
+              "generated ids": f["generated_ids"],
+              "cached: input widths / total": f"{readable(f['cached']['input_widths'])} / "
+                                               f"{f['cached']['total_input_positions']}",
+              "cached: generated ids / last-logit error": f"{readable(f['cached']['generated_ids'])} / "
+                                                          f"{f['cached']['max_last_logit_error']:.3g}"},
+          "uncached walkthrough", json_out)
 
 
 def principles_memory(model: ModelOpt = None, out: OutOpt = None, json_out: JsonOpt = False) -> None:
@@ -176,7 +216,8 @@ def multiturn(model: ModelOpt = None, device: DeviceOpt = "auto", attention: Att
 
 def register_principles(group: typer.Typer) -> None:
     for name, fn in (("tokenizer", principles_tokenizer), ("softmax", principles_softmax),
-                     ("attention", principles_attention), ("memory", principles_memory),
+                     ("attention", principles_attention), ("uncached", principles_uncached),
+                     ("memory", principles_memory),
                      ("slots", principles_slots), ("timing", principles_timing), ("residual", principles_residual),
                      ("hash", principles_hash)):
         group.command(name, epilog=EXIT_HELP)(fn)

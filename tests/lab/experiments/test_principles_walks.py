@@ -26,8 +26,9 @@ def _model_for(cp, tiny, qwen_shape) -> str:
 PRINCIPLES = [cp.id for cp in load_checkpoints() if cp.stage == "principles"]
 
 
-def test_the_stage_has_the_ten_checkpoints():
-    assert PRINCIPLES == ["principles.tokenizer", "principles.softmax", "principles.attention", "principles.memory",
+def test_the_stage_has_its_twelve_checkpoints():
+    assert PRINCIPLES == ["principles.tokenizer", "principles.softmax", "principles.attention",
+                          "principles.uncached-walkthrough", "principles.memory",
                           "principles.slots", "principles.timing", "principles.lifecycle", "principles.residual",
                           "principles.prefix-cache", "principles.hash", "principles.multiturn"]
     assert all(get_checkpoint(c).needs == "cpu" for c in PRINCIPLES)
@@ -116,6 +117,53 @@ def test_attention_fails_without_the_causal_mask(tmp_path, labkit_argv, monkeypa
     failed = _failed(rec)
     # the last row reads every position either way; the earlier rows now read the future
     assert rec["verdict"] == "FAIL" and {"facts.masked_earlier_delta", "facts.upper_triangle_max"} <= set(failed)
+
+
+def test_uncached_walkthrough_fails_without_the_causal_mask(tmp_path, labkit_argv, monkeypatch):
+    from engine.attention.torch_backend import TorchAttention
+    from labkit.experiments.uncached_walk import run_uncached
+
+    attend = TorchAttention._attend
+    monkeypatch.setattr(TorchAttention, "_attend", staticmethod(lambda q, k, v, mask, scale, causal: attend(q, k, v, mask, scale, False)))
+    labkit_argv.checkpoint("principles.uncached-walkthrough")
+    rec = run_uncached(tmp_path / "u.json")
+    # earlier rows read the future: they move when a position is appended, and the cached path no longer agrees
+    assert rec["verdict"] == "FAIL"
+    assert {"facts.causal_prefix_error", "facts.traced_position_error", "facts.attention_hand_vs_engine_max_error",
+            "facts.cached.max_last_logit_error"} <= set(_failed(rec))
+    assert "facts.total_input_positions" not in _failed(rec)
+
+
+def test_uncached_walkthrough_fails_when_a_decode_reads_one_position_short(tmp_path, labkit_argv, monkeypatch):
+    """The cached path's decode misses its newest K/V (context one short): only the cached assertions FAIL."""
+    import engine.models.qwen3 as qwen3
+    from labkit.experiments.uncached_walk import run_uncached
+
+    forward = qwen3.Attention.forward
+
+    def short(self, q, k, v, meta, **kw):
+        if not meta.is_prefill:
+            meta.context_lens = meta.context_lens - 1
+            meta.seqlens_k = [n - 1 for n in meta.seqlens_k]
+        return forward(self, q, k, v, meta, **kw)
+
+    monkeypatch.setattr(qwen3.Attention, "forward", short)
+    labkit_argv.checkpoint("principles.uncached-walkthrough")
+    rec = run_uncached(tmp_path / "u.json")
+    assert rec["verdict"] == "FAIL" and "facts.cached.max_last_logit_error" in _failed(rec)
+    assert not {k for k in _failed(rec) if not k.startswith(("facts.cached.", "facts.attention_hand"))}
+
+
+def test_uncached_walkthrough_fails_when_a_decode_stores_no_kv(tmp_path, labkit_argv, monkeypatch):
+    from engine.attention.torch_backend import TorchAttention
+    from labkit.experiments.uncached_walk import run_uncached
+
+    store = TorchAttention.store_kv
+    monkeypatch.setattr(TorchAttention, "store_kv",
+                        lambda self, k, v, kc, vc, slots: None if k.shape[0] == 1 else store(self, k, v, kc, vc, slots))
+    labkit_argv.checkpoint("principles.uncached-walkthrough")
+    rec = run_uncached(tmp_path / "u.json")
+    assert rec["verdict"] == "FAIL" and {"facts.cached.score_shapes", "facts.cached.max_last_logit_error"} <= set(_failed(rec))
 
 
 def test_memory_fails_when_counting_q_heads(tmp_path, labkit_argv, monkeypatch):
