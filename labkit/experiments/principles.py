@@ -138,7 +138,7 @@ def run_softmax(out: Path | None = None, samples: int = 20000, seed: int = 0) ->
 # --------------------------------------------------------------------------- B.1.2 causal attention
 
 
-def _attention_layer(head_dim: int, block_size: int, num_blocks: int):
+def attention_layer(head_dim: int, block_size: int, num_blocks: int):
     """The engine's Attention layer (one head) on the torch backend, with its own paged KV cache."""
     import torch
 
@@ -151,7 +151,7 @@ def _attention_layer(head_dim: int, block_size: int, num_blocks: int):
     return layer
 
 
-def _prefill_meta(n: int, slots: list[int]):
+def prefill_meta(n: int, slots: list[int]):
     import torch
 
     from engine.attention.metadata import AttentionMetadata
@@ -162,7 +162,7 @@ def _prefill_meta(n: int, slots: list[int]):
                              seqlens_q=[n], seqlens_k=[n])
 
 
-def _decode_meta(n_queries: int, context: int, slots: list[int], table: list[int]):
+def decode_meta(n_queries: int, context: int, slots: list[int], table: list[int]):
     import torch
 
     from engine.attention.metadata import AttentionMetadata
@@ -184,7 +184,7 @@ def _causal(q_rows, k_rows, v_rows, scale: float | None = None) -> list[list[flo
     n = q.shape[0]
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     empty = torch.zeros(0)
-    out = create_backend("torch", 4).forward(q, k, v, empty, empty, _prefill_meta(n, [-1] * n), scale)
+    out = create_backend("torch", 4).forward(q, k, v, empty, empty, prefill_meta(n, [-1] * n), scale)
     return out[:, 0, :].tolist()
 
 
@@ -195,10 +195,10 @@ def _unmasked(x_rows) -> list[list[float]]:
 
     x = torch.tensor(x_rows, dtype=torch.float64)[:, None, :]
     n, d = x.shape[0], x.shape[-1]
-    layer = _attention_layer(d, block_size=4, num_blocks=(n + 3) // 4)
+    layer = attention_layer(d, block_size=4, num_blocks=(n + 3) // 4)
     layer.k_cache, layer.v_cache = layer.k_cache.double(), layer.v_cache.double()
     layer.backend.store_kv(x, x, layer.k_cache, layer.v_cache, torch.arange(n))
-    meta = _decode_meta(n, n, [-1] * n, list(range((n + 3) // 4)))
+    meta = decode_meta(n, n, [-1] * n, list(range((n + 3) // 4)))
     return layer.backend.forward(x, x, x, layer.k_cache, layer.v_cache, meta, d ** -0.5)[:, 0, :].tolist()
 
 
@@ -224,12 +224,12 @@ def attention_facts() -> dict:
     # (one query reading 4 K/V through the block table) against a full causal recompute of all 4
     y = x + [list(ATTENTION_APPEND)]
     full_last = _causal(y, y, y)[-1]
-    layer = _attention_layer(d, block_size=4, num_blocks=1)
+    layer = attention_layer(d, block_size=4, num_blocks=1)
     layer.k_cache, layer.v_cache = layer.k_cache.double(), layer.v_cache.double()
     t = torch.tensor(x, dtype=torch.float64)[:, None, :]
-    layer(t, t, t, _prefill_meta(len(x), list(range(len(x)))))
+    layer(t, t, t, prefill_meta(len(x), list(range(len(x)))))
     q4 = torch.tensor([list(ATTENTION_APPEND)], dtype=torch.float64)[:, None, :]
-    cached_rows = layer(q4, q4, q4, _decode_meta(1, len(y), [len(x)], [0]))
+    cached_rows = layer(q4, q4, q4, decode_meta(1, len(y), [len(x)], [0]))
     cached_last = cached_rows[0, 0].tolist()
     v2 = [list(r) for r in ATTENTION_V2]
     return {

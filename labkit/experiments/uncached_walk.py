@@ -44,7 +44,7 @@ class ToyNetwork:
         import torch
 
         from engine.layers.layernorm import RMSNorm
-        from labkit.experiments.principles import _attention_layer
+        from labkit.experiments.principles import attention_layer
 
         g = torch.Generator().manual_seed(seed)
 
@@ -56,7 +56,7 @@ class ToyNetwork:
                         "wo": w(WIDTH, WIDTH), "norm2": RMSNorm(WIDTH), "w1": w(WIDTH, MLP), "w2": w(MLP, WIDTH)}
                        for _ in range(BLOCKS)]
         self.norm, self.head = RMSNorm(WIDTH), w(WIDTH, VOCAB, scale=1.0)
-        self._layer = lambda: _attention_layer(WIDTH, block_size=8, num_blocks=1)
+        self._layer = lambda: attention_layer(WIDTH, block_size=8, num_blocks=1)
         self.caches = [self._layer() for _ in range(BLOCKS)]
 
     def forward(self, ids: list[int], start: int, cached: bool) -> dict:
@@ -64,7 +64,7 @@ class ToyNetwork:
         and the trace of position TRACE when it is among the inputs."""
         import torch
 
-        from labkit.experiments.principles import _decode_meta, _prefill_meta
+        from labkit.experiments.principles import decode_meta, prefill_meta
 
         n = len(ids)
         positions = list(range(start, start + n))
@@ -77,9 +77,9 @@ class ToyNetwork:
             h = blk["norm1"](x)
             q, k, v = h @ blk["wq"], h @ blk["wk"], h @ blk["wv"]
             if start == 0:
-                meta = _prefill_meta(n, positions)
+                meta = prefill_meta(n, positions)
             else:                     # one new row (the cached path) over the start + 1 positions held
-                meta = _decode_meta(n, start + n, positions, [0])
+                meta = decode_meta(n, start + n, positions, [0])
             a = layer(q[:, None, :], k[:, None, :], v[:, None, :], meta)[:, 0, :]
             # the same attention by hand over every position known so far (the cache's rows, then these)
             keys = layer.k_cache[0, :start + n, 0, :].float()
