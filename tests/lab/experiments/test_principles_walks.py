@@ -106,12 +106,27 @@ def test_softmax_fails_when_the_sampler_ignores_the_temperature(tmp_path, labkit
     assert rec["verdict"] == "FAIL" and "facts.sampled_frequencies.0" in _failed(rec)
 
 
-def test_attention_fails_without_the_causal_mask(tmp_path, labkit_argv, monkeypatch):
+def _no_causal_mask(monkeypatch):
+    """The engine's torch backend attends every position to every other (a prefill without its causal mask)."""
     from engine.attention.torch_backend import TorchAttention
-    from labkit.experiments.principles import run_attention
 
     attend = TorchAttention._attend
     monkeypatch.setattr(TorchAttention, "_attend", staticmethod(lambda q, k, v, mask, scale, causal: attend(q, k, v, mask, scale, False)))
+
+
+def _decode_stores_no_kv(monkeypatch):
+    """A one-token step writes no K/V into the paged cache."""
+    from engine.attention.torch_backend import TorchAttention
+
+    store = TorchAttention.store_kv
+    monkeypatch.setattr(TorchAttention, "store_kv",
+                        lambda self, k, v, kc, vc, slots: None if k.shape[0] == 1 else store(self, k, v, kc, vc, slots))
+
+
+def test_attention_fails_without_the_causal_mask(tmp_path, labkit_argv, monkeypatch):
+    from labkit.experiments.principles import run_attention
+
+    _no_causal_mask(monkeypatch)
     labkit_argv.checkpoint("principles.attention")
     rec = run_attention(tmp_path / "a.json")
     failed = _failed(rec)
@@ -120,11 +135,9 @@ def test_attention_fails_without_the_causal_mask(tmp_path, labkit_argv, monkeypa
 
 
 def test_uncached_walkthrough_fails_without_the_causal_mask(tmp_path, labkit_argv, monkeypatch):
-    from engine.attention.torch_backend import TorchAttention
     from labkit.experiments.uncached_walk import run_uncached
 
-    attend = TorchAttention._attend
-    monkeypatch.setattr(TorchAttention, "_attend", staticmethod(lambda q, k, v, mask, scale, causal: attend(q, k, v, mask, scale, False)))
+    _no_causal_mask(monkeypatch)
     labkit_argv.checkpoint("principles.uncached-walkthrough")
     rec = run_uncached(tmp_path / "u.json")
     # earlier rows read the future: they move when a position is appended, and the cached path no longer agrees
@@ -155,12 +168,9 @@ def test_uncached_walkthrough_fails_when_a_decode_reads_one_position_short(tmp_p
 
 
 def test_uncached_walkthrough_fails_when_a_decode_stores_no_kv(tmp_path, labkit_argv, monkeypatch):
-    from engine.attention.torch_backend import TorchAttention
     from labkit.experiments.uncached_walk import run_uncached
 
-    store = TorchAttention.store_kv
-    monkeypatch.setattr(TorchAttention, "store_kv",
-                        lambda self, k, v, kc, vc, slots: None if k.shape[0] == 1 else store(self, k, v, kc, vc, slots))
+    _decode_stores_no_kv(monkeypatch)
     labkit_argv.checkpoint("principles.uncached-walkthrough")
     rec = run_uncached(tmp_path / "u.json")
     assert rec["verdict"] == "FAIL" and {"facts.cached.score_shapes", "facts.cached.max_last_logit_error"} <= set(_failed(rec))
@@ -210,12 +220,9 @@ def test_softmax_fails_when_the_engine_log_probs_are_wrong(tmp_path, labkit_argv
 
 
 def test_attention_fails_when_a_decode_stores_no_kv(tmp_path, labkit_argv, monkeypatch):
-    from engine.attention.torch_backend import TorchAttention
     from labkit.experiments.principles import run_attention
 
-    store = TorchAttention.store_kv
-    monkeypatch.setattr(TorchAttention, "store_kv",
-                        lambda self, k, v, kc, vc, slots: None if k.shape[0] == 1 else store(self, k, v, kc, vc, slots))
+    _decode_stores_no_kv(monkeypatch)
     labkit_argv.checkpoint("principles.attention")
     rec = run_attention(tmp_path / "a.json")
     assert rec["verdict"] == "FAIL" and "facts.cache.kv_slots_written" in _failed(rec)
