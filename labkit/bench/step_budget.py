@@ -362,16 +362,48 @@ def budget_table(passes: dict, primary: str, split_from: str, engine, device: st
             "host_outside_ms": prof["host_outside_total_ms"],
             "busy_plus_host_over_wall": round((prof["device_busy_ms"] + prof["host_outside_total_ms"]) / wall, 6) if wall else None,
             "gemm_roles_ms": {r: prof["by_category_ms"][f"gemm.{r}"] for r in GEMM_ROLES},
+            "layer_ms": prof["by_category_ms"]["layer"],
             "rows": rows, "host_rows": host, "roofs": roofs,
             "note": (f"ms/step and shares are the {split_from} pass's profiled steps; the step's true time is "
                      f"step_ms_timed ({primary} route, no profiler)")}
 
 
 # -- evidence and table ----------------------------------------------------------------------------
+#: the projections the persistent decode layer (LAB_DECODE_LAYER=1) runs inside its one kernel: no GEMM of their own
+LAYER_ROLES = ("qkv", "o", "gate_up", "down")
+
+
+def budget_assertions(graph: bool, layer_kernel: bool) -> list[dict]:
+    """The step budget's own assertions over its facts: the categories cover the device time once, each GEMM role
+    was attributed (with the layer kernel on, the four inside it are its category instead), each pass took its
+    route."""
+    from labkit.checks import run_assertion
+
+    assertions = [
+        run_assertion("facts.budget.categories_sum_over_device", "abs_le", [1.0, 0.001],
+                      name="categories sum to the device time",
+                      why="every profiled device item of the steps is in exactly one category"),
+        run_assertion("facts.budget.busy_plus_host_over_wall", "abs_le", [1.0, 0.001], name="busy + host outside = step wall",
+                      why="the device-busy time and the host time outside it add up to the profiled step"),
+        *[run_assertion(f"facts.budget.gemm_roles_ms.{r}", "gt", 0, name=f"GEMM role {r} attributed",
+                        why="its module's range saw its kernels") for r in GEMM_ROLES
+          if not (layer_kernel and r in LAYER_ROLES)],
+        *([run_assertion("facts.budget.layer_ms", "gt", 0, name="layer kernel attributed",
+                         why="LAB_DECODE_LAYER=1: the layer kernel holds qkv, o, gate_up and down, and ran")]
+          if layer_kernel else []),
+        run_assertion("facts.passes.eager.timed.route_kinds", "all_eq", "eager", name="eager pass ran eagerly",
+                      why="every step of the eager pass took the eager route"),
+    ]
+    if graph:
+        assertions.append(run_assertion("facts.passes.graph.timed.route_kinds", "all_eq", "graph",
+                                        name="graph pass replayed graphs",
+                                        why="every step of the graph pass replayed a captured decode graph"))
+    return assertions
+
+
 def run_step_budget(out: Path, spec: BudgetSpec, model: str | None = None, device: str = "auto",
                     attention: str = "auto", kv_cache_dtype: str = "auto") -> dict:
     """The step budget as evidence at `out`, its Chrome traces next to it (<stem>.trace-<pass>.json.gz)."""
-    from labkit.checks import run_assertion
     from labkit.evidence import write_evidence
 
     out = Path(out)
@@ -380,21 +412,8 @@ def run_step_budget(out: Path, spec: BudgetSpec, model: str | None = None, devic
         describe = built.describe()
     finally:
         built.engine.close()
-    assertions = [
-        run_assertion("facts.budget.categories_sum_over_device", "abs_le", [1.0, 0.001],
-                      name="categories sum to the device time",
-                      why="every profiled device item of the steps is in exactly one category"),
-        run_assertion("facts.budget.busy_plus_host_over_wall", "abs_le", [1.0, 0.001], name="busy + host outside = step wall",
-                      why="the device-busy time and the host time outside it add up to the profiled step"),
-        *[run_assertion(f"facts.budget.gemm_roles_ms.{r}", "gt", 0, name=f"GEMM role {r} attributed",
-                        why="its module's range saw its kernels") for r in GEMM_ROLES],
-        run_assertion("facts.passes.eager.timed.route_kinds", "all_eq", "eager", name="eager pass ran eagerly",
-                      why="every step of the eager pass took the eager route"),
-    ]
-    if "graph" in facts["passes"]:
-        assertions.append(run_assertion("facts.passes.graph.timed.route_kinds", "all_eq", "graph",
-                                        name="graph pass replayed graphs",
-                                        why="every step of the graph pass replayed a captured decode graph"))
+    assertions = budget_assertions(graph="graph" in facts["passes"],
+                                   layer_kernel=bool(describe.get("model", {}).get("decode_layer")))
     return write_evidence(out, checkpoint=None, kind=built.kind, facts=facts, device=built.device,
                           model=built.model, seed=built.engine.config.seed, engine=describe,
                           run_assertions=assertions)

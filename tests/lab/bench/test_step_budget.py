@@ -284,3 +284,27 @@ def test_budget_rows_carry_each_categorys_bound(budget, tiny_model_dir, monkeypa
     assert lm["bound_ms"] == pytest.approx(max(flops / 0.05e12, nbytes / 100e9) * 1e3, rel=1e-3)
     assert lm["achieved_share_of_bound"] == pytest.approx(lm["bound_ms"] / lm["ms_per_step"], rel=1e-3)
     assert {"attention", "kv_store", "sampler", "rotary"} <= {c for c, r in rows.items() if "bound_ms" in r}
+
+
+def test_with_the_layer_kernel_its_category_stands_for_the_four_projections(budget):
+    """LAB_DECODE_LAYER=1 runs qkv, o, gate_up and down inside one kernel: their GEMM roles see nothing and the
+    "layer" category must have run instead; without it every role must have been attributed."""
+    import copy
+
+    from labkit.checks import evaluate, verdict
+    from labkit.checks.language import parse_run_assertions
+
+    def judged(facts, layer_kernel):
+        assertions = parse_run_assertions(sb.budget_assertions(graph=False, layer_kernel=layer_kernel))
+        checks = [evaluate(a, {"facts": facts}) for a in assertions]
+        return verdict(checks), {c["name"] for c in checks if c["status"] == "fail"}
+
+    facts = copy.deepcopy(budget["facts"])
+    assert judged(facts, False) == ("PASS", set()) and facts["budget"]["layer_ms"] == 0.0
+    layered = copy.deepcopy(facts)
+    layered["budget"]["gemm_roles_ms"].update({r: 0.0 for r in sb.LAYER_ROLES})
+    layered["budget"]["layer_ms"] = 0.5
+    assert judged(layered, True) == ("PASS", set())
+    assert judged(layered, False)[1] == {f"GEMM role {r} attributed" for r in sb.LAYER_ROLES}
+    layered["budget"]["layer_ms"] = 0.0                       # the lever on and no layer kernel seen
+    assert judged(layered, True) == ("FAIL", {"layer kernel attributed"})
