@@ -72,7 +72,8 @@ def engine_facts(engine: LLMEngine) -> dict:
             "capture_seconds": d["graph"]["capture_seconds"], "graph_buckets": d["graph"]["buckets"],
             "kv_blocks": d["num_kvcache_blocks"], "attention_backend": d["attention_backend"],
             "memory": d["memory"], "warmup": d["warmup"],
-            "qk_norm_rope_kv": (d.get("model") or {}).get("qk_norm_rope_kv")}    # the route: fused, decode-prologue...
+            "qk_norm_rope_kv": (d.get("model") or {}).get("qk_norm_rope_kv"),    # the route: fused, decode-prologue...
+            "decode_layer": bool((d.get("model") or {}).get("decode_layer"))}    # LAB_DECODE_LAYER's kernel ran
 
 
 # -- workloads -------------------------------------------------------------------------------------

@@ -123,6 +123,7 @@ def _generate(model_dir: str, layer_kernel: bool) -> dict:
     import engine.layers.decode_layer as dl
     from engine import SamplingParams
     from interp import tiny_triton_engine
+    from labkit.bench.run import engine_facts
 
     engine = tiny_triton_engine(model_dir, decode_prologue="prefetch", decode_layer=128 if layer_kernel else 0)
     runner = engine.runner
@@ -136,7 +137,7 @@ def _generate(model_dir: str, layer_kernel: bool) -> dict:
     dl.decode_layer = plain
     return {"tokens": [o["token_ids"] for o in outs], "logits": runner.decode_logits, "calls": len(calls),
             "batch1": sum(t.shape[0] == 1 for t in runner.decode_logits), "layers": len(runner.model.attention_layers()),
-            "route": runner.model.describe()["decode_layer"]}
+            "route": engine_facts(engine)["decode_layer"]}      # what the bench's evidence records: the model's route
 
 
 def _model(model_dir: str) -> dict:
