@@ -91,6 +91,6 @@ DECODE_LAYER_ENV = "LAB_DECODE_LAYER"
 def decode_layer_on(attention_backend: str) -> bool:
     """Whether a batch-1 decode step runs each decoder layer as one persistent kernel (engine/layers/decode_layer.py;
     the layer takes it where its case holds: Qwen3DecoderLayer.decode_layer_ok): LAB_DECODE_LAYER=1, with the Triton
-    backend (the kernel's attention is the Triton decode's). Off unless asked: a lever under measurement against
-    the six kernels a layer it replaces (tools/gpu/h200_session.sh layer)."""
+    backend (the kernel's attention is the Triton decode's). Off unless asked: timed against the six kernels a layer
+    it replaces (tools/gpu/h200_session.sh layer), it ran slower from CUDA graphs (docs/MEASURED.md)."""
     return _setting(DECODE_LAYER_ENV, ("0", "1"), "0") == "1" and attention_backend == "triton"

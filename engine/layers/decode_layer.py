@@ -33,6 +33,11 @@ graph captures have run the kernel and refuses to start if it is up (ModelRunner
 
 The case it takes (Qwen3DecoderLayer.decode_layer_ok): one token, a decode step, Qwen3's q/k norm, no biases, one
 rank, a KV cache in the model's dtype (not FP8), the Triton backend with fused ops.
+
+It stays off by default: replayed from CUDA graphs it was slower than the six kernels, its kernel at about a quarter
+of its bytes' bound (docs/MEASURED.md). The likely reason is its one program of NUM_WARPS warps an SM: few weight
+bytes in flight an SM, where the separate GEMVs keep several programs an SM streaming; the launch ramp it removes
+is what graphs and PDL already hide.
 """
 from __future__ import annotations
 
