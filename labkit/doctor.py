@@ -5,7 +5,9 @@ matmul on that device matches a float64 CPU reference, that ``runs/`` is writabl
 project's engine imports and runs: ``import engine`` must resolve to the ``engine/`` directory next to
 ``labkit/`` (a stale install or a shadow package on PYTHONPATH fails), and that engine builds the
 default model (the synthetic one the other commands use, made on first use) and generates one greedy
-token on the chosen device. Writes the evidence of checkpoint ``setup.doctor``.
+token on the chosen device. It records the toolchain beside them (handbook 5.1.4): ``pip check``,
+``nvcc --version`` and ``nvidia-smi``'s GPUs (index, name, uuid, memory, driver). Writes the evidence of
+checkpoint ``setup.doctor``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import importlib
 import os
 import platform
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -231,6 +235,58 @@ def engine_memory(built) -> dict:
     }
 
 
+def _run(args: list[str], timeout: float = 60) -> tuple[int | None, str, str]:
+    """(returncode, stdout, the reason it could not run) of a short command; returncode None when it did not run."""
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, "", _one_line(e)
+    return out.returncode, out.stdout + out.stderr, ""
+
+
+def pip_check() -> dict:
+    """``python -m pip check`` in this interpreter: ok (no broken requirements), and what it reported if not."""
+    rc, text, why = _run([sys.executable, "-m", "pip", "check"])
+    if rc is None:
+        return {"ok": None, "reason": why}
+    lines = [line for line in text.splitlines() if line.strip()]
+    if rc != 0 and any("No module named pip" in line for line in lines):
+        return {"ok": None, "reason": "pip is not installed in this interpreter"}
+    return {"ok": rc == 0, "problems": [] if rc == 0 else lines[:20]}
+
+
+def nvcc_version() -> dict:
+    """``nvcc --version``'s release line (the CUDA toolkit a source build such as flash-attn's compiles with)."""
+    exe = shutil.which("nvcc")
+    if exe is None:
+        return {"available": False, "reason": "nvcc not found on PATH"}
+    rc, text, why = _run([exe, "--version"], timeout=20)
+    release = next((line.strip() for line in text.splitlines() if "release" in line), None)
+    if rc != 0 or release is None:
+        return {"available": False, "reason": why or (text.strip().splitlines() or ["nvcc --version failed"])[-1]}
+    return {"available": True, "path": exe, "release": release}
+
+
+NVIDIA_SMI_FIELDS = ("index", "name", "uuid", "memory.total", "driver_version")
+
+
+def nvidia_smi() -> dict:
+    """Each GPU ``nvidia-smi`` lists: index, name, uuid, memory (memory.total) and driver."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return {"available": False, "reason": "nvidia-smi not found"}
+    rc, text, why = _run([exe, f"--query-gpu={','.join(NVIDIA_SMI_FIELDS)}", "--format=csv,noheader"], timeout=20)
+    if rc != 0:
+        return {"available": False, "reason": why or (text.strip().splitlines() or ["nvidia-smi failed"])[0]}
+    keys = ("index", "name", "uuid", "memory", "driver")
+    gpus = [dict(zip(keys, (c.strip() for c in line.split(",")))) for line in text.splitlines() if line.strip()]
+    return {"available": True, "gpus": gpus, "driver": gpus[0]["driver"] if gpus else None}
+
+
+def toolchain() -> dict:
+    return {"pip_check": pip_check(), "nvcc": nvcc_version(), "nvidia_smi": nvidia_smi()}
+
+
 def run_doctor(out: Path | None = None, device: str = "auto", engine: bool = False, model: str | None = None) -> dict:
     """Run every doctor check and write the ``setup.doctor`` evidence; returns the record.
 
@@ -252,6 +308,7 @@ def run_doctor(out: Path | None = None, device: str = "auto", engine: bool = Fal
         "tensor_check": tensor,
         "runs_writable": check_runs_writable(),
         "flash_attn": check_flash_attn(dev),
+        "toolchain": toolchain(),
     }
     engine_desc = model_identity = None
     if facts["engine_import"]["ok"]:

@@ -141,3 +141,18 @@ def write_log(path: Path, events: list[dict], kind: str = "cpu-real-engine", **h
         for e in events:
             f.write(json.dumps(e) + "\n")
     return path
+
+
+def doctor_facts(**over) -> dict:
+    """The facts of a passing `setup.doctor` record (what `labkit doctor` writes, the parts its checkpoint judges),
+    with ``over``'s keys replaced."""
+    facts = {
+        "imports_ok": True,
+        "tensor_check": {"ok": True, "max_abs_err": 2e-5},
+        "runs_writable": {"ok": True},
+        "engine_import": {"ok": True, "inside_project": True},
+        "engine_run": {"ok": True, "engine_class_inside_project": True, "output_tokens": 1, "steps": 1},
+        "toolchain": {"pip_check": {"ok": True, "problems": []}},
+    }
+    facts.update(over)
+    return facts

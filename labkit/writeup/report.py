@@ -16,7 +16,6 @@ import importlib.metadata
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from labkit.checks import Checkpoint, check_evidence, load_checkpoints, reason, resolve
+from labkit.doctor import nvcc_version, nvidia_smi, pip_check
 from labkit.evidence import utc_stamp, command_line, git_dirty, git_head, read_json, write_json
 from labkit.evidence_format import SCHEMA_VERSION, engine_dir, source_hash
 from labkit.paths import repo_root, runs_dir
@@ -120,22 +120,6 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def _nvidia_smi() -> dict:
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return {"available": False, "reason": "nvidia-smi not found"}
-    try:
-        out = subprocess.run([exe, "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError) as e:
-        return {"available": False, "reason": str(e)}
-    if out.returncode != 0:
-        return {"available": False, "reason": (out.stderr.strip().splitlines() or ["nvidia-smi failed"])[0]}
-    gpus = [dict(zip(("name", "driver", "memory"), (c.strip() for c in line.split(","))))
-            for line in out.stdout.splitlines() if line.strip()]
-    return {"available": True, "gpus": gpus, "driver": gpus[0]["driver"] if gpus else None}
-
-
 def environment() -> dict:
     """Python, platform, package versions (installed distributions), torch / CUDA and the GPUs."""
     env: dict[str, Any] = {"python": sys.version.split()[0], "executable": sys.executable,
@@ -150,7 +134,8 @@ def environment() -> dict:
                         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []}
     except Exception as e:  # noqa: BLE001 - a broken torch is itself a finding
         env["torch"] = {"error": f"{type(e).__name__}: {e}"}
-    env["nvidia_smi"] = _nvidia_smi()
+    env["nvidia_smi"] = nvidia_smi()
+    env["pip_check"], env["nvcc"] = pip_check(), nvcc_version()
     return env
 
 
@@ -416,6 +401,11 @@ def render_md(r: dict) -> str:
         lines.append(f"| GPUs | {', '.join(t.get('devices') or []) or 'none'} |")
     smi = env["nvidia_smi"]
     lines.append(f"| driver | {smi.get('driver') if smi.get('available') else smi.get('reason')} |")
+    for g in smi.get("gpus") or []:
+        lines.append(f"| GPU {g.get('index')} | {g.get('name')}, {g.get('memory')}, {g.get('uuid')} |")
+    pc, nvcc = env.get("pip_check") or {}, env.get("nvcc") or {}
+    lines.append(f"| pip check | {'no broken requirements' if pc.get('ok') else pc.get('reason') or '; '.join(pc.get('problems') or [])} |")
+    lines.append(f"| nvcc | {nvcc.get('release') if nvcc.get('available') else nvcc.get('reason')} |")
     for name, v in env["packages"].items():
         lines.append(f"| {name} | {v or 'not installed'} |")
     lines.append(f"\nEvery installed distribution: `{r['attachments'].get('environment')}`.")

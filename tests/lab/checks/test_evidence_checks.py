@@ -11,18 +11,7 @@ import pytest
 
 from labkit import checks, evidence, evidence_format, paths
 from labkit.checks import Assertion, CheckpointError, check_evidence, evaluate, judge, verdict
-
-
-def doctor_facts(**over) -> dict:
-    facts = {
-        "imports_ok": True,
-        "tensor_check": {"ok": True, "max_abs_err": 2e-5},
-        "runs_writable": {"ok": True},
-        "engine_import": {"ok": True, "inside_project": True},
-        "engine_run": {"ok": True, "engine_class_inside_project": True, "output_tokens": 1, "steps": 1},
-    }
-    facts.update(over)
-    return facts
+from testkit import doctor_facts
 
 
 # --------------------------------------------------------------------------- envelope

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from labkit import checks, evidence, evidence_format
 from labkit.checks import CheckpointError, check_evidence, reason, run_assertion
+from testkit import doctor_facts
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -397,9 +398,7 @@ def test_labkit_check_names_the_reason(runs, labkit_argv, monkeypatch):
     from labkit.cli import app
 
     cp = checks.get_checkpoint("setup.doctor")
-    facts = {"imports_ok": True, "tensor_check": {"ok": True, "max_abs_err": 2e-5}, "runs_writable": {"ok": True},
-             "engine_import": {"ok": True, "inside_project": True},
-             "engine_run": {"ok": True, "engine_class_inside_project": True, "output_tokens": 1, "steps": 1}}
+    facts = doctor_facts()
     labkit_argv("doctor")
     evidence.write_evidence(cp.evidence_path(), checkpoint=cp.id, kind="cpu-real-engine", facts=facts, device="cpu")
 

@@ -11,10 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from labkit import checks, evidence
+from testkit import doctor_facts
 
-DOCTOR_FACTS = {"imports_ok": True, "tensor_check": {"ok": True, "max_abs_err": 2e-5}, "runs_writable": {"ok": True},
-                "engine_import": {"ok": True, "inside_project": True},
-                "engine_run": {"ok": True, "engine_class_inside_project": True, "output_tokens": 1, "steps": 1}}
 
 
 @pytest.fixture
@@ -28,7 +26,7 @@ def write_doctor(labkit_argv, **kw) -> dict:
     cp = checks.get_checkpoint("setup.doctor")
     labkit_argv("doctor")
     return evidence.write_evidence(cp.evidence_path(), checkpoint=cp.id, kind="cpu-real-engine",
-                                   facts=dict(DOCTOR_FACTS), device="cpu", **kw)
+                                   facts=doctor_facts(), device="cpu", **kw)
 
 
 def check_cli(*args: str) -> tuple[int, dict[str, dict]]:

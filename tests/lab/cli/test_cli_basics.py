@@ -168,6 +168,64 @@ def test_doctor_engine_reports_kv_pool_sizing(tiny_model_dir, tmp_path, labkit_a
     assert rec["engine"]["num_kvcache_blocks"] == e["num_blocks"] and rec["verdict"] == "PASS"
 
 
+def _stand_in(tmp_path, monkeypatch, name: str, script: str) -> None:
+    """An executable `name` on PATH that runs `script` (sh)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    exe = bin_dir / name
+    exe.write_text("#!/bin/sh\n" + script + "\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_doctor_records_the_toolchain_nvidia_smi_and_nvcc(tmp_path, monkeypatch):
+    """Handbook 5.1.4: nvidia-smi's index, name, uuid, memory and driver per GPU; nvcc's release line."""
+    from labkit.doctor import nvcc_version, nvidia_smi
+
+    _stand_in(tmp_path, monkeypatch, "nvidia-smi",
+              'case "$1" in --query-gpu=index,name,uuid,memory.total,driver_version) ;; *) exit 9 ;; esac\n'
+              'echo "0, NVIDIA H200, GPU-aaaa, 143771 MiB, 580.159.04"\n'
+              'echo "1, NVIDIA H200, GPU-bbbb, 143771 MiB, 580.159.04"')
+    _stand_in(tmp_path, monkeypatch, "nvcc", 'echo "nvcc: NVIDIA (R) Cuda compiler driver"; '
+              'echo "Cuda compilation tools, release 13.0, V13.0.88"')
+    smi = nvidia_smi()
+    assert smi["available"] and smi["driver"] == "580.159.04"
+    assert smi["gpus"][1] == {"index": "1", "name": "NVIDIA H200", "uuid": "GPU-bbbb", "memory": "143771 MiB",
+                              "driver": "580.159.04"}
+    assert nvcc_version()["release"] == "Cuda compilation tools, release 13.0, V13.0.88"
+    _stand_in(tmp_path, monkeypatch, "nvidia-smi", 'echo "NVIDIA-SMI has failed" >&2; exit 9')
+    _stand_in(tmp_path, monkeypatch, "nvcc", "exit 1")
+    assert nvidia_smi() == {"available": False, "reason": "NVIDIA-SMI has failed"}
+    assert nvcc_version()["available"] is False
+
+
+def test_doctor_reviews_broken_requirements(tmp_path, labkit_argv, monkeypatch):
+    """`pip check` reporting a broken requirement makes doctor REVIEW (the rest PASSes), and its machine table
+    says what pip reported."""
+    import labkit.doctor as doctor
+    from labkit.console.setup import render_doctor
+
+    labkit_argv.checkpoint("setup.doctor")
+    assert doctor.pip_check() == {"ok": True, "problems": []}          # this interpreter's environment
+    real = doctor._run
+
+    def broken(args, timeout=60):
+        if args[1:] == ["-m", "pip", "check"]:
+            return 1, "foo 1.0 has requirement bar>=2, but you have bar 1.0.\n", ""
+        return real(args, timeout)
+
+    monkeypatch.setattr(doctor, "_run", broken)
+    rec = doctor.run_doctor(tmp_path / "doc.json", "cpu")
+    assert rec["facts"]["toolchain"]["pip_check"] == {"ok": False,
+                                                     "problems": ["foo 1.0 has requirement bar>=2, but you have bar 1.0."]}
+    assert rec["verdict"] == "REVIEW"
+    assert [c["name"] for c in rec["checks"] if c["status"] != "pass"] == ["facts.toolchain.pip_check.ok"]
+    from labkit.console import console
+    with console.capture() as cap:
+        render_doctor(rec)
+    assert "foo 1.0 has requirement bar>=2" in cap.get()
+
+
 def test_qwen3_block_is_28_mib_in_bf16():
     """Appendix B.1.5 / B.8.3: one 256-token block of Qwen3-0.6B across all layers is 28 MiB in BF16."""
     from labkit.assets.synth import PRESETS

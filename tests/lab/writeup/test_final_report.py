@@ -35,10 +35,12 @@ def test_bare_report_on_empty_runs_lists_every_item_not_run_with_a_reason(runs, 
         assert two["findings"][0]["reason"].startswith("needs 2 GPUs")
     env = data["environment"]
     assert env["packages"]["torch"] and "cuda_available" in env["torch"] and "nvidia_smi" in env
+    assert env["pip_check"]["ok"] is True and "available" in env["nvcc"]
     assert "applied_patches" in data["engine_changes"]
     md = (runs / "final-report.md").read_text()
     for heading in ("## request timeline", "## Environment", "## Engine changes", "## Missing, with the reason"):
         assert heading in md
+    assert "| pip check | no broken requirements |" in md and "| nvcc | " in md
     assert (runs / "environment.txt").read_text().count("==") > 5
     assert (runs / "source-head.txt").is_file()
 
