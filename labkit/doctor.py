@@ -287,6 +287,19 @@ def toolchain() -> dict:
     return {"pip_check": pip_check(), "nvcc": nvcc_version(), "nvidia_smi": nvidia_smi()}
 
 
+def toolchain_summary(t: dict) -> dict[str, str]:
+    """:func:`toolchain`'s facts as one line each (doctor's table, the final report's environment): pip check, nvcc,
+    a row a GPU, or why there is none."""
+    pc, nvcc, smi = t["pip_check"], t["nvcc"], t["nvidia_smi"]
+    rows = {"pip check": "no broken requirements" if pc["ok"] else pc.get("reason") or "; ".join(pc["problems"]),
+            "nvcc": nvcc["release"] if nvcc["available"] else nvcc["reason"]}
+    if not smi["available"]:
+        rows["GPUs (nvidia-smi)"] = smi["reason"]
+    for g in smi.get("gpus") or []:
+        rows[f"GPU {g['index']}"] = f"{g['name']}, {g['memory']}, driver {g['driver']}, {g['uuid']}"
+    return rows
+
+
 def run_doctor(out: Path | None = None, device: str = "auto", engine: bool = False, model: str | None = None) -> dict:
     """Run every doctor check and write the ``setup.doctor`` evidence; returns the record.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from labkit.console import console, dict_table, kv_table, note, num, readable, rel
+from labkit.doctor import toolchain_summary
 
 
 def render_doctor(record: dict) -> None:
@@ -21,25 +22,11 @@ def render_doctor(record: dict) -> None:
                    f"{facts['engine_run']['generate_seconds']} s ({facts['engine_run']['attention_backend']})"
                    if facts["engine_run"]["ok"] else f"{facts['engine_import']['path']}: {facts['engine_run']['error']}"),
         "flash-attn": _flash_line(facts.get("flash_attn")),
-        **_toolchain_rows(facts.get("toolchain")),
+        **(toolchain_summary(facts["toolchain"]) if "toolchain" in facts else {}),   # absent in older evidence
         "evidence kind": record["kind"],
     }, title="machine"))
     if "engine" in facts:
         console.print(kv_table(doctor_engine_rows(facts["engine"]), title="engine KV pool (docs/LAB.md §11)"))
-
-
-def _toolchain_rows(t: dict | None) -> dict:
-    """doctor's pip check, nvcc and nvidia-smi rows (none for an evidence file written before they were recorded)."""
-    if not t:
-        return {}
-    pc, nvcc, smi = t["pip_check"], t["nvcc"], t["nvidia_smi"]
-    rows = {"pip check": "no broken requirements" if pc["ok"] else pc.get("reason") or "; ".join(pc["problems"]),
-            "nvcc": nvcc["release"] if nvcc["available"] else nvcc["reason"]}
-    if not smi["available"]:
-        rows["GPUs (nvidia-smi)"] = smi["reason"]
-    for g in smi.get("gpus") or []:
-        rows[f"GPU {g['index']}"] = f"{g['name']}, {g['memory']}, driver {g['driver']}, {g['uuid']}"
-    return rows
 
 
 def _flash_line(f: dict | None) -> str:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from labkit.checks import Checkpoint, check_evidence, load_checkpoints, reason, resolve
-from labkit.doctor import nvcc_version, nvidia_smi, pip_check
+from labkit.doctor import toolchain, toolchain_summary
 from labkit.evidence import utc_stamp, command_line, git_dirty, git_head, read_json, write_json
 from labkit.evidence_format import SCHEMA_VERSION, engine_dir, source_hash
 from labkit.paths import repo_root, runs_dir
@@ -134,8 +134,7 @@ def environment() -> dict:
                         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else []}
     except Exception as e:  # noqa: BLE001 - a broken torch is itself a finding
         env["torch"] = {"error": f"{type(e).__name__}: {e}"}
-    env["nvidia_smi"] = nvidia_smi()
-    env["pip_check"], env["nvcc"] = pip_check(), nvcc_version()
+    env.update(toolchain())                 # pip_check, nvcc, nvidia_smi
     return env
 
 
@@ -401,11 +400,7 @@ def render_md(r: dict) -> str:
         lines.append(f"| GPUs | {', '.join(t.get('devices') or []) or 'none'} |")
     smi = env["nvidia_smi"]
     lines.append(f"| driver | {smi.get('driver') if smi.get('available') else smi.get('reason')} |")
-    for g in smi.get("gpus") or []:
-        lines.append(f"| GPU {g.get('index')} | {g.get('name')}, {g.get('memory')}, {g.get('uuid')} |")
-    pc, nvcc = env.get("pip_check") or {}, env.get("nvcc") or {}
-    lines.append(f"| pip check | {'no broken requirements' if pc.get('ok') else pc.get('reason') or '; '.join(pc.get('problems') or [])} |")
-    lines.append(f"| nvcc | {nvcc.get('release') if nvcc.get('available') else nvcc.get('reason')} |")
+    lines += [f"| {k} | {v} |" for k, v in toolchain_summary(env).items()]
     for name, v in env["packages"].items():
         lines.append(f"| {name} | {v or 'not installed'} |")
     lines.append(f"\nEvery installed distribution: `{r['attachments'].get('environment')}`.")
