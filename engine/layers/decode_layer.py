@@ -67,7 +67,8 @@ _sync: dict[torch.device, torch.Tensor] = {}
 def layer_sync(device: torch.device | str) -> torch.Tensor | None:
     """The layer kernel's counters on ``device`` (zeros; a launch leaves them at zero, but for its last barrier's,
     which the next launch resets first): allocated on the first call outside a CUDA graph capture (None inside one
-    before that). ``[FLAG]`` turns 1 where a barrier gave up. A CUDA device without an index is the current one (the runner names "cuda", a tensor "cuda:0")."""
+    before that). ``[FLAG]`` turns 1 where a barrier gave up. A CUDA device without an index is the current one (the
+    runner names "cuda", a tensor "cuda:0")."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -221,7 +222,7 @@ def _decode_layer_kernel(
     if FIRST == 1:
         w_first = _first_tile(qkv_w_ptr, pid, NQKV, H, H, BN_QKV, BK_QKV, E_QKV)
     pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
-    if FIRST == 1:
+    if FIRST == 1:              # (nested: Triton's interpreter cannot `&` a constexpr with a bool)
         if LAST == _PHASES:     # barrier 4's counter, still at nprog from the last launch (1-3 reset theirs below)
             if pid == 0:
                 tl.atomic_xchg(sync_ptr + 3, 0)

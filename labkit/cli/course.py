@@ -42,7 +42,7 @@ def course_show(lesson: LessonArg, source: SourceOpt = False, out: SourceOutOpt 
     if source:
         path = out or default_out(f"course-lesson-{lesson}-source.txt")
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(lesson_source(lesson) + "\n", encoding="utf-8")
+        path.write_text(lesson_source(got) + "\n", encoding="utf-8")
         got["source"] = str(path)
     if json_out:
         print_json(got)

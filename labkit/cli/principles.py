@@ -102,8 +102,8 @@ def principles_uncached(out: OutOpt = None, json_out: JsonOpt = False) -> None:
             moved = max(abs(a - b) for later in values[1:] for a, b in zip(later, values[0]))
             rows.append({"stage": stage, "round 1": readable([round(v, 3) for v in values[0]]),
                          "moved later": f"{moved:.3g}"})
-        console.print(dict_table(rows, title=f"position {f['traced_position']} (the prompt's last): round 1's vectors, and the most any moved in rounds 2-3"),
-                      soft_wrap=True)
+        title = f"position {f['traced_position']} (the prompt's last): round 1's vectors, the most any moved later"
+        console.print(dict_table(rows, title=title), soft_wrap=True)
     _show(r, {"input widths": f["input_widths"], "total input positions": f["total_input_positions"],
               "causal prefix error": f"{f['causal_prefix_error']:.3g}",
               "attention by hand vs the engine layer": f"{f['attention_hand_vs_engine_max_error']:.3g}",

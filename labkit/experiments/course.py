@@ -64,11 +64,11 @@ def lesson_functions(n: int, doc: Path | None = None) -> dict:
     return {"lesson": n, "title": head.group(2).strip(), "functions": rows}
 
 
-def lesson_source(n: int, doc: Path | None = None) -> str:
-    """Lesson n's functions (:func:`lesson_functions`) as one text: a header per function (``file:first-last``
-    and its name) and its source lines, decorators included, each numbered as in the file, so a line read here
-    is a breakpoint there (``b engine/scheduler.py:NN``)."""
-    got = lesson_functions(n, doc)
+def lesson_source(got: dict, doc: Path | None = None) -> str:
+    """A lesson's functions (``got``: :func:`lesson_functions` of ``doc``) as one text: a header per function
+    (``file:first-last`` and its name) and its source lines, decorators included, each numbered as in the file, so
+    a line read here is a breakpoint there (``b engine/scheduler.py:NN``)."""
+    n = got["lesson"]
     root = (doc or course_doc()).parent.parent
     out = [f"# lesson {n}: {got['title']}", "# this engine's functions for the lesson (docs/COURSE.md's `- ours:` "
            "anchors), read from the source by `labkit course show " f"{n} --source`", ""]

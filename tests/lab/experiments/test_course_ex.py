@@ -127,7 +127,7 @@ def test_course_show_source_writes_each_function_numbered_as_in_its_file(labkit_
     from labkit.experiments.course import lesson_functions, lesson_source
 
     for lesson in range(1, 9):
-        text = lesson_source(lesson)
+        text = lesson_source(lesson_functions(lesson))
         heads = re.findall(r"^## (\S+):(\d+)-(\d+)  (\S+)$", text, re.M)
         assert [h[3] for h in heads] == [f["name"] for f in lesson_functions(lesson)["functions"]]
         for file, first, last, name in heads:
@@ -147,7 +147,7 @@ def test_course_show_source_writes_each_function_numbered_as_in_its_file(labkit_
     out = tmp_path / "walk" / "l4.txt"
     res = labkit_in_process("course", "show", "4", "--source", "--out", out)
     assert res.returncode == 0, res.stderr
-    assert out.read_text(encoding="utf-8") == lesson_source(4) + "\n"
+    assert out.read_text(encoding="utf-8") == lesson_source(lesson_functions(4)) + "\n"
     assert "def allocate(" in out.read_text(encoding="utf-8")
     res = labkit_in_process("course", "show", "4", "--out", out)
     assert res.returncode == 2 and "--source" in res.stderr and "Traceback" not in res.stderr
