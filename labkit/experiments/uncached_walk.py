@@ -114,7 +114,7 @@ def uncached_facts(seed: int = SEED) -> dict:
 
     with torch.no_grad():
         net = ToyNetwork(seed)
-        ids, rounds, finals, traces, last_logits = list(PROMPT), [], [], [], []
+        ids, rounds, finals, last_logits = list(PROMPT), [], [], []
         hand_err = 0.0
         for r in range(ROUNDS):
             got = net.forward(ids, 0, cached=False)
@@ -125,13 +125,13 @@ def uncached_facts(seed: int = SEED) -> dict:
                            "last_logits": _rounded(got["logits"][-1]), "next_id": nxt, "trace": got["trace"]})
             finals.append(got["hidden"])
             last_logits.append(got["logits"][-1])
-            traces.append(got["trace"])
             hand_err = max(hand_err, got["hand_vs_engine"])
             ids.append(nxt)
         # how far an earlier position's final hidden row moved when later positions were appended
         prefix_err = max(float((finals[r][:finals[r - 1].shape[0]] - finals[r - 1]).abs().max())
                          for r in range(1, ROUNDS))
-        trace_err = max(abs(a - b) for t in traces[1:] for a, b in zip(_flat(t), _flat(traces[0])))
+        first = _flat(rounds[0]["trace"])
+        trace_err = max(abs(a - b) for r in rounds[1:] for a, b in zip(_flat(r["trace"]), first))
 
         cached_net, pending, start = ToyNetwork(seed), list(PROMPT), 0
         cached_rounds, logit_err = [], 0.0
