@@ -408,28 +408,29 @@ def default_decode_setting(kv_cache_dtype: str = "auto") -> dict:
     return out
 
 
-def compile_kernel_sweep(part: int = 0, parts: int = 1) -> int:
-    """Compile (by running once on a small case) every `parts`-th decode setting from `part`, one split and
-    several: run in parallel processes before sweep_kernel, so its timing loop loads compiled kernels from
-    Triton's cache instead of compiling 120 variants one after another. Returns the number run."""
+def compile_kernel_sweep(part: int = 0, parts: int = 1, kv_cache_dtype: str = "auto",
+                         shapes=KERNEL_SWEEP_SHAPES) -> int:
+    """Compile every `parts`-th sweep setting from `part` by running it once on each sweep shape (the variants
+    sweep_kernel meets: its split count and reduce follow the shape): run in parallel processes before
+    sweep_kernel (tools/gpu/decode_sweep.py), so its timing loop loads compiled kernels from Triton's cache
+    instead of compiling them one after another. Returns the number of settings run."""
     import torch
     from engine.attention import triton_kernels as tk
 
     sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    case = PagedCase(2, 512)
-    done = 0
-    for i, knobs in enumerate(kernel_sweep_settings()):
-        if i % parts != part or knobs["waves"] != KERNEL_SWEEP["waves"][0]:
-            continue
-        for fake_sm in (1, sm):                  # 1: a single split (DIRECT); sm: several and the reduce
+    mine = [k for i, k in enumerate(kernel_sweep_settings(kv_cache_dtype)) if i % parts == part]
+    for batch, ctx in shapes:
+        case = PagedCase(batch, ctx, kv_cache_dtype=kv_cache_dtype)
+        for knobs in mine:
             try:
                 tk.paged_decode(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
-                                case.scale, case.ctx, fake_sm, **knobs)
+                                case.scale, ctx, sm, **knobs)
             except Exception:                    # noqa: BLE001 (the sweep records the error itself)
                 pass
-        done += 1
-    torch.cuda.synchronize()
-    return done
+        del case
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return len(mine)
 
 
 def rank_kernel_sweep(shapes: list[dict]) -> dict:

@@ -24,6 +24,17 @@
 #                                     # prefill steps in a row while decodes wait, then mixed steps under a 512-token
 #                                     # budget, each swept at 8 / 64 / 128 / inf req/s
 #
+# and one that judges a final tree in one call when the lease is short (no flash-attn build: the check phase's):
+#
+#   tools/gpu/h200_session.sh final   # pytest -m gpu (the decode layer's tests too), the bf16, graph and kv-fp8
+#                                     # guards, nano-vllm on bf16 against BEFORE and on e4m3, batch-1 latency against
+#                                     # BEFORE
+#
+# one that ranks the decode kernel's knobs on the e4m3 cache:
+#
+#   tools/gpu/h200_session.sh tune    # tools/gpu/decode_sweep.py --kv-cache-dtype fp8 (compiled in parallel, then
+#                                     # timed on three shapes), then the same on the bf16 cache
+#
 # and one that times a kernel lever:
 #
 #   tools/gpu/h200_session.sh layer   # the persistent decode layer (LAB_DECODE_LAYER=1): its GPU tests, batch-1 latency
@@ -47,7 +58,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in check|kernels|serving|steps|sweeps|ahead|policy|layer) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead|policy|layer" >&2; exit 2 ;; esac
+case "$phase" in check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -258,6 +269,33 @@ policy_phase() {
   done
   RATES=8,64,128,inf SWEEP_ENGINE="${SERVE_ENGINE/16384/512}" sweep mixed-sweep-512 100 --mixed-batches
   collect_steps
+}
+
+final_phase() {
+  # the tree's GPU tests and guards first, then each figure beside BEFORE's, the most telling first
+  step pytest-gpu 200 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 \
+       tests/kernels/test_gpu_kernels.py tests/kernels/test_gpu_kv_fp8.py tests/kernels/test_gpu_sampling.py \
+       tests/kernels/test_gpu_decode_layer.py tests/engine/test_gpu_mixed.py tests/engine/test_rope_scaling.py \
+       tests/lab/guardrails/test_logits.py
+  step guard-bf16 45 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda --attention triton \
+       --out "$W/runs/guard-bf16.json"
+  step guard-graph 60 $PY -m labkit logits guard --suite graph --dtype float32 --attention torch \
+       --out "$W/runs/guard-graph.json"
+  step nano-vllm-bf16 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-bf16.json"
+  step before-nano-vllm-bf16 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 \
+       --out "$W/runs/before-nano-vllm-bf16.json"
+  step latency-b1 40 $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-b1.json"
+  step before-latency-b1 45 before $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton \
+       --out "$W/runs/before-latency-b1.json"
+  step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 \
+       --out "$W/runs/nano-vllm-fp8.json"
+  step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
+       --attention triton --out "$W/runs/guard-kv-fp8.json"
+}
+
+tune_phase() {
+  step decode-sweep-fp8 240 $PY tools/gpu/decode_sweep.py --kv-cache-dtype fp8 --jobs 12 --out "$W/runs/decode-sweep-fp8.json"
+  step decode-sweep-bf16 240 $PY tools/gpu/decode_sweep.py --jobs 12 --out "$W/runs/decode-sweep-bf16.json"
 }
 
 layer_phase() {
