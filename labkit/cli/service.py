@@ -342,13 +342,19 @@ def report(
     inputs: Annotated[Optional[str], typer.Option("--inputs", help="Event logs a.jsonl,b.jsonl,... to compare; without it, the final report from runs/.")] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", dir_okay=False, help="Comparison JSON (Markdown and PNGs next to it); default runs/comparison.json, or runs/final-report.json without --inputs.")] = None,
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Draw PNG plots (needs matplotlib).")] = True,
+    pack: Annotated[bool, typer.Option("--pack", help="Final report: then pack README, checkpoints, code, patches, workloads, runs/ and notes/ into learning-evidence.tar.gz beside it.")] = False,
+    with_arrays: Annotated[bool, typer.Option("--with-arrays", help="--pack: keep runs/' NPZ arrays too.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Without --inputs: the final evidence report (runs/final-report.md/.json). With --inputs: TTFT / ITL / TPOT, throughput, terminations compared."""
+    """Without --inputs: the final evidence report (runs/final-report.md/.json), with --pack its archive. With --inputs: TTFT / ITL / TPOT, throughput, terminations compared."""
     if inputs is None:
         from labkit.cli.final import final_report_command
 
-        final_report_command(out, plots, json_out)
+        if with_arrays and not pack:
+            raise UserError("--with-arrays applies to --pack")
+        final_report_command(out, plots, json_out, pack=pack, with_arrays=with_arrays)
+    if pack or with_arrays:
+        raise UserError("--pack packs the final report's evidence: leave out --inputs")
     from labkit.console import print_json
     from labkit.console.serving import render_report
     from labkit.paths import default_out
