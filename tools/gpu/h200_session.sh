@@ -8,8 +8,8 @@
 #   tools/gpu/h200_session.sh kernels # the FP8 cache's GPU tests and guard, nano-vllm on bf16 and e4m3, batch-1 latency,
 #                                     # Qwen3-8B's shapes (batch 1, nano-vllm), BEFORE's bf16 nano-vllm and batch-1
 #                                     # latency, the step budget at batch 1
-#   tools/gpu/h200_session.sh serving # this tree against BEFORE: the prefix-cache A/B on prefix-repetition and
-#                                     # multi-turn (BEFORE with the cache on), then each tree's rate sweep
+#   tools/gpu/h200_session.sh serving # this tree against BEFORE: each tree's rate sweep, then the prefix-cache A/B
+#                                     # on prefix-repetition and multi-turn (BEFORE with the cache on)
 #
 # and three that compare serving's levers:
 #
@@ -209,15 +209,15 @@ steps_phase() {
 }
 
 serving_phase() {
-  # the default step model's prefix-cache A/B (both cache sides) and BEFORE's with the cache on, alternating; then the
-  # rate sweep of this tree and of BEFORE
+  # each tree's rate sweep first (what capacity and TPOT under load are judged by), then the default step model's
+  # prefix-cache A/B (both cache sides) and BEFORE's with the cache on, alternating
+  RATES=${RATES:-8,64,128,inf} sweep step-model-sweep 100
+  RATES=${RATES:-8,64,128,inf} SWEEP_IN=before sweep before-step-model-sweep 100
   for ds in prefix multi-turn; do
     step "step-model-$ds" 85 env ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/step-model-$ds"
     step "before-step-model-$ds" 50 before env ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds CACHES=enable MODEL_DIR=$MODEL_DIR \
          tools/prefix_cache_ab.sh "$W/runs/before-step-model-$ds"
   done
-  RATES=${RATES:-8,64,128,inf} sweep step-model-sweep 100
-  RATES=${RATES:-8,64,128,inf} SWEEP_IN=before sweep before-step-model-sweep 100
   collect_steps
 }
 
