@@ -213,6 +213,8 @@ serving_phase() {
   # prefix-cache A/B (both cache sides) and BEFORE's with the cache on, alternating
   RATES=${RATES:-8,64,128,inf} sweep step-model-sweep 100
   RATES=${RATES:-8,64,128,inf} SWEEP_IN=before sweep before-step-model-sweep 100
+  # a BEFORE older than the A/B script gets this tree's (it drives `labkit load`, whose options both trees share)
+  [ -f "$BEFORE/tools/prefix_cache_ab.sh" ] || cp tools/prefix_cache_ab.sh "$BEFORE/tools/"
   for ds in prefix multi-turn; do
     step "step-model-$ds" 85 env ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds tools/prefix_cache_ab.sh "$W/runs/step-model-$ds"
     step "before-step-model-$ds" 50 before env ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds CACHES=enable MODEL_DIR=$MODEL_DIR \
