@@ -11,6 +11,9 @@ one away from its default (labkit/console/serving.py).
 - LAB_GEMV_ROWS  (gemv_rows_setting): 1..8, the decode batches the GEMV kernels take
 - LAB_DECODE_LAYER  (decode_layer_on): 0 | 1, a batch-1 decode step's layers each as one persistent kernel
   (engine/layers/decode_layer.py)
+- LAB_FP8_DECODE  (fp8_decode_knobs): e.g. ``warps=8,stages=4,v_in_tile=0,maxnreg=128``, the Triton decode kernel's
+  knobs on an e4m3 cache in place of engine/attention/splits.py's DECODE_FP8_* lines (a sweep's candidate timed on a
+  whole workload before those lines change)
 """
 from __future__ import annotations
 
@@ -94,3 +97,35 @@ def decode_layer_on(attention_backend: str) -> bool:
     backend (the kernel's attention is the Triton decode's). Off unless asked: timed against the six kernels a layer
     it replaces (tools/gpu/h200_session.sh layer), it ran slower from CUDA graphs (docs/MEASURED.md)."""
     return _setting(DECODE_LAYER_ENV, ("0", "1"), "0") == "1" and attention_backend == "triton"
+
+
+FP8_DECODE_ENV = "LAB_FP8_DECODE"
+#: LAB_FP8_DECODE's keys: each one's paged_decode argument and the values it takes
+FP8_DECODE_KNOBS = {"warps": ("num_warps", ("2", "4", "8", "16")), "stages": ("num_stages", tuple("12345678")),
+                    "v_in_tile": ("fp8_v_in_tile", ("0", "1")),
+                    "maxnreg": ("max_registers", ("none", *(str(n) for n in range(32, 257, 8))))}
+
+
+def fp8_decode_knobs(config: Config, attention_backend: str) -> dict:
+    """The Triton decode kernel's knobs on an e4m3 cache, from LAB_FP8_DECODE (``key=value`` pairs, comma
+    separated: warps, stages, v_in_tile 0|1, maxnreg a multiple of 8 from 32 to 256 or none), as paged_decode's
+    keyword arguments (engine/attention/triton_kernels.py); the knobs left out keep splits.py's DECODE_FP8_* values.
+    Read (and a bad value refused in one line) whatever the engine; {} unless the cache is fp8 and the backend
+    Triton's. None of these knobs changes how a context splits, so the warm-up's compiled variants still cover the
+    steps (engine/attention/splits.py: decode_variants)."""
+    text = os.environ.get(FP8_DECODE_ENV, "").strip()
+    knobs: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        key, value = key.strip(), value.strip().lower()
+        if key not in FP8_DECODE_KNOBS:
+            raise ConfigError(f"{FP8_DECODE_ENV}={text!r}: {key!r} is not a knob; expected key=value pairs of "
+                              f"{', '.join(FP8_DECODE_KNOBS)}")
+        arg, allowed = FP8_DECODE_KNOBS[key]
+        if value not in allowed:
+            raise ConfigError(f"{FP8_DECODE_ENV}={text!r}: {key}={value!r}; expected one of "
+                              f"{', '.join(allowed) if len(allowed) < 10 else 'none or a multiple of 8 from 32 to 256'}")
+        knobs[arg] = (None if value == "none" else value == "1" if key == "v_in_tile" else int(value))
+    if config.kv_cache_dtype != "fp8" or attention_backend != "triton":
+        return {}
+    return knobs

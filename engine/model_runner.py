@@ -25,7 +25,7 @@ from engine.config import Config, ConfigError
 from engine.device_clock import DeviceClock
 from engine.distributed import SINGLE, ParallelContext
 from engine.graph import EAGER, PREFILL_GRAPH_SEQS, DecodeGraphs, PrefillGraphs, Route, prefill_buckets
-from engine.levers import decode_layer_on, decode_prologue_mode, gemv_rows_setting
+from engine.levers import decode_layer_on, decode_prologue_mode, fp8_decode_knobs, gemv_rows_setting
 from engine.loader import load_model
 from engine.mixed_graphs import MixedGraphs, mixed_buckets
 from engine.models import build_model
@@ -105,6 +105,9 @@ class ModelRunner:
         rows = gemv_rows_setting()        # read (and a bad LAB_GEMV_ROWS refused) on every device
         prologue = decode_prologue_mode(config, self.attention_backend)   # and a bad LAB_DECODE_PROLOGUE
         layer_kernel = decode_layer_on(self.attention_backend)    # and LAB_DECODE_LAYER
+        self.fp8_decode = fp8_decode_knobs(config, self.attention_backend)   # and LAB_FP8_DECODE
+        if self.fp8_decode:
+            self.backend.decode_knobs = self.fp8_decode
         self.fused_ops = self._enable_fused_ops(rows, prologue)
         self.gemv_rows = rows if self.fused_ops else 0   # tokens a projection takes through the GEMV kernels
         self.pdl = pdl.enable(self.device, config.pdl)     # engine/pdl.py: False off CUDA and before Hopper

@@ -24,8 +24,10 @@ DECODE_PAGE_TILE = False     # one block-table load per tile where block_n divid
 # bytes: 67 KB in flight an SM to bf16's 153 (tools/kernel_resources.py), at 0.95x bf16's speed on the nano-vllm
 # workload. The V scale on each V tile converts V in registers (110 registers) and 5 stages buffer more tiles:
 # 4 programs of 55 KB, 218 KB an SM. Chosen from those compiled figures, not from timings: `labkit bench --workload
-# attention --kv-cache-dtype fp8 --sweep` times this grid (the register cap too) for the next change of these lines.
+# attention --kv-cache-dtype fp8 --sweep` (or tools/gpu/decode_sweep.py) times this grid (the register cap and the warps
+# too) for the next change of these lines; LAB_FP8_DECODE (engine/levers.py) runs an engine with other values of them.
 DECODE_FP8_V_IN_TILE = True  # FP8 cache: the V scale on each V tile, not the accumulator (the kernel's V_IN_TILE)
+DECODE_FP8_NUM_WARPS = DECODE_NUM_WARPS
 DECODE_FP8_NUM_STAGES = 5
 DECODE_FP8_MAX_REGISTERS = None  # a cap on registers a thread (Triton's maxnreg; None: the compiler's choice)
 DECODE_MAX_SPLIT = 512       # positions per split at most (see choose_splits; fewer at small batches) ...

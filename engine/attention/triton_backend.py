@@ -16,6 +16,8 @@ from engine.attention import triton_kernels as tk
 
 class TritonAttention(AttentionBackend):
     name = "triton"
+    #: paged_decode's knobs in place of its defaults (levers.fp8_decode_knobs; the runner sets its own, never edits this)
+    decode_knobs: dict = {}
 
     def __init__(self) -> None:
         self.sm_count = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
@@ -47,11 +49,11 @@ class TritonAttention(AttentionBackend):
         """A decode step through the decode prologue: q/k-norm + RoPE and the new token's KV store inside the
         attention kernel (triton_kernels.NewTokens); no q/k-norm + RoPE kernel ran before it."""
         return tk.paged_decode(None, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, meta.max_seqlen_k,
-                               self.sm_count, order=meta.decode_order, new=new)
+                               self.sm_count, order=meta.decode_order, new=new, **self.decode_knobs)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         return tk.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                               meta.max_seqlen_k, self.sm_count, order=meta.decode_order)
+                               meta.max_seqlen_k, self.sm_count, order=meta.decode_order, **self.decode_knobs)
 
 
 def fresh_prefill(q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:

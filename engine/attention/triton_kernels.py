@@ -361,7 +361,7 @@ class NewTokens:
 
 def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, max_len: int, sm_count: int, block_n: int = DECODE_BLOCK_N,
-                 num_warps: int = DECODE_NUM_WARPS, num_stages: int | None = None, waves: int = DECODE_WAVES,
+                 num_warps: int | None = None, num_stages: int | None = None, waves: int = DECODE_WAVES,
                  kv_per_prog: int = DECODE_KV_PER_PROG, page_tile: bool = DECODE_PAGE_TILE,
                  order: torch.Tensor | None = None, fuse_reduce: bool | None = None,
                  k_scale: float | None = None, v_scale: float | None = None,
@@ -371,7 +371,7 @@ def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.T
     new (q None): the decode prologue; each row's q and its new token's k and v are made from ``new.qkv`` inside
     the kernel, which also stores that k and v (:class:`NewTokens`).
     FP8 caches (engine/attention/kv_quant.py) are dequantized by k_scale and v_scale (None: the caches' own);
-    num_stages, fp8_v_in_tile, max_registers (a cap on registers a thread, Triton's maxnreg): None takes the cache's
+    num_warps, num_stages, fp8_v_in_tile, max_registers (a cap on registers a thread, Triton's maxnreg): None takes the cache's
     own default (engine/attention/splits.py: DECODE_NUM_STAGES for a cache in the model's dtype, the DECODE_FP8_*
     knobs for an e4m3 one); fp8_v_in_tile: the V scale on each V tile, not on the accumulator (the kernel's
     V_IN_TILE).
@@ -410,6 +410,8 @@ def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.T
     locks = decode_locks(q.device) if fuse_reduce and not direct else None
     fused = locks is not None and programs <= locks.numel()
     fp8 = kv_scales(k_cache, v_cache, k_scale, v_scale)
+    if num_warps is None:
+        num_warps = splits.DECODE_FP8_NUM_WARPS if fp8 else splits.DECODE_NUM_WARPS
     if num_stages is None:
         num_stages = splits.DECODE_FP8_NUM_STAGES if fp8 else splits.DECODE_NUM_STAGES
     if max_registers is None and fp8:

@@ -403,7 +403,8 @@ def default_decode_setting(kv_cache_dtype: str = "auto") -> dict:
            "block_n": splits.DECODE_BLOCK_N, "num_warps": splits.DECODE_NUM_WARPS,
            "num_stages": splits.DECODE_NUM_STAGES, "waves": splits.DECODE_WAVES}
     if kv_cache_dtype == "fp8":
-        out |= {"num_stages": splits.DECODE_FP8_NUM_STAGES, "fp8_v_in_tile": splits.DECODE_FP8_V_IN_TILE,
+        out |= {"num_warps": splits.DECODE_FP8_NUM_WARPS, "num_stages": splits.DECODE_FP8_NUM_STAGES,
+                "fp8_v_in_tile": splits.DECODE_FP8_V_IN_TILE,
                 "max_registers": splits.DECODE_FP8_MAX_REGISTERS}
     return out
 

@@ -73,7 +73,8 @@ def engine_facts(engine: LLMEngine) -> dict:
             "kv_blocks": d["num_kvcache_blocks"], "attention_backend": d["attention_backend"],
             "memory": d["memory"], "warmup": d["warmup"],
             "qk_norm_rope_kv": (d.get("model") or {}).get("qk_norm_rope_kv"),    # the route: fused, decode-prologue...
-            "decode_layer": bool((d.get("model") or {}).get("decode_layer"))}    # LAB_DECODE_LAYER's kernel ran
+            "decode_layer": bool((d.get("model") or {}).get("decode_layer")),    # LAB_DECODE_LAYER's kernel ran
+            "fp8_decode": d.get("fp8_decode") or {}}         # LAB_FP8_DECODE's knobs ({}: splits.py's)
 
 
 # -- workloads -------------------------------------------------------------------------------------

@@ -70,7 +70,18 @@ def lab_levers(desc: dict) -> dict:
         on.append(f"LAB_DECODE_PROLOGUE={prologue}")      # (its default takes the route "decode-prologue")
     if model.get("decode_layer"):
         on.append("LAB_DECODE_LAYER=1")
+    if desc.get("fp8_decode"):
+        on.append(f"LAB_FP8_DECODE={fp8_decode_text(desc['fp8_decode'])}")
     return {"lab levers": ", ".join(on)} if on else {}
+
+
+def fp8_decode_text(knobs: dict) -> str:
+    """LAB_FP8_DECODE's spelling of the knobs an engine took (describe()'s fp8_decode)."""
+    from engine.levers import FP8_DECODE_KNOBS
+
+    names = {arg: key for key, (arg, _) in FP8_DECODE_KNOBS.items()}
+    return ",".join(f"{names[arg]}={'none' if v is None else int(v) if isinstance(v, bool) else v}"
+                    for arg, v in knobs.items())
 
 
 def render_served(summary: dict) -> None:

@@ -106,6 +106,48 @@ def test_the_levers_refuse_a_value_they_do_not_know_in_one_line(monkeypatch):
     assert decode_layer_on("triton") and not decode_layer_on("torch")
 
 
+def test_fp8_decode_knobs_parse_refuse_and_apply_only_to_an_fp8_cache_on_triton(monkeypatch):
+    """LAB_FP8_DECODE: key=value pairs to paged_decode's keyword arguments; an unknown key or value refused in one
+    line whatever the engine; {} unless the cache is fp8 and the backend Triton's."""
+    from types import SimpleNamespace
+
+    from engine.config import ConfigError
+    from engine.levers import FP8_DECODE_ENV, fp8_decode_knobs
+
+    fp8, bf16 = SimpleNamespace(kv_cache_dtype="fp8"), SimpleNamespace(kv_cache_dtype="auto")
+    monkeypatch.delenv(FP8_DECODE_ENV, raising=False)
+    assert fp8_decode_knobs(fp8, "triton") == {}
+    monkeypatch.setenv(FP8_DECODE_ENV, " warps=8, stages=4,v_in_tile=0,maxnreg=128 ")
+    assert fp8_decode_knobs(fp8, "triton") == {"num_warps": 8, "num_stages": 4, "fp8_v_in_tile": False,
+                                               "max_registers": 128}
+    assert fp8_decode_knobs(bf16, "triton") == fp8_decode_knobs(fp8, "torch") == {}
+    monkeypatch.setenv(FP8_DECODE_ENV, "v_in_tile=1,maxnreg=none")
+    assert fp8_decode_knobs(fp8, "triton") == {"fp8_v_in_tile": True, "max_registers": None}
+    for bad, named in (("warps=3", "warps='3'; expected one of 2, 4, 8, 16"), ("blocks=64", "'blocks' is not a knob"),
+                       ("maxnreg=100", "multiple of 8"), ("stages", "stages=''")):
+        monkeypatch.setenv(FP8_DECODE_ENV, bad)
+        with pytest.raises(ConfigError, match=f"{FP8_DECODE_ENV}='{bad}'.*{named}"):
+            fp8_decode_knobs(bf16, "torch")
+
+
+def test_the_triton_backend_hands_its_decode_knobs_to_every_paged_decode(monkeypatch):
+    """ModelRunner puts LAB_FP8_DECODE's knobs on the backend; both decode routes (plain and the prologue) pass them
+    to paged_decode, where a knob given wins over splits.py's default."""
+    from types import SimpleNamespace
+
+    pytest.importorskip("triton")
+    from engine.attention import triton_backend as tb
+
+    seen = []
+    monkeypatch.setattr(tb.tk, "paged_decode", lambda *a, **kw: seen.append(kw))
+    backend = object.__new__(tb.TritonAttention)
+    backend.sm_count, backend.decode_knobs = 132, {"num_warps": 8, "max_registers": None}
+    meta = SimpleNamespace(is_prefill=False, block_tables=None, context_lens=None, max_seqlen_k=8, decode_order=None)
+    backend.forward(None, None, None, None, None, meta, 1.0)
+    backend.decode_new(None, None, None, meta, 1.0)
+    assert [{k: kw[k] for k in ("num_warps", "max_registers")} for kw in seen] == [backend.decode_knobs] * 2
+
+
 def test_the_engine_refuses_to_start_when_a_layer_kernel_barrier_gave_up():
     """LAB_DECODE_LAYER=1: once the warm-up ran the layer kernel, a raised flag (a grid barrier that gave up) stops
     the start in one line; a lowered one lets it go on."""

@@ -223,6 +223,37 @@ def test_fp8_sweep_times_the_v_scale_in_both_places_and_ranks_them_apart():
     assert robust["fp8_v_in_tile"] is True and robust["share_of_roof"] == {"256x1024": 0.8, "1x4096": 0.8}
 
 
+def test_the_fp8_sweeps_lever_candidate_stays_in_the_default_tile_and_spells_lab_fp8_decode(monkeypatch):
+    """tools/gpu/decode_sweep.py: the candidate LAB_FP8_DECODE can set is the robust setting among the default's
+    tile, even where another tile ranks first overall; its spelling is one the lever reads back to the same knobs."""
+    import sys
+    from types import SimpleNamespace
+
+    from interp import ROOT
+
+    from engine.levers import FP8_DECODE_ENV, fp8_decode_knobs
+    from labkit.bench.attention import default_decode_setting
+
+    sys.path.insert(0, str(ROOT / "tools" / "gpu"))
+    from decode_sweep import lever_candidate
+
+    default = default_decode_setting("fp8")
+    other_tile = default | {"block_n": 128, "page_tile": True, "share_of_roof": 0.9, "output_ok": True}
+    warps8 = default | {"num_warps": 8, "max_registers": 128, "fp8_v_in_tile": False, "share_of_roof": 0.7,
+                        "output_ok": True}
+    plain = default | {"share_of_roof": 0.6, "output_ok": True}
+    res = {"default": default, "shapes": [{"batch": 256, "context": 1024, "results": [other_tile, warps8, plain]},
+                                          {"batch": 64, "context": 1024, "results": [other_tile, warps8, plain]}]}
+    cand = lever_candidate(res)
+    assert cand["num_warps"] == 8 and cand["block_n"] == default["block_n"]
+    assert cand["lab_fp8_decode"] == f"warps=8,stages={default['num_stages']},v_in_tile=0,maxnreg=128"
+    monkeypatch.setenv(FP8_DECODE_ENV, cand["lab_fp8_decode"])
+    assert fp8_decode_knobs(SimpleNamespace(kv_cache_dtype="fp8"), "triton") == {
+        "num_warps": 8, "num_stages": default["num_stages"], "fp8_v_in_tile": False, "max_registers": 128}
+    assert lever_candidate({"default": default, "shapes": [{"batch": 1, "context": 8, "results": [other_tile]}]}) \
+        is None
+
+
 def test_warmup_variants_follow_kv_per_prog():
     """With several kv heads per program the split count follows the programs per sequence; the warmup
     plan's variants (decode_variants) must then be the ones the kernel compiles."""

@@ -6,7 +6,9 @@ Times every setting of labkit.bench.attention.kernel_sweep_settings (on an e4m3 
 the V scale's place x a register cap) on each shape, as a share of the copy roof measured in the same run, with its
 error against the float32 reference (a wrong output never ranks). Prints each shape's five fastest, the default's
 place, and the robust setting (the best worst share of each shape's best): a change of engine/attention/splits.py's
-DECODE_* lines is read off this table, then timed on the whole workload.
+DECODE_* lines is read off this table, then timed on the whole workload. On the e4m3 cache it also prints the
+robust setting among those the LAB_FP8_DECODE lever can set (the default tile: warps, stages, the V scale's place, the
+register cap) as that lever's value, so one lease can time the candidate on a workload before any line changes.
 """
 from __future__ import annotations
 
@@ -32,6 +34,25 @@ def _row(r: dict) -> str:
     if "error" in r:
         return f"{knobs}: error {r['error']}"
     return f"{r['us']:9.1f} us  {r['share_of_roof']:.3f} of roof  err {r['max_abs_err']:.2e}  {knobs}"
+
+
+TILE = ("kv_per_prog", "page_tile", "block_n", "waves")
+LEVER = {"num_warps": "warps", "num_stages": "stages", "fp8_v_in_tile": "v_in_tile", "max_registers": "maxnreg"}
+
+
+def lever_candidate(res: dict) -> dict | None:
+    """The robust setting (labkit.bench.attention.rank_kernel_sweep) among the sweep's results in the default's
+    tile, with its LAB_FP8_DECODE spelling; None when none ran on every shape."""
+    from labkit.bench.attention import rank_kernel_sweep
+
+    tile = {k: res["default"][k] for k in TILE}
+    shapes = [sh | {"results": [r for r in sh["results"] if all(r.get(k) == v for k, v in tile.items())]}
+              for sh in res["shapes"]]
+    robust = rank_kernel_sweep(shapes)["robust"]
+    if robust is None:
+        return None
+    text = ",".join(f"{name}={'none' if robust.get(arg) is None else int(robust[arg])}" for arg, name in LEVER.items())
+    return robust | {"lab_fp8_decode": text}
 
 
 def main() -> int:
@@ -60,6 +81,9 @@ def main() -> int:
             print("  " + _row(r))
         print("  default: " + (_row(sh["default"]) if sh["default"] else "not timed"))
     print("\nrobust:", json.dumps(res["robust"]))
+    if a.kv_cache_dtype == "fp8":
+        res["lever_candidate"] = lever_candidate(res)
+        print("in the default tile (LAB_FP8_DECODE's reach):", json.dumps(res["lever_candidate"]))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"kind": "measured", "kv_cache_dtype": a.kv_cache_dtype} | res, indent=1))
     return 0

@@ -33,7 +33,8 @@
 # one that ranks the decode kernel's knobs on the e4m3 cache:
 #
 #   tools/gpu/h200_session.sh tune    # tools/gpu/decode_sweep.py --kv-cache-dtype fp8 (compiled in parallel, then
-#                                     # timed on three shapes), then the same on the bf16 cache
+#                                     # timed on three shapes), nano-vllm on bf16, e4m3 and e4m3 with the sweep's
+#                                     # LAB_FP8_DECODE candidate (and its guard), then the sweep on the bf16 cache
 #
 # and one that times a kernel lever:
 #
@@ -296,7 +297,22 @@ final_phase() {
 }
 
 tune_phase() {
+  # the e4m3 decode's sweep, then the nano-vllm workload on bf16, on e4m3 and on e4m3 with the sweep's candidate in
+  # LAB_FP8_DECODE's reach (its accuracy guard too), then the bf16 sweep if time is left
   step decode-sweep-fp8 240 $PY tools/gpu/decode_sweep.py --kv-cache-dtype fp8 --jobs 12 --out "$W/runs/decode-sweep-fp8.json"
+  local lever
+  lever=$($PY -c "import json, sys; c = json.load(open(sys.argv[1])).get('lever_candidate'); print(c['lab_fp8_decode'] if c else '')" \
+          "$W/runs/decode-sweep-fp8.json" 2>/dev/null)
+  echo "   LAB_FP8_DECODE candidate: ${lever:-none}" | tee -a "$STEPS"
+  step nano-vllm-bf16 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-bf16.json"
+  step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 \
+       --out "$W/runs/nano-vllm-fp8.json"
+  if [ -n "$lever" ]; then
+    step nano-vllm-fp8-lever 60 env LAB_FP8_DECODE="$lever" $PY -m labkit bench --workload nano-vllm --attention triton \
+         --repeats 3 --kv-cache-dtype fp8 --out "$W/runs/nano-vllm-fp8-lever.json"
+    step guard-kv-fp8-lever 45 env LAB_FP8_DECODE="$lever" $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 \
+         --dtype bfloat16 --device cuda --attention triton --out "$W/runs/guard-kv-fp8-lever.json"
+  fi
   step decode-sweep-bf16 240 $PY tools/gpu/decode_sweep.py --jobs 12 --out "$W/runs/decode-sweep-bf16.json"
 }
 
