@@ -44,3 +44,7 @@ def test_the_checkpoint_fails_a_fallback_that_replayed_a_graph_and_reviews_a_slo
     facts, _ = _facts(monkeypatch, fallback_tok_s=700.0)
     v, failed = _judge(facts)
     assert v == "REVIEW" and failed == {"facts.b5_fallback.fallback_over_eager"}
+    facts, _ = _facts(monkeypatch, fallback_tok_s=400.0)              # below the floor, half the target
+    v, failed = _judge(facts)
+    assert v == "FAIL" and failed == {"facts.b5_fallback.fallback_over_eager",
+                                      "facts.b5_fallback.fallback_over_eager (floor)"}
