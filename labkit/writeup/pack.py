@@ -15,13 +15,13 @@ Files are stored under one top folder, ``learning-evidence/``, so unpacking neve
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import tarfile
 import time
 from pathlib import Path
 
+from labkit.assets.files import sha256_file
 from labkit.evidence import git_dirty, git_head, utc_stamp
 
 TOP = "learning-evidence"
@@ -64,14 +64,6 @@ def gather(root: Path, runs: Path, with_arrays: bool = False, exclude: tuple[Pat
     return chosen, left_out
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def pack_evidence(out: Path, root: Path, runs: Path, with_arrays: bool = False) -> dict:
     """Write the archive to ``out`` (a .tar.gz) and return its manifest (with ``path`` and ``bytes``)."""
     out = Path(out)
@@ -81,7 +73,7 @@ def pack_evidence(out: Path, root: Path, runs: Path, with_arrays: bool = False) 
         "created": utc_stamp(),
         "git_head": git_head(root),
         "git_dirty": git_dirty(root),
-        "files": {name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for name, p in sorted(chosen.items())},
+        "files": {name: {"bytes": p.stat().st_size, "sha256": sha256_file(p).hexdigest()} for name, p in sorted(chosen.items())},
         "left_out": [{"file": n, "why": why} for n, why in left_out],
         "evidence_files": sum(1 for n in chosen if n.startswith("runs/") and n.endswith(".json")),
         "notes_files": sum(1 for n in chosen if n.startswith("notes/") and n != "notes/README.md"),
