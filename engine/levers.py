@@ -129,3 +129,10 @@ def fp8_decode_knobs(config: Config, attention_backend: str) -> dict:
     if config.kv_cache_dtype != "fp8" or attention_backend != "triton":
         return {}
     return knobs
+
+
+def fp8_decode_text(knobs: dict) -> str:
+    """LAB_FP8_DECODE's spelling of paged_decode knobs (what fp8_decode_knobs reads back to the same dict)."""
+    names = {arg: key for key, (arg, _) in FP8_DECODE_KNOBS.items()}
+    return ",".join(f"{names[arg]}={'none' if v is None else int(v) if isinstance(v, bool) else v}"
+                    for arg, v in knobs.items())

@@ -56,7 +56,7 @@ def lab_levers(desc: dict) -> dict:
     """A banner row naming the LAB_* levers the engine was built with away from their defaults (none by default).
     LAB_PREFILL_AHEAD applies with the overlapped decode in nano-vllm's step model only, LAB_DECODE_PROLOGUE with
     the Triton backend in that step model (the model's q/k route says which it took)."""
-    from engine.levers import PREFILL_AHEAD_DEFAULT, prefill_ahead_name
+    from engine.levers import PREFILL_AHEAD_DEFAULT, fp8_decode_text, prefill_ahead_name
 
     on, conf = [], desc.get("config") or {}
     ahead = prefill_ahead_name(bool(desc.get("prefill_ahead")), bool(desc.get("decode_behind_prefill")))
@@ -73,15 +73,6 @@ def lab_levers(desc: dict) -> dict:
     if desc.get("fp8_decode"):
         on.append(f"LAB_FP8_DECODE={fp8_decode_text(desc['fp8_decode'])}")
     return {"lab levers": ", ".join(on)} if on else {}
-
-
-def fp8_decode_text(knobs: dict) -> str:
-    """LAB_FP8_DECODE's spelling of the knobs an engine took (describe()'s fp8_decode)."""
-    from engine.levers import FP8_DECODE_KNOBS
-
-    names = {arg: key for key, (arg, _) in FP8_DECODE_KNOBS.items()}
-    return ",".join(f"{names[arg]}={'none' if v is None else int(v) if isinstance(v, bool) else v}"
-                    for arg, v in knobs.items())
 
 
 def render_served(summary: dict) -> None:

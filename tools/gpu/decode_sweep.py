@@ -37,12 +37,12 @@ def _row(r: dict) -> str:
 
 
 TILE = ("kv_per_prog", "page_tile", "block_n", "waves")
-LEVER = {"num_warps": "warps", "num_stages": "stages", "fp8_v_in_tile": "v_in_tile", "max_registers": "maxnreg"}
 
 
 def lever_candidate(res: dict) -> dict | None:
     """The robust setting (labkit.bench.attention.rank_kernel_sweep) among the sweep's results in the default's
     tile, with its LAB_FP8_DECODE spelling; None when none ran on every shape."""
+    from engine.levers import FP8_DECODE_KNOBS, fp8_decode_text
     from labkit.bench.attention import rank_kernel_sweep
 
     tile = {k: res["default"][k] for k in TILE}
@@ -51,8 +51,7 @@ def lever_candidate(res: dict) -> dict | None:
     robust = rank_kernel_sweep(shapes)["robust"]
     if robust is None:
         return None
-    text = ",".join(f"{name}={'none' if robust.get(arg) is None else int(robust[arg])}" for arg, name in LEVER.items())
-    return robust | {"lab_fp8_decode": text}
+    return robust | {"lab_fp8_decode": fp8_decode_text({arg: robust.get(arg) for arg, _ in FP8_DECODE_KNOBS.values()})}
 
 
 def main() -> int:
