@@ -167,6 +167,12 @@ class PagedCase:
     def reference(self):
         return decode_reference(self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens, self.scale)
 
+    def triton_decode(self, sm_count: int, **knobs):
+        """Our Triton paged decode of this case, with paged_decode's knobs (the sweeps' settings)."""
+        from engine.attention import triton_kernels as tk
+        return tk.paged_decode(self.q, self.k_cache, self.v_cache, self.block_tables, self.context_lens, self.scale,
+                               self.ctx, sm_count, **knobs)
+
     def dense(self):
         """The same K/V gathered into [batch, hk, ctx, d] for the unpaged SDPA baseline (an FP8 cache's values
         in the model's dtype)."""
@@ -238,14 +244,12 @@ def fp8_v_variant(case: PagedCase):
     DECODE_FP8_V_IN_TILE: on each V tile or on the accumulator): its row name and a call."""
     import torch
     from engine.attention import splits
-    from engine.attention import triton_kernels as tk
 
     sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     other = not splits.DECODE_FP8_V_IN_TILE
 
     def run():
-        return tk.paged_decode(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens, case.scale,
-                               case.ctx, sm, fp8_v_in_tile=other)
+        return case.triton_decode(sm, fp8_v_in_tile=other)
     return f"triton:fp8_v_in_tile={other}", run
 
 
@@ -351,7 +355,6 @@ def _figures(ms: float, nbytes: int, roof: float) -> dict:
 def sweep_triton(shapes=SWEEP_SHAPES, kv_cache_dtype: str = "auto") -> list[dict]:
     """Every knob combination of the Triton paged decode on the sweep shapes; fastest first per shape."""
     import torch
-    from engine.attention import triton_kernels as tk
 
     sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     out = []
@@ -361,9 +364,7 @@ def sweep_triton(shapes=SWEEP_SHAPES, kv_cache_dtype: str = "auto") -> list[dict
         results = []
         for block_n, warps, stages, waves in itertools.product(*SWEEP.values()):
             def run():
-                return tk.paged_decode(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
-                                       case.scale, ctx, sm, block_n=block_n, num_warps=warps, num_stages=stages,
-                                       waves=waves)
+                return case.triton_decode(sm, block_n=block_n, num_warps=warps, num_stages=stages, waves=waves)
             try:
                 err = max_abs_error(run(), ref)
                 ms = time_ms(run, repeats=10, warmups=2)
@@ -416,7 +417,6 @@ def compile_kernel_sweep(part: int = 0, parts: int = 1, kv_cache_dtype: str = "a
     sweep_kernel (tools/gpu/decode_sweep.py), so its timing loop loads compiled kernels from Triton's cache
     instead of compiling them one after another. Returns the number of settings run."""
     import torch
-    from engine.attention import triton_kernels as tk
 
     sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     mine = [k for i, k in enumerate(kernel_sweep_settings(kv_cache_dtype)) if i % parts == part]
@@ -424,8 +424,7 @@ def compile_kernel_sweep(part: int = 0, parts: int = 1, kv_cache_dtype: str = "a
         case = PagedCase(batch, ctx, kv_cache_dtype=kv_cache_dtype)
         for knobs in mine:
             try:
-                tk.paged_decode(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
-                                case.scale, ctx, sm, **knobs)
+                case.triton_decode(sm, **knobs)
             except Exception:                    # noqa: BLE001 (the sweep records the error itself)
                 pass
         del case
@@ -460,7 +459,6 @@ def sweep_kernel(shapes=KERNEL_SWEEP_SHAPES, settings: list[dict] | None = None,
     """The kernel sweep: every decode setting on every shape, each as a share of the copy roof measured in
     this run and with its max abs error against the float32 reference (a wrong output never ranks)."""
     import torch
-    from engine.attention import triton_kernels as tk
 
     sm = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     settings = settings or kernel_sweep_settings(kv_cache_dtype)
@@ -473,8 +471,7 @@ def sweep_kernel(shapes=KERNEL_SWEEP_SHAPES, settings: list[dict] | None = None,
         results = []
         for knobs in settings:
             def run():
-                return tk.paged_decode(case.q, case.k_cache, case.v_cache, case.block_tables, case.context_lens,
-                                       case.scale, ctx, sm, **knobs)
+                return case.triton_decode(sm, **knobs)
             try:
                 err = max_abs_error(run(), ref)
                 ms = time_ms(run, repeats=repeats, warmups=2)
