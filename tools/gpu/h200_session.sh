@@ -147,6 +147,16 @@ ahead_ab() {         # ahead_ab MODE DATASET: the prefix-cache A/B (tools/prefix
        DATASETS=$2 tools/prefix_cache_ab.sh "$W/runs/prefill-ahead-$1-$2"
 }
 
+# the GPU test files both judging phases run (final adds the persistent decode layer's)
+GPU_TESTS=(tests/kernels/test_gpu_kernels.py tests/kernels/test_gpu_kv_fp8.py tests/kernels/test_gpu_sampling.py
+           tests/engine/test_gpu_mixed.py tests/engine/test_rope_scaling.py tests/lab/guardrails/test_logits.py)
+nano_vllm() {       # nano_vllm NAME [VAR=VALUE...] [OPTION...]: this tree's nano-vllm workload, median of three, Triton
+  local name=$1 envs=(); shift
+  while [[ "${1:-}" == [A-Z]*=* ]]; do envs+=("$1"); shift; done
+  step "$name" 60 env "${envs[@]}" $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 "$@" \
+       --out "$W/runs/$name.json"
+}
+
 check_phase() {
   synth smollm2-135m /tmp/smol
   local flash_pid=""
@@ -156,9 +166,7 @@ check_phase() {
     flash_pid=$!
   fi
   # without flash-attn on the path yet: the triton and torch backends
-  step pytest-gpu 200 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 \
-       tests/kernels/test_gpu_kernels.py tests/kernels/test_gpu_kv_fp8.py tests/kernels/test_gpu_sampling.py \
-       tests/engine/test_gpu_mixed.py tests/engine/test_rope_scaling.py tests/lab/guardrails/test_logits.py
+  step pytest-gpu 200 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 "${GPU_TESTS[@]}"
   step guard-bf16 45 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda --attention triton
   step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda --attention triton
   step guard-kv-fp8-torch 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
@@ -192,9 +200,8 @@ print('auto with float32 ->', e.describe()['attention_backend']); assert e.descr
 fp8_pair() {        # the kv-fp8 guard, then the nano-vllm workload on the bf16 and on the e4m3 cache
   step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
        --attention triton --out "$W/runs/guard-kv-fp8.json"
-  step nano-vllm-bf16 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-bf16.json"
-  step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 \
-       --out "$W/runs/nano-vllm-fp8.json"
+  nano_vllm nano-vllm-bf16
+  nano_vllm nano-vllm-fp8 --kv-cache-dtype fp8
 }
 
 steps_phase() {
@@ -277,22 +284,19 @@ policy_phase() {
 
 final_phase() {
   # the tree's GPU tests and guards first, then each figure beside BEFORE's, the most telling first
-  step pytest-gpu 200 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 \
-       tests/kernels/test_gpu_kernels.py tests/kernels/test_gpu_kv_fp8.py tests/kernels/test_gpu_sampling.py \
-       tests/kernels/test_gpu_decode_layer.py tests/engine/test_gpu_mixed.py tests/engine/test_rope_scaling.py \
-       tests/lab/guardrails/test_logits.py
+  step pytest-gpu 200 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 "${GPU_TESTS[@]}" \
+       tests/kernels/test_gpu_decode_layer.py
   step guard-bf16 45 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda --attention triton \
        --out "$W/runs/guard-bf16.json"
   step guard-graph 60 $PY -m labkit logits guard --suite graph --dtype float32 --attention torch \
        --out "$W/runs/guard-graph.json"
-  step nano-vllm-bf16 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-bf16.json"
+  nano_vllm nano-vllm-bf16
   step before-nano-vllm-bf16 60 before $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 \
        --out "$W/runs/before-nano-vllm-bf16.json"
   step latency-b1 40 $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-b1.json"
   step before-latency-b1 45 before $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton \
        --out "$W/runs/before-latency-b1.json"
-  step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 \
-       --out "$W/runs/nano-vllm-fp8.json"
+  nano_vllm nano-vllm-fp8 --kv-cache-dtype fp8
   step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
        --attention triton --out "$W/runs/guard-kv-fp8.json"
 }
@@ -305,12 +309,10 @@ tune_phase() {
   lever=$($PY -c "import json, sys; c = json.load(open(sys.argv[1])).get('lever_candidate'); print(c['lab_fp8_decode'] if c else '')" \
           "$W/runs/decode-sweep-fp8.json" 2>/dev/null)
   echo "   LAB_FP8_DECODE candidate: ${lever:-none}" | tee -a "$STEPS"
-  step nano-vllm-bf16 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --out "$W/runs/nano-vllm-bf16.json"
-  step nano-vllm-fp8 60 $PY -m labkit bench --workload nano-vllm --attention triton --repeats 3 --kv-cache-dtype fp8 \
-       --out "$W/runs/nano-vllm-fp8.json"
+  nano_vllm nano-vllm-bf16
+  nano_vllm nano-vllm-fp8 --kv-cache-dtype fp8
   if [ -n "$lever" ]; then
-    step nano-vllm-fp8-lever 60 env LAB_FP8_DECODE="$lever" $PY -m labkit bench --workload nano-vllm --attention triton \
-         --repeats 3 --kv-cache-dtype fp8 --out "$W/runs/nano-vllm-fp8-lever.json"
+    nano_vllm nano-vllm-fp8-lever LAB_FP8_DECODE="$lever" --kv-cache-dtype fp8
     step guard-kv-fp8-lever 45 env LAB_FP8_DECODE="$lever" $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 \
          --dtype bfloat16 --device cuda --attention triton --out "$W/runs/guard-kv-fp8-lever.json"
   fi
