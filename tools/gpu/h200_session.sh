@@ -33,9 +33,9 @@
 # one that ranks the decode kernel's knobs on the e4m3 cache:
 #
 #   tools/gpu/h200_session.sh tune    # tools/gpu/decode_sweep.py --kv-cache-dtype fp8 (compiled in parallel, then
-#                                     # timed on three shapes), nano-vllm on bf16, e4m3 and e4m3 with the sweep's
-#                                     # LAB_FP8_DECODE candidate (and its guard), the step budget of a decode at 64
-#                                     # req/s (24 x 1,100), then the sweep on the bf16 cache
+#                                     # timed on three shapes), the step budget of a decode at 64 req/s (24 x 1,100),
+#                                     # nano-vllm on bf16, e4m3 and e4m3 with the sweep's LAB_FP8_DECODE candidate
+#                                     # (and its guard), then the sweep on the bf16 cache
 #
 # and one that times a kernel lever:
 #
@@ -309,6 +309,9 @@ tune_phase() {
   lever=$($PY -c "import json, sys; c = json.load(open(sys.argv[1])).get('lever_candidate'); print(c['lab_fp8_decode'] if c else '')" \
           "$W/runs/decode-sweep-fp8.json" 2>/dev/null)
   echo "   LAB_FP8_DECODE candidate: ${lever:-none}" | tee -a "$STEPS"
+  # a served decode's step at 64 req/s (about 23 sequences at 1,100 tokens): where its time goes, by kernel
+  step step-budget-b24 45 $PY -m labkit bench --workload step-budget --attention triton --batch 24 --context 1100 \
+       --out "$W/runs/step-budget-b24.json"
   nano_vllm nano-vllm-bf16
   nano_vllm nano-vllm-fp8 --kv-cache-dtype fp8
   if [ -n "$lever" ]; then
@@ -316,9 +319,6 @@ tune_phase() {
     step guard-kv-fp8-lever 45 env LAB_FP8_DECODE="$lever" $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 \
          --dtype bfloat16 --device cuda --attention triton --out "$W/runs/guard-kv-fp8-lever.json"
   fi
-  # a served decode's step at 64 req/s (about 23 sequences at 1,100 tokens): where its time goes, by kernel
-  step step-budget-b24 45 $PY -m labkit bench --workload step-budget --attention triton --batch 24 --context 1100 \
-       --out "$W/runs/step-budget-b24.json"
   step decode-sweep-bf16 240 $PY tools/gpu/decode_sweep.py --jobs 12 --out "$W/runs/decode-sweep-bf16.json"
 }
 
