@@ -35,7 +35,8 @@
 #   tools/gpu/h200_session.sh tune    # tools/gpu/decode_sweep.py --kv-cache-dtype fp8 (compiled in parallel, then
 #                                     # timed on three shapes), the step budget of a decode at 64 req/s (24 x 1,100),
 #                                     # nano-vllm on bf16, e4m3 and e4m3 with the sweep's LAB_FP8_DECODE candidate
-#                                     # (and its guard), then the sweep on the bf16 cache
+#                                     # (and its guard), then the sweep on the bf16 cache, a
+#                                     # served decode's 24 x 1,024 among its shapes
 #
 # and one that times a kernel lever:
 #
@@ -319,7 +320,7 @@ tune_phase() {
     step guard-kv-fp8-lever 45 env LAB_FP8_DECODE="$lever" $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 \
          --dtype bfloat16 --device cuda --attention triton --out "$W/runs/guard-kv-fp8-lever.json"
   fi
-  step decode-sweep-bf16 240 $PY tools/gpu/decode_sweep.py --jobs 12 --out "$W/runs/decode-sweep-bf16.json"
+  step decode-sweep-bf16 300 $PY tools/gpu/decode_sweep.py --jobs 12 --shapes 256x1024,64x1024,24x1024,1x4096 --out "$W/runs/decode-sweep-bf16.json"
 }
 
 layer_phase() {
