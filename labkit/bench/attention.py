@@ -1,10 +1,10 @@
 """`labkit bench --workload attention`: paged decode attention alone, per backend, as achieved bandwidth.
 
 Decode attention reads every cached K and V of every sequence once per step, so its floor is bytes read
-over memory bandwidth. Each shape (batch, context) is timed with CUDA events (median of the repeats) for
-every available backend, next to two baselines measured in the same run: a device-to-device copy (the
-bandwidth roof actually reachable here) and PyTorch's fused SDPA on the same K/V laid out densely (no
-paging). With `--sweep` the Triton kernel's knobs (positions per tile, warps, stages, split waves) are
+over memory bandwidth. Each shape (batch, context) is timed with CUDA events for every available backend (median
+of the repeats; each call's GPU time with a cold L2 and its host launch hidden, :func:`kernel_ms`), next to two
+baselines measured in the same run: a device-to-device copy (the bandwidth roof actually reachable here) and
+PyTorch's fused SDPA on the same K/V laid out densely (no paging). With `--sweep` the Triton kernel's knobs (positions per tile, warps, stages, split waves) are
 timed too, so a tuning choice comes with its evidence; :func:`sweep_kernel` adds the decode
 variants (kv heads per program, one block-table load per tile) on five shapes with the share of roof.
 
@@ -111,6 +111,64 @@ def time_ms(fn, repeats: int = 20, warmups: int = 5) -> float:
     return statistics.median(times)
 
 
+#: bytes written before each timed kernel call: more than any GPU's L2, so a call reads its K/V from memory, as each
+#: layer of a step does (a repeated small case would otherwise be timed out of the L2)
+FLUSH_BYTES = 256 << 20
+
+
+def kernel_ms(fn, repeats: int = 10, warmups: int = 2) -> float:
+    """GPU ms of one call of ``fn`` (median of the repeats), without its host launch path and with a cold L2.
+
+    :func:`time_ms` brackets a call with events on an idle stream, so a call whose kernels are shorter than the
+    host's Python path to launch them measures that path (a decode of one sequence: about 0.1 ms of host for
+    microseconds of GPU). Here each timed call waits behind an L2 flush and a spin kernel that holds the GPU
+    longer than ``fn`` takes to launch, so its kernels run back to back between the events. A ``fn`` that waits
+    for the GPU itself (a host sync) still measures its own wait."""
+    import time
+
+    import torch
+
+    for _ in range(warmups):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    launch_s = time.perf_counter() - t0              # host time to launch one call (its GPU work runs on)
+    torch.cuda.synchronize()
+    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    spin = _spin_cycles(2 * launch_s + 50e-6)
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        flush.zero_()
+        torch.cuda._sleep(spin)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _spin_cycles(seconds: float) -> int:
+    """GPU clock cycles that torch.cuda._sleep spins for about `seconds` (calibrated once a process)."""
+    global _CYCLES_PER_S
+    if _CYCLES_PER_S is None:
+        import torch
+        cycles = 1_000_000
+        torch.cuda._sleep(cycles)                    # its first launch off the clock
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(cycles)
+        b.record()
+        b.synchronize()
+        _CYCLES_PER_S = cycles / (a.elapsed_time(b) * 1e-3)
+    return max(1, int(_CYCLES_PER_S * seconds))
+
+
+_CYCLES_PER_S: float | None = None
+
+
 def copy_roof_gbs(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth (read + write bytes per second): the roof a streaming kernel can reach."""
     import torch
@@ -199,15 +257,15 @@ def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES, kv_
         for name in backends:
             be = create_backend(name, case.k_cache.shape[1])
             err = max_abs_error(be.forward(case.q, None, None, case.k_cache, case.v_cache, meta, case.scale), ref)
-            ms = time_ms(lambda: be.forward(case.q, None, None, case.k_cache, case.v_cache, meta, case.scale))
+            ms = kernel_ms(lambda: be.forward(case.q, None, None, case.k_cache, case.v_cache, meta, case.scale))
             row["backends"][name] = _figures(ms, case.bytes, roof) | {"max_abs_err": err}
         if kv_cache_dtype == "fp8" and "triton" in backends:
             name, run = fp8_v_variant(case)
-            row["backends"][name] = _figures(time_ms(run), case.bytes, roof) | {"max_abs_err": max_abs_error(run(), ref)}
+            row["backends"][name] = _figures(kernel_ms(run), case.bytes, roof) | {"max_abs_err": max_abs_error(run(), ref)}
         k, v = case.dense()
         q4 = case.q.unsqueeze(2)
         err = max_abs_error(F.scaled_dot_product_attention(q4, k, v, scale=case.scale, enable_gqa=True), ref)
-        ms = time_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=case.scale, enable_gqa=True))
+        ms = kernel_ms(lambda: F.scaled_dot_product_attention(q4, k, v, scale=case.scale, enable_gqa=True))
         dense_bytes = 2 * k.numel() * k.element_size()
         row["sdpa_dense"] = _figures(ms, dense_bytes, roof) | {"max_abs_err": err}
         rows.append(row)
@@ -308,8 +366,7 @@ def bench_prefill(backends: list[str], seqs: int, prefix: int, new: int, kv_cach
         for route, paged in routes:
             meta = case.prefill_meta(paged)
             err = max_abs_error(be.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale), ref)
-            ms = time_ms(lambda: be.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale),
-                          repeats=10, warmups=2)
+            ms = kernel_ms(lambda: be.forward(case.q, case.k, case.v, case.k_cache, case.v_cache, meta, case.scale))
             row["backends"][f"{name}:{route}"] = {"us": round(ms * 1e3, 1),
                                                   "tflop_s": round(case.flops / (ms * 1e-3) / 1e12, 1),
                                                   "max_abs_err": err}
@@ -335,7 +392,7 @@ def sweep_prefill(shape=(30, 0, 540), kv_cache_dtype: str = "auto") -> dict:
                                     meta.cu_seqlens_k, meta.max_seqlen_q, case.scale, **knobs)
         try:
             err = max_abs_error(run(), ref)
-            ms = time_ms(run, repeats=5, warmups=1)
+            ms = kernel_ms(run, repeats=5, warmups=1)
         except Exception as e:           # a configuration the compiler refuses (e.g. shared memory)
             results.append(knobs | {"error": str(e).splitlines()[0][:120]})
             continue
@@ -367,7 +424,7 @@ def sweep_triton(shapes=SWEEP_SHAPES, kv_cache_dtype: str = "auto") -> list[dict
                 return case.triton_decode(sm, block_n=block_n, num_warps=warps, num_stages=stages, waves=waves)
             try:
                 err = max_abs_error(run(), ref)
-                ms = time_ms(run, repeats=10, warmups=2)
+                ms = kernel_ms(run)
             except Exception as e:           # a configuration the compiler refuses (e.g. shared memory)
                 results.append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "waves": waves,
                                 "error": str(e).splitlines()[0][:120]})
@@ -474,7 +531,7 @@ def sweep_kernel(shapes=KERNEL_SWEEP_SHAPES, settings: list[dict] | None = None,
                 return case.triton_decode(sm, **knobs)
             try:
                 err = max_abs_error(run(), ref)
-                ms = time_ms(run, repeats=repeats, warmups=2)
+                ms = kernel_ms(run, repeats=repeats)
             except Exception as e:           # a configuration the compiler refuses (e.g. shared memory)
                 results.append(knobs | {"error": str(e).splitlines()[0][:120]})
                 continue

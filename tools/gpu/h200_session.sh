@@ -150,7 +150,8 @@ ahead_ab() {         # ahead_ab MODE DATASET: the prefix-cache A/B (tools/prefix
 
 # the GPU test files both judging phases run (final adds the persistent decode layer's)
 GPU_TESTS=(tests/kernels/test_gpu_kernels.py tests/kernels/test_gpu_kv_fp8.py tests/kernels/test_gpu_sampling.py
-           tests/engine/test_gpu_mixed.py tests/engine/test_rope_scaling.py tests/lab/guardrails/test_logits.py)
+           tests/engine/test_gpu_mixed.py tests/engine/test_rope_scaling.py tests/lab/guardrails/test_logits.py
+           tests/lab/bench/test_gpu_timing.py)
 nano_vllm() {       # nano_vllm NAME [VAR=VALUE...] [OPTION...]: this tree's nano-vllm workload, median of three, Triton
   local name=$1 envs=(); shift
   while [[ "${1:-}" == [A-Z]*=* ]]; do envs+=("$1"); shift; done
