@@ -158,6 +158,7 @@ class LLMEngine:
             "attention_backend": self.runner.attention_backend,
             "fused_ops": self.runner.fused_ops,
             "gemv_rows": self.runner.gemv_rows,              # tokens a projection takes through the GEMV (LAB_GEMV_ROWS)
+            "skinny_rows": self.runner.skinny_rows,          # ... through the split-K GEMM from 2 (LAB_SKINNY_GEMM)
             "fp8_decode": self.runner.fp8_decode,            # the e4m3 decode's knobs from LAB_FP8_DECODE ({}: defaults)
             "model": self.runner.model.describe() if self.runner.model is not None else None,   # family, q/k route
             "pdl": self.runner.pdl,

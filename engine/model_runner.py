@@ -25,7 +25,8 @@ from engine.config import Config, ConfigError
 from engine.device_clock import DeviceClock
 from engine.distributed import SINGLE, ParallelContext
 from engine.graph import EAGER, PREFILL_GRAPH_SEQS, DecodeGraphs, PrefillGraphs, Route, prefill_buckets
-from engine.levers import decode_layer_on, decode_prologue_mode, fp8_decode_knobs, gemv_rows_setting
+from engine.levers import (decode_layer_on, decode_prologue_mode, fp8_decode_knobs, gemv_rows_setting,
+                           skinny_rows_setting)
 from engine.loader import load_model
 from engine.mixed_graphs import MixedGraphs, mixed_buckets
 from engine.models import build_model
@@ -103,13 +104,15 @@ class ModelRunner:
             raise ConfigError(f"checkpoint in {config.model} lacks parameters: {', '.join(missing[:4])}")
         self.model.eval()
         rows = gemv_rows_setting()        # read (and a bad LAB_GEMV_ROWS refused) on every device
+        skinny = skinny_rows_setting()    # and LAB_SKINNY_GEMM
         prologue = decode_prologue_mode(config, self.attention_backend)   # and a bad LAB_DECODE_PROLOGUE
         layer_kernel = decode_layer_on(self.attention_backend)    # and LAB_DECODE_LAYER
         self.fp8_decode = fp8_decode_knobs(config, self.attention_backend)   # and LAB_FP8_DECODE
         if self.fp8_decode:
             self.backend.decode_knobs = self.fp8_decode
-        self.fused_ops = self._enable_fused_ops(rows, prologue)
+        self.fused_ops = self._enable_fused_ops(rows, prologue, skinny)
         self.gemv_rows = rows if self.fused_ops else 0   # tokens a projection takes through the GEMV kernels
+        self.skinny_rows = skinny if self.fused_ops else 0   # ... and through the split-K GEMM from 2 tokens
         self.pdl = pdl.enable(self.device, config.pdl)     # engine/pdl.py: False off CUDA and before Hopper
         self.load_seconds = time.perf_counter() - t0
         self.sampler = Sampler(self.device, config.seed, config.eos_token_ids, config.logprobs_mode)
@@ -135,9 +138,10 @@ class ModelRunner:
         # Triton kernels compiled after start-up (engine/warmup.py): a variant the warm-up missed
         self.late_compiles = CompileWatch() if self.device.startswith("cuda") else None
 
-    def _enable_fused_ops(self, gemv_rows: int = 1, prologue: str = "") -> bool:
-        """Turn the fused Triton kernels on (CUDA, --fused-ops), the GEMVs for up to ``gemv_rows`` tokens and the
-        decode prologue in ``prologue``'s mode (levers.decode_prologue_mode); False where they stay off."""
+    def _enable_fused_ops(self, gemv_rows: int = 1, prologue: str = "", skinny_rows: int = 0) -> bool:
+        """Turn the fused Triton kernels on (CUDA, --fused-ops), the GEMVs for up to ``gemv_rows`` tokens, the split-K
+        GEMM for 2 to ``skinny_rows`` and the decode prologue in ``prologue``'s mode (levers.decode_prologue_mode);
+        False where they stay off."""
         if not self.config.fused_ops:      # --no-fused-ops: the plain path (backend.store_kv runs)
             return False
         if not self.device.startswith("cuda"):
@@ -151,6 +155,11 @@ class ModelRunner:
                 module.fused = True
             if hasattr(module, "gemv_rows"):
                 module.gemv_rows = gemv_rows
+            if hasattr(module, "skinny_rows"):
+                module.skinny_rows = skinny_rows
+        if skinny_rows:                    # its counters before any graph capture (inside one it would not split)
+            from engine.layers.skinny_gemm import counters
+            counters(torch.device(self.device))
             if hasattr(module, "decode_prologue"):
                 module.decode_prologue = prologue
         return True

@@ -24,6 +24,7 @@ def few_rows(x: torch.Tensor, rows: int) -> bool:
 class LinearBase(nn.Module):
     fused = False               # the runner turns on the Triton GEMV for one-token inputs on CUDA
     gemv_rows = 1               # ... and for up to this many tokens (the runner's LAB_GEMV_ROWS)
+    skinny_rows = 0             # the split-K GEMM for 2 up to this many tokens (the runner's LAB_SKINNY_GEMM; 0: off)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelContext):
         super().__init__()
@@ -48,6 +49,9 @@ class LinearBase(nn.Module):
         if self.takes_gemv(x):
             from engine.layers.gemv import gemv
             return gemv(x, self.weight)
+        if self.fused and self.bias is None and self.skinny_rows and few_rows(x, self.skinny_rows):
+            from engine.layers.skinny_gemm import skinny_gemm
+            return skinny_gemm(x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,8 @@ def lab_levers(desc: dict) -> dict:
         on.append(f"LAB_PREFILL_AHEAD={ahead}")
     if (desc.get("gemv_rows") or 0) > 1:
         on.append(f"LAB_GEMV_ROWS={desc['gemv_rows']}")
+    if desc.get("skinny_rows"):
+        on.append(f"LAB_SKINNY_GEMM={desc['skinny_rows']}")
     model = desc.get("model") or {}
     prologue = {"fused": "0", "decode-prologue-noprefetch": "noprefetch"}.get(model.get("qk_norm_rope_kv"))
     if prologue and desc.get("attention_backend") == "triton" and not conf.get("mixed_batches"):

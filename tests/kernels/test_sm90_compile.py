@@ -7,7 +7,7 @@ re-assigned") failed on the H200 at its first launch, a device call spent for no
 gives Triton a stand-in CUDA driver that names an sm_90 target, makes every launch a warmup (compile, no
 launch) and turns PDL on as on Hopper, then calls the engine's own kernel wrappers on CPU tensors at the
 shapes of the tiny, Qwen3-0.6B and Qwen3-8B presets: the batch-1 GEMVs (plain, normed, SiLU-and-mul, with and
-without the peeled first chunk), the rows GEMV's variants (2, 4 and 8 rows), every paged-decode variant ``decode_variants`` says a batch of 1..512 can
+without the peeled first chunk), the rows GEMV's variants (2, 4 and 8 rows), the split-K GEMM's row tiles, every paged-decode variant ``decode_variants`` says a batch of 1..512 can
 meet, the prefills, the KV store, the norms, q/k norm + RoPE and the sampling kernel, and again every kernel that
 reads or writes the KV cache with an FP8 (e4m3) cache: each decode variant, the paged prefill, the quantizing
 store and q/k norm + RoPE's store; and each decode variant through the decode prologue (q/k norm + RoPE and the
@@ -27,7 +27,7 @@ from interp import interpreted
 
 KERNELS = {"_gemv_kernel", "_rows_gemv_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_prefill_kernel", "_store_kv_kernel",
            "_rms_norm_kernel", "_qk_norm_rope_kernel", "_silu_mul_kernel", "_gumbel_argmax_kernel",
-           "_decode_layer_kernel"}
+           "_decode_layer_kernel", "_skinny_kernel"}
 PRESETS = ("tiny", "qwen3-0.6b", "qwen3-8b", "smollm2-135m")    # smollm2: head_dim 64, GQA 3
 
 
@@ -49,6 +49,7 @@ def test_every_preset_meets_its_decode_variants_and_gemv_tiles(compiled):
         assert p["decode_calls"] == p["decode_variants"] and p["gemv_calls"] == 2 * 5, p   # 5 projections x peel
         assert p["prologue_decode_calls"] == p["decode_variants"], p      # the decode prologue at each variant
         assert p["rows_gemv_calls"] == 3 * 5, p      # 5 projections x the rows kernel's variants (2, 4 and 8 rows)
+        assert p["skinny_calls"] == 3 * 5, p         # 5 projections x the split-K GEMM's row tiles (16, 32 and 64)
 
 
 def test_the_decode_layer_compiles_at_each_qwen3_preset(compiled):
@@ -113,6 +114,7 @@ def _preset(name: str, calls: list) -> dict:
     from engine.config import ModelShape
     from engine.layers import fused_kernels as fk
     from engine.layers.gemv import gemv, normed_gemv
+    from engine.layers.skinny_gemm import skinny_gemm, split_k
     from engine.sampling.gumbel_kernel import gumbel_argmax
     from labkit.assets.synth import PRESETS as SYNTH
     from labkit.bench.gemv import gemv_shapes
@@ -141,6 +143,12 @@ def _preset(name: str, calls: list) -> dict:
             else:
                 gemv(e(m, k if mode != "silu" else 2 * k), w, silu_mul=mode == "silu")
             out["rows_gemv_calls"] += len(calls) > before
+    out["skinny_calls"] = 0
+    for n, k, _ in gemv_shapes(shape).values():                      # a small decode batch (LAB_SKINNY_GEMM)
+        for m in (2, 24, 64):
+            before = len(calls)
+            skinny_gemm(e(m, k), e(n, k), split=split_k(n, k, sm))
+            out["skinny_calls"] += len(calls) > before
     blocks = 8
     kc, vc = e(blocks, page, hk, d), e(blocks, page, hk, d)
     variants = decode_variants(512, hk, max_len, sm)
@@ -267,6 +275,8 @@ def main() -> None:
         import engine.attention.triton_kernels as tk
         import torch
         tk.decode_locks(torch.device("cpu"))
+        from engine.layers.skinny_gemm import counters
+        counters(torch.device("cpu"))
         from engine.layers.gemv import gemv
         gemv(torch.empty(1, 64, dtype=torch.bfloat16), torch.empty(16, 64, dtype=torch.bfloat16))
         if errors or not calls:

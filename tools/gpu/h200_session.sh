@@ -38,8 +38,11 @@
 #                                     # (and its guard), then the sweep on the bf16 cache, a
 #                                     # served decode's 24 x 1,024 among its shapes
 #
-# and one that times a kernel lever:
+# and two that time a kernel lever:
 #
+#   tools/gpu/h200_session.sh skinny  # the split-K GEMM of a small decode batch (LAB_SKINNY_GEMM=32) against cuBLAS: its
+#                                     # GPU tests, the step budget at 24 x 1,100 and batch-8 latency without and with
+#                                     # it, its bf16 guard, the rate sweep on sweep-random without and with it
 #   tools/gpu/h200_session.sh layer   # the persistent decode layer (LAB_DECODE_LAYER=1): its GPU tests, batch-1 latency
 #                                     # without and with it at Qwen3-0.6B's and Qwen3-8B's shapes, the step budget with
 #                                     # it, the bf16 baseline and graph guards with it
@@ -61,7 +64,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune" >&2; exit 2 ;; esac
+case "$phase" in check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -151,7 +154,7 @@ ahead_ab() {         # ahead_ab MODE DATASET: the prefix-cache A/B (tools/prefix
 # the GPU test files both judging phases run (final adds the persistent decode layer's)
 GPU_TESTS=(tests/kernels/test_gpu_kernels.py tests/kernels/test_gpu_kv_fp8.py tests/kernels/test_gpu_sampling.py
            tests/engine/test_gpu_mixed.py tests/engine/test_rope_scaling.py tests/lab/guardrails/test_logits.py
-           tests/lab/bench/test_gpu_timing.py)
+           tests/lab/bench/test_gpu_timing.py tests/kernels/test_gpu_skinny.py)
 nano_vllm() {       # nano_vllm NAME [VAR=VALUE...] [OPTION...]: this tree's nano-vllm workload, median of three, Triton
   local name=$1 envs=(); shift
   while [[ "${1:-}" == [A-Z]*=* ]]; do envs+=("$1"); shift; done
@@ -322,6 +325,24 @@ tune_phase() {
          --dtype bfloat16 --device cuda --attention triton --out "$W/runs/guard-kv-fp8-lever.json"
   fi
   step decode-sweep-bf16 300 $PY tools/gpu/decode_sweep.py --jobs 12 --shapes 256x1024,64x1024,24x1024,1x4096 --out "$W/runs/decode-sweep-bf16.json"
+}
+
+skinny_phase() {
+  # the split-K GEMM of a small decode batch (LAB_SKINNY_GEMM) against cuBLAS: its GPU tests, the step budget of a
+  # served decode (24 x 1,100) and batch-8 latency without and with it, its bf16 guard, then both rate sweeps
+  if ! step pytest-gpu-skinny 60 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 120 tests/kernels/test_gpu_skinny.py; then
+    echo "   the split-K GEMM's GPU tests failed: nothing timed with it" | tee -a "$STEPS"; return
+  fi
+  for on in 0 32; do
+    step step-budget-b24-skinny$on 45 env LAB_SKINNY_GEMM=$on $PY -m labkit bench --workload step-budget --attention triton \
+         --batch 24 --context 1100 --out "$W/runs/step-budget-b24-skinny$on.json"
+    step latency-b8-skinny$on 40 env LAB_SKINNY_GEMM=$on $PY -m labkit bench --workload latency --batch 8 --repeats 3 \
+         --attention triton --out "$W/runs/latency-b8-skinny$on.json"
+  done
+  step guard-bf16-skinny 45 env LAB_SKINNY_GEMM=32 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda \
+       --attention triton --out "$W/runs/guard-bf16-skinny.json"
+  RATES=8,64,128,inf sweep skinny0-sweep 100 LAB_SKINNY_GEMM=0
+  RATES=8,64,128,inf sweep skinny32-sweep 100 LAB_SKINNY_GEMM=32
 }
 
 layer_phase() {
