@@ -97,11 +97,19 @@ def max_abs_error(out, ref) -> float:
 
 
 def time_ms(fn, repeats: int = 20, warmups: int = 5) -> float:
-    import torch
     for _ in range(warmups):
         fn()
+    return _median_event_ms(fn, repeats)
+
+
+def _median_event_ms(fn, repeats: int, before=None) -> float:
+    """The median ms between CUDA events recorded around each of `repeats` calls of fn (``before()`` first, outside
+    the events)."""
+    import torch
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -137,17 +145,7 @@ def kernel_ms(fn, repeats: int = 10, warmups: int = 2) -> float:
     torch.cuda.synchronize()
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     spin = _spin_cycles(2 * launch_s + 50e-6)
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        flush.zero_()
-        torch.cuda._sleep(spin)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return _median_event_ms(fn, repeats, before=lambda: (flush.zero_(), torch.cuda._sleep(spin)))
 
 
 def _spin_cycles(seconds: float) -> int:

@@ -135,6 +135,26 @@ def narrow_head(model, rows: int = HEAD_ROWS) -> None:
     head.weight = torch.nn.Parameter(head.weight[:rows].clone(), requires_grad=False)
 
 
+def three_row_decode(model_dir: str):
+    """In the interpreted process: the tiny model on the CPU (eager, its LM head narrowed) with three prompts
+    prefilled, and the inputs of the decode step of those three sequences. -> (runner, inputs, the plain
+    forward's logits in float32)."""
+    from engine import LLMEngine, SamplingParams
+
+    engine = LLMEngine(model_dir, device="cpu", enforce_eager=True, max_num_seqs=4, max_model_len=64,
+                       num_kvcache_blocks=16, kvcache_block_size=16, max_num_batched_tokens=64)
+    runner = engine.runner
+    narrow_head(runner.model)
+    for prompt in ([11, 12, 13], [21, 22, 23, 24, 25], [31, 32]):
+        engine.add_request(prompt, SamplingParams(max_tokens=4))
+    seqs, is_prefill = engine.schedule()
+    engine.postprocess(seqs, runner.run(seqs, is_prefill)[0], is_prefill)            # the prompts' KV
+    seqs, is_prefill = engine.schedule()                                              # one decode step, 3 rows
+    assert not is_prefill and len(seqs) == 3
+    inputs = runner.inputs.prepare(seqs, is_prefill)
+    return runner, inputs, runner.run_model(inputs).float()
+
+
 def tiny_triton_engine(model_dir: str, **flags):
     """In the interpreted process: the tiny model on the CPU (eager, 16-token pages) with the Triton backend (an SM
     count of 16: its CUDA constructor reads the device's) and every fused kernel on, its LM head narrowed; ``flags``

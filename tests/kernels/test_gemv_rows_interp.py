@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from interp import interpreted, interpreter_ready, narrow_head
+from interp import interpreted, interpreter_ready, three_row_decode
 
 ROWS = (2, 3, 5, 8)
 SHAPES = [(24, 64), (37, 80), (12, 1600)]
@@ -142,21 +142,9 @@ def _model(model_dir: str) -> dict:
     import torch
 
     import engine.layers.gemv as gemv_mod
-    from engine import LLMEngine, SamplingParams
 
-    engine = LLMEngine(model_dir, device="cpu", enforce_eager=True, max_num_seqs=4, max_model_len=64,
-                       num_kvcache_blocks=16, kvcache_block_size=16, max_num_batched_tokens=64)
-    runner = engine.runner
-    narrow_head(runner.model)
+    runner, inputs, plain = three_row_decode(model_dir)
     layers = len(runner.model.model.layers)
-    for prompt in ([11, 12, 13], [21, 22, 23, 24, 25], [31, 32]):
-        engine.add_request(prompt, SamplingParams(max_tokens=4))
-    seqs, is_prefill = engine.schedule()
-    engine.postprocess(seqs, runner.run(seqs, is_prefill)[0], is_prefill)            # the prompts' KV
-    seqs, is_prefill = engine.schedule()                                              # one decode step, 3 rows
-    assert not is_prefill
-    inputs = runner.inputs.prepare(seqs, is_prefill)
-    plain = runner.run_model(inputs).float()
     calls = {"normed": 0, "gemv": 0, "silu": 0, "head": 0}
     real_gemv, real_normed = gemv_mod.gemv, gemv_mod.normed_gemv
     head = runner.model.lm_head.weight
@@ -177,7 +165,7 @@ def _model(model_dir: str) -> dict:
         if hasattr(m, "gemv_rows"):
             m.gemv_rows = 4
     fused = runner.run_model(inputs).float()
-    return {"rows": len(seqs), "layers": layers, "normed_calls": calls["normed"], "gemv_calls": calls["gemv"],
+    return {"rows": inputs.input_ids.shape[0], "layers": layers, "normed_calls": calls["normed"], "gemv_calls": calls["gemv"],
             "silu_calls": calls["silu"], "head_calls": calls["head"],
             "max_abs_err": (fused - plain).abs().max().item() if torch.isfinite(fused).all() else float("inf")}
 
