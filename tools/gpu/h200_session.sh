@@ -33,7 +33,8 @@
 # one that ranks the decode kernel's knobs on the e4m3 cache:
 #
 #   tools/gpu/h200_session.sh tune    # tools/gpu/decode_sweep.py --kv-cache-dtype fp8 (compiled in parallel, then
-#                                     # timed on three shapes), the step budget of a decode at 64 req/s (24 x 1,100),
+#                                     # timed on three shapes), the step budget of a decode at 64 req/s (24 x 1,100)
+#                                     # and of the e4m3 cache's decode at 256 and 64 x 1,024,
 #                                     # nano-vllm on bf16, e4m3 and e4m3 with the sweep's LAB_FP8_DECODE candidate
 #                                     # (and its guard), then the sweep on the bf16 cache, a
 #                                     # served decode's 24 x 1,024 among its shapes
@@ -317,6 +318,12 @@ tune_phase() {
   # a served decode's step at 64 req/s (about 23 sequences at 1,100 tokens): where its time goes, by kernel
   step step-budget-b24 45 $PY -m labkit bench --workload step-budget --attention triton --batch 24 --context 1100 \
        --out "$W/runs/step-budget-b24.json"
+  # the e4m3 cache's decode step where the nano-vllm workload spends it (its wide and its thinning batches): the FP8
+  # target's gap to its bound, by kernel
+  for b in 256 64; do
+    step step-budget-fp8-b$b 45 $PY -m labkit bench --workload step-budget --attention triton --batch $b --context 1024 \
+         --kv-cache-dtype fp8 --out "$W/runs/step-budget-fp8-b$b.json"
+  done
   nano_vllm nano-vllm-bf16
   nano_vllm nano-vllm-fp8 --kv-cache-dtype fp8
   if [ -n "$lever" ]; then
