@@ -12,16 +12,21 @@ DECODE_FP8_* ones) on a bf16 and an e4m3 cache, the e4m3 cache at the bf16 cache
 decode prologue (triton_kernels.NewTokens). --layer: the persistent decode layer at Qwen3-0.6B's and Qwen3-8B's
 shapes instead. --sweep: the tile / warps / stages grid instead (on an e4m3 cache also the V
 scale's place and a 128-register cap). Each row also gives its SASS instruction count and a hash of the
-instructions: a refactor that leaves a row's hash alone compiles to the same instructions. These are compiled figures, not timings: `labkit bench --workload attention
+instructions: a refactor that leaves a row's hash alone compiles to the same instructions; and its context loop's
+instructions (one pass: a K and a V tile), per KB of those tiles over the program's warps (the issue slots a byte
+costs; --json adds the loop's opcodes, most frequent first): an e4m3 tile is half the bytes of a bf16 one, and each of
+its values is converted on the way. These are compiled figures, not timings: `labkit bench --workload attention
 --sweep` on the GPU times the same variants.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import collections
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -72,6 +77,28 @@ def sass_instructions(cubin: bytes) -> list[str]:
         if line.strip().startswith("/*") and len(parts) > 1 and parts[1].strip():
             out.append(parts[1].strip())
     return out
+
+
+def loop_body(cubin: bytes) -> list[str]:
+    """The instructions of the cubin's longest loop (the span of its longest backward branch): the decode's context
+    loop, one tile of K and V per pass."""
+    ins = []
+    for line in _cuobjdump(cubin, "-sass").splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    spans = [(int(t.group(1), 16), at) for at, text in ins if "BRA" in text
+             for t in [re.search(r"0x([0-9a-f]+)", text)] if t and int(t.group(1), 16) < at]
+    if not spans:
+        return []
+    lo, hi = max(spans, key=lambda s: s[1] - s[0])
+    return [text for at, text in ins if lo <= at <= hi]
+
+
+def opcode(instruction: str) -> str:
+    """An instruction's opcode without its predicate and modifiers: '@!P0 IMAD.MOV.U32 R1, ...' -> 'IMAD'."""
+    words = instruction.split()
+    return (words[1] if words[0].startswith("@") else words[0]).split(".")[0]
 
 
 def _compiler(name: str = "_decode_split_kernel"):
@@ -154,9 +181,14 @@ def rows(batch: int, context: int, caches: list[str], sweep: bool, hq: int = 16,
             regs, shared = cubin_registers(kernel.asm["cubin"]), kernel.metadata.shared
             n = programs_per_sm(regs, shared, knobs["num_warps"])
             sass = sass_instructions(kernel.asm["cubin"])
+            loop = loop_body(kernel.asm["cubin"])
+            tile_kb = 2 * knobs["block_n"] * d * (1 if fp8 else 2) / 1024      # one pass: a K and a V tile
             out.append(row | {"registers": regs, "shared_bytes": shared, "programs_per_sm": n,
                               "buffered_kb_per_sm": round(n * shared / 1024), "sass_instructions": len(sass),
-                              "sass_sha": hashlib.sha1("\n".join(sass).encode()).hexdigest()[:12]})
+                              "sass_sha": hashlib.sha1("\n".join(sass).encode()).hexdigest()[:12],
+                              "loop_instructions": len(loop),
+                              "loop_instructions_per_kb": round(len(loop) * knobs["num_warps"] / tile_kb, 1),
+                              "loop_mix": dict(collections.Counter(map(opcode, loop)).most_common())})
     return out
 
 
@@ -224,7 +256,7 @@ def main() -> int:
         return 0
     print(f"paged decode at batch {a.batch} x context {a.context}, 16 q / 8 kv heads of 128, compiled for sm_90")
     print(f"{'cache':5} {'route':10} {'block_n':>7} {'warps':>5} {'stages':>6} {'v_tile':>6} {'cap':>4} {'regs':>5} "
-          f"{'shared':>7} {'prog/SM':>7} {'KB/SM':>6} {'SASS':>5} {'sha':>12}")
+          f"{'shared':>7} {'prog/SM':>7} {'KB/SM':>6} {'SASS':>5} {'sha':>12} {'loop':>5} {'ins/KB':>6}")
     for r in found:
         v_tile = "-" if "fp8_v_in_tile" not in r else ("yes" if r["fp8_v_in_tile"] else "no")
         head = (f"{r['cache']:5} {r['route']:10} {r['block_n']:>7} {r['num_warps']:>5} {r['num_stages']:>6} {v_tile:>6} "
@@ -233,7 +265,8 @@ def main() -> int:
             print(f"{head}  {r['error']}")
         else:
             print(f"{head} {r['registers']:>5} {r['shared_bytes']:>7} {r['programs_per_sm']:>7} "
-                  f"{r['buffered_kb_per_sm']:>6} {r['sass_instructions']:>5} {r['sass_sha']:>12}")
+                  f"{r['buffered_kb_per_sm']:>6} {r['sass_instructions']:>5} {r['sass_sha']:>12} "
+                  f"{r['loop_instructions']:>5} {r['loop_instructions_per_kb']:>6}")
     return 0
 
 

@@ -82,3 +82,13 @@ def test_the_layer_kernel_fits_an_sm_and_loads_its_first_tile_before_the_wait(la
     for r in layer_rows.values():
         assert "error" not in r and r["programs_per_sm"] >= 1, r
         assert r["weight_loads_before_wait"] >= 1, r
+
+
+def test_the_context_loop_is_found_with_its_dots_and_tile_loads(rows):
+    """The loop read off the SASS is the context loop: it holds the tile loads and the dots, and on an e4m3 cache
+    the conversions of its values (the issue slots a byte of cache costs)."""
+    for key in (("bf16", "plain"), ("fp8", "plain")):
+        r = rows[key]
+        assert r["loop_mix"].get("HMMA", 0) > 0 and r["loop_instructions"] < r["sass_instructions"], r
+        assert r["loop_instructions_per_kb"] > 0, r
+    assert rows["fp8", "plain"]["loop_mix"].get("F2FP", 0) > 0, rows["fp8", "plain"]
