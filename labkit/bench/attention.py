@@ -119,6 +119,8 @@ def _median_event_ms(fn, repeats: int, before=None) -> float:
     return statistics.median(times)
 
 
+#: what a kernel figure of this module times (the evidence says so)
+KERNEL_TIMING = "one call's GPU time, its host launch hidden behind a spin kernel, the L2 flushed first (kernel_ms)"
 #: bytes written before each timed kernel call: more than any GPU's L2, so a call reads its K/V from memory, as each
 #: layer of a step does (a repeated small case would otherwise be timed out of the L2)
 FLUSH_BYTES = 256 << 20
@@ -274,7 +276,7 @@ def bench_attention(backends: list[str], sweep: bool = False, shapes=SHAPES, kv_
     decode_errs = {f"{r['batch']}x{r['context']}:{b}": f["max_abs_err"] for r in rows for b, f in r["backends"].items()}
     prefill_errs = {f"{r['seqs']}x{r['prefix']}+{r['new']}:{b}": f["max_abs_err"]
                     for r in prefill_rows for b, f in r["backends"].items()}
-    facts = {"copy_roof_gb_s": round(roof, 1), "kv_cache_dtype": kv_cache_dtype,
+    facts = {"copy_roof_gb_s": round(roof, 1), "kv_cache_dtype": kv_cache_dtype, "timing": KERNEL_TIMING,
              "shape": f"16 q heads, 8 kv heads, head_dim 128, page 256, bf16{CACHE_NOTE[kv_cache_dtype]}",
              "output_check": {"reference": "dense SDPA in float32 on the K/V gathered through the block table",
                               "tolerance": OUTPUT_TOL, "decode_max_abs_err": decode_errs,
@@ -542,6 +544,6 @@ def sweep_kernel(shapes=KERNEL_SWEEP_SHAPES, settings: list[dict] | None = None,
                     "errors": sum(1 for r in results if "error" in r), "results": results})
         del case, ref
         torch.cuda.empty_cache()
-    return {"copy_roof_gb_s": round(roof, 1), "default": default, "settings": len(settings),
+    return {"copy_roof_gb_s": round(roof, 1), "timing": KERNEL_TIMING, "default": default, "settings": len(settings),
             "shape": f"16 q heads, 8 kv heads, head_dim 128, page 256, bf16{CACHE_NOTE[kv_cache_dtype]}",
             "shapes": out} | rank_kernel_sweep(out)

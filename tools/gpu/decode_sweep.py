@@ -72,7 +72,8 @@ def main() -> int:
     from labkit.bench.attention import sweep_kernel
     t0 = time.time()
     res = sweep_kernel(shapes=shapes, repeats=a.repeats, kv_cache_dtype=a.kv_cache_dtype)
-    print(f"timed in {time.time() - t0:.0f} s; copy roof {res['copy_roof_gb_s']} GB/s; {res['shape']}")
+    print(f"timed in {time.time() - t0:.0f} s; copy roof {res['copy_roof_gb_s']} GB/s; {res['shape']}; each figure "
+          f"{res['timing']}")
     for sh in res["shapes"]:
         print(f"\n{sh['batch']} x {sh['context']}: {sh['tried']} tried, {sh['wrong_outputs']} wrong, "
               f"{sh['errors']} refused")
