@@ -157,11 +157,11 @@ class ModelRunner:
                 module.gemv_rows = gemv_rows
             if hasattr(module, "skinny_rows"):
                 module.skinny_rows = skinny_rows
+            if hasattr(module, "decode_prologue"):
+                module.decode_prologue = prologue
         if skinny_rows:                    # its counters before any graph capture (inside one it would not split)
             from engine.layers.skinny_gemm import counters
             counters(torch.device(self.device))
-            if hasattr(module, "decode_prologue"):
-                module.decode_prologue = prologue
         return True
 
     def _enable_decode_layer(self) -> None:

@@ -83,6 +83,22 @@ def test_the_decode_prologue_is_on_by_default_on_triton_in_the_step_model(monkey
     assert decode_prologue_mode(step_model, "triton") == ""
 
 
+def test_enabling_the_fused_ops_sets_every_module_s_switches(tiny_engine, monkeypatch):
+    """_enable_fused_ops (as on CUDA) turns on every module's fused kernels and hands each its GEMV rows and decode
+    prologue mode, whatever else it switches (the split-K GEMM off here: its counters would need a GPU)."""
+    pytest.importorskip("triton")
+    engine = tiny_engine()
+    runner = engine.runner
+    monkeypatch.setattr(runner, "device", "cuda")     # undone before the fixture closes the engine
+    assert runner._enable_fused_ops(gemv_rows=4, prologue="prefetch", skinny_rows=0)
+    modules = list(runner.model.modules())
+    with_prologue = [m for m in modules if hasattr(m, "decode_prologue")]
+    assert len(with_prologue) == len(runner.model.model.layers), with_prologue
+    assert all(m.decode_prologue == "prefetch" for m in with_prologue)
+    assert all(m.gemv_rows == 4 for m in modules if hasattr(m, "gemv_rows"))
+    assert all(m.fused for m in modules if hasattr(m, "fused"))
+
+
 def test_the_levers_refuse_a_value_they_do_not_know_in_one_line(monkeypatch):
     """Every LAB_* lever refuses a value outside its choices (ConfigError naming them), whatever the backend; the
     decode layer is off unless LAB_DECODE_LAYER=1, and then on the Triton backend only."""
