@@ -71,7 +71,7 @@ def _graph_us(fn, calls: int, replays: int = 10) -> float:
     """Median µs per call of ``fn`` (``calls`` launches) captured in one CUDA graph."""
     import torch
 
-    from labkit.bench.attention import time_ms
+    from labkit.bench.timing import time_ms
 
     fn()                                        # compiles this setting outside the capture
     torch.cuda.synchronize()
@@ -137,7 +137,7 @@ def bench_gemv(shape: ModelShape, sweep: bool = False, dtype: str = "bfloat16") 
     import torch
 
     from engine import pdl
-    from labkit.bench.attention import copy_roof_gbs
+    from labkit.bench.timing import copy_roof_gbs
 
     pdl_on = pdl.enable("cuda")
     roof = copy_roof_gbs()

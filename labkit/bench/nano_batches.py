@@ -109,7 +109,7 @@ def bench_nano_batches(engine, batch: int = BATCH, context: int = CONTEXT, repla
     `rounds` x `replays` replays, the ways alternated round by round."""
     import torch
 
-    from labkit.bench.attention import time_ms
+    from labkit.bench.timing import time_ms
 
     if batch < 2:
         raise ValueError("the overlap splits the batch in two: --batch must be at least 2")

@@ -130,7 +130,7 @@ def workload_bound(engine: LLMEngine, prompts, output_lens: list[int], device: s
 
     if not device.startswith("cuda"):
         return {"bound_tok_s": None, "why": "the bound needs a device copy roof and matmul peak (CUDA)"}
-    from labkit.bench.attention import copy_roof_gbs, matmul_peak_tflops
+    from labkit.bench.timing import copy_roof_gbs, matmul_peak_tflops
 
     import torch
 
@@ -281,7 +281,7 @@ def latency_bound(engine: LLMEngine, device: str, batch: int, context: float) ->
         return None
     import torch
 
-    from labkit.bench.attention import copy_roof_gbs
+    from labkit.bench.timing import copy_roof_gbs
     from labkit.bench.bound import step_bound
 
     weight_element = torch.empty(0, dtype=getattr(torch, engine.describe()["dtype"])).element_size()

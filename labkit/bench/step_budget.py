@@ -325,7 +325,7 @@ def budget_table(passes: dict, primary: str, split_from: str, engine, device: st
     if device.startswith("cuda"):
         import torch
 
-        from labkit.bench.attention import copy_roof_gbs, matmul_peak_tflops
+        from labkit.bench.timing import copy_roof_gbs, matmul_peak_tflops
 
         roofs = {"copy_roof_gb_s": round(copy_roof_gbs(), 3),
                  "matmul_peak_tflops": round(matmul_peak_tflops(dtype=engine.describe()["dtype"]), 3)}

@@ -302,11 +302,11 @@ def test_workload_bound_calls_the_roofs_as_the_bench_does_on_cuda(tiny_model_dir
     real ones' signatures (a positional dtype once went to the matrix size and only failed on the H200)."""
     import inspect
 
-    import labkit.bench.attention as attention
+    import labkit.bench.timing as timing
     from labkit.bench.run import workload_bound
     from labkit.lab_engine import build_engine
 
-    real = inspect.signature(attention.matmul_peak_tflops)
+    real = inspect.signature(timing.matmul_peak_tflops)
 
     def peak(*args, **kwargs):
         bound = real.bind(*args, **kwargs)
@@ -314,8 +314,8 @@ def test_workload_bound_calls_the_roofs_as_the_bench_does_on_cuda(tiny_model_dir
         assert isinstance(bound.arguments["n"], int) and isinstance(bound.arguments["dtype"], str)
         return 500.0
 
-    monkeypatch.setattr(attention, "copy_roof_gbs", lambda: 1000.0)
-    monkeypatch.setattr(attention, "matmul_peak_tflops", peak)
+    monkeypatch.setattr(timing, "copy_roof_gbs", lambda: 1000.0)
+    monkeypatch.setattr(timing, "matmul_peak_tflops", peak)
     built = build_engine(str(tiny_model_dir), "cpu", "torch")
     try:
         out = workload_bound(built.engine, [[1, 2, 3]] * 2, [4, 4], "cuda", tok_s=10.0)

@@ -1,10 +1,10 @@
-"""The attention bench's kernel timing (labkit.bench.attention.kernel_ms) on a GPU: what it brackets."""
+"""The attention bench's kernel timing (labkit.bench.timing.kernel_ms) on a GPU: what it brackets."""
 import time
 
 import pytest
 import torch
 
-from labkit.bench.attention import kernel_ms, time_ms
+from labkit.bench.timing import kernel_ms, time_ms
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -18,4 +18,3 @@ def test_kernel_ms_leaves_out_the_host_launch_path():
 
     assert time_ms(call, repeats=5, warmups=1) >= 2.5      # one eager call between events measures the host
     assert kernel_ms(call, repeats=5, warmups=1) < 0.5     # behind the spin kernel only the add is between them
-

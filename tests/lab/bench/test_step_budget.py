@@ -265,11 +265,11 @@ def test_eager_decode_sets_the_graphs_aside_and_brings_them_back(tiny_model_dir)
 def test_budget_rows_carry_each_categorys_bound(budget, tiny_model_dir, monkeypatch):
     """The CUDA branch of the table on this run's passes, with the roofs given: bound = max(bytes / roof,
     FLOPs / peak), share of bound = bound / measured."""
-    import labkit.bench.attention as attention
+    import labkit.bench.timing as timing
     from labkit.lab_engine import build_engine
 
-    monkeypatch.setattr(attention, "copy_roof_gbs", lambda: 100.0)
-    monkeypatch.setattr(attention, "matmul_peak_tflops", lambda dtype="bfloat16": 0.05)
+    monkeypatch.setattr(timing, "copy_roof_gbs", lambda: 100.0)
+    monkeypatch.setattr(timing, "matmul_peak_tflops", lambda dtype="bfloat16": 0.05)
     built = build_engine(str(tiny_model_dir), "cpu", "torch", max_num_seqs=SPEC["batch"])
     try:
         table = sb.budget_table(budget["facts"]["passes"], "eager", "eager", built.engine, "cuda")
