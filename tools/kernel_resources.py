@@ -21,8 +21,8 @@ its values is converted on the way. These are compiled figures, not timings: `la
 from __future__ import annotations
 
 import argparse
-import hashlib
 import collections
+import hashlib
 import itertools
 import json
 import os
@@ -68,22 +68,23 @@ def cubin_registers(cubin: bytes) -> int:
     return next(int(tok[4:]) for tok in _cuobjdump(cubin, "-res-usage").split() if tok.startswith("REG:"))
 
 
-def sass_instructions(cubin: bytes) -> list[str]:
-    """The cubin's SASS instructions in order, without their addresses and encodings: two builds with the same
-    list run the same instructions (a refactor that leaves a kernel's list alone cannot change its speed)."""
+def sass_instructions(sass: str) -> list[str]:
+    """The SASS instructions of a cubin's listing (``_cuobjdump(cubin, "-sass")``) in order, without their addresses
+    and encodings: two builds with the same list run the same instructions (a refactor that leaves a kernel's list
+    alone cannot change its speed)."""
     out = []
-    for line in _cuobjdump(cubin, "-sass").splitlines():
+    for line in sass.splitlines():
         parts = line.strip().split("*/")
         if line.strip().startswith("/*") and len(parts) > 1 and parts[1].strip():
             out.append(parts[1].strip())
     return out
 
 
-def loop_body(cubin: bytes) -> list[str]:
-    """The instructions of the cubin's longest loop (the span of its longest backward branch): the decode's context
-    loop, one tile of K and V per pass."""
+def loop_body(sass: str) -> list[str]:
+    """The instructions of a cubin's longest loop in its SASS listing (the span of its longest backward branch): the
+    decode's context loop, one tile of K and V per pass."""
     ins = []
-    for line in _cuobjdump(cubin, "-sass").splitlines():
+    for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;", line)
         if m:
             ins.append((int(m.group(1), 16), m.group(2)))
@@ -180,8 +181,8 @@ def rows(batch: int, context: int, caches: list[str], sweep: bool, hq: int = 16,
             kernel = built[-1]
             regs, shared = cubin_registers(kernel.asm["cubin"]), kernel.metadata.shared
             n = programs_per_sm(regs, shared, knobs["num_warps"])
-            sass = sass_instructions(kernel.asm["cubin"])
-            loop = loop_body(kernel.asm["cubin"])
+            listing = _cuobjdump(kernel.asm["cubin"], "-sass")
+            sass, loop = sass_instructions(listing), loop_body(listing)
             tile_kb = 2 * knobs["block_n"] * d * (1 if fp8 else 2) / 1024      # one pass: a K and a V tile
             out.append(row | {"registers": regs, "shared_bytes": shared, "programs_per_sm": n,
                               "buffered_kb_per_sm": round(n * shared / 1024), "sass_instructions": len(sass),
@@ -219,7 +220,7 @@ def layer_rows(presets=("qwen3-0.6b", "qwen3-8b")) -> list[dict]:
             continue
         cubin = built[-1].asm["cubin"]
         regs, shared = cubin_registers(cubin), built[-1].metadata.shared
-        sass = sass_instructions(cubin)
+        sass = sass_instructions(_cuobjdump(cubin, "-sass"))
         wait = next((i for i, ins in enumerate(sass) if ins.startswith("ACQBULK")), len(sass))
         out.append({"preset": name, "registers": regs, "shared_bytes": shared,
                     "programs_per_sm": programs_per_sm(regs, shared, NUM_WARPS),
