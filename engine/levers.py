@@ -89,13 +89,14 @@ def gemv_rows_setting() -> int:
 
 
 SKINNY_GEMM_ENV = "LAB_SKINNY_GEMM"
-MAX_SKINNY_ROWS = 64
 
 
 def skinny_rows_setting() -> int:
     """The most tokens a projection takes through the split-K GEMM (engine/layers/skinny_gemm.py) with fused ops:
     LAB_SKINNY_GEMM, 0 (off; unset or blank) or 2..64 (a small decode batch's projections, cuBLAS's beyond). Off
     unless asked until a lease times it against cuBLAS (tools/gpu/h200_session.sh skinny)."""
+    from engine.layers import MAX_SKINNY_ROWS
+
     return int(_setting(SKINNY_GEMM_ENV, ["0", *(str(n) for n in range(2, MAX_SKINNY_ROWS + 1))], "0",
                         f"0 (off) or a whole number from 2 to {MAX_SKINNY_ROWS}"))
 

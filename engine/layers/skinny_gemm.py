@@ -21,6 +21,7 @@ import triton.language as tl
 
 from engine import pdl
 from engine.attention.triton_common import dot
+from engine.layers import MAX_SKINNY_ROWS
 
 BLOCK_N = 64
 BLOCK_K = 128
@@ -94,11 +95,11 @@ def block_m(m: int) -> int:
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, split: int | None = None) -> torch.Tensor:
-    """x [M, K] (2 <= M <= 64, contiguous) @ weight[N, K].T -> [M, N] in x's dtype. split: K splits (None: from
-    the device's SM count, :func:`split_k`)."""
+    """x [M, K] (M up to MAX_SKINNY_ROWS, contiguous; the engine sends 2 and more) @ weight[N, K].T -> [M, N] in x's
+    dtype. split: K splits (None: from the device's SM count, :func:`split_k`)."""
     m, k = x.shape
     n = weight.shape[0]
-    assert 1 <= m <= 64 and weight.shape[1] == k and x.is_contiguous() and weight.stride(1) == 1, (x.shape, weight.shape)
+    assert 1 <= m <= MAX_SKINNY_ROWS and weight.shape[1] == k and x.is_contiguous() and weight.stride(1) == 1, (x.shape, weight.shape)
     if split is None:
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
         split = split_k(n, k, sms)
