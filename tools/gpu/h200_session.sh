@@ -290,7 +290,7 @@ policy_phase() {
 
 final_phase() {
   # the tree's GPU tests and guards first, then each figure beside BEFORE's, the most telling first
-  step pytest-gpu 200 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 "${GPU_TESTS[@]}" \
+  step pytest-gpu 300 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 "${GPU_TESTS[@]}" \
        tests/kernels/test_gpu_decode_layer.py
   step guard-bf16 45 $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda --attention triton \
        --out "$W/runs/guard-bf16.json"
