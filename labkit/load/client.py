@@ -34,6 +34,7 @@ from serve.observe.events import EventLog, now_ns
 
 Record = Callable[[dict], None]
 API_KEY_ENV = "LABKIT_API_KEY"
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 #: (endpoint, request id) -> the X-Cancel-Token of a stream this process has open; None until its headers arrive
 _cancel_tokens: dict[tuple[str, str], str | None] = {}
@@ -160,15 +161,28 @@ async def cancel(sess: aiohttp.ClientSession, endpoint: str, request_id: str, ca
         return resp.status
 
 
+def json_body(body: dict) -> bytes:
+    """A request body as the compact JSON bytes that go on the wire (``payload=`` of the stream functions): made
+    before the clock starts, so a burst's submits do not wait on each other's serialising."""
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _post(sess: aiohttp.ClientSession, url: str, body: dict, payload: bytes | None):
+    if payload is None:
+        return sess.post(url, json=body)
+    return sess.post(url, data=payload, headers=JSON_HEADERS)
+
+
 async def stream_native(sess: aiohttp.ClientSession, endpoint: str, body: dict, *, record: Record = _noop,
                         log_server_events: bool = True, cancel_after: int | None = None,
                         tags: dict | None = None, worker_hint: str | None = None,
-                        on_text: Callable[[str], None] | None = None) -> ClientResult:
+                        on_text: Callable[[str], None] | None = None, payload: bytes | None = None) -> ClientResult:
     """POST /generate and read its NDJSON stream; ``cancel_after=N`` posts /cancel after token N;
     ``on_text(piece)`` sees each token's text as it arrives.
 
     ``worker_hint`` (the endpoint's worker id from /health) labels the submitted event, which is
-    recorded before the server has answered."""
+    recorded before the server has answered. ``payload``: ``body`` already serialised (:func:`json_body`),
+    sent as it is."""
     rid = body["request_id"]
     res = ClientResult(rid, endpoint)
     tags = tags or {}
@@ -180,7 +194,7 @@ async def stream_native(sess: aiohttp.ClientSession, endpoint: str, body: dict, 
     key = (endpoint.rstrip("/"), rid)
     _cancel_tokens[key] = None
     try:
-        async with sess.post(f"{endpoint.rstrip('/')}/generate", json=body) as resp:
+        async with _post(sess, f"{endpoint.rstrip('/')}/generate", body, payload) as resp:
             res.status = resp.status
             res.worker_id = resp.headers.get("X-Worker-Id")
             if resp.status != 200:
@@ -260,18 +274,24 @@ def _prompt_len(body: dict) -> int | None:
     return None
 
 
+def openai_stream_body(body: dict) -> dict:
+    """The body :func:`stream_openai` sends for ``body``: streamed, with the usage block at the end."""
+    return {**body, "stream": True, "stream_options": {"include_usage": True}}
+
+
 async def stream_openai(sess: aiohttp.ClientSession, endpoint: str, body: dict, *, request_id: str,
                         chat: bool = False, record: Record = _noop, tags: dict | None = None,
-                        worker_hint: str | None = None, on_text: Callable[[str], None] | None = None) -> ClientResult:
+                        worker_hint: str | None = None, on_text: Callable[[str], None] | None = None,
+                        payload: bytes | None = None) -> ClientResult:
     """POST /v1/completions (or chat) with stream=true and read the SSE chunks (``on_text(piece)`` sees
     each piece of text as it arrives).
 
     The worker id is the server's ``X-Worker-Id`` header (ours), else ``worker_hint``, else the
-    endpoint URL."""
+    endpoint URL. ``payload``: ``json_body(openai_stream_body(body))`` made beforehand, sent as it is."""
     res = ClientResult(request_id, endpoint)
     tags = tags or {}
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    body = openai_stream_body(body)
     sub = _client_event("submitted", request_id, worker_hint or endpoint, None, **{"endpoint": endpoint, "api": "openai",
                                                                 "prompt_tokens": _prompt_len(body),
                                                                 "max_tokens": body.get("max_tokens"), **tags})
@@ -279,7 +299,7 @@ async def stream_openai(sess: aiohttp.ClientSession, endpoint: str, body: dict, 
     record(sub)
     finish: str | None = None
     try:
-        async with sess.post(f"{endpoint.rstrip('/')}{path}", json=body) as resp:
+        async with _post(sess, f"{endpoint.rstrip('/')}{path}", body, payload) as resp:
             res.status = resp.status
             res.worker_id = resp.headers.get("X-Worker-Id") or worker_hint or endpoint
             if resp.status != 200:

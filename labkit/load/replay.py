@@ -461,6 +461,26 @@ def _stop_profile(opts: LoadOptions, worker, prof) -> dict | None:
 # --------------------------------------------------------------------------- over HTTP
 
 
+def prepare_payloads(reqs: list[dict], names: list[str | None], body_of,
+                     api: str) -> dict[tuple[str, str | None], bytes]:
+    """Every measured request's body serialised before the window opens (per served model name the OpenAI body
+    names; one for the native API), keyed by (request id, name): sent as they are, so that a burst's requests
+    do not wait on each other's JSON."""
+    from labkit.load import client
+
+    first = {}
+    for k, name in enumerate(names):
+        first.setdefault(name, k)
+    out = {}
+    for r in reqs:
+        for name, k in first.items():
+            body = body_of(k, r)
+            if api != "native":
+                body = client.openai_stream_body(body)
+            out[(r["request_id"], name)] = client.json_body(body)
+    return out
+
+
 async def drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], router: Router, log: EventLog,
                      header: tuple[str, dict] | None = None, worker=None, log_server_events: bool = True):
     from labkit.load import client
@@ -481,19 +501,26 @@ async def drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], rout
             log.write_header(log_header(header[0], healths, {**header[1], "endpoints": endpoints,
                                                             "router": router.policy}))
 
-        async def send(k: int, r: dict, routed: dict | None = None):
-            tags = {**tags_of(r), **(routed or {})}
+        def body_of(k: int, r: dict) -> dict:
             if opts.api == "native":
-                body = {"request_id": r["request_id"], "prompt_token_ids": r["prompt_token_ids"],
+                return {"request_id": r["request_id"], "prompt_token_ids": r["prompt_token_ids"],
                         "max_tokens": r["max_tokens"], "temperature": r.get("temperature", 0.0),
                         "ignore_eos": r.get("ignore_eos", True), "tags": tags_of(r), "detokenize": False}
+            return {"model": names[k], "prompt": r["prompt_token_ids"], "max_tokens": r["max_tokens"],
+                    "temperature": r.get("temperature", 0.0), "ignore_eos": r.get("ignore_eos", True)}
+
+        prepared: dict[tuple[str, str | None], bytes] = {}
+
+        async def send(k: int, r: dict, routed: dict | None = None):
+            tags = {**tags_of(r), **(routed or {})}
+            body = body_of(k, r)
+            payload = prepared.pop((r["request_id"], names[k]), None)
+            if opts.api == "native":
                 return await client.stream_native(sess, endpoints[k], body, record=log.write,
                                                   log_server_events=log_server_events, tags=tags,
-                                                  worker_hint=hints[k])
-            body = {"model": names[k], "prompt": r["prompt_token_ids"], "max_tokens": r["max_tokens"],
-                    "temperature": r.get("temperature", 0.0), "ignore_eos": r.get("ignore_eos", True)}
+                                                  worker_hint=hints[k], payload=payload)
             return await client.stream_openai(sess, endpoints[k], body, request_id=r["request_id"], record=log.write,
-                                              tags=tags, worker_hint=hints[k])
+                                              tags=tags, worker_hint=hints[k], payload=payload)
 
         if warm:
             jobs = []
@@ -501,6 +528,7 @@ async def drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], rout
                 for r in warm:
                     jobs.append(send(k, {**r, "request_id": f"{r['request_id']}-e{k}"}))
             await asyncio.gather(*jobs)
+        prepared.update(prepare_payloads(reqs, names, body_of, opts.api))
         prof = _start_profile(opts, worker) if worker is not None else None
         loop = asyncio.get_running_loop()
         slots = asyncio.Semaphore(opts.max_concurrency) if opts.max_concurrency else None
