@@ -558,6 +558,9 @@ async def drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], rout
                     t = asyncio.create_task(measured(k, r, {"endpoint": endpoints[k], "router": router.policy}))
                     t.add_done_callback(lambda _: bar.advance(task))
                     tasks.append(t)
+                    # the request just made goes on its way before the next one due is made: a burst's requests
+                    # leave one by one as they are ready, not all after the last one is made
+                    await asyncio.sleep(0)
                 await asyncio.gather(*tasks)
         profile = None
         if prof is not None:

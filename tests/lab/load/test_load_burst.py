@@ -1,5 +1,5 @@
-"""The load client in an all-at-once burst: each request's body serialised before the window opens and sent as
-those bytes."""
+"""The load client in an all-at-once burst: each request leaves before the next one is made, its body serialised
+before the window opens and sent as those bytes."""
 from __future__ import annotations
 
 import asyncio
@@ -59,6 +59,14 @@ def fake_drive(tmp_path, monkeypatch, api: str = "native", reqs: list[dict] | No
     finally:
         log.close()
     return seen, given
+
+
+def test_a_burst_sends_each_request_before_the_next_is_made(tmp_path, monkeypatch):
+    seen, _ = fake_drive(tmp_path, monkeypatch)
+    order = [(what, rid) for what, rid in seen if rid != "warm-e0"]
+    ids = [f"b{i}" for i in range(6)]
+    for a, b in zip(ids, ids[1:]):
+        assert order.index(("sent", a)) < order.index(("made", b)), order
 
 
 def test_bodies_are_serialised_before_the_window_and_sent_as_they_are(tmp_path, monkeypatch):
