@@ -32,9 +32,11 @@ Output
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -481,6 +483,20 @@ def prepare_payloads(reqs: list[dict], names: list[str | None], body_of,
     return out
 
 
+@contextmanager
+def quiet_heap():
+    """The measured window without a full garbage collection in it: the heap made so far (the interpreter, the
+    libraries, the trace) is collected once and frozen, so a collection walks only what the window makes. A full
+    collection over the heap of a process that has imported torch takes over 100 ms, long enough to hold back a
+    burst's requests (measured on CPU); the heap is unfrozen after."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 async def drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], router: Router, log: EventLog,
                      header: tuple[str, dict] | None = None, worker=None, log_server_events: bool = True):
     from labkit.load import client
@@ -539,7 +555,7 @@ async def drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], rout
             async with slots:               # vLLM bench serve's semaphore: a request is sent when a slot is free
                 return await send(k, r, routed)
 
-        with _progress(opts, len(reqs), opts.progress_label) as bar:
+        with _progress(opts, len(reqs), opts.progress_label) as bar, quiet_heap():
             task = bar.add_task("load", total=len(reqs))
             if has_deps(reqs):
                 async def routed(r: dict):

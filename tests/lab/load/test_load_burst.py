@@ -1,5 +1,6 @@
 """The load client in an all-at-once burst: each request leaves before the next one is made, its body serialised
-before the window opens and sent as those bytes."""
+before the window opens and sent as those bytes, and no full garbage collection of the client's heap inside
+the window."""
 from __future__ import annotations
 
 import asyncio
@@ -85,6 +86,14 @@ def test_openai_bodies_are_serialised_with_the_stream_fields(tmp_path, monkeypat
         g = given[f"b{i}"]
         assert g["body"]["model"] == "served"
         assert json.loads(g["payload"]) == {**g["body"], "stream": True, "stream_options": {"include_usage": True}}
+
+
+def test_the_window_runs_on_a_frozen_heap_and_unfreezes_after(tmp_path, monkeypatch):
+    assert gc.get_freeze_count() == 0
+    _, given = fake_drive(tmp_path, monkeypatch)
+    assert given["warm-e0"]["frozen"] == 0
+    assert all(given[f"b{i}"]["frozen"] > 0 for i in range(6))
+    assert gc.get_freeze_count() == 0
 
 
 def test_stream_native_posts_the_payload_bytes_as_json():
