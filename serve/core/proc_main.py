@@ -24,6 +24,7 @@ from contextlib import contextmanager
 
 from engine import RequestError
 from serve.errors import ServeError
+from serve.heap import freeze_startup_heap
 from serve.process_exit import end_without_teardown
 from serve.core.config import WorkerConfig
 from serve.core.front import WorkerUnavailable
@@ -92,6 +93,7 @@ order, the process ends without the interpreter's module teardown (:mod:`serve.p
     except BaseException as e:
         sender.send(InitError(_portable(e)))
         return
+    freeze_startup_heap()             # the engine's startup heap out of full collections while it steps
     sender.send(Ready(worker.served, worker.snapshot()))
     close_timeout = 30.0
     try:

@@ -168,6 +168,7 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
     else ``out`` uncapped, else none. ``engine_process``: the engine and its owner thread in a process of
     their own (:mod:`serve.core.proc_client`), this one keeps the HTTP front end."""
     from serve.core.proc_client import worker_class
+    from serve.heap import freeze_startup_heap, thaw_heap
     from serve.observe.events import LogPlan
 
     Access.make(api_key, allowed_origins)                       # option errors before the model loads
@@ -200,11 +201,13 @@ def run_serve(config, host: str = "127.0.0.1", port: int = 8801, out=None, *, se
         log = log_plan.open()
         if log is not None:
             log.write_header(worker.header(envelope, role="server", url=url_of(sock)))
+        freeze_startup_heap()               # no full collection of the startup heap while serving (serve/heap.py)
         asyncio.run(serve_until_signal(worker, sock, served_model_name=served_model_name,
                                        max_body_bytes=max_body_bytes, api_key=api_key,
                                        allowed_origins=allowed_origins, connections=connections,
                                        stats_interval=stats_interval, on_ready=(lambda url: on_ready(url, worker)) if on_ready else None))
     finally:
+        thaw_heap()
         worker.close()
         if log is not None:
             log.close()

@@ -130,6 +130,13 @@ def engine_blocks(engine) -> tuple[int, int]:
     return engine.stats().free_blocks, engine.stats().num_blocks
 
 
+def frozen_objects(engine) -> int:
+    """How many objects the owner's process keeps out of garbage collection (``gc.freeze``); pickles as above."""
+    import gc
+
+    return gc.get_freeze_count()
+
+
 def kv(worker) -> tuple[int, int]:
     return worker.run_on_owner(engine_blocks)
 
