@@ -52,6 +52,13 @@ class Close:
     timeout: float
 
 
+@dataclass
+class Commands:
+    """Several commands in one message, in the order they were given (the parent's sender thread sends what was
+    queued while it sent the last message: a burst of submissions crosses the pipe in a few writes, not one each)."""
+    messages: list
+
+
 # --------------------------------------------------------------------------- engine process -> parent
 
 

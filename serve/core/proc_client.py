@@ -11,7 +11,9 @@ Processes and channels
     ``run_serve`` and the tests use from :class:`serve.core.worker.Worker`. ``start()`` spawns a child
     (``multiprocessing`` "spawn": nothing of the parent, CUDA included, is inherited) that runs the existing
     Worker unchanged (:mod:`serve.core.proc_main`). Two one-way pipes of typed messages
-    (:mod:`serve.core.messages`): commands parent -> child (Submit, Cancel, Call: the test hooks, Close),
+    (:mod:`serve.core.messages`): commands parent -> child (Submit, Cancel, Call: the test hooks, Close), written
+    by a sender thread of the parent's (:class:`CommandSender`: what was queued while it wrote goes as one
+    Commands message, so a burst of submissions costs the event loop neither pickling nor a write each),
     child -> parent: the owner's outputs of a step (or a boundary) as ONE Outputs message, the owner's
     published snapshot after each loop round (queue, active, KV blocks, round, state).
 
@@ -65,9 +67,57 @@ from serve.core.config import WorkerConfig
 from serve.core.proc_main import CHILD_CALLS, READY_TIMEOUT_S, bare_main, child_main  # noqa: F401
 from serve.observe.events import Sink, now_ns
 from serve.core.front import WorkerFront, WorkerUnavailable
-from serve.core.messages import (Admitted, Call, Cancel, Close, Closed, Finished, InitError, Outputs, Ready, Reply,
-                                 Submit)
+from serve.core.messages import (Admitted, Call, Cancel, Close, Closed, Commands, Finished, InitError, Outputs, Ready,
+                                 Reply, Submit)
 from serve.core.worker import Worker
+
+
+class CommandSender:
+    """The parent's end of the command pipe, written by a thread of its own: ``send`` queues a command and returns
+    (the caller, often the HTTP event loop, pays for neither the pickling nor the write); the thread sends what is
+    queued, in order, as one message (:class:`Commands` when there are several). A pipe that failed refuses every
+    later command (OSError); Close is the last command it takes."""
+
+    def __init__(self, conn, name: str):
+        self.conn = conn
+        self._cv = threading.Condition(threading.Lock())
+        self._queue: list = []
+        self._refused: str | None = None            # why commands are refused: closed, or the pipe failed
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> "CommandSender":
+        self._thread.start()
+        return self
+
+    def send(self, msg) -> None:
+        with self._cv:
+            if self._refused is not None:
+                raise OSError(self._refused)
+            self._queue.append(msg)
+            if isinstance(msg, Close):
+                self._refused = "the command pipe is closed"
+            if len(self._queue) == 1:
+                self._cv.notify()
+
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    self._cv.wait()
+                batch, self._queue = self._queue, []
+            try:
+                self.conn.send(batch[0] if len(batch) == 1 else Commands(batch))
+            except (OSError, ValueError) as e:       # the child is gone; the reader says why
+                with self._cv:
+                    self._refused = f"the command pipe failed: {type(e).__name__}"
+                    self._queue.clear()
+                return
+            if isinstance(batch[-1], Close):
+                return
 
 
 class RemoteWorker(WorkerFront):
@@ -84,6 +134,7 @@ class RemoteWorker(WorkerFront):
         self._closed_done = threading.Event()
         self._unhealthy: str | None = None
         self._commands = None
+        self._sender: CommandSender | None = None    # writes self._commands (see CommandSender)
         self._events = None
         self._reader: threading.Thread | None = None
         self._calls: dict[int, Future] = {}
@@ -125,6 +176,7 @@ class RemoteWorker(WorkerFront):
                 raise ServeError(f"cannot load the tokenizer of {path}: {' '.join(str(e).split())}") from None
             self.tokenizer = copy.deepcopy(self._encoder)    # the HTTP front decodes with its own copy
         self._ready = True
+        self._sender = CommandSender(self._commands, f"labkit-engine-sender-{self.worker_id}").start()
         self._reader = threading.Thread(target=self._read, name=f"labkit-engine-reader-{self.worker_id}",
                                         daemon=True)
         self._reader.start()
@@ -155,6 +207,8 @@ class RemoteWorker(WorkerFront):
         self._closed_done.set()
 
     def _close_pipes(self) -> None:
+        if self._sender is not None:
+            self._sender.join(5.0)             # what it was sending (Close last) is out first
         for conn in (self._commands, self._events):
             try:
                 conn.close()
@@ -184,7 +238,7 @@ class RemoteWorker(WorkerFront):
         try:
             try:
                 with self._lock:
-                    self._commands.send(Close(timeout))
+                    self._sender.send(Close(timeout))
             except (OSError, ValueError, AttributeError):
                 pass
             if self._reader is not None:
@@ -216,7 +270,7 @@ class RemoteWorker(WorkerFront):
         self._pending[rid] = None
         self._groups.add(group)
         try:
-            self._commands.send(Submit(rid, token_ids, params, prefill_after, group))
+            self._sender.send(Submit(rid, token_ids, params, prefill_after, group))
         except (OSError, ValueError):            # the child is gone; the reader says why in a moment
             self._pending.pop(rid, None)
             self._groups.finished(group, waiting=True)
@@ -235,7 +289,7 @@ class RemoteWorker(WorkerFront):
                 raise WorkerUnavailable(self._unavailable_reason())
             call_id = next(self._call_ids)
             self._calls[call_id] = fut
-            self._commands.send(Call(call_id, name, args))
+            self._sender.send(Call(call_id, name, args))
         return fut.result(timeout)
 
     def pause(self) -> None:
@@ -374,7 +428,7 @@ class RemoteWorker(WorkerFront):
         if self._closed:
             return False
         try:
-            self._commands.send(Cancel(request_id, cause, reason, message))
+            self._sender.send(Cancel(request_id, cause, reason, message))
         except (OSError, ValueError):
             return False
         return True

@@ -28,7 +28,8 @@ from serve.heap import freeze_startup_heap
 from serve.process_exit import end_without_teardown
 from serve.core.config import WorkerConfig
 from serve.core.front import WorkerUnavailable
-from serve.core.messages import Call, Cancel, Close, Closed, Finished, InitError, Outputs, Ready, Reply, Submit
+from serve.core.messages import (Call, Cancel, Close, Closed, Commands, Finished, InitError, Outputs, Ready, Reply,
+                                 Submit)
 from serve.core.records import OwnerHooks
 from serve.core.worker import Worker
 
@@ -116,21 +117,26 @@ def _serve_commands(worker: Worker, sender: _Sender, commands) -> float:
             msg = commands.recv()
         except (EOFError, OSError):           # the parent is gone
             return 30.0
-        if isinstance(msg, Submit):
-            _child_submit(worker, sender, msg)
-        elif isinstance(msg, Cancel):
-            worker.cancel(msg.request_id, msg.cause, msg.reason, msg.message)
-        elif isinstance(msg, Call):
-            try:
-                if msg.name not in CHILD_CALLS:
-                    raise ValueError(f"{msg.name} is not a call the engine process takes")
-                sender.send(Reply(msg.call_id, True, getattr(worker, msg.name)(*msg.args)))
-            except _Terminated:
-                raise
-            except BaseException as e:
-                sender.send(Reply(msg.call_id, False, _portable(e)))
-        elif isinstance(msg, Close):
-            return msg.timeout
+        for one in msg.messages if isinstance(msg, Commands) else (msg,):
+            if isinstance(one, Close):
+                return one.timeout
+            _serve_command(worker, sender, one)
+
+
+def _serve_command(worker: Worker, sender: _Sender, msg) -> None:
+    if isinstance(msg, Submit):
+        _child_submit(worker, sender, msg)
+    elif isinstance(msg, Cancel):
+        worker.cancel(msg.request_id, msg.cause, msg.reason, msg.message)
+    elif isinstance(msg, Call):
+        try:
+            if msg.name not in CHILD_CALLS:
+                raise ValueError(f"{msg.name} is not a call the engine process takes")
+            sender.send(Reply(msg.call_id, True, getattr(worker, msg.name)(*msg.args)))
+        except _Terminated:
+            raise
+        except BaseException as e:
+            sender.send(Reply(msg.call_id, False, _portable(e)))
 
 
 def _child_submit(worker: Worker, sender: _Sender, msg: Submit) -> None:
