@@ -229,8 +229,9 @@ class Middleware:
         if conn is not None:
             conn.enter("body")
         try:
-            raw = await asyncio.wait_for(request.read(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):      # no task of its own (wait_for's): a body already here is read
+                raw = await request.read()            # in the handler's turn of the event loop
+        except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {timeout:g} s", "request_timeout",
                            close=True) from None
         except web.HTTPRequestEntityTooLarge:
