@@ -4,8 +4,8 @@ here once, with its default, through one reader (:func:`_setting`) that refuses 
 layer; LLMEngine: prefill ahead); ``describe()`` reports what each took, and ``labkit serve``'s banner names each
 one away from its default (labkit/console/serving.py).
 
-- LAB_PREFILL_AHEAD  (prefill_ahead): prefill | 1 | 0, how far nano-vllm's step model launches ahead of the
-  overlapped decode
+- LAB_PREFILL_AHEAD  (prefill_ahead): prefill | 1 | prefills | 0, how far nano-vllm's step model launches ahead of
+  the overlapped decode
 - LAB_DECODE_PROLOGUE  (decode_prologue_mode): 1 | noprefetch | 0, the q/k norm + RoPE + KV store inside the
   Triton decode kernel
 - LAB_GEMV_ROWS  (gemv_rows_setting): 1..8, the decode batches the GEMV kernels take
@@ -23,9 +23,12 @@ from engine.config import Config, ConfigError
 
 
 #: nano-vllm's step model with the overlapped decode: "prefill" (the default) launches a waiting prefill behind the
-#: decode in flight; "1" that, and the decode after a prefill behind that prefill; "0" neither (nano-vllm's order)
+#: decode in flight; "1" that, and the decode after a prefill behind that prefill; "prefills" that, and a waiting
+#: prefill behind a prefill in flight too; "0" none (nano-vllm's order). Each mode's three switches:
+#: (Scheduler.prefill_ahead, Scheduler.decode_behind_prefill, Scheduler.prefill_behind_prefill)
 PREFILL_AHEAD_ENV = "LAB_PREFILL_AHEAD"
-PREFILL_AHEAD_MODES = {"0": (False, False), "prefill": (True, False), "1": (True, True)}
+PREFILL_AHEAD_MODES = {"0": (False, False, False), "prefill": (True, False, False), "1": (True, True, False),
+                       "prefills": (True, False, True)}
 PREFILL_AHEAD_DEFAULT = "prefill"
 
 
@@ -38,23 +41,29 @@ def _setting(env: str, choices, default: str, expected: str = "") -> str:
     return text
 
 
-def prefill_ahead(config: Config) -> tuple[bool, bool]:
-    """(Scheduler.prefill_ahead, Scheduler.decode_behind_prefill): whether the scheduler's lookahead may launch a
-    waiting prefill behind a decode in flight, and the decode after a prefill behind that prefill. With the
-    overlapped decode and nano-vllm's step model only, from LAB_PREFILL_AHEAD (unset: "prefill"). "prefill" keeps
-    the step model's choice of steps and only launches the prefill early, so a request that arrives during a decode
-    does not also wait for that decode's tokens to be read (docs/MEASURED.md has the TTFT it saved); "1" also
-    decides the step after a prefill before its tokens (and so before later arrivals) are in; "0" launches each
-    prefill once the decode before it has been read, as nano-vllm does."""
+def prefill_ahead(config: Config) -> tuple[bool, bool, bool]:
+    """(Scheduler.prefill_ahead, Scheduler.decode_behind_prefill, Scheduler.prefill_behind_prefill): whether the
+    scheduler's lookahead may launch a waiting prefill behind a decode in flight, the decode after a prefill behind
+    that prefill, and a waiting prefill behind a prefill in flight. With the overlapped decode and nano-vllm's step
+    model only, from LAB_PREFILL_AHEAD (unset: "prefill"). "prefill" keeps the step model's choice of steps and only
+    launches the prefill early, so a request that arrives during a decode does not also wait for that decode's
+    tokens to be read (docs/MEASURED.md has the TTFT it saved); "1" also decides the step after a prefill before its
+    tokens (and so before later arrivals) are in; "prefills" also launches the prefill of requests still waiting
+    behind a prefill in flight (in a burst of arrivals: the step the step model takes next), so the host builds its
+    inputs while the GPU computes, where a prompt that shares a prefix with the prefill in flight misses that hit
+    (a prefill's blocks enter the prefix cache when its tokens are read); "0" launches each prefill once the step
+    before it has been read, as nano-vllm does."""
     text = _setting(PREFILL_AHEAD_ENV, PREFILL_AHEAD_MODES, PREFILL_AHEAD_DEFAULT)
     if not config.overlap or config.mixed_batches:
-        return False, False
+        return False, False, False
     return PREFILL_AHEAD_MODES[text]
 
 
-def prefill_ahead_name(prefill_ahead: bool, decode_behind_prefill: bool) -> str:
-    """The LAB_PREFILL_AHEAD value of a scheduler's two switches (describe()'s prefill_ahead, decode_behind_prefill)."""
-    return next(k for k, v in PREFILL_AHEAD_MODES.items() if v == (prefill_ahead, decode_behind_prefill))
+def prefill_ahead_name(prefill_ahead: bool, decode_behind_prefill: bool, prefill_behind_prefill: bool = False) -> str:
+    """The LAB_PREFILL_AHEAD value of a scheduler's three switches (describe()'s prefill_ahead, decode_behind_prefill
+    and prefill_behind_prefill)."""
+    switches = (prefill_ahead, decode_behind_prefill, prefill_behind_prefill)
+    return next(k for k, v in PREFILL_AHEAD_MODES.items() if v == switches)
 
 
 #: unset or 1: decode steps take the decode prologue with its first tile prefetched; noprefetch: without; 0: off

@@ -164,6 +164,7 @@ class LLMEngine:
             "pdl": self.runner.pdl,
             "prefill_ahead": self.scheduler.prefill_ahead,   # a waiting prefill launched behind a decode in flight
             "decode_behind_prefill": self.scheduler.decode_behind_prefill,   # and the decode after it behind it
+            "prefill_behind_prefill": self.scheduler.prefill_behind_prefill,   # a waiting prefill behind a prefill
             "num_kvcache_blocks": self.runner.num_kvcache_blocks,
             "kv_cache": self._kv_cache_info(),
             "memory": self.runner.memory,
@@ -248,7 +249,8 @@ class LLMEngine:
                                           shuffle_blocks=self.config.shuffle_blocks,
                                           enable_prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler_limits(), self.block_manager)
-        self.scheduler.prefill_ahead, self.scheduler.decode_behind_prefill = prefill_ahead(self.config)
+        s = self.scheduler
+        s.prefill_ahead, s.decode_behind_prefill, s.prefill_behind_prefill = prefill_ahead(self.config)
 
     def forward_logits(self, seqs: list[Sequence], is_prefill: bool) -> tuple[torch.Tensor, Route]:
         """The logits of a scheduled batch (from schedule()) without sampling, and the route they took;
@@ -411,8 +413,9 @@ class LLMEngine:
         step k's samples) before reading step k's tokens, so the host's bookkeeping for k runs while the
         GPU computes k+1. Returns step k's output; one step may stay in flight between calls. With mixed
         batches step k+1 may also admit prefill chunks, and step k may itself have prefilled; in
-        nano-vllm's step model only decode steps overlap, and with LAB_PREFILL_AHEAD (prefill or 1) a decode step k
-        may have the waiting requests' prefill as its step k+1, and (1) a prefill step k the decode after it.
+        nano-vllm's step model only decode steps overlap, and with LAB_PREFILL_AHEAD (prefill, 1 or prefills) a
+        decode step k may have the waiting requests' prefill as its step k+1, (1) a prefill step k the decode after
+        it, and (prefills) a prefill step k the waiting requests' prefill.
         Any step the lookahead cannot take (see Scheduler.schedule_lookahead) runs one by one as in step()."""
         t0 = time.perf_counter()
         prev = self._inflight
@@ -422,7 +425,8 @@ class LLMEngine:
             if not seqs:
                 return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
             prev = self._launch(seqs, is_prefill, batch)
-        if (self.scheduler.mixed or not prev.is_prefill or self.scheduler.decode_behind_prefill) and \
+        sched = self.scheduler
+        if (sched.mixed or not prev.is_prefill or sched.decode_behind_prefill or sched.prefill_behind_prefill) and \
                 not any(s.sampling_params.needs_history(s.num_completion_tokens) for s in prev.seqs):
             # (penalties, min_tokens and a grammar's mask read the token still in flight: those batches run
             # one by one; the other requests of such a batch keep going, one step per call)

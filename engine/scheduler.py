@@ -44,10 +44,12 @@ class Scheduler:
         self.num_preemptions = self.prefix_queries = self.prefix_hits = 0
         # nano-vllm's step model with the overlapped decode: the prefill of requests waiting behind a decode in
         # flight is launched as the next step, before that decode's tokens are read (prefill_ahead), and the decode
-        # after a prefill behind it (decode_behind_prefill); LLMEngine sets both from LAB_PREFILL_AHEAD (default:
-        # the first only; a scheduler built on its own has neither, and each step waits for the tokens in flight)
+        # after a prefill behind it (decode_behind_prefill), or the prefill of requests waiting behind a prefill in
+        # flight (prefill_behind_prefill); LLMEngine sets them from LAB_PREFILL_AHEAD (default: the first only; a
+        # scheduler built on its own has none, and each step waits for the tokens in flight)
         self.prefill_ahead = False
         self.decode_behind_prefill = False
+        self.prefill_behind_prefill = False
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -166,9 +168,14 @@ class Scheduler:
         take the step: running sequences outside the batch, too few free blocks, a prompt still
         being chunked in flight, or (nano-vllm's step model) requests waiting: then, with prefill_ahead, the
         step is their prefill (its rows need nothing of the step in flight). With decode_behind_prefill, a prefill
-        in flight (inflight_prefill) may have the decode after it launched behind it (_behind_prefill).
+        in flight (inflight_prefill) may have the decode after it launched behind it (_behind_prefill); with
+        prefill_behind_prefill, the prefill of requests waiting behind it, where its prompts all end in it.
         """
         if inflight_prefill and not self.mixed:
+            if self.prefill_behind_prefill and self.waiting and set(inflight) <= set(self.running):
+                seqs, is_prefill = self._prefill_behind()   # (a prompt chunked in flight is waiting, not running)
+                if seqs:
+                    return seqs, is_prefill
             return self._behind_prefill(inflight) if self.decode_behind_prefill else ([], False)
         # the running requests are the in-flight step's (a prompt still being chunked in flight is waiting,
         # not running, and an aborted one is in neither: both break the equality)

@@ -1,4 +1,4 @@
-"""The steps nano-vllm's step model takes, overlapped, with LAB_PREFILL_AHEAD off, "prefill" and 1, while requests
+"""The steps nano-vllm's step model takes, overlapped, with each LAB_PREFILL_AHEAD setting, while requests
 arrive: how the lookahead changes which step comes next, not only when it is launched.
 
 One engine per setting, the same greedy requests (``--requests`` random prompts of ``--prompt`` tokens, ``--output``
@@ -6,7 +6,7 @@ tokens each), ``--per-call`` of them added before every ``step()`` call until al
 steps by kind and the mean sequences per prefill step. With 1, the lookahead decides the step after a prefill
 before the next request arrives (a decode), where the step model one step at a time would prefill that request
 first: decodes interleave with smaller prefills. With "prefill" only a waiting prefill is launched early, behind
-the decode in flight: the steps are the step model's.
+the decode in flight: the steps are the step model's; with "prefills" also one behind a prefill in flight.
 
     python tools/prefill_ahead_steps.py --model DIR [--per-call 1] [--requests 64] [--json]
 """
@@ -20,7 +20,7 @@ import random
 
 
 def run(model: str, mode: str, per_call: int, requests: int, prompt: int, output: int, seed: int = 0) -> dict:
-    """mode: LAB_PREFILL_AHEAD's value ("0", "prefill" or "1")."""
+    """mode: LAB_PREFILL_AHEAD's value (engine/levers.py's PREFILL_AHEAD_MODES)."""
     from engine import LLMEngine, SamplingParams
     from engine.levers import PREFILL_AHEAD_ENV
 
@@ -67,12 +67,14 @@ def main() -> None:
     ap.add_argument("--output", type=int, default=24, help="output tokens")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    rows = [run(a.model, mode, a.per_call, a.requests, a.prompt, a.output) for mode in ("0", "prefill", "1")]
+    from engine.levers import PREFILL_AHEAD_MODES
+
+    rows = [run(a.model, mode, a.per_call, a.requests, a.prompt, a.output) for mode in PREFILL_AHEAD_MODES]
     if a.json:
         print(json.dumps(rows, indent=1))
         return
     for r in rows:
-        print(f"LAB_PREFILL_AHEAD={r['mode']:7}  steps {r['steps']}  "
+        print(f"LAB_PREFILL_AHEAD={r['mode']:8}  steps {r['steps']}  "
               f"mean sequences per prefill step {r['mean_prefill_seqs']}")
 
 

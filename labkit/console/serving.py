@@ -59,7 +59,8 @@ def lab_levers(desc: dict) -> dict:
     from engine.levers import PREFILL_AHEAD_DEFAULT, fp8_decode_text, prefill_ahead_name
 
     on, conf = [], desc.get("config") or {}
-    ahead = prefill_ahead_name(bool(desc.get("prefill_ahead")), bool(desc.get("decode_behind_prefill")))
+    ahead = prefill_ahead_name(bool(desc.get("prefill_ahead")), bool(desc.get("decode_behind_prefill")),
+                               bool(desc.get("prefill_behind_prefill")))
     if conf.get("overlap") and not conf.get("mixed_batches") and ahead != PREFILL_AHEAD_DEFAULT:
         on.append(f"LAB_PREFILL_AHEAD={ahead}")
     if (desc.get("gemv_rows") or 0) > 1:

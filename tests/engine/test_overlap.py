@@ -91,7 +91,8 @@ def arrivals(build, mode: str, monkeypatch, overlap: bool = True):
     monkeypatch.setenv("LAB_PREFILL_AHEAD", mode)
     engine = build(overlap=overlap, **KW)
     d = engine.describe()
-    assert (d["prefill_ahead"], d["decode_behind_prefill"]) == (mode != "0" and overlap, mode == "1" and overlap)
+    assert (d["prefill_ahead"], d["decode_behind_prefill"], d["prefill_behind_prefill"]) == \
+        (mode != "0" and overlap, mode == "1" and overlap, mode == "prefills" and overlap)
     prompts, params = workload(8)
     seqs, calls, prefill_in_flight, decode_behind = [], 0, 0, 0
     while len(seqs) < len(prompts) or not engine.is_finished():
@@ -139,6 +140,41 @@ def test_prefill_ahead_prefill_only_launches_the_prefill_early_and_keeps_the_ste
     assert early["steps"] == off["steps"] and early["mean_prefill_seqs"] == off["mean_prefill_seqs"], (off, early)
 
 
+def burst(build, mode: str, monkeypatch, overlap: bool = True):
+    """Nine requests added at once, more prompt tokens than one step takes (one prompt longer than a step's budget,
+    prefilled in chunks), so prefill steps follow each other: each request's tokens and finish, the step() calls
+    that returned a prefill's tokens with another prefill in flight, and whether every block came back. mode:
+    LAB_PREFILL_AHEAD's value."""
+    monkeypatch.setenv("LAB_PREFILL_AHEAD", mode)
+    engine = build(overlap=overlap, **KW)
+    prompts, params = workload(8)
+    prompts.insert(3, [(7 + 13 * j) % 150000 for j in range(150)])
+    params.insert(3, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    prefill_behind = 0
+    while not engine.is_finished():
+        out = engine.step()
+        prefill_behind += out.is_prefill and engine._inflight is not None and engine._inflight.is_prefill
+    out = [(list(s.completion_token_ids), s.finish_reason) for s in seqs]
+    free = engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    engine.close()
+    return out, prefill_behind, free
+
+
+def test_prefill_ahead_prefills_launches_a_prefill_behind_a_prefill_and_keeps_the_tokens(tiny_engine, monkeypatch):
+    """LAB_PREFILL_AHEAD=prefills: with requests waiting, the prefill after a prefill is launched before the first
+    one's tokens are read (the other modes run those one by one); the greedy tokens are those of one step at a time
+    and of the other modes, arrivals during decodes included, and every block comes back."""
+    sync, none_sync, free_sync = burst(tiny_engine, "prefills", monkeypatch, overlap=False)
+    plain, none_plain, free_plain = burst(tiny_engine, "prefill", monkeypatch)
+    ahead, behind, free = burst(tiny_engine, "prefills", monkeypatch)
+    assert ahead == plain == sync and free_sync and free_plain and free
+    assert none_sync == none_plain == 0 and behind >= 2, (none_sync, none_plain, behind)
+    plain, _, _ = arrivals(tiny_engine, "0", monkeypatch)
+    ahead, launched, free = arrivals(tiny_engine, "prefills", monkeypatch)
+    assert ahead == plain and free and launched[1] == 0, launched
+
+
 def test_prefill_ahead_unset_launches_the_prefill_early_with_the_overlapped_decode_only(tiny_engine, monkeypatch):
     """The default (LAB_PREFILL_AHEAD unset or empty) is "prefill": with the overlapped decode in nano-vllm's step
     model a waiting prefill goes behind the decode in flight, the decode after it does not; without the overlap,
@@ -157,7 +193,7 @@ def test_prefill_ahead_unset_launches_the_prefill_early_with_the_overlapped_deco
 
 def test_prefill_ahead_refuses_an_unknown_setting_in_one_line(tiny_engine, monkeypatch):
     monkeypatch.setenv("LAB_PREFILL_AHEAD", "yes")
-    with pytest.raises(ConfigError, match=r"LAB_PREFILL_AHEAD='yes': expected one of 0, prefill, 1"):
+    with pytest.raises(ConfigError, match=r"LAB_PREFILL_AHEAD='yes': expected one of 0, prefill, 1, prefills"):
         tiny_engine(overlap=True, **KW)
 
 

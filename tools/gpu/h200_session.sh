@@ -18,8 +18,9 @@
 #                                     # models' sweeps at 8 / 32 / 64 / inf req/s, the step model on e4m3 too
 #   tools/gpu/h200_session.sh sweeps  # capacity, rate sweeps: mixed steps under a 2048- and a 1024-token step budget,
 #                                     # nano-vllm's step model on bf16 and on the e4m3 cache, mixed steps at 2048 on e4m3
-#   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD 0, prefill (the default) and 1 in nano-vllm's step model: the
-#                                     # prefix-cache A/B on prefix-repetition and multi-turn, "prefill"'s rate sweep
+#   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD prefill (the default) against prefills (a prefill launched
+#                                     # behind a prefill too): both rate sweeps, then prefills' prefix-cache A/B on
+#                                     # prefix-repetition and multi-turn (its cost: hits on a prefill still in flight)
 #   tools/gpu/h200_session.sh policy  # TPOT under load against capacity in nano-vllm's step model: at most 1 and 2
 #                                     # prefill steps in a row while decodes wait, then mixed steps under a 512-token
 #                                     # budget, each swept at 8 / 64 / 128 / inf req/s
@@ -266,15 +267,12 @@ sweeps_phase() {
 }
 
 ahead_phase() {
-  # off and "prefill" first (the candidate: the step model's steps, the prefill launched early), then its sweep, then 1
-  for mode in 0 prefill; do
-    for ds in prefix multi-turn; do
-      ahead_ab $mode $ds
-    done
-  done
-  RATES=8,64,128,inf sweep prefill-ahead-prefill-sweep 100 LAB_PREFILL_AHEAD=prefill --no-mixed-batches
+  # the default's sweep and the candidate's, back to back (capacity: the GPU idle before a prefill that follows a
+  # prefill), then the candidate's prefix-cache A/B (a prompt sharing a prefix with a prefill in flight misses it)
+  RATES=8,64,128,inf sweep prefill-ahead-prefill-sweep 100 LAB_PREFILL_AHEAD=prefill
+  RATES=8,64,128,inf sweep prefill-ahead-prefills-sweep 100 LAB_PREFILL_AHEAD=prefills
   for ds in prefix multi-turn; do
-    ahead_ab 1 $ds
+    ahead_ab prefills $ds
   done
 }
 

@@ -81,6 +81,8 @@ def test_serve_banner_names_the_lab_levers_away_from_their_defaults():
                        "gemv_rows": 8}) == {"lab levers": "LAB_PREFILL_AHEAD=0, LAB_GEMV_ROWS=8"}
     assert lab_levers({"config": step_model, "prefill_ahead": True, "decode_behind_prefill": True,
                        "gemv_rows": 0}) == {"lab levers": "LAB_PREFILL_AHEAD=1"}
+    assert lab_levers({"config": step_model, "prefill_ahead": True, "decode_behind_prefill": False,
+                       "prefill_behind_prefill": True}) == {"lab levers": "LAB_PREFILL_AHEAD=prefills"}
     # without the overlapped decode, or with mixed steps, there is nothing to launch ahead: no lever to name
     for conf in ({"overlap": False, "mixed_batches": False}, {"overlap": True, "mixed_batches": True}):
         assert lab_levers({"config": conf, "prefill_ahead": False, "decode_behind_prefill": False}) == {}
