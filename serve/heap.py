@@ -4,11 +4,13 @@ A process that has imported torch (and built an engine) holds some 200,000 track
 walks them all and took 115-160 ms on CPU, and one falling inside a burst of submissions held back every request
 behind it. :func:`freeze_startup_heap` collects once and freezes what is left (``gc.freeze``: the objects move to
 a permanent generation no collection walks), so a collection while serving walks only what serving made; it is
-called once the worker is up (``labkit serve``'s front end and the engine process).
+called once the worker is up (``labkit serve``'s front end and the engine process); :func:`frozen_heap` does the
+same around a block (the load client's measured window).
 """
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 
 
 def freeze_startup_heap() -> None:
@@ -20,3 +22,13 @@ def freeze_startup_heap() -> None:
 def thaw_heap() -> None:
     """Give the frozen objects back to the collector (a server closed inside a longer-lived process: tests)."""
     gc.unfreeze()
+
+
+@contextmanager
+def frozen_heap():
+    """:func:`freeze_startup_heap` for the block, :func:`thaw_heap` after it."""
+    freeze_startup_heap()
+    try:
+        yield
+    finally:
+        thaw_heap()

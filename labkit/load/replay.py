@@ -32,11 +32,9 @@ Output
 from __future__ import annotations
 
 import asyncio
-import gc
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -49,6 +47,7 @@ from labkit.lab_engine import LAB_BUILDER
 from labkit.load.client import log_header
 from serve.observe.events import EventLog, split_out
 from serve.core.config import WorkerConfig
+from serve.heap import frozen_heap
 from labkit.load.depend import has_deps, replay_async, replay_threads, split_deps
 from labkit.load.trace import read_trace, warmup_requests
 
@@ -483,20 +482,6 @@ def prepare_payloads(reqs: list[dict], names: list[str | None], body_of,
     return out
 
 
-@contextmanager
-def quiet_heap():
-    """The measured window without a full garbage collection in it: the heap made so far (the interpreter, the
-    libraries, the trace) is collected once and frozen, so a collection walks only what the window makes. A full
-    collection over the heap of a process that has imported torch takes over 100 ms, long enough to hold back a
-    burst's requests (measured on CPU); the heap is unfrozen after."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
-
-
 async def drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], router: Router, log: EventLog,
                      header: tuple[str, dict] | None = None, worker=None, log_server_events: bool = True):
     from labkit.load import client
@@ -555,7 +540,9 @@ async def drive_http(opts: LoadOptions, reqs: list[dict], warm: list[dict], rout
             async with slots:               # vLLM bench serve's semaphore: a request is sent when a slot is free
                 return await send(k, r, routed)
 
-        with _progress(opts, len(reqs), opts.progress_label) as bar, quiet_heap():
+        # the heap made so far (torch, the trace) frozen out of full collections, one of which (over 100 ms on CPU)
+        # would hold back a burst's requests: a collection in the window walks only what the window makes
+        with _progress(opts, len(reqs), opts.progress_label) as bar, frozen_heap():
             task = bar.add_task("load", total=len(reqs))
             if has_deps(reqs):
                 async def routed(r: dict):
