@@ -14,6 +14,9 @@ one away from its default (labkit/console/serving.py).
 - LAB_FP8_DECODE  (fp8_decode_knobs): e.g. ``warps=8,stages=4,v_in_tile=0,maxnreg=128``, the Triton decode kernel's
   knobs on an e4m3 cache in place of engine/attention/splits.py's DECODE_FP8_* lines (a sweep's candidate timed on a
   whole workload before those lines change)
+- LAB_DECODE  (decode_knobs): e.g. ``kv_per_prog=4,page_tile=1,block_n=32,warps=8,stages=3``, the same kernel's
+  knobs on a cache in the model's dtype in place of splits.py's DECODE_* lines, the splits' too (block_n, waves,
+  kv_per_prog: the warm-up compiles the variants they make)
 """
 from __future__ import annotations
 
@@ -128,6 +131,27 @@ FP8_DECODE_KNOBS = {"warps": ("num_warps", ("2", "4", "8", "16")), "stages": ("n
                     "maxnreg": ("max_registers", ("none", *(str(n) for n in range(32, 257, 8))))}
 
 
+def _knobs(env: str, table: dict) -> dict:
+    """Lever ``env``'s ``key=value`` pairs (comma separated) as paged_decode's keyword arguments by ``table`` (key ->
+    (argument, allowed values)); an unknown key or value refused in one line (ConfigError)."""
+    text = os.environ.get(env, "").strip()
+    knobs: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        key, value = key.strip(), value.strip().lower()
+        if key not in table:
+            raise ConfigError(f"{env}={text!r}: {key!r} is not a knob; expected key=value pairs of {', '.join(table)}")
+        arg, allowed = table[key]
+        if value not in allowed:
+            raise ConfigError(f"{env}={text!r}: {key}={value!r}; expected one of "
+                              f"{', '.join(allowed) if len(allowed) < 10 else 'none or a multiple of 8 from 32 to 256'}")
+        knobs[arg] = None if value == "none" else value == "1" if arg in _FLAGS else int(value)
+    return knobs
+
+
+_FLAGS = ("fp8_v_in_tile", "page_tile")          # the knobs that take 0 | 1 (paged_decode's bools)
+
+
 def fp8_decode_knobs(config: Config, attention_backend: str) -> dict:
     """The Triton decode kernel's knobs on an e4m3 cache, from LAB_FP8_DECODE (``key=value`` pairs, comma
     separated: warps, stages, v_in_tile 0|1, maxnreg a multiple of 8 from 32 to 256 or none), as paged_decode's
@@ -135,26 +159,36 @@ def fp8_decode_knobs(config: Config, attention_backend: str) -> dict:
     Read (and a bad value refused in one line) whatever the engine; {} unless the cache is fp8 and the backend
     Triton's. None of these knobs changes how a context splits, so the warm-up's compiled variants still cover the
     steps (engine/attention/splits.py: decode_variants)."""
-    text = os.environ.get(FP8_DECODE_ENV, "").strip()
-    knobs: dict = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, _, value = part.partition("=")
-        key, value = key.strip(), value.strip().lower()
-        if key not in FP8_DECODE_KNOBS:
-            raise ConfigError(f"{FP8_DECODE_ENV}={text!r}: {key!r} is not a knob; expected key=value pairs of "
-                              f"{', '.join(FP8_DECODE_KNOBS)}")
-        arg, allowed = FP8_DECODE_KNOBS[key]
-        if value not in allowed:
-            raise ConfigError(f"{FP8_DECODE_ENV}={text!r}: {key}={value!r}; expected one of "
-                              f"{', '.join(allowed) if len(allowed) < 10 else 'none or a multiple of 8 from 32 to 256'}")
-        knobs[arg] = (None if value == "none" else value == "1" if key == "v_in_tile" else int(value))
+    knobs = _knobs(FP8_DECODE_ENV, FP8_DECODE_KNOBS)
     if config.kv_cache_dtype != "fp8" or attention_backend != "triton":
         return {}
     return knobs
 
 
-def fp8_decode_text(knobs: dict) -> str:
-    """LAB_FP8_DECODE's spelling of paged_decode knobs (what fp8_decode_knobs reads back to the same dict)."""
-    names = {arg: key for key, (arg, _) in FP8_DECODE_KNOBS.items()}
+DECODE_ENV = "LAB_DECODE"
+#: LAB_DECODE's keys: each one's paged_decode argument and the values it takes
+DECODE_KNOBS = {"warps": ("num_warps", ("2", "4", "8", "16")), "stages": ("num_stages", tuple("12345678")),
+                "block_n": ("block_n", ("16", "32", "64", "128")), "page_tile": ("page_tile", ("0", "1")),
+                "kv_per_prog": ("kv_per_prog", ("1", "2", "4", "8")), "waves": ("waves", ("1", "2", "4", "8", "16"))}
+#: the LAB_DECODE knobs that change how a context splits (the warm-up plans the compiled variants with them)
+DECODE_SPLIT_KNOBS = ("block_n", "waves", "kv_per_prog")
+
+
+def decode_knobs(config: Config, attention_backend: str) -> dict:
+    """The Triton decode kernel's knobs on a cache in the model's dtype, from LAB_DECODE (``key=value`` pairs, comma
+    separated: warps, stages, block_n, page_tile 0|1, kv_per_prog, waves), as paged_decode's keyword arguments; the
+    knobs left out keep splits.py's DECODE_* values. Read (and a bad value refused in one line) whatever the engine;
+    {} on an fp8 cache (LAB_FP8_DECODE's) and off the Triton backend. block_n, waves and kv_per_prog change the
+    splits: the warm-up plans the decode variants with them (engine/warmup.py: warmup_plan)."""
+    knobs = _knobs(DECODE_ENV, DECODE_KNOBS)
+    if config.kv_cache_dtype == "fp8" or attention_backend != "triton":
+        return {}
+    return knobs
+
+
+def decode_knobs_text(knobs: dict) -> str:
+    """The lever spelling (LAB_DECODE's or LAB_FP8_DECODE's) of paged_decode knobs: what the lever reads back to
+    the same dict."""
+    names = {arg: key for key, (arg, _) in (FP8_DECODE_KNOBS | DECODE_KNOBS).items()}
     return ",".join(f"{names[arg]}={'none' if v is None else int(v) if isinstance(v, bool) else v}"
                     for arg, v in knobs.items())

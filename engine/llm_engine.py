@@ -160,6 +160,7 @@ class LLMEngine:
             "gemv_rows": self.runner.gemv_rows,              # tokens a projection takes through the GEMV (LAB_GEMV_ROWS)
             "skinny_rows": self.runner.skinny_rows,          # ... through the split-K GEMM from 2 (LAB_SKINNY_GEMM)
             "fp8_decode": self.runner.fp8_decode,            # the e4m3 decode's knobs from LAB_FP8_DECODE ({}: defaults)
+            "decode_knobs": self.runner.decode_knobs,        # the bf16 / float32 decode's from LAB_DECODE ({}: defaults)
             "model": self.runner.model.describe() if self.runner.model is not None else None,   # family, q/k route
             "pdl": self.runner.pdl,
             "prefill_ahead": self.scheduler.prefill_ahead,   # a waiting prefill launched behind a decode in flight

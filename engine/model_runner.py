@@ -25,7 +25,7 @@ from engine.config import Config, ConfigError
 from engine.device_clock import DeviceClock
 from engine.distributed import SINGLE, ParallelContext
 from engine.graph import EAGER, PREFILL_GRAPH_SEQS, DecodeGraphs, PrefillGraphs, Route, prefill_buckets
-from engine.levers import (decode_layer_on, decode_prologue_mode, fp8_decode_knobs, gemv_rows_setting,
+from engine.levers import (decode_knobs, decode_layer_on, decode_prologue_mode, fp8_decode_knobs, gemv_rows_setting,
                            skinny_rows_setting)
 from engine.loader import load_model
 from engine.mixed_graphs import MixedGraphs, mixed_buckets
@@ -107,9 +107,7 @@ class ModelRunner:
         skinny = skinny_rows_setting()    # and LAB_SKINNY_GEMM
         prologue = decode_prologue_mode(config, self.attention_backend)   # and a bad LAB_DECODE_PROLOGUE
         layer_kernel = decode_layer_on(self.attention_backend)    # and LAB_DECODE_LAYER
-        self.fp8_decode = fp8_decode_knobs(config, self.attention_backend)   # and LAB_FP8_DECODE
-        if self.fp8_decode:
-            self.backend.decode_knobs = self.fp8_decode
+        self._take_decode_knobs(config)   # and LAB_FP8_DECODE, LAB_DECODE
         self.fused_ops = self._enable_fused_ops(rows, prologue, skinny)
         self.gemv_rows = rows if self.fused_ops else 0   # tokens a projection takes through the GEMV kernels
         self.skinny_rows = skinny if self.fused_ops else 0   # ... and through the split-K GEMM from 2 tokens
@@ -173,6 +171,14 @@ class ModelRunner:
         for module in self.model.modules():
             if hasattr(module, "decode_layer"):
                 module.decode_layer = self.config.max_model_len
+
+    def _take_decode_knobs(self, config: Config) -> None:
+        """The Triton decode kernel's knobs from the levers (LAB_FP8_DECODE on an e4m3 cache, LAB_DECODE on one in the
+        model's dtype; engine/levers.py), put on the backend, whose every paged_decode call passes them."""
+        self.fp8_decode = fp8_decode_knobs(config, self.attention_backend)
+        self.decode_knobs = decode_knobs(config, self.attention_backend)
+        if self.fp8_decode or self.decode_knobs:
+            self.backend.decode_knobs = self.fp8_decode or self.decode_knobs
 
     def _check_decode_layer(self) -> None:
         """After the warm-up and the graph captures ran the layer kernel: refuse to serve if one of its grid

@@ -23,6 +23,7 @@ import torch
 
 from engine.attention.splits import PREFILL_PACKED_SEQS, decode_variants
 from engine.graph import EAGER, default_buckets
+from engine.levers import DECODE_SPLIT_KNOBS
 from engine.sampling.sampler import sample
 from engine.sequence import Sequence
 from engine.step_inputs import InputBuilder, StepInputs
@@ -68,8 +69,11 @@ def graph_buckets(config) -> list[int]:
     return [b for b in buckets if b <= config.max_num_seqs] or [min(buckets)]
 
 
-def warmup_plan(config, backend: str, sm_count: int = 0, tp_size: int = 1) -> list[WarmShape]:
-    """Every shape to warm for `config` with attention `backend` on a GPU of `sm_count` SMs."""
+def warmup_plan(config, backend: str, sm_count: int = 0, tp_size: int = 1,
+                decode_knobs: dict | None = None) -> list[WarmShape]:
+    """Every shape to warm for `config` with attention `backend` on a GPU of `sm_count` SMs; `decode_knobs`: the
+    Triton decode's knobs in place of splits.py's (engine/levers.py: LAB_DECODE), whose split knobs make its
+    compiled variants."""
     max_len, budget, max_seqs = config.max_model_len, config.max_num_batched_tokens, config.max_num_seqs
     plan: list[WarmShape] = []
     for t in prefill_token_counts(budget):
@@ -101,8 +105,9 @@ def warmup_plan(config, backend: str, sm_count: int = 0, tp_size: int = 1) -> li
             plan.append(WarmShape("decode-eager", b, 16, why="batch size class"))
         if backend == "triton" and sm_count > 0:
             kv_heads = config.shape.num_kv_heads // tp_size
-            for (direct, block_s, fused), (b, ctx) in sorted(decode_variants(max_seqs, kv_heads, max_len,
-                                                                             sm_count).items(), key=lambda kv: kv[1]):
+            split = {k: v for k, v in (decode_knobs or {}).items() if k in DECODE_SPLIT_KNOBS}
+            for (direct, block_s, fused), (b, ctx) in sorted(decode_variants(max_seqs, kv_heads, max_len, sm_count,
+                                                                             **split).items(), key=lambda kv: kv[1]):
                 plan.append(WarmShape("decode-eager", b, ctx, mode=f"direct={direct},block_s={block_s},fused={fused}",
                                       why="Triton decode variant"))
     for mode in SAMPLER_MODES:
@@ -176,7 +181,8 @@ def profile_run(runner) -> None:
 def plan_for(runner) -> list[WarmShape]:
     """The runner's plan: its configuration, attention backend, GPU's SM count and TP size."""
     sm = torch.cuda.get_device_properties(runner.device).multi_processor_count if runner.device.startswith("cuda") else 0
-    return warmup_plan(runner.config, runner.attention_backend, sm, runner.tp.world_size)
+    return warmup_plan(runner.config, runner.attention_backend, sm, runner.tp.world_size,
+                       getattr(runner.backend, "decode_knobs", None))
 
 
 def warm_paths(runner) -> None:

@@ -56,7 +56,7 @@ def lab_levers(desc: dict) -> dict:
     """A banner row naming the LAB_* levers the engine was built with away from their defaults (none by default).
     LAB_PREFILL_AHEAD applies with the overlapped decode in nano-vllm's step model only, LAB_DECODE_PROLOGUE with
     the Triton backend in that step model (the model's q/k route says which it took)."""
-    from engine.levers import PREFILL_AHEAD_DEFAULT, fp8_decode_text, prefill_ahead_name
+    from engine.levers import PREFILL_AHEAD_DEFAULT, decode_knobs_text, prefill_ahead_name
 
     on, conf = [], desc.get("config") or {}
     ahead = prefill_ahead_name(bool(desc.get("prefill_ahead")), bool(desc.get("decode_behind_prefill")),
@@ -74,7 +74,9 @@ def lab_levers(desc: dict) -> dict:
     if model.get("decode_layer"):
         on.append("LAB_DECODE_LAYER=1")
     if desc.get("fp8_decode"):
-        on.append(f"LAB_FP8_DECODE={fp8_decode_text(desc['fp8_decode'])}")
+        on.append(f"LAB_FP8_DECODE={decode_knobs_text(desc['fp8_decode'])}")
+    if desc.get("decode_knobs"):
+        on.append(f"LAB_DECODE={decode_knobs_text(desc['decode_knobs'])}")
     return {"lab levers": ", ".join(on)} if on else {}
 
 

@@ -146,6 +146,52 @@ def test_fp8_decode_knobs_parse_refuse_and_apply_only_to_an_fp8_cache_on_triton(
             fp8_decode_knobs(bf16, "torch")
 
 
+def test_decode_knobs_parse_refuse_and_apply_only_to_a_model_dtype_cache_on_triton(monkeypatch):
+    """LAB_DECODE: the split knobs too (block_n, page_tile, kv_per_prog, waves) as paged_decode's keyword arguments; an
+    unknown key or value refused in one line whatever the engine; {} on an fp8 cache and off Triton; its spelling
+    reads back to the same knobs."""
+    from types import SimpleNamespace
+
+    from engine.config import ConfigError
+    from engine.levers import DECODE_ENV, decode_knobs, decode_knobs_text
+
+    fp8, bf16 = SimpleNamespace(kv_cache_dtype="fp8"), SimpleNamespace(kv_cache_dtype="auto")
+    monkeypatch.delenv(DECODE_ENV, raising=False)
+    assert decode_knobs(bf16, "triton") == {}
+    monkeypatch.setenv(DECODE_ENV, "kv_per_prog=4, page_tile=1,block_n=32,warps=8,stages=3,waves=4")
+    want = {"kv_per_prog": 4, "page_tile": True, "block_n": 32, "num_warps": 8, "num_stages": 3, "waves": 4}
+    assert decode_knobs(bf16, "triton") == want and decode_knobs(bf16, "triton")["page_tile"] is True
+    assert decode_knobs(fp8, "triton") == decode_knobs(bf16, "torch") == {}
+    monkeypatch.setenv(DECODE_ENV, decode_knobs_text(want))
+    assert decode_knobs(bf16, "triton") == want
+    monkeypatch.setenv(DECODE_ENV, "page_tile=0")
+    assert decode_knobs(bf16, "triton") == {"page_tile": False}
+    for bad, named in (("block_n=48", "block_n='48'; expected one of 16, 32, 64, 128"), ("maxnreg=128", "'maxnreg' is "
+                       "not a knob"), ("kv_per_prog=3", "expected one of 1, 2, 4, 8"), ("waves", "waves=''")):
+        monkeypatch.setenv(DECODE_ENV, bad)
+        with pytest.raises(ConfigError, match=f"{DECODE_ENV}='{bad}'.*{named}"):
+            decode_knobs(fp8, "torch")
+
+
+def test_the_runner_puts_the_levers_decode_knobs_on_its_backend(monkeypatch):
+    """ModelRunner hands LAB_DECODE's knobs to the Triton backend on a cache in the model's dtype and LAB_FP8_DECODE's
+    on an e4m3 one; describe() reports each (the runner's fp8_decode and decode_knobs)."""
+    from types import SimpleNamespace
+
+    from engine.levers import DECODE_ENV, FP8_DECODE_ENV
+    from engine.model_runner import ModelRunner
+
+    monkeypatch.setenv(DECODE_ENV, "block_n=32,page_tile=1")
+    monkeypatch.setenv(FP8_DECODE_ENV, "warps=8")
+    for cache, want in (("auto", {"block_n": 32, "page_tile": True}), ("fp8", {"num_warps": 8})):
+        runner = SimpleNamespace(attention_backend="triton", backend=SimpleNamespace(decode_knobs={}))
+        ModelRunner._take_decode_knobs(runner, SimpleNamespace(kv_cache_dtype=cache))
+        assert runner.backend.decode_knobs == want == (runner.decode_knobs or runner.fp8_decode)
+    runner = SimpleNamespace(attention_backend="torch", backend=SimpleNamespace(decode_knobs={}))
+    ModelRunner._take_decode_knobs(runner, SimpleNamespace(kv_cache_dtype="auto"))
+    assert runner.backend.decode_knobs == runner.decode_knobs == {}
+
+
 def test_the_triton_backend_hands_its_decode_knobs_to_every_paged_decode(monkeypatch):
     """ModelRunner puts LAB_FP8_DECODE's knobs on the backend; both decode routes (plain and the prologue) pass them
     to paged_decode, where a knob given wins over splits.py's default."""

@@ -224,3 +224,20 @@ def test_compile_watch_counts_triton_compiles_and_hands_the_hook_back():
         assert knobs.runtime.jit_cache_hook is outer
     finally:
         knobs.runtime.jit_cache_hook = before
+
+
+def test_the_plan_compiles_the_decode_variants_lab_decodes_split_knobs_make(tiny_model_dir):
+    """LAB_DECODE's block_n, waves and kv_per_prog change how a context splits: the warm-up plans the variants those
+    knobs make (a step would otherwise compile one mid-serving); its other knobs leave the plan alone."""
+    cfg = serve_config(tiny_model_dir, enforce_eager=True, max_model_len=2048, max_num_seqs=64)
+    kv_heads = cfg.shape.num_kv_heads
+
+    def variants(knobs):
+        return {w.mode for w in warmup_plan(cfg, "triton", SM, decode_knobs=knobs) if w.mode.startswith("direct")}
+
+    def expected(**split):
+        return {f"direct={d},block_s={s},fused={f}" for d, s, f in decode_variants(64, kv_heads, 2048, SM, **split)}
+
+    knobs = {"block_n": 16, "waves": 16, "kv_per_prog": 2, "num_warps": 8, "page_tile": True}
+    assert variants(knobs) == expected(block_n=16, waves=16, kv_per_prog=2) != expected()
+    assert variants({"num_warps": 8, "num_stages": 2, "page_tile": True}) == variants(None) == expected()

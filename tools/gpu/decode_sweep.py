@@ -42,7 +42,7 @@ TILE = ("kv_per_prog", "page_tile", "block_n", "waves")
 def lever_candidate(res: dict) -> dict | None:
     """The robust setting (labkit.bench.attention.rank_kernel_sweep) among the sweep's results in the default's
     tile, with its LAB_FP8_DECODE spelling; None when none ran on every shape."""
-    from engine.levers import FP8_DECODE_KNOBS, fp8_decode_text
+    from engine.levers import FP8_DECODE_KNOBS, decode_knobs_text
     from labkit.bench.attention import rank_kernel_sweep
 
     tile = {k: res["default"][k] for k in TILE}
@@ -51,7 +51,7 @@ def lever_candidate(res: dict) -> dict | None:
     robust = rank_kernel_sweep(shapes)["robust"]
     if robust is None:
         return None
-    return robust | {"lab_fp8_decode": fp8_decode_text({arg: robust.get(arg) for arg, _ in FP8_DECODE_KNOBS.values()})}
+    return robust | {"lab_fp8_decode": decode_knobs_text({arg: robust.get(arg) for arg, _ in FP8_DECODE_KNOBS.values()})}
 
 
 def main() -> int:

@@ -40,6 +40,13 @@
 #                                     # (and its guard), then the sweep on the bf16 cache, a
 #                                     # served decode's 24 x 1,024 among its shapes
 #
+# and one that times the bf16 decode kernel's knobs on whole workloads (LAB_DECODE, engine/levers.py):
+#
+#   tools/gpu/h200_session.sh knobs   # the nano-vllm workload with splits.py's defaults, then with each of three
+#                                     # settings the bf16 sweep ranked high (the 256 x 1,024 best, its robust one,
+#                                     # the 64 x 1,024 best); the fastest's bf16 guard, batch-1 latency and rate sweep
+#                                     # (the default's sweep is the serving phase's, in the same lease)
+#
 # and two that time a kernel lever:
 #
 #   tools/gpu/h200_session.sh skinny  # the split-K GEMM of a small decode batch (LAB_SKINNY_GEMM=32) against cuBLAS: its
@@ -66,7 +73,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny" >&2; exit 2 ;; esac
+case "$phase" in check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny|knobs) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny|knobs" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -330,6 +337,36 @@ tune_phase() {
          --dtype bfloat16 --device cuda --attention triton --out "$W/runs/guard-kv-fp8-lever.json"
   fi
   step decode-sweep-bf16 300 $PY tools/gpu/decode_sweep.py --jobs 12 --shapes 256x1024,64x1024,24x1024,1x4096 --out "$W/runs/decode-sweep-bf16.json"
+}
+
+knobs_phase() {
+  # splits.py's defaults first, then each candidate back to back; the fastest (median tok/s) is judged further
+  nano_vllm nano-vllm-bf16
+  local -A cand=([c256]="kv_per_prog=4,page_tile=1,block_n=32,warps=8,stages=3"
+                 [robust]="page_tile=1,block_n=32,stages=2,waves=4"
+                 [c64]="page_tile=1,block_n=32")
+  local name best="" best_tok=0 tok
+  for name in c256 robust c64; do
+    nano_vllm "nano-vllm-bf16-$name" LAB_DECODE="${cand[$name]}"
+  done
+  for name in bf16 bf16-c256 bf16-robust bf16-c64; do
+    tok=$($PY -c "import json, sys; print(int(json.load(open(sys.argv[1]))['facts']['median_tok_s']))" \
+          "$W/runs/nano-vllm-$name.json" 2>/dev/null || echo 0)
+    echo "   nano-vllm-$name: $tok tok/s" | tee -a "$STEPS"
+    if [ "$tok" -gt "$best_tok" ]; then best_tok=$tok; best=${name#bf16}; best=${best#-}; fi
+  done
+  if [ -z "$best" ]; then
+    echo "   splits.py's defaults ran fastest: no candidate to judge further" | tee -a "$STEPS"; return
+  fi
+  local lever=${cand[$best]}
+  echo "   fastest: $best, LAB_DECODE=$lever" | tee -a "$STEPS"
+  step guard-bf16-knobs 45 env LAB_DECODE="$lever" $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda \
+       --attention triton --out "$W/runs/guard-bf16-knobs.json"
+  for on in 0 1; do
+    step latency-b1-knobs$on 40 env LAB_DECODE="$([ $on = 1 ] && echo "$lever")" $PY -m labkit bench --workload latency \
+         --batch 1 --repeats 3 --attention triton --out "$W/runs/latency-b1-knobs$on.json"
+  done
+  RATES=8,64,128,inf sweep knobs-sweep 100 LAB_DECODE="$lever"
 }
 
 skinny_phase() {
