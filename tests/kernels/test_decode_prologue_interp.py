@@ -31,11 +31,13 @@ BLOCKS = 24
 FP8_SCALES = (0.5, 2.0)         # an e4m3 cache's k and v scales
 # (dtype, kv cache, heads per program, SMs: 1 gives one split, 8 and 64 several, fused reduce, positions a tile): the
 # first tile read before the PDL wait (PREFETCH) where several splits go to the reduce kernel; 16-position tiles
-# give those splits two tiles each, the second read in the loop
+# give those splits two tiles each, the second read in the loop; a seventh field True: one block-table load a tile
+# (page_tile, where the tile divides the page)
 CASES = [("float32", "auto", 1, 1, False, 64), ("float32", "auto", 1, 64, False, 64), ("float32", "auto", 2, 64, True, 64),
          ("bfloat16", "auto", 1, 64, True, 64), ("bfloat16", "auto", 2, 1, False, 64),
          ("bfloat16", "fp8", 1, 64, False, 64), ("float32", "fp8", 1, 64, True, 64),
-         ("float32", "auto", 1, 8, False, 16), ("bfloat16", "fp8", 1, 8, False, 16)]
+         ("float32", "auto", 1, 8, False, 16), ("bfloat16", "fp8", 1, 8, False, 16),
+         ("float32", "auto", 1, 8, False, 16, True), ("bfloat16", "auto", 1, 16, True, 16, True)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_key)
@@ -100,7 +102,8 @@ def _reference(torch, qkv, positions, qw, kw, rope, k_cache, v_cache, tables, co
     return torch.stack(rows)
 
 
-def run_case(torch, tk, fk, kv_quant, RotaryEmbedding, dtype_name, cache, hpp, sms, fuse, block_n) -> dict:
+def run_case(torch, tk, fk, kv_quant, RotaryEmbedding, dtype_name, cache, hpp, sms, fuse, block_n,
+             page_tile=False) -> dict:
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(7)
     n = len(CONTEXTS)
@@ -125,7 +128,8 @@ def run_case(torch, tk, fk, kv_quant, RotaryEmbedding, dtype_name, cache, hpp, s
         kc, vc = (c.clone() for c in before)
         if cache == "fp8":
             kc, vc = (kv_quant.mark(c, s, dtype) for c, s in zip((kc, vc), FP8_SCALES))
-        args = dict(max_len=MAX_LEN, sm_count=sms, kv_per_prog=hpp, fuse_reduce=fuse, order=order, block_n=block_n)
+        args = dict(max_len=MAX_LEN, sm_count=sms, kv_per_prog=hpp, fuse_reduce=fuse, order=order, block_n=block_n,
+                    page_tile=page_tile)
         if route == "unfused":
             q, _ = fk.qk_norm_rope(qkv, positions, qw, kw, rope.cos, rope.sin, HQ, HK, D, 1e-6,
                                    k_cache=kc, v_cache=vc, slot_mapping=slots)
