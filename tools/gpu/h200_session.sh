@@ -9,7 +9,8 @@
 #                                     # Qwen3-8B's shapes (batch 1, nano-vllm), BEFORE's bf16 nano-vllm and batch-1
 #                                     # latency, the step budget at batch 1
 #   tools/gpu/h200_session.sh serving # this tree against BEFORE: each tree's rate sweep, then the prefix-cache A/B
-#                                     # on prefix-repetition and multi-turn (BEFORE with the cache on)
+#                                     # on prefix-repetition and multi-turn (BEFORE with the cache on), then this
+#                                     # tree's sweep with LAB_PREFILL_AHEAD=prefills if the call has time
 #
 # and three that compare serving's levers:
 #
@@ -243,6 +244,8 @@ serving_phase() {
     step "before-step-model-$ds" 50 before env ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds CACHES=enable MODEL_DIR=$MODEL_DIR \
          tools/prefix_cache_ab.sh "$W/runs/before-step-model-$ds"
   done
+  # then, if the call has time, the same sweep with a prefill launched behind a prefill too (the ahead phase's candidate)
+  RATES=${RATES:-8,64,128,inf} sweep prefills-sweep 80 LAB_PREFILL_AHEAD=prefills
   collect_steps
 }
 
