@@ -30,7 +30,7 @@
 #
 #   tools/gpu/h200_session.sh final   # pytest -m gpu (the decode layer's tests too), the bf16, graph and kv-fp8
 #                                     # guards, nano-vllm on bf16 against BEFORE and on e4m3, batch-1 latency against
-#                                     # BEFORE
+#                                     # BEFORE, then the rate sweep on the e4m3 cache if the call has time
 #
 # one that ranks the decode kernel's knobs on the e4m3 cache:
 #
@@ -313,6 +313,8 @@ final_phase() {
   nano_vllm nano-vllm-fp8 --kv-cache-dtype fp8
   step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
        --attention triton --out "$W/runs/guard-kv-fp8.json"
+  # then, if the call has time, the rate sweep on the e4m3 cache (the serving phase's sweep on bf16 is its pair)
+  RATES=8,64,128,inf sweep fp8-sweep 80 --kv-cache-dtype fp8
 }
 
 tune_phase() {
