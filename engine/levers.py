@@ -25,14 +25,14 @@ import os
 from engine.config import Config, ConfigError
 
 
-#: nano-vllm's step model with the overlapped decode: "prefill" (the default) launches a waiting prefill behind the
-#: decode in flight; "1" that, and the decode after a prefill behind that prefill; "prefills" that, and a waiting
+#: nano-vllm's step model with the overlapped decode: "prefill" launches a waiting prefill behind the decode in
+#: flight; "1" that, and the decode after a prefill behind that prefill; "prefills" (the default) that, and a waiting
 #: prefill behind a prefill in flight too; "0" none (nano-vllm's order). Each mode's three switches:
 #: (Scheduler.prefill_ahead, Scheduler.decode_behind_prefill, Scheduler.prefill_behind_prefill)
 PREFILL_AHEAD_ENV = "LAB_PREFILL_AHEAD"
 PREFILL_AHEAD_MODES = {"0": (False, False, False), "prefill": (True, False, False), "1": (True, True, False),
                        "prefills": (True, False, True)}
-PREFILL_AHEAD_DEFAULT = "prefill"
+PREFILL_AHEAD_DEFAULT = "prefills"
 
 
 def _setting(env: str, choices, default: str, expected: str = "") -> str:
@@ -48,14 +48,15 @@ def prefill_ahead(config: Config) -> tuple[bool, bool, bool]:
     """(Scheduler.prefill_ahead, Scheduler.decode_behind_prefill, Scheduler.prefill_behind_prefill): whether the
     scheduler's lookahead may launch a waiting prefill behind a decode in flight, the decode after a prefill behind
     that prefill, and a waiting prefill behind a prefill in flight. With the overlapped decode and nano-vllm's step
-    model only, from LAB_PREFILL_AHEAD (unset: "prefill"). "prefill" keeps the step model's choice of steps and only
+    model only, from LAB_PREFILL_AHEAD (unset: "prefills"). "prefill" keeps the step model's choice of steps and only
     launches the prefill early, so a request that arrives during a decode does not also wait for that decode's
-    tokens to be read (docs/MEASURED.md has the TTFT it saved); "1" also decides the step after a prefill before its
-    tokens (and so before later arrivals) are in; "prefills" also launches the prefill of requests still waiting
-    behind a prefill in flight (in a burst of arrivals: the step the step model takes next), so the host builds its
-    inputs while the GPU computes, where a prompt that shares a prefix with the prefill in flight misses that hit
-    (a prefill's blocks enter the prefix cache when its tokens are read); "0" launches each prefill once the step
-    before it has been read, as nano-vllm does."""
+    tokens to be read (docs/MEASURED.md has the TTFT it saved); "prefills", the default, also launches the prefill
+    of requests still waiting behind a prefill in flight (in a burst of arrivals: the step the step model takes
+    next), so the host builds its inputs while the GPU computes, where a prompt that shares a prefix with the
+    prefill in flight misses that hit (a prefill's blocks enter the prefix cache when its tokens are read; on an
+    H100 it removed the GPU's idle before each prefill of a burst, docs/MEASURED.md); "1" decides the step after a
+    prefill before its tokens (and so before later arrivals) are in; "0" launches each prefill once the step before
+    it has been read, as nano-vllm does."""
     text = _setting(PREFILL_AHEAD_ENV, PREFILL_AHEAD_MODES, PREFILL_AHEAD_DEFAULT)
     if not config.overlap or config.mixed_batches:
         return False, False, False

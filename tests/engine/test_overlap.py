@@ -176,19 +176,20 @@ def test_prefill_ahead_prefills_launches_a_prefill_behind_a_prefill_and_keeps_th
 
 
 def test_prefill_ahead_unset_launches_the_prefill_early_with_the_overlapped_decode_only(tiny_engine, monkeypatch):
-    """The default (LAB_PREFILL_AHEAD unset or empty) is "prefill": with the overlapped decode in nano-vllm's step
-    model a waiting prefill goes behind the decode in flight, the decode after it does not; without the overlap,
-    or with mixed steps, neither applies."""
+    """The default (LAB_PREFILL_AHEAD unset or empty) is "prefills": with the overlapped decode in nano-vllm's step
+    model a waiting prefill goes behind the decode in flight and behind a prefill in flight, the decode after a
+    prefill does not; without the overlap, or with mixed steps, none applies."""
     for unset in (None, ""):
         if unset is None:
             monkeypatch.delenv("LAB_PREFILL_AHEAD", raising=False)
         else:
             monkeypatch.setenv("LAB_PREFILL_AHEAD", unset)
         d = tiny_engine(overlap=True, **KW).describe()
-        assert (d["prefill_ahead"], d["decode_behind_prefill"]) == (True, False)
+        assert (d["prefill_ahead"], d["decode_behind_prefill"], d["prefill_behind_prefill"]) == (True, False, True)
     for options in ({"overlap": False}, {"overlap": True, "mixed_batches": True}):
         d = tiny_engine(**options, **KW).describe()
-        assert (d["prefill_ahead"], d["decode_behind_prefill"]) == (False, False), options
+        assert (d["prefill_ahead"], d["decode_behind_prefill"], d["prefill_behind_prefill"]) == (False, False, False), \
+            options
 
 
 def test_prefill_ahead_refuses_an_unknown_setting_in_one_line(tiny_engine, monkeypatch):

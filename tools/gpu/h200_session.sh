@@ -10,7 +10,8 @@
 #                                     # latency, the step budget at batch 1
 #   tools/gpu/h200_session.sh serving # this tree against BEFORE: each tree's rate sweep, then the prefix-cache A/B
 #                                     # on prefix-repetition and multi-turn (BEFORE with the cache on), then this
-#                                     # tree's sweep with LAB_PREFILL_AHEAD=prefills if the call has time
+#                                     # tree's sweep with LAB_PREFILL_AHEAD=prefill (no prefill launched behind a
+#                                     # prefill) if the call has time
 #
 # and three that compare serving's levers:
 #
@@ -19,7 +20,7 @@
 #                                     # models' sweeps at 8 / 32 / 64 / inf req/s, the step model on e4m3 too
 #   tools/gpu/h200_session.sh sweeps  # capacity, rate sweeps: mixed steps under a 2048- and a 1024-token step budget,
 #                                     # nano-vllm's step model on bf16 and on the e4m3 cache, mixed steps at 2048 on e4m3
-#   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD prefill (the default) against prefills (a prefill launched
+#   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD prefill against prefills (the default: a prefill launched
 #                                     # behind a prefill too): both rate sweeps, then prefills' prefix-cache A/B on
 #                                     # prefix-repetition and multi-turn (its cost: hits on a prefill still in flight)
 #   tools/gpu/h200_session.sh policy  # TPOT under load against capacity in nano-vllm's step model: at most 1 and 2
@@ -244,8 +245,8 @@ serving_phase() {
     step "before-step-model-$ds" 50 before env ENGINE="$SERVE_ENGINE" RATE=32 DATASETS=$ds CACHES=enable MODEL_DIR=$MODEL_DIR \
          tools/prefix_cache_ab.sh "$W/runs/before-step-model-$ds"
   done
-  # then, if the call has time, the same sweep with a prefill launched behind a prefill too (the ahead phase's candidate)
-  RATES=${RATES:-8,64,128,inf} sweep prefills-sweep 80 LAB_PREFILL_AHEAD=prefills
+  # then, if the call has time, the same sweep with no prefill launched behind a prefill (the default's alternative)
+  RATES=${RATES:-8,64,128,inf} sweep prefill-sweep 80 LAB_PREFILL_AHEAD=prefill
   collect_steps
 }
 
@@ -277,8 +278,8 @@ sweeps_phase() {
 }
 
 ahead_phase() {
-  # the default's sweep and the candidate's, back to back (capacity: the GPU idle before a prefill that follows a
-  # prefill), then the candidate's prefix-cache A/B (a prompt sharing a prefix with a prefill in flight misses it)
+  # prefill's sweep and the default's (prefills), back to back (capacity: the GPU idle before a prefill that follows a
+  # prefill), then the default's prefix-cache A/B (a prompt sharing a prefix with a prefill in flight misses it)
   RATES=8,64,128,inf sweep prefill-ahead-prefill-sweep 100 LAB_PREFILL_AHEAD=prefill
   RATES=8,64,128,inf sweep prefill-ahead-prefills-sweep 100 LAB_PREFILL_AHEAD=prefills
   for ds in prefix multi-turn; do

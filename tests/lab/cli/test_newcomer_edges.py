@@ -76,18 +76,18 @@ def test_serve_banner_names_the_lab_levers_away_from_their_defaults():
 
     step_model = {"overlap": True, "mixed_batches": False}
     assert lab_levers({"config": step_model, "prefill_ahead": True, "decode_behind_prefill": False,
-                       "gemv_rows": 1}) == {}
+                       "prefill_behind_prefill": True, "gemv_rows": 1}) == {}
     assert lab_levers({"config": step_model, "prefill_ahead": False, "decode_behind_prefill": False,
                        "gemv_rows": 8}) == {"lab levers": "LAB_PREFILL_AHEAD=0, LAB_GEMV_ROWS=8"}
     assert lab_levers({"config": step_model, "prefill_ahead": True, "decode_behind_prefill": True,
                        "gemv_rows": 0}) == {"lab levers": "LAB_PREFILL_AHEAD=1"}
-    assert lab_levers({"config": step_model, "prefill_ahead": True, "decode_behind_prefill": False,
-                       "prefill_behind_prefill": True}) == {"lab levers": "LAB_PREFILL_AHEAD=prefills"}
+    assert lab_levers({"config": step_model, "prefill_ahead": True, "decode_behind_prefill": False}) \
+        == {"lab levers": "LAB_PREFILL_AHEAD=prefill"}
     # without the overlapped decode, or with mixed steps, there is nothing to launch ahead: no lever to name
     for conf in ({"overlap": False, "mixed_batches": False}, {"overlap": True, "mixed_batches": True}):
         assert lab_levers({"config": conf, "prefill_ahead": False, "decode_behind_prefill": False}) == {}
     # the decode prologue's route away from its default on the Triton backend, and the layer kernel
-    triton = {"config": step_model, "prefill_ahead": True, "attention_backend": "triton"}
+    triton = {"config": step_model, "prefill_ahead": True, "prefill_behind_prefill": True, "attention_backend": "triton"}
     assert lab_levers(triton | {"model": {"qk_norm_rope_kv": "decode-prologue", "decode_layer": False}}) == {}
     assert lab_levers(triton | {"model": {"qk_norm_rope_kv": "fused"}}) == {"lab levers": "LAB_DECODE_PROLOGUE=0"}
     assert lab_levers(triton | {"model": {"qk_norm_rope_kv": "decode-prologue-noprefetch", "decode_layer": True}}) \
