@@ -60,6 +60,8 @@ class StepOutput:
     device_span: tuple[int, int] | None = None   # CUDA: when the GPU began and ended the step (monotonic ns,
                                                  # engine/device_clock.py); None elsewhere
     kind: str = ""                      # decode | prefill | mixed (decodes and prefill chunks in one step)
+    ahead: bool = False                 # overlapped: launched while the step before it was in flight (the
+                                        # lookahead), not after that step's tokens were read
 
     def __post_init__(self) -> None:
         if not self.kind:
@@ -99,6 +101,7 @@ class _InFlight:
     tokens: Launched
     scheduled: list[tuple[int, int]]             # (seq_id, positions computed), read when launched
     kind: str = ""                               # decode | prefill | mixed
+    ahead: bool = False                          # launched behind a step in flight (StepOutput.ahead)
 
     @property
     def num_tokens(self) -> int:
@@ -439,6 +442,7 @@ class LLMEngine:
                     decodes = list(itertools.takewhile(lambda s: s.seq_id in in_prev, decodes))
                 feed = self._feed(prev, decodes) if decodes else None
                 self._inflight = self._launch(nxt, is_prefill, batch, feed)
+                self._inflight.ahead = True
         t_wait = time.perf_counter()
         token_ids = prev.tokens.tolist()
         wait_s = time.perf_counter() - t_wait
@@ -452,7 +456,7 @@ class LLMEngine:
                     s.num_scheduled_tokens = 1       # postprocess cleared it; the in-flight step computes 1
         return StepOutput(prev.step, prev.is_prefill, prev.seqs, outcome, prev.num_tokens,
                           time.perf_counter() - t0, prev.scheduled, prev.tokens.route, kept, wait_s,
-                          prev.tokens.device_span(), prev.kind)
+                          prev.tokens.device_span(), prev.kind, prev.ahead)
 
     @staticmethod
     def _feed(prev: _InFlight, nxt: list[Sequence]) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Where a served step's time goes, from a `labkit serve` event log's step records (labkit/load/server_steps.py):
 per load window (a rate of a sweep), per step kind and batch size, the host's view of a step (launch to ids in
-hand), the interval between consecutive steps, and on CUDA the step's GPU span and the GPU's idle gap before it.
+hand), the interval between consecutive steps, on CUDA the step's GPU span and the GPU's idle gap before it, and
+the share of the steps launched behind a step in flight (ahead: the overlapped lookahead).
 
     python tools/served_steps.py SERVER_LOG.jsonl [--rate-logs NAME-rate*.jsonl] [--idle-s 1.0] [--json OUT]
 
@@ -42,12 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     result = [{"window": name, **summarize(w)} for name, w in named]
     for w in result:
         print(f"{w['window']}: {w['span_s']} s, {w['steps']} steps {w['kinds']}, GPU busy {w['gpu_busy_fraction']}")
-        print(f"  {'kind':8} {'batch<=':>7} {'steps':>6} {'tok':>6} {'interval':>9} {'host':>7} {'gpu':>7} {'gpu idle':>9}")
+        print(f"  {'kind':8} {'batch<=':>7} {'steps':>6} {'tok':>6} {'interval':>9} {'host':>7} {'gpu':>7} {'gpu idle':>9} "
+              f"{'ahead':>6}")
         for r in w["by_kind_and_batch"]:
             f = lambda v: "-" if v is None else f"{v:.3f}"     # noqa: E731
             print(f"  {r['kind']:8} {r['batch_le']:>7} {r['steps']:>6} {f(r['tokens_p50']):>6} "
                   f"{f(r['interval_ms_p50']):>9} {f(r['host_ms_p50']):>7} {f(r['gpu_ms_p50']):>7} "
-                  f"{f(r['gpu_idle_ms_p50']):>9}")
+                  f"{f(r['gpu_idle_ms_p50']):>9} {f(r.get('ahead_share')):>6}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0

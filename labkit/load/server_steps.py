@@ -83,7 +83,8 @@ def gpu_busy_ns(spans: list[tuple[int, int]], start_ns: int, end_ns: int) -> int
 def summarize(window: list[dict]) -> dict:
     """One window's steps: span, counts by kind, the GPU's busy fraction (None without GPU spans), the decode steps'
     batch and times (interval: from the previous step's end to this one's, the TPOT a decode in it sees), the share
-    of the window in steps of other kinds, and per (kind, batch bucket) the p50s."""
+    of the window in steps of other kinds, and per (kind, batch bucket) the p50s and the share of its steps launched
+    behind a step in flight (``ahead``: the overlapped lookahead; None in a log whose records do not say)."""
     if not window:
         return {"steps": 0}
     span_ns = window[-1]["t_ns"] - window[0]["start_ns"]
@@ -99,6 +100,8 @@ def summarize(window: list[dict]) -> dict:
         gpu_ms = (s["gpu_end_ns"] - s["gpu_start_ns"]) / 1e6 if "gpu_start_ns" in s else None
         r["host_ms"].append(host_ms)
         r["tokens"].append(s["num_tokens"])
+        if "ahead" in s:
+            r["ahead"].append(1.0 if s["ahead"] else 0.0)
         for key, v in (("interval_ms", interval), ("gpu_ms", gpu_ms)):
             if v is not None:
                 r[key].append(v)
@@ -121,7 +124,8 @@ def summarize(window: list[dict]) -> dict:
         "other_kinds_share": round(other_ns / span_ns, 4) if span_ns > 0 else None,
         "by_kind_and_batch": [
             {"kind": kind, "batch_le": b, "steps": len(r["host_ms"]), "tokens_p50": p50(r["tokens"]),
-             **{k + "_p50": p50(r[k]) for k in ("interval_ms", "host_ms", "gpu_ms", "gpu_idle_ms")}}
+             **{k + "_p50": p50(r[k]) for k in ("interval_ms", "host_ms", "gpu_ms", "gpu_idle_ms")},
+             "ahead_share": round(sum(r["ahead"]) / len(r["ahead"]), 3) if r["ahead"] else None}
             for (kind, b), r in sorted(rows.items())],
     }
 

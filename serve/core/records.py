@@ -99,7 +99,7 @@ def step_record(out, worker_id: str, t0: int, t: int, before: dict, rid_of: Call
         num_seqs=len(out.seqs), num_tokens=out.num_tokens, seconds=round(out.seconds, 6), start_ns=t0,
         wait_s=round(getattr(out, "wait_s", 0.0), 6), before=before,
         batch=[[rid_of(sid), n] for sid, n in out.scheduled], chunks=[rid_of(sid) for sid in out.outcome.discarded],
-        free_blocks=free_blocks, **device_fields(out))
+        free_blocks=free_blocks, ahead=bool(getattr(out, "ahead", False)), **device_fields(out))
 
 
 def step_tokens(out, by_seq: dict[int, OwnedRequest], t: int) -> Tokens:

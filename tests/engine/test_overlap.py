@@ -1,6 +1,7 @@
 """Overlapped decode (Config.overlap): the same tokens as one-step-at-a-time, whatever ends a request."""
 from __future__ import annotations
 
+import collections
 import sys
 from pathlib import Path
 
@@ -152,24 +153,31 @@ def burst(build, mode: str, monkeypatch, overlap: bool = True):
     params.insert(3, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     prefill_behind = 0
+    ahead = collections.Counter()          # the outputs launched behind a step in flight, by kind (StepOutput.ahead)
     while not engine.is_finished():
         out = engine.step()
         prefill_behind += out.is_prefill and engine._inflight is not None and engine._inflight.is_prefill
+        ahead[out.kind] += out.ahead
     out = [(list(s.completion_token_ids), s.finish_reason) for s in seqs]
     free = engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     engine.close()
-    return out, prefill_behind, free
+    return out, prefill_behind, free, ahead
 
 
 def test_prefill_ahead_prefills_launches_a_prefill_behind_a_prefill_and_keeps_the_tokens(tiny_engine, monkeypatch):
     """LAB_PREFILL_AHEAD=prefills: with requests waiting, the prefill after a prefill is launched before the first
     one's tokens are read (the other modes run those one by one); the greedy tokens are those of one step at a time
     and of the other modes, arrivals during decodes included, and every block comes back."""
-    sync, none_sync, free_sync = burst(tiny_engine, "prefills", monkeypatch, overlap=False)
-    plain, none_plain, free_plain = burst(tiny_engine, "prefill", monkeypatch)
-    ahead, behind, free = burst(tiny_engine, "prefills", monkeypatch)
+    sync, none_sync, free_sync, marked_sync = burst(tiny_engine, "prefills", monkeypatch, overlap=False)
+    plain, none_plain, free_plain, marked_plain = burst(tiny_engine, "prefill", monkeypatch)
+    ahead, behind, free, marked = burst(tiny_engine, "prefills", monkeypatch)
     assert ahead == plain == sync and free_sync and free_plain and free
     assert none_sync == none_plain == 0 and behind >= 2, (none_sync, none_plain, behind)
+    # each prefill launched behind a prefill says so in its output (the step records' "ahead"); one step at a time
+    # none does, and the overlapped decodes do
+    assert marked["prefill"] == behind and marked_plain["prefill"] == 0 and not any(marked_sync.values()), \
+        (marked, marked_plain, marked_sync)
+    assert marked["decode"] > 0 and marked_plain["decode"] > 0, (marked, marked_plain)
     plain, _, _ = arrivals(tiny_engine, "0", monkeypatch)
     ahead, launched, free = arrivals(tiny_engine, "prefills", monkeypatch)
     assert ahead == plain and free and launched[1] == 0, launched

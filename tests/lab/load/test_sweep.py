@@ -111,6 +111,11 @@ def test_step_summary_on_a_hand_made_timeline():
     assert st["other_kinds_share"] == 0.5
     prefill = next(r for r in st["by_kind_and_batch"] if r["kind"] == "prefill")
     assert prefill["gpu_idle_ms_p50"] == 0.5 and prefill["interval_ms_p50"] == 3.0 and prefill["tokens_p50"] == 100
+    assert prefill["ahead_share"] is None                        # records that do not say whether launched ahead
+    # the share of a row's steps launched behind a step in flight: two of its three decodes
+    marked = [step("decode", 2, 0, 1, 0, 1) | {"ahead": False}, step("decode", 2, 1, 2, 1, 2) | {"ahead": True},
+              step("decode", 2, 2, 3, 2, 3) | {"ahead": True}]
+    assert [r["ahead_share"] for r in summarize(marked)["by_kind_and_batch"]] == [0.667]
 
 
 def test_a_served_sweeps_rates_take_their_steps_from_the_servers_log(tmp_path):

@@ -60,6 +60,8 @@ def test_step_records_carry_wait_and_the_owners_gap_by_part(tiny_model_dir, over
     assert len(steps) >= 5
     for s in steps:
         assert 0.0 <= s["wait_s"] <= s["seconds"]
+    # "ahead": launched behind a step in flight (the overlapped decode's lookahead); one step at a time never
+    assert any(s["ahead"] for s in steps) == overlap and not steps[0]["ahead"]
     assert steps[0]["before"] == {}                           # no step before the first
     tokens_at = {e["round"] for e in events if e["event"] == "token"}
     for a, b in zip(steps, steps[1:]):
