@@ -442,7 +442,6 @@ def _stop_profile(opts: LoadOptions, worker, prof) -> dict | None:
         return None
     summary = worker.run_on_owner(lambda engine: prof.stop(worker, engine))
     served = worker.served
-    ranges = summary.get("ranges", {})
     trace = Path(summary["trace"])
     summary["trace_written"] = trace.is_file() and trace.stat().st_size > 0
     assertions = [run_assertion(f"facts.ranges.{name}.count", "gt", 0, name=f"range {name} recorded",
