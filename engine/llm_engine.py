@@ -23,7 +23,7 @@ from engine.args import EngineArgs
 from engine.config import Config
 from engine.errors import RequestError
 from engine.graph import EAGER, Route
-from engine.levers import prefill_ahead
+from engine.levers import admit_in_flight, prefill_ahead
 from engine.model_runner import Launched, ModelRunner
 from engine.observe import EngineEvent, EventBus, HookSet, StepHooks
 from engine.probe import EngineProbe
@@ -34,6 +34,8 @@ from engine.sampling.structured import Grammars
 from engine.scheduler import Scheduler, StepOutcome
 from engine.sequence import Sequence, SequenceCounter
 from engine.step_inputs import StepInputs
+
+ADMIT_POLL_S = 0.0001        # LAB_ADMIT_IN_FLIGHT: how often the owner asks for arrivals while a prefill computes
 
 
 def step_kind(seqs: list[Sequence], is_prefill: bool) -> str:
@@ -137,6 +139,10 @@ class LLMEngine:
         self._tokenizer = None
         self._closed = False
         self._inflight: _InFlight | None = None
+        # LAB_ADMIT_IN_FLIGHT=1 (engine/levers.py): the host's hook that admits the requests that arrived since the
+        # last step() call, True when it admitted any (a serving worker sets it; None: nothing to ask)
+        self.arrivals: Callable[[], bool] | None = None
+        self.admit_in_flight = admit_in_flight(self.config)
         # structured outputs: one grammar compiler and cache, built on the first constrained request
         self.grammars = Grammars(lambda: self.tokenizer, self.config.vocab_size, tuple(self.config.eos_token_ids))
         self.probe = EngineProbe(self)      # the lab's read-only views (block ref counts, the pool, modules)
@@ -169,6 +175,7 @@ class LLMEngine:
             "prefill_ahead": self.scheduler.prefill_ahead,   # a waiting prefill launched behind a decode in flight
             "decode_behind_prefill": self.scheduler.decode_behind_prefill,   # and the decode after it behind it
             "prefill_behind_prefill": self.scheduler.prefill_behind_prefill,   # a waiting prefill behind a prefill
+            "admit_in_flight": self.admit_in_flight,         # LAB_ADMIT_IN_FLIGHT: arrivals admitted behind a prefill
             "num_kvcache_blocks": self.runner.num_kvcache_blocks,
             "kv_cache": self._kv_cache_info(),
             "memory": self.runner.memory,
@@ -412,6 +419,33 @@ class LLMEngine:
         step, kind = self.num_steps, step_kind(seqs, is_prefill)
         return _InFlight(step, seqs, is_prefill, self.runner.launch(seqs, is_prefill, feed, step), batch, kind)
 
+    def _launch_behind(self, prev: _InFlight) -> _InFlight | None:
+        """The lookahead's step behind ``prev`` (Scheduler.schedule_lookahead), launched, or None when it takes none."""
+        nxt, is_prefill, batch = self._schedule_step(after=prev.seqs, after_prefill=prev.is_prefill)
+        if not nxt:
+            return None
+        decodes = [s for s in nxt if s.decoding]
+        if prev.is_prefill and not self.scheduler.mixed:   # a decode behind a prefill: the device feeds
+            in_prev = {s.seq_id for s in prev.seqs}         # the prefill's rows, which lead the batch
+            decodes = list(itertools.takewhile(lambda s: s.seq_id in in_prev, decodes))
+        feed = self._feed(prev, decodes) if decodes else None
+        flight = self._launch(nxt, is_prefill, batch, feed)
+        flight.ahead = True
+        return flight
+
+    def _admit_behind(self, prev: _InFlight) -> _InFlight | None:
+        """LAB_ADMIT_IN_FLIGHT=1, a prefill in flight with nothing behind it: until the GPU ends it, ask the host for
+        requests that arrived meanwhile (``arrivals``) and launch their prefill behind it (as the lookahead would
+        have, had they been waiting); None when it ends first. Off CUDA a step has ended once launched."""
+        ready = prev.tokens.ready
+        while ready is not None and not ready.query():
+            if self.arrivals():
+                flight = self._launch_behind(prev)
+                if flight is not None:
+                    return flight
+            time.sleep(ADMIT_POLL_S)
+        return None
+
     def _step_overlapped(self) -> StepOutput:
         """step() with steps overlapped: launch step k+1 (its decode rows' input ids fed on the device from
         step k's samples) before reading step k's tokens, so the host's bookkeeping for k runs while the
@@ -419,7 +453,8 @@ class LLMEngine:
         batches step k+1 may also admit prefill chunks, and step k may itself have prefilled; in
         nano-vllm's step model only decode steps overlap, and with LAB_PREFILL_AHEAD (prefill, 1 or prefills) a
         decode step k may have the waiting requests' prefill as its step k+1, (1) a prefill step k the decode after
-        it, and (prefills) a prefill step k the waiting requests' prefill.
+        it, and (prefills) a prefill step k the waiting requests' prefill; with LAB_ADMIT_IN_FLIGHT=1 also the
+        prefill of requests that arrive while prefill step k computes (_admit_behind).
         Any step the lookahead cannot take (see Scheduler.schedule_lookahead) runs one by one as in step()."""
         t0 = time.perf_counter()
         prev = self._inflight
@@ -434,15 +469,9 @@ class LLMEngine:
                 not any(s.sampling_params.needs_history(s.num_completion_tokens) for s in prev.seqs):
             # (penalties, min_tokens and a grammar's mask read the token still in flight: those batches run
             # one by one; the other requests of such a batch keep going, one step per call)
-            nxt, is_prefill, batch = self._schedule_step(after=prev.seqs, after_prefill=prev.is_prefill)
-            if nxt:
-                decodes = [s for s in nxt if s.decoding]
-                if prev.is_prefill and not self.scheduler.mixed:   # a decode behind a prefill: the device feeds
-                    in_prev = {s.seq_id for s in prev.seqs}         # the prefill's rows, which lead the batch
-                    decodes = list(itertools.takewhile(lambda s: s.seq_id in in_prev, decodes))
-                feed = self._feed(prev, decodes) if decodes else None
-                self._inflight = self._launch(nxt, is_prefill, batch, feed)
-                self._inflight.ahead = True
+            self._inflight = self._launch_behind(prev)
+            if self._inflight is None and prev.is_prefill and self.admit_in_flight and self.arrivals is not None:
+                self._inflight = self._admit_behind(prev)
         t_wait = time.perf_counter()
         token_ids = prev.tokens.tolist()
         wait_s = time.perf_counter() - t_wait

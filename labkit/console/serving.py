@@ -63,6 +63,8 @@ def lab_levers(desc: dict) -> dict:
                                bool(desc.get("prefill_behind_prefill")))
     if conf.get("overlap") and not conf.get("mixed_batches") and ahead != PREFILL_AHEAD_DEFAULT:
         on.append(f"LAB_PREFILL_AHEAD={ahead}")
+    if desc.get("admit_in_flight"):
+        on.append("LAB_ADMIT_IN_FLIGHT=1")
     if (desc.get("gemv_rows") or 0) > 1:
         on.append(f"LAB_GEMV_ROWS={desc['gemv_rows']}")
     if desc.get("skinny_rows"):

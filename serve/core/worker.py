@@ -346,6 +346,8 @@ class Worker(WorkerFront):
             self._encoder = self.engine.tokenizer
             self.tokenizer = copy.deepcopy(self._encoder)
         self.engine.add_hooks(_WorkerHooks(self))
+        if getattr(engine, "admit_in_flight", False):
+            engine.arrivals = self._admit_pending    # (LAB_ADMIT_IN_FLIGHT=1: asked between a prefill's launch and read)
         self._grammar_cache = engine.grammars       # submit() compiles constraints into the engine's own cache
         engine.grammars.cache_bytes = cfg.grammar_cache_mb << 20
         engine.grammars.compile_timeout_s = cfg.grammar_compile_timeout
@@ -381,6 +383,13 @@ class Worker(WorkerFront):
         feeder = self._feeder
         if feeder is not None:
             feeder(self._round)
+        self._admit_pending()
+        self._handoff()
+
+    def _admit_pending(self) -> bool:
+        """The queued requests admission takes now (max_active, the per-request cap) into the engine; True when it
+        took any. Also the engine's ``arrivals`` hook (LAB_ADMIT_IN_FLIGHT=1: called on this thread while a prefill
+        is in flight, so requests that arrived meanwhile can be prefilled behind it)."""
         cfg = self.config
         with self._lock:
             chosen = pick(self._pending, self._active.values(), cfg.max_active - len(self._active),
@@ -389,7 +398,7 @@ class Worker(WorkerFront):
                 self._pending = self._groups.take(self._pending, chosen)
         for req in chosen:
             self._admit(req)
-        self._handoff()
+        return bool(chosen)
 
     def _admit(self, req: OwnedRequest) -> None:
         try:

@@ -218,3 +218,87 @@ def test_prefill_ahead_interleaves_decodes_with_arrivals(tiny_model_dir):
     assert (off["prefill_ahead"], on["prefill_ahead"]) == (False, True)
     assert off["steps"]["prefill"] == 16 and off["mean_prefill_seqs"] == 1.0, off
     assert on["steps"]["prefill"] < 16 and on["steps"]["decode"] > off["steps"]["decode"], (off, on)
+
+
+class _SlowEvent:
+    """A launched step's ``ready`` event that the GPU reaches only after ``polls`` queries (the CPU's steps end at
+    launch): the window LAB_ADMIT_IN_FLIGHT asks for arrivals in."""
+
+    def __init__(self, polls: int):
+        self.polls = polls
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def synchronize(self) -> None:
+        self.polls = -1
+
+
+def admit_run(build, monkeypatch, on: str, overlap: bool = True):
+    """Two requests at first, two more arriving (through the engine's ``arrivals`` hook, as a serving worker admits
+    them) while the first prefill is still computing: each request's tokens; whether the step() that returned the
+    first prefill left the arrivals' prefill in flight behind it (launched ahead), its rows and the hook's calls by
+    then; the hook's calls in all; whether every block came back; the sequences' ids."""
+    monkeypatch.setenv("LAB_ADMIT_IN_FLIGHT", on)
+    engine = build(overlap=overlap, **KW)
+    launch = engine.runner.launch
+
+    def slow_launch(*a, **kw):
+        launched = launch(*a, **kw)
+        launched.ready = _SlowEvent(3)
+        return launched
+    engine.runner.launch = slow_launch
+    prompts, params = workload(4)
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts[:2], params[:2])]
+    calls = []
+
+    def arrivals() -> bool:
+        calls.append(len(seqs))
+        if len(calls) == 2:                  # they arrive during the second poll
+            seqs.extend(engine.add_request(p, sp) for p, sp in zip(prompts[2:], params[2:]))
+            return True
+        return False
+    engine.arrivals = arrivals
+    out = engine.step()
+    behind = engine._inflight
+    first = (out.is_prefill, behind is not None and behind.is_prefill and behind.ahead,
+             sorted(s.seq_id for s in behind.seqs) if behind is not None else [], len(calls))
+    if not calls:                            # the hook unused: they arrive after the first prefill was read
+        seqs.extend(engine.add_request(p, sp) for p, sp in zip(prompts[2:], params[2:]))
+    while not engine.is_finished():
+        engine.step()
+    tokens = [list(s.completion_token_ids) for s in seqs]
+    free = engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    ids = [s.seq_id for s in seqs]
+    engine.close()
+    return tokens, first, len(calls), free, ids
+
+
+def test_admit_in_flight_prefills_arrivals_behind_the_prefill_in_flight(tiny_engine, monkeypatch):
+    """LAB_ADMIT_IN_FLIGHT=1: with a prefill in flight and nothing waiting behind it, the step asks the host for
+    arrivals until the GPU ends it, and launches their prefill behind it (ahead); off, the hook is never asked and
+    they wait for the next step() call. The greedy tokens are those of one step at a time, every block comes back."""
+    sync, _, _, free_sync, _ = admit_run(tiny_engine, monkeypatch, "1", overlap=False)
+    off, first_off, calls_off, free_off, _ = admit_run(tiny_engine, monkeypatch, "0")
+    on, first_on, calls_on, free_on, ids = admit_run(tiny_engine, monkeypatch, "1")
+    assert on == off == sync and free_sync and free_off and free_on
+    assert calls_off == 0 and first_off == (True, False, [], 0), first_off
+    assert first_on == (True, True, sorted(ids[2:]), 2), first_on      # launched at the poll they arrived in
+    assert calls_on > 2                 # and asked again behind their prefill, with nothing left to arrive
+
+
+def test_admit_in_flight_is_off_unless_asked_and_needs_prefills(tiny_engine, monkeypatch):
+    """The lever reads 0 | 1 (another value refused in one line), applies with LAB_PREFILL_AHEAD=prefills only (the
+    default) in nano-vllm's step model with the overlapped decode, and describe() says whether it took."""
+    monkeypatch.delenv("LAB_ADMIT_IN_FLIGHT", raising=False)
+    assert not tiny_engine(overlap=True, **KW).describe()["admit_in_flight"]
+    monkeypatch.setenv("LAB_ADMIT_IN_FLIGHT", "1")
+    assert tiny_engine(overlap=True, **KW).describe()["admit_in_flight"]
+    for options, ahead in (({"overlap": False}, ""), ({"overlap": True, "mixed_batches": True}, ""),
+                           ({"overlap": True}, "prefill")):
+        monkeypatch.setenv("LAB_PREFILL_AHEAD", ahead)
+        assert not tiny_engine(**options, **KW).describe()["admit_in_flight"], (options, ahead)
+    monkeypatch.setenv("LAB_ADMIT_IN_FLIGHT", "yes")
+    with pytest.raises(ConfigError, match=r"LAB_ADMIT_IN_FLIGHT='yes': expected one of 0, 1"):
+        tiny_engine(overlap=True, **KW)

@@ -97,6 +97,7 @@ def test_serve_banner_names_the_lab_levers_away_from_their_defaults():
         == {"lab levers": "LAB_FP8_DECODE=warps=8,v_in_tile=0,maxnreg=none"}
     assert lab_levers(triton | {"decode_knobs": {"kv_per_prog": 4, "page_tile": True, "block_n": 32}}) \
         == {"lab levers": "LAB_DECODE=kv_per_prog=4,page_tile=1,block_n=32"}
+    assert lab_levers(triton | {"admit_in_flight": True}) == {"lab levers": "LAB_ADMIT_IN_FLIGHT=1"}
 
 
 def test_serve_banner_shows_tp_size_and_max_model_len(tiny_model_dir):

@@ -74,6 +74,22 @@ def test_step_records_carry_wait_and_the_owners_gap_by_part(tiny_model_dir, over
             assert parts["deliver_us"] > 0, (a, b)            # tokens were delivered after step a
 
 
+def test_a_worker_hands_its_admission_to_the_engine_with_admit_in_flight(tiny_model_dir, monkeypatch):
+    """LAB_ADMIT_IN_FLIGHT=1: the worker's engine asks the worker's own admission for arrivals while a prefill is in
+    flight (engine.arrivals); unset, it asks nothing. Either way every request is served; the admission the hook
+    runs takes what is queued into the engine and says whether it took any."""
+    for on in ("1", "0"):
+        monkeypatch.setenv("LAB_ADMIT_IN_FLIGHT", on)
+        cfg = WorkerConfig(model=str(tiny_model_dir), device="cpu", max_active=4, max_num_seqs=4, max_model_len=64,
+                           max_num_batched_tokens=128, worker_id=f"admit-{on}", overlap=True)
+        with Worker(cfg, sink=MemorySink()).start() as w:
+            assert (w.engine.arrivals == w._admit_pending) == (on == "1") and w.engine.describe()["admit_in_flight"] \
+                == (on == "1")
+            hs = [w.submit(token_ids(i, "ad", 10), SamplingParams(max_tokens=3, ignore_eos=True)) for i in range(3)]
+            assert all(h.wait(60)["reason"] == "length" for h in hs)
+            assert w.run_on_owner(lambda engine: w._admit_pending()) is False      # nothing queued: nothing taken
+
+
 def test_host_bench_counts_every_token_and_both_threads(tiny_model_dir, tmp_path):
     from labkit.bench.host import run_host_bench
 
