@@ -149,6 +149,9 @@ FP8_DECODE_KNOBS = {"warps": ("num_warps", ("2", "4", "8", "16")), "stages": ("n
                     "maxnreg": ("max_registers", ("none", *(str(n) for n in range(32, 257, 8))))}
 
 
+_FLAGS = ("fp8_v_in_tile", "page_tile")          # the knobs that take 0 | 1 (paged_decode's bools)
+
+
 def _knobs(env: str, table: dict) -> dict:
     """Lever ``env``'s ``key=value`` pairs (comma separated) as paged_decode's keyword arguments by ``table`` (key ->
     (argument, allowed values)); an unknown key or value refused in one line (ConfigError)."""
@@ -165,9 +168,6 @@ def _knobs(env: str, table: dict) -> dict:
                               f"{', '.join(allowed) if len(allowed) < 10 else 'none or a multiple of 8 from 32 to 256'}")
         knobs[arg] = None if value == "none" else value == "1" if arg in _FLAGS else int(value)
     return knobs
-
-
-_FLAGS = ("fp8_v_in_tile", "page_tile")          # the knobs that take 0 | 1 (paged_decode's bools)
 
 
 def fp8_decode_knobs(config: Config, attention_backend: str) -> dict:

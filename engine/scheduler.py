@@ -45,8 +45,8 @@ class Scheduler:
         # nano-vllm's step model with the overlapped decode: the prefill of requests waiting behind a decode in
         # flight is launched as the next step, before that decode's tokens are read (prefill_ahead), and the decode
         # after a prefill behind it (decode_behind_prefill), or the prefill of requests waiting behind a prefill in
-        # flight (prefill_behind_prefill); LLMEngine sets them from LAB_PREFILL_AHEAD (default: the first and the third; a
-        # scheduler built on its own has none, and each step waits for the tokens in flight)
+        # flight (prefill_behind_prefill); LLMEngine sets them from LAB_PREFILL_AHEAD (default: the first and the
+        # third; a scheduler built on its own has none, and each step waits for the tokens in flight)
         self.prefill_ahead = False
         self.decode_behind_prefill = False
         self.prefill_behind_prefill = False
