@@ -139,8 +139,9 @@ class LLMEngine:
         self._tokenizer = None
         self._closed = False
         self._inflight: _InFlight | None = None
-        # LAB_ADMIT_IN_FLIGHT=1 (engine/levers.py): the host's hook that admits the requests that arrived since the
-        # last step() call, True when it admitted any (a serving worker sets it; None: nothing to ask)
+        # LAB_ADMIT_IN_FLIGHT (engine/levers.py, on by default): the host's hook that admits the requests that
+        # arrived since the last step() call, True when it admitted any (a serving worker sets it; None: nothing to
+        # ask)
         self.arrivals: Callable[[], bool] | None = None
         self.admit_in_flight = admit_in_flight(self.config)
         # structured outputs: one grammar compiler and cache, built on the first constrained request
@@ -434,9 +435,10 @@ class LLMEngine:
         return flight
 
     def _admit_behind(self, prev: _InFlight) -> _InFlight | None:
-        """LAB_ADMIT_IN_FLIGHT=1, a prefill in flight with nothing behind it: until the GPU ends it, ask the host for
-        requests that arrived meanwhile (``arrivals``) and launch their prefill behind it (as the lookahead would
-        have, had they been waiting); None when it ends first. Off CUDA a step has ended once launched."""
+        """LAB_ADMIT_IN_FLIGHT (the default), a prefill in flight with nothing behind it: until the GPU ends it, ask
+        the host for requests that arrived meanwhile (``arrivals``) and launch their prefill behind it (as the
+        lookahead would have, had they been waiting); None when it ends first. Off CUDA a step has ended once
+        launched."""
         ready = prev.tokens.ready
         while ready is not None and not ready.query():
             if self.arrivals():
@@ -453,8 +455,8 @@ class LLMEngine:
         batches step k+1 may also admit prefill chunks, and step k may itself have prefilled; in
         nano-vllm's step model only decode steps overlap, and with LAB_PREFILL_AHEAD (prefill, 1 or prefills) a
         decode step k may have the waiting requests' prefill as its step k+1, (1) a prefill step k the decode after
-        it, and (prefills) a prefill step k the waiting requests' prefill; with LAB_ADMIT_IN_FLIGHT=1 also the
-        prefill of requests that arrive while prefill step k computes (_admit_behind).
+        it, and (prefills) a prefill step k the waiting requests' prefill, and (LAB_ADMIT_IN_FLIGHT, on by default)
+        also the prefill of requests that arrive while prefill step k computes (_admit_behind).
         Any step the lookahead cannot take (see Scheduler.schedule_lookahead) runs one by one as in step()."""
         t0 = time.perf_counter()
         prev = self._inflight

@@ -61,10 +61,11 @@ def lab_levers(desc: dict) -> dict:
     on, conf = [], desc.get("config") or {}
     ahead = prefill_ahead_name(bool(desc.get("prefill_ahead")), bool(desc.get("decode_behind_prefill")),
                                bool(desc.get("prefill_behind_prefill")))
-    if conf.get("overlap") and not conf.get("mixed_batches") and ahead != PREFILL_AHEAD_DEFAULT:
+    step_model = conf.get("overlap") and not conf.get("mixed_batches")
+    if step_model and ahead != PREFILL_AHEAD_DEFAULT:
         on.append(f"LAB_PREFILL_AHEAD={ahead}")
-    if desc.get("admit_in_flight"):
-        on.append("LAB_ADMIT_IN_FLIGHT=1")
+    if step_model and ahead == "prefills" and not desc.get("admit_in_flight"):
+        on.append("LAB_ADMIT_IN_FLIGHT=0")              # (where it applies it is on unless asked off)
     if (desc.get("gemv_rows") or 0) > 1:
         on.append(f"LAB_GEMV_ROWS={desc['gemv_rows']}")
     if desc.get("skinny_rows"):

@@ -347,7 +347,7 @@ class Worker(WorkerFront):
             self.tokenizer = copy.deepcopy(self._encoder)
         self.engine.add_hooks(_WorkerHooks(self))
         if getattr(engine, "admit_in_flight", False):
-            engine.arrivals = self._admit_pending    # (LAB_ADMIT_IN_FLIGHT=1: asked between a prefill's launch and read)
+            engine.arrivals = self._admit_pending    # (LAB_ADMIT_IN_FLIGHT: asked between a prefill's launch and read)
         self._grammar_cache = engine.grammars       # submit() compiles constraints into the engine's own cache
         engine.grammars.cache_bytes = cfg.grammar_cache_mb << 20
         engine.grammars.compile_timeout_s = cfg.grammar_compile_timeout
@@ -388,8 +388,8 @@ class Worker(WorkerFront):
 
     def _admit_pending(self) -> bool:
         """The queued requests admission takes now (max_active, the per-request cap) into the engine; True when it
-        took any. Also the engine's ``arrivals`` hook (LAB_ADMIT_IN_FLIGHT=1: called on this thread while a prefill
-        is in flight, so requests that arrived meanwhile can be prefilled behind it)."""
+        took any. Also the engine's ``arrivals`` hook (LAB_ADMIT_IN_FLIGHT, on by default: called on this thread
+        while a prefill is in flight, so requests that arrived meanwhile can be prefilled behind it)."""
         cfg = self.config
         with self._lock:
             chosen = pick(self._pending, self._active.values(), cfg.max_active - len(self._active),

@@ -288,13 +288,15 @@ def test_admit_in_flight_prefills_arrivals_behind_the_prefill_in_flight(tiny_eng
     assert calls_on > 2                 # and asked again behind their prefill, with nothing left to arrive
 
 
-def test_admit_in_flight_is_off_unless_asked_and_needs_prefills(tiny_engine, monkeypatch):
-    """The lever reads 0 | 1 (another value refused in one line), applies with LAB_PREFILL_AHEAD=prefills only (the
-    default) in nano-vllm's step model with the overlapped decode, and describe() says whether it took."""
+def test_admit_in_flight_is_on_by_default_and_needs_prefills(tiny_engine, monkeypatch):
+    """The lever reads 1 | 0 (unset: on; another value refused in one line), applies with LAB_PREFILL_AHEAD=prefills
+    only (the default) in nano-vllm's step model with the overlapped decode, and describe() says whether it took."""
     monkeypatch.delenv("LAB_ADMIT_IN_FLIGHT", raising=False)
+    monkeypatch.delenv("LAB_PREFILL_AHEAD", raising=False)
+    assert tiny_engine(overlap=True, **KW).describe()["admit_in_flight"]
+    monkeypatch.setenv("LAB_ADMIT_IN_FLIGHT", "0")
     assert not tiny_engine(overlap=True, **KW).describe()["admit_in_flight"]
     monkeypatch.setenv("LAB_ADMIT_IN_FLIGHT", "1")
-    assert tiny_engine(overlap=True, **KW).describe()["admit_in_flight"]
     for options, ahead in (({"overlap": False}, ""), ({"overlap": True, "mixed_batches": True}, ""),
                            ({"overlap": True}, "prefill")):
         monkeypatch.setenv("LAB_PREFILL_AHEAD", ahead)

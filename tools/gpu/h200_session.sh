@@ -20,11 +20,11 @@
 #                                     # models' sweeps at 8 / 32 / 64 / inf req/s, the step model on e4m3 too
 #   tools/gpu/h200_session.sh sweeps  # capacity, rate sweeps: mixed steps under a 2048- and a 1024-token step budget,
 #                                     # nano-vllm's step model on bf16 and on the e4m3 cache, mixed steps at 2048 on e4m3
-#   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD prefill against prefills (the default: a prefill launched
-#                                     # behind a prefill too) and prefills with LAB_ADMIT_IN_FLIGHT=1 (arrivals
-#                                     # admitted behind a prefill in flight): the three rate sweeps, then prefills'
-#                                     # prefix-cache A/B on prefix-repetition and multi-turn (its cost: hits on a
-#                                     # prefill still in flight)
+#   tools/gpu/h200_session.sh ahead   # LAB_PREFILL_AHEAD prefill against prefills (a prefill launched behind a
+#                                     # prefill too) with LAB_ADMIT_IN_FLIGHT=0, and the default (prefills, arrivals
+#                                     # admitted behind a prefill in flight): the three rate sweeps, then the
+#                                     # default's prefix-cache A/B on prefix-repetition and multi-turn (its cost:
+#                                     # hits on a prefill still in flight)
 #   tools/gpu/h200_session.sh policy  # TPOT under load against capacity in nano-vllm's step model: at most 1 and 2
 #                                     # prefill steps in a row while decodes wait, then mixed steps under a 512-token
 #                                     # budget, each swept at 8 / 64 / 128 / inf req/s
@@ -283,10 +283,10 @@ ahead_phase() {
   # prefill's sweep and the default's (prefills), back to back (capacity: the GPU idle before a prefill that follows a
   # prefill), then the default's prefix-cache A/B (a prompt sharing a prefix with a prefill in flight misses it)
   RATES=8,64,128,inf sweep prefill-ahead-prefill-sweep 100 LAB_PREFILL_AHEAD=prefill
-  RATES=8,64,128,inf sweep prefill-ahead-prefills-sweep 100 LAB_PREFILL_AHEAD=prefills
-  # the default with the arrivals of a prefill's run admitted behind it (LAB_ADMIT_IN_FLIGHT=1): the step tables'
-  # "ahead" column says which prefills the lookahead launched
-  RATES=8,64,128,inf sweep admit-in-flight-sweep 100 LAB_ADMIT_IN_FLIGHT=1
+  RATES=8,64,128,inf sweep prefill-ahead-prefills-sweep 100 LAB_PREFILL_AHEAD=prefills LAB_ADMIT_IN_FLIGHT=0
+  # the default: the arrivals of a prefill's run admitted behind it too (LAB_ADMIT_IN_FLIGHT unset); the step
+  # tables' "ahead" column says which prefills the lookahead launched
+  RATES=8,64,128,inf sweep admit-in-flight-sweep 100
   for ds in prefix multi-turn; do
     ahead_ab prefills $ds
   done

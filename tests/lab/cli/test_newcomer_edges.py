@@ -76,7 +76,7 @@ def test_serve_banner_names_the_lab_levers_away_from_their_defaults():
 
     step_model = {"overlap": True, "mixed_batches": False}
     assert lab_levers({"config": step_model, "prefill_ahead": True, "decode_behind_prefill": False,
-                       "prefill_behind_prefill": True, "gemv_rows": 1}) == {}
+                       "prefill_behind_prefill": True, "admit_in_flight": True, "gemv_rows": 1}) == {}
     assert lab_levers({"config": step_model, "prefill_ahead": False, "decode_behind_prefill": False,
                        "gemv_rows": 8}) == {"lab levers": "LAB_PREFILL_AHEAD=0, LAB_GEMV_ROWS=8"}
     assert lab_levers({"config": step_model, "prefill_ahead": True, "decode_behind_prefill": True,
@@ -87,7 +87,8 @@ def test_serve_banner_names_the_lab_levers_away_from_their_defaults():
     for conf in ({"overlap": False, "mixed_batches": False}, {"overlap": True, "mixed_batches": True}):
         assert lab_levers({"config": conf, "prefill_ahead": False, "decode_behind_prefill": False}) == {}
     # the decode prologue's route away from its default on the Triton backend, and the layer kernel
-    triton = {"config": step_model, "prefill_ahead": True, "prefill_behind_prefill": True, "attention_backend": "triton"}
+    triton = {"config": step_model, "prefill_ahead": True, "prefill_behind_prefill": True, "attention_backend": "triton",
+              "admit_in_flight": True}
     assert lab_levers(triton | {"model": {"qk_norm_rope_kv": "decode-prologue", "decode_layer": False}}) == {}
     assert lab_levers(triton | {"model": {"qk_norm_rope_kv": "fused"}}) == {"lab levers": "LAB_DECODE_PROLOGUE=0"}
     assert lab_levers(triton | {"model": {"qk_norm_rope_kv": "decode-prologue-noprefetch", "decode_layer": True}}) \
@@ -97,7 +98,10 @@ def test_serve_banner_names_the_lab_levers_away_from_their_defaults():
         == {"lab levers": "LAB_FP8_DECODE=warps=8,v_in_tile=0,maxnreg=none"}
     assert lab_levers(triton | {"decode_knobs": {"kv_per_prog": 4, "page_tile": True, "block_n": 32}}) \
         == {"lab levers": "LAB_DECODE=kv_per_prog=4,page_tile=1,block_n=32"}
-    assert lab_levers(triton | {"admit_in_flight": True}) == {"lab levers": "LAB_ADMIT_IN_FLIGHT=1"}
+    assert lab_levers(triton | {"admit_in_flight": False}) == {"lab levers": "LAB_ADMIT_IN_FLIGHT=0"}
+    # where it does not apply (LAB_PREFILL_AHEAD=prefill) it is not named as off
+    assert lab_levers(triton | {"admit_in_flight": False, "prefill_behind_prefill": False}) \
+        == {"lab levers": "LAB_PREFILL_AHEAD=prefill"}
 
 
 def test_serve_banner_shows_tp_size_and_max_model_len(tiny_model_dir):

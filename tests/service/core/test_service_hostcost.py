@@ -75,8 +75,8 @@ def test_step_records_carry_wait_and_the_owners_gap_by_part(tiny_model_dir, over
 
 
 def test_a_worker_hands_its_admission_to_the_engine_with_admit_in_flight(tiny_model_dir, monkeypatch):
-    """LAB_ADMIT_IN_FLIGHT=1: the worker's engine asks the worker's own admission for arrivals while a prefill is in
-    flight (engine.arrivals); unset, it asks nothing. Either way every request is served; the admission the hook
+    """LAB_ADMIT_IN_FLIGHT (on unless 0): the worker's engine asks the worker's own admission for arrivals while a
+    prefill is in flight (engine.arrivals); with 0 it asks nothing. Either way every request is served; the admission the hook
     runs takes what is queued into the engine and says whether it took any."""
     for on in ("1", "0"):
         monkeypatch.setenv("LAB_ADMIT_IN_FLIGHT", on)
