@@ -3,16 +3,15 @@
 The request's path: ``add_request`` (engine/admission.py: encode, check) queues a Sequence; ``step`` =
 ``_schedule_step`` (engine/scheduler.py) -> ``ModelRunner.run`` (engine/model_runner.py: inputs, forward,
 sampler) -> ``postprocess`` (the scheduler accepts the tokens, finishes sequences) -> a StepOutput. With
-``overlap`` the decode steps go through ``_step_overlapped``: ``ModelRunner.launch`` of step k+1 before
-step k's tokens are read."""
+``overlap`` the steps go through ``_step_overlapped`` (engine/overlap.py): ``ModelRunner.launch`` of step k+1
+before step k's tokens are read."""
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator
 
 import torch
@@ -22,56 +21,21 @@ from engine.block_manager import BlockManager
 from engine.args import EngineArgs
 from engine.config import Config
 from engine.errors import RequestError
-from engine.graph import EAGER, Route
+from engine.graph import Route
 from engine.levers import admit_in_flight, prefill_ahead
-from engine.model_runner import Launched, ModelRunner
+from engine.model_runner import ModelRunner
 from engine.observe import EngineEvent, EventBus, HookSet, StepHooks
+from engine.overlap import InFlight, OverlappedSteps
 from engine.probe import EngineProbe
 from engine.sampling import feasible
 from engine.sampling.params import SamplingParams
-from engine.sampling.processors import to_device
 from engine.sampling.structured import Grammars
 from engine.scheduler import Scheduler, StepOutcome
 from engine.sequence import Sequence, SequenceCounter
 from engine.step_inputs import StepInputs
+from engine.step_output import StepOutput, step_kind
 
-ADMIT_POLL_S = 0.0001        # LAB_ADMIT_IN_FLIGHT: how often the owner asks for arrivals while a prefill computes
-
-
-def step_kind(seqs: list[Sequence], is_prefill: bool) -> str:
-    """decode, prefill, or mixed: a step (read before it runs) that prefills and also decodes sequences the
-    scheduler scheduled as decodes (``Sequence.decoding``; a preempted request's recompute is a prefill)."""
-    if not is_prefill:
-        return "decode"
-    return "mixed" if any(s.decoding for s in seqs) else "prefill"
-
-
-@dataclass
-class StepOutput:
-    step: int
-    is_prefill: bool
-    seqs: list[Sequence]
-    outcome: StepOutcome
-    num_tokens: int                     # positions computed this step
-    seconds: float = 0.0
-    scheduled: list[tuple[int, int]] = field(default_factory=list)   # (seq_id, positions it computed)
-    route: Route = EAGER                # eager, or the decode graph bucket replayed
-    logprobs: dict = field(default_factory=dict)   # seq_id -> TokenLogprob of its accepted token (if asked)
-    wait_s: float = 0.0                 # host time blocked reading the step's sampled ids (their tolist());
-                                        # overlapped: the GPU's slack (near 0: the GPU waited on the host)
-    device_span: tuple[int, int] | None = None   # CUDA: when the GPU began and ended the step (monotonic ns,
-                                                 # engine/device_clock.py); None elsewhere
-    kind: str = ""                      # decode | prefill | mixed (decodes and prefill chunks in one step)
-    ahead: bool = False                 # overlapped: launched while the step before it was in flight (the
-                                        # lookahead), not after that step's tokens were read
-
-    def __post_init__(self) -> None:
-        if not self.kind:
-            self.kind = "prefill" if self.is_prefill else "decode"
-
-    @property
-    def finished(self) -> list[Sequence]:
-        return self.outcome.finished
+__all__ = ["LLMEngine", "EngineStats", "StepOutput", "RequestError", "step_kind"]
 
 
 @dataclass(frozen=True)
@@ -94,23 +58,7 @@ class EngineStats:
                 "prefix_cache_hits": self.prefix_hits, "triton_compiles_after_startup": self.late_compiles}
 
 
-@dataclass
-class _InFlight:
-    """A launched step whose sampled ids are still on the device."""
-    step: int
-    seqs: list[Sequence]
-    is_prefill: bool
-    tokens: Launched
-    scheduled: list[tuple[int, int]]             # (seq_id, positions computed), read when launched
-    kind: str = ""                               # decode | prefill | mixed
-    ahead: bool = False                          # launched behind a step in flight (StepOutput.ahead)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
-
-class LLMEngine:
+class LLMEngine(OverlappedSteps):
     def __init__(self, args: EngineArgs | str, **options):
         """``LLMEngine(args)`` with an :class:`EngineArgs`; ``LLMEngine(model, **options)`` is the shorthand
         (nano-vllm's ``LLM(model, **kw)``) for ``LLMEngine(EngineArgs(model, **options))``."""
@@ -138,7 +86,7 @@ class LLMEngine:
         self.num_steps = 0
         self._tokenizer = None
         self._closed = False
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlight | None = None
         # LAB_ADMIT_IN_FLIGHT (engine/levers.py, on by default): the host's hook that admits the requests that
         # arrived since the last step() call, True when it admitted any (a serving worker sets it; None: nothing to
         # ask)
@@ -414,90 +362,6 @@ class LLMEngine:
                 seq.output_logprobs.append(lp)
                 kept[seq.seq_id] = lp
         return kept
-
-    def _launch(self, seqs: list[Sequence], is_prefill: bool, batch: list[tuple[int, int]],
-                feed: torch.Tensor | None = None) -> _InFlight:
-        step, kind = self.num_steps, step_kind(seqs, is_prefill)
-        return _InFlight(step, seqs, is_prefill, self.runner.launch(seqs, is_prefill, feed, step), batch, kind)
-
-    def _launch_behind(self, prev: _InFlight) -> _InFlight | None:
-        """The lookahead's step behind ``prev`` (Scheduler.schedule_lookahead), launched, or None when it takes none."""
-        nxt, is_prefill, batch = self._schedule_step(after=prev.seqs, after_prefill=prev.is_prefill)
-        if not nxt:
-            return None
-        decodes = [s for s in nxt if s.decoding]
-        if prev.is_prefill and not self.scheduler.mixed:   # a decode behind a prefill: the device feeds
-            in_prev = {s.seq_id for s in prev.seqs}         # the prefill's rows, which lead the batch
-            decodes = list(itertools.takewhile(lambda s: s.seq_id in in_prev, decodes))
-        feed = self._feed(prev, decodes) if decodes else None
-        flight = self._launch(nxt, is_prefill, batch, feed)
-        flight.ahead = True
-        return flight
-
-    def _admit_behind(self, prev: _InFlight) -> _InFlight | None:
-        """LAB_ADMIT_IN_FLIGHT (the default), a prefill in flight with nothing behind it: until the GPU ends it, ask
-        the host for requests that arrived meanwhile (``arrivals``) and launch their prefill behind it (as the
-        lookahead would have, had they been waiting); None when it ends first. Off CUDA a step has ended once
-        launched."""
-        ready = prev.tokens.ready
-        while ready is not None and not ready.query():
-            if self.arrivals():
-                flight = self._launch_behind(prev)
-                if flight is not None:
-                    return flight
-            time.sleep(ADMIT_POLL_S)
-        return None
-
-    def _step_overlapped(self) -> StepOutput:
-        """step() with steps overlapped: launch step k+1 (its decode rows' input ids fed on the device from
-        step k's samples) before reading step k's tokens, so the host's bookkeeping for k runs while the
-        GPU computes k+1. Returns step k's output; one step may stay in flight between calls. With mixed
-        batches step k+1 may also admit prefill chunks, and step k may itself have prefilled; in
-        nano-vllm's step model only decode steps overlap, and with LAB_PREFILL_AHEAD (prefill, 1 or prefills) a
-        decode step k may have the waiting requests' prefill as its step k+1, (1) a prefill step k the decode after
-        it, and (prefills) a prefill step k the waiting requests' prefill, and (LAB_ADMIT_IN_FLIGHT, on by default)
-        also the prefill of requests that arrive while prefill step k computes (_admit_behind).
-        Any step the lookahead cannot take (see Scheduler.schedule_lookahead) runs one by one as in step()."""
-        t0 = time.perf_counter()
-        prev = self._inflight
-        self._inflight = None
-        if prev is None:
-            seqs, is_prefill, batch = self._schedule_step()
-            if not seqs:
-                return StepOutput(self.num_steps, is_prefill, [], StepOutcome(), 0)
-            prev = self._launch(seqs, is_prefill, batch)
-        sched = self.scheduler
-        if (sched.mixed or not prev.is_prefill or sched.decode_behind_prefill or sched.prefill_behind_prefill) and \
-                not any(s.sampling_params.needs_history(s.num_completion_tokens) for s in prev.seqs):
-            # (penalties, min_tokens and a grammar's mask read the token still in flight: those batches run
-            # one by one; the other requests of such a batch keep going, one step per call)
-            self._inflight = self._launch_behind(prev)
-            if self._inflight is None and prev.is_prefill and self.admit_in_flight and self.arrivals is not None:
-                self._inflight = self._admit_behind(prev)
-        t_wait = time.perf_counter()
-        token_ids = prev.tokens.tolist()
-        wait_s = time.perf_counter() - t_wait
-        row_logprobs = prev.tokens.host_logprobs(token_ids)
-        live = [(s, t) for s, t in zip(prev.seqs, token_ids) if not s.is_finished]   # aborted meanwhile
-        outcome = self.postprocess([s for s, _ in live], [t for _, t in live], prev.is_prefill, prev.step)
-        kept = self._keep_logprobs(prev.seqs, row_logprobs, outcome)
-        if self._inflight is not None:
-            for s in self._inflight.seqs:
-                if not s.is_finished and s.decoding:
-                    s.num_scheduled_tokens = 1       # postprocess cleared it; the in-flight step computes 1
-        return StepOutput(prev.step, prev.is_prefill, prev.seqs, outcome, prev.num_tokens,
-                          time.perf_counter() - t0, prev.scheduled, prev.tokens.route, kept, wait_s,
-                          prev.tokens.device_span(), prev.kind, prev.ahead)
-
-    @staticmethod
-    def _feed(prev: _InFlight, nxt: list[Sequence]) -> torch.Tensor:
-        """The next step's input ids on the device: prev's sampled ids, in nxt's order, without a blocking
-        copy (one would wait for the step in flight and leave the GPU idle while the host prepares the next)."""
-        ids = prev.tokens.device_ids
-        if len(nxt) == len(prev.seqs) and all(a is b for a, b in zip(nxt, prev.seqs)):
-            return ids                                   # the steady decode: same batch, same order
-        row_of = {s.seq_id: i for i, s in enumerate(prev.seqs)}
-        return ids.index_select(0, to_device([row_of[s.seq_id] for s in nxt], ids.device))
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished() and self._inflight is None

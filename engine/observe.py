@@ -29,7 +29,7 @@ PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
 class EngineEvent:
     name: str          # "scheduled" (before the forward) | "inputs" (runner tensors) | "postprocessed"
     step: int
-    phase: str         # "prefill" | "decode" | "mixed" (a step that prefills and decodes: engine.llm_engine.step_kind)
+    phase: str         # "prefill" | "decode" | "mixed" (a step that prefills and decodes: engine.step_output.step_kind)
     data: dict[str, Any] = field(default_factory=dict)
 
 

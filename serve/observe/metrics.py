@@ -43,7 +43,7 @@ GAUGES = {
                                             "warms every variant it knows, so this stays 0).",
 }
 KV_USAGE = "labkit_kv_cache_usage_perc"
-PHASES = ("prefill", "decode", "mixed")      # engine.llm_engine.step_kind
+PHASES = ("prefill", "decode", "mixed")      # engine.step_output.step_kind
 #: the worker's finish reasons as vLLM's finished_reason label (rejected requests never ran: not counted there)
 VLLM_REASONS = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
