@@ -81,6 +81,33 @@ def model_inspect(
         note("synthetic model: random weights; any text it generates is meaningless")
 
 
+@model_app.command("check")
+def model_check(
+    model: Annotated[Optional[str], typer.Option("--model", help="The model directory to check (default: Qwen3-0.6B where `labkit model download` put it, else the lab's synthetic qwen3-0.6b, whose config is the real model's).")] = None,
+    out: OutOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """The handbook's config check (5.1.5): model_type, hidden size, layers, query and KV heads, head_dim, dtype and
+    rope_scaling against Qwen3-0.6B's, the tokenizer's class and length (evidence: runs/setup-model-config.json,
+    judged by setup.model-config)."""
+    from labkit.console import checks_table, verdict_text
+    from labkit.experiments.model_config import check_model_config
+    from labkit.paths import default_out
+
+    out = out or default_out("setup-model-config.json")
+    record = check_model_config(model, out)
+    if json_out:
+        print_json(record)
+    else:
+        f, m = record["facts"], record["model"]
+        console.print(f"{rel(m['path'])} ({'synthetic ' + str(m.get('preset')) if m.get('synthetic') else 'real weights'}"
+                      f", {f['source']}): tokenizer {f['tokenizer_class']}, {f['tokenizer_size']:,} tokens")
+        console.print(checks_table(record["checks"]))
+        console.print(verdict_text(record["verdict"]), f" evidence: {rel(record.get('_written_to', {}).get('path') or out)}")
+    if record["verdict"] == "FAIL":
+        raise typer.Exit(1)
+
+
 @model_app.command("download")
 def model_download(
     revision: Annotated[Optional[str], typer.Option("--revision", help="Pinned revision (default: the lab's pin).")] = None,

@@ -98,6 +98,68 @@ def test_round_mode_evidence_says_it_explains_a_mechanism(mode, cli_app, tiny_mo
         assert note is None
 
 
+# --------------------------------------------------------------------------- 5.1.5: the config check (item 6)
+
+
+def _with_config(src: Path, dst: Path, **changes) -> Path:
+    """A copy of the model directory ``src`` whose config.json is Qwen3-0.6B's (the synth preset's, which is the
+    real model's) with ``changes``: the check reads config.json and the tokenizer, not the weights."""
+    import shutil
+
+    from labkit.assets.synth import PRESETS
+
+    shutil.copytree(src, dst)
+    (dst / "config.json").write_text(json.dumps({**PRESETS["qwen3-0.6b"], **changes}, indent=2))
+    return dst
+
+
+def _failed(record: dict) -> list[str]:
+    return sorted(c["name"] for c in record["checks"] if c["status"] == "fail")
+
+
+def test_model_check_judges_the_handbook_config_and_fails_on_another(runs, tiny_model_dir, tmp_path, monkeypatch):
+    """setup.model-config (checkpoints/setup.json): Qwen3-0.6B's config passes; the tiny model fails on each shape
+    and the dtype; the same config with a rope_scaling block fails on that alone; `labkit check` re-judges it."""
+    import sys
+
+    from labkit.checks import check_evidence, get_checkpoint
+    from labkit.experiments import model_config
+
+    def check_model_config(model: str, out: Path) -> dict:        # as `labkit model check --model DIR` runs it
+        monkeypatch.setattr(sys, "argv", ["labkit", "model", "check", "--model", model, "--out", str(out)])
+        return model_config.check_model_config(model, out)
+
+    qwen = _with_config(tiny_model_dir, tmp_path / "qwen3-0.6b")
+    record = check_model_config(str(qwen), runs / "a.json")
+    assert record["verdict"] == "PASS", _failed(record)
+    assert record["facts"]["tokenizer_size"] == 151669 and record["facts"]["source"] == "flag"
+    assert check_evidence(get_checkpoint("setup.model-config"), runs / "a.json")[0] == "PASS"
+    tiny = check_model_config(str(tiny_model_dir), runs / "b.json")
+    assert tiny["verdict"] == "FAIL" and _failed(tiny) == [
+        "facts.dtype", "facts.head_dim", "facts.hidden_size", "facts.num_attention_heads",
+        "facts.num_hidden_layers", "facts.num_key_value_heads"]
+    yarn = _with_config(tiny_model_dir, tmp_path / "yarn",
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 10240})
+    assert _failed(check_model_config(str(yarn), runs / "c.json")) == ["facts.rope_scaling"]
+
+
+def test_model_check_takes_the_download_else_the_synthetic_preset(tiny_model_dir, tmp_path, monkeypatch):
+    """Without --model: Qwen3-0.6B where `labkit model download` put it, when it is whole; else the lab's synthetic
+    qwen3-0.6b (stood in here: synthesizing 0.6B takes half a minute)."""
+    from labkit.assets import resolve
+    from labkit.experiments.model_config import handbook_model
+
+    monkeypatch.setenv("LABKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(resolve, "default_model", lambda preset: resolve._ref_for(tiny_model_dir, f"default:{preset}"))
+    assert handbook_model(None).source == "default:qwen3-0.6b"
+    (tmp_path / "cache" / "models" / "Qwen3-0.6B").mkdir(parents=True)        # config and tokenizer only: not whole
+    assert handbook_model(None).source == "default:qwen3-0.6b"
+    (tmp_path / "cache" / "models" / "Qwen3-0.6B").rmdir()
+    _with_config(tiny_model_dir, tmp_path / "cache" / "models" / "Qwen3-0.6B")
+    ref = handbook_model(None)
+    assert (ref.source, ref.path) == ("downloaded", (tmp_path / "cache" / "models" / "Qwen3-0.6B").resolve())
+
+
 # --------------------------------------------------------------------------- 5.7.2: the report's attachments (item 72)
 
 
