@@ -20,8 +20,8 @@ CHECKPOINT = "setup.model-config"
 
 def handbook_model(model: str | None = None):
     """The directory to check and where it came from (a labkit.assets.resolve.ModelRef)."""
-    from labkit.assets.files import ModelError, default_cache_dir
-    from labkit.assets.resolve import _ref_for, default_model, resolve_model
+    from labkit.assets.files import ModelError, default_cache_dir, read_marker
+    from labkit.assets.resolve import ModelRef, default_model, resolve_model
     from labkit.assets.identity import validate_model_dir
 
     if model is not None and str(model).strip():
@@ -29,9 +29,12 @@ def handbook_model(model: str | None = None):
     downloaded = default_cache_dir() / "models" / "Qwen3-0.6B"     # `labkit model download`'s default target
     if downloaded.is_dir():
         try:
-            return _ref_for(validate_model_dir(downloaded), "downloaded")
+            path = validate_model_dir(downloaded)
         except ModelError:
             pass                    # config and tokenizer only (no --weights), or an interrupted download
+        else:
+            marker = read_marker(path)
+            return ModelRef(path, marker is not None, (marker or {}).get("preset"), "downloaded")
     return default_model("qwen3-0.6b")
 
 
