@@ -6,12 +6,17 @@ import os
 import shutil
 from pathlib import Path
 
-from labkit.assets.files import ModelError
+from labkit.assets.files import ModelError, default_cache_dir
 
 
 DEFAULT_REPO_ID = "Qwen/Qwen3-0.6B"
 #: Pinned revision (commit) of Qwen/Qwen3-0.6B on the Hugging Face hub used by download_model.
 DEFAULT_REVISION = "c1899de289a04d12100db370d81485cdf75e47ca"
+
+
+def default_download_dir() -> Path:
+    """Where ``labkit model download`` puts Qwen3-0.6B without ``--out``: under the lab's cache."""
+    return default_cache_dir() / "models" / "Qwen3-0.6B"
 
 
 _DOWNLOAD_PATTERNS = [

@@ -71,10 +71,11 @@ def _ensure_default_model(preset: str) -> Path:
 
 def default_model(preset: str) -> ModelRef:
     """The embedded default of ``preset`` (synthesized on first use), whatever the device or $MODEL_DIR."""
-    return _ref_for(validate_model_dir(_ensure_default_model(preset)), "default")
+    return model_ref(validate_model_dir(_ensure_default_model(preset)), "default")
 
 
-def _ref_for(path: Path, source: str) -> ModelRef:
+def model_ref(path: Path, source: str) -> ModelRef:
+    """The reference to a validated model directory that came from ``source`` (synthetic: it has the synth marker)."""
     marker = read_marker(path)
     return ModelRef(
         path=path,
@@ -111,15 +112,15 @@ def resolve_model(model: str | None, device: str) -> ModelRef:
     if model is not None and str(model).strip():
         fetched = _fetched_model(str(model).strip())
         if fetched is not None:             # `--model smollm2`: what `labkit model fetch smollm2` installed
-            return _ref_for(validate_model_dir(fetched), "fetched")
+            return model_ref(validate_model_dir(fetched), "fetched")
         if is_hub_id(model):            # vLLM's `serve Qwen/Qwen3-0.6B`: the HF cache, or the hub
-            return _ref_for(validate_model_dir(resolve_hub_id(str(model))), "hub")
-        return _ref_for(validate_model_dir(model), "flag")
+            return model_ref(validate_model_dir(resolve_hub_id(str(model))), "hub")
+        return model_ref(validate_model_dir(model), "flag")
     env = os.environ.get("MODEL_DIR", "").strip()
     if env:
         try:
-            return _ref_for(validate_model_dir(env), "env")
+            return model_ref(validate_model_dir(env), "env")
         except ModelError as exc:
             raise ModelError(f"MODEL_DIR: {exc}") from None
     preset = _default_preset(device)
-    return _ref_for(validate_model_dir(_ensure_default_model(preset)), "default")
+    return model_ref(validate_model_dir(_ensure_default_model(preset)), "default")

@@ -116,10 +116,9 @@ def model_download(
     json_out: JsonOpt = False,
 ) -> None:
     """Download Qwen3-0.6B from the Hugging Face Hub (needs network access)."""
-    from labkit.assets.download import download_model
-    from labkit.assets.files import default_cache_dir
+    from labkit.assets.download import default_download_dir, download_model
 
-    target = out if out is not None else default_cache_dir() / "models" / "Qwen3-0.6B"
+    target = out if out is not None else default_download_dir()
     kwargs = {"revision": revision} if revision else {}
     result = download_model(target, weights=weights, **kwargs)
     _show_result(result, "downloaded", json_out)

@@ -20,21 +20,19 @@ CHECKPOINT = "setup.model-config"
 
 def handbook_model(model: str | None = None):
     """The directory to check and where it came from (a labkit.assets.resolve.ModelRef)."""
-    from labkit.assets.files import ModelError, default_cache_dir, read_marker
-    from labkit.assets.resolve import ModelRef, default_model, resolve_model
+    from labkit.assets.download import default_download_dir
+    from labkit.assets.files import ModelError
+    from labkit.assets.resolve import default_model, model_ref, resolve_model
     from labkit.assets.identity import validate_model_dir
 
     if model is not None and str(model).strip():
         return resolve_model(model, "cpu")
-    downloaded = default_cache_dir() / "models" / "Qwen3-0.6B"     # `labkit model download`'s default target
+    downloaded = default_download_dir()
     if downloaded.is_dir():
         try:
-            path = validate_model_dir(downloaded)
+            return model_ref(validate_model_dir(downloaded), "downloaded")
         except ModelError:
             pass                    # config and tokenizer only (no --weights), or an interrupted download
-        else:
-            marker = read_marker(path)
-            return ModelRef(path, marker is not None, (marker or {}).get("preset"), "downloaded")
     return default_model("qwen3-0.6b")
 
 

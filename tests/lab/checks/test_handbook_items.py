@@ -150,8 +150,7 @@ def test_model_check_takes_the_download_else_the_synthetic_preset(tiny_model_dir
     from labkit.experiments.model_config import handbook_model
 
     monkeypatch.setenv("LABKIT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(resolve, "default_model",
-                        lambda preset: resolve.ModelRef(tiny_model_dir, True, "tiny", f"default:{preset}"))
+    monkeypatch.setattr(resolve, "default_model", lambda preset: resolve.model_ref(tiny_model_dir, f"default:{preset}"))
     assert handbook_model(None).source == "default:qwen3-0.6b"
     (tmp_path / "cache" / "models" / "Qwen3-0.6B").mkdir(parents=True)        # config and tokenizer only: not whole
     assert handbook_model(None).source == "default:qwen3-0.6b"
