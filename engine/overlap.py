@@ -49,15 +49,14 @@ def feed(prev: InFlight, nxt: list[Sequence]) -> torch.Tensor:
     return ids.index_select(0, to_device([row_of[s.seq_id] for s in nxt], ids.device))
 
 
-
 class OverlappedSteps:
     """LLMEngine's overlapped step (a mixin: it reads the engine's scheduler, runner, ``_inflight``, ``arrivals``
     and ``admit_in_flight``, and calls its ``_schedule_step``, ``postprocess`` and ``_keep_logprobs``)."""
 
     def _launch(self, seqs: list[Sequence], is_prefill: bool, batch: list[tuple[int, int]],
-                feed: torch.Tensor | None = None) -> InFlight:
+                fed: torch.Tensor | None = None) -> InFlight:
         step, kind = self.num_steps, step_kind(seqs, is_prefill)
-        return InFlight(step, seqs, is_prefill, self.runner.launch(seqs, is_prefill, feed, step), batch, kind)
+        return InFlight(step, seqs, is_prefill, self.runner.launch(seqs, is_prefill, fed, step), batch, kind)
 
     def _launch_behind(self, prev: InFlight) -> InFlight | None:
         """The lookahead's step behind ``prev`` (Scheduler.schedule_lookahead), launched, or None when it takes none."""
