@@ -11,7 +11,7 @@ one away from its default (labkit/console/serving.py).
 - LAB_GEMV_ROWS  (gemv_rows_setting): 1..8, the decode batches the GEMV kernels take
 - LAB_DECODE_LAYER  (decode_layer_on): 0 | 1, a batch-1 decode step's layers each as one persistent kernel
   (engine/layers/decode_layer.py)
-- LAB_FP8_DECODE  (fp8_decode_knobs): e.g. ``warps=8,stages=4,v_in_tile=0,maxnreg=128``, the Triton decode kernel's
+- LAB_FP8_DECODE  (fp8_decode_knobs): e.g. ``warps=8,stages=4,page_tile=0,v_in_tile=1,maxnreg=none``, the Triton decode kernel's
   knobs on an e4m3 cache in place of engine/attention/splits.py's DECODE_FP8_* lines (a sweep's candidate timed on a
   whole workload before those lines change)
 - LAB_ADMIT_IN_FLIGHT  (admit_in_flight): 1 | 0, whether a serving engine admits requests that arrive while a prefill
@@ -147,7 +147,7 @@ def decode_layer_on(attention_backend: str) -> bool:
 FP8_DECODE_ENV = "LAB_FP8_DECODE"
 #: LAB_FP8_DECODE's keys: each one's paged_decode argument and the values it takes
 FP8_DECODE_KNOBS = {"warps": ("num_warps", ("2", "4", "8", "16")), "stages": ("num_stages", tuple("12345678")),
-                    "v_in_tile": ("fp8_v_in_tile", ("0", "1")),
+                    "page_tile": ("page_tile", ("0", "1")), "v_in_tile": ("fp8_v_in_tile", ("0", "1")),
                     "maxnreg": ("max_registers", ("none", *(str(n) for n in range(32, 257, 8))))}
 
 
@@ -168,13 +168,13 @@ def _knobs(env: str, table: dict) -> dict:
         if value not in allowed:
             raise ConfigError(f"{env}={text!r}: {key}={value!r}; expected one of "
                               f"{', '.join(allowed) if len(allowed) < 10 else 'none or a multiple of 8 from 32 to 256'}")
-        knobs[arg] = None if value == "none" else value == "1" if arg in _FLAGS else int(value)
+        knobs[arg] = 0 if value == "none" else value == "1" if arg in _FLAGS else int(value)     # maxnreg=none: 0, no cap
     return knobs
 
 
 def fp8_decode_knobs(config: Config, attention_backend: str) -> dict:
     """The Triton decode kernel's knobs on an e4m3 cache, from LAB_FP8_DECODE (``key=value`` pairs, comma
-    separated: warps, stages, v_in_tile 0|1, maxnreg a multiple of 8 from 32 to 256 or none), as paged_decode's
+    separated: warps, stages, page_tile 0|1, v_in_tile 0|1, maxnreg a multiple of 8 from 32 to 256 or none), as paged_decode's
     keyword arguments (engine/attention/triton_kernels.py); the knobs left out keep splits.py's DECODE_FP8_* values.
     Read (and a bad value refused in one line) whatever the engine; {} unless the cache is fp8 and the backend
     Triton's. None of these knobs changes how a context splits, so the warm-up's compiled variants still cover the
@@ -210,5 +210,8 @@ def decode_knobs_text(knobs: dict) -> str:
     """The lever spelling (LAB_DECODE's or LAB_FP8_DECODE's) of paged_decode knobs: what the lever reads back to
     the same dict."""
     names = {arg: key for key, (arg, _) in (FP8_DECODE_KNOBS | DECODE_KNOBS).items()}
-    return ",".join(f"{names[arg]}={'none' if v is None else int(v) if isinstance(v, bool) else v}"
-                    for arg, v in knobs.items())
+    def spelled(arg, v):
+        if v is None or (arg == "max_registers" and not v):          # maxnreg=none: no cap
+            return "none"
+        return int(v) if isinstance(v, bool) else v
+    return ",".join(f"{names[arg]}={spelled(arg, v)}" for arg, v in knobs.items())

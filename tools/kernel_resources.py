@@ -150,21 +150,23 @@ def rows(batch: int, context: int, caches: list[str], sweep: bool, hq: int = 16,
         default = dict(block_n=splits.DECODE_BLOCK_N, num_warps=splits.DECODE_NUM_WARPS,
                        num_stages=splits.DECODE_FP8_NUM_STAGES if fp8 else splits.DECODE_NUM_STAGES)
         if fp8:
-            default |= dict(fp8_v_in_tile=splits.DECODE_FP8_V_IN_TILE, max_registers=splits.DECODE_FP8_MAX_REGISTERS)
+            default |= dict(page_tile=splits.DECODE_FP8_PAGE_TILE, fp8_v_in_tile=splits.DECODE_FP8_V_IN_TILE,
+                            max_registers=splits.DECODE_FP8_MAX_REGISTERS)
         grid = [default]
         if sweep:
             grid = [dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in
                     itertools.product((32, 64, 128), (4, 8), (2, 3, 4, 5))]
             if fp8:             # and the V scale's place and a register cap (the FP8 kernel sweep's knobs)
                 grid = [g | dict(fp8_v_in_tile=vt, max_registers=mr) for g in grid
-                        for vt, mr in itertools.product((False, True), (None, 128))]
+                        for vt, mr in itertools.product((False, True), (0, 128))]
         kc, vc = e(blocks, page, hk, d), e(blocks, page, hk, d)
         if fp8:
             kc, vc = (kv_quant.mark(e(blocks, page, hk, d, dtype=kv_quant.FP8), 1.0, bf16) for _ in range(2))
         routes = [("plain", {})]
         if fp8 and not sweep:       # the e4m3 cache at the bf16 cache's knobs
-            routes.append(("bf16-knobs", {"fp8_v_in_tile": False, "num_stages": splits.DECODE_NUM_STAGES,
-                                          "max_registers": None}))
+            routes.append(("bf16-knobs", {"page_tile": splits.DECODE_PAGE_TILE, "fp8_v_in_tile": False,
+                                          "num_stages": splits.DECODE_NUM_STAGES,
+                                          "max_registers": 0}))
         routes.append(("prologue", {"new": True}))
         for knobs, (route, extra) in itertools.product(grid, routes):
             q, kw = e(batch, hq, d), knobs | extra

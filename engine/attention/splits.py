@@ -18,18 +18,23 @@ DECODE_NUM_STAGES = 3
 # kernel, the backend and the warmup plan (decode_variants) read them.
 DECODE_KV_PER_PROG = 1       # kv heads per decode program (kv_per_program: the largest divisor not above it)
 DECODE_PAGE_TILE = False     # one block-table load per tile where block_n divides the page size
-# An e4m3 cache's own stages, register cap and V scale's place (none of them changes the splits, so the warm-up's
-# decode_variants holds for both caches). At the bf16 knobs its sm_90 build takes 157 registers a thread (the e4m3
-# -> f16 conversions of a whole tile held at once), so an SM holds 3 programs to bf16's 4, each buffering half the
-# bytes: 67 KB in flight an SM to bf16's 153 (tools/kernel_resources.py), at 0.95x bf16's speed on the nano-vllm
-# workload. The V scale on each V tile converts V in registers (110 registers) and 5 stages buffer more tiles:
-# 4 programs of 55 KB, 218 KB an SM. Chosen from those compiled figures, not from timings: `labkit bench --workload
-# attention --kv-cache-dtype fp8 --sweep` (or tools/gpu/decode_sweep.py) times this grid (the register cap and the warps
-# too) for the next change of these lines; LAB_FP8_DECODE (engine/levers.py) runs an engine with other values of them.
-DECODE_FP8_V_IN_TILE = True  # FP8 cache: the V scale on each V tile, not the accumulator (the kernel's V_IN_TILE)
+# An e4m3 cache's own knobs (none of them changes the splits, so the warm-up's decode_variants holds for both caches).
+# At the bf16 knobs its sm_90 build takes 168 registers a thread (the e4m3 -> f16 conversions of a whole tile held at
+# once), so an SM holds 3 programs to bf16's 4, each buffering half the bytes: 67 KB in flight an SM to bf16's 153
+# (tools/kernel_resources.py), and it read no faster than bf16. Its own: one block-table load per tile, the V scale on
+# the accumulator (V crosses shared memory as bytes), a cap of 128 registers a thread and 5 stages: 4 programs of 38 KB,
+# 152 KB an SM. Timed, each call's GPU time alone (kernel_ms), by tools/gpu/decode_sweep.py on an
+# H100: at 256 x 1,024 this setting ran 197.6 us (0.90 of the copy roof) against 225.7 us (0.79) for the earlier
+# default (the V scale on each V tile, the per-position block-table loads, no cap); on the nano-vllm workload, the
+# same lease, 29,293 tok/s against 26,827 (1.41x the bf16 cache's 20,757), the kv-fp8 guard PASS (docs/MEASURED.md).
+# No H200 has timed this setting yet (with the earlier default an H200's e4m3 decode step was 4.56 ms to bf16's 4.69).
+# `labkit bench --workload attention --kv-cache-dtype fp8 --sweep` (or tools/gpu/decode_sweep.py) times the grid for
+# the next change of these lines; LAB_FP8_DECODE (engine/levers.py) runs an engine with other values of them.
+DECODE_FP8_PAGE_TILE = True  # FP8 cache: one block-table load per tile (where block_n divides the page size)
+DECODE_FP8_V_IN_TILE = False  # FP8 cache: the V scale on each V tile, not the accumulator (the kernel's V_IN_TILE)
 DECODE_FP8_NUM_WARPS = DECODE_NUM_WARPS
 DECODE_FP8_NUM_STAGES = 5
-DECODE_FP8_MAX_REGISTERS = None  # a cap on registers a thread (Triton's maxnreg; None: the compiler's choice)
+DECODE_FP8_MAX_REGISTERS = 128  # a cap on registers a thread (Triton's maxnreg; 0: the compiler's choice)
 DECODE_MAX_SPLIT = 512       # positions per split at most (see choose_splits; fewer at small batches) ...
 DECODE_MAX_SPLITS = 64       # ... unless that makes more splits than this (a very long max_len: longer splits)
 DECODE_SPLIT_PER_PROGRAM = 4     # a small batch's splits: at most this many positions per program of the batch

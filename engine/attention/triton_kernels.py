@@ -16,7 +16,7 @@ from engine.attention import kv_quant
 from engine.attention.triton_common import dot, fp8_quantize, kv_scales, roped_heads, to_f16
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG,  # noqa: F401
                                      DECODE_NUM_WARPS,
-                                     DECODE_PAGE_TILE, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
+                                     DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
                                      kv_per_program)
 from engine.attention import splits
 
@@ -362,7 +362,7 @@ class NewTokens:
 def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, max_len: int, sm_count: int, block_n: int = DECODE_BLOCK_N,
                  num_warps: int | None = None, num_stages: int | None = None, waves: int = DECODE_WAVES,
-                 kv_per_prog: int = DECODE_KV_PER_PROG, page_tile: bool = DECODE_PAGE_TILE,
+                 kv_per_prog: int = DECODE_KV_PER_PROG, page_tile: bool | None = None,
                  order: torch.Tensor | None = None, fuse_reduce: bool | None = None,
                  k_scale: float | None = None, v_scale: float | None = None,
                  fp8_v_in_tile: bool | None = None, max_registers: int | None = None,
@@ -371,9 +371,9 @@ def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.T
     new (q None): the decode prologue; each row's q and its new token's k and v are made from ``new.qkv`` inside
     the kernel, which also stores that k and v (:class:`NewTokens`).
     FP8 caches (engine/attention/kv_quant.py) are dequantized by k_scale and v_scale (None: the caches' own);
-    num_warps, num_stages, fp8_v_in_tile, max_registers (a cap on registers a thread, Triton's maxnreg): None takes the cache's
-    own default (engine/attention/splits.py: DECODE_NUM_STAGES for a cache in the model's dtype, the DECODE_FP8_*
-    knobs for an e4m3 one); fp8_v_in_tile: the V scale on each V tile, not on the accumulator (the kernel's
+    num_warps, num_stages, page_tile, fp8_v_in_tile, max_registers (a cap on registers a thread, Triton's maxnreg; 0: no
+    cap): None takes the cache's own default (engine/attention/splits.py: the DECODE_* knobs for a cache in the model's dtype, the
+    DECODE_FP8_* knobs for an e4m3 one); fp8_v_in_tile: the V scale on each V tile, not on the accumulator (the kernel's
     V_IN_TILE).
     order (int32 [N], a permutation of the rows): the order in which the rows' programs are launched
     (AttentionMetadata.decode_order: longest context first); the result does not depend on it.
@@ -416,6 +416,8 @@ def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.T
         num_stages = splits.DECODE_FP8_NUM_STAGES if fp8 else splits.DECODE_NUM_STAGES
     if max_registers is None and fp8:
         max_registers = splits.DECODE_FP8_MAX_REGISTERS
+    if page_tile is None:
+        page_tile = splits.DECODE_FP8_PAGE_TILE if fp8 else splits.DECODE_PAGE_TILE
     if fp8_v_in_tile is None:
         fp8_v_in_tile = splits.DECODE_FP8_V_IN_TILE
     if fp8:

@@ -38,7 +38,7 @@ KERNEL_SWEEP = {"num_warps": (4, 8), "num_stages": (2, 3, 4), "waves": (2, 4, 16
 # and a register cap, at the default waves (engine/attention/splits.py's DECODE_FP8_* knobs)
 KERNEL_SWEEP_FP8_TILES = ((1, True, 32), (1, False, 64), (1, True, 64), (1, True, 128))
 KERNEL_SWEEP_FP8 = {"num_warps": (4, 8), "num_stages": (3, 4, 5), "fp8_v_in_tile": (False, True),
-                    "max_registers": (None, 128)}
+                    "max_registers": (0, 128)}
 KNOBS = ("kv_per_prog", "page_tile", "block_n", "num_warps", "num_stages", "waves", "fp8_v_in_tile", "max_registers")
 #: what the evidence's shape line adds for each cache dtype
 CACHE_NOTE = {"auto": "", "fp8": ", KV cache e4m3 at scale 1.0"}
@@ -370,8 +370,8 @@ def default_decode_setting(kv_cache_dtype: str = "auto") -> dict:
            "block_n": splits.DECODE_BLOCK_N, "num_warps": splits.DECODE_NUM_WARPS,
            "num_stages": splits.DECODE_NUM_STAGES, "waves": splits.DECODE_WAVES}
     if kv_cache_dtype == "fp8":
-        out |= {"num_warps": splits.DECODE_FP8_NUM_WARPS, "num_stages": splits.DECODE_FP8_NUM_STAGES,
-                "fp8_v_in_tile": splits.DECODE_FP8_V_IN_TILE,
+        out |= {"page_tile": splits.DECODE_FP8_PAGE_TILE, "num_warps": splits.DECODE_FP8_NUM_WARPS,
+                "num_stages": splits.DECODE_FP8_NUM_STAGES, "fp8_v_in_tile": splits.DECODE_FP8_V_IN_TILE,
                 "max_registers": splits.DECODE_FP8_MAX_REGISTERS}
     return out
 

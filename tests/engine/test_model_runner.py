@@ -133,12 +133,12 @@ def test_fp8_decode_knobs_parse_refuse_and_apply_only_to_an_fp8_cache_on_triton(
     fp8, bf16 = SimpleNamespace(kv_cache_dtype="fp8"), SimpleNamespace(kv_cache_dtype="auto")
     monkeypatch.delenv(FP8_DECODE_ENV, raising=False)
     assert fp8_decode_knobs(fp8, "triton") == {}
-    monkeypatch.setenv(FP8_DECODE_ENV, " warps=8, stages=4,v_in_tile=0,maxnreg=128 ")
-    assert fp8_decode_knobs(fp8, "triton") == {"num_warps": 8, "num_stages": 4, "fp8_v_in_tile": False,
-                                               "max_registers": 128}
+    monkeypatch.setenv(FP8_DECODE_ENV, " warps=8, stages=4,page_tile=0,v_in_tile=0,maxnreg=128 ")
+    assert fp8_decode_knobs(fp8, "triton") == {"num_warps": 8, "num_stages": 4, "page_tile": False,
+                                               "fp8_v_in_tile": False, "max_registers": 128}
     assert fp8_decode_knobs(bf16, "triton") == fp8_decode_knobs(fp8, "torch") == {}
     monkeypatch.setenv(FP8_DECODE_ENV, "v_in_tile=1,maxnreg=none")
-    assert fp8_decode_knobs(fp8, "triton") == {"fp8_v_in_tile": True, "max_registers": None}
+    assert fp8_decode_knobs(fp8, "triton") == {"fp8_v_in_tile": True, "max_registers": 0}      # 0: no cap
     for bad, named in (("warps=3", "warps='3'; expected one of 2, 4, 8, 16"), ("blocks=64", "'blocks' is not a knob"),
                        ("maxnreg=100", "multiple of 8"), ("stages", "stages=''")):
         monkeypatch.setenv(FP8_DECODE_ENV, bad)

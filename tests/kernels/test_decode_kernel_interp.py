@@ -246,10 +246,12 @@ def test_the_fp8_sweeps_lever_candidate_stays_in_the_default_tile_and_spells_lab
                                           {"batch": 64, "context": 1024, "results": [other_tile, warps8, plain]}]}
     cand = lever_candidate(res)
     assert cand["num_warps"] == 8 and cand["block_n"] == default["block_n"]
-    assert cand["lab_fp8_decode"] == f"warps=8,stages={default['num_stages']},v_in_tile=0,maxnreg=128"
+    tile = int(default["page_tile"])
+    assert cand["lab_fp8_decode"] == f"warps=8,stages={default['num_stages']},page_tile={tile},v_in_tile=0,maxnreg=128"
     monkeypatch.setenv(FP8_DECODE_ENV, cand["lab_fp8_decode"])
     assert fp8_decode_knobs(SimpleNamespace(kv_cache_dtype="fp8"), "triton") == {
-        "num_warps": 8, "num_stages": default["num_stages"], "fp8_v_in_tile": False, "max_registers": 128}
+        "num_warps": 8, "num_stages": default["num_stages"], "page_tile": bool(tile), "fp8_v_in_tile": False,
+        "max_registers": 128}
     assert lever_candidate({"default": default, "shapes": [{"batch": 1, "context": 8, "results": [other_tile]}]}) \
         is None
 

@@ -24,10 +24,12 @@ from interp import interpreter_ready
 
 K_SCALE, V_SCALE = 0.05, 0.02
 DTYPES = ("float32", "bfloat16")
-# decode: (kv heads per program, sm_count, fuse_reduce, V scale on each tile); sm_count 1: one split (the kernel
-# writes the output), 16: several splits, combined by the reduce kernel (False) or the last split (True)
-DECODE = [(1, 1, None, False), (1, 16, False, False), (2, 16, True, False), (2, 1, None, False),
-          (1, 1, None, True), (2, 16, True, True)]
+# decode: (kv heads per program, sm_count, fuse_reduce, V scale on each tile, block_n); sm_count 1: one split (the
+# kernel writes the output), 16: several splits, combined by the reduce kernel (False) or the last split (True);
+# block_n 64 reads each position's page from the block table, 16 (it divides PAGE) one page a tile, as an e4m3
+# cache's default does (engine/attention/splits.py: DECODE_FP8_PAGE_TILE)
+DECODE = [(1, 1, None, False, 64), (1, 16, False, False, 64), (2, 16, True, False, 64), (2, 1, None, False, 64),
+          (1, 1, None, True, 64), (2, 16, True, True, 64), (1, 16, False, False, 16), (2, 1, None, False, 16)]
 HQ, HK, D, PAGE = 4, 2, 32, 16
 LENGTHS = [0, 1, 37, 70]              # a padding row, one position, partial tiles, across pages
 # decode tolerance: float32 queries reach the reference to float32 rounding; bfloat16 queries (and P rounded to
@@ -54,8 +56,8 @@ def test_fused_qk_norm_rope_store_quantizes_as_store_kv(results, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_reads_fp8_against_float32(results, dtype):
-    for hpp, sms, fuse, v_in_tile in DECODE:
-        r = results["decode"][f"{dtype}-{hpp}-{sms}-{fuse}-{v_in_tile}"]
+    for hpp, sms, fuse, v_in_tile, block_n in DECODE:
+        r = results["decode"][f"{dtype}-{hpp}-{sms}-{fuse}-{v_in_tile}-{block_n}"]
         assert (r["splits"] == 1) == (sms == 1), r      # one split, or several (reduce kernel / fused reduce)
         assert r["max_abs"] <= DECODE_TOL[dtype], r
         assert r["padding_row_zero"], r
@@ -69,6 +71,46 @@ def test_prefill_reads_fp8_against_float32(results, dtype):
     assert r["max_abs"] <= DECODE_TOL[dtype], r
     assert r["k_scale_dropped_err"] > 10 * DECODE_TOL[dtype], r
     assert r["v_scale_dropped_err"] > 10 * DECODE_TOL[dtype], r
+
+
+def test_an_e4m3_cache_launches_its_own_decode_defaults(monkeypatch):
+    """paged_decode's launch on an e4m3 cache takes splits.py's DECODE_FP8_* knobs (one block-table load per tile
+    where block_n divides the page, the V scale on the accumulator, the register cap) and a cache in the model's dtype
+    its DECODE_* ones; a knob given wins, and max_registers=0 (LAB_FP8_DECODE's maxnreg=none) launches with no cap."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("triton")
+    from engine.attention import kv_quant, splits
+    from engine.attention import triton_kernels as tk
+
+    launches = []
+
+    class Grid:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append(kw)
+    monkeypatch.setattr(tk, "_decode_split_kernel", Grid())
+    monkeypatch.setattr(tk, "_decode_reduce_kernel", Grid())
+    page, n = 256, 2
+    q = torch.zeros(n, HQ, D, dtype=torch.bfloat16)
+    tables, lens = torch.zeros(n, 1, dtype=torch.int32), torch.full((n,), 100, dtype=torch.int32)
+    bf16 = torch.zeros(2, page, HK, D, dtype=torch.bfloat16)
+    e4m3 = kv_quant.mark(torch.zeros(2, page, HK, D, dtype=kv_quant.FP8), 1.0, torch.bfloat16)
+
+    def launch(cache, **kw):
+        launches.clear()
+        tk.paged_decode(q, cache, cache, tables, lens, 1.0, 100, 1, **kw)
+        return launches[0]
+    fp8 = launch(e4m3)
+    assert (fp8["PAGE_TILE"], fp8["V_IN_TILE"], fp8.get("maxnreg")) == (
+        splits.DECODE_FP8_PAGE_TILE, splits.DECODE_FP8_V_IN_TILE, splits.DECODE_FP8_MAX_REGISTERS or None)
+    assert fp8["num_stages"] == splits.DECODE_FP8_NUM_STAGES and fp8["KV_FP8"]
+    plain = launch(bf16)
+    assert (plain["PAGE_TILE"], plain.get("maxnreg"), plain["num_stages"]) == (
+        splits.DECODE_PAGE_TILE, None, splits.DECODE_NUM_STAGES)
+    given = launch(e4m3, page_tile=not splits.DECODE_FP8_PAGE_TILE, fp8_v_in_tile=not splits.DECODE_FP8_V_IN_TILE,
+                   max_registers=0)
+    assert (given["PAGE_TILE"], given["V_IN_TILE"], "maxnreg" in given) == (
+        not splits.DECODE_FP8_PAGE_TILE, not splits.DECODE_FP8_V_IN_TILE, False)
+    assert launch(e4m3, block_n=48)["PAGE_TILE"] is False        # 48 does not divide the page: per-position loads
 
 
 # --------------------------------------------------------------------------- the interpreted process
@@ -155,7 +197,7 @@ def _caches(torch, kv_quant, blocks: int, g):
     return kc, vc, kc.float() * K_SCALE, vc.float() * V_SCALE
 
 
-def _decode(torch, tk, kv_quant, dtype, hpp, sms, fuse, v_in_tile) -> dict:
+def _decode(torch, tk, kv_quant, dtype, hpp, sms, fuse, v_in_tile, block_n) -> dict:
     from labkit.bench.attention import decode_reference
 
     g = torch.Generator().manual_seed(3)
@@ -166,14 +208,14 @@ def _decode(torch, tk, kv_quant, dtype, hpp, sms, fuse, v_in_tile) -> dict:
     lens = torch.tensor(LENGTHS, dtype=torch.int32)
     q = torch.randn(n, HQ, D, generator=g).to(dtype)
     scale = D ** -0.5
-    out = tk.paged_decode(q, kc, vc, tables, lens, scale, max(LENGTHS), sms, kv_per_prog=hpp, fuse_reduce=fuse,
-                          fp8_v_in_tile=v_in_tile)
+    out = tk.paged_decode(q, kc, vc, tables, lens, scale, max(LENGTHS), sms, block_n=block_n, kv_per_prog=hpp,
+                          fuse_reduce=fuse, fp8_v_in_tile=v_in_tile)
     ref = decode_reference(q, kf, vf, tables, lens, scale)
     live = lens > 0
     err = float((out.float() - ref)[live].abs().max())
     no_k = decode_reference(q, kc.float(), vf, tables, lens, scale)           # what a dropped K scale gives
     no_v = decode_reference(q, kf, vc.float(), tables, lens, scale)           # ... a dropped V scale
-    splits, _ = tk.choose_splits(n, HK // hpp, max(LENGTHS), tk.DECODE_BLOCK_N, sms, tk.DECODE_WAVES)
+    splits, _ = tk.choose_splits(n, HK // hpp, max(LENGTHS), block_n, sms, tk.DECODE_WAVES)
     return {"max_abs": err, "splits": splits, "padding_row_zero": bool((out[~live] == 0).all()),
             "k_scale_dropped_err": float((no_k - ref)[live].abs().max()),
             "v_scale_dropped_err": float((no_v - ref)[live].abs().max())}
@@ -222,8 +264,8 @@ def main() -> None:
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     out = {"store": {d: _store(torch, tk, kv_quant, dt[d]) for d in DTYPES},
            "fused_store": {d: _fused_store(torch, tk, kv_quant, dt[d]) for d in DTYPES},
-           "decode": {f"{d}-{hpp}-{sms}-{fuse}-{vt}": _decode(torch, tk, kv_quant, dt[d], hpp, sms, fuse, vt)
-                      for d in DTYPES for hpp, sms, fuse, vt in DECODE},
+           "decode": {f"{d}-{hpp}-{sms}-{fuse}-{vt}-{bn}": _decode(torch, tk, kv_quant, dt[d], hpp, sms, fuse, vt, bn)
+                      for d in DTYPES for hpp, sms, fuse, vt, bn in DECODE},
            "prefill": {d: _prefill(torch, pk, kv_quant, dt[d]) for d in DTYPES}}
     print(json.dumps(out))
 

@@ -7,7 +7,7 @@ the V scale's place x a register cap) on each shape, as a share of the copy roof
 error against the float32 reference (a wrong output never ranks). Prints each shape's five fastest, the default's
 place, and the robust setting (the best worst share of each shape's best): a change of engine/attention/splits.py's
 DECODE_* lines is read off this table, then timed on the whole workload. On the e4m3 cache it also prints the
-robust setting among those the LAB_FP8_DECODE lever can set (the default tile: warps, stages, the V scale's place, the
+robust setting among those the LAB_FP8_DECODE lever can set (the default tile and splits: warps, stages, the block-table load per tile, the V scale's place, the
 register cap) as that lever's value, so one lease can time the candidate on a workload before any line changes.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _row(r: dict) -> str:
     return f"{r['us']:9.1f} us  {r['share_of_roof']:.3f} of roof  err {r['max_abs_err']:.2e}  {knobs}"
 
 
-TILE = ("kv_per_prog", "page_tile", "block_n", "waves")
+TILE = ("kv_per_prog", "block_n", "waves")     # what LAB_FP8_DECODE cannot set
 
 
 def lever_candidate(res: dict) -> dict | None:
