@@ -11,9 +11,9 @@ one away from its default (labkit/console/serving.py).
 - LAB_GEMV_ROWS  (gemv_rows_setting): 1..8, the decode batches the GEMV kernels take
 - LAB_DECODE_LAYER  (decode_layer_on): 0 | 1, a batch-1 decode step's layers each as one persistent kernel
   (engine/layers/decode_layer.py)
-- LAB_FP8_DECODE  (fp8_decode_knobs): e.g. ``warps=8,stages=4,page_tile=0,v_in_tile=1,maxnreg=none``, the Triton decode kernel's
-  knobs on an e4m3 cache in place of engine/attention/splits.py's DECODE_FP8_* lines (a sweep's candidate timed on a
-  whole workload before those lines change)
+- LAB_FP8_DECODE  (fp8_decode_knobs): e.g. ``warps=8,stages=4,page_tile=0,v_in_tile=1,maxnreg=none``, the Triton
+  decode kernel's knobs on an e4m3 cache in place of engine/attention/splits.py's DECODE_FP8_* lines (a sweep's
+  candidate timed on a whole workload before those lines change)
 - LAB_ADMIT_IN_FLIGHT  (admit_in_flight): 1 | 0, whether a serving engine admits requests that arrive while a prefill
   is in flight with nothing launched behind it, and launches their prefill behind it
 - LAB_DECODE  (decode_knobs): e.g. ``kv_per_prog=4,page_tile=1,block_n=32,warps=8,stages=3``, the same kernel's
@@ -168,16 +168,16 @@ def _knobs(env: str, table: dict) -> dict:
         if value not in allowed:
             raise ConfigError(f"{env}={text!r}: {key}={value!r}; expected one of "
                               f"{', '.join(allowed) if len(allowed) < 10 else 'none or a multiple of 8 from 32 to 256'}")
-        knobs[arg] = 0 if value == "none" else value == "1" if arg in _FLAGS else int(value)     # maxnreg=none: 0, no cap
+        knobs[arg] = 0 if value == "none" else value == "1" if arg in _FLAGS else int(value)     # maxnreg=none: 0
     return knobs
 
 
 def fp8_decode_knobs(config: Config, attention_backend: str) -> dict:
     """The Triton decode kernel's knobs on an e4m3 cache, from LAB_FP8_DECODE (``key=value`` pairs, comma
-    separated: warps, stages, page_tile 0|1, v_in_tile 0|1, maxnreg a multiple of 8 from 32 to 256 or none), as paged_decode's
-    keyword arguments (engine/attention/triton_kernels.py); the knobs left out keep splits.py's DECODE_FP8_* values.
-    Read (and a bad value refused in one line) whatever the engine; {} unless the cache is fp8 and the backend
-    Triton's. None of these knobs changes how a context splits, so the warm-up's compiled variants still cover the
+    separated: warps, stages, page_tile 0|1, v_in_tile 0|1, maxnreg a multiple of 8 from 32 to 256 or none: no cap), as
+    paged_decode's keyword arguments (engine/attention/triton_kernels.py); the knobs left out keep splits.py's
+    DECODE_FP8_* values. Read (and a bad value refused in one line) whatever the engine; {} unless the cache is fp8
+    and the backend Triton's. None of these knobs changes how a context splits, so the warm-up's compiled variants still cover the
     steps (engine/attention/splits.py: decode_variants)."""
     knobs = _knobs(FP8_DECODE_ENV, FP8_DECODE_KNOBS)
     if config.kv_cache_dtype != "fp8" or attention_backend != "triton":

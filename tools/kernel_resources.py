@@ -148,10 +148,10 @@ def rows(batch: int, context: int, caches: list[str], sweep: bool, hq: int = 16,
     for cache in caches:
         fp8 = cache == "fp8"
         default = dict(block_n=splits.DECODE_BLOCK_N, num_warps=splits.DECODE_NUM_WARPS,
-                       num_stages=splits.DECODE_FP8_NUM_STAGES if fp8 else splits.DECODE_NUM_STAGES)
+                       num_stages=splits.DECODE_FP8_NUM_STAGES if fp8 else splits.DECODE_NUM_STAGES,
+                       page_tile=splits.DECODE_FP8_PAGE_TILE if fp8 else splits.DECODE_PAGE_TILE)
         if fp8:
-            default |= dict(page_tile=splits.DECODE_FP8_PAGE_TILE, fp8_v_in_tile=splits.DECODE_FP8_V_IN_TILE,
-                            max_registers=splits.DECODE_FP8_MAX_REGISTERS)
+            default |= dict(fp8_v_in_tile=splits.DECODE_FP8_V_IN_TILE, max_registers=splits.DECODE_FP8_MAX_REGISTERS)
         grid = [default]
         if sweep:
             grid = [dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in
@@ -258,11 +258,14 @@ def main() -> int:
             print(" ".join(f"{k}={v}" for k, v in r.items()))
         return 0
     print(f"paged decode at batch {a.batch} x context {a.context}, 16 q / 8 kv heads of 128, compiled for sm_90")
-    print(f"{'cache':5} {'route':10} {'block_n':>7} {'warps':>5} {'stages':>6} {'v_tile':>6} {'cap':>4} {'regs':>5} "
+    print(f"{'cache':5} {'route':10} {'block_n':>7} {'page':>4} {'warps':>5} {'stages':>6} {'v_tile':>6} {'cap':>4} "
+          f"{'regs':>5} "
           f"{'shared':>7} {'prog/SM':>7} {'KB/SM':>6} {'SASS':>5} {'sha':>12} {'loop':>5} {'ins/KB':>6}")
     for r in found:
         v_tile = "-" if "fp8_v_in_tile" not in r else ("yes" if r["fp8_v_in_tile"] else "no")
-        head = (f"{r['cache']:5} {r['route']:10} {r['block_n']:>7} {r['num_warps']:>5} {r['num_stages']:>6} {v_tile:>6} "
+        page = "-" if "page_tile" not in r else ("tile" if r["page_tile"] else "pos")      # block-table loads
+        head = (f"{r['cache']:5} {r['route']:10} {r['block_n']:>7} {page:>4} {r['num_warps']:>5} {r['num_stages']:>6} "
+                f"{v_tile:>6} "
                 f"{r.get('max_registers') or '-':>4}")
         if "error" in r:
             print(f"{head}  {r['error']}")
