@@ -177,8 +177,8 @@ def fp8_decode_knobs(config: Config, attention_backend: str) -> dict:
     separated: warps, stages, page_tile 0|1, v_in_tile 0|1, maxnreg a multiple of 8 from 32 to 256 or none: no cap), as
     paged_decode's keyword arguments (engine/attention/triton_kernels.py); the knobs left out keep splits.py's
     DECODE_FP8_* values. Read (and a bad value refused in one line) whatever the engine; {} unless the cache is fp8
-    and the backend Triton's. None of these knobs changes how a context splits, so the warm-up's compiled variants still cover the
-    steps (engine/attention/splits.py: decode_variants)."""
+    and the backend Triton's. None of these knobs changes how a context splits, so the warm-up's compiled variants
+    still cover the steps (engine/attention/splits.py: decode_variants)."""
     knobs = _knobs(FP8_DECODE_ENV, FP8_DECODE_KNOBS)
     if config.kv_cache_dtype != "fp8" or attention_backend != "triton":
         return {}

@@ -373,8 +373,8 @@ def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.T
     FP8 caches (engine/attention/kv_quant.py) are dequantized by k_scale and v_scale (None: the caches' own);
     num_warps, num_stages, page_tile, fp8_v_in_tile, max_registers (a cap on registers a thread, Triton's maxnreg; 0: no
     cap): None takes the cache's own default (engine/attention/splits.py: the DECODE_* knobs for a cache in the model's
-    dtype, the DECODE_FP8_* knobs for an e4m3 one); fp8_v_in_tile: the V scale on each V tile, not on the accumulator (the kernel's
-    V_IN_TILE).
+    dtype, the DECODE_FP8_* knobs for an e4m3 one); fp8_v_in_tile: the V scale on each V tile, not on the accumulator
+    (the kernel's V_IN_TILE).
     order (int32 [N], a permutation of the rows): the order in which the rows' programs are launched
     (AttentionMetadata.decode_order: longest context first); the result does not depend on it.
     fuse_reduce: several splits are combined by their last program (no reduce kernel) where the counters
