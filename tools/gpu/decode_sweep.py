@@ -8,7 +8,8 @@ error against the float32 reference (a wrong output never ranks). Prints each sh
 place, and the robust setting (the best worst share of each shape's best): a change of engine/attention/splits.py's
 DECODE_* lines is read off this table, then timed on the whole workload. On the e4m3 cache it also prints the
 robust setting among those the LAB_FP8_DECODE lever can set (the default's kv heads a program, tile and waves: warps,
-stages, the block-table load per tile, the V scale's place, the register cap) as that lever's value, so one lease can time the candidate on a workload before any line changes.
+stages, the block-table load per tile, the V scale's place, the register cap) as that lever's value, so one lease can
+time the candidate on a workload before any line changes.
 """
 from __future__ import annotations
 
