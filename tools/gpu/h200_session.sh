@@ -32,8 +32,9 @@
 # and one that judges a final tree in one call when the lease is short (no flash-attn build: the check phase's):
 #
 #   tools/gpu/h200_session.sh final   # pytest -m gpu (the decode layer's tests too), the bf16, graph and kv-fp8
-#                                     # guards, nano-vllm on bf16 against BEFORE and on e4m3, batch-1 latency against
-#                                     # BEFORE, then the rate sweep on the e4m3 cache if the call has time
+#                                     # guards, nano-vllm on bf16 against BEFORE and on e4m3 (its defaults, then the
+#                                     # e4m3 knobs before the timed ones, through LAB_FP8_DECODE), batch-1 latency
+#                                     # against BEFORE, then the rate sweep on the e4m3 cache if the call has time
 #
 # one that ranks the decode kernel's knobs on the e4m3 cache:
 #
@@ -318,6 +319,8 @@ final_phase() {
   step before-latency-b1 45 before $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton \
        --out "$W/runs/before-latency-b1.json"
   nano_vllm nano-vllm-fp8 --kv-cache-dtype fp8
+  # the e4m3 decode's knobs before the ones an H100's timings chose (engine/attention/splits.py), the same lease
+  nano_vllm nano-vllm-fp8-old-knobs LAB_FP8_DECODE=page_tile=0,v_in_tile=1,maxnreg=none --kv-cache-dtype fp8
   step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
        --attention triton --out "$W/runs/guard-kv-fp8.json"
   # then, if the call has time, the rate sweep on the e4m3 cache (the serving phase's sweep on bf16 is its pair)
