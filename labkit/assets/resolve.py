@@ -122,5 +122,4 @@ def resolve_model(model: str | None, device: str) -> ModelRef:
             return model_ref(validate_model_dir(env), "env")
         except ModelError as exc:
             raise ModelError(f"MODEL_DIR: {exc}") from None
-    preset = _default_preset(device)
-    return model_ref(validate_model_dir(_ensure_default_model(preset)), "default")
+    return default_model(_default_preset(device))
