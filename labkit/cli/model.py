@@ -92,9 +92,7 @@ def model_check(
     judged by setup.model-config)."""
     from labkit.console import checks_table, verdict_text
     from labkit.experiments.model_config import check_model_config
-    from labkit.paths import default_out
 
-    out = out or default_out("setup-model-config.json")
     record = check_model_config(model, out)
     if json_out:
         print_json(record)
@@ -103,7 +101,7 @@ def model_check(
         console.print(f"{rel(m['path'])} ({'synthetic ' + str(m.get('preset')) if m.get('synthetic') else 'real weights'}"
                       f", {f['source']}): tokenizer {f['tokenizer_class']}, {f['tokenizer_size']:,} tokens")
         console.print(checks_table(record["checks"]))
-        console.print(verdict_text(record["verdict"]), f" evidence: {rel(record.get('_written_to', {}).get('path') or out)}")
+        console.print(verdict_text(record["verdict"]), f" evidence: {rel(record['_paths']['json'])}")
     if record["verdict"] == "FAIL":
         raise typer.Exit(1)
 

@@ -37,7 +37,8 @@ def handbook_model(model: str | None = None):
 
 
 def check_model_config(model: str | None = None, out: Path | None = None) -> dict:
-    """Inspect the handbook's model directory and write the evidence ``setup.model-config`` judges; the record."""
+    """Inspect the handbook's model directory and write the evidence ``setup.model-config`` judges; the record, with
+    where it went under ``_paths``."""
     from labkit.assets.identity import inspect_model, model_identity
     from labkit.evidence import write_evidence
     from labkit.paths import default_out
@@ -50,5 +51,8 @@ def check_model_config(model: str | None = None, out: Path | None = None) -> dic
                                   "max_position_embeddings", "rope_theta", "rope_scaling", "tokenizer_class",
                                   "tokenizer_size")}
     facts["source"] = ref.source
-    return write_evidence(out or default_out("setup-model-config.json"), checkpoint=CHECKPOINT, kind="static",
-                          facts=facts, device="cpu", model={**model_identity(ref.path), "source": ref.source})
+    path = out or default_out("setup-model-config.json")
+    record = write_evidence(path, checkpoint=CHECKPOINT, kind="static", facts=facts, device="cpu",
+                            model={**model_identity(ref.path), "source": ref.source})
+    record["_paths"] = {"json": record.get("_written_to", {}).get("path", str(path))}     # as write_claimed's
+    return record
