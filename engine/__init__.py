@@ -3,9 +3,10 @@
 A request's path, in reading order: ``llm_engine.py`` (``LLMEngine.step``: schedule -> run -> postprocess;
 admission in ``admission.py``; the overlapped step in ``overlap.py``; what a step returns in ``step_output.py``),
 ``scheduler.py`` and ``block_manager.py``, ``model_runner.py`` (its inputs ``step_inputs.py``, the model
-``models/qwen3.py`` over ``layers/`` and ``attention/``, graphs ``graph.py``), ``sampling/``. Start-up: ``kv_pool.py`` (the pool's size), ``warmup.py``. Tensor parallel: ``distributed.py``,
-``tp_workers.py``. Its options: ``args.py`` (``EngineArgs``, each option and default once), read by ``config.py``
-(``Config``: the options plus what the model directory says). Watching it: ``observe.py`` (hooks, events),
+``models/qwen3.py`` over ``layers/`` and ``attention/``, graphs ``graph.py``), ``sampling/``. Start-up:
+``kv_pool.py`` (the pool's size), ``warmup.py``. Tensor parallel: ``distributed.py``, ``tp_workers.py``. Its
+options: ``args.py`` (``EngineArgs``, each option and default once), read by ``config.py`` (``Config``: the options
+plus what the model directory says). Watching it: ``observe.py`` (hooks, events),
 ``device_clock.py`` (each step on the GPU), ``probe.py`` (``LLMEngine.probe``: ref counts, the pool, the model's
 modules, read by the lab).
 """
