@@ -138,6 +138,7 @@ def rows(batch: int, context: int, caches: list[str], sweep: bool, hq: int = 16,
 
     import engine.attention.triton_kernels as tk
     from engine.attention import kv_quant, splits
+    from labkit.bench.attention import default_decode_setting
 
     bf16 = torch.bfloat16
     e = lambda *s, dtype=bf16: torch.empty(*s, dtype=dtype)          # noqa: E731 (never read: nothing runs)
@@ -147,12 +148,7 @@ def rows(batch: int, context: int, caches: list[str], sweep: bool, hq: int = 16,
     out = []
     for cache in caches:
         fp8 = cache == "fp8"
-        default = dict(block_n=splits.DECODE_BLOCK_N, num_warps=splits.DECODE_NUM_WARPS,
-                       num_stages=splits.DECODE_FP8_NUM_STAGES if fp8 else splits.DECODE_NUM_STAGES,
-                       page_tile=splits.DECODE_FP8_PAGE_TILE if fp8 else splits.DECODE_PAGE_TILE)
-        if fp8:
-            default |= dict(fp8_v_in_tile=splits.DECODE_FP8_V_IN_TILE, max_registers=splits.DECODE_FP8_MAX_REGISTERS)
-        grid = [default]
+        grid = [default_decode_setting(cache if fp8 else "auto")]      # each cache's own defaults (splits.py)
         if sweep:
             grid = [dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in
                     itertools.product((32, 64, 128), (4, 8), (2, 3, 4, 5))]
