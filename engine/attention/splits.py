@@ -50,6 +50,17 @@ DECODE_FUSE_REDUCE_FROM = 33     # several splits: combined by each row's last p
 PREFILL_PACKED_SEQS = 31
 
 
+def decode_defaults(fp8: bool) -> dict:
+    """paged_decode's per-cache knobs: the DECODE_* lines for a cache in the model's dtype, the DECODE_FP8_* lines
+    for an e4m3 one (which alone has a V scale's place and a register cap; 0: none). The kernel's launch and the
+    attention bench's default setting both read this."""
+    if fp8:
+        return {"page_tile": DECODE_FP8_PAGE_TILE, "num_warps": DECODE_FP8_NUM_WARPS,
+                "num_stages": DECODE_FP8_NUM_STAGES, "fp8_v_in_tile": DECODE_FP8_V_IN_TILE,
+                "max_registers": DECODE_FP8_MAX_REGISTERS}
+    return {"page_tile": DECODE_PAGE_TILE, "num_warps": DECODE_NUM_WARPS, "num_stages": DECODE_NUM_STAGES}
+
+
 def fuse_reduce(programs: int) -> bool:
     """Whether a decode of `programs` programs per split combines its splits in the split kernel."""
     return programs >= DECODE_FUSE_REDUCE_FROM

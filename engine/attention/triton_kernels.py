@@ -15,8 +15,7 @@ from engine import pdl
 from engine.attention import kv_quant
 from engine.attention.triton_common import dot, fp8_quantize, kv_scales, roped_heads, to_f16
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG,  # noqa: F401
-                                     DECODE_NUM_WARPS,
-                                     DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
+                                     DECODE_NUM_WARPS, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
                                      kv_per_program)
 from engine.attention import splits
 
@@ -410,16 +409,11 @@ def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.T
     locks = decode_locks(q.device) if fuse_reduce and not direct else None
     fused = locks is not None and programs <= locks.numel()
     fp8 = kv_scales(k_cache, v_cache, k_scale, v_scale)
-    if num_warps is None:
-        num_warps = splits.DECODE_FP8_NUM_WARPS if fp8 else splits.DECODE_NUM_WARPS
-    if num_stages is None:
-        num_stages = splits.DECODE_FP8_NUM_STAGES if fp8 else splits.DECODE_NUM_STAGES
-    if max_registers is None and fp8:
-        max_registers = splits.DECODE_FP8_MAX_REGISTERS
-    if page_tile is None:
-        page_tile = splits.DECODE_FP8_PAGE_TILE if fp8 else splits.DECODE_PAGE_TILE
-    if fp8_v_in_tile is None:
-        fp8_v_in_tile = splits.DECODE_FP8_V_IN_TILE
+    given = {"page_tile": page_tile, "num_warps": num_warps, "num_stages": num_stages, "fp8_v_in_tile": fp8_v_in_tile,
+             "max_registers": max_registers}
+    knobs = splits.decode_defaults(bool(fp8)) | {k: v for k, v in given.items() if v is not None}
+    page_tile, num_warps, num_stages = knobs["page_tile"], knobs["num_warps"], knobs["num_stages"]
+    fp8_v_in_tile, max_registers = knobs.get("fp8_v_in_tile", False), knobs.get("max_registers", 0)
     if fp8:
         scale, fp8 = scale * fp8["k_scale"], {"v_scale": fp8["v_scale"], "KV_FP8": True, "V_IN_TILE": fp8_v_in_tile,
                                               **({"k_scale": fp8["k_scale"]} if new is not None else {})}

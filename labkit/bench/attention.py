@@ -366,14 +366,8 @@ def default_decode_setting(kv_cache_dtype: str = "auto") -> dict:
     """paged_decode's defaults (engine/attention/splits.py), as a sweep setting (on an e4m3 cache its own stages,
     V scale's place and register cap)."""
     from engine.attention import splits
-    out = {"kv_per_prog": splits.DECODE_KV_PER_PROG, "page_tile": splits.DECODE_PAGE_TILE,
-           "block_n": splits.DECODE_BLOCK_N, "num_warps": splits.DECODE_NUM_WARPS,
-           "num_stages": splits.DECODE_NUM_STAGES, "waves": splits.DECODE_WAVES}
-    if kv_cache_dtype == "fp8":
-        out |= {"page_tile": splits.DECODE_FP8_PAGE_TILE, "num_warps": splits.DECODE_FP8_NUM_WARPS,
-                "num_stages": splits.DECODE_FP8_NUM_STAGES, "fp8_v_in_tile": splits.DECODE_FP8_V_IN_TILE,
-                "max_registers": splits.DECODE_FP8_MAX_REGISTERS}
-    return out
+    return {"kv_per_prog": splits.DECODE_KV_PER_PROG, "block_n": splits.DECODE_BLOCK_N, "waves": splits.DECODE_WAVES,
+            **splits.decode_defaults(kv_cache_dtype == "fp8")}
 
 
 def compile_kernel_sweep(part: int = 0, parts: int = 1, kv_cache_dtype: str = "auto",
