@@ -11,6 +11,8 @@ one away from its default (labkit/console/serving.py).
 - LAB_GEMV_ROWS  (gemv_rows_setting): 1..8, the decode batches the GEMV kernels take
 - LAB_DECODE_LAYER  (decode_layer_on): 0 | 1, a batch-1 decode step's layers each as one persistent kernel
   (engine/layers/decode_layer.py)
+- LAB_L2_PREFETCH  (l2_prefetch_mode): 0 | mlp | layer, the weights a small decode's attention kernel asks L2 for
+  (engine/l2_prefetch.py)
 - LAB_FP8_DECODE  (fp8_decode_knobs): e.g. ``warps=8,stages=4,page_tile=0,v_in_tile=1,maxnreg=none``, the Triton
   decode kernel's knobs on an e4m3 cache in place of engine/attention/splits.py's DECODE_FP8_* lines (a sweep's
   candidate timed on a whole workload before those lines change)
@@ -142,6 +144,20 @@ def decode_layer_on(attention_backend: str) -> bool:
     backend (the kernel's attention is the Triton decode's). Off unless asked: timed against the six kernels a layer
     it replaces (tools/gpu/h200_session.sh layer), it ran slower from CUDA graphs (docs/MEASURED.md)."""
     return _setting(DECODE_LAYER_ENV, ("0", "1"), "0") == "1" and attention_backend == "triton"
+
+
+L2_PREFETCH_ENV = "LAB_L2_PREFETCH"
+
+
+def l2_prefetch_mode(prologue: str) -> str:
+    """Which weights each layer's decode attention asks L2 for while it runs (engine/l2_prefetch.py): LAB_L2_PREFETCH
+    mlp (the layer's o, gate_up and down), layer (those and the next layer's qkv) or 0 (none, unset or blank);
+    another value is refused. Only through the decode prologue (``prologue``, decode_prologue_mode's): "0" without
+    it. Off unless asked until a lease times it at batch 1 (tools/gpu/h200_session.sh l2)."""
+    from engine.l2_prefetch import MODES
+
+    mode = _setting(L2_PREFETCH_ENV, MODES, "0")
+    return mode if prologue else "0"
 
 
 FP8_DECODE_ENV = "LAB_FP8_DECODE"

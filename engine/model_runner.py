@@ -26,7 +26,7 @@ from engine.device_clock import DeviceClock
 from engine.distributed import SINGLE, ParallelContext
 from engine.graph import EAGER, PREFILL_GRAPH_SEQS, DecodeGraphs, PrefillGraphs, Route, prefill_buckets
 from engine.levers import (decode_knobs, decode_layer_on, decode_prologue_mode, fp8_decode_knobs, gemv_rows_setting,
-                           skinny_rows_setting)
+                           l2_prefetch_mode, skinny_rows_setting)
 from engine.loader import load_model
 from engine.mixed_graphs import MixedGraphs, mixed_buckets
 from engine.models import build_model
@@ -107,8 +107,11 @@ class ModelRunner:
         skinny = skinny_rows_setting()    # and LAB_SKINNY_GEMM
         prologue = decode_prologue_mode(config, self.attention_backend)   # and a bad LAB_DECODE_PROLOGUE
         layer_kernel = decode_layer_on(self.attention_backend)    # and LAB_DECODE_LAYER
+        l2 = l2_prefetch_mode(prologue)                           # and LAB_L2_PREFETCH
         self._take_decode_knobs(config)   # and LAB_FP8_DECODE, LAB_DECODE
         self.fused_ops = self._enable_fused_ops(rows, prologue, skinny)
+        if self.fused_ops and l2 != "0" and hasattr(self.model, "set_l2_prefetch"):     # a layer's asks: 3/4 of L2
+            self.model.set_l2_prefetch(l2, torch.cuda.get_device_properties(self.device).L2_cache_size * 3 // 4)
         self.gemv_rows = rows if self.fused_ops else 0   # tokens a projection takes through the GEMV kernels
         self.skinny_rows = skinny if self.fused_ops else 0   # ... and through the split-K GEMM from 2 tokens
         self.pdl = pdl.enable(self.device, config.pdl)     # engine/pdl.py: False off CUDA and before Hopper

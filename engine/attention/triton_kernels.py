@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine import pdl
+from engine import l2_prefetch, pdl
 from engine.attention import kv_quant
 from engine.attention.triton_common import dot, fp8_quantize, kv_scales, roped_heads, to_f16
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG,  # noqa: F401
@@ -163,7 +163,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                          KV_FP8: tl.constexpr = False, V_IN_TILE: tl.constexpr = False, qkv_ptr=None,
                          stride_qkv=0, pos_ptr=None, qw_ptr=None, kw_ptr=None, cos_ptr=None, sin_ptr=None,
                          slot_ptr=None, eps=0.0, k_scale=1.0, PROLOGUE: tl.constexpr = False,
-                         PREFETCH: tl.constexpr = False):
+                         PREFETCH: tl.constexpr = False, l2_p0=None, l2_n0=0, l2_p1=None, l2_n1=0, l2_p2=None,
+                         l2_n2=0, l2_p3=None, l2_n3=0, L2_REGIONS: tl.constexpr = 0):
     """One (group of HPP kv heads, sequence, split) program. DIRECT (a single split): write the normalized
     output itself (zeros for a padding row), so no reduce kernel runs.
 
@@ -209,6 +210,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     is loaded before the PDL wait. With the prologue nothing the kernels before this one write is in it (the cache
     before the new position was written by earlier steps, the block table and context lengths are the step's
     inputs), so at batch 1, where a split is one tile, the whole read overlaps the qkv projection's tail.
+    L2_REGIONS (with the prologue, where the reduce kernel runs; LAB_L2_PREFETCH): every program, after the wait,
+    asks L2 for its share of up to four weights the layer's next kernels read (engine/l2_prefetch.py).
 
     Why one function over the house's 80 lines: a kernel is one program, and its phases share what they
     compute: the program's coordinates (n, s, kvh0, ctx), the offsets and masks (heads, gmask, offs_d,
@@ -235,6 +238,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         first_k = tl.load(kc_ptr + first_off, mask=first_valid[:, None], other=0.0)
         first_v = tl.load(vc_ptr + first_off, mask=first_valid[:, None], other=0.0)
     pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
+    if L2_REGIONS > 0:      # before any program's early exit: all of the grid's programs share the chunks
+        l2_prefetch.prefetch(l2_p0, l2_n0, l2_p1, l2_n1, l2_p2, l2_n2, l2_p3, l2_n3, L2_REGIONS)
     if not PREFETCH:
         n = _decode_row(order_ptr, ORDERED)
         ctx = tl.load(ctx_ptr + n)
@@ -356,6 +361,8 @@ class NewTokens:
     # the tile held through the wait costs registers, at 256 x 1,024 157 a thread under triton 3.9 (3 programs an
     # SM) against 106 without (tools/kernel_resources.py); the variants stay the decode's own (DIRECT, FUSED_REDUCE)
     prefetch: bool = True
+    # weights the layer's next kernels read, asked of L2 by the same decodes (LAB_L2_PREFETCH, engine/l2_prefetch.py)
+    l2: tuple = ()
 
 
 def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -420,7 +427,8 @@ def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.T
     prologue = {} if new is None else dict(
         qkv_ptr=new.qkv, stride_qkv=new.qkv.stride(0), pos_ptr=new.positions, qw_ptr=new.q_weight,
         kw_ptr=new.k_weight, cos_ptr=new.cos, sin_ptr=new.sin, slot_ptr=new.slot_mapping, eps=new.eps, PROLOGUE=True,
-        PREFETCH=new.prefetch and not direct and not fused)
+        PREFETCH=new.prefetch and not direct and not fused,
+        **(l2_prefetch.launch_args(new.l2) if not direct and not fused else {}))
     _decode_split_kernel[(hk // hpp, n, num_splits)](                   # a sequence's heads launch together
         q, k_cache, v_cache, block_tables, context_lens, acc, ml, out, scale, split_len, num_splits,
         q.stride(0), q.stride(1) if new is None else 0, block_tables.stride(0), out.stride(0), out.stride(1),

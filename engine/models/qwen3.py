@@ -61,6 +61,8 @@ class Qwen3Attention(nn.Module):
         # decode steps: q/k norm + RoPE + KV store inside the attention kernel ("prefetch": its first K/V tile read
         # before the PDL wait, "plain": after it; "": off); the runner sets it (engine/levers.py: decode_prologue_mode)
         self.decode_prologue = ""
+        # weights the decode prologue's attention kernel asks L2 for (engine/l2_prefetch.py; CausalLM.set_l2_prefetch)
+        self.l2_prefetch: tuple = ()
 
     @property
     def fused(self) -> bool:
@@ -109,7 +111,7 @@ class Qwen3Attention(nn.Module):
 
         new = NewTokens(qkv, positions, self.q_norm.weight, self.k_norm.weight, self.rotary_emb.cos,
                         self.rotary_emb.sin, self.q_norm.eps, meta.slot_mapping, self.num_heads,
-                        prefetch=self.decode_prologue == "prefetch")
+                        prefetch=self.decode_prologue == "prefetch", l2=self.l2_prefetch)
         return self.attn.backend.decode_new(new, self.attn.k_cache, self.attn.v_cache, meta, self.attn.scale)
 
 
@@ -226,6 +228,7 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], tp)
         self._cfg = cfg
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+        self.l2_prefetch = "0"          # LAB_L2_PREFETCH's mode (set_l2_prefetch)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -235,6 +238,25 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def set_l2_prefetch(self, mode: str, budget: int | None = None) -> None:
+        """Which weights each layer's decode-prologue attention asks L2 for (engine/l2_prefetch.py): "mlp" the
+        layer's o, gate_up and down weights; "layer" those and the next layer's qkv weight; "0" none. budget: the
+        most bytes a layer asks for (None: no limit); the weights are taken in that order while they fit."""
+        layers = self.model.layers
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            regions = (attn.o_proj.weight, mlp.gate_up_proj.weight, mlp.down_proj.weight) if mode != "0" else ()
+            if mode == "layer" and i + 1 < len(layers):
+                regions += (layers[i + 1].self_attn.qkv_proj.weight,)
+            taken, total = [], 0
+            for w in regions:
+                total += w.numel() * w.element_size()
+                if budget is not None and total > budget:
+                    break
+                taken.append(w.data)
+            attn.l2_prefetch = tuple(taken)
+        self.l2_prefetch = mode
+
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
@@ -243,14 +265,16 @@ class CausalLM(nn.Module):
         "fused" (the Triton kernel, Qwen3 on CUDA with fused ops), "plain" (torch RoPE and the backend's
         store; the families without q/k norm always), "decode-prologue" (the Triton kernel for prefills; a decode
         step does it inside the attention kernel, "decode-prologue-noprefetch" with its first K/V tile read after the
-        PDL wait). decode_layer: a batch-1 decode step runs each layer as one kernel (LAB_DECODE_LAYER)."""
+        PDL wait). decode_layer: a batch-1 decode step runs each layer as one kernel (LAB_DECODE_LAYER). l2_prefetch:
+        the weights a layer's decode attention asks L2 for (LAB_L2_PREFETCH's mode; "0": none)."""
         attn = [layer.self_attn for layer in self.model.layers]
         route = "plain"
         if any(a.fused for a in attn):
             mode = next((a.decode_prologue for a in attn if a.fused and a.decode_prologue), "")
             route = {"": "fused", "prefetch": "decode-prologue"}.get(mode, "decode-prologue-noprefetch")
         return {"architecture": self.architecture, **self.family.summary(self._cfg), "qk_norm_rope_kv": route,
-                "decode_layer": any(layer.decode_layer for layer in self.model.layers)}
+                "decode_layer": any(layer.decode_layer for layer in self.model.layers),
+                "l2_prefetch": self.l2_prefetch}
 
 
 Qwen3ForCausalLM = CausalLM

@@ -74,6 +74,7 @@ def engine_facts(engine: LLMEngine) -> dict:
             "memory": d["memory"], "warmup": d["warmup"],
             "qk_norm_rope_kv": (d.get("model") or {}).get("qk_norm_rope_kv"),    # the route: fused, decode-prologue...
             "decode_layer": bool((d.get("model") or {}).get("decode_layer")),    # LAB_DECODE_LAYER's kernel ran
+            "l2_prefetch": (d.get("model") or {}).get("l2_prefetch", "0"),     # LAB_L2_PREFETCH's mode
             "fp8_decode": d.get("fp8_decode") or {},         # LAB_FP8_DECODE's knobs ({}: splits.py's)
             "decode_knobs": d.get("decode_knobs") or {}}     # LAB_DECODE's
 

@@ -76,6 +76,8 @@ def lab_levers(desc: dict) -> dict:
         on.append(f"LAB_DECODE_PROLOGUE={prologue}")      # (its default takes the route "decode-prologue")
     if model.get("decode_layer"):
         on.append("LAB_DECODE_LAYER=1")
+    if model.get("l2_prefetch", "0") != "0":
+        on.append(f"LAB_L2_PREFETCH={model['l2_prefetch']}")
     if desc.get("fp8_decode"):
         on.append(f"LAB_FP8_DECODE={decode_knobs_text(desc['fp8_decode'])}")
     if desc.get("decode_knobs"):

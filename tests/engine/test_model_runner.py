@@ -105,14 +105,16 @@ def test_the_levers_refuse_a_value_they_do_not_know_in_one_line(monkeypatch):
     from types import SimpleNamespace
 
     from engine.config import ConfigError
-    from engine.levers import (DECODE_LAYER_ENV, DECODE_PROLOGUE_ENV, GEMV_ROWS_ENV, PREFILL_AHEAD_ENV,
-                               decode_layer_on, decode_prologue_mode, gemv_rows_setting, prefill_ahead)
+    from engine.levers import (DECODE_LAYER_ENV, DECODE_PROLOGUE_ENV, GEMV_ROWS_ENV, L2_PREFETCH_ENV,
+                               PREFILL_AHEAD_ENV, decode_layer_on, decode_prologue_mode, gemv_rows_setting,
+                               l2_prefetch_mode, prefill_ahead)
 
     conf = SimpleNamespace(mixed_batches=False, overlap=True)
     for env, read, bad, named in ((DECODE_PROLOGUE_ENV, lambda: decode_prologue_mode(conf, "torch"), "yes", "noprefetch"),
                                   (GEMV_ROWS_ENV, gemv_rows_setting, "9", "from 1 to 8"),
                                   (PREFILL_AHEAD_ENV, lambda: prefill_ahead(conf), "2", "prefill"),
-                                  (DECODE_LAYER_ENV, lambda: decode_layer_on("torch"), "on", "1")):
+                                  (DECODE_LAYER_ENV, lambda: decode_layer_on("torch"), "on", "1"),
+                                  (L2_PREFETCH_ENV, lambda: l2_prefetch_mode(""), "1", "mlp, layer")):
         monkeypatch.setenv(env, bad)
         with pytest.raises(ConfigError, match=f"{env}='{bad}'.*{named}"):
             read()
@@ -120,6 +122,35 @@ def test_the_levers_refuse_a_value_they_do_not_know_in_one_line(monkeypatch):
     assert not decode_layer_on("triton")
     monkeypatch.setenv(DECODE_LAYER_ENV, "1")
     assert decode_layer_on("triton") and not decode_layer_on("torch")
+    assert l2_prefetch_mode("prefetch") == "0"                  # off unless asked
+    monkeypatch.setenv(L2_PREFETCH_ENV, "layer")
+    assert l2_prefetch_mode("prefetch") == l2_prefetch_mode("plain") == "layer"
+    assert l2_prefetch_mode("") == "0"                          # only through the decode prologue
+
+
+def test_the_l2_prefetch_plan_gives_each_layer_the_weights_its_next_kernels_read(tiny_engine):
+    """CausalLM.set_l2_prefetch: "mlp" gives each layer's attention its o, gate_up and down weights, "layer" the next
+    layer's qkv weight too (the last layer has none after it), "0" none; describe() names the mode."""
+    model = tiny_engine().runner.model
+    layers = model.model.layers
+    assert model.describe()["l2_prefetch"] == "0" and all(not l.self_attn.l2_prefetch for l in layers)
+    for mode in ("mlp", "layer"):
+        model.set_l2_prefetch(mode)
+        for i, layer in enumerate(layers):
+            want = [layer.self_attn.o_proj.weight, layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+            if mode == "layer" and i + 1 < len(layers):
+                want.append(layers[i + 1].self_attn.qkv_proj.weight)
+            got = layer.self_attn.l2_prefetch
+            assert [t.data_ptr() for t in got] == [w.data_ptr() for w in want], (mode, i)
+            assert all(t.shape == w.shape for t, w in zip(got, want))
+        assert model.describe()["l2_prefetch"] == mode
+    first = layers[0]
+    two = sum(w.numel() * w.element_size() for w in (first.self_attn.o_proj.weight, first.mlp.gate_up_proj.weight))
+    model.set_l2_prefetch("layer", budget=two)               # the weights in order while they fit
+    assert [t.data_ptr() for t in first.self_attn.l2_prefetch] == [first.self_attn.o_proj.weight.data_ptr(),
+                                                                    first.mlp.gate_up_proj.weight.data_ptr()]
+    model.set_l2_prefetch("0")
+    assert all(not l.self_attn.l2_prefetch for l in layers) and model.describe()["l2_prefetch"] == "0"
 
 
 def test_fp8_decode_knobs_parse_refuse_and_apply_only_to_an_fp8_cache_on_triton(monkeypatch):

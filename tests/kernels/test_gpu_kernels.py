@@ -632,6 +632,28 @@ def test_pdl_gives_the_same_tokens_and_logprobs_as_plain_launches(kernel_engine,
     assert outs[True] == outs[False]
 
 
+def test_l2_prefetch_gives_the_same_tokens_and_logprobs(kernel_engine, gpu_model_dir, monkeypatch):
+    """LAB_L2_PREFETCH=layer (engine/l2_prefetch.py): the small decodes' attention kernels also ask L2 for the
+    layer's weights, which changes no byte any kernel reads: the same tokens and chosen tokens' log-probs as
+    without it, bit for bit (graphs, overlap, bf16, batch 1, 4 and a wide batch)."""
+    from engine import SamplingParams
+
+    kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=32, kvcache_block_size=16, num_kvcache_blocks=512,
+              max_model_len=512, max_num_batched_tokens=2048, enforce_eager=False, overlap=True)
+    prompts = [[(3000 + 41 * i + j) % 150000 for j in range(7 + 19 * i)] for i in range(17)]
+    logged = [SamplingParams(temperature=0.0, max_tokens=6 + 5 * i, ignore_eos=True, logprobs=0) for i in range(17)]
+    outs = {}
+    for mode in ("0", "layer"):
+        monkeypatch.setenv("LAB_L2_PREFETCH", mode)
+        engine = kernel_engine(gpu_model_dir, **kw)
+        assert engine.describe()["model"]["l2_prefetch"] == mode
+        runs = [engine.generate(prompts[:1], logged[:1]), engine.generate(prompts[:4], logged[:4]),
+                engine.generate(prompts, logged)]
+        outs[mode] = [[(o["token_ids"], o.get("logprobs")) for o in run] for run in runs]
+        engine.close()
+    assert outs["layer"] == outs["0"]
+
+
 @pytest.mark.parametrize("cache", ["auto", "fp8"])
 @pytest.mark.parametrize("batch", [1, 64])
 def test_decode_prologue_matches_qk_norm_rope_then_decode(batch, cache):

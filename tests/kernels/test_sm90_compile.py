@@ -11,7 +11,8 @@ without the peeled first chunk), the rows GEMV's variants (2, 4 and 8 rows), the
 meet, the prefills, the KV store, the norms, q/k norm + RoPE and the sampling kernel, and again every kernel that
 reads or writes the KV cache with an FP8 (e4m3) cache: each decode variant, the paged prefill, the quantizing
 store and q/k norm + RoPE's store; and each decode variant through the decode prologue (q/k norm + RoPE and the
-KV store inside the decode kernel), on either cache; and the persistent decode layer (engine/layers/decode_layer.py) at Qwen3-0.6B's shapes (the first
+KV store inside the decode kernel), on either cache, and at batch 1 asking L2 for a layer's weights
+(engine/l2_prefetch.py); and the persistent decode layer (engine/layers/decode_layer.py) at Qwen3-0.6B's shapes (the first
 layer and the later ones) and Qwen3-8B's (the later ones), in its one launch over 132 SMs. Triton's own compiler and the ptxas its wheel ships do the rest; nothing runs
 on a GPU.
 
@@ -50,6 +51,11 @@ def test_every_preset_meets_its_decode_variants_and_gemv_tiles(compiled):
         assert p["prologue_decode_calls"] == p["decode_variants"], p      # the decode prologue at each variant
         assert p["rows_gemv_calls"] == 3 * 5, p      # 5 projections x the rows kernel's variants (2, 4 and 8 rows)
         assert p["skinny_calls"] == 3 * 5, p         # 5 projections x the split-K GEMM's row tiles (16, 32 and 64)
+
+
+def test_a_small_decode_asks_l2_for_each_weight_it_is_given(compiled):
+    for preset in PRESETS:      # LAB_L2_PREFETCH=layer: o, gate_up, down and the next qkv, one bulk prefetch each
+        assert compiled["presets"][preset]["l2_prefetches"] == 4, preset
 
 
 def test_the_decode_layer_compiles_at_each_qwen3_preset(compiled):
@@ -155,6 +161,7 @@ def _preset(name: str, calls: list) -> dict:
     out["decode_calls"] += _decode_launches(calls, e, variants, kc, vc, page, hq, d, max_len, sm)
     out["prologue_decode_calls"] = _decode_launches(calls, e, variants, kc, vc, page, hq, d, max_len, sm, prologue=True)
     out["decode_variants"] = len(variants)
+    out["l2_prefetches"] = _l2_prefetches(e, shape, SYNTH[name], kc, vc, hq, d, max_len, sm)
     t = 64
     cu = torch.tensor([0, 32, 64], dtype=torch.int32)
     pk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), cu, cu, 32, d ** -0.5)
@@ -201,6 +208,34 @@ def _decode_launches(calls: list, e, variants: dict, kc, vc, page: int, hq: int,
                         new=new)
         compiled += len(calls) > before
     return compiled
+
+
+def _l2_prefetches(e, shape, cfg: dict, kc, vc, hq: int, d: int, max_len: int, sm: int) -> int:
+    """The batch-1 decode through the prologue asking L2 for a layer's four weights (LAB_L2_PREFETCH=layer): the
+    bulk prefetches in its compiled PTX (one a region)."""
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    import engine.attention.triton_kernels as tk
+
+    h, hk, inter = shape.hidden_size, kc.shape[2], cfg["intermediate_size"]
+    weights = (e(h, hq * d), e(2 * inter, h), e(h, inter), e((hq + 2 * hk) * d, h))
+    built, run = [], JITFunction.run
+
+    def keep(self, *args, **kwargs):
+        kernel = run(self, *args, **kwargs)
+        if self.fn.__name__ == "_decode_split_kernel":
+            built.append(kernel)
+        return kernel
+    JITFunction.run = keep
+    try:
+        zeros, cos = torch.zeros(1, dtype=torch.int64), e(max_len, d, dtype=torch.float32)
+        new = tk.NewTokens(e(1, (hq + 2 * hk) * d), zeros, e(d), e(d), cos, cos, 1e-6, zeros, hq, l2=weights)
+        tk.paged_decode(None, kc, vc, torch.zeros(1, max_len // kc.shape[1], dtype=torch.int32),
+                        torch.full((1,), 1024, dtype=torch.int32), d ** -0.5, max_len, sm, new=new)
+    finally:
+        JITFunction.run = run
+    return built[-1].asm["ptx"].count("cp.async.bulk.prefetch.L2.global") if built and built[-1] else 0
 
 
 def launch_decode_layer(e, shape, cfg: dict, kc, vc, max_len: int, sm: int, residual: bool = True) -> None:

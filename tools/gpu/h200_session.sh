@@ -61,6 +61,13 @@
 #                                     # without and with it at Qwen3-0.6B's and Qwen3-8B's shapes, the step budget with
 #                                     # it, the bf16 baseline and graph guards with it
 #
+# and one that times the weights asked of L2 at batch 1 (LAB_L2_PREFETCH, engine/l2_prefetch.py):
+#
+#   tools/gpu/h200_session.sh l2      # its GPU test, tools/gpu/l2_probe.py (the three MLP-side GEMVs from HBM, from L2,
+#                                     # after a prefetch), batch-1 latency at 0 / mlp / layer and again in reverse order
+#                                     # (each its own process: a batch-1 figure spreads from process to process), the
+#                                     # step budget at batch 1 without and with it, the bf16 guard with it
+#
 # (The phases that answered one lease's question are in this file's git history; docs/MEASURED.md names the tree
 # each figure came from.)
 #
@@ -78,7 +85,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny|knobs) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny|knobs" >&2; exit 2 ;; esac
+case "$phase" in check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny|knobs|l2) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny|knobs|l2" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -425,6 +432,24 @@ layer_phase() {
        --attention triton --out "$W/runs/guard-bf16-layer.json"
   step guard-graph-layer 60 env LAB_DECODE_LAYER=1 $PY -m labkit logits guard --suite graph --dtype bfloat16 --device cuda \
        --attention triton --out "$W/runs/guard-graph-layer.json"
+}
+
+l2_phase() {
+  # its GPU test first (the same tokens and log-probs with it), the probe, then the latencies in both orders
+  step pytest-gpu-l2 90 $PY -m pytest -q -m gpu -p no:cacheprovider --timeout 300 tests/kernels/test_gpu_kernels.py \
+       -k "l2_prefetch or pdl_gives"
+  step l2-probe 60 $PY tools/gpu/l2_probe.py --out "$W/runs/l2-probe.json"
+  for mode in 0 mlp layer layer mlp 0; do
+    local n=1; [ -f "$W/runs/latency-b1-l2$mode.json" ] && n=2
+    step latency-b1-l2$mode-$n 40 env LAB_L2_PREFETCH=$mode $PY -m labkit bench --workload latency --batch 1 --repeats 3 \
+         --attention triton --out "$W/runs/latency-b1-l2$mode$([ $n = 2 ] && echo -2).json"
+  done
+  for mode in layer 0; do
+    step step-budget-b1-l2$mode 45 env LAB_L2_PREFETCH=$mode $PY -m labkit bench --workload step-budget --attention triton \
+         --batch 1 --out "$W/runs/step-budget-b1-l2$mode.json"
+  done
+  step guard-bf16-l2 45 env LAB_L2_PREFETCH=layer $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda \
+       --attention triton --out "$W/runs/guard-bf16-l2.json"
 }
 
 "${phase}_phase"
