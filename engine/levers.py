@@ -153,7 +153,7 @@ def l2_prefetch_mode(prologue: str) -> str:
     """Which weights each layer's decode attention asks L2 for while it runs (engine/l2_prefetch.py): LAB_L2_PREFETCH
     mlp (the layer's o, gate_up and down), layer (those and the next layer's qkv) or 0 (none, unset or blank);
     another value is refused. Only through the decode prologue (``prologue``, decode_prologue_mode's): "0" without
-    it. Off unless asked until a lease times it at batch 1 (tools/gpu/h200_session.sh l2)."""
+    it. Off unless asked: timed at batch 1 (tools/gpu/h200_session.sh l2) it was slower (docs/MEASURED.md)."""
     from engine.l2_prefetch import MODES
 
     mode = _setting(L2_PREFETCH_ENV, MODES, "0")

@@ -25,7 +25,7 @@ from engine import l2_prefetch  # noqa: E402
 
 
 @triton.jit
-def _prefetch_only(p0, n0, p1, n1, p2, n2, p3, n3, L2_REGIONS: tl.constexpr):
+def _prefetch_only(p0, n0, p1, n1, p2, n2, p3=None, n3=0, L2_REGIONS: tl.constexpr = 0):
     """engine/l2_prefetch.py's prefetch alone: each program its share of the regions."""
     l2_prefetch.prefetch(p0, n0, p1, n1, p2, n2, p3, n3, L2_REGIONS)
 
