@@ -68,6 +68,13 @@
 #                                     # (each its own process: a batch-1 figure spreads from process to process), the
 #                                     # step budget at batch 1 without and with it, the bf16 guard with it
 #
+# and one that looks for batch-1 attention's cost between its GEMVs:
+#
+#   tools/gpu/h200_session.sh b1      # tools/gpu/decode_b1.py at contexts 1,024 and 4,000 (the attention's cost in a
+#                                     # chain of the layers' GEMVs, by variant), tools/gpu/kernel_floor.py, then the step
+#                                     # budget at batch 1 x 1,024 and x 4,000 and batch-1 latency, each with the splits.py
+#                                     # decode tile and with 128 positions a tile (LAB_DECODE=block_n=128), alternating
+#
 # (The phases that answered one lease's question are in this file's git history; docs/MEASURED.md names the tree
 # each figure came from.)
 #
@@ -85,7 +92,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny|knobs|l2) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny|knobs|l2" >&2; exit 2 ;; esac
+case "$phase" in check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny|knobs|l2|b1) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny|knobs|l2|b1" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -450,6 +457,25 @@ l2_phase() {
   done
   step guard-bf16-l2 45 env LAB_L2_PREFETCH=layer $PY -m labkit logits guard --suite baseline --dtype bfloat16 --device cuda \
        --attention triton --out "$W/runs/guard-bf16-l2.json"
+}
+
+b1_phase() {
+  for c in 1024 4000; do
+    step decode-b1-$c 60 $PY tools/gpu/decode_b1.py --context $c --out "$W/runs/decode-b1-$c.json"
+  done
+  step kernel-floor 30 $PY tools/gpu/kernel_floor.py --out "$W/runs/kernel-floor.json"
+  for c in 1024 4000; do
+    for knobs in "" block_n=128; do
+      step "step-budget-b1-$c${knobs:+-bn128}" 45 env LAB_DECODE=$knobs $PY -m labkit bench --workload step-budget \
+           --attention triton --batch 1 --context $c --out "$W/runs/step-budget-b1-$c${knobs:+-bn128}.json"
+    done
+  done
+  local i=0
+  for knobs in "" block_n=128 block_n=128 ""; do
+    i=$((i + 1))
+    step "latency-b1-$i${knobs:+-bn128}" 40 env LAB_DECODE=$knobs $PY -m labkit bench --workload latency --batch 1 \
+         --repeats 3 --attention triton --out "$W/runs/latency-b1-$i${knobs:+-bn128}.json"
+  done
 }
 
 "${phase}_phase"
