@@ -46,10 +46,11 @@ def gpu_blocks(config: Config, block_bytes: int, model: torch.nn.Module) -> tupl
 
 
 def allocate(layers: list, num_blocks: int, config: Config, dtype: torch.dtype, device: str,
-             tp_size: int = 1) -> torch.Tensor:
+             tp_size: int = 1, v_t: bool = False) -> torch.Tensor:
     """The pool [2, layers, blocks, block_size, kv heads on this rank, head dim] in the cache's dtype (the
     model's ``dtype``, or e4m3 for ``kv_cache_dtype`` fp8); each attention layer gets its views of it (k_cache,
-    v_cache). FP8 views carry their scale (engine/attention/kv_quant.py: fixed, DEFAULT_SCALE)."""
+    v_cache). FP8 views carry their scale (engine/attention/kv_quant.py: fixed, DEFAULT_SCALE), and with ``v_t``
+    the V views their other layout (each block's head positions contiguous: LAB_FP8_V_T)."""
     shape = config.shape
     cache_dtype = kv_quant.cache_dtype(config.kv_cache_dtype, dtype)
     kv_cache = torch.zeros(2, len(layers), num_blocks, config.kvcache_block_size, shape.num_kv_heads // tp_size,
@@ -59,5 +60,5 @@ def allocate(layers: list, num_blocks: int, config: Config, dtype: torch.dtype, 
         layer.v_cache = kv_cache[1, i]
         if cache_dtype == kv_quant.FP8:
             kv_quant.mark(layer.k_cache, kv_quant.DEFAULT_SCALE, dtype)
-            kv_quant.mark(layer.v_cache, kv_quant.DEFAULT_SCALE, dtype)
+            kv_quant.mark(layer.v_cache, kv_quant.DEFAULT_SCALE, dtype, v_t=v_t)
     return kv_cache

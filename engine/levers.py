@@ -13,6 +13,8 @@ one away from its default (labkit/console/serving.py).
   (engine/layers/decode_layer.py)
 - LAB_L2_PREFETCH  (l2_prefetch_mode): 0 | mlp | layer, the weights a small decode's attention kernel asks L2 for
   (engine/l2_prefetch.py)
+- LAB_FP8_V_T  (fp8_v_transposed): 0 | 1, an e4m3 V cache's blocks hold each head's positions contiguous
+  (engine/attention/kv_quant.py: v_t)
 - LAB_FP8_DECODE  (fp8_decode_knobs): e.g. ``warps=8,stages=4,page_tile=0,v_in_tile=1,maxnreg=none``, the Triton
   decode kernel's knobs on an e4m3 cache in place of engine/attention/splits.py's DECODE_FP8_* lines (a sweep's
   candidate timed on a whole workload before those lines change)
@@ -158,6 +160,19 @@ def l2_prefetch_mode(prologue: str) -> str:
 
     mode = _setting(L2_PREFETCH_ENV, MODES, "0")
     return mode if prologue else "0"
+
+
+FP8_V_T_ENV = "LAB_FP8_V_T"
+
+
+def fp8_v_transposed(config: Config) -> bool:
+    """Whether an e4m3 KV pool lays its V blocks out [Hk, D, block_size], each head's positions contiguous, so the
+    decode kernel's V tile reaches the P.V dot as position runs instead of one byte at a time
+    (engine/attention/kv_quant.py: v_t): LAB_FP8_V_T=1 with ``--kv-cache-dtype fp8``; 0 (unset or blank) keeps V
+    as K is laid out. Read (and a bad value refused) whatever the cache. Compiled for sm_90 its decode loop takes
+    482 instructions a tile against 662 (tools/kernel_resources.py); off until a lease times it."""
+    on = _setting(FP8_V_T_ENV, ("0", "1"), "0") == "1"
+    return on and config.kv_cache_dtype == "fp8"
 
 
 FP8_DECODE_ENV = "LAB_FP8_DECODE"

@@ -153,6 +153,7 @@ class LLMEngine(OverlappedSteps):
         k, v = (layer.k_cache, layer.v_cache) if layer is not None else (torch.empty(0), torch.empty(0))
         scales = {"k": kv_quant.scale_of(k), "v": kv_quant.scale_of(v)} if kv_quant.is_fp8(k) else None
         return {"kv_cache_dtype": self.config.kv_cache_dtype, "dtype": str(k.dtype).replace("torch.", ""),
+                "v_transposed": kv_quant.v_transposed(v),          # LAB_FP8_V_T's layout
                 "bytes_per_token": self.config.shape.kv_bytes_per_token(k.element_size(),
                                                                          self.config.tensor_parallel_size),
                 "scales": scales}

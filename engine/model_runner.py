@@ -25,8 +25,8 @@ from engine.config import Config, ConfigError
 from engine.device_clock import DeviceClock
 from engine.distributed import SINGLE, ParallelContext
 from engine.graph import EAGER, PREFILL_GRAPH_SEQS, DecodeGraphs, PrefillGraphs, Route, prefill_buckets
-from engine.levers import (decode_knobs, decode_layer_on, decode_prologue_mode, fp8_decode_knobs, gemv_rows_setting,
-                           l2_prefetch_mode, skinny_rows_setting)
+from engine.levers import (decode_knobs, decode_layer_on, decode_prologue_mode, fp8_decode_knobs, fp8_v_transposed,
+                           gemv_rows_setting, l2_prefetch_mode, skinny_rows_setting)
 from engine.loader import load_model
 from engine.mixed_graphs import MixedGraphs, mixed_buckets
 from engine.models import build_model
@@ -177,9 +177,11 @@ class ModelRunner:
 
     def _take_decode_knobs(self, config: Config) -> None:
         """The Triton decode kernel's knobs from the levers (LAB_FP8_DECODE on an e4m3 cache, LAB_DECODE on one in the
-        model's dtype; engine/levers.py), put on the backend, whose every paged_decode call passes them."""
+        model's dtype; engine/levers.py), put on the backend, whose every paged_decode call passes them; and the e4m3
+        V cache's layout (LAB_FP8_V_T), which the pool marks on its V views."""
         self.fp8_decode = fp8_decode_knobs(config, self.attention_backend)
         self.decode_knobs = decode_knobs(config, self.attention_backend)
+        self.fp8_v_t = fp8_v_transposed(config)          # and LAB_FP8_V_T: the e4m3 V cache's layout
         if self.fp8_decode or self.decode_knobs:
             self.backend.decode_knobs = self.fp8_decode or self.decode_knobs
 
@@ -213,7 +215,7 @@ class ModelRunner:
             raise ConfigError(f"no memory left for the KV cache (raise gpu_memory_utilization?): {self.memory}")
         cfg.fit_to_pool(n)
         self.kv_cache = kv_pool.allocate(self.model.attention_layers(), n, cfg, self.dtype, self.device,
-                                         self.tp.world_size)
+                                         self.tp.world_size, v_t=self.fp8_v_t)
         self.memory.update({"num_blocks": n, "bytes_per_block": block_bytes, "kv_cache_bytes": n * block_bytes})
         return n
 

@@ -8,8 +8,9 @@ flight, so a variant that fits fewer programs an SM, or buffers fewer bytes per 
     python tools/kernel_resources.py --layer [--json]
 
 Default rows: the decode as the engine launches it (engine/attention/splits.py's knobs; an e4m3 cache's own
-DECODE_FP8_* ones) on a bf16 and an e4m3 cache, the e4m3 cache at the bf16 cache's knobs (``bf16-knobs``), and the
-decode prologue (triton_kernels.NewTokens). --layer: the persistent decode layer at Qwen3-0.6B's and Qwen3-8B's
+DECODE_FP8_* ones) on a bf16 and an e4m3 cache, the e4m3 cache at the bf16 cache's knobs (``bf16-knobs``), the
+decode prologue (triton_kernels.NewTokens), and the e4m3 cache with its V blocks holding each head's positions
+contiguous (``v_t``: LAB_FP8_V_T). --layer: the persistent decode layer at Qwen3-0.6B's and Qwen3-8B's
 shapes instead. --sweep: the tile / warps / stages grid instead (on an e4m3 cache also the V
 scale's place and a 128-register cap). Each row also gives its SASS instruction count and a hash of the
 instructions: a refactor that leaves a row's hash alone compiles to the same instructions; and its context loop's
@@ -164,14 +165,18 @@ def rows(batch: int, context: int, caches: list[str], sweep: bool, hq: int = 16,
                                           "num_stages": splits.DECODE_NUM_STAGES,
                                           "max_registers": 0}))
         routes.append(("prologue", {"new": True}))
+        if fp8 and not sweep:       # the V cache's blocks with each head's positions contiguous (LAB_FP8_V_T)
+            routes.append(("v_t", {"v_t": True}))
+        vt = kv_quant.mark(e(blocks, page, hk, d, dtype=kv_quant.FP8), 1.0, bf16, v_t=True) if fp8 else vc
         for knobs, (route, extra) in itertools.product(grid, routes):
             q, kw = e(batch, hq, d), knobs | extra
+            v_cache = vt if kw.pop("v_t", False) else vc
             if kw.pop("new", False):
                 cos, zeros = e(context, d, dtype=torch.float32), torch.zeros(batch, dtype=torch.int64)
                 q, kw["new"] = None, tk.NewTokens(e(batch, (hq + 2 * hk) * d), zeros, e(d), e(d), cos, cos, 1e-6,
                                                   zeros, hq)
             before = len(built)
-            tk.paged_decode(q, kc, vc, tables, ctx, d ** -0.5, context, 132, **kw)
+            tk.paged_decode(q, kc, v_cache, tables, ctx, d ** -0.5, context, 132, **kw)
             row = {"cache": cache, "route": route, **{k: v for k, v in kw.items() if k != "new"}}
             if len(built) == before or built[-1] is None:
                 out.append(row | {"error": (errors or ["not compiled"])[-1][:160]})

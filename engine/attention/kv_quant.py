@@ -15,6 +15,14 @@ range; V is a projection of a normed hidden state, of the same order. A scale on
 end of the range, which these do not; ``labkit logits guard --kv-cache-dtype fp8`` measures the logits against
 the bf16 cache and records each side's largest |K| and |V|. Each cache view carries its own scale
 (:func:`mark`), so per-layer scales drop in without another change to the kernels.
+
+V's layout (``v_t``, LAB_FP8_V_T): a V cache view holds its bytes as K does, each block [block_size, Hk, D]
+(a position's heads contiguous), or, marked ``v_t``, each block [Hk, D, block_size]: a head's positions
+contiguous for each of its D values, under the same tensor shape. The P.V dot reduces over positions; in the
+first layout an e4m3 V tile reaches that dot's operand one byte at a time (there is no 8-bit transposing
+shared-memory load on sm_90), in the second as contiguous runs. Every writer and reader of an e4m3 V cache asks
+:func:`v_transposed` (the Triton kernels through their ``VT`` constexpr, the torch reference through
+:func:`read` and :func:`write`).
 """
 from __future__ import annotations
 
@@ -31,9 +39,11 @@ DEFAULT_SCALE = 1.0             # K and V (vLLM's default without calibration; t
 
 @dataclass(frozen=True)
 class KVQuant:
-    """What one FP8 cache view stands for: its scale and the dtype a read gives back (the model's)."""
+    """What one FP8 cache view stands for: its scale, the dtype a read gives back (the model's) and whether its
+    blocks hold each head's positions contiguous (``v_t``: a V cache's other layout, see the module docstring)."""
     scale: float
     dtype: torch.dtype
+    v_t: bool = False
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -49,11 +59,39 @@ def is_fp8(cache: torch.Tensor) -> bool:
     return cache.dtype == FP8
 
 
-def mark(cache: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Record on an FP8 cache view its scale and the dtype its reads give (the KV pool does this for every
-    layer's k_cache and v_cache); returns the view."""
-    cache.kv_quant = KVQuant(float(scale), dtype)
+def mark(cache: torch.Tensor, scale: float, dtype: torch.dtype, v_t: bool = False) -> torch.Tensor:
+    """Record on an FP8 cache view its scale, the dtype its reads give and (a V cache) its layout (the KV pool
+    does this for every layer's k_cache and v_cache); returns the view."""
+    cache.kv_quant = KVQuant(float(scale), dtype, bool(v_t))
     return cache
+
+
+def v_transposed(cache: torch.Tensor) -> bool:
+    """Whether the cache's blocks hold each head's positions contiguous ([Hk, D, block_size]; an FP8 V cache
+    marked ``v_t``)."""
+    q = getattr(cache, "kv_quant", None) if is_fp8(cache) else None
+    return q is not None and q.v_t
+
+
+def _blocks(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's bytes as its blocks are laid out: [blocks, block_size, Hk, D], or [blocks, Hk, D, block_size]
+    where v_transposed, permuted back to the first shape (a view, not a copy)."""
+    raw = cache.view(torch.uint8)
+    if v_transposed(cache):
+        b, page, hk, d = cache.shape
+        raw = raw.view(b, hk, d, page).permute(0, 3, 1, 2)
+    return raw
+
+
+def to_v_t(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of an FP8 cache [blocks, block_size, Hk, D] with its blocks laid out [Hk, D, block_size] (the same
+    shape, marked v_t with the cache's scale and dtype): what the kernels would have written there."""
+    q = spec(cache)
+    assert q is not None and not q.v_t, "an FP8 cache in the position-major layout"
+    out = torch.empty_like(cache)
+    b, page, hk, d = cache.shape
+    out.view(torch.uint8).view(b, hk, d, page).copy_(cache.view(torch.uint8).permute(0, 2, 3, 1))
+    return mark(out, q.scale, q.dtype, v_t=True)
 
 
 def spec(cache: torch.Tensor) -> KVQuant | None:
@@ -88,7 +126,7 @@ def read(cache: torch.Tensor, index) -> torch.Tensor:
     q = spec(cache)
     if q is None:
         return cache[index]
-    return dequantize(cache.view(torch.uint8)[index].view(FP8), q.scale, q.dtype)
+    return dequantize(_blocks(cache)[index].view(FP8), q.scale, q.dtype)
 
 
 def write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
@@ -98,5 +136,10 @@ def write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     q = spec(cache)
     if q is None:
         flat.index_copy_(0, slots, x.to(cache.dtype))
+        return
+    if q.v_t:
+        page = cache.shape[1]
+        blocks = _blocks(cache)                     # [blocks, block_size, Hk, D] over the transposed bytes
+        blocks[slots // page, slots % page] = quantize(x, q.scale).view(torch.uint8)
         return
     flat.view(torch.uint8).index_copy_(0, slots, quantize(x, q.scale).view(torch.uint8))

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from engine import pdl
 from engine.attention import splits
-from engine.attention.triton_common import dot, kv_scales, to_f16
+from engine.attention.triton_common import dot, kv_scales, to_f16, v_offset
 
 
 # -- prefill: through the block table (prefix hits, chunk continuations) or on the new K/V (fresh) ----
@@ -45,11 +45,12 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, 
                     PAGE: tl.constexpr, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, PAGED: tl.constexpr,
                     PDL: tl.constexpr = False, v_scale=1.0, KV_FP8: tl.constexpr = False,
-                    PACKED: tl.constexpr = False, BLOCK_S: tl.constexpr = 32):
+                    PACKED: tl.constexpr = False, BLOCK_S: tl.constexpr = 32, VT: tl.constexpr = False):
     """PAGED: K/V rows are cache slots found through the block table (row stride HK * D).
     Not PAGED: K/V are this step's new rows [T, HK, D] (row strides stride_k, stride_v), nothing cached before.
     KV_FP8 (PAGED): the caches hold e4m3, read as the decode kernel reads them (the K scale in ``scale``, the
-    V scale on the output).
+    V scale on the output). VT (PAGED, FP8): the V cache's blocks hold each head's positions contiguous
+    (engine/attention/kv_quant.py: v_t).
     seq0: the grid's first sequence (a mixed step's prefill rows after its decodes): the same compiled kernel
     whatever it is, where a slice of cu_seqlens and the block table would change their pointers' alignment and
     compile a new variant mid-serving. num_seqs: the sequences from seq0 on.
@@ -95,7 +96,11 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, 
             row = (q_start + offs_n).to(tl.int64)
         head = kvh * D + offs_d[None, :]
         k = tl.load(kc_ptr + row[:, None] * stride_k + head, mask=valid[:, None], other=0.0)
-        v = tl.load(vc_ptr + row[:, None] * stride_v + head, mask=valid[:, None], other=0.0)
+        if VT:
+            v = tl.load(vc_ptr + v_offset(row[:, None], kvh, offs_d[None, :], HK, D, PAGE, True), mask=valid[:, None],
+                        other=0.0)
+        else:
+            v = tl.load(vc_ptr + row[:, None] * stride_v + head, mask=valid[:, None], other=0.0)
         if KV_FP8:                              # e4m3 -> the dots' dtype (float16, or float32): exact
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -128,7 +133,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, page, hk, d = k_cache.shape
     fp8 = kv_scales(k_cache, v_cache, k_scale, v_scale)
     if fp8:
-        scale, fp8 = scale * fp8["k_scale"], {"v_scale": fp8["v_scale"], "KV_FP8": True}
+        scale, fp8 = scale * fp8["k_scale"], {"v_scale": fp8["v_scale"], "KV_FP8": True, "VT": fp8.get("VT", False)}
     return _launch_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, scale,
                            page=page, hk=hk, strides_kv=(hk * d, hk * d), stride_bt=block_tables.stride(0), paged=True,
                            block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, fp8=fp8,

@@ -28,15 +28,28 @@ def fp8_quantize(x, scale):
     return y.to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
 
+@triton.jit
+def v_offset(slot, head, d, HK: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr, VT: tl.constexpr):
+    """The element offset in a V cache of (slot, kv head, dim), broadcast: position-major as K ([blocks, PAGE,
+    HK, D]), or with VT each block [HK, D, PAGE] (engine/attention/kv_quant.py: v_t)."""
+    if VT:
+        out = (slot // PAGE) * (PAGE * HK * D) + head * (D * PAGE) + d * PAGE + slot % PAGE
+    else:
+        out = slot * (HK * D) + head * D + d
+    return out
+
+
 def kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: float | None = None,
               v_scale: float | None = None) -> dict:
     """The FP8 launch arguments of a kernel reading or writing these caches: k_scale and v_scale (given, else
-    the caches' own, engine/attention/kv_quant.py) and KV_FP8; {} for caches in the model's dtype."""
+    the caches' own, engine/attention/kv_quant.py), KV_FP8, and VT where the V cache's blocks hold each head's
+    positions contiguous (kv_quant.v_transposed); {} for caches in the model's dtype."""
     if not kv_quant.is_fp8(k_cache):
         return {}
     assert kv_quant.is_fp8(v_cache), "K and V caches of different dtypes"
     return {"k_scale": kv_quant.scale_of(k_cache) if k_scale is None else float(k_scale),
-            "v_scale": kv_quant.scale_of(v_cache) if v_scale is None else float(v_scale), "KV_FP8": True}
+            "v_scale": kv_quant.scale_of(v_cache) if v_scale is None else float(v_scale), "KV_FP8": True,
+            **({"VT": True} if kv_quant.v_transposed(v_cache) else {})}
 
 
 @triton.jit

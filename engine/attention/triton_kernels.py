@@ -13,7 +13,7 @@ import triton.language as tl
 
 from engine import l2_prefetch, pdl
 from engine.attention import kv_quant
-from engine.attention.triton_common import dot, fp8_quantize, kv_scales, roped_heads, to_f16
+from engine.attention.triton_common import dot, fp8_quantize, kv_scales, roped_heads, to_f16, v_offset
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG,  # noqa: F401
                                      DECODE_NUM_WARPS, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
                                      kv_per_program)
@@ -24,8 +24,10 @@ from engine.attention import splits
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_stride, v_stride, kc_ptr, vc_ptr, slot_ptr,
                      WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                     k_scale=1.0, v_scale=1.0, KV_FP8: tl.constexpr = False):
-    """KV_FP8: the cache is e4m3; k / k_scale and v / v_scale are what is stored."""
+                     k_scale=1.0, v_scale=1.0, KV_FP8: tl.constexpr = False, VT: tl.constexpr = False,
+                     D: tl.constexpr = 1, PAGE: tl.constexpr = 1):
+    """KV_FP8: the cache is e4m3; k / k_scale and v / v_scale are what is stored. VT: V's blocks hold each head's
+    positions contiguous (kv_quant.v_t; heads of D values, PAGE positions a block)."""
     t = tl.program_id(0)
     pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -39,7 +41,7 @@ def _store_kv_kernel(k_ptr, v_ptr, k_stride, v_stride, kc_ptr, vc_ptr, slot_ptr,
         k = fp8_quantize(k, k_scale)
         v = fp8_quantize(v, v_scale)
     tl.store(kc_ptr + slot * WIDTH + offs, k, mask=mask)
-    tl.store(vc_ptr + slot * WIDTH + offs, v, mask=mask)
+    tl.store(vc_ptr + v_offset(slot, offs // D, offs % D, WIDTH // D, D, PAGE, VT), v, mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -52,7 +54,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     fp8 = kv_quant.is_fp8(k_cache)
     scales = kv_scales(k_cache, v_cache, k_scale, v_scale) if fp8 else {}
     _store_kv_kernel[(t,)](k, v, k.stride(0), v.stride(0), k_cache, v_cache, slot_mapping,
-                           WIDTH=width, BLOCK=triton.next_power_of_2(width), **scales, **pdl.launch(k))
+                           WIDTH=width, BLOCK=triton.next_power_of_2(width), D=d, PAGE=k_cache.shape[1], **scales,
+                           **pdl.launch(k))
 
 
 # -- decode -------------------------------------------------------------------------------------------
@@ -70,6 +73,29 @@ def _tile_rows(bt_ptr, n, stride_bt, kstart, end, r_pos, r_head, kvh0, offs_d, P
         blk = tl.load(bt_ptr + n * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
         slot = blk * PAGE + pos % PAGE
     return slot[:, None] * (HK * D) + (kvh0 + r_head)[:, None] * D + offs_d[None, :], valid
+
+
+@triton.jit
+def _v_tile_t(vc_ptr, bt_ptr, n, stride_bt, kstart, end, r_pos, r_head, kvh0, offs_d, PAGE: tl.constexpr,
+              HK: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr, HPP: tl.constexpr):
+    """The decode tile's V [HPP * BLOCK_N, D] from a V cache whose blocks hold each head's positions contiguous
+    (kv_quant.v_t), read as [D, rows] and transposed. With PAGE_TILE and one kv head a program the tile is one run of
+    BLOCK_N positions a D value inside one page: read unmasked (a position past ``end`` holds a finite value the
+    scores' mask already weighs 0) unless the tile has no position before ``end`` (its page may not exist), so
+    the runs load whole; else position by position, masked."""
+    if PAGE_TILE and HPP == 1:
+        blk = tl.load(bt_ptr + n * stride_bt + kstart // PAGE).to(tl.int64)
+        inpage = tl.multiple_of(kstart % PAGE, BLOCK_N)
+        off = blk * (PAGE * HK * D) + kvh0 * (D * PAGE) + offs_d[:, None] * PAGE + (inpage + r_pos)[None, :]
+        live = tl.where(kstart < end, tl.full([D, BLOCK_N], 1, tl.int1), False)     # (a boolean tile: the
+        v = tl.load(vc_ptr + off, mask=live, other=0.0)                          # interpreter's mask)
+    else:
+        pos = kstart + r_pos
+        valid = pos < end
+        blk = tl.load(bt_ptr + n * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
+        off = v_offset((blk * PAGE + pos % PAGE)[None, :], (kvh0 + r_head)[None, :], offs_d[:, None], HK, D, PAGE, True)
+        v = tl.load(vc_ptr + off, mask=valid[None, :], other=0.0)
+    return tl.trans(v)
 
 
 @triton.jit
@@ -109,7 +135,7 @@ def _tile_update(q, k, v, valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE
 @triton.jit
 def new_token_state(q, row, kvh, offs_g, gmask, slot_at, new_pos, kc_ptr, vc_ptr, kw_ptr, cos_ptr, sin_ptr, eps, scale,
                     k_scale, v_scale, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-                    KV_FP8: tl.constexpr, V_IN_TILE: tl.constexpr):
+                    KV_FP8: tl.constexpr, V_IN_TILE: tl.constexpr, PAGE: tl.constexpr = 1, VT: tl.constexpr = False):
     """The decode prologue's new token (the split that holds its position): its k (q/k-normed and roped) and v
     made from the packed qkv ``row``, stored at the slot ``slot_at`` holds in the paged caches (quantized where they are FP8), and the
     online-softmax state (m, l, acc) of the query rows ``q`` [BLOCK_G, D] started from it as the cache now holds
@@ -126,7 +152,7 @@ def new_token_state(q, row, kvh, offs_g, gmask, slot_at, new_pos, kc_ptr, vc_ptr
         k_new = fp8_quantize(k_new, k_scale)
         v_new = fp8_quantize(v_new, v_scale)
     tl.store(kc_ptr + dst, k_new, mask=writer[:, None])
-    tl.store(vc_ptr + dst, v_new, mask=writer[:, None])
+    tl.store(vc_ptr + v_offset(slot, kvh[:, None], offs_d[None, :], HK, D, PAGE, VT), v_new, mask=writer[:, None])
     k_new = k_new.to(q.dtype)                           # as the loop reads a cached position
     v_new = v_new.to(q.dtype)
     if KV_FP8 and V_IN_TILE:
@@ -164,7 +190,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                          stride_qkv=0, pos_ptr=None, qw_ptr=None, kw_ptr=None, cos_ptr=None, sin_ptr=None,
                          slot_ptr=None, eps=0.0, k_scale=1.0, PROLOGUE: tl.constexpr = False,
                          PREFETCH: tl.constexpr = False, l2_p0=None, l2_n0=0, l2_p1=None, l2_n1=0, l2_p2=None,
-                         l2_n2=0, l2_p3=None, l2_n3=0, L2_REGIONS: tl.constexpr = 0):
+                         l2_n2=0, l2_p3=None, l2_n3=0, L2_REGIONS: tl.constexpr = 0, VT: tl.constexpr = False):
     """One (group of HPP kv heads, sequence, split) program. DIRECT (a single split): write the normalized
     output itself (zeros for a padding row), so no reduce kernel runs.
 
@@ -198,6 +224,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     ldmatrix.trans); without it, V crosses as bytes and each thread gathers them one byte load at a time (64
     ld.shared.b8 per thread and tile in the same PTX), for 64 f16 multiplies instead. Which is faster is the
     attention bench's to say (`--kv-cache-dtype fp8`); a scale rounded to float16 on the way.
+
+    VT (FP8): the V cache's blocks hold each head's positions contiguous (kv_quant.v_t), so a V tile reaches the
+    P.V dot as position runs (:func:`_v_tile_t`) instead of the bytes of one position at a time.
 
     PROLOGUE (the decode prologue, :class:`NewTokens`): no q/k-norm + RoPE kernel and no KV store ran before this
     one. Each program norms and ropes its own query heads from the row's packed qkv (:func:`roped_heads`); the
@@ -236,7 +265,11 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         first_off, first_valid = _tile_rows(bt_ptr, n, stride_bt, start, first_end, r_pos, r_head, kvh0, offs_d,
                                             PAGE, HK, D, PAGE_TILE)
         first_k = tl.load(kc_ptr + first_off, mask=first_valid[:, None], other=0.0)
-        first_v = tl.load(vc_ptr + first_off, mask=first_valid[:, None], other=0.0)
+        if VT:
+            first_v = _v_tile_t(vc_ptr, bt_ptr, n, stride_bt, start, first_end, r_pos, r_head, kvh0, offs_d, PAGE, HK,
+                                D, BLOCK_N, PAGE_TILE, HPP)
+        else:
+            first_v = tl.load(vc_ptr + first_off, mask=first_valid[:, None], other=0.0)
     pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     if L2_REGIONS > 0:      # before any program's early exit: all of the grid's programs share the chunks
         l2_prefetch.prefetch(l2_p0, l2_n0, l2_p1, l2_n1, l2_p2, l2_n2, l2_p3, l2_n3, L2_REGIONS)
@@ -276,7 +309,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         if (ctx > 0) & (ctx - 1 >= start) & (ctx - 1 < start + split_len):     # through the loop
             m, l, acc = new_token_state(q, row, kvh0 + g_head, offs_g, gmask, slot_ptr + n,
                                         new_pos, kc_ptr, vc_ptr, kw_ptr, cos_ptr, sin_ptr, eps, scale, k_scale,
-                                        v_scale, HK, G, D, BLOCK_G, KV_FP8, V_IN_TILE)
+                                        v_scale, HK, G, D, BLOCK_G, KV_FP8, V_IN_TILE, PAGE, VT)
     loop_start = start
     if PREFETCH:            # the first tile, loaded before the wait
         if start < end:
@@ -287,7 +320,11 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         kv_off, valid = _tile_rows(bt_ptr, n, stride_bt, kstart, end, r_pos, r_head, kvh0, offs_d, PAGE, HK, D,
                                    PAGE_TILE)
         k = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
-        v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
+        if VT:
+            v = _v_tile_t(vc_ptr, bt_ptr, n, stride_bt, kstart, end, r_pos, r_head, kvh0, offs_d, PAGE, HK, D, BLOCK_N,
+                          PAGE_TILE, HPP)
+        else:
+            v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
         m, l, acc = _tile_update(q, k, v, valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE, HPP, KV_FP8,
                                  V_IN_TILE)
     if KV_FP8 and not V_IN_TILE:
@@ -423,6 +460,7 @@ def paged_decode(q: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.T
     fp8_v_in_tile, max_registers = knobs.get("fp8_v_in_tile", False), knobs.get("max_registers", 0)
     if fp8:
         scale, fp8 = scale * fp8["k_scale"], {"v_scale": fp8["v_scale"], "KV_FP8": True, "V_IN_TILE": fp8_v_in_tile,
+                                              "VT": fp8.get("VT", False),
                                               **({"k_scale": fp8["k_scale"]} if new is not None else {})}
     prologue = {} if new is None else dict(
         qkv_ptr=new.qkv, stride_qkv=new.qkv.stride(0), pos_ptr=new.positions, qw_ptr=new.q_weight,

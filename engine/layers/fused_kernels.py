@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from engine import pdl
-from engine.attention.triton_common import fp8_quantize, kv_scales, rms_norm_halves, rope_halves
+from engine.attention.triton_common import fp8_quantize, kv_scales, rms_norm_halves, rope_halves, v_offset
 
 # rms_norm's warp count; the normed GEMV (gemv.py) reduces its row's sum of squares at the same count, since
 # Triton's reduction order (and so the float32 sum) follows the layout
@@ -64,13 +64,15 @@ QK_SPLIT_BELOW = 64
 def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr,
                          stride_qkv, eps, kc_ptr, vc_ptr, slot_ptr, HQ: tl.constexpr, HK: tl.constexpr,
                          D: tl.constexpr, BLOCK_H: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr = False,
-                         k_scale=1.0, v_scale=1.0, KV_FP8: tl.constexpr = False):
+                         k_scale=1.0, v_scale=1.0, KV_FP8: tl.constexpr = False, VT: tl.constexpr = False,
+                         PAGE: tl.constexpr = 1):
     """Program (t, g): token t's heads g * BLOCK_H .. (g + 1) * BLOCK_H - 1 of its HQ q heads then HK k heads
     (contiguous in the packed qkv row) as one tile; BLOCK_H is 1 (a head per program) or covers every head.
     STORE: the roped k heads, and the v heads of the same index (the qkv row's columns after q and k), also go
     to the paged cache ([blocks, block_size, HK, D], contiguous) at row slot_mapping[t], as _store_kv_kernel
     writes them; a padding token (slot < 0) writes nothing there. KV_FP8: the cache is e4m3 and gets k / k_scale
-    and v / v_scale (fp8_quantize, as _store_kv_kernel)."""
+    and v / v_scale (fp8_quantize, as _store_kv_kernel); VT: V's blocks hold each head's positions contiguous
+    (kv_quant.v_t, PAGE positions a block)."""
     pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)     # 0..HQ-1: q heads, HQ..HQ+HK-1: k heads
@@ -113,8 +115,9 @@ def _qk_norm_rope_kernel(qkv_ptr, pos_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_o
             v1, v2 = fp8_quantize(v1, v_scale), fp8_quantize(v2, v_scale)
         tl.store(kc_ptr + row + half[None, :], k1, mask=keep)
         tl.store(kc_ptr + row + D // 2 + half[None, :], k2, mask=keep)
-        tl.store(vc_ptr + row + half[None, :], v1, mask=keep)
-        tl.store(vc_ptr + row + D // 2 + half[None, :], v2, mask=keep)
+        v_head = (h - HQ)[:, None]
+        tl.store(vc_ptr + v_offset(slot, v_head, half[None, :], HK, D, PAGE, VT), v1, mask=keep)
+        tl.store(vc_ptr + v_offset(slot, v_head, D // 2 + half[None, :], HK, D, PAGE, VT), v2, mask=keep)
 
 
 def qk_heads_per_program(tokens: int, heads: int) -> int:
@@ -144,6 +147,7 @@ def qk_norm_rope(qkv: torch.Tensor, positions: torch.Tensor, q_weight: torch.Ten
         qkv, positions, q_weight, k_weight, cos, sin, q, k, qkv.stride(0), eps,
         k_cache if store else k, v_cache if store else k, slot_mapping if store else positions,
         HQ=hq, HK=hk, D=d, BLOCK_H=hpp, STORE=store, num_warps=1 if hpp == 1 else 4,
+        PAGE=k_cache.shape[1] if store else 1,
         **(kv_scales(k_cache, v_cache, k_scale, v_scale) if store else {}), **pdl.launch(qkv))
     return q, k
 

@@ -78,6 +78,8 @@ def lab_levers(desc: dict) -> dict:
         on.append("LAB_DECODE_LAYER=1")
     if model.get("l2_prefetch", "0") != "0":
         on.append(f"LAB_L2_PREFETCH={model['l2_prefetch']}")
+    if (desc.get("kv_cache") or {}).get("v_transposed"):
+        on.append("LAB_FP8_V_T=1")
     if desc.get("fp8_decode"):
         on.append(f"LAB_FP8_DECODE={decode_knobs_text(desc['fp8_decode'])}")
     if desc.get("decode_knobs"):

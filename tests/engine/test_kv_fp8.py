@@ -126,7 +126,7 @@ def test_the_engine_runs_an_fp8_cache_end_to_end(tame_tiny):
             described[kv] = eng.describe()
         finally:
             eng.close()
-    assert described["fp8"]["kv_cache"] == {"kv_cache_dtype": "fp8", "dtype": "float8_e4m3fn",
+    assert described["fp8"]["kv_cache"] == {"kv_cache_dtype": "fp8", "dtype": "float8_e4m3fn", "v_transposed": False,
                                             "bytes_per_token": described["auto"]["kv_cache"]["bytes_per_token"] // 4,
                                             "scales": {"k": 1.0, "v": 1.0}}
     assert described["fp8"]["config"]["kv_cache_dtype"] == "fp8"
@@ -155,3 +155,32 @@ def test_an_fp8_cache_on_a_gpu_before_sm89_is_refused_in_one_line(tiny_model_dir
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert cfg.check_machine() == "cuda"
     assert Config(str(tiny_model_dir), device="cuda", attention_backend="torch").check_machine() == "cuda"
+
+
+def test_the_v_transposed_layout_gives_the_same_generation(tame_tiny, monkeypatch):
+    """LAB_FP8_V_T=1: the pool's e4m3 V views hold each block's head positions contiguous (kv_quant.v_t) and every
+    write and read goes through that layout: the same tokens and log-probs as the e4m3 cache laid out as K, bit for
+    bit (torch backend, prefills, prefix hits and decode steps), and the pool says which layout it holds."""
+    from engine import LLMEngine, SamplingParams
+    from engine.attention import kv_quant
+
+    prompts = [[int(t) for t in torch.randint(1, 5000, (n,), generator=torch.Generator().manual_seed(n))]
+               for n in (40, 7, 90)]
+    prompts.append(prompts[2][:60] + [11, 12, 13])              # a prefix hit on the third prompt's blocks
+    runs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("LAB_FP8_V_T", on)
+        eng = LLMEngine(str(tame_tiny), kv_cache_dtype="fp8", **KW)
+        try:
+            layer = eng.runner.model.attention_layers()[0]
+            assert kv_quant.v_transposed(layer.v_cache) is (on == "1") and not kv_quant.v_transposed(layer.k_cache)
+            assert eng.describe()["kv_cache"]["v_transposed"] is (on == "1")
+            runs[on] = [(o["token_ids"], [lp.top for lp in o["logprobs"]]) for o in eng.generate(
+                prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2))]
+        finally:
+            eng.close()
+    assert runs["1"] == runs["0"]
+    monkeypatch.setenv("LAB_FP8_V_T", "yes")
+    from engine.config import ConfigError
+    with pytest.raises(ConfigError, match="LAB_FP8_V_T='yes'"):
+        LLMEngine(str(tame_tiny), kv_cache_dtype="fp8", **KW)

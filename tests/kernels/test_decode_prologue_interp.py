@@ -32,12 +32,14 @@ FP8_SCALES = (0.5, 2.0)         # an e4m3 cache's k and v scales
 # (dtype, kv cache, heads per program, SMs: 1 gives one split, 8 and 64 several, fused reduce, positions a tile): the
 # first tile read before the PDL wait (PREFETCH) where several splits go to the reduce kernel; 16-position tiles
 # give those splits two tiles each, the second read in the loop; a seventh field True: one block-table load a tile
-# (page_tile, where the tile divides the page)
+# (page_tile, where the tile divides the page); an eighth True: the e4m3 V cache's blocks hold each head's positions
+# contiguous (kv_quant.v_t), read one position run a tile (page_tile, one kv head a program) or position by position
 CASES = [("float32", "auto", 1, 1, False, 64), ("float32", "auto", 1, 64, False, 64), ("float32", "auto", 2, 64, True, 64),
          ("bfloat16", "auto", 1, 64, True, 64), ("bfloat16", "auto", 2, 1, False, 64),
          ("bfloat16", "fp8", 1, 64, False, 64), ("float32", "fp8", 1, 64, True, 64),
          ("float32", "auto", 1, 8, False, 16), ("bfloat16", "fp8", 1, 8, False, 16),
-         ("float32", "auto", 1, 8, False, 16, True), ("bfloat16", "auto", 1, 16, True, 16, True)]
+         ("float32", "auto", 1, 8, False, 16, True), ("bfloat16", "auto", 1, 16, True, 16, True),
+         ("bfloat16", "fp8", 1, 8, False, 16, True, True), ("float32", "fp8", 1, 64, True, 64, False, True)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_key)
@@ -46,6 +48,7 @@ def test_prologue_gives_the_unfused_route_output_and_caches(results, case):
     assert r["splits"] > 1 or case[3] == 1, r
     assert r["tiles_a_split"] == (2 if case[5] == 16 else r["tiles_a_split"]), r
     assert r["k_cache_equal"] and r["v_cache_equal"], r          # the new rows, and nothing else touched
+    assert r["v_as_written"], r                                  # e4m3: in its layout, where a read finds it
     assert r["rows_written"] == HK * sum(map(bool, CONTEXTS)) and r["stale_before"], r   # live rows x kv heads
     tol = 2e-6 if case[0] == "float32" else 2e-2
     assert r["vs_unfused"] <= tol, r
@@ -103,7 +106,7 @@ def _reference(torch, qkv, positions, qw, kw, rope, k_cache, v_cache, tables, co
 
 
 def run_case(torch, tk, fk, kv_quant, RotaryEmbedding, dtype_name, cache, hpp, sms, fuse, block_n,
-             page_tile=False) -> dict:
+             page_tile=False, v_t=False) -> dict:
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(7)
     n = len(CONTEXTS)
@@ -128,6 +131,8 @@ def run_case(torch, tk, fk, kv_quant, RotaryEmbedding, dtype_name, cache, hpp, s
         kc, vc = (c.clone() for c in before)
         if cache == "fp8":
             kc, vc = (kv_quant.mark(c, s, dtype) for c, s in zip((kc, vc), FP8_SCALES))
+            if v_t:
+                vc = kv_quant.to_v_t(vc)
         args = dict(max_len=MAX_LEN, sm_count=sms, kv_per_prog=hpp, fuse_reduce=fuse, order=order, block_n=block_n,
                     page_tile=page_tile)
         if route == "unfused":
@@ -146,7 +151,15 @@ def run_case(torch, tk, fk, kv_quant, RotaryEmbedding, dtype_name, cache, hpp, s
     raw = [c.view(torch.uint8) if cache == "fp8" else c for c in (*caches["unfused"], *caches["prologue"])]
     splits, split_len = tk.choose_splits(n, HK // tk.kv_per_program(HK, hpp), MAX_LEN, block_n, sms, tk.DECODE_WAVES)
     plain = [c.view(torch.uint8) if cache == "fp8" else c for c in caches["prologue-plain"]]
+    v_as_written = True
+    if cache == "fp8":      # the V cache read back (either layout) is the old one with each live row's v quantized
+        want = kv_quant.mark(before[1].clone(), FP8_SCALES[1], dtype)
+        live_slots = slots[slots >= 0]
+        kv_quant.write(want, live_slots, qkv[:, (HQ + HK) * D:].reshape(n, HK, D)[slots >= 0])
+        every = torch.arange(BLOCKS).view(1, BLOCKS)
+        v_as_written = bool(torch.equal(kv_quant.read(caches["prologue"][1], every), kv_quant.read(want, every)))
     return {"k_cache_equal": bool(torch.equal(raw[0], raw[2])), "v_cache_equal": bool(torch.equal(raw[1], raw[3])),
+            "v_as_written": v_as_written,
             "prefetch_same": bool(torch.equal(outs["prologue"], outs["prologue-plain"]) and
                                   all(torch.equal(a, b) for a, b in zip(plain, raw[2:]))),
             "rows_written": int(changed.sum()),

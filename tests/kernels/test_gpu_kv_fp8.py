@@ -92,11 +92,13 @@ def test_fused_store_writes_what_store_kv_writes():
             assert (a != b).float().mean().item() < 1e-3
 
 
+@pytest.mark.parametrize("v_t", [False, True])
 @pytest.mark.parametrize("page", [16, 256])
 @pytest.mark.parametrize("lengths, fuse", [([1, 4096], None), ([1, 17, 255, 256, 257, 1000, 3000], False),
                                            ([1, 17, 255, 256, 257, 1000, 3000], True), ([1024] * 64, None),
                                            ([0, 5, 0, 300], None)])
-def test_decode_reads_fp8_against_float32(page, lengths, fuse):
+def test_decode_reads_fp8_against_float32(page, lengths, fuse, v_t):
+    """v_t: the V cache's blocks hold each head's positions contiguous (kv_quant.v_t, LAB_FP8_V_T)."""
     from engine.attention import triton_kernels as tk
     from labkit.bench.attention import decode_reference
 
@@ -107,7 +109,9 @@ def test_decode_reads_fp8_against_float32(page, lengths, fuse):
     q = torch.randn(len(lengths), HQ, D, device="cuda", dtype=torch.bfloat16)
     order = torch.argsort(lens, descending=True).to(torch.int32)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    out = tk.paged_decode(q, kc, vc, tables, lens, D ** -0.5, max(lengths), sms, order=order, fuse_reduce=fuse)
+    from engine.attention import kv_quant
+    out = tk.paged_decode(q, kc, kv_quant.to_v_t(vc) if v_t else vc, tables, lens, D ** -0.5, max(lengths), sms,
+                          order=order, fuse_reduce=fuse)
     live = lens > 0
     ref = decode_reference(q, kf, vf, tables, lens.clamp_min(1), D ** -0.5)
     tol = 3e-2 * max(1.0, ref[live].abs().max().item())
@@ -115,6 +119,32 @@ def test_decode_reads_fp8_against_float32(page, lengths, fuse):
     assert (out[~live] == 0).all()
     dropped = decode_reference(q, kf, vc.float(), tables, lens.clamp_min(1), D ** -0.5)     # V scale dropped
     assert (dropped - ref)[live].abs().max().item() > 10 * tol
+
+
+def test_the_v_t_layout_gives_the_same_tokens(kernel_engine, tmp_path_factory, monkeypatch):
+    """LAB_FP8_V_T=1 on an engine (graphs, overlap, the decode prologue, bf16, an e4m3 cache): the same greedy tokens
+    as the e4m3 cache laid out as K, and log-probs within bf16 rounding of them, at batch 1 and 17."""
+    from engine import SamplingParams
+    from labkit.assets.synth import synth_model
+
+    model = synth_model("tiny", tmp_path_factory.mktemp("tiny-vt") / "m", dtype="float32")
+    kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=32, kvcache_block_size=16, num_kvcache_blocks=512,
+              max_model_len=512, max_num_batched_tokens=2048, enforce_eager=False, overlap=True,
+              kv_cache_dtype="fp8")
+    prompts = [[(5000 + 43 * i + j) % 150000 for j in range(9 + 21 * i)] for i in range(17)]
+    logged = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0) for _ in range(17)]
+    outs = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("LAB_FP8_V_T", on)
+        engine = kernel_engine(model, **kw)
+        assert engine.describe()["kv_cache"]["v_transposed"] is (on == "1")
+        outs[on] = [engine.generate(prompts[:1], logged[:1]), engine.generate(prompts, logged)]
+        engine.close()
+    for a_run, b_run in zip(outs["0"], outs["1"]):
+        for a, b in zip(a_run, b_run):
+            assert a["token_ids"] == b["token_ids"]
+            for x, y in zip(a["logprobs"], b["logprobs"]):
+                assert abs(x.logprob - y.logprob) < 5e-2, (x, y)
 
 
 def test_prefill_reads_fp8_against_float32():

@@ -7,7 +7,10 @@ references built from engine/attention/kv_quant.py:
   quantizing store_kv;
 - the paged decode (one split, several splits with the reduce kernel and with the fused reduce, 1 and 2 kv heads
   per program, the V scale on the accumulator or on each V tile) and the paged prefill read e4m3 caches: their outputs against float32 attention on the
-  dequantized caches (value * scale).
+  dequantized caches (value * scale);
+- each of them again with the V cache's blocks holding each head's positions contiguous (kv_quant.v_t): the stores
+  write there what a read of that layout finds, and the decode (a page's position runs a tile, or position by
+  position) and the prefill read it.
 
 The scales are 0.05 (K) and 0.02 (V), not 1.0, and the values span e4m3's range at those scales, so a kernel
 that drops or misplaces a scale is off by far more than the tolerance (each case also records how far the
@@ -30,6 +33,9 @@ DTYPES = ("float32", "bfloat16")
 # cache's default does (engine/attention/splits.py: DECODE_FP8_PAGE_TILE)
 DECODE = [(1, 1, None, False, 64), (1, 16, False, False, 64), (2, 16, True, False, 64), (2, 1, None, False, 64),
           (1, 1, None, True, 64), (2, 16, True, True, 64), (1, 16, False, False, 16), (2, 1, None, False, 16)]
+# the same kernels over a V cache in the other layout (kv_quant.v_t): block_n 16 with one kv head a program reads a
+# page's position runs (engine/attention/triton_kernels.py: _v_tile_t), the others position by position
+DECODE_VT = [(1, 16, False, False, 16), (1, 1, None, False, 16), (2, 16, True, False, 16), (1, 16, False, True, 64)]
 HQ, HK, D, PAGE = 4, 2, 32, 16
 LENGTHS = [0, 1, 37, 70]              # a padding row, one position, partial tiles, across pages
 # decode tolerance: float32 queries reach the reference to float32 rounding; bfloat16 queries (and P rounded to
@@ -37,27 +43,30 @@ LENGTHS = [0, 1, 37, 70]              # a padding row, one position, partial til
 DECODE_TOL = {"float32": 1e-4, "bfloat16": 3e-2}
 
 
+@pytest.mark.parametrize("v_t", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_writes_the_quantized_bytes(results, dtype):
-    r = results["store"][dtype]
+def test_store_writes_the_quantized_bytes(results, dtype, v_t):
+    r = results["store"][f"{dtype}-{v_t}"]
     assert r["k_equal"] and r["v_equal"], r          # bytes: kv_quant.quantize(x, scale), padding untouched
     assert r["saturated"] > 0 and r["k_max"] == 448.0, r
     assert r["padding_untouched"], r
     assert r["dropped_scale_bytes_differ"] > 0.5, r  # the check has teeth: x itself in e4m3 is other bytes
 
 
+@pytest.mark.parametrize("v_t", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_qk_norm_rope_store_quantizes_as_store_kv(results, dtype):
-    r = results["fused_store"][dtype]
+def test_fused_qk_norm_rope_store_quantizes_as_store_kv(results, dtype, v_t):
+    r = results["fused_store"][f"{dtype}-{v_t}"]
     assert r["qk_equal"], r
     assert r["k_cache_equal"] and r["v_cache_equal"], r
     assert r["rows_written"] > 0, r
 
 
+@pytest.mark.parametrize("v_t", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_reads_fp8_against_float32(results, dtype):
-    for hpp, sms, fuse, v_in_tile, block_n in DECODE:
-        r = results["decode"][f"{dtype}-{hpp}-{sms}-{fuse}-{v_in_tile}-{block_n}"]
+def test_decode_reads_fp8_against_float32(results, dtype, v_t):
+    for hpp, sms, fuse, v_in_tile, block_n in DECODE_VT if v_t else DECODE:
+        r = results["decode"][f"{dtype}-{hpp}-{sms}-{fuse}-{v_in_tile}-{block_n}-{v_t}"]
         assert (r["splits"] == 1) == (sms == 1), r      # one split, or several (reduce kernel / fused reduce)
         assert r["max_abs"] <= DECODE_TOL[dtype], r
         assert r["padding_row_zero"], r
@@ -65,9 +74,10 @@ def test_decode_reads_fp8_against_float32(results, dtype):
         assert r["v_scale_dropped_err"] > 10 * DECODE_TOL[dtype], r
 
 
+@pytest.mark.parametrize("v_t", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_reads_fp8_against_float32(results, dtype):
-    r = results["prefill"][dtype]
+def test_prefill_reads_fp8_against_float32(results, dtype, v_t):
+    r = results["prefill"][f"{dtype}-{v_t}"]
     assert r["max_abs"] <= DECODE_TOL[dtype], r
     assert r["k_scale_dropped_err"] > 10 * DECODE_TOL[dtype], r
     assert r["v_scale_dropped_err"] > 10 * DECODE_TOL[dtype], r
@@ -139,7 +149,7 @@ def _fp8_cast_fix(orig):
     return convert
 
 
-def _store(torch, tk, kv_quant, dtype) -> dict:
+def _store(torch, tk, kv_quant, dtype, v_t=False) -> dict:
     g = torch.Generator().manual_seed(1)
     t, blocks = 6, 3
     k = (torch.randn(t, HK, D, generator=g) * 8 * K_SCALE).to(dtype)
@@ -147,12 +157,12 @@ def _store(torch, tk, kv_quant, dtype) -> dict:
     k[0, 0, :4] = torch.tensor([500.0, -1000.0, 448.0, 1e-4]).to(dtype) * K_SCALE     # past the range, at it, tiny
     slots = torch.tensor([3, 17, -1, 0, 40, -1])
     fill = torch.full((blocks, PAGE, HK, D), 0.5).to(kv_quant.FP8)        # padding slots must keep this
-    kc, vc = fill.clone(), fill.clone()
+    kc, vc = fill.clone(), kv_quant.mark(fill.clone(), V_SCALE, torch.float32, v_t=v_t)
     tk.store_kv(k, v, kc, vc, slots, k_scale=K_SCALE, v_scale=V_SCALE)
     ref_k, ref_v = fill.clone(), fill.clone()
     live = slots >= 0
     kv_quant.write(kv_quant.mark(ref_k, K_SCALE, torch.float32), slots[live], k[live])
-    kv_quant.write(kv_quant.mark(ref_v, V_SCALE, torch.float32), slots[live], v[live])
+    kv_quant.write(kv_quant.mark(ref_v, V_SCALE, torch.float32, v_t=v_t), slots[live], v[live])
     byte = lambda x: x.view(torch.uint8)  # noqa: E731
     untouched = torch.ones(blocks * PAGE, dtype=torch.bool)
     untouched[slots[live]] = False
@@ -163,7 +173,7 @@ def _store(torch, tk, kv_quant, dtype) -> dict:
             "dropped_scale_bytes_differ": float((byte(dropped) != byte(kc.view(-1, HK, D)[slots[live]])).float().mean())}
 
 
-def _fused_store(torch, tk, kv_quant, dtype) -> dict:
+def _fused_store(torch, tk, kv_quant, dtype, v_t=False) -> dict:
     from engine.layers.fused_kernels import qk_norm_rope
     from engine.layers.rotary import RotaryEmbedding
 
@@ -175,15 +185,20 @@ def _fused_store(torch, tk, kv_quant, dtype) -> dict:
     rope = RotaryEmbedding(D, 64, 10000.0)
     slots = torch.tensor([5, -1, 20, 33, 2])
     kc, vc = (torch.zeros(3, PAGE, HK, D, dtype=kv_quant.FP8) for _ in range(2))
+    kv_quant.mark(vc, V_SCALE, torch.float32, v_t=v_t)
     q1, k1 = qk_norm_rope(qkv, pos, qw, kw, rope.cos, rope.sin, HQ, HK, D, 1e-6, k_cache=kc, v_cache=vc,
                           slot_mapping=slots, k_scale=K_SCALE, v_scale=V_SCALE)
     q2, k2 = qk_norm_rope(qkv, pos, qw, kw, rope.cos, rope.sin, HQ, HK, D, 1e-6)
     rk, rv = (torch.zeros(3, PAGE, HK, D, dtype=kv_quant.FP8) for _ in range(2))
+    kv_quant.mark(rv, V_SCALE, torch.float32, v_t=v_t)
     v = qkv[:, (HQ + HK) * D:].reshape(t, HK, D)
     tk.store_kv(k2, v, rk, rv, slots, k_scale=K_SCALE, v_scale=V_SCALE)
     byte = lambda x: x.view(torch.uint8)  # noqa: E731
+    want = kv_quant.mark(torch.zeros(3, PAGE, HK, D, dtype=kv_quant.FP8), V_SCALE, torch.float32, v_t=v_t)
+    kv_quant.write(want, slots[slots >= 0], v[slots >= 0])     # the torch writer of the same layout
     return {"qk_equal": bool(torch.equal(q1, q2) and torch.equal(k1, k2)),
-            "k_cache_equal": bool(torch.equal(byte(kc), byte(rk))), "v_cache_equal": bool(torch.equal(byte(vc), byte(rv))),
+            "k_cache_equal": bool(torch.equal(byte(kc), byte(rk))),
+            "v_cache_equal": bool(torch.equal(byte(vc), byte(rv)) and torch.equal(byte(vc), byte(want))),
             "rows_written": int((byte(kc).view(-1, HK * D) != 0).any(1).sum())}
 
 
@@ -197,7 +212,7 @@ def _caches(torch, kv_quant, blocks: int, g):
     return kc, vc, kc.float() * K_SCALE, vc.float() * V_SCALE
 
 
-def _decode(torch, tk, kv_quant, dtype, hpp, sms, fuse, v_in_tile, block_n) -> dict:
+def _decode(torch, tk, kv_quant, dtype, hpp, sms, fuse, v_in_tile, block_n, v_t=False) -> dict:
     from labkit.bench.attention import decode_reference
 
     g = torch.Generator().manual_seed(3)
@@ -208,8 +223,8 @@ def _decode(torch, tk, kv_quant, dtype, hpp, sms, fuse, v_in_tile, block_n) -> d
     lens = torch.tensor(LENGTHS, dtype=torch.int32)
     q = torch.randn(n, HQ, D, generator=g).to(dtype)
     scale = D ** -0.5
-    out = tk.paged_decode(q, kc, vc, tables, lens, scale, max(LENGTHS), sms, block_n=block_n, kv_per_prog=hpp,
-                          fuse_reduce=fuse, fp8_v_in_tile=v_in_tile)
+    out = tk.paged_decode(q, kc, kv_quant.to_v_t(vc) if v_t else vc, tables, lens, scale, max(LENGTHS), sms,
+                          block_n=block_n, kv_per_prog=hpp, fuse_reduce=fuse, fp8_v_in_tile=v_in_tile)
     ref = decode_reference(q, kf, vf, tables, lens, scale)
     live = lens > 0
     err = float((out.float() - ref)[live].abs().max())
@@ -221,7 +236,7 @@ def _decode(torch, tk, kv_quant, dtype, hpp, sms, fuse, v_in_tile, block_n) -> d
             "v_scale_dropped_err": float((no_v - ref)[live].abs().max())}
 
 
-def _prefill(torch, pk, kv_quant, dtype) -> dict:
+def _prefill(torch, pk, kv_quant, dtype, v_t=False) -> dict:
     from labkit.bench.attention import prefill_reference
 
     g = torch.Generator().manual_seed(4)
@@ -233,7 +248,8 @@ def _prefill(torch, pk, kv_quant, dtype) -> dict:
     cu_q = torch.arange(0, seqs + 1, dtype=torch.int32) * new
     cu_k = torch.arange(0, seqs + 1, dtype=torch.int32) * (prefix + new)
     scale = D ** -0.5
-    out = pk.paged_prefill(q, kc, vc, tables, cu_q, cu_k, new, scale, block_m=16, block_n=16)
+    out = pk.paged_prefill(q, kc, kv_quant.to_v_t(vc) if v_t else vc, tables, cu_q, cu_k, new, scale, block_m=16,
+                           block_n=16)
     ref = prefill_reference(q, kf, vf, tables, seqs, prefix, new, scale)
     no_k = prefill_reference(q, kc.float(), vf, tables, seqs, prefix, new, scale)
     no_v = prefill_reference(q, kf, vc.float(), tables, seqs, prefix, new, scale)
@@ -262,11 +278,13 @@ def main() -> None:
     if not interpreter_ready(probe):
         return
     dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    out = {"store": {d: _store(torch, tk, kv_quant, dt[d]) for d in DTYPES},
-           "fused_store": {d: _fused_store(torch, tk, kv_quant, dt[d]) for d in DTYPES},
-           "decode": {f"{d}-{hpp}-{sms}-{fuse}-{vt}-{bn}": _decode(torch, tk, kv_quant, dt[d], hpp, sms, fuse, vt, bn)
-                      for d in DTYPES for hpp, sms, fuse, vt, bn in DECODE},
-           "prefill": {d: _prefill(torch, pk, kv_quant, dt[d]) for d in DTYPES}}
+    both = [(d, t) for d in DTYPES for t in (False, True)]
+    out = {"store": {f"{d}-{t}": _store(torch, tk, kv_quant, dt[d], t) for d, t in both},
+           "fused_store": {f"{d}-{t}": _fused_store(torch, tk, kv_quant, dt[d], t) for d, t in both},
+           "decode": {f"{d}-{hpp}-{sms}-{fuse}-{vit}-{bn}-{t}": _decode(torch, tk, kv_quant, dt[d], hpp, sms, fuse, vit,
+                                                                        bn, t)
+                      for d, t in both for hpp, sms, fuse, vit, bn in (DECODE_VT if t else DECODE)},
+           "prefill": {f"{d}-{t}": _prefill(torch, pk, kv_quant, dt[d], t) for d, t in both}}
     print(json.dumps(out))
 
 

@@ -10,7 +10,8 @@ shapes of the tiny, Qwen3-0.6B and Qwen3-8B presets: the batch-1 GEMVs (plain, n
 without the peeled first chunk), the rows GEMV's variants (2, 4 and 8 rows), the split-K GEMM's row tiles, every paged-decode variant ``decode_variants`` says a batch of 1..512 can
 meet, the prefills, the KV store, the norms, q/k norm + RoPE and the sampling kernel, and again every kernel that
 reads or writes the KV cache with an FP8 (e4m3) cache: each decode variant, the paged prefill, the quantizing
-store and q/k norm + RoPE's store; and each decode variant through the decode prologue (q/k norm + RoPE and the
+store and q/k norm + RoPE's store, and all of these again with the V cache's other layout (kv_quant.v_t); and each
+decode variant through the decode prologue (q/k norm + RoPE and the
 KV store inside the decode kernel), on either cache, and at batch 1 asking L2 for a layer's weights
 (engine/l2_prefetch.py); and the persistent decode layer (engine/layers/decode_layer.py) at Qwen3-0.6B's shapes (the first
 layer and the later ones) and Qwen3-8B's (the later ones), in its one launch over 132 SMs. Triton's own compiler and the ptxas its wheel ships do the rest; nothing runs
@@ -73,6 +74,9 @@ def test_every_kv_cache_kernel_compiles_with_an_fp8_cache(compiled):
         # the decode with the V scale in its other place (two rows at max_len: split and reduce kernels), paged
         # prefill, store_kv, q/k norm + RoPE's store at 1 and 64 tokens
         assert p["fp8_other_calls"] == 6, p
+        # and with the V cache's blocks holding each head's positions contiguous (LAB_FP8_V_T)
+        assert p["fp8_vt_decode_calls"] == p["fp8_vt_prologue_decode_calls"] == p["decode_variants"], p
+        assert p["fp8_vt_other_calls"] == 4, p
 
 
 # -- the compiling process --------------------------------------------------------------------------------------
@@ -296,6 +300,20 @@ def _fp8_cache(calls: list, e, variants: dict, blocks: int, page: int, hq: int, 
         fk.qk_norm_rope(e(tokens, (hq + 2 * hk) * d), torch.zeros(tokens, dtype=torch.int64), e(d), e(d), cos, cos,
                         hq, hk, d, 1e-6, k_cache=kc, v_cache=vc, slot_mapping=torch.zeros(tokens, dtype=torch.int64))
     out["fp8_other_calls"] = len(calls) - before
+    # the V cache in its other layout (kv_quant.v_t, LAB_FP8_V_T): every decode variant, through the prologue too,
+    # then the paged prefill, store_kv and q/k norm + RoPE's store at 1 and 64 tokens
+    vt = kv_quant.mark(e(blocks, page, hk, d, dtype=kv_quant.FP8), 0.5, bf16, v_t=True)
+    out["fp8_vt_decode_calls"] = _decode_launches(calls, e, variants, kc, vt, page, hq, d, max_len, sm)
+    out["fp8_vt_prologue_decode_calls"] = _decode_launches(calls, e, variants, kc, vt, page, hq, d, max_len, sm,
+                                                           prologue=True)
+    before = len(calls)
+    pk.paged_prefill(e(t, hq, d), kc, vt, torch.zeros(2, 4, dtype=torch.int32), cu, cu, 32, d ** -0.5)
+    tk.store_kv(e(t, hk, d), e(t, hk, d), kc, vt, torch.zeros(t, dtype=torch.int64))
+    for tokens in (1, t):
+        cos = e(max_len, d, dtype=torch.float32)
+        fk.qk_norm_rope(e(tokens, (hq + 2 * hk) * d), torch.zeros(tokens, dtype=torch.int64), e(d), e(d), cos, cos,
+                        hq, hk, d, 1e-6, k_cache=kc, v_cache=vt, slot_mapping=torch.zeros(tokens, dtype=torch.int64))
+    out["fp8_vt_other_calls"] = len(calls) - before
     return out
 
 

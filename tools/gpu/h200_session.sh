@@ -34,7 +34,8 @@
 #   tools/gpu/h200_session.sh final   # pytest -m gpu (the decode layer's tests too), the bf16, graph and kv-fp8
 #                                     # guards, nano-vllm on bf16 against BEFORE and on e4m3 (its defaults, then the
 #                                     # e4m3 knobs before the timed ones, through LAB_FP8_DECODE), batch-1 latency
-#                                     # against BEFORE, then the rate sweep on the e4m3 cache if the call has time
+#                                     # against BEFORE, nano-vllm on e4m3 with LAB_FP8_V_T=1 and its guard, then the
+#                                     # rate sweep on the e4m3 cache if the call has time
 #
 # one that ranks the decode kernel's knobs on the e4m3 cache:
 #
@@ -337,6 +338,10 @@ final_phase() {
   nano_vllm nano-vllm-fp8-old-knobs LAB_FP8_DECODE=page_tile=0,v_in_tile=1,maxnreg=none --kv-cache-dtype fp8
   step guard-kv-fp8 45 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 --dtype bfloat16 --device cuda \
        --attention triton --out "$W/runs/guard-kv-fp8.json"
+  # the e4m3 V cache with each head's positions contiguous in a block (LAB_FP8_V_T, off by default), and its guard
+  nano_vllm nano-vllm-fp8-v-t LAB_FP8_V_T=1 --kv-cache-dtype fp8
+  step guard-kv-fp8-v-t 45 env LAB_FP8_V_T=1 $PY -m labkit logits guard --suite baseline --kv-cache-dtype fp8 \
+       --dtype bfloat16 --device cuda --attention triton --out "$W/runs/guard-kv-fp8-v-t.json"
   # then, if the call has time, the rate sweep on the e4m3 cache (the serving phase's sweep on bf16 is its pair)
   RATES=8,64,128,inf sweep fp8-sweep 80 --kv-cache-dtype fp8
 }

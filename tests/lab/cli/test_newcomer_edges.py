@@ -96,6 +96,7 @@ def test_serve_banner_names_the_lab_levers_away_from_their_defaults():
     assert lab_levers(triton | {"model": {"qk_norm_rope_kv": "decode-prologue", "l2_prefetch": "mlp"}}) \
         == {"lab levers": "LAB_L2_PREFETCH=mlp"}
     assert lab_levers(triton | {"model": {"qk_norm_rope_kv": "decode-prologue", "l2_prefetch": "0"}}) == {}
+    assert lab_levers(triton | {"kv_cache": {"v_transposed": True}}) == {"lab levers": "LAB_FP8_V_T=1"}
     assert lab_levers(triton | {"attention_backend": "torch", "model": {"qk_norm_rope_kv": "fused"}}) == {}
     assert lab_levers(triton | {"fp8_decode": {"num_warps": 8, "fp8_v_in_tile": False, "max_registers": None}}) \
         == {"lab levers": "LAB_FP8_DECODE=warps=8,v_in_tile=0,maxnreg=none"}
