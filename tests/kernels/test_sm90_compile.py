@@ -281,9 +281,7 @@ def _fp8_cache(calls: list, e, variants: dict, blocks: int, page: int, hq: int, 
     import torch
 
     import engine.attention.triton_kernels as tk
-    import engine.attention.prefill_kernels as pk
     from engine.attention import kv_quant, splits
-    from engine.layers import fused_kernels as fk
 
     bf16 = torch.bfloat16
     kc, vc = (kv_quant.mark(e(blocks, page, hk, d, dtype=kv_quant.FP8), 0.5, bf16) for _ in range(2))
@@ -293,12 +291,7 @@ def _fp8_cache(calls: list, e, variants: dict, blocks: int, page: int, hq: int, 
     before = len(calls)
     tk.paged_decode(e(2, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32),
                     d ** -0.5, max_len, sm, fp8_v_in_tile=not splits.DECODE_FP8_V_IN_TILE)    # the other V-scale place
-    pk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), cu, cu, 32, d ** -0.5)
-    tk.store_kv(e(t, hk, d), e(t, hk, d), kc, vc, torch.zeros(t, dtype=torch.int64))
-    for tokens in (1, t):
-        cos = e(max_len, d, dtype=torch.float32)
-        fk.qk_norm_rope(e(tokens, (hq + 2 * hk) * d), torch.zeros(tokens, dtype=torch.int64), e(d), e(d), cos, cos,
-                        hq, hk, d, 1e-6, k_cache=kc, v_cache=vc, slot_mapping=torch.zeros(tokens, dtype=torch.int64))
+    _cache_kernels(e, kc, vc, hq, d, max_len, t, cu)
     out["fp8_other_calls"] = len(calls) - before
     # the V cache in its other layout (kv_quant.v_t, LAB_FP8_V_T): every decode variant, through the prologue too,
     # then the paged prefill, store_kv and q/k norm + RoPE's store at 1 and 64 tokens
@@ -307,14 +300,27 @@ def _fp8_cache(calls: list, e, variants: dict, blocks: int, page: int, hq: int, 
     out["fp8_vt_prologue_decode_calls"] = _decode_launches(calls, e, variants, kc, vt, page, hq, d, max_len, sm,
                                                            prologue=True)
     before = len(calls)
-    pk.paged_prefill(e(t, hq, d), kc, vt, torch.zeros(2, 4, dtype=torch.int32), cu, cu, 32, d ** -0.5)
-    tk.store_kv(e(t, hk, d), e(t, hk, d), kc, vt, torch.zeros(t, dtype=torch.int64))
+    _cache_kernels(e, kc, vt, hq, d, max_len, t, cu)
+    out["fp8_vt_other_calls"] = len(calls) - before
+    return out
+
+
+def _cache_kernels(e, kc, vc, hq: int, d: int, max_len: int, t: int, cu) -> None:
+    """The paged prefill over the caches kc/vc, then the two kernels that write them: store_kv, and q/k norm +
+    RoPE's store at 1 and t tokens (with the stand-in driver: compiles)."""
+    import torch
+
+    import engine.attention.triton_kernels as tk
+    import engine.attention.prefill_kernels as pk
+    from engine.layers import fused_kernels as fk
+
+    hk = kc.shape[2]
+    pk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), cu, cu, 32, d ** -0.5)
+    tk.store_kv(e(t, hk, d), e(t, hk, d), kc, vc, torch.zeros(t, dtype=torch.int64))
     for tokens in (1, t):
         cos = e(max_len, d, dtype=torch.float32)
         fk.qk_norm_rope(e(tokens, (hq + 2 * hk) * d), torch.zeros(tokens, dtype=torch.int64), e(d), e(d), cos, cos,
-                        hq, hk, d, 1e-6, k_cache=kc, v_cache=vt, slot_mapping=torch.zeros(tokens, dtype=torch.int64))
-    out["fp8_vt_other_calls"] = len(calls) - before
-    return out
+                        hq, hk, d, 1e-6, k_cache=kc, v_cache=vc, slot_mapping=torch.zeros(tokens, dtype=torch.int64))
 
 
 def main() -> None:
