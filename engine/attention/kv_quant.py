@@ -88,10 +88,9 @@ def to_v_t(cache: torch.Tensor) -> torch.Tensor:
     shape, marked v_t with the cache's scale and dtype): what the kernels would have written there."""
     q = spec(cache)
     assert q is not None and not q.v_t, "an FP8 cache in the position-major layout"
-    out = torch.empty_like(cache)
-    b, page, hk, d = cache.shape
-    out.view(torch.uint8).view(b, hk, d, page).copy_(cache.view(torch.uint8).permute(0, 2, 3, 1))
-    return mark(out, q.scale, q.dtype, v_t=True)
+    out = mark(torch.empty_like(cache), q.scale, q.dtype, v_t=True)
+    _blocks(out).copy_(_blocks(cache))
+    return out
 
 
 def spec(cache: torch.Tensor) -> KVQuant | None:
@@ -131,15 +130,10 @@ def read(cache: torch.Tensor, index) -> torch.Tensor:
 
 def write(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     """Rows ``x`` [n, Hk, D] into the flat slots of a paged cache, quantized where the cache is FP8 (CPU's
-    index_copy_ has no e4m3 kernel: the bytes are copied as uint8)."""
-    flat = cache.view(-1, *cache.shape[2:])
+    index_copy_ has no e4m3 kernel: the bytes are copied as uint8, through the blocks' layout: :func:`_blocks`)."""
     q = spec(cache)
     if q is None:
-        flat.index_copy_(0, slots, x.to(cache.dtype))
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
         return
-    if q.v_t:
-        page = cache.shape[1]
-        blocks = _blocks(cache)                     # [blocks, block_size, Hk, D] over the transposed bytes
-        blocks[slots // page, slots % page] = quantize(x, q.scale).view(torch.uint8)
-        return
-    flat.view(torch.uint8).index_copy_(0, slots, quantize(x, q.scale).view(torch.uint8))
+    page = cache.shape[1]
+    _blocks(cache)[slots // page, slots % page] = quantize(x, q.scale).view(torch.uint8)
