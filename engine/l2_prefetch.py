@@ -5,8 +5,8 @@ PDL wait, the reduce kernel), while the memory system is mostly idle; the GEMVs 
 each read their weight once, and at Qwen3-0.6B's sizes (4 to 13 MB) each is short enough that its ramp and tail
 keep it well below its bandwidth bound (docs/MEASURED.md: 0.41 to 0.63 of it). Here the attention kernel also
 asks the memory system for those weights: ``cp.async.bulk.prefetch.L2.global`` (sm_90) copies a range of global
-memory into L2 and returns at once: no registers held, no result, no completion to wait for, and nothing the
-kernel computes changes. If L2 still holds the bytes when the GEMVs read them, those reads are L2 hits.
+memory into L2: it holds no registers and gives no result, and nothing the kernel computes changes. If L2 still
+holds the bytes when the GEMVs read them, those reads are L2 hits.
 
 Which weights each layer's attention prefetches is the model's plan (``CausalLM.set_l2_prefetch``): ``mlp``
 this layer's o, gate_up and down weights (about 23 MB at Qwen3-0.6B; an H100's or H200's L2 holds 50 MB), ``layer``
@@ -16,7 +16,7 @@ the qkv GEMV still streaming its own weight.
 
 ``prefetch`` is the device function a kernel calls; ``launch_args`` the host side, the tensors as the kernel's
 keyword arguments. Each region is cut into chunks that the launch's programs take in turn (chunk c to program
-c mod programs), one chunk a thread; a chunk is at least ``MIN_CHUNK`` bytes.
+c mod programs), one chunk a thread of ``LANES``; a chunk is at least ``MIN_CHUNK`` bytes.
 
 Timed on an H100 (docs/MEASURED.md), it lost, so it is off unless asked: batch-1 decode took 0.93 ms a token with
 ``mlp`` and 0.95 with ``layer`` against 0.86 without. In the step budget (PDL off) the four GEMVs took 0.069 ms
@@ -35,17 +35,19 @@ except ImportError:     # a CPU install without triton: no kernel of ours is com
     triton = None
 
 MAX_REGIONS = 4          # the tensors one launch prefetches at most
-MIN_CHUNK = 4096         # bytes a bulk prefetch asks for at least (a multiple of 16)
 MODES = ("0", "mlp", "layer")
 
 if triton is not None:
+    MIN_CHUNK = tl.constexpr(4096)      # bytes a bulk prefetch asks for at least (a multiple of 16)
+    LANES = tl.constexpr(128)           # chunks a program asks for at once: a thread each at the decode's 4 warps
+
     @triton.jit
     def _region(ptr, nbytes, pid, programs, lanes):
         """This program's chunks of one region: chunk pid + programs * lane for each lane (a thread each), chunks
-        of nbytes / (programs x lanes) bytes rounded up to 16 and at least MIN_CHUNK; a lane past the region asks
+        of nbytes / (programs x LANES) bytes rounded up to 16 and at least MIN_CHUNK; a lane past the region asks
         for nothing (size 0: the instruction is predicated off)."""
-        per = (nbytes + programs * 128 - 1) // (programs * 128)             # 128 lanes a program (see prefetch)
-        chunk = tl.maximum(((per + 15) // 16) * 16, 4096).to(tl.int64)
+        per = (nbytes + programs * LANES - 1) // (programs * LANES)
+        chunk = tl.maximum(((per + 15) // 16) * 16, MIN_CHUNK).to(tl.int64)
         off = (pid + programs * lanes).to(tl.int64) * chunk
         size = tl.minimum(tl.maximum(nbytes - off, 0), chunk).to(tl.int32)
         addr = ptr.to(tl.pointer_type(tl.int8)) + tl.where(size > 0, off, 0)
@@ -60,7 +62,7 @@ if triton is not None:
         if REGIONS > 0:
             pid = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
             programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-            lanes = tl.arange(0, 128)
+            lanes = tl.arange(0, LANES)
             _region(p0, n0, pid, programs, lanes)
             if REGIONS > 1:
                 _region(p1, n1, pid, programs, lanes)

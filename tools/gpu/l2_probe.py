@@ -25,9 +25,10 @@ from engine import l2_prefetch  # noqa: E402
 
 
 @triton.jit
-def _prefetch_only(p0, n0, p1, n1, p2, n2, p3=None, n3=0, L2_REGIONS: tl.constexpr = 0):
-    """engine/l2_prefetch.py's prefetch alone: each program its share of the regions."""
-    l2_prefetch.prefetch(p0, n0, p1, n1, p2, n2, p3, n3, L2_REGIONS)
+def _prefetch_only(l2_p0, l2_n0, l2_p1=None, l2_n1=0, l2_p2=None, l2_n2=0, l2_p3=None, l2_n3=0,
+                   L2_REGIONS: tl.constexpr = 0):
+    """engine/l2_prefetch.py's prefetch alone (its launch_args as the arguments): each program its share."""
+    l2_prefetch.prefetch(l2_p0, l2_n0, l2_p1, l2_n1, l2_p2, l2_n2, l2_p3, l2_n3, L2_REGIONS)
 
 
 def main() -> int:
@@ -58,7 +59,6 @@ def main() -> int:
     sm = props.multi_processor_count
     cycles = int(a.sleep_us * props.clock_rate / 1e3) if getattr(props, "clock_rate", 0) else int(a.sleep_us * 1980)
     args = l2_prefetch.launch_args((w["o"], w["gate_up"], w["down"]))
-    kw = {k.replace("l2_p", "p").replace("l2_n", "n"): v for k, v in args.items() if k != "L2_REGIONS"}
 
     def gemvs():
         gemv(x_o, w["o"])
@@ -66,7 +66,7 @@ def main() -> int:
         gemv(x_gu, w["down"], silu_mul=True)
 
     def prefetch(programs=2 * sm):
-        _prefetch_only[(programs,)](**kw, L2_REGIONS=args["L2_REGIONS"], num_warps=4)
+        _prefetch_only[(programs,)](**args, num_warps=4)
 
     def sleep():
         torch.cuda._sleep(cycles)
