@@ -228,7 +228,7 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg["vocab_size"], cfg["hidden_size"], tp)
         self._cfg = cfg
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
-        self.l2_prefetch = "0"          # LAB_L2_PREFETCH's mode (set_l2_prefetch)
+        self.l2_prefetch_mode = "0"     # LAB_L2_PREFETCH's mode (set_l2_prefetch; each attention holds its weights)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -255,7 +255,7 @@ class CausalLM(nn.Module):
                     break
                 taken.append(w.data)
             attn.l2_prefetch = tuple(taken)
-        self.l2_prefetch = mode
+        self.l2_prefetch_mode = mode
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -274,7 +274,7 @@ class CausalLM(nn.Module):
             route = {"": "fused", "prefetch": "decode-prologue"}.get(mode, "decode-prologue-noprefetch")
         return {"architecture": self.architecture, **self.family.summary(self._cfg), "qk_norm_rope_kv": route,
                 "decode_layer": any(layer.decode_layer for layer in self.model.layers),
-                "l2_prefetch": self.l2_prefetch}
+                "l2_prefetch": self.l2_prefetch_mode}
 
 
 Qwen3ForCausalLM = CausalLM
