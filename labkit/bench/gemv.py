@@ -67,20 +67,6 @@ def step_summary(rows: dict, layers: int, roof_gbs: float) -> dict:
             "bound_us_per_step": round(bound_us, 1), "share_of_roof": round(bound_us / us, 3)}
 
 
-def _graph_us(fn, calls: int, replays: int = 10) -> float:
-    """Median µs per call of ``fn`` (``calls`` launches) captured in one CUDA graph."""
-    import torch
-
-    from labkit.bench.timing import time_ms
-
-    fn()                                        # compiles this setting outside the capture
-    torch.cuda.synchronize()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph):
-        fn()
-    return time_ms(graph.replay, repeats=replays, warmups=3) * 1e3 / calls
-
-
 def _time_setting(n: int, k: int, mode: str, weights, config: tuple[int, int, int], peel: bool) -> float:
     import torch
 
@@ -96,7 +82,9 @@ def _time_setting(n: int, k: int, mode: str, weights, config: tuple[int, int, in
                 normed_gemv(x, w, norm_weight, 1e-6, residual, config=config, peel=peel)
             else:
                 gemv(x, w, silu_mul=mode == "silu", config=config, peel=peel)
-    return _graph_us(calls, len(weights))
+    from labkit.bench.timing import graph_us
+
+    return graph_us(calls, len(weights))
 
 
 def _bench_shape(n: int, k: int, mode: str, layers: int, dtype, roof: float, sweep: bool,

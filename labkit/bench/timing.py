@@ -2,7 +2,7 @@
 bound is measured against in the same run (a device-to-device copy's bandwidth, a dense matmul's rate).
 
 :func:`time_ms` brackets each call with events on an idle stream: right for work longer than its launch (a copy of
-1 GB, a graph replay). :func:`kernel_ms` times one kernel call as the GPU ran it: its host launch hidden behind a
+1 GB, a graph replay); :func:`graph_us` captures a function's launches in one CUDA graph and times its replay. :func:`kernel_ms` times one kernel call as the GPU ran it: its host launch hidden behind a
 spin kernel and the L2 flushed first, as each layer of a step reads its own K/V.
 """
 from __future__ import annotations
@@ -14,6 +14,19 @@ def time_ms(fn, repeats: int = 20, warmups: int = 5) -> float:
     for _ in range(warmups):
         fn()
     return _median_event_ms(fn, repeats)
+
+
+def graph_us(fn, calls: int = 1, replays: int = 10) -> float:
+    """Median µs per call of ``fn`` (``calls`` launches) captured in one CUDA graph: run once outside the capture
+    (compiles), captured on a side stream, the replay timed by :func:`time_ms` and divided by ``calls``."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, repeats=replays, warmups=3) * 1e3 / calls
 
 
 def _median_event_ms(fn, repeats: int, before=None) -> float:

@@ -43,7 +43,7 @@ def main() -> int:
     from engine.layers.gemv import gemv, normed_gemv
     from engine.layers.rotary import RotaryEmbedding
     from labkit.assets.synth import PRESETS
-    from labkit.bench.timing import time_ms
+    from labkit.bench.timing import graph_us
 
     dev, bf = "cuda", torch.bfloat16
     pdl_on = pdl.enable(dev)
@@ -97,12 +97,7 @@ def main() -> int:
            "errors": {}}
     for name, fn in variants.items():
         try:
-            fn()
-            torch.cuda.synchronize()
-            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-            with torch.cuda.stream(stream), torch.cuda.graph(graph):
-                fn()
-            us = time_ms(graph.replay, repeats=a.replays, warmups=3) * 1e3 / a.layers
+            us = graph_us(fn, a.layers, a.replays)
             res["us_per_layer"][name] = round(us, 2)
             print(f"{name:32s} {us:8.2f} us a layer", flush=True)
         except Exception as e:                      # noqa: BLE001 (a variant that fails is reported, the rest run)

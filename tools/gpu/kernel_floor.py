@@ -6,7 +6,7 @@ A batch-1 decode step of Qwen3-0.6B launches about 170 kernels one after another
 attention's split and reduce kernels, o, gate_up and down). Here --kernels launches of a kernel that does nothing but
 the engine's PDL rule (engine/pdl.py: wait for the kernel before it, let the next one start) and one store are
 captured in one CUDA graph, on --programs programs each, with PDL on and off: the time a replay takes over the
-launches is what each kernel boundary costs with no work in it. Times the graph replay (labkit.bench.timing.time_ms,
+launches is what each kernel boundary costs with no work in it. Times the graph replay (labkit.bench.timing.graph_us,
 median of --replays).
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main() -> int:
 
     import torch
 
-    from labkit.bench.timing import time_ms
+    from labkit.bench.timing import graph_us
 
     out = torch.zeros(4096, dtype=torch.int32, device="cuda")
     res = {"device": torch.cuda.get_device_name(0), "kernels": a.kernels, "replays": a.replays,
@@ -52,12 +52,7 @@ def main() -> int:
             def chain(p=programs):
                 for _ in range(a.kernels):
                     _nothing[(p,)](out, **pdl.launch(out))
-            chain()
-            torch.cuda.synchronize()
-            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-            with torch.cuda.stream(stream), torch.cuda.graph(graph):
-                chain()
-            us = time_ms(graph.replay, repeats=a.replays, warmups=3) * 1e3
+            us = graph_us(chain, 1, a.replays)
             res["rows"].append({"pdl": on, "programs": programs, "us_per_kernel": round(us / a.kernels, 3),
                                 "us_per_chain": round(us, 1)})
             print(res["rows"][-1], flush=True)
