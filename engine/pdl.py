@@ -5,7 +5,10 @@ some 170 small kernels, and each pays its launch and its first loads while the G
 PDL (Hopper and later) a kernel launched with the attribute may start while its predecessor still runs. Each of
 our kernels then keeps one rule, in every program (``enter(PDL)`` below is steps 2 and 3):
 
-1. do only what depends on no earlier kernel (address arithmetic; loading weights, which never change in a step);
+1. do only what depends on no earlier kernel (address arithmetic; loading weights and tables, which never change
+   in a step; and, in the decode kernels that say so, the step's inputs: positions, slots, context lengths and
+   block tables, copied in before the step's first kernel, which has finished by the time the kernel two after
+   it starts);
 2. ``gdc_wait()``: block until the previous kernel has finished and its writes are visible;
 3. ``gdc_launch_dependents()``: let the next kernel start its own step 1;
 4. everything else: loads of activations, every store. No program returns before step 2.

@@ -63,7 +63,7 @@ def to_f16(x):
 def rms_norm_halves(x1, x2, w1, w2, eps, D: tl.constexpr):
     """Heads [H, D/2] x 2 (each head's halves) -> RMSNorm by the weight's halves w1, w2 (float32), rounded at the
     reference's points (layernorm.py), as float32 values of the activation dtype: the q/k norm of
-    fused_kernels._qk_norm_rope_kernel and of the decode prologue (:func:`roped_heads`)."""
+    fused_kernels._qk_norm_rope_kernel and of the decode prologue (:func:`roped`)."""
     f1 = x1.to(tl.float32)
     f2 = x2.to(tl.float32)
     rstd = 1.0 / tl.sqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / D + eps)
@@ -83,18 +83,31 @@ def rope_halves(n1, n2, c, s, dt: tl.constexpr):
 
 
 @triton.jit
-def roped_heads(row_ptr, heads, mask, w_ptr, cos_ptr, sin_ptr, pos, eps, D: tl.constexpr):
-    """The heads `heads` [H] of one token's packed qkv row (column head * D) normed by w and roped at `pos`,
-    as one [H, D] tile (rows where ``mask`` is off read zeros)."""
+def weight_halves(w_ptr, D: tl.constexpr):
+    """A q/k norm weight's two halves as float32 [1, D/2] rows (a weight: a kernel may load it before its PDL wait)."""
+    half = tl.arange(0, D // 2)
+    return tl.load(w_ptr + half).to(tl.float32)[None, :], tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :]
+
+
+@triton.jit
+def rope_at(cos_ptr, sin_ptr, pos, dt: tl.constexpr, D: tl.constexpr):
+    """The RoPE tables' cos and sin halves at `pos`, rounded to the activation dtype dt, as float32 [1, D/2] rows (the
+    model's tables at a step input's position: a kernel may load them before its PDL wait)."""
+    half = tl.arange(0, D // 2)
+    c = tl.load(cos_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
+    return c, s
+
+
+@triton.jit
+def roped(row_ptr, heads, mask, w1, w2, c, s, eps, D: tl.constexpr):
+    """The heads `heads` [H] of one token's packed qkv row (column head * D) normed by the weight halves w1, w2 and
+    roped by c, s (:func:`weight_halves`, :func:`rope_at`), as one [H, D] tile (rows where ``mask`` is off read
+    zeros)."""
     half = tl.arange(0, D // 2)
     base = row_ptr + heads[:, None] * D
     x1 = tl.load(base + half[None, :], mask=mask[:, None], other=0.0)
     x2 = tl.load(base + D // 2 + half[None, :], mask=mask[:, None], other=0.0)
-    dt = x1.dtype
-    w1 = tl.load(w_ptr + half).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + D // 2 + half).to(tl.float32)[None, :]
     n1, n2 = rms_norm_halves(x1, x2, w1, w2, eps, D)
-    c = tl.load(cos_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
-    s = tl.load(sin_ptr + pos * D + half).to(dt).to(tl.float32)[None, :]
-    o1, o2 = rope_halves(n1, n2, c, s, dt)
+    o1, o2 = rope_halves(n1, n2, c, s, x1.dtype)
     return tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (o1.shape[0], D))

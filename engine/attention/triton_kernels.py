@@ -13,7 +13,8 @@ import triton.language as tl
 
 from engine import l2_prefetch, pdl
 from engine.attention import kv_quant
-from engine.attention.triton_common import dot, fp8_quantize, kv_scales, roped_heads, to_f16, v_offset
+from engine.attention.triton_common import (dot, fp8_quantize, kv_scales, rope_at, roped, to_f16, v_offset,
+                                             weight_halves)
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG,  # noqa: F401
                                      DECODE_NUM_WARPS, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
                                      kv_per_program)
@@ -133,19 +134,19 @@ def _tile_update(q, k, v, valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE
 
 
 @triton.jit
-def new_token_state(q, row, kvh, offs_g, gmask, slot_at, new_pos, kc_ptr, vc_ptr, kw_ptr, cos_ptr, sin_ptr, eps, scale,
+def new_token_state(q, row, kvh, offs_g, gmask, slot, kw1, kw2, c, s, kc_ptr, vc_ptr, eps, scale,
                     k_scale, v_scale, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
                     KV_FP8: tl.constexpr, V_IN_TILE: tl.constexpr, PAGE: tl.constexpr = 1, VT: tl.constexpr = False):
-    """The decode prologue's new token (the split that holds its position): its k (q/k-normed and roped) and v
-    made from the packed qkv ``row``, stored at the slot ``slot_at`` holds in the paged caches (quantized where they are FP8), and the
-    online-softmax state (m, l, acc) of the query rows ``q`` [BLOCK_G, D] started from it as the cache now holds
-    it. kvh [BLOCK_G]: each query row's kv head. One writer per kv head (its first query row); a padding row
-    (slot < 0) writes nothing (the slot test selects the mask, as in _qk_norm_rope_kernel: the interpreter wants
-    a boolean store mask)."""
+    """The decode prologue's new token (the split that holds its position): its k (normed by k_norm's weight halves
+    kw1, kw2 and roped by the position's c, s: :func:`weight_halves`, :func:`rope_at`) and v made from the packed qkv
+    ``row``, stored at ``slot`` in the paged caches (quantized where they are FP8), and the online-softmax state (m,
+    l, acc) of the query rows ``q`` [BLOCK_G, D] started from it as the cache now holds it. kvh [BLOCK_G]: each query
+    row's kv head. One writer per kv head (its first query row); a padding row (slot < 0) writes nothing (the slot
+    test selects the mask, as in _qk_norm_rope_kernel: the interpreter wants a boolean store mask)."""
     offs_d = tl.arange(0, D)
-    k_new = roped_heads(row, HK * G + kvh, gmask, kw_ptr, cos_ptr, sin_ptr, new_pos, eps, D)
+    k_new = roped(row, HK * G + kvh, gmask, kw1, kw2, c, s, eps, D)
     v_new = tl.load(row + (HK * G + HK + kvh)[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0)
-    slot = tl.load(slot_at).to(tl.int64)
+    slot = slot.to(tl.int64)
     writer = tl.where(slot >= 0, gmask & (offs_g % G == 0), False)
     dst = slot * (HK * D) + kvh[:, None] * D + offs_d[None, :]
     if KV_FP8:
@@ -229,7 +230,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     P.V dot as position runs (:func:`_v_tile_t`) instead of the bytes of one position at a time.
 
     PROLOGUE (the decode prologue, :class:`NewTokens`): no q/k-norm + RoPE kernel and no KV store ran before this
-    one. Each program norms and ropes its own query heads from the row's packed qkv (:func:`roped_heads`); the
+    one. Each program norms and ropes its own query heads from the row's packed qkv (:func:`roped`); the
     context loop stops before the row's last position (the new token's, not in the cache yet), and the program
     whose split holds that position makes the new token's k and v, stores them in the cache (quantized where it
     is FP8) and starts its softmax state from that token (its k and v as the cache now holds them) before the
@@ -238,7 +239,9 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     PREFETCH (with PROLOGUE; several splits and the reduce kernel, :class:`NewTokens`): the split's first K/V tile
     is loaded before the PDL wait. With the prologue nothing the kernels before this one write is in it (the cache
     before the new position was written by earlier steps, the block table and context lengths are the step's
-    inputs), so at batch 1, where a split is one tile, the whole read overlaps the qkv projection's tail.
+    inputs), so at batch 1, where a split is one tile, the whole read overlaps the qkv projection's tail. So are the
+    row's position and slot (step inputs), the q/k norm weights and the RoPE tables at that position: loaded before
+    the wait too, so that after it the prologue's one dependent load is the qkv row's.
     L2_REGIONS (with the prologue, where the reduce kernel runs; LAB_L2_PREFETCH): every program, after the wait,
     asks L2 for its share of up to four weights the layer's next kernels read (engine/l2_prefetch.py).
 
@@ -270,6 +273,11 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                                 D, BLOCK_N, PAGE_TILE, HPP)
         else:
             first_v = tl.load(vc_ptr + first_off, mask=first_valid[:, None], other=0.0)
+        new_pos = tl.load(pos_ptr + n)          # the prologue's step inputs and model tables (see PREFETCH above)
+        slot = tl.load(slot_ptr + n)
+        qw1, qw2 = weight_halves(qw_ptr, D)
+        kw1, kw2 = weight_halves(kw_ptr, D)
+        c, s_ = rope_at(cos_ptr, sin_ptr, new_pos, qkv_ptr.dtype.element_ty, D)
     pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     if L2_REGIONS > 0:      # before any program's early exit: all of the grid's programs share the chunks
         l2_prefetch.prefetch(l2_p0, l2_n0, l2_p1, l2_n1, l2_p2, l2_n2, l2_p3, l2_n3, L2_REGIONS)
@@ -292,8 +300,13 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
             return
     if PROLOGUE:            # the new token (position ctx - 1) comes from the qkv row, not the cache
         row = qkv_ptr + n.to(tl.int64) * stride_qkv
-        new_pos = tl.load(pos_ptr + n)
-        q = roped_heads(row, heads, gmask, qw_ptr, cos_ptr, sin_ptr, new_pos, eps, D)
+        if not PREFETCH:
+            new_pos = tl.load(pos_ptr + n)
+            slot = tl.load(slot_ptr + n)
+            qw1, qw2 = weight_halves(qw_ptr, D)
+            kw1, kw2 = weight_halves(kw_ptr, D)
+            c, s_ = rope_at(cos_ptr, sin_ptr, new_pos, qkv_ptr.dtype.element_ty, D)
+        q = roped(row, heads, gmask, qw1, qw2, c, s_, eps, D)
         end = tl.minimum(ctx - 1, start + split_len)
     else:
         q = tl.load(q_ptr + n * stride_qn + heads[:, None] * stride_qh + offs_d[None, :],
@@ -307,9 +320,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     if PROLOGUE:            # the new token first (its k and v made, stored and folded in), so none of it is live
         if (ctx > 0) & (ctx - 1 >= start) & (ctx - 1 < start + split_len):     # through the loop
-            m, l, acc = new_token_state(q, row, kvh0 + g_head, offs_g, gmask, slot_ptr + n,
-                                        new_pos, kc_ptr, vc_ptr, kw_ptr, cos_ptr, sin_ptr, eps, scale, k_scale,
-                                        v_scale, HK, G, D, BLOCK_G, KV_FP8, V_IN_TILE, PAGE, VT)
+            m, l, acc = new_token_state(q, row, kvh0 + g_head, offs_g, gmask, slot, kw1, kw2, c, s_, kc_ptr, vc_ptr,
+                                        eps, scale, k_scale, v_scale, HK, G, D, BLOCK_G, KV_FP8, V_IN_TILE, PAGE, VT)
     loop_start = start
     if PREFETCH:            # the first tile, loaded before the wait
         if start < end:
@@ -355,12 +367,13 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
 @triton.jit(do_not_specialize=["num_splits", "split_len"])
 def _decode_reduce_kernel(acc_ptr, ml_ptr, ctx_ptr, out_ptr, num_splits, split_len, stride_on, stride_oh,
                           HQ: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr = False):
-    """Combine a row's splits; only the splits that hold part of its context were written."""
-    pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
+    """Combine a row's splits; only the splits that hold part of its context were written. The context length (a
+    step input, as the split kernel's PREFETCH reads it) is loaded before the PDL wait."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, D)
     ctx = tl.load(ctx_ptr + n)
+    pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel of the step wrote
     out_ptrs = out_ptr + n * stride_on + h * stride_oh + offs_d
     if ctx == 0:               # padding row (graph bucket): a finite zero output
         tl.store(out_ptrs, tl.zeros([D], tl.float32).to(out_ptr.dtype.element_ty))

@@ -47,7 +47,7 @@ import triton.language as tl
 
 from engine import pdl
 from engine.attention.splits import DECODE_BLOCK_N, choose_splits, next_power_of_2
-from engine.attention.triton_common import roped_heads
+from engine.attention.triton_common import rope_at, roped, weight_halves
 from engine.attention.triton_kernels import _tile_rows, _tile_update, combine_splits, new_token_state
 from engine.layers.gemv import _load_w, _row_rstd, _x_chunk
 
@@ -149,6 +149,10 @@ def _attention_phase(qkv_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, pos_ptr, slot_ptr
     written directly."""
     ctx = tl.load(ctx_ptr)
     new_pos = tl.load(pos_ptr)
+    slot = tl.load(slot_ptr)
+    qw1, qw2 = weight_halves(qw_ptr, D)
+    kw1, kw2 = weight_halves(kw_ptr, D)
+    c, s_ = rope_at(cos_ptr, sin_ptr, new_pos, qkv_ptr.dtype.element_ty, D)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
     gmask = offs_g < G
@@ -163,15 +167,14 @@ def _attention_phase(qkv_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, pos_ptr, slot_ptr
         start = s * split_len
         heads = kvh * G + offs_g
         if (s < active) & (item < HK * SPLITS):
-            q = roped_heads(qkv_ptr, heads, gmask, qw_ptr, cos_ptr, sin_ptr, new_pos, eps, D)
+            q = roped(qkv_ptr, heads, gmask, qw1, qw2, c, s_, eps, D)
             end = tl.minimum(ctx - 1, start + split_len)
             m = tl.full([BLOCK_G], float("-inf"), tl.float32)
             l = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, D], tl.float32)
             if (ctx - 1 >= start) & (ctx - 1 < start + split_len):     # the new token: made, stored, folded in
-                m, l, acc = new_token_state(q, qkv_ptr, kvh + g_head, offs_g, gmask, slot_ptr, new_pos, kc_ptr,
-                                            vc_ptr, kw_ptr, cos_ptr, sin_ptr, eps, scale, 1.0, 1.0, HK, G, D,
-                                            BLOCK_G, False, False)
+                m, l, acc = new_token_state(q, qkv_ptr, kvh + g_head, offs_g, gmask, slot, kw1, kw2, c, s_, kc_ptr,
+                                            vc_ptr, eps, scale, 1.0, 1.0, HK, G, D, BLOCK_G, False, False)
             for kstart in range(start, end, BLOCK_N):
                 kv_off, valid = _tile_rows(bt_ptr, 0, 0, kstart, end, r_pos, r_head, kvh, offs_d, PAGE, HK, D,
                                            False)

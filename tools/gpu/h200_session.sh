@@ -71,10 +71,10 @@
 #
 # and one that looks for batch-1 attention's cost between its GEMVs:
 #
-#   tools/gpu/h200_session.sh b1      # tools/gpu/decode_b1.py at contexts 1,024 and 4,000 (the attention's cost in a
-#                                     # chain of the layers' GEMVs, by variant), tools/gpu/kernel_floor.py, then the step
-#                                     # budget at batch 1 x 1,024 and x 4,000 and batch-1 latency, each with the splits.py
-#                                     # decode tile and with 128 positions a tile (LAB_DECODE=block_n=128), alternating
+#   tools/gpu/h200_session.sh b1      # batch-1 latency against BEFORE, alternating; tools/gpu/decode_b1.py at 1,024
+#                                     # positions (the attention's cost in a chain of the layers' GEMVs, by variant) and
+#                                     # the step budget at batch 1 x 1,024, each beside BEFORE's; batch-1 latency with 128
+#                                     # positions a tile (LAB_DECODE=block_n=128); decode_b1 at 4,000 positions
 #
 # (The phases that answered one lease's question are in this file's git history; docs/MEASURED.md names the tree
 # each figure came from.)
@@ -465,22 +465,26 @@ l2_phase() {
 }
 
 b1_phase() {
-  for c in 1024 4000; do
-    step decode-b1-$c 60 $PY tools/gpu/decode_b1.py --context $c --out "$W/runs/decode-b1-$c.json"
+  # batch 1 against BEFORE, alternating, then where the attention's time goes in each (decode_b1), the step budgets,
+  # and the 128-position tile (LAB_DECODE=block_n=128) last
+  local i
+  for i in 1 2; do
+    step "latency-b1-$i" 40 $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton \
+         --out "$W/runs/latency-b1-$i.json"
+    step "before-latency-b1-$i" 45 before $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton \
+         --out "$W/runs/before-latency-b1-$i.json"
   done
-  step kernel-floor 30 $PY tools/gpu/kernel_floor.py --out "$W/runs/kernel-floor.json"
-  for c in 1024 4000; do
-    for knobs in "" block_n=128; do
-      step "step-budget-b1-$c${knobs:+-bn128}" 45 env LAB_DECODE=$knobs $PY -m labkit bench --workload step-budget \
-           --attention triton --batch 1 --context $c --out "$W/runs/step-budget-b1-$c${knobs:+-bn128}.json"
-    done
+  step decode-b1-1024 60 $PY tools/gpu/decode_b1.py --context 1024 --out "$W/runs/decode-b1-1024.json"
+  step before-decode-b1-1024 60 before $PY tools/gpu/decode_b1.py --context 1024 --out "$W/runs/before-decode-b1-1024.json"
+  step step-budget-b1-1024 45 $PY -m labkit bench --workload step-budget --attention triton --batch 1 --context 1024 \
+       --out "$W/runs/step-budget-b1-1024.json"
+  step before-step-budget-b1-1024 45 before $PY -m labkit bench --workload step-budget --attention triton --batch 1 \
+       --context 1024 --out "$W/runs/before-step-budget-b1-1024.json"
+  for i in 1 2; do
+    step "latency-b1-bn128-$i" 40 env LAB_DECODE=block_n=128 $PY -m labkit bench --workload latency --batch 1 \
+         --repeats 3 --attention triton --out "$W/runs/latency-b1-bn128-$i.json"
   done
-  local i=0
-  for knobs in "" block_n=128 block_n=128 ""; do
-    i=$((i + 1))
-    step "latency-b1-$i${knobs:+-bn128}" 40 env LAB_DECODE=$knobs $PY -m labkit bench --workload latency --batch 1 \
-         --repeats 3 --attention triton --out "$W/runs/latency-b1-$i${knobs:+-bn128}.json"
-  done
+  step decode-b1-4000 60 $PY tools/gpu/decode_b1.py --context 4000 --out "$W/runs/decode-b1-4000.json"
 }
 
 "${phase}_phase"
