@@ -5,15 +5,15 @@ from __future__ import annotations
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
 from engine.attention.backend import AttentionBackend
+from engine.attention import kv_store
 from engine.attention.metadata import AttentionMetadata
-from engine.attention import triton_kernels as tk
 
 
 class FlashAttention(AttentionBackend):
     name = "flash_attn"
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        tk.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        kv_store.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if meta.is_prefill:

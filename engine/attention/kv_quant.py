@@ -2,7 +2,7 @@
 
 K and V are held as e4m3 (``torch.float8_e4m3fn``, 1 byte a value, half of bf16), each with one float32 scale
 per layer (per tensor): the cache holds ``e4m3(clamp(x / scale, -448, 448))``, rounded to nearest even, and a
-read gives ``value * scale``. The kernels quantize inside the KV write (``_store_kv_kernel``, the fused q/k-norm
+read gives ``value * scale``. The kernels quantize inside the KV write (``kv_store._store_kv_kernel``, the fused q/k-norm
 + RoPE store) and dequantize inside the attention kernels, where the K scale folds into the softmax scale
 (``q . (k * s) = s * (q . k)``) and the V scale multiplies the output once (``sum p * v * s = s * sum p * v``),
 so a read costs only the e4m3 -> bf16 conversion of each tile.

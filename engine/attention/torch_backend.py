@@ -9,7 +9,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 
 try:
-    from engine.attention.triton_kernels import store_kv as _triton_store
+    from engine.attention.kv_store import store_kv as _triton_store
 except ImportError:          # no triton (CPU machines): boolean-mask writes
     _triton_store = None
 

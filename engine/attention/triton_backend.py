@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.backend import AttentionBackend
+from engine.attention import kv_store
 from engine.attention.metadata import AttentionMetadata
 from engine.attention import prefill_kernels as pk
 from engine.attention import triton_kernels as tk
@@ -24,7 +25,7 @@ class TritonAttention(AttentionBackend):
         tk.decode_locks(torch.device("cuda", torch.cuda.current_device()))    # before any graph capture
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        tk.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        kv_store.store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if not meta.is_prefill:

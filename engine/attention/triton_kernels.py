@@ -1,5 +1,5 @@
-"""Our Triton kernels for the paged KV cache: the KV store and the paged decode (split along the context; the
-prefill kernels are engine/attention/prefill_kernels.py).
+"""Our Triton paged decode, split along the context (the KV store is engine/attention/kv_store.py, the prefill
+kernels engine/attention/prefill_kernels.py).
 
 Cache layout (per layer): [num_blocks, block_size, num_kv_heads, head_dim], contiguous.
 """
@@ -12,93 +12,15 @@ import triton
 import triton.language as tl
 
 from engine import l2_prefetch, pdl
-from engine.attention import kv_quant
-from engine.attention.triton_common import (dot, fp8_quantize, kv_scales, rope_at, roped, to_f16, v_offset,
-                                             weight_halves)
+from engine.attention.decode_tiles import combine_splits, new_token_state, tile_rows, tile_update, v_tile_t
+from engine.attention.triton_common import kv_scales, rope_at, roped, to_f16, weight_halves
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG,  # noqa: F401
                                      DECODE_NUM_WARPS, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
                                      kv_per_program)
 from engine.attention import splits
 
 
-# -- KV store --------------------------------------------------------------------------------------
-@triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_stride, v_stride, kc_ptr, vc_ptr, slot_ptr,
-                     WIDTH: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                     k_scale=1.0, v_scale=1.0, KV_FP8: tl.constexpr = False, VT: tl.constexpr = False,
-                     D: tl.constexpr = 1, PAGE: tl.constexpr = 1):
-    """KV_FP8: the cache is e4m3; k / k_scale and v / v_scale are what is stored. VT: V's blocks hold each head's
-    positions contiguous (kv_quant.v_t; heads of D values, PAGE positions a block)."""
-    t = tl.program_id(0)
-    pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:               # padding row: never touches the cache
-        return
-    offs = tl.arange(0, BLOCK)
-    mask = offs < WIDTH
-    k = tl.load(k_ptr + t * k_stride + offs, mask=mask)
-    v = tl.load(v_ptr + t * v_stride + offs, mask=mask)
-    if KV_FP8:
-        k = fp8_quantize(k, k_scale)
-        v = fp8_quantize(v, v_scale)
-    tl.store(kc_ptr + slot * WIDTH + offs, k, mask=mask)
-    tl.store(vc_ptr + v_offset(slot, offs // D, offs % D, WIDTH // D, D, PAGE, VT), v, mask=mask)
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float | None = None, v_scale: float | None = None) -> None:
-    """An FP8 cache (kv_quant) is written quantized, by k_scale and v_scale (None: each cache's own scale)."""
-    t, hk, d = k.shape
-    width = hk * d
-    assert k.stride(-1) == 1 and k.stride(-2) == d and v.stride(-1) == 1 and v.stride(-2) == d
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    fp8 = kv_quant.is_fp8(k_cache)
-    scales = kv_scales(k_cache, v_cache, k_scale, v_scale) if fp8 else {}
-    _store_kv_kernel[(t,)](k, v, k.stride(0), v.stride(0), k_cache, v_cache, slot_mapping,
-                           WIDTH=width, BLOCK=triton.next_power_of_2(width), D=d, PAGE=k_cache.shape[1], **scales,
-                           **pdl.launch(k))
-
-
 # -- decode -------------------------------------------------------------------------------------------
-@triton.jit
-def _tile_rows(bt_ptr, n, stride_bt, kstart, end, r_pos, r_head, kvh0, offs_d, PAGE: tl.constexpr, HK: tl.constexpr,
-               D: tl.constexpr, PAGE_TILE: tl.constexpr):
-    """The decode tile at kstart: each row's offset in the caches (position-major, HPP heads a position) and whether
-    its position is before `end`."""
-    pos = kstart + r_pos
-    valid = pos < end
-    if PAGE_TILE:
-        blk = tl.load(bt_ptr + n * stride_bt + kstart // PAGE).to(tl.int64)
-        slot = blk * PAGE + kstart % PAGE + r_pos
-    else:
-        blk = tl.load(bt_ptr + n * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        slot = blk * PAGE + pos % PAGE
-    return slot[:, None] * (HK * D) + (kvh0 + r_head)[:, None] * D + offs_d[None, :], valid
-
-
-@triton.jit
-def _v_tile_t(vc_ptr, bt_ptr, n, stride_bt, kstart, end, r_pos, r_head, kvh0, offs_d, PAGE: tl.constexpr,
-              HK: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_TILE: tl.constexpr, HPP: tl.constexpr):
-    """The decode tile's V [HPP * BLOCK_N, D] from a V cache whose blocks hold each head's positions contiguous
-    (kv_quant.v_t), read as [D, rows] and transposed. With PAGE_TILE and one kv head a program the tile is one run of
-    BLOCK_N positions a D value inside one page: read unmasked (a position past ``end`` holds a finite value the
-    scores' mask already weighs 0) unless the tile has no position before ``end`` (its page may not exist), so
-    the runs load whole; else position by position, masked."""
-    if PAGE_TILE and HPP == 1:
-        blk = tl.load(bt_ptr + n * stride_bt + kstart // PAGE).to(tl.int64)
-        inpage = tl.multiple_of(kstart % PAGE, BLOCK_N)
-        off = blk * (PAGE * HK * D) + kvh0 * (D * PAGE) + offs_d[:, None] * PAGE + (inpage + r_pos)[None, :]
-        live = tl.where(kstart < end, tl.full([D, BLOCK_N], 1, tl.int1), False)     # (a boolean tile: the
-        v = tl.load(vc_ptr + off, mask=live, other=0.0)                          # interpreter's mask)
-    else:
-        pos = kstart + r_pos
-        valid = pos < end
-        blk = tl.load(bt_ptr + n * stride_bt + pos // PAGE, mask=valid, other=0).to(tl.int64)
-        off = v_offset((blk * PAGE + pos % PAGE)[None, :], (kvh0 + r_head)[None, :], offs_d[:, None], HK, D, PAGE, True)
-        v = tl.load(vc_ptr + off, mask=valid[None, :], other=0.0)
-    return tl.trans(v)
-
-
 @triton.jit
 def _decode_row(order_ptr, ORDERED: tl.constexpr):
     """The sequence a decode program reads: its grid row, or through ``order`` (longest context first)."""
@@ -109,76 +31,6 @@ def _decode_row(order_ptr, ORDERED: tl.constexpr):
     return n
 
 
-@triton.jit
-def _tile_update(q, k, v, valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE: tl.constexpr, HPP: tl.constexpr,
-                 KV_FP8: tl.constexpr, V_IN_TILE: tl.constexpr):
-    """One loaded K/V tile into the online softmax state (m, l, acc): e4m3 tiles converted to q's dtype (and V
-    scaled where V_IN_TILE), the scores of each query row's own kv head at the valid positions, p.v added."""
-    if KV_FP8:                              # e4m3 -> the dots' dtype (float16, or float32): exact
-        k = k.to(q.dtype)
-        if V_IN_TILE:
-            v = v.to(q.dtype) * tl.cast(v_scale, q.dtype)
-        else:
-            v = v.to(q.dtype)
-    scores = dot(q, tl.trans(k), IEEE) * scale
-    keep = valid[None, :]
-    if HPP > 1:
-        keep = keep & (g_head[:, None] == r_head[None, :])
-    scores = tl.where(keep, scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, 1))
-    p = tl.exp(scores - m_new[:, None])
-    alpha = tl.exp(m - m_new)
-    l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
-    return m_new, l, acc
-
-
-@triton.jit
-def new_token_state(q, row, kvh, offs_g, gmask, slot, kw1, kw2, c, s, kc_ptr, vc_ptr, eps, scale,
-                    k_scale, v_scale, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-                    KV_FP8: tl.constexpr, V_IN_TILE: tl.constexpr, PAGE: tl.constexpr = 1, VT: tl.constexpr = False):
-    """The decode prologue's new token (the split that holds its position): its k (normed by k_norm's weight halves
-    kw1, kw2 and roped by the position's c, s: :func:`weight_halves`, :func:`rope_at`) and v made from the packed qkv
-    ``row``, stored at ``slot`` in the paged caches (quantized where they are FP8), and the online-softmax state (m,
-    l, acc) of the query rows ``q`` [BLOCK_G, D] started from it as the cache now holds it. kvh [BLOCK_G]: each query
-    row's kv head. One writer per kv head (its first query row); a padding row (slot < 0) writes nothing (the slot
-    test selects the mask, as in _qk_norm_rope_kernel: the interpreter wants a boolean store mask)."""
-    offs_d = tl.arange(0, D)
-    k_new = roped(row, HK * G + kvh, gmask, kw1, kw2, c, s, eps, D)
-    v_new = tl.load(row + (HK * G + HK + kvh)[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0)
-    slot = slot.to(tl.int64)
-    writer = tl.where(slot >= 0, gmask & (offs_g % G == 0), False)
-    dst = slot * (HK * D) + kvh[:, None] * D + offs_d[None, :]
-    if KV_FP8:
-        k_new = fp8_quantize(k_new, k_scale)
-        v_new = fp8_quantize(v_new, v_scale)
-    tl.store(kc_ptr + dst, k_new, mask=writer[:, None])
-    tl.store(vc_ptr + v_offset(slot, kvh[:, None], offs_d[None, :], HK, D, PAGE, VT), v_new, mask=writer[:, None])
-    k_new = k_new.to(q.dtype)                           # as the loop reads a cached position
-    v_new = v_new.to(q.dtype)
-    if KV_FP8 and V_IN_TILE:
-        v_new = v_new * tl.cast(v_scale, q.dtype)
-    m = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale     # its weight exp(m - m) = 1
-    l = tl.full([BLOCK_G], 1.0, tl.float32)
-    acc = v_new.to(tl.float32)
-    return m, l, acc
-
-
-@triton.jit
-def combine_splits(acc_ptr, ml_ptr, split_rows, smask, out_at, offs_d, D: tl.constexpr):
-    """The fused reduce of one query head, as the reduce kernel combines it: the partials (acc, m, l) of its splits
-    ``split_rows`` (where ``smask``) in one load each, read past L1 (other programs wrote them), normalized into
-    ``out_at`` [D]."""
-    mj = tl.load(ml_ptr + split_rows * 2, mask=smask, other=float("-inf"), cache_modifier=".cg")
-    lj = tl.load(ml_ptr + split_rows * 2 + 1, mask=smask, other=0.0, cache_modifier=".cg")
-    aj = tl.load(acc_ptr + split_rows[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0,
-                 cache_modifier=".cg")
-    w = tl.where(smask & (lj > 0), tl.exp(mj - tl.max(mj, 0)), 0.0)
-    tl.store(out_at + offs_d, (tl.sum(aj * w[:, None], 0) / tl.sum(lj * w, 0)).to(out_at.dtype.element_ty))
-
-
-# Arguments that change from step to step (split sizes, block-table width) are not specialized on, so
-# one compiled variant serves every step instead of a compile on the first step of each new value.
 @triton.jit(do_not_specialize=["split_len", "num_splits", "stride_bt", "stride_on", "stride_oh"])
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr, out_ptr,
                          scale, split_len, num_splits, stride_qn, stride_qh, stride_bt, stride_on, stride_oh,
@@ -227,7 +79,7 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     attention bench's to say (`--kv-cache-dtype fp8`); a scale rounded to float16 on the way.
 
     VT (FP8): the V cache's blocks hold each head's positions contiguous (kv_quant.v_t), so a V tile reaches the
-    P.V dot as position runs (:func:`_v_tile_t`) instead of the bytes of one position at a time.
+    P.V dot as position runs (:func:`v_tile_t`) instead of the bytes of one position at a time.
 
     PROLOGUE (the decode prologue, :class:`NewTokens`): no q/k-norm + RoPE kernel and no KV store ran before this
     one. Each program norms and ropes its own query heads from the row's packed qkv (:func:`roped`); the
@@ -265,11 +117,11 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         ctx = tl.load(ctx_ptr + n)
         start = tl.program_id(2) * split_len
         first_end = tl.minimum(ctx - 1, start + split_len)
-        first_off, first_valid = _tile_rows(bt_ptr, n, stride_bt, start, first_end, r_pos, r_head, kvh0, offs_d,
+        first_off, first_valid = tile_rows(bt_ptr, n, stride_bt, start, first_end, r_pos, r_head, kvh0, offs_d,
                                             PAGE, HK, D, PAGE_TILE)
         first_k = tl.load(kc_ptr + first_off, mask=first_valid[:, None], other=0.0)
         if VT:
-            first_v = _v_tile_t(vc_ptr, bt_ptr, n, stride_bt, start, first_end, r_pos, r_head, kvh0, offs_d, PAGE, HK,
+            first_v = v_tile_t(vc_ptr, bt_ptr, n, stride_bt, start, first_end, r_pos, r_head, kvh0, offs_d, PAGE, HK,
                                 D, BLOCK_N, PAGE_TILE, HPP)
         else:
             first_v = tl.load(vc_ptr + first_off, mask=first_valid[:, None], other=0.0)
@@ -325,19 +177,19 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     loop_start = start
     if PREFETCH:            # the first tile, loaded before the wait
         if start < end:
-            m, l, acc = _tile_update(q, first_k, first_v, first_valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE,
+            m, l, acc = tile_update(q, first_k, first_v, first_valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE,
                                      HPP, KV_FP8, V_IN_TILE)
         loop_start = start + BLOCK_N
     for kstart in range(loop_start, end, BLOCK_N):
-        kv_off, valid = _tile_rows(bt_ptr, n, stride_bt, kstart, end, r_pos, r_head, kvh0, offs_d, PAGE, HK, D,
+        kv_off, valid = tile_rows(bt_ptr, n, stride_bt, kstart, end, r_pos, r_head, kvh0, offs_d, PAGE, HK, D,
                                    PAGE_TILE)
         k = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
         if VT:
-            v = _v_tile_t(vc_ptr, bt_ptr, n, stride_bt, kstart, end, r_pos, r_head, kvh0, offs_d, PAGE, HK, D, BLOCK_N,
+            v = v_tile_t(vc_ptr, bt_ptr, n, stride_bt, kstart, end, r_pos, r_head, kvh0, offs_d, PAGE, HK, D, BLOCK_N,
                           PAGE_TILE, HPP)
         else:
             v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
-        m, l, acc = _tile_update(q, k, v, valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE, HPP, KV_FP8,
+        m, l, acc = tile_update(q, k, v, valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE, HPP, KV_FP8,
                                  V_IN_TILE)
     if KV_FP8 and not V_IN_TILE:
         acc = acc * v_scale                     # sum p * (v * s) = s * sum p * v: once per row

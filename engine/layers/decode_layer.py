@@ -48,7 +48,7 @@ import triton.language as tl
 from engine import pdl
 from engine.attention.splits import DECODE_BLOCK_N, choose_splits, next_power_of_2
 from engine.attention.triton_common import rope_at, roped, weight_halves
-from engine.attention.triton_kernels import _tile_rows, _tile_update, combine_splits, new_token_state
+from engine.attention.decode_tiles import combine_splits, new_token_state, tile_rows, tile_update
 from engine.layers.gemv import _load_w, _row_rstd, _x_chunk
 
 PHASES = 5
@@ -176,11 +176,11 @@ def _attention_phase(qkv_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, pos_ptr, slot_ptr
                 m, l, acc = new_token_state(q, qkv_ptr, kvh + g_head, offs_g, gmask, slot, kw1, kw2, c, s_, kc_ptr,
                                             vc_ptr, eps, scale, 1.0, 1.0, HK, G, D, BLOCK_G, False, False)
             for kstart in range(start, end, BLOCK_N):
-                kv_off, valid = _tile_rows(bt_ptr, 0, 0, kstart, end, r_pos, r_head, kvh, offs_d, PAGE, HK, D,
+                kv_off, valid = tile_rows(bt_ptr, 0, 0, kstart, end, r_pos, r_head, kvh, offs_d, PAGE, HK, D,
                                            False)
                 k = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
                 v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
-                m, l, acc = _tile_update(q, k, v, valid, g_head, r_head, m, l, acc, scale, 1.0, IEEE, 1, False,
+                m, l, acc = tile_update(q, k, v, valid, g_head, r_head, m, l, acc, scale, 1.0, IEEE, 1, False,
                                          False)
             if SPLITS == 1:
                 o = tl.where(l[:, None] > 0, acc / tl.maximum(l, 1e-30)[:, None], 0.0)

@@ -105,7 +105,8 @@ def _decode(hk: int, g: int, d: int, dtype: str, page: int, mode: str) -> dict:
 def _prefill(hk: int, g: int, d: int, dtype: str) -> dict:
     import torch
 
-    import engine.attention.triton_kernels as tk
+
+    from engine.attention import kv_store
     import engine.attention.prefill_kernels as pk
     from labkit.bench.attention import prefill_reference
 
@@ -123,7 +124,7 @@ def _prefill(hk: int, g: int, d: int, dtype: str) -> dict:
                        for s in range(seqs)][:seqs])
     slots = slots.view(seqs, -1)[:, :prefix + new].reshape(-1)
     try:
-        tk.store_kv(k_new, v_new, kc, vc, slots)              # every position, prefix and new, into the pages
+        kv_store.store_kv(k_new, v_new, kc, vc, slots)              # every position, prefix and new, into the pages
         store_equal = bool(torch.equal(kc.view(-1, hk, d)[slots], k_new) and
                            torch.equal(vc.view(-1, hk, d)[slots], v_new))
         q = torch.randn(seqs * new, hk * g, d, generator=gen).to(dt)

@@ -4,7 +4,7 @@
   one-token GEMV's prologue) against the fused rms_norm kernel then the GEMV, bit for bit, and its new
   residual against x + r;
 - q/k norm + RoPE with the KV store (fused_kernels.qk_norm_rope with the cache) against the kernel without
-  it followed by triton_kernels.store_kv, bit for bit over the whole cache (padding slots untouched);
+  it followed by kv_store.store_kv, bit for bit over the whole cache (padding slots untouched);
 - q/k norm + RoPE one head per program (the tile below QK_SPLIT_BELOW tokens) against every head of a token per
   program, bit for bit (outputs and cache), and both against the torch path (RMSNorm, then RotaryEmbedding);
 - the wiring: the tiny Qwen3's one-token forward, and a prompt's prefill, with every fused switch on
@@ -121,7 +121,7 @@ def _normed(n: int, k: int, dtype: str, residual: bool) -> dict:
 def _store(hq: int, hk: int, d: int, dtype: str) -> dict:
     import torch
 
-    from engine.attention.triton_kernels import store_kv
+    from engine.attention.kv_store import store_kv
     from engine.layers.fused_kernels import qk_norm_rope
 
     dt = getattr(torch, dtype)

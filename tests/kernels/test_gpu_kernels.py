@@ -137,7 +137,7 @@ def test_fresh_prefill_matches_torch(name, strided, shape):
 
 
 def test_triton_store_skips_padding_slots():
-    from engine.attention.triton_kernels import store_kv
+    from engine.attention.kv_store import store_kv
     kc, vc = make_cache(4, 16)
     before_k, before_v = kc.clone(), vc.clone()
     k = torch.randn(3, HK, D, device="cuda", dtype=torch.bfloat16)
@@ -469,7 +469,7 @@ def test_normed_gemv_is_rms_norm_then_gemv_bit_for_bit_on_qwen3_shapes(residual)
 def test_qk_norm_rope_store_writes_what_store_kv_writes():
     """The KV store inside the q/k-norm + RoPE kernel, on the 8B's heads (32 q, 8 kv, D 128) in bfloat16:
     the whole cache equals the kernel without the store followed by store_kv; padding slots untouched."""
-    from engine.attention.triton_kernels import store_kv
+    from engine.attention.kv_store import store_kv
     from engine.layers.fused_kernels import qk_norm_rope
     from engine.layers.rotary import RotaryEmbedding
 

@@ -37,7 +37,7 @@ def tables_for(lengths, page, blocks):
 
 def test_store_writes_torchs_e4m3_bytes():
     from engine.attention import kv_quant
-    from engine.attention import triton_kernels as tk
+    from engine.attention import kv_store
 
     t, page = 300, 256
     k = torch.randn(t, HK, D, device="cuda", dtype=torch.bfloat16) * 8 * K_SCALE
@@ -47,7 +47,7 @@ def test_store_writes_torchs_e4m3_bytes():
     slots[5] = -1
     kc = torch.zeros(2, page, HK, D, device="cuda", dtype=kv_quant.FP8)
     vc = torch.zeros_like(kc)
-    tk.store_kv(k, v, kc, vc, slots, k_scale=K_SCALE, v_scale=V_SCALE)
+    kv_store.store_kv(k, v, kc, vc, slots, k_scale=K_SCALE, v_scale=V_SCALE)
     torch.cuda.synchronize()
     live = slots >= 0
     want_k = kv_quant.quantize(k[live].cpu(), K_SCALE).view(torch.uint8)
@@ -60,7 +60,7 @@ def test_store_writes_torchs_e4m3_bytes():
 
 def test_fused_store_writes_what_store_kv_writes():
     from engine.attention import kv_quant
-    from engine.attention import triton_kernels as tk
+    from engine.attention import kv_store
     from engine.layers.fused_kernels import qk_norm_rope
     from engine.layers.rotary import RotaryEmbedding
 
@@ -80,7 +80,7 @@ def test_fused_store_writes_what_store_kv_writes():
         q1, k1 = qk_norm_rope(qkv, pos, qw, kw, rope.cos, rope.sin, HQ, HK, D, 1e-6, k_cache=kc, v_cache=vc,
                               slot_mapping=slots, heads_per_program=tile)
         # the store: the bytes store_kv writes of the k this same launch returned
-        tk.store_kv(k1, v, rk, rv, slots)
+        kv_store.store_kv(k1, v, rk, rv, slots)
         assert torch.equal(kc.view(torch.uint8), rk.view(torch.uint8))
         assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
         # the kernel compiled without the store gives the same q and k, up to a bf16 rounding step in a rare

@@ -1,7 +1,7 @@
 """The FP8 KV cache's kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1), against float32
 references built from engine/attention/kv_quant.py:
 
-- the quantizing store (triton_kernels.store_kv into e4m3 caches) writes kv_quant.quantize(x, scale) byte for
+- the quantizing store (kv_store.store_kv into e4m3 caches) writes kv_quant.quantize(x, scale) byte for
   byte, saturates past 448 * scale, and leaves padding slots untouched;
 - the fused q/k norm + RoPE store writes the same bytes as the kernel without the store followed by the
   quantizing store_kv;
@@ -34,7 +34,7 @@ DTYPES = ("float32", "bfloat16")
 DECODE = [(1, 1, None, False, 64), (1, 16, False, False, 64), (2, 16, True, False, 64), (2, 1, None, False, 64),
           (1, 1, None, True, 64), (2, 16, True, True, 64), (1, 16, False, False, 16), (2, 1, None, False, 16)]
 # the same kernels over a V cache in the other layout (kv_quant.v_t): block_n 16 with one kv head a program reads a
-# page's position runs (engine/attention/triton_kernels.py: _v_tile_t), the others position by position
+# page's position runs (engine/attention/decode_tiles.py: v_tile_t), the others position by position
 DECODE_VT = [(1, 16, False, False, 16), (1, 1, None, False, 16), (2, 16, True, False, 16), (1, 16, False, True, 64)]
 HQ, HK, D, PAGE = 4, 2, 32, 16
 LENGTHS = [0, 1, 37, 70]              # a padding row, one position, partial tiles, across pages
@@ -150,6 +150,7 @@ def _fp8_cast_fix(orig):
 
 
 def _store(torch, tk, kv_quant, dtype, v_t=False) -> dict:
+    from engine.attention import kv_store
     g = torch.Generator().manual_seed(1)
     t, blocks = 6, 3
     k = (torch.randn(t, HK, D, generator=g) * 8 * K_SCALE).to(dtype)
@@ -158,7 +159,7 @@ def _store(torch, tk, kv_quant, dtype, v_t=False) -> dict:
     slots = torch.tensor([3, 17, -1, 0, 40, -1])
     fill = torch.full((blocks, PAGE, HK, D), 0.5).to(kv_quant.FP8)        # padding slots must keep this
     kc, vc = fill.clone(), kv_quant.mark(fill.clone(), V_SCALE, torch.float32, v_t=v_t)
-    tk.store_kv(k, v, kc, vc, slots, k_scale=K_SCALE, v_scale=V_SCALE)
+    kv_store.store_kv(k, v, kc, vc, slots, k_scale=K_SCALE, v_scale=V_SCALE)
     ref_k, ref_v = fill.clone(), fill.clone()
     live = slots >= 0
     kv_quant.write(kv_quant.mark(ref_k, K_SCALE, torch.float32), slots[live], k[live])
@@ -174,6 +175,7 @@ def _store(torch, tk, kv_quant, dtype, v_t=False) -> dict:
 
 
 def _fused_store(torch, tk, kv_quant, dtype, v_t=False) -> dict:
+    from engine.attention import kv_store
     from engine.layers.fused_kernels import qk_norm_rope
     from engine.layers.rotary import RotaryEmbedding
 
@@ -192,7 +194,7 @@ def _fused_store(torch, tk, kv_quant, dtype, v_t=False) -> dict:
     rk, rv = (torch.zeros(3, PAGE, HK, D, dtype=kv_quant.FP8) for _ in range(2))
     kv_quant.mark(rv, V_SCALE, torch.float32, v_t=v_t)
     v = qkv[:, (HQ + HK) * D:].reshape(t, HK, D)
-    tk.store_kv(k2, v, rk, rv, slots, k_scale=K_SCALE, v_scale=V_SCALE)
+    kv_store.store_kv(k2, v, rk, rv, slots, k_scale=K_SCALE, v_scale=V_SCALE)
     byte = lambda x: x.view(torch.uint8)  # noqa: E731
     want = kv_quant.mark(torch.zeros(3, PAGE, HK, D, dtype=kv_quant.FP8), V_SCALE, torch.float32, v_t=v_t)
     kv_quant.write(want, slots[slots >= 0], v[slots >= 0])     # the torch writer of the same layout
@@ -264,10 +266,11 @@ def main() -> None:
     from engine.attention import kv_quant
     from engine.attention import prefill_kernels as pk
     from engine.attention import triton_kernels as tk
+    from engine.attention import kv_store
 
     def probe():
         c = torch.zeros(1, PAGE, 1, D, dtype=kv_quant.FP8)
-        tk.store_kv(torch.ones(1, 1, D), torch.ones(1, 1, D), c, c.clone(), torch.tensor([0]), k_scale=1.0, v_scale=1.0)
+        kv_store.store_kv(torch.ones(1, 1, D), torch.ones(1, 1, D), c, c.clone(), torch.tensor([0]), k_scale=1.0, v_scale=1.0)
 
     import triton.runtime.interpreter as interp
 

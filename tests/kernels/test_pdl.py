@@ -13,7 +13,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from engine import pdl  # noqa: E402
-from engine.attention import triton_kernels as tk  # noqa: E402
+from engine.attention import kv_store, triton_kernels as tk  # noqa: E402
 from engine.attention import prefill_kernels as pk  # noqa: E402
 from engine.layers import fused_kernels as fk, gemv  # noqa: E402
 from engine.sampling import gumbel_kernel as gk  # noqa: E402
@@ -31,7 +31,7 @@ KERNELS = {
     "qk_norm_rope_head": (fk._qk_norm_rope_kernel, dict(HQ=16, HK=8, D=128, BLOCK_H=1, STORE=True),
                           {"pos_ptr": "*i32", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}),
     "silu_mul": (fk._silu_mul_kernel, dict(BLOCK=1024), {}),
-    "store_kv": (tk._store_kv_kernel, dict(WIDTH=1024, BLOCK=1024), {"slot_ptr": "*i64"}),
+    "store_kv": (kv_store._store_kv_kernel, dict(WIDTH=1024, BLOCK=1024), {"slot_ptr": "*i64"}),
     "decode": (tk._decode_split_kernel, dict(PAGE=256, HK=8, G=2, BLOCK_G=16, D=128, BLOCK_N=64, IEEE=False,
                                              DIRECT=False, FUSED_REDUCE=True),
                {"bt_ptr": "*i32", "ctx_ptr": "*i32", "acc_ptr": "*fp32", "ml_ptr": "*fp32", "order_ptr": "*i32",

@@ -118,7 +118,8 @@ def stand_in_driver(calls: list, errors: list, targets: set) -> None:
 def _preset(name: str, calls: list) -> dict:
     import torch
 
-    import engine.attention.triton_kernels as tk
+
+    from engine.attention import kv_store
     import engine.attention.prefill_kernels as pk
     from engine.attention.splits import decode_variants
     from engine.config import ModelShape
@@ -173,7 +174,7 @@ def _preset(name: str, calls: list) -> dict:
     wide = torch.arange(0, t + 1, 2, dtype=torch.int32)              # 32 sequences: the prefill's full grid
     pk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(32, 4, dtype=torch.int32), wide, wide, 2, d ** -0.5)
     pk.varlen_prefill(e(t, hq, d), e(t, hk, d), e(t, hk, d), wide, 2, d ** -0.5)
-    tk.store_kv(e(t, hk, d), e(t, hk, d), kc, vc, torch.zeros(t, dtype=torch.int64))
+    kv_store.store_kv(e(t, hk, d), e(t, hk, d), kc, vc, torch.zeros(t, dtype=torch.int64))
     for tokens in (1, t):
         fk.rms_norm(e(tokens, h), e(h), 1e-6)
         fk.rms_norm(e(tokens, h), e(h), 1e-6, e(tokens, h))
@@ -310,13 +311,14 @@ def _cache_kernels(e, kc, vc, hq: int, d: int, max_len: int, t: int, cu) -> None
     RoPE's store at 1 and t tokens (with the stand-in driver: compiles)."""
     import torch
 
-    import engine.attention.triton_kernels as tk
+
+    from engine.attention import kv_store
     import engine.attention.prefill_kernels as pk
     from engine.layers import fused_kernels as fk
 
     hk = kc.shape[2]
     pk.paged_prefill(e(t, hq, d), kc, vc, torch.zeros(2, 4, dtype=torch.int32), cu, cu, 32, d ** -0.5)
-    tk.store_kv(e(t, hk, d), e(t, hk, d), kc, vc, torch.zeros(t, dtype=torch.int64))
+    kv_store.store_kv(e(t, hk, d), e(t, hk, d), kc, vc, torch.zeros(t, dtype=torch.int64))
     for tokens in (1, t):
         cos = e(max_len, d, dtype=torch.float32)
         fk.qk_norm_rope(e(tokens, (hq + 2 * hk) * d), torch.zeros(tokens, dtype=torch.int64), e(d), e(d), cos, cos,
