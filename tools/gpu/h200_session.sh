@@ -75,6 +75,8 @@
 #                                     # positions (the attention's cost in a chain of the layers' GEMVs, by variant) and
 #                                     # the step budget at batch 1 x 1,024, each beside BEFORE's; batch-1 latency with 128
 #                                     # positions a tile (LAB_DECODE=block_n=128); decode_b1 at 4,000 positions
+#   tools/gpu/h200_session.sh eightb  # batch 1 at Qwen3-8B's shapes (synthetic, bf16) against BEFORE, then its step
+#                                     # budget
 #
 # (The phases that answered one lease's question are in this file's git history; docs/MEASURED.md names the tree
 # each figure came from.)
@@ -93,7 +95,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 phase=${1:-}
-case "$phase" in check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny|knobs|l2|b1) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny|knobs|l2|b1" >&2; exit 2 ;; esac
+case "$phase" in check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny|knobs|l2|b1|eightb) ;; *) echo "usage: tools/gpu/h200_session.sh check|kernels|serving|steps|sweeps|ahead|policy|layer|final|tune|skinny|knobs|l2|b1|eightb" >&2; exit 2 ;; esac
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
 W=/tmp/h200-$phase; mkdir -p "$W/logs" "$W/runs"
 export LABKIT_RUNS_DIR="$W/runs" PYTHONUNBUFFERED=1
@@ -485,6 +487,16 @@ b1_phase() {
          --repeats 3 --attention triton --out "$W/runs/latency-b1-bn128-$i.json"
   done
   step decode-b1-4000 60 $PY tools/gpu/decode_b1.py --context 4000 --out "$W/runs/decode-b1-4000.json"
+}
+
+eightb_phase() {
+  synth qwen3-8b /tmp/m8
+  step latency-8b-b1 70 $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton --model /tmp/m8 \
+       --out "$W/runs/latency-8b-b1.json"
+  step before-latency-8b-b1 70 before $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton \
+       --model /tmp/m8 --out "$W/runs/before-latency-8b-b1.json"
+  step step-budget-8b-b1 60 $PY -m labkit bench --workload step-budget --attention triton --batch 1 --model /tmp/m8 \
+       --out "$W/runs/step-budget-8b-b1.json"
 }
 
 "${phase}_phase"
