@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.attention.triton_common import dot, fp8_quantize, roped, v_offset
+from engine.attention.triton_common import dot, fp8_quantize, online_softmax, roped, v_offset
 
 
 @triton.jit
@@ -64,12 +64,7 @@ def tile_update(q, k, v, valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE:
     if HPP > 1:
         keep = keep & (g_head[:, None] == r_head[None, :])
     scores = tl.where(keep, scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, 1))
-    p = tl.exp(scores - m_new[:, None])
-    alpha = tl.exp(m - m_new)
-    l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
-    return m_new, l, acc
+    return online_softmax(scores, v, m, l, acc, IEEE)
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from engine import pdl
 from engine.attention import splits
-from engine.attention.triton_common import dot, kv_scales, to_f16, v_offset
+from engine.attention.triton_common import dot, kv_scales, online_softmax, to_f16, v_offset
 
 
 # -- prefill: through the block table (prefix hits, chunk continuations) or on the new K/V (fresh) ----
@@ -107,12 +107,7 @@ def _prefill_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, cu_q_ptr, cu_k_ptr, out_ptr, 
         scores = dot(q, tl.trans(k), IEEE) * scale
         keep = valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
         scores = tl.where(keep, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
-        m = m_new
+        m, l, acc = online_softmax(scores, v, m, l, acc, IEEE)
     out = acc / l[:, None]
     if KV_FP8:
         out = out * v_scale

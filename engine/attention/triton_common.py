@@ -21,6 +21,19 @@ def dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def online_softmax(scores, v, m, l, acc, IEEE: tl.constexpr):
+    """One tile folded into a running softmax: scores [rows, positions] (masked ones -inf) and the tile's values v
+    [positions, D] update each row's max m, its sum of exponentials l and its weighted sum acc; the new (m, l, acc).
+    The paged decode and the paged prefill both keep their state this way."""
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE)
+    return m_new, l, acc
+
+
+@triton.jit
 def fp8_quantize(x, scale):
     """x / scale as e4m3 (what an FP8 cache holds, engine/attention/kv_quant.py): float32 division, saturated at
     +-448, rounded to nearest even (kv_quant.quantize does the same in torch)."""
