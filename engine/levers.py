@@ -170,7 +170,8 @@ def fp8_v_transposed(config: Config) -> bool:
     decode kernel's V tile reaches the P.V dot as position runs instead of one byte at a time
     (engine/attention/kv_quant.py: v_t): LAB_FP8_V_T=1 with ``--kv-cache-dtype fp8``; 0 (unset or blank) keeps V
     as K is laid out. Read (and a bad value refused) whatever the cache. Compiled for sm_90 its decode loop takes
-    482 instructions a tile against 662 (tools/kernel_resources.py); off until a lease times it."""
+    482 instructions a tile against 662 (tools/kernel_resources.py), yet timed on an H100's nano-vllm workload it was
+    slower (docs/MEASURED.md): off unless asked."""
     on = _setting(FP8_V_T_ENV, ("0", "1"), "0") == "1"
     return on and config.kv_cache_dtype == "fp8"
 

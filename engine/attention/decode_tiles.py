@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.attention.triton_common import dot, fp8_quantize, online_softmax, roped, v_offset
+from engine.attention.triton_common import dot, fp8_quantize, online_softmax, rope_at, roped, v_offset, weight_halves
 
 
 @triton.jit
@@ -68,6 +68,20 @@ def tile_update(q, k, v, valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE:
 
 
 @triton.jit
+def new_token_inputs(pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, n, dt: tl.constexpr, D: tl.constexpr):
+    """What the decode prologue reads for row n besides its qkv row: the new token's slot, the q and k norm weights'
+    halves and the RoPE tables' cos and sin at its position (:func:`weight_halves`, :func:`rope_at`; dt the
+    activation dtype). Step inputs, weights and tables, none written by an earlier kernel of the step: a kernel may
+    load them before its PDL wait (engine/pdl.py)."""
+    pos = tl.load(pos_ptr + n)
+    slot = tl.load(slot_ptr + n)
+    qw1, qw2 = weight_halves(qw_ptr, D)
+    kw1, kw2 = weight_halves(kw_ptr, D)
+    c, s = rope_at(cos_ptr, sin_ptr, pos, dt, D)
+    return slot, qw1, qw2, kw1, kw2, c, s
+
+
+@triton.jit
 def new_token_state(q, row, kvh, offs_g, gmask, slot, kw1, kw2, c, s, kc_ptr, vc_ptr, eps, scale,
                     k_scale, v_scale, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
                     KV_FP8: tl.constexpr, V_IN_TILE: tl.constexpr, PAGE: tl.constexpr = 1, VT: tl.constexpr = False):
@@ -110,6 +124,3 @@ def combine_splits(acc_ptr, ml_ptr, split_rows, smask, out_at, offs_d, D: tl.con
     w = tl.where(smask & (lj > 0), tl.exp(mj - tl.max(mj, 0)), 0.0)
     tl.store(out_at + offs_d, (tl.sum(aj * w[:, None], 0) / tl.sum(lj * w, 0)).to(out_at.dtype.element_ty))
 
-
-# Arguments that change from step to step (split sizes, block-table width) are not specialized on, so
-# one compiled variant serves every step instead of a compile on the first step of each new value.

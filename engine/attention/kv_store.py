@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from engine import pdl
-from engine.attention import kv_quant
 from engine.attention.triton_common import fp8_quantize, kv_scales, v_offset
 
 
@@ -45,8 +44,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     width = hk * d
     assert k.stride(-1) == 1 and k.stride(-2) == d and v.stride(-1) == 1 and v.stride(-2) == d
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    fp8 = kv_quant.is_fp8(k_cache)
-    scales = kv_scales(k_cache, v_cache, k_scale, v_scale) if fp8 else {}
+    scales = kv_scales(k_cache, v_cache, k_scale, v_scale)     # {} for a cache in the model's dtype
     _store_kv_kernel[(t,)](k, v, k.stride(0), v.stride(0), k_cache, v_cache, slot_mapping,
                            WIDTH=width, BLOCK=triton.next_power_of_2(width), D=d, PAGE=k_cache.shape[1], **scales,
                            **pdl.launch(k))

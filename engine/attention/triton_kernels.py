@@ -12,8 +12,9 @@ import triton
 import triton.language as tl
 
 from engine import l2_prefetch, pdl
-from engine.attention.decode_tiles import combine_splits, new_token_state, tile_rows, tile_update, v_tile_t
-from engine.attention.triton_common import kv_scales, rope_at, roped, to_f16, weight_halves
+from engine.attention.decode_tiles import (combine_splits, new_token_inputs, new_token_state, tile_rows,
+                                          tile_update, v_tile_t)
+from engine.attention.triton_common import kv_scales, roped, to_f16
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG,  # noqa: F401
                                      DECODE_NUM_WARPS, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
                                      kv_per_program)
@@ -31,6 +32,8 @@ def _decode_row(order_ptr, ORDERED: tl.constexpr):
     return n
 
 
+# Arguments that change from step to step (split sizes, block-table width) are not specialized on, so
+# one compiled variant serves every step instead of a compile on the first step of each new value.
 @triton.jit(do_not_specialize=["split_len", "num_splits", "stride_bt", "stride_on", "stride_oh"])
 def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr, out_ptr,
                          scale, split_len, num_splits, stride_qn, stride_qh, stride_bt, stride_on, stride_oh,
@@ -125,11 +128,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                                 D, BLOCK_N, PAGE_TILE, HPP)
         else:
             first_v = tl.load(vc_ptr + first_off, mask=first_valid[:, None], other=0.0)
-        new_pos = tl.load(pos_ptr + n)          # the prologue's step inputs and model tables (see PREFETCH above)
-        slot = tl.load(slot_ptr + n)
-        qw1, qw2 = weight_halves(qw_ptr, D)
-        kw1, kw2 = weight_halves(kw_ptr, D)
-        c, s_ = rope_at(cos_ptr, sin_ptr, new_pos, qkv_ptr.dtype.element_ty, D)
+        slot, qw1, qw2, kw1, kw2, c, s_ = new_token_inputs(pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, n,
+                                                           qkv_ptr.dtype.element_ty, D)     # (see PREFETCH above)
     pdl.enter(PDL)      # engine/pdl.py: nothing before this line reads what an earlier kernel wrote
     if L2_REGIONS > 0:      # before any program's early exit: all of the grid's programs share the chunks
         l2_prefetch.prefetch(l2_p0, l2_n0, l2_p1, l2_n1, l2_p2, l2_n2, l2_p3, l2_n3, L2_REGIONS)
@@ -153,11 +153,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     if PROLOGUE:            # the new token (position ctx - 1) comes from the qkv row, not the cache
         row = qkv_ptr + n.to(tl.int64) * stride_qkv
         if not PREFETCH:
-            new_pos = tl.load(pos_ptr + n)
-            slot = tl.load(slot_ptr + n)
-            qw1, qw2 = weight_halves(qw_ptr, D)
-            kw1, kw2 = weight_halves(kw_ptr, D)
-            c, s_ = rope_at(cos_ptr, sin_ptr, new_pos, qkv_ptr.dtype.element_ty, D)
+            slot, qw1, qw2, kw1, kw2, c, s_ = new_token_inputs(pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, n,
+                                                               qkv_ptr.dtype.element_ty, D)
         q = roped(row, heads, gmask, qw1, qw2, c, s_, eps, D)
         end = tl.minimum(ctx - 1, start + split_len)
     else:

@@ -47,8 +47,8 @@ import triton.language as tl
 
 from engine import pdl
 from engine.attention.splits import DECODE_BLOCK_N, choose_splits, next_power_of_2
-from engine.attention.triton_common import rope_at, roped, weight_halves
-from engine.attention.decode_tiles import combine_splits, new_token_state, tile_rows, tile_update
+from engine.attention.triton_common import roped
+from engine.attention.decode_tiles import combine_splits, new_token_inputs, new_token_state, tile_rows, tile_update
 from engine.layers.gemv import _load_w, _row_rstd, _x_chunk
 
 PHASES = 5
@@ -148,11 +148,8 @@ def _attention_phase(qkv_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, pos_ptr, slot_ptr
     split of the kv head to count in combines the head's query heads into out [Hq * D]. One split: the output
     written directly."""
     ctx = tl.load(ctx_ptr)
-    new_pos = tl.load(pos_ptr)
-    slot = tl.load(slot_ptr)
-    qw1, qw2 = weight_halves(qw_ptr, D)
-    kw1, kw2 = weight_halves(kw_ptr, D)
-    c, s_ = rope_at(cos_ptr, sin_ptr, new_pos, qkv_ptr.dtype.element_ty, D)
+    slot, qw1, qw2, kw1, kw2, c, s_ = new_token_inputs(pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, 0,
+                                                       qkv_ptr.dtype.element_ty, D)
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, D)
     gmask = offs_g < G

@@ -2,8 +2,9 @@
 bound is measured against in the same run (a device-to-device copy's bandwidth, a dense matmul's rate).
 
 :func:`time_ms` brackets each call with events on an idle stream: right for work longer than its launch (a copy of
-1 GB, a graph replay); :func:`graph_us` captures a function's launches in one CUDA graph and times its replay. :func:`kernel_ms` times one kernel call as the GPU ran it: its host launch hidden behind a
-spin kernel and the L2 flushed first, as each layer of a step reads its own K/V.
+1 GB, a graph replay); :func:`graph_us` captures a function's launches in one CUDA graph and times its replay.
+:func:`kernel_ms` times one kernel call as the GPU ran it: its host launch hidden behind a spin kernel and the L2
+flushed first, as each layer of a step reads its own K/V.
 """
 from __future__ import annotations
 

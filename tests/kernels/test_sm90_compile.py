@@ -118,7 +118,6 @@ def stand_in_driver(calls: list, errors: list, targets: set) -> None:
 def _preset(name: str, calls: list) -> dict:
     import torch
 
-
     from engine.attention import kv_store
     import engine.attention.prefill_kernels as pk
     from engine.attention.splits import decode_variants
@@ -310,7 +309,6 @@ def _cache_kernels(e, kc, vc, hq: int, d: int, max_len: int, t: int, cu) -> None
     """The paged prefill over the caches kc/vc, then the two kernels that write them: store_kv, and q/k norm +
     RoPE's store at 1 and t tokens (with the stand-in driver: compiles)."""
     import torch
-
 
     from engine.attention import kv_store
     import engine.attention.prefill_kernels as pk
