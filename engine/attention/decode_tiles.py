@@ -6,7 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from engine.attention.triton_common import dot, fp8_quantize, online_softmax, rope_at, roped, v_offset, weight_halves
+from engine.attention.triton_common import (dot, fp8_quantize, head_halves, norm_rope, online_softmax, rope_at,
+                                           v_offset, weight_halves)
 
 
 @triton.jit
@@ -82,18 +83,28 @@ def new_token_inputs(pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, n, dt:
 
 
 @triton.jit
-def new_token_state(q, row, kvh, offs_g, gmask, slot, kw1, kw2, c, s, kc_ptr, vc_ptr, eps, scale,
+def new_token_rows(row, kvh, mask, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr):
+    """The new token's k (as halves, :func:`head_halves`) and v of the kv heads kvh [BLOCK_G] from the packed qkv
+    ``row`` (rows where ``mask`` is off read zeros): the loads of :func:`new_token_state`, apart so that a kernel can
+    issue them in the same round as its q row's."""
+    k1, k2 = head_halves(row, HK * G + kvh, mask, D)
+    v = tl.load(row + (HK * G + HK + kvh)[:, None] * D + tl.arange(0, D)[None, :], mask=mask[:, None], other=0.0)
+    return k1, k2, v
+
+
+@triton.jit
+def new_token_state(q, k1, k2, v_new, kvh, offs_g, gmask, slot, kw1, kw2, c, s, kc_ptr, vc_ptr, eps, scale,
                     k_scale, v_scale, HK: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
                     KV_FP8: tl.constexpr, V_IN_TILE: tl.constexpr, PAGE: tl.constexpr = 1, VT: tl.constexpr = False):
-    """The decode prologue's new token (the split that holds its position): its k (normed by k_norm's weight halves
-    kw1, kw2 and roped by the position's c, s: :func:`weight_halves`, :func:`rope_at`) and v made from the packed qkv
-    ``row``, stored at ``slot`` in the paged caches (quantized where they are FP8), and the online-softmax state (m,
-    l, acc) of the query rows ``q`` [BLOCK_G, D] started from it as the cache now holds it. kvh [BLOCK_G]: each query
-    row's kv head. One writer per kv head (its first query row); a padding row (slot < 0) writes nothing (the slot
-    test selects the mask, as in _qk_norm_rope_kernel: the interpreter wants a boolean store mask)."""
+    """The decode prologue's new token (the split that holds its position): its k (the halves k1, k2 normed by
+    k_norm's weight halves kw1, kw2 and roped by the position's c, s: :func:`weight_halves`, :func:`rope_at`) and v,
+    as :func:`new_token_rows` loaded them from the packed qkv row, stored at ``slot`` in the paged caches (quantized
+    where they are FP8), and the online-softmax state (m, l, acc) of the query rows ``q`` [BLOCK_G, D] started from it
+    as the cache now holds it. kvh [BLOCK_G]: each query row's kv head. One writer per kv head (its first query row);
+    a padding row (slot < 0) writes nothing (the slot test selects the mask, as in _qk_norm_rope_kernel: the
+    interpreter wants a boolean store mask)."""
     offs_d = tl.arange(0, D)
-    k_new = roped(row, HK * G + kvh, gmask, kw1, kw2, c, s, eps, D)
-    v_new = tl.load(row + (HK * G + HK + kvh)[:, None] * D + offs_d[None, :], mask=gmask[:, None], other=0.0)
+    k_new = norm_rope(k1, k2, kw1, kw2, c, s, eps, D)
     slot = slot.to(tl.int64)
     writer = tl.where(slot >= 0, gmask & (offs_g % G == 0), False)
     dst = slot * (HK * D) + kvh[:, None] * D + offs_d[None, :]

@@ -113,14 +113,28 @@ def rope_at(cos_ptr, sin_ptr, pos, dt: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def roped(row_ptr, heads, mask, w1, w2, c, s, eps, D: tl.constexpr):
-    """The heads `heads` [H] of one token's packed qkv row (column head * D) normed by the weight halves w1, w2 and
-    roped by c, s (:func:`weight_halves`, :func:`rope_at`), as one [H, D] tile (rows where ``mask`` is off read
-    zeros)."""
+def head_halves(row_ptr, heads, mask, D: tl.constexpr):
+    """The heads `heads` [H] of one token's packed qkv row (column head * D) as their two halves [H, D/2] each (rows
+    where ``mask`` is off read zeros): the loads of :func:`roped`, apart so that a kernel can issue them with others."""
     half = tl.arange(0, D // 2)
     base = row_ptr + heads[:, None] * D
     x1 = tl.load(base + half[None, :], mask=mask[:, None], other=0.0)
     x2 = tl.load(base + D // 2 + half[None, :], mask=mask[:, None], other=0.0)
+    return x1, x2
+
+
+@triton.jit
+def norm_rope(x1, x2, w1, w2, c, s, eps, D: tl.constexpr):
+    """Heads' halves x1, x2 (:func:`head_halves`) normed by the weight halves w1, w2 and roped by c, s
+    (:func:`weight_halves`, :func:`rope_at`), as one [H, D] tile."""
     n1, n2 = rms_norm_halves(x1, x2, w1, w2, eps, D)
     o1, o2 = rope_halves(n1, n2, c, s, x1.dtype)
     return tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), (o1.shape[0], D))
+
+
+@triton.jit
+def roped(row_ptr, heads, mask, w1, w2, c, s, eps, D: tl.constexpr):
+    """The heads `heads` [H] of one token's packed qkv row normed and roped (:func:`head_halves`, :func:`norm_rope`),
+    as one [H, D] tile (rows where ``mask`` is off read zeros)."""
+    x1, x2 = head_halves(row_ptr, heads, mask, D)
+    return norm_rope(x1, x2, w1, w2, c, s, eps, D)

@@ -12,8 +12,8 @@ import triton
 import triton.language as tl
 
 from engine import l2_prefetch, pdl
-from engine.attention.decode_tiles import (combine_splits, new_token_inputs, new_token_state, tile_rows,
-                                          tile_update, v_tile_t)
+from engine.attention.decode_tiles import (combine_splits, new_token_inputs, new_token_rows, new_token_state,
+                                          tile_rows, tile_update, v_tile_t)
 from engine.attention.triton_common import kv_scales, roped, to_f16
 from engine.attention.splits import (DECODE_BLOCK_N, DECODE_KV_PER_PROG,  # noqa: F401
                                      DECODE_NUM_WARPS, DECODE_WAVES, choose_splits,  # (tests use tk.choose_splits)
@@ -96,7 +96,8 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     before the new position was written by earlier steps, the block table and context lengths are the step's
     inputs), so at batch 1, where a split is one tile, the whole read overlaps the qkv projection's tail. So are the
     row's position and slot (step inputs), the q/k norm weights and the RoPE tables at that position: loaded before
-    the wait too, so that after it the prologue's one dependent load is the qkv row's.
+    the wait too, so that after it the prologue's one dependent load is the qkv row's: the split that holds the new
+    token issues its k and v rows' loads with its q heads' (:func:`new_token_rows`), not after its q is made.
     L2_REGIONS (with the prologue, where the reduce kernel runs; LAB_L2_PREFETCH): every program, after the wait,
     asks L2 for its share of up to four weights the layer's next kernels read (engine/l2_prefetch.py).
 
@@ -150,9 +151,13 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
                                  tl.zeros([BLOCK_G, D], tl.float32).to(out_ptr.dtype.element_ty),
                                  mask=gmask[:, None])
             return
+    g_head = tl.minimum(offs_g // G, HPP - 1)   # each query row's kv head (padding rows: the last one)
     if PROLOGUE:            # the new token (position ctx - 1) comes from the qkv row, not the cache
         row = qkv_ptr + n.to(tl.int64) * stride_qkv
-        if not PREFETCH:
+        holds_new = (ctx > 0) & (ctx - 1 >= start) & (ctx - 1 < start + split_len)     # this split holds it
+        if PREFETCH:        # its k and v rows in the q row's round: one dependent load after the wait, not two
+            k1, k2, v_new = new_token_rows(row, kvh0 + g_head, tl.where(holds_new, gmask, False), HK, G, D)
+        else:
             slot, qw1, qw2, kw1, kw2, c, s_ = new_token_inputs(pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, n,
                                                                qkv_ptr.dtype.element_ty, D)
         q = roped(row, heads, gmask, qw1, qw2, c, s_, eps, D)
@@ -163,14 +168,16 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         end = tl.minimum(ctx, start + split_len)
     if KV_FP8 and not IEEE:     # the dots in float16: e4m3 -> f16 is one conversion per pair, -> bf16 two more
         q = to_f16(q)
-    g_head = tl.minimum(offs_g // G, HPP - 1)   # each query row's kv head (padding rows: the last one)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, D], tl.float32)
     if PROLOGUE:            # the new token first (its k and v made, stored and folded in), so none of it is live
-        if (ctx > 0) & (ctx - 1 >= start) & (ctx - 1 < start + split_len):     # through the loop
-            m, l, acc = new_token_state(q, row, kvh0 + g_head, offs_g, gmask, slot, kw1, kw2, c, s_, kc_ptr, vc_ptr,
-                                        eps, scale, k_scale, v_scale, HK, G, D, BLOCK_G, KV_FP8, V_IN_TILE, PAGE, VT)
+        if holds_new:       # through the loop
+            if not PREFETCH:
+                k1, k2, v_new = new_token_rows(row, kvh0 + g_head, gmask, HK, G, D)
+            m, l, acc = new_token_state(q, k1, k2, v_new, kvh0 + g_head, offs_g, gmask, slot, kw1, kw2, c, s_, kc_ptr,
+                                        vc_ptr, eps, scale, k_scale, v_scale, HK, G, D, BLOCK_G, KV_FP8, V_IN_TILE, PAGE,
+                                        VT)
     loop_start = start
     if PREFETCH:            # the first tile, loaded before the wait
         if start < end:

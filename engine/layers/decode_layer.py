@@ -48,7 +48,8 @@ import triton.language as tl
 from engine import pdl
 from engine.attention.splits import DECODE_BLOCK_N, choose_splits, next_power_of_2
 from engine.attention.triton_common import roped
-from engine.attention.decode_tiles import combine_splits, new_token_inputs, new_token_state, tile_rows, tile_update
+from engine.attention.decode_tiles import (combine_splits, new_token_inputs, new_token_rows, new_token_state, tile_rows,
+                                          tile_update)
 from engine.layers.gemv import _load_w, _row_rstd, _x_chunk
 
 PHASES = 5
@@ -170,8 +171,9 @@ def _attention_phase(qkv_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, pos_ptr, slot_ptr
             l = tl.zeros([BLOCK_G], tl.float32)
             acc = tl.zeros([BLOCK_G, D], tl.float32)
             if (ctx - 1 >= start) & (ctx - 1 < start + split_len):     # the new token: made, stored, folded in
-                m, l, acc = new_token_state(q, qkv_ptr, kvh + g_head, offs_g, gmask, slot, kw1, kw2, c, s_, kc_ptr,
-                                            vc_ptr, eps, scale, 1.0, 1.0, HK, G, D, BLOCK_G, False, False)
+                k1, k2, v_new = new_token_rows(qkv_ptr, kvh + g_head, gmask, HK, G, D)
+                m, l, acc = new_token_state(q, k1, k2, v_new, kvh + g_head, offs_g, gmask, slot, kw1, kw2, c, s_,
+                                            kc_ptr, vc_ptr, eps, scale, 1.0, 1.0, HK, G, D, BLOCK_G, False, False)
             for kstart in range(start, end, BLOCK_N):
                 kv_off, valid = tile_rows(bt_ptr, 0, 0, kstart, end, r_pos, r_head, kvh, offs_d, PAGE, HK, D,
                                            False)

@@ -65,9 +65,9 @@ EARLY = {
 }
 
 
-def hopper_ptx(name: str, on: bool) -> str:
+def hopper_ptx(name: str, on: bool, **override) -> str:
     fn, constexprs, ptr_types = KERNELS[name]
-    constexprs = {**constexprs, "PDL": on}
+    constexprs = {**constexprs, "PDL": on, **override}
     signature = {}
     for p in fn.params:
         if p.is_constexpr:
@@ -82,17 +82,16 @@ def hopper_ptx(name: str, on: bool) -> str:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 
-def early_loads(name: str, ptx: str) -> list[tuple[str, set[str]]]:
-    """Each global load before griddepcontrol.wait with the kernel pointers its address derives from: every PTX
-    register carries the parameters it was computed from (a loaded value carries its address's, so a block table's
-    entry leads to the cache it indexes)."""
+def traced_loads(name: str, ptx: str) -> list[tuple[int, str, set[str]]]:
+    """Each global load of the kernel's body (line index, line, the kernel pointers its address derives from): every
+    PTX register carries the parameters it was computed from (a loaded value carries its address's, so a block
+    table's entry leads to the cache it indexes)."""
     fn = KERNELS[name][0]
     params = [p.name for p in fn.params if not p.is_constexpr]
     body = ptx[ptx.index(".entry"):]
-    body = body[:body.index("griddepcontrol.wait")]
     sources: dict[str, set[str]] = {}
     loads = []
-    for line in body.splitlines():
+    for i, line in enumerate(body.splitlines()):
         m = re.match(r"\s*(?:@!?%\w+\s+)?([a-z][\w.]*)\s+(.*?);", line)
         if not m:
             continue
@@ -106,13 +105,23 @@ def early_loads(name: str, ptx: str) -> list[tuple[str, set[str]]]:
             dests, addr = args.split("[", 1)
             dest_regs = re.findall(r"%[a-z]+\d+", dests)
             origin = set().union(*(sources.get(r, set()) for r in re.findall(r"%[a-z]+\d+", addr)))
-            loads.append((line.strip(), {p for p in origin if p.endswith("_ptr")}))
+            loads.append((i, line.strip(), {p for p in origin if p.endswith("_ptr")}))
             for r in dest_regs:
                 sources[r] = set(origin)
             continue
         if regs:
             sources[regs[0]] = sources.get(regs[0], set()) | set().union(*(sources.get(r, set()) for r in regs[1:]))
     return loads
+
+
+def body_lines(ptx: str) -> list[str]:
+    return ptx[ptx.index(".entry"):].splitlines()
+
+
+def early_loads(name: str, ptx: str) -> list[tuple[str, set[str]]]:
+    """Each global load before griddepcontrol.wait with the kernel pointers its address derives from."""
+    wait = next(i for i, line in enumerate(body_lines(ptx)) if "griddepcontrol.wait" in line)
+    return [(line, origin) for i, line, origin in traced_loads(name, ptx) if i < wait]
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
@@ -136,6 +145,27 @@ def test_the_small_decode_loads_the_qkv_row_only_after_the_wait():
     loaded_early = set().union(*(origin for _, origin in early_loads("decode_prologue_prefetch", late)))
     assert {"pos_ptr", "slot_ptr", "cos_ptr", "qw_ptr", "kc_ptr"} <= loaded_early
     assert "qkv_ptr" not in loaded_early
+
+
+def qkv_loads_after_first_exchange(ptx: str) -> tuple[list[str], int]:
+    """The decode prologue's qkv row loads after the wait that come after its first exchange between threads (the q
+    norm's reductions), and how many qkv row loads it has in all."""
+    lines = body_lines(ptx)
+    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+    exchange = next(i for i in range(wait, len(lines)) if re.search(r"\b(shfl\.sync|bar\.sync)", lines[i]))
+    qkv = [i for i, _, origin in traced_loads("decode_prologue_prefetch", ptx) if "qkv_ptr" in origin]
+    return [lines[i].strip() for i in qkv if i > exchange], len(qkv)
+
+
+def test_the_small_decode_loads_the_new_tokens_k_and_v_with_its_q():
+    """After the wait the small decode's one dependent round is the qkv row's: the split that holds the new token
+    issues its k and v rows' loads with its q heads', none after the q norm's first exchange between threads. The
+    wide prologue (no PREFETCH) loads them inside the new token's branch, after its q is made: the same loads, the
+    second round this test finds there."""
+    late, count = qkv_loads_after_first_exchange(hopper_ptx("decode_prologue_prefetch", True))
+    assert not late, f"qkv row loads after the prologue's first exchange (a second dependent round): {late[:2]}"
+    wide_late, wide_count = qkv_loads_after_first_exchange(hopper_ptx("decode_prologue_prefetch", True, PREFETCH=False))
+    assert wide_late and count == wide_count, (count, wide_count, len(wide_late))
 
 
 def test_no_grid_dependency_control_without_pdl():
