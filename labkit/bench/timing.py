@@ -14,7 +14,7 @@ import statistics
 def time_ms(fn, repeats: int = 20, warmups: int = 5) -> float:
     for _ in range(warmups):
         fn()
-    return _median_event_ms(fn, repeats)
+    return median_event_ms(fn, repeats)
 
 
 def graph_us(fn, calls: int = 1, replays: int = 10) -> float:
@@ -30,7 +30,7 @@ def graph_us(fn, calls: int = 1, replays: int = 10) -> float:
     return time_ms(graph.replay, repeats=replays, warmups=3) * 1e3 / calls
 
 
-def _median_event_ms(fn, repeats: int, before=None) -> float:
+def median_event_ms(fn, repeats: int, before=None) -> float:
     """The median ms between CUDA events recorded around each of `repeats` calls of fn (``before()`` first, outside
     the events)."""
     import torch
@@ -74,11 +74,11 @@ def kernel_ms(fn, repeats: int = 10, warmups: int = 2) -> float:
     launch_s = time.perf_counter() - t0              # host time to launch one call (its GPU work runs on)
     torch.cuda.synchronize()
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    spin = _spin_cycles(2 * launch_s + 50e-6)
-    return _median_event_ms(fn, repeats, before=lambda: (flush.zero_(), torch.cuda._sleep(spin)))
+    spin = spin_cycles(2 * launch_s + 50e-6)
+    return median_event_ms(fn, repeats, before=lambda: (flush.zero_(), torch.cuda._sleep(spin)))
 
 
-def _spin_cycles(seconds: float) -> int:
+def spin_cycles(seconds: float) -> int:
     """GPU clock cycles that torch.cuda._sleep spins for about `seconds` (calibrated once a process)."""
     global _CYCLES_PER_S
     if _CYCLES_PER_S is None:

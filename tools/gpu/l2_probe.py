@@ -43,6 +43,7 @@ def main() -> int:
     from engine.config import ModelShape
     from engine.layers.gemv import gemv, normed_gemv
     from labkit.assets.synth import PRESETS
+    from labkit.bench.timing import median_event_ms, spin_cycles
 
     cfg = PRESETS["qwen3-0.6b"]
     shape = ModelShape.from_hf(cfg)
@@ -57,7 +58,7 @@ def main() -> int:
     flush = torch.empty(512 * 2 ** 20, dtype=torch.int8, device=dev)
     props = torch.cuda.get_device_properties(0)
     sm = props.multi_processor_count
-    cycles = int(a.sleep_us * props.clock_rate / 1e3) if getattr(props, "clock_rate", 0) else int(a.sleep_us * 1980)
+    cycles = spin_cycles(a.sleep_us * 1e-6)
     args = l2_prefetch.launch_args((w["o"], w["gate_up"], w["down"]))
 
     def gemvs():
@@ -72,17 +73,7 @@ def main() -> int:
         torch.cuda._sleep(cycles)
 
     def timed(before, body) -> float:
-        ts = []
-        for _ in range(a.repeats):
-            flush.fill_(1)
-            before()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            body()
-            end.record()
-            torch.cuda.synchronize()
-            ts.append(start.elapsed_time(end) * 1e3)
-        return round(sorted(ts)[len(ts) // 2], 2)
+        return round(median_event_ms(body, a.repeats, before=lambda: (flush.fill_(1), before())) * 1e3, 2)
 
     def read_weights():
         for t in w.values():
@@ -95,7 +86,7 @@ def main() -> int:
     torch.cuda.synchronize()
     res = {"device": props.name, "sleep_us": a.sleep_us, "l2_mb": round(props.L2_cache_size / 1e6, 1),
            "weights_mb": round(sum(t.numel() * 2 for t in w.values()) / 1e6, 2), "repeats": a.repeats,
-           "timing": "CUDA events, median, us"}
+           "timing": "CUDA events, median (labkit.bench.timing.median_event_ms), us"}
     res["gemvs_cold"] = timed(lambda: None, gemvs)
     res["gemvs_hot"] = timed(read_weights, gemvs)
     res["sleep"] = timed(lambda: None, sleep)
