@@ -74,7 +74,8 @@
 #   tools/gpu/h200_session.sh b1      # batch-1 latency against BEFORE, alternating; tools/gpu/decode_b1.py at 1,024
 #                                     # positions (the attention's cost in a chain of the layers' GEMVs, by variant) and
 #                                     # the step budget at batch 1 x 1,024, each beside BEFORE's; batch-1 latency with 128
-#                                     # positions a tile (LAB_DECODE=block_n=128); decode_b1 at 4,000 positions
+#                                     # positions a tile (LAB_DECODE=block_n=128) and with 8 warps (LAB_DECODE=warps=8);
+#                                     # decode_b1 at 4,000 positions; ncu on the small decode's two kernels
 #   tools/gpu/h200_session.sh eightb  # batch 1 at Qwen3-8B's shapes (synthetic, bf16) against BEFORE, then its step
 #                                     # budget
 #
@@ -486,7 +487,16 @@ b1_phase() {
     step "latency-b1-bn128-$i" 40 env LAB_DECODE=block_n=128 $PY -m labkit bench --workload latency --batch 1 \
          --repeats 3 --attention triton --out "$W/runs/latency-b1-bn128-$i.json"
   done
+  for i in 1 2; do
+    step "latency-b1-warps8-$i" 40 env LAB_DECODE=warps=8 $PY -m labkit bench --workload latency --batch 1 \
+         --repeats 3 --attention triton --out "$W/runs/latency-b1-warps8-$i.json"
+  done
   step decode-b1-4000 60 $PY tools/gpu/decode_b1.py --context 4000 --out "$W/runs/decode-b1-4000.json"
+  # each kernel alone (no PDL overlap, not in a graph): registers, occupancy and waves of the split and reduce kernels
+  # (its CSV is the step's log)
+  step ncu-decode-b1 60 ncu --clock-control none --cache-control none -k 'regex:_decode_split|_decode_reduce' -c 6 \
+       --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy --csv --page details \
+       $PY tools/gpu/decode_b1.py --context 1024 --layers 2 --replays 1 --out "$W/runs/ncu-decode-b1.json"
 }
 
 eightb_phase() {
