@@ -492,10 +492,11 @@ b1_phase() {
          --repeats 3 --attention triton --out "$W/runs/latency-b1-warps8-$i.json"
   done
   step decode-b1-4000 60 $PY tools/gpu/decode_b1.py --context 4000 --out "$W/runs/decode-b1-4000.json"
-  # each kernel alone (no PDL overlap, not in a graph): registers, occupancy and waves of the split and reduce kernels
-  # (its CSV is the step's log)
+  # each kernel alone (no PDL overlap, not in a graph): registers, occupancy and waves of the split and reduce kernels,
+  # and what their warps stall on (its CSV is the step's log)
   step ncu-decode-b1 60 ncu --clock-control none --cache-control none -k 'regex:_decode_split|_decode_reduce' -c 6 \
-       --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy --csv --page details \
+       --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
+       --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio' --csv --page details \
        $PY tools/gpu/decode_b1.py --context 1024 --layers 2 --replays 1 --out "$W/runs/ncu-decode-b1.json"
 }
 
