@@ -122,11 +122,11 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
         start = tl.program_id(2) * split_len
         first_end = tl.minimum(ctx - 1, start + split_len)
         first_off, first_valid = tile_rows(bt_ptr, n, stride_bt, start, first_end, r_pos, r_head, kvh0, offs_d,
-                                            PAGE, HK, D, PAGE_TILE)
+                                           PAGE, HK, D, PAGE_TILE)
         first_k = tl.load(kc_ptr + first_off, mask=first_valid[:, None], other=0.0)
         if VT:
             first_v = v_tile_t(vc_ptr, bt_ptr, n, stride_bt, start, first_end, r_pos, r_head, kvh0, offs_d, PAGE, HK,
-                                D, BLOCK_N, PAGE_TILE, HPP)
+                               D, BLOCK_N, PAGE_TILE, HPP)
         else:
             first_v = tl.load(vc_ptr + first_off, mask=first_valid[:, None], other=0.0)
         slot, qw1, qw2, kw1, kw2, c, s_ = new_token_inputs(pos_ptr, slot_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, n,
@@ -182,19 +182,19 @@ def _decode_split_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, acc_ptr, ml_ptr
     if PREFETCH:            # the first tile, loaded before the wait
         if start < end:
             m, l, acc = tile_update(q, first_k, first_v, first_valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE,
-                                     HPP, KV_FP8, V_IN_TILE)
+                                    HPP, KV_FP8, V_IN_TILE)
         loop_start = start + BLOCK_N
     for kstart in range(loop_start, end, BLOCK_N):
         kv_off, valid = tile_rows(bt_ptr, n, stride_bt, kstart, end, r_pos, r_head, kvh0, offs_d, PAGE, HK, D,
-                                   PAGE_TILE)
+                                  PAGE_TILE)
         k = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
         if VT:
             v = v_tile_t(vc_ptr, bt_ptr, n, stride_bt, kstart, end, r_pos, r_head, kvh0, offs_d, PAGE, HK, D, BLOCK_N,
-                          PAGE_TILE, HPP)
+                         PAGE_TILE, HPP)
         else:
             v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
         m, l, acc = tile_update(q, k, v, valid, g_head, r_head, m, l, acc, scale, v_scale, IEEE, HPP, KV_FP8,
-                                 V_IN_TILE)
+                                V_IN_TILE)
     if KV_FP8 and not V_IN_TILE:
         acc = acc * v_scale                     # sum p * (v * s) = s * sum p * v: once per row
     if DIRECT:

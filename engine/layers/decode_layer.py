@@ -176,11 +176,11 @@ def _attention_phase(qkv_ptr, kc_ptr, vc_ptr, bt_ptr, ctx_ptr, pos_ptr, slot_ptr
                                             kc_ptr, vc_ptr, eps, scale, 1.0, 1.0, HK, G, D, BLOCK_G, False, False)
             for kstart in range(start, end, BLOCK_N):
                 kv_off, valid = tile_rows(bt_ptr, 0, 0, kstart, end, r_pos, r_head, kvh, offs_d, PAGE, HK, D,
-                                           False)
+                                          False)
                 k = tl.load(kc_ptr + kv_off, mask=valid[:, None], other=0.0)
                 v = tl.load(vc_ptr + kv_off, mask=valid[:, None], other=0.0)
                 m, l, acc = tile_update(q, k, v, valid, g_head, r_head, m, l, acc, scale, 1.0, IEEE, 1, False,
-                                         False)
+                                        False)
             if SPLITS == 1:
                 o = tl.where(l[:, None] > 0, acc / tl.maximum(l, 1e-30)[:, None], 0.0)
                 tl.store(out_ptr + heads[:, None] * D + offs_d[None, :], o.to(out_ptr.dtype.element_ty),
