@@ -82,16 +82,24 @@ def hopper_ptx(name: str, on: bool, **override) -> str:
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 
+def body_lines(ptx: str) -> list[str]:
+    return ptx[ptx.index(".entry"):].splitlines()
+
+
+def wait_line(lines: list[str]) -> int:
+    """The index of griddepcontrol.wait among a kernel's body lines (:func:`body_lines`)."""
+    return next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
+
+
 def traced_loads(name: str, ptx: str) -> list[tuple[int, str, set[str]]]:
     """Each global load of the kernel's body (line index, line, the kernel pointers its address derives from): every
     PTX register carries the parameters it was computed from (a loaded value carries its address's, so a block
     table's entry leads to the cache it indexes)."""
     fn = KERNELS[name][0]
     params = [p.name for p in fn.params if not p.is_constexpr]
-    body = ptx[ptx.index(".entry"):]
     sources: dict[str, set[str]] = {}
     loads = []
-    for i, line in enumerate(body.splitlines()):
+    for i, line in enumerate(body_lines(ptx)):
         m = re.match(r"\s*(?:@!?%\w+\s+)?([a-z][\w.]*)\s+(.*?);", line)
         if not m:
             continue
@@ -114,13 +122,9 @@ def traced_loads(name: str, ptx: str) -> list[tuple[int, str, set[str]]]:
     return loads
 
 
-def body_lines(ptx: str) -> list[str]:
-    return ptx[ptx.index(".entry"):].splitlines()
-
-
 def early_loads(name: str, ptx: str) -> list[tuple[str, set[str]]]:
     """Each global load before griddepcontrol.wait with the kernel pointers its address derives from."""
-    wait = next(i for i, line in enumerate(body_lines(ptx)) if "griddepcontrol.wait" in line)
+    wait = wait_line(body_lines(ptx))
     return [(line, origin) for i, line, origin in traced_loads(name, ptx) if i < wait]
 
 
@@ -151,8 +155,7 @@ def qkv_loads_after_first_exchange(ptx: str) -> tuple[list[str], int]:
     """The decode prologue's qkv row loads after the wait that come after its first exchange between threads (the q
     norm's reductions), and how many qkv row loads it has in all."""
     lines = body_lines(ptx)
-    wait = next(i for i, line in enumerate(lines) if "griddepcontrol.wait" in line)
-    exchange = next(i for i in range(wait, len(lines)) if re.search(r"\b(shfl\.sync|bar\.sync)", lines[i]))
+    exchange = next(i for i in range(wait_line(lines), len(lines)) if re.search(r"\b(shfl\.sync|bar\.sync)", lines[i]))
     qkv = [i for i, _, origin in traced_loads("decode_prologue_prefetch", ptx) if "qkv_ptr" in origin]
     return [lines[i].strip() for i in qkv if i > exchange], len(qkv)
 
