@@ -469,7 +469,8 @@ l2_phase() {
 
 b1_phase() {
   # batch 1 against BEFORE, alternating, then where the attention's time goes in each (decode_b1), the step budgets,
-  # and the 128-position tile (LAB_DECODE=block_n=128) last
+  # the 128-position tile (LAB_DECODE=block_n=128) and 8 warps (LAB_DECODE=warps=8), decode_b1 at 4,000 positions,
+  # and ncu last
   local i
   for i in 1 2; do
     step "latency-b1-$i" 40 $PY -m labkit bench --workload latency --batch 1 --repeats 3 --attention triton \
